@@ -1,0 +1,21 @@
+"""Shared fixtures. Tests import the plain implementations from tests/reference.py."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+# Keep the two cores of a CI machine for the test that is running, not for oversubscribed threads.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A seeded generator: tests compare distributions, not samples, and never depend on global RNG."""
+    return torch.Generator().manual_seed(1234)
