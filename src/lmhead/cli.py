@@ -18,7 +18,7 @@ class CLIError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse prints usage + message; we print one line
-        raise CLIError(f"{self.prog}: {message}")
+        raise CLIError(f"{self.prog}: error: {message}")
 
 
 def _print_json(obj: object) -> None:
@@ -71,9 +71,23 @@ def _run_params(args: argparse.Namespace) -> None:
     if args.json:
         _print_json({**counts.to_dict(), "memory": {"logits": logits.to_dict(), "head_weight": weight.to_dict()}})
         return
-    from lmhead._display import print_params
+    from rich.console import Console
+    from rich.table import Table
 
-    print_params(counts, logits, weight)
+    table = Table(title=f"{args.arch} parameters ({'tied' if counts.tied else 'untied'} head)")
+    table.add_column("component")
+    table.add_column("parameters", justify="right")
+    table.add_column("share", justify="right")
+    for name, count, share in counts.components():
+        table.add_row(name.replace("_", " "), f"{count:,}", f"{share:.1%}")
+    table.add_row("[bold]total[/bold]", f"[bold]{counts.total:,}[/bold]", "100.0%")
+    console = Console()
+    console.print(table)
+    console.print(f"The head uses {counts.head_share:.1%} of the parameters"
+                  + (" (its weight is the token embedding)." if counts.tied else "."))
+    console.print(f"LM head weight {list(weight.shape)} {weight.dtype}: {weight.human}")
+    console.print(f"Logits {list(logits.shape)} {logits.dtype}: {logits.human}"
+                  " (and as much again for their gradient in training)")
 
 
 # --- commands added by later issues register here ----------------------------------------------------------
@@ -105,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         args.run(args)
     except CLIError as exc:
-        print(f"lmhead: error: {exc}".replace("lmhead: error: lmhead", "lmhead"), file=sys.stderr)
+        print(exc, file=sys.stderr)
         return 2
     except (ValueError, TypeError) as exc:
         print(f"lmhead: error: {exc}", file=sys.stderr)
