@@ -1,0 +1,1088 @@
+"""Vocabulary-parallel LM head, loss and sampling on torch.distributed (Megatron-style).
+
+The head's weight [V,D] is split by rows over the ranks of a process group: rank r holds the rows
+[start_r, end_r) and computes only its slice of the logits [.., V_r]. Nothing of size V ever crosses the
+network:
+
+    hidden [N,D] (replicated) ──local matmul──▶ local logits [N,V_r]
+    loss:     all-reduce MAX of the local row maxima [N]        ─┐ two small collectives per call,
+              all-reduce SUM of [target logit ‖ sum-exp ‖ Σz]   ─┘ O(N) numbers each; backward is local,
+              dHidden needs one all-reduce SUM (hidden is replicated: the column-parallel input gradient)
+    sampling: local top-k candidates (values + global ids) and the local log-sum-exp
+              ──one all_gather──▶ every rank runs the same pipeline and the same seeded draw → same token
+
+Layout: the rows are split as `torch.tensor_split(weight, world_size)` splits them — the first V mod W ranks
+hold one row more (`vocab_range`). V need not be divisible by the world size; no padding rows.
+
+Safety: every public function starts with one small all_gather of metadata (operation, V, D, N, options, a
+checksum of the targets, this rank's row count, and whether this rank's own input checks failed). Ranks that
+disagree — on V, on D, on the shard they hold, on the options, on the targets — raise a ValueError on *every*
+rank, before the first real collective, instead of one rank raising and the others waiting forever.
+A rank that does not call at all cannot be detected this way: the process group's `timeout` bounds that wait
+(`init_distributed(timeout=...)` or `torch.distributed.init_process_group(..., timeout=timedelta(...))`).
+
+Backends: gloo on CPU, NCCL on GPUs (tensors on `cuda:local_rank`, `torch.cuda.set_device(local_rank)` first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+import struct
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lmhead import sampling as _sampling
+from lmhead.loss import default_chunk_size
+
+__all__ = [
+    "VocabParallelEmbedding",
+    "VocabParallelLMHead",
+    "gather_vocab_parallel_logits",
+    "init_distributed",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_linear_cross_entropy",
+    "vocab_parallel_probabilities",
+    "vocab_parallel_sample",
+    "vocab_range",
+]
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+# --- process group and layout ------------------------------------------------------------------------------
+
+
+def init_distributed(backend: str | None = None, timeout: float = 60.0) -> tuple[int, int]:
+    """Initialise the default process group from torchrun's environment; return (rank, world_size).
+
+    backend None picks "nccl" when CUDA is available (and calls `torch.cuda.set_device(LOCAL_RANK)`), else
+    "gloo". `timeout` (seconds) bounds every collective: a rank that never arrives makes the others raise
+    after this long instead of hanging. Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (set by torchrun).
+    """
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this build of torch")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _check_group(group: Any) -> tuple[int, int]:
+    """(rank in group, group size); a clear error when torch.distributed is not set up."""
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this build of torch")
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call lmhead.init_distributed() or "
+            "torch.distributed.init_process_group('gloo' (CPU) or 'nccl' (GPU), timeout=timedelta(seconds=60)) "
+            "on every rank first (torchrun sets the environment)"
+        )
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("group: this process is not a member of the given process group")
+    return rank, dist.get_world_size(group)
+
+
+def vocab_range(vocab_size: int, rank: int | None = None, world_size: int | None = None,
+                group: Any = None) -> tuple[int, int]:
+    """The rows [start, end) of the [V,D] head weight that `rank` holds out of `world_size` ranks.
+
+    Split as `torch.tensor_split(torch.arange(V), world_size)`: the first V mod W ranks hold one row more, so
+    no shard is empty (V ≥ W required) and none differs from another by more than one row. rank and
+    world_size default to this process's place in `group` (the default group when None).
+    """
+    if rank is None or world_size is None:
+        g_rank, g_world = _check_group(group)
+        rank = g_rank if rank is None else rank
+        world_size = g_world if world_size is None else world_size
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
+        raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if vocab_size < world_size:
+        raise ValueError(f"vocab_size must be >= world_size ({world_size}) so that no shard is empty, "
+                         f"got {vocab_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    base, extra = divmod(vocab_size, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def _comm_device(group: Any, fallback: torch.device) -> torch.device:
+    """NCCL moves CUDA tensors only; gloo takes the inputs' device (CPU)."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return fallback
+
+
+def _encode(value: Any) -> int:
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return struct.unpack("<q", struct.pack("<d", value))[0]
+    return zlib.crc32(repr(value).encode())
+
+
+def _targets_checksum(targets: Tensor) -> int:
+    """Cheap fingerprint of replicated targets: ranks fed different batches disagree here."""
+    t = targets.reshape(-1).to(torch.int64)
+    if t.numel() == 0:
+        return 0
+    weights = torch.arange(1, t.numel() + 1, device=t.device, dtype=torch.int64) % 1_000_003
+    return int(((t % 1_000_003) * weights).sum().item() % (2**61 - 1))
+
+
+def _agree(group: Any, op: str, shared: dict[str, Any], width: int, error: str | None,
+           device: torch.device) -> list[int]:
+    """One small all_gather of metadata before any real collective; return every rank's local row count.
+
+    `shared` values must be equal on all ranks (V, D, N, options, targets checksum); `width` is this rank's
+    number of vocabulary rows; `error` is this rank's own input error, if any. Every rank sees the same
+    gathered table, so every rank raises (the same kind of error) or none does — never a hang.
+    """
+    rank, world = _check_group(group)
+    keys = sorted(shared)
+    row = [zlib.crc32(op.encode()), 0 if error is None else 1, width] + [_encode(shared[k]) for k in keys]
+    row = row + [0] * (32 - len(row))
+    if len(row) > 32:
+        raise AssertionError("too many metadata fields")
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    table = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(table, mine, group=group)
+    rows = [t.tolist() for t in table]
+    if error is not None:
+        raise ValueError(error)
+    bad = [r for r in range(world) if rows[r][1]]
+    if bad:
+        raise ValueError(f"{op}: rank(s) {bad} rejected their input (see the error on those ranks)")
+    if any(r[0] != rows[0][0] for r in rows):
+        raise ValueError(f"{op}: the ranks called different operations at the same time (rank {rank} called {op})")
+    for i, key in enumerate(keys):
+        values = [r[3 + i] for r in rows]
+        if len(set(values)) > 1:
+            mine_v = shared[key]
+            shown = values if isinstance(mine_v, int) and not isinstance(mine_v, bool) else "differ"
+            raise ValueError(f"{op}: ranks disagree on {key} (rank {rank} has {mine_v!r}; all ranks: {shown}); "
+                             "every rank must pass the same value")
+    return [r[2] for r in rows]
+
+
+def _layout(op: str, widths: list[int], vocab_size: int | None, rank: int) -> tuple[int, int, int]:
+    """(start, end, V) for this rank from the gathered widths; checks them against `vocab_range`."""
+    total = sum(widths)
+    if vocab_size is not None:
+        world = len(widths)
+        expected = [(lambda s: s[1] - s[0])(vocab_range(vocab_size, r, world)) for r in range(world)] \
+            if vocab_size >= world else None
+        if expected != widths:
+            raise ValueError(
+                f"{op}: mismatched shards: the ranks hold {widths} vocabulary rows (total {total}) but "
+                f"vocab_size={vocab_size} over {world} ranks needs {expected} (see lmhead.vocab_range)")
+    start = sum(widths[:rank])
+    return start, start + widths[rank], total
+
+
+# --- autograd helpers (Megatron's f and g operators) -------------------------------------------------------
+
+
+class _CopyToVocabParallel(torch.autograd.Function):
+    """Identity forward; all-reduce SUM of the gradient in backward (hidden is replicated, each rank's
+    slice of the logits contributes its part of dHidden)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromVocabParallel(torch.autograd.Function):
+    """All-reduce SUM forward (each rank looked up only its own rows); identity backward, because everything
+    after it is replicated and every rank back-propagates the same gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+# --- loss ---------------------------------------------------------------------------------------------------
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_loss_options(ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
+                        softcap: float | None) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not (0.0 <= label_smoothing <= 1.0):
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not (z_loss >= 0.0 and math.isfinite(z_loss)):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
+    if softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
+
+
+def _check_targets(targets: Tensor, n: int, vocab_size: int | None, ignore_index: int) -> None:
+    if not isinstance(targets, Tensor) or targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError("targets must be an int64 (or int32) tensor of token ids")
+    if targets.numel() != n:
+        raise ValueError(f"targets must have one id per row: expected {n} ids, got shape {tuple(targets.shape)}")
+    if vocab_size is not None and n:
+        valid = targets[targets != ignore_index]
+        if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab_size):
+            raise ValueError(f"targets must be in [0, {vocab_size}) or ignore_index={ignore_index}, "
+                             f"got values in [{int(valid.min())}, {int(valid.max())}]")
+
+
+def _softcapped(x: Tensor, softcap: float | None) -> Tensor:
+    return x if softcap is None else torch.tanh(x / softcap) * softcap
+
+
+def _local_stats(z: Tensor, local_t: Tensor, has_t: Tensor, smoothing: bool,
+                 inplace: bool = False) -> tuple[Tensor, ...]:
+    """Per row of a local logits block z [n,V_r]: local max, Σexp(z - local max), target logit (0 where the
+    target lives on another rank) and Σz (for label smoothing). inplace: z is a scratch chunk (overwritten)."""
+    m = z.max(dim=-1).values
+    t = z.gather(1, local_t[:, None]).squeeze(1) * has_t
+    zs = z.sum(dim=-1) if smoothing else torch.zeros_like(m)
+    s = (z.sub_(m[:, None]) if inplace else z - m[:, None]).exp_().sum(dim=-1)
+    return m, s, t, zs
+
+
+def _global_lse(m: Tensor, s: Tensor, t: Tensor, zs: Tensor, group: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """The two collectives: MAX of the local maxima, then one SUM of [target logit ‖ sum-exp ‖ Σz]."""
+    g_max = m.clone()
+    dist.all_reduce(g_max, op=dist.ReduceOp.MAX, group=group)
+    packed = torch.stack([t, s * torch.exp(m - g_max), zs])
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    t, s, zs = packed
+    return g_max + torch.log(s), t, zs
+
+
+def _row_losses(lse: Tensor, t: Tensor, zs: Tensor, vocab_size: int, label_smoothing: float,
+                z_loss: float) -> Tensor:
+    """loss = lse - (1-ε)·z_target - ε·mean_V(z) + z_loss·lse², with the *global* V and mean (Megatron#737)."""
+    loss = lse - (1.0 - label_smoothing) * t
+    if label_smoothing:
+        loss = loss - (label_smoothing / vocab_size) * zs
+    if z_loss:
+        loss = loss + z_loss * lse * lse
+    return loss
+
+
+def _grad_logits(z: Tensor, lse: Tensor, g: Tensor, local_t: Tensor, has_t: Tensor, vocab_size: int,
+                 label_smoothing: float, z_loss: float, softcap: float | None, inplace: bool = False) -> Tensor:
+    """d loss / d raw local logits for a block: g·[p·(1 + 2·z_loss·lse) - (1-ε)·onehot - ε/V]·softcap'.
+    inplace: z is a scratch chunk and becomes dz (only without softcap, whose derivative needs z)."""
+    scale = g * (1.0 + 2.0 * z_loss * lse) if z_loss else g
+    scratch = inplace and softcap is None
+    dz = (z.sub_(lse[:, None]) if scratch else z - lse[:, None]).exp_().mul_(scale[:, None])
+    rows = torch.arange(z.shape[0], device=z.device)
+    dz[rows, local_t] -= (1.0 - label_smoothing) * g * has_t
+    if label_smoothing:
+        dz -= (label_smoothing / vocab_size) * g[:, None]
+    if softcap is not None:
+        dz *= 1.0 - (z / softcap) ** 2  # d/dx c·tanh(x/c) = 1 - tanh² = 1 - (z/c)²
+    return dz
+
+
+def _reduce(per_row: Tensor, valid: Tensor | None, n_total: int, reduction: str) -> Tensor:
+    """per_row [n_valid] -> mean / sum / none [n_total] (ignored rows 0). mean over zero rows is 0."""
+    if reduction == "none":
+        if valid is None:
+            return per_row
+        out = per_row.new_zeros(n_total)
+        return out.index_put((valid,), per_row)
+    total = per_row.sum()
+    if reduction == "mean":
+        return total / max(per_row.numel(), 1)
+    return total
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Cross-entropy on local logits [n,V_r] (valid rows only); returns per-row losses [n]."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, local_t: Tensor, has_t: Tensor, vocab_size: int,
+                label_smoothing: float, z_loss: float, softcap: float | None, group: Any) -> Tensor:
+        cdt = _compute_dtype(logits.dtype)
+        z = _softcapped(logits.to(cdt), softcap)
+        m, s, t, zs = _local_stats(z, local_t, has_t.to(cdt), bool(label_smoothing))
+        lse, t, zs = _global_lse(m, s, t, zs, group)
+        ctx.save_for_backward(logits, local_t, has_t, lse)
+        ctx.opts = (vocab_size, label_smoothing, z_loss, softcap)
+        return _row_losses(lse, t, zs, vocab_size, label_smoothing, z_loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        logits, local_t, has_t, lse = ctx.saved_tensors
+        vocab_size, label_smoothing, z_loss, softcap = ctx.opts
+        z = _softcapped(logits.to(lse.dtype), softcap)
+        dz = _grad_logits(z, lse, grad.to(lse.dtype), local_t, has_t.to(lse.dtype), vocab_size,
+                          label_smoothing, z_loss, softcap)
+        return dz.to(logits.dtype), None, None, None, None, None, None, None
+
+
+def _prepare_targets(targets: Tensor, ignore_index: int, start: int, end: int
+                     ) -> tuple[Tensor | None, Tensor, Tensor, Tensor]:
+    """(indices of non-ignored rows or None when all are kept, their local target index, 'target is mine')."""
+    flat = targets.reshape(-1).to(torch.int64)
+    keep = flat != ignore_index
+    valid = None if bool(keep.all()) else keep.nonzero().squeeze(1)
+    kept = flat if valid is None else flat[valid]
+    has_t = (kept >= start) & (kept < end)
+    local_t = torch.where(has_t, kept - start, torch.zeros_like(kept))
+    return valid, kept, local_t, has_t
+
+
+def vocab_parallel_cross_entropy(
+    local_logits: Tensor,
+    targets: Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    vocab_size: int | None = None,
+    group: Any = None,
+) -> Tensor:
+    """Cross-entropy of logits split by vocabulary over the ranks of `group`; equals
+    `F.cross_entropy(full_logits, targets, ...)` (+ z_loss·lse²) on the gathered logits.
+
+    local_logits [N,V_r] or [B,T,V_r]: this rank's columns [start, end) of the logits (any float dtype;
+    computed in float32, float64 stays float64); targets [N] / [B,T] global ids (replicated on every rank).
+    Pipeline: softcap c·tanh(x/c) → all-reduce MAX of row maxima → all-reduce SUM of [target logit ‖
+    sum-exp ‖ Σz] → loss = lse - (1-ε)·z_t - ε·Σz/V + z_loss·lse². Label smoothing uses the global V and the
+    global mean of the logits. Rows with target == ignore_index count for nothing; `mean` divides by the
+    number of other rows and is 0 (with zero gradients) when every row is ignored. Backward is local.
+    vocab_size, if given, must equal the sum of the shards and match `vocab_range`. Collective: every rank
+    of the group must call it with the same targets and options.
+    """
+    rank, _ = _check_group(group)
+    error = None
+    try:
+        if not isinstance(local_logits, Tensor) or not local_logits.is_floating_point():
+            raise TypeError("local_logits must be a floating-point tensor [N,V_local] or [B,T,V_local]")
+        if local_logits.dim() not in (2, 3):
+            raise ValueError(f"local_logits must be [N,V_local] or [B,T,V_local], got shape "
+                             f"{tuple(local_logits.shape)}")
+        _check_loss_options(ignore_index, reduction, label_smoothing, z_loss, softcap)
+        n = local_logits.numel() // max(local_logits.shape[-1], 1)
+        _check_targets(targets, n, vocab_size, ignore_index)
+    except (TypeError, ValueError) as exc:
+        if not isinstance(local_logits, Tensor):
+            raise
+        error = str(exc)
+    width = local_logits.shape[-1] if isinstance(local_logits, Tensor) else 0
+    shared = {"rows": local_logits.numel() // max(width, 1), "ignore_index": ignore_index,
+              "reduction": reduction, "label_smoothing": float(label_smoothing), "z_loss": float(z_loss),
+              "softcap": softcap, "targets": _targets_checksum(targets) if error is None else 0,
+              "dtype": str(local_logits.dtype)}
+    widths = _agree(group, "vocab_parallel_cross_entropy", shared, width, error, local_logits.device)
+    start, end, vocab = _layout("vocab_parallel_cross_entropy", widths, vocab_size, rank)
+    if vocab_size is None:
+        _check_targets(targets, shared["rows"], vocab, ignore_index)  # same result on every rank
+
+    logits2d = local_logits.reshape(-1, width)
+    valid, _, local_t, has_t = _prepare_targets(targets, ignore_index, start, end)
+    rows = logits2d if valid is None else logits2d.index_select(0, valid)
+    if rows.shape[0] == 0:
+        per_row = rows.sum(dim=-1).to(_compute_dtype(rows.dtype))  # empty, still attached to the graph
+    else:
+        per_row = _VocabParallelCE.apply(rows, local_t, has_t, vocab, float(label_smoothing), float(z_loss),
+                                         softcap, group)
+    out = _reduce(per_row, valid, logits2d.shape[0], reduction)
+    if reduction == "none":
+        out = out.reshape(local_logits.shape[:-1])
+    return out
+
+
+def _chunk_rows(n: int, width: int, chunk_size: int | None) -> int:
+    """Rows per chunk: `chunk_size`, or loss.py's `default_chunk_size` for this rank's V_r (a float32 [c,V_r]
+    block ≤ min(256 MiB, 1/16 of [n,V_r]), c a multiple of 32) — the single-process loss's rule per shard."""
+    if chunk_size is not None:
+        return max(1, min(chunk_size, max(n, 1)))
+    return default_chunk_size(max(n, 1), width)
+
+
+class _VocabParallelLinearCE(torch.autograd.Function):
+    """Fused projection + cross-entropy on one vocabulary shard, chunked over rows: never [n,V_r] at once.
+
+    Forward keeps per row only (local max, sum-exp, target logit, Σz), then the two collectives; backward
+    recomputes each chunk's logits, forms dz, and accumulates dW_r / db_r locally (fp32 for half inputs);
+    dHidden is all-reduced (summed over the shards) because hidden is replicated.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, local_t: Tensor, has_t: Tensor,
+                vocab_size: int, label_smoothing: float, z_loss: float, softcap: float | None, chunk: int,
+                group: Any) -> Tensor:
+        cdt = _compute_dtype(weight.dtype)
+        n = hidden.shape[0]
+        has_f = has_t.to(cdt)
+        stats = [torch.empty(n, dtype=cdt, device=hidden.device) for _ in range(4)]
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            z = _chunk_logits(hidden[a:b], weight, bias, softcap, cdt)
+            chunk_stats = _local_stats(z, local_t[a:b], has_f[a:b], bool(label_smoothing), inplace=True)
+            for dst, src in zip(stats, chunk_stats, strict=True):
+                dst[a:b] = src
+            del z
+        lse, t, zs = _global_lse(*stats, group)
+        ctx.save_for_backward(hidden, weight, bias, local_t, has_t, lse)
+        ctx.opts = (vocab_size, label_smoothing, z_loss, softcap, chunk, group)
+        return _row_losses(lse, t, zs, vocab_size, label_smoothing, z_loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        hidden, weight, bias, local_t, has_t, lse = ctx.saved_tensors
+        vocab_size, label_smoothing, z_loss, softcap, chunk, group = ctx.opts
+        cdt = lse.dtype
+        n = hidden.shape[0]
+        grad = grad.to(cdt)
+        has_f = has_t.to(cdt)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        d_hidden = torch.empty(n, hidden.shape[1], dtype=cdt, device=hidden.device) if need_h else None
+        d_weight = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if need_w else None
+        d_bias = torch.zeros(weight.shape[0], dtype=cdt, device=weight.device) if need_b and bias is not None \
+            else None
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            z = _chunk_logits(hidden[a:b], weight, bias, softcap, cdt)
+            dz = _grad_logits(z, lse[a:b], grad[a:b], local_t[a:b], has_f[a:b], vocab_size,
+                              label_smoothing, z_loss, softcap, inplace=True)
+            del z
+            if d_hidden is not None:  # the matmul in the weight's dtype, the result kept in cdt
+                d_hidden[a:b] = (dz.to(weight.dtype) @ weight).to(cdt)
+            if d_weight is not None:  # accumulated in place in cdt (fp32 for 16-bit weights): no [V_r,D] temporary
+                d_weight.addmm_(dz.t(), hidden[a:b].to(cdt))
+            if d_bias is not None:
+                d_bias += dz.sum(dim=0)
+        if d_hidden is not None:
+            dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=group)
+            d_hidden = d_hidden.to(hidden.dtype)
+        if d_weight is not None:
+            d_weight = d_weight.to(weight.dtype)
+        if d_bias is not None:
+            d_bias = d_bias.to(bias.dtype)
+        return (d_hidden, d_weight, d_bias) + (None,) * 8
+
+
+def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None,
+                  cdt: torch.dtype) -> Tensor:
+    """A fresh [c,V_r] block of logits in cdt (bias and softcap applied in place)."""
+    z = (h.to(weight.dtype) @ weight.t()).to(cdt)
+    if bias is not None:
+        z += bias.to(cdt)
+    return z if softcap is None else z.div_(softcap).tanh_().mul_(softcap)
+
+
+def vocab_parallel_linear_cross_entropy(
+    hidden: Tensor,
+    local_weight: Tensor,
+    targets: Tensor,
+    local_bias: Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    shift: bool = False,
+    chunk_size: int | None = None,
+    vocab_size: int | None = None,
+    group: Any = None,
+) -> Tensor:
+    """Fused, chunked `linear_cross_entropy` with the head's weight split by vocabulary rows over `group`.
+
+    hidden [N,D] or [B,T,D] (replicated on every rank), local_weight [V_r,D] = rows [start,end) of W,
+    local_bias [V_r] or None, targets [N] / [B,T] global ids (replicated). Equals
+    `linear_cross_entropy(hidden, W, targets, ...)` on the full weight. Ignored rows are dropped before the
+    projection; the rest go through the shard in chunks of `chunk_size` rows (None: loss.py's
+    `default_chunk_size` for [n, V_r]: a float32 chunk ≤ min(256 MiB, 1/16 of [n,V_r])), so [N,V_r] never
+    exists at once. Collectives: one
+    metadata all_gather, one MAX and one SUM all-reduce of O(N) numbers in forward; one SUM all-reduce of
+    dHidden [N,D] in backward (every rank's shard contributes to the replicated hidden's gradient — Megatron's
+    column-parallel input gradient). dW and db stay local. bf16/fp16: matmuls in the weight's dtype,
+    statistics, dW and the loss in float32. shift=True predicts token t+1 from position t ([B,T] inputs).
+    """
+    rank, _ = _check_group(group)
+    error = None
+    try:
+        if not isinstance(hidden, Tensor) or not hidden.is_floating_point():
+            raise TypeError("hidden must be a floating-point tensor [N,D] or [B,T,D]")
+        if not isinstance(local_weight, Tensor) or local_weight.dim() != 2:
+            raise ValueError("local_weight must be a 2-D tensor [V_local, D]")
+        if hidden.dim() not in (2, 3) or hidden.shape[-1] != local_weight.shape[1]:
+            raise ValueError(f"hidden must be [N,D] or [B,T,D] with D = local_weight.shape[1] = "
+                             f"{local_weight.shape[1]}, got shape {tuple(hidden.shape)}")
+        if local_bias is not None and tuple(local_bias.shape) != (local_weight.shape[0],):
+            raise ValueError(f"local_bias must be [V_local] = [{local_weight.shape[0]}], got "
+                             f"{tuple(local_bias.shape)}")
+        if shift and hidden.dim() != 3:
+            raise ValueError("shift=True needs hidden [B,T,D] and targets [B,T]")
+        if hidden.device != local_weight.device:
+            raise ValueError(f"hidden ({hidden.device}) and local_weight ({local_weight.device}) must be on the "
+                             "same device")
+        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
+            raise ValueError(f"chunk_size must be None or an int > 0, got {chunk_size!r}")
+        _check_loss_options(ignore_index, reduction, label_smoothing, z_loss, softcap)
+        if shift:
+            if tuple(targets.shape) != tuple(hidden.shape[:2]):
+                raise ValueError(f"targets must be [B,T] = {tuple(hidden.shape[:2])} with shift=True, got "
+                                 f"{tuple(targets.shape)}")
+            hidden, targets = hidden[:, :-1], targets[:, 1:]
+        n = hidden.numel() // hidden.shape[-1]
+        _check_targets(targets, n, vocab_size, ignore_index)
+    except (TypeError, ValueError) as exc:
+        if not isinstance(local_weight, Tensor) or not isinstance(hidden, Tensor):
+            raise
+        error = str(exc)
+    width = local_weight.shape[0] if local_weight.dim() == 2 else 0
+    d_model = local_weight.shape[-1] if local_weight.dim() else 0
+    n = hidden.numel() // max(hidden.shape[-1], 1) if hidden.dim() else 0
+    shared = {"rows": n, "d_model": d_model, "ignore_index": ignore_index, "reduction": reduction,
+              "label_smoothing": float(label_smoothing), "z_loss": float(z_loss), "softcap": softcap,
+              "bias": local_bias is not None, "shift": bool(shift), "dtype": str(local_weight.dtype),
+              "targets": _targets_checksum(targets) if error is None else 0}
+    op = "vocab_parallel_linear_cross_entropy"
+    widths = _agree(group, op, shared, width, error, hidden.device)
+    start, end, vocab = _layout(op, widths, vocab_size, rank)
+    if vocab_size is None:
+        _check_targets(targets, n, vocab, ignore_index)
+
+    h2d = hidden.reshape(n, d_model)  # a copy only when shift made it non-contiguous
+    valid, _, local_t, has_t = _prepare_targets(targets, ignore_index, start, end)
+    rows = h2d if valid is None else h2d.index_select(0, valid)
+    cdt = _compute_dtype(local_weight.dtype)
+    if rows.shape[0] == 0:
+        # every target ignored: loss 0, and zero (not missing) gradients for hidden, weight and bias
+        anchor = local_weight.sum() * 0 + (local_bias.sum() * 0 if local_bias is not None else 0)
+        per_row = (rows.sum(dim=-1) + anchor).to(cdt)
+    else:
+        chunk = _chunk_rows(rows.shape[0], width, chunk_size)
+        per_row = _VocabParallelLinearCE.apply(rows, local_weight, local_bias, local_t, has_t, vocab,
+                                               float(label_smoothing), float(z_loss), softcap, chunk, group)
+    out = _reduce(per_row, valid, n, reduction)
+    if reduction == "none":
+        out = out.reshape(targets.shape)
+    return out
+
+
+# --- modules ------------------------------------------------------------------------------------------------
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with its [V,D] table split by rows like the head (Megatron's VocabParallelEmbedding).
+
+    Each rank looks up the ids in its range [start, end), writes zeros for the others, and one all-reduce SUM
+    gives every rank the full embeddings [B,T,D] (backward: identity — each rank's rows get their gradient).
+    Tie a `VocabParallelLMHead` to it with `tie_to=` (the same Parameter, the same rows).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: Any = None,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        rank, world = _check_group(group)
+        if not isinstance(embedding_dim, int) or embedding_dim < 1:
+            raise ValueError(f"embedding_dim must be an int >= 1, got {embedding_dim!r}")
+        self.group = group
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.vocab_start, self.vocab_end = vocab_range(num_embeddings, rank, world)
+        self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, embedding_dim,
+                                               dtype=dtype, device=device))
+        nn.init.normal_(self.weight)
+        _agree(group, "VocabParallelEmbedding", {"vocab_size": num_embeddings, "d_model": embedding_dim},
+               self.weight.shape[0], None, _comm_device(group, self.weight.device))
+
+    @classmethod
+    def from_weight(cls, weight: Tensor, group: Any = None) -> VocabParallelEmbedding:
+        """Build from the full [V,D] table (same on every rank): each rank keeps a copy of its own rows."""
+        if not isinstance(weight, Tensor) or weight.dim() != 2:
+            raise ValueError("weight must be the full [V,D] embedding table")
+        emb = cls(weight.shape[0], weight.shape[1], group=group, dtype=weight.dtype, device=weight.device)
+        with torch.no_grad():
+            emb.weight.copy_(weight[emb.vocab_start:emb.vocab_end])
+        return emb
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """ids [...] global token ids -> embeddings [..., D] (identical on every rank)."""
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"ids must be int64/int32 token ids, got {ids.dtype}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise ValueError(f"ids must be in [0, {self.num_embeddings}), got values in "
+                             f"[{int(ids.min())}, {int(ids.max())}]")
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = torch.where(outside, torch.zeros_like(ids), ids - self.vocab_start)
+        out = nn.functional.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
+        return _ReduceFromVocabParallel.apply(out, self.group)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, rows=[{self.vocab_start}, {self.vocab_end})")
+
+
+class VocabParallelLMHead(nn.Module):
+    """The LM head with its [V,D] weight split by vocabulary rows over the ranks of `group`.
+
+    `.weight` [V_r,D] holds rows [vocab_start, vocab_end) (see `vocab_range`), `.bias` [V_r] or None.
+    forward(hidden [B,T,D]) -> this rank's logits [B,T',V_r] in float32 (T' = logits_to_keep or T); their
+    backward all-reduces dHidden. `.loss()` is the fused vocab-parallel loss, `.sample()` picks the next token
+    (the same on every rank), `gather_vocab_parallel_logits` assembles [.., V] when you really need it.
+    Construction is collective: ranks disagreeing on V, D, bias or softcap raise on every rank.
+    """
+
+    def __init__(self, d_model: int, vocab_size: int, bias: bool = False,
+                 tie_to: VocabParallelEmbedding | None = None, softcap: float | None = None,
+                 group: Any = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        rank, world = _check_group(group)
+        error = None
+        if not isinstance(d_model, int) or d_model < 1:
+            error = f"d_model must be an int >= 1, got {d_model!r}"
+        elif not isinstance(vocab_size, int) or vocab_size < world:
+            error = f"vocab_size must be an int >= world_size ({world}), got {vocab_size!r}"
+        elif softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
+            error = f"softcap must be None or a finite number > 0, got {softcap}"
+        elif tie_to is not None and (not isinstance(tie_to, VocabParallelEmbedding)
+                                     or (tie_to.num_embeddings, tie_to.embedding_dim) != (vocab_size, d_model)):
+            error = (f"tie_to must be a VocabParallelEmbedding of [{vocab_size}, {d_model}], got "
+                     f"{tie_to!r}")
+        self.group = group
+        self.d_model, self.vocab_size, self.softcap = d_model, vocab_size, softcap
+        self.vocab_start, self.vocab_end = vocab_range(vocab_size, rank, world) if error is None else (0, 0)
+        width = self.vocab_end - self.vocab_start
+        if tie_to is not None and error is None:
+            self.weight = tie_to.weight  # the same Parameter: gradients of head and embedding add up
+            if tie_to.group is not group:
+                error = "tie_to: the embedding must be split over the same process group"
+        elif error is None:
+            self.weight = nn.Parameter(torch.empty(width, d_model, dtype=dtype, device=device))
+            nn.init.normal_(self.weight, std=d_model ** -0.5)
+        self.bias = nn.Parameter(torch.zeros(width, dtype=dtype, device=device)) if bias and error is None \
+            else None
+        fallback = self.weight.device if error is None else torch.device(device or "cpu")
+        _agree(group, "VocabParallelLMHead", {"vocab_size": vocab_size, "d_model": d_model, "bias": bool(bias),
+                                              "softcap": softcap, "tied": tie_to is not None},
+               width, error, _comm_device(group, fallback))
+
+    @classmethod
+    def from_weight(cls, weight: Tensor, bias: Tensor | None = None, softcap: float | None = None,
+                    group: Any = None) -> VocabParallelLMHead:
+        """Build from the full [V,D] weight (and [V] bias), the same on every rank: each rank keeps a copy of
+        its rows [start, end) so the full tensor can be freed. For tests and for loading a checkpoint."""
+        if not isinstance(weight, Tensor) or weight.dim() != 2:
+            raise ValueError("weight must be the full [V,D] head weight")
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
+        head = cls(weight.shape[1], weight.shape[0], bias=bias is not None, softcap=softcap, group=group,
+                   dtype=weight.dtype, device=weight.device)
+        with torch.no_grad():
+            head.weight.copy_(weight[head.vocab_start:head.vocab_end])
+            if bias is not None:
+                head.bias.copy_(bias[head.vocab_start:head.vocab_end])
+        return head
+
+    def forward(self, hidden: Tensor, logits_to_keep: int = 0) -> Tensor:
+        """hidden [B,T,D] (or [N,D]) -> this rank's logits [B,T',V_r] float32 (softcap applied)."""
+        if not isinstance(hidden, Tensor) or hidden.shape[-1] != self.d_model:
+            raise ValueError(f"hidden must be [..., {self.d_model}], got "
+                             f"{tuple(hidden.shape) if isinstance(hidden, Tensor) else type(hidden).__name__}")
+        if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
+        if logits_to_keep and hidden.dim() == 3:
+            hidden = hidden[:, -logits_to_keep:]
+        hidden = _CopyToVocabParallel.apply(hidden, self.group)
+        logits = nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias).float()
+        return _softcapped(logits, self.softcap)
+
+    def loss(self, hidden: Tensor, targets: Tensor, **kwargs: Any) -> Tensor:
+        """`vocab_parallel_linear_cross_entropy` with this head's weight shard, bias and softcap."""
+        return vocab_parallel_linear_cross_entropy(hidden, self.weight, targets, self.bias,
+                                                   softcap=self.softcap, vocab_size=self.vocab_size,
+                                                   group=self.group, **kwargs)
+
+    def sample(self, hidden: Tensor, config: Any = None, **kwargs: Any) -> Tensor:
+        """Next token ids [B] from hidden [B,D] or [B,T,D] (last position): `vocab_parallel_sample` on this
+        rank's logits. Every rank returns the same ids."""
+        if hidden.dim() == 3:
+            hidden = hidden[:, -1]
+        with torch.no_grad():
+            local = self.forward(hidden)
+        return vocab_parallel_sample(local, config, vocab_size=self.vocab_size, group=self.group, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, vocab_size={self.vocab_size}, rows=[{self.vocab_start}, "
+                f"{self.vocab_end}), bias={self.bias is not None}, softcap={self.softcap}")
+
+
+def gather_vocab_parallel_logits(local_logits: Tensor, group: Any = None) -> Tensor:
+    """All-gather the shards [..., V_r] into the full logits [..., V] on every rank (O(V) traffic: for
+    checks and display, not for the loss or sampling). Not differentiable."""
+    rank, world = _check_group(group)
+    width = local_logits.shape[-1]
+    widths = _agree(group, "gather_vocab_parallel_logits", {"shape": str(tuple(local_logits.shape[:-1])),
+                                                            "dtype": str(local_logits.dtype)},
+                    width, None, local_logits.device)
+    biggest = max(widths)
+    padded = local_logits.new_zeros(*local_logits.shape[:-1], biggest)
+    padded[..., :width] = local_logits.detach()
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([p[..., :w] for p, w in zip(parts, widths, strict=True)], dim=-1)
+
+
+# --- sampling -----------------------------------------------------------------------------------------------
+#
+# The pipeline of lmhead.sampling (steps 1-8), with the vocabulary split over the ranks:
+#   1-2  bias, bans and penalties are per-token: each rank applies them to its own columns (global ids
+#        translated to local ones) with sampling's own step functions.
+#   one all_gather of, per row: the local top-K candidates (processed logits + global ids), the local max and
+#        the local sum-exp at the row's temperature → the global max and log-normaliser on every rank.
+#   3-8  by the row's settings, every rank then runs the same code on the same gathered numbers:
+#        greedy or top-k   the candidates, in global-id order, are a row that holds every token the cut can
+#                          keep: sampling.sample / probabilities run on it unchanged (same seeded draw).
+#        top-p, no top-k   sampling's growing windows (256, then 1024) over the *global* top-w tokens, with the
+#                          global normaliser; the wider window costs one more all_gather. Rows whose top-p set
+#                          is wider still (sampling then cuts the whole row by a histogram select) are gathered
+#                          whole: the exact fallback.
+#        no cut / min-p    every token can be drawn: sampling's whole-row draw (inverse CDF over blocks of 1024
+#                          tokens, one uniform per row) runs on the shards — one all-reduce of the block masses
+#                          [B, V/1024], one of the chosen block's [B, 1024] values; nothing of size V is sent.
+
+
+def _cut_only(c: _sampling.SamplingConfig) -> _sampling.SamplingConfig:
+    """The config for steps 3-8 only: bias, bans and penalties have been applied on the shards already."""
+    return dataclasses.replace(c, logit_bias=None, banned_tokens=(), repetition_penalty=1.0,
+                               presence_penalty=0.0, frequency_penalty=0.0)
+
+
+def _generator_fingerprint(generator: torch.Generator | None) -> int:
+    state = (generator if generator is not None else torch.default_generator).get_state()
+    return zlib.crc32(state.cpu().numpy().tobytes())
+
+
+def _local_steps_1_2(x: Tensor, cfgs: list[_sampling.SamplingConfig], prev: Tensor | None, plen: Tensor,
+                     start: int, end: int, vocab: int) -> Tensor:
+    """Steps 1-2 on this rank's columns [B,V_r] → float32. Ids of other ranks' tokens in prev_tokens go to
+    one extra scratch column (not to padding: presence/frequency count positions to find the prompt's end)."""
+    for c in cfgs:
+        for name, ids in (("logit_bias", list(c.logit_bias or ())), ("banned_tokens", list(c.banned_tokens))):
+            if ids and max(ids) >= vocab:
+                raise ValueError(f"{name}: token id {max(ids)} is outside the vocabulary [0, {vocab})")
+    xf = x.float()
+    has_pen = prev is not None and any(c.has_penalties for c in cfgs)
+    if not (has_pen or any(c.logit_bias or c.banned_tokens for c in cfgs)):
+        return xf
+    width = end - start
+    local = [_sampling.SamplingConfig(
+        repetition_penalty=c.repetition_penalty, presence_penalty=c.presence_penalty,
+        frequency_penalty=c.frequency_penalty,
+        logit_bias={i - start: v for i, v in (c.logit_bias or {}).items() if start <= i < end} or None,
+        banned_tokens=tuple(i - start for i in c.banned_tokens if start <= i < end)) for c in cfgs]
+    local_prev = None
+    if prev is not None:
+        mine = (prev >= start) & (prev < end)
+        local_prev = torch.where(prev < 0, -1, torch.where(mine, prev - start, width))
+    ext = torch.cat([xf, xf.new_zeros(xf.shape[0], 1)], dim=1)
+    out, _, _ = _sampling._preprocess(ext, local, local_prev, plen)
+    return out[:, :width]
+
+
+def _gather_rows(t: Tensor, group: Any) -> Tensor:
+    """all_gather of equal-shaped [b, m] → [W, b, m]."""
+    _, world = _check_group(group)
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.stack(parts)
+
+
+def _local_top(x: Tensor, k: int, start: int, greedy: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Local top-k (values, global ids) [b,k] float64, padded with (-inf, -1) where V_r < k. Greedy rows
+    carry only their argmax (torch's first maximum: the lowest id among ties, as on the full row)."""
+    b, width = x.shape
+    v, i = torch.topk(x, min(k, width), dim=-1)
+    vals = torch.full((b, k), -math.inf, dtype=torch.float64, device=x.device)
+    ids = torch.full((b, k), -1.0, dtype=torch.float64, device=x.device)
+    vals[:, : v.shape[1]] = v.double()
+    ids[:, : v.shape[1]] = (i + start).double()
+    if greedy is not None and bool(greedy.any()):
+        m, a = x.max(dim=-1)
+        g = greedy.nonzero().squeeze(1)
+        vals[g] = -math.inf
+        ids[g] = -1.0
+        vals[g, 0] = m[g].double()
+        ids[g, 0] = (a[g] + start).double()
+    return vals, ids
+
+
+def _candidate_rows(vals: Tensor, ids: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
+    """Gathered candidates [W,b,K] → one row per batch row in global-id order [b, W·K + 1] (float32 values,
+    long ids); padding sorts last and one extra -inf column lets sampling's top-k look one past k."""
+    b = vals.shape[1]
+    v = vals.permute(1, 0, 2).reshape(b, -1)
+    i = ids.permute(1, 0, 2).reshape(b, -1)
+    pad = torch.arange(i.shape[1], device=i.device, dtype=i.dtype).expand_as(i) + vocab
+    i = torch.where(i < 0, pad, i)
+    order = i.argsort(dim=-1)
+    v, i = v.gather(1, order), i.gather(1, order)
+    v = torch.cat([v, v.new_full((b, 1), -math.inf)], dim=1)
+    i = torch.cat([i, i.new_full((b, 1), 2 * vocab + i.shape[1])], dim=1)
+    return v.float(), i.long()
+
+
+def _draw_whole_rows(vals: Tensor, top: Tensor, u: Tensor, start: int, vocab: int, group: Any) -> Tensor:
+    """sampling's whole-row draw (inverse CDF in two levels: a block of _BLOCK tokens by its mass, then the
+    token inside it) over rows whose columns are split across the ranks. vals [b,V_r] = logits / T (-inf cut),
+    top [b] the global max of vals, u [b,1] sampling's uniforms. Two all-reduces: the block masses
+    [b, V/_BLOCK] (each rank fills the blocks it holds) and the chosen block's [b,_BLOCK] values."""
+    block = _sampling._BLOCK
+    b, width = vals.shape
+    e = torch.exp(vals - top[:, None])  # [b,V_r]
+    first = start // block
+    offset = start - first * block
+    n_local = -(-(offset + width) // block)
+    buf = e.new_zeros(b, n_local * block)
+    buf[:, offset:offset + width] = e
+    sums = e.new_zeros(b, -(-vocab // block))
+    sums[:, first:first + n_local] = buf.view(b, n_local, block).sum(-1)  # whole blocks: sampling's exact sums
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    cdf = sums.cumsum(dim=-1, dtype=torch.float64)
+    u = u * cdf[:, -1:]
+    blk = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)
+    rest = u - torch.where(blk > 0, cdf.gather(1, (blk - 1).clamp_min(0)), torch.zeros_like(u))
+    cols = blk * block + torch.arange(block, device=vals.device)
+    mine = (cols >= start) & (cols < start + width)
+    inside = torch.where(mine, e.gather(1, (cols - start).clamp(0, width - 1)), torch.zeros_like(e[:, :1]))
+    dist.all_reduce(inside, op=dist.ReduceOp.SUM, group=group)  # every column is owned by exactly one rank
+    within = inside.cumsum(dim=-1, dtype=torch.float64)
+    pick = torch.searchsorted(within, rest, right=True)
+    last = torch.where(inside > 0, torch.arange(block, device=vals.device), -1).amax(dim=-1, keepdim=True)
+    pick = torch.where(pick >= block, last, torch.minimum(pick, last))
+    return cols.gather(1, pick).squeeze(1)
+
+
+def _vp_pipeline(op: str, local_logits: Tensor, config: Any, generator: torch.Generator | None,
+                 prev_tokens: Any, prompt_len: Any, step: Any, vocab_size: int | None, group: Any,
+                 want: str) -> Tensor:
+    """Shared body of vocab_parallel_sample (want="ids") and vocab_parallel_probabilities (want="probs")."""
+    rank, world = _check_group(group)
+    error = None
+    batch, one_row, cfgs, prev, plen, steps = 0, False, [], None, None, [0]
+    try:
+        if not isinstance(local_logits, Tensor) or not local_logits.is_floating_point():
+            raise TypeError("local_logits must be a floating tensor [B, V_local] or [V_local]")
+        if local_logits.dim() not in (1, 2) or local_logits.shape[-1] == 0:
+            raise ValueError(f"local_logits must have shape [B, V_local] or [V_local] with V_local ≥ 1, got "
+                             f"{tuple(local_logits.shape)}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        one_row = local_logits.dim() == 1
+        batch = 1 if one_row else local_logits.shape[0]
+        configs = _sampling._configs(config, batch)
+        cfgs = [configs] * batch if isinstance(configs, _sampling.SamplingConfig) else configs
+        if prev_tokens is not None:  # ids checked against V once V is known
+            prev = _sampling._prev_tensor(prev_tokens, batch, 2**62, local_logits.device, one_row)
+        plen = _sampling._per_row_ints(prompt_len, batch, "prompt_len", local_logits.device)
+        if any(c.seed is not None for c in cfgs):
+            steps = _sampling._per_row_ints(step, batch, "step", torch.device("cpu")).tolist()
+    except (TypeError, ValueError) as exc:
+        if not isinstance(local_logits, Tensor):
+            raise
+        error = str(exc)
+    unseeded = any(c.seed is None and not c.is_greedy for c in cfgs)
+    shared = {"batch": batch, "config": repr(cfgs), "prompt_len": repr(plen.tolist() if plen is not None else 0),
+              "prev": _targets_checksum(prev) if prev is not None else -1, "step": repr(steps),
+              "generator": _generator_fingerprint(generator) if unseeded and error is None else 0,
+              "want": want}
+    widths = _agree(group, op, shared, local_logits.shape[-1], error, local_logits.device)
+    start, end, vocab = _layout(op, widths, vocab_size, rank)
+    if prev is not None and prev.numel() and int(prev.max()) >= vocab:
+        raise ValueError(f"prev_tokens must hold token ids in [0, {vocab}) or -1 (padding)")
+
+    x = _local_steps_1_2(local_logits.reshape(batch, -1), cfgs, prev, plen, start, end, vocab)
+    dev = x.device
+    greedy = torch.tensor([c.is_greedy for c in cfgs], device=dev)
+    temps = torch.tensor([1.0 if c.is_greedy else c.temperature for c in cfgs], device=dev)
+    kind = ["top" if c.is_greedy or 0 < c.top_k < vocab else "window" if c.top_p < 1.0 else "race" for c in cfgs]
+    window0 = min(_sampling._WINDOW_START, vocab)
+    k = max([1] + [1 if c.is_greedy else c.top_k for c, w in zip(cfgs, kind, strict=True) if w == "top"]
+            + [window0 for w in kind if w == "window"])
+
+    # the one all_gather: local candidates, local max, local sum-exp at each row's temperature
+    lmax = x.amax(dim=-1)
+    finite = torch.isfinite(lmax)
+    safe_max = torch.where(finite, lmax, torch.zeros_like(lmax))
+    lsum = torch.exp((x - safe_max[:, None]) / temps[:, None]).sum(dim=-1) * finite
+    vals, ids = _local_top(x, k, start, greedy)
+    got = _gather_rows(torch.cat([vals, ids, lmax.double()[:, None], lsum.double()[:, None]], dim=1), group)
+    c_vals, c_ids = got[:, :, :k], got[:, :, k:2 * k]
+    g_lmax, g_lsum = got[:, :, 2 * k], got[:, :, 2 * k + 1]
+    gmax = g_lmax.amax(dim=0)
+    _sampling._check_top(gmax, "local_logits")  # NaN, +inf, all -inf: the same error on every rank
+    t64 = temps.double()
+    scaled = torch.exp((torch.where(torch.isfinite(g_lmax), g_lmax, -math.inf) - gmax) / t64)
+    top_t = (gmax.float() / temps).double()  # max(x / T)
+    norm = (scaled * g_lsum).sum(dim=0)  # Σ_V exp(x/T − top_t), float64, the same on every rank
+    log_z = (top_t + torch.log(norm)).float()  # log Σ_V exp(x/T)
+
+    ids_out = torch.empty(batch, dtype=torch.long, device=dev)
+    probs_out = torch.zeros_like(x) if want == "probs" else None
+
+    def put_probs(rows: list[int], p: Tensor, token_ids: Tensor) -> None:  # [b,m] over global ids → my cols
+        mine = (token_ids >= start) & (token_ids < end)
+        for j, r in enumerate(rows):
+            probs_out[r, token_ids[j][mine[j]] - start] = p[j][mine[j]]
+
+    top_rows = [r for r in range(batch) if kind[r] == "top"]
+    if top_rows:
+        syn_v, syn_i = _candidate_rows(c_vals[:, top_rows], c_ids[:, top_rows], vocab)
+        sub = [_cut_only(cfgs[r]) for r in top_rows]
+        if want == "ids":
+            pick = _sampling.sample(syn_v, sub, generator, step=[steps[r] if len(steps) > 1 else steps[0]
+                                                                 for r in top_rows])
+            ids_out[top_rows] = syn_i.gather(1, pick[:, None]).squeeze(1)
+        else:
+            put_probs(top_rows, _sampling.probabilities(syn_v, sub), syn_i)
+
+    win_rows = [r for r in range(batch) if kind[r] == "window"]
+    w = window0
+    n_windows = 0
+    while win_rows:
+        n_windows += 1
+        if w * _sampling._WINDOW_MAX_FRACTION > vocab or n_windows > _sampling._WINDOWS:
+            # one process would now cut the whole row (histogram select): gather these rows whole (exact)
+            full = gather_vocab_parallel_logits(x[win_rows], group)
+            sub = [_cut_only(cfgs[r]) for r in win_rows]
+            if want == "ids":
+                ids_out[win_rows] = _sampling.sample(full, sub, generator,
+                                                     step=[steps[r] if len(steps) > 1 else steps[0]
+                                                           for r in win_rows])
+            else:
+                put_probs(win_rows, _sampling.probabilities(full, sub)[:, start:end],
+                          torch.arange(start, end, device=dev).expand(len(win_rows), -1))
+            break
+        if w == window0:
+            wv, wi = c_vals[:, win_rows], c_ids[:, win_rows]
+        else:
+            more = _local_top(x[win_rows], w, start)
+            wv, wi = (g[:, :, :w] for g in (_gather_rows(torch.cat(more, dim=1), group).split(w, dim=2)))
+        b = len(win_rows)
+        v, pos = torch.topk(wv.permute(1, 0, 2).reshape(b, -1), w, dim=-1)  # the global top-w, descending
+        tok = wi.permute(1, 0, 2).reshape(b, -1).gather(1, pos).long()
+        t = temps[win_rows][:, None]
+        v = v.float() / t
+        p = torch.exp(v.double() - top_t[win_rows][:, None]) / norm[win_rows][:, None]  # float64, full row
+        above = (p * (v > v[:, -1:])).sum(dim=-1)
+        rest = []
+        for j, r in enumerate(win_rows):
+            c = cfgs[r]
+            if float(above[j]) < c.top_p + _sampling._WINDOW_MARGIN:
+                rest.append(r)
+                continue
+            cut = _sampling._top_p_sorted(v[j:j + 1], c.top_p, p[j:j + 1])
+            if c.min_p > 0:
+                cut = _sampling._min_p_sorted(cut, c.min_p)
+            if want == "probs":
+                put_probs([r], torch.softmax(cut, dim=-1), tok[j:j + 1])
+            elif c.seed is not None:  # sampling's seeded draw: the window's tokens in id order
+                order = tok[j].argsort()
+                g = torch.Generator(device=dev).manual_seed(_sampling._mix_seed(c.seed, steps[r]))
+                pick = _sampling._race(torch.softmax(cut[0, order], dim=-1).unsqueeze(0), g)
+                ids_out[r] = tok[j, order][pick[0]]
+            else:
+                ids_out[r] = tok[j][_sampling._race(torch.softmax(cut, dim=-1), generator)[0]]
+        win_rows = rest
+        w *= _sampling._WINDOW_GROWTH
+
+    race_rows = [r for r in range(batch) if kind[r] == "race"]
+    if race_rows:
+        xt = x[race_rows] / temps[race_rows][:, None]
+        p = torch.exp(xt - log_z[race_rows][:, None])  # this rank's share of softmax over the full row
+        top_p_ = torch.exp(gmax[race_rows].float() / temps[race_rows] - log_z[race_rows])
+        min_p = torch.tensor([cfgs[r].min_p for r in race_rows], device=dev)
+        p = torch.where(p < min_p[:, None] * top_p_[:, None], torch.zeros_like(p), p)  # min-p (HF's rule)
+        if want == "probs":
+            kept = p.sum(dim=-1)
+            dist.all_reduce(kept, op=dist.ReduceOp.SUM, group=group)
+            probs_out[race_rows] = p / kept[:, None]
+        else:
+            vals = torch.where(p > 0, xt, torch.full_like(xt, -math.inf))  # min-p's cut tokens at -inf
+            top = gmax[race_rows].float() / temps[race_rows]  # = max(x / T) bit for bit
+            uniforms = torch.empty(len(race_rows), 1, dtype=torch.float64, device=dev)
+            unseeded_rows = [j for j, r in enumerate(race_rows) if cfgs[r].seed is None]
+            if unseeded_rows:  # one [b,1] draw for the group, as sampling does
+                uniforms[unseeded_rows] = torch.rand(len(unseeded_rows), 1, dtype=torch.float64, device=dev,
+                                                     generator=generator)
+            for j, r in enumerate(race_rows):
+                if cfgs[r].seed is not None:
+                    g = torch.Generator(device=dev).manual_seed(_sampling._mix_seed(cfgs[r].seed, steps[r]))
+                    uniforms[j] = torch.rand(1, 1, dtype=torch.float64, device=dev, generator=g)[0]
+            ids_out[race_rows] = _draw_whole_rows(vals, top, uniforms, start, vocab, group)
+
+    if want == "probs":
+        return probs_out[0] if one_row else probs_out
+    return ids_out[0] if one_row else ids_out
+
+
+def vocab_parallel_sample(local_logits: Tensor, config: Any = None, generator: torch.Generator | None = None,
+                          prev_tokens: Any = None, prompt_len: int | Sequence[int] = 0,
+                          step: int | Sequence[int] = 0, *, vocab_size: int | None = None,
+                          group: Any = None) -> Tensor:
+    """`lmhead.sample` on logits split by vocabulary: [B,V_r] (this rank's columns) → [B] global ids, the same
+    on every rank and, for the same seed, the same ids as `sample` on the full [B,V] logits.
+
+    Arguments as `sample` (config: one SamplingConfig or one per row; prev_tokens / prompt_len / step in
+    global ids and positions, identical on every rank). Communication per call: one metadata all_gather, one
+    all_gather of each rank's top-K candidates + local max + local sum-exp ([B, 2K+2] numbers; K = top_k,
+    1 for greedy, 256 for top-p without top-k), plus: for rows without a cut (or with min-p only) two
+    all-reduces ([B, V/1024] block masses, then [B, 1024]); for top-p without top-k one more all_gather if
+    the 256-token window is not enough, and the rows' whole logits if 1024 tokens are not either (as
+    `sample` then leaves its windows, so does this function). Greedy = the global argmax
+    (ties → the lowest global id, as torch.argmax on the full row). Unseeded sampled rows draw from
+    `generator` (or torch's default generator), which must be in the same state on every rank — checked."""
+    return _vp_pipeline("vocab_parallel_sample", local_logits, config, generator, prev_tokens, prompt_len,
+                        step, vocab_size, group, "ids")
+
+
+def vocab_parallel_probabilities(local_logits: Tensor, config: Any = None, prev_tokens: Any = None,
+                                 prompt_len: int | Sequence[int] = 0, *, vocab_size: int | None = None,
+                                 group: Any = None) -> Tensor:
+    """`lmhead.probabilities` on logits split by vocabulary: [B,V_r] → this rank's columns [B,V_r] of the
+    full-vocabulary distribution after the pipeline (concatenated over the ranks, rows sum to 1). Same
+    collectives as `vocab_parallel_sample`, with an all-reduce of the kept mass instead of the race."""
+    return _vp_pipeline("vocab_parallel_probabilities", local_logits, config, None, prev_tokens, prompt_len,
+                        0, vocab_size, group, "probs")
