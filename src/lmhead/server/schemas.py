@@ -1,0 +1,153 @@
+"""Request and response bodies of the server's JSON API (pydantic).
+
+Every request model forbids unknown fields (`extra="forbid"`): a misspelt option is a 422, never silently
+ignored. Bounds that do not depend on the model (max_tokens, top_logprobs ≤ 20, sampling ranges) are checked
+here; bounds that need the tokenizer (prompt length in tokens) are checked by the app (400).
+
+Two families:
+* `/api/*` — the explainer page's own API (predict, step, generate, layers, score, model, params).
+* `/v1/*`  — OpenAI-compatible completions and chat completions, with `top_k`, `min_p` and
+  `repetition_penalty` as extensions (as vLLM and llama.cpp's server accept them).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Bounds (also reported by GET /api/model so the page and clients can see them).
+MAX_PROMPT_CHARS = 20_000  # checked before tokenizing, so a huge body costs nothing
+MAX_PROMPT_TOKENS = 1024
+MAX_NEW_TOKENS = 256
+MAX_CANDIDATES = 1000  # the page asks for the top 200 by default
+MAX_TOP_LOGPROBS = 20
+MAX_STOP = 4
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingFields(_Request):
+    """The logits pipeline's settings, in HF order: temperature → top-k → top-p → min-p."""
+
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy (argmax)")
+    top_k: int = Field(0, ge=0, description="0 = off")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="1 = off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="0 = off")
+
+
+# --- /api ---------------------------------------------------------------------------------------------------
+
+
+class PredictRequest(SamplingFields):
+    """POST /api/predict: the next-token candidates of a prompt, raw (T=1) and after the pipeline."""
+
+    prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS)
+    top: int = Field(200, ge=1, le=MAX_CANDIDATES, description="how many candidates to return (by logit)")
+
+
+class StepRequest(SamplingFields):
+    """POST /api/step: choose one next token with the current settings and append it to the prompt."""
+
+    prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="same seed and step → same token")
+    step: int = Field(0, ge=0, le=1_000_000, description="index of this step in a seeded run")
+
+
+class GenerateRequest(StepRequest):
+    """POST /api/generate: several steps, streamed as server-sent events."""
+
+    max_tokens: int = Field(16, ge=1, le=MAX_NEW_TOKENS)
+
+
+class LayersRequest(_Request):
+    """POST /api/layers: the logit lens at the last position."""
+
+    prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS)
+    top: int = Field(5, ge=1, le=MAX_TOP_LOGPROBS)
+
+
+class ScoreRequest(_Request):
+    """POST /api/score: every token of a text with its log-probability and rank, and the perplexity."""
+
+    text: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS)
+
+
+class StepResponse(BaseModel):
+    token_id: int
+    text: str
+    prompt: str = Field(..., description="the prompt with the chosen token's text appended")
+    probability: float = Field(..., description="the token's probability after the pipeline")
+    raw_probability: float | None = Field(None, description="its probability at T=1 with no cuts")
+    rank: int | None = Field(None, description="1 = the most likely token (raw logits)")
+    finish_reason: str | None = None
+    seed: int | None = None
+    step: int = 0
+
+
+# --- /v1 (OpenAI-compatible) --------------------------------------------------------------------------------
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _OpenAIRequest(_Request):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions (vLLM, llama.cpp server)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+
+class CompletionRequest(_OpenAIRequest):
+    prompt: str | list[str] = Field(..., description="one prompt (a list of one is accepted)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_NEW_TOKENS)
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatRequest(_OpenAIRequest):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+
+
+def openai_error(message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -1,0 +1,265 @@
+"""The explainer page in a real browser: Playwright driving Debian's Chromium headless.
+
+One server per module (a tiny random model, fast); one smoke test on the real SmolLM2 (marked `model`) that also
+takes docs/screenshot.png for the README. Needs /usr/bin/chromium (`apt-get install -y chromium`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+from test_server_harness import ServerThread, real_model, tiny_served_model
+
+from lmhead.server import create_app
+
+CHROMIUM = "/usr/bin/chromium"
+SCREENSHOT = Path(__file__).parents[1] / "docs" / "screenshot.png"
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is missing: apt-get install -y chromium"),
+]
+LABELS = ("Prompt", "Temperature", "Top-k", "Top-p", "Min-p", "Seed")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerThread(create_app(tiny_served_model())) as s:
+        yield s
+
+
+@pytest.fixture
+def page(browser, server):
+    ctx = browser.new_context(viewport={"width": 1200, "height": 1000})
+    pg = ctx.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.goto(server.url + "/")
+    pg.wait_for_selector("body[data-ready='1']")
+    yield pg
+    ctx.close()
+    assert not errors, errors
+
+
+def submit(page, prompt: str = "The cat sat on the") -> None:
+    page.get_by_label("Prompt", exact=True).fill(prompt)
+    page.get_by_role("button", name="Show candidates").click()
+    page.wait_for_selector("#stage tbody tr")
+
+
+def slide(page, label: str, value: float) -> None:
+    page.get_by_label(label, exact=True).fill(str(value))  # sets the range input and fires input + change
+
+
+def top_bar(page) -> float:
+    return float(page.locator("#stage tbody tr[data-rank='1'] td.prob").get_attribute("data-p"))
+
+
+def entropy(page) -> float:
+    return float(page.locator("#entropy").get_attribute("data-value"))
+
+
+def test_every_control_has_its_accessible_label(page):
+    for label in LABELS:
+        assert page.get_by_label(label, exact=True).count() == 1, label
+
+
+def test_submitting_a_prompt_shows_token_chips_and_candidates(page, server):
+    submit(page)
+    chips = page.locator("#chips .chip")
+    ids = httpx.post(server.url + "/api/predict", json={"prompt": "The cat sat on the", "top": 1}).json()
+    assert chips.count() == len(ids["prompt_tokens"])
+    assert chips.nth(1).get_attribute("title") == f"id {ids['prompt_tokens'][1]['token_id']}"
+    assert "·" in "".join(chips.all_inner_texts())  # spaces made visible
+    assert page.locator("#stage tbody tr").count() == 20
+    first = page.locator("#stage tbody tr[data-rank='1']")
+    assert "%" in first.locator("td.prob").inner_text()
+    assert first.locator("td.tok .chip").get_attribute("data-id") == str(ids["candidates"][0]["token_id"])
+
+
+def test_lower_temperature_grows_the_top_bar_and_lowers_the_entropy(page):
+    submit(page)
+    slide(page, "Temperature", 1.0)
+    p1, h1 = top_bar(page), entropy(page)
+    slide(page, "Temperature", 0.5)
+    p05, h05 = top_bar(page), entropy(page)
+    assert p05 > p1 and h05 < h1
+    slide(page, "Temperature", 0)
+    assert top_bar(page) == 1.0 and entropy(page) == 0.0
+    assert page.locator("#stage tbody tr.kept").count() == 1
+
+
+def test_top_k_one_leaves_one_token(page):
+    submit(page)
+    slide(page, "Top-k", 1)
+    assert page.locator("#stage tbody tr.kept").count() == 1
+    assert page.locator("#stage tbody tr.cut").count() == 19
+    assert page.locator("#kept-count").inner_text() == "1"
+    assert top_bar(page) == 1.0
+
+
+def test_top_p_marks_the_row_where_the_mass_crosses_p(page):
+    submit(page)
+    slide(page, "Top-p", 0.5)
+    cross = page.locator("#stage tbody tr.cross")
+    assert cross.count() == 1
+    rank = int(cross.get_attribute("data-rank"))
+    assert page.locator("#stage tbody tr.kept").count() == rank  # kept rows end at the crossing row
+    assert "p = 0.50" in cross.inner_text()
+
+
+def test_the_pages_numbers_equal_the_servers(page, server):
+    """The sliders recompute in the browser; the server computes over the full vocabulary: same numbers."""
+    submit(page)
+    settings = {"temperature": 0.7, "top_k": 12, "top_p": 0.8, "min_p": 0.05}
+    slide(page, "Temperature", 0.7)
+    slide(page, "Top-k", 12)
+    slide(page, "Top-p", 0.8)
+    slide(page, "Min-p", 0.05)
+    shown = [float(x) for x in page.locator("#stage tbody td.prob").evaluate_all("els => els.map(e => e.dataset.p)")]
+    want = httpx.post(server.url + "/api/predict", json={"prompt": "The cat sat on the", "top": 20, **settings}).json()
+    for got, cand in zip(shown, want["candidates"], strict=True):
+        assert got == pytest.approx(cand["probability"], rel=1e-4, abs=1e-7)
+    assert entropy(page) == pytest.approx(want["entropy"]["processed"], rel=1e-4, abs=1e-6)
+    assert "exact" in page.locator("#exactness").inner_text()
+
+
+def test_next_token_grows_the_prompt_and_says_why(page):
+    submit(page)
+    before = page.get_by_label("Prompt", exact=True).input_value()
+    chips_before = page.locator("#chips .chip").count()
+    page.get_by_label("Seed", exact=True).fill("7")
+    page.get_by_role("button", name="Next token").click()
+    page.wait_for_selector("#chosen .pick")
+    page.wait_for_function(f"document.querySelectorAll('#chips .chip').length > {chips_before}")
+    after = page.get_by_label("Prompt", exact=True).input_value()
+    assert after.startswith(before) and len(after) >= len(before)
+    assert "rank" in page.locator("#chosen .pick").last.inner_text()
+
+
+def test_generate_streams_several_tokens(page):
+    submit(page)
+    chips_before = page.locator("#chips .chip").count()
+    page.locator("#steps").fill("4")
+    page.get_by_label("Temperature", exact=True).fill("0")
+    page.get_by_role("button", name="Generate").click()
+    page.wait_for_function(f"document.querySelectorAll('#chips .chip').length >= {chips_before + 1}")
+    page.wait_for_function("!document.querySelector('#generate').disabled")
+    assert page.locator("#chosen .pick").count() >= 1
+
+
+def test_keyboard_alone_submits_and_switches_tabs(page):
+    page.get_by_label("Prompt", exact=True).focus()
+    page.keyboard.press("Control+a")
+    page.keyboard.type("Hello world")
+    page.keyboard.press("Control+Enter")
+    page.wait_for_selector("#stage tbody tr")
+    page.get_by_role("tab", name="Next token").focus()
+    page.keyboard.press("ArrowRight")
+    assert page.get_by_role("tab", name="Score a text").get_attribute("aria-selected") == "true"
+    assert page.locator("#panel-score").is_visible() and not page.locator("#panel-next").is_visible()
+
+
+def test_arrow_keys_move_a_slider_and_the_numbers_follow(page):
+    submit(page)
+    h1 = entropy(page)
+    temperature = page.get_by_label("Temperature", exact=True)
+    temperature.focus()
+    for _ in range(4):
+        page.keyboard.press("ArrowLeft")
+    assert temperature.input_value() == "0.8"
+    assert page.locator("#temperature-out").inner_text() == "0.80"
+    assert entropy(page) < h1
+
+
+def test_layers_panel_shows_a_row_per_layer(page):
+    submit(page)
+    page.locator("#layers-panel summary").click()
+    page.wait_for_selector("#layers table tbody tr")
+    assert page.locator("#layers table tbody tr").count() == 3  # embeddings + 2 blocks
+
+
+def test_score_tab_colours_tokens_by_rank_and_shows_perplexity(page):
+    page.get_by_role("tab", name="Score a text").click()
+    page.get_by_label("Text", exact=True).fill("The cat sat on the mat.")
+    page.get_by_role("button", name="Score").click()
+    page.wait_for_selector("#score-out .tok")
+    tokens = page.locator("#score-out .tok")
+    assert tokens.count() >= 5
+    classes = tokens.evaluate_all("els => els.map(e => e.className)")
+    assert all(any(k in c for k in ("r1", "r10", "r100", "rmore", "first")) for c in classes)
+    assert "%" in tokens.nth(2).get_attribute("title")
+    assert "Perplexity" in page.locator("#score-summary").inner_text()
+
+
+def test_parameter_panel_compares_with_gpt2_small(page):
+    page.get_by_role("tab", name="Parameters").click()
+    page.wait_for_selector("#params-out table")
+    text = page.locator("#params-out").inner_text()
+    assert "124,439,808" in text and "token embedding" in text and "%" in text
+
+
+def test_phone_width_has_no_sideways_scroll_and_keeps_the_controls(browser, server):
+    ctx = browser.new_context(viewport={"width": 375, "height": 800}, is_mobile=True, has_touch=True)
+    pg = ctx.new_page()
+    pg.goto(server.url + "/")
+    pg.wait_for_selector("body[data-ready='1']")
+    submit(pg)
+    width = pg.evaluate("document.documentElement.scrollWidth")
+    assert width <= 375, f"the page is {width}px wide at a 375px viewport"
+    for label in LABELS:
+        box = pg.get_by_label(label, exact=True).bounding_box()
+        assert box and box["x"] >= 0 and box["x"] + box["width"] <= 375, label
+    assert pg.locator("#stage tbody tr").count() == 20
+    ctx.close()
+
+
+@pytest.mark.model
+def test_real_model_page_and_screenshot(browser):
+    """SmolLM2-135M end to end in the browser; saves docs/screenshot.png (the README shows it)."""
+    model = real_model("smollm2-135m")
+    with ServerThread(create_app(model)) as s:
+        ctx = browser.new_context(viewport={"width": 1200, "height": 1400})
+        pg = ctx.new_page()
+        pg.set_default_timeout(180_000)  # a forward pass of the real model on a busy 2-core machine
+        pg.goto(s.url + "/")
+        pg.wait_for_selector("body[data-ready='1']")
+        submit(pg, "The cat sat on the")
+        # T = 1.5 with nothing cut: the flattened tail matters and only the server knows it exactly
+        slide(pg, "Temperature", 1.5)
+        pg.wait_for_function("document.querySelector('#exactness').textContent.includes('computed by the server')")
+        h15 = entropy(pg)
+        slide(pg, "Temperature", 1.0)
+        assert entropy(pg) < h15
+        pg.get_by_label("Seed", exact=True).fill("0")
+        pg.get_by_role("button", name="Next token").click()
+        pg.wait_for_selector("#chosen .pick")
+        pg.wait_for_function("!document.querySelector('#next-token').disabled")
+        slide(pg, "Temperature", 0.8)
+        slide(pg, "Top-p", 0.8)
+        pg.wait_for_function("document.querySelector('#exactness').textContent.startsWith('exact')")
+        texts = pg.locator("#stage tbody td.tok").all_inner_texts()
+        assert len(texts) == 20 and pg.locator("#stage tbody tr.cross").count() == 1
+        pg.locator("#layers-panel summary").click()
+        pg.wait_for_selector("#layers table tbody tr")
+        assert pg.locator("#layers table tbody tr").count() == model.config.num_hidden_layers + 1
+        SCREENSHOT.parent.mkdir(exist_ok=True)
+        pg.locator("#layers-panel summary").click()  # closed again: the screenshot shows the output stage
+        pg.evaluate("window.scrollTo(0, 0)")
+        pg.screenshot(path=str(SCREENSHOT), full_page=False)
+        ctx.close()
+    assert SCREENSHOT.stat().st_size > 10_000
