@@ -1,0 +1,1018 @@
+"""The logits pipeline: from a row of logits to the next token id.
+
+For each row of logits ``[B,V]`` the pipeline runs these steps, in this order (we follow Hugging Face
+transformers' order: temperature → top-k → top-p → min-p; llama.cpp applies temperature last and vLLM min-p
+before top-k/top-p, which gives different candidate sets for the same settings):
+
+1. logit bias and banned tokens   ``apply_logit_bias``  add ``logit_bias[id]`` (-inf bans); banned ids → -inf
+2. penalties                      ``apply_penalties``   repetition (CTRL/HF, multiplicative: logit > 0 → /p,
+                                  else ×p) over the prompt and the generated tokens, each token once; then
+                                  frequency and presence (OpenAI: logit − count·frequency − (count>0)·presence)
+                                  over the generated tokens only
+3. temperature                    ``apply_temperature`` logits / T; T = 0 (or T < 1e-5, as vLLM) is greedy:
+                                  argmax after steps 1–2, the cut-off steps 4–6 are skipped
+4. top-k                          ``apply_top_k``       keep the k largest (tokens tied with the k-th are kept,
+                                  as in HF); 0 = off
+5. top-p                          ``apply_top_p``       keep the most probable tokens until their mass reaches
+                                  p; the token that crosses p is kept (ties with it too); at least one token
+6. min-p                          ``apply_min_p``       keep tokens with p ≥ min_p · p_max
+7. softmax                        ``probabilities``
+8. draw                           ``sample``            the exponential race argmax(p / Exp(1)) over the kept
+                                  candidates; rows kept whole (no cut-off) by a two-level inverse CDF with
+                                  one uniform per row (both exact; no ``torch.multinomial``)
+
+Every step is also a pure function on ``[B,V]`` logits (logits in, float32 logits out, rejected tokens = -inf,
+at least one token kept) that can be used on its own. ``process_logits`` (steps 1–6), ``probabilities``
+(1–7), ``sample`` (1–8) and ``logprobs`` run the whole pipeline with a fast path: disabled steps cost nothing,
+greedy rows only take an argmax, top-k takes ``torch.topk`` first and does top-p / min-p inside the k
+survivors (exactly equivalent, no full sort), and top-p without top-k partially sorts a small window
+(top 256, then 1024) until the window provably holds every kept token, with an exact histogram select (sort
+only the tokens of the bin where the mass crosses p) for rows whose top-p set is wider. With the same
+settings ``probabilities`` equals transformers' ``TemperatureLogitsWarper → TopKLogitsWarper →
+TopPLogitsWarper → MinPLogitsWarper`` + softmax (tests/test_sampling_hf.py).
+
+Ties: top-k keeps every token tied with the k-th largest (HF's ``scores < kth`` rule). Top-p treats tied
+tokens alike: a token is kept iff the mass of the tokens strictly more probable than it is < p, so a tie that
+straddles the cut is kept whole (HF's result there depends on its unstable sort's order among equal values).
+
+Shapes: ``logits`` is ``[B,V]`` (a ``[V]`` row is accepted and treated as a batch of one; outputs then drop
+the batch dimension, except ``logprobs``). Logits of any floating dtype are processed in float32.
+A config may be one ``SamplingConfig`` for the whole batch or a list with one per row: one batch can mix
+greedy and sampled rows with different settings; rows with the same cut-off settings run together.
+
+Seeds: with ``config.seed`` set, a row's draw depends only on (seed, step) and the row's own logits — a
+``torch.Generator`` seeded from (seed, step) draws noise over the row's kept tokens in token-id order, and
+the row is cut on its own — so the same seed gives the same token whatever the batch size or position.
+Rows without a seed use the ``generator`` argument (or torch's default generator).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "GREEDY_TEMPERATURE",
+    "LogProbs",
+    "SamplingConfig",
+    "apply_logit_bias",
+    "apply_min_p",
+    "apply_penalties",
+    "apply_temperature",
+    "apply_top_k",
+    "apply_top_p",
+    "entropy",
+    "logprobs",
+    "probabilities",
+    "process_logits",
+    "sample",
+]
+
+# Temperatures below this are greedy (vLLM's rule): dividing by ~0 would overflow to ±inf.
+GREEDY_TEMPERATURE = 1e-5
+# Top-p without top-k: the first partial-sort window, its growth factor, and the widest window before a full
+# sort is cheaper. The margin keeps a window from being accepted on a float-rounding knife edge.
+_WINDOW_START = 256
+_WINDOW_GROWTH = 4
+_WINDOWS = 2
+_WINDOW_MAX_FRACTION = 8
+_WINDOW_MARGIN = 1e-5
+# Top-p on wide rows: histogram bins per row; logits more than 104 below the max have probability 0 in float32.
+_BINS = 4096
+_UNDERFLOW = 104.0
+# Passes over whole rows run in chunks of about this many elements (reused buffers: no page faults), and
+# whole-row draws pick a block of _BLOCK tokens first.
+_CHUNK_ELEMENTS = 1 << 20
+_BLOCK = 1024
+
+
+def _chunk_columns(batch: int, vocab: int, multiple: int = 1) -> int:
+    cols = max(multiple, _CHUNK_ELEMENTS // max(batch, 1) // multiple * multiple)
+    return min(cols, -(-vocab // multiple) * multiple)
+_NEG_INF = float("-inf")
+_MASK64 = (1 << 64) - 1
+
+
+# --- config -----------------------------------------------------------------------------------------------
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Settings of the logits pipeline for one row (or a whole batch). Validates itself.
+
+    temperature         ≥ 0, finite. 0 (or anything < 1e-5, as vLLM) is greedy: argmax after bias and
+                        penalties; top-k / top-p / min-p are then ignored.
+    top_k               int ≥ 0; 0 = off. Keeps the k largest logits (ties with the k-th kept).
+    top_p               in (0, 1]; 1 = off. Smallest set whose mass reaches top_p (crossing token kept).
+    min_p               in [0, 1]; 0 = off. Keeps tokens with p ≥ min_p · p_max.
+    repetition_penalty  > 0, finite; 1 = off. CTRL/HF: logit > 0 → logit / r, else logit · r, once per
+                        token seen in the prompt or the generated tokens.
+    presence_penalty    finite; 0 = off. OpenAI: minus presence once for each token generated so far.
+    frequency_penalty   finite; 0 = off. OpenAI: minus frequency · count over the generated tokens.
+    logit_bias          mapping token id (int ≥ 0) → float added to the logit; -inf bans the token
+                        (+inf and NaN are rejected). Stored as a read-only mapping.
+    banned_tokens       token ids (int ≥ 0) that can never be chosen.
+    seed                int or None. With a seed, a row's draw depends only on (seed, step).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None
+    banned_tokens: tuple[int, ...] = ()
+    seed: int | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        def real(name: str, allowed: str, ok: Any) -> float:
+            value = getattr(self, name)
+            if not _is_real(value) or math.isnan(value) or not ok(float(value)):
+                raise ValueError(f"{name} must be {allowed}, got {value!r}")
+            return float(value)
+
+        finite = math.isfinite
+        set_ = lambda name, v: object.__setattr__(self, name, v)  # frozen: __post_init__ normalises
+        set_("temperature", real("temperature", "a finite number ≥ 0 (0 = greedy)",
+                                 lambda v: finite(v) and v >= 0))
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int ≥ 0 (0 = off), got {self.top_k!r}")
+        set_("top_p", real("top_p", "in (0, 1] (1 = off)", lambda v: 0 < v <= 1))
+        set_("min_p", real("min_p", "in [0, 1] (0 = off)", lambda v: 0 <= v <= 1))
+        set_("repetition_penalty", real("repetition_penalty", "a finite number > 0 (1 = off)",
+                                        lambda v: finite(v) and v > 0))
+        set_("presence_penalty", real("presence_penalty", "a finite number (0 = off)", finite))
+        set_("frequency_penalty", real("frequency_penalty", "a finite number (0 = off)", finite))
+
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, Mapping):
+                raise ValueError(f"logit_bias must be a mapping token id -> float or None, got {type(bias)}")
+            clean: dict[int, float] = {}
+            for tok, val in bias.items():
+                if not _is_int(tok) or tok < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (int ≥ 0), got {tok!r}")
+                if not _is_real(val) or math.isnan(val) or val == math.inf:
+                    raise ValueError(
+                        f"logit_bias values must be finite floats or -inf (bans), got {val!r} for token {tok}")
+                clean[tok] = float(val)
+            set_("logit_bias", MappingProxyType(clean) if clean else None)
+
+        banned = self.banned_tokens
+        if isinstance(banned, (str, bytes)) or not isinstance(banned, (Sequence, set, frozenset, Tensor)):
+            raise ValueError(f"banned_tokens must be a sequence of token ids (int ≥ 0), got {banned!r}")
+        banned = tuple(int(t) if isinstance(t, Tensor) else t for t in banned)
+        for tok in banned:
+            if not _is_int(tok) or tok < 0:
+                raise ValueError(f"banned_tokens must hold token ids (int ≥ 0), got {tok!r}")
+        set_("banned_tokens", banned)
+
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+
+    def __hash__(self) -> int:  # logit_bias is a mapping: hash its items
+        bias = tuple(sorted(self.logit_bias.items())) if self.logit_bias else None
+        return hash((self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty,
+                     self.presence_penalty, self.frequency_penalty, bias, self.banned_tokens, self.seed))
+
+    @property
+    def is_greedy(self) -> bool:
+        """Temperature 0 (or below 1e-5): the argmax after bias and penalties."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def _cut_key(self, vocab_size: int) -> tuple:
+        """Rows with equal keys are cut together (steps 3–6). Disabled settings are normalised away."""
+        if self.is_greedy:
+            return ("greedy",)
+        top_k = self.top_k if 0 < self.top_k < vocab_size else 0  # k ≥ V keeps everything
+        return ("sample", self.temperature, top_k, self.top_p, self.min_p)
+
+
+ConfigArg = SamplingConfig | Sequence[SamplingConfig] | None
+
+
+# --- input validation -------------------------------------------------------------------------------------
+
+
+def _check_logits(logits: object, name: str = "logits") -> tuple[Tensor, bool]:
+    """[B,V] or [V] floating tensor → ([B,V] float32, was_1d). Values are checked later (see _check_top)."""
+    if not isinstance(logits, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape [B, V], got {type(logits).__name__}")
+    if not logits.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor (float32/bfloat16/float16/float64), got {logits.dtype}")
+    if logits.dim() not in (1, 2):
+        raise ValueError(f"{name} must have shape [B, V] or [V], got {tuple(logits.shape)}")
+    one_row = logits.dim() == 1
+    x = logits.unsqueeze(0) if one_row else logits
+    if x.shape[-1] == 0:
+        raise ValueError(f"{name} must have a vocabulary dimension V ≥ 1, got shape {tuple(logits.shape)}")
+    return x.float(), one_row
+
+
+def _check_top(top: Tensor, name: str = "logits") -> None:
+    """`top` is each row's largest value (max propagates NaN and +inf): one check covers NaN, +inf and rows
+    that are all -inf, at no extra pass over the vocabulary."""
+    if top.numel() == 0 or bool(torch.isfinite(top).all()):
+        return
+    bad = (~torch.isfinite(top)).nonzero()[0, 0].item()
+    value = top.reshape(-1)[bad].item()
+    if math.isnan(value):
+        raise ValueError(f"{name} must not contain NaN (row {bad})")
+    if value > 0:
+        raise ValueError(f"{name} must not contain +inf (row {bad})")
+    raise ValueError(f"{name}: row {bad} is all -inf (after logit_bias / banned_tokens): no token can be chosen")
+
+
+def _check_values(x: Tensor, name: str = "logits") -> None:
+    if x.numel():
+        _check_top(x.amax(dim=-1), name)
+
+
+def _configs(config: ConfigArg, batch: int) -> list[SamplingConfig] | SamplingConfig:
+    if config is None:
+        return SamplingConfig()
+    if isinstance(config, SamplingConfig):
+        return config
+    if isinstance(config, (list, tuple)):
+        if len(config) != batch:
+            raise ValueError(f"config: a list needs one SamplingConfig per row ({batch}), got {len(config)}")
+        for c in config:
+            if not isinstance(c, SamplingConfig):
+                raise TypeError(f"config must hold SamplingConfig objects, got {type(c).__name__}")
+        return list(config)
+    raise TypeError(f"config must be a SamplingConfig or a list of them, got {type(config).__name__}")
+
+
+def _per_row_ints(value: object, batch: int, name: str, device: torch.device) -> Tensor:
+    """An int ≥ 0 or one per row → LongTensor [B]."""
+    if isinstance(value, Tensor):
+        t = value.to(device=device, dtype=torch.long).reshape(-1)
+    elif _is_int(value):
+        t = torch.full((batch,), int(value), dtype=torch.long, device=device)
+    elif isinstance(value, Sequence) and all(_is_int(v) for v in value):
+        t = torch.tensor(list(value), dtype=torch.long, device=device)
+    else:
+        raise ValueError(f"{name} must be an int ≥ 0 or one int ≥ 0 per row, got {value!r}")
+    if t.numel() != batch or bool((t < 0).any()):
+        raise ValueError(f"{name} must be an int ≥ 0 or one int ≥ 0 per row ({batch}), got {value!r}")
+    return t
+
+
+def _prev_tensor(prev: object, batch: int, vocab: int, device: torch.device, one_row: bool) -> Tensor:
+    """prev_tokens → LongTensor [B,L], -1 = padding; ids checked against the vocabulary."""
+    if isinstance(prev, Tensor):
+        if prev.is_floating_point() or prev.is_complex() or prev.dtype == torch.bool:
+            raise TypeError(f"prev_tokens must be an integer tensor [B, L], got {prev.dtype}")
+        t = prev.to(device=device, dtype=torch.long)
+        if one_row and t.dim() == 1:
+            t = t.unsqueeze(0)
+    elif isinstance(prev, Sequence):
+        rows = [prev] if one_row and all(_is_int(v) for v in prev) else list(prev)
+        if len(rows) != batch:
+            raise ValueError(f"prev_tokens needs one list of token ids per row ({batch}), got {len(rows)}")
+        width = max((len(r) for r in rows), default=0)
+        t = torch.full((batch, width), -1, dtype=torch.long)
+        for i, r in enumerate(rows):
+            if len(r):
+                try:
+                    t[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+                except (TypeError, ValueError, RuntimeError) as e:
+                    raise ValueError(f"prev_tokens row {i} must be a list of token ids, got {r!r}") from e
+        t = t.to(device)
+    else:
+        raise TypeError(f"prev_tokens must be a LongTensor [B, L] (-1 = padding) or a list of lists, got {prev!r}")
+    if t.dim() != 2 or t.shape[0] != batch:
+        raise ValueError(f"prev_tokens must have shape [B={batch}, L], got {tuple(t.shape)}")
+    if t.numel() and (bool((t < -1).any()) or bool((t >= vocab).any())):
+        raise ValueError(f"prev_tokens must hold token ids in [0, {vocab}) or -1 (padding)")
+    return t
+
+
+# --- steps 1-2: bias and penalties (pure functions) -------------------------------------------------------
+
+
+def _bias_index(configs: list[SamplingConfig] | SamplingConfig, batch: int, vocab: int, device: torch.device):
+    """(rows, cols, values) of every logit_bias entry and (rows, cols) of every banned token."""
+    def entries(c: SamplingConfig):
+        ids = list(c.logit_bias.keys()) if c.logit_bias else []
+        vals = list(c.logit_bias.values()) if c.logit_bias else []
+        for name, toks in (("logit_bias", ids), ("banned_tokens", c.banned_tokens)):
+            if toks and max(toks) >= vocab:
+                raise ValueError(f"{name}: token id {max(toks)} is outside the vocabulary [0, {vocab})")
+        return ids, vals, list(c.banned_tokens)
+
+    rows_b, cols_b, vals_b, rows_x, cols_x = [], [], [], [], []
+    if isinstance(configs, SamplingConfig):
+        ids, vals, banned = entries(configs)
+        return (None, torch.tensor(ids, dtype=torch.long, device=device),
+                torch.tensor(vals, dtype=torch.float32, device=device),
+                None, torch.tensor(banned, dtype=torch.long, device=device))
+    for r, c in enumerate(configs):
+        ids, vals, banned = entries(c)
+        rows_b += [r] * len(ids)
+        cols_b += ids
+        vals_b += vals
+        rows_x += [r] * len(banned)
+        cols_x += banned
+    as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)
+    return (as_long(rows_b), as_long(cols_b), torch.tensor(vals_b, dtype=torch.float32, device=device),
+            as_long(rows_x), as_long(cols_x))
+
+
+def _apply_bias_(x: Tensor, rows, cols, vals, rows_x, cols_x) -> None:
+    """In place on x [B,V]: add biases, then set banned ids to -inf."""
+    if cols.numel():
+        if rows is None:
+            x[:, cols] += vals
+        else:
+            x[rows, cols] += vals  # (row, id) pairs are unique: a mapping per row
+    if cols_x.numel():
+        if rows_x is None:
+            x[:, cols_x] = _NEG_INF
+        else:
+            x[rows_x, cols_x] = _NEG_INF
+
+
+def apply_logit_bias(logits: Tensor, logit_bias: Mapping[int, float] | None = None,
+                     banned_tokens: Sequence[int] = ()) -> Tensor:
+    """Step 1 on [B,V] logits → new [B,V] float32: add ``logit_bias[id]`` to every row (-inf bans), then set
+    ``banned_tokens`` to -inf. Ids must be in [0, V)."""
+    x, one_row = _check_logits(logits)
+    cfg = SamplingConfig(logit_bias=logit_bias, banned_tokens=tuple(banned_tokens))
+    x = x.clone()
+    _apply_bias_(x, *_bias_index(cfg, x.shape[0], x.shape[1], x.device))
+    _check_values(x)
+    return x[0] if one_row else x
+
+
+def _penalize_(x: Tensor, prev: Tensor, prompt_len: Tensor, rep: Tensor, pres: Tensor, freq: Tensor) -> None:
+    """In place on x [B,V] with per-row penalties [B] and prev [B,L] (-1 = padding)."""
+    batch, vocab = x.shape
+    valid = prev >= 0
+    safe = torch.where(valid, prev, vocab)  # padding goes to an extra column that is dropped
+    if bool((rep != 1.0).any()):
+        # repetition (CTRL / HF): every token seen in the prompt or the generation, once
+        seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=x.device)
+        seen.scatter_(1, safe, True)
+        seen = seen[:, :vocab]
+        r = rep.unsqueeze(1)
+        x.copy_(torch.where(seen, torch.where(x < 0, x * r, x / r), x))
+    if bool((pres != 0.0).any() or (freq != 0.0).any()):
+        # presence / frequency (OpenAI): generated tokens only = valid tokens after the first prompt_len
+        ordinal = valid.long().cumsum(1) - 1
+        generated = valid & (ordinal >= prompt_len.unsqueeze(1))
+        counts = torch.zeros(batch, vocab + 1, dtype=torch.float32, device=x.device)
+        counts.scatter_add_(1, torch.where(generated, prev, vocab), generated.float())
+        counts = counts[:, :vocab]
+        x.sub_(counts * freq.unsqueeze(1) + (counts > 0).float() * pres.unsqueeze(1))
+
+
+def _as_row_floats(value: float | Sequence[float] | Tensor, batch: int, name: str, device: torch.device,
+                   ok: Any, allowed: str) -> Tensor:
+    t = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(-1)
+    if t.numel() == 1:
+        t = t.expand(batch)
+    if t.numel() != batch or not bool(ok(t).all()):
+        raise ValueError(f"{name} must be {allowed} (one number or one per row), got {value!r}")
+    return t
+
+
+def apply_penalties(logits: Tensor, prev_tokens: Tensor | Sequence[Sequence[int]] | None,
+                    repetition_penalty: float | Sequence[float] = 1.0,
+                    presence_penalty: float | Sequence[float] = 0.0,
+                    frequency_penalty: float | Sequence[float] = 0.0,
+                    prompt_len: int | Sequence[int] = 0) -> Tensor:
+    """Step 2 on [B,V] logits → new [B,V] float32.
+
+    ``prev_tokens`` is the sequence so far per row ([B,L] LongTensor, -1 = padding, or a list of lists),
+    prompt first; the first ``prompt_len`` tokens of a row (padding not counted) are its prompt.
+    Repetition (CTRL/HF): each token seen in the prompt or the generated tokens, once: logit > 0 → logit / r,
+    else logit · r. Then frequency / presence (OpenAI), over the generated tokens only:
+    logit − count·frequency − (count > 0)·presence. Each penalty is a number or one per row.
+    """
+    x, one_row = _check_logits(logits)
+    x = x.clone()
+    batch, vocab = x.shape
+    dev = x.device
+    rep = _as_row_floats(repetition_penalty, batch, "repetition_penalty", dev,
+                         lambda t: torch.isfinite(t) & (t > 0), "finite and > 0")
+    pres = _as_row_floats(presence_penalty, batch, "presence_penalty", dev, torch.isfinite, "finite")
+    freq = _as_row_floats(frequency_penalty, batch, "frequency_penalty", dev, torch.isfinite, "finite")
+    if prev_tokens is not None:
+        prev = _prev_tensor(prev_tokens, batch, vocab, dev, one_row)
+        _penalize_(x, prev, _per_row_ints(prompt_len, batch, "prompt_len", dev), rep, pres, freq)
+    _check_values(x)
+    return x[0] if one_row else x
+
+
+def _preprocess(logits: Tensor, config: ConfigArg, prev_tokens: object, prompt_len: object):
+    """Validate, upcast to float32 and apply steps 1-2. Returns (x [B,V], configs, one_row).
+
+    x is the caller's tensor itself (not a copy) when nothing needs changing: callers never write into it."""
+    x, one_row = _check_logits(logits)
+    batch, vocab = x.shape
+    configs = _configs(config, batch)
+    cfgs = [configs] if isinstance(configs, SamplingConfig) else configs
+    has_bias = any(c.logit_bias or c.banned_tokens for c in cfgs)
+    has_pen = prev_tokens is not None and any(c.has_penalties for c in cfgs)
+    if prev_tokens is not None:  # always validated, even when no penalty uses it
+        prev = _prev_tensor(prev_tokens, batch, vocab, x.device, one_row)
+        plen = _per_row_ints(prompt_len, batch, "prompt_len", x.device)
+    if not (has_bias or has_pen):
+        return x, configs, one_row
+    x = x.clone() if x.data_ptr() == logits.data_ptr() else x
+    if has_bias:
+        _apply_bias_(x, *_bias_index(configs, batch, vocab, x.device))
+    if has_pen:
+        if isinstance(configs, SamplingConfig):
+            per_row = lambda name: torch.full((batch,), getattr(configs, name), device=x.device)
+        else:
+            per_row = lambda name: torch.tensor([getattr(c, name) for c in configs], device=x.device)
+        _penalize_(x, prev, plen, per_row("repetition_penalty"), per_row("presence_penalty"),
+                   per_row("frequency_penalty"))
+    return x, configs, one_row
+
+
+# --- steps 3-6: temperature and the cut-offs --------------------------------------------------------------
+
+
+def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
+    """Step 3 on [B,V] logits → logits / temperature (float32). temperature must be finite and ≥ 1e-5 here;
+    greedy decoding (temperature 0) is a path of the pipeline, not a division."""
+    x, one_row = _check_logits(logits)
+    if not _is_real(temperature) or not math.isfinite(temperature) or temperature < GREEDY_TEMPERATURE:
+        raise ValueError(f"temperature must be a finite number ≥ {GREEDY_TEMPERATURE} here, got {temperature!r}")
+    _check_values(x)
+    x = x / float(temperature)
+    return x[0] if one_row else x
+
+
+def _top_p_sorted(vals: Tensor, top_p: float, probs: Tensor | None = None) -> Tensor:
+    """Top-p on candidates sorted by value, descending ([b,m], ties adjacent) → vals with cut ones at -inf.
+
+    ``probs`` are the candidates' probabilities over the full row when the candidates are only a window of it
+    (the mass outside the window is then 1 − their sum); None means the candidates are the whole support.
+    HF's rule: in ascending order, drop tokens whose inclusive cumulative mass ≤ 1 − p, keep the largest.
+    A tie group uses the mass at its first (most probable) position, so it is kept or dropped whole."""
+    if probs is None:
+        probs = torch.softmax(vals, dim=-1)
+        tail = 0.0
+    else:
+        tail = (1.0 - probs.sum(dim=-1, keepdim=True)).clamp_min(0.0)
+    ascending_mass = probs.flip(-1).cumsum(-1).flip(-1) + tail  # mass of this token and all below it
+    start = torch.ones_like(vals, dtype=torch.bool)
+    start[:, 1:] = vals[:, 1:] != vals[:, :-1]
+    if not bool(start.all()):  # ties: each position takes the mass at its tie group's first position
+        pos = torch.arange(vals.shape[1], device=vals.device).expand_as(vals)
+        first = torch.where(start, pos, 0).cummax(dim=-1).values
+        ascending_mass = ascending_mass.gather(1, first)
+    remove = ascending_mass <= (1 - top_p)
+    remove[:, 0] = False
+    return vals.masked_fill(remove, _NEG_INF)
+
+
+def _min_p_sorted(vals: Tensor, min_p: float) -> Tensor:
+    """Min-p on candidates sorted descending (position 0 is the most probable, always kept).
+    As HF: probabilities of the (already cut) candidates, drop p < min_p · p_max."""
+    probs = torch.softmax(vals, dim=-1)
+    remove = probs < min_p * probs[:, :1]
+    remove[:, 0] = False
+    return vals.masked_fill(remove, _NEG_INF)
+
+
+def _min_p_rows(x: Tensor, min_p: float) -> Tensor:
+    """Min-p on full rows [b,V], exactly HF's MinPLogitsWarper (keeps at least the argmax)."""
+    probs = torch.softmax(x, dim=-1)
+    top, arg = probs.max(dim=-1, keepdim=True)
+    remove = probs < min_p * top
+    remove.scatter_(1, arg, False)
+    return x.masked_fill(remove, _NEG_INF)
+
+
+# A part of a batch after the cut: (rows, vals, idx). rows: indices into the batch (None = all rows);
+# vals: temperature-scaled logits, -inf = cut; idx: the token id of each column of vals, or None when vals
+# are whole rows [b,V]. Candidates [b,m] are sorted by value, descending.
+_Part = tuple[Tensor | None, Tensor, Tensor | None]
+
+
+def _sub(rows: Tensor | None, pick: Tensor) -> Tensor:
+    return pick if rows is None else rows[pick]
+
+
+def _top_k_parts(x: Tensor, temperature: float, top_k: int) -> list[_Part]:
+    """torch.topk(k+1) once; rows whose k-th and (k+1)-th values tie (after the division by T, as HF
+    compares) take every token ≥ the k-th, as HF's ``scores < kth`` rule keeps them."""
+    vals, idx = torch.topk(x, top_k + 1, dim=-1)
+    _check_top(vals[:, 0])
+    vals = vals / temperature  # x / T is monotone: topk of x is a topk of x / T
+    tie = (vals[:, top_k - 1] == vals[:, top_k]) & torch.isfinite(vals[:, top_k - 1])
+    if not bool(tie.any()):
+        return [(None, vals[:, :top_k], idx[:, :top_k])]
+    parts: list[_Part] = []
+    plain = (~tie).nonzero().squeeze(1)
+    if plain.numel():
+        parts.append((plain, vals[plain, :top_k], idx[plain, :top_k]))
+    tied = tie.nonzero().squeeze(1)
+    xt = x[tied]
+    kth = vals[tied, top_k - 1 : top_k]
+    count = ((xt / temperature) >= kth).sum(dim=-1, keepdim=True)
+    v, i = torch.topk(xt, int(count.max()), dim=-1)
+    cut = torch.arange(v.shape[1], device=v.device) >= count
+    parts.append((tied, (v / temperature).masked_fill(cut, _NEG_INF), i))
+    return parts
+
+
+def _block_sums(x: Tensor, top: Tensor, temperature: float, block: int = _BLOCK) -> Tensor:
+    """Σ exp(x/T − top) over each block of `block` columns of x [b,V] → [b, ceil(V/block)] float32.
+
+    Runs over cache-sized chunks with one reused buffer: no [B,V] temporary (whose page faults alone cost
+    about as much as the arithmetic)."""
+    batch, vocab = x.shape
+    chunk = _chunk_columns(batch, vocab, block)
+    out = torch.empty(batch, -(-vocab // block), dtype=torch.float32, device=x.device)
+    buf = torch.empty(batch, chunk, dtype=torch.float32, device=x.device)
+    for start in range(0, vocab, chunk):
+        part = x[:, start : start + chunk]
+        width = part.shape[1]
+        padded = -(-width // block) * block
+        b = buf[:, :width]
+        torch.div(part, temperature, out=b)
+        b.sub_(top).exp_()
+        if padded > width:
+            buf[:, width:padded] = 0.0
+        out[:, start // block : start // block + padded // block] = buf[:, :padded].view(batch, -1, block).sum(-1)
+    return out
+
+
+def _top_p_parts(x: Tensor, temperature: float, top_p: float) -> list[_Part]:
+    """Top-p without top-k, with no full sort.
+
+    First partial sorts of a small window (top 256, then 1024): a window is enough once the mass strictly
+    above its smallest value reaches p — then every token outside it, and any tie at its edge, is dropped and
+    the rest of the row only enters through the normaliser. That settles language-model-like rows (their
+    top-p sets hold tens of tokens). Rows with a wide top-p set go to `_top_p_bins`, which is exact too."""
+    batch, vocab = x.shape
+    top = x.amax(dim=-1, keepdim=True)
+    _check_top(top[:, 0])
+    top_t = top / temperature
+    # the softmax normaliser over the full row, in cache-sized chunks (no sort, no [B,V] temporary), summed
+    # in float64 so that the window's masses are as exact as float32 logits allow
+    norm = _block_sums(x, top_t, temperature).sum(dim=-1, keepdim=True, dtype=torch.float64)
+    parts: list[_Part] = []
+    rows: Tensor | None = None
+    xs, top_t = x, top_t.double()
+    window = min(_WINDOW_START, vocab)
+    for _ in range(_WINDOWS):
+        if window * _WINDOW_MAX_FRACTION > vocab:
+            break
+        v, i = torch.topk(xs, window, dim=-1)
+        vals = v / temperature
+        probs = torch.exp(vals.double() - top_t) / norm  # [b,W] float64, over the full row
+        strictly_above = (probs * (vals > vals[:, -1:])).sum(dim=-1)
+        done = strictly_above >= top_p + _WINDOW_MARGIN
+        hopeless = strictly_above < top_p / _WINDOW_GROWTH  # a wider window would most likely fail too
+        if bool(hopeless.all()):
+            break
+        if bool(done.all()):
+            parts.append((rows, _top_p_sorted(vals, top_p, probs), i))
+            return parts
+        if bool(done.any()):
+            d = done.nonzero().squeeze(1)
+            parts.append((_sub(rows, d), _top_p_sorted(vals[d], top_p, probs[d]), i[d]))
+            rest = (~done).nonzero().squeeze(1)
+            rows, xs, top_t, norm = _sub(rows, rest), xs[rest], top_t[rest], norm[rest]
+        window *= _WINDOW_GROWTH
+    parts.append((rows, _top_p_bins(xs, temperature, top_t, norm, top_p), None))
+    return parts
+
+
+def _top_p_bins(xs: Tensor, temperature: float, top_t: Tensor, norm: Tensor, top_p: float) -> Tensor:
+    """Exact top-p on whole rows [b,V] by a histogram select instead of a sort (two chunked passes over V).
+
+    top_t = max(x)/T (float64) and norm = Σ exp(x/T − top_t) (float64) per row. The logit range is cut into
+    equal bins; the bin index is monotone in the logit, so tied tokens share a bin and a higher bin only holds
+    larger logits. Per-bin masses give the crossing bin, where the mass of the top tokens reaches p: tokens
+    above it are kept, below it dropped, and only the (few) tokens of that bin are sorted to place the cut
+    exactly (kept iff the mass strictly above < p, i.e. the mass at or below > 1 − p, summed from the bottom as
+    HF does). Returns x/T with the dropped tokens at -inf."""
+    batch, vocab = xs.shape
+    nbins = max(1, min(_BINS, vocab // 16))
+    hi = top_t.float()
+    # min(x)/T is min(x/T) (division by T > 0 is monotone); below hi − 104, exp(·) is 0 in float32 anyway
+    lo = torch.maximum(xs.amin(dim=-1, keepdim=True) / temperature, hi - _UNDERFLOW)
+    scale = nbins / (hi - lo).clamp_min(1e-30)  # a flat row: every finite token in one bin
+    chunk = _chunk_columns(batch, vocab)
+    xt_buf = torch.empty(batch, chunk, dtype=torch.float32, device=xs.device)
+    bin_buf = torch.empty_like(xt_buf)
+    idx_buf = torch.empty(batch, chunk, dtype=torch.long, device=xs.device)
+
+    def chunks():  # (x/T, bin index as float) per chunk, in reused buffers; -inf → bin 0
+        for start in range(0, vocab, chunk):
+            part = xs[:, start : start + chunk]
+            xt, bins = xt_buf[:, : part.shape[1]], bin_buf[:, : part.shape[1]]
+            torch.div(part, temperature, out=xt)
+            torch.sub(xt, lo, out=bins).mul_(scale).floor_().clamp_(0, nbins - 1)
+            yield xt, bins
+
+    mass = torch.zeros(batch, nbins, dtype=torch.float32, device=xs.device)
+    for xt, bins in chunks():
+        index = idx_buf[:, : xt.shape[1]]
+        index.copy_(bins)
+        mass.scatter_add_(1, index, xt.sub_(hi).exp_())
+    # HF's form of the rule, summed from the bottom so that small tails keep their precision: a token is kept
+    # iff the mass of itself, its ties and everything below it is > 1 − p
+    from_bottom = mass.double().cumsum(-1) / norm  # mass of bins 0..b
+    crossing = (from_bottom <= 1 - top_p).sum(dim=-1, keepdim=True).clamp_(max=nbins - 1)
+    below = torch.where(crossing > 0, from_bottom.gather(1, (crossing - 1).clamp_min(0)), torch.zeros_like(norm))
+    # the crossing bin's tokens, sorted ascending
+    row_ids, values = [], []
+    for xt, bins in chunks():
+        hit = (bins == crossing.float()).nonzero()
+        row_ids.append(hit[:, 0])
+        values.append(xt[hit[:, 0], hit[:, 1]])
+    row_ids, values = torch.cat(row_ids), torch.cat(values)
+    values, order = torch.sort(values, stable=True)
+    row_ids, order = torch.sort(row_ids[order], stable=True)  # by row, each row's values ascending
+    values = values[order]
+    count = torch.bincount(row_ids, minlength=batch)
+    first = torch.cumsum(count, 0) - count
+    v = torch.full((batch, max(1, int(count.max()))), float("inf"), device=xs.device)  # +inf pads the end
+    v[row_ids, torch.arange(row_ids.numel(), device=xs.device) - first[row_ids]] = values
+    probs = torch.where(torch.isfinite(v), torch.exp(v.double() - top_t) / norm, torch.zeros_like(v.double()))
+    ascending = probs.cumsum(-1)
+    last = torch.ones_like(v, dtype=torch.bool)  # a tie group takes the mass at its last (largest) position
+    last[:, :-1] = v[:, :-1] != v[:, 1:]
+    pos = torch.arange(v.shape[1], device=v.device).expand_as(v)
+    group_end = torch.where(last, pos, v.shape[1] - 1).flip(-1).cummin(dim=-1).values.flip(-1)
+    keep = (below + ascending.gather(1, group_end) > 1 - top_p) & torch.isfinite(v)
+    # the bin's largest token is kept by the choice of the bin (its mass with all below is > 1 − p); say so
+    # explicitly, so that a rounding difference between bin and token sums cannot drop the whole bin
+    keep.scatter_(1, (count - 1).clamp_min(0).unsqueeze(1), True)
+    cut = torch.where(keep, v, torch.full_like(v, float("inf"))).amin(dim=-1, keepdim=True)  # smallest kept
+    out = xs / temperature
+    for start_col in range(0, vocab, chunk):
+        o = out[:, start_col : start_col + chunk]
+        o.masked_fill_(o < cut, _NEG_INF)
+    return out
+
+
+def _cut(x: Tensor, cfg: SamplingConfig) -> list[_Part]:
+    """Steps 3-6 for rows that share one cut key."""
+    vocab = x.shape[1]
+    if cfg.is_greedy:
+        v, i = x.max(dim=-1, keepdim=True)
+        _check_top(v[:, 0])
+        return [(None, v, i)]
+    _, temperature, top_k, top_p, min_p = cfg._cut_key(vocab)
+    if top_k:
+        parts = _top_k_parts(x, temperature, top_k)
+        if top_p < 1.0:
+            # topk's output is sorted, so tied values are adjacent: all _top_p_sorted needs
+            parts = [(r, _top_p_sorted(v, top_p), i) for r, v, i in parts]
+    elif top_p < 1.0:
+        parts = _top_p_parts(x, temperature, top_p)
+    else:
+        _check_values(x)
+        xt = x / temperature
+        return [(None, _min_p_rows(xt, min_p) if min_p > 0 else xt, None)]
+    if min_p > 0:
+        parts = [(r, _min_p_sorted(v, min_p) if i is not None else _min_p_rows(v, min_p), i) for r, v, i in parts]
+    return parts
+
+
+def _groups(configs: list[SamplingConfig] | SamplingConfig, batch: int, vocab: int, device: torch.device,
+            seeded_alone: bool) -> list[tuple[Tensor | None, SamplingConfig]]:
+    """Rows sharing a cut key, as (rows or None for the whole batch, config). With seeded_alone, each seeded,
+    sampled row is its own group so that its cut and draw never depend on the other rows."""
+    if isinstance(configs, SamplingConfig):
+        if seeded_alone and configs.seed is not None and not configs.is_greedy:
+            return [(torch.tensor([r], device=device), configs) for r in range(batch)]
+        return [(None, configs)]
+    groups: dict[tuple, list[int]] = {}
+    alone: list[tuple[Tensor | None, SamplingConfig]] = []
+    first: dict[tuple, SamplingConfig] = {}
+    for r, c in enumerate(configs):
+        if seeded_alone and c.seed is not None and not c.is_greedy:
+            alone.append((torch.tensor([r], device=device), c))
+            continue
+        key = c._cut_key(vocab)
+        groups.setdefault(key, []).append(r)
+        first.setdefault(key, c)
+    out: list[tuple[Tensor | None, SamplingConfig]] = []
+    for key, rows in groups.items():
+        out.append((None if len(rows) == batch else torch.tensor(rows, device=device), first[key]))
+    return out + alone
+
+
+def _parts(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, seeded_alone: bool = False):
+    """Steps 3-6 over the whole batch → list of (rows, vals, idx, config), rows indexing the batch."""
+    out = []
+    if x.shape[0] == 0:
+        return out
+    for rows, cfg in _groups(configs, x.shape[0], x.shape[1], x.device, seeded_alone):
+        xs = x if rows is None else x[rows]
+        for sub, vals, idx in _cut(xs, cfg):
+            out.append((rows if sub is None else _sub(rows, sub), vals, idx, cfg))
+    return out
+
+
+def _scatter_rows(out: Tensor, rows: Tensor | None, block: Tensor, idx: Tensor | None, fill: float) -> None:
+    """Write candidates (or whole rows) into out [B,V] at `rows`."""
+    if idx is not None:
+        block = torch.full((block.shape[0], out.shape[1]), fill, dtype=block.dtype,
+                           device=block.device).scatter_(1, idx, block)
+    if rows is None:
+        out.copy_(block)
+    else:
+        out[rows] = block
+
+
+def apply_top_k(logits: Tensor, top_k: int) -> Tensor:
+    """Step 4 on [B,V] logits → new [B,V] float32 with every logit below the k-th largest at -inf (tokens tied
+    with the k-th are kept, as HF's TopKLogitsWarper). top_k = 0 (or ≥ V) is off."""
+    x, one_row = _check_logits(logits)
+    if not _is_int(top_k) or top_k < 0:
+        raise ValueError(f"top_k must be an int ≥ 0 (0 = off), got {top_k!r}")
+    _check_values(x)
+    if 0 < top_k < x.shape[1]:
+        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, _NEG_INF)
+    else:
+        x = x.clone()
+    return x[0] if one_row else x
+
+
+def apply_top_p(logits: Tensor, top_p: float) -> Tensor:
+    """Step 5 on [B,V] logits → new [B,V] float32: keep the most probable tokens until their mass reaches
+    top_p (the crossing token kept, ties with it too, at least one token); the rest at -inf. top_p in (0, 1],
+    1 = off. Avoids a full sort with a growing window (exact)."""
+    x, one_row = _check_logits(logits)
+    if not _is_real(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
+    if top_p >= 1.0:
+        _check_values(x)
+        out = x.clone()
+    else:
+        out = torch.full_like(x, _NEG_INF)
+        for rows, vals, idx in _top_p_parts(x, 1.0, float(top_p)):  # T = 1: vals are the logits
+            _scatter_rows(out, rows, vals, idx, _NEG_INF)
+    return out[0] if one_row else out
+
+
+def apply_min_p(logits: Tensor, min_p: float) -> Tensor:
+    """Step 6 on [B,V] logits → new [B,V] float32: tokens with p < min_p · p_max at -inf (HF's rule, the
+    argmax always kept). min_p in [0, 1], 0 = off."""
+    x, one_row = _check_logits(logits)
+    if not _is_real(min_p) or not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1] (0 = off), got {min_p!r}")
+    _check_values(x)
+    x = _min_p_rows(x, float(min_p)) if min_p > 0 else x.clone()
+    return x[0] if one_row else x
+
+
+# --- the pipeline -----------------------------------------------------------------------------------------
+
+
+def process_logits(logits: Tensor, config: ConfigArg = None, prev_tokens: Any = None,
+                   prompt_len: int | Sequence[int] = 0) -> Tensor:
+    """Steps 1-6: [B,V] logits → [B,V] float32 processed logits (temperature-scaled), rejected tokens -inf.
+
+    A greedy row keeps only its argmax (at its biased / penalised logit). ``config`` is one SamplingConfig or
+    a list with one per row; ``prev_tokens`` ([B,L] LongTensor, -1 = padding, or list of lists) is the
+    sequence so far, its first ``prompt_len`` tokens (int or one per row) the prompt."""
+    x, configs, one_row = _preprocess(logits, config, prev_tokens, prompt_len)
+    out = torch.empty_like(x)
+    for rows, vals, idx, _ in _parts(x, configs):
+        _scatter_rows(out, rows, vals, idx, _NEG_INF)
+    return out[0] if one_row else out
+
+
+def probabilities(logits: Tensor, config: ConfigArg = None, prev_tokens: Any = None,
+                  prompt_len: int | Sequence[int] = 0) -> Tensor:
+    """Steps 1-7: [B,V] logits → [B,V] float32 probabilities over the full vocabulary (rows sum to 1, cut
+    tokens 0). Same arguments as ``process_logits``."""
+    x, configs, one_row = _preprocess(logits, config, prev_tokens, prompt_len)
+    out = torch.empty_like(x)
+    for rows, vals, idx, _ in _parts(x, configs):
+        _scatter_rows(out, rows, torch.softmax(vals, dim=-1), idx, 0.0)
+    return out[0] if one_row else out
+
+
+def _mix_seed(seed: int, step: int) -> int:
+    """(seed, step) → a 64-bit generator seed (splitmix64 finaliser, twice): nearby seeds and steps give
+    unrelated streams."""
+    def splitmix(z: int) -> int:
+        z = (z + 0x9E3779B97F4A7C15) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return z ^ (z >> 31)
+
+    return splitmix(splitmix(seed & _MASK64) ^ (step & _MASK64))
+
+
+def _race(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """The exponential race: argmax(p / Exp(1)) picks i with probability p_i (exact, no multinomial)."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
+
+
+def _draw_rows(vals: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Draw from whole rows of scaled logits [b,V] (-inf = cut) by inverse CDF with one uniform per row, in two
+    levels: pick a block of 1024 tokens by its mass, then the token inside it. Two light passes over V and no
+    [B,V] temporary (V exponentials or a full cumsum cost several times more); zero-probability tokens are
+    never picked."""
+    batch, vocab = vals.shape
+    block = min(_BLOCK, vocab)
+    top = vals.amax(dim=-1, keepdim=True)
+    sums = _block_sums(vals, top, 1.0, block)
+    cdf = sums.cumsum(dim=-1, dtype=torch.float64)
+    u = torch.rand(batch, 1, dtype=torch.float64, device=vals.device, generator=generator) * cdf[:, -1:]
+    blk = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)
+    rest = u - torch.where(blk > 0, cdf.gather(1, (blk - 1).clamp_min(0)), torch.zeros_like(u))
+    cols = blk * block + torch.arange(block, device=vals.device)
+    inside = cols < vocab
+    e = torch.exp(vals.gather(1, cols.clamp(max=vocab - 1)) - top) * inside
+    within = e.cumsum(dim=-1, dtype=torch.float64)
+    pick = torch.searchsorted(within, rest, right=True)
+    # rounding can leave `rest` at or past the block's total: take the block's last token with mass
+    last = torch.where(e > 0, torch.arange(block, device=vals.device), -1).amax(dim=-1, keepdim=True)
+    pick = torch.where(pick >= block, last, torch.minimum(pick, last))
+    return cols.gather(1, pick).squeeze(1)
+
+
+def sample(logits: Tensor, config: ConfigArg = None, generator: torch.Generator | None = None,
+           prev_tokens: Any = None, prompt_len: int | Sequence[int] = 0,
+           step: int | Sequence[int] = 0) -> Tensor:
+    """Steps 1-8: [B,V] logits → [B] long token ids (a 0-d tensor for a [V] row).
+
+    Greedy rows (temperature 0) take the argmax (the first one on ties). Sampled rows draw by the exponential
+    race over their kept candidates: with top-k set only the [B,k] survivors are touched after ``torch.topk``;
+    rows kept whole (no top-k, or a wide top-p set) draw by inverse CDF with one uniform per row.
+    Rows without a seed draw from ``generator`` (or torch's default generator). A row whose config has a seed
+    draws from a generator seeded with (seed, step) over its kept tokens in token-id order, so the id does not
+    depend on the batch; ``step`` (int or one per row) is the position of the token being drawn."""
+    x, configs, one_row = _preprocess(logits, config, prev_tokens, prompt_len)
+    batch = x.shape[0]
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    cfgs = [configs] if isinstance(configs, SamplingConfig) else configs
+    steps = None
+    if any(c.seed is not None for c in cfgs):
+        steps = _per_row_ints(step, batch, "step", torch.device("cpu")).tolist()
+    ids = torch.empty(batch, dtype=torch.long, device=x.device)
+    for rows, vals, idx, cfg in _parts(x, configs, seeded_alone=True):
+        if cfg.is_greedy:
+            chosen = idx[:, 0]
+        else:
+            gen = generator
+            if cfg.seed is not None:  # one row, cut on its own; kept tokens in id order, noise from (seed, step)
+                gen = torch.Generator(device=x.device).manual_seed(_mix_seed(cfg.seed, steps[int(rows[0])]))
+                if idx is not None:
+                    order = idx.argsort(dim=-1)
+                    vals, idx = vals.gather(1, order), idx.gather(1, order)
+            if idx is None:
+                chosen = _draw_rows(vals, gen)
+            else:
+                chosen = idx.gather(1, _race(torch.softmax(vals, dim=-1), gen).unsqueeze(1)).squeeze(1)
+        if rows is None:
+            ids.copy_(chosen)
+        else:
+            ids[rows] = chosen
+    return ids[0] if one_row else ids
+
+
+# --- logprobs and entropy ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LogProbs:
+    """Log-probabilities of the chosen tokens, per row, raw and processed.
+
+    raw = log_softmax of the logits as given; processed = log of ``probabilities`` (after bias, penalties,
+    temperature and the cut-offs; -inf for a token the pipeline cut, and a greedy row is one-hot).
+
+    token_ids          [B] long   the chosen tokens
+    logprob            [B]        processed log-probability of the chosen token
+    raw_logprob        [B]        raw log-probability of the chosen token
+    rank               [B] long   raw rank: 1 + the number of tokens with a strictly greater raw logit
+                                  (tied tokens share the best rank, e.g. 1, 2, 2, 4)
+    top_ids            [B,n] long the n most likely tokens of the processed distribution (cut tokens, if
+                                  n exceeds the kept set, follow by raw logit)
+    top_logprobs       [B,n]      their processed log-probabilities (-inf for cut tokens)
+    top_raw_logprobs   [B,n]      their raw log-probabilities
+    raw_top_ids        [B,n] long the n most likely tokens of the raw distribution
+    raw_top_logprobs   [B,n]      their raw log-probabilities
+    """
+
+    token_ids: Tensor
+    logprob: Tensor
+    raw_logprob: Tensor
+    rank: Tensor
+    top_ids: Tensor
+    top_logprobs: Tensor
+    top_raw_logprobs: Tensor
+    raw_top_ids: Tensor
+    raw_top_logprobs: Tensor
+
+    def to_list(self) -> list[dict[str, Any]]:
+        """One JSON-ready dict per row (plain ints and floats); -inf log-probabilities become None."""
+        def num(v: float) -> float | None:
+            return v if math.isfinite(v) else None
+
+        rows = []
+        for b in range(self.token_ids.shape[0]):
+            top = zip(self.top_ids[b].tolist(), self.top_logprobs[b].tolist(), self.top_raw_logprobs[b].tolist(),
+                      strict=True)
+            raw_top = zip(self.raw_top_ids[b].tolist(), self.raw_top_logprobs[b].tolist(), strict=True)
+            rows.append({
+                "token_id": int(self.token_ids[b]),
+                "logprob": num(float(self.logprob[b])),
+                "raw_logprob": num(float(self.raw_logprob[b])),
+                "rank": int(self.rank[b]),
+                "top": [{"token_id": i, "logprob": num(v), "raw_logprob": num(r)} for i, v, r in top],
+                "raw_top": [{"token_id": i, "logprob": num(v)} for i, v in raw_top],
+            })
+        return rows
+
+
+def logprobs(logits: Tensor, token_ids: Tensor | Sequence[int] | int, config: ConfigArg = None,
+             top_n: int = 0, prev_tokens: Any = None, prompt_len: int | Sequence[int] = 0) -> LogProbs:
+    """Raw and processed log-probabilities of ``token_ids`` [B] under [B,V] logits, with the top-n
+    alternatives of each (top_n clamped to V). A [V] row is a batch of one (the fields keep the batch
+    dimension). Same config / prev_tokens / prompt_len as ``process_logits``."""
+    x, one_row = _check_logits(logits)
+    batch, vocab = x.shape
+    if not _is_int(top_n) or top_n < 0:
+        raise ValueError(f"top_n must be an int ≥ 0, got {top_n!r}")
+    if isinstance(token_ids, Tensor):
+        if token_ids.is_floating_point() or token_ids.dtype == torch.bool:
+            raise TypeError(f"token_ids must be integer ids, got {token_ids.dtype}")
+        tok = token_ids.to(device=x.device, dtype=torch.long).reshape(-1)
+    elif _is_int(token_ids):
+        tok = torch.tensor([token_ids], dtype=torch.long, device=x.device)
+    elif isinstance(token_ids, Sequence) and all(_is_int(t) for t in token_ids):
+        tok = torch.tensor(list(token_ids), dtype=torch.long, device=x.device)
+    else:
+        raise TypeError(f"token_ids must be a LongTensor [B] or a list of ints, got {token_ids!r}")
+    if tok.numel() != batch:
+        raise ValueError(f"token_ids must hold one id per row ({batch}), got {tok.numel()}")
+    if tok.numel() and (bool((tok < 0).any()) or bool((tok >= vocab).any())):
+        raise ValueError(f"token_ids must be in [0, {vocab}), got {tok.tolist()}")
+    _check_values(x)
+    raw = torch.log_softmax(x, dim=-1)
+    processed = process_logits(logits, config, prev_tokens, prompt_len)  # the caller's shape: [V] or [B,V]
+    processed = torch.log_softmax(processed.unsqueeze(0) if one_row else processed, dim=-1)
+    col = tok.unsqueeze(1)
+    n = min(top_n, vocab)
+    # kept tokens by processed logprob, then cut ones by raw logprob (float64 keeps both orders exact)
+    key = torch.where(torch.isfinite(processed), processed.double(), raw.double() - 1e6)
+    top_ids = torch.topk(key, n, dim=-1).indices
+    raw_top = torch.topk(raw, n, dim=-1)
+    return LogProbs(
+        token_ids=tok,
+        logprob=processed.gather(1, col).squeeze(1),
+        raw_logprob=raw.gather(1, col).squeeze(1),
+        rank=1 + (x > x.gather(1, col)).sum(dim=-1),
+        top_ids=top_ids,
+        top_logprobs=processed.gather(1, top_ids),
+        top_raw_logprobs=raw.gather(1, top_ids),
+        raw_top_ids=raw_top.indices,
+        raw_top_logprobs=raw_top.values,
+    )
+
+
+def entropy(logits: Tensor) -> Tensor:
+    """Entropy in nats of softmax(logits) over the last dimension: [...,V] → [...] float32.
+    -inf logits are tokens of probability 0 and contribute nothing (0 · log 0 = 0)."""
+    if not isinstance(logits, Tensor):
+        raise TypeError(f"logits must be a torch.Tensor [..., V], got {type(logits).__name__}")
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating tensor, got {logits.dtype}")
+    if logits.dim() == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must have shape [..., V] with V ≥ 1, got {tuple(logits.shape)}")
+    x = logits.float()
+    _check_values(x.reshape(-1, x.shape[-1]))
+    logp = torch.log_softmax(x, dim=-1)
+    p = logp.exp()
+    return -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(dim=-1)

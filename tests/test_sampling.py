@@ -1,0 +1,579 @@
+"""The logits pipeline (lmhead.sampling): worked examples, the reference implementation, validation, draws."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import reference as ref
+import torch
+
+import lmhead
+from lmhead.sampling import (
+    LogProbs,
+    SamplingConfig,
+    apply_logit_bias,
+    apply_min_p,
+    apply_penalties,
+    apply_temperature,
+    apply_top_k,
+    apply_top_p,
+    entropy,
+    logprobs,
+    probabilities,
+    process_logits,
+    sample,
+)
+
+INF = float("inf")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These tests run many small tensor ops; on a shared, oversubscribed machine each op's thread-pool
+    handshake costs more than the op itself. One thread per test, restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def peaked(batch: int, vocab: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
+    """Logits shaped like a language model's: a few likely tokens over a long tail."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, vocab, generator=g) * scale
+    return x
+
+
+def assert_same_cut(ours: torch.Tensor, expected: torch.Tensor) -> None:
+    """Same kept set (finite entries) and the same values there."""
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(expected))
+    keep = torch.isfinite(expected)
+    torch.testing.assert_close(ours[keep], expected[keep].float(), **ref.tolerance(torch.float32))
+
+
+# --- the worked examples of the series --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("temperature", "expected"), [
+    (0.5, [0.982, 0.018, 0.0003]), (1.0, [0.867, 0.117, 0.016]), (2.0, [0.665, 0.245, 0.090])])
+def test_worked_example_three_tokens_matches_printed_rounding(temperature, expected):
+    probs = probabilities(torch.tensor([4.0, 2.0, 0.0]), SamplingConfig(temperature=temperature))
+    digits = [3, 3, 4] if temperature == 0.5 else [3, 3, 3]
+    assert [round(float(p), d) for p, d in zip(probs, digits, strict=True)] == expected
+
+
+@pytest.mark.parametrize(("temperature", "expected"), [(0.5, 0.881), (1.0, 0.731), (2.0, 0.622)])
+def test_worked_example_two_tokens_matches_printed_rounding(temperature, expected):
+    probs = probabilities(torch.tensor([[2.0, 1.0]]), SamplingConfig(temperature=temperature))
+    assert round(float(probs[0, 0]), 3) == expected
+
+
+# --- config validation ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [
+    ({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": INF}, "temperature"), ({"temperature": "1"}, "temperature"),
+    ({"top_k": -1}, "top_k"), ({"top_k": 2.0}, "top_k"), ({"top_k": True}, "top_k"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_p": float("nan")}, "top_p"),
+    ({"min_p": -0.1}, "min_p"), ({"min_p": 1.1}, "min_p"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"repetition_penalty": INF}, "repetition_penalty"),
+    ({"presence_penalty": INF}, "presence_penalty"), ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"logit_bias": {1: INF}}, "logit_bias"), ({"logit_bias": {1: float("nan")}}, "logit_bias"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias"), ({"logit_bias": {"a": 1.0}}, "logit_bias"),
+    ({"logit_bias": [1, 2]}, "logit_bias"),
+    ({"banned_tokens": (-2,)}, "banned_tokens"), ({"banned_tokens": "ab"}, "banned_tokens"),
+    ({"seed": 1.5}, "seed"), ({"seed": True}, "seed"),
+])
+def test_config_rejects_bad_values_naming_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingConfig(**kwargs)
+
+
+def test_config_is_frozen_hashable_and_normalised():
+    cfg = SamplingConfig(temperature=1, logit_bias={3: -INF, 1: 2}, banned_tokens=[5])
+    assert cfg.temperature == 1.0 and isinstance(cfg.temperature, float)
+    assert dict(cfg.logit_bias) == {3: -INF, 1: 2.0} and cfg.banned_tokens == (5,)
+    assert hash(cfg) == hash(SamplingConfig(temperature=1.0, logit_bias={1: 2.0, 3: -INF}, banned_tokens=(5,)))
+    with pytest.raises(AttributeError):
+        cfg.temperature = 2.0  # type: ignore[misc]
+
+
+def test_temperature_below_1e_5_is_greedy_like_vllm():
+    assert SamplingConfig(temperature=0).is_greedy and SamplingConfig(temperature=9e-6).is_greedy
+    assert not SamplingConfig(temperature=1e-5).is_greedy
+
+
+def test_public_names_are_exported():
+    for name in ["SamplingConfig", "process_logits", "probabilities", "sample", "logprobs", "entropy", "LogProbs",
+                 "apply_logit_bias", "apply_penalties", "apply_temperature", "apply_top_k", "apply_top_p",
+                 "apply_min_p"]:
+        assert getattr(lmhead, name) is not None
+
+
+# --- input validation -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [process_logits, probabilities, sample])
+def test_bad_logits_raise_naming_logits(fn):
+    cfg = SamplingConfig(top_k=2)
+    with pytest.raises(TypeError, match="logits"):
+        fn([[1.0, 2.0]], cfg)
+    with pytest.raises(TypeError, match="logits"):
+        fn(torch.tensor([[1, 2]]), cfg)
+    with pytest.raises(ValueError, match="logits"):
+        fn(torch.zeros(2, 3, 4), cfg)
+    with pytest.raises(ValueError, match="logits"):
+        fn(torch.zeros(2, 0), cfg)
+    for bad, what in [(float("nan"), "NaN"), (INF, "inf")]:
+        x = torch.zeros(3, 5)
+        x[1, 2] = bad
+        for c in [cfg, SamplingConfig(), SamplingConfig(temperature=0), SamplingConfig(top_p=0.5),
+                  SamplingConfig(min_p=0.1)]:
+            with pytest.raises(ValueError, match=f"logits.*{what}"):
+                fn(x, c)
+    x = torch.zeros(3, 5)
+    x[2] = -INF
+    with pytest.raises(ValueError, match="all -inf"):
+        fn(x, cfg)
+
+
+def test_banning_every_token_is_an_error():
+    with pytest.raises(ValueError, match="all -inf"):
+        sample(torch.zeros(1, 3), SamplingConfig(banned_tokens=(0, 1, 2)))
+
+
+def test_token_ids_outside_the_vocabulary_raise_naming_the_argument():
+    x = torch.zeros(2, 10)
+    with pytest.raises(ValueError, match="logit_bias"):
+        process_logits(x, SamplingConfig(logit_bias={10: 1.0}))
+    with pytest.raises(ValueError, match="banned_tokens"):
+        process_logits(x, SamplingConfig(banned_tokens=(12,)))
+    with pytest.raises(ValueError, match="prev_tokens"):
+        process_logits(x, SamplingConfig(repetition_penalty=1.2), prev_tokens=[[1, 10], [2]])
+    with pytest.raises(ValueError, match="prev_tokens"):
+        process_logits(x, SamplingConfig(), prev_tokens=torch.tensor([[1, -2], [0, 0]]))
+    with pytest.raises(ValueError, match="token_ids"):
+        logprobs(x, torch.tensor([0, 10]))
+    with pytest.raises(ValueError, match="token_ids"):
+        logprobs(x, torch.tensor([0]))
+
+
+def test_config_list_must_have_one_config_per_row():
+    with pytest.raises(ValueError, match="config"):
+        sample(torch.zeros(3, 4), [SamplingConfig()] * 2)
+    with pytest.raises(TypeError, match="config"):
+        sample(torch.zeros(1, 4), [{"temperature": 1.0}])
+
+
+def test_bad_prompt_len_step_and_generator_raise():
+    x = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="prompt_len"):
+        process_logits(x, SamplingConfig(presence_penalty=1.0), prev_tokens=[[1], [2]], prompt_len=-1)
+    with pytest.raises(ValueError, match="prompt_len"):
+        process_logits(x, SamplingConfig(presence_penalty=1.0), prev_tokens=[[1], [2]], prompt_len=[0])
+    with pytest.raises(ValueError, match="step"):
+        sample(x, SamplingConfig(seed=1), step=-1)
+    with pytest.raises(TypeError, match="generator"):
+        sample(x, SamplingConfig(), generator=1234)
+
+
+def test_step_functions_validate_their_setting():
+    x = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="temperature"):
+        apply_temperature(x, 0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        apply_top_k(x, -1)
+    with pytest.raises(ValueError, match="top_p"):
+        apply_top_p(x, 0.0)
+    with pytest.raises(ValueError, match="min_p"):
+        apply_min_p(x, 2.0)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        apply_penalties(x, [[1], [2]], repetition_penalty=-1.0)
+
+
+# --- the pipeline against the reference -------------------------------------------------------------------
+
+CONFIGS = [
+    SamplingConfig(),
+    SamplingConfig(temperature=0.8, top_k=50, top_p=0.9),
+    SamplingConfig(temperature=0.7, top_k=7),
+    SamplingConfig(temperature=1.3, top_p=0.8),
+    SamplingConfig(temperature=0.9, top_p=0.95, min_p=0.05),
+    SamplingConfig(temperature=1.1, min_p=0.1),
+    SamplingConfig(top_k=40, min_p=0.2),
+    SamplingConfig(temperature=0.6, top_k=3000, top_p=0.5),
+    SamplingConfig(temperature=0.0, top_k=5),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+@pytest.mark.parametrize(("batch", "vocab", "scale"), [(3, 1000, 3.0), (5, 4999, 1.0), (1, 37, 2.0)])
+def test_process_logits_matches_reference(cfg, batch, vocab, scale):
+    x = peaked(batch, vocab, seed=vocab, scale=scale)
+    assert_same_cut(process_logits(x, cfg), ref.sampling_process(x, [cfg] * batch))
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+def test_probabilities_are_softmax_of_processed_logits(cfg):
+    x = peaked(4, 777, seed=1)
+    probs = probabilities(x, cfg)
+    expected = torch.softmax(ref.sampling_process(x, [cfg] * 4).double(), dim=-1).float()
+    torch.testing.assert_close(probs, expected, **ref.tolerance(torch.float32))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(4))
+
+
+def test_step_functions_compose_to_the_pipeline():
+    x = peaked(4, 3001, seed=2)
+    cfg = SamplingConfig(temperature=0.7, top_k=100, top_p=0.8, min_p=0.05)
+    chained = apply_min_p(apply_top_p(apply_top_k(apply_temperature(x, 0.7), 100), 0.8), 0.05)
+    assert_same_cut(process_logits(x, cfg), chained)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_low_and_high_precision_logits_are_processed_in_float32(dtype):
+    x = peaked(3, 500, seed=3).to(dtype)
+    cfg = SamplingConfig(temperature=0.8, top_k=20, top_p=0.9)
+    out = probabilities(x, cfg)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, torch.softmax(ref.sampling_process(x.float(), [cfg] * 3), -1),
+                               **ref.tolerance(torch.float32))
+
+
+def test_input_logits_are_never_modified():
+    x = peaked(2, 100)
+    before = x.clone()
+    cfg = SamplingConfig(logit_bias={3: 5.0}, banned_tokens=(4,), repetition_penalty=1.3, presence_penalty=0.5)
+    process_logits(x, cfg, prev_tokens=[[1, 2], [3]])
+    probabilities(x, SamplingConfig(top_p=0.5))
+    sample(x, SamplingConfig(top_k=3))
+    assert torch.equal(x, before)
+
+
+def test_one_dimensional_logits_are_a_batch_of_one():
+    x = peaked(1, 64)
+    cfg = SamplingConfig(top_k=5, seed=7)
+    assert process_logits(x[0], cfg).shape == (64,)
+    torch.testing.assert_close(probabilities(x[0], cfg), probabilities(x, cfg)[0])
+    ids = sample(x[0], cfg)
+    assert ids.shape == () and int(ids) == int(sample(x, cfg)[0])
+    assert logprobs(x[0], int(ids), cfg).token_ids.shape == (1,)
+    pen = SamplingConfig(repetition_penalty=1.5)
+    torch.testing.assert_close(process_logits(x[0], pen, prev_tokens=[1, 2, 2]),
+                               process_logits(x, pen, prev_tokens=[[1, 2, 2]])[0])
+    torch.testing.assert_close(logprobs(x[0], 1, pen, prev_tokens=[1, 2]).logprob,
+                               logprobs(x, [1], pen, prev_tokens=[[1, 2]]).logprob)
+
+
+def test_empty_batch_gives_empty_results():
+    assert sample(torch.zeros(0, 8), SamplingConfig(top_k=2)).shape == (0,)
+    assert probabilities(torch.zeros(0, 8), SamplingConfig(top_p=0.5)).shape == (0, 8)
+
+
+# --- ties -------------------------------------------------------------------------------------------------
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth_like_hf():
+    x = torch.tensor([[5.0, 3.0, 3.0, 3.0, 1.0, 0.0], [5.0, 4.0, 3.0, 2.0, 1.0, 0.0]])
+    out = process_logits(x, SamplingConfig(top_k=2))
+    assert torch.isfinite(out).sum(-1).tolist() == [4, 2]
+    assert_same_cut(out, ref.sampling_process(x, [SamplingConfig(top_k=2)] * 2))
+
+
+def test_top_k_ties_created_by_the_temperature_division_count_as_ties():
+    a = 1.0
+    b = math.nextafter(a, 0.0)  # distinct, but a / 3 == b / 3 in float32 may round together
+    x = torch.tensor([[2.0, a, b, -1.0]])
+    cfg = SamplingConfig(temperature=3.0, top_k=2)
+    assert_same_cut(process_logits(x, cfg), ref.sampling_process(x, [cfg]))
+
+
+def test_top_p_keeps_a_tie_straddling_the_cut_whole():
+    # probs 0.4, 0.2, 0.2, 0.2: top_p 0.5 crosses inside the tie → all three tied tokens kept
+    x = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.2]]))
+    out = process_logits(x, SamplingConfig(top_p=0.5))
+    assert torch.isfinite(out).all()
+    out = process_logits(x, SamplingConfig(top_p=0.35))
+    assert torch.isfinite(out).tolist() == [[True, False, False, False]]
+
+
+def test_top_p_keeps_the_crossing_token():
+    x = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isfinite(process_logits(x, SamplingConfig(top_p=0.6))).tolist() == [[True, True, False, False]]
+    assert torch.isfinite(process_logits(x, SamplingConfig(top_p=0.81))).sum() == 3
+
+
+# --- top-p without top-k: the growing window ---------------------------------------------------------------
+
+
+def window_rows(vocab: int, kept: list[int], seed: int = 0) -> torch.Tensor:
+    """Rows whose top-p set has about `kept` tokens: that many high logits over a low tail."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(len(kept), vocab, generator=g)
+    for r, n in enumerate(kept):
+        top = torch.randperm(vocab, generator=g)[:n]
+        rows[r, top] += 12.0
+    return rows
+
+
+@pytest.mark.parametrize("kept", [[3, 100], [600, 5], [3000, 2, 40], [20000, 1]])
+def test_top_p_window_widens_and_falls_back_exactly(kept):
+    x = window_rows(30000, kept)
+    cfg = SamplingConfig(temperature=0.9, top_p=0.9)
+    assert_same_cut(process_logits(x, cfg), ref.sampling_process(x, [cfg] * len(kept)))
+    assert_same_cut(apply_top_p(x, 0.9), torch.stack([ref.sampling_top_p(r, 0.9) for r in x]))
+
+
+def test_top_p_on_flat_logits_is_exact():
+    x = torch.zeros(2, 5000)
+    x[1, :10] = 0.5
+    cfg = SamplingConfig(top_p=0.3)
+    assert_same_cut(process_logits(x, cfg), ref.sampling_process(x, [cfg] * 2))
+
+
+# --- mixed batches ----------------------------------------------------------------------------------------
+
+
+def test_mixed_batch_equals_each_row_on_its_own():
+    x = peaked(6, 2000, seed=5)
+    configs = [SamplingConfig(temperature=0), SamplingConfig(top_k=10, top_p=0.8), SamplingConfig(top_p=0.7),
+               SamplingConfig(top_k=10, top_p=0.8), SamplingConfig(min_p=0.3, logit_bias={1: 30.0}),
+               SamplingConfig(temperature=0, banned_tokens=tuple(range(1000)))]
+    out = process_logits(x, configs)
+    for r, cfg in enumerate(configs):
+        assert_same_cut(out[r], process_logits(x[r : r + 1], cfg)[0])
+    assert_same_cut(out, ref.sampling_process(x, configs))
+    ids = sample(x, configs, generator=torch.Generator().manual_seed(0))
+    assert int(ids[0]) == int(x[0].argmax())
+    assert int(ids[5]) == int(x[5, 1000:].argmax()) + 1000
+    assert int(ids[4]) == 1
+    assert torch.isfinite(out.gather(1, ids[:, None])).all()
+
+
+# --- greedy -----------------------------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax_after_bias_and_penalties():
+    x = torch.tensor([[1.0, 3.0, 2.0, 0.5], [4.0, 3.0, 2.0, 1.0]])
+    cfg = SamplingConfig(temperature=0, logit_bias={2: 1.5}, repetition_penalty=2.0)
+    ids = sample(x, cfg, prev_tokens=[[1], []])
+    assert ids.tolist() == [2, 0]  # row 0: 3/2 = 1.5 < 2 + 1.5
+    probs = probabilities(x, cfg, prev_tokens=[[1], []])
+    assert probs.tolist() == [[0.0, 0.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
+
+
+def test_greedy_picks_the_first_of_tied_maxima():
+    assert sample(torch.tensor([[1.0, 3.0, 3.0]]), SamplingConfig(temperature=0)).tolist() == [1]
+
+
+# --- bias and penalties -----------------------------------------------------------------------------------
+
+
+def test_logit_bias_adds_and_minus_inf_bans():
+    x = torch.zeros(2, 5)
+    out = apply_logit_bias(x, {1: 2.0, 3: -INF}, banned_tokens=[4])
+    assert out[0].tolist() == [0.0, 2.0, 0.0, -INF, -INF] and torch.equal(out[0], out[1])
+    ids = sample(torch.zeros(64, 5), SamplingConfig(logit_bias={3: -INF}, banned_tokens=(0, 1)))
+    assert set(ids.tolist()) <= {2, 4}
+
+
+def test_penalties_match_reference_with_padding_and_per_row_prompt_len():
+    x = peaked(3, 50, seed=9)
+    prev = [[1, 2, 2, 7, 7, 7, 9], [3, 3], [4, 5, 4, 6]]
+    plen = [2, 0, 3]
+    kwargs = {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.25}
+    ours = apply_penalties(x, prev, prompt_len=plen, **kwargs)
+    expected = torch.stack([ref.sampling_penalties(x[b], prev[b], plen[b], 1.3, 0.4, 0.25) for b in range(3)])
+    torch.testing.assert_close(ours, expected, **ref.tolerance(torch.float32))
+    padded = torch.full((3, 9), -1, dtype=torch.long)
+    for b, row in enumerate(prev):
+        padded[b, 2 : 2 + len(row)] = torch.tensor(row)  # left and right padding: only real tokens count
+    torch.testing.assert_close(apply_penalties(x, padded, prompt_len=plen, **kwargs), expected)
+    cfg = SamplingConfig(**kwargs)
+    torch.testing.assert_close(process_logits(x, cfg, prev_tokens=prev, prompt_len=plen), expected)
+
+
+def test_presence_and_frequency_count_generated_tokens_only():
+    x = torch.zeros(1, 6)
+    out = apply_penalties(x, [[1, 1, 2, 2, 2, 3]], presence_penalty=1.0, frequency_penalty=0.5, prompt_len=3)
+    # prompt = [1, 1, 2]; generated = [2, 2, 3]
+    assert out[0].tolist() == [0.0, 0.0, -2.0, -1.5, 0.0, 0.0]
+
+
+def test_repetition_penalty_counts_the_prompt_once_per_token():
+    x = torch.tensor([[2.0, -2.0, 2.0, 0.0]])
+    out = apply_penalties(x, [[0, 0, 0, 1, 3]], repetition_penalty=2.0, prompt_len=5)
+    assert out[0].tolist() == [1.0, -4.0, 2.0, 0.0]
+
+
+def test_per_row_penalties_in_a_mixed_batch():
+    x = torch.ones(2, 4)
+    configs = [SamplingConfig(repetition_penalty=2.0), SamplingConfig(frequency_penalty=1.0)]
+    out = process_logits(x, configs, prev_tokens=[[0], [0, 0]])
+    assert out.tolist() == [[0.5, 1.0, 1.0, 1.0], [-1.0, 1.0, 1.0, 1.0]]
+
+
+# --- draws ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(), SamplingConfig(top_k=3), SamplingConfig(top_p=0.9),
+                                 SamplingConfig(min_p=0.1, temperature=1.5)], ids=str)
+def test_draw_frequencies_follow_probabilities(cfg, gen):
+    row = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    n = 20_000
+    ids = sample(row.expand(n, 5).contiguous(), cfg, generator=gen)
+    freq = torch.bincount(ids, minlength=5).double() / n
+    probs = probabilities(row, cfg).double()
+    sigma = (probs * (1 - probs) / n).sqrt()
+    assert bool(((freq - probs).abs() <= 5 * sigma + 1e-12).all()), (freq, probs)
+
+
+def test_draw_never_picks_a_cut_token(gen):
+    x = peaked(16, 3000, seed=11)
+    for cfg in CONFIGS:
+        ids = sample(x, cfg, generator=gen)
+        assert torch.isfinite(process_logits(x, cfg).gather(1, ids[:, None])).all()
+
+
+def test_same_generator_state_gives_same_ids():
+    x = peaked(8, 500)
+    cfg = SamplingConfig(top_k=50, top_p=0.95)
+    a = sample(x, cfg, generator=torch.Generator().manual_seed(3))
+    b = sample(x, cfg, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(seed=42, top_k=50, top_p=0.9, temperature=0.8),
+                                 SamplingConfig(seed=42, top_p=0.99), SamplingConfig(seed=42)], ids=str)
+def test_seeded_row_gives_the_same_id_alone_or_at_position_5_of_8(cfg):
+    x = peaked(8, 3000, seed=12, scale=1.0)
+    row = x[5:6].clone()
+    others = [SamplingConfig(top_k=3)] * 5 + [cfg] + [SamplingConfig(temperature=0), SamplingConfig(seed=1)]
+    for step in range(8):
+        alone = sample(row, cfg, step=step)
+        in_batch = sample(x, others, step=step, generator=torch.Generator().manual_seed(step))
+        assert int(alone[0]) == int(in_batch[5])
+        homogeneous = sample(x, cfg, step=step)
+        assert int(alone[0]) == int(homogeneous[5])
+
+
+def test_seeded_draws_vary_with_step_and_seed_and_follow_probabilities():
+    row = torch.tensor([[1.0, 0.5, 0.0, -0.5]])
+    n = 1500  # one batch: a seeded config with one step per row gives n independent draws
+    draws = sample(row.expand(n, 4), SamplingConfig(seed=7), step=list(range(n))).tolist()
+    assert draws[:50] == [int(sample(row, SamplingConfig(seed=7), step=s)) for s in range(50)]
+    probs = probabilities(row, SamplingConfig())[0].double()
+    freq = torch.bincount(torch.tensor(draws), minlength=4).double() / len(draws)
+    assert bool(((freq - probs).abs() <= 5 * (probs * (1 - probs) / len(draws)).sqrt()).all())
+    other = sample(row.expand(200, 4), SamplingConfig(seed=8), step=list(range(200))).tolist()
+    assert other != draws[:200]
+
+
+def test_seeded_sampling_ignores_the_generator_argument():
+    x = peaked(2, 100)
+    cfg = SamplingConfig(seed=5, top_k=20)
+    a = sample(x, cfg, generator=torch.Generator().manual_seed(1), step=3)
+    b = sample(x, cfg, generator=torch.Generator().manual_seed(2), step=3)
+    assert torch.equal(a, b)
+
+
+# --- logprobs and entropy ---------------------------------------------------------------------------------
+
+
+def test_logprobs_raw_processed_rank_and_alternatives():
+    x = torch.tensor([[3.0, 1.0, 2.0, 2.0, -INF], [0.0, 0.0, 0.0, 5.0, 1.0]])
+    cfg = SamplingConfig(top_k=2, temperature=0.5)
+    lp = logprobs(x, [2, 4], cfg, top_n=3)
+    assert isinstance(lp, LogProbs)
+    raw = torch.log_softmax(x, -1)
+    processed = torch.log(probabilities(x, cfg))
+    torch.testing.assert_close(lp.raw_logprob, raw[[0, 1], [2, 4]])
+    torch.testing.assert_close(lp.logprob, processed[[0, 1], [2, 4]])
+    assert lp.rank.tolist() == [2, 2]  # row 0: 2.0 is tied with another 2.0 → both rank 2
+    assert lp.raw_top_ids[1].tolist()[:2] == [3, 4]
+    torch.testing.assert_close(lp.raw_top_logprobs, raw.gather(1, lp.raw_top_ids))
+    assert lp.top_ids[0, 0] == 0 and set(lp.top_ids[0, 1:].tolist()) == {2, 3}  # row 0 keeps 3 tied tokens
+    assert lp.top_ids[1, :2].tolist() == [3, 4] and int(lp.top_ids[1, 2]) in {0, 1, 2}  # kept, then by raw
+    assert lp.top_logprobs[1, 2] == -INF and torch.isfinite(lp.top_raw_logprobs).all()
+    torch.testing.assert_close(lp.top_raw_logprobs, raw.gather(1, lp.top_ids))
+
+
+def test_logprobs_to_list_is_json_ready():
+    x = peaked(2, 30)
+    lp = logprobs(x, sample(x, SamplingConfig(top_k=2)), SamplingConfig(top_k=2), top_n=4)
+    rows = lp.to_list()
+    text = json.dumps(rows, allow_nan=False)
+    assert len(rows) == 2 and "raw_top" in text and len(rows[0]["top"]) == 4
+    assert rows[0]["top"][3]["logprob"] is None
+
+
+def test_greedy_logprob_is_zero_for_the_argmax():
+    x = peaked(3, 40)
+    lp = logprobs(x, x.argmax(-1), SamplingConfig(temperature=0))
+    assert lp.logprob.tolist() == [0.0, 0.0, 0.0] and lp.rank.tolist() == [1, 1, 1]
+
+
+def test_entropy_matches_reference_and_edge_cases():
+    x = peaked(3, 100, seed=4)
+    x[0, :50] = -INF
+    ent = entropy(x)
+    expected = torch.tensor([ref.sampling_entropy(r) for r in x], dtype=torch.float32)
+    torch.testing.assert_close(ent, expected, **ref.tolerance(torch.float32))
+    torch.testing.assert_close(entropy(torch.zeros(2, 3, 8)), torch.full((2, 3), math.log(8)))
+    assert float(entropy(torch.tensor([0.0, -INF, -INF]))) == 0.0
+    with pytest.raises(ValueError, match="logits"):
+        entropy(torch.tensor([1.0, float("nan")]))
+    with pytest.raises(ValueError, match="all -inf"):
+        entropy(torch.tensor([-INF, -INF]))
+    with pytest.raises(TypeError, match="logits"):
+        entropy(torch.tensor([1, 2]))
+
+
+def test_whole_row_draw_follows_probabilities_across_blocks(gen):
+    # no cut-off: the draw picks a block of 1024 tokens by mass, then a token inside it (tail block included)
+    vocab, n = 2500, 8000
+    row = torch.full((vocab,), -30.0)
+    hot = torch.tensor([3, 1023, 1024, 2047, 2048, 2499])
+    row[hot] = torch.tensor([1.0, 0.5, 0.0, 1.5, -0.5, 0.8])
+    row[7] = -INF
+    cfg = SamplingConfig(temperature=1.0)
+    ids = sample(row.expand(n, vocab).contiguous(), cfg, generator=gen)
+    assert not bool((ids == 7).any())
+    probs = probabilities(row, cfg).double()[hot]
+    freq = torch.bincount(ids, minlength=vocab).double()[hot] / n
+    assert bool(((freq - probs).abs() <= 5 * (probs * (1 - probs) / n).sqrt()).all()), (freq, probs)
+
+
+def test_each_top_p_path_is_exercised_and_exact(monkeypatch):
+    import lmhead.sampling as sampling
+
+    calls = {"bins": 0, "windows": []}
+    real_bins, real_topk = sampling._top_p_bins, torch.topk
+
+    def bins(*args):
+        calls["bins"] += 1
+        return real_bins(*args)
+
+    def topk(x, k, *args, **kwargs):
+        calls["windows"].append(k)
+        return real_topk(x, k, *args, **kwargs)
+
+    monkeypatch.setattr(sampling, "_top_p_bins", bins)
+    monkeypatch.setattr(sampling.torch, "topk", topk)
+    x = window_rows(30000, [3, 600, 5000])
+    x[2, :5] = -INF  # -inf tokens and a wide range in the histogram path
+    x[2, 5:9] = -200.0
+    cfg = SamplingConfig(temperature=0.9, top_p=0.9)
+    out = process_logits(x, cfg)
+    monkeypatch.undo()
+    assert calls["windows"][:2] == [256, 1024] and calls["bins"] == 1
+    assert_same_cut(out, ref.sampling_process(x, [cfg] * 3))
+
+
+def test_histogram_top_p_with_ties_in_the_crossing_bin():
+    x = torch.randn(3, 4000, generator=torch.Generator().manual_seed(8)).round(decimals=1)  # many ties
+    for p in [0.3, 0.6, 0.9, 0.999]:
+        cfg = SamplingConfig(top_p=p)
+        assert_same_cut(process_logits(x, cfg), ref.sampling_process(x, [cfg] * 3))
