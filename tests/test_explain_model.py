@@ -1,0 +1,78 @@
+"""explain.py on the real packaged models (converted once, cached under $LMHEAD_CACHE)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from reference import hf_sliding_window_nll
+
+from lmhead import explain
+
+pytestmark = pytest.mark.model
+
+TEXT = (
+    "The cat sat on the mat and looked out of the window. It was raining, and the garden was grey and wet. "
+    "Somewhere a dog barked twice, then went quiet. The cat yawned, stretched, and went back to sleep.\n"
+    "Language models assign a probability to every token of a text; perplexity is the exponential of the "
+    "mean negative log-likelihood of the tokens, so lower is better."
+)
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m", "gemma-3-270m"])
+def model(request):
+    from lmhead import load_model
+
+    return load_model(request.param, progress=False)
+
+
+def test_perplexity_equals_transformers(model):
+    ids = torch.tensor([model.tokenizer(TEXT)["input_ids"]])
+    with torch.no_grad():
+        expected = math.exp(float(model.hf_model(ids, labels=ids).loss))
+    ev = explain.evaluate(model.hf_model, model.tokenizer, model.head, TEXT)
+    print(f"\n{model.name}: perplexity lmhead {ev.perplexity:.6f}, transformers {expected:.6f}, "
+          f"rel diff {abs(ev.perplexity / expected - 1):.2e} ({ev.token_count} tokens)")
+    assert ev.windows == 1 and ev.token_count == ids.shape[1]
+    assert ev.perplexity == pytest.approx(expected, rel=1e-4)
+    assert model.perplexity(TEXT) == pytest.approx(ev.perplexity, rel=1e-9)
+
+
+def test_sliding_window_equals_the_transformers_recipe(model):
+    ids = torch.tensor([model.tokenizer(TEXT)["input_ids"]])
+    total, count = hf_sliding_window_nll(model.hf_model, ids, window=48, stride=16)
+    ev = explain.evaluate(model.hf_model, model.tokenizer, model.head, TEXT, window=48, stride=16)
+    assert ev.scored_count == count == ids.shape[1] - 1
+    assert ev.perplexity == pytest.approx(math.exp(total / count), rel=1e-4)
+
+
+def test_logit_lens_last_layer_is_the_models_logits(model):
+    ids = torch.tensor([model.tokenizer("The capital of France is")["input_ids"]])
+    with torch.no_grad():
+        logits = model.hf_model(ids).logits[0, -1].float()
+    lens = explain.lens_logits(model.hf_model, model.head, ids)
+    assert lens.shape[0] == model.config.num_hidden_layers + 1
+    torch.testing.assert_close(lens[-1], logits, rtol=1e-4, atol=1e-4)
+
+
+def test_predict_on_the_real_model(model):
+    from lmhead.sampling import SamplingConfig, probabilities
+
+    config = SamplingConfig(temperature=0.8, top_k=50, top_p=0.9)
+    pred = model.predict("The capital of France is", top=20, config=config, layers=True)
+    ids = torch.tensor([model.tokenizer("The capital of France is")["input_ids"]])
+    with torch.no_grad():
+        logits = model.hf_model(ids).logits[:, -1].float()
+    probs = probabilities(logits, config, prev_tokens=ids, prompt_len=ids.shape[1])[0]
+    for c in pred.candidates:
+        assert c.probability == pytest.approx(float(probs[c.token_id]), abs=1e-6)
+    assert pred.kept_count == int((probs > 0).sum()) and 1 <= pred.kept_count <= 50
+    assert any("Paris" in c.decoded for c in pred.candidates)  # top-1 for SmolLM2; Gemma 270M says " the"
+    assert pred.layers[-1].candidates[0].token_id == pred.candidates[0].token_id
+
+
+def test_score_tokens_segments_rebuild_the_text(model):
+    scores = explain.score_tokens(model.hf_model, model.tokenizer, model.head, TEXT[:200])
+    assert "".join(s.segment for s in scores) == TEXT[:200]
+    assert all(s.rank >= 1 for s in scores[1:])
