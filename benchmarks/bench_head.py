@@ -1,0 +1,314 @@
+"""The LM head alone at decode time: fp32 vs bf16 vs the compressed heads, against this machine's bandwidth.
+
+    python benchmarks/bench_head.py [--models gemma-3-270m smollm2-135m] [--repeats 15] [--kernels] [--prefill 128]
+                                    [--decode 256 [--decode-prompts 5] [--decode-modes exact-int8 fp32]]
+
+For each head (real weights from the converted models under $LMHEAD_CACHE, read straight from the safetensors
+file; random weights with a note when the cache is missing) it prints, side by side in one process (medians
+of interleaved repeats):
+  - ms per decode step of the head alone ([1,D] -> [1,V]) per mode, the bytes that mode reads per step,
+    the effective GB/s and that as a share of the read bandwidth measured in the same run (a large sum);
+  - for the exact modes: whether argmax / top-10 equal the fp32 head's on real hidden states (from the
+    model's body when it loads, else random vectors with outlier dimensions), the candidates re-scored, the
+    fallbacks, and the largest probability difference to fp32;
+  - with --kernels: every matrix-vector kernel torch ships that we tried (decode and --prefill shapes);
+  - with --prefill N: the head on N positions at once per mode;
+  - with --decode N: end-to-end greedy decode (lmhead's loop with each head vs transformers' generate()),
+    tokens/s and whether the tokens are identical.
+Timings on a shared 2-core machine are noisy: compare the ratios, which are measured interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lmhead.compressed import CompressedHead
+
+SHAPES = {"gemma-3-270m": (262144, 640), "smollm2-135m": (49152, 576)}
+PROMPTS = ["The cat sat on the", "In 1492, Columbus", "def fibonacci(n):\n    ", "The capital of France is",
+           "Once upon a time", "Water boils at a temperature of", "import numpy as np\nx = np.",
+           "The quick brown fox jumps over the lazy dog. Then the dog woke up and"]
+
+
+def cache_folder(name: str) -> Path:
+    root = os.environ.get("LMHEAD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lmhead")
+    return Path(root) / "models" / name
+
+
+def load_weight(name: str) -> tuple[torch.Tensor, str]:
+    """The head weight [V,D]: the tied embedding (or lm_head) from the cached safetensors, else random."""
+    path = cache_folder(name) / "model.safetensors"
+    if path.exists():
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            key = "lm_head.weight" if "lm_head.weight" in f.keys() else "model.embed_tokens.weight"
+            return f.get_tensor(key).float().contiguous(), f"real weights ({path})"
+    V, D = SHAPES[name]
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(V, D, generator=g) * 0.03, "RANDOM weights (no converted model in the cache)"
+
+
+def load_hidden(name: str, D: int) -> tuple[torch.Tensor, str]:
+    """Final hidden states [N,D] at every position of a few prompts, from the model's body; else random."""
+    folder = cache_folder(name)
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(folder))
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        rows = []
+        with torch.no_grad():
+            for p in PROMPTS:
+                ids = tok(p, return_tensors="pt").input_ids
+                rows.append(model.model(input_ids=ids).last_hidden_state[0])
+        del model
+        return torch.cat(rows), f"{sum(r.shape[0] for r in rows)} real hidden states ({len(PROMPTS)} prompts)"
+    except Exception as exc:  # no cache / no transformers: random vectors shaped like real ones
+        g = torch.Generator().manual_seed(1)
+        h = torch.randn(64, D, generator=g) * 3
+        h[:, :4] *= 20
+        return h, f"RANDOM hidden states ({type(exc).__name__})"
+
+
+def read_bandwidth_gbs(repeats: int = 7) -> float:
+    """This machine's read bandwidth: a 1 GiB fp32 tensor summed (medians of repeats)."""
+    x = torch.ones(256 * 1024 * 1024)
+    x.sum()
+    t = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        t.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(t) / 1e9
+
+
+def interleaved(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds per call of each fn, measured round-robin so that load changes hit all alike."""
+    for f in fns.values():
+        f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def kernels(W: torch.Tensor, M: int, repeats: int) -> list[tuple[str, float, float]]:
+    """(name, ms, max |error| vs fp32) for every CPU kernel tried, on h [M,D]."""
+    V, D = W.shape
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(M, D, generator=g)
+    hb = h.bfloat16()
+    Wb = W.bfloat16()
+    s8 = (W.abs().amax(1) / 127).bfloat16()
+    q8 = torch.round(W / s8.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    heads = {G: CompressedHead(W, bits=4, group_size=G, exact_k=0) for G in (32, 64, 128) if D % G == 0}
+    fns = {
+        "fp32 F.linear": lambda: F.linear(h, W),
+        "bf16 F.linear (bf16 weight)": lambda: F.linear(hb, Wb),
+        "int8 _weight_int8pack_mm, bf16 x": lambda: torch.ops.aten._weight_int8pack_mm(hb, q8, s8),
+        "int8 _weight_int8pack_mm, fp32 x": lambda: torch.ops.aten._weight_int8pack_mm(h, q8, s8.float()),
+        "int8 dequantise, then fp32 F.linear": lambda: F.linear(h, q8.float() * s8.float()[:, None]),
+    }
+    for G, c in heads.items():
+        fns[f"int4 _weight_int4pack_mm_for_cpu G={G}"] = lambda c=c: c._approx_raw(h)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lin = torch.nn.Sequential(torch.nn.Linear(D, V, bias=False))
+            lin[0].weight.data = W
+            qlin = torch.ao.quantization.quantize_dynamic(lin, {torch.nn.Linear}, dtype=torch.qint8)
+        fns["ao quantize_dynamic qint8 (int8 activations too)"] = lambda: qlin(h)
+    except Exception as exc:  # removed in some torch builds
+        print(f"  (torch.ao dynamic quantisation unavailable: {exc})")
+    ref = F.linear(h, W)
+    errors = {k: float((f().float() - ref).abs().max()) for k, f in fns.items()}
+    times = interleaved(fns, repeats)
+    return [(k, times[k] * 1e3, errors[k]) for k in fns]
+
+
+def bench(name: str, repeats: int, show_kernels: bool, prefill: int) -> None:
+    W, origin = load_weight(name)
+    V, D = W.shape
+    H, hidden_origin = load_hidden(name, D)
+    print(f"\n## {name}: head [{V} x {D}], {origin}; {hidden_origin}")
+    t0 = time.perf_counter()
+    i8 = CompressedHead(W, bits=8)
+    t_i8 = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    i4 = CompressedHead(W, bits=4, group_size=32)
+    t_i4 = time.perf_counter() - t0
+    print(f"compression: int8 {t_i8:.1f} s, int4 {t_i4:.1f} s")
+    Wb = W.bfloat16()
+    h = H[-1:].clone()
+    modes = {
+        "fp32": (lambda: F.linear(h, W), V * D * 4),
+        "bf16 (approximate)": (lambda: F.linear(h.bfloat16(), Wb), V * D * 2),
+        "int8 (approximate)": (lambda: i8._approx_raw(h), i8.compressed_bytes),
+        "exact-int8": (lambda: i8(h), i8.compressed_bytes),
+        "int4 g32 (approximate)": (lambda: i4._approx_raw(h), i4.compressed_bytes),
+        "exact-int4 g32": (lambda: i4(h), i4.compressed_bytes),
+    }
+    bw = read_bandwidth_gbs()
+    times = interleaved({k: f for k, (f, _) in modes.items()}, repeats)
+    bw2 = read_bandwidth_gbs()
+    bw = max(bw, bw2)
+    print(f"read bandwidth (1 GiB fp32 sum, best of two runs): {bw:.1f} GB/s; torch threads: "
+          f"{torch.get_num_threads()}")
+    print(f"{'mode':26s} {'ms/step':>9s} {'vs fp32':>8s} {'MB read':>9s} {'GB/s':>7s} {'of peak':>8s}")
+    base = times["fp32"]
+    for k, (_, nbytes) in modes.items():
+        t = times[k]
+        print(f"{k:26s} {t * 1e3:9.2f} {base / t:7.2f}x {nbytes / 1e6:9.1f} {nbytes / t / 1e9:7.1f} "
+              f"{nbytes / t / 1e9 / bw:7.0%}")
+    print(f"(exact modes also read the re-scored fp32 rows: ~{D * 4 / 1e3:.1f} kB each)")
+
+    # exactness and candidates on every hidden state, one decode step at a time
+    ref = F.linear(H, W)
+    for label, head in (("exact-int8", i8), ("exact-int4 g32", i4)):
+        head.reset_stats()
+        argmax_ok = top10_ok = 0
+        perr = 0.0
+        for n in range(H.shape[0]):
+            out = head(H[n:n + 1])
+            argmax_ok += int(out.argmax(-1).item() == ref[n].argmax().item())
+            top10_ok += int(torch.equal(torch.topk(out[0], 10).indices, torch.topk(ref[n], 10).indices))
+            perr = max(perr, float((torch.softmax(out[0], -1) - torch.softmax(ref[n], -1)).abs().max()))
+        s = head.stats
+        print(f"{label}: argmax = fp32 on {argmax_ok}/{H.shape[0]}, top-10 on {top10_ok}/{H.shape[0]}; "
+              f"re-scored per step mean {s['candidates'] / max(1, s['rows']):.0f}, max {s['max_candidates']}; "
+              f"fallbacks {s['fallback_rows']} (too many candidates) + {s['tie_fallback_rows']} (fp32 near-tie); "
+              f"max |p - p_fp32| {perr:.2e}")
+
+    if prefill:
+        g = torch.Generator().manual_seed(3)
+        hp = torch.randn(prefill, D, generator=g)
+        full = CompressedHead(W, bits=8, max_rows=prefill)  # force the compressed path for the comparison
+        p_modes = {
+            "fp32": lambda: F.linear(hp, W),
+            "bf16 (approximate)": lambda: F.linear(hp.bfloat16(), Wb),
+            "int8 kernel (approximate)": lambda: i8._approx_raw(hp),
+            "int4 g32 kernel (approximate)": lambda: i4._approx_raw(hp),
+            f"exact-int8 with max_rows={prefill}": lambda: full(hp),
+        }
+        pt = interleaved(p_modes, max(3, repeats // 5))
+        print(f"prefill: {prefill} positions at once")
+        for k, t in pt.items():
+            print(f"  {k:36s} {t * 1e3:9.1f} ms  {pt['fp32'] / t:5.2f}x fp32")
+        del full
+
+    if show_kernels:
+        for M in (1, prefill or 0):
+            if not M:
+                continue
+            print(f"kernels, h [{M}, {D}] x W [{V}, {D}]^T (median ms; max |error| vs fp32 on N(0,1) input):")
+            for k, ms, err in kernels(W, M, repeats if M == 1 else max(3, repeats // 5)):
+                print(f"  {k:50s} {ms:9.2f} ms  {err:9.2e}")
+
+
+DECODE_PROMPTS = ["Once upon a time, in a small village by the sea, there lived",
+                  "The history of the Roman Empire begins with",
+                  "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n",
+                  "The three laws of thermodynamics are",
+                  "Dear hiring manager, I am writing to apply for"]
+
+
+def decode(name: str, new_tokens: int, n_prompts: int, modes: list[str]) -> None:
+    """End to end greedy decode: transformers' generate() vs lmhead's loop with each head mode, same model."""
+    from lmhead.compressed import use_head
+    from lmhead.models import load_model
+    from lmhead.sampling import SamplingConfig
+
+    model = load_model(name, progress=False)
+    greedy = SamplingConfig(temperature=0.0)
+    heads = {m: use_head(model, m).head for m in modes}  # compress once; switch by assignment
+
+    def ours(prompt: str, mode: str) -> tuple[float, list[int]]:
+        model.head = heads[mode]
+        t0 = time.perf_counter()
+        ids = [s.token_id for s in model.generate(prompt, new_tokens, config=greedy)]
+        return time.perf_counter() - t0, ids
+
+    def theirs(prompt: str) -> tuple[float, list[int]]:
+        enc = model.tokenizer(prompt, return_tensors="pt")
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.hf_model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, temperature=None,
+                                          top_k=None, top_p=None, pad_token_id=model.tokenizer.pad_token_id)
+        return time.perf_counter() - t0, out[0, enc["input_ids"].shape[1]:].tolist()
+
+    ours(DECODE_PROMPTS[0][:20], modes[0])  # warm-up
+    theirs(DECODE_PROMPTS[0][:20])
+    tok = {m: 0 for m in ["transformers", *modes]}
+    sec = {m: 0.0 for m in tok}
+    same = {m: 0 for m in modes}
+    for prompt in DECODE_PROMPTS[:n_prompts]:
+        t, ref = theirs(prompt)
+        tok["transformers"] += len(ref)
+        sec["transformers"] += t
+        for m in modes:
+            t, ids = ours(prompt, m)
+            tok[m] += len(ids)
+            sec[m] += t
+            same[m] += int(ids == ref)
+    print(f"\n## end to end greedy decode, {name}: {n_prompts} prompts x {new_tokens} new tokens, batch 1, "
+          f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
+    base = tok["transformers"] / sec["transformers"]
+    print(f"{'':26s} {'tokens/s':>9s} {'vs transformers':>16s} {'identical tokens':>17s}")
+    print(f"{'transformers generate()':26s} {base:9.2f} {1.0:15.2f}x {'-':>17s}")
+    for m in modes:
+        rate = tok[m] / sec[m]
+        print(f"{'lmhead, head=' + m:26s} {rate:9.2f} {rate / base:15.2f}x {same[m]:>11d}/{n_prompts} prompts")
+    for m in modes:
+        if m != "fp32":
+            print(f"{m} stats: {heads[m].stats}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--kernels", action="store_true", help="also time every kernel torch ships")
+    p.add_argument("--prefill", type=int, default=0, help="also time N positions at once")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--decode", type=int, default=0, metavar="N",
+                   help="also run end-to-end greedy decode of N new tokens (lmhead vs transformers)")
+    p.add_argument("--decode-prompts", type=int, default=5)
+    p.add_argument("--decode-modes", nargs="+", default=["exact-int8", "fp32"])
+    p.add_argument("--skip-head", action="store_true", help="only the end-to-end decode")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        import psutil
+
+        need = 2.5e9  # Gemma: fp32 weight + bf16 copy + int8 + int4 + the 1 GiB bandwidth probe
+        if psutil.virtual_memory().available < need:
+            print(f"skipped: needs {need / 2**30:.1f} GiB free")
+            return 0
+    except ImportError:
+        pass
+    print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    for name in args.models:
+        if not args.skip_head:
+            bench(name, args.repeats, args.kernels, args.prefill)
+        if args.decode:
+            decode(name, args.decode, args.decode_prompts, args.decode_modes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
