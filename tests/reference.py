@@ -25,10 +25,248 @@ def tolerance(dtype: torch.dtype) -> dict[str, float]:
 
 # --- head -------------------------------------------------------------------------------------------------
 
+
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   softcap: float | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+    """The LM head by definition: keep the last k positions, `F.linear` in the weight's dtype, upcast to
+    float32 (float64 stays float64), then softcap·tanh(logits/softcap). [..., T, D] -> [..., T', V]."""
+    if logits_to_keep:
+        hidden = hidden[..., -logits_to_keep:, :]
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    logits = logits.double() if logits.dtype == torch.float64 else logits.float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logits
+
+
 # --- sampling ---------------------------------------------------------------------------------------------
+# One row at a time, full-vocabulary sorts, Python loops: the definitions of lmhead.sampling's steps.
+
+
+def sampling_bias(row: torch.Tensor, logit_bias: dict | None, banned: tuple = ()) -> torch.Tensor:
+    """Step 1 on one row [V]: add each bias, then ban."""
+    out = row.float().clone()
+    for tok, val in (logit_bias or {}).items():
+        out[tok] = out[tok] + val
+    for tok in banned:
+        out[tok] = float("-inf")
+    return out
+
+
+def sampling_penalties(row: torch.Tensor, prev: list[int], prompt_len: int, repetition: float = 1.0,
+                       presence: float = 0.0, frequency: float = 0.0) -> torch.Tensor:
+    """Step 2 on one row [V]; `prev` is the prompt followed by the generated tokens (no padding)."""
+    out = row.float().clone()
+    for tok in set(prev):  # repetition (CTRL): once per token seen anywhere
+        out[tok] = out[tok] / repetition if out[tok] > 0 else out[tok] * repetition
+    generated = prev[prompt_len:]
+    for tok in set(generated):  # OpenAI: generated tokens only
+        count = generated.count(tok)
+        out[tok] = out[tok] - count * frequency - presence
+    return out
+
+
+def sampling_top_k(row: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep every logit ≥ the k-th largest (ties with it kept); k = 0 or ≥ V keeps all."""
+    if k <= 0 or k >= row.numel():
+        return row.clone()
+    kth = torch.sort(row, descending=True).values[k - 1]
+    return torch.where(row >= kth, row, torch.tensor(float("-inf")))
+
+
+def sampling_top_p(row: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep token i iff the probability mass of the tokens strictly more probable than i is < p."""
+    if p >= 1.0:
+        return row.clone()
+    probs = torch.softmax(row.double(), dim=-1).tolist()
+    values, order = torch.sort(row, descending=True)
+    values, order = values.tolist(), order.tolist()
+    keep = [False] * row.numel()
+    mass_above = 0.0  # mass of strictly larger values
+    i = 0
+    while i < len(values):
+        j = i
+        while j < len(values) and values[j] == values[i]:
+            j += 1
+        group = order[i:j]
+        for tok in group:
+            keep[tok] = mass_above < p or i == 0
+        mass_above += sum(probs[tok] for tok in group)
+        i = j
+    return torch.where(torch.tensor(keep), row, torch.tensor(float("-inf")))
+
+
+def sampling_min_p(row: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Keep tokens with p ≥ min_p · p_max, in float32 as HF computes it (a min_p so small that min_p · p_max
+    underflows to 0 keeps every token)."""
+    if min_p <= 0:
+        return row.clone()
+    probs = torch.softmax(row.float(), dim=-1)
+    return torch.where(probs >= min_p * probs.max(), row, torch.tensor(float("-inf")))
+
+
+def sampling_process(logits: torch.Tensor, configs: list, prev: list[list[int]] | None = None,
+                     prompt_len: list[int] | None = None) -> torch.Tensor:
+    """The whole pipeline (steps 1-6), row by row. configs: one SamplingConfig per row."""
+    rows = []
+    for b, cfg in enumerate(configs):
+        row = sampling_bias(logits[b], dict(cfg.logit_bias or {}), tuple(cfg.banned_tokens))
+        if prev is not None:
+            row = sampling_penalties(row, prev[b], (prompt_len or [0] * len(configs))[b],
+                                     cfg.repetition_penalty, cfg.presence_penalty, cfg.frequency_penalty)
+        if cfg.temperature < 1e-5:  # greedy: only the (first) argmax survives
+            out = torch.full_like(row, float("-inf"))
+            arg = int(torch.argmax(row))
+            out[arg] = row[arg]
+            rows.append(out)
+            continue
+        row = row / cfg.temperature
+        row = sampling_top_k(row, cfg.top_k)
+        row = sampling_top_p(row, cfg.top_p)
+        row = sampling_min_p(row, cfg.min_p)
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def sampling_entropy(row: torch.Tensor) -> float:
+    """-Σ p log p in nats, skipping p = 0."""
+    probs = torch.softmax(row.double(), dim=-1)
+    return -sum(float(q) * float(torch.log(q)) for q in probs if q > 0)
+
 
 # --- loss -------------------------------------------------------------------------------------------------
 
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
+                         label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+                         shift: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, lse) by definition, on the full logits: `lm_head_logits`, then `F.cross_entropy` per token
+    (torch's label smoothing), + z_loss·logsumexp² per non-ignored token. shift=True scores position t against
+    targets[..., t+1]. "mean" divides by the number of non-ignored tokens; with none of them the loss is 0
+    (F.cross_entropy would give NaN). lse is 0 at ignored positions."""
+    if shift:
+        hidden, targets = hidden[..., :-1, :], targets[..., 1:]
+    logits = lm_head_logits(hidden, weight, bias, softcap)
+    x = logits.reshape(-1, logits.shape[-1])
+    t = targets.reshape(-1)
+    per_token = torch.nn.functional.cross_entropy(x, t, ignore_index=ignore_index, reduction="none",
+                                                  label_smoothing=label_smoothing)
+    keep = t != ignore_index
+    lse = torch.logsumexp(x, dim=-1) * keep
+    per_token = per_token + z_loss * lse**2
+    if reduction == "none":
+        loss = per_token.reshape(targets.shape)
+    elif reduction == "sum":
+        loss = per_token.sum()
+    else:
+        loss = per_token.sum() / keep.sum().clamp(min=1)
+    return loss, lse.reshape(targets.shape)
+
+
 # --- distributed ------------------------------------------------------------------------------------------
 
+def vocab_shards(tensor: torch.Tensor, world_size: int, dim: int = 0) -> list[torch.Tensor]:
+    """The vocabulary split of lmhead.distributed: rank r holds `torch.tensor_split(x, world_size)[r]`."""
+    return list(torch.tensor_split(tensor, world_size, dim=dim))
+
+
+def full_vocab_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                             reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
+                             softcap: float | None = None) -> torch.Tensor:
+    """The single-process definition the vocab-parallel losses must equal: softcap, then `F.cross_entropy` on
+    the full [N,V] logits (computed in float32, float64 kept), plus z_loss·logsumexp² per non-ignored row.
+    `mean` over zero non-ignored rows is 0 (F.cross_entropy would give NaN)."""
+    x = logits.reshape(-1, logits.shape[-1])
+    x = x.double() if x.dtype == torch.float64 else x.float()
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    t = targets.reshape(-1)
+    per_row = torch.nn.functional.cross_entropy(x, t, ignore_index=ignore_index, reduction="none",
+                                                label_smoothing=label_smoothing)
+    keep = t != ignore_index
+    if z_loss:
+        per_row = per_row + z_loss * torch.logsumexp(x, dim=-1) ** 2 * keep
+    per_row = per_row * keep  # ignored rows: exactly 0
+    if reduction == "none":
+        return per_row.reshape(targets.shape)
+    if reduction == "sum":
+        return per_row.sum()
+    return per_row.sum() / keep.sum().clamp(min=1)
+
+
 # --- compressed head --------------------------------------------------------------------------------------
+
+
+def head_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, bias: torch.Tensor | None = None,
+              softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of the plain fp32 head, one row at a time (the decode shape): hidden [N,D] -> ([N,k], [N,k])."""
+    rows = [lm_head_logits(h[None].float(), weight.float(), bias, softcap)[0] for h in hidden]
+    values, ids = zip(*(torch.topk(r, k) for r in rows), strict=True)
+    return torch.stack(values), torch.stack(ids)
+
+
+def int8_rowwise_dequant(weight: torch.Tensor) -> torch.Tensor:
+    """Symmetric absmax int8 per row with a bf16 scale, dequantised: what the int8 kernel multiplies by."""
+    w = weight.double()
+    scale = (w.abs().amax(1) / 127).to(torch.bfloat16).double()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(w / scale[:, None]).clamp(-127, 127) * scale[:, None]
+
+
+def approx_logits_exact_arithmetic(hidden: torch.Tensor, dequant_weight: torch.Tensor) -> torch.Tensor:
+    """Σ_j ŵ_ij·bf16(h)_j in float64: the kernel's result before its fp32 accumulation and bf16 output."""
+    return hidden.to(torch.bfloat16).double() @ dequant_weight.double().T
+
+# --- explain ----------------------------------------------------------------------------------------------
+
+
+def hf_sliding_window_nll(hf_model, input_ids: torch.Tensor, window: int, stride: int) -> tuple[float, int]:
+    """(sum of next-token NLL, tokens scored) by transformers' perplexity recipe, on full logits.
+
+    The recipe of HF's "Perplexity of fixed-length models" guide: windows [begin, begin+window) for
+    begin = 0, stride, ...; labels = ids with the already-scored prefix set to -100; `model(ids, labels=...)`.
+    Unlike the guide (which weights each window's mean loss by `trg_len - 1`), the number of tokens the loss
+    actually averaged is counted, so the result is the exact mean over scored tokens.
+    """
+    n = input_ids.shape[1]
+    total, count, prev_end = 0.0, 0, 0
+    for begin in range(0, n, stride):
+        end = min(begin + window, n)
+        trg_len = end - prev_end
+        ids = input_ids[:, begin:end]
+        labels = ids.clone()
+        labels[:, :-trg_len] = -100
+        scored = int((labels[:, 1:] != -100).sum())
+        if scored:
+            with torch.no_grad():
+                loss = hf_model(input_ids=ids, labels=labels).loss
+            total += float(loss.double()) * scored
+            count += scored
+        prev_end = end
+        if end == n:
+            break
+    return total, count
+
+
+# --- generate ---------------------------------------------------------------------------------------------
+
+
+def generate_plain(hf_model, tokenizer, prompt: str, max_new_tokens: int, config, eos_ids) -> list[int]:
+    """The decode loop without a KV cache: each step runs transformers on the whole sequence so far, takes the
+    last position's logits and hands them to `lmhead.sampling.sample` (step = tokens generated so far).
+    Stops after an end-of-sequence id or `max_new_tokens` tokens."""
+    from lmhead.sampling import sample
+
+    prompt_ids = list(tokenizer(prompt)["input_ids"])
+    seq = list(prompt_ids)
+    out: list[int] = []
+    for step in range(max_new_tokens):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([seq])).logits[:, -1, :].float()
+        token = int(sample(logits, config, prev_tokens=[seq], prompt_len=len(prompt_ids), step=step)[0])
+        out.append(token)
+        seq.append(token)
+        if token in eos_ids:
+            break
+    return out

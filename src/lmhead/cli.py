@@ -26,6 +26,45 @@ def _print_json(obj: object) -> None:
     sys.stdout.flush()
 
 
+# --- shared options: the sampling pipeline (predict, generate, serve) ------------------------------------
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """The logits pipeline's settings, in pipeline order; defaults are SamplingConfig's (everything off, T=1)."""
+    g = p.add_argument_group("sampling (applied in this order: penalties, temperature, top-k, top-p, min-p)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="CTRL penalty on tokens already in the prompt or output (1 = off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty (0 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty (0 = off)")
+    g.add_argument("--temperature", "-t", type=float, default=1.0, help="temperature (0 = greedy; default 1)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with mass >= p (1 = off)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens with probability >= min_p x the top probability (0 = off)")
+
+
+def _sampling_config(args: argparse.Namespace):
+    """SamplingConfig from `_add_sampling_args`' options (and --seed where the command has it)."""
+    from lmhead.sampling import SamplingConfig
+
+    return SamplingConfig(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=getattr(args, "seed", None),
+    )
+
+
+def _add_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None,
+                   help="model name (gemma-3-270m, smollm2-135m), .gguf file or HF folder (default gemma-3-270m)")
+
+
+def _load(args: argparse.Namespace):
+    from lmhead.models import DEFAULT_MODEL, load_model
+
+    return load_model(args.model or DEFAULT_MODEL)
+
+
 # --- params -----------------------------------------------------------------------------------------------
 
 
@@ -90,9 +129,204 @@ def _run_params(args: argparse.Namespace) -> None:
                   " (and as much again for their gradient in training)")
 
 
+# --- predict ----------------------------------------------------------------------------------------------
+
+
+def _add_predict(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "predict",
+        help="the next-token candidates for a prompt, before and after the sampling pipeline",
+        description=(
+            "Show the prompt's tokens and the top candidates for the next token: logit, logit/T, raw "
+            "probability (softmax at T=1), processed probability (after penalties, temperature, top-k, "
+            "top-p, min-p; 0 for cut tokens), cumulative mass, which cut removed each token, the entropy of "
+            "both distributions and how many tokens survive. Computed over the full vocabulary."
+        ),
+    )
+    p.add_argument("prompt", help="the prompt text")
+    _add_model_arg(p)
+    _add_sampling_args(p)
+    p.add_argument("--top", type=int, default=10, help="candidates to show (default 10)")
+    p.add_argument("--layers", action="store_true",
+                   help="logit lens: the final norm + head applied after every layer (top candidates per layer)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(run=_run_predict)
+
+
+def _run_predict(args: argparse.Namespace) -> None:
+    config = _sampling_config(args)  # bad settings fail before the model loads
+    if args.top < 1:
+        raise ValueError(f"--top must be >= 1, got {args.top}")
+    model = _load(args)
+    pred = model.predict(args.prompt, top=args.top, config=config, layers=args.layers, model_name=model.name)
+    if args.json:
+        _print_json(pred.to_dict())
+        return
+    from lmhead._explain_display import print_prediction
+
+    print_prediction(pred)
+
+
+# --- eval -------------------------------------------------------------------------------------------------
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="perplexity of a text file (and how surprising each token was)",
+        description=(
+            "Perplexity = exp(mean next-token loss) of the file's text, tokenized with the tokenizer's "
+            "defaults (as transformers' model(ids, labels=ids).loss); the loss is lmhead's "
+            "linear_cross_entropy on the body's hidden states. Long texts are read in sliding windows: each "
+            "window scores only its new tokens, the rest is context."
+        ),
+    )
+    p.add_argument("file", help="a UTF-8 text file ('-' reads stdin)")
+    _add_model_arg(p)
+    p.add_argument("--window", type=int, default=None,
+                   help="tokens per window (default min(1024, the model's context length))")
+    p.add_argument("--stride", type=int, default=None, help="tokens the window moves by (default window/2)")
+    p.add_argument("--tokens", action="store_true",
+                   help="per-token log-probability and rank: with --json as a list, else the text coloured "
+                        "by rank (top-1 green, top-10 yellow, top-100 red, beyond purple, as GLTR)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_run_eval)
+
+
+def _run_eval(args: argparse.Namespace) -> None:
+    if args.file == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise ValueError(f"cannot read {args.file}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{args.file} is not UTF-8 text") from None
+    if not text.strip():
+        raise ValueError(f"{args.file} is empty: nothing to evaluate")
+    model = _load(args)
+    from lmhead.explain import evaluate
+
+    ev = evaluate(model.hf_model, model.tokenizer, model.head, text, window=args.window, stride=args.stride,
+                  tokens=args.tokens, progress=True, model_name=model.name)
+    if args.json:
+        _print_json(ev.to_dict())
+        return
+    from lmhead._explain_display import print_evaluation
+
+    print_evaluation(ev)
+
+
+# --- serve ------------------------------------------------------------------------------------------------
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="the explainer page and an OpenAI-compatible API on a local web server",
+        description=(
+            "Load a model and serve the explainer page (how the next token is chosen: candidates, "
+            "temperature/top-k/top-p/min-p sliders, entropy, logit lens, scoring, parameters) and a JSON API: "
+            "/api/* for the page, OpenAI-compatible /v1/completions, /v1/chat/completions and /v1/models. "
+            "API docs at /docs. Binds to 127.0.0.1 unless --host says otherwise."
+        ),
+    )
+    _add_model_arg(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    p.set_defaults(run=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    import uvicorn
+
+    from lmhead.server import create_app
+
+    model = _load(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"lmhead: warning: serving on {args.host}: anyone who can reach it can use the model",
+              file=sys.stderr)
+    print(f"lmhead: serving {model.name} at http://{args.host}:{args.port}/ (Ctrl-C stops)", file=sys.stderr)
+    uvicorn.run(create_app(model), host=args.host, port=args.port, log_level="warning")
+
+
+# --- generate ---------------------------------------------------------------------------------------------
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate text from a prompt, token by token, streamed as it comes",
+        description=(
+            "Generate up to --max-new-tokens tokens after PROMPT with lmhead's decode loop (KV cache, lmhead's "
+            "head and sampling pipeline), printing each piece of text as soon as it is chosen. Stops at the "
+            "model's end-of-sequence tokens, a --stop string (not printed), --max-new-tokens or the context "
+            "length. --json prints one JSON object per token (JSON lines): token_id, text, logprob, "
+            "raw_logprob, rank, finish_reason, index, top_logprobs, raw_top_logprobs. Ctrl-C stops and keeps "
+            "what was printed."
+        ),
+    )
+    p.add_argument("prompt", help="the prompt text")
+    _add_model_arg(p)
+    p.add_argument("--max-new-tokens", "-n", type=int, default=64, help="tokens to generate at most (default 64)")
+    _add_sampling_args(p)
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed for the draws: the same seed and settings give the same text")
+    p.add_argument("--stop", action="extend", nargs="+", default=None, metavar="S",
+                   help="stop strings: the text ends before the first one that appears")
+    p.add_argument("--top-logprobs", type=int, default=0, metavar="N",
+                   help="with --json: the N most likely alternatives at each step (0..20)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per generated token")
+    p.set_defaults(run=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> None:
+    import time
+
+    if not args.prompt:
+        raise ValueError("prompt: the prompt is empty")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not 0 <= args.top_logprobs <= 20:
+        raise ValueError(f"--top-logprobs must be in 0..20, got {args.top_logprobs}")
+    config = _sampling_config(args)  # bad settings fail before the model loads
+    model = _load(args)
+    from lmhead.generate import generate
+
+    steps = generate(model, args.prompt, args.max_new_tokens, config=config, stop=args.stop,
+                     top_logprobs=args.top_logprobs)
+    out, count, finish, t0 = sys.stdout, 0, None, time.perf_counter()
+    if not args.json:
+        out.write(args.prompt)
+        out.flush()
+    try:
+        for step in steps:
+            count, finish = count + 1, step.finish_reason
+            if args.json:
+                _print_json(step.to_dict())
+            else:
+                out.write(step.text)
+                out.flush()
+    except KeyboardInterrupt:  # keep what was printed, end the line, exit 130 (main)
+        if not args.json:
+            out.write("\n")
+            out.flush()
+        print(f"[interrupted after {count} tokens]", file=sys.stderr)
+        raise
+    if not args.json:
+        out.write("\n")
+        out.flush()
+        rate = count / max(time.perf_counter() - t0, 1e-9)
+        print(f"[{count} tokens, {rate:.1f} tokens/s, finish: {finish}]", file=sys.stderr)
+
+
 # --- commands added by later issues register here ----------------------------------------------------------
 
-_COMMANDS = [_add_params]
+_COMMANDS = [_add_params, _add_predict, _add_eval, _add_serve, _add_generate]
 
 
 def build_parser() -> argparse.ArgumentParser:

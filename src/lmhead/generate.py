@@ -1,0 +1,371 @@
+"""The decode loop: prefill once, then one token per step with the KV cache, streamed as `Step`s.
+
+    prompts ──tokenizer, left padding──▶ ids [B,T], mask [B,T], positions [B,T]
+      prefill:  body(ids, cache) ──hidden[:, -1]──▶ LMHead ──▶ logits [B,V]
+      each step: sampling pipeline (per-row config) ──▶ next ids [B] ──▶ Step per row (text delta, logprobs)
+                 ──▶ body(next ids [B,1], cache) ──▶ LMHead ──▶ logits [B,V]
+    a row stops on: an end-of-sequence id ("stop"), a stop string ("stop"), max_new_tokens or the context
+    length ("length"); finished rows leave the batch (their cache rows are dropped).
+
+Only the last position's hidden state goes through the head: logits are [B,V], never [B,T,V].
+Left padding is invisible to a row: padded keys are masked out and positions count real tokens only, so a
+row in a batch produces the tokens it would produce alone. Randomness: a row whose config has a seed draws
+from (seed, step) alone (see `lmhead.sampling.sample`); other rows share `generator` (or torch's global RNG).
+
+Text deltas: the generated ids are decoded as a whole (after a few prompt tokens, so a leading space that a
+tokenizer drops at the start of a text survives) and each step emits the new suffix; a trailing U+FFFD (an
+incomplete multi-byte character) and a possible beginning of a stop string are held back until resolved.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from lmhead.sampling import SamplingConfig, logprobs, process_logits, sample
+
+FINISH_REASONS = ("stop", "length")
+_PROMPT_CONTEXT = 4  # prompt tokens decoded before the generated ones, then cut off (keeps leading spaces)
+
+
+@dataclass
+class TopLogprob:
+    """One alternative at a step: a token, its text, its processed and its raw log-probability."""
+
+    token_id: int
+    text: str
+    logprob: float
+    raw_logprob: float
+
+
+@dataclass
+class Step:
+    """One generated token of one prompt.
+
+    token_id: the chosen token. text: the text this step adds (may be "" while a character or a possible stop
+    string is incomplete; a later step, at the latest the last one, carries it). logprob: log-probability of
+    the token under the distribution it was drawn from (after the sampling pipeline; 0.0 for a greedy pick);
+    raw_logprob: under the model's own softmax (temperature 1, nothing cut). rank: 1 + the number of tokens
+    the model found more likely. finish_reason: None, "stop" (an end-of-sequence id or a stop string) or
+    "length" (max_new_tokens or the context length). index: which prompt (0 for a single prompt).
+    top_logprobs: with `top_logprobs=n`, the n most likely tokens, best first: the tokens the pipeline kept
+    by processed log-probability, then cut ones (logprob -inf) by raw log-probability.
+    """
+
+    token_id: int
+    text: str
+    logprob: float
+    raw_logprob: float
+    rank: int
+    finish_reason: str | None = None
+    index: int = 0
+    top_logprobs: list[TopLogprob] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the fields above, alternatives as lists of dicts; a -inf logprob becomes None."""
+        d = asdict(self)
+        for item in [d, *d["top_logprobs"]]:
+            for key in ("logprob", "raw_logprob"):
+                if not math.isfinite(item[key]):
+                    item[key] = None
+        return d
+
+
+# --- validation --------------------------------------------------------------------------------------------
+
+
+def _prompts(prompt_or_prompts: str | Sequence[str]) -> tuple[list[str], bool]:
+    if isinstance(prompt_or_prompts, str):
+        prompts, single = [prompt_or_prompts], True
+    elif isinstance(prompt_or_prompts, Sequence) and not isinstance(prompt_or_prompts, (bytes, bytearray)):
+        prompts, single = list(prompt_or_prompts), False
+        if not prompts:
+            raise ValueError("prompt_or_prompts: the list of prompts is empty")
+    else:
+        raise TypeError(f"prompt_or_prompts: expected a str or a list of str, got {type(prompt_or_prompts).__name__}")
+    for i, p in enumerate(prompts):
+        what = "prompt" if single else f"prompt_or_prompts[{i}]"
+        if not isinstance(p, str):
+            raise TypeError(f"{what}: expected a str, got {type(p).__name__}")
+        if not p:
+            raise ValueError(f"{what}: the prompt is empty")
+    return prompts, single
+
+
+def _configs(config: SamplingConfig | Sequence[SamplingConfig] | None, n: int) -> list[SamplingConfig]:
+    if config is None:
+        return [SamplingConfig()] * n
+    if isinstance(config, SamplingConfig):
+        return [config] * n
+    if isinstance(config, Mapping):
+        return [SamplingConfig(**config)] * n  # SamplingConfig validates the values
+    if isinstance(config, Sequence) and not isinstance(config, str):
+        configs = list(config)
+        if len(configs) != n:
+            raise ValueError(f"config: got {len(configs)} configs for {n} prompts (one per prompt, or one for all)")
+        for i, c in enumerate(configs):
+            if not isinstance(c, SamplingConfig):
+                raise TypeError(f"config[{i}]: expected a SamplingConfig, got {type(c).__name__}")
+        return configs
+    raise TypeError(f"config: expected a SamplingConfig or a list of them, got {type(config).__name__}")
+
+
+def _stops(stop: str | Sequence[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop: every stop string must be a non-empty str, got {s!r}")
+    return stops
+
+
+# --- text deltas -------------------------------------------------------------------------------------------
+
+
+class _Detokenizer:
+    """Incremental text of one row: decode the generated ids as a whole, emit the new suffix.
+
+    `held` characters at the end are not emitted yet: an incomplete multi-byte character (U+FFFD at the end)
+    or the beginning of a stop string. `stop_at` is set when a stop string appears: the text ends before it.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stops: list[str], special: set[int]) -> None:
+        self.tokenizer, self.stops, self.special = tokenizer, stops, special
+        self.context = [i for i in prompt_ids if i not in special][-_PROMPT_CONTEXT:]
+        self.prefix = self._decode(self.context)
+        self.ids: list[int] = []
+        self.emitted = 0  # characters of the generated text already emitted
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _text(self) -> str:
+        full = self._decode(self.context + self.ids)
+        if full.startswith(self.prefix):
+            return full[len(self.prefix):]
+        return self._decode(self.ids)  # the prompt's tail decodes differently in context: fall back
+
+    def add(self, token_id: int) -> str:
+        """Append a token; return the text that is now certain (the stop string and after it excluded)."""
+        if token_id in self.special:  # special tokens have no text; skipping the decode saves time
+            self.ids.append(token_id)
+            return ""
+        self.ids.append(token_id)
+        text = self._text()
+        end = len(text)
+        for s in self.stops:  # the earliest stop string that appears (search from where it could start)
+            at = text.find(s, max(0, self.emitted - len(s) + 1))
+            if at != -1 and at < end:
+                end, self.stopped = at, True
+        if not self.stopped:
+            while end > self.emitted and text[end - 1] == "\ufffd":  # an incomplete character: wait
+                end -= 1
+            end -= self._stop_prefix(text, end)
+        delta = text[self.emitted:end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return delta
+
+    def _stop_prefix(self, text: str, end: int) -> int:
+        """Length of the longest suffix of text[:end] that begins a stop string (held back until resolved)."""
+        best = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, end - self.emitted), best, -1):
+                if text[end - k:end] == s[:k]:
+                    best = k
+                    break
+        return best
+
+    def flush(self) -> str:
+        """All remaining text when the row finishes without a stop string (a lone U+FFFD included)."""
+        if self.stopped:
+            return ""
+        text = self._text()
+        delta = text[self.emitted:]
+        self.emitted = len(text)
+        return delta
+
+
+# --- the loop ----------------------------------------------------------------------------------------------
+
+
+def generate(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int = 32,
+             config: SamplingConfig | Sequence[SamplingConfig] | None = None,
+             stop: str | Sequence[str] | None = None, top_logprobs: int = 0, *,
+             generator: torch.Generator | None = None, profile: dict[str, float] | None = None) -> Iterator[Step]:
+    """Generate up to `max_new_tokens` tokens per prompt, yielding one `Step` per token as it is chosen.
+
+    model: an `lmhead.Model`. prompt_or_prompts: a str (steps have index 0) or a list of str (steps carry the
+    prompt's `index`; rows interleave, each stops on its own). config: one SamplingConfig for all prompts or
+    a list with one per prompt (default: temperature 1, no cuts). stop: a str or list of str; the text ends
+    before the first one that appears. top_logprobs: how many alternatives each step lists (0..20).
+    generator: the torch.Generator for rows without a seed. profile: a dict to which the seconds spent in
+    "body", "head", "sampling" and "text" are added.
+
+    The arguments are checked when this is called (ValueError / TypeError naming the argument); the tokens
+    come as the iterator is consumed.
+    """
+    prompts, _ = _prompts(prompt_or_prompts)
+    configs = _configs(config, len(prompts))
+    stops = _stops(stop)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
+    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20:
+        raise ValueError(f"top_logprobs: must be an integer in 0..20, got {top_logprobs!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
+    prompt_ids = []
+    for i, p in enumerate(prompts):
+        ids = list(model.tokenizer(p)["input_ids"])
+        if not ids:
+            raise ValueError(f"prompt_or_prompts[{i}]: the prompt encodes to no tokens")
+        if model.context_length is not None and len(ids) >= model.context_length:
+            what = "prompt" if len(prompts) == 1 else f"prompt_or_prompts[{i}]"
+            raise ValueError(f"{what}: {len(ids)} tokens leaves no room in the model's context of "
+                             f"{model.context_length} tokens (at most {model.context_length - 1})")
+        prompt_ids.append(ids)
+    return _loop(model, prompt_ids, configs, stops, max_new_tokens, top_logprobs, generator, profile)
+
+
+class _Clock:
+    """Adds wall time per phase to `profile` (no-op and no syncs when profile is None)."""
+
+    def __init__(self, profile: dict[str, float] | None) -> None:
+        self.profile = profile
+        self.t = time.perf_counter() if profile is not None else 0.0
+
+    def lap(self, phase: str) -> None:
+        if self.profile is not None:
+            now = time.perf_counter()
+            self.profile[phase] = self.profile.get(phase, 0.0) + now - self.t
+            self.t = now
+
+
+def _count_greater(x: torch.Tensor, values: torch.Tensor) -> list[int]:
+    """Per row b: how many entries of x[b] are > values[b]."""
+    if x.device.type == "cpu":
+        # numpy compares on one thread. A torch elementwise op over a [V] row runs as a parallel region, and on
+        # a machine whose cores are busy each region waits a scheduler tick for its second thread (20 ms
+        # measured here, against 0.2 ms for this).
+        rows = x.numpy()
+        return [int(np.count_nonzero(rows[b] > v)) for b, v in enumerate(values.tolist())]
+    return (x > values[:, None]).sum(dim=-1).tolist()
+
+
+def _scores(logits: torch.Tensor, ids: torch.Tensor, cfg, prev, plen, top_n: int, greedy: bool):
+    """Per row: processed logprob, raw logprob and raw rank of `ids`, and (top_n > 0) the alternatives.
+
+    Equal to `sampling.logprobs` (which is used when alternatives are asked for). Without them the work is
+    one log_softmax (a row-wise kernel: one thread per row, no parallel region over V), a count, and for
+    sampled rows `process_logits`.
+    """
+    if top_n:
+        lp = logprobs(logits, ids, cfg, top_n=top_n, prev_tokens=prev, prompt_len=plen)
+        alts = [list(zip(*row, strict=True)) for row in zip(lp.top_ids.tolist(), lp.top_logprobs.tolist(),
+                                                            lp.top_raw_logprobs.tolist(), strict=True)]
+        return lp.logprob.tolist(), lp.raw_logprob.tolist(), lp.rank.tolist(), alts
+    x = logits.float()
+    col = ids[:, None]
+    raw = torch.log_softmax(x, dim=-1).gather(1, col).squeeze(1).tolist()
+    ranks = [1 + c for c in _count_greater(x, x.gather(1, col).squeeze(1))]
+    if greedy:  # a greedy row keeps only its argmax: probability 1
+        return [0.0] * len(raw), raw, ranks, None
+    processed = process_logits(x, cfg, prev_tokens=prev, prompt_len=plen)
+    chosen = torch.log_softmax(processed, dim=-1).gather(1, col).squeeze(1).tolist()
+    return chosen, raw, ranks, None
+
+
+@torch.inference_mode()
+def _loop(model, prompt_ids: list[list[int]], configs: list[SamplingConfig], stops: list[str],
+          max_new_tokens: int, top_n: int, generator: torch.Generator | None,
+          profile: dict[str, float] | None) -> Iterator[Step]:
+    device = model.head.weight.device
+    tokenizer = model.tokenizer
+    eos = torch.tensor(sorted(set(model.eos_token_ids)) or [-1], device=device)
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    n = len(prompt_ids)
+    lengths = [len(p) for p in prompt_ids]
+    width = max(lengths)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(eos[0].clamp(min=0))
+    ids = torch.full((n, width), pad, dtype=torch.long, device=device)
+    mask = torch.zeros((n, width), dtype=torch.long, device=device)
+    for r, p in enumerate(prompt_ids):  # left padding: every row's last token is at column -1
+        ids[r, width - len(p):] = torch.tensor(p, device=device)
+        mask[r, width - len(p):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # real tokens count 0, 1, 2, ... in every row
+    attention = mask if n > 1 and min(lengths) < width else None  # no padding: the plain causal mask
+    budget = [max_new_tokens if model.context_length is None
+              else min(max_new_tokens, model.context_length - length) for length in lengths]
+    penalties = [c.repetition_penalty != 1.0 or c.presence_penalty != 0.0 or c.frequency_penalty != 0.0
+                 for c in configs]
+    detok = [_Detokenizer(tokenizer, p, stops, special) for p in prompt_ids]
+    generated: list[list[int]] = [[] for _ in range(n)]
+
+    clock = _Clock(profile)
+    cache = model.new_cache()
+    hidden = model.hidden_states(ids, attention_mask=attention, position_ids=positions, past_key_values=cache)
+    clock.lap("body")
+    logits = model.head(hidden[:, -1:, :]).squeeze(1)  # [B,V]: the last position only
+    clock.lap("head")
+
+    rows = list(range(n))  # the prompt index of each live batch row
+    step = 0
+    while True:
+        live_configs = [configs[r] for r in rows]
+        use_prev = any(penalties[r] for r in rows)
+        prev = [prompt_ids[r] + generated[r] for r in rows] if use_prev else None
+        plen = [lengths[r] for r in rows] if use_prev else 0
+        cfg = live_configs[0] if len(set(map(id, live_configs))) == 1 else live_configs
+        next_ids = sample(logits, cfg, generator=generator, prev_tokens=prev, prompt_len=plen, step=step)
+        chosen, raw, ranks, alts = _scores(logits, next_ids, cfg, prev, plen, top_n, greedy=all(
+            c.is_greedy for c in live_configs))
+        eos_list = torch.isin(next_ids, eos).tolist()
+        clock.lap("sampling")
+
+        ids_list = next_ids.tolist()
+        keep: list[int] = []
+        for b, r in enumerate(rows):
+            token = ids_list[b]
+            generated[r].append(token)
+            finish = None
+            if eos_list[b]:
+                detok[r].ids.append(token)
+                text, finish = detok[r].flush(), "stop"
+            else:
+                text = detok[r].add(token)
+                if detok[r].stopped:
+                    finish = "stop"
+                elif len(generated[r]) >= budget[r]:
+                    text, finish = text + detok[r].flush(), "length"
+            top = [TopLogprob(t, tokenizer.decode([t]), v, rv) for t, v, rv in alts[b]] if top_n else []
+            clock.lap("text")
+            yield Step(token, text, chosen[b], raw[b], ranks[b], finish, r, top)
+            clock.t = time.perf_counter() if profile is not None else 0.0  # the consumer's time is not ours
+            if finish is None:
+                keep.append(b)
+        if not keep:
+            return
+        if len(keep) < len(rows):  # drop finished rows from the batch and the cache
+            index = torch.tensor(keep, device=device)
+            cache.batch_select_indices(index)
+            next_ids = next_ids[index]
+            positions = positions[index]
+            if attention is not None:
+                attention = attention[index]
+            rows = [rows[b] for b in keep]
+        step += 1
+        positions = positions[:, -1:] + 1
+        if attention is not None:
+            attention = torch.cat([attention, attention.new_ones((len(rows), 1))], dim=1)
+        hidden = model.hidden_states(next_ids[:, None], attention_mask=attention, position_ids=positions,
+                                     past_key_values=cache)
+        clock.lap("body")
+        logits = model.head(hidden).squeeze(1)  # [B,1,D] -> [B,V]
+        clock.lap("head")

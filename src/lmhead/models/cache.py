@@ -1,0 +1,171 @@
+"""The conversion cache: where converted models live and how a cached folder is trusted.
+
+Layout (one folder per model, published by an atomic rename)::
+
+    $LMHEAD_CACHE (or $XDG_CACHE_HOME/lmhead, or ~/.cache/lmhead)
+      models/<key>/              config.json, generation_config.json, model.safetensors, tokenizer files,
+                                 manifest.json (written last, inside the temporary folder)
+      models/.<key>.lock         flock: one process converts, the others wait and then read its result
+      models/.tmp-<key>-<pid>-*  a conversion in progress (renamed into place when complete)
+
+`manifest.json` records the source (GGUF sha256 and size, or the package version), the size and sha256 of
+every cached file, and the lmhead / transformers / torch versions that wrote it. A folder whose files do not
+match their manifest sizes is stale and rebuilt; `verify(..., checksums=True)` also re-hashes every file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+FORMAT = 2  # bump when the layout of a cached folder changes; older folders are rebuilt
+
+
+def cache_root() -> Path:
+    """The cache folder: $LMHEAD_CACHE, else $XDG_CACHE_HOME/lmhead, else ~/.cache/lmhead."""
+    env = os.environ.get("LMHEAD_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "lmhead"
+
+
+def models_dir() -> Path:
+    path = cache_root() / "models"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        from lmhead.models.errors import ModelError
+
+        raise ModelError(f"cannot create the model cache folder {path}: {exc.strerror}; "
+                         "set LMHEAD_CACHE to a writable folder") from exc
+    return path
+
+
+def sha256_file(path: Path, block: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def describe_files(folder: Path) -> dict[str, dict[str, Any]]:
+    """{file name: {size, sha256}} for every regular file in `folder` except the manifest."""
+    return {
+        p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != MANIFEST
+    }
+
+
+def read_manifest(folder: Path) -> dict[str, Any] | None:
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def verify(folder: Path, checksums: bool = False) -> str | None:
+    """Why `folder` cannot be used (a short reason), or None when it matches its manifest.
+
+    Sizes are always checked (a truncated file is caught for free); `checksums=True` re-hashes every file.
+    """
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return "no readable manifest.json"
+    if manifest.get("format") != FORMAT:
+        return f"cache format {manifest.get('format')} != {FORMAT}"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or "config.json" not in files:
+        return "manifest lists no files"
+    for name, info in files.items():
+        path = folder / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if size != info.get("size"):
+            return f"{name} has {size} bytes, the manifest says {info.get('size')}"
+        if checksums and sha256_file(path) != info.get("sha256"):
+            return f"{name} does not match its sha256"
+    return None
+
+
+@contextlib.contextmanager
+def lock(key: str) -> Iterator[None]:
+    """An exclusive lock per cache key, so that concurrent processes convert a model only once."""
+    path = models_dir() / f".{key}.lock"
+    with open(path, "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def new_tmp_dir(key: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=f".tmp-{key}-{os.getpid()}-", dir=models_dir()))
+
+
+def write_manifest(folder: Path, info: dict[str, Any]) -> dict[str, Any]:
+    manifest = {"format": FORMAT, **info, "files": describe_files(folder)}
+    tmp = folder / (MANIFEST + ".part")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    os.replace(tmp, folder / MANIFEST)
+    return manifest
+
+
+def publish(tmp: Path, final: Path) -> Path:
+    """Move a complete temporary folder into place atomically (call it holding `lock(key)`).
+
+    A folder already at `final` is stale (the caller checked it under the lock): it is moved aside and removed.
+    Should another writer still create `final` between the two renames (a process that does not take the
+    lock), its folder is kept if it verifies and ours is discarded: a lost race, not an error.
+    """
+    for path in [tmp, *tmp.iterdir()]:  # mkdtemp and safetensors create private files; the cache is shared
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    if final.exists():
+        trash = Path(tempfile.mkdtemp(prefix=f".trash-{final.name}-", dir=final.parent))
+        with contextlib.suppress(OSError):
+            os.rename(final, trash / "old")
+        shutil.rmtree(trash, ignore_errors=True)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if verify(final) is not None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def remove_stale_tmp(key: str) -> None:
+    """Remove temporary folders of `key` left by processes that died mid-conversion."""
+    for path in models_dir().glob(f".tmp-{key}-*"):
+        try:
+            pid = int(path.name[len(f".tmp-{key}-"):].split("-", 1)[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,139 @@
+"""GGUF -> a cached Hugging Face folder (config + safetensors + tokenizer), done once per model.
+
+transformers dequantizes the GGUF into an fp32 model and rebuilds the tokenizer from the GGUF's vocabulary
+(for Gemma's 262,144 tokens this takes minutes). It refuses `save_pretrained` on a GGUF-loaded model, so the
+state dict is written here with safetensors, each shared (tied) tensor once; loading the folder back with
+`from_pretrained` re-ties the head to the embedding from `config.tie_word_embeddings`.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+import time
+from pathlib import Path
+
+from lmhead.models.errors import ModelError
+
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf(path: Path) -> dict[str, object]:
+    """Parse a GGUF file's header and tensor table; a truncated or corrupt file raises ModelError.
+
+    Returns {"architecture", "tensors", "size"}. Every tensor's data must lie inside the file.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as exc:
+        raise ModelError(f"cannot read GGUF file {path}: {exc}") from exc
+    if len(head) < 8 or head[:4] != GGUF_MAGIC:
+        raise ModelError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
+    (version,) = struct.unpack("<I", head[4:8])
+    if version not in (2, 3):
+        raise ModelError(f"{path}: unsupported GGUF version {version} (supported: 2, 3)")
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+        arch_field = reader.fields.get("general.architecture")
+        arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else "unknown"
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+        n_tensors = len(reader.tensors)
+    except ModelError:
+        raise
+    except Exception as exc:  # the gguf parser raises many types on a damaged file
+        raise ModelError(f"{path} is a damaged GGUF file (truncated or corrupt: {type(exc).__name__}: {exc})") \
+            from exc
+    if end > size or n_tensors == 0:
+        raise ModelError(f"{path} is a truncated GGUF file: its tensors need {end} bytes, the file has {size}")
+    return {"architecture": arch, "tensors": n_tensors, "size": size}
+
+
+class Steps:
+    """A coarse progress display on stderr: `[i/n] label ... 12.3 s` (transformers adds its own tqdm bar)."""
+
+    def __init__(self, total: int, title: str, stream=None) -> None:
+        self.total, self.i, self.stream = total, 0, stream or sys.stderr
+        self.t0 = self.t = time.perf_counter()
+        self._print(title)
+
+    def _print(self, text: str) -> None:
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def step(self, label: str) -> None:
+        self._done()
+        self.i += 1
+        self.t = time.perf_counter()
+        self._print(f"  [{self.i}/{self.total}] {label} ...")
+
+    def _done(self) -> None:
+        if self.i:
+            self._print(f"        done in {time.perf_counter() - self.t:.1f} s")
+
+    def finish(self) -> float:
+        self._done()
+        elapsed = time.perf_counter() - self.t0
+        self._print(f"  converted in {elapsed:.1f} s")
+        return elapsed
+
+
+# Chat models end a turn with these tokens; their own HF generation configs list them as end-of-sequence ids
+# (Gemma 3: [1, 106]), but a GGUF file records only one eos id.
+END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>")
+
+
+def _eos_ids(model, tokenizer) -> list[int] | int | None:
+    value = model.generation_config.eos_token_id
+    ids = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+    vocab = tokenizer.get_vocab()
+    ids += [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and vocab[t] not in ids]
+    return ids[0] if len(ids) == 1 else ids or None
+
+
+def save_state_dict(model, path: Path) -> None:
+    """Write the model's state dict as safetensors, each shared storage (a tied head) only once."""
+    from safetensors.torch import save_file
+
+    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in seen:  # tied: transformers re-ties it on load from config.tie_word_embeddings
+            continue
+        seen[key] = name
+        tensors[name] = tensor.detach().contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def convert_gguf(gguf: Path, out: Path, steps: Steps) -> dict[str, object]:
+    """Convert `gguf` into an HF folder at `out` (which exists and is empty). Returns facts for the manifest."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    steps.step("reading the tokenizer from the GGUF")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as exc:
+        raise ModelError(f"transformers could not read the tokenizer of {gguf}: {type(exc).__name__}: {exc}") \
+            from exc
+    steps.step("de-quantizing the weights to float32")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:
+        raise ModelError(f"transformers could not load the weights of {gguf}: {type(exc).__name__}: {exc}") \
+            from exc
+    steps.step("writing safetensors, config and tokenizer")
+    # The weights are plain float32 now: without this, loading the folder would attach a GGUF quantizer.
+    if getattr(model.config, "quantization_config", None) is not None:
+        delattr(model.config, "quantization_config")
+    model.config.save_pretrained(out)
+    if model.generation_config is not None:
+        model.generation_config.eos_token_id = _eos_ids(model, tokenizer)
+        model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    save_state_dict(model, out / "model.safetensors")
+    return {"model_class": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters())}

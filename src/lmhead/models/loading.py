@@ -1,0 +1,255 @@
+"""Resolve a model name or path, convert GGUF files once into the cache, and load the cached folder.
+
+    load_model("gemma-3-270m")          a named model (registry.py): its package's GGUF, converted once
+    load_model("path/to/file.gguf")     any local GGUF file, converted once (keyed by path, size, mtime)
+    load_model("path/to/hf-folder")     a Hugging Face folder (config.json + safetensors + tokenizer), as is
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lmhead.models import cache
+from lmhead.models.convert import Steps, check_gguf, convert_gguf
+from lmhead.models.errors import ModelError
+from lmhead.models.registry import DEFAULT_MODEL, MODELS, ModelSpec
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a model comes from: `kind` is "named", "gguf" or "folder"; `folder` is what gets loaded."""
+
+    kind: str
+    name: str
+    path: Path | None = None  # the GGUF file or HF folder given by the user
+    spec: ModelSpec | None = None
+
+
+def resolve(name_or_path: str | os.PathLike[str]) -> Source:
+    """Turn a model name or path into a Source, or raise ModelError saying what is accepted."""
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"name_or_path must be a model name or a path, got {type(name_or_path).__name__}")
+    text = os.fspath(name_or_path)
+    if text in MODELS:
+        return Source("named", text, spec=MODELS[text])
+    path = Path(text).expanduser()
+    if path.is_file():
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic == b"GGUF" or path.suffix.lower() == ".gguf":
+            return Source("gguf", path.stem, path=path.resolve())
+        raise ModelError(f"{path} is not a model: expected a .gguf file or a Hugging Face model folder "
+                         "(config.json + safetensors + tokenizer)")
+    if path.is_dir():
+        missing = []
+        if not (path / "config.json").is_file():
+            missing.append("config.json")
+        if not any((path / f).is_file() for f in _WEIGHT_FILES) and not list(path.glob("*.safetensors")):
+            missing.append("weights (*.safetensors)")
+        if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+            missing.append("a tokenizer (tokenizer.json or tokenizer.model)")
+        if missing:
+            raise ModelError(f"{path} is not a model folder: it has no {', no '.join(missing)}")
+        return Source("folder", path.resolve().name, path=path.resolve())
+    if os.sep in text or text.endswith(".gguf") or text.startswith("."):
+        raise ModelError(f"no such file or folder: {text}")
+    known = ", ".join(MODELS)
+    raise ModelError(f"unknown model {text!r}; known models: {known} (or a .gguf file or a model folder path)")
+
+
+def _key(source: Source) -> str:
+    if source.kind == "named":
+        return source.name
+    digest = hashlib.sha1(str(source.path).encode()).hexdigest()[:10]
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", source.name)[:60]
+    return f"gguf-{slug}-{digest}"
+
+
+def _source_facts(source: Source) -> dict[str, Any]:
+    """What the cached folder must have been built from; compared with the manifest's `source`."""
+    if source.kind == "named":
+        return {"package": source.spec.distribution, "package_version": source.spec.package_version()}
+    st = source.path.stat()
+    return {"gguf_path": str(source.path), "gguf_size": st.st_size, "gguf_mtime_ns": st.st_mtime_ns}
+
+
+def _cache_usable(folder: Path, source: Source, checksums: bool) -> str | None:
+    """None when `folder` holds a usable conversion of `source`, else the reason it does not."""
+    reason = cache.verify(folder, checksums=checksums)
+    if reason is not None:
+        return reason
+    built = cache.read_manifest(folder).get("source", {})
+    facts = _source_facts(source)
+    if source.kind == "named" and facts["package_version"] is None:
+        return None  # package uninstalled since: the converted copy is still the same model
+    changed = [k for k, v in facts.items() if built.get(k) != v]
+    return f"the source changed ({', '.join(changed)})" if changed else None
+
+
+def cached_folder(source: Source, checksums: bool = False, progress: bool = True) -> Path:
+    """The cache folder holding `source` converted to an HF folder, converting it first if needed."""
+    key = _key(source)
+    folder = cache.models_dir() / key
+    if _cache_usable(folder, source, checksums) is None:
+        return folder
+    if source.kind == "named":
+        source.spec.require()
+    with cache.lock(key):
+        # Another process may have finished the conversion while we waited for the lock.
+        reason = _cache_usable(folder, source, checksums)
+        if reason is None:
+            return folder
+        cache.remove_stale_tmp(key)
+        _build(source, folder, key, reason if folder.exists() else None, progress)
+    return folder
+
+
+def _build(source: Source, folder: Path, key: str, stale_reason: str | None, progress: bool) -> None:
+    import transformers
+
+    import lmhead
+
+    stream = None if progress else open(os.devnull, "w")  # closed in the finally clause
+    tmp = cache.new_tmp_dir(key)
+    try:
+        title = f"lmhead: converting {source.name} to float32 safetensors (once; cached in {folder})"
+        if stale_reason:
+            title += f"\n  rebuilding the cached copy: {stale_reason}"
+        steps = Steps(4, title, stream=stream)
+        steps.step("locating the GGUF file" if source.kind != "named" else
+                   f"getting the GGUF file from the package {source.spec.distribution}")
+        src_dir = tmp / "gguf"
+        src_dir.mkdir()
+        gguf = source.spec.gguf(src_dir) if source.kind == "named" else source.path
+        info = check_gguf(gguf)
+        facts = _source_facts(source)
+        facts.update(gguf_sha256=cache.sha256_file(gguf), gguf_size=info["size"],
+                     architecture=info["architecture"], gguf_file=gguf.name)
+        out = tmp / "out"
+        out.mkdir()
+        with contextlib.nullcontext() if progress else _no_progress_bars():  # transformers' own tqdm bars
+            extra = convert_gguf(gguf, out, steps)
+        cache.write_manifest(out, {
+            "name": source.name, "source": facts, **extra,
+            "versions": {"lmhead": lmhead.__version__, "transformers": transformers.__version__,
+                         "torch": __import__("torch").__version__},
+        })
+        steps.finish()
+        cache.publish(out, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if stream is not None:
+            stream.close()
+
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token", "sep_token", "cls_token")
+
+
+def fast_tokenizer(folder: Path):
+    """The tokenizer of a cached folder, built straight from tokenizer.json by the Rust `tokenizers` library.
+
+    Equal to `AutoTokenizer.from_pretrained(folder)` (tests/test_models_real.py checks encodings and decodings)
+    but seconds faster for Gemma's 262,144-token vocabulary: AutoTokenizer parses the 33 MB tokenizer.json in
+    Python twice and rebuilds the vocabulary in GemmaTokenizer.__init__.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    kwargs = {k: config[k] for k in _SPECIAL_TOKEN_KEYS if isinstance(config.get(k), str)}
+    if isinstance(config.get("model_max_length"), int):
+        kwargs["model_max_length"] = config["model_max_length"]
+    template = folder / "chat_template.jinja"
+    if template.is_file():
+        kwargs["chat_template"] = template.read_text()
+    # tokenizer_file, not tokenizer_object: transformers deep-copies a tokenizer object (another full parse)
+    return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), **kwargs)
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    from transformers.utils import logging
+
+    enabled = logging.is_progress_bar_enabled()
+    if enabled:
+        logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            logging.enable_progress_bar()
+
+
+def load_folder(folder: Path, cached: bool = False):
+    """(hf_model in eval mode and float32, tokenizer) from an HF folder; errors become ModelError.
+
+    `cached`: a folder this module wrote (tokenizer.json + tokenizer_config.json): use `fast_tokenizer`.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = fast_tokenizer(folder) if cached else AutoTokenizer.from_pretrained(str(folder))
+        with _no_progress_bars():  # loading float32 safetensors takes a second: no "Loading weights" bar
+            hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    except Exception as exc:
+        raise ModelError(f"could not load the model folder {folder}: {type(exc).__name__}: {exc}") from exc
+    return hf_model.eval(), tokenizer
+
+
+def load_model(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, verify: bool = False,
+               progress: bool = True, head: str = "auto"):
+    """Load a model by name ("gemma-3-270m", "smollm2-135m"), GGUF file path or HF folder path -> Model.
+
+    GGUF models are converted once into the cache (`lmhead.models.cache_root()`; a progress display goes to
+    stderr) and loaded from there afterwards. `verify=True` re-hashes the cached files against their manifest
+    (sizes are always checked). A cache that turns out unreadable is rebuilt once.
+    `head` picks the LM head used by generate/predict/the server (`lmhead.compressed`): "auto" (default:
+    "exact-int8" for heads of >= 256 MiB in fp32, else "fp32"), "fp32", "exact-int8", "int8", "int4".
+    """
+    from lmhead.compressed import HEAD_MODES  # compressed head (issue 7)
+    from lmhead.models.model import Model
+
+    # --- compressed head (issue 7): validate before the slow load; applied by _with_head below ---
+    if head != "auto" and head not in HEAD_MODES:
+        raise ValueError(f"head must be one of auto, {', '.join(HEAD_MODES)}; got {head!r}")
+    # --- end compressed head ---
+
+    source = resolve(name_or_path)
+    if source.kind == "folder":
+        hf_model, tokenizer = load_folder(source.path)
+        return _with_head(Model(hf_model, tokenizer, name=source.name, path=source.path), head)
+    folder = cached_folder(source, checksums=verify, progress=progress)
+    try:
+        hf_model, tokenizer = load_folder(folder, cached=True)
+    except ModelError as exc:  # passed the size check but does not load (e.g. a damaged header): rebuild
+        with cache.lock(_key(source)):  # so that cached_folder rebuilds it
+            shutil.rmtree(folder, ignore_errors=True)
+        folder = cached_folder(source, checksums=True, progress=progress)
+        try:
+            hf_model, tokenizer = load_folder(folder, cached=True)
+        except ModelError:
+            raise exc from None
+    return _with_head(Model(hf_model, tokenizer, name=source.name, path=folder), head)
+
+
+# --- compressed head (issue 7) ---
+def _with_head(model, head: str):
+    """The model with the LM head of mode `head` (see `lmhead.compressed.use_head`); the fp32 LMHead stays
+    available as `model.fp32_head`."""
+    from lmhead.compressed import use_head
+
+    return use_head(model, head)
+# --- end compressed head ---

@@ -1,0 +1,134 @@
+"""`Model`: a transformers body and tokenizer, with lmhead's `LMHead` on the model's own head weight.
+
+    ids [B,T] ──hf_model.model (embedding, blocks, final norm)──▶ hidden [B,T,D] ──self.head──▶ logits [B,T',V]
+
+lmhead takes over after the body: `hidden_states()` stops at the final norm, and everything after it (the head,
+its softcap, the sampling pipeline) is lmhead's. The head shares the model's weight (tied or not); nothing is
+copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmhead.head import LMHead
+
+
+class Model:
+    """A loaded language model. Build it with `lmhead.load_model(...)`.
+
+    Attributes: `hf_model` (transformers, eval mode, float32), `tokenizer`, `head` (LMHead sharing the model's
+    head weight; softcap from `config.final_logit_softcapping`), `name`, `config`, `eos_token_ids`,
+    `context_length`, `path` (the folder it was loaded from).
+    """
+
+    def __init__(self, hf_model, tokenizer, name: str = "model", path: Path | None = None) -> None:
+        self.hf_model = hf_model.float().eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.path = path
+        self.config = hf_model.config
+        text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        self.body = hf_model.base_model  # embedding + blocks + final norm
+        out = hf_model.get_output_embeddings()
+        softcap = getattr(text_config, "final_logit_softcapping", None)
+        self.head = LMHead.from_weight(out.weight, bias=getattr(out, "bias", None), softcap=softcap or None)
+        self.eos_token_ids = _eos_ids(hf_model, tokenizer)
+        self.context_length = int(getattr(text_config, "max_position_embeddings", 0) or 0) or None
+        if getattr(tokenizer, "pad_token_id", None) is None and self.eos_token_ids:
+            tokenizer.pad_token_id = self.eos_token_ids[0]
+
+    def __repr__(self) -> str:
+        return (f"Model({self.name!r}, vocab={self.head.weight.shape[0]}, width={self.head.weight.shape[1]}, "
+                f"layers={getattr(self.config, 'num_hidden_layers', '?')}, context={self.context_length})")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.head.weight.shape[0])
+
+    def encode(self, prompt: str) -> list[int]:
+        """The prompt's token ids, with the tokenizer's special tokens (e.g. Gemma's <bos>) as the model expects."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    @torch.no_grad()  # not inference_mode: callers may feed the result to autograd code
+    def hidden_states(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      past_key_values: Any = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The body's final hidden state [B,T,D] (after the final norm) for `ids` [B,T].
+
+        `past_key_values` (a transformers Cache) is extended in place with this call's keys and values;
+        `attention_mask` [B, past+T] (1 = token, 0 = padding) and `position_ids` [B,T] serve left-padded batches
+        (without a cache, positions default to counting the real tokens of each row).
+        """
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        empty = past_key_values is None or past_key_values.get_seq_length() == 0
+        if position_ids is None and attention_mask is not None and empty:
+            # left padding: positions count real tokens only (as transformers' generate does)
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        out = self.body(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
+                        cache=past_key_values, use_cache=past_key_values is not None)
+        return out.last_hidden_state
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               logits_to_keep: int = 0) -> torch.Tensor:
+        """lmhead's logits [B,T',V] float32 for `ids` [B,T]: the body, then our head (T' = logits_to_keep or T)."""
+        head = getattr(self, "fp32_head", self.head)  # compressed head (issue 7): full logits stay fp32-exact
+        return head(self.hidden_states(ids, attention_mask), logits_to_keep=logits_to_keep)
+
+    def new_cache(self):
+        """An empty KV cache for this model (a transformers DynamicCache, sliding layers included)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    def generate(self, prompt_or_prompts: str | Sequence[str], max_new_tokens: int = 32, config=None,
+                 stop: str | Sequence[str] | None = None, top_logprobs: int = 0) -> Iterator:
+        """Stream generated tokens as `Step`s; see `lmhead.generate.generate`."""
+        from lmhead.generate import generate
+
+        return generate(self, prompt_or_prompts, max_new_tokens, config=config, stop=stop,
+                        top_logprobs=top_logprobs)
+
+    def predict(self, prompt: str, top: int = 10, config=None, layers: bool = False, **kwargs):
+        """The next-token candidates for `prompt`; see `lmhead.explain.predict`."""
+        from lmhead import explain
+
+        kwargs.setdefault("model_name", self.name)
+        return explain.predict(self.hf_model, self.tokenizer, self.head, prompt, top=top, config=config,
+                               layers=layers, **kwargs)
+
+    def evaluate(self, text: str, **kwargs):
+        """Perplexity, loss and (tokens=True) per-token scores of `text`; see `lmhead.explain.evaluate`."""
+        from lmhead import explain
+
+        kwargs.setdefault("model_name", self.name)
+        return explain.evaluate(self.hf_model, self.tokenizer, self.head, text, **kwargs)
+
+    def perplexity(self, text: str, **kwargs):
+        """The model's perplexity on `text`; see `lmhead.explain.perplexity`."""
+        from lmhead import explain
+
+        return explain.perplexity(self.hf_model, self.tokenizer, self.head, text, **kwargs)
+
+
+def _eos_ids(hf_model, tokenizer) -> list[int]:
+    """Every end-of-sequence id the model knows: generation_config's (int or list) and the tokenizer's."""
+    ids: list[int] = []
+    for value in (getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None),
+                  getattr(hf_model.config, "eos_token_id", None),
+                  getattr(tokenizer, "eos_token_id", None)):
+        if value is None:
+            continue
+        for i in value if isinstance(value, (list, tuple)) else [value]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return ids

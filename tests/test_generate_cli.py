@@ -1,0 +1,112 @@
+"""`lmhead generate`: streaming, JSON lines, stop strings, errors (exit 2) and Ctrl-C (exit 130)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny import tiny_model
+
+from lmhead.cli import main
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    hf_model, tok = tiny_model("llama")
+    hf_model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_json_lines_one_object_per_token(folder, capsys):
+    code = main(["generate", "The cat sat", "--model", folder, "-n", "6", "--temperature", "0.9",
+                 "--seed", "3", "--json", "--top-logprobs", "2"])
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    steps = [json.loads(line) for line in lines]
+    assert 1 <= len(steps) <= 6
+    for s in steps:
+        assert {"token_id", "text", "logprob", "raw_logprob", "rank", "finish_reason", "index",
+                "top_logprobs"} <= set(s)
+        assert len(s["top_logprobs"]) == 2
+    assert steps[-1]["finish_reason"] in ("stop", "length")
+
+
+def test_text_output_is_the_prompt_then_the_generated_text(folder, capsys):
+    assert main(["generate", "The cat sat", "--model", folder, "-n", "8", "--seed", "5", "--json"]) == 0
+    text = "".join(json.loads(line)["text"] for line in capsys.readouterr().out.splitlines())
+    assert main(["generate", "The cat sat", "--model", folder, "-n", "8", "--seed", "5"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "The cat sat" + text + "\n"
+    assert "tokens/s" in captured.err
+
+
+def test_a_seed_reproduces_the_cli_output(folder, capsys):
+    outs = []
+    for _ in range(2):
+        main(["generate", "Hello", "--model", folder, "-n", "10", "--temperature", "1.2", "--seed", "9"])
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]
+
+
+def test_stop_strings_end_the_output(folder, capsys):
+    main(["generate", "The cat", "--model", folder, "-n", "20", "--seed", "1", "--json"])
+    text = "".join(json.loads(line)["text"] for line in capsys.readouterr().out.splitlines())
+    stop = text[4:6]
+    main(["generate", "The cat", "--model", folder, "-n", "20", "--seed", "1", "--stop", stop, "\x01", "--json"])
+    steps = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert "".join(s["text"] for s in steps) == text[: text.index(stop)]
+    assert steps[-1]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    (["", ], "prompt"),
+    (["hi", "-n", "0"], "max-new-tokens"),
+    (["hi", "--temperature", "-1"], "temperature"),
+    (["hi", "--top-p", "1.5"], "top_p"),
+    (["hi", "--top-logprobs", "99"], "top-logprobs"),
+])
+def test_bad_input_exits_2_with_one_line(folder, capsys, args, match):
+    code = main(["generate", *args, "--model", folder])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("lmhead: error:") and match in err and err.count("\n") == 1
+
+
+def test_unknown_model_exits_2_and_lists_the_known_ones(capsys):
+    assert main(["generate", "hi", "--model", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "gemma-3-270m" in err and "smollm2-135m" in err and "Traceback" not in err
+
+
+def test_ctrl_c_keeps_the_output_and_exits_130(folder, capsys, monkeypatch):
+    import lmhead.generate as gen
+
+    real = gen.generate
+
+    def interrupted(*args, **kwargs):
+        steps = real(*args, **kwargs)
+
+        def run():
+            for i, step in enumerate(steps):
+                if i == 3:
+                    raise KeyboardInterrupt
+                yield step
+        return run()
+
+    monkeypatch.setattr(gen, "generate", interrupted)
+    code = main(["generate", "The cat", "--model", folder, "-n", "10", "--seed", "2"])
+    captured = capsys.readouterr()
+    assert code == 130
+    assert captured.out.startswith("The cat") and captured.out.endswith("\n")
+    assert "interrupted after 3 tokens" in captured.err and "Traceback" not in captured.err
