@@ -1,0 +1,169 @@
+"""LMHead: the output projection of a language model, hidden states to logits.
+
+    hidden [B,T,D] ──keep the last k positions──▶ [B,T',D] ──x·Wᵀ (+ b), in W's dtype──▶ upcast to float32
+        ──softcap c·tanh(logits/c) (Gemma 2)──▶ logits [B,T',V]
+
+The weight is [V,D], as `nn.Linear` stores it, and may be the token embedding's own Parameter (`tie_to=`).
+Logits come out in float32 whatever the weight's dtype (a bf16 head multiplies in bf16 and upcasts the result,
+as transformers does); float64 weights give float64 logits. For training, `.loss()` computes the
+cross-entropy from the hidden states without materialising the logits (`lmhead.loss.linear_cross_entropy`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lmhead.loss import linear_cross_entropy
+
+__all__ = ["LMHead"]
+
+
+def _check_softcap(softcap: float | None) -> float | None:
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
+            softcap > 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+    return float(softcap)
+
+
+def _check_size(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be an int > 0, got {value!r}")
+    return value
+
+
+class LMHead(nn.Module):
+    """Hidden states [B,T,D] (or [N,D]) → float32 logits [B,T',V] (or [N',V]).
+
+    Args:
+        d_model: D, the width of the hidden states.
+        vocab_size: V.
+        bias: add a learned [V] bias (zeros at init).
+        tie_to: an `nn.Embedding(V, D)` whose weight Parameter the head shares (`head.weight is emb.weight`).
+        softcap: c > 0 applies c·tanh(logits/c) to the logits (Gemma 2's final logit soft-capping).
+        dtype, device: of a new weight (ignored for a tied weight, which keeps its own; a conflicting value
+            raises).
+
+    `forward(hidden, logits_to_keep=0)`: 3-D hidden [B,T,D] gives [B,T',V]; 2-D hidden [N,D] is read as N
+    positions (a flattened batch, or the last position of each sequence) and gives [N',V]. logits_to_keep=k
+    projects only the last k positions (dim -2), as at inference (k=1: the next token); 0 keeps all.
+    """
+
+    def __init__(self, d_model: int, vocab_size: int, bias: bool = False, tie_to: nn.Embedding | None = None,
+                 softcap: float | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        d_model = _check_size("d_model", d_model)
+        vocab_size = _check_size("vocab_size", vocab_size)
+        self.softcap = _check_softcap(softcap)
+        if tie_to is not None:
+            if not isinstance(tie_to, nn.Embedding):
+                raise TypeError(f"tie_to must be an nn.Embedding, got {type(tie_to).__name__}")
+            shape = tuple(tie_to.weight.shape)
+            if shape != (vocab_size, d_model):
+                raise ValueError(f"tie_to's weight must be [vocab_size, d_model] = [{vocab_size}, {d_model}], "
+                                 f"got {list(shape)}")
+            if dtype is not None and dtype != tie_to.weight.dtype:
+                raise TypeError(f"dtype={dtype} conflicts with the tied embedding's dtype {tie_to.weight.dtype}")
+            if device is not None and torch.device(device) != tie_to.weight.device:
+                raise ValueError(f"device={device} conflicts with the tied embedding's device "
+                                 f"{tie_to.weight.device}")
+            self.weight = tie_to.weight  # the same Parameter: one tensor, one gradient
+        else:
+            self.weight = nn.Parameter(torch.empty(vocab_size, d_model, dtype=dtype, device=device))
+            bound = 1.0 / math.sqrt(d_model)  # nn.Linear's default initialisation
+            nn.init.uniform_(self.weight, -bound, bound)
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be a bool, got {bias!r} (use LMHead.from_weight to pass a tensor)")
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(vocab_size, dtype=self.weight.dtype, device=self.weight.device))
+        else:
+            self.register_parameter("bias", None)
+        self.tied = tie_to is not None
+
+    @classmethod
+    def from_weight(cls, weight: Tensor, bias: Tensor | None = None, softcap: float | None = None) -> LMHead:
+        """A head on an existing [V,D] weight (and optional [V] bias), shared, never copied.
+
+        An `nn.Parameter` is used as is (`head.weight is weight`); a plain tensor is wrapped in a Parameter
+        over the same storage (keeping its requires_grad)."""
+        if not isinstance(weight, Tensor):
+            raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+        if weight.dim() != 2 or not weight.is_floating_point():
+            raise ValueError(f"weight must be a 2-D floating-point tensor [V,D], got shape {list(weight.shape)} "
+                             f"dtype {weight.dtype}")
+        if bias is not None:
+            if not isinstance(bias, Tensor):
+                raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+            if tuple(bias.shape) != (weight.shape[0],):
+                raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {list(bias.shape)}")
+            if bias.dtype != weight.dtype or bias.device != weight.device:
+                raise TypeError(f"bias ({bias.dtype}, {bias.device}) must match weight ({weight.dtype}, "
+                                f"{weight.device})")
+        head = cls.__new__(cls)
+        nn.Module.__init__(head)
+        head.softcap = _check_softcap(softcap)
+        head.weight = _as_parameter(weight)
+        head.bias = None if bias is None else _as_parameter(bias)
+        head.tied = False
+        return head
+
+    @property
+    def d_model(self) -> int:
+        return int(self.weight.shape[1])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.weight.shape[0])
+
+    def forward(self, hidden: Tensor, logits_to_keep: int = 0) -> Tensor:
+        """[B,T,D] → [B,T',V] (or [N,D] → [N',V]) float32 logits of the last `logits_to_keep` positions."""
+        self._check_hidden(hidden)
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be an int >= 0 (0 = all positions), got {logits_to_keep!r}")
+        if logits_to_keep:
+            hidden = hidden[..., -logits_to_keep:, :]  # (B, k, D): project only what is needed (nanoGPT)
+        logits = F.linear(hidden, self.weight, self.bias)  # (B, T', V) in the weight's dtype
+        logits = logits.double() if logits.dtype == torch.float64 else logits.float()
+        if self.softcap is not None:
+            c = self.softcap
+            if torch.is_grad_enabled() and logits.requires_grad:
+                logits = c * torch.tanh(logits / c)
+            else:  # inference: in place on the fresh float32 logits, no [B,T',V] temporaries
+                logits.div_(c).tanh_().mul_(c)
+        return logits
+
+    def loss(self, hidden: Tensor, targets: Tensor, **kwargs: Any) -> Tensor | tuple[Tensor, Tensor]:
+        """`linear_cross_entropy(hidden, self.weight, targets, bias=self.bias, softcap=self.softcap, **kwargs)`:
+        the fused, chunked cross-entropy (kwargs: ignore_index, reduction, label_smoothing, z_loss, shift,
+        chunk_size, return_lse)."""
+        for own in ("weight", "bias", "softcap"):
+            if own in kwargs:
+                raise TypeError(f"LMHead.loss() uses the head's own {own}; do not pass {own}=")
+        return linear_cross_entropy(hidden, self.weight, targets, bias=self.bias, softcap=self.softcap, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, vocab_size={self.vocab_size}, bias={self.bias is not None}, "
+                f"tied={self.tied}, softcap={self.softcap}, dtype={self.weight.dtype}")
+
+    def _check_hidden(self, hidden: Tensor) -> None:
+        if not isinstance(hidden, Tensor):
+            raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
+        if hidden.dim() not in (2, 3) or hidden.shape[-1] != self.d_model:
+            raise ValueError(f"hidden must be [B,T,D] or [N,D] with D = d_model = {self.d_model}, got shape "
+                             f"{list(hidden.shape)}")
+        if hidden.dtype != self.weight.dtype:
+            raise TypeError(f"hidden dtype {hidden.dtype} must match the head's weight dtype {self.weight.dtype} "
+                            f"(cast one of them with .to())")
+        if hidden.device != self.weight.device:
+            raise ValueError(f"hidden is on {hidden.device} but the head's weight is on {self.weight.device}")
+
+
+def _as_parameter(t: Tensor) -> nn.Parameter:
+    return t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=t.requires_grad)

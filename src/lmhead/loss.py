@@ -1,0 +1,448 @@
+"""Fused linear cross-entropy: the training loss of an LM head without its [N,V] logits.
+
+    hidden [N,D] ─┐ drop ignored rows (and, with shift=True, pair position t with token t+1) ─▶ rows [n]
+    weight [V,D] ─┤ for each chunk of c rows:
+    targets [N]  ─┘   z = x·Wᵀ (+ b) [c,V] ─softcap─▶ log_softmax in place ─▶ loss, lse [c]
+                      z ─exp_ in place─▶ p ─▶ G = ∂loss/∂z = g·[p·(1+2·z_loss·lse) − (1−ε)·onehot − ε/V]·cap'
+                      dHidden[rows] = G·W,   dW += Gᵀ·x (one fp32 buffer),   db += Σ_rows G
+
+Only one chunk of logits (`[c,V]`, reused for every chunk) exists at a time; the per-token statistics are
+O(n). Definitions are those of `F.cross_entropy` on the full logits (tests/reference.py), per token:
+
+    loss_i = (1−ε)·(lse_i − z_i,t) + ε·(lse_i − mean_v z_i,v) + z_loss·lse_i²,   z = softcap·tanh(z/softcap)
+
+Gradient strategy (measured on the 2-core CPU this was written on, see docs/loss.md): the gradients for
+`reduction="mean"`/`"sum"` are computed in the forward pass while the chunk's logits are still in memory
+(Liger Kernel's approach: three matmuls per chunk, no recomputation) and handed to autograd in the backward,
+scaled by the incoming gradient. CCE's alternative — keep only lse, recompute the logits in backward — costs a
+fourth matmul and was slower here. The recomputing backward is still used where the forward cannot know the
+per-token weights: `reduction="none"`, a gradient flowing into the returned `lse`, and any second backward
+through a retained graph (the precomputed buffers are released to autograd by the first one).
+
+Chunk size: `chunk_size=None` takes the largest multiple of 32 rows whose float32 logits chunk fits in
+min(256 MiB, 1/16 of the full [n,V] float32 logits) — so the loss's working memory stays a few percent of the
+plain computation's, and never above ~256 MiB plus the gradients — with at least 32 rows per chunk (below that
+the matmuls lose most of their speed); problems whose full logits fit in 8 MiB run as one chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["linear_cross_entropy"]
+
+_BUDGET_BYTES = 256 * 2**20  # absolute cap on one chunk's float32 logits
+_BUDGET_FRACTION = 16  # ... and at most 1/16 of the full [n,V] float32 logits
+_BUDGET_FLOOR = 8 * 2**20  # ... but small problems (full logits <= 8 MiB) take one chunk: nothing to save
+_ROW_MULTIPLE = 32  # chunk rows are a multiple of this (matmul blocking) and at least this
+_DW_BLOCK = 8192  # vocabulary rows per bf16/fp16 dW block (its fp32 accumulation)
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+@dataclass(frozen=True)
+class _Options:
+    """Validated loss options shared by forward and backward."""
+
+    label_smoothing: float
+    z_loss: float
+    softcap: float | None
+    reduction: str
+    chunk: int
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Which rows of hidden [N,D] are scored and against which token.
+
+    rows: indices into hidden.reshape(-1, D) (None = all rows 0..n-1 in order, no gather needed);
+    targets [n]; positions: indices into the flat per-token output (None = same as rows)."""
+
+    rows: Tensor | None
+    targets: Tensor
+    positions: Tensor | None
+    out_shape: tuple[int, ...]
+    n_total: int  # rows of hidden.reshape(-1, D)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics, dW accumulation and the loss: float32 for 16-bit inputs, else the input dtype."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def default_chunk_size(n: int, vocab_size: int) -> int:
+    """Rows per chunk for chunk_size=None: a float32 [c,V] chunk ≤ min(256 MiB, max(n·V·4/16, 8 MiB)), c a
+    multiple of 32 and at least 32 (or n)."""
+    budget = min(_BUDGET_BYTES, max(n * vocab_size * 4 // _BUDGET_FRACTION, _BUDGET_FLOOR))
+    c = budget // (vocab_size * 4) // _ROW_MULTIPLE * _ROW_MULTIPLE
+    return max(1, min(n, max(_ROW_MULTIPLE, c)))
+
+
+# --- validation -------------------------------------------------------------------------------------------
+
+
+def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, shift: bool) -> None:
+    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if bias is not None and not isinstance(bias, Tensor):
+        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if not hidden.is_floating_point():
+        raise TypeError(f"hidden must be a floating-point tensor, got dtype {hidden.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V,D], got shape {tuple(weight.shape)}")
+    vocab, d_model = weight.shape
+    if hidden.dim() not in (2, 3) or hidden.shape[-1] != d_model:
+        raise ValueError(f"hidden must be [N,D] or [B,T,D] with D = weight.shape[1] = {d_model}, got shape "
+                         f"{tuple(hidden.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}; they must match")
+    if bias is not None:
+        if tuple(bias.shape) != (vocab,):
+            raise ValueError(f"bias must be [V] = [{vocab}], got shape {tuple(bias.shape)}")
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"bias dtype {bias.dtype} must match weight dtype {weight.dtype}")
+        if bias.device != weight.device:
+            raise ValueError(f"bias is on {bias.device} but weight is on {weight.device}; they must match")
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise TypeError(f"targets must be an integer tensor of token ids, got dtype {targets.dtype}")
+    if targets.device != hidden.device:
+        raise ValueError(f"targets is on {targets.device} but hidden is on {hidden.device}; they must match")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"targets must have shape {tuple(hidden.shape[:-1])} (hidden's without D), got "
+                         f"{tuple(targets.shape)}")
+    if shift and hidden.shape[-2] < 1:
+        raise ValueError("shift=True needs at least one position")
+
+
+def _check_options(ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
+                   softcap: float | None, shift: bool, chunk_size: int | None, return_lse: bool) -> None:
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be a number in [0, 1), got {label_smoothing!r}")
+    if not isinstance(z_loss, (int, float)) or not (z_loss >= 0.0 and math.isfinite(z_loss)):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss!r}")
+    if softcap is not None and (not isinstance(softcap, (int, float)) or not (softcap > 0 and
+                                                                               math.isfinite(softcap))):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size <= 0):
+        raise ValueError(f"chunk_size must be None or an int > 0, got {chunk_size!r}")
+    for name, flag in (("shift", shift), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+
+
+def _select_rows(targets: Tensor, ignore_index: int, vocab: int, shift: bool) -> _Rows:
+    """Pair each scored position with its token; drop ignored ones. No copy of hidden is made here."""
+    if targets.dim() == 1:
+        targets = targets[None]  # one sequence [1,N]
+        squeeze = True
+    else:
+        squeeze = False
+    batch, time = targets.shape
+    n_total = batch * time
+    tgt = targets[:, 1:] if shift else targets  # [B,T'] token predicted by each scored position
+    out_shape = tuple(tgt.shape[1:]) if squeeze else tuple(tgt.shape)
+    flat = tgt.reshape(-1).long()
+    keep = flat != ignore_index
+    bad = keep & ((flat < 0) | (flat >= vocab))
+    if bool(bad.any()):
+        value = int(flat[bad][0])
+        raise ValueError(f"targets must be token ids in [0, {vocab}) or ignore_index={ignore_index}, found "
+                         f"{value}")
+    if bool(keep.all()) and not shift:
+        return _Rows(None, flat, None, out_shape, n_total)
+    positions = keep.nonzero().squeeze(1)  # into the flat [B,T'] output
+    rows = positions
+    if shift and positions.numel():
+        rows = positions + positions // tgt.shape[1]  # [B,T-1] position -> row b·T + t of hidden [B·T,D]
+    return _Rows(rows, flat.index_select(0, positions), positions, out_shape, n_total)
+
+
+# --- the chunked kernel -----------------------------------------------------------------------------------
+
+
+def _chunked(h2: Tensor, weight: Tensor, bias: Tensor | None, sel: _Rows, opt: _Options,
+             grad_rows: Tensor | float | None, grad_lse: Tensor | None,
+             need: tuple[bool, bool, bool]) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """Per-row losses and lse [n] (compute dtype) and, when grad_rows is given, the gradients.
+
+    grad_rows: ∂out/∂loss_i (a float for all rows, or [n]); grad_lse: ∂out/∂lse_i [n] or None.
+    need: which of (dHidden, dW, db) to compute. Returns (loss[n], lse[n], dh2 [N_total,D], dW [V,D], db [V])
+    with the gradients in the inputs' dtypes (None where not needed)."""
+    n = sel.targets.numel()
+    vocab, d_model = weight.shape
+    dt = weight.dtype
+    cdt = _compute_dtype(dt)
+    low = cdt != dt  # 16-bit inputs: matmuls in 16 bits, everything else in float32
+    eps, zl, cap = opt.label_smoothing, opt.z_loss, opt.softcap
+    grads = grad_rows is not None and any(need)
+    c_max = min(opt.chunk, n)
+    dev = h2.device
+
+    loss = torch.empty(n, dtype=cdt, device=dev)
+    lse = torch.empty(n, dtype=cdt, device=dev)
+    buf = torch.empty(c_max, vocab, dtype=cdt, device=dev)  # the chunk's logits -> log p -> p -> G
+    lbuf = torch.empty(c_max, vocab, dtype=dt, device=dev) if low else None  # 16-bit matmul in/out
+    dcap = torch.empty(c_max, vocab, dtype=cdt, device=dev) if (grads and cap is not None) else None
+    # Gradient buffers: the first chunk writes dW (beta=0), so no zero-fill pass over [V,D]; dHidden needs
+    # zeros only where rows are skipped (ignored targets, the last position with shift).
+    all_rows = sel.rows is None and n == sel.n_total
+    dh2 = None
+    if grads and need[0]:
+        dh2 = (torch.empty if all_rows else torch.zeros)(sel.n_total, d_model, dtype=dt, device=dev)
+    dw = torch.empty(vocab, d_model, dtype=cdt, device=dev) if grads and need[1] else None
+    db = torch.zeros(vocab, dtype=cdt, device=dev) if grads and need[2] and bias is not None else None
+    dw_tmp = torch.empty(min(_DW_BLOCK, vocab), d_model, dtype=dt, device=dev) if (low and dw is not None) else None
+    # With one coefficient for every row (mean/sum without z-loss or an lse gradient), G = r·(P − (c1/r)·onehot
+    # − c2/r): only the target column changes in the chunk and r rides on the matmuls' alpha — no extra pass
+    # over [c,V] (and on a busy machine, no extra parallel region per chunk).
+    uniform = isinstance(grad_rows, float) and grad_rows != 0.0 and not zl and grad_lse is None
+    w_t = weight.t()
+
+    for s in range(0, n, c_max):
+        e = min(s + c_max, n)
+        c = e - s
+        x = h2[s:e] if sel.rows is None else h2.index_select(0, sel.rows[s:e])  # [c,D]
+        t = sel.targets[s:e, None]  # [c,1]
+        z = buf[:c]  # [c,V]
+        mm_out = lbuf[:c] if low else z
+        if bias is None:
+            torch.mm(x, w_t, out=mm_out)
+        else:
+            torch.addmm(bias, x, w_t, out=mm_out)
+        if low:
+            z.copy_(mm_out)  # HF: logits computed in 16 bits, upcast to float32
+        if cap is not None:
+            z.div_(cap).tanh_()
+            if dcap is not None:  # d(cap·tanh(u/cap))/du = 1 - tanh²
+                torch.addcmul(torch.ones((), dtype=cdt, device=dev), z, z, value=-1.0, out=dcap[:c])
+            z.mul_(cap)
+        z_t = z.gather(1, t).squeeze(1)
+        torch.ops.aten._log_softmax.out(z, 1, False, out=z)  # in place, row-wise: z <- log p
+        logp_t = z.gather(1, t).squeeze(1)
+        lse_c = z_t - logp_t
+        row = -logp_t
+        if eps:
+            row = (1.0 - eps) * row - (eps / vocab) * z.sum(1)  # −mean_v log p_v: torch's smoothing term
+        if zl:
+            row = row + zl * lse_c * lse_c
+        loss[s:e] = row
+        lse[s:e] = lse_c
+        if not grads:
+            continue
+
+        z.exp_()  # p, in place
+        if uniform:
+            alpha = grad_rows
+            z.scatter_add_(1, t, z.new_full((c, 1), -(1.0 - eps)))
+            if eps:
+                z.sub_(eps / vocab)
+        else:
+            g = torch.as_tensor(grad_rows if isinstance(grad_rows, float) else grad_rows[s:e], dtype=cdt,
+                                device=dev).expand(c)
+            r = g * (1.0 + 2.0 * zl * lse_c) if zl else g  # coefficient of p
+            if grad_lse is not None:
+                r = r + grad_lse[s:e]
+            alpha = 1.0
+            z.mul_(r[:, None])
+            z.scatter_add_(1, t, (-(1.0 - eps) * g)[:, None])
+            if eps:
+                z.sub_((g * (eps / vocab))[:, None])
+        if dcap is not None:
+            z.mul_(dcap[:c])
+        gz = z  # [c,V] = ∂out/∂logits of the chunk, divided by alpha
+        if low:
+            lbuf[:c].copy_(z)
+            gz = lbuf[:c]
+        first = s == 0
+        if dh2 is not None:
+            if sel.rows is None:
+                dst = dh2[s:e]
+                torch.addmm(dst, gz, weight, beta=0, alpha=alpha, out=dst)  # beta=0: dst is not read
+            else:
+                dh2.index_copy_(0, sel.rows[s:e], torch.addmm(x, gz, weight, beta=0, alpha=alpha))
+        if dw is not None:
+            if not low:
+                torch.addmm(dw, gz.t(), x, beta=0 if first else 1, alpha=alpha, out=dw)
+            else:  # 16-bit matmul per vocabulary block, accumulated in float32 across chunks
+                for v0 in range(0, vocab, _DW_BLOCK):
+                    v1 = min(v0 + _DW_BLOCK, vocab)
+                    tmp = dw_tmp[: v1 - v0]
+                    torch.mm(gz[:, v0:v1].t(), x, out=tmp)
+                    if first:
+                        torch.mul(tmp, alpha, out=dw[v0:v1])
+                    else:
+                        dw[v0:v1].add_(tmp, alpha=alpha)
+        if db is not None:
+            db.add_(z.sum(0), alpha=alpha)
+
+    del buf, lbuf, dcap
+    if dw is not None and low:
+        dw = dw.to(dt)
+    if db is not None and low:
+        db = db.to(dt)
+    return loss, lse, dh2, dw, db
+
+
+def _put_rows(dh2: Tensor, rows: Tensor | None, s: int, e: int, dx: Tensor) -> None:
+    """dHidden rows of chunk [s,e): a slice when every row is scored in order, else scattered by index."""
+    if rows is None:
+        dh2[s:e] = dx
+    else:
+        dh2.index_copy_(0, rows[s:e], dx)
+
+
+def _scatter_rows(values: Tensor, sel: _Rows) -> Tensor:
+    """Per-row values [n] -> the per-token output shape, 0 at ignored positions."""
+    if sel.positions is None:
+        return values.reshape(sel.out_shape)
+    out = values.new_zeros(math.prod(sel.out_shape))
+    out.index_copy_(0, sel.positions, values)
+    return out.reshape(sel.out_shape)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """(loss, lse) from (hidden, weight, bias); targets and options ride along as non-tensors."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, sel: _Rows, opt: _Options,
+                precompute: bool) -> tuple[Tensor, Tensor]:
+        d_model = weight.shape[1]
+        h2 = hidden.reshape(-1, d_model)  # a view for contiguous hidden
+        n = sel.targets.numel()
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        grad_rows = None
+        if precompute and any(need) and opt.reduction != "none":
+            grad_rows = 1.0 / n if opt.reduction == "mean" else 1.0
+        loss_rows, lse_rows, dh2, dw, db = _chunked(h2, weight, bias, sel, opt, grad_rows, None, need)
+
+        ctx.save_for_backward(hidden, weight, bias)
+        ctx.sel, ctx.opt, ctx.need = sel, opt, need
+        ctx.pre = (dh2, dw, db) if grad_rows is not None else None
+        ctx.set_materialize_grads(False)
+        if opt.reduction == "none":
+            loss = _scatter_rows(loss_rows, sel)
+        else:
+            loss = loss_rows.sum()
+            if opt.reduction == "mean":
+                loss = loss / n
+        return loss, _scatter_rows(lse_rows, sel)
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor | None, grad_lse: Tensor | None):
+        hidden, weight, bias = ctx.saved_tensors
+        sel, opt, need = ctx.sel, ctx.opt, ctx.need
+        pre, ctx.pre = ctx.pre, None  # hand the buffers to autograd; a retained graph's 2nd pass recomputes
+        if grad_loss is None and grad_lse is None:
+            return None, None, None, None, None, None
+        n = sel.targets.numel()
+        h2 = hidden.reshape(-1, weight.shape[1])
+        if grad_lse is None and opt.reduction != "none":
+            # the forward's precomputed gradients for a unit grad_output, or — second backward through a
+            # retained graph — the same computation again (bit-identical), then scaled
+            if pre is None:
+                pre = _chunked(h2, weight, bias, sel, opt, 1.0 / n if opt.reduction == "mean" else 1.0, None,
+                               need)[2:]
+            dh2, dw, db = pre
+            scale = grad_loss.item()
+            if scale != 1.0:
+                for buf in pre:
+                    if buf is not None:
+                        buf.mul_(scale)
+        else:
+            cdt = _compute_dtype(weight.dtype)
+            if grad_loss is None:
+                g: Tensor | float = torch.zeros(n, dtype=cdt, device=hidden.device)
+            elif opt.reduction == "none":
+                flat = grad_loss.reshape(-1).to(cdt)
+                g = flat if sel.positions is None else flat.index_select(0, sel.positions)
+            else:
+                g = (grad_loss.to(cdt) / (n if opt.reduction == "mean" else 1)).expand(n).contiguous()
+            gl = None
+            if grad_lse is not None:
+                flat = grad_lse.reshape(-1).to(cdt)
+                gl = flat if sel.positions is None else flat.index_select(0, sel.positions)
+            _, _, dh2, dw, db = _chunked(h2, weight, bias, sel, opt, g, gl, need)
+        dh = dh2.view(hidden.shape) if dh2 is not None else None
+        return dh, dw, db, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    shift: bool = False,
+    chunk_size: int | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Cross-entropy of `hidden @ weight.T (+ bias)` against `targets`, without materialising the logits.
+
+    Equals `F.cross_entropy(softcap(F.linear(hidden, weight, bias)).float(), targets, ignore_index=...,
+    reduction=..., label_smoothing=...)` + z_loss·lse² per token, forward and gradients, while holding only
+    one [chunk_size, V] block of logits at a time.
+
+    Args:
+        hidden: [N,D] or [B,T,D] final hidden states (float32, bfloat16, float16 or float64).
+        weight: [V,D] head weight, same dtype and device as hidden.
+        targets: [N] or [B,T] token ids in [0, V), or `ignore_index`.
+        bias: optional [V].
+        ignore_index: targets equal to it are dropped before the projection (no work, no gradient).
+        reduction: "mean" (over non-ignored tokens), "sum", or "none" (per-token losses shaped like targets,
+            0 at ignored positions; gradients follow the per-token grad_output).
+        label_smoothing: ε in [0, 1): (1−ε)·nll + ε·mean over V of −log p (torch's definition).
+        z_loss: coefficient of lse² added per token (PaLM's auxiliary loss), ≥ 0.
+        softcap: c > 0 applies c·tanh(logits/c) before the softmax (Gemma 2), gradient included.
+        shift: position t predicts targets[..., t+1] (the training setup): the last position and the first
+            target are unused, outputs for reduction="none"/lse are [B,T-1] ([N-1]). Nothing is copied.
+        chunk_size: rows per chunk; None picks the largest multiple of 32 whose float32 [c,V] logits take
+            ≤ min(256 MiB, 1/16 of the full [n,V] float32 logits), at least 32 (n = non-ignored rows);
+            when the full logits fit in 8 MiB, one chunk.
+        return_lse: also return the per-token log-sum-exp (float32, 0 at ignored positions), differentiable.
+
+    Returns:
+        The loss (float32 for 16-bit inputs, else the input dtype), or (loss, lse) with return_lse=True.
+
+    Semantics worth knowing: when every target is ignored, the loss is 0 and every gradient is zero
+    (F.cross_entropy gives NaN for "mean"). 16-bit inputs: the matmuls run in the input dtype (as HF's
+    bf16 logits), softmax statistics, the target term and dW are accumulated in float32. Gradients for
+    mean/sum are computed during the forward pass (when grad is enabled) and returned by the backward;
+    reduction="none", a gradient into lse, or a second backward (retain_graph) recompute them chunk by chunk.
+    """
+    _check_inputs(hidden, weight, targets, bias, shift)
+    _check_options(ignore_index, reduction, label_smoothing, z_loss, softcap, shift, chunk_size, return_lse)
+    vocab = weight.shape[0]
+    sel = _select_rows(targets, ignore_index, vocab, shift)
+    n = sel.targets.numel()
+    cdt = _compute_dtype(weight.dtype)
+
+    if n == 0:  # every target ignored: 0, with zero (not missing) gradients, where torch's mean gives NaN
+        anchor = hidden.sum() * 0 + weight.sum() * 0 + (bias.sum() * 0 if bias is not None else 0)
+        anchor = anchor.to(cdt)
+        zeros = torch.zeros(sel.out_shape, dtype=cdt, device=hidden.device) + anchor
+        loss = zeros if reduction == "none" else anchor
+        return (loss, zeros) if return_lse else loss
+
+    chunk = chunk_size if chunk_size is not None else default_chunk_size(n, vocab)
+    opt = _Options(float(label_smoothing), float(z_loss), None if softcap is None else float(softcap),
+                   reduction, chunk)
+    precompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
+                                              (bias is not None and bias.requires_grad))
+    loss, lse = _LinearCrossEntropy.apply(hidden, weight, bias, sel, opt, precompute)
+    return (loss, lse) if return_lse else loss
