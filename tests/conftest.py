@@ -19,3 +19,13 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 def gen() -> torch.Generator:
     """A seeded generator: tests compare distributions, not samples, and never depend on global RNG."""
     return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture
+def one_thread():
+    """For tests of many small tensor ops: on a shared, oversubscribed machine each op's thread-pool handshake
+    costs more than the op itself. One thread for the test, restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -29,14 +29,7 @@ from lmhead.sampling import (
 INF = float("inf")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests run many small tensor ops; on a shared, oversubscribed machine each op's thread-pool
-    handshake costs more than the op itself. One thread per test, restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def peaked(batch: int, vocab: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:

@@ -10,14 +10,7 @@ from lmhead.sampling import SamplingConfig, apply_penalties, probabilities, proc
 lp = pytest.importorskip("transformers.generation.logits_process")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests run many small tensor ops; on a shared, oversubscribed machine each op's thread-pool
-    handshake costs more than the op itself. One thread per test, restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def hf_probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:

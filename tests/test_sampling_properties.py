@@ -15,14 +15,7 @@ from hypothesis import strategies as st  # noqa: E402
 SETTINGS = settings(max_examples=100, deadline=None)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests run many small tensor ops; on a shared, oversubscribed machine each op's thread-pool
-    handshake costs more than the op itself. One thread per test, restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # logits: a few values repeat often (ties), with some -inf; at least one finite value per row
 values = st.one_of(st.floats(-30, 30, allow_nan=False, width=32), st.sampled_from([0.0, 1.0, -1.0, 2.5]),
