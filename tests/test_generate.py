@@ -16,13 +16,7 @@ GREEDY = SamplingConfig(temperature=0.0)
 PROMPTS = ["The cat sat on the", "Hello", "A cat and a dog are friends. The quick brown fox jumps"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: a second thread only adds synchronisation (and stalls on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])

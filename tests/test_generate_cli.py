@@ -5,18 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from tiny import tiny_model
 
 from lmhead.cli import main
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

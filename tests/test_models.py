@@ -14,14 +14,7 @@ from lmhead.models import MODELS, Model, ModelError, cache, load_model, resolve
 from lmhead.models.convert import check_gguf, save_state_dict
 from lmhead.models.loading import cached_folder
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: a second thread only adds synchronisation (and stalls on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --- names and paths ---------------------------------------------------------------------------------------
