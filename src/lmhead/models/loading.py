@@ -60,7 +60,7 @@ def resolve(name_or_path: str | os.PathLike[str]) -> Source:
         if not any((path / f).is_file() for f in _WEIGHT_FILES) and not list(path.glob("*.safetensors")):
             missing.append("weights (*.safetensors)")
         if not any((path / f).is_file() for f in _TOKENIZER_FILES):
-            missing.append("a tokenizer (tokenizer.json or tokenizer.model)")
+            missing.append("tokenizer (tokenizer.json or tokenizer.model)")
         if missing:
             raise ModelError(f"{path} is not a model folder: it has no {', no '.join(missing)}")
         return Source("folder", path.resolve().name, path=path.resolve())
