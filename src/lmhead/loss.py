@@ -2,12 +2,11 @@
 
     hidden [N,D] ─┐ drop ignored rows (and, with shift=True, pair position t with token t+1) ─▶ rows [n]
     weight [V,D] ─┤ for each chunk of c rows:
-    targets [N]  ─┘   zᵀ = W·xᵀ (+ b) [V,c] ─softcap─▶ log_softmax over V in place ─▶ loss, lse [c]
+    targets [N]  ─┘   z = x·Wᵀ (+ b) [c,V] ─softcap─▶ log_softmax in place ─▶ loss, lse [c]
                       z ─exp_ in place─▶ p ─▶ G = ∂loss/∂z = g·[p·(1+2·z_loss·lse) − (1−ε)·onehot − ε/V]·cap'
                       dHidden[rows] = G·W,   dW += Gᵀ·x (one fp32 buffer),   db += Σ_rows G
-    (the chunk is held vocabulary-major, [V,c]: that logits product is faster on MKL than x·Wᵀ into [c,V])
 
-Only one chunk of logits (`[V,c]`, reused for every chunk) exists at a time; the per-token statistics are
+Only one chunk of logits (`[c,V]`, reused for every chunk) exists at a time; the per-token statistics are
 O(n). Definitions are those of `F.cross_entropy` on the full logits (tests/reference.py), per token:
 
     loss_i = (1−ε)·(lse_i − z_i,t) + ε·(lse_i − mean_v z_i,v) + z_loss·lse_i²,   z = softcap·tanh(z/softcap)
@@ -193,12 +192,9 @@ def _chunked(h2: Tensor, weight: Tensor, bias: Tensor | None, sel: _Rows, opt: _
 
     loss = torch.empty(n, dtype=cdt, device=dev)
     lse = torch.empty(n, dtype=cdt, device=dev)
-    # The chunk's logits are held transposed, [V,c] (vocabulary-major): W·xᵀ runs faster on MKL than x·Wᵀ into
-    # [c,V] (measured ~6-9% per 256-row chunk at V=262,144), the softmax runs over dim 0 and dW += G·x becomes
-    # a plain row-major product. Flat buffers so that a shorter last chunk is still a contiguous [V,c] view.
-    buf = torch.empty(vocab * c_max, dtype=cdt, device=dev)  # the chunk's logits -> log p -> p -> G
-    lbuf = torch.empty(vocab * c_max, dtype=dt, device=dev) if low else None  # 16-bit matmul in/out
-    dcap = torch.empty(vocab * c_max, dtype=cdt, device=dev) if (grads and cap is not None) else None
+    buf = torch.empty(c_max, vocab, dtype=cdt, device=dev)  # the chunk's logits -> log p -> p -> G
+    lbuf = torch.empty(c_max, vocab, dtype=dt, device=dev) if low else None  # 16-bit matmul in/out
+    dcap = torch.empty(c_max, vocab, dtype=cdt, device=dev) if (grads and cap is not None) else None
     # Gradient buffers: the first chunk writes dW (beta=0), so no zero-fill pass over [V,D]; dHidden needs
     # zeros only where rows are skipped (ignored targets, the last position with shift).
     all_rows = sel.rows is None and n == sel.n_total
@@ -212,34 +208,33 @@ def _chunked(h2: Tensor, weight: Tensor, bias: Tensor | None, sel: _Rows, opt: _
     # − c2/r): only the target column changes in the chunk and r rides on the matmuls' alpha — no extra pass
     # over [c,V] (and on a busy machine, no extra parallel region per chunk).
     uniform = isinstance(grad_rows, float) and grad_rows != 0.0 and not zl and grad_lse is None
-    b_col = bias[:, None] if bias is not None else None  # [V,1]
+    w_t = weight.t()
 
     for s in range(0, n, c_max):
         e = min(s + c_max, n)
         c = e - s
         x = h2[s:e] if sel.rows is None else h2.index_select(0, sel.rows[s:e])  # [c,D]
-        t = sel.targets[None, s:e]  # [1,c]
-        z = buf[: vocab * c].view(vocab, c)  # [V,c]: the chunk's logits, transposed
-        mm_out = lbuf[: vocab * c].view(vocab, c) if low else z
+        t = sel.targets[s:e, None]  # [c,1]
+        z = buf[:c]  # [c,V]
+        mm_out = lbuf[:c] if low else z
         if bias is None:
-            torch.mm(weight, x.t(), out=mm_out)
+            torch.mm(x, w_t, out=mm_out)
         else:
-            torch.addmm(b_col, weight, x.t(), out=mm_out)
+            torch.addmm(bias, x, w_t, out=mm_out)
         if low:
             z.copy_(mm_out)  # HF: logits computed in 16 bits, upcast to float32
         if cap is not None:
             z.div_(cap).tanh_()
             if dcap is not None:  # d(cap·tanh(u/cap))/du = 1 - tanh²
-                torch.addcmul(torch.ones((), dtype=cdt, device=dev), z, z, value=-1.0,
-                              out=dcap[: vocab * c].view(vocab, c))
+                torch.addcmul(torch.ones((), dtype=cdt, device=dev), z, z, value=-1.0, out=dcap[:c])
             z.mul_(cap)
-        z_t = z.gather(0, t).squeeze(0)
-        torch.ops.aten._log_softmax.out(z, 0, False, out=z)  # in place, over the vocabulary: z <- log p
-        logp_t = z.gather(0, t).squeeze(0)
+        z_t = z.gather(1, t).squeeze(1)
+        torch.ops.aten._log_softmax.out(z, 1, False, out=z)  # in place, row-wise: z <- log p
+        logp_t = z.gather(1, t).squeeze(1)
         lse_c = z_t - logp_t
         row = -logp_t
         if eps:
-            row = (1.0 - eps) * row - (eps / vocab) * z.sum(0)  # −mean_v log p_v: torch's smoothing term
+            row = (1.0 - eps) * row - (eps / vocab) * z.sum(1)  # −mean_v log p_v: torch's smoothing term
         if zl:
             row = row + zl * lse_c * lse_c
         loss[s:e] = row
@@ -250,7 +245,7 @@ def _chunked(h2: Tensor, weight: Tensor, bias: Tensor | None, sel: _Rows, opt: _
         z.exp_()  # p, in place
         if uniform:
             alpha = grad_rows
-            z.scatter_add_(0, t, z.new_full((1, c), -(1.0 - eps)))
+            z.scatter_add_(1, t, z.new_full((c, 1), -(1.0 - eps)))
             if eps:
                 z.sub_(eps / vocab)
         else:
@@ -260,37 +255,37 @@ def _chunked(h2: Tensor, weight: Tensor, bias: Tensor | None, sel: _Rows, opt: _
             if grad_lse is not None:
                 r = r + grad_lse[s:e]
             alpha = 1.0
-            z.mul_(r[None, :])
-            z.scatter_add_(0, t, (-(1.0 - eps) * g)[None, :])
+            z.mul_(r[:, None])
+            z.scatter_add_(1, t, (-(1.0 - eps) * g)[:, None])
             if eps:
-                z.sub_((g * (eps / vocab))[None, :])
+                z.sub_((g * (eps / vocab))[:, None])
         if dcap is not None:
-            z.mul_(dcap[: vocab * c].view(vocab, c))
-        gz = z  # [V,c] = (∂out/∂logits of the chunk)ᵀ, divided by alpha
+            z.mul_(dcap[:c])
+        gz = z  # [c,V] = ∂out/∂logits of the chunk, divided by alpha
         if low:
-            gz = lbuf[: vocab * c].view(vocab, c)
-            gz.copy_(z)
+            lbuf[:c].copy_(z)
+            gz = lbuf[:c]
         first = s == 0
         if dh2 is not None:
             if sel.rows is None:
                 dst = dh2[s:e]
-                torch.addmm(dst, gz.t(), weight, beta=0, alpha=alpha, out=dst)  # beta=0: dst is not read
+                torch.addmm(dst, gz, weight, beta=0, alpha=alpha, out=dst)  # beta=0: dst is not read
             else:
-                dh2.index_copy_(0, sel.rows[s:e], torch.addmm(x, gz.t(), weight, beta=0, alpha=alpha))
+                dh2.index_copy_(0, sel.rows[s:e], torch.addmm(x, gz, weight, beta=0, alpha=alpha))
         if dw is not None:
             if not low:
-                torch.addmm(dw, gz, x, beta=0 if first else 1, alpha=alpha, out=dw)
+                torch.addmm(dw, gz.t(), x, beta=0 if first else 1, alpha=alpha, out=dw)
             else:  # 16-bit matmul per vocabulary block, accumulated in float32 across chunks
                 for v0 in range(0, vocab, _DW_BLOCK):
                     v1 = min(v0 + _DW_BLOCK, vocab)
                     tmp = dw_tmp[: v1 - v0]
-                    torch.mm(gz[v0:v1], x, out=tmp)
+                    torch.mm(gz[:, v0:v1].t(), x, out=tmp)
                     if first:
                         torch.mul(tmp, alpha, out=dw[v0:v1])
                     else:
                         dw[v0:v1].add_(tmp, alpha=alpha)
         if db is not None:
-            db.add_(z.sum(1), alpha=alpha)
+            db.add_(z.sum(0), alpha=alpha)
 
     del buf, lbuf, dcap
     if dw is not None and low:
