@@ -34,13 +34,14 @@ def logits_batches(draw, max_batch: int = 4, max_vocab: int = 40):
     return x
 
 
-configs = st.builds(
-    SamplingConfig,
+# The cut-off settings, each either off or drawn from its valid range.
+_cut_settings = dict(
     temperature=st.one_of(st.just(0.0), st.floats(0.05, 5.0)),
     top_k=st.one_of(st.just(0), st.integers(1, 50)),
     top_p=st.one_of(st.just(1.0), st.floats(0.01, 1.0)),
     min_p=st.one_of(st.just(0.0), st.floats(0.0, 1.0)),
 )
+configs = st.builds(SamplingConfig, **_cut_settings)
 
 
 @SETTINGS
@@ -128,10 +129,7 @@ def test_sampled_token_is_always_a_kept_token(x, cfg, seed):
 
 row_configs = st.builds(
     SamplingConfig,
-    temperature=st.one_of(st.just(0.0), st.floats(0.05, 5.0)),
-    top_k=st.one_of(st.just(0), st.integers(1, 50)),
-    top_p=st.one_of(st.just(1.0), st.floats(0.01, 1.0)),
-    min_p=st.one_of(st.just(0.0), st.floats(0.0, 1.0)),
+    **_cut_settings,
     repetition_penalty=st.one_of(st.just(1.0), st.floats(0.5, 3.0)),
     presence_penalty=st.one_of(st.just(0.0), st.floats(-2.0, 2.0)),
     frequency_penalty=st.one_of(st.just(0.0), st.floats(-2.0, 2.0)),
