@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lmhead.compressed import CompressedHead
+from lmhead.compressed import CompressedHead, onednn_int8_usable
 
 SHAPES = {"gemma-3-270m": (262144, 640), "smollm2-135m": (49152, 576)}
 PROMPTS = ["The cat sat on the", "In 1492, Columbus", "def fibonacci(n):\n    ", "The capital of France is",
@@ -58,8 +58,11 @@ def load_weight(name: str) -> tuple[torch.Tensor, str]:
     return torch.randn(V, D, generator=g) * 0.03, "RANDOM weights (no converted model in the cache)"
 
 
-def load_hidden(name: str, D: int) -> tuple[torch.Tensor, str]:
-    """Final hidden states [N,D] at every position of a few prompts, from the model's body; else random."""
+def load_hidden(name: str, D: int) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+    """Final hidden states [N,D] at every position of a few prompts, from the model's body (else random), and
+    the calibration hidden states the loaded model's head uses (`lmhead.compressed.CALIBRATION_TEXT`)."""
+    from lmhead.compressed import CALIBRATION_TEXT
+
     folder = cache_folder(name)
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -71,13 +74,16 @@ def load_hidden(name: str, D: int) -> tuple[torch.Tensor, str]:
             for p in PROMPTS:
                 ids = tok(p, return_tensors="pt").input_ids
                 rows.append(model.model(input_ids=ids).last_hidden_state[0])
+            ids = tok(CALIBRATION_TEXT, return_tensors="pt").input_ids
+            calibration = model.model(input_ids=ids).last_hidden_state[0]
         del model
-        return torch.cat(rows), f"{sum(r.shape[0] for r in rows)} real hidden states ({len(PROMPTS)} prompts)"
+        return (torch.cat(rows), calibration,
+                f"{sum(r.shape[0] for r in rows)} real hidden states ({len(PROMPTS)} prompts)")
     except Exception as exc:  # no cache / no transformers: random vectors shaped like real ones
         g = torch.Generator().manual_seed(1)
         h = torch.randn(64, D, generator=g) * 3
         h[:, :4] *= 20
-        return h, f"RANDOM hidden states ({type(exc).__name__})"
+        return h, None, f"RANDOM hidden states ({type(exc).__name__})"
 
 
 def read_bandwidth_gbs(repeats: int = 7) -> float:
@@ -117,6 +123,7 @@ def kernels(W: torch.Tensor, M: int, repeats: int) -> list[tuple[str, float, flo
     heads = {G: CompressedHead(W, bits=4, group_size=G, exact_k=0) for G in (32, 64, 128) if D % G == 0}
     fns = {
         "fp32 F.linear": lambda: F.linear(h, W),
+        "fp32 oneDNN _linear_pointwise": lambda: torch.ops.mkldnn._linear_pointwise(h, W, None, "none", [], ""),
         "bf16 F.linear (bf16 weight)": lambda: F.linear(hb, Wb),
         "int8 _weight_int8pack_mm, bf16 x": lambda: torch.ops.aten._weight_int8pack_mm(hb, q8, s8),
         "int8 _weight_int8pack_mm, fp32 x": lambda: torch.ops.aten._weight_int8pack_mm(h, q8, s8.float()),
@@ -124,6 +131,9 @@ def kernels(W: torch.Tensor, M: int, repeats: int) -> list[tuple[str, float, flo
     }
     for G, c in heads.items():
         fns[f"int4 _weight_int4pack_mm_for_cpu G={G}"] = lambda c=c: c._approx_raw(h)
+    if onednn_int8_usable():
+        o8 = CompressedHead(W, bits=8, kernel="onednn", exact_k=0)
+        fns["int8 oneDNN qlinear_pointwise, uint8 x"] = lambda: o8._approx_raw(h)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -142,25 +152,31 @@ def kernels(W: torch.Tensor, M: int, repeats: int) -> list[tuple[str, float, flo
 def bench(name: str, repeats: int, show_kernels: bool, prefill: int) -> None:
     W, origin = load_weight(name)
     V, D = W.shape
-    H, hidden_origin = load_hidden(name, D)
+    H, calibration, hidden_origin = load_hidden(name, D)
     print(f"\n## {name}: head [{V} x {D}], {origin}; {hidden_origin}")
     t0 = time.perf_counter()
-    i8 = CompressedHead(W, bits=8)
+    i8 = CompressedHead(W, bits=8, calibration=calibration)  # as load_model builds it
     t_i8 = time.perf_counter() - t0
+    # the other int8 kernel, for comparison (when the default is oneDNN's)
+    i8p = CompressedHead(W, bits=8, kernel="int8pack") if i8.kernel != "int8pack" else None
     t0 = time.perf_counter()
     i4 = CompressedHead(W, bits=4, group_size=32)
     t_i4 = time.perf_counter() - t0
-    print(f"compression: int8 {t_i8:.1f} s, int4 {t_i4:.1f} s")
+    print(f"compression: int8 ({i8.kernel} kernel) {t_i8:.1f} s, int4 {t_i4:.1f} s")
     Wb = W.bfloat16()
     h = H[-1:].clone()
     modes = {
         "fp32": (lambda: F.linear(h, W), V * D * 4),
+        "fp32 oneDNN": (lambda: torch.ops.mkldnn._linear_pointwise(h, W, None, "none", [], ""), V * D * 4),
         "bf16 (approximate)": (lambda: F.linear(h.bfloat16(), Wb), V * D * 2),
-        "int8 (approximate)": (lambda: i8._approx_raw(h), i8.compressed_bytes),
-        "exact-int8": (lambda: i8(h), i8.compressed_bytes),
+        f"int8 {i8.kernel} (approx.)": (lambda: i8._approx_raw(h), i8.compressed_bytes),
+        f"exact-int8 {i8.kernel}": (lambda: i8(h), i8.compressed_bytes),
         "int4 g32 (approximate)": (lambda: i4._approx_raw(h), i4.compressed_bytes),
         "exact-int4 g32": (lambda: i4(h), i4.compressed_bytes),
     }
+    if i8p is not None:
+        modes["int8 int8pack (approx.)"] = (lambda: i8p._approx_raw(h), i8p.compressed_bytes)
+        modes["exact-int8 int8pack"] = (lambda: i8p(h), i8p.compressed_bytes)
     bw = read_bandwidth_gbs()
     times = interleaved({k: f for k, (f, _) in modes.items()}, repeats)
     bw2 = read_bandwidth_gbs()
@@ -177,7 +193,10 @@ def bench(name: str, repeats: int, show_kernels: bool, prefill: int) -> None:
 
     # exactness and candidates on every hidden state, one decode step at a time
     ref = F.linear(H, W)
-    for label, head in (("exact-int8", i8), ("exact-int4 g32", i4)):
+    exact_heads = [(f"exact-int8 {i8.kernel}", i8), ("exact-int4 g32", i4)]
+    if i8p is not None:
+        exact_heads.insert(1, ("exact-int8 int8pack", i8p))
+    for label, head in exact_heads:
         head.reset_stats()
         argmax_ok = top10_ok = 0
         perr = 0.0
@@ -226,7 +245,8 @@ DECODE_PROMPTS = ["Once upon a time, in a small village by the sea, there lived"
 
 
 def decode(name: str, new_tokens: int, n_prompts: int, modes: list[str]) -> None:
-    """End to end greedy decode: transformers' generate() vs lmhead's loop with each head mode, same model."""
+    """End to end greedy decode: transformers' generate() vs lmhead's loop with each head mode (and, for the
+    first mode, also on transformers' own body modules instead of the oneDNN linears), same model."""
     from lmhead.compressed import use_head
     from lmhead.models import load_model
     from lmhead.sampling import SamplingConfig
@@ -234,9 +254,13 @@ def decode(name: str, new_tokens: int, n_prompts: int, modes: list[str]) -> None
     model = load_model(name, progress=False)
     greedy = SamplingConfig(temperature=0.0)
     heads = {m: use_head(model, m).head for m in modes}  # compress once; switch by assignment
+    fast_body, plain_body = model.body, model.hf_model.base_model
+    variants = {f"head={m}": (heads[m], fast_body) for m in modes}
+    if fast_body is not plain_body:
+        variants[f"head={modes[0]}, transformers body"] = (heads[modes[0]], plain_body)
 
-    def ours(prompt: str, mode: str) -> tuple[float, list[int]]:
-        model.head = heads[mode]
+    def ours(prompt: str, variant: str) -> tuple[float, list[int]]:
+        model.head, model.body = variants[variant]
         t0 = time.perf_counter()
         ids = [s.token_id for s in model.generate(prompt, new_tokens, config=greedy)]
         return time.perf_counter() - t0, ids
@@ -249,31 +273,35 @@ def decode(name: str, new_tokens: int, n_prompts: int, modes: list[str]) -> None
                                           top_k=None, top_p=None, pad_token_id=model.tokenizer.pad_token_id)
         return time.perf_counter() - t0, out[0, enc["input_ids"].shape[1]:].tolist()
 
-    ours(DECODE_PROMPTS[0][:20], modes[0])  # warm-up
+    for v in variants:  # warm-up
+        ours(DECODE_PROMPTS[0][:20], v)
     theirs(DECODE_PROMPTS[0][:20])
-    tok = {m: 0 for m in ["transformers", *modes]}
-    sec = {m: 0.0 for m in tok}
-    same = {m: 0 for m in modes}
+    for head in heads.values():
+        if hasattr(head, "reset_stats"):
+            head.reset_stats()
+    tok = {v: 0 for v in ["transformers", *variants]}
+    sec = {v: 0.0 for v in tok}
+    same = {v: 0 for v in variants}
     for prompt in DECODE_PROMPTS[:n_prompts]:
         t, ref = theirs(prompt)
         tok["transformers"] += len(ref)
         sec["transformers"] += t
-        for m in modes:
-            t, ids = ours(prompt, m)
-            tok[m] += len(ids)
-            sec[m] += t
-            same[m] += int(ids == ref)
+        for v in variants:
+            t, ids = ours(prompt, v)
+            tok[v] += len(ids)
+            sec[v] += t
+            same[v] += int(ids == ref)
     print(f"\n## end to end greedy decode, {name}: {n_prompts} prompts x {new_tokens} new tokens, batch 1, "
           f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
     base = tok["transformers"] / sec["transformers"]
-    print(f"{'':26s} {'tokens/s':>9s} {'vs transformers':>16s} {'identical tokens':>17s}")
-    print(f"{'transformers generate()':26s} {base:9.2f} {1.0:15.2f}x {'-':>17s}")
-    for m in modes:
-        rate = tok[m] / sec[m]
-        print(f"{'lmhead, head=' + m:26s} {rate:9.2f} {rate / base:15.2f}x {same[m]:>11d}/{n_prompts} prompts")
-    for m in modes:
-        if m != "fp32":
-            print(f"{m} stats: {heads[m].stats}")
+    print(f"{'':48s} {'tokens/s':>9s} {'vs transformers':>16s} {'identical tokens':>17s}")
+    print(f"{'transformers generate()':48s} {base:9.2f} {1.0:15.2f}x {'-':>17s}")
+    for v in variants:
+        rate = tok[v] / sec[v]
+        print(f"{'lmhead, ' + v:48s} {rate:9.2f} {rate / base:15.2f}x {same[v]:>11d}/{n_prompts} prompts")
+    for m, head in heads.items():
+        if hasattr(head, "stats"):
+            print(f"{m} stats (all variants with it): {head.stats}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from lmhead.generate import _Detokenizer, generate
 from lmhead.models import MODELS, ModelError, load_model
+from lmhead.models.model import Model
 from lmhead.sampling import SamplingConfig
 
 pytestmark = pytest.mark.model
@@ -37,8 +38,14 @@ def test_our_logits_equal_transformers_forward(model):
     ids = torch.tensor([model.tokenizer("The cat sat on the mat because it was")["input_ids"]])
     with torch.inference_mode():
         expected = model.hf_model(ids).logits
-    torch.testing.assert_close(model.logits(ids), expected, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(model.logits(ids, logits_to_keep=1), expected[:, -1:], rtol=1e-4, atol=1e-4)
+    # transformers' own body modules: only our head differs, so the logits agree to fp32 rounding of one product
+    plain = Model(model.hf_model, model.tokenizer, body="transformers")
+    torch.testing.assert_close(plain.logits(ids), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(plain.logits(ids, logits_to_keep=1), expected[:, -1:], rtol=1e-4, atol=1e-4)
+    # the default body runs its linears through oneDNN (another summation order in each of 30 layers):
+    # measured up to 1.4e-4 apart on logits of magnitude ~20 (7e-6 of the largest)
+    torch.testing.assert_close(model.logits(ids), expected, rtol=1e-4, atol=5e-4)
+    torch.testing.assert_close(model.logits(ids, logits_to_keep=1), expected[:, -1:], rtol=1e-4, atol=5e-4)
 
 
 def test_greedy_equals_transformers_generate_for_32_tokens(model):

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
@@ -25,7 +24,6 @@ def tiny_served_model(seed: int = 0):
 
 def real_model(name: str = "smollm2-135m"):
     """A packaged model from the shared cache, or skip (the models area converts it once)."""
-    os.environ.setdefault("LMHEAD_CACHE", "/tmp/lmhead/cache")
     from lmhead.models import ModelError, load_model
 
     try:

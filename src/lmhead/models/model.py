@@ -16,24 +16,38 @@ from typing import Any
 import torch
 
 from lmhead.head import LMHead
+from lmhead.models.fast_linear import onednn_available, with_onednn_linears
+
+# How `Model.body` runs its linear layers: "auto" (oneDNN's kernel when torch has it, else transformers'
+# F.linear), "onednn", or "transformers" (the modules exactly as transformers built them).
+BODY_MODES: tuple[str, ...] = ("auto", "onednn", "transformers")
 
 
 class Model:
     """A loaded language model. Build it with `lmhead.load_model(...)`.
 
-    Attributes: `hf_model` (transformers, eval mode, float32), `tokenizer`, `head` (LMHead sharing the model's
-    head weight; softcap from `config.final_logit_softcapping`), `name`, `config`, `eos_token_ids`,
-    `context_length`, `path` (the folder it was loaded from).
+    Attributes: `hf_model` (transformers, eval mode, float32), `body` (its embedding, blocks and final norm;
+    by default a copy sharing every weight whose linear layers run oneDNN's kernel: `body` in BODY_MODES),
+    `tokenizer`, `head` (LMHead sharing the model's head weight; softcap from
+    `config.final_logit_softcapping`), `name`, `config`, `eos_token_ids`, `context_length`, `path` (the
+    folder it was loaded from).
     """
 
-    def __init__(self, hf_model, tokenizer, name: str = "model", path: Path | None = None) -> None:
+    def __init__(self, hf_model, tokenizer, name: str = "model", path: Path | None = None,
+                 body: str = "auto") -> None:
+        if body not in BODY_MODES:
+            raise ValueError(f"body must be one of {', '.join(BODY_MODES)}; got {body!r}")
+        if body == "onednn" and not onednn_available():
+            raise ValueError("body='onednn': this torch build has no oneDNN (mkldnn); use body='transformers'")
         self.hf_model = hf_model.float().eval()
         self.tokenizer = tokenizer
         self.name = name
         self.path = path
         self.config = hf_model.config
         text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
-        self.body = hf_model.base_model  # embedding + blocks + final norm
+        # embedding + blocks + final norm; with oneDNN linears (the same weights, see fast_linear.py) unless
+        # body="transformers". hf_model itself is left as transformers built it.
+        self.body = hf_model.base_model if body == "transformers" else with_onednn_linears(hf_model.base_model)
         out = hf_model.get_output_embeddings()
         softcap = getattr(text_config, "final_logit_softcapping", None)
         self.head = LMHead.from_weight(out.weight, bias=getattr(out, "bias", None), softcap=softcap or None)
