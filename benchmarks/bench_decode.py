@@ -1,12 +1,15 @@
 """Decode speed: lmhead's generate loop against transformers' generate() on the same loaded model.
 
     .venv/bin/python benchmarks/bench_decode.py [--model gemma-3-270m] [--new-tokens 64] [--repeats 3]
+                                                [--head auto] [--body auto]
 
 Both run under torch.inference_mode on one prompt (batch 1), greedy and sampled (T=0.8, top-k 50, top-p 0.9),
 interleaved (lmhead, transformers, transformers, lmhead, ...) so that a busy machine slows both alike; the
 table shows medians of tokens/s (generated tokens / wall time, prefill included), their ratio, and where an
-lmhead step spends its time (body = the transformer, head = our LMHead, sampling = the pipeline and the
+lmhead step spends its time (body = the transformer, head = our head, sampling = the pipeline and the
 logprobs, text = incremental detokenization). Greedy tokens must be identical to transformers'.
+transformers' generate() always runs transformers' own modules (`model.hf_model`); lmhead runs `model.body`
+(by default the same weights through oneDNN linears) and `model.head` (by default exact-int8 for Gemma).
 """
 
 from __future__ import annotations
@@ -49,12 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--head", default="auto",  # compressed head (issue 7)
                         help="LM head: auto (default), fp32, exact-int8, int8, int4 (see lmhead.compressed)")
+    parser.add_argument("--body", default="auto",
+                        help="body linears: auto (default: oneDNN), onednn, transformers (models/fast_linear.py)")
     args = parser.parse_args(argv)
 
     from lmhead.models import load_model
     from lmhead.sampling import SamplingConfig
 
-    model = load_model(args.model, head=args.head)
+    model = load_model(args.model, head=args.head, body=args.body)
     modes = {
         "greedy": SamplingConfig(temperature=0.0),
         "sampled": SamplingConfig(temperature=0.8, top_k=50, top_p=0.9),
@@ -90,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"model {model.name}, batch 1, {args.new_tokens} new tokens, prompt {args.prompt!r}, "
           f"{args.repeats} interleaved repeats, torch threads {torch.get_num_threads()}, "
-          f"head {type(model.head).__name__} ({args.head})")  # compressed head (issue 7)
+          f"head {type(model.head).__name__} ({args.head}, kernel {getattr(model.head, 'kernel', '-')}), "
+          f"body {args.body}")
     print(f"{'mode':<9}{'lmhead tok/s':>14}{'transformers tok/s':>20}{'ratio':>8}"
           f"{'body':>8}{'head':>8}{'sampling':>10}{'text':>7}")
     for mode, ours_rate, theirs_rate, share in rows:

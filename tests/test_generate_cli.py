@@ -103,3 +103,18 @@ def test_ctrl_c_keeps_the_output_and_exits_130(folder, capsys, monkeypatch):
     assert code == 130
     assert captured.out.startswith("The cat") and captured.out.endswith("\n")
     assert "interrupted after 3 tokens" in captured.err and "Traceback" not in captured.err
+
+
+def test_head_and_body_options_give_the_same_greedy_tokens(folder, capsys):
+    outs = []
+    for extra in ([], ["--head", "exact-int8", "--body", "transformers"], ["--head", "fp32", "--body", "onednn"]):
+        assert main(["generate", "The cat sat", "--model", folder, "-n", "8", "--temperature", "0",
+                     "--json", *extra]) == 0
+        outs.append([json.loads(line)["token_id"] for line in capsys.readouterr().out.splitlines()])
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_an_unknown_head_mode_is_one_line_and_exit_2(folder, capsys):
+    assert main(["generate", "The cat sat", "--model", folder, "--head", "int3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--head" in err[0] and "exact-int8" in err[0]

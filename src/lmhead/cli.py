@@ -57,12 +57,18 @@ def _sampling_config(args: argparse.Namespace):
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="model name (gemma-3-270m, smollm2-135m), .gguf file or HF folder (default gemma-3-270m)")
+    p.add_argument("--head", default="auto", choices=["auto", "fp32", "exact-int8", "int8", "int4"],
+                   help="LM head: auto (default: exact-int8 for heads of >= 256 MiB, else fp32), fp32, exact-int8 "
+                   "(int8 + exact re-scoring: the fp32 head's greedy token and top-64), int8/int4 (approximate)")
+    p.add_argument("--body", default="auto", choices=["auto", "onednn", "transformers"],
+                   help="how the body's linear layers run: auto (default: oneDNN's kernel when torch has it), "
+                   "onednn, transformers (its own modules)")
 
 
 def _load(args: argparse.Namespace):
     from lmhead.models import DEFAULT_MODEL, load_model
 
-    return load_model(args.model or DEFAULT_MODEL)
+    return load_model(args.model or DEFAULT_MODEL, head=args.head, body=args.body)
 
 
 # --- params -----------------------------------------------------------------------------------------------
