@@ -475,3 +475,20 @@ def test_gemmas_default_head_is_exact_on_its_hidden_states():
         assert float((p - torch.softmax(F.linear(h[n:n + 1], w), -1)).abs().max()) < 1e-3
     # a rare row has too many candidates and takes the fp32 head (still exact): measured 0-1 of these 40
     assert head.stats["fallback_rows"] <= 2
+
+
+def test_predictions_and_evaluation_use_the_full_precision_head():
+    # the compressed head serves decoding; what the explainer shows comes from the fp32 head, beyond the
+    # exact top-64 too
+    from tiny import tiny_model
+
+    from lmhead.models.model import Model
+
+    hf, tok = tiny_model("llama")
+    model = use_head(Model(hf, tok), "exact-int8", cache=False)
+    assert isinstance(model.head, CompressedHead) and model.exact_head is model.fp32_head
+    pred = model.predict("the cat sat", top=120)
+    ids = torch.tensor([model.encode("the cat sat")])
+    ref = model.fp32_head(model.hidden_states(ids)[:, -1])[0]
+    got = torch.tensor([c.logit for c in pred.candidates])
+    torch.testing.assert_close(got, torch.topk(ref, 120).values, **reference.tolerance(torch.float32))

@@ -215,7 +215,7 @@ def _run_eval(args: argparse.Namespace) -> None:
     model = _load(args)
     from lmhead.explain import evaluate
 
-    ev = evaluate(model.hf_model, model.tokenizer, model.head, text, window=args.window, stride=args.stride,
+    ev = evaluate(model.hf_model, model.tokenizer, model.exact_head, text, window=args.window, stride=args.stride,
                   tokens=args.tokens, progress=True, model_name=model.name)
     if args.json:
         _print_json(ev.to_dict())

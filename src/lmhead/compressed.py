@@ -6,11 +6,13 @@ vector: Gemma 3 270M reads 671 MB of fp32 per generated token. `CompressedHead` 
 approximate logits with a matrix kernel torch ships for CPU. int8 has two (`kernel=`):
   "onednn"    oneDNN's int8 inner product (`onednn::qlinear_pointwise`, the op torch's x86 quantisation
               backend emits): uint8 activations (one scale and zero point per call), int32 accumulation
-              (exact), fp32 output. 2x faster than int8pack here (5.7 vs 11.5 ms for Gemma's head). The
+              (exact), fp32 output: 7.8 vs 11.9 ms for Gemma's head with int8pack (quiet machine). The
               per-call activation scale would be set by the few outlier dimensions that real hidden states
               have, so the head first rescales the columns: W' = W·diag(c), h' = h / c with c a power of two
               per dimension (exact in fp32), chosen SmoothQuant-style from calibration hidden states
-              (c ∝ max|h|^0.4 / max|W|^0.6). The default wherever torch has oneDNN and the op passes a
+              (c ∝ max|h|^0.4 / max|W|^0.6). Used for one row per call (decoding); several rows would
+              share one activation scale, so they go to int8pack on the same int8 weights. Chosen by
+              `kernel=None` when the bound stays tight on the calibration rows and the op passes a
               self-test of exact int32 accumulation (no int16 saturation, exact zero-point compensation).
   "int8pack"  `aten._weight_int8pack_mm`: bf16 activations, fp32 accumulation, bf16 output.
 int4 uses `aten._weight_int4pack_mm_for_cpu` (bf16 activations, fp32 accumulation).

@@ -61,6 +61,13 @@ class Model:
                 f"layers={getattr(self.config, 'num_hidden_layers', '?')}, context={self.context_length})")
 
     @property
+    def exact_head(self):
+        """The full-precision head: what predictions, the logit lens and evaluation use, so that every
+        probability they show is the fp32 head's. A compressed `head` (issue 7) serves decoding only, where
+        its top-64 are exact and the rest approximate within a bound."""
+        return getattr(self, "fp32_head", self.head)
+
+    @property
     def vocab_size(self) -> int:
         return int(self.head.weight.shape[0])
 
@@ -95,8 +102,7 @@ class Model:
     def logits(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                logits_to_keep: int = 0) -> torch.Tensor:
         """lmhead's logits [B,T',V] float32 for `ids` [B,T]: the body, then our head (T' = logits_to_keep or T)."""
-        head = getattr(self, "fp32_head", self.head)  # compressed head (issue 7): full logits stay fp32-exact
-        return head(self.hidden_states(ids, attention_mask), logits_to_keep=logits_to_keep)
+        return self.exact_head(self.hidden_states(ids, attention_mask), logits_to_keep=logits_to_keep)
 
     def new_cache(self):
         """An empty KV cache for this model (a transformers DynamicCache, sliding layers included)."""
@@ -117,7 +123,7 @@ class Model:
         from lmhead import explain
 
         kwargs.setdefault("model_name", self.name)
-        return explain.predict(self.hf_model, self.tokenizer, self.head, prompt, top=top, config=config,
+        return explain.predict(self.hf_model, self.tokenizer, self.exact_head, prompt, top=top, config=config,
                                layers=layers, **kwargs)
 
     def evaluate(self, text: str, **kwargs):
@@ -125,13 +131,13 @@ class Model:
         from lmhead import explain
 
         kwargs.setdefault("model_name", self.name)
-        return explain.evaluate(self.hf_model, self.tokenizer, self.head, text, **kwargs)
+        return explain.evaluate(self.hf_model, self.tokenizer, self.exact_head, text, **kwargs)
 
     def perplexity(self, text: str, **kwargs):
         """The model's perplexity on `text`; see `lmhead.explain.perplexity`."""
         from lmhead import explain
 
-        return explain.perplexity(self.hf_model, self.tokenizer, self.head, text, **kwargs)
+        return explain.perplexity(self.hf_model, self.tokenizer, self.exact_head, text, **kwargs)
 
 
 def _eos_ids(hf_model, tokenizer) -> list[int]:
