@@ -86,6 +86,9 @@ _SAFETY = 1.0 + 2.0**-10  # covers the fp32 rounding of the bound arithmetic its
 
 
 _KERNELS = ("int8pack", "onednn", "int4pack")  # index stored in a cached state's meta
+# Stored in a cached state's meta: a state written by other compression code (another kernel choice, other
+# scales) is compressed again instead of reused. Bump it when `_compress` or the kernel choice changes.
+_STATE_VERSION = 2
 SMOOTHING_ALPHA = 0.4  # column-scale exponent: c ∝ max|h|^α / max|W|^(1−α) (measured on Gemma: 0.3-0.5 best)
 
 
@@ -156,8 +159,9 @@ class CompressedHead(nn.Module):
             bound (measured: at 64 rows int8 is no faster than fp32), and the per-row selection costs grow.
         kernel: for bits=8, "onednn" or "int8pack" (see the module docstring). None: with `calibration` and
             a usable oneDNN, "onednn" if on the calibration rows it re-scores a median of at most
-            max_rescore/4 tokens with no fallback (Gemma 3: yes; SmolLM2, whose hidden states have larger
-            outliers: no), else "int8pack"; without calibration "int8pack". bits=4 always uses int4pack.
+            max_rescore/4 tokens and at most 2% of them fall back (Gemma 3: yes; SmolLM2, whose hidden
+            states have larger outliers: no), else "int8pack"; without calibration "int8pack". bits=4
+            always uses int4pack.
         calibration: hidden states [N,D] like the ones the head will see (e.g. a prompt's), used by the
             onednn kernel to choose its column scales and by kernel=None to choose the kernel; the bounds
             hold for any choice, only their tightness (how many candidates get re-scored) depends on it.
@@ -193,7 +197,7 @@ class CompressedHead(nn.Module):
             if group_size not in (32, 64, 128, 256):
                 raise ValueError(f"group_size must be one of 32, 64, 128, 256 for bits=4, got {group_size!r}")
         trial = False
-        if kernel is None and _state is not None and len(_state["meta"]) == 5:
+        if kernel is None and _state is not None and len(_state["meta"]) == 6:
             kernel = _KERNELS[int(_state["meta"][4])]  # a cached head: the kernel it was built for
         elif kernel is None:
             trial = bits == 8 and calibration is not None and onednn_int8_usable()
@@ -337,7 +341,8 @@ class CompressedHead(nn.Module):
 
     def _kernel_pays_off(self, calibration: torch.Tensor) -> bool:
         """Whether this (onednn) head's bound stays tight on the calibration rows, one row per call as in
-        decoding: no row over max_rescore candidates and a median of at most max_rescore/4."""
+        decoding: at most 2% of them over max_rescore candidates (Gemma: 0 of 188, the largest 23,149 of
+        32,768) and a median of at most max_rescore/4 (Gemma: 2,380; SmolLM2: 11,120 of a budget of 6,144)."""
         k = max(1, min(self.exact_k or 64, self.vocab_size))
         counts = []
         with _one_thread():
@@ -350,7 +355,8 @@ class CompressedHead(nn.Module):
         if not counts:
             return True
         counts.sort()
-        return counts[-1] <= self.max_rescore and counts[len(counts) // 2] <= self.max_rescore / 4
+        over = sum(c > self.max_rescore for c in counts)
+        return over <= 0.02 * len(counts) and counts[len(counts) // 2] <= self.max_rescore / 4
 
     @staticmethod
     def _candidate_mask(y: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
@@ -365,7 +371,8 @@ class CompressedHead(nn.Module):
 
     def _meta(self) -> torch.Tensor:
         kernel = _KERNELS.index(self.kernel)
-        return torch.tensor([self.vocab_size, self.d_model, self.bits, self.group_size or 0, kernel], dtype=torch.long)
+        return torch.tensor([self.vocab_size, self.d_model, self.bits, self.group_size or 0, kernel, _STATE_VERSION],
+                            dtype=torch.long)
 
     def _pack(self) -> None:
         """The onednn kernel's prepacked weight [V,D] (its own blocked layout) and fp32 scales."""
@@ -379,7 +386,7 @@ class CompressedHead(nn.Module):
     def _load_state(self, state: dict[str, torch.Tensor]) -> None:
         meta = [int(x) for x in state["meta"]]
         if meta != self._meta().tolist():
-            raise ValueError(f"compressed state is for [V, D, bits, group, kernel] = {meta}, not this head's")
+            raise ValueError(f"compressed state is for [V, D, bits, group, kernel, version] = {meta}, not this head's")
         consts = state["consts"].float()
         # A cheap guard against a state from other weights: every row's W∞ must match this weight's.
         rows = torch.linspace(0, self.vocab_size - 1, 257).long()
