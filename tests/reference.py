@@ -39,6 +39,15 @@ def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return logits
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ weight[out, in]ᵀ + bias in float64, returned in x's dtype: the ground truth for the body's
+    oneDNN linears (lmhead.models.fast_linear)."""
+    y = x.double() @ weight.double().T
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype)
+
+
 # --- sampling ---------------------------------------------------------------------------------------------
 # One row at a time, full-vocabulary sorts, Python loops: the definitions of lmhead.sampling's steps.
 

@@ -154,7 +154,10 @@ def test_the_onednn_kernel_is_exact_up_to_its_output_rounding():
     y, xhat, used = head._approx(h[:1])
     assert used == "onednn"
     h = h[:1]
-    what = head.qweight[:V, :D].double() * head.scales[:V].double()[:, None]
+    # what the kernel multiplies by: W·diag(c) quantised per row (the same as quantising W' directly)
+    what = reference.int8_rowwise_dequant(w * head.column_scale)
+    torch.testing.assert_close(what, head.qweight[:V, :D].double() * head.scales[:V].double()[:, None],
+                               rtol=0, atol=0)
     exact = xhat @ what.T
     assert bool(((y.double() - exact).abs() <= 8 * 2.0**-24 * exact.abs() + 1e-30).all())
 
