@@ -106,3 +106,14 @@ def test_an_unknown_body_mode_names_the_allowed_ones():
     with pytest.raises(ValueError, match="body must be one of"):
         load_model("smollm2-135m", body="fast")  # checked before anything is loaded
 
+
+
+def test_without_onednn_the_body_is_transformers_own(monkeypatch):
+    from lmhead.models import fast_linear, model
+
+    monkeypatch.setattr(fast_linear, "onednn_available", lambda: False)
+    monkeypatch.setattr(model, "onednn_available", lambda: False)
+    hf, tok = tiny_model("llama")
+    assert Model(hf, tok).body is hf.base_model  # "auto" falls back
+    with pytest.raises(ValueError, match="no oneDNN"):
+        Model(hf, tok, body="onednn")

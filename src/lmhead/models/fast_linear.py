@@ -20,6 +20,7 @@ weight requires grad, `F.linear` runs instead (the oneDNN op has no backward).
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +29,20 @@ from torch import nn
 __all__ = ["OneDNNLinear", "onednn_available", "with_onednn_linears"]
 
 
+@functools.cache
 def onednn_available() -> bool:
-    """True when this torch build has oneDNN (mkldnn) and its `_linear_pointwise` op on CPU."""
-    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    """True when this torch build has oneDNN (mkldnn) and its `_linear_pointwise` op takes the arguments we
+    pass and agrees with F.linear on a small product (the op is internal to torch: checked, not assumed)."""
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return False
+        g = torch.Generator().manual_seed(0)
+        x, w, b = torch.randn(3, 24, generator=g), torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+        with torch.no_grad():
+            y = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+            return bool(torch.allclose(y, F.linear(x, w, b), rtol=1e-4, atol=1e-4))
+    except Exception:  # no such op, or another signature in this torch version
+        return False
 
 
 class OneDNNLinear(nn.Module):
