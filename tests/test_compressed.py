@@ -318,6 +318,8 @@ def test_bad_input_is_rejected_with_the_allowed_range():
         head.logits_exact_for(torch.zeros(1, 64), torch.tensor([256]))
     with pytest.raises(ValueError, match="logits_to_keep"):
         head(torch.zeros(1, 2, 64), logits_to_keep=-1)
+    with pytest.raises(ValueError, match=r"exact_k must be an int in \[0, 256\]"):
+        head(torch.zeros(1, 64), exact_k=257)
 
 
 def test_nonfinite_hidden_falls_back_to_the_full_head():
@@ -480,9 +482,8 @@ def test_gemmas_default_head_is_exact_on_its_hidden_states():
     assert head.stats["fallback_rows"] <= 2
 
 
-def test_predictions_and_evaluation_use_the_full_precision_head():
-    # the compressed head serves decoding; what the explainer shows comes from the fp32 head, beyond the
-    # exact top-64 too
+def test_predictions_show_the_fp32_heads_candidates_beyond_exact_k():
+    # predict runs the model's (compressed) head but asks it for as many exact tokens as it shows: 120 > 64
     from tiny import tiny_model
 
     from lmhead.models.model import Model
@@ -490,7 +491,9 @@ def test_predictions_and_evaluation_use_the_full_precision_head():
     hf, tok = tiny_model("llama")
     model = use_head(Model(hf, tok), "exact-int8", cache=False)
     assert isinstance(model.head, CompressedHead) and model.exact_head is model.fp32_head
+    model.head.reset_stats()
     pred = model.predict("the cat sat", top=120)
+    assert model.head.stats["calls"] == 1  # the model's own head served it
     ids = torch.tensor([model.encode("the cat sat")])
     ref = model.fp32_head(model.hidden_states(ids)[:, -1])[0]
     got = torch.tensor([c.logit for c in pred.candidates])

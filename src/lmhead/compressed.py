@@ -637,18 +637,22 @@ class CompressedHead(nn.Module):
 
     # ---- public API ------------------------------------------------------------------------------------
 
-    def forward(self, hidden: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, logits_to_keep: int = 0, exact_k: int | None = None) -> torch.Tensor:
         """Logits [B,T',V] fp32 from hidden [B,T,D] (or [N,D] -> [N,V]); T' = logits_to_keep (0 = all).
 
-        The top-`exact_k` tokens of every row are exact (ids and values, those of the fp32 head); the other
-        entries are approximate within `error_bound` and strictly below the exact_k-th value.
+        The top-`exact_k` tokens of every row (default: the head's `exact_k`; the explainer asks for as many as
+        it shows) are exact (ids and values, those of the fp32 head); the other entries are approximate within
+        `error_bound` and strictly below the exact_k-th value.
         """
         if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
+        k = self.exact_k if exact_k is None else exact_k
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.vocab_size:
+            raise ValueError(f"exact_k must be an int in [0, {self.vocab_size}], got {exact_k!r}")
         if isinstance(hidden, torch.Tensor) and hidden.dim() >= 2 and logits_to_keep:
             hidden = hidden[..., -logits_to_keep:, :]  # as LMHead: project only the positions kept
         h = self._check_hidden(hidden)
-        z, _ = self._logits(h, self.exact_k, check=1 if self.exact_k else 0)
+        z, _ = self._logits(h, k, check=1 if k else 0)
         return self._cap(z).reshape(*hidden.shape[:-1], self.vocab_size)
 
     def topk_exact(self, hidden: torch.Tensor, k: int, strict: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

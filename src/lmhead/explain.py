@@ -336,7 +336,9 @@ def predict(hf_model, tokenizer, head, prompt: str, top: int = 10, config=None, 
     body = _body(hf_model)
     out = body(input_ids=input_ids, output_hidden_states=layers, use_cache=False)
     last = out.last_hidden_state[:, -1:]  # [1,1,D], after the final norm
-    logits = head(last).reshape(1, vocab).float()  # [1,V]
+    # a compressed head (lmhead.compressed) makes its top `exact_k` exact: ask for every candidate shown
+    exact = {"exact_k": top} if top > getattr(head, "exact_k", top) else {}
+    logits = head(last, **exact).reshape(1, vocab).float()  # [1,V]
 
     prev = input_ids.to(logits.device)
     stages = _stages(logits, config, prev, len(ids))

@@ -62,9 +62,8 @@ class Model:
 
     @property
     def exact_head(self):
-        """The full-precision head: what predictions, the logit lens and evaluation use, so that every
-        probability they show is the fp32 head's. A compressed `head` (issue 7) serves decoding only, where
-        its top-64 are exact and the rest approximate within a bound."""
+        """The full-precision head (the fp32 LMHead even when `head` is compressed): what `logits`,
+        `evaluate` and `perplexity` use, so that what they measure is the fp32 head's."""
         return getattr(self, "fp32_head", self.head)
 
     @property
@@ -123,7 +122,7 @@ class Model:
         from lmhead import explain
 
         kwargs.setdefault("model_name", self.name)
-        return explain.predict(self.hf_model, self.tokenizer, self.exact_head, prompt, top=top, config=config,
+        return explain.predict(self.hf_model, self.tokenizer, self.head, prompt, top=top, config=config,
                                layers=layers, **kwargs)
 
     def evaluate(self, text: str, **kwargs):
