@@ -149,7 +149,29 @@ def kernels(W: torch.Tensor, M: int, repeats: int) -> list[tuple[str, float, flo
     return [(k, times[k] * 1e3, errors[k]) for k in fns]
 
 
-def bench(name: str, repeats: int, show_kernels: bool, prefill: int) -> None:
+def alpha_sweep(W: torch.Tensor, H: torch.Tensor, calibration: torch.Tensor | None, alphas: list[float]) -> None:
+    """Candidates per row (k=64, one row per call) of the oneDNN head without column scales and with the
+    scales of each smoothing exponent α, chosen on the calibration text and counted on the hidden states H."""
+    if not onednn_int8_usable() or calibration is None:
+        print("alpha sweep: needs oneDNN's int8 kernel and real calibration hidden states")
+        return
+    a = H.abs().amax(0)
+    print(f"per-dimension max |h| over {H.shape[0]} hidden states: median {float(a.median()):.1f}, "
+          f"max {float(a.max()):.1f}")
+    V = W.shape[0]
+    for alpha in [None, *alphas]:
+        head = CompressedHead(W, bits=8, kernel="onednn", max_rescore=V, exact_k=64,
+                              calibration=None if alpha is None else calibration,
+                              smoothing_alpha=0.0 if alpha is None else alpha)
+        for n in range(H.shape[0]):
+            head(H[n:n + 1])
+        s = head.stats
+        label = "no column scales" if alpha is None else f"alpha = {alpha:g}"
+        print(f"  {label:18s} re-scored per row mean {s['candidates'] / s['rows']:8.0f}, max {s['max_candidates']}")
+        del head
+
+
+def bench(name: str, repeats: int, show_kernels: bool, prefill: int, alphas: list[float] | None = None) -> None:
     W, origin = load_weight(name)
     V, D = W.shape
     H, calibration, hidden_origin = load_hidden(name, D)
@@ -210,6 +232,9 @@ def bench(name: str, repeats: int, show_kernels: bool, prefill: int) -> None:
               f"re-scored per step mean {s['candidates'] / max(1, s['rows']):.0f}, max {s['max_candidates']}; "
               f"fallbacks {s['fallback_rows']} (too many candidates) + {s['tie_fallback_rows']} (fp32 near-tie); "
               f"max |p - p_fp32| {perr:.2e}")
+
+    if alphas:
+        alpha_sweep(W, H, calibration, alphas)
 
     if prefill:
         g = torch.Generator().manual_seed(3)
@@ -316,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-prompts", type=int, default=5)
     p.add_argument("--decode-modes", nargs="+", default=["exact-int8", "fp32"])
     p.add_argument("--skip-head", action="store_true", help="only the end-to-end decode")
+    p.add_argument("--alphas", nargs="*", type=float, default=None, metavar="A",
+                   help="also count the oneDNN head's candidates with column scales of each exponent A")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -332,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
           f"load average {os.getloadavg()[0]:.1f}")
     for name in args.models:
         if not args.skip_head:
-            bench(name, args.repeats, args.kernels, args.prefill)
+            bench(name, args.repeats, args.kernels, args.prefill, args.alphas)
         if args.decode:
             decode(name, args.decode, args.decode_prompts, args.decode_modes)
     return 0

@@ -89,7 +89,7 @@ _KERNELS = ("int8pack", "onednn", "int4pack")  # index stored in a cached state'
 # Stored in a cached state's meta: a state written by other compression code (another kernel choice, other
 # scales) is compressed again instead of reused. Bump it when `_compress` or the kernel choice changes.
 _STATE_VERSION = 2
-SMOOTHING_ALPHA = 0.4  # column-scale exponent: c ∝ max|h|^α / max|W|^(1−α) (measured on Gemma: 0.3-0.5 best)
+SMOOTHING_ALPHA = 0.4  # column-scale exponent: c ∝ max|h|^α / max|W|^(1−α) (bench_head.py --alphas: best on Gemma)
 
 
 def column_scales(calibration: torch.Tensor, weight: torch.Tensor, alpha: float = SMOOTHING_ALPHA) -> torch.Tensor:
@@ -165,6 +165,7 @@ class CompressedHead(nn.Module):
         calibration: hidden states [N,D] like the ones the head will see (e.g. a prompt's), used by the
             onednn kernel to choose its column scales and by kernel=None to choose the kernel; the bounds
             hold for any choice, only their tightness (how many candidates get re-scored) depends on it.
+        smoothing_alpha: the exponent of `column_scales` (default 0.4; `bench_head.py --alphas` compares).
     """
 
     def __init__(
@@ -179,6 +180,7 @@ class CompressedHead(nn.Module):
         max_rows: int = 8,
         kernel: str | None = None,
         calibration: torch.Tensor | None = None,
+        smoothing_alpha: float = SMOOTHING_ALPHA,
         _state: dict[str, torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
@@ -212,6 +214,10 @@ class CompressedHead(nn.Module):
                                         or calibration.shape[1] != D):
             raise ValueError(f"calibration must be hidden states [N, D={D}], got "
                              f"{tuple(calibration.shape) if isinstance(calibration, torch.Tensor) else calibration!r}")
+        if isinstance(smoothing_alpha, bool) or not isinstance(smoothing_alpha, (int, float)) \
+                or not 0.0 <= smoothing_alpha <= 1.0:
+            raise ValueError(f"smoothing_alpha must be a number in [0, 1], got {smoothing_alpha!r}")
+        self.smoothing_alpha = float(smoothing_alpha)
         if bias is not None and tuple(bias.shape) != (V,):
             raise ValueError(f"bias must have shape [V]=({V},), got {tuple(bias.shape)}")
         if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
@@ -277,7 +283,7 @@ class CompressedHead(nn.Module):
         V, D, Dp, Vp = self.vocab_size, self.d_model, self._Dp, self._Vp
         col = torch.ones(D)
         if self.kernel == "onednn" and calibration is not None:
-            col = column_scales(calibration.detach(), w)
+            col = column_scales(calibration.detach(), w, self.smoothing_alpha)
         colp = torch.ones(Dp)
         colp[:D] = col
         # fp32 arithmetic in chunks of rows (a multiple of 64, the int4 packing block): fast, and small

@@ -4,12 +4,11 @@
     in body', each nn.Linear ──▶ OneDNNLinear: torch.ops.mkldnn._linear_pointwise(x, W, b)
 
 Why: at decode time (one new token per row) every linear of the body is a matrix-vector product. torch's
-`F.linear` sends it to MKL's sgemv, which on this machine (2-core AMD EPYC, AVX-512) runs on one thread at
-13.6 GB/s over Gemma 3 270M's body weights, against 57 GB/s that a parallel read reaches; oneDNN's inner
-product — the op torch.compile's CPU backend emits for linears — uses every thread: 17.4 ms against 29.5 ms
-for the body's 126 products per token, and it is also faster for prefill shapes (M = 4..256 rows: 0.8-0.9x
-the time). Measured by benchmarks/bench_decode.py (end to end) and by `tests/test_fast_linear.py`'s
-comparison with F.linear.
+`F.linear` sends it to MKL's sgemv, which on this machine (2-core AMD EPYC, AVX-512) runs on one thread:
+the body's 126 products per Gemma 3 270M token take 31.6 ms with torch's 2 threads and 31.8 ms with one
+(12.7 GB/s); oneDNN's inner product — the op torch.compile's CPU backend emits for linears — uses every
+thread: 21.0 ms (19.1 GB/s), and a whole body decode step goes from 40.7 to 31.0 ms
+(benchmarks/bench_body.py; end to end: benchmarks/bench_decode.py).
 
 The results equal F.linear's up to fp32 summation order (relative differences ~1e-6): the weights are the
 same tensors, only the kernel differs. The copy leaves `hf_model` untouched, so transformers' own

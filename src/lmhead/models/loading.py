@@ -219,7 +219,7 @@ def load_model(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, verify: 
     `head` picks the LM head used by generate/predict/the server (`lmhead.compressed`): "auto" (default:
     "exact-int8" for heads of >= 256 MiB in fp32, else "fp32"), "fp32", "exact-int8", "int8", "int4".
     `body` picks how the body's linear layers run (`lmhead.models.model.BODY_MODES`): "auto" (default:
-    oneDNN's kernel when torch has it — the same weights, 1.7x faster per decode step here), "onednn",
+    oneDNN's kernel when torch has it — the same weights, a 1.3x faster body step here), "onednn",
     "transformers" (transformers' own modules). `hf_model` is transformers' model either way.
     """
     from lmhead.compressed import HEAD_MODES  # compressed head (issue 7)

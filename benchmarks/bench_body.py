@@ -1,0 +1,128 @@
+"""The body's linear layers at decode time: transformers' F.linear (MKL) against lmhead's oneDNN linears.
+
+    .venv/bin/python benchmarks/bench_body.py [--model gemma-3-270m] [--repeats 15] [--steps 40]
+
+Side by side in one process, medians of interleaved repeats:
+  - every nn.Linear of the model's body applied to one token ([1, in] x [out, in]^T, the decode shape), with
+    F.linear on torch's threads, F.linear on one thread, and oneDNN (`lmhead.models.fast_linear`); bytes read
+    per token, the effective GB/s, and the read bandwidth of a large parallel sum measured in the same run;
+  - one decode step of the whole body (KV cache, one new token) with transformers' modules and with
+    `Model.body` (the oneDNN linears), and the largest difference of their hidden states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def interleaved(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds per call of each fn, measured round-robin so that load changes hit all alike."""
+    for f in fns.values():
+        f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def read_bandwidth_gbs(repeats: int = 7) -> float:
+    """A 1 GiB fp32 tensor summed on torch's threads (median)."""
+    x = torch.ones(256 * 1024 * 1024)
+    t = interleaved({"sum": x.sum}, repeats)["sum"]
+    return x.numel() * 4 / t / 1e9
+
+
+class _Threads:
+    def __init__(self, n: int) -> None:
+        self.n, self.old = n, torch.get_num_threads()
+
+    def __enter__(self) -> None:
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_num_threads(self.old)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="gemma-3-270m", help="model name, .gguf file or HF folder")
+    parser.add_argument("--repeats", type=int, default=15, help="interleaved repeats (default 15)")
+    parser.add_argument("--steps", type=int, default=40, help="decode steps per body timing (default 40)")
+    args = parser.parse_args(argv)
+
+    from lmhead.models import load_model
+    from lmhead.models.fast_linear import onednn_available
+
+    if not onednn_available():
+        print("this torch build has no usable oneDNN linear: nothing to compare")
+        return 0
+    model = load_model(args.model, head="fp32", progress=False)
+    plain = model.hf_model.base_model
+    linears = [m for m in plain.modules() if type(m) is torch.nn.Linear]
+    xs = {m.in_features: torch.randn(1, m.in_features) for m in linears}
+    nbytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+
+    def f_linear() -> None:
+        for m in linears:
+            F.linear(xs[m.in_features], m.weight, m.bias)
+
+    def f_linear_1() -> None:
+        with _Threads(1):
+            f_linear()
+
+    def onednn() -> None:
+        for m in linears:
+            torch.ops.mkldnn._linear_pointwise(xs[m.in_features], m.weight, m.bias, "none", [], "")
+
+    bw = read_bandwidth_gbs()
+    with torch.inference_mode():
+        t = interleaved({"F.linear (MKL)": f_linear, "F.linear, 1 thread": f_linear_1, "oneDNN": onednn},
+                        args.repeats)
+    print(f"model {model.name}: {len(linears)} linears in the body, {nbytes / 1e6:.1f} MB read per token; "
+          f"torch threads {torch.get_num_threads()}; read bandwidth (1 GiB sum) {bw:.1f} GB/s")
+    print(f"{'linears, one token':24s} {'ms':>8s} {'vs F.linear':>12s} {'GB/s':>7s} {'of peak':>8s}")
+    for k, s in t.items():
+        print(f"{k:24s} {s * 1e3:8.2f} {t['F.linear (MKL)'] / s:11.2f}x {nbytes / s / 1e9:7.1f} "
+              f"{nbytes / s / 1e9 / bw:7.0%}")
+
+    ids = torch.tensor([model.encode("Once upon a time, in a small village by the sea, there lived")])
+    bodies = {"transformers modules": plain, "lmhead Model.body (oneDNN)": model.body}
+    state = {}
+    with torch.inference_mode():
+        for k, body in bodies.items():
+            cache = model.new_cache()
+            body(input_ids=ids, cache=cache, use_cache=True)
+            state[k] = [cache, ids.shape[1]]
+
+        def step(k: str):
+            def run() -> torch.Tensor:
+                cache, pos = state[k]
+                out = bodies[k](input_ids=torch.tensor([[1000]]), position_ids=torch.tensor([[pos]]),
+                                cache=cache, use_cache=True)
+                state[k][1] += 1
+                return out.last_hidden_state
+            return run
+
+        steps = interleaved({k: step(k) for k in bodies}, args.steps)
+        a = bodies["transformers modules"](input_ids=ids).last_hidden_state
+        b = bodies["lmhead Model.body (oneDNN)"](input_ids=ids).last_hidden_state
+    print(f"{'body, one decode step':28s} {'ms':>8s} {'vs transformers':>16s}")
+    base = steps["transformers modules"]
+    for k, s in steps.items():
+        print(f"{k:28s} {s * 1e3:8.2f} {base / s:15.2f}x")
+    print(f"max |hidden(oneDNN) - hidden(transformers)| over the prompt: {float((a - b).abs().max()):.2e} "
+          f"(largest |hidden| {float(a.abs().max()):.1f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
