@@ -303,6 +303,8 @@ def test_bad_input_is_rejected_with_the_allowed_range():
         CompressedHead(w, bits=8, kernel="fbgemm")
     with pytest.raises(ValueError, match="kernel must be one of int4pack for bits=4"):
         CompressedHead(w, bits=4, kernel="onednn")
+    with pytest.raises(ValueError, match=r"smoothing_alpha must be a number in \[0, 1\]"):
+        CompressedHead(w, smoothing_alpha=1.5)
     with pytest.raises(ValueError, match=r"calibration must be hidden states \[N, D=64\]"):
         CompressedHead(w, calibration=torch.zeros(3, 65))
     with pytest.raises(ValueError, match="head mode"):
