@@ -13,32 +13,11 @@ Side by side in one process, medians of interleaved repeats:
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
-
-
-def interleaved(fns: dict, repeats: int) -> dict[str, float]:
-    """Median seconds per call of each fn, measured round-robin so that load changes hit all alike."""
-    for f in fns.values():
-        f()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
-def read_bandwidth_gbs(repeats: int = 7) -> float:
-    """A 1 GiB fp32 tensor summed on torch's threads (median)."""
-    x = torch.ones(256 * 1024 * 1024)
-    t = interleaved({"sum": x.sum}, repeats)["sum"]
-    return x.numel() * 4 / t / 1e9
+from bench_head import interleaved, read_bandwidth_gbs  # same folder: run as a script, it is on sys.path
 
 
 class _Threads:
