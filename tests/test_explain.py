@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 from reference import hf_sliding_window_nll
-from tiny import tiny_head, tiny_model
+from tiny import tiny_model
 
 from lmhead import explain
+from lmhead.models import Model
 from lmhead.sampling import SamplingConfig, probabilities
 
 PROMPT = "The cat sat on the"
@@ -22,13 +23,13 @@ TEXT = ("The quick brown fox jumps over the lazy dog. Language models predict th
 def tiny(request):
     softcap = 5.0 if request.param == "gemma3" else None  # Gemma-2-style final softcap: the head must apply it
     model, tokenizer = tiny_model(request.param, softcap=softcap)
-    return model, tokenizer, tiny_head(model)
+    return model, tokenizer, Model(model, tokenizer)  # lmhead's Model on transformers' model
 
 
 @pytest.fixture(scope="module")
 def llama():
     model, tokenizer = tiny_model("llama", seed=1)
-    return model, tokenizer, tiny_head(model)
+    return model, tokenizer, Model(model, tokenizer)
 
 
 def model_logits(model, tokenizer, text: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,10 +55,10 @@ CONFIGS = [
 
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 def test_processed_probabilities_equal_sampling_on_the_full_row(tiny, config):
-    model, tokenizer, head = tiny
+    model, tokenizer, lm = tiny
     ids, logits = model_logits(model, tokenizer, PROMPT)
     expected = probabilities(logits, config, prev_tokens=ids, prompt_len=ids.shape[1])[0]
-    pred = explain.predict(model, tokenizer, head, PROMPT, top=len(tokenizer), config=config)
+    pred = explain.predict(lm, PROMPT, top=len(tokenizer), config=config)
     assert len(pred.candidates) == len(tokenizer) == pred.vocab_size
     got = torch.zeros_like(expected)
     for c in pred.candidates:
@@ -69,9 +70,9 @@ def test_processed_probabilities_equal_sampling_on_the_full_row(tiny, config):
 
 
 def test_candidate_logits_are_the_models_own(tiny):
-    model, tokenizer, head = tiny
+    model, tokenizer, lm = tiny
     _, logits = model_logits(model, tokenizer, PROMPT)
-    pred = explain.predict(model, tokenizer, head, PROMPT, top=15)
+    pred = explain.predict(lm, PROMPT, top=15)
     top = torch.topk(logits[0], 15)
     assert [c.token_id for c in pred.candidates] == top.indices.tolist()
     torch.testing.assert_close(torch.tensor([c.logit for c in pred.candidates]), top.values, rtol=1e-5, atol=1e-5)
@@ -84,8 +85,8 @@ def test_candidate_logits_are_the_models_own(tiny):
 
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 def test_candidates_sorted_and_kept_tokens_form_a_prefix(tiny, config):
-    model, tokenizer, head = tiny
-    pred = explain.predict(model, tokenizer, head, PROMPT, top=60, config=config)
+    model, tokenizer, lm = tiny
+    pred = explain.predict(lm, PROMPT, top=60, config=config)
     scaled = [c.scaled_logit for c in pred.candidates]
     assert scaled == sorted(scaled, reverse=True)
     kept = [c.kept for c in pred.candidates]
@@ -96,8 +97,8 @@ def test_candidates_sorted_and_kept_tokens_form_a_prefix(tiny, config):
 
 
 def test_top_k_1_keeps_exactly_one_token(tiny):
-    model, tokenizer, head = tiny
-    pred = explain.predict(model, tokenizer, head, PROMPT, top=5, config=SamplingConfig(top_k=1))
+    model, tokenizer, lm = tiny
+    pred = explain.predict(lm, PROMPT, top=5, config=SamplingConfig(top_k=1))
     assert pred.kept_count == 1
     assert [c.kept for c in pred.candidates] == [True, False, False, False, False]
     assert pred.candidates[0].probability == pytest.approx(1.0)
@@ -106,8 +107,8 @@ def test_top_k_1_keeps_exactly_one_token(tiny):
 
 
 def test_top_k_cut_flags(llama):
-    model, tokenizer, head = llama
-    pred = explain.predict(model, tokenizer, head, PROMPT, top=30, config=SamplingConfig(top_k=7))
+    model, tokenizer, lm = llama
+    pred = explain.predict(lm, PROMPT, top=30, config=SamplingConfig(top_k=7))
     assert pred.kept_count == 7
     for c in pred.candidates:
         assert c.kept_top_k == (c.rank <= 7) == c.kept
@@ -116,9 +117,9 @@ def test_top_k_cut_flags(llama):
 
 
 def test_top_p_keeps_the_smallest_prefix_reaching_p(llama):
-    model, tokenizer, head = llama
+    model, tokenizer, lm = llama
     p = 0.6
-    pred = explain.predict(model, tokenizer, head, PROMPT, top=len(tokenizer),
+    pred = explain.predict(lm, PROMPT, top=len(tokenizer),
                            config=SamplingConfig(temperature=0.8, top_p=p))
     # Reference over the full vocabulary: sort softmax(logits/T), keep tokens whose preceding mass is < p.
     _, logits = model_logits(model, tokenizer, PROMPT)
@@ -137,8 +138,8 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p(llama):
 
 
 def test_min_p_cut_flags(llama):
-    model, tokenizer, head = llama
-    pred = explain.predict(model, tokenizer, head, PROMPT, top=len(tokenizer), config=SamplingConfig(min_p=0.1))
+    model, tokenizer, lm = llama
+    pred = explain.predict(lm, PROMPT, top=len(tokenizer), config=SamplingConfig(min_p=0.1))
     best = pred.candidates[0].scaled_probability
     for c in pred.candidates:
         assert c.kept == (c.scaled_probability >= 0.1 * best - 1e-9)
@@ -146,10 +147,10 @@ def test_min_p_cut_flags(llama):
 
 
 def test_entropy_matches_a_direct_computation(tiny):
-    model, tokenizer, head = tiny
+    model, tokenizer, lm = tiny
     config = SamplingConfig(temperature=0.6, top_k=40)
     ids, logits = model_logits(model, tokenizer, PROMPT)
-    pred = explain.predict(model, tokenizer, head, PROMPT, config=config)
+    pred = explain.predict(lm, PROMPT, config=config)
 
     def h(p: torch.Tensor) -> float:
         p = p[p > 0].double()
@@ -162,9 +163,9 @@ def test_entropy_matches_a_direct_computation(tiny):
 
 
 def test_greedy_keeps_the_argmax_and_does_not_scale(llama):
-    model, tokenizer, head = llama
+    model, tokenizer, lm = llama
     _, logits = model_logits(model, tokenizer, PROMPT)
-    pred = explain.predict(model, tokenizer, head, PROMPT, top=4, config=SamplingConfig(temperature=0.0))
+    pred = explain.predict(lm, PROMPT, top=4, config=SamplingConfig(temperature=0.0))
     assert pred.kept_count == 1
     assert pred.candidates[0].token_id == int(logits.argmax())
     assert pred.candidates[0].probability == 1.0
@@ -175,18 +176,18 @@ def test_greedy_keeps_the_argmax_and_does_not_scale(llama):
 
 
 def test_temperature_scales_the_logit(llama):
-    model, tokenizer, head = llama
-    pred = explain.predict(model, tokenizer, head, PROMPT, config=SamplingConfig(temperature=0.5))
+    model, tokenizer, lm = llama
+    pred = explain.predict(lm, PROMPT, config=SamplingConfig(temperature=0.5))
     for c in pred.candidates:
         assert c.scaled_logit == pytest.approx(c.logit / 0.5, rel=1e-6)
 
 
 def test_banned_token_is_cut_by_bias_and_json_has_no_infinities(llama):
-    model, tokenizer, head = llama
+    model, tokenizer, lm = llama
     _, logits = model_logits(model, tokenizer, PROMPT)
     best = int(logits.argmax())
     config = SamplingConfig(logit_bias={best: float("-inf")})
-    pred = explain.predict(model, tokenizer, head, PROMPT, top=len(tokenizer), config=config)
+    pred = explain.predict(lm, PROMPT, top=len(tokenizer), config=config)
     assert pred.candidates[0].token_id != best
     banned = next(c for c in pred.candidates if c.token_id == best)
     assert (banned.kept, banned.kept_bias, banned.cut_by, banned.probability) == (False, False, "bias", 0.0)
@@ -197,8 +198,8 @@ def test_banned_token_is_cut_by_bias_and_json_has_no_infinities(llama):
 
 
 def test_json_shape(llama):
-    model, tokenizer, head = llama
-    pred = explain.predict(model, tokenizer, head, PROMPT, top=3, config=SamplingConfig(top_p=0.9))
+    model, tokenizer, lm = llama
+    pred = explain.predict(lm, PROMPT, top=3, config=SamplingConfig(top_p=0.9))
     d = json.loads(json.dumps(pred.to_dict(), allow_nan=False))
     assert {"model", "prompt", "prompt_tokens", "candidates", "entropy", "kept_count", "config", "logsumexp",
             "vocab_size", "layers"} <= set(d)
@@ -212,8 +213,8 @@ def test_json_shape(llama):
 
 
 def test_prompt_tokens_show_whitespace_and_specials(llama):
-    model, tokenizer, head = llama
-    pred = explain.predict(model, tokenizer, head, "Hello world!\nThe cat")
+    model, tokenizer, lm = llama
+    pred = explain.predict(lm, "Hello world!\nThe cat")
     texts = [t.text for t in pred.prompt_tokens]
     ids = tokenizer("Hello world!\nThe cat")["input_ids"]
     assert [t.token_id for t in pred.prompt_tokens] == ids
@@ -228,25 +229,25 @@ def test_visible():
 
 @pytest.mark.parametrize("bad", [{"top": 0}, {"top": -3}, {"top": 2.5}, {"prompt": ""}, {"layer_top": 0}])
 def test_bad_input_raises_naming_the_argument(llama, bad):
-    model, tokenizer, head = llama
+    model, tokenizer, lm = llama
     kwargs = {"prompt": PROMPT, **bad}
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):
-        explain.predict(model, tokenizer, head, **kwargs)
+        explain.predict(lm, **kwargs)
 
 
 def test_prompt_not_a_string_and_config_not_a_config(llama):
-    model, tokenizer, head = llama
+    model, tokenizer, lm = llama
     with pytest.raises(TypeError, match="prompt"):
-        explain.predict(model, tokenizer, head, 42)
+        explain.predict(lm, 42)
     with pytest.raises(TypeError, match="config"):
-        explain.predict(model, tokenizer, head, PROMPT, config={"temperature": 1})
+        explain.predict(lm, PROMPT, config={"temperature": 1})
 
 
 def test_prompt_longer_than_the_context(llama):
-    model, tokenizer, head = llama
+    model, tokenizer, lm = llama
     with pytest.raises(ValueError, match="context"):
-        explain.predict(model, tokenizer, head, "cat " * 400)
+        explain.predict(lm, "cat " * 400)
 
 
 # --- logit lens -----------------------------------------------------------------------------------------
@@ -272,30 +273,30 @@ def residuals_by_hooks(model, ids: torch.Tensor) -> list[torch.Tensor]:
 
 
 def test_logit_lens_last_layer_reproduces_the_models_logits(tiny):
-    model, tokenizer, head = tiny
+    model, tokenizer, lm = tiny
     ids, logits = model_logits(model, tokenizer, PROMPT)
-    lens = explain.lens_logits(model, head, ids)
+    lens = explain.lens_logits(lm, ids)
     assert lens.shape == (model.config.num_hidden_layers + 1, len(tokenizer))
     torch.testing.assert_close(lens[-1], logits[0], rtol=1e-5, atol=1e-5)
 
 
 def test_logit_lens_applies_the_final_norm_once_per_layer(tiny):
-    model, tokenizer, head = tiny
+    model, tokenizer, lm = tiny
     ids, logits = model_logits(model, tokenizer, PROMPT)
     residuals = residuals_by_hooks(model, ids)
     with torch.no_grad():
-        expected = torch.cat([head(model.model.norm(r)).reshape(1, -1) for r in residuals])
-        twice = head(model.model.norm(model.model.norm(residuals[-1]))).reshape(-1)
-    lens = explain.lens_logits(model, head, ids)
+        expected = torch.cat([lm.head(model.model.norm(r)).reshape(1, -1) for r in residuals])
+        twice = lm.head(model.model.norm(model.model.norm(residuals[-1]))).reshape(-1)
+    lens = explain.lens_logits(lm, ids)
     torch.testing.assert_close(lens, expected, rtol=1e-5, atol=1e-5)
     # The test can fail: normalising twice gives other logits on this model (random norm weights).
     assert (twice - logits[0]).abs().max() > 1e-2
 
 
 def test_predict_layers(tiny):
-    model, tokenizer, head = tiny
+    model, tokenizer, lm = tiny
     ids, logits = model_logits(model, tokenizer, PROMPT)
-    pred = explain.predict(model, tokenizer, head, PROMPT, top=5, layers=True, layer_top=3)
+    pred = explain.predict(lm, PROMPT, top=5, layers=True, layer_top=3)
     n = model.config.num_hidden_layers
     assert [layer.layer for layer in pred.layers] == list(range(n + 1))
     last = pred.layers[-1]
@@ -306,7 +307,7 @@ def test_predict_layers(tiny):
     assert last.kl_to_final == pytest.approx(0.0, abs=1e-6)
     assert last.final_token_rank == 1
     assert last.entropy == pytest.approx(pred.entropy["raw"], rel=1e-5)
-    lens = explain.lens_logits(model, head, ids)
+    lens = explain.lens_logits(lm, ids)
     for layer in pred.layers:
         lp = torch.log_softmax(lens[layer.layer], -1)
         assert layer.entropy == pytest.approx(float(-(lp.exp() * lp).sum()), rel=1e-4, abs=1e-6)
@@ -319,21 +320,21 @@ def test_predict_layers(tiny):
 
 
 def test_perplexity_equals_transformers(tiny):
-    model, tokenizer, head = tiny
+    model, tokenizer, lm = tiny
     ids = torch.tensor([tokenizer(TEXT)["input_ids"]])
     assert ids.shape[1] < 100
     with torch.no_grad():
         expected = math.exp(float(model(ids, labels=ids).loss))
-    got = explain.perplexity(model, tokenizer, head, TEXT)
+    got = explain.perplexity(lm, TEXT)
     assert got == pytest.approx(expected, rel=1e-4)
 
 
 @pytest.mark.parametrize("window,stride", [(16, 8), (16, 5), (10, 10), (7, 1)])
 def test_sliding_window_equals_the_transformers_recipe(tiny, window, stride):
-    model, tokenizer, head = tiny
+    model, tokenizer, lm = tiny
     ids = torch.tensor([tokenizer(TEXT)["input_ids"]])
     total, count = hf_sliding_window_nll(model, ids, window, stride)
-    ev = explain.evaluate(model, tokenizer, head, TEXT, window=window, stride=stride)
+    ev = explain.evaluate(lm, TEXT, window=window, stride=stride)
     assert ev.scored_count == count
     assert ev.perplexity == pytest.approx(math.exp(total / count), rel=1e-4)
     assert (ev.window, ev.stride) == (window, stride)
@@ -351,11 +352,11 @@ def test_windows_score_every_token_once():
 
 
 def test_score_tokens_logprob_and_rank(llama):
-    model, tokenizer, head = llama
+    model, tokenizer, lm = llama
     ids = torch.tensor([tokenizer(TEXT)["input_ids"]])
     with torch.no_grad():
         logits = model(ids).logits[0].float()
-    scores = explain.score_tokens(model, tokenizer, head, TEXT)
+    scores = explain.score_tokens(lm, TEXT)
     assert [s.token_id for s in scores] == ids[0].tolist()
     assert scores[0].logprob is None and scores[0].rank is None
     logp = torch.log_softmax(logits, -1)
@@ -363,23 +364,23 @@ def test_score_tokens_logprob_and_rank(llama):
         row = logits[s.position - 1]
         assert s.logprob == pytest.approx(float(logp[s.position - 1, s.token_id]), abs=1e-4)
         assert s.rank == int((row > row[s.token_id]).sum()) + 1
-    ppl = explain.perplexity(model, tokenizer, head, TEXT)
+    ppl = explain.perplexity(lm, TEXT)
     mean_nll = -sum(s.logprob for s in scores[1:]) / (len(scores) - 1)
     assert math.exp(mean_nll) == pytest.approx(ppl, rel=1e-4)
 
 
 def test_score_tokens_in_windows_equals_one_window(llama):
-    model, tokenizer, head = llama
-    whole = explain.score_tokens(model, tokenizer, head, TEXT, window=200)
-    windowed = explain.score_tokens(model, tokenizer, head, TEXT, window=12, stride=6)
+    model, tokenizer, lm = llama
+    whole = explain.score_tokens(lm, TEXT, window=200)
+    windowed = explain.score_tokens(lm, TEXT, window=12, stride=6)
     # Different context for later tokens -> different values, but the same tokens and positions scored.
     assert [s.position for s in whole if s.rank] == [s.position for s in windowed if s.rank]
     assert whole[1].logprob == pytest.approx(windowed[1].logprob, abs=1e-5)  # same context in window 1
 
 
 def test_evaluation_to_dict(llama):
-    model, tokenizer, head = llama
-    ev = explain.evaluate(model, tokenizer, head, TEXT, tokens=True)
+    model, tokenizer, lm = llama
+    ev = explain.evaluate(lm, TEXT, tokens=True)
     d = json.loads(json.dumps(ev.to_dict(), allow_nan=False))
     assert {"perplexity", "loss", "token_count", "window", "stride", "tokens"} <= set(d)
     assert set(d["tokens"][1]) >= {"token_id", "text", "logprob", "rank"}
@@ -391,16 +392,16 @@ def test_evaluation_to_dict(llama):
     ({"window": 8, "stride": 9}, "stride"), ({"stride": 0}, "stride"),
 ])
 def test_evaluate_bad_input(llama, kwargs, name):
-    model, tokenizer, head = llama
+    model, tokenizer, lm = llama
     kwargs = {"text": TEXT, **kwargs}
     with pytest.raises(ValueError, match=name):
-        explain.evaluate(model, tokenizer, head, **kwargs)
+        explain.evaluate(lm, **kwargs)
 
 
 def test_token_segments_rebuild_the_text(llama):
-    model, tokenizer, head = llama
+    model, tokenizer, lm = llama
     text = "Héllo “world” 😀 done\n\nx"
-    scores = explain.score_tokens(model, tokenizer, head, text)
+    scores = explain.score_tokens(lm, text)
     assert "".join(s.segment for s in scores) == text
     assert scores[0].segment == ""  # <bos> covers no text
     ids = tokenizer(text)["input_ids"]

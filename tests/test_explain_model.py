@@ -31,7 +31,7 @@ def test_perplexity_equals_transformers(model):
     ids = torch.tensor([model.tokenizer(TEXT)["input_ids"]])
     with torch.no_grad():
         expected = math.exp(float(model.hf_model(ids, labels=ids).loss))
-    ev = explain.evaluate(model.hf_model, model.tokenizer, model.head, TEXT)
+    ev = explain.evaluate(model, TEXT)
     print(f"\n{model.name}: perplexity lmhead {ev.perplexity:.6f}, transformers {expected:.6f}, "
           f"rel diff {abs(ev.perplexity / expected - 1):.2e} ({ev.token_count} tokens)")
     assert ev.windows == 1 and ev.token_count == ids.shape[1]
@@ -42,7 +42,7 @@ def test_perplexity_equals_transformers(model):
 def test_sliding_window_equals_the_transformers_recipe(model):
     ids = torch.tensor([model.tokenizer(TEXT)["input_ids"]])
     total, count = hf_sliding_window_nll(model.hf_model, ids, window=48, stride=16)
-    ev = explain.evaluate(model.hf_model, model.tokenizer, model.head, TEXT, window=48, stride=16)
+    ev = explain.evaluate(model, TEXT, window=48, stride=16)
     assert ev.scored_count == count == ids.shape[1] - 1
     assert ev.perplexity == pytest.approx(math.exp(total / count), rel=1e-4)
 
@@ -51,7 +51,7 @@ def test_logit_lens_last_layer_is_the_models_logits(model):
     ids = torch.tensor([model.tokenizer("The capital of France is")["input_ids"]])
     with torch.no_grad():
         logits = model.hf_model(ids).logits[0, -1].float()
-    lens = explain.lens_logits(model.hf_model, model.head, ids)
+    lens = explain.lens_logits(model, ids)
     assert lens.shape[0] == model.config.num_hidden_layers + 1
     torch.testing.assert_close(lens[-1], logits, rtol=1e-4, atol=1e-4)
 
@@ -73,6 +73,6 @@ def test_predict_on_the_real_model(model):
 
 
 def test_score_tokens_segments_rebuild_the_text(model):
-    scores = explain.score_tokens(model.hf_model, model.tokenizer, model.head, TEXT[:200])
+    scores = explain.score_tokens(model, TEXT[:200])
     assert "".join(s.segment for s in scores) == TEXT[:200]
     assert all(s.rank >= 1 for s in scores[1:])

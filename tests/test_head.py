@@ -66,6 +66,18 @@ def test_logits_to_keep_zero_keeps_every_position(gen, hidden):
     torch.testing.assert_close(head(hidden, logits_to_keep=0), head(hidden), rtol=0, atol=0)
 
 
+def test_every_logit_is_exact_so_exact_k_changes_nothing(gen, hidden):
+    # the call signature every head shares: a compressed head makes its top exact_k exact, this one all V
+    head = make_head(gen)
+    assert head.exact_k == V
+    for k in (0, 5, V, None):
+        torch.testing.assert_close(head(hidden, logits_to_keep=2, exact_k=k), head(hidden, logits_to_keep=2),
+                                   rtol=0, atol=0)
+    for k in (-1, V + 1, 2.5, True):
+        with pytest.raises(ValueError, match=r"exact_k must be an int in \[0, 301\]"):
+            head(hidden, exact_k=k)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16bit_weight_multiplies_in_16bit_and_returns_float32(gen, hidden, dtype):
     head = make_head(gen, dtype=dtype, bias=True)

@@ -453,9 +453,9 @@ def test_predict_and_perplexity_delegate_to_explain():
     hf_model, tok = tiny_model("gemma3")
     model = Model(hf_model, tok, name="tiny")
     pred = model.predict("The cat sat", top=3)
-    expected = explain.predict(hf_model, tok, model.head, "The cat sat", top=3, model_name="tiny")
+    expected = explain.predict(model, "The cat sat", top=3, model_name="tiny")
     assert pred.to_dict() == expected.to_dict()
     assert len(pred.to_dict()["candidates"]) == 3
     text = "The cat sat on the mat. The dog sat on the log."
-    assert model.perplexity(text) == pytest.approx(explain.perplexity(hf_model, tok, model.head, text))
+    assert model.perplexity(text) == pytest.approx(explain.perplexity(model, text))
     assert model.evaluate(text).perplexity == pytest.approx(model.perplexity(text))

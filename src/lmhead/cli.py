@@ -213,10 +213,7 @@ def _run_eval(args: argparse.Namespace) -> None:
     if not text.strip():
         raise ValueError(f"{args.file} is empty: nothing to evaluate")
     model = _load(args)
-    from lmhead.explain import evaluate
-
-    ev = evaluate(model.hf_model, model.tokenizer, model.exact_head, text, window=args.window, stride=args.stride,
-                  tokens=args.tokens, progress=True, model_name=model.name)
+    ev = model.evaluate(text, window=args.window, stride=args.stride, tokens=args.tokens, progress=True)
     if args.json:
         _print_json(ev.to_dict())
         return

@@ -1,7 +1,11 @@
 """What the explainer shows: plain data for the CLI and the server.
 
-    prompt ──tokenizer──▶ ids [1,T] ──body──▶ hidden [1,T,D] ──(last position) LMHead──▶ logits [V]
+    prompt ──tokenizer──▶ ids [1,T] ──Model.body──▶ hidden [1,T,D] ──(last position) Model.head──▶ logits [V]
         ──sampling pipeline (bias/penalties → temperature → top-k → top-p → min-p → softmax)──▶ probabilities [V]
+
+Every function takes an `lmhead.Model` and runs its `body`, the same body `generate` runs (oneDNN linears by
+default, see `lmhead.models.fast_linear`); the model's parts (final norm, context length) come from
+`lmhead.models` (`parts.py`), never looked up here.
 
 `predict` returns the next-token candidates with both distributions (raw: softmax at temperature 1 of the
 model's logits; processed: after the whole pipeline), which cut removed which token, the entropies and the
@@ -11,7 +15,8 @@ display is truncated to the top N.
 `predict(..., layers=True)` adds the logit lens: the final norm and the head applied to the residual stream
 after every layer (at the last position) — what the model would say if it stopped there.
 
-`perplexity` / `evaluate` / `score_tokens` score a text: exp of the mean next-token loss, computed with
+`perplexity` / `evaluate` / `score_tokens` score a text with the model's full-precision head
+(`Model.exact_head`): exp of the mean next-token loss, computed with
 `linear_cross_entropy` on the body's hidden states (never the full [T,V] logits), in sliding windows for long
 texts; and per token its log-probability and rank (the GLTR view).
 
@@ -29,6 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from lmhead.checks import is_int
+from lmhead.models.parts import final_norm
 
 # ---------------------------------------------------------------------------------------------------------
 # Showing tokens
@@ -226,49 +234,15 @@ class Evaluation(_ToDict):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The model's parts
+# Inputs
 
 
-def _body(hf_model):
-    """The transformer body (embeddings + blocks + final norm) of a *ForCausalLM model."""
-    get = getattr(hf_model, "get_decoder", None)
-    body = get() if callable(get) else None
-    if body is None or body is hf_model:
-        for name in ("model", "transformer", "gpt_neox"):
-            body = getattr(hf_model, name, None)
-            if body is not None:
-                break
-    if body is None:
-        raise TypeError(f"hf_model: cannot find the body of {type(hf_model).__name__} (expected .model)")
-    return body
+def _model_name(model, name: str | None) -> str:
+    return name or model.name
 
 
-def _final_norm(body):
-    for name in ("norm", "ln_f", "final_layernorm", "final_layer_norm"):
-        norm = getattr(body, name, None)
-        if norm is not None:
-            return norm
-    raise TypeError(f"hf_model: cannot find the final norm of {type(body).__name__} (expected .norm)")
-
-
-def _context_length(hf_model) -> int | None:
-    cfg = hf_model.config
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        n = getattr(cfg, name, None)
-        if isinstance(n, int) and n > 0:
-            return n
-    return None
-
-
-def _model_name(hf_model, name: str | None) -> str:
-    if name:
-        return name
-    path = str(getattr(hf_model.config, "name_or_path", "") or "")  # e.g. the cache folder .../gemma-3-270m
-    return path.rstrip("/").rsplit("/", 1)[-1] or type(hf_model).__name__
-
-
-def _device(hf_model) -> torch.device:
-    return next(hf_model.parameters()).device
+def _device(model) -> torch.device:
+    return next(model.body.parameters()).device
 
 
 def _encode(tokenizer, text: str, what: str) -> list[int]:
@@ -292,15 +266,23 @@ def _config_dict(config) -> dict[str, Any]:
     return d
 
 
+def _at_least_one(name: str, value: Any) -> int:
+    if not is_int(value) or value < 1:
+        raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+    return value
+
+
 # ---------------------------------------------------------------------------------------------------------
 # predict
 
 
 @torch.inference_mode()
-def predict(hf_model, tokenizer, head, prompt: str, top: int = 10, config=None, layers: bool = False,
-            layer_top: int = 5, model_name: str | None = None) -> Prediction:
+def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False, layer_top: int = 5,
+            model_name: str | None = None) -> Prediction:
     """The next-token candidates for `prompt`, with both distributions and what each cut did.
 
+    model: an `lmhead.Model`; its `body` runs the prompt (the body `generate` runs) and its `head` (the
+    model's chosen head, asked for `top` exact tokens) gives the last position's logits [1,V].
     Pipeline (lmhead.sampling, full vocabulary [V]): 1 logit bias / banned → 2 penalties (the prompt counts
     as the sequence so far: repetition penalty applies to it, presence/frequency count generated tokens only,
     so they do nothing here) → 3 temperature → 4 top-k → 5 top-p → 6 min-p → 7 softmax.
@@ -319,80 +301,77 @@ def predict(hf_model, tokenizer, head, prompt: str, top: int = 10, config=None, 
         config = SamplingConfig()
     if not isinstance(config, SamplingConfig):
         raise TypeError(f"config: expected a SamplingConfig, got {type(config).__name__}")
-    vocab = int(head.weight.shape[0])
-    if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top:
-        raise ValueError(f"top: must be an integer >= 1, got {top!r}")
-    top = min(top, vocab)
-    if isinstance(layer_top, bool) or not isinstance(layer_top, int) or not 1 <= layer_top:
-        raise ValueError(f"layer_top: must be an integer >= 1, got {layer_top!r}")
+    vocab = model.vocab_size
+    top = min(_at_least_one("top", top), vocab)
+    _at_least_one("layer_top", layer_top)
 
-    ids = _encode(tokenizer, prompt, "prompt")
-    ctx = _context_length(hf_model)
+    ids = _encode(model.tokenizer, prompt, "prompt")
+    ctx = model.context_length
     if ctx is not None and len(ids) > ctx:
         raise ValueError(f"prompt: {len(ids)} tokens is longer than the model's context of {ctx} tokens")
-    device = _device(hf_model)
-    input_ids = torch.tensor([ids], device=device)
-
-    body = _body(hf_model)
-    out = body(input_ids=input_ids, output_hidden_states=layers, use_cache=False)
-    last = out.last_hidden_state[:, -1:]  # [1,1,D], after the final norm
-    # a compressed head (lmhead.compressed) makes its top `exact_k` exact: ask for every candidate shown
-    exact = {"exact_k": top} if top > getattr(head, "exact_k", top) else {}
-    logits = head(last, **exact).reshape(1, vocab).float()  # [1,V]
+    input_ids = torch.tensor([ids], device=_device(model))
+    out = model.body(input_ids=input_ids, output_hidden_states=layers, use_cache=False)
+    head = model.head
+    # a head that approximates all but its top `exact_k` (lmhead.compressed) is asked for every candidate shown
+    exact_k = top if top > head.exact_k else None
+    logits = head(out.last_hidden_state[:, -1:], exact_k=exact_k).reshape(1, vocab).float()  # [1,V]
 
     prev = input_ids.to(logits.device)
     stages = _stages(logits, config, prev, len(ids))
     processed = process_logits(logits, config, prev_tokens=prev, prompt_len=len(ids))  # [1,V]
     probs = probabilities(logits, config, prev_tokens=prev, prompt_len=len(ids))[0]  # [V]
-    raw_logp = torch.log_softmax(logits[0], dim=-1)
+    candidates = _candidates(model.tokenizer, logits[0], stages, processed[0], probs, top)
+    scaled = stages["scaled"][0]
+    ent = entropy(torch.stack([logits[0], scaled, processed[0]]))
+    prompt_tokens = [PromptToken(token_id=i, text=s, decoded=d)
+                     for i, (s, d) in zip(ids, token_texts(model.tokenizer, ids), strict=True)]
+    lens = None
+    if layers:
+        rows = _lens_rows(final_norm(model.body), head, out.hidden_states, out.last_hidden_state)
+        lens = _logit_lens(rows, model.tokenizer, layer_top)
+    return Prediction(
+        model=_model_name(model, model_name), prompt=prompt, prompt_tokens=prompt_tokens,
+        candidates=candidates,
+        entropy={"raw": float(ent[0]), "scaled": float(ent[1]), "processed": float(ent[2])},
+        kept_count=int(torch.isfinite(processed[0]).sum()), vocab_size=vocab,
+        logsumexp=float(torch.logsumexp(logits[0], dim=-1)), scaled_logsumexp=float(torch.logsumexp(scaled, dim=-1)),
+        config=_config_dict(config), layers=lens,
+    )
+
+
+_CUTS = ("bias", "greedy", "top_k", "top_p", "min_p")  # the pipeline's cuts, in its order
+
+
+def _candidates(tokenizer, logits: torch.Tensor, stages: dict[str, torch.Tensor], processed: torch.Tensor,
+                probs: torch.Tensor, top: int) -> list[Candidate]:
+    """The `top` best candidates of one row: `logits` [V] (raw), `stages` from `_stages`, `processed` [V]
+    and `probs` [V] (the pipeline's logits and probabilities).
+
+    Best first by the pipeline's logit (so kept tokens form a prefix), then raw logit, then token id.
+    """
+    raw_logp = torch.log_softmax(logits, dim=-1)
     scaled = stages["scaled"][0]
     scaled_logp = torch.log_softmax(scaled, dim=-1)
-    lse = torch.logsumexp(logits[0], dim=-1)
-    scaled_lse = torch.logsumexp(scaled, dim=-1)
-
-    # Best first by the pipeline's logit (so kept tokens form a prefix), then raw logit, then token id.
-    adjusted = stages["adjusted"][0]
-    order = _sort_desc(adjusted, logits[0])[:top]
-    texts = token_texts(tokenizer, order.tolist())
+    order = _sort_desc(stages["adjusted"][0], logits)[:top]
     masks = {k: torch.isfinite(v[0]) for k, v in stages.items() if k.startswith("after_")}
-    kept_mask = torch.isfinite(processed[0])
-
+    kept_mask = torch.isfinite(processed)
     candidates: list[Candidate] = []
     cum = raw_cum = scaled_cum = 0.0
+    texts = token_texts(tokenizer, order.tolist())
     for rank, (tid, (shown, decoded)) in enumerate(zip(order.tolist(), texts, strict=True), start=1):
-        p = float(probs[tid])
-        rp = float(raw_logp[tid].exp())
-        sp = float(scaled_logp[tid].exp())
-        cum += p
-        raw_cum += rp
-        scaled_cum += sp
+        p, rp, sp = float(probs[tid]), float(raw_logp[tid].exp()), float(scaled_logp[tid].exp())
+        cum, raw_cum, scaled_cum = cum + p, raw_cum + rp, scaled_cum + sp
         flags = {k: bool(m[tid]) for k, m in masks.items()}
         kept = bool(kept_mask[tid])
-        cut_by = None
-        if not kept:
-            for step in ("bias", "greedy", "top_k", "top_p", "min_p"):
-                if not flags[f"after_{step}"]:
-                    cut_by = step
-                    break
+        cut_by = None if kept else next((c for c in _CUTS if not flags[f"after_{c}"]), None)
         candidates.append(Candidate(
-            rank=rank, token_id=tid, text=shown, decoded=decoded, logit=float(logits[0, tid]),
+            rank=rank, token_id=tid, text=shown, decoded=decoded, logit=float(logits[tid]),
             scaled_logit=float(scaled[tid]), raw_probability=rp, scaled_probability=sp, probability=p,
             kept=kept, kept_bias=flags["after_bias"], kept_top_k=flags["after_top_k"],
             kept_top_p=flags["after_top_p"], kept_min_p=flags["after_min_p"], cut_by=cut_by,
             cumulative=min(cum, 1.0), raw_cumulative=min(raw_cum, 1.0), scaled_cumulative=min(scaled_cum, 1.0),
         ))
-
-    ent = entropy(torch.stack([logits[0], scaled, processed[0]]))
-    prompt_tokens = [PromptToken(token_id=i, text=s, decoded=d)
-                     for i, (s, d) in zip(ids, token_texts(tokenizer, ids), strict=True)]
-    lens = _logit_lens(body, head, out.hidden_states, out.last_hidden_state, tokenizer, layer_top) if layers else None
-    return Prediction(
-        model=_model_name(hf_model, model_name), prompt=prompt, prompt_tokens=prompt_tokens,
-        candidates=candidates,
-        entropy={"raw": float(ent[0]), "scaled": float(ent[1]), "processed": float(ent[2])},
-        kept_count=int(kept_mask.sum()), vocab_size=vocab, logsumexp=float(lse), scaled_logsumexp=float(scaled_lse),
-        config=_config_dict(config), layers=lens,
-    )
+    return candidates
 
 
 def _sort_desc(primary: torch.Tensor, secondary: torch.Tensor) -> torch.Tensor:
@@ -424,17 +403,8 @@ def _stages(logits: torch.Tensor, config, prev: torch.Tensor, prompt_len: int) -
     return stages
 
 
-def _logit_lens(body, head, hidden_states, last_hidden, tokenizer, top: int) -> list[LensLayer]:
-    """Final norm + head on the residual stream after every block, at the last position.
-
-    transformers' `hidden_states` holds L+1 entries: the embeddings, the residual stream after blocks
-    1..L-1, and — for most decoder models (Llama, Gemma, Qwen, ...) — the *normed* output as the last entry
-    (the same tensor as `last_hidden_state`). Entries that are raw residuals get the final norm; an entry
-    that already is the normed output (checked by identity/equality with `last_hidden_state`, not assumed
-    per architecture) is used as is, so nothing is normalised twice. The norm runs on each layer's own
-    vector, so no statistics are shared between layers.
-    """
-    logits = _lens_rows(body, head, hidden_states, last_hidden)  # [L+1, V]
+def _logit_lens(logits: torch.Tensor, tokenizer, top: int) -> list[LensLayer]:
+    """One `LensLayer` per row of the lens logits [L+1, V] (from `_lens_rows`), `top` candidates each."""
     rows = range(logits.shape[0])
     logp = torch.log_softmax(logits, dim=-1)
     p = logp.exp()
@@ -454,9 +424,16 @@ def _logit_lens(body, head, hidden_states, last_hidden, tokenizer, top: int) -> 
     return out
 
 
-def _lens_rows(body, head, hidden_states, last_hidden) -> torch.Tensor:
-    """[L+1, V] logits: final norm (where not applied yet) + head on each entry of hidden_states, last position."""
-    norm = _final_norm(body)
+def _lens_rows(norm, head, hidden_states, last_hidden) -> torch.Tensor:
+    """[L+1, V] logits: final norm (where not applied yet) + head on each entry of hidden_states, last position.
+
+    transformers' `hidden_states` holds L+1 entries: the embeddings, the residual stream after blocks
+    1..L-1, and — for most decoder models (Llama, Gemma, Qwen, ...) — the *normed* output as the last entry
+    (the same tensor as `last_hidden_state`). Entries that are raw residuals get the final norm; an entry
+    that already is the normed output (checked by identity/equality with `last_hidden_state`, not assumed
+    per architecture) is used as is, so nothing is normalised twice. The norm runs on each layer's own
+    vector, so no statistics are shared between layers.
+    """
     final_last = last_hidden[:, -1:]
     rows = []
     for i, h in enumerate(hidden_states):
@@ -467,12 +444,14 @@ def _lens_rows(body, head, hidden_states, last_hidden) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def lens_logits(hf_model, head, input_ids: torch.Tensor) -> torch.Tensor:
+def lens_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     """Logit-lens logits [L+1, V] at the last position of `input_ids` [1,T]: row 0 from the embeddings,
-    row i from the residual stream after block i; row L equals the model's own logits."""
-    body = _body(hf_model)
-    out = body(input_ids=input_ids, output_hidden_states=True, use_cache=False)
-    return _lens_rows(body, head, out.hidden_states, out.last_hidden_state)
+    row i from the residual stream after block i; row L equals the model's own logits.
+
+    model: an `lmhead.Model`: its `body` (with every layer's hidden state), its final norm, its `head`.
+    """
+    out = model.body(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+    return _lens_rows(final_norm(model.body), model.head, out.hidden_states, out.last_hidden_state)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -498,8 +477,8 @@ def windows(n: int, window: int, stride: int) -> Iterator[tuple[int, int, int]]:
             break
 
 
-def _window_defaults(hf_model, window: int | None, stride: int | None) -> tuple[int, int]:
-    ctx = _context_length(hf_model)
+def _window_defaults(model, window: int | None, stride: int | None) -> tuple[int, int]:
+    ctx = model.context_length
     if window is None:
         window = min(DEFAULT_WINDOW, ctx) if ctx else DEFAULT_WINDOW
     if isinstance(window, bool) or not isinstance(window, int) or window < 2:
@@ -527,11 +506,12 @@ def _progress(total: int, enabled: bool, description: str):
 
 
 @torch.inference_mode()
-def evaluate(hf_model, tokenizer, head, text: str, window: int | None = None, stride: int | None = None,
-             tokens: bool = False, progress: bool = False, model_name: str | None = None,
-             chunk: int = 256) -> Evaluation:
+def evaluate(model, text: str, window: int | None = None, stride: int | None = None, tokens: bool = False,
+             progress: bool = False, model_name: str | None = None, chunk: int = 256) -> Evaluation:
     """Perplexity of `text` (and, with tokens=True, each token's log-probability and rank).
 
+    model: an `lmhead.Model`; its `body` gives the hidden states [1,t,D] of each window and its
+    `exact_head` (the full-precision head, whatever head `generate` uses) scores them.
     The text is tokenized with the tokenizer's defaults (BOS included if the tokenizer adds it), as
     transformers' `model(ids, labels=ids).loss` does; perplexity = exp(mean over predicted tokens of
     -log p(token | tokens before it)). The loss is `head.loss` (= linear_cross_entropy, chunked, never the
@@ -542,13 +522,12 @@ def evaluate(hf_model, tokenizer, head, text: str, window: int | None = None, st
     tokens=True also computes, per predicted token, log p and rank = 1 + #tokens with a larger logit,
     from the head's logits in chunks of `chunk` positions.
     """
+    tokenizer, head = model.tokenizer, model.exact_head
     ids = _encode(tokenizer, text, "text")
-    window, stride = _window_defaults(hf_model, window, stride)
+    window, stride = _window_defaults(model, window, stride)
     if len(ids) < 2:
         raise ValueError("text: needs at least 2 tokens to predict one (got 1)")
-    device = _device(hf_model)
-    all_ids = torch.tensor([ids], device=device)
-    body = _body(hf_model)
+    all_ids = torch.tensor([ids], device=_device(model))
     spans = list(windows(len(ids), window, stride))
     logprob: list[float | None] = [None] * len(ids)
     rank: list[int | None] = [None] * len(ids)
@@ -558,7 +537,7 @@ def evaluate(hf_model, tokenizer, head, text: str, window: int | None = None, st
     try:
         for begin, end, first in spans:
             chunk_ids = all_ids[:, begin:end]
-            hidden = body(input_ids=chunk_ids, use_cache=False).last_hidden_state  # [1,t,D], normed
+            hidden = model.hidden_states(chunk_ids)  # [1,t,D], after the final norm
             targets = chunk_ids.clone()
             targets[:, : first - begin] = -100  # context only: not scored here
             n = int((targets[:, 1:] != -100).sum())
@@ -582,7 +561,7 @@ def evaluate(hf_model, tokenizer, head, text: str, window: int | None = None, st
         segments = text_segments(tokenizer, text, ids)
         scores = [TokenScore(position=i, token_id=t, text=s, decoded=d, segment=g, logprob=logprob[i], rank=rank[i])
                   for i, (t, (s, d), g) in enumerate(zip(ids, texts, segments, strict=True))]
-    return Evaluation(model=_model_name(hf_model, model_name), perplexity=math.exp(mean), loss=mean,
+    return Evaluation(model=_model_name(model, model_name), perplexity=math.exp(mean), loss=mean,
                       token_count=len(ids), scored_count=count, window=window, stride=stride,
                       windows=len(spans), tokens=scores)
 
@@ -644,16 +623,17 @@ def _score_window(head, hidden: torch.Tensor, ids: torch.Tensor, first: int, off
             rank[offset + s + j] = int(rk[j])
 
 
-def perplexity(hf_model, tokenizer, head, text: str, window: int | None = None, stride: int | None = None,
+def perplexity(model, text: str, window: int | None = None, stride: int | None = None,
                progress: bool = False) -> float:
-    """exp(mean next-token loss) of `text`; see `evaluate` for tokenization, windows and the loss."""
-    return evaluate(hf_model, tokenizer, head, text, window=window, stride=stride, progress=progress).perplexity
+    """exp(mean next-token loss) of `text` under `model` (an `lmhead.Model`); see `evaluate` for
+    tokenization, windows and the loss."""
+    return evaluate(model, text, window=window, stride=stride, progress=progress).perplexity
 
 
-def score_tokens(hf_model, tokenizer, head, text: str, window: int | None = None, stride: int | None = None,
+def score_tokens(model, text: str, window: int | None = None, stride: int | None = None,
                  progress: bool = False) -> list[TokenScore]:
     """Per token {position, token_id, text, logprob, rank} (the GLTR view); the first token has None."""
-    ev = evaluate(hf_model, tokenizer, head, text, window=window, stride=stride, tokens=True, progress=progress)
+    ev = evaluate(model, text, window=window, stride=stride, tokens=True, progress=progress)
     assert ev.tokens is not None
     return ev.tokens
 

@@ -18,24 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lmhead import checks
 from lmhead.loss import linear_cross_entropy
 
 __all__ = ["LMHead"]
-
-
-def _check_softcap(softcap: float | None) -> float | None:
-    if softcap is None:
-        return None
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
-            softcap > 0 and math.isfinite(softcap)):
-        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
-    return float(softcap)
-
-
-def _check_size(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be an int > 0, got {value!r}")
-    return value
 
 
 class LMHead(nn.Module):
@@ -50,7 +36,7 @@ class LMHead(nn.Module):
         dtype, device: of a new weight (ignored for a tied weight, which keeps its own; a conflicting value
             raises).
 
-    `forward(hidden, logits_to_keep=0)`: 3-D hidden [B,T,D] gives [B,T',V]; 2-D hidden [N,D] is read as N
+    `forward(hidden, logits_to_keep=0, exact_k=None)`: 3-D hidden [B,T,D] gives [B,T',V]; 2-D hidden [N,D] is read as N
     positions (a flattened batch, or the last position of each sequence) and gives [N',V]. logits_to_keep=k
     projects only the last k positions (dim -2), as at inference (k=1: the next token); 0 keeps all.
     """
@@ -59,9 +45,9 @@ class LMHead(nn.Module):
                  softcap: float | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
-        d_model = _check_size("d_model", d_model)
-        vocab_size = _check_size("vocab_size", vocab_size)
-        self.softcap = _check_softcap(softcap)
+        d_model = checks.positive_int("d_model", d_model)
+        vocab_size = checks.positive_int("vocab_size", vocab_size)
+        self.softcap = checks.softcap(softcap)
         if tie_to is not None:
             if not isinstance(tie_to, nn.Embedding):
                 raise TypeError(f"tie_to must be an nn.Embedding, got {type(tie_to).__name__}")
@@ -108,7 +94,7 @@ class LMHead(nn.Module):
                                 f"{weight.device})")
         head = cls.__new__(cls)
         nn.Module.__init__(head)
-        head.softcap = _check_softcap(softcap)
+        head.softcap = checks.softcap(softcap)
         head.weight = _as_parameter(weight)
         head.bias = None if bias is None else _as_parameter(bias)
         head.tied = False
@@ -122,11 +108,23 @@ class LMHead(nn.Module):
     def vocab_size(self) -> int:
         return int(self.weight.shape[0])
 
-    def forward(self, hidden: Tensor, logits_to_keep: int = 0) -> Tensor:
-        """[B,T,D] → [B,T',V] (or [N,D] → [N',V]) float32 logits of the last `logits_to_keep` positions."""
+    @property
+    def exact_k(self) -> int:
+        """How many top tokens per row `forward` returns exactly: all V (the heads that approximate the rest,
+        e.g. `lmhead.compressed`, have a smaller one)."""
+        return self.vocab_size
+
+    def forward(self, hidden: Tensor, logits_to_keep: int = 0, exact_k: int | None = None) -> Tensor:
+        """[B,T,D] → [B,T',V] (or [N,D] → [N',V]) float32 logits of the last `logits_to_keep` positions.
+
+        exact_k: how many top tokens per row must be exact (None: the head's own `exact_k`). Every logit of
+        this head is exact, so it is checked (an int in [0, V]) and changes nothing; the argument makes every
+        head callable alike."""
         self._check_hidden(hidden)
         if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be an int >= 0 (0 = all positions), got {logits_to_keep!r}")
+        if exact_k is not None and (not checks.is_int(exact_k) or not 0 <= exact_k <= self.vocab_size):
+            raise ValueError(f"exact_k must be an int in [0, {self.vocab_size}], got {exact_k!r}")
         if logits_to_keep:
             hidden = hidden[..., -logits_to_keep:, :]  # (B, k, D): project only what is needed (nanoGPT)
         logits = F.linear(hidden, self.weight, self.bias)  # (B, T', V) in the weight's dtype

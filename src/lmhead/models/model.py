@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from lmhead.head import LMHead
+from lmhead.models import parts
 from lmhead.models.fast_linear import onednn_available, with_onednn_linears
 
 # How `Model.body` runs its linear layers: "auto" (oneDNN's kernel when torch has it, else transformers'
@@ -44,15 +45,16 @@ class Model:
         self.name = name
         self.path = path
         self.config = hf_model.config
-        text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        text_config = parts.text_config(self.config)
         # embedding + blocks + final norm; with oneDNN linears (the same weights, see fast_linear.py) unless
         # body="transformers". hf_model itself is left as transformers built it.
-        self.body = hf_model.base_model if body == "transformers" else with_onednn_linears(hf_model.base_model)
+        decoder = parts.body(hf_model)
+        self.body = decoder if body == "transformers" else with_onednn_linears(decoder)
         out = hf_model.get_output_embeddings()
         softcap = getattr(text_config, "final_logit_softcapping", None)
         self.head = LMHead.from_weight(out.weight, bias=getattr(out, "bias", None), softcap=softcap or None)
         self.eos_token_ids = _eos_ids(hf_model, tokenizer)
-        self.context_length = int(getattr(text_config, "max_position_embeddings", 0) or 0) or None
+        self.context_length = parts.context_length(self.config)
         if getattr(tokenizer, "pad_token_id", None) is None and self.eos_token_ids:
             tokenizer.pad_token_id = self.eos_token_ids[0]
 
@@ -121,22 +123,19 @@ class Model:
         """The next-token candidates for `prompt`; see `lmhead.explain.predict`."""
         from lmhead import explain
 
-        kwargs.setdefault("model_name", self.name)
-        return explain.predict(self.hf_model, self.tokenizer, self.head, prompt, top=top, config=config,
-                               layers=layers, **kwargs)
+        return explain.predict(self, prompt, top=top, config=config, layers=layers, **kwargs)
 
     def evaluate(self, text: str, **kwargs):
         """Perplexity, loss and (tokens=True) per-token scores of `text`; see `lmhead.explain.evaluate`."""
         from lmhead import explain
 
-        kwargs.setdefault("model_name", self.name)
-        return explain.evaluate(self.hf_model, self.tokenizer, self.exact_head, text, **kwargs)
+        return explain.evaluate(self, text, **kwargs)
 
     def perplexity(self, text: str, **kwargs):
         """The model's perplexity on `text`; see `lmhead.explain.perplexity`."""
         from lmhead import explain
 
-        return explain.perplexity(self.hf_model, self.tokenizer, self.exact_head, text, **kwargs)
+        return explain.perplexity(self, text, **kwargs)
 
 
 def _eos_ids(hf_model, tokenizer) -> list[int]:

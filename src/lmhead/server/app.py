@@ -308,8 +308,7 @@ def create_app(model: Any) -> FastAPI:
             from lmhead.explain import evaluate
 
             _encode_checked(model, req.text, "text")
-            return evaluate(model.hf_model, model.tokenizer, model.exact_head, req.text, tokens=True,
-                            model_name=served_name).to_dict()
+            return evaluate(model, req.text, tokens=True, model_name=served_name).to_dict()
 
         return await run(work)
 
