@@ -60,8 +60,8 @@ def load_weight(name: str) -> tuple[torch.Tensor, str]:
 
 def load_hidden(name: str, D: int) -> tuple[torch.Tensor, torch.Tensor | None, str]:
     """Final hidden states [N,D] at every position of a few prompts, from the model's body (else random), and
-    the calibration hidden states the loaded model's head uses (`lmhead.compressed.CALIBRATION_TEXT`)."""
-    from lmhead.compressed import CALIBRATION_TEXT
+    the calibration hidden states the loaded model's head uses (`lmhead.models.calibration.CALIBRATION_TEXT`)."""
+    from lmhead.models.calibration import CALIBRATION_TEXT
 
     folder = cache_folder(name)
     try:
@@ -130,10 +130,10 @@ def kernels(W: torch.Tensor, M: int, repeats: int) -> list[tuple[str, float, flo
         "int8 dequantise, then fp32 F.linear": lambda: F.linear(h, q8.float() * s8.float()[:, None]),
     }
     for G, c in heads.items():
-        fns[f"int4 _weight_int4pack_mm_for_cpu G={G}"] = lambda c=c: c._approx_raw(h)
+        fns[f"int4 _weight_int4pack_mm_for_cpu G={G}"] = lambda c=c: c.approx_logits(h)
     if onednn_int8_usable():
         o8 = CompressedHead(W, bits=8, kernel="onednn", exact_k=0)
-        fns["int8 oneDNN qlinear_pointwise, uint8 x"] = lambda: o8._approx_raw(h)
+        fns["int8 oneDNN qlinear_pointwise, uint8 x"] = lambda: o8.approx_logits(h)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -191,13 +191,13 @@ def bench(name: str, repeats: int, show_kernels: bool, prefill: int, alphas: lis
         "fp32": (lambda: F.linear(h, W), V * D * 4),
         "fp32 oneDNN": (lambda: torch.ops.mkldnn._linear_pointwise(h, W, None, "none", [], ""), V * D * 4),
         "bf16 (approximate)": (lambda: F.linear(h.bfloat16(), Wb), V * D * 2),
-        f"int8 {i8.kernel} (approx.)": (lambda: i8._approx_raw(h), i8.compressed_bytes),
+        f"int8 {i8.kernel} (approx.)": (lambda: i8.approx_logits(h), i8.compressed_bytes),
         f"exact-int8 {i8.kernel}": (lambda: i8(h), i8.compressed_bytes),
-        "int4 g32 (approximate)": (lambda: i4._approx_raw(h), i4.compressed_bytes),
+        "int4 g32 (approximate)": (lambda: i4.approx_logits(h), i4.compressed_bytes),
         "exact-int4 g32": (lambda: i4(h), i4.compressed_bytes),
     }
     if i8p is not None:
-        modes["int8 int8pack (approx.)"] = (lambda: i8p._approx_raw(h), i8p.compressed_bytes)
+        modes["int8 int8pack (approx.)"] = (lambda: i8p.approx_logits(h), i8p.compressed_bytes)
         modes["exact-int8 int8pack"] = (lambda: i8p(h), i8p.compressed_bytes)
     bw = read_bandwidth_gbs()
     times = interleaved({k: f for k, (f, _) in modes.items()}, repeats)
@@ -243,8 +243,8 @@ def bench(name: str, repeats: int, show_kernels: bool, prefill: int, alphas: lis
         p_modes = {
             "fp32": lambda: F.linear(hp, W),
             "bf16 (approximate)": lambda: F.linear(hp.bfloat16(), Wb),
-            "int8 kernel (approximate)": lambda: i8._approx_raw(hp),
-            "int4 g32 kernel (approximate)": lambda: i4._approx_raw(hp),
+            "int8 kernel (approximate)": lambda: i8.approx_logits(hp),
+            "int4 g32 kernel (approximate)": lambda: i4.approx_logits(hp),
             f"exact-int8 with max_rows={prefill}": lambda: full(hp),
         }
         pt = interleaved(p_modes, max(3, repeats // 5))
@@ -272,13 +272,13 @@ DECODE_PROMPTS = ["Once upon a time, in a small village by the sea, there lived"
 def decode(name: str, new_tokens: int, n_prompts: int, modes: list[str]) -> None:
     """End to end greedy decode: transformers' generate() vs lmhead's loop with each head mode (and, for the
     first mode, also on transformers' own body modules instead of the oneDNN linears), same model."""
-    from lmhead.compressed import use_head
     from lmhead.models import load_model
+    from lmhead.models.heads import build_head
     from lmhead.sampling import SamplingConfig
 
     model = load_model(name, progress=False)
     greedy = SamplingConfig(temperature=0.0)
-    heads = {m: use_head(model, m).head for m in modes}  # compress once; switch by assignment
+    heads = {m: build_head(model, m) for m in modes}  # compress once; switch by assignment
     fast_body, plain_body = model.body, model.hf_model.base_model
     variants = {f"head={m}": (heads[m], fast_body) for m in modes}
     if fast_body is not plain_body:

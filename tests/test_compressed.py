@@ -11,14 +11,8 @@ import reference
 import torch
 import torch.nn.functional as F
 
-from lmhead.compressed import (
-    HEAD_MODES,
-    CompressedHead,
-    column_scales,
-    onednn_int8_usable,
-    resolve_head_mode,
-    use_head,
-)
+from lmhead.compressed import HEAD_MODES, CompressedHead, column_scales, kernels, onednn_int8_usable, quantize
+from lmhead.models.heads import resolve_head_mode, use_head
 
 # (bits, kernel) of every compressed path this torch build can run
 KERNELS8 = ["onednn", "int8pack"] if onednn_int8_usable() else ["int8pack"]
@@ -134,7 +128,7 @@ def test_the_int8pack_kernel_accumulates_within_the_assumed_error_model():
     head = CompressedHead(w, bits=8, kernel="int8pack")
     h = _hidden(4, D, seed=11) * 10
     exact = reference.approx_logits_exact_arithmetic(h, reference.int8_rowwise_dequant(w))
-    y = head._approx_raw(h).double()
+    y = head.approx_logits(h).double()
     hb = h.to(torch.bfloat16).double()
     wq = reference.int8_rowwise_dequant(w)
     gamma = D * 2.0**-24 / (1 - D * 2.0**-24)
@@ -150,15 +144,15 @@ def test_the_onednn_kernel_is_exact_up_to_its_output_rounding():
     w, _ = _weights(V, D, seed=10)
     head = CompressedHead(w, bits=8, kernel="onednn", calibration=_hidden(8, D, seed=42))
     assert not torch.equal(head.column_scale, torch.ones(D))
-    h = _hidden(4, D, seed=11) * 10
-    y, xhat, used = head._approx(h[:1])
-    assert used == "onednn"
-    h = h[:1]
+    h = (_hidden(4, D, seed=11) * 10)[:1]
+    y, xhat = kernels.onednn_linear(h / head.column_scale, kernels.OneDNNWeight(head.qweight[:V, :D],
+                                                                                 head.scales[:V]))
+    assert torch.equal(head.approx_logits(h), y)  # one row: the head's approximate pass is this kernel
     # what the kernel multiplies by: W·diag(c) quantised per row (the same as quantising W' directly)
-    what = reference.int8_rowwise_dequant(w * head.column_scale)
-    torch.testing.assert_close(what, head.qweight[:V, :D].double() * head.scales[:V].double()[:, None],
+    dequant = reference.int8_rowwise_dequant(w * head.column_scale)
+    torch.testing.assert_close(dequant, head.qweight[:V, :D].double() * head.scales[:V].double()[:, None],
                                rtol=0, atol=0)
-    exact = xhat @ what.T
+    exact = xhat @ dequant.T
     assert bool(((y.double() - exact).abs() <= 8 * 2.0**-24 * exact.abs() + 1e-30).all())
 
 
@@ -324,6 +318,27 @@ def test_bad_input_is_rejected_with_the_allowed_range():
         head(torch.zeros(1, 64), exact_k=257)
 
 
+def test_a_softcap_must_be_finite_like_everywhere_else():
+    w, _ = _weights(256, 64, seed=23)
+    for bad in (float("inf"), float("nan"), 0.0, True):
+        with pytest.raises(ValueError, match="softcap must be None or a finite number > 0"):
+            CompressedHead(w, softcap=bad)
+
+
+def test_the_call_signature_is_the_heads_one():
+    # head(hidden, logits_to_keep=0, exact_k=None): None is the head's own exact_k, as for LMHead
+    w, b = _weights(500, 64, seed=34, bias=True)
+    h = _hidden(3, 64, seed=35)
+    head = CompressedHead(w, bias=b, bits=8, exact_k=5)
+    assert head.exact_k == 5 and CompressedHead(w[:40], exact_k=64).exact_k == 40  # at most V
+    torch.testing.assert_close(head(h, exact_k=None), head(h), rtol=0, atol=0)
+    assert torch.equal(torch.topk(head(h, exact_k=20), 20).indices, reference.head_topk(h, w, 20, b)[1])
+    # approx_logits: the kernel's pass alone, bias added: the approximate values error_bound bounds
+    y, bound = head.error_bound(h)
+    torch.testing.assert_close(head.approx_logits(h), y, rtol=0, atol=0)
+    assert bool(((y - reference.lm_head_logits(h, w, b)).abs() <= bound).all())
+
+
 def test_nonfinite_hidden_falls_back_to_the_full_head():
     w, _ = _weights(256, 64, seed=24)
     head = CompressedHead(w)
@@ -335,10 +350,10 @@ def test_nonfinite_hidden_falls_back_to_the_full_head():
 
 
 class _FakeModel:
-    """What `use_head` needs of a `Model`: `.head` (weight, bias, softcap) and `.path` (the cache folder)."""
+    """What `use_head` needs of a `Model`: `.exact_head` (weight, bias, softcap) and `.path` (the cache folder)."""
 
     def __init__(self, weight: torch.Tensor, path: Path) -> None:
-        self.head = type("Head", (), {"weight": weight, "bias": None, "softcap": None})()
+        self.exact_head = self.head = type("Head", (), {"weight": weight, "bias": None, "softcap": None})()
         self.path = path
 
 
@@ -353,21 +368,21 @@ def test_use_head_swaps_the_head_and_caches_the_compressed_tensors(tmp_path, mon
     w, _ = _weights(640, 64, seed=25)
     folder = _model_folder(tmp_path, "ab" * 32)
     model = use_head(_FakeModel(w, folder), "exact-int8")
-    assert isinstance(model.head, CompressedHead) and model.fp32_head.weight is w
+    assert isinstance(model.head, CompressedHead) and model.exact_head.weight is w
     cached = list((tmp_path / "heads").glob("*-exact-int8.safetensors"))
     assert len(cached) == 1
     h = _hidden(2, 64, seed=26)
 
-    def no_compress(self, *args):
+    def no_compress(*args):
         raise AssertionError("compressed again although the cache holds it")
 
-    monkeypatch.setattr(CompressedHead, "_compress", no_compress)
+    monkeypatch.setattr(quantize, "quantize", no_compress)
     again = use_head(_FakeModel(w, folder), "exact-int8")
     assert torch.equal(again.head(h), model.head(h)) and again.head.kernel == model.head.kernel
-    assert use_head(again, "fp32").head is again.fp32_head
+    assert use_head(again, "fp32").head is again.exact_head
     with pytest.raises(ValueError, match="head must be one of auto"):
         use_head(again, "exact-int3")
-    assert use_head(again, "auto").head is again.fp32_head  # a small head: fp32 is as fast
+    assert use_head(again, "auto").head is again.exact_head  # a small head: fp32 is as fast
 
 
 def test_a_cached_state_of_other_weights_is_not_used(tmp_path):
@@ -492,11 +507,11 @@ def test_predictions_show_the_fp32_heads_candidates_beyond_exact_k():
 
     hf, tok = tiny_model("llama")
     model = use_head(Model(hf, tok), "exact-int8", cache=False)
-    assert isinstance(model.head, CompressedHead) and model.exact_head is model.fp32_head
+    assert isinstance(model.head, CompressedHead) and model.exact_head is not model.head
     model.head.reset_stats()
     pred = model.predict("the cat sat", top=120)
     assert model.head.stats["calls"] == 1  # the model's own head served it
     ids = torch.tensor([model.encode("the cat sat")])
-    ref = model.fp32_head(model.hidden_states(ids)[:, -1])[0]
+    ref = model.exact_head(model.hidden_states(ids)[:, -1])[0]
     got = torch.tensor([c.logit for c in pred.candidates])
     torch.testing.assert_close(got, torch.topk(ref, 120).values, **reference.tolerance(torch.float32))

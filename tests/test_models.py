@@ -279,6 +279,21 @@ def test_model_attributes():
     assert "tiny" in repr(model)
 
 
+def test_the_model_builds_both_heads():
+    from lmhead.compressed import CompressedHead
+    from lmhead.head import LMHead
+
+    hf_model, tok = tiny_model("llama")
+    plain = Model(hf_model, tok)
+    assert isinstance(plain.exact_head, LMHead) and plain.head is plain.exact_head  # "fp32" by default
+    exact = Model(hf_model, tok, head="exact-int8")
+    assert isinstance(exact.head, CompressedHead) and isinstance(exact.exact_head, LMHead)
+    assert exact.head.weight is exact.exact_head.weight  # one weight, shared by both heads
+    assert exact.head.exact_k == 64
+    with pytest.raises(ValueError, match="head must be one of auto, fp32, exact-int8, int8, int4"):
+        Model(hf_model, tok, head="int3")
+
+
 def test_eos_ids_include_generation_config_lists():
     hf_model, tok = tiny_model("llama")
     hf_model.generation_config.eos_token_id = [1, 5]

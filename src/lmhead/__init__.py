@@ -47,7 +47,7 @@ _EXPORTS: dict[str, str] = {
     "head_memory": "params",
     "CompressedHead": "compressed",
     "HEAD_MODES": "compressed",
-    "use_head": "compressed",
+    "use_head": "models.heads",
     "VocabParallelLMHead": "distributed",
     "VocabParallelEmbedding": "distributed",
     "vocab_parallel_cross_entropy": "distributed",

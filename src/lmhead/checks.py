@@ -85,3 +85,23 @@ def loss_options(ignore_index_: Any, reduction_: Any, label_smoothing_: Any, z_l
     """The options every fused cross-entropy (single-process and vocab-parallel) shares, checked alike."""
     return (ignore_index(ignore_index_), reduction(reduction_), label_smoothing(label_smoothing_),
             z_loss(z_loss_), softcap(softcap_))
+
+
+def non_negative_int(name: str, value: Any) -> int:
+    """An int >= 0 (counts that may be zero: logits_to_keep, exact_k, ...)."""
+    if not is_int(value) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return int(value)
+
+
+def int_in_range(name: str, value: Any, lo: int, hi: int) -> int:
+    """An int in [lo, hi] (both included)."""
+    if not is_int(value) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
+    return int(value)
+
+
+def exact_k(value: Any, vocab_size: int) -> int | None:
+    """None (the head's own default) or an int in [0, vocab_size]: how many top tokens per row a head's call
+    makes exact."""
+    return None if value is None else int_in_range("exact_k", value, 0, vocab_size)

@@ -216,26 +216,24 @@ def load_model(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, verify: 
     GGUF models are converted once into the cache (`lmhead.models.cache_root()`; a progress display goes to
     stderr) and loaded from there afterwards. `verify=True` re-hashes the cached files against their manifest
     (sizes are always checked). A cache that turns out unreadable is rebuilt once.
-    `head` picks the LM head used by generate/predict/the server (`lmhead.compressed`): "auto" (default:
-    "exact-int8" for heads of >= 256 MiB in fp32, else "fp32"), "fp32", "exact-int8", "int8", "int4".
+    `head` picks the LM head used by generate/predict/the server (`lmhead.models.heads`): "auto" (default:
+    "exact-int8" for heads of >= 256 MiB in fp32, else "fp32"), "fp32", "exact-int8", "int8", "int4"; the
+    fp32 head stays `model.exact_head`.
     `body` picks how the body's linear layers run (`lmhead.models.model.BODY_MODES`): "auto" (default:
     oneDNN's kernel when torch has it — the same weights, a 1.3x faster body step here), "onednn",
     "transformers" (transformers' own modules). `hf_model` is transformers' model either way.
     """
-    from lmhead.compressed import HEAD_MODES  # compressed head (issue 7)
+    from lmhead.models.heads import check_head_mode
     from lmhead.models.model import BODY_MODES, Model
 
-    # --- compressed head (issue 7): validate before the slow load; applied by _with_head below ---
-    if head != "auto" and head not in HEAD_MODES:
-        raise ValueError(f"head must be one of auto, {', '.join(HEAD_MODES)}; got {head!r}")
+    check_head_mode(head)  # both checked before the slow load
     if body not in BODY_MODES:
         raise ValueError(f"body must be one of {', '.join(BODY_MODES)}; got {body!r}")
-    # --- end compressed head ---
 
     source = resolve(name_or_path)
     if source.kind == "folder":
         hf_model, tokenizer = load_folder(source.path)
-        return _with_head(Model(hf_model, tokenizer, name=source.name, path=source.path, body=body), head)
+        return Model(hf_model, tokenizer, name=source.name, path=source.path, body=body, head=head)
     folder = cached_folder(source, checksums=verify, progress=progress)
     try:
         hf_model, tokenizer = load_folder(folder, cached=True)
@@ -247,14 +245,4 @@ def load_model(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, verify: 
             hf_model, tokenizer = load_folder(folder, cached=True)
         except ModelError:
             raise exc from None
-    return _with_head(Model(hf_model, tokenizer, name=source.name, path=folder, body=body), head)
-
-
-# --- compressed head (issue 7) ---
-def _with_head(model, head: str):
-    """The model with the LM head of mode `head` (see `lmhead.compressed.use_head`); the fp32 LMHead stays
-    available as `model.fp32_head`."""
-    from lmhead.compressed import use_head
-
-    return use_head(model, head)
-# --- end compressed head ---
+    return Model(hf_model, tokenizer, name=source.name, path=folder, body=body, head=head)
