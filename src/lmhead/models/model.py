@@ -1,6 +1,9 @@
-"""`Model`: a transformers body and tokenizer, with lmhead's `LMHead` on the model's own head weight.
+"""`Model`: a transformers body and tokenizer, with lmhead's heads on the model's own head weight.
 
     ids [B,T] ──hf_model.model (embedding, blocks, final norm)──▶ hidden [B,T,D] ──self.head──▶ logits [B,T',V]
+
+Two heads, both built in `__init__`: `exact_head`, the fp32 `LMHead`, and `head`, the one chosen by `head=`
+(that same LMHead for "fp32", else a compressed head on the same weight: `heads.py`).
 
 lmhead takes over after the body: `hidden_states()` stops at the final norm, and everything after it (the head,
 its softcap, the sampling pipeline) is lmhead's. The head shares the model's weight (tied or not); nothing is
@@ -18,6 +21,7 @@ import torch
 from lmhead.head import LMHead
 from lmhead.models import parts
 from lmhead.models.fast_linear import onednn_available, with_onednn_linears
+from lmhead.models.heads import build_head, check_head_mode
 
 # How `Model.body` runs its linear layers: "auto" (oneDNN's kernel when torch has it, else transformers'
 # F.linear), "onednn", or "transformers" (the modules exactly as transformers built them).
@@ -29,13 +33,15 @@ class Model:
 
     Attributes: `hf_model` (transformers, eval mode, float32), `body` (its embedding, blocks and final norm;
     by default a copy sharing every weight whose linear layers run oneDNN's kernel: `body` in BODY_MODES),
-    `tokenizer`, `head` (LMHead sharing the model's head weight; softcap from
-    `config.final_logit_softcapping`), `name`, `config`, `eos_token_ids`, `context_length`, `path` (the
-    folder it was loaded from).
+    `tokenizer`, `exact_head` (the fp32 LMHead sharing the model's head weight; softcap from
+    `config.final_logit_softcapping`), `head` (the head of mode `head`, see `lmhead.models.heads`: "fp32",
+    the default here, is `exact_head` itself; `load_model` defaults to "auto"), `name`, `config`,
+    `eos_token_ids`, `context_length`, `path` (the folder it was loaded from; keys the compressed-head cache).
     """
 
     def __init__(self, hf_model, tokenizer, name: str = "model", path: Path | None = None,
-                 body: str = "auto") -> None:
+                 body: str = "auto", head: str = "fp32") -> None:
+        check_head_mode(head)
         if body not in BODY_MODES:
             raise ValueError(f"body must be one of {', '.join(BODY_MODES)}; got {body!r}")
         if body == "onednn" and not onednn_available():
@@ -52,25 +58,22 @@ class Model:
         self.body = decoder if body == "transformers" else with_onednn_linears(decoder)
         out = hf_model.get_output_embeddings()
         softcap = getattr(text_config, "final_logit_softcapping", None)
-        self.head = LMHead.from_weight(out.weight, bias=getattr(out, "bias", None), softcap=softcap or None)
+        self.exact_head = LMHead.from_weight(out.weight, bias=getattr(out, "bias", None), softcap=softcap or None)
         self.eos_token_ids = _eos_ids(hf_model, tokenizer)
         self.context_length = parts.context_length(self.config)
         if getattr(tokenizer, "pad_token_id", None) is None and self.eos_token_ids:
             tokenizer.pad_token_id = self.eos_token_ids[0]
+        # last: a compressed head is calibrated on this model's hidden states (body and tokenizer above)
+        self.head = build_head(self, head)
 
     def __repr__(self) -> str:
-        return (f"Model({self.name!r}, vocab={self.head.weight.shape[0]}, width={self.head.weight.shape[1]}, "
+        vocab, width = self.exact_head.weight.shape
+        return (f"Model({self.name!r}, vocab={vocab}, width={width}, "
                 f"layers={getattr(self.config, 'num_hidden_layers', '?')}, context={self.context_length})")
 
     @property
-    def exact_head(self):
-        """The full-precision head (the fp32 LMHead even when `head` is compressed): what `logits`,
-        `evaluate` and `perplexity` use, so that what they measure is the fp32 head's."""
-        return getattr(self, "fp32_head", self.head)
-
-    @property
     def vocab_size(self) -> int:
-        return int(self.head.weight.shape[0])
+        return int(self.exact_head.weight.shape[0])
 
     def encode(self, prompt: str) -> list[int]:
         """The prompt's token ids, with the tokenizer's special tokens (e.g. Gemma's <bos>) as the model expects."""
