@@ -171,7 +171,48 @@ def alpha_sweep(W: torch.Tensor, H: torch.Tensor, calibration: torch.Tensor | No
         del head
 
 
+def exactness(W: torch.Tensor, H: torch.Tensor, heads: list[tuple[str, CompressedHead]]) -> None:
+    """For each exact head: on every hidden state of H [N,D], one decode step at a time, whether argmax and
+    top-10 equal the fp32 head's, the candidates re-scored, the fallbacks and the largest |p − p_fp32|."""
+    ref = F.linear(H, W)
+    for label, head in heads:
+        head.reset_stats()
+        argmax_ok = top10_ok = 0
+        perr = 0.0
+        for n in range(H.shape[0]):
+            out = head(H[n:n + 1])
+            argmax_ok += int(out.argmax(-1).item() == ref[n].argmax().item())
+            top10_ok += int(torch.equal(torch.topk(out[0], 10).indices, torch.topk(ref[n], 10).indices))
+            perr = max(perr, float((torch.softmax(out[0], -1) - torch.softmax(ref[n], -1)).abs().max()))
+        s = head.stats
+        print(f"{label}: argmax = fp32 on {argmax_ok}/{H.shape[0]}, top-10 on {top10_ok}/{H.shape[0]}; "
+              f"re-scored per step mean {s['candidates'] / max(1, s['rows']):.0f}, max {s['max_candidates']}; "
+              f"fallbacks {s['fallback_rows']} (too many candidates) + {s['tie_fallback_rows']} (fp32 near-tie); "
+              f"max |p - p_fp32| {perr:.2e}")
+
+
+def prefill_times(W: torch.Tensor, Wb: torch.Tensor, i8: CompressedHead, i4: CompressedHead, prefill: int,
+                  repeats: int) -> None:
+    """The head on `prefill` positions at once, per mode (medians of interleaved repeats); Wb = W in bf16."""
+    D = W.shape[1]
+    g = torch.Generator().manual_seed(3)
+    hp = torch.randn(prefill, D, generator=g)
+    full = CompressedHead(W, bits=8, max_rows=prefill)  # force the compressed path for the comparison
+    p_modes = {
+        "fp32": lambda: F.linear(hp, W),
+        "bf16 (approximate)": lambda: F.linear(hp.bfloat16(), Wb),
+        "int8 kernel (approximate)": lambda: i8.approx_logits(hp),
+        "int4 g32 kernel (approximate)": lambda: i4.approx_logits(hp),
+        f"exact-int8 with max_rows={prefill}": lambda: full(hp),
+    }
+    pt = interleaved(p_modes, max(3, repeats // 5))
+    print(f"prefill: {prefill} positions at once")
+    for k, t in pt.items():
+        print(f"  {k:36s} {t * 1e3:9.1f} ms  {pt['fp32'] / t:5.2f}x fp32")
+
+
 def bench(name: str, repeats: int, show_kernels: bool, prefill: int, alphas: list[float] | None = None) -> None:
+    """Every table of one model's head (see the module docstring)."""
     W, origin = load_weight(name)
     V, D = W.shape
     H, calibration, hidden_origin = load_hidden(name, D)
@@ -213,45 +254,16 @@ def bench(name: str, repeats: int, show_kernels: bool, prefill: int, alphas: lis
               f"{nbytes / t / 1e9 / bw:7.0%}")
     print(f"(exact modes also read the re-scored fp32 rows: ~{D * 4 / 1e3:.1f} kB each)")
 
-    # exactness and candidates on every hidden state, one decode step at a time
-    ref = F.linear(H, W)
     exact_heads = [(f"exact-int8 {i8.kernel}", i8), ("exact-int4 g32", i4)]
     if i8p is not None:
         exact_heads.insert(1, ("exact-int8 int8pack", i8p))
-    for label, head in exact_heads:
-        head.reset_stats()
-        argmax_ok = top10_ok = 0
-        perr = 0.0
-        for n in range(H.shape[0]):
-            out = head(H[n:n + 1])
-            argmax_ok += int(out.argmax(-1).item() == ref[n].argmax().item())
-            top10_ok += int(torch.equal(torch.topk(out[0], 10).indices, torch.topk(ref[n], 10).indices))
-            perr = max(perr, float((torch.softmax(out[0], -1) - torch.softmax(ref[n], -1)).abs().max()))
-        s = head.stats
-        print(f"{label}: argmax = fp32 on {argmax_ok}/{H.shape[0]}, top-10 on {top10_ok}/{H.shape[0]}; "
-              f"re-scored per step mean {s['candidates'] / max(1, s['rows']):.0f}, max {s['max_candidates']}; "
-              f"fallbacks {s['fallback_rows']} (too many candidates) + {s['tie_fallback_rows']} (fp32 near-tie); "
-              f"max |p - p_fp32| {perr:.2e}")
+    exactness(W, H, exact_heads)
 
     if alphas:
         alpha_sweep(W, H, calibration, alphas)
 
     if prefill:
-        g = torch.Generator().manual_seed(3)
-        hp = torch.randn(prefill, D, generator=g)
-        full = CompressedHead(W, bits=8, max_rows=prefill)  # force the compressed path for the comparison
-        p_modes = {
-            "fp32": lambda: F.linear(hp, W),
-            "bf16 (approximate)": lambda: F.linear(hp.bfloat16(), Wb),
-            "int8 kernel (approximate)": lambda: i8.approx_logits(hp),
-            "int4 g32 kernel (approximate)": lambda: i4.approx_logits(hp),
-            f"exact-int8 with max_rows={prefill}": lambda: full(hp),
-        }
-        pt = interleaved(p_modes, max(3, repeats // 5))
-        print(f"prefill: {prefill} positions at once")
-        for k, t in pt.items():
-            print(f"  {k:36s} {t * 1e3:9.1f} ms  {pt['fp32'] / t:5.2f}x fp32")
-        del full
+        prefill_times(W, Wb, i8, i4, prefill, repeats)
 
     if show_kernels:
         for M in (1, prefill or 0):

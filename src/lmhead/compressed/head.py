@@ -341,7 +341,7 @@ class CompressedHead(nn.Module):
         """Bounds, candidates, re-scoring and the near-tie check for `_logits`; None = use the full head."""
         N, V = h.shape[0], self.vocab_size
         y = self._with_bias(y_raw) if self.bias is not None else y_raw.clone()  # written into below
-        # A bf16 overflow or NaN input: no bound holds, use the full head. One sum is 4x cheaper than
+        # A bf16 overflow or NaN input: no bound holds, use the full head. One sum is cheaper than
         # isfinite().all() over [N,V]; it is also non-finite when the finite values overflow it (then the
         # full head serves a call that did not need it: safe).
         if not math.isfinite(float(y.sum())):

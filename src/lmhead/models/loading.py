@@ -220,7 +220,7 @@ def load_model(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, verify: 
     "exact-int8" for heads of >= 256 MiB in fp32, else "fp32"), "fp32", "exact-int8", "int8", "int4"; the
     fp32 head stays `model.exact_head`.
     `body` picks how the body's linear layers run (`lmhead.models.model.BODY_MODES`): "auto" (default:
-    oneDNN's kernel when torch has it — the same weights, a 1.3x faster body step here), "onednn",
+    oneDNN's kernel when torch has it — the same weights; docs/models.md has the timings), "onednn",
     "transformers" (transformers' own modules). `hf_model` is transformers' model either way.
     """
     from lmhead.models.heads import check_head_mode
