@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from lmhead.checks import is_int
+from lmhead import checks
 from lmhead.models.parts import final_norm
 
 # ---------------------------------------------------------------------------------------------------------
@@ -266,12 +266,6 @@ def _config_dict(config) -> dict[str, Any]:
     return d
 
 
-def _at_least_one(name: str, value: Any) -> int:
-    if not is_int(value) or value < 1:
-        raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
-    return value
-
-
 # ---------------------------------------------------------------------------------------------------------
 # predict
 
@@ -302,8 +296,8 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
     if not isinstance(config, SamplingConfig):
         raise TypeError(f"config: expected a SamplingConfig, got {type(config).__name__}")
     vocab = model.vocab_size
-    top = min(_at_least_one("top", top), vocab)
-    _at_least_one("layer_top", layer_top)
+    top = min(checks.positive_int("top", top), vocab)
+    checks.positive_int("layer_top", layer_top)
 
     ids = _encode(model.tokenizer, prompt, "prompt")
     ctx = model.context_length
@@ -481,13 +475,13 @@ def _window_defaults(model, window: int | None, stride: int | None) -> tuple[int
     ctx = model.context_length
     if window is None:
         window = min(DEFAULT_WINDOW, ctx) if ctx else DEFAULT_WINDOW
-    if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+    if not checks.is_int(window) or window < 2:
         raise ValueError(f"window: must be an integer >= 2, got {window!r}")
     if ctx is not None and window > ctx:
         raise ValueError(f"window: must be <= the model's context length {ctx}, got {window}")
     if stride is None:
         stride = max(1, window // 2)
-    if isinstance(stride, bool) or not isinstance(stride, int) or not 1 <= stride <= window:
+    if not checks.is_int(stride) or not 1 <= stride <= window:
         raise ValueError(f"stride: must be an integer in [1, window={window}], got {stride!r}")
     return window, stride
 

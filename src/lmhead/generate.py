@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lmhead import checks
 from lmhead.sampling import SamplingConfig, logprobs, process_logits, sample
 
 _PROMPT_CONTEXT = 4  # prompt tokens decoded before the generated ones, then cut off (keeps leading spaces)
@@ -214,9 +215,8 @@ def generate(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int 
     prompts, _ = _prompts(prompt_or_prompts)
     configs = _configs(config, len(prompts))
     stops = _stops(stop)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
-    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20:
+    checks.positive_int("max_new_tokens", max_new_tokens)
+    if not checks.is_int(top_logprobs) or not 0 <= top_logprobs <= 20:
         raise ValueError(f"top_logprobs: must be an integer in 0..20, got {top_logprobs!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator: expected a torch.Generator, got {type(generator).__name__}")

@@ -7,6 +7,10 @@ The weight is [V,D], as `nn.Linear` stores it, and may be the token embedding's 
 Logits come out in float32 whatever the weight's dtype (a bf16 head multiplies in bf16 and upcasts the result,
 as transformers does); float64 weights give float64 logits. For training, `.loss()` computes the
 cross-entropy from the hidden states without materialising the logits (`lmhead.loss.linear_cross_entropy`).
+
+Every head is called alike, `head(hidden, logits_to_keep=0, exact_k=None)`: a head that approximates the
+logits (`lmhead.compressed`) makes its top `exact_k` per row exact; this one's are all exact (`exact_k` = V).
+Option checks come from `lmhead.checks`.
 """
 
 from __future__ import annotations
