@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import socket
 import time
@@ -249,6 +250,67 @@ def check_unseeded_sampling_agrees_across_ranks(rank: int, world: int) -> None:
     _expect_error(lambda: vp.vocab_parallel_sample(local, SamplingConfig(top_k=5), gen), "generator")
 
 
+def check_sharded_vocab_reduces_like_the_local_one(rank: int, world: int) -> None:
+    """Each reduction of the seam, over shards, against sampling.Vocab on the full rows."""
+    from lmhead.sampling import Vocab
+
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(4)) * 3
+    logits[1, V - 2] = logits[1, 3] = logits[1].max() + 1  # a tie across shards: the lower id
+    logits[2, :400] = -math.inf
+    start, end = vp.vocab_range(V, rank, world)
+    local, whole, shard = logits[:, start:end], Vocab(V), vp.ShardedVocab(V, start)
+    for name in ("amax", "amin", "argmax"):
+        got, want = getattr(shard, name)(local), getattr(whole, name)(logits)
+        for g, w in zip(got if isinstance(got, tuple) else [got], want if isinstance(want, tuple) else [want],
+                        strict=True):
+            assert torch.equal(g, w), (name, g, w)
+    for k in (1, 7, 400, V):
+        (gv, gi), (wv, wi) = shard.topk(local, k), whole.topk(logits, k)
+        assert torch.equal(gv, wv), k
+        finite = torch.isfinite(wv)
+        finite[1] = False  # row 1's tied pair may come in either order
+        assert torch.equal(gi[finite], wi[finite]), k
+        assert set(gi[1].tolist()) == set(wi[1].tolist()), k
+    counts = (local > 0).sum(dim=-1, keepdim=True)
+    assert torch.equal(shard.sum(counts), (logits > 0).sum(dim=-1, keepdim=True))
+    ids, = shard.cat(torch.arange(start, end))
+    assert torch.equal(ids, torch.arange(V))
+    torch.testing.assert_close(shard.softmax(local), torch.softmax(logits, dim=-1)[:, start:end],
+                               **reference.tolerance(torch.float32))
+    top_v, top_i = whole.topk(logits, 9)
+    assert torch.equal(shard.columns(top_v, top_i, 0.0, end - start),
+                       whole.columns(top_v, top_i, 0.0, V)[:, start:end])
+
+
+def check_sharded_sampler_is_the_pipeline(rank: int, world: int) -> None:
+    """vocab_parallel_sample / _probabilities are sampling.sample / probabilities, handed a ShardedVocab."""
+    from lmhead import SamplingConfig, sampling
+
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(6)) * 2
+    start, end = vp.vocab_range(V, rank, world)
+    cfg = SamplingConfig(temperature=0.8, top_p=0.9, seed=3)
+    seen = []
+    real = {name: getattr(sampling, name) for name in ("sample", "probabilities")}
+
+    def spy(name):
+        def run(*args, **kwargs):
+            seen.append((name, type(kwargs.get("vocab")).__name__))
+            return real[name](*args, **kwargs)
+        return run
+
+    try:
+        for name in real:
+            setattr(sampling, name, spy(name))
+        ids = vp.vocab_parallel_sample(logits[:, start:end], cfg, step=2)
+        vp.vocab_parallel_probabilities(logits[:, start:end], cfg)
+    finally:
+        for name, fn in real.items():
+            setattr(sampling, name, fn)
+    assert seen == [("sample", "ShardedVocab"), ("probabilities", "ShardedVocab")], seen
+    direct = sampling.sample(logits[:, start:end], cfg, step=2, vocab=vp.ShardedVocab(V, start))
+    assert ids.tolist() == direct.tolist() == sampling.sample(logits, cfg, step=2).tolist()
+
+
 def check_head_sample_is_the_global_argmax(rank: int, world: int) -> None:
     from lmhead import SamplingConfig
 
@@ -291,6 +353,9 @@ def check_bad_input_raises_on_every_rank(rank: int, world: int) -> None:
     red = "avg" if rank == world - 1 else "mean"
     _expect_error(lambda: vp.vocab_parallel_cross_entropy(hidden @ shard.t(), targets, reduction=red),
                   "reduction" if rank == world - 1 else f"rank(s) [{world - 1}]")
+    # label_smoothing 1.0 is out of range, as in linear_cross_entropy
+    _expect_error(lambda: vp.vocab_parallel_cross_entropy(hidden @ shard.t(), targets, label_smoothing=1.0),
+                  "label_smoothing")
     # targets out of range (same on every rank)
     t = targets.clone()
     t[3] = V

@@ -26,7 +26,6 @@ Backends: gloo on CPU, NCCL on GPUs (tensors on `cuda:local_rank`, `torch.cuda.s
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import math
 import os
@@ -39,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lmhead import sampling as _sampling
+from lmhead import checks, sampling
 from lmhead.loss import default_chunk_size
 
 __all__ = [
@@ -53,9 +52,6 @@ __all__ = [
     "vocab_parallel_sample",
     "vocab_range",
 ]
-
-_REDUCTIONS = ("mean", "sum", "none")
-
 
 # --- process group and layout ------------------------------------------------------------------------------
 
@@ -239,20 +235,6 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_loss_options(ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
-                        softcap: float | None) -> None:
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    if not (0.0 <= label_smoothing <= 1.0):
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if not (z_loss >= 0.0 and math.isfinite(z_loss)):
-        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
-    if softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
-        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
-
-
 def _check_targets(targets: Tensor, n: int, vocab_size: int | None, ignore_index: int) -> None:
     if not isinstance(targets, Tensor) or targets.dtype not in (torch.int64, torch.int32):
         raise TypeError("targets must be an int64 (or int32) tensor of token ids")
@@ -398,7 +380,8 @@ def vocab_parallel_cross_entropy(
         if local_logits.dim() not in (2, 3):
             raise ValueError(f"local_logits must be [N,V_local] or [B,T,V_local], got shape "
                              f"{tuple(local_logits.shape)}")
-        _check_loss_options(ignore_index, reduction, label_smoothing, z_loss, softcap)
+        ignore_index, reduction, label_smoothing, z_loss, softcap = checks.loss_options(
+            ignore_index, reduction, label_smoothing, z_loss, softcap)
         n = local_logits.numel() // max(local_logits.shape[-1], 1)
         _check_targets(targets, n, vocab_size, ignore_index)
     except (TypeError, ValueError) as exc:
@@ -558,7 +541,8 @@ def vocab_parallel_linear_cross_entropy(
                              "same device")
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
             raise ValueError(f"chunk_size must be None or an int > 0, got {chunk_size!r}")
-        _check_loss_options(ignore_index, reduction, label_smoothing, z_loss, softcap)
+        ignore_index, reduction, label_smoothing, z_loss, softcap = checks.loss_options(
+            ignore_index, reduction, label_smoothing, z_loss, softcap)
         if shift:
             if tuple(targets.shape) != tuple(hidden.shape[:2]):
                 raise ValueError(f"targets must be [B,T] = {tuple(hidden.shape[:2])} with shift=True, got "
@@ -654,6 +638,22 @@ class VocabParallelEmbedding(nn.Module):
         return (f"{self.num_embeddings}, {self.embedding_dim}, rows=[{self.vocab_start}, {self.vocab_end})")
 
 
+def _head_error(d_model: Any, vocab_size: Any, world: int, softcap: Any, tie_to: Any) -> str | None:
+    """This rank's complaint about VocabParallelLMHead's arguments, or None (raised by `_agree` on every rank)."""
+    if not isinstance(d_model, int) or d_model < 1:
+        return f"d_model must be an int >= 1, got {d_model!r}"
+    if not isinstance(vocab_size, int) or vocab_size < world:
+        return f"vocab_size must be an int >= world_size ({world}), got {vocab_size!r}"
+    try:
+        checks.softcap(softcap)
+    except ValueError as exc:
+        return str(exc)
+    if tie_to is not None and (not isinstance(tie_to, VocabParallelEmbedding)
+                               or (tie_to.num_embeddings, tie_to.embedding_dim) != (vocab_size, d_model)):
+        return f"tie_to must be a VocabParallelEmbedding of [{vocab_size}, {d_model}], got {tie_to!r}"
+    return None
+
+
 class VocabParallelLMHead(nn.Module):
     """The LM head with its [V,D] weight split by vocabulary rows over the ranks of `group`.
 
@@ -670,17 +670,8 @@ class VocabParallelLMHead(nn.Module):
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         rank, world = _check_group(group)
-        error = None
-        if not isinstance(d_model, int) or d_model < 1:
-            error = f"d_model must be an int >= 1, got {d_model!r}"
-        elif not isinstance(vocab_size, int) or vocab_size < world:
-            error = f"vocab_size must be an int >= world_size ({world}), got {vocab_size!r}"
-        elif softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
-            error = f"softcap must be None or a finite number > 0, got {softcap}"
-        elif tie_to is not None and (not isinstance(tie_to, VocabParallelEmbedding)
-                                     or (tie_to.num_embeddings, tie_to.embedding_dim) != (vocab_size, d_model)):
-            error = (f"tie_to must be a VocabParallelEmbedding of [{vocab_size}, {d_model}], got "
-                     f"{tie_to!r}")
+        error = _head_error(d_model, vocab_size, world, softcap, tie_to)
+        softcap = softcap if error is not None else checks.softcap(softcap)
         self.group = group
         self.d_model, self.vocab_size, self.softcap = d_model, vocab_size, softcap
         self.vocab_start, self.vocab_end = vocab_range(vocab_size, rank, world) if error is None else (0, 0)
@@ -767,27 +758,76 @@ def gather_vocab_parallel_logits(local_logits: Tensor, group: Any = None) -> Ten
 
 # --- sampling -----------------------------------------------------------------------------------------------
 #
-# The pipeline of lmhead.sampling (steps 1-8), with the vocabulary split over the ranks:
-#   1-2  bias, bans and penalties are per-token: each rank applies them to its own columns (global ids
-#        translated to local ones) with sampling's own step functions.
-#   one all_gather of, per row: the local top-K candidates (processed logits + global ids), the local max and
-#        the local sum-exp at the row's temperature → the global max and log-normaliser on every rank.
-#   3-8  by the row's settings, every rank then runs the same code on the same gathered numbers:
-#        greedy or top-k   the candidates, in global-id order, are a row that holds every token the cut can
-#                          keep: sampling.sample / probabilities run on it unchanged (same seeded draw).
-#        top-p, no top-k   sampling's growing windows (256, then 1024) over the *global* top-w tokens, with the
-#                          global normaliser; the wider window costs one more all_gather. Rows whose top-p set
-#                          is wider still (sampling then cuts the whole row by a histogram select) are gathered
-#                          whole: the exact fallback.
-#        no cut / min-p    every token can be drawn: sampling's whole-row draw (inverse CDF over blocks of 1024
-#                          tokens, one uniform per row) runs on the shards — one all-reduce of the block masses
-#                          [B, V/1024], one of the chosen block's [B, 1024] values; nothing of size V is sent.
+# lmhead.sampling's pipeline itself, run on every rank over its columns: `ShardedVocab` is the vocabulary axis
+# of sampling.Vocab split over the ranks. Steps 1-2 are per token (each rank its own columns); every reduction
+# across the vocabulary that steps 3-8 make (row max / min, top-k candidates with their ids, sums of masses and
+# counts, the few tokens of a histogram bin) is a collective on small tensors, whose result is the same on
+# every rank, so every rank takes the same branches and draws the same token. Nothing of size V is sent.
 
 
-def _cut_only(c: _sampling.SamplingConfig) -> _sampling.SamplingConfig:
-    """The config for steps 3-8 only: bias, bans and penalties have been applied on the shards already."""
-    return dataclasses.replace(c, logit_bias=None, banned_tokens=(), repetition_penalty=1.0,
-                               presence_penalty=0.0, frequency_penalty=0.0)
+class ShardedVocab(sampling.Vocab):
+    """sampling.Vocab for logits split by vocabulary over `group`: this rank holds columns [start, start + V_r)
+    of V. Every method is a collective (all ranks call it in the same order, as the pipeline does)."""
+
+    def __init__(self, size: int, start: int, group: Any = None, name: str = "local_logits") -> None:
+        super().__init__(size, start, name)
+        self.group = group
+        self.world = _check_group(group)[1]
+
+    def _gather(self, t: Tensor) -> Tensor:
+        """all_gather of equal-shaped tensors → [W, *t.shape], in rank (= id) order."""
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.stack(parts)
+
+    def amax(self, x: Tensor) -> Tensor:
+        return self._gather(x.amax(dim=-1, keepdim=True)).amax(dim=0)  # max over gathered maxima keeps NaN
+
+    def amin(self, x: Tensor) -> Tensor:
+        return self._gather(x.amin(dim=-1, keepdim=True)).amin(dim=0)
+
+    def argmax(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        v, i = x.max(dim=-1, keepdim=True)
+        got = self._gather(torch.cat([v.double(), (i + self.start).double()], dim=1))  # [W,b,2], exact
+        best, rank = got[:, :, 0].max(dim=0)  # the first rank holding the maximum: the lowest id on ties
+        ids = got[:, :, 1].gather(0, rank[None]).squeeze(0)
+        return best.to(x.dtype)[:, None], ids.long()[:, None]
+
+    def topk(self, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        b, width = x.shape
+        v, i = torch.topk(x, min(k, width), dim=-1)
+        mine = torch.full((b, 2, k), -math.inf, dtype=torch.float64, device=x.device)
+        mine[:, 0, : v.shape[1]] = v.double()
+        mine[:, 1] = self.size  # padding ids: past the vocabulary, so no rank owns them
+        mine[:, 1, : v.shape[1]] = (i + self.start).double()
+        got = self._gather(mine).permute(1, 2, 0, 3)  # [b, 2, W, k]
+        vals, pos = torch.topk(got[:, 0].reshape(b, -1), k, dim=-1)
+        return vals.to(x.dtype), got[:, 1].reshape(b, -1).gather(1, pos).long()
+
+    def sum(self, partial: Tensor) -> Tensor:
+        total = partial.contiguous().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
+        return total
+
+    def cat(self, *parts: Tensor) -> tuple[Tensor, ...]:
+        n = parts[0].shape[0]
+        lengths = self._gather(torch.tensor([n], device=parts[0].device))[:, 0].tolist()
+        packed = torch.zeros(len(parts), max(lengths), dtype=torch.float64, device=parts[0].device)
+        for row, t in zip(packed, parts, strict=True):
+            row[:n] = t.double()  # ids and float32 values are exact in float64
+        got = self._gather(packed)
+        return tuple(torch.cat([got[r, j, :w] for r, w in enumerate(lengths)]).to(t.dtype)
+                     for j, t in enumerate(parts))
+
+    def softmax(self, x: Tensor) -> Tensor:
+        e = torch.exp(x - self.amax(x))
+        return e / self.sum(e.sum(dim=-1, keepdim=True))
+
+    def columns(self, vals: Tensor, ids: Tensor, fill: float, width: int) -> Tensor:
+        local = ids - self.start
+        local = torch.where((local >= 0) & (local < width), local, width)  # others' ids: a dropped column
+        out = torch.full((vals.shape[0], width + 1), fill, dtype=vals.dtype, device=vals.device)
+        return out.scatter_(1, local, vals)[:, :width]
 
 
 def _generator_fingerprint(generator: torch.Generator | None) -> int:
@@ -795,113 +835,14 @@ def _generator_fingerprint(generator: torch.Generator | None) -> int:
     return zlib.crc32(state.cpu().numpy().tobytes())
 
 
-def _local_steps_1_2(x: Tensor, cfgs: list[_sampling.SamplingConfig], prev: Tensor | None, plen: Tensor,
-                     start: int, end: int, vocab: int) -> Tensor:
-    """Steps 1-2 on this rank's columns [B,V_r] → float32. Ids of other ranks' tokens in prev_tokens go to
-    one extra scratch column (not to padding: presence/frequency count positions to find the prompt's end)."""
-    for c in cfgs:
-        for name, ids in (("logit_bias", list(c.logit_bias or ())), ("banned_tokens", list(c.banned_tokens))):
-            if ids and max(ids) >= vocab:
-                raise ValueError(f"{name}: token id {max(ids)} is outside the vocabulary [0, {vocab})")
-    xf = x.float()
-    has_pen = prev is not None and any(c.has_penalties for c in cfgs)
-    if not (has_pen or any(c.logit_bias or c.banned_tokens for c in cfgs)):
-        return xf
-    width = end - start
-    local = [_sampling.SamplingConfig(
-        repetition_penalty=c.repetition_penalty, presence_penalty=c.presence_penalty,
-        frequency_penalty=c.frequency_penalty,
-        logit_bias={i - start: v for i, v in (c.logit_bias or {}).items() if start <= i < end} or None,
-        banned_tokens=tuple(i - start for i in c.banned_tokens if start <= i < end)) for c in cfgs]
-    local_prev = None
-    if prev is not None:
-        mine = (prev >= start) & (prev < end)
-        local_prev = torch.where(prev < 0, -1, torch.where(mine, prev - start, width))
-    ext = torch.cat([xf, xf.new_zeros(xf.shape[0], 1)], dim=1)
-    out, _, _ = _sampling._preprocess(ext, local, local_prev, plen)
-    return out[:, :width]
-
-
-def _gather_rows(t: Tensor, group: Any) -> Tensor:
-    """all_gather of equal-shaped [b, m] → [W, b, m]."""
-    _, world = _check_group(group)
-    parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.stack(parts)
-
-
-def _local_top(x: Tensor, k: int, start: int, greedy: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Local top-k (values, global ids) [b,k] float64, padded with (-inf, -1) where V_r < k. Greedy rows
-    carry only their argmax (torch's first maximum: the lowest id among ties, as on the full row)."""
-    b, width = x.shape
-    v, i = torch.topk(x, min(k, width), dim=-1)
-    vals = torch.full((b, k), -math.inf, dtype=torch.float64, device=x.device)
-    ids = torch.full((b, k), -1.0, dtype=torch.float64, device=x.device)
-    vals[:, : v.shape[1]] = v.double()
-    ids[:, : v.shape[1]] = (i + start).double()
-    if greedy is not None and bool(greedy.any()):
-        m, a = x.max(dim=-1)
-        g = greedy.nonzero().squeeze(1)
-        vals[g] = -math.inf
-        ids[g] = -1.0
-        vals[g, 0] = m[g].double()
-        ids[g, 0] = (a[g] + start).double()
-    return vals, ids
-
-
-def _candidate_rows(vals: Tensor, ids: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
-    """Gathered candidates [W,b,K] → one row per batch row in global-id order [b, W·K + 1] (float32 values,
-    long ids); padding sorts last and one extra -inf column lets sampling's top-k look one past k."""
-    b = vals.shape[1]
-    v = vals.permute(1, 0, 2).reshape(b, -1)
-    i = ids.permute(1, 0, 2).reshape(b, -1)
-    pad = torch.arange(i.shape[1], device=i.device, dtype=i.dtype).expand_as(i) + vocab
-    i = torch.where(i < 0, pad, i)
-    order = i.argsort(dim=-1)
-    v, i = v.gather(1, order), i.gather(1, order)
-    v = torch.cat([v, v.new_full((b, 1), -math.inf)], dim=1)
-    i = torch.cat([i, i.new_full((b, 1), 2 * vocab + i.shape[1])], dim=1)
-    return v.float(), i.long()
-
-
-def _draw_whole_rows(vals: Tensor, top: Tensor, u: Tensor, start: int, vocab: int, group: Any) -> Tensor:
-    """sampling's whole-row draw (inverse CDF in two levels: a block of _BLOCK tokens by its mass, then the
-    token inside it) over rows whose columns are split across the ranks. vals [b,V_r] = logits / T (-inf cut),
-    top [b] the global max of vals, u [b,1] sampling's uniforms. Two all-reduces: the block masses
-    [b, V/_BLOCK] (each rank fills the blocks it holds) and the chosen block's [b,_BLOCK] values."""
-    block = _sampling._BLOCK
-    b, width = vals.shape
-    e = torch.exp(vals - top[:, None])  # [b,V_r]
-    first = start // block
-    offset = start - first * block
-    n_local = -(-(offset + width) // block)
-    buf = e.new_zeros(b, n_local * block)
-    buf[:, offset:offset + width] = e
-    sums = e.new_zeros(b, -(-vocab // block))
-    sums[:, first:first + n_local] = buf.view(b, n_local, block).sum(-1)  # whole blocks: sampling's exact sums
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-    cdf = sums.cumsum(dim=-1, dtype=torch.float64)
-    u = u * cdf[:, -1:]
-    blk = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)
-    rest = u - torch.where(blk > 0, cdf.gather(1, (blk - 1).clamp_min(0)), torch.zeros_like(u))
-    cols = blk * block + torch.arange(block, device=vals.device)
-    mine = (cols >= start) & (cols < start + width)
-    inside = torch.where(mine, e.gather(1, (cols - start).clamp(0, width - 1)), torch.zeros_like(e[:, :1]))
-    dist.all_reduce(inside, op=dist.ReduceOp.SUM, group=group)  # every column is owned by exactly one rank
-    within = inside.cumsum(dim=-1, dtype=torch.float64)
-    pick = torch.searchsorted(within, rest, right=True)
-    last = torch.where(inside > 0, torch.arange(block, device=vals.device), -1).amax(dim=-1, keepdim=True)
-    pick = torch.where(pick >= block, last, torch.minimum(pick, last))
-    return cols.gather(1, pick).squeeze(1)
-
-
-def _vp_pipeline(op: str, local_logits: Tensor, config: Any, generator: torch.Generator | None,
-                 prev_tokens: Any, prompt_len: Any, step: Any, vocab_size: int | None, group: Any,
-                 want: str) -> Tensor:
-    """Shared body of vocab_parallel_sample (want="ids") and vocab_parallel_probabilities (want="probs")."""
-    rank, world = _check_group(group)
+def _sharded_vocab(op: str, local_logits: Tensor, config: Any, generator: torch.Generator | None,
+                   prev_tokens: Any, prompt_len: Any, step: Any, vocab_size: int | None,
+                   group: Any) -> ShardedVocab:
+    """Check the arguments on every rank (one metadata all_gather: batch, configs, prev_tokens, prompt_len,
+    step and the generator's state must agree) and return this rank's ShardedVocab."""
+    rank, _ = _check_group(group)
     error = None
-    batch, one_row, cfgs, prev, plen, steps = 0, False, [], None, None, [0]
+    batch, cfgs, prev, plen, steps = 0, [], None, None, [0]
     try:
         if not isinstance(local_logits, Tensor) or not local_logits.is_floating_point():
             raise TypeError("local_logits must be a floating tensor [B, V_local] or [V_local]")
@@ -912,13 +853,12 @@ def _vp_pipeline(op: str, local_logits: Tensor, config: Any, generator: torch.Ge
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         one_row = local_logits.dim() == 1
         batch = 1 if one_row else local_logits.shape[0]
-        configs = _sampling._configs(config, batch)
-        cfgs = [configs] * batch if isinstance(configs, _sampling.SamplingConfig) else configs
-        if prev_tokens is not None:  # ids checked against V once V is known
-            prev = _sampling._prev_tensor(prev_tokens, batch, 2**62, local_logits.device, one_row)
-        plen = _sampling._per_row_ints(prompt_len, batch, "prompt_len", local_logits.device)
+        cfgs = sampling.as_configs(config, batch)
+        if prev_tokens is not None:  # ids are checked against V by the pipeline, the same on every rank
+            prev = sampling.as_prev_tokens(prev_tokens, batch, None, local_logits.device, one_row)
+        plen = sampling.as_row_ints(prompt_len, batch, "prompt_len", local_logits.device)
         if any(c.seed is not None for c in cfgs):
-            steps = _sampling._per_row_ints(step, batch, "step", torch.device("cpu")).tolist()
+            steps = sampling.as_row_ints(step, batch, "step", torch.device("cpu")).tolist()
     except (TypeError, ValueError) as exc:
         if not isinstance(local_logits, Tensor):
             raise
@@ -926,136 +866,10 @@ def _vp_pipeline(op: str, local_logits: Tensor, config: Any, generator: torch.Ge
     unseeded = any(c.seed is None and not c.is_greedy for c in cfgs)
     shared = {"batch": batch, "config": repr(cfgs), "prompt_len": repr(plen.tolist() if plen is not None else 0),
               "prev": _targets_checksum(prev) if prev is not None else -1, "step": repr(steps),
-              "generator": _generator_fingerprint(generator) if unseeded and error is None else 0,
-              "want": want}
+              "generator": _generator_fingerprint(generator) if unseeded and error is None else 0}
     widths = _agree(group, op, shared, local_logits.shape[-1], error, local_logits.device)
-    start, end, vocab = _layout(op, widths, vocab_size, rank)
-    if prev is not None and prev.numel() and int(prev.max()) >= vocab:
-        raise ValueError(f"prev_tokens must hold token ids in [0, {vocab}) or -1 (padding)")
-
-    x = _local_steps_1_2(local_logits.reshape(batch, -1), cfgs, prev, plen, start, end, vocab)
-    dev = x.device
-    greedy = torch.tensor([c.is_greedy for c in cfgs], device=dev)
-    temps = torch.tensor([1.0 if c.is_greedy else c.temperature for c in cfgs], device=dev)
-    kind = ["top" if c.is_greedy or 0 < c.top_k < vocab else "window" if c.top_p < 1.0 else "race" for c in cfgs]
-    window0 = min(_sampling._WINDOW_START, vocab)
-    k = max([1] + [1 if c.is_greedy else c.top_k for c, w in zip(cfgs, kind, strict=True) if w == "top"]
-            + [window0 for w in kind if w == "window"])
-
-    # the one all_gather: local candidates, local max, local sum-exp at each row's temperature
-    lmax = x.amax(dim=-1)
-    finite = torch.isfinite(lmax)
-    safe_max = torch.where(finite, lmax, torch.zeros_like(lmax))
-    lsum = torch.exp((x - safe_max[:, None]) / temps[:, None]).sum(dim=-1) * finite
-    vals, ids = _local_top(x, k, start, greedy)
-    got = _gather_rows(torch.cat([vals, ids, lmax.double()[:, None], lsum.double()[:, None]], dim=1), group)
-    c_vals, c_ids = got[:, :, :k], got[:, :, k:2 * k]
-    g_lmax, g_lsum = got[:, :, 2 * k], got[:, :, 2 * k + 1]
-    gmax = g_lmax.amax(dim=0)
-    _sampling._check_top(gmax, "local_logits")  # NaN, +inf, all -inf: the same error on every rank
-    t64 = temps.double()
-    scaled = torch.exp((torch.where(torch.isfinite(g_lmax), g_lmax, -math.inf) - gmax) / t64)
-    top_t = (gmax.float() / temps).double()  # max(x / T)
-    norm = (scaled * g_lsum).sum(dim=0)  # Σ_V exp(x/T − top_t), float64, the same on every rank
-    log_z = (top_t + torch.log(norm)).float()  # log Σ_V exp(x/T)
-
-    ids_out = torch.empty(batch, dtype=torch.long, device=dev)
-    probs_out = torch.zeros_like(x) if want == "probs" else None
-
-    def put_probs(rows: list[int], p: Tensor, token_ids: Tensor) -> None:  # [b,m] over global ids → my cols
-        mine = (token_ids >= start) & (token_ids < end)
-        for j, r in enumerate(rows):
-            probs_out[r, token_ids[j][mine[j]] - start] = p[j][mine[j]]
-
-    top_rows = [r for r in range(batch) if kind[r] == "top"]
-    if top_rows:
-        syn_v, syn_i = _candidate_rows(c_vals[:, top_rows], c_ids[:, top_rows], vocab)
-        sub = [_cut_only(cfgs[r]) for r in top_rows]
-        if want == "ids":
-            pick = _sampling.sample(syn_v, sub, generator, step=[steps[r] if len(steps) > 1 else steps[0]
-                                                                 for r in top_rows])
-            ids_out[top_rows] = syn_i.gather(1, pick[:, None]).squeeze(1)
-        else:
-            put_probs(top_rows, _sampling.probabilities(syn_v, sub), syn_i)
-
-    win_rows = [r for r in range(batch) if kind[r] == "window"]
-    w = window0
-    n_windows = 0
-    while win_rows:
-        n_windows += 1
-        if w * _sampling._WINDOW_MAX_FRACTION > vocab or n_windows > _sampling._WINDOWS:
-            # one process would now cut the whole row (histogram select): gather these rows whole (exact)
-            full = gather_vocab_parallel_logits(x[win_rows], group)
-            sub = [_cut_only(cfgs[r]) for r in win_rows]
-            if want == "ids":
-                ids_out[win_rows] = _sampling.sample(full, sub, generator,
-                                                     step=[steps[r] if len(steps) > 1 else steps[0]
-                                                           for r in win_rows])
-            else:
-                put_probs(win_rows, _sampling.probabilities(full, sub)[:, start:end],
-                          torch.arange(start, end, device=dev).expand(len(win_rows), -1))
-            break
-        if w == window0:
-            wv, wi = c_vals[:, win_rows], c_ids[:, win_rows]
-        else:
-            more = _local_top(x[win_rows], w, start)
-            wv, wi = (g[:, :, :w] for g in (_gather_rows(torch.cat(more, dim=1), group).split(w, dim=2)))
-        b = len(win_rows)
-        v, pos = torch.topk(wv.permute(1, 0, 2).reshape(b, -1), w, dim=-1)  # the global top-w, descending
-        tok = wi.permute(1, 0, 2).reshape(b, -1).gather(1, pos).long()
-        t = temps[win_rows][:, None]
-        v = v.float() / t
-        p = torch.exp(v.double() - top_t[win_rows][:, None]) / norm[win_rows][:, None]  # float64, full row
-        above = (p * (v > v[:, -1:])).sum(dim=-1)
-        rest = []
-        for j, r in enumerate(win_rows):
-            c = cfgs[r]
-            if float(above[j]) < c.top_p + _sampling._WINDOW_MARGIN:
-                rest.append(r)
-                continue
-            cut = _sampling._top_p_sorted(v[j:j + 1], c.top_p, p[j:j + 1])
-            if c.min_p > 0:
-                cut = _sampling._min_p_sorted(cut, c.min_p)
-            if want == "probs":
-                put_probs([r], torch.softmax(cut, dim=-1), tok[j:j + 1])
-            elif c.seed is not None:  # sampling's seeded draw: the window's tokens in id order
-                order = tok[j].argsort()
-                g = torch.Generator(device=dev).manual_seed(_sampling._mix_seed(c.seed, steps[r]))
-                pick = _sampling._race(torch.softmax(cut[0, order], dim=-1).unsqueeze(0), g)
-                ids_out[r] = tok[j, order][pick[0]]
-            else:
-                ids_out[r] = tok[j][_sampling._race(torch.softmax(cut, dim=-1), generator)[0]]
-        win_rows = rest
-        w *= _sampling._WINDOW_GROWTH
-
-    race_rows = [r for r in range(batch) if kind[r] == "race"]
-    if race_rows:
-        xt = x[race_rows] / temps[race_rows][:, None]
-        p = torch.exp(xt - log_z[race_rows][:, None])  # this rank's share of softmax over the full row
-        top_p_ = torch.exp(gmax[race_rows].float() / temps[race_rows] - log_z[race_rows])
-        min_p = torch.tensor([cfgs[r].min_p for r in race_rows], device=dev)
-        p = torch.where(p < min_p[:, None] * top_p_[:, None], torch.zeros_like(p), p)  # min-p (HF's rule)
-        if want == "probs":
-            kept = p.sum(dim=-1)
-            dist.all_reduce(kept, op=dist.ReduceOp.SUM, group=group)
-            probs_out[race_rows] = p / kept[:, None]
-        else:
-            vals = torch.where(p > 0, xt, torch.full_like(xt, -math.inf))  # min-p's cut tokens at -inf
-            top = gmax[race_rows].float() / temps[race_rows]  # = max(x / T) bit for bit
-            uniforms = torch.empty(len(race_rows), 1, dtype=torch.float64, device=dev)
-            unseeded_rows = [j for j, r in enumerate(race_rows) if cfgs[r].seed is None]
-            if unseeded_rows:  # one [b,1] draw for the group, as sampling does
-                uniforms[unseeded_rows] = torch.rand(len(unseeded_rows), 1, dtype=torch.float64, device=dev,
-                                                     generator=generator)
-            for j, r in enumerate(race_rows):
-                if cfgs[r].seed is not None:
-                    g = torch.Generator(device=dev).manual_seed(_sampling._mix_seed(cfgs[r].seed, steps[r]))
-                    uniforms[j] = torch.rand(1, 1, dtype=torch.float64, device=dev, generator=g)[0]
-            ids_out[race_rows] = _draw_whole_rows(vals, top, uniforms, start, vocab, group)
-
-    if want == "probs":
-        return probs_out[0] if one_row else probs_out
-    return ids_out[0] if one_row else ids_out
+    start, _, vocab = _layout(op, widths, vocab_size, rank)
+    return ShardedVocab(vocab, start, group)
 
 
 def vocab_parallel_sample(local_logits: Tensor, config: Any = None, generator: torch.Generator | None = None,
@@ -1063,26 +877,30 @@ def vocab_parallel_sample(local_logits: Tensor, config: Any = None, generator: t
                           step: int | Sequence[int] = 0, *, vocab_size: int | None = None,
                           group: Any = None) -> Tensor:
     """`lmhead.sample` on logits split by vocabulary: [B,V_r] (this rank's columns) → [B] global ids, the same
-    on every rank and, for the same seed, the same ids as `sample` on the full [B,V] logits.
+    on every rank and the same ids as `sample` on the full [B,V] logits (it is `sample`, run with a
+    `ShardedVocab`).
 
     Arguments as `sample` (config: one SamplingConfig or one per row; prev_tokens / prompt_len / step in
-    global ids and positions, identical on every rank). Communication per call: one metadata all_gather, one
-    all_gather of each rank's top-K candidates + local max + local sum-exp ([B, 2K+2] numbers; K = top_k,
-    1 for greedy, 256 for top-p without top-k), plus: for rows without a cut (or with min-p only) two
-    all-reduces ([B, V/1024] block masses, then [B, 1024]); for top-p without top-k one more all_gather if
-    the 256-token window is not enough, and the rows' whole logits if 1024 tokens are not either (as
-    `sample` then leaves its windows, so does this function). Greedy = the global argmax
-    (ties → the lowest global id, as torch.argmax on the full row). Unseeded sampled rows draw from
-    `generator` (or torch's default generator), which must be in the same state on every rank — checked."""
-    return _vp_pipeline("vocab_parallel_sample", local_logits, config, generator, prev_tokens, prompt_len,
-                        step, vocab_size, group, "ids")
+    global ids and positions, identical on every rank). Communication per call: one metadata all_gather, then
+    the pipeline's reductions on small tensors, per group of rows that share their settings: greedy one
+    all_gather of [B,2]; top-k one all_gather of each rank's top k+1 ([B, 2(k+1)] numbers); top-p without
+    top-k the row max, the normaliser and the 256-token window (then 1024, then a histogram of ≤ 4096 bins and
+    the few tokens of one bin); rows drawn whole the row max, the block masses [B, V/1024] and the chosen
+    block's [B, 1024] values. Greedy = the global argmax (ties → the lowest global id, as torch.argmax on the
+    full row). Unseeded sampled rows draw from `generator` (or torch's default generator), which must be in
+    the same state on every rank — checked."""
+    vocab = _sharded_vocab("vocab_parallel_sample", local_logits, config, generator, prev_tokens, prompt_len,
+                           step, vocab_size, group)
+    return sampling.sample(local_logits, config, generator, prev_tokens, prompt_len, step, vocab=vocab)
 
 
 def vocab_parallel_probabilities(local_logits: Tensor, config: Any = None, prev_tokens: Any = None,
                                  prompt_len: int | Sequence[int] = 0, *, vocab_size: int | None = None,
                                  group: Any = None) -> Tensor:
     """`lmhead.probabilities` on logits split by vocabulary: [B,V_r] → this rank's columns [B,V_r] of the
-    full-vocabulary distribution after the pipeline (concatenated over the ranks, rows sum to 1). Same
-    collectives as `vocab_parallel_sample`, with an all-reduce of the kept mass instead of the race."""
-    return _vp_pipeline("vocab_parallel_probabilities", local_logits, config, None, prev_tokens, prompt_len,
-                        0, vocab_size, group, "probs")
+    full-vocabulary distribution after the pipeline (concatenated over the ranks, rows sum to 1). It is
+    `probabilities` run with a `ShardedVocab`: the same collectives as `vocab_parallel_sample`, with a sum of
+    the softmax's normaliser instead of the draw."""
+    vocab = _sharded_vocab("vocab_parallel_probabilities", local_logits, config, None, prev_tokens, prompt_len,
+                           0, vocab_size, group)
+    return sampling.probabilities(local_logits, config, prev_tokens, prompt_len, vocab=vocab)

@@ -57,21 +57,29 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lmhead.checks import is_int, is_real
+
 __all__ = [
     "GREEDY_TEMPERATURE",
     "LogProbs",
     "SamplingConfig",
+    "Vocab",
     "apply_logit_bias",
     "apply_min_p",
     "apply_penalties",
     "apply_temperature",
     "apply_top_k",
     "apply_top_p",
+    "as_configs",
+    "as_prev_tokens",
+    "as_row_ints",
     "entropy",
     "logprobs",
     "probabilities",
     "process_logits",
+    "race_draw",
     "sample",
+    "seeded_generator",
 ]
 
 # Temperatures below this are greedy (vLLM's rule): dividing by ~0 would overflow to ±inf.
@@ -92,22 +100,71 @@ _CHUNK_ELEMENTS = 1 << 20
 _BLOCK = 1024
 
 
-def _chunk_columns(batch: int, vocab: int, multiple: int = 1) -> int:
-    cols = max(multiple, _CHUNK_ELEMENTS // max(batch, 1) // multiple * multiple)
-    return min(cols, -(-vocab // multiple) * multiple)
 _NEG_INF = float("-inf")
 _MASK64 = (1 << 64) - 1
 
 
+def _chunk_columns(batch: int, vocab: int, multiple: int = 1) -> int:
+    cols = max(multiple, _CHUNK_ELEMENTS // max(batch, 1) // multiple * multiple)
+    return min(cols, -(-vocab // multiple) * multiple)
+
+
+# --- the vocabulary axis: every reduction over V goes through here ------------------------------------------
+
+
+class Vocab:
+    """The vocabulary axis of the logits a pipeline call runs on, and the reductions over it.
+
+    The pipeline reads across the vocabulary only through these methods; everything else it does is per token
+    (steps 1-2, the final masks) or on a few candidates [b,m] that every caller holds alike. This class is the
+    whole vocabulary in one process (the default of ``process_logits`` / ``probabilities`` / ``sample``).
+    ``lmhead.distributed.ShardedVocab`` is the same axis split over ranks: each rank passes its columns
+    [start, start + V_r) of the [B,V] logits, the methods combine the ranks' small partial results (maxima,
+    top-k candidates, sums), and the very same pipeline code runs on every rank.
+
+    size   V, the whole vocabulary            start  the global id of the first local column (0 here)
+    name   what the logits are called in error messages
+    Shapes: x [b,V_r] are the local columns (V_r = V here); ids are global token ids.
+    """
+
+    def __init__(self, size: int, start: int = 0, name: str = "logits") -> None:
+        self.size, self.start, self.name = size, start, name
+
+    def amax(self, x: Tensor) -> Tensor:
+        """[b,V_r] → [b,1] the row maximum over V (NaN and +inf propagate)."""
+        return x.amax(dim=-1, keepdim=True)
+
+    def amin(self, x: Tensor) -> Tensor:
+        """[b,V_r] → [b,1] the row minimum over V."""
+        return x.amin(dim=-1, keepdim=True)
+
+    def argmax(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """[b,V_r] → (max [b,1], its id [b,1] long): the lowest id among ties, as torch.max on the full row."""
+        return x.max(dim=-1, keepdim=True)
+
+    def topk(self, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """[b,V_r] → the k largest over V (k ≤ V): values [b,k] descending, ids [b,k] long."""
+        return torch.topk(x, k, dim=-1)
+
+    def sum(self, partial: Tensor) -> Tensor:
+        """Per-row partial results over the local columns ([b,...] masses, counts) → summed over all of V."""
+        return partial
+
+    def cat(self, *parts: Tensor) -> tuple[Tensor, ...]:
+        """1-D tensors of any length, one set per shard → each concatenated over the shards (rank order)."""
+        return parts
+
+    def softmax(self, x: Tensor) -> Tensor:
+        """[b,V_r] → the local columns of softmax over V."""
+        return torch.softmax(x, dim=-1)
+
+    def columns(self, vals: Tensor, ids: Tensor, fill: float, width: int) -> Tensor:
+        """Candidates (vals, global ids) [b,m] → [b,V_r] local columns, `fill` where no candidate is."""
+        out = torch.full((vals.shape[0], width), fill, dtype=vals.dtype, device=vals.device)
+        return out.scatter_(1, ids, vals)
+
+
 # --- config -----------------------------------------------------------------------------------------------
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -143,7 +200,7 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         def real(name: str, allowed: str, ok: Any) -> float:
             value = getattr(self, name)
-            if not _is_real(value) or math.isnan(value) or not ok(float(value)):
+            if not is_real(value) or math.isnan(value) or not ok(float(value)):
                 raise ValueError(f"{name} must be {allowed}, got {value!r}")
             return float(value)
 
@@ -151,7 +208,7 @@ class SamplingConfig:
         set_ = lambda name, v: object.__setattr__(self, name, v)  # frozen: __post_init__ normalises
         set_("temperature", real("temperature", "a finite number ≥ 0 (0 = greedy)",
                                  lambda v: finite(v) and v >= 0))
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an int ≥ 0 (0 = off), got {self.top_k!r}")
         set_("top_p", real("top_p", "in (0, 1] (1 = off)", lambda v: 0 < v <= 1))
         set_("min_p", real("min_p", "in [0, 1] (0 = off)", lambda v: 0 <= v <= 1))
@@ -166,9 +223,9 @@ class SamplingConfig:
                 raise ValueError(f"logit_bias must be a mapping token id -> float or None, got {type(bias)}")
             clean: dict[int, float] = {}
             for tok, val in bias.items():
-                if not _is_int(tok) or tok < 0:
+                if not is_int(tok) or tok < 0:
                     raise ValueError(f"logit_bias keys must be token ids (int ≥ 0), got {tok!r}")
-                if not _is_real(val) or math.isnan(val) or val == math.inf:
+                if not is_real(val) or math.isnan(val) or val == math.inf:
                     raise ValueError(
                         f"logit_bias values must be finite floats or -inf (bans), got {val!r} for token {tok}")
                 clean[tok] = float(val)
@@ -179,11 +236,11 @@ class SamplingConfig:
             raise ValueError(f"banned_tokens must be a sequence of token ids (int ≥ 0), got {banned!r}")
         banned = tuple(int(t) if isinstance(t, Tensor) else t for t in banned)
         for tok in banned:
-            if not _is_int(tok) or tok < 0:
+            if not is_int(tok) or tok < 0:
                 raise ValueError(f"banned_tokens must hold token ids (int ≥ 0), got {tok!r}")
         set_("banned_tokens", banned)
 
-        if self.seed is not None and not _is_int(self.seed):
+        if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
 
     def __hash__(self) -> int:  # logit_bias is a mapping: hash its items
@@ -249,11 +306,17 @@ def _check_values(x: Tensor, name: str = "logits") -> None:
         _check_top(x.amax(dim=-1), name)
 
 
-def _configs(config: ConfigArg, batch: int) -> list[SamplingConfig] | SamplingConfig:
+def as_configs(config: ConfigArg | Mapping[str, Any], batch: int) -> list[SamplingConfig]:
+    """A config argument → one SamplingConfig per row (a list of ``batch``).
+
+    None is the default config; one SamplingConfig (or a mapping of its fields) serves every row; a list or
+    tuple must hold exactly one SamplingConfig per row. Raises TypeError / ValueError naming ``config``."""
     if config is None:
-        return SamplingConfig()
+        return [SamplingConfig()] * batch
     if isinstance(config, SamplingConfig):
-        return config
+        return [config] * batch
+    if isinstance(config, Mapping):
+        return [SamplingConfig(**config)] * batch  # SamplingConfig validates the values
     if isinstance(config, (list, tuple)):
         if len(config) != batch:
             raise ValueError(f"config: a list needs one SamplingConfig per row ({batch}), got {len(config)}")
@@ -264,13 +327,20 @@ def _configs(config: ConfigArg, batch: int) -> list[SamplingConfig] | SamplingCo
     raise TypeError(f"config must be a SamplingConfig or a list of them, got {type(config).__name__}")
 
 
-def _per_row_ints(value: object, batch: int, name: str, device: torch.device) -> Tensor:
-    """An int ≥ 0 or one per row → LongTensor [B]."""
+def _config_arg(config: ConfigArg, batch: int) -> list[SamplingConfig] | SamplingConfig:
+    """as_configs, but one config for the whole batch stays one (its rows then run as one group, no indexing)."""
+    if isinstance(config, (list, tuple)):
+        return as_configs(config, batch)
+    return as_configs(config, 1)[0]
+
+
+def as_row_ints(value: object, batch: int, name: str, device: torch.device) -> Tensor:
+    """An int ≥ 0 or one per row (prompt_len, step) → LongTensor [B]; ValueError naming ``name`` otherwise."""
     if isinstance(value, Tensor):
         t = value.to(device=device, dtype=torch.long).reshape(-1)
-    elif _is_int(value):
+    elif is_int(value):
         t = torch.full((batch,), int(value), dtype=torch.long, device=device)
-    elif isinstance(value, Sequence) and all(_is_int(v) for v in value):
+    elif isinstance(value, Sequence) and all(is_int(v) for v in value):
         t = torch.tensor(list(value), dtype=torch.long, device=device)
     else:
         raise ValueError(f"{name} must be an int ≥ 0 or one int ≥ 0 per row, got {value!r}")
@@ -279,8 +349,10 @@ def _per_row_ints(value: object, batch: int, name: str, device: torch.device) ->
     return t
 
 
-def _prev_tensor(prev: object, batch: int, vocab: int, device: torch.device, one_row: bool) -> Tensor:
-    """prev_tokens → LongTensor [B,L], -1 = padding; ids checked against the vocabulary."""
+def as_prev_tokens(prev: object, batch: int, vocab: int | None, device: torch.device,
+                   one_row: bool = False) -> Tensor:
+    """prev_tokens ([B,L] integer tensor or a list of lists; one list for a [V] row when ``one_row``) →
+    LongTensor [B,L], -1 = padding; ids checked to be in [0, vocab) (only ≥ 0 when vocab is None)."""
     if isinstance(prev, Tensor):
         if prev.is_floating_point() or prev.is_complex() or prev.dtype == torch.bool:
             raise TypeError(f"prev_tokens must be an integer tensor [B, L], got {prev.dtype}")
@@ -288,7 +360,7 @@ def _prev_tensor(prev: object, batch: int, vocab: int, device: torch.device, one
         if one_row and t.dim() == 1:
             t = t.unsqueeze(0)
     elif isinstance(prev, Sequence):
-        rows = [prev] if one_row and all(_is_int(v) for v in prev) else list(prev)
+        rows = [prev] if one_row and all(is_int(v) for v in prev) else list(prev)
         if len(rows) != batch:
             raise ValueError(f"prev_tokens needs one list of token ids per row ({batch}), got {len(rows)}")
         width = max((len(r) for r in rows), default=0)
@@ -304,23 +376,32 @@ def _prev_tensor(prev: object, batch: int, vocab: int, device: torch.device, one
         raise TypeError(f"prev_tokens must be a LongTensor [B, L] (-1 = padding) or a list of lists, got {prev!r}")
     if t.dim() != 2 or t.shape[0] != batch:
         raise ValueError(f"prev_tokens must have shape [B={batch}, L], got {tuple(t.shape)}")
-    if t.numel() and (bool((t < -1).any()) or bool((t >= vocab).any())):
-        raise ValueError(f"prev_tokens must hold token ids in [0, {vocab}) or -1 (padding)")
+    if t.numel() and (bool((t < -1).any()) or (vocab is not None and bool((t >= vocab).any()))):
+        raise ValueError(f"prev_tokens must hold token ids in [0, {vocab or 'V'}) or -1 (padding)")
     return t
 
 
 # --- steps 1-2: bias and penalties (pure functions) -------------------------------------------------------
 
 
-def _bias_index(configs: list[SamplingConfig] | SamplingConfig, batch: int, vocab: int, device: torch.device):
-    """(rows, cols, values) of every logit_bias entry and (rows, cols) of every banned token."""
+def _bias_index(configs: list[SamplingConfig] | SamplingConfig, batch: int, vocab: int, device: torch.device,
+                start: int = 0, width: int | None = None):
+    """(rows, cols, values) of every logit_bias entry and (rows, cols) of every banned token, in the local
+    columns [start, start + width) of a vocabulary of `vocab` ids (entries outside them are another shard's)."""
+    end = vocab if width is None else start + width
+
     def entries(c: SamplingConfig):
         ids = list(c.logit_bias.keys()) if c.logit_bias else []
         vals = list(c.logit_bias.values()) if c.logit_bias else []
-        for name, toks in (("logit_bias", ids), ("banned_tokens", c.banned_tokens)):
+        banned = list(c.banned_tokens)
+        for name, toks in (("logit_bias", ids), ("banned_tokens", banned)):
             if toks and max(toks) >= vocab:
                 raise ValueError(f"{name}: token id {max(toks)} is outside the vocabulary [0, {vocab})")
-        return ids, vals, list(c.banned_tokens)
+        if (start, end) != (0, vocab):
+            kept = [(i - start, v) for i, v in zip(ids, vals, strict=True) if start <= i < end]
+            ids, vals = [i for i, _ in kept], [v for _, v in kept]
+            banned = [i - start for i in banned if start <= i < end]
+        return ids, vals, banned
 
     rows_b, cols_b, vals_b, rows_x, cols_x = [], [], [], [], []
     if isinstance(configs, SamplingConfig):
@@ -366,11 +447,16 @@ def apply_logit_bias(logits: Tensor, logit_bias: Mapping[int, float] | None = No
     return x[0] if one_row else x
 
 
-def _penalize_(x: Tensor, prev: Tensor, prompt_len: Tensor, rep: Tensor, pres: Tensor, freq: Tensor) -> None:
-    """In place on x [B,V] with per-row penalties [B] and prev [B,L] (-1 = padding)."""
+def _penalize_(x: Tensor, prev: Tensor, prompt_len: Tensor, rep: Tensor, pres: Tensor, freq: Tensor,
+               start: int = 0) -> None:
+    """In place on x [B,V_r] (global ids [start, start + V_r)) with per-row penalties [B] and prev [B,L] (global
+    ids, -1 = padding)."""
     batch, vocab = x.shape
     valid = prev >= 0
-    safe = torch.where(valid, prev, vocab)  # padding goes to an extra column that is dropped
+    local = prev - start
+    mine = valid & (local >= 0) & (local < vocab)
+    # padding and other shards' tokens go to an extra column that is dropped (they still count as positions)
+    safe = torch.where(mine, local, vocab)
     if bool((rep != 1.0).any()):
         # repetition (CTRL / HF): every token seen in the prompt or the generation, once
         seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=x.device)
@@ -383,7 +469,7 @@ def _penalize_(x: Tensor, prev: Tensor, prompt_len: Tensor, rep: Tensor, pres: T
         ordinal = valid.long().cumsum(1) - 1
         generated = valid & (ordinal >= prompt_len.unsqueeze(1))
         counts = torch.zeros(batch, vocab + 1, dtype=torch.float32, device=x.device)
-        counts.scatter_add_(1, torch.where(generated, prev, vocab), generated.float())
+        counts.scatter_add_(1, torch.where(generated, safe, vocab), generated.float())
         counts = counts[:, :vocab]
         x.sub_(counts * freq.unsqueeze(1) + (counts > 0).float() * pres.unsqueeze(1))
 
@@ -420,38 +506,46 @@ def apply_penalties(logits: Tensor, prev_tokens: Tensor | Sequence[Sequence[int]
     pres = _as_row_floats(presence_penalty, batch, "presence_penalty", dev, torch.isfinite, "finite")
     freq = _as_row_floats(frequency_penalty, batch, "frequency_penalty", dev, torch.isfinite, "finite")
     if prev_tokens is not None:
-        prev = _prev_tensor(prev_tokens, batch, vocab, dev, one_row)
-        _penalize_(x, prev, _per_row_ints(prompt_len, batch, "prompt_len", dev), rep, pres, freq)
+        prev = as_prev_tokens(prev_tokens, batch, vocab, dev, one_row)
+        _penalize_(x, prev, as_row_ints(prompt_len, batch, "prompt_len", dev), rep, pres, freq)
     _check_values(x)
     return x[0] if one_row else x
 
 
-def _preprocess(logits: Tensor, config: ConfigArg, prev_tokens: object, prompt_len: object):
-    """Validate, upcast to float32 and apply steps 1-2. Returns (x [B,V], configs, one_row).
+def _preprocess(logits: Tensor, config: ConfigArg, prev_tokens: object, prompt_len: object,
+                vocab: Vocab | None = None):
+    """Validate, upcast to float32 and apply steps 1-2. Returns (x [B,V_r], configs, one_row, vocab).
 
-    x is the caller's tensor itself (not a copy) when nothing needs changing: callers never write into it."""
+    ``vocab`` says which columns of the vocabulary the logits hold (None: all of it, in this process); steps
+    1-2 are per token, so a shard applies them to its own columns. x is the caller's tensor itself (not a
+    copy) when nothing needs changing: callers never write into it."""
     x, one_row = _check_logits(logits)
-    batch, vocab = x.shape
-    configs = _configs(config, batch)
+    batch, width = x.shape
+    if vocab is None:
+        vocab = Vocab(width)
+    elif not 0 <= vocab.start <= vocab.start + width <= vocab.size:
+        raise ValueError(f"logits hold columns [{vocab.start}, {vocab.start + width}) of a vocabulary of "
+                         f"{vocab.size}")
+    configs = _config_arg(config, batch)
     cfgs = [configs] if isinstance(configs, SamplingConfig) else configs
     has_bias = any(c.logit_bias or c.banned_tokens for c in cfgs)
     has_pen = prev_tokens is not None and any(c.has_penalties for c in cfgs)
     if prev_tokens is not None:  # always validated, even when no penalty uses it
-        prev = _prev_tensor(prev_tokens, batch, vocab, x.device, one_row)
-        plen = _per_row_ints(prompt_len, batch, "prompt_len", x.device)
+        prev = as_prev_tokens(prev_tokens, batch, vocab.size, x.device, one_row)
+        plen = as_row_ints(prompt_len, batch, "prompt_len", x.device)
     if not (has_bias or has_pen):
-        return x, configs, one_row
+        return x, configs, one_row, vocab
     x = x.clone() if x.data_ptr() == logits.data_ptr() else x
     if has_bias:
-        _apply_bias_(x, *_bias_index(configs, batch, vocab, x.device))
+        _apply_bias_(x, *_bias_index(configs, batch, vocab.size, x.device, vocab.start, width))
     if has_pen:
         if isinstance(configs, SamplingConfig):
             per_row = lambda name: torch.full((batch,), getattr(configs, name), device=x.device)
         else:
             per_row = lambda name: torch.tensor([getattr(c, name) for c in configs], device=x.device)
         _penalize_(x, prev, plen, per_row("repetition_penalty"), per_row("presence_penalty"),
-                   per_row("frequency_penalty"))
-    return x, configs, one_row
+                   per_row("frequency_penalty"), vocab.start)
+    return x, configs, one_row, vocab
 
 
 # --- steps 3-6: temperature and the cut-offs --------------------------------------------------------------
@@ -461,7 +555,7 @@ def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
     """Step 3 on [B,V] logits → logits / temperature (float32). temperature must be finite and ≥ 1e-5 here;
     greedy decoding (temperature 0) is a path of the pipeline, not a division."""
     x, one_row = _check_logits(logits)
-    if not _is_real(temperature) or not math.isfinite(temperature) or temperature < GREEDY_TEMPERATURE:
+    if not is_real(temperature) or not math.isfinite(temperature) or temperature < GREEDY_TEMPERATURE:
         raise ValueError(f"temperature must be a finite number ≥ {GREEDY_TEMPERATURE} here, got {temperature!r}")
     _check_values(x)
     x = x / float(temperature)
@@ -501,12 +595,11 @@ def _min_p_sorted(vals: Tensor, min_p: float) -> Tensor:
     return vals.masked_fill(remove, _NEG_INF)
 
 
-def _min_p_rows(x: Tensor, min_p: float) -> Tensor:
-    """Min-p on full rows [b,V], exactly HF's MinPLogitsWarper (keeps at least the argmax)."""
-    probs = torch.softmax(x, dim=-1)
-    top, arg = probs.max(dim=-1, keepdim=True)
-    remove = probs < min_p * top
-    remove.scatter_(1, arg, False)
+def _min_p_rows(x: Tensor, min_p: float, vocab: Vocab) -> Tensor:
+    """Min-p on whole rows [b,V_r], exactly HF's MinPLogitsWarper. The argmax is always kept without a
+    special case: its p is the maximum itself, and min_p · p_max ≤ p_max for min_p ≤ 1."""
+    probs = vocab.softmax(x)
+    remove = probs < min_p * vocab.amax(probs)
     return x.masked_fill(remove, _NEG_INF)
 
 
@@ -520,11 +613,11 @@ def _sub(rows: Tensor | None, pick: Tensor) -> Tensor:
     return pick if rows is None else rows[pick]
 
 
-def _top_k_parts(x: Tensor, temperature: float, top_k: int) -> list[_Part]:
-    """torch.topk(k+1) once; rows whose k-th and (k+1)-th values tie (after the division by T, as HF
+def _top_k_parts(x: Tensor, temperature: float, top_k: int, vocab: Vocab) -> list[_Part]:
+    """The top k+1 once; rows whose k-th and (k+1)-th values tie (after the division by T, as HF
     compares) take every token ≥ the k-th, as HF's ``scores < kth`` rule keeps them."""
-    vals, idx = torch.topk(x, top_k + 1, dim=-1)
-    _check_top(vals[:, 0])
+    vals, idx = vocab.topk(x, top_k + 1)
+    _check_top(vals[:, 0], vocab.name)
     vals = vals / temperature  # x / T is monotone: topk of x is a topk of x / T
     tie = (vals[:, top_k - 1] == vals[:, top_k]) & torch.isfinite(vals[:, top_k - 1])
     if not bool(tie.any()):
@@ -536,57 +629,63 @@ def _top_k_parts(x: Tensor, temperature: float, top_k: int) -> list[_Part]:
     tied = tie.nonzero().squeeze(1)
     xt = x[tied]
     kth = vals[tied, top_k - 1 : top_k]
-    count = ((xt / temperature) >= kth).sum(dim=-1, keepdim=True)
-    v, i = torch.topk(xt, int(count.max()), dim=-1)
+    count = vocab.sum(((xt / temperature) >= kth).sum(dim=-1, keepdim=True))
+    v, i = vocab.topk(xt, int(count.max()))
     cut = torch.arange(v.shape[1], device=v.device) >= count
     parts.append((tied, (v / temperature).masked_fill(cut, _NEG_INF), i))
     return parts
 
 
-def _block_sums(x: Tensor, top: Tensor, temperature: float, block: int = _BLOCK) -> Tensor:
-    """Σ exp(x/T − top) over each block of `block` columns of x [b,V] → [b, ceil(V/block)] float32.
+def _block_sums(x: Tensor, top: Tensor, temperature: float, block: int = _BLOCK, start: int = 0) -> Tensor:
+    """Σ exp(x/T − top) over each block of `block` columns → [b, n] float32, the n blocks that x's columns
+    touch on a grid of blocks that starts at id 0 (x [b,V_r] holds ids [start, start + V_r); the first block
+    is start // block, its columns before `start` count 0).
 
     Runs over cache-sized chunks with one reused buffer: no [B,V] temporary (whose page faults alone cost
     about as much as the arithmetic)."""
-    batch, vocab = x.shape
-    chunk = _chunk_columns(batch, vocab, block)
-    out = torch.empty(batch, -(-vocab // block), dtype=torch.float32, device=x.device)
+    batch, width = x.shape
+    offset = start % block  # grid positions before the first column
+    span = offset + width
+    chunk = _chunk_columns(batch, span, block)
+    out = torch.empty(batch, -(-span // block), dtype=torch.float32, device=x.device)
     buf = torch.empty(batch, chunk, dtype=torch.float32, device=x.device)
-    for start in range(0, vocab, chunk):
-        part = x[:, start : start + chunk]
-        width = part.shape[1]
-        padded = -(-width // block) * block
-        b = buf[:, :width]
+    for pos in range(0, span, chunk):  # grid positions [pos, pos + chunk)
+        head = max(offset - pos, 0)
+        part = x[:, max(pos - offset, 0) : pos + chunk - offset]
+        end = head + part.shape[1]
+        padded = -(-end // block) * block
+        if head:
+            buf[:, :head] = 0.0
+        b = buf[:, head:end]
         torch.div(part, temperature, out=b)
         b.sub_(top).exp_()
-        if padded > width:
-            buf[:, width:padded] = 0.0
-        out[:, start // block : start // block + padded // block] = buf[:, :padded].view(batch, -1, block).sum(-1)
+        if padded > end:
+            buf[:, end:padded] = 0.0
+        out[:, pos // block : pos // block + padded // block] = buf[:, :padded].view(batch, -1, block).sum(-1)
     return out
 
 
-def _top_p_parts(x: Tensor, temperature: float, top_p: float) -> list[_Part]:
+def _top_p_parts(x: Tensor, temperature: float, top_p: float, vocab: Vocab) -> list[_Part]:
     """Top-p without top-k, with no full sort.
 
     First partial sorts of a small window (top 256, then 1024): a window is enough once the mass strictly
     above its smallest value reaches p — then every token outside it, and any tie at its edge, is dropped and
     the rest of the row only enters through the normaliser. That settles language-model-like rows (their
     top-p sets hold tens of tokens). Rows with a wide top-p set go to `_top_p_bins`, which is exact too."""
-    batch, vocab = x.shape
-    top = x.amax(dim=-1, keepdim=True)
-    _check_top(top[:, 0])
+    top = vocab.amax(x)
+    _check_top(top[:, 0], vocab.name)
     top_t = top / temperature
     # the softmax normaliser over the full row, in cache-sized chunks (no sort, no [B,V] temporary), summed
     # in float64 so that the window's masses are as exact as float32 logits allow
-    norm = _block_sums(x, top_t, temperature).sum(dim=-1, keepdim=True, dtype=torch.float64)
+    norm = vocab.sum(_block_sums(x, top_t, temperature).sum(dim=-1, keepdim=True, dtype=torch.float64))
     parts: list[_Part] = []
     rows: Tensor | None = None
     xs, top_t = x, top_t.double()
-    window = min(_WINDOW_START, vocab)
+    window = min(_WINDOW_START, vocab.size)
     for _ in range(_WINDOWS):
-        if window * _WINDOW_MAX_FRACTION > vocab:
+        if window * _WINDOW_MAX_FRACTION > vocab.size:
             break
-        v, i = torch.topk(xs, window, dim=-1)
+        v, i = vocab.topk(xs, window)
         vals = v / temperature
         probs = torch.exp(vals.double() - top_t) / norm  # [b,W] float64, over the full row
         strictly_above = (probs * (vals > vals[:, -1:])).sum(dim=-1)
@@ -603,32 +702,34 @@ def _top_p_parts(x: Tensor, temperature: float, top_p: float) -> list[_Part]:
             rest = (~done).nonzero().squeeze(1)
             rows, xs, top_t, norm = _sub(rows, rest), xs[rest], top_t[rest], norm[rest]
         window *= _WINDOW_GROWTH
-    parts.append((rows, _top_p_bins(xs, temperature, top_t, norm, top_p), None))
+    parts.append((rows, _top_p_bins(xs, temperature, top_t, norm, top_p, vocab), None))
     return parts
 
 
-def _top_p_bins(xs: Tensor, temperature: float, top_t: Tensor, norm: Tensor, top_p: float) -> Tensor:
-    """Exact top-p on whole rows [b,V] by a histogram select instead of a sort (two chunked passes over V).
+def _top_p_bins(xs: Tensor, temperature: float, top_t: Tensor, norm: Tensor, top_p: float,
+                vocab: Vocab) -> Tensor:
+    """Exact top-p on whole rows [b,V_r] by a histogram select instead of a sort (two chunked passes over V).
 
     top_t = max(x)/T (float64) and norm = Σ exp(x/T − top_t) (float64) per row. The logit range is cut into
     equal bins; the bin index is monotone in the logit, so tied tokens share a bin and a higher bin only holds
     larger logits. Per-bin masses give the crossing bin, where the mass of the top tokens reaches p: tokens
     above it are kept, below it dropped, and only the (few) tokens of that bin are sorted to place the cut
     exactly (kept iff the mass strictly above < p, i.e. the mass at or below > 1 − p, summed from the bottom as
-    HF does). Returns x/T with the dropped tokens at -inf."""
-    batch, vocab = xs.shape
-    nbins = max(1, min(_BINS, vocab // 16))
+    HF does). Returns x/T with the dropped tokens at -inf. Over shards, the bin masses are summed and the
+    crossing bin's tokens gathered: both small."""
+    batch, width = xs.shape
+    nbins = max(1, min(_BINS, vocab.size // 16))
     hi = top_t.float()
     # min(x)/T is min(x/T) (division by T > 0 is monotone); below hi − 104, exp(·) is 0 in float32 anyway
-    lo = torch.maximum(xs.amin(dim=-1, keepdim=True) / temperature, hi - _UNDERFLOW)
+    lo = torch.maximum(vocab.amin(xs) / temperature, hi - _UNDERFLOW)
     scale = nbins / (hi - lo).clamp_min(1e-30)  # a flat row: every finite token in one bin
-    chunk = _chunk_columns(batch, vocab)
+    chunk = _chunk_columns(batch, width)
     xt_buf = torch.empty(batch, chunk, dtype=torch.float32, device=xs.device)
     bin_buf = torch.empty_like(xt_buf)
     idx_buf = torch.empty(batch, chunk, dtype=torch.long, device=xs.device)
 
     def chunks():  # (x/T, bin index as float) per chunk, in reused buffers; -inf → bin 0
-        for start in range(0, vocab, chunk):
+        for start in range(0, width, chunk):
             part = xs[:, start : start + chunk]
             xt, bins = xt_buf[:, : part.shape[1]], bin_buf[:, : part.shape[1]]
             torch.div(part, temperature, out=xt)
@@ -640,25 +741,38 @@ def _top_p_bins(xs: Tensor, temperature: float, top_t: Tensor, norm: Tensor, top
         index = idx_buf[:, : xt.shape[1]]
         index.copy_(bins)
         mass.scatter_add_(1, index, xt.sub_(hi).exp_())
+    mass = vocab.sum(mass)
     # HF's form of the rule, summed from the bottom so that small tails keep their precision: a token is kept
     # iff the mass of itself, its ties and everything below it is > 1 − p
     from_bottom = mass.double().cumsum(-1) / norm  # mass of bins 0..b
     crossing = (from_bottom <= 1 - top_p).sum(dim=-1, keepdim=True).clamp_(max=nbins - 1)
     below = torch.where(crossing > 0, from_bottom.gather(1, (crossing - 1).clamp_min(0)), torch.zeros_like(norm))
-    # the crossing bin's tokens, sorted ascending
-    row_ids, values = [], []
+    row_ids, values = [], []  # the crossing bin's tokens
     for xt, bins in chunks():
         hit = (bins == crossing.float()).nonzero()
         row_ids.append(hit[:, 0])
         values.append(xt[hit[:, 0], hit[:, 1]])
-    row_ids, values = torch.cat(row_ids), torch.cat(values)
+    row_ids, values = vocab.cat(torch.cat(row_ids), torch.cat(values))
+    cut = _cut_in_bin(row_ids, values, batch, top_t, norm, below, top_p)
+    out = xs / temperature
+    for start_col in range(0, width, chunk):
+        o = out[:, start_col : start_col + chunk]
+        o.masked_fill_(o < cut, _NEG_INF)
+    return out
+
+
+def _cut_in_bin(row_ids: Tensor, values: Tensor, batch: int, top_t: Tensor, norm: Tensor, below: Tensor,
+                top_p: float) -> Tensor:
+    """The crossing bin's tokens (their rows [n], their x/T [n]) → [b,1] the smallest x/T that top-p keeps.
+
+    ``below`` [b,1] is the mass of the bins under the crossing one; top_t and norm as in `_top_p_bins`."""
     values, order = torch.sort(values, stable=True)
     row_ids, order = torch.sort(row_ids[order], stable=True)  # by row, each row's values ascending
     values = values[order]
     count = torch.bincount(row_ids, minlength=batch)
     first = torch.cumsum(count, 0) - count
-    v = torch.full((batch, max(1, int(count.max()))), float("inf"), device=xs.device)  # +inf pads the end
-    v[row_ids, torch.arange(row_ids.numel(), device=xs.device) - first[row_ids]] = values
+    v = torch.full((batch, max(1, int(count.max()))), float("inf"), device=values.device)  # +inf pads the end
+    v[row_ids, torch.arange(row_ids.numel(), device=values.device) - first[row_ids]] = values
     probs = torch.where(torch.isfinite(v), torch.exp(v.double() - top_t) / norm, torch.zeros_like(v.double()))
     ascending = probs.cumsum(-1)
     last = torch.ones_like(v, dtype=torch.bool)  # a tie group takes the mass at its last (largest) position
@@ -669,35 +783,30 @@ def _top_p_bins(xs: Tensor, temperature: float, top_t: Tensor, norm: Tensor, top
     # the bin's largest token is kept by the choice of the bin (its mass with all below is > 1 − p); say so
     # explicitly, so that a rounding difference between bin and token sums cannot drop the whole bin
     keep.scatter_(1, (count - 1).clamp_min(0).unsqueeze(1), True)
-    cut = torch.where(keep, v, torch.full_like(v, float("inf"))).amin(dim=-1, keepdim=True)  # smallest kept
-    out = xs / temperature
-    for start_col in range(0, vocab, chunk):
-        o = out[:, start_col : start_col + chunk]
-        o.masked_fill_(o < cut, _NEG_INF)
-    return out
+    return torch.where(keep, v, torch.full_like(v, float("inf"))).amin(dim=-1, keepdim=True)
 
 
-def _cut(x: Tensor, cfg: SamplingConfig) -> list[_Part]:
+def _cut(x: Tensor, cfg: SamplingConfig, vocab: Vocab) -> list[_Part]:
     """Steps 3-6 for rows that share one cut key."""
-    vocab = x.shape[1]
     if cfg.is_greedy:
-        v, i = x.max(dim=-1, keepdim=True)
-        _check_top(v[:, 0])
+        v, i = vocab.argmax(x)
+        _check_top(v[:, 0], vocab.name)
         return [(None, v, i)]
-    _, temperature, top_k, top_p, min_p = cfg._cut_key(vocab)
+    _, temperature, top_k, top_p, min_p = cfg._cut_key(vocab.size)
     if top_k:
-        parts = _top_k_parts(x, temperature, top_k)
+        parts = _top_k_parts(x, temperature, top_k, vocab)
         if top_p < 1.0:
             # topk's output is sorted, so tied values are adjacent: all _top_p_sorted needs
             parts = [(r, _top_p_sorted(v, top_p), i) for r, v, i in parts]
     elif top_p < 1.0:
-        parts = _top_p_parts(x, temperature, top_p)
+        parts = _top_p_parts(x, temperature, top_p, vocab)
     else:
-        _check_values(x)
+        _check_top(vocab.amax(x)[:, 0], vocab.name)
         xt = x / temperature
-        return [(None, _min_p_rows(xt, min_p) if min_p > 0 else xt, None)]
+        return [(None, _min_p_rows(xt, min_p, vocab) if min_p > 0 else xt, None)]
     if min_p > 0:
-        parts = [(r, _min_p_sorted(v, min_p) if i is not None else _min_p_rows(v, min_p), i) for r, v, i in parts]
+        parts = [(r, _min_p_sorted(v, min_p) if i is not None else _min_p_rows(v, min_p, vocab), i)
+                 for r, v, i in parts]
     return parts
 
 
@@ -725,23 +834,23 @@ def _groups(configs: list[SamplingConfig] | SamplingConfig, batch: int, vocab: i
     return out + alone
 
 
-def _parts(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, seeded_alone: bool = False):
+def _parts(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, vocab: Vocab, seeded_alone: bool = False):
     """Steps 3-6 over the whole batch → list of (rows, vals, idx, config), rows indexing the batch."""
     out = []
     if x.shape[0] == 0:
         return out
-    for rows, cfg in _groups(configs, x.shape[0], x.shape[1], x.device, seeded_alone):
+    for rows, cfg in _groups(configs, x.shape[0], vocab.size, x.device, seeded_alone):
         xs = x if rows is None else x[rows]
-        for sub, vals, idx in _cut(xs, cfg):
+        for sub, vals, idx in _cut(xs, cfg, vocab):
             out.append((rows if sub is None else _sub(rows, sub), vals, idx, cfg))
     return out
 
 
-def _scatter_rows(out: Tensor, rows: Tensor | None, block: Tensor, idx: Tensor | None, fill: float) -> None:
-    """Write candidates (or whole rows) into out [B,V] at `rows`."""
+def _scatter_rows(out: Tensor, rows: Tensor | None, block: Tensor, idx: Tensor | None, fill: float,
+                  vocab: Vocab) -> None:
+    """Write candidates (or whole rows) into out [B,V_r] at `rows`."""
     if idx is not None:
-        block = torch.full((block.shape[0], out.shape[1]), fill, dtype=block.dtype,
-                           device=block.device).scatter_(1, idx, block)
+        block = vocab.columns(block, idx, fill, out.shape[1])
     if rows is None:
         out.copy_(block)
     else:
@@ -752,7 +861,7 @@ def apply_top_k(logits: Tensor, top_k: int) -> Tensor:
     """Step 4 on [B,V] logits → new [B,V] float32 with every logit below the k-th largest at -inf (tokens tied
     with the k-th are kept, as HF's TopKLogitsWarper). top_k = 0 (or ≥ V) is off."""
     x, one_row = _check_logits(logits)
-    if not _is_int(top_k) or top_k < 0:
+    if not is_int(top_k) or top_k < 0:
         raise ValueError(f"top_k must be an int ≥ 0 (0 = off), got {top_k!r}")
     _check_values(x)
     if 0 < top_k < x.shape[1]:
@@ -768,15 +877,16 @@ def apply_top_p(logits: Tensor, top_p: float) -> Tensor:
     top_p (the crossing token kept, ties with it too, at least one token); the rest at -inf. top_p in (0, 1],
     1 = off. Avoids a full sort with a growing window (exact)."""
     x, one_row = _check_logits(logits)
-    if not _is_real(top_p) or not 0 < top_p <= 1:
+    if not is_real(top_p) or not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
     if top_p >= 1.0:
         _check_values(x)
         out = x.clone()
     else:
         out = torch.full_like(x, _NEG_INF)
-        for rows, vals, idx in _top_p_parts(x, 1.0, float(top_p)):  # T = 1: vals are the logits
-            _scatter_rows(out, rows, vals, idx, _NEG_INF)
+        vocab = Vocab(x.shape[1])
+        for rows, vals, idx in _top_p_parts(x, 1.0, float(top_p), vocab):  # T = 1: vals are the logits
+            _scatter_rows(out, rows, vals, idx, _NEG_INF, vocab)
     return out[0] if one_row else out
 
 
@@ -784,10 +894,10 @@ def apply_min_p(logits: Tensor, min_p: float) -> Tensor:
     """Step 6 on [B,V] logits → new [B,V] float32: tokens with p < min_p · p_max at -inf (HF's rule, the
     argmax always kept). min_p in [0, 1], 0 = off."""
     x, one_row = _check_logits(logits)
-    if not _is_real(min_p) or not 0 <= min_p <= 1:
+    if not is_real(min_p) or not 0 <= min_p <= 1:
         raise ValueError(f"min_p must be in [0, 1] (0 = off), got {min_p!r}")
     _check_values(x)
-    x = _min_p_rows(x, float(min_p)) if min_p > 0 else x.clone()
+    x = _min_p_rows(x, float(min_p), Vocab(x.shape[1])) if min_p > 0 else x.clone()
     return x[0] if one_row else x
 
 
@@ -795,28 +905,34 @@ def apply_min_p(logits: Tensor, min_p: float) -> Tensor:
 
 
 def process_logits(logits: Tensor, config: ConfigArg = None, prev_tokens: Any = None,
-                   prompt_len: int | Sequence[int] = 0) -> Tensor:
+                   prompt_len: int | Sequence[int] = 0, *, vocab: Vocab | None = None) -> Tensor:
     """Steps 1-6: [B,V] logits → [B,V] float32 processed logits (temperature-scaled), rejected tokens -inf.
 
     A greedy row keeps only its argmax (at its biased / penalised logit). ``config`` is one SamplingConfig or
     a list with one per row; ``prev_tokens`` ([B,L] LongTensor, -1 = padding, or list of lists) is the
-    sequence so far, its first ``prompt_len`` tokens (int or one per row) the prompt."""
-    x, configs, one_row = _preprocess(logits, config, prev_tokens, prompt_len)
+    sequence so far, its first ``prompt_len`` tokens (int or one per row) the prompt. ``vocab`` (None: the
+    logits are the whole vocabulary) says which columns [start, start + V_r) of it the logits hold, and
+    carries the reductions across it; the result then holds the same columns ([B,V_r])."""
+    x, configs, one_row, vocab = _preprocess(logits, config, prev_tokens, prompt_len, vocab)
     out = torch.empty_like(x)
-    for rows, vals, idx, _ in _parts(x, configs):
-        _scatter_rows(out, rows, vals, idx, _NEG_INF)
+    for rows, vals, idx, _ in _parts(x, configs, vocab):
+        _scatter_rows(out, rows, vals, idx, _NEG_INF, vocab)
     return out[0] if one_row else out
 
 
 def probabilities(logits: Tensor, config: ConfigArg = None, prev_tokens: Any = None,
-                  prompt_len: int | Sequence[int] = 0) -> Tensor:
+                  prompt_len: int | Sequence[int] = 0, *, vocab: Vocab | None = None) -> Tensor:
     """Steps 1-7: [B,V] logits → [B,V] float32 probabilities over the full vocabulary (rows sum to 1, cut
     tokens 0). Same arguments as ``process_logits``."""
-    x, configs, one_row = _preprocess(logits, config, prev_tokens, prompt_len)
+    x, configs, one_row, vocab = _preprocess(logits, config, prev_tokens, prompt_len, vocab)
     out = torch.empty_like(x)
-    for rows, vals, idx, _ in _parts(x, configs):
-        _scatter_rows(out, rows, torch.softmax(vals, dim=-1), idx, 0.0)
+    for rows, vals, idx, _ in _parts(x, configs, vocab):
+        probs = vocab.softmax(vals) if idx is None else torch.softmax(vals, dim=-1)
+        _scatter_rows(out, rows, probs, idx, 0.0, vocab)
     return out[0] if one_row else out
+
+
+# --- step 8: the draw -------------------------------------------------------------------------------------
 
 
 def _mix_seed(seed: int, step: int) -> int:
@@ -831,28 +947,43 @@ def _mix_seed(seed: int, step: int) -> int:
     return splitmix(splitmix(seed & _MASK64) ^ (step & _MASK64))
 
 
-def _race(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """The exponential race: argmax(p / Exp(1)) picks i with probability p_i (exact, no multinomial)."""
+def seeded_generator(seed: int, step: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator a seeded row draws from at position ``step``: seeded from (seed, step) by splitmix64, so
+    nearby seeds and steps give unrelated streams and the draw depends on nothing else."""
+    return torch.Generator(device=device).manual_seed(_mix_seed(seed, step))
+
+
+def race_draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """The exponential race on [b,m] probabilities → [b] positions: argmax(p / Exp(1)) picks i with probability
+    p_i (exact, no multinomial). Noise is drawn for the m columns in order, from ``generator``."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return (probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
 
 
-def _draw_rows(vals: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Draw from whole rows of scaled logits [b,V] (-inf = cut) by inverse CDF with one uniform per row, in two
-    levels: pick a block of 1024 tokens by its mass, then the token inside it. Two light passes over V and no
-    [B,V] temporary (V exponentials or a full cumsum cost several times more); zero-probability tokens are
-    never picked."""
-    batch, vocab = vals.shape
-    block = min(_BLOCK, vocab)
-    top = vals.amax(dim=-1, keepdim=True)
-    sums = _block_sums(vals, top, 1.0, block)
-    cdf = sums.cumsum(dim=-1, dtype=torch.float64)
+def _draw_rows(vals: Tensor, generator: torch.Generator | None, vocab: Vocab) -> Tensor:
+    """Draw from whole rows of scaled logits [b,V_r] (-inf = cut) → [b] ids, by inverse CDF with one uniform
+    per row, in two levels: pick a block of 1024 tokens by its mass, then the token inside it. Two light passes
+    over V and no [B,V] temporary (V exponentials or a full cumsum cost several times more); zero-probability
+    tokens are never picked. Over shards: the block masses and the chosen block's values are summed (each
+    column belongs to one shard), [b, V/1024] and [b, 1024] numbers."""
+    batch, width = vals.shape
+    block = min(_BLOCK, vocab.size)
+    top = vocab.amax(vals)
+    sums = _block_sums(vals, top, 1.0, block, vocab.start)
+    n_blocks = -(-vocab.size // block)
+    if sums.shape[1] != n_blocks:  # a shard: its blocks in place on the whole grid
+        first = vocab.start // block
+        grid = torch.zeros(batch, n_blocks, dtype=sums.dtype, device=sums.device)
+        grid[:, first : first + sums.shape[1]] = sums
+        sums = grid
+    cdf = vocab.sum(sums).cumsum(dim=-1, dtype=torch.float64)
     u = torch.rand(batch, 1, dtype=torch.float64, device=vals.device, generator=generator) * cdf[:, -1:]
     blk = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)
     rest = u - torch.where(blk > 0, cdf.gather(1, (blk - 1).clamp_min(0)), torch.zeros_like(u))
-    cols = blk * block + torch.arange(block, device=vals.device)
-    inside = cols < vocab
-    e = torch.exp(vals.gather(1, cols.clamp(max=vocab - 1)) - top) * inside
+    cols = blk * block + torch.arange(block, device=vals.device)  # global ids
+    local = cols - vocab.start
+    mine = (local >= 0) & (local < width)
+    e = vocab.sum(torch.exp(vals.gather(1, local.clamp(0, width - 1)) - top) * mine)
     within = e.cumsum(dim=-1, dtype=torch.float64)
     pick = torch.searchsorted(within, rest, right=True)
     # rounding can leave `rest` at or past the block's total: take the block's last token with mass
@@ -863,7 +994,7 @@ def _draw_rows(vals: Tensor, generator: torch.Generator | None) -> Tensor:
 
 def sample(logits: Tensor, config: ConfigArg = None, generator: torch.Generator | None = None,
            prev_tokens: Any = None, prompt_len: int | Sequence[int] = 0,
-           step: int | Sequence[int] = 0) -> Tensor:
+           step: int | Sequence[int] = 0, *, vocab: Vocab | None = None) -> Tensor:
     """Steps 1-8: [B,V] logits → [B] long token ids (a 0-d tensor for a [V] row).
 
     Greedy rows (temperature 0) take the argmax (the first one on ties). Sampled rows draw by the exponential
@@ -871,30 +1002,31 @@ def sample(logits: Tensor, config: ConfigArg = None, generator: torch.Generator 
     rows kept whole (no top-k, or a wide top-p set) draw by inverse CDF with one uniform per row.
     Rows without a seed draw from ``generator`` (or torch's default generator). A row whose config has a seed
     draws from a generator seeded with (seed, step) over its kept tokens in token-id order, so the id does not
-    depend on the batch; ``step`` (int or one per row) is the position of the token being drawn."""
-    x, configs, one_row = _preprocess(logits, config, prev_tokens, prompt_len)
+    depend on the batch; ``step`` (int or one per row) is the position of the token being drawn. ``vocab`` as
+    in ``process_logits`` (the ids are global)."""
+    x, configs, one_row, vocab = _preprocess(logits, config, prev_tokens, prompt_len, vocab)
     batch = x.shape[0]
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     cfgs = [configs] if isinstance(configs, SamplingConfig) else configs
     steps = None
     if any(c.seed is not None for c in cfgs):
-        steps = _per_row_ints(step, batch, "step", torch.device("cpu")).tolist()
+        steps = as_row_ints(step, batch, "step", torch.device("cpu")).tolist()
     ids = torch.empty(batch, dtype=torch.long, device=x.device)
-    for rows, vals, idx, cfg in _parts(x, configs, seeded_alone=True):
+    for rows, vals, idx, cfg in _parts(x, configs, vocab, seeded_alone=True):
         if cfg.is_greedy:
             chosen = idx[:, 0]
         else:
             gen = generator
             if cfg.seed is not None:  # one row, cut on its own; kept tokens in id order, noise from (seed, step)
-                gen = torch.Generator(device=x.device).manual_seed(_mix_seed(cfg.seed, steps[int(rows[0])]))
+                gen = seeded_generator(cfg.seed, steps[int(rows[0])], x.device)
                 if idx is not None:
                     order = idx.argsort(dim=-1)
                     vals, idx = vals.gather(1, order), idx.gather(1, order)
             if idx is None:
-                chosen = _draw_rows(vals, gen)
+                chosen = _draw_rows(vals, gen, vocab)
             else:
-                chosen = idx.gather(1, _race(torch.softmax(vals, dim=-1), gen).unsqueeze(1)).squeeze(1)
+                chosen = idx.gather(1, race_draw(torch.softmax(vals, dim=-1), gen).unsqueeze(1)).squeeze(1)
         if rows is None:
             ids.copy_(chosen)
         else:
@@ -963,15 +1095,15 @@ def logprobs(logits: Tensor, token_ids: Tensor | Sequence[int] | int, config: Co
     dimension). Same config / prev_tokens / prompt_len as ``process_logits``."""
     x, one_row = _check_logits(logits)
     batch, vocab = x.shape
-    if not _is_int(top_n) or top_n < 0:
+    if not is_int(top_n) or top_n < 0:
         raise ValueError(f"top_n must be an int ≥ 0, got {top_n!r}")
     if isinstance(token_ids, Tensor):
         if token_ids.is_floating_point() or token_ids.dtype == torch.bool:
             raise TypeError(f"token_ids must be integer ids, got {token_ids.dtype}")
         tok = token_ids.to(device=x.device, dtype=torch.long).reshape(-1)
-    elif _is_int(token_ids):
+    elif is_int(token_ids):
         tok = torch.tensor([token_ids], dtype=torch.long, device=x.device)
-    elif isinstance(token_ids, Sequence) and all(_is_int(t) for t in token_ids):
+    elif isinstance(token_ids, Sequence) and all(is_int(t) for t in token_ids):
         tok = torch.tensor(list(token_ids), dtype=torch.long, device=x.device)
     else:
         raise TypeError(f"token_ids must be a LongTensor [B] or a list of ints, got {token_ids!r}")
