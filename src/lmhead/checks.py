@@ -3,13 +3,17 @@
 Each function validates one option, names it and its allowed range in the error, and returns the value
 normalised (an int stays an int, a real becomes a float). The API raises `ValueError` / `TypeError`; the CLI
 and the server turn those into exit code 2 / HTTP 4xx. Callers check once, at their boundary (a constructor,
-a public function), and never re-check inside.
+a public function), and never re-check inside. `sampling_config_from` turns an entry point's fields (CLI
+arguments, a request body) into a `SamplingConfig`; the CLI and the server both call it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lmhead.sampling import SamplingConfig
 
 REDUCTIONS: tuple[str, ...] = ("mean", "sum", "none")
 
@@ -105,3 +109,46 @@ def exact_k(value: Any, vocab_size: int) -> int | None:
     """None (the head's own default) or an int in [0, vocab_size]: how many top tokens per row a head's call
     makes exact."""
     return None if value is None else int_in_range("exact_k", value, 0, vocab_size)
+
+
+class OptionError(ValueError):
+    """A ValueError that names the option it is about (`option`), for entry points that report it apart
+    (the server's `param`)."""
+
+    def __init__(self, message: str, option: str | None = None) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+SAMPLING_FIELDS: tuple[str, ...] = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                                    "presence_penalty", "frequency_penalty")
+
+
+def sampling_config_from(fields: Any, seed: int | None = None) -> SamplingConfig:
+    """The `SamplingConfig` of an entry point's fields (CLI arguments, a request body): the one place where
+    the CLI and the server turn user input into a config, so the same input gets the same config or error.
+
+    fields: any object; its attributes named in `SAMPLING_FIELDS` are used, missing ones keep
+    SamplingConfig's defaults. Its `logit_bias`, if any and not empty, maps token ids written as strings
+    (JSON object keys) to floats. `seed` is passed as given (see `seed_for_step` for per-call seeds).
+    Raises ValueError / TypeError with SamplingConfig's messages; a key that is not an int is an
+    `OptionError` naming `logit_bias`.
+    """
+    from lmhead.sampling import SamplingConfig  # here, not at the top: sampling imports this module
+
+    kwargs: dict[str, Any] = {name: getattr(fields, name) for name in SAMPLING_FIELDS if hasattr(fields, name)}
+    kwargs["seed"] = seed
+    bias = getattr(fields, "logit_bias", None)
+    if bias:
+        try:
+            kwargs["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
+        except ValueError as exc:
+            raise OptionError("logit_bias keys must be token ids", "logit_bias") from exc
+    return SamplingConfig(**kwargs)
+
+
+def seed_for_step(seed: int | None, step: int) -> int | None:
+    """The seed of call `step` of a seeded run made one call at a time (the explainer's clicks): seed + step,
+    wrapped into [0, 2**63). Calls differ from each other and a rerun with the same seed repeats them;
+    None stays None (unseeded)."""
+    return None if seed is None else (seed + step) % 2**63

@@ -1,6 +1,7 @@
 """The `lmhead` command: argument parsing and printing only.
 
-Every command calls the library (params.py, explain.py, generate.py, models/, server/); no logic lives here.
+Every command calls the library (params.py, the Model's predict / evaluate / generate, models/, server/,
+checks.sampling_config_from for the sampling options, as the server does); no logic lives here.
 Bad input exits with code 2 and one line on stderr (`lmhead: error: ...`), never a traceback.
 """
 
@@ -44,14 +45,11 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_config(args: argparse.Namespace):
-    """SamplingConfig from `_add_sampling_args`' options (and --seed where the command has it)."""
-    from lmhead.sampling import SamplingConfig
+    """The SamplingConfig of `_add_sampling_args`' options (and --seed where the command has it), made by the
+    function the server uses too: the same settings give the same config or the same error."""
+    from lmhead.checks import sampling_config_from
 
-    return SamplingConfig(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, seed=getattr(args, "seed", None),
-    )
+    return sampling_config_from(args, seed=getattr(args, "seed", None))
 
 
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
@@ -269,8 +267,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
             "head and sampling pipeline), printing each piece of text as soon as it is chosen. Stops at the "
             "model's end-of-sequence tokens, a --stop string (not printed), --max-new-tokens or the context "
             "length. --json prints one JSON object per token (JSON lines): token_id, text, logprob, "
-            "raw_logprob, rank, finish_reason, index, top_logprobs, raw_top_logprobs. Ctrl-C stops and keeps "
-            "what was printed."
+            "raw_logprob, rank, finish_reason, index and top_logprobs (the --top-logprobs alternatives, each "
+            "with token_id, text, logprob and raw_logprob; a log-probability of -inf is null). Ctrl-C stops "
+            "and keeps what was printed."
         ),
     )
     p.add_argument("prompt", help="the prompt text")
@@ -298,10 +297,8 @@ def _run_generate(args: argparse.Namespace) -> None:
         raise ValueError(f"--top-logprobs must be in 0..20, got {args.top_logprobs}")
     config = _sampling_config(args)  # bad settings fail before the model loads
     model = _load(args)
-    from lmhead.generate import generate
-
-    steps = generate(model, args.prompt, args.max_new_tokens, config=config, stop=args.stop,
-                     top_logprobs=args.top_logprobs)
+    steps = model.generate(args.prompt, args.max_new_tokens, config=config, stop=args.stop,
+                           top_logprobs=args.top_logprobs)
     out, count, finish, t0 = sys.stdout, 0, None, time.perf_counter()
     if not args.json:
         out.write(args.prompt)

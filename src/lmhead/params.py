@@ -11,6 +11,9 @@ for the two families the series explains:
 
 A tied head shares the token embedding's ``[V, D]`` matrix and adds no parameters; an untied one adds V·D.
 
+`module_parameters` counts a loaded transformers model's actual parameters into the same components, by the
+names of its modules.
+
 Memory: the logits tensor is ``B·T·V`` elements (``B=8, T=2048, V=32000`` in float32 ≈ 2.1 GB), the head's
 weight ``V·D``.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 DTYPE_BYTES: dict[str, int] = {
     "float64": 8,
@@ -132,6 +136,39 @@ def count_parameters(
     token_embedding = vocab * d
     lm_head = 0 if tied else vocab * d
     return ParameterCount(arch, token_embedding, positions, attention, mlp, norms, lm_head, tied)
+
+
+_COMPONENT_RULES = (  # (component, substrings of a parameter's name), first match wins
+    ("norms", ("norm", "ln_")),
+    ("token_embedding", ("embed_tokens", "wte", "word_embeddings")),
+    ("positions", ("embed_positions", "wpe", "position_embeddings")),
+    ("lm_head", ("lm_head",)),
+    ("attention", ("attn", "attention")),
+    ("mlp", ("mlp", "feed_forward")),
+)
+
+
+def module_parameters(hf_model: Any, name: str) -> dict[str, Any]:
+    """A loaded transformers model's actual parameter counts by component (from its modules' names), in
+    ``ParameterCount.to_dict()``'s shape plus ``name`` and ``other`` (parameters no rule matched).
+
+    A tied head shares the embedding's Parameter (named_parameters lists it once), so ``lm_head`` is 0 and the
+    head's share is the embedding's — the matrix it multiplies by at every step.
+    """
+    counts = dict.fromkeys((*COMPONENTS, "other"), 0)
+    for pname, param in hf_model.named_parameters():
+        for component, keys in _COMPONENT_RULES:
+            if any(k in pname for k in keys):
+                counts[component] += param.numel()
+                break
+        else:
+            counts["other"] += param.numel()
+    total = sum(counts.values())
+    out_emb, in_emb = hf_model.get_output_embeddings(), hf_model.get_input_embeddings()
+    tied = out_emb is not None and in_emb is not None and out_emb.weight is in_emb.weight
+    used = counts["token_embedding"] if tied else counts["lm_head"]
+    return {"name": name, "arch": getattr(hf_model.config, "model_type", None), **counts, "tied": tied,
+            "total": total, "shares": {k: v / total for k, v in counts.items()}, "head_share": used / total}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,84 @@
+"""What every route needs: the served model and its runner (`Served`, a FastAPI dependency), and the checks that
+turn a request into library arguments (prompt length in tokens, the sampling config) with their 400s.
+
+    @router.post("/x")
+    async def x(req: S.SomeRequest, served: Served = Depends(get_served)):
+        ids = await served.call(encode_checked, served.model, req.prompt)
+
+`create_app` stores one `Served` in `app.state.served`; routers are module-level and find it there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import Request
+
+from lmhead.checks import sampling_config_from
+from lmhead.server import schemas as S
+from lmhead.server.errors import APIError
+from lmhead.server.runner import ModelRunner
+
+if TYPE_CHECKING:
+    from lmhead.sampling import SamplingConfig
+
+T = TypeVar("T")
+
+
+@dataclass
+class Served:
+    """The served model, the runner that serialises its calls, and the name clients address it by."""
+
+    model: Any
+    runner: ModelRunner
+    name: str
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """A model call through the runner; the library's ValueError/TypeError become a 400."""
+        try:
+            return await self.runner.call(fn, *args)
+        except APIError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, str(exc)) from exc
+
+    def stream(self, make_iter: Callable[[], Iterable[T]]) -> AsyncIterator[T]:
+        """`make_iter()`'s items, produced in the runner's worker thread (see `ModelRunner.stream`)."""
+        return self.runner.stream(make_iter)
+
+
+def get_served(request: Request) -> Served:
+    """The dependency that hands a route the app's `Served`."""
+    return request.app.state.served
+
+
+def collect(make_iter: Callable[[], Iterable[T]]) -> list[T]:
+    """All of `make_iter()`'s items (a whole generation in one runner call)."""
+    return list(make_iter())
+
+
+def max_prompt_tokens(model: Any) -> int:
+    """The longest prompt the server accepts, in tokens: its bound, and room for one new token in the context."""
+    context = getattr(model, "context_length", None) or S.MAX_PROMPT_TOKENS + 1
+    return max(1, min(S.MAX_PROMPT_TOKENS, context - 1))
+
+
+def encode_checked(model: Any, prompt: str, param: str = "prompt") -> list[int]:
+    """The prompt's ids; 400 if it is empty or longer than the bound (in tokens)."""
+    if not prompt:
+        raise APIError(400, f"{param} must not be empty", param)
+    ids = model.encode(prompt)
+    limit = max_prompt_tokens(model)
+    if len(ids) > limit:
+        raise APIError(400, f"{param} is {len(ids)} tokens; the limit is {limit}", param, "context_length_exceeded")
+    return ids
+
+
+def sampling_config(req: Any, seed: int | None = None) -> SamplingConfig:
+    """`checks.sampling_config_from(req, seed)` (the CLI's function too); a bad setting is a 400."""
+    try:
+        return sampling_config_from(req, seed)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, str(exc), getattr(exc, "option", None)) from exc
