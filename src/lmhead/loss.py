@@ -11,11 +11,11 @@ O(n). Definitions are those of `F.cross_entropy` on the full logits (tests/refer
 
     loss_i = (1−ε)·(lse_i − z_i,t) + ε·(lse_i − mean_v z_i,v) + z_loss·lse_i²,   z = softcap·tanh(z/softcap)
 
-Gradient strategy (measured on the 2-core CPU this was written on, see docs/loss.md): the gradients for
-`reduction="mean"`/`"sum"` are computed in the forward pass while the chunk's logits are still in memory
-(Liger Kernel's approach: three matmuls per chunk, no recomputation) and handed to autograd in the backward,
-scaled by the incoming gradient. CCE's alternative — keep only lse, recompute the logits in backward — costs a
-fourth matmul and was slower here. The recomputing backward is still used where the forward cannot know the
+Gradient strategy: the gradients for `reduction="mean"`/`"sum"` are computed in the forward pass while the
+chunk's logits are still in memory (Liger Kernel's approach: three matmuls per chunk, no recomputation) and
+handed to autograd in the backward, scaled by the incoming gradient. CCE's alternative — keep only lse,
+recompute the logits in backward — costs a fourth matmul per chunk (benchmarks/bench_loss.py and docs/loss.md
+compare them). The recomputing backward is still used where the forward cannot know the
 per-token weights: `reduction="none"`, a gradient flowing into the returned `lse`, and any second backward
 through a retained graph (the precomputed buffers are released to autograd by the first one).
 
@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lmhead import checks
+
 __all__ = ["linear_cross_entropy"]
 
 _BUDGET_BYTES = 256 * 2**20  # absolute cap on one chunk's float32 logits
@@ -40,9 +42,6 @@ _BUDGET_FRACTION = 16  # ... and at most 1/16 of the full [n,V] float32 logits
 _BUDGET_FLOOR = 8 * 2**20  # ... but small problems (full logits <= 8 MiB) take one chunk: nothing to save
 _ROW_MULTIPLE = 32  # chunk rows are a multiple of this (matmul blocking) and at least this
 _DW_BLOCK = 8192  # vocabulary rows per bf16/fp16 dW block (its fp32 accumulation)
-
-_REDUCTIONS = ("mean", "sum", "none")
-
 
 @dataclass(frozen=True)
 class _Options:
@@ -121,27 +120,6 @@ def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor 
         raise ValueError("shift=True needs at least one position")
 
 
-def _check_options(ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
-                   softcap: float | None, shift: bool, chunk_size: int | None, return_lse: bool) -> None:
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be a number in [0, 1), got {label_smoothing!r}")
-    if not isinstance(z_loss, (int, float)) or not (z_loss >= 0.0 and math.isfinite(z_loss)):
-        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss!r}")
-    if softcap is not None and (not isinstance(softcap, (int, float)) or not (softcap > 0 and
-                                                                               math.isfinite(softcap))):
-        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
-                                   or chunk_size <= 0):
-        raise ValueError(f"chunk_size must be None or an int > 0, got {chunk_size!r}")
-    for name, flag in (("shift", shift), ("return_lse", return_lse)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {flag!r}")
-
-
 def _select_rows(targets: Tensor, ignore_index: int, vocab: int, shift: bool) -> _Rows:
     """Pair each scored position with its token; drop ignored ones. No copy of hidden is made here."""
     if targets.dim() == 1:
@@ -179,13 +157,13 @@ def _chunked(h2: Tensor, weight: Tensor, bias: Tensor | None, sel: _Rows, opt: _
 
     grad_rows: ∂out/∂loss_i (a float for all rows, or [n]); grad_lse: ∂out/∂lse_i [n] or None.
     need: which of (dHidden, dW, db) to compute. Returns (loss[n], lse[n], dh2 [N_total,D], dW [V,D], db [V])
-    with the gradients in the inputs' dtypes (None where not needed)."""
+    with the gradients in the inputs' dtypes (None where not needed). Per chunk: `_chunk_loss` (logits → log p,
+    loss, lse), `_chunk_grad_logits` (log p → G = ∂out/∂logits), `_accumulate` (G → dHidden, dW, db)."""
     n = sel.targets.numel()
     vocab, d_model = weight.shape
     dt = weight.dtype
     cdt = _compute_dtype(dt)
     low = cdt != dt  # 16-bit inputs: matmuls in 16 bits, everything else in float32
-    eps, zl, cap = opt.label_smoothing, opt.z_loss, opt.softcap
     grads = grad_rows is not None and any(need)
     c_max = min(opt.chunk, n)
     dev = h2.device
@@ -194,7 +172,7 @@ def _chunked(h2: Tensor, weight: Tensor, bias: Tensor | None, sel: _Rows, opt: _
     lse = torch.empty(n, dtype=cdt, device=dev)
     buf = torch.empty(c_max, vocab, dtype=cdt, device=dev)  # the chunk's logits -> log p -> p -> G
     lbuf = torch.empty(c_max, vocab, dtype=dt, device=dev) if low else None  # 16-bit matmul in/out
-    dcap = torch.empty(c_max, vocab, dtype=cdt, device=dev) if (grads and cap is not None) else None
+    dcap = torch.empty(c_max, vocab, dtype=cdt, device=dev) if (grads and opt.softcap is not None) else None
     # Gradient buffers: the first chunk writes dW (beta=0), so no zero-fill pass over [V,D]; dHidden needs
     # zeros only where rows are skipped (ignored targets, the last position with shift).
     all_rows = sel.rows is None and n == sel.n_total
@@ -206,8 +184,8 @@ def _chunked(h2: Tensor, weight: Tensor, bias: Tensor | None, sel: _Rows, opt: _
     dw_tmp = torch.empty(min(_DW_BLOCK, vocab), d_model, dtype=dt, device=dev) if (low and dw is not None) else None
     # With one coefficient for every row (mean/sum without z-loss or an lse gradient), G = r·(P − (c1/r)·onehot
     # − c2/r): only the target column changes in the chunk and r rides on the matmuls' alpha — no extra pass
-    # over [c,V] (and on a busy machine, no extra parallel region per chunk).
-    uniform = isinstance(grad_rows, float) and grad_rows != 0.0 and not zl and grad_lse is None
+    # over [c,V] (and no extra parallel region per chunk).
+    uniform = isinstance(grad_rows, float) and grad_rows != 0.0 and not opt.z_loss and grad_lse is None
     w_t = weight.t()
 
     for s in range(0, n, c_max):
@@ -216,76 +194,19 @@ def _chunked(h2: Tensor, weight: Tensor, bias: Tensor | None, sel: _Rows, opt: _
         x = h2[s:e] if sel.rows is None else h2.index_select(0, sel.rows[s:e])  # [c,D]
         t = sel.targets[s:e, None]  # [c,1]
         z = buf[:c]  # [c,V]
-        mm_out = lbuf[:c] if low else z
-        if bias is None:
-            torch.mm(x, w_t, out=mm_out)
-        else:
-            torch.addmm(bias, x, w_t, out=mm_out)
-        if low:
-            z.copy_(mm_out)  # HF: logits computed in 16 bits, upcast to float32
-        if cap is not None:
-            z.div_(cap).tanh_()
-            if dcap is not None:  # d(cap·tanh(u/cap))/du = 1 - tanh²
-                torch.addcmul(torch.ones((), dtype=cdt, device=dev), z, z, value=-1.0, out=dcap[:c])
-            z.mul_(cap)
-        z_t = z.gather(1, t).squeeze(1)
-        torch.ops.aten._log_softmax.out(z, 1, False, out=z)  # in place, row-wise: z <- log p
-        logp_t = z.gather(1, t).squeeze(1)
-        lse_c = z_t - logp_t
-        row = -logp_t
-        if eps:
-            row = (1.0 - eps) * row - (eps / vocab) * z.sum(1)  # −mean_v log p_v: torch's smoothing term
-        if zl:
-            row = row + zl * lse_c * lse_c
-        loss[s:e] = row
-        lse[s:e] = lse_c
+        lb = lbuf[:c] if low else None
+        dc = dcap[:c] if dcap is not None else None
+        loss[s:e], lse[s:e] = _chunk_loss(x, w_t, bias, t, z, lb, dc, opt)
         if not grads:
             continue
-
-        z.exp_()  # p, in place
-        if uniform:
-            alpha = grad_rows
-            z.scatter_add_(1, t, z.new_full((c, 1), -(1.0 - eps)))
-            if eps:
-                z.sub_(eps / vocab)
-        else:
-            g = torch.as_tensor(grad_rows if isinstance(grad_rows, float) else grad_rows[s:e], dtype=cdt,
-                                device=dev).expand(c)
-            r = g * (1.0 + 2.0 * zl * lse_c) if zl else g  # coefficient of p
-            if grad_lse is not None:
-                r = r + grad_lse[s:e]
-            alpha = 1.0
-            z.mul_(r[:, None])
-            z.scatter_add_(1, t, (-(1.0 - eps) * g)[:, None])
-            if eps:
-                z.sub_((g * (eps / vocab))[:, None])
-        if dcap is not None:
-            z.mul_(dcap[:c])
+        g_rows = grad_rows if isinstance(grad_rows, float) else grad_rows[s:e]
+        alpha = _chunk_grad_logits(z, t, opt, g_rows, None if grad_lse is None else grad_lse[s:e], lse[s:e],
+                                   uniform, dc)
         gz = z  # [c,V] = ∂out/∂logits of the chunk, divided by alpha
         if low:
-            lbuf[:c].copy_(z)
-            gz = lbuf[:c]
-        first = s == 0
-        if dh2 is not None:
-            if sel.rows is None:
-                dst = dh2[s:e]
-                torch.addmm(dst, gz, weight, beta=0, alpha=alpha, out=dst)  # beta=0: dst is not read
-            else:
-                dh2.index_copy_(0, sel.rows[s:e], torch.addmm(x, gz, weight, beta=0, alpha=alpha))
-        if dw is not None:
-            if not low:
-                torch.addmm(dw, gz.t(), x, beta=0 if first else 1, alpha=alpha, out=dw)
-            else:  # 16-bit matmul per vocabulary block, accumulated in float32 across chunks
-                for v0 in range(0, vocab, _DW_BLOCK):
-                    v1 = min(v0 + _DW_BLOCK, vocab)
-                    tmp = dw_tmp[: v1 - v0]
-                    torch.mm(gz[:, v0:v1].t(), x, out=tmp)
-                    if first:
-                        torch.mul(tmp, alpha, out=dw[v0:v1])
-                    else:
-                        dw[v0:v1].add_(tmp, alpha=alpha)
-        if db is not None:
-            db.add_(z.sum(0), alpha=alpha)
+            lb.copy_(z)
+            gz = lb
+        _accumulate(gz, x, weight, sel.rows, s, e, alpha, dh2, dw, db, dw_tmp, z)
 
     del buf, lbuf, dcap
     if dw is not None and low:
@@ -295,12 +216,91 @@ def _chunked(h2: Tensor, weight: Tensor, bias: Tensor | None, sel: _Rows, opt: _
     return loss, lse, dh2, dw, db
 
 
-def _put_rows(dh2: Tensor, rows: Tensor | None, s: int, e: int, dx: Tensor) -> None:
-    """dHidden rows of chunk [s,e): a slice when every row is scored in order, else scattered by index."""
-    if rows is None:
-        dh2[s:e] = dx
+def _chunk_loss(x: Tensor, w_t: Tensor, bias: Tensor | None, t: Tensor, z: Tensor, lbuf: Tensor | None,
+                dcap: Tensor | None, opt: _Options) -> tuple[Tensor, Tensor]:
+    """One chunk's forward: z [c,V] ← log p in place (through lbuf, in the input dtype, for 16-bit inputs);
+    dcap [c,V] ← the softcap's derivative when given. Returns the per-row loss and lse [c]."""
+    vocab = z.shape[1]
+    eps, zl, cap = opt.label_smoothing, opt.z_loss, opt.softcap
+    mm_out = lbuf if lbuf is not None else z
+    if bias is None:
+        torch.mm(x, w_t, out=mm_out)
     else:
-        dh2.index_copy_(0, rows[s:e], dx)
+        torch.addmm(bias, x, w_t, out=mm_out)
+    if lbuf is not None:
+        z.copy_(mm_out)  # HF: logits computed in 16 bits, upcast to float32
+    if cap is not None:
+        z.div_(cap).tanh_()
+        if dcap is not None:  # d(cap·tanh(u/cap))/du = 1 - tanh²
+            torch.addcmul(torch.ones((), dtype=z.dtype, device=z.device), z, z, value=-1.0, out=dcap)
+        z.mul_(cap)
+    z_t = z.gather(1, t).squeeze(1)
+    torch.ops.aten._log_softmax.out(z, 1, False, out=z)  # in place, row-wise: z <- log p
+    logp_t = z.gather(1, t).squeeze(1)
+    lse_c = z_t - logp_t
+    row = -logp_t
+    if eps:
+        row = (1.0 - eps) * row - (eps / vocab) * z.sum(1)  # −mean_v log p_v: torch's smoothing term
+    if zl:
+        row = row + zl * lse_c * lse_c
+    return row, lse_c
+
+
+def _chunk_grad_logits(z: Tensor, t: Tensor, opt: _Options, grad_rows: Tensor | float, grad_lse: Tensor | None,
+                       lse_c: Tensor, uniform: bool, dcap: Tensor | None) -> float:
+    """z [c,V]: log p → G/alpha in place, G = ∂out/∂logits of the chunk; returns alpha (the matmuls' scale)."""
+    c, vocab = z.shape
+    eps, zl = opt.label_smoothing, opt.z_loss
+    z.exp_()  # p, in place
+    if uniform:
+        alpha = grad_rows
+        z.scatter_add_(1, t, z.new_full((c, 1), -(1.0 - eps)))
+        if eps:
+            z.sub_(eps / vocab)
+    else:
+        g = torch.as_tensor(grad_rows, dtype=z.dtype, device=z.device).expand(c)
+        r = g * (1.0 + 2.0 * zl * lse_c) if zl else g  # coefficient of p
+        if grad_lse is not None:
+            r = r + grad_lse
+        alpha = 1.0
+        z.mul_(r[:, None])
+        z.scatter_add_(1, t, (-(1.0 - eps) * g)[:, None])
+        if eps:
+            z.sub_((g * (eps / vocab))[:, None])
+    if dcap is not None:
+        z.mul_(dcap)
+    return alpha
+
+
+def _accumulate(gz: Tensor, x: Tensor, weight: Tensor, rows: Tensor | None, s: int, e: int, alpha: float,
+                dh2: Tensor | None, dw: Tensor | None, db: Tensor | None, dw_tmp: Tensor | None,
+                g: Tensor) -> None:
+    """Chunk [s,e)'s share of the gradients: dHidden rows = alpha·G·W, dW (+)= alpha·Gᵀ·x, db += alpha·Σ_rows G.
+
+    gz: G in the matmul dtype (the input's); g: G in the compute dtype (for db). dw_tmp is given for 16-bit
+    inputs: dW is then accumulated in float32 per vocabulary block of 16-bit matmuls."""
+    first = s == 0
+    if dh2 is not None:
+        if rows is None:
+            dst = dh2[s:e]
+            torch.addmm(dst, gz, weight, beta=0, alpha=alpha, out=dst)  # beta=0: dst is not read
+        else:
+            dh2.index_copy_(0, rows[s:e], torch.addmm(x, gz, weight, beta=0, alpha=alpha))
+    if dw is not None:
+        if dw_tmp is None:
+            torch.addmm(dw, gz.t(), x, beta=0 if first else 1, alpha=alpha, out=dw)
+        else:  # 16-bit matmul per vocabulary block, accumulated in float32 across chunks
+            vocab = dw.shape[0]
+            for v0 in range(0, vocab, _DW_BLOCK):
+                v1 = min(v0 + _DW_BLOCK, vocab)
+                tmp = dw_tmp[: v1 - v0]
+                torch.mm(gz[:, v0:v1].t(), x, out=tmp)
+                if first:
+                    torch.mul(tmp, alpha, out=dw[v0:v1])
+                else:
+                    dw[v0:v1].add_(tmp, alpha=alpha)
+    if db is not None:
+        db.add_(g.sum(0), alpha=alpha)
 
 
 def _scatter_rows(values: Tensor, sel: _Rows) -> Tensor:
@@ -426,7 +426,10 @@ def linear_cross_entropy(
     reduction="none", a gradient into lse, or a second backward (retain_graph) recompute them chunk by chunk.
     """
     _check_inputs(hidden, weight, targets, bias, shift)
-    _check_options(ignore_index, reduction, label_smoothing, z_loss, softcap, shift, chunk_size, return_lse)
+    ignore_index, reduction, label_smoothing, z_loss, softcap = checks.loss_options(
+        ignore_index, reduction, label_smoothing, z_loss, softcap)
+    chunk_size = checks.optional_positive_int("chunk_size", chunk_size)
+    shift, return_lse = checks.flag("shift", shift), checks.flag("return_lse", return_lse)
     vocab = weight.shape[0]
     sel = _select_rows(targets, ignore_index, vocab, shift)
     n = sel.targets.numel()
@@ -440,8 +443,7 @@ def linear_cross_entropy(
         return (loss, zeros) if return_lse else loss
 
     chunk = chunk_size if chunk_size is not None else default_chunk_size(n, vocab)
-    opt = _Options(float(label_smoothing), float(z_loss), None if softcap is None else float(softcap),
-                   reduction, chunk)
+    opt = _Options(label_smoothing, z_loss, softcap, reduction, chunk)
     precompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
                                               (bias is not None and bias.requires_grad))
     loss, lse = _LinearCrossEntropy.apply(hidden, weight, bias, sel, opt, precompute)
