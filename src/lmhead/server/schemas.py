@@ -2,7 +2,7 @@
 
 Every request model forbids unknown fields (`extra="forbid"`): a misspelt option is a 422, never silently
 ignored. Bounds that do not depend on the model (max_tokens, top_logprobs ≤ 20, sampling ranges) are checked
-here; bounds that need the tokenizer (prompt length in tokens) are checked by the app (400).
+here; bounds that need the tokenizer (prompt length in tokens) are checked by served.py (400).
 
 Two families:
 * `/api/*` — the explainer page's own API (predict, step, generate, layers, score, model, params).
