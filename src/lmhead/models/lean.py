@@ -1,0 +1,300 @@
+"""The lean body: the transformer's forward written out over transformers' own (shared) weights, with a static
+KV cache — what a decode step needs and nothing else.
+
+    ids [B,T], positions [B,T] ──embedding──▶ x [B,T,D]
+        ──per layer: norm → q,k,v (one fused product) → q/k norm → rope → write k,v at the cache's columns
+          → attention over the filled columns (causal, padding, sliding window) → o → (norm) → + residual
+          → norm → gate,up (one fused product) → act(gate)·up → down → (norm) → + residual──▶
+        ──final norm──▶ hidden [B,T,D]
+
+Why: transformers' forward spends most of a one-token step in per-module Python (hooks, its cache classes,
+mask builders) rather than in the products. This module makes one pass over plain tensors: a preallocated
+cache (`StaticCache`), masks built once per step and shared by every layer of a kind, and q/k/v and gate/up
+each fused into one matrix-vector product. The fused matrices are the model's own weights: q, k and v (and gate,
+up) are re-pointed to row slices of one buffer (`Parameter.data`), so `hf_model`, `Model.body` and this module
+read the same memory and nothing is copied. Products run through oneDNN's inner product when torch has it
+(`fast_linear`), else `F.linear`.
+
+Supported: Gemma 3 (text) and Llama-style models (Llama, SmolLM2, Qwen2 with q/k/v bias, Qwen3 with q/k norms).
+`LeanBody.supports(hf_model)` says whether a model is one of them; tests compare the hidden states with
+transformers' forward on tiny models of each family, and greedy tokens on the packaged models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lmhead.models.fast_linear import onednn_available
+
+__all__ = ["LeanBody", "StaticCache", "SUPPORTED_MODEL_TYPES"]
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("gemma3_text", "llama", "qwen2", "qwen3")
+
+
+class StaticCache:
+    """A preallocated KV cache: keys and values [layers, B, H_kv, capacity, head_dim], filled left to right.
+
+    Every row writes the same columns (left padding keeps rows aligned); `valid` [B, capacity] marks the
+    columns holding a real token of that row. `length` is the number of filled columns: speculative decoding
+    rolls back by lowering it (`truncate`), and finished rows are dropped with `select`.
+    """
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        shape = (layers, batch, kv_heads, capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.valid = torch.zeros((batch, capacity), dtype=torch.bool, device=device)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def batch(self) -> int:
+        return self.keys.shape[1]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def truncate(self, length: int) -> None:
+        """Forget every column from `length` on (their contents are overwritten by the next writes)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"length must be in [0, {self.length}], got {length}")
+        self.valid[:, length:self.length] = False
+        self.length = length
+
+    def select(self, rows: Tensor) -> None:
+        """Keep only the batch rows `rows` [B'] (e.g. drop finished rows)."""
+        self.keys = self.keys.index_select(1, rows)
+        self.values = self.values.index_select(1, rows)
+        self.valid = self.valid.index_select(0, rows)
+
+
+@dataclass
+class _Layer:
+    """One block's tensors (the model's own; norms' weights as the model stores them)."""
+
+    qkv: Tensor            # [(H + 2·H_kv)·hd, D]: q, k and v rows of one buffer
+    qkv_bias: Tensor | None
+    o: Tensor              # [D, H·hd]
+    gate_up: Tensor        # [2·F, D]
+    down: Tensor           # [D, F]
+    input_norm: Tensor
+    post_attn_norm: Tensor | None   # Gemma: after attention; Llama: None
+    pre_mlp_norm: Tensor            # Gemma: pre_feedforward_layernorm; Llama: post_attention_layernorm
+    post_mlp_norm: Tensor | None    # Gemma only
+    q_norm: Tensor | None
+    k_norm: Tensor | None
+    kind: str              # the layer type its rope frequencies are kept under ("full_attention", ...)
+    sliding: bool
+
+
+def _fuse(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
+    """One [sum(out), in] buffer holding the linears' weights; each linear's weight (and bias) is re-pointed to
+    its row slice, so the model keeps working on the same numbers and no second copy exists."""
+    weights = [lin.weight for lin in linears]
+    if len({w.data_ptr() for w in weights}) < len(weights):
+        raise ValueError("cannot fuse linears that share a weight")
+    # already fused by an earlier LeanBody on this model: the slices are adjacent rows of one buffer
+    first = weights[0]
+    rows = sum(w.shape[0] for w in weights)
+    if all(w.is_contiguous() for w in weights) and all(
+            w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for w in weights):
+        offsets = [w.storage_offset() for w in weights]
+        expect = [offsets[0] + sum(v.numel() for v in weights[:i]) for i in range(len(weights))]
+        if offsets == expect:
+            fused = first.new_empty(0).set_(first.untyped_storage(), offsets[0], (rows, first.shape[1]))
+            return fused, _fuse_bias(linears)
+    fused = torch.cat([w.detach() for w in weights], dim=0)
+    start = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight.data = fused[start:start + n]
+        start += n
+    return fused, _fuse_bias(linears)
+
+
+def _fuse_bias(linears: list[nn.Linear]) -> Tensor | None:
+    # biases are small ([out] vectors): a concatenated copy costs nothing worth sharing
+    if all(lin.bias is None for lin in linears):
+        return None
+    return torch.cat([lin.bias.detach() if lin.bias is not None else lin.weight.new_zeros(lin.weight.shape[0])
+                      for lin in linears])
+
+
+class LeanBody:
+    """The body's forward over a `StaticCache`: ids [B,T] → hidden [B,T,D] after the final norm.
+
+    Build it from a transformers causal LM (`LeanBody(hf_model)`); `new_cache(batch, capacity)` makes a
+    cache; `forward(ids, positions, cache, valid)` appends T columns to the cache and returns their hidden
+    states. Positions are the rope positions of each row (left-padded rows count their real tokens); `valid`
+    [B,T] marks real tokens (False = padding). Same numbers as transformers' forward up to fp32 summation order.
+    """
+
+    @staticmethod
+    def supports(hf_model) -> bool:
+        cfg = getattr(hf_model, "config", None)
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        return getattr(cfg, "model_type", None) in SUPPORTED_MODEL_TYPES
+
+    def __init__(self, hf_model, onednn: bool | None = None) -> None:
+        if not self.supports(hf_model):
+            model_type = getattr(getattr(hf_model, "config", None), "model_type", type(hf_model).__name__)
+            raise ValueError(f"the lean body supports {', '.join(SUPPORTED_MODEL_TYPES)}; got {model_type!r}")
+        cfg = hf_model.config.get_text_config()
+        base = hf_model.base_model
+        self.model_type = cfg.model_type
+        self.gemma = cfg.model_type == "gemma3_text"
+        self.config = cfg
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.scaling = (cfg.query_pre_attn_scalar ** -0.5) if self.gemma else self.head_dim ** -0.5
+        self.attn_softcap = getattr(cfg, "attn_logit_softcapping", None) if self.gemma else None
+        self.window = getattr(cfg, "sliding_window", None)
+        types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+        self.embed = base.embed_tokens.weight
+        self.embed_scale = (base.embed_tokens.embed_scale.to(base.embed_tokens.weight.dtype)
+                            if self.gemma else None)
+        self.rotary = base.rotary_emb
+        self.final_norm = base.norm.weight
+        self.act = base.layers[0].mlp.act_fn
+        self.onednn = onednn_available() if onednn is None else onednn
+        self.layers = [self._layer(block, t) for block, t in zip(base.layers, types, strict=True)]
+        self.layer_types = sorted(set(types))
+
+    def _layer(self, block, kind: str) -> _Layer:
+        attn, mlp = block.self_attn, block.mlp
+        qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up, _ = _fuse([mlp.gate_proj, mlp.up_proj])
+        gemma = self.gemma
+        return _Layer(
+            qkv=qkv, qkv_bias=qkv_bias, o=attn.o_proj.weight, gate_up=gate_up, down=mlp.down_proj.weight,
+            input_norm=block.input_layernorm.weight,
+            post_attn_norm=block.post_attention_layernorm.weight if gemma else None,
+            pre_mlp_norm=(block.pre_feedforward_layernorm if gemma else block.post_attention_layernorm).weight,
+            post_mlp_norm=block.post_feedforward_layernorm.weight if gemma else None,
+            q_norm=attn.q_norm.weight if hasattr(attn, "q_norm") else None,
+            k_norm=attn.k_norm.weight if hasattr(attn, "k_norm") else None,
+            kind=kind, sliding=kind == "sliding_attention" and self.window is not None)
+
+    # --- pieces ---------------------------------------------------------------------------------------------
+
+    def _norm(self, x: Tensor, w: Tensor) -> Tensor:
+        # Gemma scales by (1 + w) after normalising in fp32; Llama multiplies w by the normalised x
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (y * (1.0 + w.float())).type_as(x)
+        return w * y.type_as(x)
+
+    def _linear(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+        if self.onednn and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu":
+            return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        return F.linear(x, w, b)
+
+    @staticmethod
+    def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def _masks(self, cache: StaticCache, start: int, t: int) -> dict[bool, Tensor | None]:
+        """Additive masks [B,1,1,T,L] (0 keep, the dtype's minimum drop — finite, as transformers', so that a
+        padding query with nothing to attend to gives numbers, not NaN) over the L = start+T filled columns, one
+        per kind of layer (sliding or not); None where nothing is dropped."""
+        length = start + t
+        q = torch.arange(start, length, device=cache.valid.device)[:, None]   # [T,1] query columns
+        kv = torch.arange(length, device=cache.valid.device)[None, :]         # [1,L] key columns
+        valid = cache.valid[:, None, None, None, :length]                      # [B,1,1,1,L]
+        out: dict[bool, Tensor | None] = {}
+        for sliding in {layer.sliding for layer in self.layers}:
+            keep = kv <= q
+            if sliding:
+                keep = keep & (kv > q - self.window)
+            allowed = valid & keep
+            if bool(allowed.all()):
+                out[sliding] = None
+                continue
+            mask = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
+            out[sliding] = mask.masked_fill_(~allowed, torch.finfo(torch.float32).min)
+        return out
+
+    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+        """q [B,H,T,hd] against keys/values [B,H_kv,L,hd] → [B,T,H·hd]; the H/H_kv query heads that share a
+        key head are one batched product (no repeat of the cache)."""
+        b, h, t, hd = q.shape
+        g = h // self.kv_heads
+        qg = q.reshape(b, self.kv_heads, g * t, hd)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scaling     # [B,H_kv,g·T,L]
+        if self.attn_softcap is not None:
+            scores = torch.tanh(scores / self.attn_softcap) * self.attn_softcap
+        if mask is not None:
+            scores = (scores.view(b, self.kv_heads, g, t, -1) + mask).view(b, self.kv_heads, g * t, -1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, values)                                    # [B,H_kv,g·T,hd]
+        return out.view(b, h, t, hd).transpose(1, 2).reshape(b, t, h * hd)
+
+    # --- the step -------------------------------------------------------------------------------------------
+
+    def new_cache(self, batch: int, capacity: int) -> StaticCache:
+        w = self.layers[0].qkv
+        return StaticCache(len(self.layers), batch, self.kv_heads, self.head_dim, capacity, w.dtype, w.device)
+
+    @torch.inference_mode()
+    def forward(self, ids: Tensor, positions: Tensor, cache: StaticCache, valid: Tensor | None = None) -> Tensor:
+        """Append T columns for `ids` [B,T] at rope `positions` [B,T] to `cache`; → hidden [B,T,D]."""
+        b, t = ids.shape
+        start = cache.length
+        if start + t > cache.capacity:
+            raise ValueError(f"the cache holds {cache.capacity} columns; {start} used, {t} more asked")
+        cache.valid[:, start:start + t] = True if valid is None else valid
+        cache.length = start + t
+        masks = self._masks(cache, start, t)
+        x = F.embedding(ids, self.embed)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        rope = {kind: self._rotary(x, positions, kind) for kind in self.layer_types}
+        nq, nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        for i, layer in enumerate(self.layers):
+            cos, sin = rope[layer.kind]
+            h = self._norm(x, layer.input_norm)
+            qkv = self._linear(h, layer.qkv, layer.qkv_bias)
+            q = qkv[..., :nq].view(b, t, self.heads, self.head_dim).transpose(1, 2)
+            k = qkv[..., nq:nq + nkv].view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = qkv[..., nq + nkv:].view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            if layer.q_norm is not None:
+                q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            cache.keys[i, :, :, start:start + t] = k
+            cache.values[i, :, :, start:start + t] = v
+            a = self._attend(q, cache.keys[i, :, :, :start + t], cache.values[i, :, :, :start + t],
+                             masks[layer.sliding])
+            a = self._linear(a, layer.o)
+            if layer.post_attn_norm is not None:
+                a = self._norm(a, layer.post_attn_norm)
+            x = x + a
+            h = self._norm(x, layer.pre_mlp_norm)
+            gate, up = self._linear(h, layer.gate_up).chunk(2, dim=-1)
+            m = self._linear(self.act(gate) * up, layer.down)
+            if layer.post_mlp_norm is not None:
+                m = self._norm(m, layer.post_mlp_norm)
+            x = x + m
+        return self._norm(x, self.final_norm)
+
+    __call__ = forward
+
+    def _rotary(self, x: Tensor, positions: Tensor, kind: str) -> tuple[Tensor, Tensor]:
+        """cos, sin [B,1,T,hd] from the model's own rotary module (its frequencies and scaling)."""
+        if self.gemma:
+            cos, sin = self.rotary(x, positions, kind)
+        else:
+            cos, sin = self.rotary(x, positions)
+        return cos.unsqueeze(1), sin.unsqueeze(1)

@@ -1,0 +1,123 @@
+"""The lean body (models/lean.py) equals transformers' forward: prefill, decode steps, padded batches, rollback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import tiny_model
+
+from lmhead.models.lean import LeanBody, StaticCache
+
+ATOL = 1e-5  # fp32: the lean body sums in another order (fused products, batched heads) than transformers
+
+
+def _qwen(arch: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=False, initializer_range=0.3)
+    config = Qwen2Config(**common) if arch == "qwen2" else Qwen3Config(head_dim=8, **common)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name or "bias" in name:
+                    param.add_(0.5 * torch.randn_like(param))
+    return model.eval()
+
+
+def _model(arch: str, layers: int = 2):
+    if arch in ("qwen2", "qwen3"):
+        return _qwen(arch)
+    return tiny_model(arch, layers=layers)[0]
+
+
+def _reference(hf_model, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' own final hidden states [B,T,D] (after the final norm) for the whole sequence."""
+    positions = None if mask is None else (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        return hf_model.base_model(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
+
+
+ARCHS = ["llama", "gemma3", "qwen2", "qwen3"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_then_steps_equal_the_full_forward(arch):
+    hf_model = _model(arch, layers=3)
+    lean = LeanBody(hf_model)
+    ids = torch.randint(4, 290, (1, 20), generator=torch.Generator().manual_seed(1))
+    want = _reference(hf_model, ids)
+    cache = lean.new_cache(1, 32)
+    got = [lean(ids[:, :11], torch.arange(11)[None], cache)]
+    for t in range(11, 16):  # one token at a time
+        got.append(lean(ids[:, t:t + 1], torch.tensor([[t]]), cache))
+    got.append(lean(ids[:, 16:], torch.arange(16, 20)[None], cache))  # several at once (verification)
+    torch.testing.assert_close(torch.cat(got, dim=1), want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_left_padded_rows_equal_each_row_alone(arch):
+    hf_model = _model(arch)
+    lean = LeanBody(hf_model)
+    g = torch.Generator().manual_seed(2)
+    rows = [torch.randint(4, 290, (n,), generator=g) for n in (14, 9)]  # 14 > sliding window 8 in gemma3
+    width = 14
+    ids = torch.zeros((2, width), dtype=torch.long)
+    mask = torch.zeros((2, width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, width - len(row):] = row
+        mask[r, width - len(row):] = 1
+    cache = lean.new_cache(2, 20)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    hidden = lean(ids, positions, cache, valid=mask.bool())
+    nxt = torch.tensor([[7], [9]])
+    step = lean(nxt, positions[:, -1:] + 1, cache)
+    for r, row in enumerate(rows):
+        alone = _reference(hf_model, torch.cat([row, nxt[r]])[None])
+        torch.testing.assert_close(hidden[r, width - len(row):], alone[0, :-1], atol=ATOL, rtol=0)
+        torch.testing.assert_close(step[r], alone[0, -1:], atol=ATOL, rtol=0)
+
+
+def test_truncate_rolls_back_rejected_columns():
+    hf_model = _model("gemma3", layers=2)
+    lean = LeanBody(hf_model)
+    ids = torch.randint(4, 290, (1, 12), generator=torch.Generator().manual_seed(3))
+    cache = lean.new_cache(1, 16)
+    lean(ids[:, :8], torch.arange(8)[None], cache)
+    lean(torch.tensor([[5, 6, 7]]), torch.arange(8, 11)[None], cache)  # a draft that gets rejected
+    cache.truncate(8)
+    got = lean(ids[:, 8:], torch.arange(8, 12)[None], cache)
+    torch.testing.assert_close(got, _reference(hf_model, ids)[:, 8:], atol=ATOL, rtol=0)
+
+
+def test_weights_are_shared_not_copied():
+    hf_model = _model("llama")
+    before = sum(p.numel() for p in hf_model.parameters())
+    lean = LeanBody(hf_model)
+    attn = hf_model.model.layers[0].self_attn
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == lean.layers[0].qkv.untyped_storage().data_ptr()
+    assert sum(p.numel() for p in hf_model.parameters()) == before
+    LeanBody(hf_model)  # a second lean body on the same model reuses the fused buffer
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == lean.layers[0].qkv.untyped_storage().data_ptr()
+
+
+def test_select_drops_rows():
+    cache = StaticCache(layers=1, batch=3, kv_heads=1, head_dim=2, capacity=4)
+    cache.keys[0, :, 0, 0, 0] = torch.tensor([1.0, 2.0, 3.0])
+    cache.select(torch.tensor([0, 2]))
+    assert cache.batch == 2 and cache.keys[0, :, 0, 0, 0].tolist() == [1.0, 3.0]
+
+
+def test_unsupported_model_and_overflow_are_clear_errors():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(ValueError, match="lean body supports"):
+        LeanBody(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)))
+    lean = LeanBody(_model("llama"))
+    with pytest.raises(ValueError, match="cache holds 4 columns"):
+        lean(torch.zeros((1, 5), dtype=torch.long), torch.arange(5)[None], lean.new_cache(1, 4))
+    with pytest.raises(ValueError, match="length must be in"):
+        lean.new_cache(1, 4).truncate(2)
