@@ -570,3 +570,62 @@ def test_histogram_top_p_with_ties_in_the_crossing_bin():
     for p in [0.3, 0.6, 0.9, 0.999]:
         cfg = SamplingConfig(top_p=p)
         assert_same_cut(process_logits(x, cfg), ref.sampling_process(x, [cfg] * 3))
+
+
+# --- the public seams: config coercion, the seeded draw, the vocabulary axis ----------------------------------
+
+
+def test_as_configs_gives_one_config_per_row():
+    from lmhead.sampling import as_configs
+
+    cfg = SamplingConfig(top_k=3)
+    assert as_configs(None, 2) == [SamplingConfig()] * 2
+    assert as_configs(cfg, 3) == [cfg] * 3
+    assert as_configs({"top_k": 3}, 2) == [cfg] * 2
+    assert as_configs((cfg, SamplingConfig()), 2) == [cfg, SamplingConfig()]
+    with pytest.raises(ValueError, match="config"):
+        as_configs([cfg], 2)
+    with pytest.raises(TypeError, match="config"):
+        as_configs([{"top_k": 3}], 1)
+    with pytest.raises(TypeError, match="config"):
+        as_configs("greedy", 1)
+    with pytest.raises(ValueError, match="top_k"):
+        as_configs({"top_k": -1}, 1)
+
+
+def test_a_seeded_row_is_the_race_over_its_kept_tokens_in_id_order():
+    from lmhead.sampling import race_draw, seeded_generator
+
+    x = peaked(1, 500, seed=2)
+    cfg = SamplingConfig(temperature=0.7, top_k=20, seed=42)
+    for step in range(5):
+        kept = torch.topk(x[0], 20).indices.sort().values  # id order
+        pick = race_draw(torch.softmax(x[0, kept] / 0.7, dim=-1)[None], seeded_generator(42, step))
+        assert int(sample(x, cfg, step=step)[0]) == int(kept[pick[0]])
+    a, b = seeded_generator(1, 2), seeded_generator(1, 2)
+    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+    assert not torch.equal(torch.rand(4, generator=seeded_generator(1, 3)), torch.rand(4, generator=b))
+
+
+def test_the_pipeline_reduces_across_the_vocabulary_with_the_vocab_it_is_given():
+    from lmhead.sampling import Vocab
+
+    calls: list[str] = []
+
+    class Recording(Vocab):
+        def __getattribute__(self, name):
+            if name in ("amax", "amin", "argmax", "topk", "sum", "cat", "softmax", "columns"):
+                calls.append(name)
+            return super().__getattribute__(name)
+
+    x = window_rows(30000, [3, 600, 5000])  # top-p: window 256, window 1024, histogram select
+    cfgs = [SamplingConfig(temperature=0), SamplingConfig(top_k=40, min_p=0.1), SamplingConfig(top_p=0.9),
+            SamplingConfig(min_p=0.05), SamplingConfig(temperature=1.2)]
+    xs = torch.cat([x, x[:2]])
+    for cfg in cfgs:
+        torch.manual_seed(0)
+        want = sample(xs, cfg)
+        torch.manual_seed(0)
+        assert torch.equal(sample(xs, cfg, vocab=Recording(xs.shape[1])), want), cfg
+        assert torch.equal(probabilities(xs, cfg, vocab=Recording(xs.shape[1])), probabilities(xs, cfg)), cfg
+    assert {"amax", "amin", "argmax", "topk", "sum", "cat", "softmax", "columns"} <= set(calls)

@@ -8,8 +8,9 @@ network:
     loss:     all-reduce MAX of the local row maxima [N]        ─┐ two small collectives per call,
               all-reduce SUM of [target logit ‖ sum-exp ‖ Σz]   ─┘ O(N) numbers each; backward is local,
               dHidden needs one all-reduce SUM (hidden is replicated: the column-parallel input gradient)
-    sampling: local top-k candidates (values + global ids) and the local log-sum-exp
-              ──one all_gather──▶ every rank runs the same pipeline and the same seeded draw → same token
+    sampling: lmhead.sampling's own pipeline on every rank, handed a `ShardedVocab` (its reductions across
+              the vocabulary — row max, top-k candidates with global ids, sums of masses — as collectives on
+              small tensors) → the same branches and the same draw on every rank → the same token
 
 Layout: the rows are split as `torch.tensor_split(weight, world_size)` splits them — the first V mod W ranks
 hold one row more (`vocab_range`). V need not be divisible by the world size; no padding rows.
@@ -42,6 +43,7 @@ from lmhead import checks, sampling
 from lmhead.loss import default_chunk_size
 
 __all__ = [
+    "ShardedVocab",
     "VocabParallelEmbedding",
     "VocabParallelLMHead",
     "gather_vocab_parallel_logits",
@@ -492,6 +494,25 @@ def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float
     return z if softcap is None else z.div_(softcap).tanh_().mul_(softcap)
 
 
+def _check_fused_shapes(hidden: Any, local_weight: Any, local_bias: Any, shift: bool) -> None:
+    """The tensors of `vocab_parallel_linear_cross_entropy`: types, shapes, one device."""
+    if not isinstance(hidden, Tensor) or not hidden.is_floating_point():
+        raise TypeError("hidden must be a floating-point tensor [N,D] or [B,T,D]")
+    if not isinstance(local_weight, Tensor) or local_weight.dim() != 2:
+        raise ValueError("local_weight must be a 2-D tensor [V_local, D]")
+    if hidden.dim() not in (2, 3) or hidden.shape[-1] != local_weight.shape[1]:
+        raise ValueError(f"hidden must be [N,D] or [B,T,D] with D = local_weight.shape[1] = "
+                         f"{local_weight.shape[1]}, got shape {tuple(hidden.shape)}")
+    if local_bias is not None and tuple(local_bias.shape) != (local_weight.shape[0],):
+        raise ValueError(f"local_bias must be [V_local] = [{local_weight.shape[0]}], got "
+                         f"{tuple(local_bias.shape)}")
+    if shift and hidden.dim() != 3:
+        raise ValueError("shift=True needs hidden [B,T,D] and targets [B,T]")
+    if hidden.device != local_weight.device:
+        raise ValueError(f"hidden ({hidden.device}) and local_weight ({local_weight.device}) must be on the "
+                         "same device")
+
+
 def vocab_parallel_linear_cross_entropy(
     hidden: Tensor,
     local_weight: Tensor,
@@ -524,23 +545,8 @@ def vocab_parallel_linear_cross_entropy(
     rank, _ = _check_group(group)
     error = None
     try:
-        if not isinstance(hidden, Tensor) or not hidden.is_floating_point():
-            raise TypeError("hidden must be a floating-point tensor [N,D] or [B,T,D]")
-        if not isinstance(local_weight, Tensor) or local_weight.dim() != 2:
-            raise ValueError("local_weight must be a 2-D tensor [V_local, D]")
-        if hidden.dim() not in (2, 3) or hidden.shape[-1] != local_weight.shape[1]:
-            raise ValueError(f"hidden must be [N,D] or [B,T,D] with D = local_weight.shape[1] = "
-                             f"{local_weight.shape[1]}, got shape {tuple(hidden.shape)}")
-        if local_bias is not None and tuple(local_bias.shape) != (local_weight.shape[0],):
-            raise ValueError(f"local_bias must be [V_local] = [{local_weight.shape[0]}], got "
-                             f"{tuple(local_bias.shape)}")
-        if shift and hidden.dim() != 3:
-            raise ValueError("shift=True needs hidden [B,T,D] and targets [B,T]")
-        if hidden.device != local_weight.device:
-            raise ValueError(f"hidden ({hidden.device}) and local_weight ({local_weight.device}) must be on the "
-                             "same device")
-        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
-            raise ValueError(f"chunk_size must be None or an int > 0, got {chunk_size!r}")
+        _check_fused_shapes(hidden, local_weight, local_bias, shift)
+        chunk_size = checks.optional_positive_int("chunk_size", chunk_size)
         ignore_index, reduction, label_smoothing, z_loss, softcap = checks.loss_options(
             ignore_index, reduction, label_smoothing, z_loss, softcap)
         if shift:

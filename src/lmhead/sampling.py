@@ -40,6 +40,16 @@ the batch dimension, except ``logprobs``). Logits of any floating dtype are proc
 A config may be one ``SamplingConfig`` for the whole batch or a list with one per row: one batch can mix
 greedy and sampled rows with different settings; rows with the same cut-off settings run together.
 
+The vocabulary axis: the pipeline reads across the vocabulary (row max, top-k candidates with their ids, sums
+of masses and counts, the few tokens of one histogram bin) only through a ``Vocab``: the whole vocabulary in
+this process by default. ``lmhead.distributed.ShardedVocab`` implements the same methods over ranks that each
+hold a slice of the columns, so the vocab-parallel sampler is this very pipeline (steps 1-2 on each rank's own
+columns, then the same code on every rank).
+
+Layout of this module: ``Vocab`` → config (``SamplingConfig``) → input checks (``as_configs``,
+``as_prev_tokens``, ``as_row_ints``) → steps 1-2 → steps 3-6 (the cut-offs and their fast paths) → the pipeline
+functions → step 8 (``seeded_generator``, ``race_draw``, the whole-row draw, ``sample``) → logprobs, entropy.
+
 Seeds: with ``config.seed`` set, a row's draw depends only on (seed, step) and the row's own logits — a
 ``torch.Generator`` seeded from (seed, step) draws noise over the row's kept tokens in token-id order, and
 the row is cut on its own — so the same seed gives the same token whatever the batch size or position.
@@ -810,7 +820,7 @@ def _cut(x: Tensor, cfg: SamplingConfig, vocab: Vocab) -> list[_Part]:
     return parts
 
 
-def _groups(configs: list[SamplingConfig] | SamplingConfig, batch: int, vocab: int, device: torch.device,
+def _groups(configs: list[SamplingConfig] | SamplingConfig, batch: int, vocab_size: int, device: torch.device,
             seeded_alone: bool) -> list[tuple[Tensor | None, SamplingConfig]]:
     """Rows sharing a cut key, as (rows or None for the whole batch, config). With seeded_alone, each seeded,
     sampled row is its own group so that its cut and draw never depend on the other rows."""
@@ -825,7 +835,7 @@ def _groups(configs: list[SamplingConfig] | SamplingConfig, batch: int, vocab: i
         if seeded_alone and c.seed is not None and not c.is_greedy:
             alone.append((torch.tensor([r], device=device), c))
             continue
-        key = c._cut_key(vocab)
+        key = c._cut_key(vocab_size)
         groups.setdefault(key, []).append(r)
         first.setdefault(key, c)
     out: list[tuple[Tensor | None, SamplingConfig]] = []
