@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lmhead.models.fast_linear import onednn_available
+from lmhead.models.fast_linear import Int8Linear, onednn_available
 
 __all__ = ["LeanBody", "StaticCache", "SUPPORTED_MODEL_TYPES"]
 
@@ -80,11 +80,11 @@ class StaticCache:
 class _Layer:
     """One block's tensors (the model's own; norms' weights as the model stores them)."""
 
-    qkv: Tensor            # [(H + 2·H_kv)·hd, D]: q, k and v rows of one buffer
+    qkv: Tensor | Int8Linear      # [(H + 2·H_kv)·hd, D]: q, k and v rows of one buffer
     qkv_bias: Tensor | None
-    o: Tensor              # [D, H·hd]
-    gate_up: Tensor        # [2·F, D]
-    down: Tensor           # [D, F]
+    o: Tensor | Int8Linear        # [D, H·hd]
+    gate_up: Tensor | Int8Linear  # [2·F, D]
+    down: Tensor | Int8Linear     # [D, F]
     input_norm: Tensor
     post_attn_norm: Tensor | None   # Gemma: after attention; Llama: None
     pre_mlp_norm: Tensor            # Gemma: pre_feedforward_layernorm; Llama: post_attention_layernorm
@@ -143,7 +143,9 @@ class LeanBody:
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         return getattr(cfg, "model_type", None) in SUPPORTED_MODEL_TYPES
 
-    def __init__(self, hf_model, onednn: bool | None = None) -> None:
+    def __init__(self, hf_model, onednn: bool | None = None, int8: bool = False) -> None:
+        """`int8=True`: the four matrices of each block become int8 copies (`Int8Linear`, activations quantised
+        per call) — an approximate body for the speculative draft; the embedding and norms stay shared."""
         if not self.supports(hf_model):
             model_type = getattr(getattr(hf_model, "config", None), "model_type", type(hf_model).__name__)
             raise ValueError(f"the lean body supports {', '.join(SUPPORTED_MODEL_TYPES)}; got {model_type!r}")
@@ -169,6 +171,17 @@ class LeanBody:
         self.onednn = onednn_available() if onednn is None else onednn
         self.layers = [self._layer(block, t) for block, t in zip(base.layers, types, strict=True)]
         self.layer_types = sorted(set(types))
+        self.dtype, self.device = self.embed.dtype, self.embed.device
+        if int8:
+            for layer in self.layers:
+                for name in ("qkv", "o", "gate_up", "down"):
+                    setattr(layer, name, Int8Linear(getattr(layer, name)))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the matrices this body owns (int8 copies); 0 when it only shares the model's weights."""
+        return sum(w.nbytes for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                   if isinstance(w, Int8Linear))
 
     def _layer(self, block, kind: str) -> _Layer:
         attn, mlp = block.self_attn, block.mlp
@@ -195,7 +208,10 @@ class LeanBody:
             return (y * (1.0 + w.float())).type_as(x)
         return w * y.type_as(x)
 
-    def _linear(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    def _linear(self, x: Tensor, w: Tensor | Int8Linear, b: Tensor | None = None) -> Tensor:
+        if isinstance(w, Int8Linear):
+            y = w(x)
+            return y if b is None else y + b
         if self.onednn and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu":
             return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
         return F.linear(x, w, b)
@@ -245,8 +261,7 @@ class LeanBody:
     # --- the step -------------------------------------------------------------------------------------------
 
     def new_cache(self, batch: int, capacity: int) -> StaticCache:
-        w = self.layers[0].qkv
-        return StaticCache(len(self.layers), batch, self.kv_heads, self.head_dim, capacity, w.dtype, w.device)
+        return StaticCache(len(self.layers), batch, self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, ids: Tensor, positions: Tensor, cache: StaticCache, valid: Tensor | None = None) -> Tensor:

@@ -1,0 +1,129 @@
+"""Speculative decoding's rules: greedy acceptance, the speculative-sampling rule (closed form and by draws), the
+int8 draft, adaptive k, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tiny import tiny_model
+
+from lmhead.speculative import (
+    AdaptiveK,
+    Draft,
+    SpeculativeStats,
+    accept_greedy,
+    accept_sampled,
+    check_draft_tokens,
+    frequent_tokens,
+    residual,
+)
+
+
+def test_accept_greedy_takes_the_longest_agreeing_prefix():
+    draft = torch.tensor([[5, 6, 7], [5, 6, 7], [1, 2, 3]])
+    target = torch.tensor([[5, 6, 7, 8], [5, 9, 7, 8], [0, 2, 3, 4]])
+    assert accept_greedy(draft, target).tolist() == [3, 1, 0]
+
+
+def _dist(g: torch.Generator, v: int, zeros: int = 0) -> torch.Tensor:
+    p = torch.rand(v, generator=g, dtype=torch.float64) ** 3
+    p[torch.randperm(v, generator=g)[:zeros]] = 0
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("zeros", [0, 3])
+def test_one_position_emits_exactly_p_in_closed_form(zeros):
+    """Σ_d q(d)·[a(d)·δ_d + (1 − a(d))·r] = p, with a = min(1, p/q) and r = residual(p, q)."""
+    g = torch.Generator().manual_seed(zeros)
+    for _ in range(20):
+        p, q = _dist(g, 9, zeros), _dist(g, 9, zeros)
+        a = torch.where(q > 0, (p / q.clamp_min(1e-300)).clamp(max=1), torch.zeros_like(p))
+        emitted = q * a + (q * (1 - a)).sum() * residual(p, q)
+        torch.testing.assert_close(emitted, p, atol=1e-12, rtol=0)
+
+
+def test_residual_of_equal_distributions_is_p():
+    p = torch.tensor([0.2, 0.3, 0.5])
+    assert torch.equal(residual(p, p.clone()), p)
+
+
+def test_accept_sampled_draws_match_the_target_distribution():
+    """Goodness of fit: the first emitted token over 6000 seeded runs is distributed as p_0 (chi-square)."""
+    g = torch.Generator().manual_seed(0)
+    v, k, runs = 6, 2, 6000
+    p = torch.stack([_dist(g, v) for _ in range(k + 1)]).float()
+    q = torch.stack([_dist(g, v) for _ in range(k)]).float()
+    counts = torch.zeros(v)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(runs):
+        d = torch.stack([torch.multinomial(q[i], 1, generator=gen)[0] for i in range(k)])
+        n, last = accept_sampled(d[None], q[None], p[None], [None], [0], generator=gen)
+        first = int(d[0]) if n[0] > 0 else int(last[0])
+        counts[first] += 1
+    expected = p[0] * runs
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5, (chi2, counts, expected)  # 5 degrees of freedom: p ≈ 0.001
+
+
+def test_seeded_rows_reproduce_and_do_not_depend_on_other_rows():
+    g = torch.Generator().manual_seed(3)
+    p = torch.stack([torch.stack([_dist(g, 8) for _ in range(4)]) for _ in range(2)]).float()
+    q = torch.stack([torch.stack([_dist(g, 8) for _ in range(3)]) for _ in range(2)]).float()
+    d = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    both = accept_sampled(d, q, p, [7, 8], [10, 10])
+    alone = accept_sampled(d[1:], q[1:], p[1:], [8], [10])
+    assert both[0][1] == alone[0][0] and both[1][1] == alone[1][0]
+    again = accept_sampled(d, q, p, [7, 8], [10, 10])
+    assert torch.equal(both[0], again[0]) and torch.equal(both[1], again[1])
+
+
+def test_adaptive_k_grows_on_full_acceptance_and_shrinks_on_early_rejection():
+    k = AdaptiveK(4)
+    k.update([4], 4)
+    assert k.k == 5
+    k.update([0], 5)
+    k.update([1], 4)
+    assert k.k == 3
+    fixed = AdaptiveK(4, adaptive=False)
+    fixed.update([4], 4)
+    assert fixed.k == 4
+
+
+def test_stats_report_rates():
+    s = SpeculativeStats(rounds=2, drafted=8, accepted=6, emitted=8)
+    assert s.acceptance_rate == 0.75 and s.tokens_per_round == 4.0
+    assert s.as_dict()["acceptance_rate"] == 0.75
+
+
+@pytest.mark.parametrize("bad", [0, 17, 2.5, True, "4"])
+def test_draft_tokens_out_of_range_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match=r"draft_tokens must be an int in \[1, 16\]"):
+        check_draft_tokens(bad)
+
+
+def test_int8_draft_agrees_with_the_model_mostly():
+    """The draft is approximate by design; on a tiny model its argmax agrees with the fp32 model's on most
+    positions (what makes acceptance high), and its logits have the full vocabulary's shape."""
+    hf_model, tokenizer = tiny_model("gemma3", layers=2)
+    draft = Draft(hf_model, tokenizer)
+    ids = torch.randint(4, 290, (1, 24), generator=torch.Generator().manual_seed(0))
+    got = draft.logits(ids, torch.arange(24)[None], draft.new_cache(1, 24))
+    with torch.no_grad():
+        want = hf_model(ids).logits
+    assert got.shape == want.shape
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean()
+    assert agree >= 0.75, agree
+    cos = torch.nn.functional.cosine_similarity(got, want, dim=-1).min()
+    assert cos > 0.95, cos
+    assert draft.nbytes > 0
+
+
+def test_frequent_tokens_keeps_specials_and_single_characters():
+    _, tokenizer = tiny_model("llama")
+    ids = frequent_tokens(tokenizer, len(tokenizer), 280)
+    assert ids is not None and len(ids) == 280
+    assert set(tokenizer.all_special_ids) <= set(ids.tolist())
+    assert ids.tolist() == sorted(ids.tolist())
+    assert not math.isnan(float(ids.float().mean()))
