@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from lmhead import checks
-from lmhead.sampling import SamplingConfig, logprobs, process_logits, sample
+from lmhead.sampling import SamplingConfig, as_configs, logprobs, process_logits, sample
 
 _PROMPT_CONTEXT = 4  # prompt tokens decoded before the generated ones, then cut off (keeps leading spaces)
 
@@ -96,24 +96,6 @@ def _prompts(prompt_or_prompts: str | Sequence[str]) -> tuple[list[str], bool]:
         if not p:
             raise ValueError(f"{what}: the prompt is empty")
     return prompts, single
-
-
-def _configs(config: SamplingConfig | Sequence[SamplingConfig] | None, n: int) -> list[SamplingConfig]:
-    if config is None:
-        return [SamplingConfig()] * n
-    if isinstance(config, SamplingConfig):
-        return [config] * n
-    if isinstance(config, Mapping):
-        return [SamplingConfig(**config)] * n  # SamplingConfig validates the values
-    if isinstance(config, Sequence) and not isinstance(config, str):
-        configs = list(config)
-        if len(configs) != n:
-            raise ValueError(f"config: got {len(configs)} configs for {n} prompts (one per prompt, or one for all)")
-        for i, c in enumerate(configs):
-            if not isinstance(c, SamplingConfig):
-                raise TypeError(f"config[{i}]: expected a SamplingConfig, got {type(c).__name__}")
-        return configs
-    raise TypeError(f"config: expected a SamplingConfig or a list of them, got {type(config).__name__}")
 
 
 def _stops(stop: str | Sequence[str] | None) -> list[str]:
@@ -213,7 +195,7 @@ def generate(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int 
     come as the iterator is consumed.
     """
     prompts, _ = _prompts(prompt_or_prompts)
-    configs = _configs(config, len(prompts))
+    configs = as_configs(config, len(prompts))  # one per prompt, checked as sampling checks it
     stops = _stops(stop)
     checks.positive_int("max_new_tokens", max_new_tokens)
     if not checks.is_int(top_logprobs) or not 0 <= top_logprobs <= 20:
