@@ -22,6 +22,8 @@ from lmhead.integrations.transformers import (  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6  # float32 rounding: the fused loss sums its chunks in another order
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: thread handshakes cost more than the ops
+
 
 def small_model(arch: str, tie: bool = True, softcap: float | None = None):
     """A tiny random causal LM of `arch` (float32, eval mode, vocabulary 320)."""
