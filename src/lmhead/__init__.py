@@ -57,6 +57,10 @@ _EXPORTS: dict[str, str] = {
     "gather_vocab_parallel_logits": "distributed",
     "vocab_range": "distributed",
     "init_distributed": "distributed",
+    "apply_fused_loss": "integrations.transformers",
+    "undo_fused_loss": "integrations.transformers",
+    "fused_loss": "integrations.transformers",
+    "SamplingLogitsProcessor": "integrations.generation",
 }
 
 __all__ = sorted(_EXPORTS)
