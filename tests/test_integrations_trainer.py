@@ -14,6 +14,8 @@ from tiny import CORPUS, tiny_model  # noqa: E402
 
 from lmhead.integrations.transformers import apply_fused_loss  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: thread handshakes cost more than the ops
+
 
 def dataset(tokenizer, n: int = 8):
     """Token-id rows of different lengths (the collator pads them; padding is ignored in the loss)."""

@@ -121,3 +121,20 @@ def test_unsupported_model_and_overflow_are_clear_errors():
         lean(torch.zeros((1, 5), dtype=torch.long), torch.arange(5)[None], lean.new_cache(1, 4))
     with pytest.raises(ValueError, match="length must be in"):
         lean.new_cache(1, 4).truncate(2)
+
+
+def test_compact_gives_back_holes_without_changing_attention():
+    hf_model = _model("gemma3", layers=2)
+    lean = LeanBody(hf_model)
+    ids = torch.randint(4, 290, (2, 12), generator=torch.Generator().manual_seed(4))
+    cache = lean.new_cache(2, 24)
+    lean(ids[:, :8], torch.arange(8).expand(2, 8), cache)
+    lean(torch.tensor([[5, 6, 7], [5, 6, 7]]), torch.arange(8, 11).expand(2, 3), cache)
+    cache.invalidate(0, 8)  # row 0 rejected all three, row 1 kept one
+    cache.invalidate(1, 9)
+    before = lean(ids[:, 8:9], torch.tensor([[8], [9]]), cache)
+    cache.truncate(cache.length - 1)
+    cache.compact()
+    assert cache.length == 9
+    after = lean(ids[:, 8:9], torch.tensor([[8], [9]]), cache)
+    torch.testing.assert_close(after, before, atol=ATOL, rtol=0)

@@ -36,7 +36,21 @@ from typing import Any
 import torch
 
 from lmhead import checks
-from lmhead.models.parts import final_norm
+
+
+def _accepts_parts(fn):
+    """Also accept the older call form fn(hf_model, tokenizer, head, text, ...): the three are wrapped in a
+    `Model` that runs transformers' own modules with that head (`Model.from_parts`), as that form did."""
+
+    @functools.wraps(fn)
+    def call(model, *args, **kwargs):
+        from lmhead.models.model import Model
+
+        if not isinstance(model, Model) and len(args) >= 2 and hasattr(model, "config"):
+            model, args = Model.from_parts(model, args[0], args[1]), args[2:]
+        return fn(model, *args, **kwargs)
+
+    return call
 
 # ---------------------------------------------------------------------------------------------------------
 # Showing tokens
@@ -242,7 +256,7 @@ def _model_name(model, name: str | None) -> str:
 
 
 def _device(model) -> torch.device:
-    return next(model.body.parameters()).device
+    return model.exact_head.weight.device
 
 
 def _encode(tokenizer, text: str, what: str) -> list[int]:
@@ -271,6 +285,7 @@ def _config_dict(config) -> dict[str, Any]:
 
 
 @torch.inference_mode()
+@_accepts_parts
 def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False, layer_top: int = 5,
             model_name: str | None = None) -> Prediction:
     """The next-token candidates for `prompt`, with both distributions and what each cut did.
@@ -304,11 +319,14 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
     if ctx is not None and len(ids) > ctx:
         raise ValueError(f"prompt: {len(ids)} tokens is longer than the model's context of {ctx} tokens")
     input_ids = torch.tensor([ids], device=_device(model))
-    out = model.body(input_ids=input_ids, output_hidden_states=layers, use_cache=False)
+    if layers:
+        states, last = model.layer_states(input_ids)
+    else:
+        states, last = None, model.hidden_states(input_ids)
     head = model.head
     # a head that approximates all but its top `exact_k` (lmhead.compressed) is asked for every candidate shown
     exact_k = top if top > head.exact_k else None
-    logits = head(out.last_hidden_state[:, -1:], exact_k=exact_k).reshape(1, vocab).float()  # [1,V]
+    logits = head(last[:, -1:], exact_k=exact_k).reshape(1, vocab).float()  # [1,V]
 
     prev = input_ids.to(logits.device)
     stages = _stages(logits, config, prev, len(ids))
@@ -321,7 +339,7 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
                      for i, (s, d) in zip(ids, token_texts(model.tokenizer, ids), strict=True)]
     lens = None
     if layers:
-        rows = _lens_rows(final_norm(model.body), head, out.hidden_states, out.last_hidden_state)
+        rows = _lens_rows(model.final_norm, head, states, last)
         lens = _logit_lens(rows, model.tokenizer, layer_top)
     return Prediction(
         model=_model_name(model, model_name), prompt=prompt, prompt_tokens=prompt_tokens,
@@ -442,10 +460,10 @@ def lens_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     """Logit-lens logits [L+1, V] at the last position of `input_ids` [1,T]: row 0 from the embeddings,
     row i from the residual stream after block i; row L equals the model's own logits.
 
-    model: an `lmhead.Model`: its `body` (with every layer's hidden state), its final norm, its `head`.
+    model: an `lmhead.Model`: every layer's hidden state (`Model.layer_states`), its final norm, its `head`.
     """
-    out = model.body(input_ids=input_ids, output_hidden_states=True, use_cache=False)
-    return _lens_rows(final_norm(model.body), model.head, out.hidden_states, out.last_hidden_state)
+    states, last = model.layer_states(input_ids)
+    return _lens_rows(model.final_norm, model.head, states, last)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -500,6 +518,7 @@ def _progress(total: int, enabled: bool, description: str):
 
 
 @torch.inference_mode()
+@_accepts_parts
 def evaluate(model, text: str, window: int | None = None, stride: int | None = None, tokens: bool = False,
              progress: bool = False, model_name: str | None = None, chunk: int = 256) -> Evaluation:
     """Perplexity of `text` (and, with tokens=True, each token's log-probability and rank).
@@ -617,6 +636,7 @@ def _score_window(head, hidden: torch.Tensor, ids: torch.Tensor, first: int, off
             rank[offset + s + j] = int(rk[j])
 
 
+@_accepts_parts
 def perplexity(model, text: str, window: int | None = None, stride: int | None = None,
                progress: bool = False) -> float:
     """exp(mean next-token loss) of `text` under `model` (an `lmhead.Model`); see `evaluate` for
@@ -624,6 +644,7 @@ def perplexity(model, text: str, window: int | None = None, stride: int | None =
     return evaluate(model, text, window=window, stride=stride, progress=progress).perplexity
 
 
+@_accepts_parts
 def score_tokens(model, text: str, window: int | None = None, stride: int | None = None,
                  progress: bool = False) -> list[TokenScore]:
     """Per token {position, token_id, text, logprob, rank} (the GLTR view); the first token has None."""

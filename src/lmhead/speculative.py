@@ -230,3 +230,208 @@ class Draft:
         out = y.new_full((*y.shape[:-1], self.vocab_size), float("-inf"))
         out[..., self.subset] = y
         return out
+
+
+# --- the rounds ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Round:
+    """What one round gives the live rows: per row the emitted tokens, and the target's logits [n_r, V] each
+    was chosen from (for logprobs and ranks)."""
+
+    tokens: list[list[int]]
+    logits: list[Tensor]
+
+
+class Decoder:
+    """Decoding rounds over the lean body for B rows; `lmhead.generate` drives it.
+
+        start(prompt)  the target takes every prompt token but the last, which becomes each row's `last`
+        round(last)    the draft feeds its pending columns and `last`, then proposes d_1..d_k (k forwards;
+                       no draft: k = 0); the target feeds [last, d_1..d_k] in one forward (k+1 columns)
+                       → head → logits [B,k+1,V] → the pipeline's choice (greedy rows) or distribution
+                       (sampled rows) at each position → the exact acceptance rules → each row emits
+                       d_1..d_n and one token more
+        select(rows)   drop finished rows
+
+    The target's cache keeps, per row, the columns of the tokens that row emitted; a row that accepted fewer
+    drafts than another leaves its extra columns invalid (`StaticCache.invalidate`) and `compact` gives the
+    holes back when the cache fills. The draft's cache mirrors the target's columns: the columns the target
+    took that the draft has not seen (its pending columns: the prompt, a fully accepted draft's last token)
+    go first into the draft's next forward. Without a draft a round is exactly the plain sampler's step.
+    """
+
+    def __init__(self, lean: LeanBody, head, draft: Draft | None = None, k: int = 4, adaptive: bool = True,
+                 stats: SpeculativeStats | None = None) -> None:
+        self.lean, self.head, self.draft = lean, head, draft
+        self.k = AdaptiveK(k, adaptive) if draft is not None else None
+        self.stats = stats if stats is not None else SpeculativeStats()
+
+    @torch.inference_mode()
+    def start(self, ids: Tensor, positions: Tensor, valid: Tensor | None, max_new_tokens: int) -> Tensor:
+        """ids, positions [B,W] (left-padded; valid [B,W] marks real tokens) → last [B] (the prompts' last
+        tokens). The caches hold the prompt, the new tokens and one full draft."""
+        b, w = ids.shape
+        self.capacity = w + max_new_tokens + MAX_DRAFT_TOKENS + 2
+        self.target = self.lean.new_cache(b, self.capacity)
+        self.draft_cache = self.draft.new_cache(b, self.capacity) if self.draft is not None else None
+        self.next_pos = positions[:, -1].clone()  # the position of `last`
+        if w > 1:
+            self.lean(ids[:, :-1], positions[:, :-1], self.target, None if valid is None else valid[:, :-1])
+        return ids[:, -1].clone()
+
+    def select(self, rows: Tensor) -> None:
+        self.target.select(rows)
+        if self.draft_cache is not None:
+            self.draft_cache.select(rows)
+        self.next_pos = self.next_pos.index_select(0, rows)
+
+    @torch.inference_mode()
+    def round(self, last: Tensor, configs: list, history: list[list[int]] | None, prompt_len: list[int],
+              steps: list[int], generator: torch.Generator | None) -> Round:
+        """One round. `last` [B] each row's newest token (not yet in the caches); `history` each row's tokens
+        so far, `last` included (None when no row uses penalties); `prompt_len` [B]; `steps` [B] each row's
+        count of generated tokens (the step of its next token)."""
+        k = self.k.k if self.k is not None else 0
+        self._room(k + 1)
+        drafts, q = self._propose(last, k, configs, history, prompt_len, steps, generator) if k else (None, None)
+        ids = last[:, None] if drafts is None else torch.cat([last[:, None], drafts], dim=1)     # [B,k+1]
+        start = self.target.length
+        hidden = self.lean(ids, self.next_pos[:, None] + torch.arange(k + 1), self.target)
+        logits = self.head(hidden).float()                                                   # [B,k+1,V]
+        if k == 0:
+            tokens, n = self._plain(logits[:, 0], configs, history, prompt_len, steps, generator)
+        else:
+            tokens, n = self._accept(logits, drafts, q, configs, history, prompt_len, steps, generator)
+            self._count(n, k)
+        self._keep(start, n)
+        self.next_pos += n + 1
+        return Round(tokens, [logits[r, : int(n[r]) + 1] for r in range(len(n))])
+
+    def _room(self, t: int) -> None:
+        """Compact the target's cache when the next `t` columns would not fit; the draft then re-reads every
+        column in its next forward (compaction is rare: one row per batch never leaves holes)."""
+        if self.target.length + t <= self.capacity:
+            return
+        self.target.compact()
+        if self.draft_cache is not None:
+            self.draft_cache.truncate(0)
+
+    def _propose(self, last: Tensor, k: int, configs: list, history, prompt_len, steps,
+                 generator) -> tuple[Tensor, Tensor | None]:
+        """The draft's k tokens [B,k] and, when a row samples, the processed distributions q [B,k,V]."""
+        cache, target = self.draft_cache, self.target
+        pending = slice(cache.length, target.length)
+        ids = torch.cat([target.tokens[:, pending], last[:, None]], dim=1)
+        positions = torch.cat([target.positions[:, pending], self.next_pos[:, None]], dim=1)
+        valid = torch.cat([target.valid[:, pending], torch.ones_like(last, dtype=torch.bool)[:, None]], dim=1)
+        x = self.draft.logits(ids, positions, cache, valid)[:, -1]                          # [B,V]
+        drafted: list[list[int]] = [[] for _ in configs]
+        dists = []
+        for i in range(k):
+            prev = None if history is None else [h + d for h, d in zip(history, drafted, strict=True)]
+            d, p = _choose(x, configs, prev, prompt_len, [s + i for s in steps], DRAFT_TAG, generator)
+            if p is not None:
+                dists.append(p)
+            for row, t in zip(drafted, d.tolist(), strict=True):
+                row.append(t)
+            if i + 1 < k:
+                x = self.draft.logits(d[:, None], self.next_pos[:, None] + 1 + i, cache)[:, -1]
+        q = torch.stack(dists, dim=1) if dists else None
+        return torch.tensor(drafted, dtype=torch.long), q
+
+    def _plain(self, logits: Tensor, configs, history, prompt_len, steps, generator):
+        """No draft: one token per row, exactly `sampling.sample` (same seeds, same steps)."""
+        from lmhead.sampling import sample
+
+        cfg = configs[0] if len({id(c) for c in configs}) == 1 else configs
+        ids = sample(logits, cfg, generator=generator, prev_tokens=history,
+                     prompt_len=prompt_len if history is not None else 0, step=steps[0])
+        return [[int(t)] for t in ids.tolist()], torch.zeros(len(configs), dtype=torch.long)
+
+    def _accept(self, logits: Tensor, drafts: Tensor, q: Tensor | None, configs, history, prompt_len, steps,
+                generator) -> tuple[list[list[int]], Tensor]:
+        """Per row the emitted tokens and the count n [B] of accepted drafts."""
+        b, width, vocab = logits.shape
+        rows = drafts.tolist()
+        flat_cfg = [c for c in configs for _ in range(width)]
+        prev = None if history is None else [history[r] + rows[r][:i] for r in range(b) for i in range(width)]
+        plen = [pl for pl in prompt_len for _ in range(width)]
+        greedy = [c.is_greedy for c in configs]
+        choice, p = _pipeline(logits.reshape(b * width, vocab), flat_cfg, prev, plen,
+                              [g for g in greedy for _ in range(width)])
+        tokens, n = [], torch.zeros(b, dtype=torch.long)
+        for r in range(b):
+            if greedy[r]:
+                target = choice[r * width:(r + 1) * width]
+                nr = int(accept_greedy(drafts[r:r + 1], target[None])[0])
+                last = int(target[nr])
+            else:
+                pr = p[r * width:(r + 1) * width]
+                got = accept_sampled(drafts[r:r + 1], q[r:r + 1], pr[None], [configs[r].seed], [steps[r]],
+                                     generator)
+                nr, last = int(got[0][0]), int(got[1][0])
+            n[r] = nr
+            tokens.append(rows[r][:nr] + [last])
+        return tokens, n
+
+    def _count(self, n: Tensor, k: int) -> None:
+        self.stats.rounds += 1
+        self.stats.drafted += k * len(n)
+        self.stats.accepted += int(n.sum())
+        self.stats.emitted += int(n.sum()) + len(n)
+        self.k.update(n.tolist(), k)
+
+    def _keep(self, start: int, n: Tensor) -> None:
+        """After a round wrote columns start..: row r keeps start..start+n_r; the draft's cache follows."""
+        keep = int(n.max()) + 1
+        self.target.truncate(start + keep)
+        for r, nr in enumerate(n.tolist()):
+            if nr + 1 < keep:
+                self.target.invalidate(r, start + nr + 1)
+        cache = self.draft_cache
+        if cache is None:
+            return
+        if cache.length > self.target.length:
+            cache.truncate(self.target.length)
+        for r, nr in enumerate(n.tolist()):
+            if start + nr + 1 < cache.length:
+                cache.invalidate(r, start + nr + 1)
+
+
+def _pipeline(x: Tensor, configs: list, prev, plen, greedy: list[bool]) -> tuple[Tensor | None, Tensor | None]:
+    """For rows x [N,V]: the pipeline's argmax for greedy rows (ids [N], other rows 0) and the processed
+    distributions for sampled rows (probs [N,V], greedy rows unused). None where no row needs it."""
+    from lmhead.sampling import probabilities, sample
+
+    def pick(rows: list[int]):
+        sub_prev = None if prev is None else [prev[r] for r in rows]
+        return [configs[r] for r in rows], sub_prev, [plen[r] for r in rows] if prev is not None else 0
+
+    g_rows = [r for r, g in enumerate(greedy) if g]
+    s_rows = [r for r, g in enumerate(greedy) if not g]
+    ids = probs = None
+    if g_rows:
+        cfg, sub_prev, sub_plen = pick(g_rows)
+        ids = torch.zeros(len(greedy), dtype=torch.long)
+        ids[g_rows] = sample(x[g_rows], cfg, prev_tokens=sub_prev, prompt_len=sub_plen)
+    if s_rows:
+        cfg, sub_prev, sub_plen = pick(s_rows)
+        probs = torch.zeros_like(x)
+        probs[s_rows] = probabilities(x[s_rows], cfg, prev_tokens=sub_prev, prompt_len=sub_plen)
+    return ids, probs
+
+
+def _choose(x: Tensor, configs: list, prev, plen, steps: list[int], tag: int,
+            generator) -> tuple[Tensor, Tensor | None]:
+    """The draft's token per row of x [B,V]: the pipeline's argmax (greedy rows) or a seeded draw from its
+    processed distribution (sampled rows, returned as q [B,V] for the acceptance rule)."""
+    greedy = [c.is_greedy for c in configs]
+    ids, probs = _pipeline(x, configs, prev, plen, greedy)
+    if ids is None:
+        ids = torch.zeros(len(configs), dtype=torch.long)
+    for r, g in enumerate(greedy):
+        if not g:
+            ids[r] = _draw(probs[r], token_generator(configs[r].seed, steps[r], tag, generator))
+    return ids, probs

@@ -39,8 +39,11 @@ class StaticCache:
     """A preallocated KV cache: keys and values [layers, B, H_kv, capacity, head_dim], filled left to right.
 
     Every row writes the same columns (left padding keeps rows aligned); `valid` [B, capacity] marks the
-    columns holding a real token of that row. `length` is the number of filled columns: speculative decoding
-    rolls back by lowering it (`truncate`), and finished rows are dropped with `select`.
+    columns holding a real token of that row and `positions` [B, capacity] its rope position (the sliding
+    window is measured in positions, so a column left invalid in one row — a draft token that row rejected
+    while another row accepted its own — does not narrow that row's window). `length` is the number of filled
+    columns: speculative decoding rolls back by lowering it (`truncate`) or by `invalidate`-ing one row's
+    columns; finished rows are dropped with `select`.
     """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
@@ -49,6 +52,8 @@ class StaticCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.valid = torch.zeros((batch, capacity), dtype=torch.bool, device=device)
+        self.positions = torch.zeros((batch, capacity), dtype=torch.long, device=device)
+        self.tokens = torch.zeros((batch, capacity), dtype=torch.long, device=device)
         self.length = 0
 
     @property
@@ -69,11 +74,37 @@ class StaticCache:
         self.valid[:, length:self.length] = False
         self.length = length
 
+    def invalidate(self, row: int, start: int) -> None:
+        """Row `row` forgets its columns from `start` to `length` (another row still uses them)."""
+        self.valid[row, start:self.length] = False
+
+    def compact(self) -> None:
+        """Move each row's valid columns to the right end of the first `m` columns (m = the most any row
+        holds), in order, and set `length = m`: the holes that rejected drafts leave are given back. Masks
+        use validity, order and positions only, so attention is unchanged."""
+        length = self.length
+        counts = self.valid[:, :length].sum(dim=1)
+        m = int(counts.max()) if counts.numel() else 0
+        keys, values = torch.zeros_like(self.keys), torch.zeros_like(self.values)
+        valid, positions, tokens = (torch.zeros_like(t) for t in (self.valid, self.positions, self.tokens))
+        for r in range(self.batch):
+            src = self.valid[r, :length].nonzero().squeeze(1)
+            dst = torch.arange(m - len(src), m, device=src.device)
+            keys[:, r, :, dst] = self.keys[:, r, :, src]
+            values[:, r, :, dst] = self.values[:, r, :, src]
+            positions[r, dst] = self.positions[r, src]
+            tokens[r, dst] = self.tokens[r, src]
+            valid[r, dst] = True
+        self.keys, self.values, self.valid, self.positions, self.tokens = keys, values, valid, positions, tokens
+        self.length = m
+
     def select(self, rows: Tensor) -> None:
         """Keep only the batch rows `rows` [B'] (e.g. drop finished rows)."""
         self.keys = self.keys.index_select(1, rows)
         self.values = self.values.index_select(1, rows)
         self.valid = self.valid.index_select(0, rows)
+        self.positions = self.positions.index_select(0, rows)
+        self.tokens = self.tokens.index_select(0, rows)
 
 
 @dataclass
@@ -200,7 +231,8 @@ class LeanBody:
 
     # --- pieces ---------------------------------------------------------------------------------------------
 
-    def _norm(self, x: Tensor, w: Tensor) -> Tensor:
+    def norm(self, x: Tensor, w: Tensor) -> Tensor:
+        """The model's RMSNorm with weight `w` on x [..., D]."""
         # Gemma scales by (1 + w) after normalising in fp32; Llama multiplies w by the normalised x
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -229,18 +261,20 @@ class LeanBody:
         length = start + t
         q = torch.arange(start, length, device=cache.valid.device)[:, None]   # [T,1] query columns
         kv = torch.arange(length, device=cache.valid.device)[None, :]         # [1,L] key columns
-        valid = cache.valid[:, None, None, None, :length]                      # [B,1,1,1,L]
+        causal = (kv <= q)[None, None, None]                                  # [1,1,1,T,L]
+        allowed = cache.valid[:, None, None, None, :length] & causal          # [B,1,1,T,L]
         out: dict[bool, Tensor | None] = {}
         for sliding in {layer.sliding for layer in self.layers}:
-            keep = kv <= q
-            if sliding:
-                keep = keep & (kv > q - self.window)
-            allowed = valid & keep
-            if bool(allowed.all()):
+            keep = allowed
+            if sliding:  # positions, not columns: q_pos − kv_pos < window (transformers' rule per row)
+                pos = cache.positions[:, :length]
+                near = (pos[:, start:, None] - pos[:, None, :]) < self.window        # [B,T,L]
+                keep = keep & near[:, None, None]
+            if bool(keep.all()):
                 out[sliding] = None
                 continue
-            mask = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
-            out[sliding] = mask.masked_fill_(~allowed, torch.finfo(torch.float32).min)
+            mask = torch.zeros(keep.shape, dtype=torch.float32, device=keep.device)
+            out[sliding] = mask.masked_fill_(~keep, torch.finfo(torch.float32).min)
         return out
 
     def _attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
@@ -263,14 +297,20 @@ class LeanBody:
     def new_cache(self, batch: int, capacity: int) -> StaticCache:
         return StaticCache(len(self.layers), batch, self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
 
-    @torch.inference_mode()
-    def forward(self, ids: Tensor, positions: Tensor, cache: StaticCache, valid: Tensor | None = None) -> Tensor:
-        """Append T columns for `ids` [B,T] at rope `positions` [B,T] to `cache`; → hidden [B,T,D]."""
+    @torch.no_grad()  # not inference_mode: callers may feed the result to autograd code
+    def forward(self, ids: Tensor, positions: Tensor, cache: StaticCache, valid: Tensor | None = None,
+                layers: list[Tensor] | None = None) -> Tensor:
+        """Append T columns for `ids` [B,T] at rope `positions` [B,T] to `cache`; → hidden [B,T,D].
+
+        `layers`: a list that receives the residual stream [B,T,D] as transformers' `output_hidden_states`
+        gives it — the embedding output, then the output of every block but the last (the logit lens)."""
         b, t = ids.shape
         start = cache.length
         if start + t > cache.capacity:
             raise ValueError(f"the cache holds {cache.capacity} columns; {start} used, {t} more asked")
         cache.valid[:, start:start + t] = True if valid is None else valid
+        cache.positions[:, start:start + t] = positions
+        cache.tokens[:, start:start + t] = ids
         cache.length = start + t
         masks = self._masks(cache, start, t)
         x = F.embedding(ids, self.embed)
@@ -279,14 +319,16 @@ class LeanBody:
         rope = {kind: self._rotary(x, positions, kind) for kind in self.layer_types}
         nq, nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for i, layer in enumerate(self.layers):
+            if layers is not None:
+                layers.append(x)
             cos, sin = rope[layer.kind]
-            h = self._norm(x, layer.input_norm)
+            h = self.norm(x, layer.input_norm)
             qkv = self._linear(h, layer.qkv, layer.qkv_bias)
             q = qkv[..., :nq].view(b, t, self.heads, self.head_dim).transpose(1, 2)
             k = qkv[..., nq:nq + nkv].view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
             v = qkv[..., nq + nkv:].view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
             if layer.q_norm is not None:
-                q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
+                q, k = self.norm(q, layer.q_norm), self.norm(k, layer.k_norm)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             cache.keys[i, :, :, start:start + t] = k
             cache.values[i, :, :, start:start + t] = v
@@ -294,15 +336,15 @@ class LeanBody:
                              masks[layer.sliding])
             a = self._linear(a, layer.o)
             if layer.post_attn_norm is not None:
-                a = self._norm(a, layer.post_attn_norm)
+                a = self.norm(a, layer.post_attn_norm)
             x = x + a
-            h = self._norm(x, layer.pre_mlp_norm)
+            h = self.norm(x, layer.pre_mlp_norm)
             gate, up = self._linear(h, layer.gate_up).chunk(2, dim=-1)
             m = self._linear(self.act(gate) * up, layer.down)
             if layer.post_mlp_norm is not None:
-                m = self._norm(m, layer.post_mlp_norm)
+                m = self.norm(m, layer.post_mlp_norm)
             x = x + m
-        return self._norm(x, self.final_norm)
+        return self.norm(x, self.final_norm)
 
     __call__ = forward
 

@@ -22,10 +22,13 @@ from lmhead.head import LMHead
 from lmhead.models import parts
 from lmhead.models.fast_linear import onednn_available, with_onednn_linears
 from lmhead.models.heads import build_head, check_head_mode
+from lmhead.models.lean import SUPPORTED_MODEL_TYPES, LeanBody
 
-# How `Model.body` runs its linear layers: "auto" (oneDNN's kernel when torch has it, else transformers'
-# F.linear), "onednn", or "transformers" (the modules exactly as transformers built them).
-BODY_MODES: tuple[str, ...] = ("auto", "onednn", "transformers")
+# How the body runs: "lean" (models/lean.py: the forward written out over the same weights, static KV cache,
+# fused products; Gemma 3 and Llama-style models), "onednn" (transformers' modules with oneDNN's linear kernel),
+# "transformers" (the modules exactly as transformers built them); "auto": lean where supported, else onednn
+# when torch has oneDNN, else transformers.
+BODY_MODES: tuple[str, ...] = ("auto", "lean", "onednn", "transformers")
 
 
 class Model:
@@ -46,6 +49,9 @@ class Model:
             raise ValueError(f"body must be one of {', '.join(BODY_MODES)}; got {body!r}")
         if body == "onednn" and not onednn_available():
             raise ValueError("body='onednn': this torch build has no oneDNN (mkldnn); use body='transformers'")
+        if body == "lean" and not LeanBody.supports(hf_model):
+            raise ValueError(f"body='lean' supports the model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
+                             f"this model is {getattr(hf_model.config, 'model_type', '?')!r}")
         self.hf_model = hf_model.float().eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -56,6 +62,9 @@ class Model:
         # body="transformers". hf_model itself is left as transformers built it.
         decoder = parts.body(hf_model)
         self.body = decoder if body == "transformers" else with_onednn_linears(decoder)
+        # the lean body (generate, predict, evaluate all run it when set); shares every weight with hf_model
+        use_lean = body == "lean" or (body == "auto" and LeanBody.supports(hf_model))
+        self.lean = LeanBody(hf_model) if use_lean else None
         out = hf_model.get_output_embeddings()
         softcap = getattr(text_config, "final_logit_softcapping", None)
         self.exact_head = LMHead.from_weight(out.weight, bias=getattr(out, "bias", None), softcap=softcap or None)
@@ -65,6 +74,17 @@ class Model:
             tokenizer.pad_token_id = self.eos_token_ids[0]
         # last: a compressed head is calibrated on this model's hidden states (body and tokenizer above)
         self.head = build_head(self, head)
+
+    @classmethod
+    def from_parts(cls, hf_model, tokenizer, head, body: str = "transformers") -> Model:
+        """A Model over an existing transformers model, tokenizer and head module (an LMHead or a compressed
+        head on the model's head weight): what the explain functions' older call form
+        `predict(hf_model, tokenizer, head, ...)` computed — transformers' own modules, that head."""
+        model = cls(hf_model, tokenizer, body=body, head="fp32")
+        if isinstance(head, LMHead):
+            model.exact_head = head
+        model.head = head
+        return model
 
     def __repr__(self) -> str:
         vocab, width = self.exact_head.weight.shape
@@ -88,7 +108,8 @@ class Model:
                       past_key_values: Any = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The body's final hidden state [B,T,D] (after the final norm) for `ids` [B,T].
 
-        `past_key_values` (a transformers Cache) is extended in place with this call's keys and values;
+        `past_key_values` (a transformers Cache) is extended in place with this call's keys and values (that
+        runs `body`, transformers' modules); without it the lean body runs where the model has one.
         `attention_mask` [B, past+T] (1 = token, 0 = padding) and `position_ids` [B,T] serve left-padded batches
         (without a cache, positions default to counting the real tokens of each row).
         """
@@ -98,9 +119,37 @@ class Model:
         if position_ids is None and attention_mask is not None and empty:
             # left padding: positions count real tokens only (as transformers' generate does)
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        if self.lean is not None and past_key_values is None:
+            return self._lean_states(ids, attention_mask, position_ids)
         out = self.body(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
                         cache=past_key_values, use_cache=past_key_values is not None)
         return out.last_hidden_state
+
+    def _lean_states(self, ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                     position_ids: torch.Tensor | None, layers: list | None = None) -> torch.Tensor:
+        b, t = ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(t, device=ids.device).expand(b, t)
+        valid = None if attention_mask is None else attention_mask.bool()
+        return self.lean(ids, position_ids, self.lean.new_cache(b, t), valid, layers=layers)
+
+    @torch.no_grad()
+    def layer_states(self, ids: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """(every layer's hidden state as transformers' `output_hidden_states` gives it — the embedding output,
+        the residual stream after blocks 1..L-1, the normed output last —, the final hidden state [B,T,D])
+        for `ids` [B,T]: what the logit lens reads."""
+        if self.lean is not None:
+            layers: list[torch.Tensor] = []
+            last = self._lean_states(ids, None, None, layers)
+            return (*layers, last), last
+        out = self.body(input_ids=ids, output_hidden_states=True, use_cache=False)
+        return tuple(out.hidden_states), out.last_hidden_state
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The body's final norm applied to a residual-stream tensor [..., D]."""
+        if self.lean is not None:
+            return self.lean.norm(hidden, self.lean.final_norm)
+        return parts.final_norm(self.body)(hidden)
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
