@@ -310,8 +310,11 @@ def test_model_generate_delegates(model):
 
 def test_profile_collects_phase_times(model):
     profile: dict[str, float] = {}
-    list(generate(model, "The cat", 5, config=GREEDY, profile=profile))
+    list(generate(model, "The cat", 5, config=GREEDY, profile=profile, draft="none"))
     assert set(profile) == {"body", "head", "sampling", "text"} and all(v > 0 for v in profile.values())
+    drafted: dict[str, float] = {}
+    list(generate(model, "The cat", 5, config=GREEDY, profile=drafted, draft="int8"))
+    assert set(drafted) == {"draft", "body", "head", "sampling", "text"}
 
 
 @pytest.mark.parametrize("config", [

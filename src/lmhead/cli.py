@@ -58,9 +58,10 @@ def _add_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", default="auto", choices=["auto", "fp32", "exact-int8", "int8", "int4"],
                    help="LM head: auto (default: exact-int8 for heads of >= 256 MiB, else fp32), fp32, exact-int8 "
                    "(int8 + exact re-scoring: the fp32 head's greedy token and top-64), int8/int4 (approximate)")
-    p.add_argument("--body", default="auto", choices=["auto", "onednn", "transformers"],
-                   help="how the body's linear layers run: auto (default: oneDNN's kernel when torch has it), "
-                   "onednn, transformers (its own modules)")
+    p.add_argument("--body", default="auto", choices=["auto", "lean", "onednn", "transformers"],
+                   help="how the body runs: auto (default: lean where the architecture has it, else oneDNN), "
+                   "lean (the forward written out over the same weights: static KV cache, fused products), "
+                   "onednn (transformers' modules with oneDNN's linear kernel), transformers (its own modules)")
 
 
 def _load(args: argparse.Namespace):
@@ -283,6 +284,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-logprobs", type=int, default=0, metavar="N",
                    help="with --json: the N most likely alternatives at each step (0..20)")
     p.add_argument("--json", action="store_true", help="print one JSON object per generated token")
+    p.add_argument("--draft", default="auto", choices=["auto", "int8", "none"],
+                   help="speculative decoding: auto (default: the fastest exact setting for the model), int8 "
+                   "(the same model with int8 weights drafts, the full-precision model verifies), none. The "
+                   "text does not change: greedy is the full-precision model's, a --seed gives the same tokens")
+    p.add_argument("--draft-tokens", type=int, default=4, metavar="K",
+                   help="tokens drafted per verification to start with (1..16; adapts to the acceptance rate)")
+    p.add_argument("--stats", action="store_true",
+                   help="also print the speculative statistics (acceptance rate, tokens per verification)")
     p.set_defaults(run=_run_generate)
 
 
@@ -295,10 +304,15 @@ def _run_generate(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not 0 <= args.top_logprobs <= 20:
         raise ValueError(f"--top-logprobs must be in 0..20, got {args.top_logprobs}")
+    from lmhead.speculative import SpeculativeStats, check_draft_tokens
+
+    check_draft_tokens(args.draft_tokens)
     config = _sampling_config(args)  # bad settings fail before the model loads
     model = _load(args)
+    stats = SpeculativeStats()
     steps = model.generate(args.prompt, args.max_new_tokens, config=config, stop=args.stop,
-                           top_logprobs=args.top_logprobs)
+                           top_logprobs=args.top_logprobs, draft=args.draft, draft_tokens=args.draft_tokens,
+                           stats=stats)
     out, count, finish, t0 = sys.stdout, 0, None, time.perf_counter()
     if not args.json:
         out.write(args.prompt)
@@ -322,6 +336,9 @@ def _run_generate(args: argparse.Namespace) -> None:
         out.flush()
         rate = count / max(time.perf_counter() - t0, 1e-9)
         print(f"[{count} tokens, {rate:.1f} tokens/s, finish: {finish}]", file=sys.stderr)
+    if args.stats:
+        print(f"[draft: {stats.rounds} verifications, acceptance {stats.acceptance_rate:.2f}, "
+              f"{stats.tokens_per_round:.2f} tokens per verification]", file=sys.stderr)
 
 
 # --- commands added by later issues register here ----------------------------------------------------------

@@ -181,7 +181,8 @@ class _Detokenizer:
 def generate(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int = 32,
              config: SamplingConfig | Sequence[SamplingConfig] | None = None,
              stop: str | Sequence[str] | None = None, top_logprobs: int = 0, *,
-             generator: torch.Generator | None = None, profile: dict[str, float] | None = None) -> Iterator[Step]:
+             generator: torch.Generator | None = None, profile: dict[str, float] | None = None,
+             draft: str = "auto", draft_tokens: int = 4, stats=None) -> Iterator[Step]:
     """Generate up to `max_new_tokens` tokens per prompt, yielding one `Step` per token as it is chosen.
 
     model: an `lmhead.Model`. prompt_or_prompts: a str (steps have index 0) or a list of str (steps carry the
@@ -189,7 +190,13 @@ def generate(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int 
     a list with one per prompt (default: temperature 1, no cuts). stop: a str or list of str; the text ends
     before the first one that appears. top_logprobs: how many alternatives each step lists (0..20).
     generator: the torch.Generator for rows without a seed. profile: a dict to which the seconds spent in
-    "body", "head", "sampling" and "text" are added.
+    "draft", "body", "head", "sampling" and "text" are added.
+    draft: speculative decoding (`lmhead.speculative`) — "auto" (the fastest exact setting for this model,
+    see `Model.draft`), "int8" (the same model with int8 weights drafts, the full-precision model verifies),
+    "none". The output does not depend on it: greedy tokens are the full-precision model's, sampled tokens
+    follow exactly the pipeline's distribution (a seeded run reproduces, but draws other tokens than
+    draft="none" with the same seed). draft_tokens: tokens drafted per verification to start with (1..16;
+    adapted to the acceptance rate). stats: a `speculative.SpeculativeStats` that receives the counts.
 
     The arguments are checked when this is called (ValueError / TypeError naming the argument); the tokens
     come as the iterator is consumed.
@@ -212,7 +219,12 @@ def generate(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int 
             raise ValueError(f"{what}: {len(ids)} tokens leaves no room in the model's context of "
                              f"{model.context_length} tokens (at most {model.context_length - 1})")
         prompt_ids.append(ids)
-    return _loop(model, prompt_ids, configs, stops, max_new_tokens, top_logprobs, generator, profile)
+    from lmhead.speculative import check_draft_mode, check_draft_tokens
+
+    check_draft_mode(model, draft)
+    check_draft_tokens(draft_tokens)
+    return _loop(model, prompt_ids, configs, stops, max_new_tokens, top_logprobs, generator, profile,
+                 draft, draft_tokens, stats)
 
 
 class _Clock:
@@ -292,17 +304,92 @@ def _advance(detok: _Detokenizer, generated: list[int], budget: int, token: int,
     return text, None
 
 
+class _TransformersRounds:
+    """The decode rounds over transformers' modules (`Model.body`, a DynamicCache), for models without a
+    lean body: one token per row per round, no draft. Same interface as `speculative.Decoder`."""
+
+    def __init__(self, model, profile: dict[str, float] | None) -> None:
+        self.model, self.clock = model, _Clock(profile)
+
+    def start(self, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor | None,
+              max_new_tokens: int) -> torch.Tensor:
+        self.positions = positions
+        self.attention = None if valid is None else valid.long()
+        self.cache = self.model.new_cache()
+        hidden = self.model.hidden_states(ids, attention_mask=self.attention, position_ids=positions,
+                                          past_key_values=self.cache)
+        self.clock.lap("body")
+        self.pending = self.model.head(hidden[:, -1:, :]).squeeze(1)  # [B,V]: the last position only
+        self.clock.lap("head")
+        return ids[:, -1]
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache.batch_select_indices(rows)
+        self.positions = self.positions[rows]
+        if self.attention is not None:
+            self.attention = self.attention[rows]
+
+    def round(self, last, configs, history, prompt_len, steps, generator):
+        from lmhead.speculative import Round
+
+        if self.pending is not None:  # the prefill's logits choose the first token
+            logits, self.pending = self.pending, None
+        else:
+            self.positions = self.positions[:, -1:] + 1
+            if self.attention is not None:
+                self.attention = torch.cat([self.attention, self.attention.new_ones((len(last), 1))], dim=1)
+            hidden = self.model.hidden_states(last[:, None], attention_mask=self.attention,
+                                              position_ids=self.positions, past_key_values=self.cache)
+            self.clock.lap("body")
+            logits = self.model.head(hidden).squeeze(1)  # [B,1,D] -> [B,V]
+            self.clock.lap("head")
+        cfg = configs[0] if len({id(c) for c in configs}) == 1 else configs
+        ids = sample(logits, cfg, generator=generator, prev_tokens=history,
+                     prompt_len=prompt_len if history is not None else 0, step=steps[0])
+        self.clock.lap("sampling")
+        return Round([[t] for t in ids.tolist()], [logits[b:b + 1] for b in range(len(ids))])
+
+
+def _rounds(model, draft: str, draft_tokens: int, profile: dict[str, float] | None):
+    """The round source for `model`: the lean body's `Decoder` (with the draft of mode `draft`), else
+    transformers' modules."""
+    if model.lean is None:
+        return _TransformersRounds(model, profile)
+    from lmhead.speculative import Decoder
+
+    return Decoder(model.lean, model.head, model.draft(draft), k=draft_tokens, profile=profile)
+
+
+def _flat_scores(rnd, history, prompt_len, configs, top_n: int):
+    """Scores of every token a round emitted (rows × their tokens, flattened, in order): each token's
+    logprobs, rank and alternatives under the logits it was chosen from, the earlier tokens of the round
+    counted as generated."""
+    flat_cfg, prev, plen = [], [] if history is not None else None, []
+    for b, tokens in enumerate(rnd.tokens):
+        for j in range(len(tokens)):
+            flat_cfg.append(configs[b])
+            plen.append(prompt_len[b])
+            if prev is not None:
+                prev.append(history[b] + tokens[:j])
+    logits = torch.cat(rnd.logits, dim=0)
+    ids = torch.tensor([t for tokens in rnd.tokens for t in tokens], device=logits.device)
+    cfg = flat_cfg[0] if len({id(c) for c in flat_cfg}) == 1 else flat_cfg
+    return _scores(logits, ids, cfg, prev, plen if prev is not None else 0, top_n,
+                   greedy=all(c.is_greedy for c in flat_cfg))
+
+
 @torch.inference_mode()
 def _loop(model, prompt_ids: list[list[int]], configs: list[SamplingConfig], stops: list[str],
           max_new_tokens: int, top_n: int, generator: torch.Generator | None,
-          profile: dict[str, float] | None) -> Iterator[Step]:
-    device = model.head.weight.device
+          profile: dict[str, float] | None, draft: str = "none", draft_tokens: int = 4,
+          stats=None) -> Iterator[Step]:
+    device = model.exact_head.weight.device
     tokenizer = model.tokenizer
-    eos = torch.tensor(sorted(set(model.eos_token_ids)) or [-1], device=device)
+    eos = set(model.eos_token_ids)
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     n = len(prompt_ids)
     lengths = [len(p) for p in prompt_ids]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(eos[0].clamp(min=0))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else max(min(eos, default=0), 0)
     ids, positions, attention = _left_pad(prompt_ids, pad, device)
     budget = [max_new_tokens if model.context_length is None
               else min(max_new_tokens, model.context_length - length) for length in lengths]
@@ -311,54 +398,38 @@ def _loop(model, prompt_ids: list[list[int]], configs: list[SamplingConfig], sto
     detok = [_Detokenizer(tokenizer, p, stops, special) for p in prompt_ids]
     generated: list[list[int]] = [[] for _ in range(n)]
 
+    rounds = _rounds(model, draft, draft_tokens, profile)
+    if stats is not None and hasattr(rounds, "stats"):
+        rounds.stats = stats
+    last = rounds.start(ids, positions, None if attention is None else attention.bool(), max(budget))
     clock = _Clock(profile)
-    cache = model.new_cache()
-    hidden = model.hidden_states(ids, attention_mask=attention, position_ids=positions, past_key_values=cache)
-    clock.lap("body")
-    logits = model.head(hidden[:, -1:, :]).squeeze(1)  # [B,V]: the last position only
-    clock.lap("head")
-
     rows = list(range(n))  # the prompt index of each live batch row
-    step = 0
     while True:
-        live_configs = [configs[r] for r in rows]
+        live = [configs[r] for r in rows]
         use_prev = any(penalties[r] for r in rows)
-        prev = [prompt_ids[r] + generated[r] for r in rows] if use_prev else None
-        plen = [lengths[r] for r in rows] if use_prev else 0
-        cfg = live_configs[0] if len(set(map(id, live_configs))) == 1 else live_configs
-        next_ids = sample(logits, cfg, generator=generator, prev_tokens=prev, prompt_len=plen, step=step)
-        chosen, raw, ranks, alts = _scores(logits, next_ids, cfg, prev, plen, top_n, greedy=all(
-            c.is_greedy for c in live_configs))
-        eos_list = torch.isin(next_ids, eos).tolist()
+        history = [prompt_ids[r] + generated[r] for r in rows] if use_prev else None
+        plen = [lengths[r] for r in rows]
+        rnd = rounds.round(last, live, history, plen, [len(generated[r]) for r in rows], generator)
+        clock.t = time.perf_counter() if profile is not None else 0.0
+        chosen, raw, ranks, alts = _flat_scores(rnd, history, plen, live, top_n)
         clock.lap("sampling")
-
-        ids_list = next_ids.tolist()
         keep: list[int] = []
+        i = 0
         for b, r in enumerate(rows):
-            token = ids_list[b]
-            text, finish = _advance(detok[r], generated[r], budget[r], token, eos_list[b])
-            top = [TopLogprob(t, tokenizer.decode([t]), v, rv) for t, v, rv in alts[b]] if top_n else []
-            clock.lap("text")
-            yield Step(token, text, chosen[b], raw[b], ranks[b], finish, r, top)
-            clock.t = time.perf_counter() if profile is not None else 0.0  # the consumer's time is not ours
+            finish = None
+            for token in rnd.tokens[b]:
+                if finish is None:
+                    text, finish = _advance(detok[r], generated[r], budget[r], token, token in eos)
+                    top = [TopLogprob(t, tokenizer.decode([t]), v, rv) for t, v, rv in alts[i]] if top_n else []
+                    clock.lap("text")
+                    yield Step(token, text, chosen[i], raw[i], ranks[i], finish, r, top)
+                    clock.t = time.perf_counter() if profile is not None else 0.0  # the consumer's time
+                i += 1
             if finish is None:
                 keep.append(b)
         if not keep:
             return
-        if len(keep) < len(rows):  # drop finished rows from the batch and the cache
-            index = torch.tensor(keep, device=device)
-            cache.batch_select_indices(index)
-            next_ids = next_ids[index]
-            positions = positions[index]
-            if attention is not None:
-                attention = attention[index]
+        if len(keep) < len(rows):  # drop finished rows from the batch and the caches
+            rounds.select(torch.tensor(keep, device=device))
             rows = [rows[b] for b in keep]
-        step += 1
-        positions = positions[:, -1:] + 1
-        if attention is not None:
-            attention = torch.cat([attention, attention.new_ones((len(rows), 1))], dim=1)
-        hidden = model.hidden_states(next_ids[:, None], attention_mask=attention, position_ids=positions,
-                                     past_key_values=cache)
-        clock.lap("body")
-        logits = model.head(hidden).squeeze(1)  # [B,1,D] -> [B,V]
-        clock.lap("head")
+        last = torch.tensor([generated[r][-1] for r in rows], device=device)

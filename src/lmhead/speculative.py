@@ -5,9 +5,14 @@
     target (the full-precision body and the model's head) scores the k+1 positions in one forward: p_0..p_k,
         each the *processed* distribution of the whole pipeline (bias, penalties, temperature, top-k, top-p,
         min-p) given the tokens before it
-    greedy rows   accept the longest prefix with d_{i+1} = argmax p_i; then the target's own token — the output
-                  is token for token the full-precision greedy output
-    sampled rows  accept d_{i+1} with probability min(1, p_i(d)/q_i(d)); at the first rejection draw from
+    greedy rows and seeded rows
+                  the target's own choice at each position — its argmax, or for a seeded row the plain
+                  sampler's draw with that position's (seed, step) noise — and accept the longest prefix of
+                  drafts equal to it, then the target's own token; the draft proposes with the same noise,
+                  so it agrees often. The output is token for token what the plain loop gives: the
+                  full-precision greedy output, and for a seed the same tokens as without a draft
+    other sampled rows
+                  accept d_{i+1} with probability min(1, p_i(d)/q_i(d)); at the first rejection draw from
                   normalise(max(0, p_i − q_i)); when all k are accepted draw one more token from p_k
                   (Leviathan et al. 2023; Chen et al. 2023) — every emitted token is distributed exactly as
                   the plain sampler's
@@ -16,14 +21,15 @@ Why it is exact for sampling: for one position, P(emit x) = q(x)·min(1, p(x)/q(
 r = max(0, p−q)/Σmax(0, p−q) and P(reject) = 1 − Σ min(p, q) = Σ max(0, p−q); so P(x) = min(p, q)(x) +
 max(0, p−q)(x) = p(x). The test suite checks this in closed form and by a goodness-of-fit test over draws.
 
-Randomness: a seeded row draws its acceptance uniforms and its replacement tokens from generators keyed on
-(seed, the step of the token, a purpose tag), so a seed reproduces a run; other rows share one generator.
+Randomness: rows without a seed share one generator; `accept_sampled` can also key its uniforms and draws on
+(seed, step, a purpose tag) for callers that want that.
 The pure rules (`accept_greedy`, `accept_sampled`, `residual`) are apart from the draft model (`Draft`) and
 from the loop (`lmhead.generate`), which feeds them.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,16 +37,31 @@ from torch import Tensor
 
 from lmhead import checks
 from lmhead.models.fast_linear import Int8Linear, int8_linear_available
-from lmhead.models.lean import LeanBody, StaticCache
+from lmhead.models.lean import SUPPORTED_MODEL_TYPES, LeanBody, StaticCache
 from lmhead.sampling import seeded_generator
 
-__all__ = ["AdaptiveK", "Draft", "SpeculativeStats", "accept_greedy", "accept_sampled", "residual",
-           "token_generator", "frequent_tokens", "DRAFT_MODES", "MAX_DRAFT_TOKENS", "check_draft_tokens"]
+__all__ = ["AdaptiveK", "Decoder", "Draft", "Round", "SpeculativeStats", "accept_greedy", "accept_sampled",
+           "check_draft_mode", "check_draft_tokens", "frequent_tokens", "residual", "token_generator",
+           "DRAFT_MODES", "MAX_DRAFT_TOKENS"]
 
 DRAFT_MODES: tuple[str, ...] = ("auto", "int8", "none")
 MAX_DRAFT_TOKENS = 16
-# separate streams for the draft's draws, the acceptance uniforms and the replacement draws of one token
-DRAFT_TAG, _ACCEPT_TAG, _RESIDUAL_TAG = 0x3C, 0x5A, 0xA5
+# separate the streams of acceptance uniforms and replacement draws of one token (seeded `accept_sampled`)
+_ACCEPT_TAG, _RESIDUAL_TAG = 0x5A, 0xA5
+
+
+def check_draft_mode(model, mode: object) -> str:
+    """`mode` in DRAFT_MODES, and one the model can have (a draft needs the lean body and oneDNN's int8
+    kernel)."""
+    if mode not in DRAFT_MODES:
+        raise ValueError(f"draft must be one of {', '.join(DRAFT_MODES)}; got {mode!r}")
+    if mode == "int8" and getattr(model, "lean", None) is None:
+        raise ValueError("draft='int8' needs the lean body (model types "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}, body='auto' or 'lean'); use draft='none'")
+    if mode == "int8" and not int8_linear_available():
+        raise ValueError("draft='int8' needs oneDNN's int8 inner product, which this torch build lacks; "
+                         "use draft='none'")
+    return mode
 
 
 def check_draft_tokens(value: object) -> int:
@@ -263,10 +284,20 @@ class Decoder:
     """
 
     def __init__(self, lean: LeanBody, head, draft: Draft | None = None, k: int = 4, adaptive: bool = True,
-                 stats: SpeculativeStats | None = None) -> None:
+                 stats: SpeculativeStats | None = None, profile: dict[str, float] | None = None) -> None:
         self.lean, self.head, self.draft = lean, head, draft
-        self.k = AdaptiveK(k, adaptive) if draft is not None else None
+        self.k0, self.adaptive = k, adaptive
+        self.k: list[AdaptiveK] = []  # one per row: a row's k follows its own acceptance only
         self.stats = stats if stats is not None else SpeculativeStats()
+        self.profile = profile
+        self._t = time.perf_counter()
+
+    def _lap(self, phase: str) -> None:
+        """Add the time since the last lap to `profile[phase]` (nothing when there is no profile)."""
+        if self.profile is not None:
+            now = time.perf_counter()
+            self.profile[phase] = self.profile.get(phase, 0.0) + now - self._t
+            self._t = now
 
     @torch.inference_mode()
     def start(self, ids: Tensor, positions: Tensor, valid: Tensor | None, max_new_tokens: int) -> Tensor:
@@ -277,6 +308,7 @@ class Decoder:
         self.target = self.lean.new_cache(b, self.capacity)
         self.draft_cache = self.draft.new_cache(b, self.capacity) if self.draft is not None else None
         self.next_pos = positions[:, -1].clone()  # the position of `last`
+        self.k = [AdaptiveK(self.k0, self.adaptive) for _ in range(b)] if self.draft is not None else []
         if w > 1:
             self.lean(ids[:, :-1], positions[:, :-1], self.target, None if valid is None else valid[:, :-1])
         return ids[:, -1].clone()
@@ -286,6 +318,7 @@ class Decoder:
         if self.draft_cache is not None:
             self.draft_cache.select(rows)
         self.next_pos = self.next_pos.index_select(0, rows)
+        self.k = [self.k[i] for i in rows.tolist()] if self.k else []
 
     @torch.inference_mode()
     def round(self, last: Tensor, configs: list, history: list[list[int]] | None, prompt_len: list[int],
@@ -293,20 +326,28 @@ class Decoder:
         """One round. `last` [B] each row's newest token (not yet in the caches); `history` each row's tokens
         so far, `last` included (None when no row uses penalties); `prompt_len` [B]; `steps` [B] each row's
         count of generated tokens (the step of its next token)."""
-        k = self.k.k if self.k is not None else 0
+        ks = [a.k for a in self.k]
+        k = max(ks, default=0)  # the round drafts for the most hopeful row; each row verifies its own k
+        self._t = time.perf_counter()
         self._room(k + 1)
-        drafts, q = self._propose(last, k, configs, history, prompt_len, steps, generator) if k else (None, None)
+        drafts, q = None, None
+        if k:
+            drafts, q = self._propose(last, k, configs, history, prompt_len, steps, generator)
+            self._lap("draft")
         ids = last[:, None] if drafts is None else torch.cat([last[:, None], drafts], dim=1)     # [B,k+1]
         start = self.target.length
         hidden = self.lean(ids, self.next_pos[:, None] + torch.arange(k + 1), self.target)
+        self._lap("body")
         logits = self.head(hidden).float()                                                   # [B,k+1,V]
+        self._lap("head")
         if k == 0:
             tokens, n = self._plain(logits[:, 0], configs, history, prompt_len, steps, generator)
         else:
-            tokens, n = self._accept(logits, drafts, q, configs, history, prompt_len, steps, generator)
-            self._count(n, k)
+            tokens, n = self._accept(logits, drafts, q, ks, configs, history, prompt_len, steps, generator)
+            self._count(n, ks)
         self._keep(start, n)
         self.next_pos += n + 1
+        self._lap("sampling")
         return Round(tokens, [logits[r, : int(n[r]) + 1] for r in range(len(n))])
 
     def _room(self, t: int) -> None:
@@ -331,7 +372,7 @@ class Decoder:
         dists = []
         for i in range(k):
             prev = None if history is None else [h + d for h, d in zip(history, drafted, strict=True)]
-            d, p = _choose(x, configs, prev, prompt_len, [s + i for s in steps], DRAFT_TAG, generator)
+            d, p = _choose(x, configs, prev, prompt_len, [s + i for s in steps], generator)
             if p is not None:
                 dists.append(p)
             for row, t in zip(drafted, d.tolist(), strict=True):
@@ -350,38 +391,40 @@ class Decoder:
                      prompt_len=prompt_len if history is not None else 0, step=steps[0])
         return [[int(t)] for t in ids.tolist()], torch.zeros(len(configs), dtype=torch.long)
 
-    def _accept(self, logits: Tensor, drafts: Tensor, q: Tensor | None, configs, history, prompt_len, steps,
-                generator) -> tuple[list[list[int]], Tensor]:
-        """Per row the emitted tokens and the count n [B] of accepted drafts."""
+    def _accept(self, logits: Tensor, drafts: Tensor, q: Tensor | None, ks: list[int], configs, history,
+                prompt_len, steps, generator) -> tuple[list[list[int]], Tensor]:
+        """Per row the emitted tokens and the count n [B] of accepted drafts; row r judges its first ks[r]
+        drafts only (what it would have drafted alone)."""
         b, width, vocab = logits.shape
         rows = drafts.tolist()
+        # the pipeline at every position: position i follows the row's history and d_1..d_i
         flat_cfg = [c for c in configs for _ in range(width)]
         prev = None if history is None else [history[r] + rows[r][:i] for r in range(b) for i in range(width)]
         plen = [pl for pl in prompt_len for _ in range(width)]
-        greedy = [c.is_greedy for c in configs]
-        choice, p = _pipeline(logits.reshape(b * width, vocab), flat_cfg, prev, plen,
-                              [g for g in greedy for _ in range(width)])
+        flat_steps = [s + i for s in steps for i in range(width)]
+        choice, p = _pipeline(logits.reshape(b * width, vocab), flat_cfg, prev, plen, flat_steps)
         tokens, n = [], torch.zeros(b, dtype=torch.long)
         for r in range(b):
-            if greedy[r]:
-                target = choice[r * width:(r + 1) * width]
-                nr = int(accept_greedy(drafts[r:r + 1], target[None])[0])
+            kr, base = ks[r], r * width
+            if _deterministic(configs[r]):
+                target = choice[base:base + kr + 1]
+                nr = int(accept_greedy(drafts[r:r + 1, :kr], target[None])[0])
                 last = int(target[nr])
             else:
-                pr = p[r * width:(r + 1) * width]
-                got = accept_sampled(drafts[r:r + 1], q[r:r + 1], pr[None], [configs[r].seed], [steps[r]],
-                                     generator)
+                got = accept_sampled(drafts[r:r + 1, :kr], q[r:r + 1, :kr], p[None, base:base + kr + 1],
+                                     [None], [steps[r]], generator)
                 nr, last = int(got[0][0]), int(got[1][0])
             n[r] = nr
             tokens.append(rows[r][:nr] + [last])
         return tokens, n
 
-    def _count(self, n: Tensor, k: int) -> None:
+    def _count(self, n: Tensor, ks: list[int]) -> None:
         self.stats.rounds += 1
-        self.stats.drafted += k * len(n)
+        self.stats.drafted += sum(ks)
         self.stats.accepted += int(n.sum())
         self.stats.emitted += int(n.sum()) + len(n)
-        self.k.update(n.tolist(), k)
+        for adaptive, nr, kr in zip(self.k, n.tolist(), ks, strict=True):
+            adaptive.update([nr], kr)
 
     def _keep(self, start: int, n: Tensor) -> None:
         """After a round wrote columns start..: row r keeps start..start+n_r; the draft's cache follows."""
@@ -400,38 +443,44 @@ class Decoder:
                 cache.invalidate(r, start + nr + 1)
 
 
-def _pipeline(x: Tensor, configs: list, prev, plen, greedy: list[bool]) -> tuple[Tensor | None, Tensor | None]:
-    """For rows x [N,V]: the pipeline's argmax for greedy rows (ids [N], other rows 0) and the processed
-    distributions for sampled rows (probs [N,V], greedy rows unused). None where no row needs it."""
+def _deterministic(config) -> bool:
+    """Greedy and seeded rows: the plain sampler's choice is a function of the logits and (seed, step)."""
+    return config.is_greedy or config.seed is not None
+
+
+def _pipeline(x: Tensor, configs: list, prev, plen, steps: list[int]) -> tuple[Tensor | None, Tensor | None]:
+    """For rows x [N,V]: the plain sampler's choice for greedy and seeded rows (ids [N], other rows 0; a
+    seeded row draws with its (seed, step) noise, exactly as the plain loop) and the processed distributions
+    for the other sampled rows (probs [N,V]). None where no row needs it."""
     from lmhead.sampling import probabilities, sample
 
     def pick(rows: list[int]):
         sub_prev = None if prev is None else [prev[r] for r in rows]
         return [configs[r] for r in rows], sub_prev, [plen[r] for r in rows] if prev is not None else 0
 
-    g_rows = [r for r, g in enumerate(greedy) if g]
-    s_rows = [r for r, g in enumerate(greedy) if not g]
+    fixed = [r for r, c in enumerate(configs) if _deterministic(c)]
+    free = [r for r, c in enumerate(configs) if not _deterministic(c)]
     ids = probs = None
-    if g_rows:
-        cfg, sub_prev, sub_plen = pick(g_rows)
-        ids = torch.zeros(len(greedy), dtype=torch.long)
-        ids[g_rows] = sample(x[g_rows], cfg, prev_tokens=sub_prev, prompt_len=sub_plen)
-    if s_rows:
-        cfg, sub_prev, sub_plen = pick(s_rows)
+    if fixed:
+        cfg, sub_prev, sub_plen = pick(fixed)
+        ids = torch.zeros(len(configs), dtype=torch.long)
+        ids[fixed] = sample(x[fixed], cfg, prev_tokens=sub_prev, prompt_len=sub_plen,
+                            step=[steps[r] for r in fixed])
+    if free:
+        cfg, sub_prev, sub_plen = pick(free)
         probs = torch.zeros_like(x)
-        probs[s_rows] = probabilities(x[s_rows], cfg, prev_tokens=sub_prev, prompt_len=sub_plen)
+        probs[free] = probabilities(x[free], cfg, prev_tokens=sub_prev, prompt_len=sub_plen)
     return ids, probs
 
 
-def _choose(x: Tensor, configs: list, prev, plen, steps: list[int], tag: int,
-            generator) -> tuple[Tensor, Tensor | None]:
-    """The draft's token per row of x [B,V]: the pipeline's argmax (greedy rows) or a seeded draw from its
-    processed distribution (sampled rows, returned as q [B,V] for the acceptance rule)."""
-    greedy = [c.is_greedy for c in configs]
-    ids, probs = _pipeline(x, configs, prev, plen, greedy)
+def _choose(x: Tensor, configs: list, prev, plen, steps: list[int], generator) -> tuple[Tensor, Tensor | None]:
+    """The draft's token per row of x [B,V]: what the plain sampler would choose from the draft's logits
+    (greedy and seeded rows: the same (seed, step) noise as the target's check) or, for other sampled rows, a
+    draw from the processed distribution, returned as q [B,V] for the acceptance rule."""
+    ids, probs = _pipeline(x, configs, prev, plen, steps)
     if ids is None:
         ids = torch.zeros(len(configs), dtype=torch.long)
-    for r, g in enumerate(greedy):
-        if not g:
-            ids[r] = _draw(probs[r], token_generator(configs[r].seed, steps[r], tag, generator))
+    for r, c in enumerate(configs):
+        if not _deterministic(c):
+            ids[r] = _draw(probs[r], generator)
     return ids, probs

@@ -99,14 +99,19 @@ def int8_linear_available() -> bool:
 
 
 class Int8Linear:
-    """y = x·Wᵀ with W [N,K] stored as int8 (one fp32 scale per output row) and x quantised per call to 7 bits
-    (one asymmetric scale for the whole call): oneDNN's int8 inner product reads a quarter of fp32's bytes.
-    7 bits, not 8: without VNNI the kernel adds pairs of uint8·int8 products in int16, which saturates once
-    activations reach 128 (fbgemm's `reduce_range` for the same reason).
+    """y = x·Wᵀ with W [N,K] stored as int8 (one fp32 scale per output row) and x quantised to 7 bits: oneDNN's
+    int8 inner product reads a quarter of fp32's bytes.
 
-    Approximate by design — it serves the speculative draft, whose tokens the full-precision model verifies.
-    x [..., K] float32 -> [..., N] float32.
+    Each row of x is divided by its own max |x| first, so every row is quantised on the same fixed grid
+    (scale 2/126, zero point 63: [-1, 1] → [0, 126]) and its output is multiplied back: a row's result does not
+    depend on the other rows of the call (the kernel's int32 sums are exact), which keeps a seeded row's
+    draws the same in a batch and alone. 7 bits, not 8: without VNNI the kernel adds pairs of uint8·int8
+    products in int16, which saturates once activations reach 128 (fbgemm's `reduce_range` for the same
+    reason). Approximate by design — it serves the speculative draft, whose tokens the full-precision model
+    verifies. x [..., K] float32 -> [..., N] float32.
     """
+
+    STEP, ZERO = 2.0 / 126.0, 63
 
     def __init__(self, weight: torch.Tensor) -> None:
         w = weight.detach().float()
@@ -121,11 +126,8 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        lo, hi = torch.aminmax(x2)
-        lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
-        sx = (hi - lo) / 127.0 or 1.0
-        zero = min(127, max(0, round(-lo / sx)))
-        qx = torch.round(x2 / sx).add_(zero).clamp_(0, 127).to(torch.uint8)
-        y = torch.ops.onednn.qlinear_pointwise(qx, sx, zero, self.packed, self.scales, self.zeros, None,
-                                               1.0, 0, torch.float32, "none", [], "")
-        return y.view(*shape[:-1], self.out_features)
+        row_max = x2.abs().amax(dim=1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny)   # [M,1]
+        qx = torch.round(x2 / (row_max * self.STEP)).add_(self.ZERO).clamp_(0, 126).to(torch.uint8)
+        y = torch.ops.onednn.qlinear_pointwise(qx, self.STEP, self.ZERO, self.packed, self.scales, self.zeros,
+                                               None, 1.0, 0, torch.float32, "none", [], "")
+        return (y * row_max).view(*shape[:-1], self.out_features)

@@ -65,6 +65,7 @@ class Model:
         # the lean body (generate, predict, evaluate all run it when set); shares every weight with hf_model
         use_lean = body == "lean" or (body == "auto" and LeanBody.supports(hf_model))
         self.lean = LeanBody(hf_model) if use_lean else None
+        self._draft = None  # built by draft() on first use
         out = hf_model.get_output_embeddings()
         softcap = getattr(text_config, "final_logit_softcapping", None)
         self.exact_head = LMHead.from_weight(out.weight, bias=getattr(out, "bias", None), softcap=softcap or None)
@@ -90,6 +91,24 @@ class Model:
         vocab, width = self.exact_head.weight.shape
         return (f"Model({self.name!r}, vocab={vocab}, width={width}, "
                 f"layers={getattr(self.config, 'num_hidden_layers', '?')}, context={self.context_length})")
+
+    def draft(self, mode: str = "auto"):
+        """The speculative draft of mode `mode` (`lmhead.speculative.DRAFT_MODES`), built on first use and
+        kept: "int8" — this model's body with int8 weights and an int8 head over its most frequent tokens;
+        "none" — None; "auto" — the fastest exact setting measured for this kind of model (see
+        docs/decode.md): the int8 draft where the lean body and oneDNN's int8 kernel are there."""
+        from lmhead.models.fast_linear import int8_linear_available
+        from lmhead.speculative import Draft, check_draft_mode
+
+        check_draft_mode(self, mode)
+        if mode == "auto":
+            mode = "int8" if self.lean is not None and int8_linear_available() else "none"
+        if mode == "none":
+            return None
+        if self._draft is None:
+            self._draft = Draft(self.hf_model, self.tokenizer, head_weight=self.exact_head.weight,
+                                softcap=self.exact_head.softcap)
+        return self._draft
 
     @property
     def vocab_size(self) -> int:
@@ -164,12 +183,13 @@ class Model:
         return DynamicCache(config=self.config)
 
     def generate(self, prompt_or_prompts: str | Sequence[str], max_new_tokens: int = 32, config=None,
-                 stop: str | Sequence[str] | None = None, top_logprobs: int = 0) -> Iterator:
-        """Stream generated tokens as `Step`s; see `lmhead.generate.generate`."""
+                 stop: str | Sequence[str] | None = None, top_logprobs: int = 0, **kwargs: Any) -> Iterator:
+        """Stream generated tokens as `Step`s; see `lmhead.generate.generate` (keyword options: generator,
+        profile, draft, draft_tokens, stats)."""
         from lmhead.generate import generate
 
         return generate(self, prompt_or_prompts, max_new_tokens, config=config, stop=stop,
-                        top_logprobs=top_logprobs)
+                        top_logprobs=top_logprobs, **kwargs)
 
     def predict(self, prompt: str, top: int = 10, config=None, layers: bool = False, **kwargs):
         """The next-token candidates for `prompt`; see `lmhead.explain.predict`."""
