@@ -1,111 +1,174 @@
-"""Decode speed: lmhead's generate loop against transformers' generate() on the same loaded model.
+"""Decode speed: lmhead's generate loop against transformers' generate() and llama.cpp on the same weights.
 
-    .venv/bin/python benchmarks/bench_decode.py [--model gemma-3-270m] [--new-tokens 64] [--repeats 3]
-                                                [--head auto] [--body auto]
+    .venv/bin/python benchmarks/bench_decode.py [--model gemma-3-270m --model smollm2-135m] [--new-tokens 128]
+        [--prompts 5] [--repeats 1] [--draft none --draft int8] [--head auto] [--body auto] [--no-llama-cpp]
 
-Both run under torch.inference_mode on one prompt (batch 1), greedy and sampled (T=0.8, top-k 50, top-p 0.9),
-interleaved (lmhead, transformers, transformers, lmhead, ...) so that a busy machine slows both alike; the
-table shows medians of tokens/s (generated tokens / wall time, prefill included), their ratio, and where an
-lmhead step spends its time (body = the transformer, head = our head, sampling = the pipeline and the
-logprobs, text = incremental detokenization). Greedy tokens must be identical to transformers'.
-transformers' generate() always runs transformers' own modules (`model.hf_model`); lmhead runs `model.body`
-(by default the same weights through oneDNN linears) and `model.head` (by default exact-int8 for Gemma).
+Per model, batch 1, greedy and sampled (T=0.8, top-p 0.9): lmhead (one row per draft mode), transformers'
+`generate()` on the same loaded model (`model.hf_model`, its own modules), and llama.cpp's `llama-bench -t 2
+-p 0 -n N` on the same GGUF file when it is built (`make llama-bench`; optional, it compiles for minutes).
+Runs are interleaved (lmhead, transformers, transformers, lmhead, ...) so that a busy machine slows all alike;
+the table shows medians of tokens/s (generated tokens / wall time, prefill included) and ratios, and for lmhead
+where a token's time goes (draft, body, head, sampling, text in ms per token) beside what the body's and the
+head's bytes take at the read bandwidth measured in the same run. Greedy tokens must equal transformers'
+(the full-precision model's) on every prompt. The load average is printed with each table.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import io
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-PROMPT = "Once upon a time, in a small village by the sea, there lived"
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_head import read_bandwidth_gbs  # noqa: E402
+
+PROMPTS = [
+    "Once upon a time, in a small village by the sea, there lived",
+    "The three most important inventions of the twentieth century are",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Photosynthesis is the process by which plants",
+    "Dear hiring manager, I am writing to apply for",
+]
+LLAMA_BENCH = Path(__file__).resolve().parent.parent / "build" / "llama.cpp" / "bin" / "llama-bench"
 
 
-def _ours(model, prompt: str, n: int, config) -> tuple[float, list[int], dict[str, float]]:
-    from lmhead.generate import generate
-
+def _ours(model, prompt: str, n: int, config, draft: str) -> tuple[float, list[int], dict[str, float]]:
     profile: dict[str, float] = {}
     t = time.perf_counter()
-    ids = [s.token_id for s in generate(model, prompt, n, config=config, profile=profile)]
+    ids = [s.token_id for s in model.generate(prompt, n, config=config, profile=profile, draft=draft)]
     return time.perf_counter() - t, ids, profile
 
 
 def _theirs(model, prompt: str, n: int, sampled: bool) -> tuple[float, list[int]]:
     enc = model.tokenizer(prompt, return_tensors="pt")
-    kw = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9) if sampled else \
+    kw = dict(do_sample=True, temperature=0.8, top_k=None, top_p=0.9) if sampled else \
         dict(do_sample=False, temperature=None, top_k=None, top_p=None)
     t = time.perf_counter()
     with torch.inference_mode():
         out = model.hf_model.generate(**enc, max_new_tokens=n, pad_token_id=model.tokenizer.pad_token_id, **kw)
-    elapsed = time.perf_counter() - t
-    return elapsed, out[0, enc["input_ids"].shape[1]:].tolist()
+    return time.perf_counter() - t, out[0, enc["input_ids"].shape[1]:].tolist()
+
+
+def _llama_cpp(name: str, n: int, repeats: int) -> float | None:
+    """llama-bench's token-generation rate (tok/s) on the model's GGUF file, or None when it is not built."""
+    if not LLAMA_BENCH.exists():
+        return None
+    from lmhead.models.registry import MODELS
+
+    with tempfile.TemporaryDirectory() as work:
+        gguf = MODELS[name].gguf(Path(work))
+        out = subprocess.run([str(LLAMA_BENCH), "-m", str(gguf), "-t", "2", "-p", "0", "-n", str(n),
+                              "-r", str(repeats), "-o", "csv"], capture_output=True, text=True, check=True).stdout
+    row = list(csv.DictReader(io.StringIO(out)))[-1]
+    return float(row["avg_ts"])
+
+
+def _body_bytes(model) -> int:
+    """Bytes a decode step reads from the body: its matrices (embedding rows excluded: one row per token)."""
+    embed = model.hf_model.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.hf_model.base_model.parameters()
+               if p.dim() == 2 and p.data_ptr() != embed.data_ptr())
+
+
+def _head_bytes(model) -> int:
+    head = model.head
+    if hasattr(head, "compressed_bytes"):
+        return int(head.compressed_bytes())
+    return head.weight.numel() * head.weight.element_size()
+
+
+def bench_model(name: str, args) -> None:
+    from lmhead.models import load_model
+    from lmhead.sampling import SamplingConfig
+
+    model = load_model(name, head=args.head, body=args.body, progress=False)
+    prompts = PROMPTS[: args.prompts]
+    modes = {"greedy": SamplingConfig(temperature=0.0), "sampled": SamplingConfig(temperature=0.8, top_p=0.9)}
+    for draft in args.draft:  # warm-up: lazy initialisation in torch, transformers and oneDNN
+        _ours(model, prompts[0], 4, modes["greedy"], draft)
+    _theirs(model, prompts[0], 4, sampled=False)
+    llama = _llama_cpp(name, args.new_tokens, 3) if args.llama_cpp else None
+    bandwidth = read_bandwidth_gbs()
+    print(f"\n## {name}: batch 1, {args.new_tokens} new tokens, {len(prompts)} prompts x {args.repeats} "
+          f"interleaved repeats, torch threads {torch.get_num_threads()}, head {type(model.head).__name__} "
+          f"({args.head}), body {'lean' if model.lean is not None else args.body}; load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print("| mode | who | tok/s | vs transformers | vs llama.cpp | identical to fp32 greedy | "
+          "draft | body | head | sampling | text (ms/token) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for mode, config in modes.items():
+        rates: dict[str, list[float]] = {d: [] for d in args.draft} | {"transformers": []}
+        phases: dict[str, dict[str, float]] = {d: {} for d in args.draft}
+        tokens = {d: 0 for d in args.draft}
+        same = {d: 0 for d in args.draft}
+        outs: dict[tuple[str, str], list[int]] = {}
+        for r in range(args.repeats):
+            for prompt in prompts:
+                order = [*args.draft, "transformers"]
+                for who in order if r % 2 == 0 else order[::-1]:
+                    if who == "transformers":
+                        t, ref = _theirs(model, prompt, args.new_tokens, sampled=mode == "sampled")
+                        rates[who].append(len(ref) / t)
+                        continue
+                    t, ids, profile = _ours(model, prompt, args.new_tokens, config, who)
+                    rates[who].append(len(ids) / t)
+                    tokens[who] += len(ids)
+                    for k, v in profile.items():
+                        phases[who][k] = phases[who].get(k, 0.0) + v
+                    outs[(who, prompt)] = ids
+            if mode == "greedy":
+                for prompt in prompts:
+                    _, ref = _theirs(model, prompt, args.new_tokens, sampled=False)
+                    for d in args.draft:
+                        same[d] += int(outs[(d, prompt)] == ref)
+        hf = statistics.median(rates["transformers"])
+        for d in args.draft:
+            ours = statistics.median(rates[d])
+            ms = {k: 1e3 * v / max(tokens[d], 1) for k, v in phases[d].items()}
+            vs_llama = f"{ours / llama:.2f}x" if llama else "-"
+            ident = f"{same[d] // args.repeats}/{len(prompts)}" if mode == "greedy" else "-"
+            print(f"| {mode} | lmhead draft={d} | {ours:.1f} | {ours / hf:.2f}x | {vs_llama} | {ident} | "
+                  f"{ms.get('draft', 0):.1f} | {ms.get('body', 0):.1f} | {ms.get('head', 0):.1f} | "
+                  f"{ms.get('sampling', 0):.1f} | {ms.get('text', 0):.1f} |")
+        print(f"| {mode} | transformers generate() | {hf:.1f} | 1.00x | "
+              f"{f'{hf / llama:.2f}x' if llama else '-'} | - | | | | | |")
+    if llama:
+        print(f"| greedy | llama.cpp llama-bench -t 2 (its own Q4/Q8 arithmetic) | {llama:.1f} | | 1.00x | - "
+              f"| | | | | |")
+    body_ms, head_ms = _body_bytes(model) / bandwidth / 1e6, _head_bytes(model) / bandwidth / 1e6
+    print(f"read bandwidth {bandwidth:.1f} GB/s: the body's matrices ({_body_bytes(model) / 1e6:.0f} MB) take "
+          f"{body_ms:.1f} ms to read, the head ({_head_bytes(model) / 1e6:.0f} MB) {head_ms:.1f} ms; "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="gemma-3-270m", help="model name, .gguf file or HF folder")
-    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run (default 64)")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per mode (default 3)")
-    parser.add_argument("--prompt", default=PROMPT)
-    parser.add_argument("--head", default="auto",  # compressed head (issue 7)
-                        help="LM head: auto (default), fp32, exact-int8, int8, int4 (see lmhead.compressed)")
-    parser.add_argument("--body", default="auto",
-                        help="body linears: auto (default: oneDNN), onednn, transformers (models/fast_linear.py)")
+    parser.add_argument("--model", action="append", help="model name (repeatable; default both packaged)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per run (default 128)")
+    parser.add_argument("--prompts", type=int, default=5, choices=range(1, len(PROMPTS) + 1),
+                        help="how many of the built-in prompts (default 5)")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats per prompt (default 1)")
+    parser.add_argument("--draft", action="append", choices=["none", "int8"],
+                        help="lmhead draft modes to run (repeatable; default none and int8)")
+    parser.add_argument("--head", default="auto", help="LM head: auto (default), fp32, exact-int8, int8, int4")
+    parser.add_argument("--body", default="auto", help="body: auto (default), lean, onednn, transformers")
+    parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false",
+                        help="skip llama.cpp even when build/llama.cpp/bin/llama-bench exists")
     args = parser.parse_args(argv)
-
-    from lmhead.models import load_model
-    from lmhead.sampling import SamplingConfig
-
-    model = load_model(args.model, head=args.head, body=args.body)
-    modes = {
-        "greedy": SamplingConfig(temperature=0.0),
-        "sampled": SamplingConfig(temperature=0.8, top_k=50, top_p=0.9),
-    }
-    # warm-up: first calls pay for lazy initialisation in torch and transformers
-    _ours(model, args.prompt, 4, modes["greedy"])
-    _theirs(model, args.prompt, 4, sampled=False)
-
-    rows = []
-    greedy_same = None
-    for mode, config in modes.items():
-        ours, theirs, shares = [], [], {}
-        for r in range(args.repeats):
-            order = ("ours", "theirs") if r % 2 == 0 else ("theirs", "ours")
-            for who in order:
-                if who == "ours":
-                    t, ids, profile = _ours(model, args.prompt, args.new_tokens, config)
-                    ours.append(len(ids) / t)
-                    for k, v in profile.items():
-                        shares[k] = shares.get(k, 0.0) + v
-                    mine = ids
-                else:
-                    t, ids = _theirs(model, args.prompt, args.new_tokens, sampled=mode == "sampled")
-                    theirs.append(len(ids) / t)
-                    hf_ids = ids
-            if mode == "greedy":
-                same = mine == hf_ids
-                greedy_same = same if greedy_same is None else greedy_same and same
-                greedy_counts = (sum(a == b for a, b in zip(mine, hf_ids, strict=False)), len(hf_ids))
-        total = sum(shares.values())
-        rows.append((mode, statistics.median(ours), statistics.median(theirs),
-                     {k: v / total for k, v in shares.items()}))
-
-    print(f"model {model.name}, batch 1, {args.new_tokens} new tokens, prompt {args.prompt!r}, "
-          f"{args.repeats} interleaved repeats, torch threads {torch.get_num_threads()}, "
-          f"head {type(model.head).__name__} ({args.head}, kernel {getattr(model.head, 'kernel', '-')}), "
-          f"body {args.body}")
-    print(f"{'mode':<9}{'lmhead tok/s':>14}{'transformers tok/s':>20}{'ratio':>8}"
-          f"{'body':>8}{'head':>8}{'sampling':>10}{'text':>7}")
-    for mode, ours_rate, theirs_rate, share in rows:
-        print(f"{mode:<9}{ours_rate:>14.2f}{theirs_rate:>20.2f}{ours_rate / theirs_rate:>7.2f}x"
-              f"{share.get('body', 0):>8.0%}{share.get('head', 0):>8.0%}{share.get('sampling', 0):>10.0%}"
-              f"{share.get('text', 0):>7.0%}")
-    print(f"greedy tokens identical to transformers: {'yes' if greedy_same else 'NO'} "
-          f"({greedy_counts[0]}/{greedy_counts[1]} in the last run)")
-    return 0 if greedy_same else 1
+    args.model = args.model or ["gemma-3-270m", "smollm2-135m"]
+    args.draft = args.draft or ["none", "int8"]
+    for name in args.model:
+        bench_model(name, args)
+    return 0
 
 
 if __name__ == "__main__":
