@@ -82,7 +82,8 @@ def _body_bytes(model) -> int:
 def _head_bytes(model) -> int:
     head = model.head
     if hasattr(head, "compressed_bytes"):
-        return int(head.compressed_bytes())
+        size = head.compressed_bytes
+        return int(size() if callable(size) else size)
     return head.weight.numel() * head.weight.element_size()
 
 

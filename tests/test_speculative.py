@@ -241,3 +241,36 @@ def test_a_seeded_row_gives_the_plain_samplers_tokens(cfg):
     batch, _ = _decode("llama", prompts, 12, [config, SamplingConfig(temperature=0)], draft=True)
     assert spec == plain and batch[0] == plain[0]
     assert dec.stats.rounds > 0
+
+
+def test_generate_rejects_a_draft_the_model_cannot_have():
+    from lmhead.generate import generate
+    from lmhead.models.model import Model
+
+    hf_model, tokenizer = tiny_model("llama")
+    plain = Model(hf_model, tokenizer, body="transformers")
+    with pytest.raises(ValueError, match="draft='int8' needs the lean body"):
+        generate(plain, "The cat", 4, draft="int8")
+    lean = Model(hf_model, tokenizer)
+    with pytest.raises(ValueError, match="draft must be one of auto, int8, none"):
+        generate(lean, "The cat", 4, draft="int4")
+    with pytest.raises(ValueError, match=r"draft_tokens must be an int in \[1, 16\]"):
+        generate(lean, "The cat", 4, draft="int8", draft_tokens=0)
+
+
+def test_generate_with_a_draft_streams_the_plain_tokens_and_counts():
+    from lmhead.generate import generate
+    from lmhead.models.model import Model
+    from lmhead.sampling import SamplingConfig
+
+    hf_model, tokenizer = tiny_model("gemma3")
+    model = Model(hf_model, tokenizer)
+    stats = SpeculativeStats()
+    for cfg in (SamplingConfig(temperature=0), SamplingConfig(temperature=0.9, top_k=30, seed=2)):
+        plain = [(s.token_id, s.logprob, s.rank) for s in generate(model, "The cat", 12, config=cfg, draft="none")]
+        spec = [(s.token_id, s.logprob, s.rank) for s in generate(model, "The cat", 12, config=cfg, draft="int8",
+                                                                   stats=stats)]
+        assert [t for t, _, _ in spec] == [t for t, _, _ in plain]
+        for (_, a, ra), (_, b, rb) in zip(spec, plain, strict=True):
+            assert a == pytest.approx(b, abs=1e-4) and ra == rb
+    assert stats.rounds > 0 and 0 <= stats.acceptance_rate <= 1
