@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  := torch==2.13.0
 PROMPT ?= The cat sat on the
 
-.PHONY: install demo test test-fast bench lint browser clean
+.PHONY: install demo test test-fast bench lint browser clean llama-bench
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)" >&2; exit 2; }
@@ -40,6 +40,10 @@ test-fast: install
 
 bench: install
 	$(BIN)/python benchmarks/bench_sampling.py
+
+# llama.cpp's llama-bench for benchmarks/bench_decode.py (optional: compiles for ~10 minutes; never part of test)
+llama-bench: install
+	PYTHON=$(BIN)/python bash benchmarks/build_llama_bench.sh
 
 lint: install
 	$(BIN)/ruff check .

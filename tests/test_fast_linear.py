@@ -98,9 +98,9 @@ def test_greedy_tokens_equal_with_either_body(one_thread):
 
 def test_an_unknown_body_mode_names_the_allowed_ones():
     hf, tok = tiny_model("llama")
-    with pytest.raises(ValueError, match="body must be one of auto, onednn, transformers"):
+    with pytest.raises(ValueError, match="body must be one of auto, lean, onednn, transformers"):
         Model(hf, tok, body="fast")
-    assert BODY_MODES == ("auto", "onednn", "transformers")
+    assert BODY_MODES == ("auto", "lean", "onednn", "transformers")  # lean: issue 13
     from lmhead.models import load_model
 
     with pytest.raises(ValueError, match="body must be one of"):

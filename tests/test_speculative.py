@@ -158,7 +158,8 @@ def _decode(arch: str, prompts: list[list[int]], n: int, configs, draft: bool, k
         ids[r, width - len(p):] = torch.tensor(p)
         mask[r, width - len(p):] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    last = dec.start(ids, positions, mask.bool(), n)
+    # rows run on until the slowest has n tokens (generate drops a row at its budget): room for the fastest
+    last = dec.start(ids, positions, mask.bool(), 4 * n + 16)
     out: list[list[int]] = [[] for _ in prompts]
     while min(len(o) for o in out) < n:
         history = [p + o for p, o in zip(prompts, out, strict=True)]
