@@ -287,7 +287,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default="auto", choices=["auto", "int8", "none"],
                    help="speculative decoding: auto (default: the fastest exact setting for the model), int8 "
                    "(the same model with int8 weights drafts, the full-precision model verifies), none. The "
-                   "text does not change: greedy is the full-precision model's, a --seed gives the same tokens")
+                   "text does not change: greedy is the full-precision model's; a --seed gives the same tokens "
+                   "where the head's kept logits are exact (fp32 head, or top-k <= 64), else the same distribution")
     p.add_argument("--draft-tokens", type=int, default=4, metavar="K",
                    help="tokens drafted per verification to start with (1..16; adapts to the acceptance rate)")
     p.add_argument("--stats", action="store_true",

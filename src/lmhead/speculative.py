@@ -10,7 +10,10 @@
                   sampler's draw with that position's (seed, step) noise — and accept the longest prefix of
                   drafts equal to it, then the target's own token; the draft proposes with the same noise,
                   so it agrees often. The output is token for token what the plain loop gives: the
-                  full-precision greedy output, and for a seed the same tokens as without a draft
+                  full-precision greedy output, and for a seed the same tokens as without a draft wherever
+                  the head's logits of the kept tokens do not depend on how many positions it scores at once
+                  (the fp32 head; the compressed head within its exact top-k — beyond it, its approximate
+                  tail is computed per call, so a whole-row seeded draw keeps the distribution, not the draw)
     other sampled rows
                   accept d_{i+1} with probability min(1, p_i(d)/q_i(d)); at the first rejection draw from
                   normalise(max(0, p_i − q_i)); when all k are accepted draw one more token from p_k
