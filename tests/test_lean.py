@@ -138,3 +138,14 @@ def test_compact_gives_back_holes_without_changing_attention():
     assert cache.length == 9
     after = lean(ids[:, 8:9], torch.tensor([[8], [9]]), cache)
     torch.testing.assert_close(after, before, atol=ATOL, rtol=0)
+
+
+def test_a_fused_model_still_saves_and_reloads_its_weights(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf_model = _model("llama")
+    LeanBody(hf_model)  # q/k/v and gate/up now view one buffer each
+    hf_model.save_pretrained(tmp_path)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    for name, tensor in hf_model.state_dict().items():
+        assert torch.equal(back[name], tensor), name
