@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from lmhead import checks
-from lmhead.sampling import SamplingConfig, as_configs, logprobs, process_logits, sample
+from lmhead.sampling import SamplingConfig, as_configs, logprobs, process_logits
 
 _PROMPT_CONTEXT = 4  # prompt tokens decoded before the generated ones, then cut off (keeps leading spaces)
 
@@ -330,7 +330,7 @@ class _TransformersRounds:
             self.attention = self.attention[rows]
 
     def round(self, last, configs, history, prompt_len, steps, generator):
-        from lmhead.speculative import Round
+        from lmhead.speculative import Round, plain_choice
 
         if self.pending is not None:  # the prefill's logits choose the first token
             logits, self.pending = self.pending, None
@@ -343,9 +343,7 @@ class _TransformersRounds:
             self.clock.lap("body")
             logits = self.model.head(hidden).squeeze(1)  # [B,1,D] -> [B,V]
             self.clock.lap("head")
-        cfg = configs[0] if len({id(c) for c in configs}) == 1 else configs
-        ids = sample(logits, cfg, generator=generator, prev_tokens=history,
-                     prompt_len=prompt_len if history is not None else 0, step=steps[0])
+        ids = plain_choice(logits, configs, history, prompt_len, steps, generator)
         self.clock.lap("sampling")
         return Round([[t] for t in ids.tolist()], [logits[b:b + 1] for b in range(len(ids))])
 

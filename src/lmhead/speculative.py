@@ -44,7 +44,8 @@ from lmhead.models.lean import SUPPORTED_MODEL_TYPES, LeanBody, StaticCache
 from lmhead.sampling import seeded_generator
 
 __all__ = ["AdaptiveK", "Decoder", "Draft", "Round", "SpeculativeStats", "accept_greedy", "accept_sampled",
-           "check_draft_mode", "check_draft_tokens", "frequent_tokens", "residual", "token_generator",
+           "check_draft_mode", "check_draft_tokens", "frequent_tokens", "plain_choice", "residual",
+           "token_generator",
            "DRAFT_MODES", "MAX_DRAFT_TOKENS"]
 
 DRAFT_MODES: tuple[str, ...] = ("auto", "int8", "none")
@@ -387,11 +388,7 @@ class Decoder:
 
     def _plain(self, logits: Tensor, configs, history, prompt_len, steps, generator):
         """No draft: one token per row, exactly `sampling.sample` (same seeds, same steps)."""
-        from lmhead.sampling import sample
-
-        cfg = configs[0] if len({id(c) for c in configs}) == 1 else configs
-        ids = sample(logits, cfg, generator=generator, prev_tokens=history,
-                     prompt_len=prompt_len if history is not None else 0, step=steps[0])
+        ids = plain_choice(logits, configs, history, prompt_len, steps, generator)
         return [[int(t)] for t in ids.tolist()], torch.zeros(len(configs), dtype=torch.long)
 
     def _accept(self, logits: Tensor, drafts: Tensor, q: Tensor | None, ks: list[int], configs, history,
@@ -444,6 +441,17 @@ class Decoder:
         for r, nr in enumerate(n.tolist()):
             if start + nr + 1 < cache.length:
                 cache.invalidate(r, start + nr + 1)
+
+
+def plain_choice(logits: Tensor, configs: list, history, prompt_len, steps: list[int], generator) -> Tensor:
+    """The plain loop's next token per row of logits [B,V] → ids [B]: `sampling.sample` with each row's
+    history (penalties), its prompt length and the step of the token (rows of one round share it). One config
+    for all rows when they share one object, so the pipeline takes its whole-batch path."""
+    from lmhead.sampling import sample
+
+    cfg = configs[0] if len({id(c) for c in configs}) == 1 else configs
+    return sample(logits, cfg, generator=generator, prev_tokens=history,
+                  prompt_len=prompt_len if history is not None else 0, step=steps[0])
 
 
 def _deterministic(config) -> bool:

@@ -95,9 +95,9 @@ class Model:
     def draft(self, mode: str = "auto"):
         """The speculative draft of mode `mode` (`lmhead.speculative.DRAFT_MODES`), built on first use and
         kept: "int8" — this model's body with int8 weights and an int8 head over its most frequent tokens;
-        "none" — None; "auto" — the fastest exact setting measured (docs/decode.md): no draft for now — on
-        the 2-core AVX2 machine the int8 draft costs most of a full-precision step (per-op overhead of the
-        body, not bytes), so greedy decoding is faster without it (Gemma 3 270M 10.0 vs 8.5 tokens/s)."""
+        "none" — None; "auto" — the fastest exact setting measured (benchmarks/bench_decode.py, tables in
+        docs/decode.md): no draft for now — a drafted token costs most of a full-precision step (the body's
+        per-op overhead, not its bytes), so decoding is faster without it."""
         from lmhead.speculative import Draft, check_draft_mode
 
         check_draft_mode(self, mode)
