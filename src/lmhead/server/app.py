@@ -6,6 +6,7 @@
 Routes
     GET  /                       the page (static/index.html, app.js, style.css — served locally, no CDN)
     /api/*                       the page's own API: model, params, predict, step, generate, layers, score (api.py)
+                                 and its pictures and model list (charts.py; ?model=NAME: registry.py)
     /v1/*                        OpenAI-compatible: models, completions, chat/completions (v1.py)
 
 The package, one job per module:
@@ -30,8 +31,9 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
-from lmhead.server import api, v1
+from lmhead.server import api, charts, v1
 from lmhead.server.errors import APIError, add_error_handlers
+from lmhead.server.registry import ModelRegistry
 from lmhead.server.runner import ModelRunner
 from lmhead.server.served import Served
 
@@ -51,10 +53,12 @@ def create_app(model: Any) -> FastAPI:
     app.state.runner = runner
     app.state.model = model
     app.state.served = Served(model, runner, getattr(model, "name", "model"))
+    app.state.registry = ModelRegistry(app.state.served)  # ?model=NAME: the page's model selector
     add_error_handlers(app)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.add_api_route("/", _index, methods=["GET"], include_in_schema=False)
     app.include_router(api.router)
+    app.include_router(charts.router)
     app.include_router(v1.router)
     return app
 

@@ -49,9 +49,14 @@ class Served:
         return self.runner.stream(make_iter)
 
 
-def get_served(request: Request) -> Served:
-    """The dependency that hands a route the app's `Served`."""
-    return request.app.state.served
+async def get_served(request: Request) -> Served:
+    """The dependency that hands a route the app's `Served` (with `?model=NAME`: that model's, loaded on first use
+    by the app's `registry.ModelRegistry`)."""
+    name = request.query_params.get("model")
+    registry = getattr(request.app.state, "registry", None)
+    if name is None or registry is None:
+        return request.app.state.served
+    return await registry.get(name)
 
 
 def collect(make_iter: Callable[[], Iterable[T]]) -> list[T]:
