@@ -15,7 +15,8 @@ from lmhead.compressed import HEAD_MODES, CompressedHead, column_scales, kernels
 from lmhead.models.heads import resolve_head_mode, use_head
 
 # (bits, kernel) of every compressed path this torch build can run
-KERNELS8 = ["onednn", "int8pack"] if onednn_int8_usable() else ["int8pack"]
+KERNELS8 = ((["fbgemm"] if kernels.fbgemm_int8_usable() else []) + (["onednn"] if onednn_int8_usable() else [])
+            + ["int8pack"])
 PATHS = [(8, k) for k in KERNELS8] + [(4, "int4pack")]
 
 
@@ -156,6 +157,27 @@ def test_the_onednn_kernel_is_exact_up_to_its_output_rounding():
     assert bool(((y.double() - exact).abs() <= 8 * 2.0**-24 * exact.abs() + 1e-30).all())
 
 
+@pytest.mark.skipif(not kernels.fbgemm_int8_usable(), reason="no usable fbgemm dynamic int8 linear")
+def test_the_fbgemm_kernel_sees_our_grid_and_is_exact_up_to_its_output_rounding():
+    # fbgemm quantises its input itself; handed our power-of-two grid with both ends present, it must
+    # multiply exactly x̂ (several rows on one grid) and sum in int32: within 8u·|ŷ| of the float64 product.
+    V, D = 1024, 640
+    w, _ = _weights(V, D, seed=10)
+    head = CompressedHead(w, bits=8, kernel="fbgemm", calibration=_hidden(8, D, seed=42))
+    assert not torch.equal(head.column_scale, torch.ones(D))
+    h = _hidden(4, D, seed=11) * 10
+    y, xhat, magnitude = kernels.fbgemm_linear(h / head.column_scale,
+                                               kernels.FbgemmWeight(head.qweight[:V, :D], head.scales[:V]))
+    assert torch.equal(head.approx_logits(h), y)  # the head's approximate pass is this kernel, all rows
+    hp = h / head.column_scale
+    one_grid, s, _ = kernels.fbgemm_grid(hp)
+    assert float((one_grid - hp).abs().max()) <= 0.5 * s  # one 7-bit grid covers h' ...
+    assert float((xhat - hp.double()).abs().max()) <= 0.5 * s / 16  # ... and the residual's part refines it
+    dequant = reference.int8_rowwise_dequant(w * head.column_scale)
+    exact = xhat @ dequant.T
+    assert bool(((y.double() - exact).abs() <= 10 * 2.0**-24 * magnitude.double() + 1e-30).all())
+
+
 def test_column_scales_are_powers_of_two_that_flatten_the_outliers():
     D = 64
     w, _ = _weights(500, D, seed=43)
@@ -211,10 +233,12 @@ def test_the_kernel_is_chosen_by_how_tight_the_bound_stays_on_the_calibration_ro
     V, D = 3000, 128
     w, _ = _weights(V, D, seed=49)
     assert CompressedHead(w, bits=8).kernel == "int8pack"  # no calibration: bf16 activations, the tight bound
-    if onednn_int8_usable():
-        assert CompressedHead(w, bits=8, calibration=_hidden(8, D, seed=50)).kernel == "onednn"
-        # a re-scoring budget that onednn's looser bound cannot meet on the calibration rows
+    # with calibration: the first of fbgemm, onednn whose bound stays tight there, else int8pack
+    first = next((k for k in KERNELS8 if k != "int8pack"), None)
+    if first is not None:
+        assert CompressedHead(w, bits=8, calibration=_hidden(8, D, seed=50)).kernel == first
         assert CompressedHead(w, bits=8, calibration=_hidden(8, D, seed=50), max_rescore=8).kernel == "int8pack"
+        # (max_rescore=8: a re-scoring budget that the coarser activation grids cannot meet there)
 
 
 def test_too_many_candidates_fall_back_to_the_full_head_and_are_counted():
@@ -293,8 +317,8 @@ def test_bad_input_is_rejected_with_the_allowed_range():
         CompressedHead(w, softcap=-1.0)
     with pytest.raises(ValueError, match="exact_k"):
         CompressedHead(w, exact_k=-1)
-    with pytest.raises(ValueError, match="kernel must be one of onednn, int8pack for bits=8"):
-        CompressedHead(w, bits=8, kernel="fbgemm")
+    with pytest.raises(ValueError, match="kernel must be one of fbgemm, onednn, int8pack for bits=8"):
+        CompressedHead(w, bits=8, kernel="cublas")
     with pytest.raises(ValueError, match="kernel must be one of int4pack for bits=4"):
         CompressedHead(w, bits=4, kernel="onednn")
     with pytest.raises(ValueError, match=r"smoothing_alpha must be a number in \[0, 1\]"):
@@ -477,13 +501,14 @@ def test_load_model_with_a_compressed_head_generates_the_fp32_tokens():
 
 @pytest.mark.model
 def test_gemmas_default_head_is_exact_on_its_hidden_states():
-    # load_model's default for Gemma 3: exact-int8, calibrated column scales, the onednn kernel where usable
+    # load_model's default for Gemma 3: exact-int8, calibrated column scales, the first of the fbgemm and
+    # onednn kernels that is usable (both are tight enough on Gemma's calibration rows)
     from lmhead import load_model
 
     model = load_model("gemma-3-270m", progress=False)
     head = model.head
     assert isinstance(head, CompressedHead)
-    assert head.kernel == ("onednn" if onednn_int8_usable() else "int8pack")
+    assert head.kernel == next((k for k in KERNELS8 if k != "int8pack"), "int8pack")
     w = head.weight.detach()
     prompts = ["The cat sat on the", "def fibonacci(n):\n    return", "Le chat est", "1, 2, 3, 4,"]
     h = torch.cat([model.hidden_states(torch.tensor([model.encode(p)]))[0] for p in prompts])

@@ -2,9 +2,9 @@
 
 Notation. u = 2⁻²⁴ (fp32 unit roundoff), γ_n = n·u/(1 − n·u). W [V,D] is the full-precision weight, h [D] a
 hidden state, y_i the fp32 head's logit (W h + b)_i, in whatever summation order its BLAS uses. The kernel
-multiplies a quantised, column-scaled copy: with column scales c (powers of two; 1 unless the onednn kernel
-was calibrated), w'_i = w_i·c and h' = h / c, so w_i·h = w'_i·h' exactly. ŵ'_i is the quantised row as the
-kernel dequantises it, x̂ the activation as the kernel sees it (bf16(h'), or the uint8 grid for onednn) and
+multiplies a quantised, column-scaled copy: with column scales c (powers of two; 1 unless the onednn or
+fbgemm kernel was calibrated), w'_i = w_i·c and h' = h / c, so w_i·h = w'_i·h' exactly. ŵ'_i is the quantised row as the
+kernel dequantises it, x̂ the activation as the kernel sees it (bf16(h'), or the uint8 / 7-bit grid for onednn / fbgemm) and
 δ = h' − x̂. Then, for every row i and γ = γ_{D+2}:
 
     |y_i − w_i·h|        ≤ γ Σ|w_ij||h_j|            (fp32 reference, any summation order)
@@ -12,11 +12,12 @@ kernel dequantises it, x̂ the activation as the kernel sees it (bf16(h'), or th
     |ŵ'_i·δ|             ≤ min(Ŵ∞_i‖δ‖₁, Ŵ2_i‖δ‖₂)
     |acc_i − ŵ'_i·x̂|     ≤ γ Σ|ŵ'_ij||x̂_j|           (int8pack/int4pack: fp32 FMA accumulation; the int4
                                                      kernel's dequantising FMA adds one more u, inside
-                                                     γ_{D+2}; onednn: 0, its int32 sum is exact)
+                                                     γ_{D+2}; onednn, fbgemm: 0, their int32 sums are
+                                                     exact)
 
 and each Σ|a||b| ≤ min(‖a‖∞‖b‖₁, ‖a‖₂‖b‖₂). `static_bound` takes the smaller of the all-ℓ∞/ℓ₁ and the all-ℓ₂
 sums; `logit_bound` adds the rounding of the kernel's output (`output_coefficient`: bf16 for int8pack/int4pack,
-a few fp32 ulps for onednn) and of the bias additions, and inflates by `SAFETY` for the fp32 arithmetic of
+a few fp32 ulps for onednn and fbgemm) and of the bias additions, and inflates by `SAFETY` for the fp32 arithmetic of
 the bound itself. The row norms (`RowNorms`) are measured once at compression time and inflated by
 `NORM_INFLATION` so that their fp32 rounding (≤ γ_D relative) leaves upper bounds.
 
@@ -132,6 +133,10 @@ def static_bound(act: ActivationNorms, rows: RowNorms, d_model: int) -> torch.Te
 
 def output_coefficient(kernel: str) -> float:
     """Relative rounding of `kernel`'s output (and the bias additions): |acc − ŷ| ≤ coefficient·|ŷ|."""
+    if kernel == "fbgemm":
+        # relative to the parts' magnitudes |y₁| + |y₂|/f: 8u for each part's output (as onednn's) and u for
+        # their fp32 sum; 10u covers them with room
+        return 10 * U32
     if kernel == "onednn":
         # fp32 output: int32 -> fp32 conversion and two scale multiplications (≤ 3u relative), the bias
         # additions; 8u covers them with room.
@@ -143,7 +148,8 @@ def output_coefficient(kernel: str) -> float:
 
 def logit_bound(act: ActivationNorms, rows: RowNorms, d_model: int, y_raw: torch.Tensor, kernel: str,
                 bias: torch.Tensor | None) -> torch.Tensor:
-    """Per-logit bound [N,V]: |ŷ_i + b_i − y_i| ≤ bound_i for the kernel output y_raw [N,V] (pre-bias)."""
+    """Per-logit bound [N,V]: |ŷ_i + b_i − y_i| ≤ bound_i for the kernel output ŷ [N,V] (pre-bias), whose
+    rounding is relative to y_raw [N,V] (ŷ itself, or for fbgemm the magnitude of its two parts)."""
     b = static_bound(act, rows, d_model)
     b.add_(y_raw.abs().mul_(output_coefficient(kernel)))
     if bias is not None:

@@ -4,7 +4,7 @@ could be in the top k (see the package docstring for the pipeline, `bound.py` fo
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,17 @@ from lmhead.compressed.quantize import SMOOTHING_ALPHA, QuantizedWeight
 HEAD_MODES: tuple[str, ...] = ("fp32", "exact-int8", "int8", "int4")
 
 
+class Approx(NamedTuple):
+    """One approximate pass: the kernel's logits y [N,V] fp32 (no bias), the activation x̂ [N,D] float64 it
+    multiplied (column-scaled), the kernel that ran, and the magnitude [N,V] its output rounding is relative
+    to (y itself, or for fbgemm's two-part product the sum of the parts' magnitudes)."""
+
+    y: torch.Tensor
+    xhat: torch.Tensor
+    kernel: str
+    magnitude: torch.Tensor
+
+
 def _check_format(bits: Any, group_size: Any) -> int | None:
     """The group size for `bits` (None for int8, 32 by default for int4), or ValueError."""
     if bits not in (4, 8):
@@ -40,22 +51,31 @@ def _check_format(bits: Any, group_size: Any) -> int | None:
 
 
 def _choose_kernel(bits: int, kernel: str | None, calibration: torch.Tensor | None,
-                   state: dict[str, torch.Tensor] | None) -> tuple[str, bool]:
-    """(kernel, trial): the kernel to compress for, and whether to try it on the calibration rows first
-    (kernel=None with calibration and a usable oneDNN: "onednn" unless its bound is too loose there)."""
-    trial = False
+                   state: dict[str, torch.Tensor] | None) -> tuple[str, list[str]]:
+    """(kernel, fallbacks): the kernel to compress for, and the ones to try in turn if its bound is too loose
+    on the calibration rows (kernel=None with calibration: "fbgemm", then "onednn", where their self-tests
+    pass, trialled on the calibration rows; "int8pack" always works, and is the choice without calibration)."""
+    fallbacks: list[str] = []
     if kernel is None and state is not None and quantize.state_kernel(state) is not None:
         kernel = quantize.state_kernel(state)  # a cached head: the kernel it was built for
+    elif kernel is None and bits == 8:
+        order = [k for k, usable in (("fbgemm", kernels.fbgemm_int8_usable()),
+                                     ("onednn", kernels.onednn_int8_usable())) if usable]
+        if calibration is None:
+            order = []  # nothing to trial a coarser activation grid on: bf16 activations, the tight bound
+        kernel, fallbacks = (order + ["int8pack"])[0], (order + ["int8pack"])[1:]
     elif kernel is None:
-        trial = bits == 8 and calibration is not None and kernels.onednn_int8_usable()
-        kernel = "onednn" if trial else ("int8pack" if bits == 8 else "int4pack")
-    allowed = ("onednn", "int8pack") if bits == 8 else ("int4pack",)
+        kernel = "int4pack"
+    allowed = ("fbgemm", "onednn", "int8pack") if bits == 8 else ("int4pack",)
     if kernel not in allowed:
         raise ValueError(f"kernel must be one of {', '.join(allowed)} for bits={bits}, got {kernel!r}")
     if kernel == "onednn" and not kernels.onednn_int8_usable():
         raise ValueError("kernel='onednn': this torch build has no usable oneDNN int8 inner product; "
                          "use kernel='int8pack'")
-    return kernel, trial
+    if kernel == "fbgemm" and not kernels.fbgemm_int8_usable():
+        raise ValueError("kernel='fbgemm': this torch build has no usable fbgemm dynamic int8 linear; "
+                         "use kernel='int8pack'")
+    return kernel, fallbacks
 
 
 def _check_tensors(weight: Any, bias: Any, calibration: Any) -> None:
@@ -89,12 +109,12 @@ class CompressedHead(nn.Module):
         max_rows: calls with more rows than this (prefill over many positions, the logit lens) use the
             full-precision head, which is as fast there: the int kernels win only while the product is memory
             bound, and the per-row selection costs grow.
-        kernel: for bits=8, "onednn" or "int8pack" (see `kernels.py`). None: with `calibration` and a usable
-            oneDNN, "onednn" if on the calibration rows it re-scores a median of at most max_rescore/4 tokens
-            and at most 2% of them fall back, else "int8pack"; without calibration "int8pack". bits=4 always
-            uses int4pack.
+        kernel: for bits=8, "fbgemm", "onednn" or "int8pack" (see `kernels.py`). None: the first of fbgemm,
+            onednn (each where its self-test passes) that on the calibration rows re-scores a median of at
+            most max_rescore/4 tokens with at most 2% of them falling back, else "int8pack"; without
+            calibration "int8pack". bits=4 always uses int4pack.
         calibration: hidden states [N,D] like the ones the head will see (e.g. a prompt's), used by the
-            onednn kernel to choose its column scales and by kernel=None to choose the kernel; the bounds
+            fbgemm and onednn kernels to choose their column scales and by kernel=None to choose the kernel; the bounds
             hold for any choice, only their tightness (how many candidates get re-scored) depends on it.
         smoothing_alpha: the exponent of `column_scales` (default 0.4; `bench_head.py --alphas` compares).
         state: a `compressed_state()` of a head built with the same options on this weight (e.g. read back
@@ -120,7 +140,7 @@ class CompressedHead(nn.Module):
         _check_tensors(weight, bias, calibration)
         V, D = weight.shape
         group_size = _check_format(bits, group_size)
-        kernel, trial = _choose_kernel(bits, kernel, calibration, state)
+        kernel, fallbacks = _choose_kernel(bits, kernel, calibration, state)
         if not checks.is_real(smoothing_alpha) or not 0.0 <= smoothing_alpha <= 1.0:
             raise ValueError(f"smoothing_alpha must be a number in [0, 1], got {smoothing_alpha!r}")
         self.smoothing_alpha = float(smoothing_alpha)
@@ -146,9 +166,9 @@ class CompressedHead(nn.Module):
             return
         with torch.no_grad():
             self._hold(self._quantize(calibration))
-            if trial and not self._kernel_pays_off(calibration):
-                self.kernel = "int8pack"
-                self._hold(self._quantize(None))
+            while fallbacks and calibration is not None and not self._kernel_pays_off(calibration):
+                self.kernel = fallbacks.pop(0)
+                self._hold(self._quantize(calibration))
 
     # ---- construction ----------------------------------------------------------------------------------
 
@@ -176,7 +196,7 @@ class CompressedHead(nn.Module):
     def _quantize(self, calibration: torch.Tensor | None) -> QuantizedWeight:
         w = self.weight.detach()
         col = torch.ones(self.d_model)
-        if self.kernel == "onednn" and calibration is not None:
+        if self.kernel in ("onednn", "fbgemm") and calibration is not None:
             col = quantize.column_scales(calibration.detach(), w, self.smoothing_alpha)
         return quantize.quantize(w, self.bits, self.group_size, col, self._Dp, self._Vp)
 
@@ -186,13 +206,15 @@ class CompressedHead(nn.Module):
         self.register_buffer("qweight", qw.qweight, persistent=False)
         self.register_buffer("scales", qw.scales, persistent=False)
         self.norms = qw.norms
-        self._onednn = None
+        self._onednn = self._fbgemm = None
+        V, D = self.vocab_size, self.d_model
         if self.kernel == "onednn":
-            V, D = self.vocab_size, self.d_model
             self._onednn = kernels.OneDNNWeight(self.qweight[:V, :D], self.scales[:V])
+        elif self.kernel == "fbgemm":
+            self._fbgemm = kernels.FbgemmWeight(self.qweight[:V, :D], self.scales[:V])
 
     def _kernel_pays_off(self, calibration: torch.Tensor) -> bool:
-        """Whether this (onednn) head's bound stays tight on the calibration rows, one row per call as in
+        """Whether this (fbgemm or onednn) head's bound stays tight on the calibration rows, one row per call as in
         decoding: at most 2% of them over max_rescore candidates and a median of at most max_rescore/4 (on
         Gemma 3 it is; on SmolLM2, whose hidden states have larger outliers, it is not)."""
         k = max(1, min(self.exact_k or 64, self.vocab_size))
@@ -200,9 +222,8 @@ class CompressedHead(nn.Module):
         with kernels.one_thread():
             for n in range(calibration.shape[0]):
                 h = calibration[n:n + 1].to(torch.float32)
-                y_raw, xhat, used = self._approx(h)
-                b = self._bounds(h, y_raw, xhat, used)
-                counts.append(int(bound.candidate_mask(self._with_bias(y_raw), b, k).sum()))
+                a = self._approx(h)
+                counts.append(int(bound.candidate_mask(self._with_bias(a.y), self._bounds(h, a), k).sum()))
         if not counts:
             return True
         counts.sort()
@@ -231,13 +252,15 @@ class CompressedHead(nn.Module):
         """Bytes the approximate pass reads per call: the packed weight and its scales."""
         if self.kernel == "onednn":  # the prepacked copy is what the kernel reads: [V,D] int8 + fp32 scales
             return self.vocab_size * self.d_model + self.vocab_size * 4
+        if self.kernel == "fbgemm":
+            return self._fbgemm.nbytes
         return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * 2
 
     @property
     def extra_bytes(self) -> int:
         """Memory this head adds next to the full-precision weight (packed weight, scales, row norms)."""
         extra = self.compressed_bytes + self.norms.table.numel() * 4
-        if self.kernel == "onednn":  # the plain int8 copy, kept for the on-disk cache
+        if self.kernel in ("onednn", "fbgemm"):  # the plain int8 copy, kept for the on-disk cache
             extra += self.qweight.numel() + self.scales.numel() * 2
         return extra
 
@@ -266,33 +289,39 @@ class CompressedHead(nn.Module):
             raise ValueError(f"hidden must have last dimension D={self.d_model}, got shape {tuple(hidden.shape)}")
         return hidden.reshape(-1, self.d_model).to(torch.float32)
 
-    def _approx(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
-        """(kernel logits without bias [N,V] fp32, x̂ [N,D] float64: the activation as the kernel multiplied
-        it, in the column-scaled space h' = h / c, the kernel that ran).
+    def _approx(self, h: torch.Tensor) -> Approx:
+        """The kernel's logits without bias [N,V] fp32, x̂ [N,D] float64 (the activation as the kernel
+        multiplied it, in the column-scaled space h' = h / c), the kernel that ran, and the magnitude its output
+        rounding is relative to (`Approx`).
 
         The onednn kernel serves one row per call (decoding): its activation scale is per call, so on several
         rows a small row would share a large row's scale. Several rows go to int8pack on the same int8
-        weights (bf16 activations: a relative rounding per element).
+        weights (bf16 activations: a relative rounding per element). fbgemm serves every call on one grid: the
+        rows a decode step scores (a draft's k+1 positions, a batch) are final-normed hidden states of
+        similar range, and int8pack is several times slower than fbgemm where fbgemm runs.
         """
+        if self.kernel == "fbgemm":
+            y, xhat, magnitude = kernels.fbgemm_linear(h / self.column_scale, self._fbgemm)
+            return Approx(y, xhat, "fbgemm", magnitude)
         if self.kernel == "onednn" and h.shape[0] == 1:
             y, xhat = kernels.onednn_linear(h / self.column_scale, self._onednn)  # h / c: exact, powers of two
-            return y, xhat, "onednn"
+            return Approx(y, xhat, "onednn", y)
         hb = kernels.bf16_activation(h if self.kernel != "onednn" else h / self.column_scale, self._Dp)
         if self.bits == 8:
             y, used = kernels.int8pack_linear(hb, self.qweight, self.scales), "int8pack"
         else:
             y, used = kernels.int4pack_linear(hb, self.qweight, self.group_size, self.scales), "int4pack"
-        return y[:, : self.vocab_size].float(), hb[:, : self.d_model].double(), used
+        y = y[:, : self.vocab_size].float()
+        return Approx(y, hb[:, : self.d_model].double(), used, y)
 
     def _with_bias(self, y_raw: torch.Tensor) -> torch.Tensor:
         """y_raw + b in fp32 (y_raw itself when there is no bias)."""
         return y_raw + self.bias.detach().float() if self.bias is not None else y_raw
 
-    def _bounds(self, h: torch.Tensor, y_raw: torch.Tensor, xhat: torch.Tensor, kernel: str) -> torch.Tensor:
-        """Per-logit error bound [N,V] for the output y_raw [N,V] (pre-bias) of `kernel` on rows h [N,D] whose
-        activation it saw as x̂ [N,D]."""
-        act = bound.activation_norms(h, xhat, self.column_scale)
-        return bound.logit_bound(act, self.norms, self.d_model, y_raw, kernel, self.bias)
+    def _bounds(self, h: torch.Tensor, a: Approx) -> torch.Tensor:
+        """Per-logit error bound [N,V] for the kernel output `a` (pre-bias) on rows h [N,D]."""
+        act = bound.activation_norms(h, a.xhat, self.column_scale)
+        return bound.logit_bound(act, self.norms, self.d_model, a.magnitude, a.kernel, self.bias)
 
     def _exact_rows(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Full-precision pre-softcap logits [N, len(ids)] of the given rows, as the fp32 head computes them."""
@@ -330,17 +359,17 @@ class CompressedHead(nn.Module):
         if N > self.max_rows:
             self.stats["full_rows"] += N
             return self._full(h), None
-        y_raw, xhat, used = self._approx(h)  # the one big memory-bound pass: torch's thread count
+        a = self._approx(h)  # the one big memory-bound pass: torch's thread count
         # The rest is a few dozen small [N,V] passes: on 1 thread they never wait for a busy core.
         with kernels.one_thread():
-            out = self._select(h, y_raw, xhat, used, k, check)
+            out = self._select(h, a, k, check)
         return out if out is not None else (self._full(h), None)
 
-    def _select(self, h: torch.Tensor, y_raw: torch.Tensor, xhat: torch.Tensor, kernel: str, k: int,
-                check: int) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    def _select(self, h: torch.Tensor, a: Approx, k: int, check: int
+                ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """Bounds, candidates, re-scoring and the near-tie check for `_logits`; None = use the full head."""
         N, V = h.shape[0], self.vocab_size
-        y = self._with_bias(y_raw) if self.bias is not None else y_raw.clone()  # written into below
+        y = self._with_bias(a.y) if self.bias is not None else a.y.clone()  # written into below
         # A bf16 overflow or NaN input: no bound holds, use the full head. One sum is cheaper than
         # isfinite().all() over [N,V]; it is also non-finite when the finite values overflow it (then the
         # full head serves a call that did not need it: safe).
@@ -350,7 +379,7 @@ class CompressedHead(nn.Module):
         if k == 0:
             return y, [y.new_empty(0, dtype=torch.long) for _ in range(N)]
         k = min(k, V)
-        mask = bound.candidate_mask(y, self._bounds(h, y_raw, xhat, kernel), k)
+        mask = bound.candidate_mask(y, self._bounds(h, a), k)
         counts = mask.sum(1)
         if int(counts.max()) > self.max_rescore:
             self.stats["fallback_rows"] += int((counts > self.max_rescore).sum())
@@ -399,8 +428,7 @@ class CompressedHead(nn.Module):
         """The kernel's approximate logits alone: hidden [..., D] -> [N,V] fp32 (bias added, before softcap,
         nothing re-scored), within `error_bound` of the fp32 head's. One kernel call: the compressed pass that
         the benchmarks time and the tests hold against the kernels' error model."""
-        y_raw, _, _ = self._approx(self._check_hidden(hidden))
-        return self._with_bias(y_raw)
+        return self._with_bias(self._approx(self._check_hidden(hidden)).y)
 
     def error_bound(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Approximate pre-softcap logits and their rigorous error bound, both [N,V] fp32 (N = rows of hidden).
@@ -409,8 +437,8 @@ class CompressedHead(nn.Module):
         included). The softcap c·tanh(x/c) is 1-Lipschitz, so the same bound holds after it.
         """
         h = self._check_hidden(hidden)
-        y_raw, xhat, used = self._approx(h)
-        return self._with_bias(y_raw), self._bounds(h, y_raw, xhat, used)
+        a = self._approx(h)
+        return self._with_bias(a.y), self._bounds(h, a)
 
     def topk_exact(self, hidden: torch.Tensor, k: int, strict: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The fp32 head's top-k of each row: (values [N,k] fp32 after softcap, ids [N,k] long), best first.

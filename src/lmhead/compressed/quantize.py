@@ -21,7 +21,7 @@ from lmhead.compressed.bound import NORM_INFLATION, RowNorms, row_norm_table
 SMOOTHING_ALPHA = 0.4  # column-scale exponent: c ∝ max|h|^α / max|W|^(1−α) (bench_head.py --alphas compares)
 # Stored in a cached state's meta: a state written by other compression code (another kernel choice, other
 # scales) is compressed again instead of reused. Bump it when `quantize` or the kernel choice changes.
-STATE_VERSION = 2
+STATE_VERSION = 3
 _CHUNK = 16384  # rows per step (a multiple of 64, the int4 packing block): fast, and small temporaries
 
 
