@@ -3,9 +3,9 @@
 Notation. u = 2⁻²⁴ (fp32 unit roundoff), γ_n = n·u/(1 − n·u). W [V,D] is the full-precision weight, h [D] a
 hidden state, y_i the fp32 head's logit (W h + b)_i, in whatever summation order its BLAS uses. The kernel
 multiplies a quantised, column-scaled copy: with column scales c (powers of two; 1 unless the onednn or
-fbgemm kernel was calibrated), w'_i = w_i·c and h' = h / c, so w_i·h = w'_i·h' exactly. ŵ'_i is the quantised row as the
-kernel dequantises it, x̂ the activation as the kernel sees it (bf16(h'), or the uint8 / 7-bit grid for onednn / fbgemm) and
-δ = h' − x̂. Then, for every row i and γ = γ_{D+2}:
+fbgemm kernel was calibrated), w'_i = w_i·c and h' = h / c, so w_i·h = w'_i·h' exactly. ŵ'_i is the quantised
+row as the kernel dequantises it, x̂ the activation as the kernel sees it (bf16(h'), the uint8 grid for onednn,
+two 7-bit parts for fbgemm) and δ = h' − x̂. Then, for every row i and γ = γ_{D+2}:
 
     |y_i − w_i·h|        ≤ γ Σ|w_ij||h_j|            (fp32 reference, any summation order)
     |(w'_i − ŵ'_i)·h'|   ≤ min(E∞_i‖h'‖₁, E2_i‖h'‖₂) (Hölder; E = exact norms of w'_i − ŵ'_i)

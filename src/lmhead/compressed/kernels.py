@@ -14,7 +14,8 @@
                       `fbgemm_int8_usable()` passes its self-test.
 
 Each `*_linear` function takes the activation as the kernel wants it and returns logits [N,V] without bias;
-`onednn_linear` and `fbgemm_linear` also return x̂, the activation as the kernel multiplied it (what the error bound needs).
+`onednn_linear` and `fbgemm_linear` also return x̂, the activation as the kernel multiplied it (what the error
+bound needs).
 Which kernel a head uses, and the bound of each, live in `head.py` and `bound.py`.
 """
 
@@ -201,7 +202,8 @@ def fbgemm_int8_usable() -> bool:
         q[0], q[1] = 127, -127
         scales = torch.rand(64, generator=g).add_(0.5).to(torch.bfloat16)
         weight = FbgemmWeight(q, scales)
-        for hp in (torch.randn(3, D, generator=g) * 3, torch.full((1, D), 127 / 16)):  # q = 127: the int16 pair sums peak
+        # the second input puts every q at 127, where the int16 pair sums peak
+        for hp in (torch.randn(3, D, generator=g) * 3, torch.full((1, D), 127 / 16)):
             y, xhat, _ = fbgemm_linear(hp, weight)
             exact = xhat @ (q.double() * scales.double()[:, None]).T
             if not torch.allclose(y.double(), exact, rtol=2e-6, atol=1e-30):
