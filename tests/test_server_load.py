@@ -2,14 +2,17 @@
 
 Each client sends a bounded number of requests — predictions, greedy completions and seeded sampled completions —
 with prompts and seeds of its own. Every answer must equal the answer the same request got when the server was
-idle (run one at a time beforehand): one model behind a lock, each request with its own sampling state, so no
-request sees another's. No error responses; the server still answers afterwards. Prints throughput and p50/p99
-latency (never asserted: timings on a shared machine are noise).
+idle (run one at a time beforehand): the completions decode together in one batch (continuous batching), each
+row with its own sampling state, so no request sees another's — the same tokens and text, log-probabilities equal
+up to float rounding (a batched product sums in another order). No error responses; the server still answers
+afterwards. Prints throughput and p50/p99 latency (never asserted: timings on a shared machine are noise).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import socket
 import statistics
 import time
 
@@ -45,9 +48,22 @@ def essence(route: str, body: dict) -> object:
     return (choice["text"], choice["finish_reason"], choice["logprobs"], body["usage"])
 
 
+def same(a: object, b: object) -> bool:
+    """Equal answers: strings, ints and structure exactly, floats (log-probabilities) to 1e-5."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-5)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
 @pytest.fixture(scope="module")
 def server():
-    with ServerThread(create_app(tiny_served_model())) as s:
+    app = create_app(tiny_served_model())
+    with ServerThread(app) as s:
+        s.runner = app.state.runner
         yield s
 
 
@@ -92,7 +108,8 @@ def test_32_concurrent_clients_each_get_their_own_correct_answers(server):
     assert not failures, failures[:5]
     assert len(latencies) == n
     for c in range(CLIENTS):
-        assert results[c] == expected[c], f"client {c} got another request's answer or a different one"
+        assert same(results[c], expected[c]), f"client {c} got another request's answer or a different one"
+    assert server.runner.max_live > 1  # the completions shared decode rounds
     with httpx.Client(base_url=server.url, timeout=10) as http:  # still alive and answering
         assert http.get("/api/model").status_code == 200
         assert http.post(*request_for(0, 0)[:1], json=request_for(0, 0)[1]).status_code == 200
@@ -126,30 +143,49 @@ def test_the_page_api_answers_while_a_long_generation_runs(server):
     assert order == ["model info", "generation"]
 
 
-class _CountingModel:
-    """The tiny model, counting the steps its generations produce."""
-
-    def __init__(self, model) -> None:
-        self._model = model
-        self.produced = 0
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-    def generate(self, *args, **kwargs):
-        for step in self._model.generate(*args, **kwargs):
-            self.produced += 1
-            yield step
-
-
 def test_a_client_that_leaves_mid_stream_frees_the_model():
-    model = _CountingModel(tiny_served_model())
-    with ServerThread(create_app(model)) as s, httpx.Client(base_url=s.url, timeout=60) as http:
+    app = create_app(tiny_served_model())
+    runner = app.state.runner
+    with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=60) as http:
         body = {"prompt": "The cat", "max_tokens": 240, "temperature": 1.0, "seed": 2, "stream": True}
         with http.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             next(r.iter_lines())  # one chunk, then hang up
         after = http.post("/v1/completions", json={"prompt": "A dog", "max_tokens": 2, "temperature": 0})
         assert after.status_code == 200
-        abandoned = model.produced - after.json()["usage"]["completion_tokens"]
+        abandoned = runner.tokens - after.json()["usage"]["completion_tokens"]
         assert 1 <= abandoned < 240, f"the abandoned generation ran {abandoned} steps"
+        assert runner.retired == 1
+
+
+def _hang_up_after_first_token(url: str, runner, body: bytes) -> None:
+    """Send a non-streamed /v1/completions request on a raw socket, wait until its generation runs, close."""
+    host, port = url.removeprefix("http://").split(":")
+    before = runner.tokens
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: " + host.encode() + b"\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() +
+                     b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 60
+        while runner.tokens == before and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+
+def test_clients_that_hang_up_on_non_streamed_requests_stop_their_generations():
+    """Six abandoned 256-token requests: each is retired soon after its client leaves, long before its
+    256 tokens; the next request then decodes alone."""
+    app = create_app(tiny_served_model())
+    runner = app.state.runner
+    body = b'{"prompt": "The cat", "max_tokens": 256, "temperature": 1.0, "seed": 3}'
+    with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=60) as http:
+        for _ in range(6):
+            _hang_up_after_first_token(s.url, runner, body)
+        deadline = time.monotonic() + 60
+        while runner.retired < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert runner.retired == 6, "an abandoned generation was not retired"
+        abandoned = runner.tokens
+        assert abandoned < 6 * 256, f"the abandoned generations ran {abandoned} steps"
+        after = http.post("/v1/completions", json={"prompt": "A dog", "max_tokens": 3, "temperature": 0})
+        assert after.status_code == 200
+        assert runner.tokens == abandoned + 3  # nothing of the abandoned ones ran beside it

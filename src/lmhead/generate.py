@@ -182,7 +182,7 @@ def generate(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int 
              config: SamplingConfig | Sequence[SamplingConfig] | None = None,
              stop: str | Sequence[str] | None = None, top_logprobs: int = 0, *,
              generator: torch.Generator | None = None, profile: dict[str, float] | None = None,
-             draft: str = "auto", draft_tokens: int = 4, stats=None) -> Iterator[Step]:
+             draft: str = "auto", draft_tokens: int = 4, stats=None, exact_logprobs: bool = False) -> Iterator[Step]:
     """Generate up to `max_new_tokens` tokens per prompt, yielding one `Step` per token as it is chosen.
 
     model: an `lmhead.Model`. prompt_or_prompts: a str (steps have index 0) or a list of str (steps carry the
@@ -198,33 +198,79 @@ def generate(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int 
     draft="none" with the same seed). draft_tokens: tokens drafted per verification to start with (1..16;
     adapted to the acceptance rate). stats: a `speculative.SpeculativeStats` that receives the counts.
 
+    Log-probabilities (`Step.logprob`, `raw_logprob`, `rank`, `top_logprobs`) are computed from the logits
+    the token was chosen from: the decode head's (`model.head`). With the fp32 head they are exact. With the
+    compressed exact-int8 head (`load_model`'s default for large heads) the top `exact_k` (64) logits are the
+    fp32 head's, so a greedy or top-k ≤ 64 step's processed logprob is exact, but the softmax's normaliser
+    (every raw logprob, and the processed ones without a top-k) includes the approximate tail, within the
+    head's error bound (`CompressedHead.error_bound`). exact_logprobs=True computes every returned number
+    with the fp32 head (`model.exact_head`, one extra product per step); the tokens are the same.
+
     The arguments are checked when this is called (ValueError / TypeError naming the argument); the tokens
     come as the iterator is consumed.
     """
+    rows = prepare(model, prompt_or_prompts, max_new_tokens, config, stop, top_logprobs,
+                   exact_logprobs=exact_logprobs)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
+    from lmhead.speculative import check_draft_mode, check_draft_tokens
+
+    check_draft_mode(model, draft)
+    check_draft_tokens(draft_tokens)
+    return _loop(model, rows, generator, profile, draft, draft_tokens, stats)
+
+
+@dataclass(eq=False)
+class Row:
+    """One prompt's generation as the decode loop keeps it: its ids, settings, and what it generated so far.
+    `prepare` makes them; a `Batch` decodes them. `owner` is the caller's (the server's request), never read
+    here."""
+
+    prompt_ids: list[int]
+    config: SamplingConfig
+    budget: int                 # max_new_tokens, or less where the context ends first
+    detok: _Detokenizer
+    top_n: int = 0
+    exact_logprobs: bool = False
+    index: int = 0
+    owner: Any = None
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def penalties(self) -> bool:
+        c = self.config
+        return c.repetition_penalty != 1.0 or c.presence_penalty != 0.0 or c.frequency_penalty != 0.0
+
+
+def prepare(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int = 32,
+            config: SamplingConfig | Sequence[SamplingConfig] | None = None,
+            stop: str | Sequence[str] | None = None, top_logprobs: int = 0, *,
+            exact_logprobs: bool = False) -> list[Row]:
+    """The checked, tokenised rows of a `generate` call (same arguments, same errors), ready for a `Batch`."""
     prompts, _ = _prompts(prompt_or_prompts)
     configs = as_configs(config, len(prompts))  # one per prompt, checked as sampling checks it
     stops = _stops(stop)
     checks.positive_int("max_new_tokens", max_new_tokens)
     if not checks.is_int(top_logprobs) or not 0 <= top_logprobs <= 20:
         raise ValueError(f"top_logprobs: must be an integer in 0..20, got {top_logprobs!r}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
-    prompt_ids = []
+    if not isinstance(exact_logprobs, bool):
+        raise TypeError(f"exact_logprobs: expected a bool, got {type(exact_logprobs).__name__}")
+    special = set(getattr(model.tokenizer, "all_special_ids", []) or [])
+    rows = []
     for i, p in enumerate(prompts):
         ids = list(model.tokenizer(p)["input_ids"])
         if not ids:
             raise ValueError(f"prompt_or_prompts[{i}]: the prompt encodes to no tokens")
-        if model.context_length is not None and len(ids) >= model.context_length:
-            what = "prompt" if len(prompts) == 1 else f"prompt_or_prompts[{i}]"
-            raise ValueError(f"{what}: {len(ids)} tokens leaves no room in the model's context of "
-                             f"{model.context_length} tokens (at most {model.context_length - 1})")
-        prompt_ids.append(ids)
-    from lmhead.speculative import check_draft_mode, check_draft_tokens
-
-    check_draft_mode(model, draft)
-    check_draft_tokens(draft_tokens)
-    return _loop(model, prompt_ids, configs, stops, max_new_tokens, top_logprobs, generator, profile,
-                 draft, draft_tokens, stats)
+        what = "prompt" if len(prompts) == 1 else f"prompt_or_prompts[{i}]"
+        budget = max_new_tokens
+        if model.context_length is not None:
+            if len(ids) >= model.context_length:
+                raise ValueError(f"{what}: {len(ids)} tokens leaves no room in the model's context of "
+                                 f"{model.context_length} tokens (at most {model.context_length - 1})")
+            budget = min(max_new_tokens, model.context_length - len(ids))
+        rows.append(Row(ids, configs[i], budget, _Detokenizer(model.tokenizer, ids, stops, special), top_logprobs,
+                        exact_logprobs, i))
+    return rows
 
 
 class _Clock:
@@ -306,7 +352,8 @@ def _advance(detok: _Detokenizer, generated: list[int], budget: int, token: int,
 
 class _TransformersRounds:
     """The decode rounds over transformers' modules (`Model.body`, a DynamicCache), for models without a
-    lean body: one token per row per round, no draft. Same interface as `speculative.Decoder`."""
+    lean body: one token per row per round, no draft, no rows joining a running batch. Same interface as
+    `speculative.Decoder` otherwise."""
 
     def __init__(self, model, profile: dict[str, float] | None) -> None:
         self.model, self.clock = model, _Clock(profile)
@@ -319,8 +366,7 @@ class _TransformersRounds:
         hidden = self.model.hidden_states(ids, attention_mask=self.attention, position_ids=positions,
                                           past_key_values=self.cache)
         self.clock.lap("body")
-        self.pending = self.model.head(hidden[:, -1:, :]).squeeze(1)  # [B,V]: the last position only
-        self.clock.lap("head")
+        self.pending = hidden[:, -1:, :]  # [B,1,D]: the last position chooses the first token
         return ids[:, -1]
 
     def select(self, rows: torch.Tensor) -> None:
@@ -328,12 +374,14 @@ class _TransformersRounds:
         self.positions = self.positions[rows]
         if self.attention is not None:
             self.attention = self.attention[rows]
+        if self.pending is not None:
+            self.pending = self.pending[rows]
 
     def round(self, last, configs, history, prompt_len, steps, generator):
-        from lmhead.speculative import Round, plain_choice
+        from lmhead.speculative import Round, decode_logits, plain_choice
 
-        if self.pending is not None:  # the prefill's logits choose the first token
-            logits, self.pending = self.pending, None
+        if self.pending is not None:  # the prefill's last position chooses the first token
+            hidden, self.pending = self.pending, None
         else:
             self.positions = self.positions[:, -1:] + 1
             if self.attention is not None:
@@ -341,11 +389,12 @@ class _TransformersRounds:
             hidden = self.model.hidden_states(last[:, None], attention_mask=self.attention,
                                               position_ids=self.positions, past_key_values=self.cache)
             self.clock.lap("body")
-            logits = self.model.head(hidden).squeeze(1)  # [B,1,D] -> [B,V]
-            self.clock.lap("head")
+        logits = decode_logits(self.model.head, hidden, configs).squeeze(1)  # [B,1,D] -> [B,V]
+        self.clock.lap("head")
         ids = plain_choice(logits, configs, history, prompt_len, steps, generator)
         self.clock.lap("sampling")
-        return Round([[t] for t in ids.tolist()], [logits[b:b + 1] for b in range(len(ids))])
+        return Round([[t] for t in ids.tolist()], [logits[b:b + 1] for b in range(len(ids))],
+                     [hidden[b] for b in range(len(ids))])
 
 
 def _rounds(model, draft: str, draft_tokens: int, profile: dict[str, float] | None):
@@ -358,76 +407,143 @@ def _rounds(model, draft: str, draft_tokens: int, profile: dict[str, float] | No
     return Decoder(model.lean, model.head, model.draft(draft), k=draft_tokens, profile=profile)
 
 
-def _flat_scores(rnd, history, prompt_len, configs, top_n: int):
-    """Scores of every token a round emitted (rows × their tokens, flattened, in order): each token's
-    logprobs, rank and alternatives under the logits it was chosen from, the earlier tokens of the round
-    counted as generated."""
+def _score_logits(model, rnd, rows: list[Row]) -> torch.Tensor:
+    """The logits every token of a round is scored under, rows × their tokens flattened in order [N,V]: the
+    ones it was chosen from, or the fp32 head's for rows that asked for exact logprobs."""
+    parts = list(rnd.logits)
+    if model.head is not model.exact_head:
+        for b, row in enumerate(rows):
+            if row.exact_logprobs:
+                parts[b] = model.exact_head(rnd.hidden[b]).float()  # [n_b,D] -> [n_b,V]
+    return torch.cat(parts, dim=0)
+
+
+def _flat_scores(logits: torch.Tensor, tokens: list[list[int]], history, prompt_len, rows: list[Row]):
+    """Scores of every token a round emitted (rows × their tokens, flattened, in order; logits [N,V]): each
+    token's logprobs, rank and alternatives (the most any row asks for; each row keeps its own count), the
+    earlier tokens of the round counted as generated."""
     flat_cfg, prev, plen = [], [] if history is not None else None, []
-    for b, tokens in enumerate(rnd.tokens):
-        for j in range(len(tokens)):
-            flat_cfg.append(configs[b])
+    for b, row_tokens in enumerate(tokens):
+        for j in range(len(row_tokens)):
+            flat_cfg.append(rows[b].config)
             plen.append(prompt_len[b])
             if prev is not None:
-                prev.append(history[b] + tokens[:j])
-    logits = torch.cat(rnd.logits, dim=0)
-    ids = torch.tensor([t for tokens in rnd.tokens for t in tokens], device=logits.device)
+                prev.append(history[b] + row_tokens[:j])
+    ids = torch.tensor([t for row_tokens in tokens for t in row_tokens], device=logits.device)
     cfg = flat_cfg[0] if len({id(c) for c in flat_cfg}) == 1 else flat_cfg
-    return _scores(logits, ids, cfg, prev, plen if prev is not None else 0, top_n,
+    return _scores(logits, ids, cfg, prev, plen if prev is not None else 0, max(r.top_n for r in rows),
                    greedy=all(c.is_greedy for c in flat_cfg))
 
 
-@torch.inference_mode()
-def _loop(model, prompt_ids: list[list[int]], configs: list[SamplingConfig], stops: list[str],
-          max_new_tokens: int, top_n: int, generator: torch.Generator | None,
-          profile: dict[str, float] | None, draft: str = "none", draft_tokens: int = 4,
-          stats=None) -> Iterator[Step]:
-    device = model.exact_head.weight.device
-    tokenizer = model.tokenizer
-    eos = set(model.eos_token_ids)
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    n = len(prompt_ids)
-    lengths = [len(p) for p in prompt_ids]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else max(min(eos, default=0), 0)
-    ids, positions, attention = _left_pad(prompt_ids, pad, device)
-    budget = [max_new_tokens if model.context_length is None
-              else min(max_new_tokens, model.context_length - length) for length in lengths]
-    penalties = [c.repetition_penalty != 1.0 or c.presence_penalty != 0.0 or c.frequency_penalty != 0.0
-                 for c in configs]
-    detok = [_Detokenizer(tokenizer, p, stops, special) for p in prompt_ids]
-    generated: list[list[int]] = [[] for _ in range(n)]
+class Batch:
+    """Rows decoding together, open to rows that join while others decode (continuous batching).
 
-    rounds = _rounds(model, draft, draft_tokens, profile)
-    if stats is not None and hasattr(rounds, "stats"):
-        rounds.stats = stats
-    last = rounds.start(ids, positions, None if attention is None else attention.bool(), max(budget))
-    clock = _Clock(profile)
-    rows = list(range(n))  # the prompt index of each live batch row
-    while True:
-        live = [configs[r] for r in rows]
-        use_prev = any(penalties[r] for r in rows)
-        history = [prompt_ids[r] + generated[r] for r in rows] if use_prev else None
-        plen = [lengths[r] for r in rows]
-        rnd = rounds.round(last, live, history, plen, [len(generated[r]) for r in rows], generator)
-        clock.t = time.perf_counter() if profile is not None else 0.0
-        chosen, raw, ranks, alts = _flat_scores(rnd, history, plen, live, top_n)
-        clock.lap("sampling")
-        keep: list[int] = []
-        i = 0
-        for b, r in enumerate(rows):
-            finish = None
-            for token in rnd.tokens[b]:
-                if finish is None:
-                    text, finish = _advance(detok[r], generated[r], budget[r], token, token in eos)
-                    top = [TopLogprob(t, tokenizer.decode([t]), v, rv) for t, v, rv in alts[i]] if top_n else []
-                    clock.lap("text")
-                    yield Step(token, text, chosen[i], raw[i], ranks[i], finish, r, top)
-                    clock.t = time.perf_counter() if profile is not None else 0.0  # the consumer's time
-                i += 1
-            if finish is None:
-                keep.append(b)
-        if not keep:
+        batch = Batch(model)            # generator, profile, draft, draft_tokens, stats as in `generate`
+        batch.add(prepare(model, ...))  # prefill the new rows; they join the running ones
+        for row, step in batch.step():  # one round for every live row: each row's new Step(s)
+            ...
+        batch.remove([row])             # retire rows early (a client that went away)
+
+    Finished rows (end of sequence, stop string, budget) leave after the step that finished them; `rows` are
+    the live ones. A row's tokens do not depend on the rows it decodes beside (per-row configs, seeds keyed
+    on (seed, step), left padding and merged caches invisible to attention, `speculative.decode_logits`):
+    a row gives what it gives alone, greedy or seeded, up to float rounding in the logits. Rows join a
+    running batch on the lean body (`speculative.Decoder.join`); with transformers' modules `can_join` is
+    False while rows are live.
+    """
+
+    def __init__(self, model, *, generator: torch.Generator | None = None,
+                 profile: dict[str, float] | None = None, draft: str = "none", draft_tokens: int = 4,
+                 stats=None) -> None:
+        self.model, self.generator, self.profile = model, generator, profile
+        self.draft, self.draft_tokens, self.stats = draft, draft_tokens, stats
+        self.device = model.exact_head.weight.device
+        self.eos = set(model.eos_token_ids)
+        tokenizer = model.tokenizer
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else max(min(self.eos, default=0), 0)
+        self.rows: list[Row] = []
+        self.rounds = None
+        self.last: torch.Tensor | None = None  # [B] each live row's newest token (not yet in the caches)
+        self.clock = _Clock(profile)
+
+    @property
+    def can_join(self) -> bool:
+        """Whether `add` takes rows now: always on the lean body, else only when no row is live."""
+        return not self.rows or self.model.lean is not None
+
+    @torch.inference_mode()
+    def add(self, rows: list[Row]) -> None:
+        """Prefill `rows` (one left-padded forward) and make them live after the running ones."""
+        if not rows:
             return
-        if len(keep) < len(rows):  # drop finished rows from the batch and the caches
-            rounds.select(torch.tensor(keep, device=device))
-            rows = [rows[b] for b in keep]
-        last = torch.tensor([generated[r][-1] for r in rows], device=device)
+        if not self.can_join:
+            raise RuntimeError("rows join a running batch only on the lean body; wait until `rows` is empty")
+        ids, positions, attention = _left_pad([r.prompt_ids for r in rows], self.pad, self.device)
+        valid = None if attention is None else attention.bool()
+        if not self.rows:
+            self.rounds = _rounds(self.model, self.draft, self.draft_tokens, self.profile)
+            if self.stats is not None and hasattr(self.rounds, "stats"):
+                self.rounds.stats = self.stats
+            self.last = self.rounds.start(ids, positions, valid, max(r.budget for r in rows))
+        else:
+            room = max(r.budget - len(r.generated) for r in [*self.rows, *rows])
+            self.last = torch.cat([self.last, self.rounds.join(ids, positions, valid, room)])
+        self.rows = [*self.rows, *rows]
+
+    @torch.inference_mode()
+    def remove(self, rows: list[Row]) -> None:
+        """Retire `rows` (live rows of this batch) now; their cache rows are dropped."""
+        gone = {id(r) for r in rows}
+        keep = [b for b, r in enumerate(self.rows) if id(r) not in gone]
+        if len(keep) == len(self.rows):
+            return
+        if not keep:
+            self.rows, self.rounds, self.last = [], None, None
+            return
+        index = torch.tensor(keep, device=self.device)
+        self.rounds.select(index)
+        self.rows = [self.rows[b] for b in keep]
+        self.last = self.last.index_select(0, index)
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Row, Step]]:
+        """One round for every live row → (row, Step) for each token chosen, rows in order; rows that
+        finished are retired."""
+        rows, tokenizer = self.rows, self.model.tokenizer
+        history = [r.prompt_ids + r.generated for r in rows] if any(r.penalties for r in rows) else None
+        plen = [len(r.prompt_ids) for r in rows]
+        rnd = self.rounds.round(self.last, [r.config for r in rows], history, plen,
+                                [len(r.generated) for r in rows], self.generator)
+        self.clock.t = time.perf_counter() if self.profile is not None else 0.0
+        chosen, raw, ranks, alts = _flat_scores(_score_logits(self.model, rnd, rows), rnd.tokens, history, plen,
+                                                rows)
+        self.clock.lap("sampling")
+        out: list[tuple[Row, Step]] = []
+        finished: list[Row] = []
+        i = 0
+        for row, tokens in zip(rows, rnd.tokens, strict=True):
+            finish = None
+            for token in tokens:
+                if finish is None:
+                    text, finish = _advance(row.detok, row.generated, row.budget, token, token in self.eos)
+                    top = [TopLogprob(t, tokenizer.decode([t]), v, rv) for t, v, rv in alts[i][:row.top_n]
+                           ] if row.top_n else []
+                    out.append((row, Step(token, text, chosen[i], raw[i], ranks[i], finish, row.index, top)))
+                i += 1
+            if finish is not None:
+                finished.append(row)
+        self.clock.lap("text")
+        self.remove(finished)
+        if self.rows:
+            self.last = torch.tensor([r.generated[-1] for r in self.rows], device=self.device)
+        return out
+
+
+def _loop(model, rows: list[Row], generator: torch.Generator | None, profile: dict[str, float] | None,
+          draft: str = "none", draft_tokens: int = 4, stats=None) -> Iterator[Step]:
+    batch = Batch(model, generator=generator, profile=profile, draft=draft, draft_tokens=draft_tokens,
+                  stats=stats)
+    batch.add(rows)
+    while batch.rows:
+        for _, step in batch.step():
+            yield step

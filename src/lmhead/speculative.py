@@ -44,8 +44,8 @@ from lmhead.models.lean import SUPPORTED_MODEL_TYPES, LeanBody, StaticCache
 from lmhead.sampling import seeded_generator
 
 __all__ = ["AdaptiveK", "Decoder", "Draft", "Round", "SpeculativeStats", "accept_greedy", "accept_sampled",
-           "check_draft_mode", "check_draft_tokens", "frequent_tokens", "plain_choice", "residual",
-           "token_generator",
+           "check_draft_mode", "check_draft_tokens", "decode_logits", "frequent_tokens", "merge_caches",
+           "plain_choice", "residual", "token_generator",
            "DRAFT_MODES", "MAX_DRAFT_TOKENS"]
 
 DRAFT_MODES: tuple[str, ...] = ("auto", "int8", "none")
@@ -262,11 +262,13 @@ class Draft:
 
 @dataclass
 class Round:
-    """What one round gives the live rows: per row the emitted tokens, and the target's logits [n_r, V] each
-    was chosen from (for logprobs and ranks)."""
+    """What one round gives the live rows: per row the emitted tokens, the target's logits [n_r, V] each
+    was chosen from (for logprobs and ranks) and the hidden states [n_r, D] they came from (for exact
+    logprobs: the fp32 head on them)."""
 
     tokens: list[list[int]]
     logits: list[Tensor]
+    hidden: list[Tensor] | None = None
 
 
 class Decoder:
@@ -342,7 +344,7 @@ class Decoder:
         start = self.target.length
         hidden = self.lean(ids, self.next_pos[:, None] + torch.arange(k + 1), self.target)
         self._lap("body")
-        logits = self.head(hidden).float()                                                   # [B,k+1,V]
+        logits = decode_logits(self.head, hidden, configs)                                   # [B,k+1,V]
         self._lap("head")
         if k == 0:
             tokens, n = self._plain(logits[:, 0], configs, history, prompt_len, steps, generator)
@@ -352,7 +354,25 @@ class Decoder:
         self._keep(start, n)
         self.next_pos += n + 1
         self._lap("sampling")
-        return Round(tokens, [logits[r, : int(n[r]) + 1] for r in range(len(n))])
+        keep = [int(n[r]) + 1 for r in range(len(n))]
+        return Round(tokens, [logits[r, :m] for r, m in enumerate(keep)], [hidden[r, :m] for r, m in enumerate(keep)])
+
+    @torch.inference_mode()
+    def join(self, ids: Tensor, positions: Tensor, valid: Tensor | None, max_new_tokens: int) -> Tensor:
+        """Add rows to the running batch (continuous batching): ids, positions [B',W] as for `start` → their
+        `last` [B']; the new rows come after the running ones. max_new_tokens: the most tokens any row, old or
+        new, still generates (the merged caches hold every row's columns, that many more and one full draft).
+        The new rows' prompts are prefilled apart, then every row's columns are merged right-aligned
+        (`merge_caches`): masks use validity, order and positions only, so no row's attention changes."""
+        other = Decoder(self.lean, self.head, self.draft, self.k0, self.adaptive, self.stats, self.profile)
+        last = other.start(ids, positions, valid, max_new_tokens)
+        self.target = merge_caches([self.target, other.target], max_new_tokens + MAX_DRAFT_TOKENS + 2)
+        self.capacity = self.target.capacity
+        if self.draft_cache is not None:  # empty: the draft re-reads every column in its next forward
+            self.draft_cache = self.draft.new_cache(self.target.batch, self.capacity)
+        self.next_pos = torch.cat([self.next_pos, other.next_pos])
+        self.k = self.k + other.k
+        return last
 
     def _room(self, t: int) -> None:
         """Compact the target's cache when the next `t` columns would not fit; the draft then re-reads every
@@ -443,15 +463,79 @@ class Decoder:
                 cache.invalidate(r, start + nr + 1)
 
 
+def merge_caches(caches: list[StaticCache], room: int) -> StaticCache:
+    """The rows of `caches`, in order, in one new cache: each row's valid columns (keys, values, positions,
+    tokens) moved, in order, to the right end of the first m columns (m = the most any row holds; `length`
+    = m) and `room` free columns after them. Holes (padding, rejected drafts, columns of rows that finished
+    earlier) are dropped, as `StaticCache.compact` drops them."""
+    first = caches[0]
+    counts = torch.cat([c.valid[:, :c.length].sum(dim=1) for c in caches])
+    m = int(counts.max()) if counts.numel() else 0
+    layers, _, kv_heads, _, head_dim = first.keys.shape
+    out = StaticCache(layers, len(counts), kv_heads, head_dim, m + room, first.keys.dtype, first.keys.device)
+    row = 0
+    for cache in caches:
+        for r in range(cache.batch):
+            src = cache.valid[r, :cache.length].nonzero().squeeze(1)
+            dst = torch.arange(m - len(src), m, device=src.device)
+            out.keys[:, row, :, dst] = cache.keys[:, r, :, src]
+            out.values[:, row, :, dst] = cache.values[:, r, :, src]
+            out.positions[row, dst] = cache.positions[r, src]
+            out.tokens[row, dst] = cache.tokens[r, src]
+            out.valid[row, dst] = True
+            row += 1
+    out.length = m
+    return out
+
+
+def decode_logits(head, hidden: Tensor, configs: list) -> Tensor:
+    """The decode head's float32 logits [B,T,V] for hidden [B,T,D] (row b under configs[b]), each row as it
+    would be alone wherever its tokens depend on it.
+
+    A head with an approximate tail (a `CompressedHead`: which kernel runs, which tokens are re-scored and
+    when the full head takes over depend on the other rows of the call) is exact on its top `exact_k`
+    tokens only. A greedy or seeded row whose choice may read the tail — a draw from beyond the exact top-k,
+    a logit bias or a penalty that can move a tail token up — gets a head call of its own, so that its
+    tokens do not depend on the batch it decodes in. Other rows (and every row of the fp32 head, all of
+    whose logits are exact) share one call.
+    """
+    from lmhead.compressed import CompressedHead
+
+    if hidden.shape[0] < 2 or not isinstance(head, CompressedHead):
+        return head(hidden).float()
+    alone = [r for r, c in enumerate(configs) if _reads_tail(c, head.exact_k)]
+    if not alone:
+        return head(hidden).float()
+    shared = [r for r in range(len(configs)) if r not in alone]
+    out = hidden.new_empty((*hidden.shape[:-1], head.vocab_size), dtype=torch.float32)
+    if shared:
+        out[shared] = head(hidden[shared]).float()
+    for r in alone:
+        out[r:r + 1] = head(hidden[r:r + 1]).float()
+    return out
+
+
+def _reads_tail(config, exact_k: int) -> bool:
+    """Whether a reproducible (greedy or seeded) row's choice can depend on logits outside the head's exact
+    top `exact_k`."""
+    if not _deterministic(config):
+        return False  # an unseeded draw is not reproducible anyway: its distribution is what counts
+    plain = (config.logit_bias is None and not config.banned_tokens and config.repetition_penalty == 1.0
+             and config.presence_penalty == 0.0 and config.frequency_penalty == 0.0)
+    return not (plain and (config.is_greedy or 1 <= config.top_k <= exact_k))
+
+
 def plain_choice(logits: Tensor, configs: list, history, prompt_len, steps: list[int], generator) -> Tensor:
     """The plain loop's next token per row of logits [B,V] → ids [B]: `sampling.sample` with each row's
-    history (penalties), its prompt length and the step of the token (rows of one round share it). One config
-    for all rows when they share one object, so the pipeline takes its whole-batch path."""
+    history (penalties), its prompt length and the step of its token (rows that joined the batch at other times
+    are at other steps). One config for all rows when they share one object, so the pipeline takes its
+    whole-batch path."""
     from lmhead.sampling import sample
 
     cfg = configs[0] if len({id(c) for c in configs}) == 1 else configs
     return sample(logits, cfg, generator=generator, prev_tokens=history,
-                  prompt_len=prompt_len if history is not None else 0, step=steps[0])
+                  prompt_len=prompt_len if history is not None else 0,
+                  step=steps[0] if len(set(steps)) == 1 else list(steps))
 
 
 def _deterministic(config) -> bool:

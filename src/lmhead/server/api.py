@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator
-from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Depends
@@ -57,8 +56,8 @@ async def api_step(req: S.StepRequest, served: Served = Depends(get_served)) -> 
 async def api_generate(req: S.GenerateRequest, served: Served = Depends(get_served)) -> StreamingResponse:
     await served.call(encode_checked, served.model, req.prompt)
     cfg = await served.call(sampling_config, req, seed_for_step(req.seed, req.step))
-    make = partial(served.model.generate, req.prompt, req.max_tokens, config=cfg)
-    return StreamingResponse(_step_events(served.stream(make)), media_type="text/event-stream")
+    steps = served.generate(req.prompt, req.max_tokens, config=cfg)
+    return StreamingResponse(_step_events(steps), media_type="text/event-stream")
 
 
 @router.post("/layers", summary="The logit lens at the last position")

@@ -1,79 +1,287 @@
-"""One model, many requests: every model call runs in a worker thread, one at a time.
+"""One model, many requests: a scheduler thread owns the model and decodes every generation in one batch.
 
-The event loop never runs model code: `call()` hands a blocking function to anyio's thread pool and awaits it,
-so the loop keeps accepting connections and serving the page while the model works. An asyncio lock queues
-callers fairly (FIFO) without parking a thread per waiting request, and a threading lock around the call itself
-makes exclusion hold even if an awaiting request is cancelled (anyio does not abandon a running thread).
+    request ──generate(prompt, ...)──▶ waiting ──admit: prepare (tokenise, check), prefill──▶ live rows
+    each turn of the scheduler thread:
+        one pending call (explain endpoints: predict, step, layers, score) runs, alone
+        each generic stream (`stream`) gives one item
+        waiting generations join the batch (`lmhead.generate.Batch.add`: their prompts prefilled together,
+            then merged into the running rows' caches)
+        rows whose request went away are retired (`Batch.remove`)
+        one batched decode round for every live row (`Batch.step`); each row's Step goes to its request's
+            queue; finished rows leave
+    the thread ends when there is nothing to do and starts again with the next request
 
-`stream()` runs a whole generation under the lock in one worker thread and hands its steps to the request
-through an asyncio queue: a slow reader never holds the model, and a generation's KV cache and sampling
-state live only in its own generator — no request sees another's state.
+Continuous batching, as vLLM's and llama.cpp's servers do it: requests that arrive together, or while others
+decode, share decode steps, so 8 concurrent generations cost little more than one. Each answer is what its
+request gets alone: rows have their own configs and seeds (a seeded row draws from (seed, step) only), left
+padding and merged caches are invisible to attention, and `speculative.decode_logits` keeps a reproducible
+row's head call its own wherever the compressed head's approximate tail could reach its choice.
+
+The event loop never runs model code: it hands jobs to the thread and awaits futures and queues, so it keeps
+accepting connections and serving the page while the model works. A request that goes away (a streamed
+reader that stops, or a non-streamed client that hangs up: `collect` polls for the disconnect) has its rows
+retired before the next round.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
-import anyio.to_thread
+from lmhead.generate import Batch, Row, Step, prepare
 
 T = TypeVar("T")
 _END = object()
+MAX_BATCH = 32  # live rows at most; later requests wait for a row to finish
+DISCONNECT_POLL_S = 0.1  # how often a non-streamed request checks that its client is still there
 
 
-class ModelRunner:
-    """Serialises access to one model. `await runner.call(fn, *args)`; `async for x in runner.stream(make)`."""
+@dataclass(eq=False)
+class _Job:
+    """A request's stream of items: its queue on the request's event loop, and whether it was abandoned."""
 
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self._alock = asyncio.Lock()
-        self._tlock = threading.Lock()
-        self.calls = 0
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: bool = False
+    done: bool = False
 
-    def _locked(self, fn: Callable[..., T], *args: Any) -> T:
-        with self._tlock:
-            self.calls += 1
-            return fn(*args)
+    def put(self, item: Any, exc: BaseException | None = None) -> None:
+        """Hand an item (or _END and an exception) to the request; a loop that is gone cancels the job."""
+        if self.done:
+            return
+        if item is _END:
+            self.done = True
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (item, exc))
+        except RuntimeError:  # the request's event loop has closed
+            self.cancelled = True
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(*args)` in a worker thread while holding the model; returns its result or raises."""
-        async with self._alock:
-            return await anyio.to_thread.run_sync(self._locked, fn, *args)
-
-    async def stream(self, make_iter: Callable[[], Iterable[T]]) -> AsyncIterator[T]:
-        """Iterate `make_iter()` in a worker thread under the lock, yielding its items as they come."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        cancelled = threading.Event()
-
-        def produce() -> None:
-            try:
-                iterator = iter(make_iter())
-                try:
-                    for item in iterator:
-                        loop.call_soon_threadsafe(queue.put_nowait, (item, None))
-                        if cancelled.is_set():
-                            break
-                finally:
-                    close = getattr(iterator, "close", None)
-                    if close is not None:
-                        close()
-            except Exception as exc:  # handed to the request, which turns it into an error response/event
-                loop.call_soon_threadsafe(queue.put_nowait, (_END, exc))
-                return
-            loop.call_soon_threadsafe(queue.put_nowait, (_END, None))
-
-        task = asyncio.ensure_future(self.call(produce))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # errors went through the queue
+    async def items(self, wake: Callable[[], None]) -> AsyncIterator[Any]:
         try:
             while True:
-                item, exc = await queue.get()
+                item, exc = await self.queue.get()
                 if item is _END:
                     if exc is not None:
                         raise exc
-                    break
+                    return
                 yield item
         finally:
-            cancelled.set()  # a reader that went away stops the generation after its current step
+            self.cancelled = True  # a reader that went away: the thread retires its rows before the next round
+            wake()
+
+
+@dataclass(eq=False)
+class _Generation(_Job):
+    """A generation request: `make_rows()` (run in the thread) gives its rows; `left` rows still decode."""
+
+    make_rows: Callable[[], list[Row]] | None = None
+    rows: list[Row] = field(default_factory=list)
+    left: int = 0
+
+
+@dataclass(eq=False)
+class _Stream(_Job):
+    """A generic stream: `make_iter()`'s items, one per turn of the thread."""
+
+    make_iter: Callable[[], Iterable[Any]] | None = None
+    iterator: Iterator[Any] | None = None
+
+
+class ModelRunner:
+    """Schedules every use of one model onto one thread. `await runner.call(fn, *args)`;
+    `async for step in runner.generate(prompt, n, config=...)` (batched); `await runner.collect(steps,
+    request.is_disconnected)`; `async for x in runner.stream(make)` (any iterator over the model).
+
+    Counters (read by tests and benchmarks): `calls`, `rounds` (batched decode rounds), `tokens` (steps handed
+    to requests), `retired` (rows retired because their request went away), `max_live` (the largest batch).
+    """
+
+    def __init__(self, model: Any, max_batch: int = MAX_BATCH) -> None:
+        self.model = model
+        self.max_batch = max_batch
+        self._cond = threading.Condition()
+        self._calls: deque[tuple[concurrent.futures.Future, Callable[..., Any], tuple]] = deque()
+        self._waiting: deque[_Generation] = deque()
+        self._streams: list[_Stream] = []
+        self._thread: threading.Thread | None = None
+        self.calls = self.rounds = self.tokens = self.retired = self.max_live = 0
+
+    # --- the event loop's side -------------------------------------------------------------------------------
+
+    def _submit(self, add: Callable[[], None]) -> None:
+        with self._cond:
+            add()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="lmhead-scheduler", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on the model's thread, alone, between two decode rounds; returns its result or
+        raises. A call whose request went away before it started is skipped."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(partial(self._calls.append, (future, fn, args)))
+        return await asyncio.wrap_future(future)
+
+    def generate(self, prompt_or_prompts: Any, max_new_tokens: int = 32, **kwargs: Any) -> AsyncIterator[Step]:
+        """The Steps of `lmhead.generate.generate(model, prompt_or_prompts, max_new_tokens, **kwargs)` (config,
+        stop, top_logprobs, exact_logprobs), decoded in the shared batch. The arguments are checked on the
+        thread when the request is admitted: a ValueError/TypeError comes out of the first iteration."""
+        job = _Generation(asyncio.get_running_loop(),
+                          make_rows=partial(prepare, self.model, prompt_or_prompts, max_new_tokens, **kwargs))
+        self._submit(partial(self._waiting.append, job))
+        return job.items(self._wake)
+
+    def stream(self, make_iter: Callable[[], Iterable[T]]) -> AsyncIterator[T]:
+        """Iterate `make_iter()` on the model's thread, one item per turn (between decode rounds), yielding
+        the items as they come; a reader that stops closes the iterator."""
+        job = _Stream(asyncio.get_running_loop(), make_iter=make_iter)
+        self._submit(partial(self._streams.append, job))
+        return job.items(self._wake)
+
+    async def collect(self, items: AsyncIterator[T],
+                      is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> list[T]:
+        """All of `items` (a non-streamed answer). With `is_disconnected` (Starlette's
+        `request.is_disconnected`), polled every DISCONNECT_POLL_S: a client that hangs up stops the
+        generation (its rows are retired) and what was generated so far is returned, to nobody."""
+        got: list[T] = []
+
+        async def drain() -> None:
+            async for item in items:
+                got.append(item)
+
+        task = asyncio.ensure_future(drain())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    task.result()  # raises the generation's error
+                    return got
+                if is_disconnected is not None and await is_disconnected():
+                    return got
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            await items.aclose()  # marks the job cancelled (if it is not over) and wakes the thread
+
+    # --- the model's thread ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        batch = Batch(self.model, draft="auto")
+        live: list[_Generation] = []
+        while True:
+            with self._cond:
+                while not (self._calls or self._waiting or self._streams or live):
+                    if not self._cond.wait(timeout=1.0) and not (self._calls or self._waiting or self._streams):
+                        self._thread = None  # idle: the next request starts a new thread
+                        return
+                call = self._calls.popleft() if self._calls else None
+                streams = list(self._streams)
+                room = self.max_batch - len(batch.rows)
+                admit = []
+                while self._waiting and room > 0 and batch.can_join:
+                    job = self._waiting.popleft()
+                    if not job.cancelled:  # a request that went away while it waited takes no room
+                        admit.append(job)
+                        room -= 1
+            if call is not None:
+                self._run_call(*call)
+            for job in streams:
+                self._advance(job)
+            live = self._admit(batch, live, admit)
+            live = self._retire(batch, live)
+            if batch.rows:
+                live = self._round(batch, live)
+
+    def _run_call(self, future: concurrent.futures.Future, fn: Callable[..., Any], args: tuple) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        self.calls += 1
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # handed to the request, which turns it into an error response
+            future.set_exception(exc)
+
+    def _advance(self, job: _Stream) -> None:
+        """One item of a generic stream (its iterator is made on the first turn, closed on the last)."""
+        try:
+            if job.iterator is None:
+                job.iterator = iter(job.make_iter())
+            if not job.cancelled:
+                job.put(next(job.iterator))
+                return
+        except StopIteration:
+            job.put(_END)
+        except Exception as exc:  # handed to the request, which turns it into an error response/event
+            job.put(_END, exc)
+        close = getattr(job.iterator, "close", None)
+        if close is not None:
+            close()
+        job.done = True
+        with self._cond:
+            self._streams.remove(job)
+
+    def _admit(self, batch: Batch, live: list[_Generation], admit: list[_Generation]) -> list[_Generation]:
+        """Check and tokenise the admitted requests, then prefill their rows together into the batch."""
+        ready, rows = [], []
+        for job in admit:
+            try:
+                job.rows = job.make_rows()
+            except Exception as exc:  # a bad argument: the request's 400
+                job.put(_END, exc)
+                continue
+            for row in job.rows:
+                row.owner = job
+            job.left = len(job.rows)
+            ready.append(job)
+            rows.extend(job.rows)
+        if not rows:
+            return live
+        try:
+            batch.add(rows)
+        except Exception as exc:
+            for job in ready:
+                job.put(_END, exc)
+            return live
+        self.max_live = max(self.max_live, len(batch.rows))
+        return [*live, *ready]
+
+    def _retire(self, batch: Batch, live: list[_Generation]) -> list[_Generation]:
+        """Drop the rows of requests that went away."""
+        gone = [job for job in live if job.cancelled]
+        if gone:
+            rows = [row for job in gone for row in job.rows if row in batch.rows]
+            self.retired += len(rows)
+            batch.remove(rows)
+        return [job for job in live if not job.cancelled]
+
+    def _round(self, batch: Batch, live: list[_Generation]) -> list[_Generation]:
+        """One decode round for every live row; each request gets its rows' steps; finished requests end."""
+        try:
+            pairs = batch.step()
+        except Exception as exc:  # the batch's state is lost: every live request gets the error
+            for job in live:
+                job.put(_END, exc)
+            batch.remove(list(batch.rows))
+            return []
+        self.rounds += 1
+        for row, step in pairs:
+            job = row.owner
+            job.put(step)
+            self.tokens += 1
+            if step.finish_reason is not None:
+                job.left -= 1
+                if job.left == 0:
+                    job.put(_END)
+        return [job for job in live if not job.done]

@@ -112,6 +112,8 @@ class _OpenAIRequest(_Request):
     top_k: int = Field(0, ge=0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
+    # lmhead's extension: logprobs from the fp32 head (by default: the decode head's, see lmhead.generate)
+    exact_logprobs: bool = Field(False, description="compute the returned logprobs with the full-precision head")
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -10,7 +10,8 @@ turn a request into library arguments (prompt length in tokens, the sampling con
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -37,16 +38,32 @@ class Served:
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """A model call through the runner; the library's ValueError/TypeError become a 400."""
-        try:
+        with _as_400():
             return await self.runner.call(fn, *args)
-        except APIError:
-            raise
-        except (ValueError, TypeError) as exc:
-            raise APIError(400, str(exc)) from exc
+
+    def generate(self, prompt: str, max_new_tokens: int, **kwargs: Any) -> AsyncIterator[Any]:
+        """The Steps of a generation decoded in the runner's shared batch (see `ModelRunner.generate`)."""
+        return self.runner.generate(prompt, max_new_tokens, **kwargs)
+
+    async def collect(self, steps: AsyncIterator[T], request: Request) -> list[T]:
+        """All of `steps` (a non-streamed answer); a client that hangs up stops the generation (see
+        `ModelRunner.collect`); the library's ValueError/TypeError become a 400."""
+        with _as_400():
+            return await self.runner.collect(steps, request.is_disconnected)
 
     def stream(self, make_iter: Callable[[], Iterable[T]]) -> AsyncIterator[T]:
         """`make_iter()`'s items, produced in the runner's worker thread (see `ModelRunner.stream`)."""
         return self.runner.stream(make_iter)
+
+
+@contextmanager
+def _as_400() -> Iterator[None]:
+    try:
+        yield
+    except APIError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, str(exc)) from exc
 
 
 async def get_served(request: Request) -> Served:
@@ -57,11 +74,6 @@ async def get_served(request: Request) -> Served:
     if name is None or registry is None:
         return request.app.state.served
     return await registry.get(name)
-
-
-def collect(make_iter: Callable[[], Iterable[T]]) -> list[T]:
-    """All of `make_iter()`'s items (a whole generation in one runner call)."""
-    return list(make_iter())
 
 
 def max_prompt_tokens(model: Any) -> int:
