@@ -1,7 +1,9 @@
 """The explainer page in a real browser: Playwright driving Debian's Chromium headless.
 
-One server per module (a tiny random model, fast); one smoke test on the real SmolLM2 (marked `model`) that also
-takes docs/screenshot.png for the README. Needs /usr/bin/chromium (`apt-get install -y chromium`).
+One server per module (a tiny random model, fast; its model selector also offers a second tiny model and one that
+cannot load); one smoke test on the real SmolLM2 (marked `model`) that also takes docs/screenshot.png for the
+README, and one on the default model (gemma-3-270m) that takes the pictures' screenshots (docs/explain_*.png).
+Needs /usr/bin/chromium (`apt-get install -y chromium`).
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_server_charts import TinyLoader
 from test_server_harness import ServerThread, real_model, tiny_served_model
 
 from lmhead.server import create_app
+from lmhead.server.registry import ModelRegistry
 
 CHROMIUM = "/usr/bin/chromium"
-SCREENSHOT = Path(__file__).parents[1] / "docs" / "screenshot.png"
+DOCS = Path(__file__).parents[1] / "docs"
+SCREENSHOT = DOCS / "screenshot.png"
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is missing: apt-get install -y chromium"),
@@ -38,7 +43,9 @@ def browser():
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerThread(create_app(tiny_served_model())) as s:
+    app = create_app(tiny_served_model())
+    app.state.registry = ModelRegistry(app.state.served, names=["tiny-b", "broken"], loader=TinyLoader())
+    with ServerThread(app) as s:
         yield s
 
 
@@ -225,6 +232,14 @@ def test_phone_width_has_no_sideways_scroll_and_keeps_the_controls(browser, serv
         box = pg.get_by_label(label, exact=True).bounding_box()
         assert box and box["x"] >= 0 and box["x"] + box["width"] <= 375, label
     assert pg.locator("#stage tbody tr").count() == 20
+    pg.wait_for_selector("#dist-chart svg")
+    pg.wait_for_selector("#geo-chart svg")
+    pg.get_by_role("button", name="Draw N times").click()
+    pg.wait_for_selector("#draw-chart svg")
+    for sel in ("#dist-chart svg", "#geo-chart svg", "#draw-chart svg", "#geo-top", "#draw", "#model-select"):
+        box = pg.locator(sel).bounding_box()
+        assert box and box["x"] >= 0 and box["x"] + box["width"] <= 375, sel
+    assert pg.evaluate("document.documentElement.scrollWidth") <= 375
     ctx.close()
 
 
@@ -263,3 +278,181 @@ def test_real_model_page_and_screenshot(browser):
         pg.screenshot(path=str(SCREENSHOT), full_page=False)
         ctx.close()
     assert SCREENSHOT.stat().st_size > 10_000
+
+
+# --- the pictures ---------------------------------------------------------------------------------------------
+
+PROMPT = "The cat sat on the"
+
+
+def values(page, selector: str) -> list[list[float]]:
+    """The data-value numbers of each row of a chart's table (the chart's text alternative)."""
+    return page.locator(selector).evaluate_all(
+        "rows => rows.map(r => Array.from(r.querySelectorAll('[data-value]')).map(c => parseFloat(c.dataset.value)))")
+
+
+def wait_chart(page, fig: str, **settings) -> None:
+    """Wait until the chart `fig` shows the given slider settings (it is redrawn from the server's answer)."""
+    want = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, **settings}
+    page.wait_for_function("([sel, want]) => { const f = document.querySelector(sel); if (!f || !f.dataset.settings) "
+                           "return false; const s = JSON.parse(f.dataset.settings); "
+                           "return Object.keys(want).every(k => Math.abs(s[k] - want[k]) < 1e-9); }", arg=[fig, want])
+
+
+def test_the_rank_curve_follows_the_sliders_and_equals_the_api(page, server):
+    submit(page)
+    wait_chart(page, "#dist-chart")
+    processed = page.locator("#dist-chart path[data-curve='processed']")
+    flat = processed.get_attribute("d")
+    slide(page, "Temperature", 0.5)
+    wait_chart(page, "#dist-chart", temperature=0.5)
+    assert processed.get_attribute("d") != flat  # sharper: the picture moved with the slider
+    slide(page, "Top-p", 0.6)
+    wait_chart(page, "#dist-chart", temperature=0.5, top_p=0.6)
+    want = httpx.post(server.url + "/api/distribution",
+                      json={"prompt": PROMPT, "temperature": 0.5, "top_p": 0.6}).json()
+    cut = page.locator("#dist-chart line.cutline[data-step='top_p']")
+    assert cut.count() == 1 and int(cut.get_attribute("data-rank")) == want["cutoffs"][0]["rank"]
+    rows = values(page, "#dist-chart .rank-table tbody tr")
+    ranks = [int(r) for r in page.locator("#dist-chart .rank-table tbody th").evaluate_all(
+        "els => els.map(e => e.textContent)")]
+    assert len(rows) >= 5
+    for rank, row in zip(ranks, rows, strict=True):
+        j = want["ranks"].index(rank)
+        assert row == pytest.approx([want["raw"][j], want["scaled"][j], want["processed"][j],
+                                     want["scaled_cumulative"][j]], rel=1e-6, abs=1e-12)
+    assert "320 tokens" in page.locator("#dist-chart svg desc").text_content()
+
+
+def test_the_head_picture_decomposes_each_logit_and_follows_its_slider(page, server):
+    submit(page)
+    page.wait_for_selector("#geo-chart svg g.word")
+    assert page.locator("#geo-chart svg g.word").count() == 8
+    want = httpx.post(server.url + "/api/geometry", json={"prompt": PROMPT, "top": 8}).json()
+    rows = values(page, "#geo-chart .geo-table tbody tr")
+    for row, c in zip(rows, want["candidates"], strict=True):
+        assert row[:6] == pytest.approx([c["row_norm"], c["norm_rank"], c["cos"], c["cos_rank"], c["dot"], c["logit"]],
+                                        rel=1e-6)
+        assert c["dot"] == pytest.approx(want["hidden_norm"] * c["row_norm"] * c["cos"], rel=1e-5)
+    assert "2-D slice of a 32-dimensional space" in page.locator("#geo-chart .lost").inner_text()
+    dot = page.locator("#geo-chart svg g.word circle.dot").last  # the top candidate, drawn last
+    p1 = float(dot.get_attribute("data-p"))
+    slide(page, "Temperature", 0.4)
+    assert float(page.locator("#geo-chart svg g.word circle.dot").last.get_attribute("data-p")) > p1
+    words = page.get_by_label("Words", exact=True)
+    words.focus()
+    for _ in range(3):
+        page.keyboard.press("ArrowLeft")
+    page.wait_for_selector("#geo-chart[data-top='5']")
+    assert page.locator("#geo-chart svg g.word").count() == 5 and page.locator("#geo-top-out").inner_text() == "5"
+
+
+def test_draws_converge_replay_with_the_keyboard_and_equal_the_api(page, server):
+    submit(page)
+    wait_chart(page, "#dist-chart")
+    page.get_by_label("Seed", exact=True).fill("5")
+    page.get_by_label("Draws", exact=True).fill("2000")
+    page.get_by_role("button", name="Draw N times").focus()
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#draw-chart[data-n='2000']")
+    want = httpx.post(server.url + "/api/draws", json={"prompt": PROMPT, "n": 2000, "seed": 5}).json()
+    rows = values(page, "#draw-chart .draw-table tbody tr")
+    for row, t in zip(rows, want["tokens"][:12], strict=False):
+        assert row[0] == want["token_ids"].count(t["token_id"])
+        assert row[2] == pytest.approx(t["probability"], rel=1e-6)
+    tv_all = float(page.locator("#draw-chart").get_attribute("data-tv"))
+    replay = page.get_by_label("After n draws", exact=True)
+    replay.focus()
+    page.keyboard.press("Home")
+    page.wait_for_selector("#draw-chart[data-n='1']")
+    counts = page.locator("#draw-chart g.drawrow").evaluate_all("els => els.map(e => [e.dataset.id, +e.dataset.count])")
+    first = str(want["token_ids"][0])
+    shown = {i for i, _ in counts}
+    assert [c for _, c in counts if c] == [1] and dict(counts)[first if first in shown else "other"] == 1
+    assert float(page.locator("#draw-chart").get_attribute("data-tv")) > tv_all  # 1 draw is far from converged
+    page.keyboard.press("End")
+    page.wait_for_selector("#draw-chart[data-n='2000']")
+    slide(page, "Top-k", 3)  # new settings: the histogram is redrawn from the new distribution
+    wait_chart(page, "#draw-chart", top_k=3)
+    assert page.locator("#draw-chart g.drawrow").count() == 3
+
+
+def test_the_generation_strip_shows_probability_rank_and_entropy(page, server):
+    submit(page)
+    page.get_by_label("Seed", exact=True).fill("2")
+    page.locator("#steps").fill("3")
+    page.get_by_role("button", name="Generate").click()
+    page.wait_for_selector("#steps-chart .steps-table tbody tr", state="attached")
+    page.get_by_role("button", name="Next token").click()
+    page.wait_for_function("document.querySelectorAll('#steps-chart .steps-table tbody tr').length === 4")
+    gen = page.evaluate("window.lmhead.state.gen")
+    assert gen["prompt"] == PROMPT and len(gen["tokens"]) == 4
+    want = httpx.post(server.url + "/api/steps", json={"prompt": PROMPT, "tokens": [
+        {"token_id": t["token_id"], **t["settings"]} for t in gen["tokens"]]}).json()["steps"]
+    rows = values(page, "#steps-chart .steps-table tbody tr")
+    for row, st in zip(rows, want, strict=True):
+        assert row == pytest.approx([st["probability"], st["raw_probability"], st["rank"], st["entropy"],
+                                     st["raw_entropy"]], rel=1e-6)
+    classes = page.locator("#steps-chart .strip .tok").evaluate_all("els => els.map(e => e.className)")
+    colour = lambda r: "r1" if r == 1 else "r10" if r <= 10 else "r100" if r <= 100 else "rmore"  # noqa: E731
+    assert classes == [f"tok {colour(st['rank'])}" for st in want]
+    assert page.locator("#steps-chart svg .stepbar").count() == 4 and page.locator("#steps-chart svg .entline").count()
+
+
+def test_the_model_selector_switches_vocabularies_and_reports_a_failed_load(page):
+    options = page.locator("#model-select option").all_inner_texts()
+    assert options[0] == "tiny-llama" and any(o.startswith("tiny-b") for o in options)
+    submit(page)
+    select = page.get_by_label("Model", exact=True)
+    select.select_option("tiny-b")
+    page.wait_for_function("document.querySelector('#model-facts').textContent.includes('vocabulary 280')")
+    page.wait_for_selector("body[data-ready='1']")
+    page.wait_for_function("document.querySelector('#dist-chart svg desc')?.textContent.includes('280 tokens')")
+    assert page.locator("#stage tbody tr").count() == 20
+    select.select_option("broken")
+    page.wait_for_function("document.querySelector('#status').classList.contains('error')")
+    assert "could not be loaded" in page.locator("#status").inner_text()
+    assert select.input_value() == "tiny-b"  # still the model that works
+    assert "vocabulary 280" in page.locator("#model-facts").inner_text()
+
+
+@pytest.mark.model
+def test_real_default_model_pictures_and_screenshots(browser):
+    """gemma-3-270m (the default model) in the browser: every picture equals the API's numbers on the real
+    262,144-token vocabulary; saves docs/explain_{distribution,head,draws,steps}.png (README and docs/explain.md)."""
+    model = real_model("gemma-3-270m")
+    with ServerThread(create_app(model)) as s:
+        ctx = browser.new_context(viewport={"width": 1000, "height": 1200})
+        pg = ctx.new_page()
+        pg.set_default_timeout(180_000)
+        pg.goto(s.url + "/")
+        pg.wait_for_selector("body[data-ready='1']")
+        submit(pg, "The capital of France is")
+        slide(pg, "Temperature", 0.8)
+        slide(pg, "Top-p", 0.9)
+        wait_chart(pg, "#dist-chart", temperature=0.8, top_p=0.9)
+        want = httpx.post(s.url + "/api/distribution", json={"prompt": "The capital of France is",
+                                                                  "temperature": 0.8, "top_p": 0.9}).json()
+        assert want["vocab_size"] == 262_144
+        cut = pg.locator("#dist-chart line.cutline[data-step='top_p']")
+        assert int(cut.get_attribute("data-rank")) == want["cutoffs"][0]["rank"] == want["kept_count"]
+        pg.wait_for_selector("#geo-chart svg g.word")
+        geo = httpx.post(s.url + "/api/geometry", json={"prompt": "The capital of France is", "top": 8}).json()
+        rows = values(pg, "#geo-chart .geo-table tbody tr")
+        assert [r[5] for r in rows] == pytest.approx([c["logit"] for c in geo["candidates"]], rel=1e-6)
+        assert "640-dimensional" in pg.locator("#geo-chart .lost").inner_text()
+        pg.get_by_label("Seed", exact=True).fill("0")
+        pg.get_by_label("Draws", exact=True).fill("2000")
+        pg.get_by_role("button", name="Draw N times").click()
+        pg.wait_for_selector("#draw-chart[data-n='2000']")
+        DOCS.mkdir(exist_ok=True)
+        for section, name in (("#dist-section", "distribution"), ("#geo-section", "head"), ("#draw-section", "draws")):
+            pg.locator(section).screenshot(path=str(DOCS / f"explain_{name}.png"))
+        pg.locator("#steps").fill("12")
+        pg.get_by_role("button", name="Generate").click()
+        pg.wait_for_selector("#steps-chart .steps-table tbody tr", state="attached")
+        pg.wait_for_function("!document.querySelector('#generate').disabled")
+        pg.locator("#steps-section").screenshot(path=str(DOCS / "explain_steps.png"))
+        ctx.close()
+    for name in ("distribution", "head", "draws", "steps"):
+        assert (DOCS / f"explain_{name}.png").stat().st_size > 10_000

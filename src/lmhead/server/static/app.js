@@ -20,6 +20,16 @@ const state = {
   requery: null, // debounce timer
   seq: 0, // predict request counter (stale answers are dropped)
   busy: false,
+  modelName: null, // the model chosen in the selector (?model=NAME on every request); null = the server's default
+  models: null, // GET /api/models
+  geo: null, // the last /api/geometry answer, and the prompt it was for
+  geoPrompt: null,
+  dist: null, // the last /api/distribution answer
+  distSeq: 0,
+  distTimer: null,
+  draws: null, // the last /api/draws answer
+  drawTimer: null,
+  gen: { prompt: null, tokens: [] }, // this generation: the prompt it started from, each token with its settings
 };
 
 // ------------------------------------------------------------------------------------------------------------
@@ -63,7 +73,12 @@ function setStatus(msg, error = false) {
   s.classList.toggle("error", !!error);
 }
 
+function withModel(path) {
+  return state.modelName ? `${path}${path.includes("?") ? "&" : "?"}model=${encodeURIComponent(state.modelName)}` : path;
+}
+
 async function api(path, body) {
+  path = withModel(path);
   const opts = body === undefined ? {} : {
     method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
   };
@@ -349,6 +364,13 @@ function render() {
   const keptShown = Array.from(body.querySelectorAll("tr.kept")).length;
   const keptTotal = useServer ? d.raw.kept_count : c.keptCount;
   $("#more").textContent = keptTotal > keptShown ? `${(keptTotal - keptShown).toLocaleString()} more kept tokens are not shown.` : "";
+  const probs = new Map();
+  for (let i = 0; i < N; i++) {
+    const cand = cands[i];
+    probs.set(cand.token_id, useServer ? { p: cand.probability, kept: cand.kept } : { p: c.probs[i], kept: !c.cut[i] });
+  }
+  state.candProbs = probs;
+  renderGeometry();
 }
 
 function serverKeptMass(d, st) {
@@ -398,6 +420,7 @@ async function predict(opts = {}) {
     renderChips(raw.prompt_tokens, state.generatedFrom);
     render();
     if (!opts.quiet) setStatus("");
+    if (!opts.quiet) refreshCharts(prompt);
     if ($("#layers-panel").open) loadLayers();
   } catch (e) {
     if (seq === state.seq) setStatus(e.message, true);
@@ -434,13 +457,16 @@ async function nextToken() {
   setBusy(true);
   try {
     const before = state.generatedFrom ?? (state.data ? state.data.raw.prompt_tokens.length : null);
-    const r = await api("/api/step", { prompt, ...settings(), seed: seed(), step: state.step });
+    const st = settings();
+    const r = await api("/api/step", { prompt, ...st, seed: seed(), step: state.step });
     state.step += 1;
+    noteGenerated(prompt, r.token_id, r.text, st);
     $("#prompt").value = r.prompt;
     state.prompt = r.prompt;
     noteChoice(r);
     if (r.finish_reason === "stop" && !r.text) setStatus("The model chose its end-of-sequence token.");
     await predict({ generatedFrom: before });
+    loadSteps();
   } catch (e) {
     setStatus(e.message, true);
   } finally {
@@ -457,9 +483,10 @@ async function generate() {
   setStatus("Generating…");
   const before = state.generatedFrom ?? (state.data ? state.data.raw.prompt_tokens.length : null);
   try {
-    const r = await fetch("/api/generate", {
+    const st = settings();
+    const r = await fetch(withModel("/api/generate"), {
       method: "POST", headers: { "Content-Type": "application/json" },
-      body: JSON.stringify({ prompt, ...settings(), seed: seed(), step: state.step, max_tokens: n }),
+      body: JSON.stringify({ prompt, ...st, seed: seed(), step: state.step, max_tokens: n }),
     });
     if (!r.ok) {
       const j = await r.json().catch(() => ({}));
@@ -482,6 +509,7 @@ async function generate() {
         if (payload === "[DONE]") continue;
         const ev = JSON.parse(payload);
         if (ev.error) throw new Error(ev.error);
+        noteGenerated(text, ev.token_id, ev.text, st);
         text += ev.text;
         $("#prompt").value = text;
         noteChoice(ev);
@@ -491,6 +519,7 @@ async function generate() {
     state.step += n;
     state.prompt = text;
     await predict({ generatedFrom: before });
+    loadSteps();
     setStatus("");
   } catch (e) {
     setStatus(e.message, true);
@@ -601,6 +630,198 @@ async function loadParams() {
 }
 
 // ------------------------------------------------------------------------------------------------------------
+// The pictures (drawn by charts.js; every number from /api/geometry, /distribution, /draws, /steps: the server
+// computes them over the full vocabulary with the full-precision head)
+
+const charts = () => window.lmheadCharts;
+const MAX_DRAWS = 10000, DRAW_WORK = 2 ** 27; // lmhead.explain_charts.MAX_DRAWS / DRAW_WORK
+
+function chartError(sel, e) {
+  $(sel).replaceChildren(el("p", { class: "status error", role: "alert", text: e.message }));
+}
+
+function refreshCharts(prompt) {
+  loadDistribution();
+  if (prompt !== state.geoPrompt) loadGeometry();
+  if (state.draws && state.draws.prompt !== prompt) clearDraws();
+}
+
+async function loadDistribution() {
+  const prompt = state.prompt;
+  if (!prompt) return;
+  const seq = ++state.distSeq;
+  const st = settings();
+  try {
+    const d = await api("/api/distribution", { prompt, ...st });
+    if (seq !== state.distSeq) return; // a newer setting is on its way
+    state.dist = d;
+    const fig = $("#dist-chart");
+    charts().rankChart(fig, d);
+    fig.dataset.settings = JSON.stringify(st);
+    updateDrawLimit(d.kept_count);
+  } catch (e) {
+    if (seq === state.distSeq) chartError("#dist-chart", e);
+  }
+}
+
+function scheduleDistribution(ms) {
+  clearTimeout(state.distTimer);
+  state.distTimer = setTimeout(loadDistribution, ms);
+}
+
+async function loadGeometry() {
+  const prompt = state.prompt;
+  if (!prompt) return;
+  const top = parseInt($("#geo-top").value, 10);
+  try {
+    const g = await api("/api/geometry", { prompt, top });
+    if (prompt !== state.prompt || top !== parseInt($("#geo-top").value, 10)) return;
+    state.geo = g;
+    state.geoPrompt = prompt;
+    renderGeometry();
+  } catch (e) {
+    chartError("#geo-chart", e);
+  }
+}
+
+function renderGeometry() {
+  if (!state.geo) return;
+  const fig = $("#geo-chart");
+  charts().geometryChart(fig, state.geo, state.candProbs);
+  fig.dataset.top = String(state.geo.candidates.length);
+}
+
+function updateDrawLimit(kept) {
+  const most = Math.max(1, Math.min(MAX_DRAWS, Math.floor(DRAW_WORK / Math.max(1, kept))));
+  $("#draw-n").max = String(most);
+  $("#draw-n-help").textContent = `at most ${most.toLocaleString()} with ${kept.toLocaleString()} tokens kept ` +
+    "(every draw reads each kept token)";
+}
+
+async function draw() {
+  const prompt = state.prompt;
+  if (!prompt) { setStatus("Show the candidates first.", true); return; }
+  const most = parseInt($("#draw-n").max, 10) || MAX_DRAWS;
+  const n = Math.max(1, Math.min(most, parseInt($("#draw-n").value, 10) || 1000));
+  $("#draw-n").value = String(n);
+  const st = settings();
+  $("#draw").disabled = true;
+  try {
+    const d = await api("/api/draws", { prompt, ...st, n, seed: seed() ?? 0 });
+    state.draws = { ...d, prompt, settings: st };
+    $("#draw-upto").disabled = false;
+    $("#draw-upto").value = "1000";
+    renderDraws();
+    $("#draw-chart").dataset.settings = JSON.stringify(st);
+  } catch (e) {
+    chartError("#draw-chart", e);
+  } finally {
+    $("#draw").disabled = false;
+  }
+}
+
+// The replay slider is logarithmic: position v of 0..1000 shows the first N^(v/1000) draws.
+function drawsUpTo() {
+  const N = state.draws.n;
+  return Math.max(1, Math.min(N, Math.round(Math.pow(N, parseInt($("#draw-upto").value, 10) / 1000))));
+}
+
+function renderDraws() {
+  if (!state.draws) return;
+  const n = drawsUpTo();
+  $("#draw-upto-out").value = `${n.toLocaleString()} of ${state.draws.n.toLocaleString()}`;
+  $("#draw-upto").setAttribute("aria-valuetext", `the first ${n} of ${state.draws.n} draws`);
+  charts().drawChart($("#draw-chart"), state.draws, n);
+}
+
+function clearDraws() {
+  state.draws = null;
+  $("#draw-chart").replaceChildren();
+  $("#draw-upto").disabled = true;
+  $("#draw-upto-out").value = "–";
+}
+
+function scheduleRedraw() {
+  if (!state.draws) return;
+  clearTimeout(state.drawTimer);
+  state.drawTimer = setTimeout(draw, 150); // the settings changed: the histogram must be of the new distribution
+}
+
+// This generation: the prompt it grew from, and each token with the settings it was drawn with.
+function noteGenerated(textBefore, tokenId, text, st) {
+  const g = state.gen;
+  const sofar = g.prompt === null ? null : g.prompt + g.tokens.map((t) => t.text).join("");
+  if (sofar !== textBefore || g.tokens.length >= 256) { g.prompt = textBefore; g.tokens = []; }
+  g.tokens.push({ token_id: tokenId, text, settings: st });
+}
+
+function resetGeneration() {
+  state.gen = { prompt: null, tokens: [] };
+  $("#steps-section").hidden = true;
+  $("#steps-chart").replaceChildren();
+}
+
+async function loadSteps() {
+  const g = state.gen;
+  if (!g.prompt || !g.tokens.length) return;
+  $("#steps-section").hidden = false;
+  try {
+    const r = await api("/api/steps", { prompt: g.prompt,
+      tokens: g.tokens.map((t) => ({ token_id: t.token_id, ...t.settings })) });
+    charts().stepsChart($("#steps-chart"), r.steps);
+  } catch (e) {
+    chartError("#steps-chart", e);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// The model selector: the server's models, each loaded on its first use (GET /api/models, ?model=NAME)
+
+async function loadModelInfo() {
+  const m = await api("/api/model");
+  state.model = m;
+  $("#model-facts").textContent = `· vocabulary ${m.vocab_size.toLocaleString()} · width ${m.width} · ` +
+    `${m.layers} layers · ${m.tied_head ? "tied" : "untied"} head` + (m.softcap ? ` · softcap ${m.softcap}` : "");
+}
+
+async function loadModels() {
+  const m = await api("/api/models");
+  state.models = m;
+  const sel = $("#model-select");
+  sel.replaceChildren(...m.models.map((x) => el("option", { value: x.name,
+    text: x.name + (x.loaded ? "" : " (loads on first use)") })));
+  sel.value = state.modelName || m.default;
+}
+
+async function chooseModel() {
+  const sel = $("#model-select");
+  const name = sel.value, before = state.modelName;
+  state.modelName = name;
+  sel.disabled = true;
+  document.body.dataset.ready = "0";
+  setStatus(`Loading ${name}… (a model loads on its first use; this can take a while)`);
+  try {
+    await loadModelInfo();
+    state.data = null; state.geo = null; state.geoPrompt = null; state.dist = null;
+    clearDraws();
+    resetGeneration();
+    $("#params-out").dataset.loaded = "";
+    $("#params-out").replaceChildren();
+    await loadModels();
+    setStatus("");
+    if ($("#prompt").value) { state.step = 0; await predict({ generatedFrom: null }); }
+  } catch (e) {
+    state.modelName = before;
+    await loadModels().catch(() => {});
+    sel.value = before || (state.models ? state.models.default : name);
+    setStatus(e.message, true);
+  } finally {
+    sel.disabled = false;
+    document.body.dataset.ready = "1";
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------
 // Wiring
 
 function selectTab(tab) {
@@ -618,6 +839,8 @@ function resetSettings() {
   $("#temperature").value = "1"; $("#top-k").value = "0"; $("#top-p").value = "1"; $("#min-p").value = "0";
   render();
   showSettings();
+  scheduleDistribution(0);
+  scheduleRedraw();
 }
 
 async function init() {
@@ -631,14 +854,14 @@ async function init() {
       if (e.key === "End") { e.preventDefault(); selectTab(tabs[tabs.length - 1]); }
     });
   });
-  const submit = () => { state.step = 0; predict({ generatedFrom: null }); };
+  const submit = () => { state.step = 0; resetGeneration(); predict({ generatedFrom: null }); };
   $("#prompt-form").addEventListener("submit", (e) => { e.preventDefault(); submit(); });
   $("#prompt").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) { e.preventDefault(); submit(); }
   });
   for (const id of ["#temperature", "#top-k", "#top-p", "#min-p"]) {
-    $(id).addEventListener("input", () => { showSettings(); render(); });
-    $(id).addEventListener("change", () => { showSettings(); render(); scheduleRequery(0); });
+    $(id).addEventListener("input", () => { showSettings(); render(); scheduleDistribution(60); });
+    $(id).addEventListener("change", () => { showSettings(); render(); scheduleRequery(0); scheduleDistribution(0); scheduleRedraw(); });
   }
   $("#rows").addEventListener("change", render);
   $("#next-token").addEventListener("click", nextToken);
@@ -646,12 +869,15 @@ async function init() {
   $("#reset").addEventListener("click", resetSettings);
   $("#layers-panel").addEventListener("toggle", () => { if ($("#layers-panel").open) loadLayers(); });
   $("#score-form").addEventListener("submit", score);
+  $("#geo-top").addEventListener("input", () => { $("#geo-top-out").value = $("#geo-top").value; });
+  $("#geo-top").addEventListener("change", () => { $("#geo-top-out").value = $("#geo-top").value; loadGeometry(); });
+  $("#draw").addEventListener("click", draw);
+  $("#draw-upto").addEventListener("input", renderDraws);
+  $("#model-select").addEventListener("change", chooseModel);
   showSettings();
   try {
-    state.model = await api("/api/model");
-    $("#model-name").textContent = state.model.name;
-    $("#model-facts").textContent = `· vocabulary ${state.model.vocab_size.toLocaleString()} · width ${state.model.width} · ` +
-      `${state.model.layers} layers · ${state.model.tied_head ? "tied" : "untied"} head`;
+    await loadModelInfo();
+    await loadModels();
   } catch (e) {
     setStatus(`The server did not answer: ${e.message}`, true);
     return;
@@ -662,7 +888,7 @@ async function init() {
 // For tests and the curious: the pipeline functions and the state (in Node: module.exports, for the tests that
 // compare this pipeline with lmhead.sampling's over a full vocabulary).
 if (typeof window !== "undefined") {
-  window.lmhead = { state, compute, settings, pct };
+  window.lmhead = { state, compute, settings, pct, withModel };
   init();
 } else if (typeof module !== "undefined") {
   module.exports = { compute, tailBounds, runPipeline, entropyOf };
