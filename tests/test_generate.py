@@ -331,3 +331,23 @@ def test_cached_loop_equals_the_plain_loop_without_cache(model, config):
     expected = generate_plain(model.hf_model, model.tokenizer, "The cat sat on the mat", 20, config,
                               model.eos_token_ids)
     assert ours == expected
+
+
+def test_cli_exact_logprobs_are_the_fp32_heads(tmp_path, capsys):
+    import math
+
+    from lmhead.cli import main
+
+    hf_model, tok = tiny_model("llama")
+    hf_model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    runs = {}
+    for name, extra in (("fp32", ["--head", "fp32"]), ("int8", ["--head", "exact-int8"]),
+                        ("exact", ["--head", "exact-int8", "--exact-logprobs"])):
+        assert main(["generate", "The cat sat", "--model", str(tmp_path), "-n", "6", "--temperature", "0",
+                     "--json", *extra]) == 0
+        runs[name] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [s["token_id"] for s in runs["exact"]] == [s["token_id"] for s in runs["fp32"]]
+    for a, b in zip(runs["exact"], runs["fp32"], strict=True):
+        assert math.isclose(a["raw_logprob"], b["raw_logprob"], abs_tol=1e-5)
+    assert max(abs(a["raw_logprob"] - b["raw_logprob"]) for a, b in zip(runs["int8"], runs["fp32"], strict=True)) > 1e-5

@@ -284,6 +284,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-logprobs", type=int, default=0, metavar="N",
                    help="with --json: the N most likely alternatives at each step (0..20)")
     p.add_argument("--json", action="store_true", help="print one JSON object per generated token")
+    p.add_argument("--exact-logprobs", action="store_true",
+                   help="with --json: compute every log-probability with the fp32 head (exact; one more head "
+                   "product per token); the tokens do not change")
     p.add_argument("--draft", default="auto", choices=["auto", "int8", "none"],
                    help="speculative decoding: auto (default: the fastest exact setting for the model), int8 "
                    "(the same model with int8 weights drafts, the full-precision model verifies), none. The "
@@ -313,7 +316,7 @@ def _run_generate(args: argparse.Namespace) -> None:
     stats = SpeculativeStats()
     steps = model.generate(args.prompt, args.max_new_tokens, config=config, stop=args.stop,
                            top_logprobs=args.top_logprobs, draft=args.draft, draft_tokens=args.draft_tokens,
-                           stats=stats)
+                           stats=stats, exact_logprobs=args.exact_logprobs)
     out, count, finish, t0 = sys.stdout, 0, None, time.perf_counter()
     if not args.json:
         out.write(args.prompt)
