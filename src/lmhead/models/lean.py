@@ -124,6 +124,8 @@ class _Layer:
     k_norm: Tensor | None
     kind: str              # the layer type its rope frequencies are kept under ("full_attention", ...)
     sliding: bool
+    qk_norm: Tensor | None = None   # q_norm and k_norm as one table (`LeanBody._qk_norm`), and the weights'
+    qk_norm_version: tuple[int, int] | None = None  # versions it was made from
 
 
 def _fuse(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
@@ -232,13 +234,24 @@ class LeanBody:
     # --- pieces ---------------------------------------------------------------------------------------------
 
     def norm(self, x: Tensor, w: Tensor) -> Tensor:
-        """The model's RMSNorm with weight `w` on x [..., D]."""
-        # Gemma scales by (1 + w) after normalising in fp32; Llama multiplies w by the normalised x. One fused
-        # op for x·rsqrt(mean(x²) + eps) instead of five: the step is dominated by per-op dispatch
-        y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        """The model's RMSNorm with weight `w` [D] (or one row per head, [heads, D]) on x [..., D]."""
+        # Gemma scales by (1 + w) after normalising in fp32 — y + y·w, one op; Llama multiplies w by the
+        # normalised x. A decode step is dominated by per-op dispatch, so every op saved counts.
+        y = F.rms_norm(x if x.dtype == torch.float32 else x.float(), (x.shape[-1],), None, self.eps)
         if self.gemma:
-            return (y * (1.0 + w.float())).type_as(x)
-        return w * y.type_as(x)
+            y = torch.addcmul(y, y, w)
+            return y if y.dtype == x.dtype else y.type_as(x)
+        return w * (y if y.dtype == x.dtype else y.type_as(x))
+
+    def _qk_norm(self, layer: _Layer) -> Tensor:
+        """The q and k norms' weights as one [H+H_kv, hd] table for `norm` on the side-by-side heads. Derived
+        from the model's weights, so it is rebuilt when either changes in place (an optimizer step)."""
+        version = (layer.q_norm._version, layer.k_norm._version)
+        if layer.qk_norm is None or layer.qk_norm_version != version:
+            layer.qk_norm = torch.cat([layer.q_norm.detach().expand(self.heads, -1),
+                                       layer.k_norm.detach().expand(self.kv_heads, -1)])
+            layer.qk_norm_version = version
+        return layer.qk_norm
 
     def _linear(self, x: Tensor, w: Tensor | Int8Linear, b: Tensor | None = None) -> Tensor:
         if isinstance(w, Int8Linear):
@@ -249,10 +262,11 @@ class LeanBody:
         return F.linear(x, w, b)
 
     @staticmethod
-    def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def _rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+        """x·cos + rotate_half(x)·sin on x [..., hd], with rotate_half(x) = (−x₂, x₁) written as the swapped
+        halves (x₂, x₁) times signed_sin = (−sin₁, sin₂), made once per step (`_rotary`)."""
+        swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+        return torch.addcmul(x * cos, swapped, signed_sin)
 
     def _masks(self, cache: StaticCache, start: int, t: int) -> dict[bool, Tensor | None]:
         """Additive masks [B,1,1,T,L] (0 keep, the dtype's minimum drop — finite, as transformers', so that a
@@ -324,12 +338,13 @@ class LeanBody:
             cos, sin = rope[layer.kind]
             h = self.norm(x, layer.input_norm)
             qkv = self._linear(h, layer.qkv, layer.qkv_bias)
-            q = qkv[..., :nq].view(b, t, self.heads, self.head_dim).transpose(1, 2)
-            k = qkv[..., nq:nq + nkv].view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = qkv[..., nq + nkv:].view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            # q and k heads side by side [B,T,H+H_kv,hd]: their norms and rope are one op each
+            qk = qkv[..., :nq + nkv].unflatten(-1, (self.heads + self.kv_heads, self.head_dim))
             if layer.q_norm is not None:
-                q, k = self.norm(q, layer.q_norm), self.norm(k, layer.k_norm)
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+                qk = self.norm(qk, self._qk_norm(layer))
+            qk = self._rope(qk, cos, sin).transpose(1, 2)
+            q, k = qk[:, :self.heads], qk[:, self.heads:]
+            v = qkv[..., nq + nkv:].view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
             cache.keys[i, :, :, start:start + t] = k
             cache.values[i, :, :, start:start + t] = v
             a = self._attend(q, cache.keys[i, :, :, :start + t], cache.values[i, :, :, :start + t],
@@ -349,9 +364,12 @@ class LeanBody:
     __call__ = forward
 
     def _rotary(self, x: Tensor, positions: Tensor, kind: str) -> tuple[Tensor, Tensor]:
-        """cos, sin [B,1,T,hd] from the model's own rotary module (its frequencies and scaling)."""
+        """cos and the signed sin of `_rope`, [B,T,1,hd] (broadcast over heads), from the model's own rotary
+        module (its frequencies and scaling)."""
         if self.gemma:
             cos, sin = self.rotary(x, positions, kind)
         else:
             cos, sin = self.rotary(x, positions)
-        return cos.unsqueeze(1), sin.unsqueeze(1)
+        half = sin.shape[-1] // 2
+        signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return cos.unsqueeze(2), signed.unsqueeze(2)
