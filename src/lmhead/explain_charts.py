@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 MAX_DRAWS = 10_000
-DRAW_WORK = 1 << 27  # draws × kept tokens per call at most: sample() reads every kept logit for every draw
+DRAW_WORK = 1 << 26  # draws × kept tokens per call at most: sample() reads every kept logit for every draw
 
 
 def _json(x: Any) -> Any:

@@ -634,7 +634,7 @@ async function loadParams() {
 // computes them over the full vocabulary with the full-precision head)
 
 const charts = () => window.lmheadCharts;
-const MAX_DRAWS = 10000, DRAW_WORK = 2 ** 27; // lmhead.explain_charts.MAX_DRAWS / DRAW_WORK
+const MAX_DRAWS = 10000, DRAW_WORK = 2 ** 26; // lmhead.explain_charts.MAX_DRAWS / DRAW_WORK
 
 function chartError(sel, e) {
   $(sel).replaceChildren(el("p", { class: "status error", role: "alert", text: e.message }));

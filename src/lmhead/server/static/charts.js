@@ -147,26 +147,46 @@
   // probs: token id → {p, kept} under the current settings (from the page's pipeline), for colour and size.
 
   function geometryChart(fig, g, probs) {
-    const W = widthOf(fig), H = Math.round(W * 0.52), pad = 30;
+    const W = widthOf(fig), Hp = Math.round(W * 0.46), pad = 30;
     const c = g.candidates;
     const xs = c.map((x) => x.x), ys = c.map((x) => x.y);
     const span = Math.max(...xs.map(Math.abs), ...ys.map(Math.abs), 1e-9) * 1.18;
-    const cx = W / 2, cy = H / 2 + 6, sc = Math.min((W / 2 - pad) / span, (H / 2 - pad) / span);
+    const cx = W / 2, cy = Hp / 2 + 6, sc = Math.min((W / 2 - pad) / span, (Hp / 2 - pad) / span);
     const P = (x, y) => [cx + x * sc, cy - y * sc];
+    // Below the plane, the h axis zoomed in on the candidates: where each row's projection (its logit) falls.
+    const xlo = Math.min(...xs), xhi = Math.max(...xs), xpad = (xhi - xlo) * 0.08 || Math.abs(xhi) * 0.01 || 1;
+    const ZX = (x) => 24 + (W - 48) * (x - (xlo - xpad)) / (xhi - xlo + 2 * xpad);
+    const labelW = (k) => 7.6 * (visible(k.text).length + 7); // "token 12.34" in 12px monospace
+    const rowEnd = [];
+    const zrow = c.map((k) => {
+      const x0 = Math.min(ZX(k.x), W - 4 - labelW(k));
+      let r = rowEnd.findIndex((end) => end < x0);
+      if (r < 0) { r = rowEnd.length; rowEnd.push(0); }
+      rowEnd[r] = x0 + labelW(k);
+      return r;
+    });
+    const zy = Hp + 28, H = zy + 22 + 14 * rowEnd.length;
     const desc = `The last position's hidden state h points right. Each word's head row W[i] is drawn in the plane of h ` +
       `and the direction in which these ${c.length} rows differ most apart from h. A row's horizontal position is its ` +
       `projection onto h: times ‖h‖ = ${g.hidden_norm.toFixed(2)} it is the word's logit` +
       (g.has_bias ? " before the bias" : "") + (g.softcap ? ` before the softcap ${g.softcap}` : "") +
-      `. Rightmost: ${visible(c[0].text)}.`;
+      `. Below, the h axis zoomed in: the words in the order of their logits. Rightmost: ${visible(c[0].text)}.`;
     const svg = frame(W, H, "The head as projections onto word directions", desc);
     svg.append(s("line", { x1: pad / 2, x2: W - pad / 2, y1: cy, y2: cy, class: "axis" }),
-      s("line", { x1: cx, x2: cx, y1: pad / 2, y2: H - pad / 2, class: "axis faint" }));
+      s("line", { x1: cx, x2: cx, y1: pad / 2, y2: Hp - pad / 2, class: "axis faint" }));
     svg.append(txt(W - pad / 2, cy - 6, "along h →", { "text-anchor": "end", class: "label" }));
     const hx = cx + span * sc * 0.92;
     svg.append(s("line", { x1: cx, y1: cy, x2: hx, y2: cy, class: "harrow", "marker-end": "url(#arrowhead)" }));
     svg.append(s("defs", {}, s("marker", { id: "arrowhead", viewBox: "0 0 10 10", refX: 9, refY: 5, markerWidth: 7,
       markerHeight: 7, orient: "auto-start-reverse" }, s("path", { d: "M0 0L10 5L0 10z", class: "arrowfill" }))));
-    svg.append(txt(8, H - 8, `h → (‖h‖ = ${g.hidden_norm.toFixed(1)}; the arrow is shortened)`, { class: "hlabel" }));
+    svg.append(txt(8, Hp - 4, `h → (‖h‖ = ${g.hidden_norm.toFixed(1)}; the arrow is shortened)`, { class: "hlabel" }));
+    // labels in the plane, nudged apart vertically where points crowd
+    const byY = c.map((k, i) => [P(k.x, k.y)[1] - 6, i]).sort((a, b) => a[0] - b[0]);
+    const labelY = new Array(c.length);
+    let prev = -Infinity;
+    for (const [y, i] of byY) { prev = Math.max(y, prev + 13); labelY[i] = prev; }
+    svg.append(s("line", { x1: 24, x2: W - 24, y1: zy, y2: zy, class: "axis" }));
+    svg.append(txt(24, zy - 8, `the h axis, zoomed in: x · ‖h‖ = logit${g.softcap ? " before the softcap" : ""}`, { class: "label" }));
     const order = c.map((_, i) => i).reverse(); // the top candidate drawn last, on top
     for (const i of order) {
       const k = c[i];
@@ -177,7 +197,10 @@
       grp.append(s("line", { x1: px, y1: py, x2: px, y2: cy, class: "drop" }));
       grp.append(s("line", { x1: cx, y1: cy, x2: px, y2: py, class: "row" }));
       grp.append(s("circle", { cx: px, cy: py, r: 3 + 9 * Math.sqrt(p || 0), class: "dot", "data-p": p ?? "" }));
-      grp.append(txt(px + 6, py - 6, `${visible(k.text)} ${k.logit.toFixed(1)}`, { class: "wordlabel" }));
+      grp.append(txt(px + 8, labelY[i], `${visible(k.text)} ${k.logit.toFixed(1)}`, { class: "wordlabel" }));
+      const zx = ZX(k.x), ly = zy + 16 + 14 * zrow[i];
+      grp.append(s("line", { x1: zx, x2: zx, y1: zy - 4, y2: ly - 10, class: "ztick" }));
+      grp.append(txt(Math.min(zx, W - 4 - labelW(k)), ly, `${visible(k.text)} ${k.logit.toFixed(2)}`, { class: "wordlabel" }));
       svg.append(grp);
     }
     const lost = `This is a 2-D slice of a ${g.width}-dimensional space: the plane keeps ${pct(g.plane_share)} of these ` +
@@ -252,13 +275,13 @@
   // A generation, token by token: probability bars coloured by rank (as the score tab), the entropy as a line.
 
   function stepsChart(fig, steps) {
-    const n = steps.length, bw = 30, L = 40, R = 44, T = 12, B = 40;
+    const n = steps.length, bw = 30, L = 40, R = 64, T = 12, B = 40;
     const W = Math.max(320, L + R + n * bw), H = 190;
     const maxE = Math.max(1, ...steps.map((x) => x.entropy), ...steps.map((x) => x.raw_entropy));
     const Y = (p) => T + (H - T - B) * (1 - p);
     const YE = (e) => T + (H - T - B) * (1 - e / maxE);
     const mean = steps.reduce((a, x) => a + x.probability, 0) / n;
-    const desc = `${n} generated tokens. Bars: each token's probability after the pipeline (left axis), coloured by its ` +
+    const desc = `${n} generated token${n === 1 ? "" : "s"}. Bars: each token's probability after the pipeline (left axis), coloured by its ` +
       `rank (green top 1, yellow top 10, orange top 100, red beyond). Line: the entropy of each step's distribution ` +
       `in nats (right axis). Mean probability ${pct(mean)}.`;
     const svg = frame(W, H, "Probability, rank and entropy of each generated token", desc);
