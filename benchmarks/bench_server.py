@@ -1,0 +1,170 @@
+"""The server under concurrent clients: continuous batching against one generation at a time.
+
+    .venv/bin/python benchmarks/bench_server.py [--model gemma-3-270m] [--concurrent 8] [--tokens 64]
+        [--clients 32] [--requests 4] [--load-tokens 16]
+
+Two real uvicorn servers on loopback, one after the other, each in a subprocess with the same model:
+`batched` (the server as shipped: requests share decode rounds) and `serial` (the same server with
+`runner.max_batch = 1`: one generation at a time — the server before continuous batching, the baseline).
+On each:
+  1. one --tokens completion on the idle server (latency)
+  2. --concurrent such completions one after another, then the same ones at once (wall time of each);
+     target: on `batched`, one after another takes ≥ 3× as long as at once
+  3. --clients clients × --requests requests (--load-tokens completions), each client sending its next
+     request when the last is answered: p50 / p99 latency; target: p50 `batched` ≤ p50 `serial` / 2
+Every completion is greedy or seeded (top-k 40), so both servers must give the same text: mismatches are
+counted and printed. The load average is printed before and after (a shared machine's timings are noise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+PROMPTS = [
+    "Once upon a time, in a small village by the sea, there lived",
+    "The three most important inventions of the twentieth century are",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Photosynthesis is the process by which plants",
+    "Dear hiring manager, I am writing to apply for",
+    "The recipe calls for two cups of flour,",
+    "In 1969, the first humans",
+    "A list of prime numbers: 2, 3, 5,",
+]
+
+SERVER = """
+import sys, uvicorn
+from lmhead import load_model
+from lmhead.server import create_app
+model = load_model(sys.argv[1])
+app = create_app(model)
+app.state.runner.max_batch = int(sys.argv[3])
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -c SERVER model port max_batch` in a subprocess; waits until /v1/models answers."""
+
+    def __init__(self, model: str, max_batch: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, model, str(self.port), str(max_batch)])
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("the server did not start in 600 s")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def body(i: int, tokens: int) -> dict:
+    """The i-th request: greedy for even i, seeded top-k sampling for odd i."""
+    b = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": tokens}
+    return {**b, "temperature": 0.0} if i % 2 == 0 else {**b, "temperature": 0.8, "top_k": 40, "seed": i}
+
+
+async def complete(http: httpx.AsyncClient, b: dict) -> tuple[float, str]:
+    t = time.perf_counter()
+    r = await http.post("/v1/completions", json=b)
+    r.raise_for_status()
+    return time.perf_counter() - t, r.json()["choices"][0]["text"]
+
+
+async def measure(url: str, args: argparse.Namespace) -> dict:
+    limits = httpx.Limits(max_connections=max(args.clients, args.concurrent) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
+        await complete(http, body(0, 4))  # warm-up
+        idle, _ = await complete(http, body(0, args.tokens))
+        batch = [body(i, args.tokens) for i in range(args.concurrent)]
+        t = time.perf_counter()
+        texts = [(await complete(http, b))[1] for b in batch]
+        one_by_one = time.perf_counter() - t
+        t = time.perf_counter()
+        together = await asyncio.gather(*(complete(http, b) for b in batch))
+        at_once = time.perf_counter() - t
+        texts += [text for _, text in together]
+
+        latencies: list[float] = []
+
+        async def client(c: int) -> list[str]:
+            out = []
+            for i in range(args.requests):
+                dt, text = await complete(http, body(c * args.requests + i, args.load_tokens))
+                latencies.append(dt)
+                out.append(text)
+            return out
+
+        t = time.perf_counter()
+        load = await asyncio.gather(*(client(c) for c in range(args.clients)))
+        load_wall = time.perf_counter() - t
+    lat = sorted(latencies)
+    return {"idle": idle, "one_by_one": one_by_one, "at_once": at_once, "p50": statistics.median(lat),
+            "p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))], "load_wall": load_wall,
+            "texts": texts + [t for ts in load for t in ts]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gemma-3-270m")
+    ap.add_argument("--concurrent", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--load-tokens", type=int, default=16)
+    args = ap.parse_args()
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  ({os.cpu_count()} CPUs)")
+    results = {}
+    for name, max_batch in (("batched", 32), ("serial", 1)):
+        server = Server(args.model, max_batch)
+        try:
+            results[name] = asyncio.run(measure(server.url, args))
+        finally:
+            server.close()
+    b, s = results["batched"], results["serial"]
+    n, k = args.concurrent, args.tokens
+    print(f"\n{args.model}, loopback; {n} × {k}-token completions; {args.clients} clients × {args.requests} "
+          f"requests of {args.load_tokens} tokens")
+    print(f"{'':34}{'batched':>10}{'serial':>10}{'ratio':>8}")
+    rows = [("one request, idle server (s)", b["idle"], s["idle"]),
+            (f"{n} one after another (s)", b["one_by_one"], s["one_by_one"]),
+            (f"{n} at once (s)", b["at_once"], s["at_once"]),
+            (f"{args.clients}×{args.requests}: p50 latency (s)", b["p50"], s["p50"]),
+            (f"{args.clients}×{args.requests}: p99 latency (s)", b["p99"], s["p99"]),
+            (f"{args.clients}×{args.requests}: wall (s)", b["load_wall"], s["load_wall"])]
+    for label, x, y in rows:
+        print(f"{label:34}{x:10.2f}{y:10.2f}{y / x:8.2f}")
+    speedup = b["one_by_one"] / b["at_once"]
+    halved = s["p50"] / b["p50"]
+    print(f"\n{n} at once vs one after another (batched server): {speedup:.2f}× sooner (target ≥ 3)")
+    print(f"p50 latency under load, serial / batched: {halved:.2f}× (target ≥ 2)")
+    same = sum(x == y for x, y in zip(b["texts"], s["texts"], strict=True))
+    print(f"answers equal on both servers: {same} of {len(b['texts'])}")
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
