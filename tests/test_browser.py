@@ -453,6 +453,11 @@ def test_real_default_model_pictures_and_screenshots(browser):
         pg.wait_for_selector("#steps-chart .steps-table tbody tr", state="attached")
         pg.wait_for_function("!document.querySelector('#generate').disabled")
         pg.locator("#steps-section").screenshot(path=str(DOCS / "explain_steps.png"))
+        # the same prompt in the other packaged model's vocabulary, loaded on first use from the page
+        pg.get_by_label("Model", exact=True).select_option("smollm2-135m")
+        pg.wait_for_function("document.querySelector('#model-facts').textContent.includes('vocabulary 49,152')")
+        pg.wait_for_function("document.querySelector('#dist-chart svg desc')?.textContent.includes('49,152 tokens')")
+        assert pg.locator("#stage tbody tr").count() == 20
         ctx.close()
     for name in ("distribution", "head", "draws", "steps"):
         assert (DOCS / f"explain_{name}.png").stat().st_size > 10_000

@@ -13,6 +13,7 @@ chart over the full vocabulary without running the body again.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -97,19 +98,22 @@ async def api_steps(req: StepsRequest, served: Served = Depends(get_served)) -> 
 # --- the calls (blocking: they run in the model's runner thread, one at a time) -----------------------------
 
 _LAST: weakref.WeakKeyDictionary[Any, OrderedDict[str, charts.LastPosition]] = weakref.WeakKeyDictionary()
+_LAST_LOCK = threading.Lock()  # each model's runner has its own thread: two models may touch the cache at once
 
 
 def last_position(model: Any, prompt: str) -> charts.LastPosition:
     """`explain_charts.last_position`, remembered for the model's last CACHED_PROMPTS prompts."""
     encode_checked(model, prompt)
-    cache = _LAST.setdefault(model, OrderedDict())
-    if prompt in cache:
-        cache.move_to_end(prompt)
-        return cache[prompt]
-    last = charts.last_position(model, prompt)
-    cache[prompt] = last
-    while len(cache) > CACHED_PROMPTS:
-        cache.popitem(last=False)
+    with _LAST_LOCK:
+        cache = _LAST.setdefault(model, OrderedDict())
+        if prompt in cache:
+            cache.move_to_end(prompt)
+            return cache[prompt]
+    last = charts.last_position(model, prompt)  # outside the lock: one model's forward never waits for another's
+    with _LAST_LOCK:
+        cache[prompt] = last
+        while len(cache) > CACHED_PROMPTS:
+            cache.popitem(last=False)
     return last
 
 
