@@ -447,7 +447,8 @@ class Batch:
     Finished rows (end of sequence, stop string, budget) leave after the step that finished them; `rows` are
     the live ones. A row's tokens do not depend on the rows it decodes beside (per-row configs, seeds keyed
     on (seed, step), left padding and merged caches invisible to attention, `speculative.decode_logits`):
-    a row gives what it gives alone, greedy or seeded, up to float rounding in the logits. Rows join a
+    a greedy or seeded row gives the tokens it gives alone, and logprobs equal to float rounding (a compressed
+    head's own: within its error bound, its kernel differs for one row and several). Rows join a
     running batch on the lean body (`speculative.Decoder.join`); with transformers' modules `can_join` is
     False while rows are live.
     """
