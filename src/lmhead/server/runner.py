@@ -2,7 +2,8 @@
 
     request ──generate(prompt, ...)──▶ waiting ──admit: prepare (tokenise, check), prefill──▶ live rows
     each turn of the scheduler thread:
-        one pending call (explain endpoints: predict, step, layers, score) runs, alone
+        pending calls (explain endpoints: predict, step, layers, score; the routes' checks) run, alone, in
+            order, for about as long as one decode round takes (all of them when nothing decodes)
         each generic stream (`stream`) gives one item
         waiting generations join the batch (`lmhead.generate.Batch.add`: their prompts prefilled together,
             then merged into the running rows' caches)
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -110,6 +112,8 @@ class ModelRunner:
         self._waiting: deque[_Generation] = deque()
         self._streams: list[_Stream] = []
         self._thread: threading.Thread | None = None
+        self._live: list[_Generation] = []  # the generations with rows in the batch (the thread's own)
+        self._round_s = 0.0  # how long the last decode round took
         self.calls = self.rounds = self.tokens = self.retired = self.max_live = 0
 
     # --- the event loop's side -------------------------------------------------------------------------------
@@ -179,30 +183,62 @@ class ModelRunner:
 
     def _run(self) -> None:
         batch = Batch(self.model, draft="auto")
-        live: list[_Generation] = []
+        self._live = []
+        try:
+            while self._turn(batch):
+                pass
+        except BaseException as exc:  # a bug in the loop itself: no request may wait forever
+            with self._cond:
+                jobs = [*self._live, *self._waiting, *self._streams]
+                calls = list(self._calls)
+                self._waiting.clear()
+                self._streams.clear()
+                self._calls.clear()
+                self._thread = None
+            for job in jobs:
+                job.put(_END, exc)
+            for future, _, _ in calls:
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(exc)
+            raise
+
+    def _turn(self, batch: Batch) -> bool:
+        """One turn of the thread (see the module docstring); False when there is nothing left to do."""
+        with self._cond:
+            while not (self._calls or self._waiting or self._streams or self._live):
+                if not self._cond.wait(timeout=1.0) and not (self._calls or self._waiting or self._streams):
+                    self._thread = None  # idle: the next request starts a new thread
+                    return False
+            streams = list(self._streams)
+            admit = []
+            while self._waiting and len(admit) < self.max_batch - len(batch.rows) and batch.can_join:
+                job = self._waiting.popleft()
+                if not job.cancelled:  # a request that went away while it waited takes no room
+                    admit.append(job)
+        self._run_calls()
+        for job in streams:
+            self._advance(job)
+        live = self._retire(batch, self._admit(batch, self._live, admit))
+        if batch.rows:
+            t = time.perf_counter()
+            live = self._round(batch, live)
+            self._round_s = time.perf_counter() - t
+        self._live = live
+        return True
+
+    def _run_calls(self) -> None:
+        """Pending calls, in order, for about as long as the last decode round took (at least one; all of
+        them when nothing decodes): explain calls and generations share the thread's time."""
+        start = time.perf_counter()
+        budget = self._round_s if self._live else float("inf")
         while True:
             with self._cond:
-                while not (self._calls or self._waiting or self._streams or live):
-                    if not self._cond.wait(timeout=1.0) and not (self._calls or self._waiting or self._streams):
-                        self._thread = None  # idle: the next request starts a new thread
-                        return
-                call = self._calls.popleft() if self._calls else None
-                streams = list(self._streams)
-                room = self.max_batch - len(batch.rows)
-                admit = []
-                while self._waiting and room > 0 and batch.can_join:
-                    job = self._waiting.popleft()
-                    if not job.cancelled:  # a request that went away while it waited takes no room
-                        admit.append(job)
-                        room -= 1
-            if call is not None:
-                self._run_call(*call)
-            for job in streams:
-                self._advance(job)
-            live = self._admit(batch, live, admit)
-            live = self._retire(batch, live)
-            if batch.rows:
-                live = self._round(batch, live)
+                if not self._calls:
+                    return
+                future, fn, args = self._calls.popleft()
+            self._run_call(future, fn, args)
+            if time.perf_counter() - start >= budget:
+                return
 
     def _run_call(self, future: concurrent.futures.Future, fn: Callable[..., Any], args: tuple) -> None:
         if not future.set_running_or_notify_cancel():
