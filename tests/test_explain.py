@@ -316,6 +316,37 @@ def test_predict_layers(tiny):
     assert set(d["layers"][0]) >= {"layer", "candidates", "entropy", "kl_to_final"}
 
 
+def test_predict_shows_the_full_precision_head_whatever_head_decodes(llama):
+    """A model decoding with the compressed exact-int8 head (its tail logits approximate) shows, by default,
+    exactly the numbers of the same model with the fp32 head; head="decode" shows the compressed head's."""
+    model, tokenizer, fp32 = llama
+    compressed = Model(model, tokenizer, head="exact-int8")
+    config = SamplingConfig(temperature=0.7, top_p=0.95)
+    ours = explain.predict(compressed, PROMPT, top=5, config=config, layers=True, layer_top=3)
+    assert ours.head == "fp32"
+    assert ours.to_dict() == explain.predict(fp32, PROMPT, top=5, config=config, layers=True, layer_top=3).to_dict()
+    ids = torch.tensor([tokenizer(PROMPT)["input_ids"]])
+    torch.testing.assert_close(explain.lens_logits(compressed, ids), explain.lens_logits(fp32, ids), rtol=0, atol=0)
+
+    decode = explain.predict(compressed, PROMPT, top=5, config=config, head="decode")
+    assert decode.head == "exact-int8" and ours.to_dict()["head"] == "fp32"
+    tail = torch.ones(compressed.vocab_size, dtype=torch.bool)
+    tail[[c.token_id for c in decode.candidates]] = False
+    with torch.no_grad():
+        hidden = compressed.hidden_states(ids)[:, -1:]
+        approx = compressed.head(hidden).reshape(-1)  # its top exact_k (64) exact, the rest approximate
+        exact = compressed.exact_head(hidden).reshape(-1)
+    assert decode.logsumexp == pytest.approx(float(torch.logsumexp(approx, -1)), abs=1e-5)
+    assert [c.logit for c in decode.candidates] == pytest.approx([float(exact[c.token_id]) for c in decode.candidates],
+                                                                 abs=1e-5)  # the candidates are re-scored exactly
+    assert not torch.equal(approx[tail], exact[tail])  # the tail is the compressed head's own
+
+
+def test_predict_rejects_an_unknown_head(llama):
+    with pytest.raises(ValueError, match="head: must be one of exact, decode"):
+        explain.predict(llama[2], PROMPT, head="int8")
+
+
 # --- perplexity -----------------------------------------------------------------------------------------
 
 

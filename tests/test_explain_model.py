@@ -82,3 +82,50 @@ def test_score_tokens_segments_rebuild_the_text(model):
     scores = explain.score_tokens(model, TEXT[:200])
     assert "".join(s.segment for s in scores) == TEXT[:200]
     assert all(s.rank >= 1 for s in scores[1:])
+
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea, there", "def add(a, b):\n"]
+
+
+def _transformers_lens(model, ids):
+    """transformers' own logits [V] and logit-lens logits [L+1, V] (its hidden states, its final norm, its
+    lm_head, its softcap) at the last position, in float64: the reference for everything the explainer shows."""
+    hf = model.hf_model
+    with torch.no_grad():
+        out = hf(ids, output_hidden_states=True)
+        states = out.hidden_states
+        rows = [hf.model.norm(h[:, -1:]) for h in states[:-1]] + [states[-1][:, -1:]]  # the last one is normed
+        lens = hf.lm_head(torch.cat(rows, dim=1))[0].double()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        lens = torch.tanh(lens / cap) * cap
+    return out.logits[0, -1], lens
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_every_number_predict_shows_is_transformers_to_1e_5(model, prompt):
+    """Whatever head decodes (Gemma: the compressed exact-int8 head, whose normaliser includes approximate
+    tail logits), predict and its logit lens show the full-precision model's numbers: transformers' own
+    probabilities to 1e-5 absolute, raw, after temperature, after the pipeline, at every layer."""
+    from lmhead.sampling import SamplingConfig, probabilities
+
+    config = SamplingConfig(temperature=0.8, top_p=0.9)  # no top-k: the normaliser spans the whole vocabulary
+    pred = model.predict(prompt, top=20, config=config, layers=True, layer_top=5)
+    ids = torch.tensor([model.tokenizer(prompt)["input_ids"]])
+    logits, lens = _transformers_lens(model, ids)
+    raw = torch.softmax(logits.double(), -1)
+    scaled = torch.softmax(logits.double() / 0.8, -1)
+    processed = probabilities(logits[None].float(), config, prev_tokens=ids, prompt_len=ids.shape[1])[0]
+    assert pred.head == "fp32"
+    worst = 0.0
+    for c in pred.candidates:
+        for ours, theirs in ((c.raw_probability, raw), (c.scaled_probability, scaled), (c.probability, processed)):
+            worst = max(worst, abs(ours - float(theirs[c.token_id])))
+    for layer in pred.layers:
+        p = torch.softmax(lens[layer.layer], -1)
+        for c in layer.candidates:
+            worst = max(worst, abs(c.probability - float(p[c.token_id])))
+    print(f"\n{model.name} ({type(model.head).__name__} decodes): max |p - p_transformers| {worst:.1e}")
+    assert worst <= 1e-5
+    assert pred.logsumexp == pytest.approx(float(torch.logsumexp(logits.double(), -1)), abs=1e-4)
+    assert pred.entropy["raw"] == pytest.approx(float(-(raw * raw.clamp_min(1e-300).log()).sum()), abs=1e-4)

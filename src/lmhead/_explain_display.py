@@ -74,6 +74,12 @@ def print_prediction(pred: Prediction, console: Console | None = None) -> None:
     console.print(f"entropy: raw {max(0.0, e['raw']):.3f} nats · after temperature {max(0.0, e['scaled']):.3f} · "
                   f"processed {max(0.0, e['processed']):.3f}", highlight=False)
     console.print(f"kept: {pred.kept_count:,} of {pred.vocab_size:,} tokens", highlight=False)
+    if pred.head == "fp32":
+        console.print("logits: the model's full-precision head (exact)", style="dim", highlight=False)
+    else:
+        console.print(f"logits: the {pred.head} head (compressed: the candidates shown are re-scored exactly, "
+                      "the rest of the vocabulary is approximate; fp32 shows the model's own numbers)",
+                      style="yellow", highlight=False)
     if pred.layers:
         print_lens(pred, console)
 

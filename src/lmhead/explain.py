@@ -10,7 +10,9 @@ default, see `lmhead.models.fast_linear`); the model's parts (final norm, contex
 `predict` returns the next-token candidates with both distributions (raw: softmax at temperature 1 of the
 model's logits; processed: after the whole pipeline), which cut removed which token, the entropies and the
 number of tokens kept. Everything is computed over the full vocabulary with `lmhead.sampling`; only the
-display is truncated to the top N.
+display is truncated to the top N. The logits are the full-precision head's (`Model.exact_head`, fp32), so
+every number shown is the model's own, whatever head `generate` decodes with (a compressed head's
+normaliser includes its approximate tail); `head="decode"` shows what that decode head computes instead.
 
 `predict(..., layers=True)` adds the logit lens: the final norm and the head applied to the residual stream
 after every layer (at the last position) — what the model would say if it stopped there.
@@ -221,6 +223,7 @@ class Prediction(_ToDict):
     scaled_logsumexp: float  # log-sum-exp of the scaled logits (scaled p = exp(scaled_logit - this))
     config: dict[str, Any]
     layers: list[LensLayer] | None = None
+    head: str = "fp32"  # the head whose logits these are: "fp32" (the model's own), else the decode head's mode
 
 
 @dataclass
@@ -284,14 +287,31 @@ def _config_dict(config) -> dict[str, Any]:
 # predict
 
 
+EXPLAIN_HEADS: tuple[str, ...] = ("exact", "decode")
+
+
+def explain_head(model, head: str = "exact"):
+    """(head module, its mode name) whose logits the explainer shows: "exact" (the default) is the model's
+    full-precision head `Model.exact_head` ("fp32"); "decode" is `Model.head`, the head `generate` decodes
+    with (e.g. "exact-int8": its top `exact_k` logits are exact, the rest approximate)."""
+    from lmhead.models.heads import mode_of
+
+    if head == "exact":
+        return model.exact_head, "fp32"
+    if head == "decode":
+        return model.head, mode_of(model.head)
+    raise ValueError(f"head: must be one of {', '.join(EXPLAIN_HEADS)}; got {head!r}")
+
+
 @torch.inference_mode()
 @_accepts_parts
 def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False, layer_top: int = 5,
-            model_name: str | None = None) -> Prediction:
+            model_name: str | None = None, head: str = "exact") -> Prediction:
     """The next-token candidates for `prompt`, with both distributions and what each cut did.
 
-    model: an `lmhead.Model`; its `body` runs the prompt (the body `generate` runs) and its `head` (the
-    model's chosen head, asked for `top` exact tokens) gives the last position's logits [1,V].
+    model: an `lmhead.Model`; its `body` runs the prompt (the body `generate` runs) and its full-precision
+    head `exact_head` gives the last position's logits [1,V] (head="decode": the model's decode head
+    `Model.head` instead, asked for `top` exact tokens — what a compressed head computes; see `explain_head`).
     Pipeline (lmhead.sampling, full vocabulary [V]): 1 logit bias / banned → 2 penalties (the prompt counts
     as the sequence so far: repetition penalty applies to it, presence/frequency count generated tokens only,
     so they do nothing here) → 3 temperature → 4 top-k → 5 top-p → 6 min-p → 7 softmax.
@@ -302,7 +322,8 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
     probability 1 and every other token is cut by "greedy". Candidates are sorted by the pipeline's logit
     (after bias/penalties; ties by raw logit, then token id), so the kept tokens are a prefix of the list.
 
-    top: candidates shown (1..V). layers: add the logit lens (`layer_top` candidates per layer).
+    top: candidates shown (1..V). layers: add the logit lens (`layer_top` candidates per layer), with the
+    same head.
     """
     from lmhead.sampling import SamplingConfig, entropy, probabilities, process_logits
 
@@ -310,6 +331,7 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
         config = SamplingConfig()
     if not isinstance(config, SamplingConfig):
         raise TypeError(f"config: expected a SamplingConfig, got {type(config).__name__}")
+    head, head_name = explain_head(model, head)
     vocab = model.vocab_size
     top = min(checks.positive_int("top", top), vocab)
     checks.positive_int("layer_top", layer_top)
@@ -323,7 +345,6 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
         states, last = model.layer_states(input_ids)
     else:
         states, last = None, model.hidden_states(input_ids)
-    head = model.head
     # a head that approximates all but its top `exact_k` (lmhead.compressed) is asked for every candidate shown
     exact_k = top if top > head.exact_k else None
     logits = head(last[:, -1:], exact_k=exact_k).reshape(1, vocab).float()  # [1,V]
@@ -347,7 +368,7 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
         entropy={"raw": float(ent[0]), "scaled": float(ent[1]), "processed": float(ent[2])},
         kept_count=int(torch.isfinite(processed[0]).sum()), vocab_size=vocab,
         logsumexp=float(torch.logsumexp(logits[0], dim=-1)), scaled_logsumexp=float(torch.logsumexp(scaled, dim=-1)),
-        config=_config_dict(config), layers=lens,
+        config=_config_dict(config), layers=lens, head=head_name,
     )
 
 
@@ -456,14 +477,15 @@ def _lens_rows(norm, head, hidden_states, last_hidden) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def lens_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+def lens_logits(model, input_ids: torch.Tensor, head: str = "exact") -> torch.Tensor:
     """Logit-lens logits [L+1, V] at the last position of `input_ids` [1,T]: row 0 from the embeddings,
     row i from the residual stream after block i; row L equals the model's own logits.
 
-    model: an `lmhead.Model`: every layer's hidden state (`Model.layer_states`), its final norm, its `head`.
+    model: an `lmhead.Model`: every layer's hidden state (`Model.layer_states`), its final norm, and the head
+    `explain_head(model, head)` (default: the full-precision `exact_head`).
     """
     states, last = model.layer_states(input_ids)
-    return _lens_rows(model.final_norm, model.head, states, last)
+    return _lens_rows(model.final_norm, explain_head(model, head)[0], states, last)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -654,7 +676,7 @@ def score_tokens(model, text: str, window: int | None = None, stride: int | None
 
 
 __all__ = [
-    "Candidate", "Evaluation", "LensCandidate", "LensLayer", "Prediction", "PromptToken", "TokenScore",
-    "evaluate", "lens_logits", "perplexity", "predict", "score_tokens", "text_segments", "token_texts", "visible",
-    "windows",
+    "EXPLAIN_HEADS", "Candidate", "Evaluation", "LensCandidate", "LensLayer", "Prediction", "PromptToken",
+    "TokenScore", "evaluate", "explain_head", "lens_logits", "perplexity", "predict", "score_tokens",
+    "text_segments", "token_texts", "visible", "windows",
 ]
