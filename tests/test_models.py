@@ -152,11 +152,29 @@ def test_verify_detects_a_truncated_file(tmp_path):
     assert "50 bytes" in cache.verify(folder)
 
 
-def test_verify_detects_a_changed_byte_only_with_checksums(tmp_path):
+def test_verify_detects_a_changed_byte_of_the_same_size_on_every_load(tmp_path):
     folder = _folder_with_manifest(tmp_path / "m", {"config.json": b"{}", "model.safetensors": b"x" * 100})
     (folder / "model.safetensors").write_bytes(b"x" * 99 + b"y")
-    assert cache.verify(folder) is None  # same size: the cheap check passes
+    assert "model.safetensors does not match its checksum" in cache.verify(folder)  # the fast checksum
     assert "sha256" in cache.verify(folder, checksums=True)
+
+
+def test_an_older_manifest_is_checked_with_sha256_then_given_fast_checksums(tmp_path):
+    folder = _folder_with_manifest(tmp_path / "m", {"config.json": b"{}", "model.safetensors": b"x" * 100})
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for info in manifest["files"].values():
+        del info[cache.FAST_CHECKSUM]  # as the previous lmhead wrote it
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    (folder / "model.safetensors").write_bytes(b"x" * 99 + b"y")
+    assert "sha256" in cache.verify(folder)  # no fast checksum: sha256, whatever `checksums` says
+    (folder / "model.safetensors").write_bytes(b"x" * 100)
+    assert cache.verify(folder) is None
+    assert cache.add_fast_checksums(folder) and not cache.add_fast_checksums(folder)
+    manifest = cache.read_manifest(folder)
+    assert manifest["files"]["model.safetensors"][cache.FAST_CHECKSUM] == cache.fast_checksum_file(
+        folder / "model.safetensors")
+    (folder / "model.safetensors").write_bytes(b"x" * 99 + b"y")
+    assert "does not match its checksum" in cache.verify(folder)
 
 
 def test_verify_detects_a_missing_file_and_manifest(tmp_path):
@@ -400,6 +418,73 @@ def test_an_unloadable_cache_with_the_right_sizes_is_rebuilt(tmp_path, monkeypat
     weights.write_bytes(b"\xff" * weights.stat().st_size)  # same size, garbage: passes the size check
     model = load_model(str(gguf_path), progress=False)
     assert isinstance(model, Model) and len(calls) == 2
+
+
+def test_weights_damaged_in_place_are_detected_on_load_and_rebuilt(tmp_path, monkeypatch):
+    """1 KiB of zeros inside model.safetensors keeps its size and its header: only the checksum can tell."""
+    from lmhead.models import loading
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    gguf_path = _tiny_gguf(tmp_path / "tiny.gguf")
+    calls = []
+
+    def fake_convert(gguf, out, steps):
+        calls.append(1)
+        _save_tiny_folder(out)
+        return {}
+
+    monkeypatch.setattr(loading, "convert_gguf", fake_convert)
+    folder = cached_folder(resolve(str(gguf_path)), progress=False)
+    weights = folder / "model.safetensors"
+    good = weights.read_bytes()
+    with open(weights, "r+b") as f:
+        f.seek(len(good) - 4096)
+        f.write(b"\x00" * 1024)
+    model = load_model(str(gguf_path), progress=False)  # loads the rebuilt folder, not the damaged weights
+    assert isinstance(model, Model) and len(calls) == 2
+    assert weights.read_bytes() == good
+
+
+def test_a_damaged_cache_whose_source_is_gone_names_the_folder_and_the_fix(tmp_path, monkeypatch):
+    from lmhead.models.loading import Source
+    from lmhead.models.registry import ModelSpec
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    spec = ModelSpec(name="gone", distribution="lmhead-no-such-package", module="lmhead_no_such_package",
+                     install="pip install lmhead-no-such-package", description="", gguf=lambda d: d)
+    folder = _folder_with_manifest(cache.models_dir() / "gone", {"config.json": b"{}", "model.safetensors": b"x" * 64})
+    (folder / "model.safetensors").write_bytes(b"y" * 64)
+    with pytest.raises(ModelError) as err:
+        cached_folder(Source("named", "gone", spec=spec), progress=False)
+    message = str(err.value)
+    assert str(folder) in message and "does not match its checksum" in message
+    assert "pip install lmhead-no-such-package" in message and "rebuild" in message
+
+
+def test_a_damaged_compressed_head_in_the_cache_is_compressed_again(tmp_path, monkeypatch):
+    from lmhead.compressed import CompressedHead
+    from lmhead.models import heads
+
+    folder = tmp_path / "models" / "m"
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text(json.dumps({"files": {"model.safetensors": {"sha256": "ab" * 32}}}))
+    hf_model, tok = tiny_model("llama", vocab_size=320)
+    calibrations = []
+    real = heads.calibration_hidden
+    monkeypatch.setattr(heads, "calibration_hidden", lambda m: calibrations.append(1) or real(m))
+    first = Model(hf_model, tok, path=folder, head="exact-int8")
+    (state,) = (tmp_path / "heads").glob("*-exact-int8.safetensors")
+    Model(hf_model, tok, path=folder, head="exact-int8")
+    assert len(calibrations) == 1  # read back from the cache
+    data = bytearray(state.read_bytes())
+    data[-64:] = bytes(64)  # same size, damaged values
+    state.write_bytes(bytes(data))
+    again = Model(hf_model, tok, path=folder, head="exact-int8")
+    assert len(calibrations) == 2 and isinstance(again.head, CompressedHead)
+    h = torch.randn(3, hf_model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(again.head(h), first.head(h))
+    Model(hf_model, tok, path=folder, head="exact-int8")
+    assert len(calibrations) == 2  # rewritten whole: read back again
 
 
 def test_conversion_progress_goes_to_stderr(tmp_path, monkeypatch, capsys):

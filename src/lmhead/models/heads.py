@@ -2,8 +2,8 @@
 
     mode ("auto" | HEAD_MODES) ──resolve_head_mode(size)──▶ "fp32": the model's fp32 LMHead itself
                                                         └─▶ "exact-int8" | "int8" | "int4": a CompressedHead
-        on the same weight, read from <cache>/heads/ when a previous load wrote it, else compressed (with
-        calibration hidden states: models/calibration.py) and written there
+        on the same weight, read from <cache>/heads/ when a previous load wrote it (and its checksum
+        matches), else compressed (with calibration hidden states: models/calibration.py) and written there
 
 `Model.__init__` calls `build_head` once; `use_head` swaps the head of a loaded model. This module is the only
 code that writes compressed heads to the cache; `lmhead.compressed` itself knows nothing of models.
@@ -22,7 +22,7 @@ import torch
 from lmhead.compressed import HEAD_MODES, CompressedHead
 from lmhead.models.calibration import calibration_hidden
 
-__all__ = ["AUTO_MIN_BYTES", "DEFAULT_HEAD_MODE", "HEAD_MODES", "build_head", "check_head_mode",
+__all__ = ["AUTO_MIN_BYTES", "DEFAULT_HEAD_MODE", "HEAD_MODES", "build_head", "check_head_mode", "mode_of",
            "resolve_head_mode", "use_head"]
 
 DEFAULT_HEAD_MODE = "auto"
@@ -44,6 +44,14 @@ def resolve_head_mode(mode: str, weight: torch.Tensor) -> str:
     if check_head_mode(mode) == "auto":
         return "exact-int8" if weight.numel() * 4 >= AUTO_MIN_BYTES else "fp32"
     return mode
+
+
+def mode_of(head: Any) -> str:
+    """The `HEAD_MODES` name of a built head: "fp32" for an LMHead, else "int8"/"int4" with "exact-" when the
+    compressed head re-scores its top `exact_k` tokens with the full-precision weight."""
+    if not isinstance(head, CompressedHead):
+        return "fp32"
+    return f"{'exact-' if head.exact_k else ''}int{head.bits}"
 
 
 def build_head(model: Any, mode: str = DEFAULT_HEAD_MODE, cache: bool = True, **kw: Any) -> Any:
@@ -94,15 +102,37 @@ def _state_path(model: Any, mode: str) -> Path | None:
     return root / "heads" / f"{sha[:32]}-{mode}.safetensors"
 
 
+_CHECKSUM_KEY = "lmhead.xxh3_64"  # the safetensors metadata entry holding the state's checksum
+
+
+def _state_checksum(state: dict[str, torch.Tensor]) -> str:
+    """xxh3_64 over the tensors' names, dtypes, shapes and bytes (sorted by name): a damaged file (same size,
+    other bytes) does not match the checksum written beside it."""
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    for name in sorted(state):
+        t = state[name].detach().contiguous().cpu()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
 def _read_state(path: Path) -> dict[str, torch.Tensor] | None:
+    """The cached state at `path`, or None: missing, unreadable, or not matching its checksum (damaged, or
+    written before the checksum existed) — the caller compresses again and overwrites it."""
     if not path.exists():
         return None
     try:
+        from safetensors import safe_open
         from safetensors.torch import load_file
 
-        return load_file(str(path))
-    except Exception:  # unreadable: compress again and overwrite it
+        with safe_open(str(path), "pt") as f:
+            expected = (f.metadata() or {}).get(_CHECKSUM_KEY)
+        state = load_file(str(path))
+    except Exception:
         return None
+    return state if expected is not None and _state_checksum(state) == expected else None
 
 
 def _write_state(head: CompressedHead, path: Path) -> None:
@@ -112,7 +142,8 @@ def _write_state(head: CompressedHead, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")
         os.close(fd)
-        save_file(head.compressed_state(), tmp)
+        state = head.compressed_state()
+        save_file(state, tmp, metadata={_CHECKSUM_KEY: _state_checksum(state)})
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the whole new one
     except OSError:

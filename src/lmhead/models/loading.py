@@ -43,6 +43,9 @@ def resolve(name_or_path: str | os.PathLike[str]) -> Source:
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"name_or_path must be a model name or a path, got {type(name_or_path).__name__}")
     text = os.fspath(name_or_path)
+    if not text.strip():  # Path("") is ".", the current folder: never what an empty name meant
+        raise ModelError(f"name_or_path: empty; give a model name ({', '.join(MODELS)}), a .gguf file or a "
+                         "model folder")
     if text in MODELS:
         return Source("named", text, spec=MODELS[text])
     path = Path(text).expanduser()
@@ -100,13 +103,26 @@ def _cache_usable(folder: Path, source: Source, checksums: bool) -> str | None:
 
 
 def cached_folder(source: Source, checksums: bool = False, progress: bool = True) -> Path:
-    """The cache folder holding `source` converted to an HF folder, converting it first if needed."""
+    """The cache folder holding `source` converted to an HF folder, converting it first if needed.
+
+    The folder is checked against its manifest first (sizes and checksums: `cache.verify`); a folder that
+    fails (truncated, damaged in place, built from another source) is rebuilt from its source, or, where
+    the source is gone, a ModelError names the folder, why it is unusable and how to rebuild it.
+    """
     key = _key(source)
     folder = cache.models_dir() / key
-    if _cache_usable(folder, source, checksums) is None:
+    reason = _cache_usable(folder, source, checksums)
+    if reason is None:
+        _add_fast_checksums(folder, key)
         return folder
     if source.kind == "named":
-        source.spec.require()
+        try:
+            source.spec.require()
+        except ModelError as exc:
+            if not folder.exists():
+                raise
+            raise ModelError(f"the cached copy of {source.name} in {folder} is unusable ({reason}) and its "
+                             f"source is gone; {exc}, then run the command again to rebuild the cache") from None
     with cache.lock(key):
         # Another process may have finished the conversion while we waited for the lock.
         reason = _cache_usable(folder, source, checksums)
@@ -115,6 +131,15 @@ def cached_folder(source: Source, checksums: bool = False, progress: bool = True
         cache.remove_stale_tmp(key)
         _build(source, folder, key, reason if folder.exists() else None, progress)
     return folder
+
+
+def _add_fast_checksums(folder: Path, key: str) -> None:
+    """A folder verified against an older manifest (sha256 only) gets the fast checksums for later loads."""
+    manifest = cache.read_manifest(folder) or {}
+    if all(cache.FAST_CHECKSUM in info for info in manifest.get("files", {}).values()):
+        return
+    with cache.lock(key):
+        cache.add_fast_checksums(folder)
 
 
 def _build(source: Source, folder: Path, key: str, stale_reason: str | None, progress: bool) -> None:

