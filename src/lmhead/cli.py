@@ -52,22 +52,64 @@ def _sampling_config(args: argparse.Namespace):
     return sampling_config_from(args, seed=getattr(args, "seed", None))
 
 
-def _add_model_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default=None,
-                   help="model name (gemma-3-270m, smollm2-135m), .gguf file or HF folder (default gemma-3-270m)")
-    p.add_argument("--head", default="auto", choices=["auto", "fp32", "exact-int8", "int8", "int4"],
-                   help="LM head: auto (default: exact-int8 for heads of >= 256 MiB, else fp32), fp32, exact-int8 "
-                   "(int8 + exact re-scoring: the fp32 head's greedy token and top-64), int8/int4 (approximate)")
+def _models_help() -> str:
+    """The packaged models for --help, each with its kind (base or instruction-tuned), from the registry."""
+    from lmhead.models.registry import DEFAULT_MODEL, MODELS
+
+    names = [f"{name} ({'the default; ' if name == DEFAULT_MODEL else ''}{spec.kind}"
+             f"{': use --chat' if spec.instruct else ': continues text'})" for name, spec in MODELS.items()]
+    return "model: " + ", ".join(names) + ", a .gguf file or a Hugging Face model folder"
+
+
+_HEAD_HELP = ("LM head: auto (default: exact-int8 for heads of >= 256 MiB, else fp32), fp32, exact-int8 (int8 + exact "
+              "re-scoring: the fp32 head's greedy token and top-64), int8/int4 (approximate)")
+
+
+def _add_model_arg(p: argparse.ArgumentParser, head_help: str = _HEAD_HELP) -> None:
+    p.add_argument("--model", "-m", default=None, help=_models_help())
+    p.add_argument("--head", default=None, choices=["auto", "fp32", "exact-int8", "int8", "int4"], help=head_help)
     p.add_argument("--body", default="auto", choices=["auto", "lean", "onednn", "transformers"],
                    help="how the body runs: auto (default: lean where the architecture has it, else oneDNN), "
                    "lean (the forward written out over the same weights: static KV cache, fused products), "
                    "onednn (transformers' modules with oneDNN's linear kernel), transformers (its own modules)")
 
 
-def _load(args: argparse.Namespace):
+def _check_model_arg(args: argparse.Namespace) -> None:
+    """--model given as an empty string is an error, not the default model (checked before anything loads)."""
+    if args.model is not None and not args.model.strip():
+        raise ValueError("--model: empty; give a model name (gemma-3-270m, smollm2-135m), a .gguf file or a "
+                         "model folder, or leave --model out for the default")
+
+
+def _load(args: argparse.Namespace, head: str | None = None):
+    """The model of --model/--head/--body; `head` is the command's head when --head is not given."""
     from lmhead.models import DEFAULT_MODEL, load_model
 
-    return load_model(args.model or DEFAULT_MODEL, head=args.head, body=args.body)
+    _check_model_arg(args)
+    return load_model(args.model or DEFAULT_MODEL, head=args.head or head or "auto", body=args.body)
+
+
+def _add_chat_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat", action="store_true",
+                   help="chat mode: PROMPT is a user message, wrapped in the model's chat template (an "
+                   "instruction-tuned model such as smollm2-135m; a base model has none: an error)")
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system message before PROMPT (implies --chat)")
+
+
+def _chat_messages(args: argparse.Namespace):
+    """The chat of --chat/--system (checked before the model loads), or None without chat mode."""
+    from lmhead.models.chat import chat_messages
+
+    if not (args.chat or args.system is not None):
+        return None
+    return chat_messages(args.prompt, system=args.system)
+
+
+def _prompt_text(model, args: argparse.Namespace, messages) -> str:
+    """PROMPT as given, or in chat mode the model's chat template applied to `messages` (error if it has none)."""
+    from lmhead.models.chat import chat_prompt
+
+    return args.prompt if messages is None else chat_prompt(model, messages, require_template=True)
 
 
 # --- params -----------------------------------------------------------------------------------------------
@@ -145,11 +187,16 @@ def _add_predict(sub: argparse._SubParsersAction) -> None:
             "Show the prompt's tokens and the top candidates for the next token: logit, logit/T, raw "
             "probability (softmax at T=1), processed probability (after penalties, temperature, top-k, "
             "top-p, min-p; 0 for cut tokens), cumulative mass, which cut removed each token, the entropy of "
-            "both distributions and how many tokens survive. Computed over the full vocabulary."
+            "both distributions and how many tokens survive. Computed over the full vocabulary with the "
+            "model's full-precision head (fp32): the numbers are the model's own (transformers' to 1e-5), "
+            "whatever head generate decodes with."
         ),
     )
-    p.add_argument("prompt", help="the prompt text")
-    _add_model_arg(p)
+    p.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
+    _add_model_arg(p, head_help="the head whose logits are shown: fp32 (default: the model's full-precision head, "
+                   "exact), or exact-int8/int8/int4 to see what that compressed head computes (auto = the head "
+                   "generate would use)")
+    _add_chat_args(p)
     _add_sampling_args(p)
     p.add_argument("--top", type=int, default=10, help="candidates to show (default 10)")
     p.add_argument("--layers", action="store_true",
@@ -162,8 +209,11 @@ def _run_predict(args: argparse.Namespace) -> None:
     config = _sampling_config(args)  # bad settings fail before the model loads
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
-    model = _load(args)
-    pred = model.predict(args.prompt, top=args.top, config=config, layers=args.layers, model_name=model.name)
+    messages = _chat_messages(args)
+    model = _load(args, head="fp32")  # no compressed head to build unless --head asks to see one
+    prompt = _prompt_text(model, args, messages)
+    head = "exact" if args.head in (None, "fp32") else "decode"
+    pred = model.predict(prompt, top=args.top, config=config, layers=args.layers, model_name=model.name, head=head)
     if args.json:
         _print_json(pred.to_dict())
         return
@@ -186,8 +236,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
             "window scores only its new tokens, the rest is context."
         ),
     )
-    p.add_argument("file", help="a UTF-8 text file ('-' reads stdin)")
-    _add_model_arg(p)
+    p.add_argument("file", help=f"a UTF-8 text file of at most {MAX_EVAL_BYTES // 2**20} MiB ('-' reads stdin)")
+    _add_model_arg(p, head_help="the head generate would use (eval always scores with the full-precision head; "
+                   "default fp32)")
     p.add_argument("--window", type=int, default=None,
                    help="tokens per window (default min(1024, the model's context length))")
     p.add_argument("--stride", type=int, default=None, help="tokens the window moves by (default window/2)")
@@ -198,20 +249,42 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run_eval)
 
 
+MAX_EVAL_BYTES = 16 * 2**20  # what eval reads at most: ~4M tokens, hours of CPU time already
+
+
+def _read_text(name: str, limit: int | None = None) -> str:
+    """The text of file `name` ('-': stdin), reading at most `limit` + 1 bytes whatever the file is (a device
+    such as /dev/zero, a pipe): over `limit`, NUL bytes (binary) or not UTF-8 is a ValueError naming it.
+    Newlines are read as open(..., encoding="utf-8") reads them (universal newlines)."""
+    import io
+
+    limit = MAX_EVAL_BYTES if limit is None else limit
+    what = "stdin" if name == "-" else name
+    try:
+        if name == "-":
+            data = sys.stdin.buffer.read(limit + 1)
+        else:
+            with open(name, "rb") as f:
+                data = f.read(limit + 1)
+    except OSError as exc:
+        raise ValueError(f"cannot read {name}: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise ValueError(f"{what}: larger than {limit:,} bytes ({limit / 2**20:g} MiB), the most eval reads; "
+                         "split the text")
+    if b"\x00" in data:
+        raise ValueError(f"{what} is binary (it contains NUL bytes), not text")
+    try:
+        return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8").read()
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} is not UTF-8 text") from None
+
+
 def _run_eval(args: argparse.Namespace) -> None:
-    if args.file == "-":
-        text = sys.stdin.read()
-    else:
-        try:
-            with open(args.file, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as exc:
-            raise ValueError(f"cannot read {args.file}: {exc.strerror or exc}") from None
-        except UnicodeDecodeError:
-            raise ValueError(f"{args.file} is not UTF-8 text") from None
+    _check_model_arg(args)
+    text = _read_text(args.file)
     if not text.strip():
         raise ValueError(f"{args.file} is empty: nothing to evaluate")
-    model = _load(args)
+    model = _load(args, head="fp32")  # eval scores with the full-precision head: no compressed head to build
     ev = model.evaluate(text, window=args.window, stride=args.stride, tokens=args.tokens, progress=True)
     if args.json:
         _print_json(ev.to_dict())
@@ -241,19 +314,60 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run_serve)
 
 
+def _listen(host: str, port: int) -> list:
+    """Sockets bound to every address of `host` at `port` (as uvicorn would bind them), made before the model
+    loads, so that a busy port or a bad host is a one-line error (exit 2), not a failure after the load."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host}: not an address of this machine ({exc.strerror})") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, addr in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        why = ("it is in use (another server?); choose another --port, or 0 for any free port"
+               if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc))
+        raise ValueError(f"--port {port}: cannot listen on {host}:{port}: {why}") from None
+    return sockets
+
+
 def _run_serve(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    import uvicorn
+    _check_model_arg(args)
+    sockets = _listen(args.host, args.port)
+    try:
+        import uvicorn
 
-    from lmhead.server import create_app
+        from lmhead.server import create_app
 
-    model = _load(args)
+        model = _load(args)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"lmhead: warning: serving on {args.host}: anyone who can reach it can use the model",
               file=sys.stderr)
-    print(f"lmhead: serving {model.name} at http://{args.host}:{args.port}/ (Ctrl-C stops)", file=sys.stderr)
-    uvicorn.run(create_app(model), host=args.host, port=args.port, log_level="warning")
+    port = sockets[0].getsockname()[1]  # the port bound (--port 0: the one the system chose)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"lmhead: serving {model.name} at http://{host}:{port}/ (Ctrl-C stops)", file=sys.stderr)
+    app = create_app(model)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level="warning"))
+    server.run(sockets=sockets)
+    if not server.started:  # the app failed to start (uvicorn logged why): uvicorn's own exit code
+        raise SystemExit(3)
 
 
 # --- generate ---------------------------------------------------------------------------------------------
@@ -270,11 +384,20 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
             "length. --json prints one JSON object per token (JSON lines): token_id, text, logprob, "
             "raw_logprob, rank, finish_reason, index and top_logprobs (the --top-logprobs alternatives, each "
             "with token_id, text, logprob and raw_logprob; a log-probability of -inf is null). Ctrl-C stops "
-            "and keeps what was printed."
+            "and keeps what was printed. "
+            "The log-probabilities are the decode head's. With --head fp32 (auto's choice for smollm2-135m) they "
+            "are exact. With exact-int8 (auto's choice for gemma-3-270m) the chosen token and the top 64 logits "
+            "are the fp32 head's, so logprob is exact for greedy and top-k <= 64 steps, but the softmax's "
+            "normaliser includes the int8 tail: raw_logprob (and logprob without such a top-k) is within "
+            "log(1 + P_tail*(e^eps - 1)) <= eps of the exact value, eps being the head's per-row error bound "
+            "(docs/compressed.md). lmhead predict always shows the exact numbers. "
+            "Models: gemma-3-270m is a base model (it continues PROMPT); smollm2-135m is instruction-tuned "
+            "(give it an instruction with --chat, which applies its chat template)."
         ),
     )
-    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
     _add_model_arg(p)
+    _add_chat_args(p)
     p.add_argument("--max-new-tokens", "-n", type=int, default=64, help="tokens to generate at most (default 64)")
     _add_sampling_args(p)
     p.add_argument("--seed", type=int, default=None,
@@ -312,13 +435,15 @@ def _run_generate(args: argparse.Namespace) -> None:
 
     check_draft_tokens(args.draft_tokens)
     config = _sampling_config(args)  # bad settings fail before the model loads
+    messages = _chat_messages(args)
     model = _load(args)
+    prompt = _prompt_text(model, args, messages)
     stats = SpeculativeStats()
-    steps = model.generate(args.prompt, args.max_new_tokens, config=config, stop=args.stop,
+    steps = model.generate(prompt, args.max_new_tokens, config=config, stop=args.stop,
                            top_logprobs=args.top_logprobs, draft=args.draft, draft_tokens=args.draft_tokens,
                            stats=stats, exact_logprobs=args.exact_logprobs)
     out, count, finish, t0 = sys.stdout, 0, None, time.perf_counter()
-    if not args.json:
+    if not args.json and messages is None:  # a chat prints the answer only, not the template around the prompt
         out.write(args.prompt)
         out.flush()
     try:
