@@ -56,7 +56,7 @@ async def api_step(req: S.StepRequest, served: Served = Depends(get_served)) -> 
 async def api_generate(req: S.GenerateRequest, served: Served = Depends(get_served)) -> StreamingResponse:
     await served.call(encode_checked, served.model, req.prompt)
     cfg = await served.call(sampling_config, req, seed_for_step(req.seed, req.step))
-    steps = served.generate(req.prompt, req.max_tokens, config=cfg)
+    steps = served.generate(req.prompt, req.max_tokens, config=cfg, exact_logprobs=True)  # the page's numbers
     return StreamingResponse(_step_events(steps), media_type="text/event-stream")
 
 
@@ -82,7 +82,8 @@ def _step(model: Any, req: S.StepRequest) -> Any:
     encode_checked(model, req.prompt)
     # A seeded run keys each click's draw on (seed + step): clicks differ, a rerun repeats them.
     cfg = sampling_config(req, seed_for_step(req.seed, req.step))
-    return next(iter(model.generate(req.prompt, 1, config=cfg)))
+    # the page shows the model's own numbers: probability, raw probability and rank from the fp32 head
+    return next(iter(model.generate(req.prompt, 1, config=cfg, exact_logprobs=True)))
 
 
 def _layers(model: Any, req: S.LayersRequest) -> dict[str, Any]:
