@@ -338,20 +338,42 @@ def test_real_model_predicts_and_chats_with_its_template():
 # --- the CLI -------------------------------------------------------------------------------------------------
 
 
-def test_serve_binds_to_loopback_by_default(monkeypatch, model):
+def fake_serve(monkeypatch, request, model) -> tuple[list, list]:
+    """`lmhead serve` with the model given and nothing listening: ([(host, port) asked for], [apps served])."""
+    import socket
+
     import uvicorn
 
     from lmhead import cli
 
-    calls = []
+    bound, apps = [], []
+
+    def listen(host, port):
+        bound.append((host, port))
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        request.addfinalizer(sock.close)
+        return [sock]
+
+    def run(self, *args, **kwargs):
+        self.started = True
+        apps.append(self.config.app)
+
     monkeypatch.setattr(cli, "_load", lambda args: model)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append((app, kw)))
+    monkeypatch.setattr(cli, "_listen", listen)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    return bound, apps
+
+
+def test_serve_binds_to_loopback_by_default(monkeypatch, request, model):
+    from lmhead import cli
+
+    bound, apps = fake_serve(monkeypatch, request, model)
     assert cli.main(["serve"]) == 0
-    app, kw = calls[0]
-    assert kw["host"] == "127.0.0.1" and kw["port"] == 8000
-    assert TestClient(app).get("/api/model").json()["name"] == "tiny-llama"
+    assert bound[0] == ("127.0.0.1", 8000)
+    assert TestClient(apps[0]).get("/api/model").json()["name"] == "tiny-llama"
     assert cli.main(["serve", "--port", "8123", "--host", "::1"]) == 0
-    assert calls[1][1]["port"] == 8123 and calls[1][1]["host"] == "::1"
+    assert bound[1] == ("::1", 8123)
 
 
 def test_serve_rejects_a_port_out_of_range(capsys):

@@ -311,6 +311,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     _add_model_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="a name the server answers to beside 127.0.0.1, localhost, [::1] and --host (repeatable; "
+                        "'*' = any): other Host headers get 400, against DNS rebinding")
     p.set_defaults(run=_run_serve)
 
 
@@ -363,7 +366,7 @@ def _run_serve(args: argparse.Namespace) -> None:
     port = sockets[0].getsockname()[1]  # the port bound (--port 0: the one the system chose)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"lmhead: serving {model.name} at http://{host}:{port}/ (Ctrl-C stops)", file=sys.stderr)
-    app = create_app(model)
+    app = create_app(model, allowed_hosts=[args.host, *args.allowed_host])
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level="warning"))
     server.run(sockets=sockets)
     if not server.started:  # the app failed to start (uvicorn logged why): uvicorn's own exit code

@@ -10,7 +10,9 @@ Routes
     /v1/*                        OpenAI-compatible: models, completions, chat/completions (v1.py)
 
 The package, one job per module:
-    app.py       create_app: wires the routers, the error handlers and the static files
+    app.py       create_app: wires the routers, the error handlers, the guard and the static files
+    guard.py     what every request passes first: Host, body size and time, strict JSON (400/413/408/422)
+    docs.py      /docs and /redoc from local assets (no CDN)
     api.py       the /api router          v1.py      the /v1 router (and OpenAI's answer shapes)
     served.py    what each route needs: the model and its runner (a FastAPI dependency), the prompt-length
                  and sampling checks that turn a request into library arguments (400 on bad input)
@@ -24,6 +26,7 @@ The routes hold no logic of their own: they call the `Model` (predict, generate,
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +35,9 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from lmhead.server import api, charts, v1
+from lmhead.server.docs import add_docs
 from lmhead.server.errors import APIError, add_error_handlers
+from lmhead.server.guard import BODY_TIMEOUT, MAX_BODY_BYTES, Limits, RequestGuard
 from lmhead.server.registry import ModelRegistry
 from lmhead.server.runner import ModelRunner
 from lmhead.server.served import Served
@@ -42,20 +47,29 @@ __all__ = ["STATIC", "APIError", "create_app"]
 STATIC = Path(__file__).parent / "static"
 
 
-def create_app(model: Any) -> FastAPI:
-    """A FastAPI app serving `model` (an `lmhead.models.Model`): the explainer page and the JSON API."""
+def create_app(model: Any, *, allowed_hosts: Iterable[str] = (), max_body_bytes: int = MAX_BODY_BYTES,
+               body_timeout: float = BODY_TIMEOUT) -> FastAPI:
+    """A FastAPI app serving `model` (an `lmhead.models.Model`): the explainer page and the JSON API.
+
+    Every request passes guard.RequestGuard first: a Host of this server (loopback names, `allowed_hosts`, "*"
+    for any), a body of at most `max_body_bytes` that arrives within `body_timeout` seconds, strict JSON.
+    """
+    limits = Limits(allowed_hosts, max_body_bytes, body_timeout)  # a bad setting fails here, not later
     runner = ModelRunner(model)
     app = FastAPI(
         title="lmhead explainer",
         version="0.1.0",
         description="How a language model chooses its next token — and an OpenAI-compatible API.",
+        docs_url=None, redoc_url=None,  # docs.py serves both pages from local files (FastAPI's load a CDN)
     )
+    app.add_middleware(RequestGuard, limits=limits)
     app.state.runner = runner
     app.state.model = model
     app.state.served = Served(model, runner, getattr(model, "name", "model"))
     app.state.registry = ModelRegistry(app.state.served)  # ?model=NAME: the page's model selector
     add_error_handlers(app)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    add_docs(app)
     app.add_api_route("/", _index, methods=["GET"], include_in_schema=False)
     app.include_router(api.router)
     app.include_router(charts.router)

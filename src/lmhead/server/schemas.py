@@ -1,8 +1,10 @@
 """Request and response bodies of the server's JSON API (pydantic).
 
 Every request model forbids unknown fields (`extra="forbid"`): a misspelt option is a 422, never silently
-ignored. Bounds that do not depend on the model (max_tokens, top_logprobs ≤ 20, sampling ranges) are checked
-here; bounds that need the tokenizer (prompt length in tokens) are checked by served.py (400).
+ignored. Bounds that do not depend on the model (max_tokens, top_logprobs ≤ 20, sampling ranges, every text's
+characters — a prompt, the messages' total, a stop string, a name) are checked here, before anything is
+tokenised; bounds that need the tokenizer (prompt length in tokens) are checked by served.py (400). The body
+as a whole is bounded before it is parsed (guard.py: 413).
 
 Two families:
 * `/api/*` — the explainer page's own API (predict, step, generate, layers, score, model, params).
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # Bounds (also reported by GET /api/model so the page and clients can see them).
 MAX_PROMPT_CHARS = 20_000  # checked before tokenizing, so a huge body costs nothing
@@ -23,6 +25,10 @@ MAX_NEW_TOKENS = 256
 MAX_CANDIDATES = 1000  # the page asks for the top 200 by default
 MAX_TOP_LOGPROBS = 20
 MAX_STOP = 4
+MAX_STOP_CHARS = 1000  # each stop string
+MAX_MESSAGES = MAX_PROMPT_TOKENS  # every chat message costs at least one token of the template
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_NAME_CHARS = 256  # `user`, a message's `name`, `model`
 
 
 class _Request(BaseModel):
@@ -94,20 +100,25 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+Prompt = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+
+
 class _OpenAIRequest(_Request):
-    model: str | None = None
+    model: Name | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=1, description="one choice per request")
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    user: Name | None = None
     # extensions (vLLM, llama.cpp server)
     top_k: int = Field(0, ge=0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -121,20 +132,21 @@ class _OpenAIRequest(_Request):
 
 
 class CompletionRequest(_OpenAIRequest):
-    prompt: str | list[str] = Field(..., description="one prompt (a list of one is accepted)")
+    prompt: Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=1)] = Field(
+        ..., description=f"one prompt (a list of one is accepted), at most {MAX_PROMPT_CHARS:,} characters")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_tokens: int | None = Field(16, ge=1, le=MAX_NEW_TOKENS)
 
 
 class TextPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Prompt
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Prompt | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)]
+    name: Name | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -143,10 +155,22 @@ class ChatMessage(_Request):
 
 
 class ChatRequest(_OpenAIRequest):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(
+        ..., min_length=1, max_length=MAX_MESSAGES,
+        description=f"at most {MAX_PROMPT_CHARS:,} characters of text in all (before the chat template)")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+
+    @field_validator("messages")
+    @classmethod
+    def _bounded_text(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        # each message is bounded alone; their sum is what the template and the tokenizer would see
+        total = sum(len(m.text()) for m in messages)
+        if total > MAX_PROMPT_CHARS:
+            raise ValueError(f"the messages hold {total:,} characters of text in all; the limit is "
+                             f"{MAX_PROMPT_CHARS:,}")
+        return messages
 
 
 def openai_error(message: str, type_: str = "invalid_request_error", param: str | None = None,

@@ -41,10 +41,7 @@ async def v1_models(served: Served = Depends(get_served)) -> dict[str, Any]:
 @router.post("/completions", summary="OpenAI-compatible completions")
 async def v1_completions(req: S.CompletionRequest, request: Request, served: Served = Depends(get_served)):
     _check_model(served, req.model)
-    prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-    if len(prompts) != 1:
-        raise APIError(400, "prompt must be one string (or a list of one)", "prompt")
-    prompt = prompts[0]
+    prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]  # a list of one (schemas checks)
     ids = await served.call(encode_checked, served.model, prompt)
     cfg = await served.call(sampling_config, req, req.seed)
     steps = partial(served.generate, prompt, req.max_tokens or 16, config=cfg, stop=req.stops() or None,
