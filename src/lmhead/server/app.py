@@ -12,7 +12,7 @@ Routes
 The package, one job per module:
     app.py       create_app: wires the routers, the error handlers, the guard and the static files
     guard.py     what every request passes first: Host, body size and time, strict JSON (400/413/408/422)
-    docs.py      /docs and /redoc from local assets (no CDN)
+    docs.py      /docs from local assets (no CDN)
     api.py       the /api router          v1.py      the /v1 router (and OpenAI's answer shapes)
     served.py    what each route needs: the model and its runner (a FastAPI dependency), the prompt-length
                  and sampling checks that turn a request into library arguments (400 on bad input)
@@ -60,7 +60,7 @@ def create_app(model: Any, *, allowed_hosts: Iterable[str] = (), max_body_bytes:
         title="lmhead explainer",
         version="0.1.0",
         description="How a language model chooses its next token — and an OpenAI-compatible API.",
-        docs_url=None, redoc_url=None,  # docs.py serves both pages from local files (FastAPI's load a CDN)
+        docs_url=None, redoc_url=None,  # docs.py serves /docs from local files (FastAPI's pages load a CDN)
     )
     app.add_middleware(RequestGuard, limits=limits)
     app.state.runner = runner
