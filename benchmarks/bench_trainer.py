@@ -5,13 +5,19 @@ lmhead's generate() processor beside transformers' warpers.
     python benchmarks/bench_trainer.py --runs smollm2-135m:2x128 --steps 3      # smaller, quicker
     python benchmarks/bench_trainer.py --sampler-only
 
-Trainer table: each (model, loss) runs in a fresh subprocess (its peak memory is its own), float32 on CPU, a
-Trainer step = forward + backward + AdamW, batches of random token ids with labels = ids. Step 1 allocates
-AdamW's state and is not timed; the step time is the median of the others. Working memory of a step = peak RSS
-during the step − RSS at its start − the gradients it allocates (Trainer frees them after each step): what the
-step needs beyond the parameters, gradients and optimizer state. Where it goes: one float32 logits tensor
-[B·T, V] is printed beside it, and the difference between the runs in units of that tensor; the patched run's
-working memory is the body's activations plus one logits chunk of the fused loss (≤ 256 MiB).
+Trainer table: each (model, loss) runs in a fresh subprocess (its peak memory is its own), float32 on CPU, the
+model as transformers loads it (its default attention implementation, the same in both runs), a Trainer step =
+forward + backward + AdamW, batches of random token ids with labels = ids. Step 1 allocates AdamW's state and is
+not timed; the step time is the median of the others. Working memory of a step = the peak over the step of
+(RSS − the gradient buffers held at that moment) − RSS at its start: what the step needs beyond the parameters,
+gradients and optimizer state (gradients are counted as they appear, by post-accumulate-grad hooks; Trainer
+frees them after each step).
+
+Where it goes: during step 1 every tensor autograd saves for backward is counted once (saved_tensors_hooks,
+parameters excluded), split into the body's (the transformer layers: inside `model.base_model`) and the rest
+(head + loss). The body's saved activations are the same in both runs, so body / plain working memory is the
+lowest lmhead/plain ratio any loss can reach with this body; a saved [.., T, T] tensor would mean materialised
+attention probabilities (eager attention). One float32 logits tensor [B·T, V] is printed beside it.
 
 Sampler table: one call of SamplingLogitsProcessor (lmhead's pipeline; draw=True also draws) against
 transformers' Temperature → TopK → TopP → MinP warpers + softmax + multinomial on [B, 262144] logits, medians
@@ -33,32 +39,107 @@ import psutil
 import torch
 
 GIB = 2**30
+MIB = 2**20
 
 
 class PeakRSS:
-    """This process's peak RSS since reset(), sampled every 2 ms in a thread."""
+    """This process's peak of (RSS − gradient bytes held) since reset(), sampled every 2 ms in a thread.
 
-    def __init__(self) -> None:
+    `grads` (the bytes of .grad tensors now held) is kept by post-accumulate-grad hooks on `params`, so a
+    gradient counts as held memory from the moment autograd stores it, not from the start of the step."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
         self.proc = psutil.Process()
-        self.peak = 0
+        self.params = params
+        self.peak = self.peak_working = 0
+        self.grads = 0
+        self._counted: set[int] = set()
+        self._lock = threading.Lock()
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._grad_stored)
         self._stop = threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
 
+    def _grad_stored(self, p: torch.Tensor) -> None:
+        with self._lock:
+            if id(p) not in self._counted:
+                self._counted.add(id(p))
+                self.grads += p.grad.numel() * p.grad.element_size()
+
+    def _sample(self) -> None:
+        rss = self.proc.memory_info().rss
+        with self._lock:
+            grads = self.grads
+        self.peak = max(self.peak, rss)
+        self.peak_working = max(self.peak_working, rss - grads)
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
+            self._sample()
             time.sleep(0.002)
 
     def reset(self) -> int:
-        self.peak = rss = self.proc.memory_info().rss
-        return rss
+        """Start a step: returns its baseline, RSS − gradient bytes held now."""
+        with self._lock:
+            held = [p for p in self.params if p.grad is not None]
+            self._counted = {id(p) for p in held}
+            self.grads = sum(p.grad.numel() * p.grad.element_size() for p in held)
+        rss = self.proc.memory_info().rss
+        self.peak, self.peak_working = rss, rss - self.grads
+        return self.peak_working
 
-    def read(self) -> int:
-        return max(self.peak, self.proc.memory_info().rss)
+    def read(self) -> tuple[int, int]:
+        """(peak RSS, peak of RSS − gradient bytes) since reset()."""
+        self._sample()
+        return self.peak, self.peak_working
 
 
-def child(model_name: str, batch: int, seq_len: int, loss: str, steps: int) -> dict:
-    """Run `steps` Trainer steps in this process; return times and memory (one JSON object)."""
+class SavedForBackward:
+    """Bytes autograd saves for backward while active, each storage once, parameters excluded: `body` (saved
+    inside `body`'s forward), `rest` (outside it: head + loss), `square` (saved tensors [..., T, T]: attention
+    probabilities). Enter with start(), leave with stop() (Trainer callbacks bracket one step)."""
+
+    def __init__(self, model: torch.nn.Module, body: torch.nn.Module, seq_len: int) -> None:
+        self.model, self.body, self.seq_len = model, body, seq_len
+        self.bytes = {"body": 0, "rest": 0, "square": 0}
+        self._depth = 0
+        self._seen: set[int] = set()
+        self._handles: list = []
+        self._ctx = None
+
+    def _enter_body(self, *_: object) -> None:
+        self._depth += 1
+
+    def _leave_body(self, *_: object) -> None:
+        self._depth -= 1
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if st.nbytes() and key not in self._seen:
+            self._seen.add(key)
+            self.bytes["body" if self._depth else "rest"] += st.nbytes()
+            if t.dim() >= 3 and t.shape[-1] == t.shape[-2] == self.seq_len:
+                self.bytes["square"] += st.nbytes()
+        return t
+
+    def start(self) -> None:
+        self._seen = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self._handles = [self.body.register_forward_pre_hook(self._enter_body),
+                         self.body.register_forward_hook(self._leave_body)]
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+
+    def stop(self) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(None, None, None)
+            self._ctx = None
+            for h in self._handles:
+                h.remove()
+
+
+def child(model_name: str, batch: int, seq_len: int, loss: str, steps: int, checkpointing: bool = False) -> dict:
+    """Run `steps` Trainer steps in this process; return times, memory and the saved-tensor split (JSON)."""
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     import lmhead
@@ -73,40 +154,44 @@ def child(model_name: str, batch: int, seq_len: int, loss: str, steps: int) -> d
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, loaded.vocab_size, (batch * steps, seq_len), generator=g)
     data = [{"input_ids": row, "labels": row} for row in ids]
-    peak = PeakRSS()
+    peak = PeakRSS(params)
+    saved = SavedForBackward(model, model.base_model, seq_len)
     record: list[dict] = []
 
     class Measure(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            grads_held = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-            record.append({"start": peak.reset(), "grads_held": grads_held, "t0": time.perf_counter()})
-
-        def on_pre_optimizer_step(self, args, state, control, **kw):
-            record[-1]["grads"] = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-            record[-1]["rss_pre_opt"] = peak.proc.memory_info().rss
+            if not record:
+                saved.start()
+            record.append({"start": peak.reset(), "t0": time.perf_counter()})
 
         def on_step_end(self, args, state, control, **kw):
-            record[-1].update(time=time.perf_counter() - record[-1]["t0"], peak=peak.read())
+            t = time.perf_counter() - record[-1]["t0"]
+            saved.stop()
+            rss, working = peak.read()
+            record[-1].update(time=t, peak=rss, working=working - record[-1]["start"])
 
     targs = TrainingArguments(output_dir=os.path.join("/tmp", f"bench_trainer_{os.getpid()}"),
                               per_device_train_batch_size=batch, max_steps=steps, learning_rate=1e-5,
                               logging_steps=10**6, report_to=[], use_cpu=True, save_strategy="no", seed=0,
-                              disable_tqdm=True, dataloader_num_workers=0)
+                              disable_tqdm=True, dataloader_num_workers=0, gradient_checkpointing=checkpointing)
     trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[Measure()])
     trainer.remove_callback(PrinterCallback)
     trainer.train()
     timed = record[1:] or record
-    working = [r["peak"] - r["start"] - (param_bytes - r["grads_held"]) for r in timed]
     return {"model": loaded.name, "vocab": loaded.vocab_size, "loss": loss, "param_bytes": param_bytes,
-            "time": statistics.median(r["time"] for r in timed), "working": max(working),
-            "peak": max(r["peak"] for r in record), "logits_bytes": batch * seq_len * loaded.vocab_size * 4}
+            "time": statistics.median(r["time"] for r in timed), "working": max(r["working"] for r in timed),
+            "peak": max(r["peak"] for r in record), "logits_bytes": batch * seq_len * loaded.vocab_size * 4,
+            "saved_body": saved.bytes["body"], "saved_rest": saved.bytes["rest"],
+            "saved_square": saved.bytes["square"], "layers": model.config.num_hidden_layers,
+            "attention": str(getattr(model.config, "_attn_implementation", None)), "checkpointing": checkpointing}
 
 
-def trainer_table(runs: list[tuple[str, int, int]], steps: int) -> None:
-    print(f"Trainer step (forward + backward + AdamW), float32, CPU, {torch.get_num_threads()} threads; "
+def trainer_table(runs: list[tuple[str, int, int]], steps: int, checkpointing: bool = False) -> None:
+    gc = ", gradient checkpointing in both runs" if checkpointing else ""
+    print(f"Trainer step (forward + backward + AdamW{gc}), float32, CPU, {torch.get_num_threads()} threads; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     head = (f"{'model':>14} {'B x T':>9} {'loss':>7} {'step s':>7} {'working GiB':>12} {'peak RSS GiB':>13}"
-            f" {'logits [BT,V] GiB':>18}")
+            f" {'saved: body GiB':>16} {'head+loss GiB':>14}")
     print(head)
     for name, batch, seq_len in runs:
         res = {}
@@ -117,7 +202,8 @@ def trainer_table(runs: list[tuple[str, int, int]], steps: int) -> None:
                 print(f"{name:>14} {batch}x{seq_len:<7} {loss:>7}  skipped: needs ~{need / GIB:.0f} GiB, "
                       f"{avail / GIB:.1f} GiB available")
                 continue
-            cmd = [sys.executable, __file__, "--child", name, str(batch), str(seq_len), loss, str(steps)]
+            cmd = [sys.executable, __file__, "--child", name, str(batch), str(seq_len), loss, str(steps),
+                   str(int(checkpointing))]
             # glibc keeps freed blocks below its (dynamic, up to 32 MiB) mmap threshold in the heap, where they
             # still count in RSS: a fixed 64 KiB threshold returns every tensor's memory when it is freed
             env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -127,15 +213,37 @@ def trainer_table(runs: list[tuple[str, int, int]], steps: int) -> None:
                 continue
             r = res[loss] = json.loads(out.stdout.strip().splitlines()[-1])
             print(f"{name:>14} {batch}x{seq_len:<7} {loss:>7} {r['time']:>7.2f} {r['working'] / GIB:>12.2f}"
-                  f" {r['peak'] / GIB:>13.2f} {r['logits_bytes'] / GIB:>18.2f}")
-        if len(res) == 2:
-            a, b = res["lmhead"], res["plain"]
-            print(f"{'':>14} lmhead/plain: step time {a['time'] / b['time']:.2f}x, working memory "
-                  f"{a['working'] / b['working']:.0%}; the plain step holds {(b['working'] - a['working']) / GIB:.2f}"
-                  f" GiB more = {(b['working'] - a['working']) / b['logits_bytes']:.1f} logits-sized tensors; "
-                  f"lmhead's {a['working'] / GIB:.2f} GiB are the body's activations + one loss chunk")
-        print(f"{'':>14} held (not counted): params + grads + AdamW = "
-              f"{4 * next(iter(res.values()))['param_bytes'] / GIB:.2f} GiB" if res else "")
+                  f" {r['peak'] / GIB:>13.2f} {r['saved_body'] / GIB:>16.2f} {r['saved_rest'] / GIB:>14.2f}")
+        if res:
+            where_it_goes(res)
+
+
+def where_it_goes(res: dict[str, dict]) -> None:
+    """The lmhead/plain ratios and where the remaining working memory goes (activations vs logits)."""
+    any_run = next(iter(res.values()))
+    logits, body = any_run["logits_bytes"], any_run["saved_body"]
+    square = (f"{any_run['saved_square'] / GIB:.2f} GiB of it [.., T, T] attention probabilities"
+              if any_run["saved_square"] else "no [.., T, T] attention tensor saved")
+    print(f"{'':>14} where it goes: body activations saved for backward {body / GIB:.2f} GiB = "
+          f"{any_run['layers']} layers x {body / any_run['layers'] / MIB:.0f} MiB (attention "
+          f"'{any_run['attention']}': {square}); one float32 logits tensor [B*T, V] = {logits / GIB:.2f} GiB")
+    if any_run.get("checkpointing"):
+        # torch's non-reentrant checkpoint saves through hooks of its own (the innermost hooks win): the layers'
+        # inputs it keeps are not in the count, so "body" here is a lower bound
+        print(f"{'':>14} (gradient checkpointing: the inputs the checkpoints keep, one [B, T, D] per layer, are "
+              f"not in the body count)")
+    for loss, r in res.items():
+        rest = r["working"] - r["saved_body"]
+        print(f"{'':>14} {loss:>7}: working {r['working'] / GIB:.2f} GiB = body activations "
+              f"{r['saved_body'] / GIB:.2f} + head/loss and transients {rest / GIB:.2f} GiB "
+              f"({rest / logits:.1f} logits-sized tensors; head+loss saved for backward "
+              f"{r['saved_rest'] / MIB:.0f} MiB)")
+    if len(res) == 2:
+        a, b = res["lmhead"], res["plain"]
+        print(f"{'':>14} lmhead/plain: step time {a['time'] / b['time']:.2f}x, working memory "
+              f"{a['working'] / b['working']:.0%}; the lowest ratio any loss can reach with this body "
+              f"(its activations / plain working memory): {b['saved_body'] / b['working']:.0%}")
+    print(f"{'':>14} held (not counted): params + grads + AdamW = {4 * any_run['param_bytes'] / GIB:.2f} GiB")
 
 
 def _sampler_calls(x: torch.Tensor, ids: torch.Tensor, cfg, warpers: list) -> dict:
@@ -195,11 +303,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="Trainer steps per run; the first is not timed")
     p.add_argument("--sampler-only", action="store_true")
     p.add_argument("--no-sampler", action="store_true")
-    p.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="checkpoint the body's layers in both runs (TrainingArguments(gradient_checkpointing=True))")
+    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        name, b, t, loss, steps = args.child
-        print(json.dumps(child(name, int(b), int(t), loss, int(steps))))
+        name, b, t, loss, steps, gc = (*args.child, "0")[:6]
+        print(json.dumps(child(name, int(b), int(t), loss, int(steps), bool(int(gc)))))
         return 0
     if not args.sampler_only:
         runs = []
@@ -207,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             name, _, size = item.partition(":")
             b, _, t = size.partition("x")
             runs.append((name, int(b), int(t)))
-        trainer_table(runs, max(1, args.steps))
+        trainer_table(runs, max(1, args.steps), args.gradient_checkpointing)
     if not args.no_sampler:
         sampler_table()
     return 0

@@ -238,3 +238,61 @@ def test_all_labels_ignored_gives_zero_loss_and_zero_gradients():
     out.loss.backward()
     assert out.loss.item() == 0.0
     assert all(float(g.abs().max()) == 0.0 for g in grads(model).values())
+
+
+def saved_for_backward(model, ids, mask, labels) -> dict[str, int]:
+    """Bytes autograd saves during one training forward, each storage once, parameters excluded: inside the
+    body (`model.base_model`) and outside it (head + loss)."""
+    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    where = {"depth": 0}
+    counts = {"body": 0, "outside": 0}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            counts["body" if where["depth"] else "outside"] += st.nbytes()
+        return t
+
+    handles = [model.base_model.register_forward_pre_hook(lambda *a: where.update(depth=where["depth"] + 1)),
+               model.base_model.register_forward_hook(lambda *a: where.update(depth=where["depth"] - 1))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(ids, attention_mask=mask, labels=labels).loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return counts
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_patched_forward_saves_nothing_beyond_the_bodys_activations(arch):
+    """The fused loss keeps no logits and no second copy of the hidden states for backward: outside the body
+    it saves only the final hidden [B,T,D] (which the unpatched head saves too, as its input), inside the body
+    the same as unpatched."""
+    ref, model = pair(arch)
+    ref.train()
+    model.train()
+    ids, mask, labels = batch(10)
+    s_ref, s = saved_for_backward(ref, ids, mask, labels), saved_for_backward(model, ids, mask, labels)
+    hidden = ids.numel() * model.config.hidden_size * 4
+    assert s_ref["outside"] >= hidden + ids.numel() * 320 * 4  # + the log-softmax [B·T, V] float32
+    assert s["outside"] == hidden
+    assert s["body"] == s_ref["body"] > 0
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
+    """Trainer(gradient_checkpointing=True) on both: the body recomputes its layers in the backward, and the
+    patched model's loss and gradients still equal the unpatched one's."""
+    ref, model = pair("llama")
+    for m in (ref, model):
+        # transformers 5 renamed it (the old name warns)
+        (getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable)()
+        m.train()
+    ids, mask, labels = batch(11)
+    out_ref = ref(ids, attention_mask=mask, labels=labels)
+    out = model(ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(out.loss, out_ref.loss, rtol=RTOL, atol=ATOL)
+    out_ref.loss.backward()
+    out.loss.backward()
+    assert_same(ref, model)
