@@ -315,7 +315,10 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
     Pipeline (lmhead.sampling, full vocabulary [V]): 1 logit bias / banned → 2 penalties (the prompt counts
     as the sequence so far: repetition penalty applies to it, presence/frequency count generated tokens only,
     so they do nothing here) → 3 temperature → 4 top-k → 5 top-p → 6 min-p → 7 softmax.
-    `probability` equals `sampling.probabilities(logits, config, prev_tokens=prompt, prompt_len=len(prompt))`.
+    `probability` equals `sampling.probabilities(logits, config, prev_tokens=prompt, prompt_len=len(prompt))`
+    to float32 rounding: the probabilities and entropies shown (raw, scaled, processed, the lens') are
+    computed from the float32 logits in float64, because torch's float32 softmax on CPU is off by up to ~2e-5 relative
+    (measured on SmolLM2's logits), more than the 1e-5 the explainer promises against transformers.
 
     Temperature 0 (greedy): `scaled_logit` is the logit after bias/penalties, not divided (the argmax does
     not depend on the scale); `scaled_probability` is then softmax at temperature 1; the argmax gets
@@ -325,7 +328,7 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
     top: candidates shown (1..V). layers: add the logit lens (`layer_top` candidates per layer), with the
     same head.
     """
-    from lmhead.sampling import SamplingConfig, entropy, probabilities, process_logits
+    from lmhead.sampling import SamplingConfig, process_logits
 
     if config is None:
         config = SamplingConfig()
@@ -352,10 +355,10 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
     prev = input_ids.to(logits.device)
     stages = _stages(logits, config, prev, len(ids))
     processed = process_logits(logits, config, prev_tokens=prev, prompt_len=len(ids))  # [1,V]
-    probs = probabilities(logits, config, prev_tokens=prev, prompt_len=len(ids))[0]  # [V]
+    probs = torch.softmax(processed[0].double(), dim=-1)  # [V]: step 7 of the pipeline, in float64 (see above)
     candidates = _candidates(model.tokenizer, logits[0], stages, processed[0], probs, top)
     scaled = stages["scaled"][0]
-    ent = entropy(torch.stack([logits[0], scaled, processed[0]]))
+    ent = _entropies(torch.stack([logits[0], scaled, processed[0]]))
     prompt_tokens = [PromptToken(token_id=i, text=s, decoded=d)
                      for i, (s, d) in zip(ids, token_texts(model.tokenizer, ids), strict=True)]
     lens = None
@@ -382,9 +385,9 @@ def _candidates(tokenizer, logits: torch.Tensor, stages: dict[str, torch.Tensor]
 
     Best first by the pipeline's logit (so kept tokens form a prefix), then raw logit, then token id.
     """
-    raw_logp = torch.log_softmax(logits, dim=-1)
+    raw_logp = torch.log_softmax(logits.double(), dim=-1)  # float64: see `predict`
     scaled = stages["scaled"][0]
-    scaled_logp = torch.log_softmax(scaled, dim=-1)
+    scaled_logp = torch.log_softmax(scaled.double(), dim=-1)
     order = _sort_desc(stages["adjusted"][0], logits)[:top]
     masks = {k: torch.isfinite(v[0]) for k, v in stages.items() if k.startswith("after_")}
     kept_mask = torch.isfinite(processed)
@@ -436,12 +439,19 @@ def _stages(logits: torch.Tensor, config, prev: torch.Tensor, prompt_len: int) -
     return stages
 
 
+def _entropies(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of the softmax of each row of `logits` [..., V] -> [...], in float64 (see `predict`);
+    -inf logits are tokens of probability 0 and add nothing."""
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    return -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
+
+
 def _logit_lens(logits: torch.Tensor, tokenizer, top: int) -> list[LensLayer]:
     """One `LensLayer` per row of the lens logits [L+1, V] (from `_lens_rows`), `top` candidates each."""
     rows = range(logits.shape[0])
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(logits.double(), dim=-1)  # float64: see `predict`
     p = logp.exp()
-    ent = -(p * logp.nan_to_num(neginf=0.0)).sum(-1)
+    ent = _entropies(logits)
     final_logp = logp[-1]
     kl = (final_logp.exp() * (final_logp - logp).nan_to_num(nan=0.0, neginf=0.0, posinf=0.0)).sum(-1)
     final_tok = int(logits[-1].argmax())
