@@ -153,9 +153,12 @@ def test_a_client_that_leaves_mid_stream_frees_the_model():
             next(r.iter_lines())  # one chunk, then hang up
         after = http.post("/v1/completions", json={"prompt": "A dog", "max_tokens": 2, "temperature": 0})
         assert after.status_code == 200
+        deadline = time.monotonic() + 60
+        while runner.retired < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert runner.retired == 1, "the abandoned generation was not retired"
         abandoned = runner.tokens - after.json()["usage"]["completion_tokens"]
         assert 1 <= abandoned < 240, f"the abandoned generation ran {abandoned} steps"
-        assert runner.retired == 1
 
 
 def _hang_up_after_first_token(url: str, runner, body: bytes) -> None:
