@@ -279,3 +279,26 @@ def generate_plain(hf_model, tokenizer, prompt: str, max_new_tokens: int, config
         if token in eos_ids:
             break
     return out
+
+
+def sampling_draw_probabilities(logits: torch.Tensor, configs: list, prev: list[list[int]] | None = None,
+                                prompt_len: list[int] | None = None) -> torch.Tensor:
+    """The distribution each row's draw must follow ([B,V] float64): softmax over the tokens that
+    `sampling_process` keeps, in float64 (cut tokens 0)."""
+    return torch.softmax(sampling_process(logits, configs, prev, prompt_len).double(), dim=-1)
+
+
+def draws_fit(ids: torch.Tensor, probs: torch.Tensor, groups: int = 20, sigmas: float = 5.0) -> str:
+    """Goodness of fit of draws `ids` [n] to `probs` [V]: tokens are grouped, in id order, into about `groups`
+    groups of similar expected count; every group's frequency must lie within `sigmas` standard deviations of
+    its probability, and a token of probability 0 is never drawn. Returns '' when they fit, else why not."""
+    n = ids.numel()
+    if bool((probs[ids] == 0).any()):
+        return f"drew a token of probability 0: {ids[probs[ids] == 0][:5].tolist()}"
+    counts = torch.bincount(ids, minlength=probs.numel()).double()
+    group = (probs.cumsum(0) * groups).floor().clamp(max=groups - 1).long()  # id-ordered groups of mass ≈ 1/g
+    expected = torch.zeros(groups, dtype=torch.float64).index_add_(0, group, probs)
+    seen = torch.zeros(groups, dtype=torch.float64).index_add_(0, group, counts) / n
+    sigma = (expected * (1 - expected) / n).sqrt()
+    bad = (seen - expected).abs() > sigmas * sigma + 1e-12
+    return f"group frequencies {seen[bad].tolist()} against {expected[bad].tolist()}" if bool(bad.any()) else ""

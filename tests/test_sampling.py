@@ -629,3 +629,142 @@ def test_the_pipeline_reduces_across_the_vocabulary_with_the_vocab_it_is_given()
         assert torch.equal(sample(xs, cfg, vocab=Recording(xs.shape[1])), want), cfg
         assert torch.equal(probabilities(xs, cfg, vocab=Recording(xs.shape[1])), probabilities(xs, cfg)), cfg
     assert {"amax", "amin", "argmax", "topk", "sum", "cat", "softmax", "columns"} <= set(calls)
+
+
+# --- top-p alone in `sample`: a rejection draw, no top-p set ---------------------------------------------------
+
+
+def _top_p_rows() -> torch.Tensor:
+    """Rows [6, 1000] for the draw: flat, Gaussian (std 3 and 5), a tie straddling the cut, -inf tokens, and a
+    row whose top-p set is a few tokens over a long tail."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(6, 1000, generator=g)
+    x[1] *= 3.0
+    x[2] *= 5.0
+    x[3] = torch.randn(1000, generator=g).round(decimals=1)  # many ties, one of them at the cut
+    x[4, ::3] = -INF
+    x[5] = window_rows(1000, [4], seed=3)[0]
+    return x
+
+
+@pytest.mark.parametrize("p", [0.05, 0.5, 0.9, 0.999])
+def test_top_p_draw_accepts_exactly_the_reference_set(p):
+    # the test each proposal faces: the mass strictly above the drawn value < p · the row's mass. Asked of every
+    # distinct value of each row, it must give the reference's kept set, ties and the argmax included.
+    import lmhead.sampling as sampling
+
+    x, temperature = _top_p_rows(), 0.8
+    want = torch.isfinite(ref.sampling_process(x, [SamplingConfig(temperature=temperature, top_p=p)] * 6))
+    vocab = sampling.Vocab(x.shape[1])
+    top = x.amax(dim=-1, keepdim=True) / temperature
+    limit = p * sampling._grid_sums(x, top, temperature, None, vocab).sum(dim=-1, dtype=torch.float64)
+    for r in range(x.shape[0]):
+        values = torch.unique(x[r][torch.isfinite(x[r])] / temperature)
+        rows = x[r : r + 1].expand(values.numel(), -1)
+        above = sampling._grid_sums(rows, top[r : r + 1].expand(values.numel(), 1), temperature, values[:, None],
+                                    vocab).sum(dim=-1, dtype=torch.float64)
+        kept_values = values[above < limit[r]]
+        got = torch.isin(x[r] / temperature, kept_values)
+        assert torch.equal(got, want[r]), (r, int(got.sum()), int(want[r].sum()))
+
+
+@pytest.mark.parametrize("p", [0.05, 0.9])
+def test_top_p_draws_follow_the_reference_distribution(p, gen):
+    x, n = _top_p_rows(), 2000
+    cfg = SamplingConfig(temperature=0.8, top_p=p)
+    probs = ref.sampling_draw_probabilities(x, [cfg] * x.shape[0])
+    ids = sample(x.repeat_interleave(n, dim=0), cfg, generator=gen).view(x.shape[0], n)
+    for r in range(x.shape[0]):
+        assert ref.draws_fit(ids[r], probs[r], groups=12) == "", r
+
+
+def test_top_p_draw_is_exact_when_rows_run_out_of_rounds(monkeypatch, gen):
+    # after _DRAW_ROUNDS rejections a row draws from its exact top-p set: the mixture is still the top-p law
+    import lmhead.sampling as sampling
+
+    monkeypatch.setattr(sampling, "_DRAW_ROUNDS", 1)
+    row = torch.log(torch.tensor([0.3, 0.25, 0.2, 0.1, 0.1, 0.05]))
+    row = torch.cat([row, torch.full((300,), -9.0)])[None]  # a tail: the fallback's whole-row path too
+    for p in (0.4, 0.7, 0.96):
+        cfg = SamplingConfig(top_p=p)
+        ids = sample(row.expand(6000, -1), cfg, generator=gen)
+        assert ref.draws_fit(ids, ref.sampling_draw_probabilities(row, [cfg])[0], groups=8) == "", p
+
+
+def test_top_p_draw_per_token_frequencies_with_a_straddling_tie(gen):
+    # probs 0.4, 0.2, 0.2, 0.2 at top_p 0.5: the tie is kept whole → 0.4, 0.2, 0.2, 0.2; at 0.35 only the first
+    x = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.2]]))
+    for p, want in ((0.5, [0.4, 0.2, 0.2, 0.2]), (0.35, [1.0, 0.0, 0.0, 0.0])):
+        ids = sample(x.expand(20_000, -1), SamplingConfig(top_p=p), generator=gen)
+        assert ref.draws_fit(ids, torch.tensor(want, dtype=torch.float64), groups=4) == "", p
+
+
+def test_seeded_top_p_draws_depend_on_seed_and_step_only_and_follow_the_distribution():
+    x = _top_p_rows()[1:2]
+    cfg = SamplingConfig(temperature=0.8, top_p=0.9, seed=5)
+    n = 600
+    alone = [int(sample(x, cfg, step=s)) for s in range(n)]
+    batch = sample(x.expand(n, -1), cfg, step=list(range(n))).tolist()
+    assert alone == batch
+    probs = ref.sampling_draw_probabilities(x, [cfg])[0]
+    assert ref.draws_fit(torch.tensor(alone), probs, groups=6) == ""
+
+
+# --- settings bounded where the float32 arithmetic stays finite ------------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "name", "bounds"), [
+    ({"repetition_penalty": 1e308}, "repetition_penalty", "[0.0001, 10000]"),
+    ({"repetition_penalty": 1e-300}, "repetition_penalty", "[0.0001, 10000]"),
+    ({"repetition_penalty": 2e4}, "repetition_penalty", "[0.0001, 10000]"),
+    ({"presence_penalty": -1e308}, "presence_penalty", "[-10000, 10000]"),
+    ({"frequency_penalty": 1e5}, "frequency_penalty", "[-10000, 10000]"),
+    ({"logit_bias": {1: 1e308}}, "logit_bias", "[-10000, 10000]"),
+    ({"logit_bias": {1: -1e5}}, "logit_bias", "[-10000, 10000]"),
+    ({"temperature": 1e308}, "temperature", "[0, 10000]"),
+])
+def test_settings_beyond_their_finite_range_are_rejected_with_the_range(kwargs, name, bounds):
+    with pytest.raises(ValueError, match=name) as err:
+        SamplingConfig(**kwargs)
+    assert bounds in str(err.value)
+
+
+def test_settings_at_their_bounds_are_accepted_and_stay_finite():
+    x = peaked(2, 50)
+    cfgs = [SamplingConfig(repetition_penalty=1e4, presence_penalty=-1e4, frequency_penalty=1e4,
+                           logit_bias={3: 1e4, 4: -1e4, 5: -INF}, temperature=1e4, top_p=0.5),
+            SamplingConfig(repetition_penalty=1e-4, logit_bias={3: -1e4}, temperature=1e-5)]
+    probs = probabilities(x, cfgs, prev_tokens=[[1, 2, 3], [1, 2, 3]], prompt_len=1)
+    assert torch.isfinite(probs).all() and float(probs[0, 5]) == 0.0
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2))
+
+
+def test_per_row_penalties_out_of_range_name_the_setting():
+    x = torch.zeros(2, 4)
+    for kwargs, name in (({"repetition_penalty": [1.0, 1e308]}, "repetition_penalty"),
+                         ({"repetition_penalty": [1.0, 1e-300]}, "repetition_penalty"),
+                         ({"presence_penalty": 1e308}, "presence_penalty"),
+                         ({"frequency_penalty": [0.0, float("nan")]}, "frequency_penalty"),
+                         ({"repetition_penalty": "big"}, "repetition_penalty")):
+        with pytest.raises(ValueError, match=name):
+            apply_penalties(x, [[0], [1]], **kwargs)
+
+
+def test_an_overflow_in_processing_names_the_setting_not_the_logits():
+    # bounded settings still overflow float32 on logits near its limit: the error says which setting did it
+    x = torch.tensor([[3.5e34, 1.0, -3.5e34, 0.0]])
+    for r, name in ((1e-4, "repetition_penalty"), (1e4, "repetition_penalty")):
+        cfg = SamplingConfig(repetition_penalty=r)
+        with pytest.raises(ValueError, match=name):
+            sample(x, cfg, prev_tokens=[[0, 2]])
+        with pytest.raises(ValueError, match=name):
+            apply_penalties(x, [[0, 2]], repetition_penalty=r)
+    for cfg in (SamplingConfig(temperature=1e-5), SamplingConfig(temperature=1e-5, top_k=2),
+                SamplingConfig(temperature=1e-5, top_p=0.9), SamplingConfig(temperature=1e-5, min_p=0.1)):
+        for fn in (sample, probabilities, process_logits):
+            with pytest.raises(ValueError, match="temperature"):
+                fn(x, cfg)
+    with pytest.raises(ValueError, match="temperature"):
+        apply_temperature(x, 1e-5)
+    with pytest.raises(ValueError, match=r"logits must not contain \+inf"):  # the caller's own +inf
+        sample(torch.tensor([[INF, 0.0]]), SamplingConfig(repetition_penalty=1e-4), prev_tokens=[[0]])

@@ -94,6 +94,14 @@ __all__ = [
 
 # Temperatures below this are greedy (vLLM's rule): dividing by ~0 would overflow to ±inf.
 GREEDY_TEMPERATURE = 1e-5
+# The largest magnitudes the settings may take. Within them a logit of any realistic size (|x| ≲ 1e20) stays a
+# finite float32 through every step: (x + bias) · penalty / T ≤ 1e20 · 1e4 / 1e-5 — and a setting above float32's
+# range (1e308) would become ±inf in a float32 tensor and turn rows into NaN. An overflow that still happens
+# (logits near float32's limit) is an error naming the setting.
+TEMPERATURE_LIMIT = 1e4
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)
+PENALTY_LIMIT = 1e4  # |presence_penalty|, |frequency_penalty|
+LOGIT_BIAS_LIMIT = 1e4  # |logit_bias| of a finite bias; -inf bans
 # Top-p without top-k: the first partial-sort window, its growth factor, and the widest window before a full
 # sort is cheaper. The margin keeps a window from being accepted on a float-rounding knife edge.
 _WINDOW_START = 256
@@ -108,10 +116,24 @@ _UNDERFLOW = 104.0
 # whole-row draws pick a block of _BLOCK tokens first.
 _CHUNK_ELEMENTS = 1 << 20
 _BLOCK = 1024
+# In the passes that sum masses, a token more than 64 below the row's max (x/T) counts 0: e^-64 ≈ 1.6e-28 of the
+# max is far below what a float64 uniform can pick (2^-53), and exp of -inf, or of anything below -87 (float32
+# subnormal results), runs 6 to 100 times slower than exp of a normal value.
+_TAIL = -64.0
+_TAIL_EXP = torch.tensor(_TAIL).exp().item()
+# Top-p alone in `sample`: rejection rounds before the rows left draw from their exact top-p set (a round
+# passes with probability ≥ p; small p takes about ln(1/p) + 1 rounds).
+_DRAW_ROUNDS = 6
+_FLOOR_ROWS = 64
 
 
 _NEG_INF = float("-inf")
 _MASK64 = (1 << 64) - 1
+
+
+def _tail_exp_(d: Tensor) -> Tensor:
+    """In place on d = x/T − max (≤ 0, -inf allowed): exp(d), with d < −64 counted 0 (see _TAIL)."""
+    return torch.threshold_(d.clamp_min_(_TAIL).exp_(), _TAIL_EXP, 0.0)
 
 
 def _chunk_columns(batch: int, vocab: int, multiple: int = 1) -> int:
@@ -181,17 +203,19 @@ class Vocab:
 class SamplingConfig:
     """Settings of the logits pipeline for one row (or a whole batch). Validates itself.
 
-    temperature         ≥ 0, finite. 0 (or anything < 1e-5, as vLLM) is greedy: argmax after bias and
+    temperature         in [0, 1e4]. 0 (or anything < 1e-5, as vLLM) is greedy: argmax after bias and
                         penalties; top-k / top-p / min-p are then ignored.
     top_k               int ≥ 0; 0 = off. Keeps the k largest logits (ties with the k-th kept).
     top_p               in (0, 1]; 1 = off. Smallest set whose mass reaches top_p (crossing token kept).
     min_p               in [0, 1]; 0 = off. Keeps tokens with p ≥ min_p · p_max.
-    repetition_penalty  > 0, finite; 1 = off. CTRL/HF: logit > 0 → logit / r, else logit · r, once per
+    repetition_penalty  in [1e-4, 1e4]; 1 = off. CTRL/HF: logit > 0 → logit / r, else logit · r, once per
                         token seen in the prompt or the generated tokens.
-    presence_penalty    finite; 0 = off. OpenAI: minus presence once for each token generated so far.
-    frequency_penalty   finite; 0 = off. OpenAI: minus frequency · count over the generated tokens.
-    logit_bias          mapping token id (int ≥ 0) → float added to the logit; -inf bans the token
-                        (+inf and NaN are rejected). Stored as a read-only mapping.
+    presence_penalty    in [-1e4, 1e4]; 0 = off. OpenAI: minus presence once for each token generated so far.
+    frequency_penalty   in [-1e4, 1e4]; 0 = off. OpenAI: minus frequency · count over the generated tokens.
+    logit_bias          mapping token id (int ≥ 0) → float in [-1e4, 1e4] added to the logit, or -inf, which
+                        bans the token (+inf and NaN are rejected). Stored as a read-only mapping.
+    The bounds (TEMPERATURE_LIMIT, REPETITION_PENALTY_RANGE, PENALTY_LIMIT, LOGIT_BIAS_LIMIT) keep the float32
+    arithmetic of every step finite; a value outside them is a ValueError naming the setting and its range.
     banned_tokens       token ids (int ≥ 0) that can never be chosen.
     seed                int or None. With a seed, a row's draw depends only on (seed, step).
     """
@@ -214,18 +238,19 @@ class SamplingConfig:
                 raise ValueError(f"{name} must be {allowed}, got {value!r}")
             return float(value)
 
-        finite = math.isfinite
         set_ = lambda name, v: object.__setattr__(self, name, v)  # frozen: __post_init__ normalises
-        set_("temperature", real("temperature", "a finite number ≥ 0 (0 = greedy)",
-                                 lambda v: finite(v) and v >= 0))
+        set_("temperature", real("temperature", f"in [0, {TEMPERATURE_LIMIT:g}] (0 = greedy)",
+                                 lambda v: 0 <= v <= TEMPERATURE_LIMIT))
         if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an int ≥ 0 (0 = off), got {self.top_k!r}")
         set_("top_p", real("top_p", "in (0, 1] (1 = off)", lambda v: 0 < v <= 1))
         set_("min_p", real("min_p", "in [0, 1] (0 = off)", lambda v: 0 <= v <= 1))
-        set_("repetition_penalty", real("repetition_penalty", "a finite number > 0 (1 = off)",
-                                        lambda v: finite(v) and v > 0))
-        set_("presence_penalty", real("presence_penalty", "a finite number (0 = off)", finite))
-        set_("frequency_penalty", real("frequency_penalty", "a finite number (0 = off)", finite))
+        low, high = REPETITION_PENALTY_RANGE
+        set_("repetition_penalty", real("repetition_penalty", f"in [{low:g}, {high:g}] (1 = off)",
+                                        lambda v: low <= v <= high))
+        for name in ("presence_penalty", "frequency_penalty"):
+            set_(name, real(name, f"in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}] (0 = off)",
+                            lambda v: abs(v) <= PENALTY_LIMIT))
 
         bias = self.logit_bias
         if bias is not None:
@@ -235,9 +260,9 @@ class SamplingConfig:
             for tok, val in bias.items():
                 if not is_int(tok) or tok < 0:
                     raise ValueError(f"logit_bias keys must be token ids (int ≥ 0), got {tok!r}")
-                if not is_real(val) or math.isnan(val) or val == math.inf:
-                    raise ValueError(
-                        f"logit_bias values must be finite floats or -inf (bans), got {val!r} for token {tok}")
+                if not is_real(val) or not (abs(val) <= LOGIT_BIAS_LIMIT or val == -math.inf):
+                    raise ValueError(f"logit_bias values must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}] "
+                                     f"or -inf (bans), got {val!r} for token {tok}")
                 clean[tok] = float(val)
             set_("logit_bias", MappingProxyType(clean) if clean else None)
 
@@ -297,18 +322,37 @@ def _check_logits(logits: object, name: str = "logits") -> tuple[Tensor, bool]:
     return x.float(), one_row
 
 
-def _check_top(top: Tensor, name: str = "logits") -> None:
+def _check_top(top: Tensor, name: str = "logits", temperature: float = 1.0) -> None:
     """`top` is each row's largest value (max propagates NaN and +inf): one check covers NaN, +inf and rows
-    that are all -inf, at no extra pass over the vocabulary."""
-    if top.numel() == 0 or bool(torch.isfinite(top).all()):
+    that are all -inf, at no extra pass over the vocabulary. With a temperature, also that top / temperature
+    (the largest scaled logit) is a finite float32: otherwise the row would turn into NaN."""
+    if top.numel() == 0:
         return
-    bad = (~torch.isfinite(top)).nonzero()[0, 0].item()
-    value = top.reshape(-1)[bad].item()
-    if math.isnan(value):
-        raise ValueError(f"{name} must not contain NaN (row {bad})")
-    if value > 0:
-        raise ValueError(f"{name} must not contain +inf (row {bad})")
-    raise ValueError(f"{name}: row {bad} is all -inf (after logit_bias / banned_tokens): no token can be chosen")
+    if not bool(torch.isfinite(top).all()):
+        bad = (~torch.isfinite(top)).nonzero()[0, 0].item()
+        value = top.reshape(-1)[bad].item()
+        if math.isnan(value):
+            raise ValueError(f"{name} must not contain NaN (row {bad})")
+        if value > 0:
+            raise ValueError(f"{name} must not contain +inf (row {bad})")
+        raise ValueError(f"{name}: row {bad} is all -inf (after logit_bias / banned_tokens): no token can be "
+                         "chosen")
+    if temperature != 1.0 and not bool(torch.isfinite(top / temperature).all()):
+        bad = (~torch.isfinite(top / temperature)).nonzero()[0, 0].item()
+        raise ValueError(f"temperature={temperature:g} takes the largest {name} value of row {bad} "
+                         f"({top.reshape(-1)[bad].item():g}) outside float32's range; use a larger temperature")
+
+
+def _check_overflow(x: Tensor, cols: Tensor, mine: Tensor, before: Tensor, name: str, setting: Tensor,
+                    start: int) -> None:
+    """The logits at cols [B,L] (where `mine`) were `before` a step that used the per-row `setting` [B]: one
+    that was finite and is not any more is a ValueError naming the setting (not the logits, which were fine)."""
+    bad = mine & torch.isfinite(before) & ~torch.isfinite(x.gather(1, cols))
+    if bool(bad.any()):
+        row, j = bad.nonzero()[0].tolist()
+        raise ValueError(f"{name}={setting[row].item():g} takes the logit {before[row, j].item():g} of token "
+                         f"{cols[row, j].item() + start} (row {row}) outside float32's range; use a {name} "
+                         "closer to 1")
 
 
 def _check_values(x: Tensor, name: str = "logits") -> None:
@@ -473,7 +517,12 @@ def _penalize_(x: Tensor, prev: Tensor, prompt_len: Tensor, rep: Tensor, pres: T
         seen.scatter_(1, safe, True)
         seen = seen[:, :vocab]
         r = rep.unsqueeze(1)
+        cols = safe.clamp(max=vocab - 1)
+        before = x.gather(1, cols)
         x.copy_(torch.where(seen, torch.where(x < 0, x * r, x / r), x))
+        # a logit beyond ~3.4e34 can leave float32's range even with a bounded penalty; presence and frequency
+        # cannot (a bounded shift of a finite float32 rounds back to a finite one)
+        _check_overflow(x, cols, mine, before, "repetition_penalty", rep, start)
     if bool((pres != 0.0).any() or (freq != 0.0).any()):
         # presence / frequency (OpenAI): generated tokens only = valid tokens after the first prompt_len
         ordinal = valid.long().cumsum(1) - 1
@@ -486,12 +535,17 @@ def _penalize_(x: Tensor, prev: Tensor, prompt_len: Tensor, rep: Tensor, pres: T
 
 def _as_row_floats(value: float | Sequence[float] | Tensor, batch: int, name: str, device: torch.device,
                    ok: Any, allowed: str) -> Tensor:
-    t = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(-1)
-    if t.numel() == 1:
+    """A setting given as one number or one per row → float32 [B]; checked in float64, before a value beyond
+    float32's range could become ±inf."""
+    try:
+        t = torch.as_tensor(value, dtype=torch.float64, device=device).reshape(-1)
+    except (TypeError, ValueError, RuntimeError):
+        t = None
+    if t is not None and t.numel() == 1:
         t = t.expand(batch)
-    if t.numel() != batch or not bool(ok(t).all()):
+    if t is None or t.numel() != batch or not bool(ok(t).all()):
         raise ValueError(f"{name} must be {allowed} (one number or one per row), got {value!r}")
-    return t
+    return t.float()
 
 
 def apply_penalties(logits: Tensor, prev_tokens: Tensor | Sequence[Sequence[int]] | None,
@@ -511,10 +565,13 @@ def apply_penalties(logits: Tensor, prev_tokens: Tensor | Sequence[Sequence[int]
     x = x.clone()
     batch, vocab = x.shape
     dev = x.device
+    low, high = REPETITION_PENALTY_RANGE
     rep = _as_row_floats(repetition_penalty, batch, "repetition_penalty", dev,
-                         lambda t: torch.isfinite(t) & (t > 0), "finite and > 0")
-    pres = _as_row_floats(presence_penalty, batch, "presence_penalty", dev, torch.isfinite, "finite")
-    freq = _as_row_floats(frequency_penalty, batch, "frequency_penalty", dev, torch.isfinite, "finite")
+                         lambda t: (t >= low) & (t <= high), f"in [{low:g}, {high:g}]")
+    pres, freq = (_as_row_floats(value, batch, name, dev, lambda t: t.abs() <= PENALTY_LIMIT,
+                                 f"in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]")
+                  for name, value in (("presence_penalty", presence_penalty),
+                                      ("frequency_penalty", frequency_penalty)))
     if prev_tokens is not None:
         prev = as_prev_tokens(prev_tokens, batch, vocab, dev, one_row)
         _penalize_(x, prev, as_row_ints(prompt_len, batch, "prompt_len", dev), rep, pres, freq)
@@ -562,12 +619,14 @@ def _preprocess(logits: Tensor, config: ConfigArg, prev_tokens: object, prompt_l
 
 
 def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
-    """Step 3 on [B,V] logits → logits / temperature (float32). temperature must be finite and ≥ 1e-5 here;
+    """Step 3 on [B,V] logits → logits / temperature (float32). temperature must be in [1e-5, 1e4] here;
     greedy decoding (temperature 0) is a path of the pipeline, not a division."""
     x, one_row = _check_logits(logits)
-    if not is_real(temperature) or not math.isfinite(temperature) or temperature < GREEDY_TEMPERATURE:
-        raise ValueError(f"temperature must be a finite number ≥ {GREEDY_TEMPERATURE} here, got {temperature!r}")
-    _check_values(x)
+    if not is_real(temperature) or not GREEDY_TEMPERATURE <= temperature <= TEMPERATURE_LIMIT:
+        raise ValueError(f"temperature must be in [{GREEDY_TEMPERATURE:g}, {TEMPERATURE_LIMIT:g}] here, got "
+                         f"{temperature!r}")
+    if x.numel():
+        _check_top(x.amax(dim=-1), "logits", float(temperature))
     x = x / float(temperature)
     return x[0] if one_row else x
 
@@ -627,7 +686,7 @@ def _top_k_parts(x: Tensor, temperature: float, top_k: int, vocab: Vocab) -> lis
     """The top k+1 once; rows whose k-th and (k+1)-th values tie (after the division by T, as HF
     compares) take every token ≥ the k-th, as HF's ``scores < kth`` rule keeps them."""
     vals, idx = vocab.topk(x, top_k + 1)
-    _check_top(vals[:, 0], vocab.name)
+    _check_top(vals[:, 0], vocab.name, temperature)
     vals = vals / temperature  # x / T is monotone: topk of x is a topk of x / T
     tie = (vals[:, top_k - 1] == vals[:, top_k]) & torch.isfinite(vals[:, top_k - 1])
     if not bool(tie.any()):
@@ -646,19 +705,25 @@ def _top_k_parts(x: Tensor, temperature: float, top_k: int, vocab: Vocab) -> lis
     return parts
 
 
-def _block_sums(x: Tensor, top: Tensor, temperature: float, block: int = _BLOCK, start: int = 0) -> Tensor:
+def _block_sums(x: Tensor, top: Tensor, temperature: float, block: int = _BLOCK, start: int = 0,
+                floor: Tensor | None = None) -> Tensor:
     """Σ exp(x/T − top) over each block of `block` columns → [b, n] float32, the n blocks that x's columns
     touch on a grid of blocks that starts at id 0 (x [b,V_r] holds ids [start, start + V_r); the first block
-    is start // block, its columns before `start` count 0).
+    is start // block, its columns before `start` count 0). With `floor` [b,1], only the tokens with
+    x/T > floor count (the mass strictly above a value).
 
     Runs over cache-sized chunks with one reused buffer: no [B,V] temporary (whose page faults alone cost
     about as much as the arithmetic)."""
     batch, width = x.shape
+    if floor is not None and batch > _FLOOR_ROWS:  # rows in groups: chunks stay long, threshold_ calls few
+        return torch.cat([_block_sums(x[r : r + _FLOOR_ROWS], top[r : r + _FLOOR_ROWS], temperature, block, start,
+                                      floor[r : r + _FLOOR_ROWS]) for r in range(0, batch, _FLOOR_ROWS)])
     offset = start % block  # grid positions before the first column
     span = offset + width
     chunk = _chunk_columns(batch, span, block)
     out = torch.empty(batch, -(-span // block), dtype=torch.float32, device=x.device)
     buf = torch.empty(batch, chunk, dtype=torch.float32, device=x.device)
+    floors = [] if floor is None else floor[:, 0].tolist()  # float32 values: exact as Python floats
     for pos in range(0, span, chunk):  # grid positions [pos, pos + chunk)
         head = max(offset - pos, 0)
         part = x[:, max(pos - offset, 0) : pos + chunk - offset]
@@ -668,7 +733,9 @@ def _block_sums(x: Tensor, top: Tensor, temperature: float, block: int = _BLOCK,
             buf[:, :head] = 0.0
         b = buf[:, head:end]
         torch.div(part, temperature, out=b)
-        b.sub_(top).exp_()
+        for row, value in enumerate(floors):  # threshold_ per row: a broadcast bool mask costs as much as the exp
+            torch.threshold_(b[row], value, _NEG_INF)
+        _tail_exp_(b.sub_(top))
         if padded > end:
             buf[:, end:padded] = 0.0
         out[:, pos // block : pos // block + padded // block] = buf[:, :padded].view(batch, -1, block).sum(-1)
@@ -683,7 +750,7 @@ def _top_p_parts(x: Tensor, temperature: float, top_p: float, vocab: Vocab) -> l
     the rest of the row only enters through the normaliser. That settles language-model-like rows (their
     top-p sets hold tens of tokens). Rows with a wide top-p set go to `_top_p_bins`, which is exact too."""
     top = vocab.amax(x)
-    _check_top(top[:, 0], vocab.name)
+    _check_top(top[:, 0], vocab.name, temperature)
     top_t = top / temperature
     # the softmax normaliser over the full row, in cache-sized chunks (no sort, no [B,V] temporary), summed
     # in float64 so that the window's masses are as exact as float32 logits allow
@@ -811,7 +878,7 @@ def _cut(x: Tensor, cfg: SamplingConfig, vocab: Vocab) -> list[_Part]:
     elif top_p < 1.0:
         parts = _top_p_parts(x, temperature, top_p, vocab)
     else:
-        _check_top(vocab.amax(x)[:, 0], vocab.name)
+        _check_top(vocab.amax(x)[:, 0], vocab.name, temperature)
         xt = x / temperature
         return [(None, _min_p_rows(xt, min_p, vocab) if min_p > 0 else xt, None)]
     if min_p > 0:
@@ -970,36 +1037,124 @@ def race_draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor
     return (probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
 
 
-def _draw_rows(vals: Tensor, generator: torch.Generator | None, vocab: Vocab) -> Tensor:
-    """Draw from whole rows of scaled logits [b,V_r] (-inf = cut) → [b] ids, by inverse CDF with one uniform
-    per row, in two levels: pick a block of 1024 tokens by its mass, then the token inside it. Two light passes
-    over V and no [B,V] temporary (V exponentials or a full cumsum cost several times more); zero-probability
-    tokens are never picked. Over shards: the block masses and the chosen block's values are summed (each
-    column belongs to one shard), [b, V/1024] and [b, 1024] numbers."""
-    batch, width = vals.shape
+def _grid_sums(x: Tensor, top: Tensor, temperature: float, floor: Tensor | None, vocab: Vocab) -> Tensor:
+    """Σ exp(x/T − top) per block of 1024 ids over the whole vocabulary (only x/T > floor when a floor [b,1] is
+    given) → [b, ⌈V/1024⌉] float32. x [b,V_r] are local columns; over shards each rank's blocks are put in
+    place on the whole grid and summed (each column belongs to one shard)."""
     block = min(_BLOCK, vocab.size)
-    top = vocab.amax(vals)
-    sums = _block_sums(vals, top, 1.0, block, vocab.start)
+    sums = _block_sums(x, top, temperature, block, vocab.start, floor)
     n_blocks = -(-vocab.size // block)
     if sums.shape[1] != n_blocks:  # a shard: its blocks in place on the whole grid
         first = vocab.start // block
-        grid = torch.zeros(batch, n_blocks, dtype=sums.dtype, device=sums.device)
+        grid = torch.zeros(x.shape[0], n_blocks, dtype=sums.dtype, device=sums.device)
         grid[:, first : first + sums.shape[1]] = sums
         sums = grid
-    cdf = vocab.sum(sums).cumsum(dim=-1, dtype=torch.float64)
-    u = torch.rand(batch, 1, dtype=torch.float64, device=vals.device, generator=generator) * cdf[:, -1:]
-    blk = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)
+    return vocab.sum(sums)
+
+
+def _draw_in_blocks(x: Tensor, temperature: float, top: Tensor, floor: Tensor | None, sums: Tensor, u: Tensor,
+                    vocab: Vocab) -> tuple[Tensor, Tensor]:
+    """Inverse CDF with one uniform u [b,1] (float64, in [0, 1)) per row, in two levels: the block by its mass in
+    `sums` (from `_grid_sums` with the same floor), then the token inside it → (ids [b] global, their x/T
+    [b,1]). Zero-mass tokens are never picked: rounding that leaves u at or past a total takes the last block
+    or token with mass. Over shards the chosen block's 1024 values are summed (each column is one shard's)."""
+    width = x.shape[1]
+    block = min(_BLOCK, vocab.size)
+    positions = torch.arange(max(block, sums.shape[1]), device=x.device)
+    cdf = sums.cumsum(dim=-1, dtype=torch.float64)
+    u = u * cdf[:, -1:]
+    last_blk = torch.where(sums > 0, positions[: sums.shape[1]], -1).amax(dim=-1, keepdim=True)
+    blk = torch.minimum(torch.searchsorted(cdf, u, right=True), last_blk)
     rest = u - torch.where(blk > 0, cdf.gather(1, (blk - 1).clamp_min(0)), torch.zeros_like(u))
-    cols = blk * block + torch.arange(block, device=vals.device)  # global ids
+    cols = blk * block + positions[:block]  # global ids; the last block may run past V
     local = cols - vocab.start
     mine = (local >= 0) & (local < width)
-    e = vocab.sum(torch.exp(vals.gather(1, local.clamp(0, width - 1)) - top) * mine)
+    xt = vocab.sum(torch.where(mine, x.gather(1, local.clamp(0, width - 1)) / temperature, 0.0))
+    live = cols < vocab.size
+    if floor is not None:
+        live &= xt > floor
+    e = _tail_exp_(torch.where(live, xt - top, _NEG_INF))  # as the block sums count them
     within = e.cumsum(dim=-1, dtype=torch.float64)
-    pick = torch.searchsorted(within, rest, right=True)
-    # rounding can leave `rest` at or past the block's total: take the block's last token with mass
-    last = torch.where(e > 0, torch.arange(block, device=vals.device), -1).amax(dim=-1, keepdim=True)
-    pick = torch.where(pick >= block, last, torch.minimum(pick, last))
-    return cols.gather(1, pick).squeeze(1)
+    last = torch.where(e > 0, positions[:block], -1).amax(dim=-1, keepdim=True)
+    pick = torch.minimum(torch.searchsorted(within, rest, right=True), last)
+    return cols.gather(1, pick).squeeze(1), xt.gather(1, pick)
+
+
+def _draw_rows(vals: Tensor, generator: torch.Generator | None, vocab: Vocab) -> Tensor:
+    """Draw from whole rows of scaled logits [b,V_r] (-inf = cut) → [b] ids, by inverse CDF with one uniform
+    per row (`_draw_in_blocks`): two light passes over V and no [B,V] temporary (V exponentials or a full
+    cumsum cost several times more)."""
+    top = vocab.amax(vals)
+    sums = _grid_sums(vals, top, 1.0, None, vocab)
+    u = torch.rand(vals.shape[0], 1, dtype=torch.float64, device=vals.device, generator=generator)
+    return _draw_in_blocks(vals, 1.0, top, None, sums, u, vocab)[0]
+
+
+def _draw_part(vals: Tensor, idx: Tensor | None, seeded: bool, generator: torch.Generator | None,
+               vocab: Vocab) -> Tensor:
+    """A sampled part of the cut ([b,V_r] whole rows when idx is None, else [b,m] candidates and their ids) → [b]
+    ids. A seeded row's candidates race in token-id order, so that the noise each token gets does not depend
+    on the order the cut produced them in."""
+    if idx is None:
+        return _draw_rows(vals, generator, vocab)
+    if seeded:
+        order = idx.argsort(dim=-1)
+        vals, idx = vals.gather(1, order), idx.gather(1, order)
+    return idx.gather(1, race_draw(torch.softmax(vals, dim=-1), generator).unsqueeze(1)).squeeze(1)
+
+
+def _top_p_draw(x: Tensor, temperature: float, top_p: float, generator: torch.Generator | None, seeded: bool,
+                vocab: Vocab) -> Tensor:
+    """Draw from the top-p distribution of rows [b,V_r] (top-p alone: no top-k, no min-p) → [b] global ids,
+    without finding the top-p set: by rejection.
+
+    The top-p set K is the tokens whose mass strictly above them is < p; it is an upper set (every token at
+    least as probable as a kept one is kept). A round draws a token from the row restricted to x/T > floor (at
+    first the whole row) by `_draw_in_blocks`, then one pass sums the mass strictly above the drawn value: < p
+    · (the row's mass) → the token is in K and is the row's draw; otherwise the token and everything at or below
+    it are outside K, its value becomes the floor, and those block masses are the next round's proposal. A draw
+    from p restricted to any S ⊇ K, kept only when it lands in K, is exactly p restricted to K (ties are
+    kept or dropped together; the row's maximum, whose mass above is 0, always passes), so the ids follow the
+    top-p distribution exactly. A round passes with probability ≥ p; rows left after _DRAW_ROUNDS rounds
+    (small p) draw from their exact top-p set (`_top_p_parts`), which keeps the mixture exact.
+    Cost: the row max and two exp passes over V per row, plus one per extra round of the rows it concerns."""
+    top = vocab.amax(x)
+    _check_top(top[:, 0], vocab.name, temperature)
+    top_t = top / temperature
+    sums = _grid_sums(x, top_t, temperature, None, vocab)
+    limit = top_p * sums.sum(dim=-1, dtype=torch.float64)  # p · the row's mass (float64, as the reference)
+    ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    rows = torch.arange(x.shape[0], device=x.device)
+    floor = None
+    for _ in range(_DRAW_ROUNDS):
+        u = torch.rand(rows.numel(), 1, dtype=torch.float64, device=x.device, generator=generator)
+        chosen, value = _draw_in_blocks(x, temperature, top_t, floor, sums, u, vocab)
+        sums = _grid_sums(x, top_t, temperature, value, vocab)  # the mass strictly above each drawn token
+        kept = sums.sum(dim=-1, dtype=torch.float64) < limit
+        ids[rows[kept]] = chosen[kept]
+        if bool(kept.all()):
+            return ids
+        rest = (~kept).nonzero().squeeze(1)
+        rows, x, top_t, limit, sums, floor = rows[rest], x[rest], top_t[rest], limit[rest], sums[rest], value[rest]
+    for sub, vals, idx in _top_p_parts(x, temperature, top_p, vocab):
+        ids[_sub(rows, sub)] = _draw_part(vals, idx, seeded, generator, vocab)
+    return ids
+
+
+def _draw_group(x: Tensor, cfg: SamplingConfig, generator: torch.Generator | None, vocab: Vocab) -> Tensor:
+    """Steps 3-8 for rows [b,V_r] that share one cut key → [b] global ids."""
+    if not cfg.is_greedy:
+        _, temperature, top_k, top_p, min_p = cfg._cut_key(vocab.size)
+        if top_p < 1.0 and not top_k and not min_p:
+            return _top_p_draw(x, temperature, top_p, generator, cfg.seed is not None, vocab)
+    ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    for sub, vals, idx in _cut(x, cfg, vocab):
+        chosen = idx[:, 0] if cfg.is_greedy else _draw_part(vals, idx, cfg.seed is not None, generator, vocab)
+        if sub is None:
+            ids.copy_(chosen)
+        else:
+            ids[sub] = chosen
+    return ids
 
 
 def sample(logits: Tensor, config: ConfigArg = None, generator: torch.Generator | None = None,
@@ -1007,13 +1162,14 @@ def sample(logits: Tensor, config: ConfigArg = None, generator: torch.Generator 
            step: int | Sequence[int] = 0, *, vocab: Vocab | None = None) -> Tensor:
     """Steps 1-8: [B,V] logits → [B] long token ids (a 0-d tensor for a [V] row).
 
-    Greedy rows (temperature 0) take the argmax (the first one on ties). Sampled rows draw by the exponential
-    race over their kept candidates: with top-k set only the [B,k] survivors are touched after ``torch.topk``;
-    rows kept whole (no top-k, or a wide top-p set) draw by inverse CDF with one uniform per row.
+    Greedy rows (temperature 0) take the argmax (the first one on ties). With top-k set only the [B,k]
+    survivors are touched after ``torch.topk`` and drawn by the exponential race; rows with top-p alone draw
+    by rejection from the whole row (``_top_p_draw``: no top-p set is computed); other rows kept whole (no
+    cut-off, min-p) draw by inverse CDF with one uniform per row.
     Rows without a seed draw from ``generator`` (or torch's default generator). A row whose config has a seed
-    draws from a generator seeded with (seed, step) over its kept tokens in token-id order, so the id does not
-    depend on the batch; ``step`` (int or one per row) is the position of the token being drawn. ``vocab`` as
-    in ``process_logits`` (the ids are global)."""
+    draws from a generator seeded with (seed, step), on its own, over its tokens in token-id order, so the id
+    does not depend on the batch; ``step`` (int or one per row) is the position of the token being drawn.
+    ``vocab`` as in ``process_logits`` (the ids are global)."""
     x, configs, one_row, vocab = _preprocess(logits, config, prev_tokens, prompt_len, vocab)
     batch = x.shape[0]
     if generator is not None and not isinstance(generator, torch.Generator):
@@ -1023,20 +1179,13 @@ def sample(logits: Tensor, config: ConfigArg = None, generator: torch.Generator 
     if any(c.seed is not None for c in cfgs):
         steps = as_row_ints(step, batch, "step", torch.device("cpu")).tolist()
     ids = torch.empty(batch, dtype=torch.long, device=x.device)
-    for rows, vals, idx, cfg in _parts(x, configs, vocab, seeded_alone=True):
-        if cfg.is_greedy:
-            chosen = idx[:, 0]
-        else:
-            gen = generator
-            if cfg.seed is not None:  # one row, cut on its own; kept tokens in id order, noise from (seed, step)
-                gen = seeded_generator(cfg.seed, steps[int(rows[0])], x.device)
-                if idx is not None:
-                    order = idx.argsort(dim=-1)
-                    vals, idx = vals.gather(1, order), idx.gather(1, order)
-            if idx is None:
-                chosen = _draw_rows(vals, gen, vocab)
-            else:
-                chosen = idx.gather(1, race_draw(torch.softmax(vals, dim=-1), gen).unsqueeze(1)).squeeze(1)
+    if batch == 0:
+        return ids
+    for rows, cfg in _groups(configs, batch, vocab.size, x.device, seeded_alone=True):
+        gen = generator
+        if cfg.seed is not None and not cfg.is_greedy:  # one row, cut on its own; noise from (seed, step)
+            gen = seeded_generator(cfg.seed, steps[int(rows[0])], x.device)
+        chosen = _draw_group(x if rows is None else x[rows], cfg, gen, vocab)
         if rows is None:
             ids.copy_(chosen)
         else:
