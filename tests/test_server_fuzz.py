@@ -2,7 +2,7 @@
 
 The app serves a tiny random model in memory (tests/tiny.py), so each example costs milliseconds. Examples are
 derandomised (the same inputs on every run, so a failure reproduces) and bounded per operation and mode to
-keep the suite fast; `LMHEAD_FUZZ_EXAMPLES=500` runs a longer search by hand. Schemathesis draws from the
+keep the suite fast; `LMHEAD_FUZZ_EXAMPLES=150` runs a longer search by hand. Schemathesis draws from the
 schema: values inside and outside the bounds, missing and unknown fields, wrong types (negative mode). The
 guard's own cases (NaN, lone surrogates, huge bodies, slow bodies, foreign Host headers) have their own tests
 in test_server_guard.py.
@@ -22,7 +22,7 @@ from lmhead.server import create_app
 
 schemathesis = pytest.importorskip("schemathesis")
 
-EXAMPLES = int(os.environ.get("LMHEAD_FUZZ_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("LMHEAD_FUZZ_EXAMPLES", "20"))
 MAX_TOKENS = 8  # long generations are the load tests' business; here they would only cost time
 
 

@@ -18,6 +18,7 @@ from test_server_harness import ServerThread, tiny_served_model
 from lmhead.server import create_app
 from lmhead.server import schemas as S
 from lmhead.server.guard import LOOPBACK_HOSTS, MAX_BODY_BYTES, Limits, host_name
+from lmhead.server.protocol import HeaderTimeoutProtocol
 
 JSON = {"content-type": "application/json"}
 ROUTES = {  # a valid small body for each POST route, as raw JSON text with a hole "@" for the value under test
@@ -267,6 +268,50 @@ def test_a_body_that_keeps_coming_within_the_time_is_served(server):
 def _read_until_closed_or_response(s: socket.socket) -> bytes:
     s.settimeout(10)
     return s.recv(65536)
+
+
+# --- headers (server/protocol.py: uvicorn has no header timeout) --------------------------------------------
+
+
+class _OneSecondHeaders(HeaderTimeoutProtocol):
+    header_timeout = 1.0
+
+
+@pytest.fixture(scope="module")
+def quick_headers(model):
+    with ServerThread(create_app(model), http=_OneSecondHeaders) as s:
+        yield s
+
+
+def test_half_sent_headers_get_408_and_their_connections_close(quick_headers):
+    start = time.monotonic()
+    socks = [socket.create_connection(("127.0.0.1", quick_headers.port), timeout=20) for _ in range(10)]
+    for i, s in enumerate(socks):
+        s.sendall(b"POST /api/predict HTTP/1.1\r\nHo" if i % 2 else b"")  # half the headers, or nothing at all
+    answers = [_read_until_closed(s) for s in socks]
+    waited = time.monotonic() - start
+    for s in socks:
+        s.close()
+    assert all(a.startswith(b"HTTP/1.1 408") for a in answers), answers
+    assert 0.9 <= waited < 6.0, waited
+
+
+def test_the_next_request_on_a_kept_alive_connection_has_the_same_deadline(quick_headers):
+    with socket.create_connection(("127.0.0.1", quick_headers.port), timeout=20) as s:
+        s.sendall(b"GET /api/model HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200")
+        s.sendall(b"GET /api/model HTTP/1.1\r\nHo")  # the next request's headers stall
+        assert b"HTTP/1.1 408" in _read_until_closed(s)
+
+
+def test_headers_that_arrive_in_time_are_served(quick_headers):
+    request = b"GET /api/model HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", quick_headers.port), timeout=20) as s:
+        for i in range(0, len(request), 8):  # slowly, but within the second
+            s.sendall(request[i:i + 8])
+            time.sleep(0.05)
+        assert _read_until_closed(s).startswith(b"HTTP/1.1 200")
 
 
 # --- Host ------------------------------------------------------------------------------------------------------

@@ -33,17 +33,20 @@ def real_model(name: str = "smollm2-135m"):
 
 
 class ServerThread:
-    """uvicorn serving `app` on 127.0.0.1:<free port> in a daemon thread. Use as a context manager."""
+    """uvicorn serving `app` on 127.0.0.1:<free port> in a daemon thread, with `lmhead serve`'s HTTP protocol
+    (`http`: another). Use as a context manager."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, http: type | str | None = None) -> None:
         import uvicorn
+
+        from lmhead.server.protocol import HeaderTimeoutProtocol
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, http=http or HeaderTimeoutProtocol)  # as `lmhead serve`
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

@@ -367,7 +367,10 @@ def _run_serve(args: argparse.Namespace) -> None:
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"lmhead: serving {model.name} at http://{host}:{port}/ (Ctrl-C stops)", file=sys.stderr)
     app = create_app(model, allowed_hosts=[args.host, *args.allowed_host])
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level="warning"))
+    from lmhead.server.protocol import HeaderTimeoutProtocol  # uvicorn's h11, with a deadline for headers
+
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level="warning",
+                                           http=HeaderTimeoutProtocol))
     server.run(sockets=sockets)
     if not server.started:  # the app failed to start (uvicorn logged why): uvicorn's own exit code
         raise SystemExit(3)

@@ -13,6 +13,7 @@ The package, one job per module:
     app.py       create_app: wires the routers, the error handlers, the guard and the static files
     guard.py     what every request passes first: Host, body size and time, strict JSON (400/413/408/422)
     docs.py      /docs from local assets (no CDN)
+    protocol.py  uvicorn's HTTP/1.1 protocol with a deadline for headers (`lmhead serve` runs it; 408)
     api.py       the /api router          v1.py      the /v1 router (and OpenAI's answer shapes)
     served.py    what each route needs: the model and its runner (a FastAPI dependency), the prompt-length
                  and sampling checks that turn a request into library arguments (400 on bad input)
