@@ -239,11 +239,12 @@ def load_model(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, verify: 
     """Load a model by name ("gemma-3-270m", "smollm2-135m"), GGUF file path or HF folder path -> Model.
 
     GGUF models are converted once into the cache (`lmhead.models.cache_root()`; a progress display goes to
-    stderr) and loaded from there afterwards. `verify=True` re-hashes the cached files against their manifest
-    (sizes are always checked). A cache that turns out unreadable is rebuilt once.
-    `head` picks the LM head used by generate/predict/the server (`lmhead.models.heads`): "auto" (default:
-    "exact-int8" for heads of >= 256 MiB in fp32, else "fp32"), "fp32", "exact-int8", "int8", "int4"; the
-    fp32 head stays `model.exact_head`.
+    stderr) and loaded from there afterwards. Every load checks the cached files' sizes and fast checksums
+    (`verify=True`: sha256) and rebuilds a folder that does not match; a cache that turns out unreadable is
+    rebuilt once.
+    `head` picks the LM head generate and the server's /v1 decode with (`lmhead.models.heads`): "auto"
+    (default: "exact-int8" for heads of >= 256 MiB in fp32, else "fp32"), "fp32", "exact-int8", "int8",
+    "int4"; the fp32 head stays `model.exact_head`, which predict, the logit lens and evaluate compute with.
     `body` picks how the body's linear layers run (`lmhead.models.model.BODY_MODES`): "auto" (default:
     oneDNN's kernel when torch has it — the same weights; docs/models.md has the timings), "onednn",
     "transformers" (transformers' own modules). `hf_model` is transformers' model either way.

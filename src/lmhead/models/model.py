@@ -79,8 +79,9 @@ class Model:
     @classmethod
     def from_parts(cls, hf_model, tokenizer, head, body: str = "transformers") -> Model:
         """A Model over an existing transformers model, tokenizer and head module (an LMHead or a compressed
-        head on the model's head weight): what the explain functions' older call form
-        `predict(hf_model, tokenizer, head, ...)` computed — transformers' own modules, that head."""
+        head on the model's head weight) for the explain functions' older call form
+        `predict(hf_model, tokenizer, head, ...)`: transformers' own modules; an LMHead becomes `exact_head`
+        (what predict shows), a compressed head `head` (what predict(..., head="decode") shows)."""
         model = cls(hf_model, tokenizer, body=body, head="fp32")
         if isinstance(head, LMHead):
             model.exact_head = head
