@@ -2,16 +2,17 @@
 
 For B ∈ {1, 8, 64} and V ∈ {49,152, 262,144}, the median time of
   lmhead     `sample(logits, SamplingConfig(...))` (top-k via torch.topk, top-p / min-p inside the survivors,
-             exponential-race draw; top-p alone via a growing partial-sort window)
+             exponential-race draw; top-p alone by a rejection draw from the whole row, no top-p set)
   hf         TemperatureLogitsWarper → TopKLogitsWarper → TopPLogitsWarper, softmax, torch.multinomial
   topk(50)   a bare `torch.topk(logits, 50)` on the same tensor: the floor for anything that applies top-k
 measured in one process, repeats interleaved (lmhead, hf, topk, lmhead, hf, …), so machine noise hits all
-columns alike. Table 1: T=0.8, top-k=50, top-p=0.9. Table 2: T=0.8, top-p=0.9 alone (HF sorts the whole
-vocabulary). The logits are Gaussian with std 5, the spread of Gemma 3 270M's next-token logits (measured:
-std 4.5–5.3; its top-p 0.9 sets held 8–73 tokens); `--flat` adds std-1 logits, whose top-p set is a large part
-of the vocabulary, so the window gives way to the exact histogram select (the worst case for lmhead).
+columns alike. Table 1: T=0.8, top-k=50, top-p=0.9. Tables 2-4: T=0.8, top-p=0.9 alone (HF sorts the whole
+vocabulary) on Gaussian logits of std 5 — the spread of Gemma 3 270M's next-token logits (measured: std
+4.5–5.3; its top-p 0.9 sets held 8–73 tokens) —, std 3 (top-p sets of ~2,000 of 262,144 tokens) and std 1
+(flat: the top-p set is half the vocabulary). `--only-top-p` skips table 1; `--sizes B,V` picks one size.
 
-    .venv/bin/python benchmarks/bench_sampling.py [--quick] [--repeats N] [--threads N (default 1)] [--flat]
+    .venv/bin/python benchmarks/bench_sampling.py [--quick] [--repeats N] [--threads N (default 1)]
+                                                  [--only-top-p] [--sizes 64,262144]
 """
 
 from __future__ import annotations
@@ -90,31 +91,31 @@ def fits(batch: int, vocab: int) -> tuple[bool, float]:
         return True, need
 
 
-def table(title: str, cfg: SamplingConfig, repeats: int, scale: float, with_topk: bool) -> None:
+def table(title: str, cfg: SamplingConfig, repeats: int, scale: float, with_topk: bool,
+          sizes: list[tuple[int, int]]) -> None:
     print(f"\n{title}")
     head = f"{'B':>4} {'V':>8} {'lmhead ms':>10} {'hf ms':>10} {'hf/lmhead':>10}"
     if with_topk:
         head += f" {'topk(50) ms':>12} {'lmhead/topk':>12}"
     print(head)
     hf = hf_chain(cfg.temperature, cfg.top_k, cfg.top_p)
-    for vocab in VOCABS:
-        for batch in BATCHES:
-            ok, need = fits(batch, vocab)
-            if not ok:
-                print(f"{batch:>4} {vocab:>8}  skipped: needs {need:.1f} GiB")
-                continue
-            logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0)) * scale
-            gen_a, gen_b = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
-            fns = {"lmhead": lambda x=logits, g=gen_a: sample(x, cfg, generator=g),
-                   "hf": lambda x=logits, g=gen_b: hf(x, g)}
-            if with_topk:
-                fns["topk"] = lambda x=logits: torch.topk(x, 50)
-            t = median_times(fns, repeats, budget_s=2.0 if repeats > 5 else 0.5)
-            row = (f"{batch:>4} {vocab:>8} {t['lmhead'] * 1e3:>10.2f} {t['hf'] * 1e3:>10.2f} "
-                   f"{t['hf'] / t['lmhead']:>9.1f}×")
-            if with_topk:
-                row += f" {t['topk'] * 1e3:>12.2f} {t['lmhead'] / t['topk']:>11.2f}×"
-            print(row, flush=True)
+    for batch, vocab in sizes:
+        ok, need = fits(batch, vocab)
+        if not ok:
+            print(f"{batch:>4} {vocab:>8}  skipped: needs {need:.1f} GiB")
+            continue
+        logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0)) * scale
+        gen_a, gen_b = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+        fns = {"lmhead": lambda x=logits, g=gen_a: sample(x, cfg, generator=g),
+               "hf": lambda x=logits, g=gen_b: hf(x, g)}
+        if with_topk:
+            fns["topk"] = lambda x=logits: torch.topk(x, 50)
+        t = median_times(fns, repeats, budget_s=2.0 if repeats > 5 else 0.5)
+        row = (f"{batch:>4} {vocab:>8} {t['lmhead'] * 1e3:>10.2f} {t['hf'] * 1e3:>10.2f} "
+               f"{t['hf'] / t['lmhead']:>9.1f}×")
+        if with_topk:
+            row += f" {t['topk'] * 1e3:>12.2f} {t['lmhead'] / t['topk']:>11.2f}×"
+        print(row, flush=True)
 
 
 def main() -> None:
@@ -123,20 +124,26 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None, help="repeats per measurement (median is reported)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: on a shared machine one thread gives stable medians)")
-    ap.add_argument("--flat", action="store_true", help="also time top-p alone on flat (std 1) logits")
+    ap.add_argument("--only-top-p", action="store_true", help="only the top-p-alone tables")
+    ap.add_argument("--sizes", default=None, help="one size B,V (default: B in 1, 8, 64 × V in 49152, 262144)")
     args = ap.parse_args()
+    if args.sizes:
+        batch, vocab = (int(v) for v in args.sizes.split(","))
+        sizes = [(batch, vocab)]
+    else:
+        sizes = [(batch, vocab) for vocab in VOCABS for batch in BATCHES]
     torch.set_num_threads(max(1, args.threads))
     repeats = args.repeats or (5 if args.quick else 21)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, load average {load:.1f}; median of ≥ {repeats} interleaved repeats")
-    table("T=0.8, top-k=50, top-p=0.9 — lmhead.sample vs HF warpers + multinomial (logits std 5)",
-          SamplingConfig(temperature=0.8, top_k=50, top_p=0.9), repeats, 5.0, with_topk=True)
-    table("T=0.8, top-p=0.9 alone — lmhead (partial-sort window) vs HF (full sort) + multinomial (logits std 5)",
-          SamplingConfig(temperature=0.8, top_p=0.9), repeats, 5.0, with_topk=False)
-    if args.flat:
-        table("T=0.8, top-p=0.9 alone, flat logits (std 1: wide top-p sets, the exact histogram select)",
-              SamplingConfig(temperature=0.8, top_p=0.9), repeats, 1.0, with_topk=False)
+    if not args.only_top_p:
+        table("T=0.8, top-k=50, top-p=0.9 — lmhead.sample vs HF warpers + multinomial (logits std 5)",
+              SamplingConfig(temperature=0.8, top_k=50, top_p=0.9), repeats, 5.0, True, sizes)
+    for scale, what in ((5.0, "like a language model's"), (3.0, "top-p sets of thousands"),
+                        (1.0, "flat: top-p sets of half the vocabulary")):
+        table(f"T=0.8, top-p=0.9 alone — lmhead (rejection draw) vs HF (full sort) + multinomial (logits std "
+              f"{scale:g}, {what})", SamplingConfig(temperature=0.8, top_p=0.9), repeats, scale, False, sizes)
 
 
 if __name__ == "__main__":

@@ -666,6 +666,11 @@ def test_top_p_draw_accepts_exactly_the_reference_set(p):
         kept_values = values[above < limit[r]]
         got = torch.isin(x[r] / temperature, kept_values)
         assert torch.equal(got, want[r]), (r, int(got.sum()), int(want[r].sum()))
+        # the same test from the top 256 (used for a draw above the 256th largest value)
+        window = torch.topk(x[r], 256).values / temperature
+        few = values > window[-1]
+        in_window = sampling._mass_above(window.expand(int(few.sum()), -1), top[r : r + 1], values[few, None])
+        assert torch.equal(in_window < limit[r], above[few] < limit[r]), r
 
 
 @pytest.mark.parametrize("p", [0.05, 0.9])
@@ -768,3 +773,20 @@ def test_an_overflow_in_processing_names_the_setting_not_the_logits():
         apply_temperature(x, 1e-5)
     with pytest.raises(ValueError, match=r"logits must not contain \+inf"):  # the caller's own +inf
         sample(torch.tensor([[INF, 0.0]]), SamplingConfig(repetition_penalty=1e-4), prev_tokens=[[0]])
+
+
+def test_top_p_draws_on_language_model_like_rows_settle_in_the_window(monkeypatch, gen):
+    # rows whose top-p set is a few tokens: draws are tested from the top 256, and a rejected draw gives way to
+    # the exact cut of that window; the draws still follow the reference distribution
+    import lmhead.sampling as sampling
+
+    cuts = []
+    real = sampling._top_p_sorted
+    monkeypatch.setattr(sampling, "_top_p_sorted", lambda *a: cuts.append(a[0].shape[0]) or real(*a))
+    x = torch.cat([peaked(1, 3000, seed=9, scale=5.0), window_rows(3000, [6], seed=4)])
+    cfg = SamplingConfig(temperature=0.8, top_p=0.6)  # about half the first draws are rejected
+    probs = ref.sampling_draw_probabilities(x, [cfg] * 2)
+    for r in range(2):
+        ids = sample(x[r : r + 1].expand(4000, -1), cfg, generator=gen)
+        assert ref.draws_fit(ids, probs[r], groups=12) == "", r
+    assert sum(cuts) > 0

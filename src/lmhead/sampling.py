@@ -19,7 +19,8 @@ before top-k/top-p, which gives different candidate sets for the same settings):
 7. softmax                        ``probabilities``
 8. draw                           ``sample``            the exponential race argmax(p / Exp(1)) over the kept
                                   candidates; rows kept whole (no cut-off) by a two-level inverse CDF with
-                                  one uniform per row (both exact; no ``torch.multinomial``)
+                                  one uniform per row; top-p alone by rejection from the whole row (all
+                                  exact; no ``torch.multinomial``)
 
 Every step is also a pure function on ``[B,V]`` logits (logits in, float32 logits out, rejected tokens = -inf,
 at least one token kept) that can be used on its own. ``process_logits`` (steps 1–6), ``probabilities``
@@ -27,7 +28,10 @@ at least one token kept) that can be used on its own. ``process_logits`` (steps 
 greedy rows only take an argmax, top-k takes ``torch.topk`` first and does top-p / min-p inside the k
 survivors (exactly equivalent, no full sort), and top-p without top-k partially sorts a small window
 (top 256, then 1024) until the window provably holds every kept token, with an exact histogram select (sort
-only the tokens of the bin where the mass crosses p) for rows whose top-p set is wider. With the same
+only the tokens of the bin where the mass crosses p) for rows whose top-p set is wider. ``sample`` with top-p
+alone does not find the top-p set at all: it draws from the whole row and keeps the draw iff the mass
+strictly above it is < p, else draws again above it (``_top_p_draw``: exact; a pass of exps, or a partial sort
+of 256, per round, and a round passes with probability ≥ p). With the same
 settings ``probabilities`` equals transformers' ``TemperatureLogitsWarper → TopKLogitsWarper →
 TopPLogitsWarper → MinPLogitsWarper`` + softmax (tests/test_sampling_hf.py).
 
@@ -51,8 +55,13 @@ Layout of this module: ``Vocab`` → config (``SamplingConfig``) → input check
 functions → step 8 (``seeded_generator``, ``race_draw``, the whole-row draw, ``sample``) → logprobs, entropy.
 
 Seeds: with ``config.seed`` set, a row's draw depends only on (seed, step) and the row's own logits — a
-``torch.Generator`` seeded from (seed, step) draws noise over the row's kept tokens in token-id order, and
-the row is cut on its own — so the same seed gives the same token whatever the batch size or position.
+``torch.Generator`` seeded from (seed, step) draws noise over the row's kept tokens (top-p alone: its
+proposals over the whole row) in token-id order, and the row is cut and drawn on its own — so the same seed
+gives the same token whatever the batch size or position.
+
+Settings are bounded where float32 stays finite (temperature ≤ 1e4, repetition_penalty in [1e-4, 1e4],
+|presence|, |frequency|, |logit_bias| ≤ 1e4); an overflow that still happens on logits near float32's limit is
+a ValueError naming the setting (repetition_penalty, temperature), not the logits.
 Rows without a seed use the ``generator`` argument (or torch's default generator).
 """
 
@@ -1103,6 +1112,48 @@ def _draw_part(vals: Tensor, idx: Tensor | None, seeded: bool, generator: torch.
     return idx.gather(1, race_draw(torch.softmax(vals, dim=-1), generator).unsqueeze(1)).squeeze(1)
 
 
+def _mass_above(vals: Tensor, top: Tensor, value: Tensor) -> Tensor:
+    """Σ exp(v − top) over the candidates vals [n,m] (x/T) strictly above value [n,1] → [n] float64, counted as
+    the block masses count them (`_tail_exp_`)."""
+    return _tail_exp_(torch.where(vals > value, vals - top, _NEG_INF)).sum(dim=-1, dtype=torch.float64)
+
+
+def _settle(x: Tensor, temperature: float, top_p: float, top: Tensor, norm: Tensor, chosen: Tensor, value: Tensor,
+            generator: torch.Generator | None, seeded: bool, vocab: Vocab) -> tuple[Tensor, Tensor, Tensor]:
+    """One rejection round's test for rows [n,V_r] whose draws `chosen` [n] have x/T `value` [n,1] (top = the
+    row max x/T [n,1], norm = the row's mass [n] float64) → (done [n] bool, ids [n] where done, the block
+    masses above each value [n, ⌈V/1024⌉] for the rows not done: the next round's proposal).
+
+    A draw is kept iff the mass strictly above its value is < p · norm. That mass is a pass of exps over the
+    row — or, for a draw above the row's 256th largest value, the top 256 (one partial sort for the batch,
+    when at least half of the rows can have their draw there: fewer than norm / e(draw) tokens lie above it).
+    A row whose top 256 hold its whole top-p set and whose draw is not kept then draws from that set's exact
+    cut instead of another round (language-model rows)."""
+    n, n_blocks = x.shape[0], -(-vocab.size // min(_BLOCK, vocab.size))
+    limit = top_p * norm
+    if 2 * int((norm / torch.exp((value - top)[:, 0].double()) >= _WINDOW_START).sum()) > n:
+        sums = _grid_sums(x, top, temperature, value, vocab)  # mostly wide rows: one pass over all of them
+        return sums.sum(dim=-1, dtype=torch.float64) < limit, chosen, sums
+    vals, idx = vocab.topk(x, min(_WINDOW_START, vocab.size))
+    vals = vals / temperature
+    in_window = value[:, 0] > vals[:, -1]  # every token above the draw is in the window
+    above = _mass_above(vals, top, value)
+    done = in_window & (above < limit)
+    probs = torch.exp(vals.double() - top.double()) / norm[:, None]  # [n,256], over the full row
+    covered = ~done & ((probs * (vals > vals[:, -1:])).sum(dim=-1) >= top_p + _WINDOW_MARGIN)
+    ids = chosen.clone()
+    if bool(covered.any()):
+        c = covered.nonzero().squeeze(1)
+        ids[c] = _draw_part(_top_p_sorted(vals[c], top_p, probs[c]), idx[c], seeded, generator, vocab)
+        done |= covered
+    sums = torch.zeros(n, n_blocks, dtype=torch.float32, device=x.device)
+    rest = (~done).nonzero().squeeze(1)
+    if rest.numel():  # the mass above a draw outside the window, and the next proposal, from a pass over the row
+        sums[rest] = _grid_sums(x[rest], top[rest], temperature, value[rest], vocab)
+        done[rest] = ~in_window[rest] & (sums[rest].sum(dim=-1, dtype=torch.float64) < limit[rest])
+    return done, ids, sums
+
+
 def _top_p_draw(x: Tensor, temperature: float, top_p: float, generator: torch.Generator | None, seeded: bool,
                 vocab: Vocab) -> Tensor:
     """Draw from the top-p distribution of rows [b,V_r] (top-p alone: no top-k, no min-p) → [b] global ids,
@@ -1110,32 +1161,32 @@ def _top_p_draw(x: Tensor, temperature: float, top_p: float, generator: torch.Ge
 
     The top-p set K is the tokens whose mass strictly above them is < p; it is an upper set (every token at
     least as probable as a kept one is kept). A round draws a token from the row restricted to x/T > floor (at
-    first the whole row) by `_draw_in_blocks`, then one pass sums the mass strictly above the drawn value: < p
-    · (the row's mass) → the token is in K and is the row's draw; otherwise the token and everything at or below
-    it are outside K, its value becomes the floor, and those block masses are the next round's proposal. A draw
-    from p restricted to any S ⊇ K, kept only when it lands in K, is exactly p restricted to K (ties are
-    kept or dropped together; the row's maximum, whose mass above is 0, always passes), so the ids follow the
-    top-p distribution exactly. A round passes with probability ≥ p; rows left after _DRAW_ROUNDS rounds
-    (small p) draw from their exact top-p set (`_top_p_parts`), which keeps the mixture exact.
-    Cost: the row max and two exp passes over V per row, plus one per extra round of the rows it concerns."""
+    first the whole row) by `_draw_in_blocks`, then `_settle` sums the mass strictly above the drawn value:
+    < p · (the row's mass) → the token is in K and is the row's draw; otherwise the token and everything at or
+    below it are outside K, its value becomes the floor, and the block masses above it are the next round's
+    proposal. A draw from p restricted to any S ⊇ K, kept only when it lands in K, is exactly p restricted to
+    K (ties are kept or dropped together; the row's maximum, whose mass above is 0, always passes), so the ids
+    follow the top-p distribution exactly; a row that stops the rounds and draws from its exact top-p set
+    instead (`_settle`'s window; after _DRAW_ROUNDS rounds `_top_p_parts`) keeps the mixture exact. A round
+    passes with probability ≥ p. Cost: the row max, a pass of exps, and per round one pass (or a partial sort
+    of 256) over the rows it concerns."""
     top = vocab.amax(x)
     _check_top(top[:, 0], vocab.name, temperature)
     top_t = top / temperature
     sums = _grid_sums(x, top_t, temperature, None, vocab)
-    limit = top_p * sums.sum(dim=-1, dtype=torch.float64)  # p · the row's mass (float64, as the reference)
+    norm = sums.sum(dim=-1, dtype=torch.float64)  # the row's mass, in float64 as the reference sums it
     ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     rows = torch.arange(x.shape[0], device=x.device)
     floor = None
     for _ in range(_DRAW_ROUNDS):
         u = torch.rand(rows.numel(), 1, dtype=torch.float64, device=x.device, generator=generator)
         chosen, value = _draw_in_blocks(x, temperature, top_t, floor, sums, u, vocab)
-        sums = _grid_sums(x, top_t, temperature, value, vocab)  # the mass strictly above each drawn token
-        kept = sums.sum(dim=-1, dtype=torch.float64) < limit
-        ids[rows[kept]] = chosen[kept]
-        if bool(kept.all()):
+        done, chosen, sums = _settle(x, temperature, top_p, top_t, norm, chosen, value, generator, seeded, vocab)
+        ids[rows[done]] = chosen[done]
+        if bool(done.all()):
             return ids
-        rest = (~kept).nonzero().squeeze(1)
-        rows, x, top_t, limit, sums, floor = rows[rest], x[rest], top_t[rest], limit[rest], sums[rest], value[rest]
+        rest = (~done).nonzero().squeeze(1)
+        rows, x, top_t, norm, sums, floor = rows[rest], x[rest], top_t[rest], norm[rest], sums[rest], value[rest]
     for sub, vals, idx in _top_p_parts(x, temperature, top_p, vocab):
         ids[_sub(rows, sub)] = _draw_part(vals, idx, seeded, generator, vocab)
     return ids
