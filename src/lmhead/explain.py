@@ -135,22 +135,25 @@ def _num(x: float | None) -> float | None:
     return float(x)
 
 
-def _to_dict(obj: Any) -> Any:
+def json_ready(obj: Any) -> Any:
+    """obj as JSON-ready data: dataclasses as dicts (nested too), tuples as lists, -inf/inf/NaN as None."""
     if dataclasses.is_dataclass(obj):
-        return {f.name: _to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: json_ready(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, float):
         return _num(obj)
     if isinstance(obj, dict):
-        return {k: _to_dict(v) for k, v in obj.items()}
+        return {k: json_ready(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_to_dict(v) for v in obj]
+        return [json_ready(v) for v in obj]
     return obj
 
 
-class _ToDict:
+class JSONReady:
+    """Mixin for result dataclasses: `to_dict()` gives `json_ready(self)`."""
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (nested dataclasses as dicts; -inf/inf/NaN as None)."""
-        return _to_dict(self)
+        return json_ready(self)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -158,14 +161,14 @@ class _ToDict:
 
 
 @dataclass
-class PromptToken(_ToDict):
+class PromptToken(JSONReady):
     token_id: int
     text: str  # whitespace made visible, specials by name
     decoded: str  # the token decoded on its own, as is
 
 
 @dataclass
-class Candidate(_ToDict):
+class Candidate(JSONReady):
     """One next-token candidate. Probabilities are over the full vocabulary."""
 
     rank: int  # 1 = best, by the pipeline's order (logit after bias/penalties)
@@ -189,7 +192,7 @@ class Candidate(_ToDict):
 
 
 @dataclass
-class LensCandidate(_ToDict):
+class LensCandidate(JSONReady):
     token_id: int
     text: str
     logit: float
@@ -197,7 +200,7 @@ class LensCandidate(_ToDict):
 
 
 @dataclass
-class LensLayer(_ToDict):
+class LensLayer(JSONReady):
     """The logit lens at one depth: final norm + head on the residual stream after `layer` blocks."""
 
     layer: int  # 0 = embeddings, L = output of the last block (= the model's own logits)
@@ -209,7 +212,7 @@ class LensLayer(_ToDict):
 
 
 @dataclass
-class Prediction(_ToDict):
+class Prediction(JSONReady):
     """Everything `predict` computed. `to_dict()` is the JSON the CLI and server print."""
 
     model: str
@@ -227,7 +230,7 @@ class Prediction(_ToDict):
 
 
 @dataclass
-class TokenScore(_ToDict):
+class TokenScore(JSONReady):
     position: int
     token_id: int
     text: str
@@ -238,7 +241,7 @@ class TokenScore(_ToDict):
 
 
 @dataclass
-class Evaluation(_ToDict):
+class Evaluation(JSONReady):
     model: str
     perplexity: float
     loss: float  # mean next-token negative log-likelihood, nats

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from lmhead import checks
+from lmhead.explain import JSONReady
 
 __all__ = [
     "DrawCount", "Draws", "GeometryCandidate", "HeadGeometry", "LastPosition", "RankCurve", "StepProfile",
@@ -42,24 +43,6 @@ __all__ = [
 
 MAX_DRAWS = 10_000
 DRAW_WORK = 1 << 26  # draws × kept tokens per call at most: sample() reads every kept logit for every draw
-
-
-def _json(x: Any) -> Any:
-    if dataclasses.is_dataclass(x):
-        return {f.name: _json(getattr(x, f.name)) for f in dataclasses.fields(x)}
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, (list, tuple)):
-        return [_json(v) for v in x]
-    if isinstance(x, dict):
-        return {k: _json(v) for k, v in x.items()}
-    return x
-
-
-class _Plain:
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (nested dataclasses as dicts; -inf/inf/NaN as None)."""
-        return _json(self)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -119,7 +102,7 @@ def _config(config):
 
 
 @dataclass
-class GeometryCandidate(_Plain):
+class GeometryCandidate(JSONReady):
     """One top candidate: logit = softcap(‖h‖ · ‖W[i]‖ · cos θ + bias)."""
 
     rank: int  # by logit, 1 = top
@@ -138,7 +121,7 @@ class GeometryCandidate(_Plain):
 
 
 @dataclass
-class HeadGeometry(_Plain):
+class HeadGeometry(JSONReady):
     """`head_geometry`'s result: h, the top candidates' rows, and the 2-D plane they are drawn in."""
 
     width: int  # D
@@ -218,7 +201,7 @@ def head_geometry(model, prompt: str | LastPosition, top: int = 10) -> HeadGeome
 
 
 @dataclass
-class RankCurve(_Plain):
+class RankCurve(JSONReady):
     """Probability against rank: at each rank r in `ranks`, the r-th largest probability of each distribution.
 
     raw: softmax of the logits (T = 1, nothing cut); scaled: after bias/penalties and temperature, before the
@@ -309,7 +292,7 @@ def rank_curve(model, prompt: str | LastPosition, config=None, points: int = 160
 
 
 @dataclass
-class DrawCount(_Plain):
+class DrawCount(JSONReady):
     token_id: int
     text: str
     count: int  # times drawn among the n draws
@@ -317,7 +300,7 @@ class DrawCount(_Plain):
 
 
 @dataclass
-class Draws(_Plain):
+class Draws(JSONReady):
     """`draw_tokens`' result: the n draws in order (a prefix of them is a smaller run of the same seed) and,
     per token drawn or among the `top` most probable, its count and its probability after the pipeline."""
 
@@ -386,7 +369,7 @@ def draw_tokens(model, prompt: str | LastPosition, n: int, seed: int = 0, config
 
 
 @dataclass
-class StepProfile(_Plain):
+class StepProfile(JSONReady):
     """One generated token: its probability under the pipeline of its step, its rank, the step's entropy."""
 
     index: int  # 0 = the first generated token
