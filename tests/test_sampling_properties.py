@@ -158,3 +158,26 @@ def test_mixed_batch_with_bias_and_penalties_matches_reference(data):
     assert torch.equal(torch.isfinite(ours), torch.isfinite(expected))
     keep = torch.isfinite(expected)
     torch.testing.assert_close(ours[keep], expected[keep], rtol=1e-5, atol=1e-5)
+
+
+@SETTINGS
+@given(logits_batches(max_batch=3, max_vocab=300), st.floats(0.01, 0.99), st.floats(0.1, 3.0),
+       st.one_of(st.none(), st.integers(0, 2**20)))
+def test_top_p_rejection_draw_picks_a_token_of_the_reference_set(x, p, temperature, seed):
+    # sample's top-p alone never computes the set; the token it draws must still be in the reference's
+    cfg = SamplingConfig(top_p=p, temperature=temperature, seed=seed)
+    ids = sample(x, cfg, generator=torch.Generator().manual_seed(7), step=3)
+    kept = torch.isfinite(ref.sampling_process(x, [cfg] * x.shape[0]))
+    assert bool(kept.gather(1, ids[:, None]).all())
+
+
+@SETTINGS
+@given(st.sampled_from(["repetition_penalty", "presence_penalty", "frequency_penalty", "temperature"]),
+       st.floats(allow_nan=False, allow_infinity=False))
+def test_a_setting_is_accepted_exactly_within_its_finite_range(name, value):
+    low, high = {"repetition_penalty": (1e-4, 1e4), "temperature": (0.0, 1e4)}.get(name, (-1e4, 1e4))
+    if low <= value <= high:
+        assert getattr(SamplingConfig(**{name: value}), name) == value
+    else:
+        with pytest.raises(ValueError, match=name):
+            SamplingConfig(**{name: value})

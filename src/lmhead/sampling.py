@@ -1139,6 +1139,8 @@ def _settle(x: Tensor, temperature: float, top_p: float, top: Tensor, norm: Tens
     in_window = value[:, 0] > vals[:, -1]  # every token above the draw is in the window
     above = _mass_above(vals, top, value)
     done = in_window & (above < limit)
+    if bool(done.all()):  # the usual case: every draw kept
+        return done, chosen, torch.empty(n, n_blocks, device=x.device)
     probs = torch.exp(vals.double() - top.double()) / norm[:, None]  # [n,256], over the full row
     covered = ~done & ((probs * (vals > vals[:, -1:])).sum(dim=-1) >= top_p + _WINDOW_MARGIN)
     ids = chosen.clone()
