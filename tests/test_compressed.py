@@ -525,7 +525,8 @@ def test_gemmas_default_head_is_exact_on_its_hidden_states():
 
 
 def test_predictions_show_the_fp32_heads_candidates_beyond_exact_k():
-    # predict runs the model's (compressed) head but asks it for as many exact tokens as it shows: 120 > 64
+    # predict(head="decode") runs the model's (compressed) head but asks it for as many exact tokens as it
+    # shows: 120 > 64 (the default, head="exact", is the fp32 head itself)
     from tiny import tiny_model
 
     from lmhead.models.model import Model
@@ -534,7 +535,7 @@ def test_predictions_show_the_fp32_heads_candidates_beyond_exact_k():
     model = use_head(Model(hf, tok), "exact-int8", cache=False)
     assert isinstance(model.head, CompressedHead) and model.exact_head is not model.head
     model.head.reset_stats()
-    pred = model.predict("the cat sat", top=120)
+    pred = model.predict("the cat sat", top=120, head="decode")
     assert model.head.stats["calls"] == 1  # the model's own head served it
     ids = torch.tensor([model.encode("the cat sat")])
     ref = model.exact_head(model.hidden_states(ids)[:, -1])[0]
