@@ -363,13 +363,16 @@ def test_the_call_signature_is_the_heads_one():
     assert bool(((y - reference.lm_head_logits(h, w, b)).abs() <= bound).all())
 
 
-def test_nonfinite_hidden_falls_back_to_the_full_head():
+@pytest.mark.parametrize("kernel", KERNELS8)
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nonfinite_hidden_falls_back_to_the_full_head(kernel, value):
     w, _ = _weights(256, 64, seed=24)
-    head = CompressedHead(w)
+    head = CompressedHead(w, kernel=kernel, calibration=_hidden(8, 64, seed=25))
     h = torch.zeros(1, 64)
-    h[0, 0] = float("nan")
+    h[0, 0] = value
     out = head(h)
-    assert bool(torch.isnan(out).all())
+    assert torch.equal(out.isnan(), reference.lm_head_logits(h, w).isnan())  # the full head's answer
+    assert not bool(torch.isfinite(out).any())
     assert head.stats["fallback_rows"] == 1
 
 

@@ -138,6 +138,7 @@ class FbgemmWeight:
             qw = torch._make_per_channel_quantized_tensor(q, scales.double(), torch.zeros(V, dtype=torch.long), 0)
             self.packed = torch.ops.quantized.linear_prepack(qw, None)
         self.nbytes = q.numel() + 8 * V  # int8 rows + fp32 scales and column offsets
+        self.out_features = V
 
 
 def fbgemm_grid(hp: torch.Tensor) -> tuple[torch.Tensor, float, int]:
@@ -167,6 +168,10 @@ def fbgemm_linear(hp: torch.Tensor, weight: FbgemmWeight) -> tuple[torch.Tensor,
     range exactly the grid's, so its scale is s, its zero point z, and quantising gives back each q.
     `magnitude` = |y₁| + |y₂|/f: the output rounding is relative to it (8u each part, u for the sum).
     """
+    if not bool(torch.isfinite(hp).all()):
+        # no grid covers it and no bound holds: non-finite logits send the call to the full head
+        y = hp.new_full((hp.shape[0], weight.out_features), math.nan)
+        return y, hp.double(), y
     x1, s, z = fbgemm_grid(hp)
     r = hp - x1  # exact: both on fp32 numbers within a factor of two of each other or r = 0
     room_up, room_down = (FBGEMM_LEVELS - z) * s, z * s
