@@ -26,19 +26,16 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
-PROMPTS = [
-    "Once upon a time, in a small village by the sea, there lived",
-    "The three most important inventions of the twentieth century are",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Photosynthesis is the process by which plants",
-    "Dear hiring manager, I am writing to apply for",
-    "The recipe calls for two cups of flour,",
-    "In 1969, the first humans",
-    "A list of prime numbers: 2, 3, 5,",
-]
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_decode import PROMPTS as DECODE_PROMPTS  # noqa: E402
+
+# bench_decode's five prompts and three more
+PROMPTS = [*DECODE_PROMPTS, "The recipe calls for two cups of flour,", "In 1969, the first humans",
+           "A list of prime numbers: 2, 3, 5,"]
 
 SERVER = """
 import sys, uvicorn
