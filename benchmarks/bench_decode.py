@@ -158,15 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=5, choices=range(1, len(PROMPTS) + 1),
                         help="how many of the built-in prompts (default 5)")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats per prompt (default 1)")
-    parser.add_argument("--draft", action="append", choices=["none", "int8"],
-                        help="lmhead draft modes to run (repeatable; default none and int8)")
+    parser.add_argument("--draft", action="append", choices=["none", "ngram", "int8"],
+                        help="lmhead draft modes to run (repeatable; default none and ngram)")
     parser.add_argument("--head", default="auto", help="LM head: auto (default), fp32, exact-int8, int8, int4")
     parser.add_argument("--body", default="auto", help="body: auto (default), lean, onednn, transformers")
     parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false",
                         help="skip llama.cpp even when build/llama.cpp/bin/llama-bench exists")
     args = parser.parse_args(argv)
     args.model = args.model or ["gemma-3-270m", "smollm2-135m"]
-    args.draft = args.draft or ["none", "int8"]
+    args.draft = args.draft or ["none", "ngram"]
     for name in args.model:
         bench_model(name, args)
     return 0

@@ -302,3 +302,29 @@ def draws_fit(ids: torch.Tensor, probs: torch.Tensor, groups: int = 20, sigmas: 
     sigma = (expected * (1 - expected) / n).sqrt()
     bad = (seen - expected).abs() > sigmas * sigma + 1e-12
     return f"group frequencies {seen[bad].tolist()} against {expected[bad].tolist()}" if bool(bad.any()) else ""
+
+
+# --- GGUF codes ---------------------------------------------------------------------------------------------
+
+
+def coded_weight(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """The matrix the codes stand for, in float64: W[n, k] = scale[n, k // G] · codes[n, k] + offset[n, k // G]."""
+    group = codes.shape[1] // scale.shape[1]
+    w = codes.double() * scale.double().repeat_interleave(group, dim=1)
+    if offset is not None:
+        w = w + offset.double().repeat_interleave(group, dim=1)
+    return w
+
+
+def ngram_proposal(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """Prompt lookup by definition: for n = max_n … min_n, every earlier start s of the last n tokens (s + n <
+    len), the latest one wins; the k tokens after it. [] when no suffix occurred before."""
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(tokens):
+            continue
+        tail = tokens[-n:]
+        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == tail]
+        if starts:
+            s = max(starts)
+            return tokens[s + n:s + n + k]
+    return []

@@ -448,6 +448,8 @@ def test_strict_topk_is_the_full_heads_answer_on_near_ties():
 def test_auto_picks_int8_for_big_heads_and_fp32_for_small_ones():
     assert resolve_head_mode("auto", torch.empty(262144, 640)) == "exact-int8"  # Gemma 3: 671 MB
     assert resolve_head_mode("auto", torch.empty(49152, 576)) == "fp32"  # SmolLM2: 113 MB
+    # the fp32 head reading the GGUF file's codes is exact and faster than both
+    assert resolve_head_mode("auto", torch.empty(262144, 640), coded=True) == "fp32"
     assert resolve_head_mode("int4", torch.empty(4, 4)) == "int4"
     with pytest.raises(ValueError, match="head must be one of auto"):
         resolve_head_mode("fast", torch.empty(4, 4))
@@ -503,12 +505,13 @@ def test_load_model_with_a_compressed_head_generates_the_fp32_tokens():
 
 
 @pytest.mark.model
-def test_gemmas_default_head_is_exact_on_its_hidden_states():
-    # load_model's default for Gemma 3: exact-int8, calibrated column scales, the first of the fbgemm and
-    # onednn kernels that is usable (both are tight enough on Gemma's calibration rows)
+def test_gemmas_exact_int8_head_is_exact_on_its_hidden_states():
+    # Gemma 3's exact-int8 head (the default where the GGUF codes are not available): calibrated column
+    # scales, the first of the fbgemm and onednn kernels that is usable (both are tight enough on Gemma's
+    # calibration rows)
     from lmhead import load_model
 
-    model = load_model("gemma-3-270m", progress=False)
+    model = load_model("gemma-3-270m", progress=False, head="exact-int8")
     head = model.head
     assert isinstance(head, CompressedHead)
     assert head.kernel == next((k for k in KERNELS8 if k != "int8pack"), "int8pack")

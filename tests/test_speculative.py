@@ -13,6 +13,7 @@ from tiny import tiny_model
 from lmhead.speculative import (
     AdaptiveK,
     Draft,
+    NgramDraft,
     SpeculativeStats,
     accept_greedy,
     accept_sampled,
@@ -43,6 +44,34 @@ def test_one_position_emits_exactly_p_in_closed_form(zeros):
         a = torch.where(q > 0, (p / q.clamp_min(1e-300)).clamp(max=1), torch.zeros_like(p))
         emitted = q * a + (q * (1 - a)).sum() * residual(p, q)
         torch.testing.assert_close(emitted, p, atol=1e-12, rtol=0)
+
+
+def test_a_point_mass_draft_emits_exactly_p_in_closed_form():
+    """The n-gram draft proposes d with q = δ_d: accepted with probability p(d), else a draw from p without d
+    — together exactly p, for every d."""
+    g = torch.Generator().manual_seed(7)
+    for zeros in (0, 3):
+        p = _dist(g, 9, zeros)
+        for d in range(9):
+            q = torch.zeros_like(p)
+            q[d] = 1
+            emitted = p[d] * q + (1 - p[d]) * residual(p, q)
+            torch.testing.assert_close(emitted, p, atol=1e-12, rtol=0)
+
+
+def test_ngram_proposals_equal_the_reference():
+    from reference import ngram_proposal
+
+    g = torch.Generator().manual_seed(3)
+    for _ in range(300):
+        tokens = torch.randint(0, 4, (int(torch.randint(1, 30, (), generator=g)),), generator=g).tolist()
+        k = int(torch.randint(0, 6, (), generator=g))
+        for max_n, min_n in ((3, 1), (2, 2), (4, 2)):
+            assert NgramDraft(max_n, min_n).propose(tokens, k) == ngram_proposal(tokens, k, max_n, min_n)
+    assert NgramDraft().propose([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]
+    assert NgramDraft().propose([1, 2, 3], 4) == []
+    with pytest.raises(ValueError, match="min_n <= max_n"):
+        NgramDraft(1, 2)
 
 
 def test_residual_of_equal_distributions_is_p():
@@ -150,7 +179,7 @@ def _decode(arch: str, prompts: list[list[int]], n: int, configs, draft: bool, k
     from lmhead.speculative import Decoder
 
     _, _, lean, head, int8 = _parts(arch, init)
-    dec = Decoder(lean, head, int8 if draft else None, k=k)
+    dec = Decoder(lean, head, NgramDraft() if draft == "ngram" else (int8 if draft else None), k=k)
     width = max(len(p) for p in prompts)
     ids = torch.zeros((len(prompts), width), dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -178,15 +207,16 @@ def _hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_greedy_with_and_without_draft_equals_transformers(arch):
+@pytest.mark.parametrize("draft", [True, "ngram"])
+def test_greedy_with_and_without_draft_equals_transformers(arch, draft):
     from lmhead.sampling import SamplingConfig
 
     hf_model, tokenizer = _parts(arch)[:2]
-    prompts = [tokenizer("The cat sat on the")["input_ids"], tokenizer("A dog")["input_ids"]]
+    prompts = [tokenizer("The cat sat on the mat. The cat sat on the")["input_ids"], tokenizer("A dog")["input_ids"]]
     greedy = [SamplingConfig(temperature=0)] * 2
     want = [_hf_greedy(hf_model, p, 20) for p in prompts]
     plain, _ = _decode(arch, prompts, 20, greedy, draft=False)
-    spec, dec = _decode(arch, prompts, 20, greedy, draft=True)
+    spec, dec = _decode(arch, prompts, 20, greedy, draft=draft)
     assert plain == want
     assert spec == want
     assert dec.stats.rounds > 0 and dec.stats.accepted > 0
@@ -203,13 +233,16 @@ def test_greedy_penalties_and_bias_are_applied_at_every_verified_position():
     assert spec == plain
 
 
-def test_sampled_first_token_follows_the_target_distribution():
+@pytest.mark.parametrize("draft", [True, "ngram"])
+def test_sampled_first_token_follows_the_target_distribution(draft):
     """Goodness of fit on a tiny model, rows without a seed (the min(1, p/q) rule): the first emitted token
-    over 1200 runs is distributed as the plain pipeline's probabilities (a drafted token or a residual draw)."""
+    over 1200 runs is distributed as the plain pipeline's probabilities (a drafted token or a residual draw).
+    The prompt repeats itself, so the n-gram draft proposes a token every time."""
     from lmhead.sampling import SamplingConfig, probabilities
 
     hf_model, tokenizer = _parts("gemma3", 0.15)[:2]
-    prompt = tokenizer("The cat")["input_ids"]
+    prompt = tokenizer("The cat The cat The")["input_ids"]
+    assert NgramDraft().propose(prompt, 2)
     cfg = SamplingConfig(temperature=1.3, top_k=8)
     with torch.no_grad():
         p = probabilities(hf_model(torch.tensor([prompt])).logits[:, -1], cfg)[0]
@@ -217,7 +250,7 @@ def test_sampled_first_token_follows_the_target_distribution():
     counts = torch.zeros_like(p)
     gen = torch.Generator().manual_seed(0)
     for _ in range(runs // rows):
-        out, _ = _decode("gemma3", [prompt] * rows, 1, [cfg] * rows, draft=True, k=2, generator=gen, init=0.15)
+        out, _ = _decode("gemma3", [prompt] * rows, 1, [cfg] * rows, draft=draft, k=2, generator=gen, init=0.15)
         for o in out:
             counts[o[0]] += 1
     kept = p > 0
@@ -229,17 +262,18 @@ def test_sampled_first_token_follows_the_target_distribution():
 
 @pytest.mark.parametrize("cfg", [dict(temperature=0.9, top_p=0.9, seed=11), dict(temperature=1.2, seed=3),
                                  dict(temperature=0.8, top_k=20, repetition_penalty=1.2, seed=5)])
-def test_a_seeded_row_gives_the_plain_samplers_tokens(cfg):
+@pytest.mark.parametrize("draft", [True, "ngram"])
+def test_a_seeded_row_gives_the_plain_samplers_tokens(cfg, draft):
     """Seeded rows are verified against the plain sampler's own (seed, step) draw: the tokens are the ones
     the loop gives without a draft, in a batch or alone."""
     from lmhead.sampling import SamplingConfig
 
     tokenizer = _parts("llama")[1]
-    prompts = [tokenizer("The dog")["input_ids"], tokenizer("Hello world")["input_ids"]]
+    prompts = [tokenizer("The dog and the dog")["input_ids"], tokenizer("Hello world")["input_ids"]]
     config = SamplingConfig(**cfg)
     plain, _ = _decode("llama", prompts[:1], 12, [config], draft=False)
-    spec, dec = _decode("llama", prompts[:1], 12, [config], draft=True)
-    batch, _ = _decode("llama", prompts, 12, [config, SamplingConfig(temperature=0)], draft=True)
+    spec, dec = _decode("llama", prompts[:1], 12, [config], draft=draft)
+    batch, _ = _decode("llama", prompts, 12, [config, SamplingConfig(temperature=0)], draft=draft)
     assert spec == plain and batch[0] == plain[0]
     assert dec.stats.rounds > 0
 
@@ -253,7 +287,7 @@ def test_generate_rejects_a_draft_the_model_cannot_have():
     with pytest.raises(ValueError, match="draft='int8' needs the lean body"):
         generate(plain, "The cat", 4, draft="int8")
     lean = Model(hf_model, tokenizer)
-    with pytest.raises(ValueError, match="draft must be one of auto, int8, none"):
+    with pytest.raises(ValueError, match="draft must be one of auto, ngram, int8, none"):
         generate(lean, "The cat", 4, draft="int4")
     with pytest.raises(ValueError, match=r"draft_tokens must be an int in \[1, 16\]"):
         generate(lean, "The cat", 4, draft="int8", draft_tokens=0)
@@ -269,9 +303,10 @@ def test_generate_with_a_draft_streams_the_plain_tokens_and_counts():
     stats = SpeculativeStats()
     for cfg in (SamplingConfig(temperature=0), SamplingConfig(temperature=0.9, top_k=30, seed=2)):
         plain = [(s.token_id, s.logprob, s.rank) for s in generate(model, "The cat", 12, config=cfg, draft="none")]
-        spec = [(s.token_id, s.logprob, s.rank) for s in generate(model, "The cat", 12, config=cfg, draft="int8",
-                                                                   stats=stats)]
-        assert [t for t, _, _ in spec] == [t for t, _, _ in plain]
-        for (_, a, ra), (_, b, rb) in zip(spec, plain, strict=True):
-            assert a == pytest.approx(b, abs=1e-4) and ra == rb
+        for draft in ("int8", "ngram", "auto"):
+            spec = [(s.token_id, s.logprob, s.rank) for s in generate(model, "The cat", 12, config=cfg, draft=draft,
+                                                                       stats=stats)]
+            assert [t for t, _, _ in spec] == [t for t, _, _ in plain]
+            for (_, a, ra), (_, b, rb) in zip(spec, plain, strict=True):
+                assert a == pytest.approx(b, abs=1e-4) and ra == rb
     assert stats.rounds > 0 and 0 <= stats.acceptance_rate <= 1

@@ -416,9 +416,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--exact-logprobs", action="store_true",
                    help="with --json: compute every log-probability with the fp32 head (exact; one more head "
                    "product per token); the tokens do not change")
-    p.add_argument("--draft", default="auto", choices=["auto", "int8", "none"],
-                   help="speculative decoding: auto (default: the fastest exact setting for the model), int8 "
-                   "(the same model with int8 weights drafts, the full-precision model verifies), none. The "
+    p.add_argument("--draft", default="auto", choices=["auto", "ngram", "int8", "none"],
+                   help="speculative decoding: auto (default: the fastest exact setting for the model: ngram "
+                   "where the model has the lean body), ngram (drafts from the text's own earlier tokens), "
+                   "int8 (the same model with int8 weights drafts), none; the full-precision model verifies. The "
                    "text does not change: greedy is the full-precision model's; a --seed gives the same tokens "
                    "where the head's kept logits are exact (fp32 head, or top-k <= 64), else the same distribution")
     p.add_argument("--draft-tokens", type=int, default=4, metavar="K",

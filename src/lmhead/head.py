@@ -104,6 +104,13 @@ class LMHead(nn.Module):
         head.tied = False
         return head
 
+    # `product`: None, or a callable [..., D] -> [..., V] float32 equal to x·Wᵀ for *this* weight up to the order
+    # of float32 additions — a faster kernel over the same numbers (`lmhead.models` sets the GGUF codes'
+    # `CodedLinear`, which falls back to the weight itself once it changes). Used at inference for calls of at
+    # most PRODUCT_MAX_ROWS positions (decode steps); training and long calls use F.linear.
+    product = None
+    PRODUCT_MAX_ROWS = 16
+
     @property
     def d_model(self) -> int:
         return int(self.weight.shape[1])
@@ -131,7 +138,14 @@ class LMHead(nn.Module):
             raise ValueError(f"exact_k must be an int in [0, {self.vocab_size}], got {exact_k!r}")
         if logits_to_keep:
             hidden = hidden[..., -logits_to_keep:, :]  # (B, k, D): project only what is needed (nanoGPT)
-        logits = F.linear(hidden, self.weight, self.bias)  # (B, T', V) in the weight's dtype
+        product = getattr(self, "product", None)
+        if (product is not None and hidden.shape[:-1].numel() <= self.PRODUCT_MAX_ROWS
+                and not (torch.is_grad_enabled() and (hidden.requires_grad or self.weight.requires_grad))):
+            logits = product(hidden)  # the same weight's numbers, read from a smaller copy (decode)
+            if self.bias is not None:
+                logits = logits + self.bias
+        else:
+            logits = F.linear(hidden, self.weight, self.bias)  # (B, T', V) in the weight's dtype
         logits = logits.double() if logits.dtype == torch.float64 else logits.float()
         if self.softcap is not None:
             c = self.softcap

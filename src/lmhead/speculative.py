@@ -43,12 +43,12 @@ from lmhead.models.fast_linear import Int8Linear, int8_linear_available
 from lmhead.models.lean import SUPPORTED_MODEL_TYPES, LeanBody, StaticCache
 from lmhead.sampling import seeded_generator
 
-__all__ = ["AdaptiveK", "Decoder", "Draft", "Round", "SpeculativeStats", "accept_greedy", "accept_sampled",
-           "check_draft_mode", "check_draft_tokens", "decode_logits", "frequent_tokens", "merge_caches",
-           "plain_choice", "residual", "token_generator",
+__all__ = ["AdaptiveK", "Decoder", "Draft", "NgramDraft", "Round", "SpeculativeStats", "accept_greedy",
+           "accept_sampled", "check_draft_mode", "check_draft_tokens", "decode_logits", "frequent_tokens",
+           "merge_caches", "plain_choice", "residual", "token_generator",
            "DRAFT_MODES", "MAX_DRAFT_TOKENS"]
 
-DRAFT_MODES: tuple[str, ...] = ("auto", "int8", "none")
+DRAFT_MODES: tuple[str, ...] = ("auto", "ngram", "int8", "none")
 MAX_DRAFT_TOKENS = 16
 # separate the streams of acceptance uniforms and replacement draws of one token (seeded `accept_sampled`)
 _ACCEPT_TAG, _RESIDUAL_TAG = 0x5A, 0xA5
@@ -59,8 +59,8 @@ def check_draft_mode(model, mode: object) -> str:
     kernel)."""
     if mode not in DRAFT_MODES:
         raise ValueError(f"draft must be one of {', '.join(DRAFT_MODES)}; got {mode!r}")
-    if mode == "int8" and getattr(model, "lean", None) is None:
-        raise ValueError("draft='int8' needs the lean body (model types "
+    if mode in ("int8", "ngram") and getattr(model, "lean", None) is None:
+        raise ValueError(f"draft={mode!r} needs the lean body (model types "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)}, body='auto' or 'lean'); use draft='none'")
     if mode == "int8" and not int8_linear_available():
         raise ValueError("draft='int8' needs oneDNN's int8 inner product, which this torch build lacks; "
@@ -174,7 +174,7 @@ class AdaptiveK:
         self.low, self.high = 1, MAX_DRAFT_TOKENS if adaptive else k
 
     def update(self, accepted: list[int], k: int) -> None:
-        if not self.adaptive or not accepted:
+        if not self.adaptive or not accepted or k == 0:  # k = 0: nothing was drafted, nothing learnt
             return
         if min(accepted) >= k:
             self.k = min(self.high, self.k + 1)
@@ -257,6 +257,39 @@ class Draft:
         return out
 
 
+class NgramDraft:
+    """Drafts from the row's own text (prompt lookup): the tokens that followed the most recent earlier
+    occurrence of the row's last n tokens (n from `max_n` down to `min_n`, the longest that occurs wins).
+
+    No model, no memory, no time: a draft is a few list comparisons. Text repeats — names, code, lists, the
+    loops small models fall into, a chat answer quoting its prompt — and where it does, the full-precision
+    model accepts several tokens per verification; where nothing matches the round is a plain step. The draft
+    is a point mass (q = 1 on the proposed token), so the speculative-sampling rule accepts a drafted token
+    with probability p(d) and on rejection draws from p without d: the output distribution is the target's.
+    """
+
+    def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.max_n, self.min_n = max_n, min_n
+        self.nbytes = 0
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k ids to follow `tokens` (a row's prompt and generated ids, newest last); [] when no suffix of
+        length ≥ min_n occurred before."""
+        if k <= 0:
+            return []
+        size = len(tokens)
+        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
+            tail = tokens[size - n:]
+            first = tail[0]
+            # the most recent earlier start s (s + n < size) with tokens[s:s+n] == tail
+            for s in range(size - n - 1, -1, -1):
+                if tokens[s] == first and tokens[s:s + n] == tail:
+                    return tokens[s + n:s + n + k]
+        return []
+
+
 # --- the rounds ------------------------------------------------------------------------------------------
 
 
@@ -289,8 +322,9 @@ class Decoder:
     go first into the draft's next forward. Without a draft a round is exactly the plain sampler's step.
     """
 
-    def __init__(self, lean: LeanBody, head, draft: Draft | None = None, k: int = 4, adaptive: bool = True,
-                 stats: SpeculativeStats | None = None, profile: dict[str, float] | None = None) -> None:
+    def __init__(self, lean: LeanBody, head, draft: Draft | NgramDraft | None = None, k: int = 4,
+                 adaptive: bool = True, stats: SpeculativeStats | None = None,
+                 profile: dict[str, float] | None = None) -> None:
         self.lean, self.head, self.draft = lean, head, draft
         self.k0, self.adaptive = k, adaptive
         self.k: list[AdaptiveK] = []  # one per row: a row's k follows its own acceptance only
@@ -312,7 +346,7 @@ class Decoder:
         b, w = ids.shape
         self.capacity = w + max_new_tokens + MAX_DRAFT_TOKENS + 2
         self.target = self.lean.new_cache(b, self.capacity)
-        self.draft_cache = self.draft.new_cache(b, self.capacity) if self.draft is not None else None
+        self.draft_cache = self.draft.new_cache(b, self.capacity) if isinstance(self.draft, Draft) else None
         self.next_pos = positions[:, -1].clone()  # the position of `last`
         self.k = [AdaptiveK(self.k0, self.adaptive) for _ in range(b)] if self.draft is not None else []
         if w > 1:
@@ -337,7 +371,11 @@ class Decoder:
         self._t = time.perf_counter()
         self._room(k + 1)
         drafts, q = None, None
-        if k:
+        if k and isinstance(self.draft, NgramDraft):
+            drafts, q, ks = self._lookup(last, ks, configs)
+            k = 0 if drafts is None else drafts.shape[1]
+            self._lap("draft")
+        elif k:
             drafts, q = self._propose(last, k, configs, history, prompt_len, steps, generator)
             self._lap("draft")
         ids = last[:, None] if drafts is None else torch.cat([last[:, None], drafts], dim=1)     # [B,k+1]
@@ -405,6 +443,25 @@ class Decoder:
                 x = self.draft.logits(d[:, None], self.next_pos[:, None] + 1 + i, cache)[:, -1]
         q = torch.stack(dists, dim=1) if dists else None
         return torch.tensor(drafted, dtype=torch.long), q
+
+    def _lookup(self, last: Tensor, ks: list[int], configs: list) -> tuple[Tensor | None, Tensor | None, list[int]]:
+        """The n-gram draft per row from the row's tokens in the target's cache and `last`: drafts [B,w]
+        (rows with fewer proposals padded with their last token, never judged), the point-mass q [B,w,V] when
+        a row samples, and each row's count of proposals (its k this round). (None, None, zeros) when no row
+        has a proposal: the round is a plain step."""
+        length = self.target.length
+        tokens, valid = self.target.tokens[:, :length], self.target.valid[:, :length]
+        rows = [self.draft.propose(tokens[r][valid[r]].tolist() + [int(last[r])], kr) for r, kr in enumerate(ks)]
+        counts = [len(p) for p in rows]
+        width = max(counts, default=0)
+        if width == 0:
+            return None, None, counts
+        drafts = torch.tensor([p + [int(last[r])] * (width - len(p)) for r, p in enumerate(rows)], dtype=torch.long)
+        q = None
+        if not all(_deterministic(c) for c in configs):
+            q = torch.zeros((len(rows), width, self.head.vocab_size), dtype=torch.float32)
+            q.scatter_(2, drafts[:, :, None], 1.0)
+        return drafts, q, counts
 
     def _plain(self, logits: Tensor, configs, history, prompt_len, steps, generator):
         """No draft: one token per row, exactly `sampling.sample` (same seeds, same steps)."""

@@ -219,3 +219,61 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# --- derived tensor files (compressed heads, GGUF codes): one safetensors file with its own checksum ----------
+
+TENSORS_CHECKSUM = "lmhead.xxh3_64"  # the safetensors metadata entry holding the tensors' checksum
+
+
+def tensors_checksum(state: dict[str, Any]) -> str:
+    """xxh3_64 over the tensors' names, dtypes, shapes and bytes (sorted by name): a damaged file (same size,
+    other bytes) does not match the checksum written beside it."""
+    import torch
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    for name in sorted(state):
+        t = state[name].detach().contiguous().cpu()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def read_tensors(path: Path) -> tuple[dict[str, Any], dict[str, str]] | None:
+    """(tensors, metadata) of the file at `path`, or None: missing, unreadable, or not matching its checksum
+    (damaged, or written before the checksum existed) — the caller builds it again and overwrites it."""
+    if not path.exists():
+        return None
+    try:
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        with safe_open(str(path), "pt") as f:
+            meta = dict(f.metadata() or {})
+        state = load_file(str(path))
+    except Exception:
+        return None
+    expected = meta.get(TENSORS_CHECKSUM)
+    return (state, meta) if expected is not None and tensors_checksum(state) == expected else None
+
+
+def write_tensors(path: Path, state: dict[str, Any], metadata: dict[str, str] | None = None) -> bool:
+    """Write `state` to `path` with its checksum: a temporary file renamed into place (a concurrent reader sees
+    the old file or the whole new one). False when the cache is not writable (it only costs the rebuild)."""
+    from safetensors.torch import save_file
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")
+        os.close(fd)
+        try:
+            save_file(state, tmp, metadata={**(metadata or {}), TENSORS_CHECKSUM: tensors_checksum(state)})
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return True
+    except OSError:
+        return False

@@ -12,14 +12,13 @@ code that writes compressed heads to the cache; `lmhead.compressed` itself knows
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lmhead.compressed import HEAD_MODES, CompressedHead
+from lmhead.models import cache
 from lmhead.models.calibration import calibration_hidden
 
 __all__ = ["AUTO_MIN_BYTES", "DEFAULT_HEAD_MODE", "HEAD_MODES", "build_head", "check_head_mode", "mode_of",
@@ -39,10 +38,12 @@ def check_head_mode(mode: Any) -> str:
     return mode
 
 
-def resolve_head_mode(mode: str, weight: torch.Tensor) -> str:
-    """`mode`, with "auto" replaced by "exact-int8" for heads of ≥ 256 MiB in fp32 and "fp32" below."""
+def resolve_head_mode(mode: str, weight: torch.Tensor, coded: bool = False) -> str:
+    """`mode`, with "auto" replaced by "fp32" where the fp32 head reads the GGUF file's codes (`coded`: exact
+    and the fastest, benchmarks/bench_head.py), else "exact-int8" for heads of ≥ 256 MiB in fp32 and "fp32"
+    below."""
     if check_head_mode(mode) == "auto":
-        return "exact-int8" if weight.numel() * 4 >= AUTO_MIN_BYTES else "fp32"
+        return "exact-int8" if not coded and weight.numel() * 4 >= AUTO_MIN_BYTES else "fp32"
     return mode
 
 
@@ -63,7 +64,7 @@ def build_head(model: Any, mode: str = DEFAULT_HEAD_MODE, cache: bool = True, **
     compress again; models without a manifest in lmhead's cache (HF folders) are compressed in memory.
     """
     base = model.exact_head
-    mode = resolve_head_mode(mode, base.weight)
+    mode = resolve_head_mode(mode, base.weight, coded=getattr(base, "product", None) is not None)
     if mode == "fp32":
         return base
     path = _state_path(model, mode) if cache else None
@@ -102,49 +103,10 @@ def _state_path(model: Any, mode: str) -> Path | None:
     return root / "heads" / f"{sha[:32]}-{mode}.safetensors"
 
 
-_CHECKSUM_KEY = "lmhead.xxh3_64"  # the safetensors metadata entry holding the state's checksum
-
-
-def _state_checksum(state: dict[str, torch.Tensor]) -> str:
-    """xxh3_64 over the tensors' names, dtypes, shapes and bytes (sorted by name): a damaged file (same size,
-    other bytes) does not match the checksum written beside it."""
-    import xxhash
-
-    digest = xxhash.xxh3_64()
-    for name in sorted(state):
-        t = state[name].detach().contiguous().cpu()
-        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().data)
-    return digest.hexdigest()
-
-
 def _read_state(path: Path) -> dict[str, torch.Tensor] | None:
-    """The cached state at `path`, or None: missing, unreadable, or not matching its checksum (damaged, or
-    written before the checksum existed) — the caller compresses again and overwrites it."""
-    if not path.exists():
-        return None
-    try:
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
-        with safe_open(str(path), "pt") as f:
-            expected = (f.metadata() or {}).get(_CHECKSUM_KEY)
-        state = load_file(str(path))
-    except Exception:
-        return None
-    return state if expected is not None and _state_checksum(state) == expected else None
+    stored = cache.read_tensors(path)
+    return None if stored is None else stored[0]
 
 
 def _write_state(head: CompressedHead, path: Path) -> None:
-    from safetensors.torch import save_file
-
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")
-        os.close(fd)
-        state = head.compressed_state()
-        save_file(state, tmp, metadata={_CHECKSUM_KEY: _state_checksum(state)})
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the whole new one
-    except OSError:
-        pass  # a read-only cache only costs the compression time
+    cache.write_tensors(path, head.compressed_state())

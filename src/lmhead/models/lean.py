@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lmhead.models.coded_linear import CodedLinear, coded_available
 from lmhead.models.fast_linear import Int8Linear, onednn_available
 
 __all__ = ["LeanBody", "StaticCache", "SUPPORTED_MODEL_TYPES"]
@@ -126,6 +127,8 @@ class _Layer:
     sliding: bool
     qk_norm: Tensor | None = None   # q_norm and k_norm as one table (`LeanBody._qk_norm`), and the weights'
     qk_norm_version: tuple[int, int] | None = None  # versions it was made from
+    coded: dict[str, CodedLinear] | None = None  # "qkv", "o", ... -> the same matrix as GGUF codes (`use_codes`)
+
 
 
 def _fuse(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
@@ -202,6 +205,7 @@ class LeanBody:
         self.final_norm = base.norm.weight
         self.act = base.layers[0].mlp.act_fn
         self.onednn = onednn_available() if onednn is None else onednn
+        self.hf_blocks = list(base.layers)
         self.layers = [self._layer(block, t) for block, t in zip(base.layers, types, strict=True)]
         self.layer_types = sorted(set(types))
         self.dtype, self.device = self.embed.dtype, self.embed.device
@@ -212,9 +216,37 @@ class LeanBody:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the matrices this body owns (int8 copies); 0 when it only shares the model's weights."""
-        return sum(w.nbytes for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                   if isinstance(w, Int8Linear))
+        """Bytes of the matrices this body owns (int8 copies, GGUF codes); 0 when it only shares the model's
+        weights."""
+        owned = sum(w.nbytes for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                    if isinstance(w, Int8Linear))
+        return owned + sum(c.nbytes for layer in self.layers for c in (layer.coded or {}).values())
+
+    def use_codes(self, codes: dict) -> int:
+        """Run the block matrices that have GGUF codes (`lmhead.models.gguf_codes`: the float32 weights exactly,
+        as integer codes and group scales) through the coded kernel for decode-sized calls. Returns how many
+        of the body's matrices run coded; 0 when the kernel is unavailable (no C compiler) or nothing matches."""
+        from lmhead.models.gguf_codes import fuse_codes, module_codes
+
+        if not coded_available() or not codes:
+            return 0
+        count = 0
+        for i, (layer, block) in enumerate(zip(self.layers, self.hf_blocks, strict=True)):
+            attn, mlp = block.self_attn, block.mlp
+            groups = {"qkv": [("self_attn.q_proj", attn.q_proj), ("self_attn.k_proj", attn.k_proj),
+                              ("self_attn.v_proj", attn.v_proj)],
+                      "o": [("self_attn.o_proj", attn.o_proj)], "down": [("mlp.down_proj", mlp.down_proj)],
+                      "gate_up": [("mlp.gate_proj", mlp.gate_proj), ("mlp.up_proj", mlp.up_proj)]}
+            layer.coded = {}
+            for name, parts in groups.items():
+                found = [module_codes(codes, f"layers.{i}.{path}", lin.weight) for path, lin in parts]
+                if any(c is None for c in found):
+                    continue
+                fused = fuse_codes(found)
+                layer.coded[name] = CodedLinear(fused.codes, fused.scale, fused.offset, getattr(layer, name),
+                                                sources=tuple(lin.weight for _, lin in parts))
+                count += len(parts)
+        return count
 
     def _layer(self, block, kind: str) -> _Layer:
         attn, mlp = block.self_attn, block.mlp
@@ -252,6 +284,18 @@ class LeanBody:
                                        layer.k_norm.detach().expand(self.kv_heads, -1)])
             layer.qk_norm_version = version
         return layer.qk_norm
+
+    # decode-sized calls (rows ≤ this) take the coded kernel; a long prompt's prefill is compute-bound and
+    # runs oneDNN's float32 GEMM over the same numbers
+    CODED_MAX_ROWS = 16
+
+    def _product(self, x: Tensor, layer: _Layer, name: str, b: Tensor | None = None) -> Tensor:
+        """x [B,T,in] through the layer's matrix `name` ("qkv", "o", "gate_up", "down")."""
+        coded = layer.coded.get(name) if layer.coded else None
+        if coded is not None and x.shape[:-1].numel() <= self.CODED_MAX_ROWS:
+            y = coded(x)
+            return y if b is None else y + b
+        return self._linear(x, getattr(layer, name), b)
 
     def _linear(self, x: Tensor, w: Tensor | Int8Linear, b: Tensor | None = None) -> Tensor:
         if isinstance(w, Int8Linear):
@@ -337,7 +381,7 @@ class LeanBody:
                 layers.append(x)
             cos, sin = rope[layer.kind]
             h = self.norm(x, layer.input_norm)
-            qkv = self._linear(h, layer.qkv, layer.qkv_bias)
+            qkv = self._product(h, layer, "qkv", layer.qkv_bias)
             # q and k heads side by side [B,T,H+H_kv,hd]: their norms and rope are one op each
             qk = qkv[..., :nq + nkv].unflatten(-1, (self.heads + self.kv_heads, self.head_dim))
             if layer.q_norm is not None:
@@ -349,13 +393,13 @@ class LeanBody:
             cache.values[i, :, :, start:start + t] = v
             a = self._attend(q, cache.keys[i, :, :, :start + t], cache.values[i, :, :, :start + t],
                              masks[layer.sliding])
-            a = self._linear(a, layer.o)
+            a = self._product(a, layer, "o")
             if layer.post_attn_norm is not None:
                 a = self.norm(a, layer.post_attn_norm)
             x = x + a
             h = self.norm(x, layer.pre_mlp_norm)
-            gate, up = self._linear(h, layer.gate_up).chunk(2, dim=-1)
-            m = self._linear(self.act(gate) * up, layer.down)
+            gate, up = self._product(h, layer, "gate_up").chunk(2, dim=-1)
+            m = self._product(self.act(gate) * up, layer, "down")
             if layer.post_mlp_norm is not None:
                 m = self.norm(m, layer.post_mlp_norm)
             x = x + m

@@ -271,4 +271,4 @@ def load_model(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, verify: 
             hf_model, tokenizer = load_folder(folder, cached=True)
         except ModelError:
             raise exc from None
-    return Model(hf_model, tokenizer, name=source.name, path=folder, body=body, head=head)
+    return Model(hf_model, tokenizer, name=source.name, path=folder, body=body, head=head, progress=progress)

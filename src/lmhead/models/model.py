@@ -43,7 +43,7 @@ class Model:
     """
 
     def __init__(self, hf_model, tokenizer, name: str = "model", path: Path | None = None,
-                 body: str = "auto", head: str = "fp32") -> None:
+                 body: str = "auto", head: str = "fp32", codes: bool = True, progress: bool = False) -> None:
         check_head_mode(head)
         if body not in BODY_MODES:
             raise ValueError(f"body must be one of {', '.join(BODY_MODES)}; got {body!r}")
@@ -73,8 +73,30 @@ class Model:
         self.context_length = parts.context_length(self.config)
         if getattr(tokenizer, "pad_token_id", None) is None and self.eos_token_ids:
             tokenizer.pad_token_id = self.eos_token_ids[0]
+        # the GGUF file's own codes for the decode-sized products (before the head: "auto" depends on them)
+        self.coded_matrices = self.use_codes(progress=progress) if codes else 0
         # last: a compressed head is calibrated on this model's hidden states (body and tokenizer above)
         self.head = build_head(self, head)
+
+    def use_codes(self, progress: bool = True) -> int:
+        """Let decode-sized products — the lean body's and the fp32 head's (`exact_head.product`) — read the GGUF
+        file's own codes (`models/gguf_codes.py`: the float32 weights exactly, 1–1.25 bytes per weight instead
+        of 4) where this model came from one and the coded kernel builds here. Returns how many matrices run
+        coded (0: the float32 products — the same numbers, slower)."""
+        from lmhead.models.coded_linear import CodedLinear, coded_available
+        from lmhead.models.gguf_codes import codes_for_model, module_codes
+
+        if self.path is None or not coded_available():
+            return 0
+        codes = codes_for_model(self, progress=progress)
+        count = self.lean.use_codes(codes) if self.lean is not None else 0
+        out = self.hf_model.get_output_embeddings()
+        tied = out.weight is self.hf_model.get_input_embeddings().weight
+        head = module_codes(codes, "embed_tokens" if tied else "lm_head", self.exact_head.weight)
+        if head is not None:
+            self.exact_head.product = CodedLinear(head.codes, head.scale, head.offset, self.exact_head.weight)
+            count += 1
+        return count
 
     @classmethod
     def from_parts(cls, hf_model, tokenizer, head, body: str = "transformers") -> Model:
@@ -95,15 +117,20 @@ class Model:
 
     def draft(self, mode: str = "auto"):
         """The speculative draft of mode `mode` (`lmhead.speculative.DRAFT_MODES`), built on first use and
-        kept: "int8" — this model's body with int8 weights and an int8 head over its most frequent tokens;
-        "none" — None; "auto" — the fastest exact setting measured (benchmarks/bench_decode.py, tables in
-        docs/decode.md): no draft for now — a drafted token costs most of a full-precision step (the body's
-        per-op overhead, not its bytes), so decoding is faster without it."""
-        from lmhead.speculative import Draft, check_draft_mode
+        kept: "ngram" — drafts from the row's own text (prompt lookup; no model, no memory); "int8" — this
+        model's body with int8 weights and an int8 head over its most frequent tokens; "none" — None;
+        "auto" — the fastest exact setting measured (benchmarks/bench_decode.py, tables in docs/decode.md):
+        "ngram" on the lean body, where a verification of k+1 positions costs little more than one step;
+        none elsewhere."""
+        from lmhead.speculative import Draft, NgramDraft, check_draft_mode
 
         check_draft_mode(self, mode)
-        if mode in ("auto", "none"):
+        if mode == "auto":
+            mode = "ngram" if self.lean is not None else "none"
+        if mode == "none":
             return None
+        if mode == "ngram":
+            return NgramDraft()
         if self._draft is None:
             self._draft = Draft(self.hf_model, self.tokenizer, head_weight=self.exact_head.weight,
                                 softcap=self.exact_head.softcap)

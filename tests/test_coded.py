@@ -1,0 +1,166 @@
+"""The GGUF codes path: the C kernel against the dequantised matrix, codes found from a weight (and refused
+when they cannot give it back), the lean body and the head reading codes equal to their float32 products, and
+falling back once the weights change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import coded_weight
+from tiny import tiny_model
+
+from lmhead.models.coded_linear import CodedLinear, coded_available
+from lmhead.models.gguf_codes import Codes, fuse_codes, module_codes
+
+pytestmark = pytest.mark.skipif(not coded_available(), reason="no C compiler: the coded kernel is not built")
+
+
+def _codes(n: int, k: int, group: int, offset: bool, seed: int = 0, low: int = -32, high: int = 32) -> Codes:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(low, high, (n, k), generator=g, dtype=torch.int8)
+    # scales as GGUF makes them: a half-precision number times a small integer (exact in float32)
+    scale = (torch.rand(n, k // group, generator=g) * 0.02).half().float() * torch.randint(1, 64, (n, k // group),
+                                                                                          generator=g).float()
+    off = -(torch.rand(n, k // group, generator=g) * 0.1).half().float() if offset else None
+    return Codes(codes, scale, off, "test")
+
+
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
+def test_kernel_equals_the_dequantised_product(group, offset, rows):
+    c = _codes(67, 4 * group + 2 * group, group, offset, seed=rows)
+    x = torch.randn(rows, c.codes.shape[1], generator=torch.Generator().manual_seed(1))
+    got = CodedLinear(c.codes, c.scale, c.offset)(x)
+    w = coded_weight(c.codes, c.scale, c.offset)
+    want = x.double() @ w.T
+    # float32 summation error: a small multiple of eps32 times the sum of |terms| of each output
+    bound = 2e-6 * (x.double().abs() @ w.abs().T) + 1e-7
+    assert bool(((got.double() - want).abs() <= bound).all()), float(((got.double() - want).abs() / bound).max())
+
+
+def test_batched_shapes_and_empty_rows():
+    c = _codes(40, 64, 32, True)
+    lin = CodedLinear(c.codes, c.scale, c.offset)
+    x = torch.randn(2, 3, 64)
+    torch.testing.assert_close(lin(x), (x.double() @ coded_weight(c.codes, c.scale, c.offset).T).float(),
+                               rtol=1e-5, atol=1e-5)
+    assert lin(torch.randn(0, 64)).shape == (0, 40)
+
+
+def test_bad_codes_are_clear_errors():
+    with pytest.raises(TypeError, match="codes must be a 2-D int8 tensor"):
+        CodedLinear(torch.zeros(4, 32), torch.ones(4, 1))
+    with pytest.raises(ValueError, match="group size must be a multiple of 16"):
+        CodedLinear(torch.zeros(4, 24, dtype=torch.int8), torch.ones(4, 3))
+    with pytest.raises(ValueError, match="offset must have scale's shape"):
+        CodedLinear(torch.zeros(4, 32, dtype=torch.int8), torch.ones(4, 1), torch.ones(4, 2))
+
+
+def test_a_weight_changed_in_place_falls_back_to_its_own_numbers():
+    c = _codes(8, 32, 32, False)
+    weight = c.dequantize().clone()
+    lin = CodedLinear(c.codes, c.scale, None, weight)
+    x = torch.randn(1, 32)
+    assert lin.current()
+    with torch.no_grad():
+        weight.mul_(2.0)  # an optimizer step in place
+    assert not lin.current()
+    torch.testing.assert_close(lin(x), x @ weight.T)
+
+
+def test_module_codes_refuse_codes_that_do_not_give_the_weight_back():
+    c = _codes(8, 64, 32, True)
+    weight = c.dequantize()
+    assert module_codes({"w": c}, "w", weight) is c
+    other = weight.clone()
+    other[3, 5] += 1e-3
+    assert module_codes({"w": c}, "w", other) is None
+    assert module_codes({"w": c}, "w", weight[:, :32]) is None
+    assert module_codes({}, "w", weight) is None
+
+
+def test_codes_are_found_from_the_weight_and_the_gguf_scales():
+    from lmhead.models.gguf_codes import codes_from_weight
+
+    c = _codes(6, 64, 32, True, low=0, high=16)
+    weight = c.dequantize()
+    found = codes_from_weight(weight, c.scale, c.offset, "Q4_1")
+    assert found is not None and torch.equal(found.codes, c.codes)
+    # a scale that is not the weight's: no codes (never an approximation)
+    assert codes_from_weight(weight, c.scale * 1.5, c.offset, "Q4_1") is None
+
+
+def test_fused_codes_of_different_groups_and_offsets_give_the_stacked_matrix():
+    parts = [_codes(4, 64, 32, False, seed=1), _codes(3, 64, 16, True, seed=2), _codes(5, 64, 32, True, seed=3)]
+    fused = fuse_codes(parts)
+    assert fused.group == 16
+    torch.testing.assert_close(fused.dequantize(), torch.cat([p.dequantize() for p in parts]), rtol=0, atol=0)
+
+
+def _coded_tiny(arch: str):
+    """A tiny model whose linear weights are replaced by GGUF-like numbers (scale per 16 weights × int8 code),
+    and their codes under the keys `gguf_codes` uses."""
+    hf_model, tokenizer = tiny_model(arch, layers=2)
+    codes = {}
+    names = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+    with torch.no_grad():
+        for i, block in enumerate(hf_model.base_model.layers):
+            for name, parent in names.items():
+                lin = getattr(getattr(block, parent), name)
+                w = lin.weight
+                scale = (w.view(w.shape[0], -1, 16).abs().amax(-1) / 127).half().float().clamp_min(1e-4)
+                q = torch.round(w.view(w.shape[0], -1, 16) / scale[..., None]).clamp(-127, 127)
+                lin.weight.copy_((q * scale[..., None]).view_as(w))
+                codes[f"layers.{i}.{parent}.{name}"] = Codes(q.to(torch.int8).view_as(w), scale, None, "test")
+        emb = hf_model.get_input_embeddings().weight
+        scale = (emb.view(emb.shape[0], -1, 16).abs().amax(-1) / 127).half().float().clamp_min(1e-4)
+        q = torch.round(emb.view(emb.shape[0], -1, 16) / scale[..., None]).clamp(-127, 127)
+        emb.copy_((q * scale[..., None]).view_as(emb))
+        codes["embed_tokens"] = Codes(q.to(torch.int8).view_as(emb), scale, None, "test")
+    return hf_model, tokenizer, codes
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_lean_body_reading_codes_equals_transformers(arch):
+    from lmhead.models.lean import LeanBody
+
+    hf_model, _, codes = _coded_tiny(arch)
+    lean = LeanBody(hf_model)
+    assert lean.use_codes(codes) == 7 * 2
+    ids = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf_model.base_model(input_ids=ids).last_hidden_state
+    cache = lean.new_cache(2, 20)
+    got = [lean(ids[:, :6], torch.arange(6).expand(2, -1), cache)]
+    for t in range(6, 12):
+        got.append(lean(ids[:, t:t + 1], torch.full((2, 1), t), cache))
+    torch.testing.assert_close(torch.cat(got, dim=1), want, atol=1e-5, rtol=0)
+    assert lean.nbytes > 0
+
+
+def test_head_product_is_used_for_decode_calls_only_and_equals_the_weight():
+    from lmhead.head import LMHead
+
+    hf_model, _, codes = _coded_tiny("llama")
+    weight = hf_model.get_input_embeddings().weight
+    head = LMHead.from_weight(weight)
+    c = codes["embed_tokens"]
+    calls = []
+
+    class Counting(CodedLinear):
+        def __call__(self, x):
+            calls.append(x.shape)
+            return super().__call__(x)
+
+    head.product = Counting(c.codes, c.scale, None, weight)
+    hidden = torch.randn(1, 3, weight.shape[1])
+    with torch.no_grad():
+        torch.testing.assert_close(head(hidden), hidden @ weight.T, rtol=1e-5, atol=1e-5)
+        assert len(calls) == 1
+        head(torch.randn(1, 40, weight.shape[1]))  # a long call (prefill, evaluation): the plain product
+        assert len(calls) == 1
+    loss_input = torch.randn(1, 2, weight.shape[1], requires_grad=True)
+    head(loss_input).sum().backward()  # autograd: the plain product, gradients flow
+    assert len(calls) == 1 and loss_input.grad is not None
