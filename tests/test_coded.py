@@ -164,3 +164,17 @@ def test_head_product_is_used_for_decode_calls_only_and_equals_the_weight():
     loss_input = torch.randn(1, 2, weight.shape[1], requires_grad=True)
     head(loss_input).sum().backward()  # autograd: the plain product, gradients flow
     assert len(calls) == 1 and loss_input.grad is not None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_unsigned_4bit_codes_are_packed_two_per_byte_and_give_the_same_product(rows):
+    c = _codes(45, 128, 32, True, seed=rows, low=0, high=16)
+    lin = CodedLinear(c.codes, c.scale, c.offset)
+    assert lin.packed and lin.codes.numel() == c.codes.numel() // 2
+    assert torch.equal(lin.dequantize(), c.dequantize())
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(2))
+    w = coded_weight(c.codes, c.scale, c.offset)
+    bound = 2e-6 * (x.double().abs() @ w.abs().T) + 1e-7
+    assert bool(((lin(x).double() - x.double() @ w.T).abs() <= bound).all())
+    signed = _codes(4, 64, 32, False, low=-8, high=8)
+    assert not CodedLinear(signed.codes, signed.scale).packed  # signed codes stay one per byte

@@ -10,7 +10,7 @@ are the same — the codes give back the float32 matrix weight for weight (`mode
 when it builds them) — so the product equals the float32 one up to the order of float32 additions.
 
 The kernel is C (`coded_kernel.c`: AVX2/FMA where the machine has it, else plain loops the compiler
-vectorises), built once per machine with the system C compiler into `<cache>/kernels/` and loaded with ctypes;
+vectorises), built once per machine with the system C compiler (`models/native.py`) and called with ctypes;
 torch ships no kernel for grouped int8 codes × float32 activations (its int4/int8 weight-only ops
 quantise differently and measured slower than float32 on this machine: benchmarks/bench_body.py). Without a
 compiler `coded_available()` is False and the float32 weights are used — same numbers, slower.
@@ -19,114 +19,22 @@ compiler `coded_available()` is False and the float32 weights are used — same 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-__all__ = ["CodedLinear", "coded_available", "kernel_path"]
+from lmhead.models import native
 
-SOURCE = Path(__file__).with_name("coded_kernel.c")
-_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+__all__ = ["CodedLinear", "coded_available"]
 
 
-def kernel_path() -> Path:
-    """Where this machine's build of the kernel lives: keyed by the source, the flags and the CPU (the build
-    is -march=native)."""
-    from lmhead.models.cache import cache_root
-
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_flags().encode()
-                         + platform.machine().encode()).hexdigest()[:24]
-    return cache_root() / "kernels" / f"coded-{key}.so"
-
-
-def _compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
-            return cc
-    return None
-
-
-def _build(target: Path) -> bool:
-    """Compile the kernel into `target` (a temporary file renamed into place: a concurrent process sees the
-    old state or the whole library). False when there is no compiler or it fails."""
-    cc = _compiler()
-    if cc is None:
-        return False
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".so")
-    os.close(fd)
-    try:
-        for flags in (_FLAGS, _FLAGS[:-1]):  # without OpenMP if the compiler has none: one thread
-            done = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, timeout=120)
-            if done.returncode == 0:
-                os.replace(tmp, target)
-                return True
-        return False
-    except (OSError, subprocess.SubprocessError):
-        return False
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.lmhead_coded_matmul.argtypes = [p, i64, i64, p, p, p, i64, i64, p, ctypes.c_int]
-    lib.lmhead_coded_matmul.restype = ctypes.c_int
-    lib.lmhead_coded_abi.restype = ctypes.c_int
-    lib.lmhead_coded_avx2.restype = ctypes.c_int
-    return lib
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    if os.environ.get("LMHEAD_CODED", "1") == "0":  # switch off (benchmarks compare with and without)
-        return None
-    try:
-        path = kernel_path()
-    except OSError:
-        return None
-    for attempt in range(2):
-        if not path.exists() and not _build(path):
-            return None
-        try:
-            lib = _bind(ctypes.CDLL(str(path)))
-            if lib.lmhead_coded_abi() == 2 and _self_test(lib):
-                return lib
-        except (OSError, AttributeError):
-            pass
-        if attempt == 0:  # a damaged or foreign file: build it again once
-            try:
-                path.unlink()
-            except OSError:
-                return None
-    return None
-
-
-def _call(lib: ctypes.CDLL, x: Tensor, codes: Tensor, scale: Tensor, offset: Tensor | None, group: int) -> Tensor:
+def _call(lib: ctypes.CDLL, x: Tensor, codes: Tensor, scale: Tensor, offset: Tensor | None, group: int,
+          packed: bool) -> Tensor:
     m, k = x.shape
     n = codes.shape[0]
     y = torch.empty((m, n), dtype=torch.float32)
     rc = lib.lmhead_coded_matmul(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(),
-                                 None if offset is None else offset.data_ptr(), n, group, y.data_ptr(),
+                                 None if offset is None else offset.data_ptr(), n, group, int(packed), y.data_ptr(),
                                  torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"coded kernel rejected the shapes x {tuple(x.shape)}, codes {tuple(codes.shape)}, "
@@ -134,37 +42,18 @@ def _call(lib: ctypes.CDLL, x: Tensor, codes: Tensor, scale: Tensor, offset: Ten
     return y
 
 
-def _self_test(lib: ctypes.CDLL) -> bool:
-    """The kernel against the dequantised matrix on every path (1 and several rows, groups 16 and 32, with and
-    without offsets): built with an unknown compiler, it is checked, not assumed."""
-    g = torch.Generator().manual_seed(0)
-    for group, offset in ((32, False), (32, True), (16, False), (16, True)):
-        codes = torch.randint(-32, 32, (37, 4 * group), generator=g, dtype=torch.int8)
-        scale = torch.rand(37, 4, generator=g) * 0.01
-        off = torch.randn(37, 4, generator=g) * 0.01 if offset else None
-        w = codes.float().view(37, 4, group) * scale[..., None]
-        if off is not None:
-            w = w + off[..., None]
-        w = w.view(37, -1).double()
-        for m in (1, 3, 6):
-            x = torch.randn(m, 4 * group, generator=g)
-            y = _call(lib, x, codes, scale, off, group)
-            if not torch.allclose(y.double(), x.double() @ w.T, rtol=1e-5, atol=1e-5):
-                return False
-    return True
-
-
 def coded_available() -> bool:
     """True when the kernel is built (or builds now) for this machine and passes its self-test."""
-    return _library() is not None
+    return native.library() is not None
 
 
 class CodedLinear:
     """y = x·Wᵀ for W [N,K] given as int8 `codes` [N,K], float32 `scale` [N,K/G] and optional `offset`
     [N,K/G] (W = scale·code + offset per group of G). x [..., K] float32 → [..., N] float32.
 
-    Holds its own tensors (the codes are 1 byte per weight). `weight`, when given, is the float32 matrix they
-    encode (the model's, shared) and `sources` the model's tensors it is made of (default: `weight`): once
+    Holds its own tensors (the codes are 1 byte per weight, half a byte where they are unsigned 4-bit).
+    `weight`, when given, is the float32 matrix they encode (the model's, shared) and `sources` the model's
+    tensors it is made of (default: `weight`): once
     any of them changes in place (an optimizer step: autograd's version counter), or autograd records, or the
     kernel is unavailable, the product is `F.linear` on `weight` — the codes never answer for other numbers.
     """
@@ -183,7 +72,9 @@ class CodedLinear:
             raise ValueError(f"offset must have scale's shape {tuple(scale.shape)}, got {tuple(offset.shape)}")
         if weight is not None and tuple(weight.shape) != (n, k):
             raise ValueError(f"weight must be [{n}, {k}] like the codes, got {tuple(weight.shape)}")
-        self.codes = codes.contiguous()
+        # unsigned 4-bit codes (Q4_K, Q4_1) are stored two per byte: half the bytes to read again
+        self.packed = bool(self.group == 32 and codes.numel() and int(codes.min()) >= 0 and int(codes.max()) <= 15)
+        self.codes = native.pack4(codes) if self.packed else codes.contiguous()
         self.scale = scale.float().contiguous()
         self.offset = None if offset is None else offset.float().contiguous()
         self.weight = weight
@@ -201,22 +92,24 @@ class CodedLinear:
 
     def dequantize(self) -> Tensor:
         """The float32 matrix [N,K] the codes encode."""
-        n, k = self.codes.shape
-        w = self.codes.float().view(n, -1, self.group) * self.scale[..., None]
+        codes = native.unpack4(self.codes) if self.packed else self.codes
+        n, k = codes.shape
+        w = codes.float().view(n, -1, self.group) * self.scale[..., None]
         if self.offset is not None:
             w = w + self.offset[..., None]
         return w.view(n, k)
 
     def __call__(self, x: Tensor) -> Tensor:
-        lib = _library()
+        lib = native.library()
         if (lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or not self.current()
                 or (torch.is_grad_enabled() and x.requires_grad)):
             w = self.weight if self.weight is not None else self.dequantize()
             return torch.nn.functional.linear(x, w)
         shape = x.shape
-        y = _call(lib, x.reshape(-1, shape[-1]).contiguous(), self.codes, self.scale, self.offset, self.group)
+        y = _call(lib, x.reshape(-1, shape[-1]).contiguous(), self.codes, self.scale, self.offset, self.group,
+                  self.packed)
         return y.view(*shape[:-1], self.out_features)
 
     def __repr__(self) -> str:
         return (f"CodedLinear(in_features={self.in_features}, out_features={self.out_features}, "
-                f"group={self.group}, offset={self.offset is not None})")
+                f"group={self.group}, offset={self.offset is not None}, packed={self.packed})")

@@ -22,12 +22,14 @@ transformers' forward on tiny models of each family, and greedy tokens on the pa
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lmhead.models import native
 from lmhead.models.coded_linear import CodedLinear, coded_available
 from lmhead.models.fast_linear import Int8Linear, onednn_available
 
@@ -204,6 +206,10 @@ class LeanBody:
         self.rotary = base.rotary_emb
         self.final_norm = base.norm.weight
         self.act = base.layers[0].mlp.act_fn
+        # the activations lean_kernels.c computes (by the config's name; others run the model's own act_fn)
+        act_name = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
+        self.act_code = {"gelu_pytorch_tanh": 0, "silu": 1}.get(act_name)
+        self.native = native.library()
         self.onednn = onednn_available() if onednn is None else onednn
         self.hf_blocks = list(base.layers)
         self.layers = [self._layer(block, t) for block, t in zip(base.layers, types, strict=True)]
@@ -267,6 +273,13 @@ class LeanBody:
 
     def norm(self, x: Tensor, w: Tensor) -> Tensor:
         """The model's RMSNorm with weight `w` [D] (or one row per head, [heads, D]) on x [..., D]."""
+        lib = self._native(x, w)
+        if lib is not None:
+            x = x.contiguous()
+            y = torch.empty_like(x)
+            lib.lmhead_rms_norm(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
+                                w.numel() // w.shape[-1], self.eps, int(self.gemma))
+            return y
         # Gemma scales by (1 + w) after normalising in fp32 — y + y·w, one op; Llama multiplies w by the
         # normalised x. A decode step is dominated by per-op dispatch, so every op saved counts.
         y = F.rms_norm(x if x.dtype == torch.float32 else x.float(), (x.shape[-1],), None, self.eps)
@@ -274,6 +287,147 @@ class LeanBody:
             y = torch.addcmul(y, y, w)
             return y if y.dtype == x.dtype else y.type_as(x)
         return w * (y if y.dtype == x.dtype else y.type_as(x))
+
+    def _native(self, *tensors: Tensor):
+        """The C library for the element-wise work (`models/native.py`), or None: not built, autograd recording
+        (callers may differentiate through the result), or tensors that are not float32 on the CPU."""
+        if self.native is None or torch.is_grad_enabled():
+            return None
+        for t in tensors:
+            if t.dtype != torch.float32 or t.device.type != "cpu":
+                return None
+        return self.native
+
+    def _add_norm(self, x: Tensor, a: Tensor, w_post: Tensor | None, w_pre: Tensor) -> tuple[Tensor, Tensor]:
+        """The residual step around a block's branch: x' = x + norm(a, w_post) (x + a without a post-norm), and
+        the next norm h = norm(x', w_pre) → (x', h), both [B,T,D]."""
+        lib = self._native(x, a, w_pre, *(() if w_post is None else (w_post,)))
+        if lib is None:
+            x = x + (a if w_post is None else self.norm(a, w_post))
+            return x, self.norm(x, w_pre)
+        x, a = x.contiguous(), a.contiguous()
+        out, h = torch.empty_like(x), torch.empty_like(x)
+        lib.lmhead_add_norm(x.data_ptr(), a.data_ptr(), None if w_post is None else w_post.data_ptr(),
+                            w_pre.data_ptr(), out.data_ptr(), h.data_ptr(), x.numel() // x.shape[-1],
+                            x.shape[-1], self.eps, int(self.gemma))
+        return out, h
+
+    def _gated(self, gate_up: Tensor) -> Tensor:
+        """act(gate)·up for gate_up [B,T,2F] = [gate | up] → [B,T,F]."""
+        lib = self._native(gate_up) if self.act_code is not None else None
+        if lib is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.act(gate) * up
+        gate_up = gate_up.contiguous()
+        f = gate_up.shape[-1] // 2
+        out = gate_up.new_empty((*gate_up.shape[:-1], f))
+        lib.lmhead_gated(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1], f, self.act_code)
+        return out
+
+    def _step_descs(self):
+        """The layers as `native.LayerDesc`s for `lmhead_step` (built once; None when a block matrix has no
+        codes), and the tensors they point into (kept alive with them)."""
+        if getattr(self, "_descs", None) is None:
+            if not all(layer.coded and len(layer.coded) == 4 for layer in self.layers):
+                return None
+            keep: list[Tensor] = []
+
+            def ptr(t: Tensor | None) -> int | None:
+                if t is None:
+                    return None
+                t = t.detach().contiguous()
+                keep.append(t)
+                return t.data_ptr()
+
+            def mat(c: CodedLinear) -> native.MatDesc:
+                return native.MatDesc(ptr(c.codes), ptr(c.scale), ptr(c.offset), c.group, c.out_features,
+                                      c.in_features, int(c.packed))
+
+            descs = (native.LayerDesc * len(self.layers))()
+            for d, layer in zip(descs, self.layers, strict=True):
+                d.qkv, d.o = mat(layer.coded["qkv"]), mat(layer.coded["o"])
+                d.gate_up, d.down = mat(layer.coded["gate_up"]), mat(layer.coded["down"])
+                d.qkv_bias, d.input_norm = ptr(layer.qkv_bias), ptr(layer.input_norm)
+                d.post_attn_norm, d.pre_mlp_norm = ptr(layer.post_attn_norm), ptr(layer.pre_mlp_norm)
+                d.post_mlp_norm = ptr(layer.post_mlp_norm)
+                d.qk_norm = ptr(self._qk_norm(layer)) if layer.q_norm is not None else None
+                d.rope, d.sliding = self.layer_types.index(layer.kind), int(layer.sliding)
+            keep.append(self.final_norm.detach())
+            self._descs = (descs, keep, self._weight_versions())
+        return self._descs
+
+    def _weight_versions(self) -> tuple[int, ...]:
+        """The versions of every tensor `lmhead_step` reads (norms and codes' sources): a change in place
+        rebuilds its descriptors, or — for the coded matrices — sends the step down the torch path."""
+        tensors = [self.final_norm]
+        for layer in self.layers:
+            tensors += [t for t in (layer.input_norm, layer.post_attn_norm, layer.pre_mlp_norm, layer.post_mlp_norm,
+                                    layer.q_norm, layer.k_norm, layer.qkv_bias) if t is not None]
+            for c in (layer.coded or {}).values():
+                tensors += list(c.sources)
+        return tuple(t._version for t in tensors)
+
+    def _step_native(self, x: Tensor, rope: dict, masks: dict, cache: StaticCache, start: int) -> Tensor | None:
+        """Every block in one C call (`lmhead_step`) when all matrices read codes → hidden [B,T,D], else None."""
+        lib = self._native(x)
+        b, t, d = x.shape
+        if (lib is None or self.act_code is None or b * t > self.CODED_MAX_ROWS
+                or not (cache.keys.is_contiguous() and cache.values.is_contiguous())):
+            return None
+        descs = self._step_descs()
+        if descs is not None and descs[2] != self._weight_versions():
+            self._descs = None  # norms changed in place: rebuild; codes that no longer match: torch path
+            descs = self._step_descs()
+            if descs is not None and not all(c.current() for layer in self.layers for c in layer.coded.values()):
+                return None
+        if descs is None:
+            return None
+        kinds = [rope[kind] for kind in self.layer_types]
+        cos = [c.contiguous() for c, _ in kinds]
+        sin = [s.contiguous() for _, s in kinds]
+        mask_list = [None if masks.get(flag) is None else masks[flag].contiguous() for flag in (False, True)]
+        arr = lambda ts: (ctypes.c_void_p * len(ts))(*[None if v is None else v.data_ptr() for v in ts])  # noqa: E731
+        hd, heads, kv = self.head_dim, self.heads, self.kv_heads
+        f = self.layers[0].coded["down"].in_features
+        rows = b * t
+        scratch = x.new_empty(rows * ((heads + 2 * kv) * hd + (heads + kv) * hd + heads * hd + 2 * d + 3 * f))
+        x = x.contiguous().clone()
+        h = torch.empty_like(x)
+        rc = lib.lmhead_step(descs[0], len(self.layers), self.final_norm.data_ptr(), x.data_ptr(), h.data_ptr(),
+                             cache.keys.data_ptr(), cache.values.data_ptr(), arr(cos), arr(sin), arr(mask_list),
+                             scratch.data_ptr(), b, t, d, heads, kv, hd, f, cache.capacity, start, self.eps,
+                             int(self.gemma), self.act_code, self.scaling, self.attn_softcap or 0.0,
+                             torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("lmhead_step could not allocate its buffers")
+        return h
+
+    def _attention_native(self, qk: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, cache: StaticCache, i: int,
+                          start: int, mask: Tensor | None) -> Tensor | None:
+        """Rope, the cache write and attention of layer i in one C call (`lmhead_attend`) → [B,T,H·hd], or None
+        where the torch path must run (no library, a layout it does not take)."""
+        keys, values = cache.keys[i], cache.values[i]
+        lib = self._native(qk, qkv, cos, sin, keys)
+        if lib is None or not (qkv.is_contiguous() and keys.is_contiguous() and values.is_contiguous()):
+            return None
+        b, t = qkv.shape[:2]
+        width = qkv.shape[-1]
+        if qk.data_ptr() == qkv.data_ptr():  # no q/k norm: the heads are read in place from qkv
+            qk_ptr, qk_stride = qkv.data_ptr(), width
+        else:
+            qk = qk.contiguous()
+            qk_ptr, qk_stride = qk.data_ptr(), qk.shape[-1] * qk.shape[-2]
+        cos, sin = cos.contiguous(), sin.contiguous()
+        mask = None if mask is None else mask.contiguous()
+        out = qkv.new_empty((b, t, self.heads * self.head_dim))
+        v_offset = (self.heads + self.kv_heads) * self.head_dim * qkv.element_size()
+        rc = lib.lmhead_attend(qk_ptr, qk_stride, qkv.data_ptr() + v_offset, width, cos.data_ptr(), sin.data_ptr(),
+                               keys.data_ptr(), values.data_ptr(), None if mask is None else mask.data_ptr(),
+                               out.data_ptr(), b, t, self.heads, self.kv_heads, self.head_dim, cache.capacity,
+                               start, self.scaling, self.attn_softcap or 0.0, torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("lmhead_attend could not allocate its buffers")
+        return out
 
     def _qk_norm(self, layer: _Layer) -> Tensor:
         """The q and k norms' weights as one [H+H_kv, hd] table for `norm` on the side-by-side heads. Derived
@@ -375,35 +529,37 @@ class LeanBody:
         if self.embed_scale is not None:
             x = x * self.embed_scale
         rope = {kind: self._rotary(x, positions, kind) for kind in self.layer_types}
+        if layers is None:
+            h = self._step_native(x, rope, masks, cache, start)
+            if h is not None:
+                return h
         nq, nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        h = self.norm(x, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
             if layers is not None:
                 layers.append(x)
             cos, sin = rope[layer.kind]
-            h = self.norm(x, layer.input_norm)
             qkv = self._product(h, layer, "qkv", layer.qkv_bias)
             # q and k heads side by side [B,T,H+H_kv,hd]: their norms and rope are one op each
             qk = qkv[..., :nq + nkv].unflatten(-1, (self.heads + self.kv_heads, self.head_dim))
             if layer.q_norm is not None:
                 qk = self.norm(qk, self._qk_norm(layer))
-            qk = self._rope(qk, cos, sin).transpose(1, 2)
-            q, k = qk[:, :self.heads], qk[:, self.heads:]
-            v = qkv[..., nq + nkv:].view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-            cache.keys[i, :, :, start:start + t] = k
-            cache.values[i, :, :, start:start + t] = v
-            a = self._attend(q, cache.keys[i, :, :, :start + t], cache.values[i, :, :, :start + t],
-                             masks[layer.sliding])
+            a = self._attention_native(qk, qkv, cos, sin, cache, i, start, masks[layer.sliding])
+            if a is None:
+                qk = self._rope(qk, cos, sin).transpose(1, 2)
+                q, k = qk[:, :self.heads], qk[:, self.heads:]
+                v = qkv[..., nq + nkv:].view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+                cache.keys[i, :, :, start:start + t] = k
+                cache.values[i, :, :, start:start + t] = v
+                a = self._attend(q, cache.keys[i, :, :, :start + t], cache.values[i, :, :, :start + t],
+                                 masks[layer.sliding])
             a = self._product(a, layer, "o")
-            if layer.post_attn_norm is not None:
-                a = self.norm(a, layer.post_attn_norm)
-            x = x + a
-            h = self.norm(x, layer.pre_mlp_norm)
-            gate, up = self._product(h, layer, "gate_up").chunk(2, dim=-1)
-            m = self._product(self.act(gate) * up, layer, "down")
-            if layer.post_mlp_norm is not None:
-                m = self.norm(m, layer.post_mlp_norm)
-            x = x + m
-        return self.norm(x, self.final_norm)
+            x, h = self._add_norm(x, a, layer.post_attn_norm, layer.pre_mlp_norm)
+            m = self._product(self._gated(self._product(h, layer, "gate_up")), layer, "down")
+            # the next block's input norm (the final norm after the last block) in the same pass
+            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            x, h = self._add_norm(x, m, layer.post_mlp_norm, following)
+        return h
 
     __call__ = forward
 

@@ -1,0 +1,219 @@
+/* The lean decode step's element-wise work in one pass each: RMSNorm, the residual add with the norms around
+ * it, the gated activation. A decode step of a small model is ~90 norms and ~18 activations on vectors of a
+ * few hundred numbers; as torch ops each costs tens of microseconds of dispatch (and OpenMP wake-ups for the
+ * reductions), here about one. Same float32 math as transformers' modules (Gemma 3, Llama), summed in
+ * another order. Built with coded_kernel.c into one library by models/native.py.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* rows of `dim` numbers; weight row r % wrows; Gemma scales by (1 + w), Llama by w */
+static inline void norm_row(const float* x, const float* w, float* y, int64_t dim, float eps, int plus_one) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < dim; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    if (plus_one)
+        for (int64_t i = 0; i < dim; i++) y[i] = (x[i] * inv) * (1.0f + w[i]);
+    else
+        for (int64_t i = 0; i < dim; i++) y[i] = w[i] * (x[i] * inv);
+}
+
+void lmhead_rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t dim, int64_t wrows,
+                     float eps, int plus_one) {
+    for (int64_t r = 0; r < rows; r++) norm_row(x + r * dim, w + (r % wrows) * dim, y + r * dim, dim, eps, plus_one);
+}
+
+/* x_out = x + norm(a, w_post) (or x + a when w_post is NULL); h = norm(x_out, w_pre) */
+void lmhead_add_norm(const float* x, const float* a, const float* w_post, const float* w_pre, float* x_out,
+                     float* h, int64_t rows, int64_t dim, float eps, int plus_one) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float* xr = x + r * dim;
+        const float* ar = a + r * dim;
+        float* xo = x_out + r * dim;
+        if (w_post != NULL) {
+            norm_row(ar, w_post, xo, dim, eps, plus_one);
+            for (int64_t i = 0; i < dim; i++) xo[i] = xr[i] + xo[i];
+        } else {
+            for (int64_t i = 0; i < dim; i++) xo[i] = xr[i] + ar[i];
+        }
+        norm_row(xo, w_pre, h + r * dim, dim, eps, plus_one);
+    }
+}
+
+/* out [rows, F] = act(gate) · up with gate_up [rows, 2F] = [gate | up]; act 0: tanh-approximated GELU
+ * (Gemma's gelu_pytorch_tanh), 1: SiLU (Llama) */
+void lmhead_gated(const float* gate_up, float* out, int64_t rows, int64_t f, int act) {
+    const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+    for (int64_t r = 0; r < rows; r++) {
+        const float* g = gate_up + r * 2 * f;
+        const float* u = g + f;
+        float* o = out + r * f;
+        if (act == 0)
+            for (int64_t i = 0; i < f; i++) {
+                const float x = g[i];
+                o[i] = 0.5f * x * (1.0f + tanhf(k0 * (x + k1 * x * x * x))) * u[i];
+            }
+        else
+            for (int64_t i = 0; i < f; i++) {
+                const float x = g[i];
+                o[i] = x / (1.0f + expf(-x)) * u[i];
+            }
+    }
+}
+
+/* One layer's attention for T new tokens of B rows, from the q/k heads (normed, before rope) and v:
+ *   rope (x·cos + rotate_half(x)·sin, rotate_half(x) = (−x₂, x₁), given as the swapped halves (x₂, x₁) times
+ *   the signed sin (−sin₁, sin₂)) on q and k; k and v written at the cache's
+ *   columns start..start+T; then per query head h (key head h / (H/H_kv)) and token t over the L = start+T
+ *   filled columns: scores = q·k·scaling (softcap·tanh(scores/softcap) when softcap > 0) + mask[b,t,:],
+ *   softmax, out = Σ p·v.
+ * qk: [B,T] tokens of (H + H_kv)·hd numbers at `qk_stride` apart; v: H_kv·hd numbers at `v_stride` apart;
+ * cos, signed sin: [B,T,hd]; keys, values: the layer's cache [B,H_kv,cap,hd]; mask: [B,T,L] additive or NULL;
+ * out: [B,T,H·hd]. Returns 0, or -1 without memory. */
+int lmhead_attend(const float* qk, int64_t qk_stride, const float* v, int64_t v_stride, const float* cos,
+                  const float* sin, float* keys, float* values, const float* mask, float* out, int64_t B,
+                  int64_t T, int64_t H, int64_t Hkv, int64_t hd, int64_t cap, int64_t start, float scaling,
+                  float softcap, int threads) {
+    const int64_t half = hd / 2, L = start + T, group = H / Hkv;
+    float* q = (float*)malloc(sizeof(float) * (size_t)(B * T * H * hd));
+    if (q == NULL) return -1;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++) {
+            const float* src = qk + (b * T + t) * qk_stride;
+            const float* c = cos + (b * T + t) * hd;
+            const float* s = sin + (b * T + t) * hd;
+            for (int64_t h = 0; h < H + Hkv; h++) {
+                const float* x = src + h * hd;
+                float* y = h < H ? q + ((b * T + t) * H + h) * hd
+                                 : keys + ((b * Hkv + (h - H)) * cap + start + t) * hd;
+                for (int64_t i = 0; i < half; i++) {
+                    y[i] = x[i] * c[i] + x[i + half] * s[i];
+                    y[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+                }
+            }
+            const float* vs = v + (b * T + t) * v_stride;
+            for (int64_t h = 0; h < Hkv; h++) {
+                float* dst = values + ((b * Hkv + h) * cap + start + t) * hd;
+                for (int64_t i = 0; i < hd; i++) dst[i] = vs[h * hd + i];
+            }
+        }
+    const int64_t work = B * H * T;
+    int nt = (L * hd * work > (int64_t)1 << 18) ? threads : 1;
+    int failed = 0;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t w = 0; w < work; w++) {
+        const int64_t b = w / (H * T), h = (w / T) % H, t = w % T, kh = h / group;
+        const float* qv = q + ((b * T + t) * H + h) * hd;
+        const float* kb = keys + (b * Hkv + kh) * cap * hd;
+        const float* vb = values + (b * Hkv + kh) * cap * hd;
+        const float* mrow = mask ? mask + (b * T + t) * L : NULL;
+        float* p = (float*)malloc(sizeof(float) * (size_t)L);
+        if (p == NULL) {
+            failed = 1;
+            continue;
+        }
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < L; j++) {
+            const float* kj = kb + j * hd;
+            float sc = 0.f;
+            for (int64_t i = 0; i < hd; i++) sc += qv[i] * kj[i];
+            sc *= scaling;
+            if (softcap > 0.f) sc = tanhf(sc / softcap) * softcap;
+            if (mrow) sc += mrow[j];
+            p[j] = sc;
+            if (sc > mx) mx = sc;
+        }
+        float total = 0.f;
+        for (int64_t j = 0; j < L; j++) {
+            p[j] = expf(p[j] - mx);
+            total += p[j];
+        }
+        float* o = out + (b * T + t) * H * hd + h * hd;
+        for (int64_t i = 0; i < hd; i++) o[i] = 0.f;
+        const float inv = 1.0f / total;
+        for (int64_t j = 0; j < L; j++) {
+            const float pj = p[j] * inv;
+            const float* vj = vb + j * hd;
+            for (int64_t i = 0; i < hd; i++) o[i] += pj * vj[i];
+        }
+        free(p);
+    }
+    free(q);
+    return failed ? -1 : 0;
+}
+
+/* --- the whole decode step: every block in one call ------------------------------------------------------ */
+
+int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const float* scale,
+                        const float* offset, int64_t N, int64_t G, int packed, float* y, int threads);
+
+typedef struct {
+    const int8_t* codes;
+    const float* scale;
+    const float* offset; /* NULL when the format has none */
+    int64_t group, n, k, packed;
+} lmhead_mat;
+
+typedef struct {
+    lmhead_mat qkv, o, gate_up, down;
+    const float* qkv_bias;                                  /* NULL: none */
+    const float *input_norm, *post_attn_norm, *pre_mlp_norm, *post_mlp_norm; /* post norms NULL: Llama */
+    const float* qk_norm;                                   /* [H + H_kv, hd] or NULL */
+    int64_t rope, sliding;                                  /* which cos/sin and which mask */
+} lmhead_layer;
+
+static int matmul(const float* x, int64_t rows, const lmhead_mat* m, float* y, int threads) {
+    return lmhead_coded_matmul(x, rows, m->k, m->codes, m->scale, m->offset, m->n, m->group, (int)m->packed, y,
+                               threads);
+}
+
+/* The blocks of models/lean.py's forward for `rows` = B·T new tokens whose embeddings are in x [rows, D]
+ * (overwritten: the residual stream); h [rows, D] receives the hidden states after the final norm. The same
+ * functions as the step-by-step path, composed here so that a step is one call. scratch: at least
+ * rows·(D + 2·(H + 2·H_kv)·hd + H·hd + 3·F) floats. Returns 0, or -1 (a kernel refused its arguments). */
+int lmhead_step(const lmhead_layer* layers, int64_t n_layers, const float* final_norm, float* x, float* h,
+                float* keys, float* values, const float* const* cos, const float* const* sin,
+                const float* const* masks, float* scratch, int64_t B, int64_t T, int64_t D, int64_t H,
+                int64_t Hkv, int64_t hd, int64_t F, int64_t cap, int64_t start, float eps, int plus_one, int act,
+                float scaling, float softcap, int threads) {
+    const int64_t rows = B * T, width = (H + 2 * Hkv) * hd, qk_width = (H + Hkv) * hd;
+    const int64_t layer_cache = B * Hkv * cap * hd;
+    float* qkv = scratch;
+    float* qk = qkv + rows * width;
+    float* att = qk + rows * qk_width;
+    float* x2 = att + rows * H * hd;
+    float* gu = x2 + rows * D;
+    float* g = gu + rows * 2 * F;
+    float* branch = qk; /* o and down outputs: qk is free by then and at least rows·D */
+    if (qk_width < D) branch = g + rows * F;
+    lmhead_rms_norm(x, layers[0].input_norm, h, rows, D, 1, eps, plus_one);
+    for (int64_t i = 0; i < n_layers; i++) {
+        const lmhead_layer* L = layers + i;
+        if (matmul(h, rows, &L->qkv, qkv, threads)) return -1;
+        if (L->qkv_bias)
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t j = 0; j < width; j++) qkv[r * width + j] += L->qkv_bias[j];
+        const float* qk_in = qkv;
+        int64_t qk_stride = width;
+        if (L->qk_norm) {
+            for (int64_t r = 0; r < rows; r++)
+                lmhead_rms_norm(qkv + r * width, L->qk_norm, qk + r * qk_width, H + Hkv, hd, H + Hkv, eps, plus_one);
+            qk_in = qk;
+            qk_stride = qk_width;
+        }
+        if (lmhead_attend(qk_in, qk_stride, qkv + qk_width, width, cos[L->rope], sin[L->rope],
+                          keys + i * layer_cache, values + i * layer_cache, masks[L->sliding], att, B, T, H, Hkv,
+                          hd, cap, start, scaling, softcap, threads))
+            return -1;
+        if (matmul(att, rows, &L->o, branch, threads)) return -1;
+        lmhead_add_norm(x, branch, L->post_attn_norm, L->pre_mlp_norm, x2, h, rows, D, eps, plus_one);
+        if (matmul(h, rows, &L->gate_up, gu, threads)) return -1;
+        lmhead_gated(gu, g, rows, F, act);
+        if (matmul(g, rows, &L->down, branch, threads)) return -1;
+        const float* next = i + 1 < n_layers ? layers[i + 1].input_norm : final_norm;
+        lmhead_add_norm(x2, branch, L->post_mlp_norm, next, x, h, rows, D, eps, plus_one);
+    }
+    return 0;
+}

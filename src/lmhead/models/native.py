@@ -1,0 +1,248 @@
+"""lmhead's C kernels: built once per machine with the system C compiler, loaded with ctypes, self-tested.
+
+    coded_kernel.c   the product over GGUF codes (models/coded_linear.py)
+    lean_kernels.c   the decode step's small work: RMSNorm, residual add + norms, gated activation, and
+                     rope + cache write + attention for the new tokens; and `lmhead_step`, every block of a
+                     decode step in one call over the coded matrices (models/lean.py)
+      ──cc -O3 -march=native -fopenmp──▶ <cache>/kernels/lmhead-<hash>.so (a temporary file renamed into place)
+
+Why C: torch ships no kernel for grouped int8 codes × float32 activations (its int4/int8 weight-only ops
+quantise the activations or measured slower than float32 here: benchmarks/bench_body.py), and a decode step
+of a small model is dominated by the dispatch of ~400 tiny element-wise torch ops. The library links the
+libgomp torch has already loaded, so the two share one thread pool. Where there is no compiler, or the
+library fails its self-test against plain torch math, `library()` is None and every caller uses torch's ops
+(the same numbers, slower). LMHEAD_NATIVE=0 switches it off (benchmarks compare with and without).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["SOURCES", "LayerDesc", "MatDesc", "library", "library_path", "pack4", "unpack4"]
+
+SOURCES = (Path(__file__).with_name("coded_kernel.c"), Path(__file__).with_name("lean_kernels.c"))
+_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
+_ABI = 3  # lmhead_coded_abi() of the sources above
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path() -> Path:
+    """Where this machine's build lives: keyed by the sources, the flags and the CPU (-march=native)."""
+    from lmhead.models.cache import cache_root
+
+    digest = hashlib.sha256()
+    for src in SOURCES:
+        digest.update(src.read_bytes())
+    digest.update((" ".join(_FLAGS) + _cpu_flags() + platform.machine()).encode())
+    return cache_root() / "kernels" / f"lmhead-{digest.hexdigest()[:24]}.so"
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _build(target: Path) -> bool:
+    """Compile the sources into `target` (a temporary file renamed into place: a concurrent process sees no
+    library or the whole one). False when there is no compiler or it fails."""
+    cc = _compiler()
+    if cc is None:
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".so")
+    os.close(fd)
+    try:
+        for flags in (_FLAGS, _FLAGS[:-1]):  # without OpenMP if the compiler has none: one thread
+            done = subprocess.run([cc, *flags, *map(str, SOURCES), "-lm", "-o", tmp], capture_output=True,
+                                  timeout=120)
+            if done.returncode == 0:
+                os.chmod(tmp, 0o755)
+                os.replace(tmp, target)
+                return True
+        return False
+    except (OSError, subprocess.SubprocessError):
+        return False
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+class MatDesc(ctypes.Structure):
+    """lmhead_mat: a coded matrix (codes, scale, offset or NULL, group, n, k, packed)."""
+
+    _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("offset", ctypes.c_void_p),
+                ("group", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("packed", ctypes.c_int64)]
+
+
+class LayerDesc(ctypes.Structure):
+    """lmhead_layer: one block's coded matrices, bias, norms and which rope/mask it uses."""
+
+    _fields_ = [("qkv", MatDesc), ("o", MatDesc), ("gate_up", MatDesc), ("down", MatDesc),
+                ("qkv_bias", ctypes.c_void_p), ("input_norm", ctypes.c_void_p), ("post_attn_norm", ctypes.c_void_p),
+                ("pre_mlp_norm", ctypes.c_void_p), ("post_mlp_norm", ctypes.c_void_p), ("qk_norm", ctypes.c_void_p),
+                ("rope", ctypes.c_int64), ("sliding", ctypes.c_int64)]
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.lmhead_coded_abi.restype = i32
+    lib.lmhead_coded_matmul.argtypes = [p, i64, i64, p, p, p, i64, i64, i32, p, i32]
+    lib.lmhead_coded_matmul.restype = i32
+    lib.lmhead_rms_norm.argtypes = [p, p, p, i64, i64, i64, f32, i32]
+    lib.lmhead_rms_norm.restype = None
+    lib.lmhead_add_norm.argtypes = [p, p, p, p, p, p, i64, i64, f32, i32]
+    lib.lmhead_add_norm.restype = None
+    lib.lmhead_gated.argtypes = [p, p, i64, i64, i32]
+    lib.lmhead_gated.restype = None
+    lib.lmhead_attend.argtypes = [p, i64, p, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, f32, i32]
+    lib.lmhead_attend.restype = i32
+    pp = ctypes.POINTER(ctypes.c_void_p)
+    lib.lmhead_step.argtypes = [ctypes.POINTER(LayerDesc), i64, p, p, p, p, p, pp, pp, pp, p, i64, i64, i64, i64,
+                                i64, i64, i64, i64, i64, f32, i32, i32, f32, f32, i32]
+    lib.lmhead_step.restype = i32
+    return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None (no compiler, LMHEAD_NATIVE=0, or a failed self-test)."""
+    if os.environ.get("LMHEAD_NATIVE", "1") == "0":
+        return None
+    try:
+        path = library_path()
+    except OSError:
+        return None
+    for attempt in range(2):
+        if not path.exists() and not _build(path):
+            return None
+        try:
+            lib = _bind(ctypes.CDLL(str(path)))
+            if lib.lmhead_coded_abi() == _ABI and _self_test(lib):
+                return lib
+        except (OSError, AttributeError):
+            pass
+        if attempt == 0:  # a damaged or foreign file: build it again once
+            try:
+                path.unlink()
+            except OSError:
+                return None
+    return None
+
+
+def pack4(codes: torch.Tensor) -> torch.Tensor:
+    """Unsigned 4-bit codes [N,K] (groups of 32) → [N,K/2] int8, the kernel's packed layout: in each group's 16
+    bytes, code i in the low nibble of byte i and code 16+i in the high nibble."""
+    n, k = codes.shape
+    g = codes.view(n, k // 32, 2, 16).to(torch.uint8)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2).view(torch.int8)
+
+
+def unpack4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack4`: [N,K/2] → int8 codes [N,K]."""
+    n, half = packed.shape
+    b = packed.view(torch.uint8).view(n, half // 16, 16)
+    return torch.stack([b & 15, b >> 4], dim=2).reshape(n, half * 2).to(torch.int8)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-5))
+
+
+def _self_test(lib: ctypes.CDLL) -> bool:
+    """Every entry point against plain torch math on small random inputs (every path of the coded product:
+    1 and several rows, groups 16 and 32, with and without offsets): built with an unknown compiler on an
+    unknown machine, it is checked, not assumed."""
+    g = torch.Generator().manual_seed(0)
+    for group, offset in ((32, False), (32, True), (16, False), (16, True)):
+        codes = torch.randint(-32, 32, (37, 4 * group), generator=g, dtype=torch.int8)
+        scale = torch.rand(37, 4, generator=g) * 0.01
+        off = torch.randn(37, 4, generator=g) * 0.01 if offset else None
+        w = codes.float().view(37, 4, group) * scale[..., None]
+        if off is not None:
+            w = w + off[..., None]
+        w = w.view(37, -1)
+        for m in (1, 3, 6):
+            x = torch.randn(m, 4 * group, generator=g)
+            y = torch.empty(m, 37)
+            rc = lib.lmhead_coded_matmul(x.data_ptr(), m, 4 * group, codes.data_ptr(), scale.data_ptr(),
+                                         None if off is None else off.data_ptr(), 37, group, 0, y.data_ptr(), 2)
+            if rc != 0 or not _close(y, x.double() @ w.double().T):
+                return False
+    # packed 4-bit codes: the same product from half the bytes
+    codes = torch.randint(0, 16, (19, 64), generator=g, dtype=torch.int8)
+    scale, off = torch.rand(19, 2, generator=g) * 0.01, torch.randn(19, 2, generator=g) * 0.01
+    w = (codes.float().view(19, 2, 32) * scale[..., None] + off[..., None]).view(19, 64)
+    packed = pack4(codes)  # held: the kernel reads its memory
+    for m in (1, 5):
+        x, y = torch.randn(m, 64, generator=g), torch.empty(m, 19)
+        rc = lib.lmhead_coded_matmul(x.data_ptr(), m, 64, packed.data_ptr(), scale.data_ptr(), off.data_ptr(),
+                                     19, 32, 1, y.data_ptr(), 2)
+        if rc != 0 or not _close(y, x.double() @ w.double().T):
+            return False
+    x, a = torch.randn(3, 40, generator=g), torch.randn(3, 40, generator=g)
+    w1, w2 = torch.randn(40, generator=g), torch.randn(40, generator=g)
+    eps = 1e-6
+    for plus_one in (0, 1):
+        def norm(v, w, plus_one=plus_one):
+            y = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+            return y * (1 + w) if plus_one else w * y
+        y = torch.empty(3, 40)
+        lib.lmhead_rms_norm(x.data_ptr(), w1.data_ptr(), y.data_ptr(), 3, 40, 1, eps, plus_one)
+        if not _close(y, norm(x, w1)):
+            return False
+        xo, h = torch.empty(3, 40), torch.empty(3, 40)
+        lib.lmhead_add_norm(x.data_ptr(), a.data_ptr(), w1.data_ptr(), w2.data_ptr(), xo.data_ptr(), h.data_ptr(),
+                            3, 40, eps, plus_one)
+        if not (_close(xo, x + norm(a, w1)) and _close(h, norm(x + norm(a, w1), w2))):
+            return False
+    gu, out = torch.randn(2, 80, generator=g), torch.empty(2, 40)
+    for act, fn in ((0, lambda t: torch.nn.functional.gelu(t, approximate="tanh")), (1, torch.nn.functional.silu)):
+        lib.lmhead_gated(gu.data_ptr(), out.data_ptr(), 2, 40, act)
+        if not _close(out, fn(gu[:, :40]) * gu[:, 40:]):
+            return False
+    return _attend_test(lib, g)
+
+
+def _attend_test(lib: ctypes.CDLL, g: torch.Generator) -> bool:
+    """lmhead_attend against torch: rope, cache write, masked grouped attention (2 query heads per key head)."""
+    b, t, h, hkv, hd, cap, start = 2, 3, 4, 2, 8, 10, 4
+    qk = torch.randn(b, t, h + hkv, hd, generator=g)
+    v = torch.randn(b, t, hkv, hd, generator=g)
+    cos, sin = torch.randn(b, t, hd, generator=g), torch.randn(b, t, hd, generator=g)
+    keys, values = torch.randn(b, hkv, cap, hd, generator=g), torch.randn(b, hkv, cap, hd, generator=g)
+    mask = torch.where(torch.rand(b, t, start + t, generator=g) < 0.3, -1e30, 0.0)
+    out = torch.empty(b, t, h * hd)
+    want_k, want_v = keys.clone(), values.clone()
+    rc = lib.lmhead_attend(qk.data_ptr(), (h + hkv) * hd, v.data_ptr(), hkv * hd, cos.data_ptr(), sin.data_ptr(),
+                           keys.data_ptr(), values.data_ptr(), mask.data_ptr(), out.data_ptr(), b, t, h, hkv, hd,
+                           cap, start, 0.5, 0.0, 2)
+    roped = qk * cos[:, :, None] + qk.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin[:, :, None]
+    want_k[:, :, start:start + t] = roped[:, :, h:].transpose(1, 2)
+    want_v[:, :, start:start + t] = v.transpose(1, 2)
+    q = roped[:, :, :h].transpose(1, 2)                                           # [B,H,T,hd]
+    kk = want_k[:, :, :start + t].repeat_interleave(h // hkv, dim=1)
+    vv = want_v[:, :, :start + t].repeat_interleave(h // hkv, dim=1)
+    scores = q @ kk.transpose(-1, -2) * 0.5 + mask[:, None]
+    want = (torch.softmax(scores, -1) @ vv).transpose(1, 2).reshape(b, t, h * hd)
+    return rc == 0 and _close(out, want) and _close(keys, want_k) and _close(values, want_v)
