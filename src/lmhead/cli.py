@@ -61,8 +61,9 @@ def _models_help() -> str:
     return "model: " + ", ".join(names) + ", a .gguf file or a Hugging Face model folder"
 
 
-_HEAD_HELP = ("LM head: auto (default: exact-int8 for heads of >= 256 MiB, else fp32), fp32, exact-int8 (int8 + exact "
-              "re-scoring: the fp32 head's greedy token and top-64), int8/int4 (approximate)")
+_HEAD_HELP = ("LM head: auto (default: fp32 where the model reads its GGUF file's codes — exact, and the fastest; "
+              "else exact-int8 for heads of >= 256 MiB, fp32 below), fp32, exact-int8 (int8 + exact re-scoring: the "
+              "fp32 head's greedy token and top-64), int8/int4 (approximate)")
 
 
 def _add_model_arg(p: argparse.ArgumentParser, head_help: str = _HEAD_HELP) -> None:

@@ -192,8 +192,9 @@ def generate(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int 
     generator: the torch.Generator for rows without a seed. profile: a dict to which the seconds spent in
     "draft", "body", "head", "sampling" and "text" are added.
     draft: speculative decoding (`lmhead.speculative`) — "auto" (the fastest exact setting for this model,
-    see `Model.draft`), "int8" (the same model with int8 weights drafts, the full-precision model verifies),
-    "none". The output does not depend on it: greedy tokens are the full-precision model's, sampled tokens
+    see `Model.draft`: n-gram drafts for greedy and seeded rows on the lean body), "ngram" (drafts from the
+    text's own earlier tokens), "int8" (the same model with int8 weights drafts), "none"; the full-precision
+    model verifies. The output does not depend on it: greedy tokens are the full-precision model's, sampled tokens
     follow exactly the pipeline's distribution (a seeded run reproduces, but draws other tokens than
     draft="none" with the same seed). draft_tokens: tokens drafted per verification to start with (1..16;
     adapted to the acceptance rate). stats: a `speculative.SpeculativeStats` that receives the counts.
@@ -482,7 +483,11 @@ class Batch:
         ids, positions, attention = _left_pad([r.prompt_ids for r in rows], self.pad, self.device)
         valid = None if attention is None else attention.bool()
         if not self.rows:
-            self.rounds = _rounds(self.model, self.draft, self.draft_tokens, self.profile)
+            draft = self.draft
+            if draft == "auto":  # measured (docs/decode.md): drafts pay for greedy and seeded rows only
+                draft = "ngram" if all(r.config.is_greedy or r.config.seed is not None for r in rows) else "none"
+                draft = draft if self.model.lean is not None else "none"
+            self.rounds = _rounds(self.model, draft, self.draft_tokens, self.profile)
             if self.stats is not None and hasattr(self.rounds, "stats"):
                 self.rounds.stats = self.stats
             self.last = self.rounds.start(ids, positions, valid, max(r.budget for r in rows))

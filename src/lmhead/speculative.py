@@ -50,6 +50,7 @@ __all__ = ["AdaptiveK", "Decoder", "Draft", "NgramDraft", "Round", "SpeculativeS
 
 DRAFT_MODES: tuple[str, ...] = ("auto", "ngram", "int8", "none")
 MAX_DRAFT_TOKENS = 16
+NGRAM_MAX_POSITIONS = 8  # positions one n-gram verification may score (all rows): measured, docs/decode.md
 # separate the streams of acceptance uniforms and replacement draws of one token (seeded `accept_sampled`)
 _ACCEPT_TAG, _RESIDUAL_TAG = 0x5A, 0xA5
 
@@ -372,6 +373,10 @@ class Decoder:
         self._room(k + 1)
         drafts, q = None, None
         if k and isinstance(self.draft, NgramDraft):
+            # the coded products cost ~linearly in rows beyond ~8 (compute, not memory): a verification of
+            # B·(k+1) > 8 positions costs more than the drafts save, so a wide batch drafts less, or not at all
+            cap = NGRAM_MAX_POSITIONS // len(ks) - 1
+            ks = [min(kr, max(cap, 0)) for kr in ks]
             drafts, q, ks = self._lookup(last, ks, configs)
             k = 0 if drafts is None else drafts.shape[1]
             self._lap("draft")

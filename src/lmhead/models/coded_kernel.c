@@ -25,7 +25,7 @@
 #include <immintrin.h>
 #endif
 
-#define MB 4 /* query rows per pass over a weight row (the row stays in L1 between passes) */
+#define MB 8 /* query rows per pass over a weight row (the row stays in L1 between passes) */
 
 int lmhead_coded_abi(void) { return 3; }
 
@@ -81,13 +81,42 @@ static inline __m256 weights8(__m128i c8, __m256 sv, __m256 ov, int has_offset) 
     }
 ROWS(1) ROWS(2) ROWS(3) ROWS(4)
 
+/* R = 5..8 query rows: one accumulator per row (eight independent chains already hide the FMA latency, and
+ * two per row would not fit the 16 registers) */
+#define ROWS_WIDE(R)                                                                                         \
+    static inline void rows##R(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, \
+                               int64_t ng, int64_t G, int packed, float* out) {                            \
+        __m256 a[R];                                                                                        \
+        for (int m = 0; m < R; m++) a[m] = _mm256_setzero_ps();                                             \
+        for (int64_t g = 0; g < ng; g++) {                                                                  \
+            const __m256 sv = _mm256_set1_ps(s[g]);                                                         \
+            const __m256 ov = o ? _mm256_set1_ps(o[g]) : _mm256_setzero_ps();                               \
+            for (int64_t j = 0; j < G; j += 16) {                                                           \
+                const __m128i c16 = codes16(c, g, G, j, packed);                                            \
+                const __m256 w0 = weights8(c16, sv, ov, o != NULL);                                         \
+                const __m256 w1 = weights8(_mm_srli_si128(c16, 8), sv, ov, o != NULL);                      \
+                for (int m = 0; m < R; m++) {                                                               \
+                    const float* xm = x + m * K + g * G + j;                                                \
+                    a[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), a[m]);                                  \
+                    a[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), a[m]);                              \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int m = 0; m < R; m++) out[m] = hsum8(a[m]);                                                   \
+    }
+ROWS_WIDE(5) ROWS_WIDE(6) ROWS_WIDE(7) ROWS_WIDE(8)
+
 static inline void row_dot(const float* x, int64_t K, const int8_t* c, const float* s, const float* o,
                            int64_t ng, int64_t G, int packed, int mb, float* out) {
     switch (mb) {
         case 1: rows1(x, K, c, s, o, ng, G, packed, out); break;
         case 2: rows2(x, K, c, s, o, ng, G, packed, out); break;
         case 3: rows3(x, K, c, s, o, ng, G, packed, out); break;
-        default: rows4(x, K, c, s, o, ng, G, packed, out); break;
+        case 4: rows4(x, K, c, s, o, ng, G, packed, out); break;
+        case 5: rows5(x, K, c, s, o, ng, G, packed, out); break;
+        case 6: rows6(x, K, c, s, o, ng, G, packed, out); break;
+        case 7: rows7(x, K, c, s, o, ng, G, packed, out); break;
+        default: rows8(x, K, c, s, o, ng, G, packed, out); break;
     }
 }
 

@@ -243,7 +243,8 @@ def load_model(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, verify: 
     (`verify=True`: sha256) and rebuilds a folder that does not match; a cache that turns out unreadable is
     rebuilt once.
     `head` picks the LM head generate and the server's /v1 decode with (`lmhead.models.heads`): "auto"
-    (default: "exact-int8" for heads of >= 256 MiB in fp32, else "fp32"), "fp32", "exact-int8", "int8",
+    (default: "fp32" where the head reads the GGUF file's codes — exact and the fastest —, else "exact-int8" for
+    heads of >= 256 MiB in fp32 and "fp32" below), "fp32", "exact-int8", "int8",
     "int4"; the fp32 head stays `model.exact_head`, which predict, the logit lens and evaluate compute with.
     `body` picks how the body's linear layers run (`lmhead.models.model.BODY_MODES`): "auto" (default:
     oneDNN's kernel when torch has it — the same weights; docs/models.md has the timings), "onednn",

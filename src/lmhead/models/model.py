@@ -120,8 +120,9 @@ class Model:
         kept: "ngram" — drafts from the row's own text (prompt lookup; no model, no memory); "int8" — this
         model's body with int8 weights and an int8 head over its most frequent tokens; "none" — None;
         "auto" — the fastest exact setting measured (benchmarks/bench_decode.py, tables in docs/decode.md):
-        "ngram" on the lean body, where a verification of k+1 positions costs little more than one step;
-        none elsewhere."""
+        "ngram" on the lean body (`generate` narrows it to batches whose rows are all greedy or seeded: for
+        unseeded sampling the drafts' acceptance is too low to pay for the wider verification); none
+        elsewhere."""
         from lmhead.speculative import Draft, NgramDraft, check_draft_mode
 
         check_draft_mode(self, mode)
