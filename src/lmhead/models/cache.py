@@ -223,6 +223,19 @@ def _alive(pid: int) -> bool:
 
 # --- derived tensor files (compressed heads, GGUF codes): one safetensors file with its own checksum ----------
 
+
+def derived_path(folder: Any, kind: str, suffix: str) -> Path | None:
+    """`<cache>/<kind>/<model sha256[:32]>-<suffix>.safetensors` for a model folder of this cache, keyed by its
+    manifest's checksum of the weights; None for any other folder (do not write next to the user's files)."""
+    try:
+        manifest = json.loads((Path(folder) / MANIFEST).read_text())
+        sha = manifest["files"]["model.safetensors"]["sha256"]
+    except Exception:
+        return None
+    if Path(folder).resolve().parent.name != "models":
+        return None
+    return Path(folder).resolve().parent.parent / kind / f"{sha[:32]}-{suffix}.safetensors"
+
 TENSORS_CHECKSUM = "lmhead.xxh3_64"  # the safetensors metadata entry holding the tensors' checksum
 
 

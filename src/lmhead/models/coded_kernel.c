@@ -56,8 +56,10 @@ static inline __m256 weights8(__m128i c8, __m256 sv, __m256 ov, int has_offset) 
     return has_offset ? _mm256_fmadd_ps(cf, sv, ov) : _mm256_mul_ps(cf, sv);
 }
 
-/* one weight row against R ≤ MB query rows (R a constant in each copy: the accumulators stay in registers,
- * two per row so that successive products do not wait on each other); G a multiple of 16 */
+/* one weight row against R ≤ MB query rows (R a constant in each copy: the accumulators stay in registers).
+ * Up to 4 rows, two accumulators per row so that successive products do not wait on each other; from 5 rows
+ * one each (R independent chains already hide the FMA latency, and 2·R would not fit the 16 registers).
+ * G a multiple of 16. */
 #define ROWS(R)                                                                                              \
     static inline void rows##R(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, \
                                int64_t ng, int64_t G, int packed, float* out) {                            \
@@ -73,38 +75,16 @@ static inline __m256 weights8(__m128i c8, __m256 sv, __m256 ov, int has_offset) 
                 for (int m = 0; m < R; m++) {                                                               \
                     const float* xm = x + m * K + g * G + j;                                                \
                     a[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), a[m]);                                  \
-                    b[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), b[m]);                              \
+                    if (R <= 4)                                                                             \
+                        b[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), b[m]);                          \
+                    else                                                                                    \
+                        a[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), a[m]);                          \
                 }                                                                                           \
             }                                                                                               \
         }                                                                                                   \
         for (int m = 0; m < R; m++) out[m] = hsum8(_mm256_add_ps(a[m], b[m]));                              \
     }
-ROWS(1) ROWS(2) ROWS(3) ROWS(4)
-
-/* R = 5..8 query rows: one accumulator per row (eight independent chains already hide the FMA latency, and
- * two per row would not fit the 16 registers) */
-#define ROWS_WIDE(R)                                                                                         \
-    static inline void rows##R(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, \
-                               int64_t ng, int64_t G, int packed, float* out) {                            \
-        __m256 a[R];                                                                                        \
-        for (int m = 0; m < R; m++) a[m] = _mm256_setzero_ps();                                             \
-        for (int64_t g = 0; g < ng; g++) {                                                                  \
-            const __m256 sv = _mm256_set1_ps(s[g]);                                                         \
-            const __m256 ov = o ? _mm256_set1_ps(o[g]) : _mm256_setzero_ps();                               \
-            for (int64_t j = 0; j < G; j += 16) {                                                           \
-                const __m128i c16 = codes16(c, g, G, j, packed);                                            \
-                const __m256 w0 = weights8(c16, sv, ov, o != NULL);                                         \
-                const __m256 w1 = weights8(_mm_srli_si128(c16, 8), sv, ov, o != NULL);                      \
-                for (int m = 0; m < R; m++) {                                                               \
-                    const float* xm = x + m * K + g * G + j;                                                \
-                    a[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), a[m]);                                  \
-                    a[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), a[m]);                              \
-                }                                                                                           \
-            }                                                                                               \
-        }                                                                                                   \
-        for (int m = 0; m < R; m++) out[m] = hsum8(a[m]);                                                   \
-    }
-ROWS_WIDE(5) ROWS_WIDE(6) ROWS_WIDE(7) ROWS_WIDE(8)
+ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 
 static inline void row_dot(const float* x, int64_t K, const int8_t* c, const float* s, const float* o,
                            int64_t ng, int64_t G, int packed, int mb, float* out) {

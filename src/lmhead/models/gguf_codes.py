@@ -182,15 +182,7 @@ def gguf_codes(gguf: Path, hf_model, progress: Any = None) -> dict[str, Codes]:
 # --- the cache ----------------------------------------------------------------------------------------------
 
 def _path(model: Any) -> Path | None:
-    folder = getattr(model, "path", None)
-    try:
-        manifest = json.loads((Path(folder) / "manifest.json").read_text())
-        sha = manifest["files"]["model.safetensors"]["sha256"]
-    except Exception:
-        return None
-    if Path(folder).resolve().parent.name != "models":
-        return None
-    return Path(folder).resolve().parent.parent / "codes" / f"{sha[:32]}-v{FORMAT}.safetensors"
+    return cache.derived_path(getattr(model, "path", None), "codes", f"v{FORMAT}")
 
 
 def _gguf_of(model: Any, workdir: Path) -> Path | None:

@@ -11,7 +11,6 @@ code that writes compressed heads to the cache; `lmhead.compressed` itself knows
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -91,16 +90,7 @@ def use_head(model: Any, mode: str = DEFAULT_HEAD_MODE, cache: bool = True, **kw
 
 def _state_path(model: Any, mode: str) -> Path | None:
     """Where the compressed head of `mode` for this model is cached, or None (not a model of the cache)."""
-    folder = getattr(model, "path", None)
-    try:
-        manifest = json.loads((Path(folder) / "manifest.json").read_text())
-        sha = manifest["files"]["model.safetensors"]["sha256"]
-    except Exception:
-        return None
-    if Path(folder).resolve().parent.name != "models":
-        return None  # not a folder of lmhead's model cache: do not write next to the user's files
-    root = Path(folder).resolve().parent.parent  # <cache>/models/<name> -> <cache>
-    return root / "heads" / f"{sha[:32]}-{mode}.safetensors"
+    return cache.derived_path(getattr(model, "path", None), "heads", mode)
 
 
 def _read_state(path: Path) -> dict[str, torch.Tensor] | None:
