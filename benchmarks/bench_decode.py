@@ -73,7 +73,11 @@ def _llama_cpp(name: str, n: int, repeats: int) -> float | None:
 
 
 def _body_bytes(model) -> int:
-    """Bytes a decode step reads from the body: its matrices (embedding rows excluded: one row per token)."""
+    """Bytes a decode step reads from the body: its matrices (embedding rows excluded: one row per token) —
+    the GGUF codes where the lean body reads them (`models/gguf_codes.py`), else the float32 weights."""
+    lean = getattr(model, "lean", None)
+    if lean is not None and all(layer.coded and len(layer.coded) == 4 for layer in lean.layers):
+        return lean.nbytes
     embed = model.hf_model.get_input_embeddings().weight
     return sum(p.numel() * p.element_size() for p in model.hf_model.base_model.parameters()
                if p.dim() == 2 and p.data_ptr() != embed.data_ptr())
@@ -81,6 +85,8 @@ def _body_bytes(model) -> int:
 
 def _head_bytes(model) -> int:
     head = model.head
+    if getattr(head, "product", None) is not None:  # the fp32 head reading its GGUF codes
+        return head.product.nbytes
     if hasattr(head, "compressed_bytes"):
         size = head.compressed_bytes
         return int(size() if callable(size) else size)
