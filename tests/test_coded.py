@@ -178,3 +178,19 @@ def test_unsigned_4bit_codes_are_packed_two_per_byte_and_give_the_same_product(r
     assert bool(((lin(x).double() - x.double() @ w.T).abs() <= bound).all())
     signed = _codes(4, 64, 32, False, low=-8, high=8)
     assert not CodedLinear(signed.codes, signed.scale).packed  # signed codes stay one per byte
+
+
+@pytest.mark.parametrize("rows", [1, 4, 9])
+@pytest.mark.parametrize("low, high", [(0, 16), (-16, 16)])
+def test_float16_scales_are_kept_as_float16_and_give_the_same_product(rows, low, high):
+    c = _codes(37, 192, 32, True, seed=rows, low=low, high=high)
+    c = Codes(c.codes, c.scale.half().float(), c.offset, c.kind)  # Q4_1/Q5_0/Q8_0: d and m are float16 numbers
+    lin = CodedLinear(c.codes, c.scale, c.offset)
+    assert lin.half and lin.scale.dtype == torch.float16 and lin.packed == (low == 0)
+    assert torch.equal(lin.dequantize(), c.dequantize())
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(3))
+    w = coded_weight(c.codes, c.scale, c.offset)
+    bound = 2e-6 * (x.double().abs() @ w.abs().T) + 1e-7
+    assert bool(((lin(x).double() - x.double() @ w.T).abs() <= bound).all())
+    k_quant = _codes(5, 64, 32, True, seed=1)  # a float16 d times a 6-bit sub-scale: not a float16 number
+    assert not CodedLinear(k_quant.codes, k_quant.scale, k_quant.offset).half

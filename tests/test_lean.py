@@ -149,3 +149,14 @@ def test_a_fused_model_still_saves_and_reloads_its_weights(tmp_path):
     back = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
     for name, tensor in hf_model.state_dict().items():
         assert torch.equal(back[name], tensor), name
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_rope_table_rows_equal_the_rotary_module_at_any_position(arch):
+    lean = LeanBody(_model(arch))
+    x = torch.zeros(1, 1, 4)
+    for positions in (torch.tensor([[3]]), torch.tensor([[0, 7, 511, 512, 1500]]), torch.tensor([[2], [9]])):
+        for kind in lean.layer_types:
+            got, want = lean._rotary(x, positions, kind), lean._rotary_rows(x, positions, kind)
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, atol=1e-6, rtol=0)

@@ -5,29 +5,64 @@
  *
  *     y[m, n] = Σ_k W[n, k] · x[m, k]
  *
- * in float32, each weight rebuilt in registers from its code exactly as the float32 model holds it (the codes
- * and scales are the weights' own: models/gguf_codes.py checks, weight by weight, that they give back the
- * float32 matrix). Nothing is approximated; only the order of the float32 additions differs from a plain
- * product. A decode step reads 1–1.25 bytes per weight instead of float32's 4, and on a CPU whose memory is
- * the limit that is the time.
+ * in float32 from the weights' own codes and scales (models/gguf_codes.py checks, weight by weight, that they
+ * give back the float32 matrix). Several query rows: each weight is rebuilt in registers exactly as the float32
+ * model holds it (code·scale + offset, one rounding) and used for every row. One query row (decode): the group's
+ * scale and offset are factored out, Σ_g scale_g·Σ_i code_i·x_i + Σ_g offset_g·Σ_i x_i, one multiply per
+ * weight instead of two. Nothing is approximated; only the rounding of the float32 additions differs from a
+ * plain product (tests bound it against float64). A decode step reads 0.6–1.1 bytes per weight instead of
+ * float32's 4, and on a CPU whose memory is the limit that is the time.
  *
- * Codes are int8 [N, K] (row-major), or — `packed`, for unsigned 4-bit codes and G = 32 — two per byte
- * [N, K/2] (in each group's 16 bytes the low nibbles are its codes 0..15, the high nibbles 16..31: half the
- * bytes again); scale and offset float32 [N, K/G]; offset may be NULL; G is 16 or 32;
+ * Codes are int8 [N, K] (row-major), or — `packed`, for unsigned 4-bit codes, G = 32 and K a multiple of 64 —
+ * two per byte [N, K/2]: each pair of groups (64 codes) is 32 bytes read as eight uint32 lanes, nibble i of
+ * lane l holding code 8·i + l, so that one shift and one mask give eight consecutive codes in the eight lanes
+ * (no byte shuffles: unpacking was what bounded the product, not memory). Either way a row is a run of 32-byte
+ * units (32 int8 codes, or 64 packed ones); `flags & LMHEAD_ROWS4` (G = 32, N a multiple of 4) stores each
+ * block of four rows unit by unit — unit u of rows 4b..4b+3 side by side — so that the decode product reads
+ * four rows in one forward stream (four rows at once from four separate streams measured slower than one
+ * row at a time: the prefetcher, not the arithmetic, was the limit). Scale and offset [N, K/G], float32,
+ * or — `flags & LMHEAD_HALF`, where every one of them is a float16 number (the d and m of Q4_0, Q4_1, Q5_0,
+ * Q8_0 blocks are) — float16, converted to the same float32 values per row; offset may be NULL; G is 16 or 32;
  * x float32 [M, K]; y float32 [M, N]. Rows n are split over `threads` OpenMP threads (the same libgomp as
  * torch's, so the two share one pool). Built once per machine by models/coded_linear.py with the system C
  * compiler (-O3 -march=native); without AVX2 the plain loop below is what the compiler vectorises.
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <math.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
 
 #define MB 8 /* query rows per pass over a weight row (the row stays in L1 between passes) */
+#define LMHEAD_PACKED 1
+#define LMHEAD_HALF 2
+#define LMHEAD_ROWS4 4
+#define HALF_MAX_GROUPS 1024 /* float16 scales: a row's groups converted on the stack */
 
-int lmhead_coded_abi(void) { return 3; }
+/* float16 bits → float32 (exact: every float16 is a float32) */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    union { uint32_t u; float f; } v;
+    if (exp == 0) { /* zero or subnormal: man · 2⁻²⁴ */
+        v.f = (float)man * 5.9604644775390625e-8f;
+        v.u |= sign;
+        return v.f;
+    }
+    v.u = sign | (exp == 31 ? 0x7F800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+    return v.f;
+}
+
+static void halves_to_floats(const uint16_t* h, float* f, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
+#endif
+    for (; i < n; i++) f[i] = half_to_float(h[i]);
+}
+
+int lmhead_coded_abi(void) { return 6; }
 
 #ifdef __AVX2__
 int lmhead_coded_avx2(void) { return 1; }
@@ -39,100 +74,221 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-/* codes j..j+15 of group g as 16 int8 lanes: read as stored, or — packed — from the group's 16 bytes, whose low
- * nibbles are codes 0..15 and high nibbles codes 16..31 (unsigned 4-bit codes, G = 32) */
-static inline __m128i codes16(const int8_t* c, int64_t g, int64_t G, int64_t j, int packed) {
-    if (!packed) return _mm_loadu_si128((const __m128i*)(c + g * G + j));
-    const __m128i v = _mm_loadu_si128((const __m128i*)(c + g * 16));
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    return j == 0 ? _mm_and_si128(v, low4) : _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+/* codes 8·i .. 8·i+7 of a packed pair of groups (v: its 32 bytes) as floats */
+#define NIB(v, i) _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32((v), 4 * (i)), _mm256_set1_epi32(15)))
+/* eight int8 codes from memory as floats */
+#define BYTES8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p))))
+#endif
+
+/* a row's codes: code k (unpacked) and the pair of groups holding group g (packed, g even), the row starting at
+ * c and its 32-byte units `us` bytes apart (32 in a plain row, 128 in a block of four) */
+#define CODE(c, us, k) ((c) + ((k) >> 5) * (us) + ((k) & 31))
+#define PAIR(c, us, g) ((c) + ((g) >> 1) * (us))
+
+#ifdef __AVX2__
+
+/* one query row: Σ_g scale_g·(Σ_i code_i·x_i) + Σ_g offset_g·xs_g, xs [ng] the row's group sums of x */
+static inline float row_dot1(const float* x, const int8_t* c, int64_t us, const float* s, const float* o,
+                             const float* xs, int64_t ng, int64_t G, int packed) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    if (packed) {
+        for (int64_t g = 0; g < ng; g += 2) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)PAIR(c, us, g));
+            const float* xg = x + g * 32;
+            __m256 d0 = _mm256_mul_ps(NIB(v, 0), _mm256_loadu_ps(xg));
+            __m256 d1 = _mm256_mul_ps(NIB(v, 1), _mm256_loadu_ps(xg + 8));
+            __m256 e0 = _mm256_mul_ps(NIB(v, 4), _mm256_loadu_ps(xg + 32));
+            __m256 e1 = _mm256_mul_ps(NIB(v, 5), _mm256_loadu_ps(xg + 40));
+            d0 = _mm256_fmadd_ps(NIB(v, 2), _mm256_loadu_ps(xg + 16), d0);
+            d1 = _mm256_fmadd_ps(NIB(v, 3), _mm256_loadu_ps(xg + 24), d1);
+            e0 = _mm256_fmadd_ps(NIB(v, 6), _mm256_loadu_ps(xg + 48), e0);
+            e1 = _mm256_fmadd_ps(NIB(v, 7), _mm256_loadu_ps(xg + 56), e1);
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s[g]), _mm256_add_ps(d0, d1), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s[g + 1]), _mm256_add_ps(e0, e1), acc1);
+        }
+    } else if (G == 32) {
+        for (int64_t g = 0; g < ng; g++) {
+            const float* xg = x + g * 32;
+            const int8_t* cg = c + g * us;
+            __m256 d0 = _mm256_mul_ps(BYTES8(cg), _mm256_loadu_ps(xg));
+            __m256 d1 = _mm256_mul_ps(BYTES8(cg + 8), _mm256_loadu_ps(xg + 8));
+            d0 = _mm256_fmadd_ps(BYTES8(cg + 16), _mm256_loadu_ps(xg + 16), d0);
+            d1 = _mm256_fmadd_ps(BYTES8(cg + 24), _mm256_loadu_ps(xg + 24), d1);
+            if (g & 1)
+                acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s[g]), _mm256_add_ps(d0, d1), acc1);
+            else
+                acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s[g]), _mm256_add_ps(d0, d1), acc0);
+        }
+    } else {
+        for (int64_t g = 0; g < ng; g++) {
+            __m256 d0 = _mm256_setzero_ps(), d1 = _mm256_setzero_ps();
+            for (int64_t j = 0; j < G; j += 16) {
+                d0 = _mm256_fmadd_ps(BYTES8(CODE(c, us, g * G + j)), _mm256_loadu_ps(x + g * G + j), d0);
+                d1 = _mm256_fmadd_ps(BYTES8(CODE(c, us, g * G + j + 8)), _mm256_loadu_ps(x + g * G + j + 8), d1);
+            }
+            if (g & 1)
+                acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s[g]), _mm256_add_ps(d0, d1), acc1);
+            else
+                acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s[g]), _mm256_add_ps(d0, d1), acc0);
+        }
+    }
+    float r = hsum8(_mm256_add_ps(acc0, acc1));
+    if (o) {
+        __m256 t = _mm256_setzero_ps();
+        int64_t g = 0;
+        for (; g + 8 <= ng; g += 8) t = _mm256_fmadd_ps(_mm256_loadu_ps(o + g), _mm256_loadu_ps(xs + g), t);
+        r += hsum8(t);
+        for (; g < ng; g++) r += o[g] * xs[g];
+    }
+    return r;
 }
 
-/* eight weights (the low 8 lanes of c8), rebuilt exactly: code·scale (+ offset) in one rounding, as gguf's
- * dequantiser computes them (code·scale is exact in float32 for every format we store: ≤ 17 + 8 significant
- * bits) */
-static inline __m256 weights8(__m128i c8, __m256 sv, __m256 ov, int has_offset) {
-    const __m256 cf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c8));
+/* a block of four weight rows (LMHEAD_ROWS4 layout) against one query row (decode, G = 32): each x vector is
+ * loaded once for the four rows and the four sums are reduced together — with rows of a few hundred weights the
+ * per-row loop and reduction cost as much as the products. c: the block's codes; s, o: [4, ng] floats; xs: the
+ * query's group sums (offsets only). Same arithmetic as row_dot1, row by row. */
+#define DOT4(c0, c1, c2, c3, acc, sg)                                                                    \
+    do {                                                                                                 \
+        __m256 d_ = _mm256_mul_ps((c0), x0);                                                             \
+        d_ = _mm256_fmadd_ps((c1), x1, d_);                                                              \
+        d_ = _mm256_fmadd_ps((c2), x2, d_);                                                              \
+        d_ = _mm256_fmadd_ps((c3), x3, d_);                                                              \
+        (acc) = _mm256_fmadd_ps(_mm256_set1_ps(sg), d_, (acc));                                          \
+    } while (0)
+
+static inline void rows4_dot1(const float* x, const int8_t* c, const float* s, const float* o, const float* xs,
+                              int64_t ng, int packed, float* out) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    if (packed) {
+        for (int64_t g = 0; g < ng; g += 2) {
+            const float* xg = x + g * 32;
+            __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
+            __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
+            for (int r = 0; r < 4; r++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (g * 2 + r) * 32));
+                DOT4(NIB(v, 0), NIB(v, 1), NIB(v, 2), NIB(v, 3), acc[r], s[r * ng + g]);
+            }
+            x0 = _mm256_loadu_ps(xg + 32), x1 = _mm256_loadu_ps(xg + 40);
+            x2 = _mm256_loadu_ps(xg + 48), x3 = _mm256_loadu_ps(xg + 56);
+            for (int r = 0; r < 4; r++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (g * 2 + r) * 32));
+                DOT4(NIB(v, 4), NIB(v, 5), NIB(v, 6), NIB(v, 7), acc[r], s[r * ng + g + 1]);
+            }
+        }
+    } else {
+        for (int64_t g = 0; g < ng; g++) {
+            const float* xg = x + g * 32;
+            const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
+            const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
+            for (int r = 0; r < 4; r++) {
+                const int8_t* cg = c + (g * 4 + r) * 32;
+                DOT4(BYTES8(cg), BYTES8(cg + 8), BYTES8(cg + 16), BYTES8(cg + 24), acc[r], s[r * ng + g]);
+            }
+        }
+    }
+    float tail[4] = {0.f, 0.f, 0.f, 0.f};
+    if (o) {
+        int64_t g = 0;
+        for (; g + 8 <= ng; g += 8) {
+            const __m256 xv = _mm256_loadu_ps(xs + g);
+            for (int r = 0; r < 4; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(o + r * ng + g), xv, acc[r]);
+        }
+        for (; g < ng; g++)
+            for (int r = 0; r < 4; r++) tail[r] += o[r * ng + g] * xs[g];
+    }
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(out, _mm_add_ps(four, _mm_loadu_ps(tail)));
+}
+
+/* eight weights rebuilt exactly: code·scale (+ offset) in one rounding, as gguf's dequantiser computes them
+ * (code·scale is exact in float32 for every format we store: ≤ 17 + 8 significant bits) */
+static inline __m256 rebuild8(__m256 cf, __m256 sv, __m256 ov, int has_offset) {
     return has_offset ? _mm256_fmadd_ps(cf, sv, ov) : _mm256_mul_ps(cf, sv);
 }
 
-/* one weight row against R ≤ MB query rows (R a constant in each copy: the accumulators stay in registers).
- * Up to 4 rows, two accumulators per row so that successive products do not wait on each other; from 5 rows
- * one each (R independent chains already hide the FMA latency, and 2·R would not fit the 16 registers).
- * G a multiple of 16. */
+/* one weight row against R ≤ MB query rows (R a constant in each copy: the accumulators stay in registers),
+ * each weight rebuilt once for all R rows. Up to 4 rows, two accumulators per row so that successive products
+ * do not wait on each other; from 5 rows one each (R independent chains already hide the FMA latency, and 2·R
+ * would not fit the 16 registers). */
 #define ROWS(R)                                                                                              \
-    static inline void rows##R(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, \
-                               int64_t ng, int64_t G, int packed, float* out) {                            \
+    static inline void rows##R(const float* x, int64_t K, const int8_t* c, int64_t us, const float* s,     \
+                               const float* o, int64_t ng, int64_t G, int packed, float* out) {            \
         __m256 a[R], b[R];                                                                                  \
         for (int m = 0; m < R; m++) a[m] = b[m] = _mm256_setzero_ps();                                      \
-        for (int64_t g = 0; g < ng; g++) {                                                                  \
-            const __m256 sv = _mm256_set1_ps(s[g]);                                                         \
-            const __m256 ov = o ? _mm256_set1_ps(o[g]) : _mm256_setzero_ps();                               \
-            for (int64_t j = 0; j < G; j += 16) {                                                           \
-                const __m128i c16 = codes16(c, g, G, j, packed);                                            \
-                const __m256 w0 = weights8(c16, sv, ov, o != NULL);                                         \
-                const __m256 w1 = weights8(_mm_srli_si128(c16, 8), sv, ov, o != NULL);                      \
-                for (int m = 0; m < R; m++) {                                                               \
-                    const float* xm = x + m * K + g * G + j;                                                \
-                    a[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), a[m]);                                  \
-                    if (R <= 4)                                                                             \
-                        b[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), b[m]);                          \
-                    else                                                                                    \
-                        a[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), a[m]);                          \
+        const __m256 zero = _mm256_setzero_ps();                                                            \
+        if (packed) {                                                                                       \
+            for (int64_t g = 0; g < ng; g += 2) {                                                           \
+                const __m256i v = _mm256_loadu_si256((const __m256i*)PAIR(c, us, g));                       \
+                const __m256 s0 = _mm256_set1_ps(s[g]), s1 = _mm256_set1_ps(s[g + 1]);                      \
+                const __m256 o0 = o ? _mm256_set1_ps(o[g]) : zero, o1 = o ? _mm256_set1_ps(o[g + 1]) : zero; \
+                _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                                       \
+                    const __m256 w = rebuild8(NIB(v, i), i < 4 ? s0 : s1, i < 4 ? o0 : o1, o != NULL);      \
+                    for (int m = 0; m < R; m++) {                                                           \
+                        const __m256 xv = _mm256_loadu_ps(x + m * K + g * 32 + 8 * i);                      \
+                        if (R <= 4 && (i & 1))                                                              \
+                            b[m] = _mm256_fmadd_ps(w, xv, b[m]);                                            \
+                        else                                                                                \
+                            a[m] = _mm256_fmadd_ps(w, xv, a[m]);                                            \
+                    }                                                                                       \
+                }                                                                                           \
+            }                                                                                               \
+        } else {                                                                                            \
+            for (int64_t g = 0; g < ng; g++) {                                                              \
+                const __m256 sv = _mm256_set1_ps(s[g]);                                                     \
+                const __m256 ov = o ? _mm256_set1_ps(o[g]) : zero;                                          \
+                for (int64_t j = 0; j < G; j += 16) {                                                       \
+                    const __m256 w0 = rebuild8(BYTES8(CODE(c, us, g * G + j)), sv, ov, o != NULL);          \
+                    const __m256 w1 = rebuild8(BYTES8(CODE(c, us, g * G + j + 8)), sv, ov, o != NULL);      \
+                    for (int m = 0; m < R; m++) {                                                           \
+                        const float* xm = x + m * K + g * G + j;                                            \
+                        a[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), a[m]);                              \
+                        if (R <= 4)                                                                         \
+                            b[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), b[m]);                      \
+                        else                                                                                \
+                            a[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), a[m]);                      \
+                    }                                                                                       \
                 }                                                                                           \
             }                                                                                               \
         }                                                                                                   \
         for (int m = 0; m < R; m++) out[m] = hsum8(_mm256_add_ps(a[m], b[m]));                              \
     }
-ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 
-static inline void row_dot(const float* x, int64_t K, const int8_t* c, const float* s, const float* o,
-                           int64_t ng, int64_t G, int packed, int mb, float* out) {
+static inline void row_dot(const float* x, int64_t K, const int8_t* c, int64_t us, const float* s, const float* o,
+                           const float* xs, int64_t ng, int64_t G, int packed, int mb, float* out) {
     switch (mb) {
-        case 1: rows1(x, K, c, s, o, ng, G, packed, out); break;
-        case 2: rows2(x, K, c, s, o, ng, G, packed, out); break;
-        case 3: rows3(x, K, c, s, o, ng, G, packed, out); break;
-        case 4: rows4(x, K, c, s, o, ng, G, packed, out); break;
-        case 5: rows5(x, K, c, s, o, ng, G, packed, out); break;
-        case 6: rows6(x, K, c, s, o, ng, G, packed, out); break;
-        case 7: rows7(x, K, c, s, o, ng, G, packed, out); break;
-        default: rows8(x, K, c, s, o, ng, G, packed, out); break;
+        case 1: out[0] = row_dot1(x, c, us, s, o, xs, ng, G, packed); break;
+        case 2: rows2(x, K, c, us, s, o, ng, G, packed, out); break;
+        case 3: rows3(x, K, c, us, s, o, ng, G, packed, out); break;
+        case 4: rows4(x, K, c, us, s, o, ng, G, packed, out); break;
+        case 5: rows5(x, K, c, us, s, o, ng, G, packed, out); break;
+        case 6: rows6(x, K, c, us, s, o, ng, G, packed, out); break;
+        case 7: rows7(x, K, c, us, s, o, ng, G, packed, out); break;
+        default: rows8(x, K, c, us, s, o, ng, G, packed, out); break;
     }
-}
-
-/* the common decode case, one query row and G = 32: four independent chains */
-static inline float row_dot1_g32(const float* x, const int8_t* c, const float* s, const float* o, int64_t ng,
-                                 int packed) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    for (int64_t g = 0; g < ng; g++) {
-        const float* xg = x + g * 32;
-        const __m256 sv = _mm256_set1_ps(s[g]);
-        const __m256 ov = o ? _mm256_set1_ps(o[g]) : _mm256_setzero_ps();
-        const __m128i lo = codes16(c, g, 32, 0, packed), hi = codes16(c, g, 32, 16, packed);
-        a0 = _mm256_fmadd_ps(weights8(lo, sv, ov, o != NULL), _mm256_loadu_ps(xg), a0);
-        a1 = _mm256_fmadd_ps(weights8(_mm_srli_si128(lo, 8), sv, ov, o != NULL), _mm256_loadu_ps(xg + 8), a1);
-        a2 = _mm256_fmadd_ps(weights8(hi, sv, ov, o != NULL), _mm256_loadu_ps(xg + 16), a2);
-        a3 = _mm256_fmadd_ps(weights8(_mm_srli_si128(hi, 8), sv, ov, o != NULL), _mm256_loadu_ps(xg + 24), a3);
-    }
-    return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 }
 #else
 int lmhead_coded_avx2(void) { return 0; }
 
-static inline int code_at(const int8_t* c, int64_t g, int64_t G, int64_t i, int packed) {
-    if (!packed) return c[g * G + i];
-    const uint8_t byte = (uint8_t)c[g * 16 + (i & 15)];
-    return i < 16 ? (byte & 0x0F) : (byte >> 4);
+/* code k of a row (k = g·G + i): as stored, or from the packed layout described above */
+static inline int code_at(const int8_t* c, int64_t us, int64_t k, int packed) {
+    if (!packed) return *CODE(c, us, k);
+    const int64_t r = k % 64;
+    const uint8_t* lane = (const uint8_t*)c + (k / 64) * us + (r % 8) * 4;
+    const uint32_t word = (uint32_t)lane[0] | (uint32_t)lane[1] << 8 | (uint32_t)lane[2] << 16 | (uint32_t)lane[3] << 24;
+    return (int)((word >> (4 * (r / 8))) & 15);
 }
 
-static inline void row_dot(const float* x, int64_t K, const int8_t* c, const float* s, const float* o,
-                           int64_t ng, int64_t G, int packed, int mb, float* out) {
+static inline void row_dot(const float* x, int64_t K, const int8_t* c, int64_t us, const float* s, const float* o,
+                           const float* xs, int64_t ng, int64_t G, int packed, int mb, float* out) {
+    (void)xs;
     for (int m = 0; m < mb; m++) {
         const float* xm = x + m * K;
         float r = 0.f;
         for (int64_t g = 0; g < ng; g++)
             for (int64_t i = 0; i < G; i++) {
-                const float code = (float)code_at(c, g, G, i, packed);
+                const float code = (float)code_at(c, us, g * G + i, packed);
                 const float w = o ? fmaf(code, s[g], o[g]) : code * s[g];
                 r += w * xm[g * G + i];
             }
@@ -142,28 +298,78 @@ static inline void row_dot(const float* x, int64_t K, const int8_t* c, const flo
 #endif
 
 /* y [M, N] = x [M, K] · Wᵀ, W given by codes/scale/offset as above. Returns 0, or -1 for arguments it cannot
- * take (G not a multiple of 16, K not a multiple of G). */
-int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const float* scale,
-                        const float* offset, int64_t N, int64_t G, int packed, float* y, int threads) {
-    if (G <= 0 || G % 16 != 0 || K % G != 0 || M < 0 || N < 0 || (packed && G != 32)) return -1;
+ * take (G not a multiple of 16, K not a multiple of G; packed: G ≠ 32 or K not a multiple of 64; rows4: G ≠ 32
+ * or N not a multiple of 4; float16
+ * scales: more than HALF_MAX_GROUPS groups per row). */
+int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const void* scale,
+                        const void* offset, int64_t N, int64_t G, int flags, float* y, int threads) {
+    const int packed = flags & LMHEAD_PACKED, half = (flags & LMHEAD_HALF) != 0, rows4 = (flags & LMHEAD_ROWS4) != 0;
+    if (G <= 0 || G % 16 != 0 || K % G != 0 || M < 0 || N < 0 || (packed && (G != 32 || K % 64 != 0)) ||
+        (rows4 && (G != 32 || N % 4 != 0)))
+        return -1;
+    const int64_t row_bytes = packed ? K / 2 : K, us = rows4 ? 128 : 32;
     const int64_t ng = K / G;
+    if (half && ng > HALF_MAX_GROUPS) return -1;
+    const size_t scale_bytes = half ? 2 : 4;
     if (threads < 1) threads = 1;
+    /* a pass of one query row (M = 1, or the last of M = 9, 17, …) with offsets: that row's group sums, once
+     * for all N weight rows */
+    float xs_stack[256];
+    float* xs = NULL;
+    if (M > 0 && (M - 1) % MB == 0 && offset) {
+        const float* last = x + (M - 1) * K;
+        xs = ng <= 256 ? xs_stack : (float*)malloc((size_t)ng * sizeof(float));
+        if (!xs) return -1;
+        for (int64_t g = 0; g < ng; g++) {
+            float t = 0.f;
+            for (int64_t i = 0; i < G; i++) t += last[g * G + i];
+            xs[g] = t;
+        }
+    }
+#ifdef __AVX2__
+    if (M == 1 && rows4) { /* decode: weight rows four at a time */
+        const int64_t blocks = N / 4;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t n0 = b * 4, nr = 4;
+            const float* s = (const float*)((const char*)scale + (size_t)n0 * ng * scale_bytes);
+            const float* o = offset ? (const float*)((const char*)offset + (size_t)n0 * ng * scale_bytes) : NULL;
+            float s32[4 * HALF_MAX_GROUPS], o32[4 * HALF_MAX_GROUPS];
+            if (half) {
+                halves_to_floats((const uint16_t*)s, s32, nr * ng);
+                s = s32;
+                if (o) {
+                    halves_to_floats((const uint16_t*)o, o32, nr * ng);
+                    o = o32;
+                }
+            }
+            rows4_dot1(x, codes + n0 * row_bytes, s, o, xs, ng, packed, y + n0);
+        }
+        if (xs && xs != xs_stack) free(xs);
+        return 0;
+    }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        const int8_t* c = codes + n * (packed ? K / 2 : K);
-        const float* s = scale + n * ng;
-        const float* o = offset ? offset + n * ng : NULL;
+        const int8_t* c = rows4 ? codes + (n / 4) * 4 * row_bytes + (n % 4) * 32 : codes + n * row_bytes;
+        const float* s = (const float*)((const char*)scale + (size_t)n * ng * scale_bytes);
+        const float* o = offset ? (const float*)((const char*)offset + (size_t)n * ng * scale_bytes) : NULL;
+        float s32[HALF_MAX_GROUPS], o32[HALF_MAX_GROUPS];
+        if (half) {
+            halves_to_floats((const uint16_t*)s, s32, ng);
+            s = s32;
+            if (o) {
+                halves_to_floats((const uint16_t*)o, o32, ng);
+                o = o32;
+            }
+        }
         for (int64_t m0 = 0; m0 < M; m0 += MB) {
             const int mb = (int)(M - m0 < MB ? M - m0 : MB);
             float out[MB];
-#ifdef __AVX2__
-            if (mb == 1 && G == 32)
-                out[0] = row_dot1_g32(x + m0 * K, c, s, o, ng, packed);
-            else
-#endif
-                row_dot(x + m0 * K, K, c, s, o, ng, G, packed, mb, out);
+            row_dot(x + m0 * K, K, c, us, s, o, xs, ng, G, packed, mb, out);
             for (int m = 0; m < mb; m++) y[(m0 + m) * N + n] = out[m];
         }
     }
+    if (xs && xs != xs_stack) free(xs);
     return 0;
 }

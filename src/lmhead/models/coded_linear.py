@@ -29,12 +29,12 @@ __all__ = ["CodedLinear", "coded_available"]
 
 
 def _call(lib: ctypes.CDLL, x: Tensor, codes: Tensor, scale: Tensor, offset: Tensor | None, group: int,
-          packed: bool) -> Tensor:
+          flags: int) -> Tensor:
     m, k = x.shape
     n = codes.shape[0]
     y = torch.empty((m, n), dtype=torch.float32)
     rc = lib.lmhead_coded_matmul(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(),
-                                 None if offset is None else offset.data_ptr(), n, group, int(packed), y.data_ptr(),
+                                 None if offset is None else offset.data_ptr(), n, group, flags, y.data_ptr(),
                                  torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"coded kernel rejected the shapes x {tuple(x.shape)}, codes {tuple(codes.shape)}, "
@@ -73,14 +73,31 @@ class CodedLinear:
         if weight is not None and tuple(weight.shape) != (n, k):
             raise ValueError(f"weight must be [{n}, {k}] like the codes, got {tuple(weight.shape)}")
         # unsigned 4-bit codes (Q4_K, Q4_1) are stored two per byte: half the bytes to read again
-        self.packed = bool(self.group == 32 and codes.numel() and int(codes.min()) >= 0 and int(codes.max()) <= 15)
-        self.codes = native.pack4(codes) if self.packed else codes.contiguous()
-        self.scale = scale.float().contiguous()
-        self.offset = None if offset is None else offset.float().contiguous()
+        self.packed = bool(self.group == 32 and k % 64 == 0 and codes.numel()
+                           and int(codes.min()) >= 0 and int(codes.max()) <= 15)
+        codes = native.pack4(codes) if self.packed else codes.contiguous()
+        # groups of 32 in whole blocks of four rows: stored block by block, so that decode reads four rows from
+        # one forward stream (coded_kernel.c)
+        self.rows4 = bool(self.group == 32 and n and n % 4 == 0)
+        self.codes = native.block4(codes) if self.rows4 else codes
+        scale, offset = scale.float(), None if offset is None else offset.float()
+        # scales and offsets that are float16 numbers (the d and m of Q4_0/Q4_1/Q5_0/Q8_0 blocks) are kept as
+        # float16: the same values, and 1/16 of a byte less per weight to read
+        self.half = scale.shape[1] <= native.HALF_MAX_GROUPS and all(
+            torch.equal(t.half().float(), t) for t in (scale, offset) if t is not None)
+        dtype = torch.float16 if self.half else torch.float32
+        self.scale = scale.to(dtype).contiguous()
+        self.offset = None if offset is None else offset.to(dtype).contiguous()
         self.weight = weight
         self.sources = tuple(sources) if sources is not None else (() if weight is None else (weight,))
         self.versions = tuple(t._version for t in self.sources)
         self.out_features, self.in_features = n, k
+
+    @property
+    def flags(self) -> int:
+        """The kernel's layout flags (`native.PACKED`, `native.HALF`)."""
+        return ((native.PACKED if self.packed else 0) | (native.HALF if self.half else 0)
+                | (native.ROWS4 if self.rows4 else 0))
 
     @property
     def nbytes(self) -> int:
@@ -92,11 +109,12 @@ class CodedLinear:
 
     def dequantize(self) -> Tensor:
         """The float32 matrix [N,K] the codes encode."""
-        codes = native.unpack4(self.codes) if self.packed else self.codes
+        codes = native.unblock4(self.codes) if self.rows4 else self.codes
+        codes = native.unpack4(codes) if self.packed else codes
         n, k = codes.shape
-        w = codes.float().view(n, -1, self.group) * self.scale[..., None]
+        w = codes.float().view(n, -1, self.group) * self.scale.float()[..., None]
         if self.offset is not None:
-            w = w + self.offset[..., None]
+            w = w + self.offset.float()[..., None]
         return w.view(n, k)
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -107,9 +125,10 @@ class CodedLinear:
             return torch.nn.functional.linear(x, w)
         shape = x.shape
         y = _call(lib, x.reshape(-1, shape[-1]).contiguous(), self.codes, self.scale, self.offset, self.group,
-                  self.packed)
+                  self.flags)
         return y.view(*shape[:-1], self.out_features)
 
     def __repr__(self) -> str:
         return (f"CodedLinear(in_features={self.in_features}, out_features={self.out_features}, "
-                f"group={self.group}, offset={self.offset is not None}, packed={self.packed})")
+                f"group={self.group}, offset={self.offset is not None}, packed={self.packed}, half={self.half}, "
+                f"rows4={self.rows4})")

@@ -236,6 +236,7 @@ class LeanBody:
 
         if not coded_available() or not codes:
             return 0
+        self._descs = self._versioned = None  # the step's descriptors and version list follow the new matrices
         count = 0
         for i, (layer, block) in enumerate(zip(self.layers, self.hf_blocks, strict=True)):
             attn, mlp = block.self_attn, block.mlp
@@ -341,7 +342,7 @@ class LeanBody:
 
             def mat(c: CodedLinear) -> native.MatDesc:
                 return native.MatDesc(ptr(c.codes), ptr(c.scale), ptr(c.offset), c.group, c.out_features,
-                                      c.in_features, int(c.packed))
+                                      c.in_features, c.flags)
 
             descs = (native.LayerDesc * len(self.layers))()
             for d, layer in zip(descs, self.layers, strict=True):
@@ -359,13 +360,17 @@ class LeanBody:
     def _weight_versions(self) -> tuple[int, ...]:
         """The versions of every tensor `lmhead_step` reads (norms and codes' sources): a change in place
         rebuilds its descriptors, or — for the coded matrices — sends the step down the torch path."""
-        tensors = [self.final_norm]
-        for layer in self.layers:
-            tensors += [t for t in (layer.input_norm, layer.post_attn_norm, layer.pre_mlp_norm, layer.post_mlp_norm,
-                                    layer.q_norm, layer.k_norm, layer.qkv_bias) if t is not None]
-            for c in (layer.coded or {}).values():
-                tensors += list(c.sources)
-        return tuple(t._version for t in tensors)
+        tensors = self.__dict__.get("_versioned")
+        if tensors is None:  # the list is fixed once the layers are built; their versions are read every step
+            tensors = [self.final_norm]
+            for layer in self.layers:
+                tensors += [t for t in (layer.input_norm, layer.post_attn_norm, layer.pre_mlp_norm,
+                                        layer.post_mlp_norm, layer.q_norm, layer.k_norm, layer.qkv_bias)
+                            if t is not None]
+                for c in (layer.coded or {}).values():
+                    tensors += list(c.sources)
+            self._versioned = tensors
+        return tuple([t._version for t in tensors])
 
     def _step_native(self, x: Tensor, rope: dict, masks: dict, cache: StaticCache, start: int) -> Tensor | None:
         """Every block in one C call (`lmhead_step`) when all matrices read codes → hidden [B,T,D], else None."""
@@ -471,6 +476,8 @@ class LeanBody:
         padding query with nothing to attend to gives numbers, not NaN) over the L = start+T filled columns, one
         per kind of layer (sliding or not); None where nothing is dropped."""
         length = start + t
+        if t == 1:  # decode: every filled column is at or before the query's, so only validity and the window
+            return self._step_masks(cache, start)
         q = torch.arange(start, length, device=cache.valid.device)[:, None]   # [T,1] query columns
         kv = torch.arange(length, device=cache.valid.device)[None, :]         # [1,L] key columns
         causal = (kv <= q)[None, None, None]                                  # [1,1,1,T,L]
@@ -487,6 +494,23 @@ class LeanBody:
                 continue
             mask = torch.zeros(keep.shape, dtype=torch.float32, device=keep.device)
             out[sliding] = mask.masked_fill_(~keep, torch.finfo(torch.float32).min)
+        return out
+
+    def _step_masks(self, cache: StaticCache, start: int) -> dict[bool, Tensor | None]:
+        """`_masks` for one new column (T = 1): the same masks from fewer operations."""
+        length = start + 1
+        allowed = cache.valid[:, :length]                                     # [B,L]
+        out: dict[bool, Tensor | None] = {}
+        for sliding in {layer.sliding for layer in self.layers}:
+            keep = allowed
+            if sliding:
+                pos = cache.positions[:, :length]
+                keep = keep & ((pos[:, start:] - pos) < self.window)
+            if bool(keep.all()):
+                out[sliding] = None
+                continue
+            mask = torch.zeros(keep.shape, dtype=torch.float32, device=keep.device)
+            out[sliding] = mask.masked_fill_(~keep, torch.finfo(torch.float32).min)[:, None, None, None]
         return out
 
     def _attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
@@ -563,9 +587,32 @@ class LeanBody:
 
     __call__ = forward
 
+    # rope types whose frequencies do not depend on the sequence (the rest are recomputed every step)
+    STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn", "proportional"})
+
     def _rotary(self, x: Tensor, positions: Tensor, kind: str) -> tuple[Tensor, Tensor]:
         """cos and the signed sin of `_rope`, [B,T,1,hd] (broadcast over heads), from the model's own rotary
-        module (its frequencies and scaling)."""
+        module (its frequencies and scaling). Where those do not change with the sequence, rows of a table the
+        module made once for positions 0..P-1 (each entry is the same element-wise product and cos/sin as a
+        per-step call: decode no longer calls the module every step)."""
+        types = getattr(self.rotary, "rope_type", "default")
+        static = all(t in self.STATIC_ROPE for t in (types.values() if isinstance(types, dict) else [types]))
+        if not static or positions.numel() == 0:
+            return self._rotary_rows(x, positions, kind)
+        tables = self.__dict__.setdefault("_rope_tables", {})
+        key = (kind, x.dtype, x.device)
+        need = int(positions.max()) + 1
+        if key not in tables or tables[key][0].shape[0] < need or int(positions.min()) < 0:
+            if int(positions.min()) < 0:
+                return self._rotary_rows(x, positions, kind)
+            size = max(need, 2 * tables[key][0].shape[0] if key in tables else 512)
+            cos, signed = self._rotary_rows(x, torch.arange(size, device=positions.device)[None], kind)
+            tables[key] = (cos[0, :, 0], signed[0, :, 0])                    # [P,hd]
+        cos, signed = tables[key]
+        return cos[positions].unsqueeze(2), signed[positions].unsqueeze(2)
+
+    def _rotary_rows(self, x: Tensor, positions: Tensor, kind: str) -> tuple[Tensor, Tensor]:
+        """`_rotary` from one call of the model's rotary module for `positions` [B,T]."""
         if self.gemma:
             cos, sin = self.rotary(x, positions, kind)
         else:

@@ -12,6 +12,7 @@
 /* rows of `dim` numbers; weight row r % wrows; Gemma scales by (1 + w), Llama by w */
 static inline void norm_row(const float* x, const float* w, float* y, int64_t dim, float eps, int plus_one) {
     float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < dim; i++) ss += x[i] * x[i];
     const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
     if (plus_one)
@@ -42,24 +43,61 @@ void lmhead_add_norm(const float* x, const float* a, const float* w_post, const 
     }
 }
 
+#ifdef __AVX2__
+#include <immintrin.h>
+
+/* e^x for eight floats: x = n·ln2 + r (ln2 in two parts, |r| ≤ ln2/2), e^r by Cephes' degree-6 polynomial,
+ * 2^n into the exponent; x clamped to [−87, 88] (finite, normal results). Within 2 ulp of expf: the activations
+ * below were one libm call per element (a third of a millisecond per step on these models). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
 /* out [rows, F] = act(gate) · up with gate_up [rows, 2F] = [gate | up]; act 0: tanh-approximated GELU
- * (Gemma's gelu_pytorch_tanh), 1: SiLU (Llama) */
+ * (Gemma's gelu_pytorch_tanh, tanh(y) = 1 − 2/(e^{2y} + 1)), 1: SiLU (Llama, x/(1 + e^{−x})) */
 void lmhead_gated(const float* gate_up, float* out, int64_t rows, int64_t f, int act) {
     const float k0 = 0.7978845608028654f, k1 = 0.044715f;
     for (int64_t r = 0; r < rows; r++) {
         const float* g = gate_up + r * 2 * f;
         const float* u = g + f;
         float* o = out + r * f;
-        if (act == 0)
-            for (int64_t i = 0; i < f; i++) {
-                const float x = g[i];
-                o[i] = 0.5f * x * (1.0f + tanhf(k0 * (x + k1 * x * x * x))) * u[i];
+        int64_t i = 0;
+#ifdef __AVX2__
+        const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f), half = _mm256_set1_ps(0.5f);
+        for (; i + 8 <= f; i += 8) {
+            const __m256 x = _mm256_loadu_ps(g + i), up = _mm256_loadu_ps(u + i);
+            __m256 a;
+            if (act == 0) {
+                const __m256 y = _mm256_mul_ps(_mm256_set1_ps(k0),
+                                               _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(k1), x),
+                                                               _mm256_mul_ps(x, x), x));
+                const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(exp8(_mm256_add_ps(y, y)), one)));
+                a = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, t));
+            } else {
+                a = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
             }
-        else
-            for (int64_t i = 0; i < f; i++) {
-                const float x = g[i];
-                o[i] = x / (1.0f + expf(-x)) * u[i];
-            }
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(a, up));
+        }
+#endif
+        for (; i < f; i++) {
+            const float x = g[i];
+            o[i] = act == 0 ? 0.5f * x * (1.0f + tanhf(k0 * (x + k1 * x * x * x))) * u[i]
+                            : x / (1.0f + expf(-x)) * u[i];
+        }
     }
 }
 
@@ -118,6 +156,8 @@ int lmhead_attend(const float* qk, int64_t qk_stride, const float* v, int64_t v_
         for (int64_t j = 0; j < L; j++) {
             const float* kj = kb + j * hd;
             float sc = 0.f;
+            /* a vectorised sum (8 lanes, then the lanes): one serial chain of hd adds took most of the step */
+#pragma omp simd reduction(+ : sc)
             for (int64_t i = 0; i < hd; i++) sc += qv[i] * kj[i];
             sc *= scaling;
             if (softcap > 0.f) sc = tanhf(sc / softcap) * softcap;
@@ -146,14 +186,14 @@ int lmhead_attend(const float* qk, int64_t qk_stride, const float* v, int64_t v_
 
 /* --- the whole decode step: every block in one call ------------------------------------------------------ */
 
-int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const float* scale,
-                        const float* offset, int64_t N, int64_t G, int packed, float* y, int threads);
+int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const void* scale,
+                        const void* offset, int64_t N, int64_t G, int flags, float* y, int threads);
 
 typedef struct {
     const int8_t* codes;
-    const float* scale;
-    const float* offset; /* NULL when the format has none */
-    int64_t group, n, k, packed;
+    const void* scale;  /* float32, or float16 (flags) */
+    const void* offset; /* NULL when the format has none */
+    int64_t group, n, k, flags; /* flags: coded_kernel.c's LMHEAD_PACKED | LMHEAD_HALF */
 } lmhead_mat;
 
 typedef struct {
@@ -165,7 +205,7 @@ typedef struct {
 } lmhead_layer;
 
 static int matmul(const float* x, int64_t rows, const lmhead_mat* m, float* y, int threads) {
-    return lmhead_coded_matmul(x, rows, m->k, m->codes, m->scale, m->offset, m->n, m->group, (int)m->packed, y,
+    return lmhead_coded_matmul(x, rows, m->k, m->codes, m->scale, m->offset, m->n, m->group, (int)m->flags, y,
                                threads);
 }
 

@@ -28,11 +28,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SOURCES", "LayerDesc", "MatDesc", "library", "library_path", "pack4", "unpack4"]
+__all__ = ["HALF", "HALF_MAX_GROUPS", "PACKED", "ROWS4", "SOURCES", "LayerDesc", "MatDesc", "block4", "library",
+           "library_path", "pack4", "unblock4", "unpack4"]
 
 SOURCES = (Path(__file__).with_name("coded_kernel.c"), Path(__file__).with_name("lean_kernels.c"))
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
-_ABI = 3  # lmhead_coded_abi() of the sources above
+# coded_kernel.c's flags: 4-bit codes two per byte; float16 scales and offsets; rows stored in blocks of four
+PACKED, HALF, ROWS4 = 1, 2, 4
+HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
+_ABI = 6  # lmhead_coded_abi() of the sources above
 
 
 def _cpu_flags() -> str:
@@ -89,10 +93,10 @@ def _build(target: Path) -> bool:
 
 
 class MatDesc(ctypes.Structure):
-    """lmhead_mat: a coded matrix (codes, scale, offset or NULL, group, n, k, packed)."""
+    """lmhead_mat: a coded matrix (codes, scale, offset or NULL, group, n, k, flags: PACKED | HALF)."""
 
     _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("offset", ctypes.c_void_p),
-                ("group", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("packed", ctypes.c_int64)]
+                ("group", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("flags", ctypes.c_int64)]
 
 
 class LayerDesc(ctypes.Structure):
@@ -151,18 +155,32 @@ def library() -> ctypes.CDLL | None:
 
 
 def pack4(codes: torch.Tensor) -> torch.Tensor:
-    """Unsigned 4-bit codes [N,K] (groups of 32) → [N,K/2] int8, the kernel's packed layout: in each group's 16
-    bytes, code i in the low nibble of byte i and code 16+i in the high nibble."""
+    """Unsigned 4-bit codes [N,K] (groups of 32, K a multiple of 64) → [N,K/2] int8, the kernel's packed layout:
+    each 64 codes are 32 bytes read as eight little-endian uint32 lanes, nibble i of lane l holding code 8·i + l
+    (so that one shift and one mask put eight consecutive codes in the eight lanes of a vector)."""
     n, k = codes.shape
-    g = codes.view(n, k // 32, 2, 16).to(torch.uint8)
-    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2).view(torch.int8)
+    c = codes.view(n, k // 64, 4, 2, 8).to(torch.uint8)        # [.., byte b, low/high nibble, lane l]
+    return (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).transpose(2, 3).reshape(n, k // 2).view(torch.int8)
+
+
+def block4(rows: torch.Tensor) -> torch.Tensor:
+    """Code rows [N,R] (N a multiple of 4, R of 32 bytes: int8 codes or `pack4`'s) → the kernel's ROWS4 layout,
+    same shape: each block of four rows stored 32-byte unit by unit (unit u of its rows 0..3 side by side)."""
+    n, r = rows.shape
+    return rows.reshape(n // 4, 4, r // 32, 32).transpose(1, 2).reshape(n, r).contiguous()
+
+
+def unblock4(blocked: torch.Tensor) -> torch.Tensor:
+    """The inverse of `block4`."""
+    n, r = blocked.shape
+    return blocked.reshape(n // 4, r // 32, 4, 32).transpose(1, 2).reshape(n, r).contiguous()
 
 
 def unpack4(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of `pack4`: [N,K/2] → int8 codes [N,K]."""
     n, half = packed.shape
-    b = packed.view(torch.uint8).view(n, half // 16, 16)
-    return torch.stack([b & 15, b >> 4], dim=2).reshape(n, half * 2).to(torch.int8)
+    b = packed.view(torch.uint8).view(n, half // 32, 8, 4).transpose(2, 3)   # [.., byte b, lane l]
+    return torch.stack([b & 15, b >> 4], dim=3).reshape(n, half * 2).to(torch.int8)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -182,24 +200,38 @@ def _self_test(lib: ctypes.CDLL) -> bool:
         if off is not None:
             w = w + off[..., None]
         w = w.view(37, -1)
-        for m in (1, 3, 6):
+        for m in (1, 3, 6, 9):
             x = torch.randn(m, 4 * group, generator=g)
             y = torch.empty(m, 37)
             rc = lib.lmhead_coded_matmul(x.data_ptr(), m, 4 * group, codes.data_ptr(), scale.data_ptr(),
                                          None if off is None else off.data_ptr(), 37, group, 0, y.data_ptr(), 2)
             if rc != 0 or not _close(y, x.double() @ w.double().T):
                 return False
-    # packed 4-bit codes: the same product from half the bytes
-    codes = torch.randint(0, 16, (19, 64), generator=g, dtype=torch.int8)
-    scale, off = torch.rand(19, 2, generator=g) * 0.01, torch.randn(19, 2, generator=g) * 0.01
-    w = (codes.float().view(19, 2, 32) * scale[..., None] + off[..., None]).view(19, 64)
+    # packed 4-bit codes (the same product from half the bytes), float16 scales, both
+    codes = torch.randint(0, 16, (19, 128), generator=g, dtype=torch.int8)
+    scale = (torch.rand(19, 4, generator=g) * 0.01).half()
+    off = (torch.randn(19, 4, generator=g) * 0.01).half()
+    w = (codes.float().view(19, 4, 32) * scale.float()[..., None] + off.float()[..., None]).view(19, 128)
     packed = pack4(codes)  # held: the kernel reads its memory
-    for m in (1, 5):
-        x, y = torch.randn(m, 64, generator=g), torch.empty(m, 19)
-        rc = lib.lmhead_coded_matmul(x.data_ptr(), m, 64, packed.data_ptr(), scale.data_ptr(), off.data_ptr(),
-                                     19, 32, 1, y.data_ptr(), 2)
-        if rc != 0 or not _close(y, x.double() @ w.double().T):
-            return False
+    for flags in (PACKED, HALF, PACKED | HALF, ROWS4, ROWS4 | PACKED, ROWS4 | PACKED | HALF):
+        rows = 16 if flags & ROWS4 else 19  # ROWS4: whole blocks of four rows
+        c = packed[:rows] if flags & PACKED else codes[:rows]
+        c = block4(c) if flags & ROWS4 else c
+        s, o = (scale, off) if flags & HALF else (scale.float(), off.float())
+        s, o = s[:rows].contiguous(), o[:rows].contiguous()
+        for m in (1, 5, 9):
+            x, y = torch.randn(m, 128, generator=g), torch.empty(m, rows)
+            rc = lib.lmhead_coded_matmul(x.data_ptr(), m, 128, c.data_ptr(), s.data_ptr(), o.data_ptr(),
+                                         rows, 32, flags, y.data_ptr(), 2)
+            if rc != 0 or not _close(y, x.double() @ w[:rows].double().T):
+                return False
+        if flags & ROWS4:  # without offsets too (Q8_0, Q5_0)
+            x, y = torch.randn(1, 128, generator=g), torch.empty(1, rows)
+            rc = lib.lmhead_coded_matmul(x.data_ptr(), 1, 128, c.data_ptr(), s.data_ptr(), None, rows, 32, flags,
+                                         y.data_ptr(), 2)
+            wo = (codes[:rows].float().view(rows, 4, 32) * scale[:rows].float()[..., None]).view(rows, 128)
+            if rc != 0 or not _close(y, x.double() @ wo.double().T):
+                return False
     x, a = torch.randn(3, 40, generator=g), torch.randn(3, 40, generator=g)
     w1, w2 = torch.randn(40, generator=g), torch.randn(40, generator=g)
     eps = 1e-6
