@@ -5,7 +5,7 @@
 
 Why: the packaged models' float32 weights are GGUF blocks decoded (Q4_K, Q5_0, Q6_K, Q8_0, Q4_1): every weight
 is a small integer times its group's scale, plus its group's offset. A decode step is a matrix-vector product
-per layer, and on a CPU it waits for memory: float32 reads 4 bytes per weight, these codes 1–1.25. The numbers
+per layer, and on a CPU it waits for memory: float32 reads 4 bytes per weight, these codes 0.6–1.1. The numbers
 are the same — the codes give back the float32 matrix weight for weight (`models/gguf_codes.py` checks it
 when it builds them) — so the product equals the float32 one up to the order of float32 additions.
 

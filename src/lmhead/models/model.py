@@ -80,7 +80,7 @@ class Model:
 
     def use_codes(self, progress: bool = True) -> int:
         """Let decode-sized products — the lean body's and the fp32 head's (`exact_head.product`) — read the GGUF
-        file's own codes (`models/gguf_codes.py`: the float32 weights exactly, 1–1.25 bytes per weight instead
+        file's own codes (`models/gguf_codes.py`: the float32 weights exactly, 0.6–1.1 bytes per weight instead
         of 4) where this model came from one and the coded kernel builds here. Returns how many matrices run
         coded (0: the float32 products — the same numbers, slower)."""
         from lmhead.models.coded_linear import CodedLinear, coded_available
@@ -120,15 +120,12 @@ class Model:
         kept: "ngram" — drafts from the row's own text (prompt lookup; no model, no memory); "int8" — this
         model's body with int8 weights and an int8 head over its most frequent tokens; "none" — None;
         "auto" — the fastest exact setting measured (benchmarks/bench_decode.py, tables in docs/decode.md):
-        "ngram" on the lean body (`generate` narrows it to batches whose rows are all greedy or seeded: for
-        unseeded sampling the drafts' acceptance is too low to pay for the wider verification); none
-        elsewhere."""
+        none — one decode row reads the GGUF codes four weight rows per stream, and a verification of k+1
+        positions costs more than the accepted drafts save on both packaged models."""
         from lmhead.speculative import Draft, NgramDraft, check_draft_mode
 
         check_draft_mode(self, mode)
-        if mode == "auto":
-            mode = "ngram" if self.lean is not None else "none"
-        if mode == "none":
+        if mode in ("auto", "none"):
             return None
         if mode == "ngram":
             return NgramDraft()
