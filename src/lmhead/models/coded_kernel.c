@@ -8,14 +8,18 @@
  * in float32 from the weights' own codes and scales (models/gguf_codes.py checks, weight by weight, that they
  * give back the float32 matrix). Several query rows: each weight is rebuilt in registers exactly as the float32
  * model holds it (code·scale + offset, one rounding) and used for every row. One query row (decode): the group's
- * scale and offset are factored out, Σ_g scale_g·Σ_i code_i·x_i + Σ_g offset_g·Σ_i x_i, one multiply per
- * weight instead of two. Nothing is approximated; only the rounding of the float32 additions differs from a
+ * scale is factored out, Σ_g scale_g·Σ_i code_i·x_i, one multiply per weight instead of two. Offsets of 4-bit
+ * codes are factored out around the codes' middle, Σ_g scale_g·Σ_i (code_i − 8)·x_i + Σ_g (offset_g +
+ * 8·scale_g)·Σ_i x_i: the plain split, offset_g·Σ_i x_i, cancels against the codes' sum (for the usual
+ * zero-centred weights offset ≈ −8·scale) and doubled the error against float64 on Gemma's logits; int8 codes
+ * with offsets are rebuilt. Nothing is approximated; only the rounding of the float32 additions differs from a
  * plain product (tests bound it against float64). A decode step reads 0.6–1.1 bytes per weight instead of
  * float32's 4, and on a CPU whose memory is the limit that is the time.
  *
  * Codes are int8 [N, K] (row-major), or — `packed`, for unsigned 4-bit codes, G = 32 and K a multiple of 64 —
  * two per byte [N, K/2]: each pair of groups (64 codes) is 32 bytes read as eight uint32 lanes, nibble i of
- * lane l holding code 8·i + l, so that one shift and one mask give eight consecutive codes in the eight lanes
+ * lane l holding code 8·i + l XOR 8 (code − 8 as a signed nibble), so that two shifts give eight consecutive
+ * codes − 8 in the eight lanes
  * (no byte shuffles: unpacking was what bounded the product, not memory). Either way a row is a run of 32-byte
  * units (32 int8 codes, or 64 packed ones); `flags & LMHEAD_ROWS4` (G = 32, N a multiple of 4) stores each
  * block of four rows unit by unit — unit u of rows 4b..4b+3 side by side — so that the decode product reads
@@ -62,7 +66,7 @@ static void halves_to_floats(const uint16_t* h, float* f, int64_t n) {
     for (; i < n; i++) f[i] = half_to_float(h[i]);
 }
 
-int lmhead_coded_abi(void) { return 6; }
+int lmhead_coded_abi(void) { return 8; }
 
 #ifdef __AVX2__
 int lmhead_coded_avx2(void) { return 1; }
@@ -74,8 +78,12 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-/* codes 8·i .. 8·i+7 of a packed pair of groups (v: its 32 bytes) as floats */
+/* Packed nibbles hold code ^ 8, i.e. code − 8 as a signed 4-bit number. NIBC: codes 8·i .. 8·i+7 of a packed
+ * pair of groups (v: its 32 bytes) minus 8, as floats (sign-extended by a shift pair: no more work than a mask);
+ * NIB: the codes themselves, from v already XORed back (FLIP). */
+#define NIBC(v, i) _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32((v), 28 - 4 * (i)), 28))
 #define NIB(v, i) _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32((v), 4 * (i)), _mm256_set1_epi32(15)))
+#define FLIP(v) _mm256_xor_si256((v), _mm256_set1_epi32((int)0x88888888u))
 /* eight int8 codes from memory as floats */
 #define BYTES8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p))))
 #endif
@@ -87,7 +95,22 @@ static inline float hsum8(__m256 v) {
 
 #ifdef __AVX2__
 
-/* one query row: Σ_g scale_g·(Σ_i code_i·x_i) + Σ_g offset_g·xs_g, xs [ng] the row's group sums of x */
+/* Σ_g (offset_g + 8·scale_g)·xs_g for a row (offset may be NULL), added to acc's lanes; scalar leftovers into
+ * *tail */
+static inline __m256 centred_offsets(const float* s, const float* o, const float* xs, int64_t ng, __m256 acc,
+                                     float* tail) {
+    int64_t g = 0;
+    const __m256 eight = _mm256_set1_ps(8.0f);
+    for (; g + 8 <= ng; g += 8) {
+        const __m256 ov = o ? _mm256_loadu_ps(o + g) : _mm256_setzero_ps();
+        acc = _mm256_fmadd_ps(_mm256_fmadd_ps(eight, _mm256_loadu_ps(s + g), ov), _mm256_loadu_ps(xs + g), acc);
+    }
+    for (; g < ng; g++) *tail += ((o ? o[g] : 0.0f) + 8.0f * s[g]) * xs[g];
+    return acc;
+}
+
+/* one query row: Σ_g scale_g·(Σ_i code_i·x_i) — int8 codes without offsets — or, packed, the centred form above
+ * (xs [ng]: the query's group sums) */
 static inline float row_dot1(const float* x, const int8_t* c, int64_t us, const float* s, const float* o,
                              const float* xs, int64_t ng, int64_t G, int packed) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -95,14 +118,14 @@ static inline float row_dot1(const float* x, const int8_t* c, int64_t us, const 
         for (int64_t g = 0; g < ng; g += 2) {
             const __m256i v = _mm256_loadu_si256((const __m256i*)PAIR(c, us, g));
             const float* xg = x + g * 32;
-            __m256 d0 = _mm256_mul_ps(NIB(v, 0), _mm256_loadu_ps(xg));
-            __m256 d1 = _mm256_mul_ps(NIB(v, 1), _mm256_loadu_ps(xg + 8));
-            __m256 e0 = _mm256_mul_ps(NIB(v, 4), _mm256_loadu_ps(xg + 32));
-            __m256 e1 = _mm256_mul_ps(NIB(v, 5), _mm256_loadu_ps(xg + 40));
-            d0 = _mm256_fmadd_ps(NIB(v, 2), _mm256_loadu_ps(xg + 16), d0);
-            d1 = _mm256_fmadd_ps(NIB(v, 3), _mm256_loadu_ps(xg + 24), d1);
-            e0 = _mm256_fmadd_ps(NIB(v, 6), _mm256_loadu_ps(xg + 48), e0);
-            e1 = _mm256_fmadd_ps(NIB(v, 7), _mm256_loadu_ps(xg + 56), e1);
+            __m256 d0 = _mm256_mul_ps(NIBC(v, 0), _mm256_loadu_ps(xg));
+            __m256 d1 = _mm256_mul_ps(NIBC(v, 1), _mm256_loadu_ps(xg + 8));
+            __m256 e0 = _mm256_mul_ps(NIBC(v, 4), _mm256_loadu_ps(xg + 32));
+            __m256 e1 = _mm256_mul_ps(NIBC(v, 5), _mm256_loadu_ps(xg + 40));
+            d0 = _mm256_fmadd_ps(NIBC(v, 2), _mm256_loadu_ps(xg + 16), d0);
+            d1 = _mm256_fmadd_ps(NIBC(v, 3), _mm256_loadu_ps(xg + 24), d1);
+            e0 = _mm256_fmadd_ps(NIBC(v, 6), _mm256_loadu_ps(xg + 48), e0);
+            e1 = _mm256_fmadd_ps(NIBC(v, 7), _mm256_loadu_ps(xg + 56), e1);
             acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s[g]), _mm256_add_ps(d0, d1), acc0);
             acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s[g + 1]), _mm256_add_ps(e0, e1), acc1);
         }
@@ -132,22 +155,36 @@ static inline float row_dot1(const float* x, const int8_t* c, int64_t us, const 
                 acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s[g]), _mm256_add_ps(d0, d1), acc0);
         }
     }
-    float r = hsum8(_mm256_add_ps(acc0, acc1));
-    if (o) {
-        __m256 t = _mm256_setzero_ps();
-        int64_t g = 0;
-        for (; g + 8 <= ng; g += 8) t = _mm256_fmadd_ps(_mm256_loadu_ps(o + g), _mm256_loadu_ps(xs + g), t);
-        r += hsum8(t);
-        for (; g < ng; g++) r += o[g] * xs[g];
-    }
-    return r;
+    float tail = 0.f;
+    if (packed) acc0 = centred_offsets(s, o, xs, ng, acc0, &tail);
+    return hsum8(_mm256_add_ps(acc0, acc1)) + tail;
 }
 
 /* a block of four weight rows (LMHEAD_ROWS4 layout) against one query row (decode, G = 32): each x vector is
  * loaded once for the four rows and the four sums are reduced together — with rows of a few hundred weights the
- * per-row loop and reduction cost as much as the products. c: the block's codes; s, o: [4, ng] floats; xs: the
- * query's group sums (offsets only). Same arithmetic as row_dot1, row by row. */
-#define DOT4(c0, c1, c2, c3, acc, sg)                                                                    \
+ * per-row loop and reduction cost as much as the products. c: the block's codes; s, o: [4, ng] floats (o may be
+ * NULL); xs: the query's group sums (packed). Same arithmetic as row_dot1 (int8 codes without offsets, packed
+ * codes), or as the rebuilt weights of rows1 (int8 codes with offsets), row by row. */
+#define DOT4(c0, c1, c2, c3, acc, sg, og)                                                                \
+    do {                                                                                                 \
+        const __m256 s_ = _mm256_set1_ps(sg);                                                            \
+        if (o) {                                                                                         \
+            const __m256 o_ = _mm256_set1_ps(og);                                                        \
+            __m256 d_ = _mm256_mul_ps(_mm256_fmadd_ps((c0), s_, o_), x0);                                \
+            d_ = _mm256_fmadd_ps(_mm256_fmadd_ps((c1), s_, o_), x1, d_);                                 \
+            d_ = _mm256_fmadd_ps(_mm256_fmadd_ps((c2), s_, o_), x2, d_);                                 \
+            d_ = _mm256_fmadd_ps(_mm256_fmadd_ps((c3), s_, o_), x3, d_);                                 \
+            (acc) = _mm256_add_ps(d_, (acc));                                                            \
+        } else {                                                                                         \
+            __m256 d_ = _mm256_mul_ps((c0), x0);                                                         \
+            d_ = _mm256_fmadd_ps((c1), x1, d_);                                                          \
+            d_ = _mm256_fmadd_ps((c2), x2, d_);                                                          \
+            d_ = _mm256_fmadd_ps((c3), x3, d_);                                                          \
+            (acc) = _mm256_fmadd_ps(s_, d_, (acc));                                                      \
+        }                                                                                                \
+    } while (0)
+/* packed, centred: Σ scale·(code − 8)·x (the offsets come after the loop) */
+#define DOT4C(c0, c1, c2, c3, acc, sg)                                                                   \
     do {                                                                                                 \
         __m256 d_ = _mm256_mul_ps((c0), x0);                                                             \
         d_ = _mm256_fmadd_ps((c1), x1, d_);                                                              \
@@ -166,13 +203,13 @@ static inline void rows4_dot1(const float* x, const int8_t* c, const float* s, c
             __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
             for (int r = 0; r < 4; r++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (g * 2 + r) * 32));
-                DOT4(NIB(v, 0), NIB(v, 1), NIB(v, 2), NIB(v, 3), acc[r], s[r * ng + g]);
+                DOT4C(NIBC(v, 0), NIBC(v, 1), NIBC(v, 2), NIBC(v, 3), acc[r], s[r * ng + g]);
             }
             x0 = _mm256_loadu_ps(xg + 32), x1 = _mm256_loadu_ps(xg + 40);
             x2 = _mm256_loadu_ps(xg + 48), x3 = _mm256_loadu_ps(xg + 56);
             for (int r = 0; r < 4; r++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (g * 2 + r) * 32));
-                DOT4(NIB(v, 4), NIB(v, 5), NIB(v, 6), NIB(v, 7), acc[r], s[r * ng + g + 1]);
+                DOT4C(NIBC(v, 4), NIBC(v, 5), NIBC(v, 6), NIBC(v, 7), acc[r], s[r * ng + g + 1]);
             }
         }
     } else {
@@ -182,20 +219,15 @@ static inline void rows4_dot1(const float* x, const int8_t* c, const float* s, c
             const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
             for (int r = 0; r < 4; r++) {
                 const int8_t* cg = c + (g * 4 + r) * 32;
-                DOT4(BYTES8(cg), BYTES8(cg + 8), BYTES8(cg + 16), BYTES8(cg + 24), acc[r], s[r * ng + g]);
+                DOT4(BYTES8(cg), BYTES8(cg + 8), BYTES8(cg + 16), BYTES8(cg + 24), acc[r], s[r * ng + g],
+                     o[r * ng + g]);
             }
         }
     }
     float tail[4] = {0.f, 0.f, 0.f, 0.f};
-    if (o) {
-        int64_t g = 0;
-        for (; g + 8 <= ng; g += 8) {
-            const __m256 xv = _mm256_loadu_ps(xs + g);
-            for (int r = 0; r < 4; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(o + r * ng + g), xv, acc[r]);
-        }
-        for (; g < ng; g++)
-            for (int r = 0; r < 4; r++) tail[r] += o[r * ng + g] * xs[g];
-    }
+    if (packed)
+        for (int r = 0; r < 4; r++)
+            acc[r] = centred_offsets(s + r * ng, o ? o + r * ng : NULL, xs, ng, acc[r], tail + r);
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
     const __m128 four = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
     _mm_storeu_ps(out, _mm_add_ps(four, _mm_loadu_ps(tail)));
@@ -219,7 +251,7 @@ static inline __m256 rebuild8(__m256 cf, __m256 sv, __m256 ov, int has_offset) {
         const __m256 zero = _mm256_setzero_ps();                                                            \
         if (packed) {                                                                                       \
             for (int64_t g = 0; g < ng; g += 2) {                                                           \
-                const __m256i v = _mm256_loadu_si256((const __m256i*)PAIR(c, us, g));                       \
+                const __m256i v = FLIP(_mm256_loadu_si256((const __m256i*)PAIR(c, us, g)));                 \
                 const __m256 s0 = _mm256_set1_ps(s[g]), s1 = _mm256_set1_ps(s[g + 1]);                      \
                 const __m256 o0 = o ? _mm256_set1_ps(o[g]) : zero, o1 = o ? _mm256_set1_ps(o[g + 1]) : zero; \
                 _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                                       \
@@ -253,12 +285,17 @@ static inline __m256 rebuild8(__m256 cf, __m256 sv, __m256 ov, int has_offset) {
         }                                                                                                   \
         for (int m = 0; m < R; m++) out[m] = hsum8(_mm256_add_ps(a[m], b[m]));                              \
     }
-ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 
 static inline void row_dot(const float* x, int64_t K, const int8_t* c, int64_t us, const float* s, const float* o,
                            const float* xs, int64_t ng, int64_t G, int packed, int mb, float* out) {
     switch (mb) {
-        case 1: out[0] = row_dot1(x, c, us, s, o, xs, ng, G, packed); break;
+        case 1:
+            if (o && !packed)
+                rows1(x, K, c, us, s, o, ng, G, packed, out);
+            else
+                out[0] = row_dot1(x, c, us, s, o, xs, ng, G, packed);
+            break;
         case 2: rows2(x, K, c, us, s, o, ng, G, packed, out); break;
         case 3: rows3(x, K, c, us, s, o, ng, G, packed, out); break;
         case 4: rows4(x, K, c, us, s, o, ng, G, packed, out); break;
@@ -276,8 +313,9 @@ static inline int code_at(const int8_t* c, int64_t us, int64_t k, int packed) {
     if (!packed) return *CODE(c, us, k);
     const int64_t r = k % 64;
     const uint8_t* lane = (const uint8_t*)c + (k / 64) * us + (r % 8) * 4;
-    const uint32_t word = (uint32_t)lane[0] | (uint32_t)lane[1] << 8 | (uint32_t)lane[2] << 16 | (uint32_t)lane[3] << 24;
-    return (int)((word >> (4 * (r / 8))) & 15);
+    const uint32_t word =
+        (uint32_t)lane[0] | (uint32_t)lane[1] << 8 | (uint32_t)lane[2] << 16 | (uint32_t)lane[3] << 24;
+    return (int)(((word >> (4 * (r / 8))) & 15) ^ 8);
 }
 
 static inline void row_dot(const float* x, int64_t K, const int8_t* c, int64_t us, const float* s, const float* o,
@@ -312,11 +350,11 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
     if (half && ng > HALF_MAX_GROUPS) return -1;
     const size_t scale_bytes = half ? 2 : 4;
     if (threads < 1) threads = 1;
-    /* a pass of one query row (M = 1, or the last of M = 9, 17, …) with offsets: that row's group sums, once
+    /* packed codes, one query row at a time (M = 1, or the last of M = 9, 17, …): that row's group sums, once
      * for all N weight rows */
     float xs_stack[256];
     float* xs = NULL;
-    if (M > 0 && (M - 1) % MB == 0 && offset) {
+    if (packed && M > 0 && (M - 1) % MB == 0) {
         const float* last = x + (M - 1) * K;
         xs = ng <= 256 ? xs_stack : (float*)malloc((size_t)ng * sizeof(float));
         if (!xs) return -1;

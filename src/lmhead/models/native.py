@@ -36,7 +36,7 @@ _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 # coded_kernel.c's flags: 4-bit codes two per byte; float16 scales and offsets; rows stored in blocks of four
 PACKED, HALF, ROWS4 = 1, 2, 4
 HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
-_ABI = 6  # lmhead_coded_abi() of the sources above
+_ABI = 8  # lmhead_coded_abi() of the sources above
 
 
 def _cpu_flags() -> str:
@@ -157,9 +157,10 @@ def library() -> ctypes.CDLL | None:
 def pack4(codes: torch.Tensor) -> torch.Tensor:
     """Unsigned 4-bit codes [N,K] (groups of 32, K a multiple of 64) → [N,K/2] int8, the kernel's packed layout:
     each 64 codes are 32 bytes read as eight little-endian uint32 lanes, nibble i of lane l holding code 8·i + l
-    (so that one shift and one mask put eight consecutive codes in the eight lanes of a vector)."""
+    XOR 8 — code − 8 as a signed nibble (so that two shifts put eight consecutive codes − 8, or one shift and one
+    mask after an XOR the codes, in the eight lanes of a vector)."""
     n, k = codes.shape
-    c = codes.view(n, k // 64, 4, 2, 8).to(torch.uint8)        # [.., byte b, low/high nibble, lane l]
+    c = codes.view(n, k // 64, 4, 2, 8).to(torch.uint8) ^ 8    # [.., byte b, low/high nibble, lane l]
     return (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).transpose(2, 3).reshape(n, k // 2).view(torch.int8)
 
 
@@ -180,7 +181,7 @@ def unpack4(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of `pack4`: [N,K/2] → int8 codes [N,K]."""
     n, half = packed.shape
     b = packed.view(torch.uint8).view(n, half // 32, 8, 4).transpose(2, 3)   # [.., byte b, lane l]
-    return torch.stack([b & 15, b >> 4], dim=3).reshape(n, half * 2).to(torch.int8)
+    return (torch.stack([b & 15, b >> 4], dim=3).reshape(n, half * 2) ^ 8).to(torch.int8)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
