@@ -183,7 +183,7 @@ static inline float row_dot1(const float* x, const int8_t* c, int64_t us, const 
             (acc) = _mm256_fmadd_ps(s_, d_, (acc));                                                      \
         }                                                                                                \
     } while (0)
-/* packed, centred: Σ scale·(code − 8)·x (the offsets come after the loop) */
+/* Σ scale·code·x: codes without offsets, or packed codes − 8 (their offsets come after the loop) */
 #define DOT4C(c0, c1, c2, c3, acc, sg)                                                                   \
     do {                                                                                                 \
         __m256 d_ = _mm256_mul_ps((c0), x0);                                                             \
@@ -212,7 +212,7 @@ static inline void rows4_dot1(const float* x, const int8_t* c, const float* s, c
                 DOT4C(NIBC(v, 4), NIBC(v, 5), NIBC(v, 6), NIBC(v, 7), acc[r], s[r * ng + g + 1]);
             }
         }
-    } else {
+    } else if (o) {
         for (int64_t g = 0; g < ng; g++) {
             const float* xg = x + g * 32;
             const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
@@ -221,6 +221,16 @@ static inline void rows4_dot1(const float* x, const int8_t* c, const float* s, c
                 const int8_t* cg = c + (g * 4 + r) * 32;
                 DOT4(BYTES8(cg), BYTES8(cg + 8), BYTES8(cg + 16), BYTES8(cg + 24), acc[r], s[r * ng + g],
                      o[r * ng + g]);
+            }
+        }
+    } else { /* the common case (Q8_0, Q5_0): a loop of its own, no test of o inside */
+        for (int64_t g = 0; g < ng; g++) {
+            const float* xg = x + g * 32;
+            const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
+            const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
+            for (int r = 0; r < 4; r++) {
+                const int8_t* cg = c + (g * 4 + r) * 32;
+                DOT4C(BYTES8(cg), BYTES8(cg + 8), BYTES8(cg + 16), BYTES8(cg + 24), acc[r], s[r * ng + g]);
             }
         }
     }
