@@ -28,10 +28,13 @@ def _codes(n: int, k: int, group: int, offset: bool, seed: int = 0, low: int = -
 @pytest.mark.parametrize("group", [16, 32])
 @pytest.mark.parametrize("offset", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
-def test_kernel_equals_the_dequantised_product(group, offset, rows):
-    c = _codes(67, 4 * group + 2 * group, group, offset, seed=rows)
+@pytest.mark.parametrize("n", [67, 68])  # 68: groups of 32 stored in blocks of four rows (their own loops)
+def test_kernel_equals_the_dequantised_product(group, offset, rows, n):
+    c = _codes(n, 4 * group + 2 * group, group, offset, seed=rows)
     x = torch.randn(rows, c.codes.shape[1], generator=torch.Generator().manual_seed(1))
-    got = CodedLinear(c.codes, c.scale, c.offset)(x)
+    lin = CodedLinear(c.codes, c.scale, c.offset)
+    assert lin.rows4 == (group == 32 and n == 68)
+    got = lin(x)
     w = coded_weight(c.codes, c.scale, c.offset)
     want = x.double() @ w.T
     # float32 summation error: a small multiple of eps32 times the sum of |terms| of each output
@@ -167,8 +170,9 @@ def test_head_product_is_used_for_decode_calls_only_and_equals_the_weight():
 
 
 @pytest.mark.parametrize("rows", [1, 3, 6])
-def test_unsigned_4bit_codes_are_packed_two_per_byte_and_give_the_same_product(rows):
-    c = _codes(45, 128, 32, True, seed=rows, low=0, high=16)
+@pytest.mark.parametrize("n", [45, 48])
+def test_unsigned_4bit_codes_are_packed_two_per_byte_and_give_the_same_product(rows, n):
+    c = _codes(n, 128, 32, True, seed=rows, low=0, high=16)
     lin = CodedLinear(c.codes, c.scale, c.offset)
     assert lin.packed and lin.codes.numel() == c.codes.numel() // 2
     assert torch.equal(lin.dequantize(), c.dequantize())
@@ -182,8 +186,9 @@ def test_unsigned_4bit_codes_are_packed_two_per_byte_and_give_the_same_product(r
 
 @pytest.mark.parametrize("rows", [1, 4, 9])
 @pytest.mark.parametrize("low, high", [(0, 16), (-16, 16)])
-def test_float16_scales_are_kept_as_float16_and_give_the_same_product(rows, low, high):
-    c = _codes(37, 192, 32, True, seed=rows, low=low, high=high)
+@pytest.mark.parametrize("n", [37, 40])
+def test_float16_scales_are_kept_as_float16_and_give_the_same_product(rows, low, high, n):
+    c = _codes(n, 192, 32, True, seed=rows, low=low, high=high)
     c = Codes(c.codes, c.scale.half().float(), c.offset, c.kind)  # Q4_1/Q5_0/Q8_0: d and m are float16 numbers
     lin = CodedLinear(c.codes, c.scale, c.offset)
     assert lin.half and lin.scale.dtype == torch.float16 and lin.packed == (low == 0)

@@ -36,7 +36,7 @@ _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 # coded_kernel.c's flags: 4-bit codes two per byte; float16 scales and offsets; rows stored in blocks of four
 PACKED, HALF, ROWS4 = 1, 2, 4
 HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
-_ABI = 8  # lmhead_coded_abi() of the sources above
+_ABI = 9  # lmhead_coded_abi() of the sources above
 
 
 def _cpu_flags() -> str:
