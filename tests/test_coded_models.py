@@ -21,6 +21,8 @@ def test_every_matrix_reads_its_codes_and_the_logits_equal_transformers(name):
     layers = model.config.get_text_config().num_hidden_layers
     assert model.coded_matrices == 7 * layers + 1  # q, k, v, o, gate, up, down per block, and the tied head
     assert model.exact_head.product is not None and model.head is model.exact_head
+    # draft="auto": n-gram drafts where the head is the larger read (measured faster on Gemma, slower on SmolLM2)
+    assert model.auto_draft() == {"gemma-3-270m": "ngram", "smollm2-135m": "none"}[name]
     codes = codes_for_model(model, build=False)
     blocks = model.hf_model.base_model.layers
     for block, key in ((blocks[0].mlp.down_proj, "layers.0.mlp.down_proj"),

@@ -310,3 +310,11 @@ def test_generate_with_a_draft_streams_the_plain_tokens_and_counts():
             for (_, a, ra), (_, b, rb) in zip(spec, plain, strict=True):
                 assert a == pytest.approx(b, abs=1e-4) and ra == rb
     assert stats.rounds > 0 and 0 <= stats.acceptance_rate <= 1
+
+
+def test_auto_draft_is_none_without_codes():
+    from lmhead.models.model import Model
+
+    hf_model, tokenizer = tiny_model("llama")
+    model = Model(hf_model, tokenizer)  # built in memory: no GGUF file, no codes
+    assert model.auto_draft() == "none" and model.draft("auto") is None

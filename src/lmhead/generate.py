@@ -191,8 +191,8 @@ def generate(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int 
     before the first one that appears. top_logprobs: how many alternatives each step lists (0..20).
     generator: the torch.Generator for rows without a seed. profile: a dict to which the seconds spent in
     "draft", "body", "head", "sampling" and "text" are added.
-    draft: speculative decoding (`lmhead.speculative`) — "auto" (the fastest exact setting measured, see
-    `Model.draft`: today no draft), "ngram" (drafts from the
+    draft: speculative decoding (`lmhead.speculative`) — "auto" (the fastest exact setting measured,
+    `Model.auto_draft`: n-gram drafts where the head is the larger read, as Gemma 3's), "ngram" (drafts from the
     text's own earlier tokens), "int8" (the same model with int8 weights drafts), "none"; the full-precision
     model verifies. The output does not depend on it: greedy tokens are the full-precision model's, sampled tokens
     follow exactly the pipeline's distribution (a seeded run reproduces, but draws other tokens than
@@ -484,8 +484,8 @@ class Batch:
         valid = None if attention is None else attention.bool()
         if not self.rows:
             draft = self.draft
-            if draft == "auto":  # measured (docs/decode.md): no draft is the fastest on every packaged model
-                draft = "none"
+            if draft == "auto":  # measured (docs/decode.md): `Model.auto_draft`
+                draft = self.model.auto_draft() if hasattr(self.model, "auto_draft") else "none"
             self.rounds = _rounds(self.model, draft, self.draft_tokens, self.profile)
             if self.stats is not None and hasattr(self.rounds, "stats"):
                 self.rounds.stats = self.stats
