@@ -165,23 +165,15 @@ static inline float row_dot1(const float* x, const int8_t* c, int64_t us, const 
  * per-row loop and reduction cost as much as the products. c: the block's codes; s, o: [4, ng] floats (o may be
  * NULL); xs: the query's group sums (packed). Same arithmetic as row_dot1 (int8 codes without offsets, packed
  * codes), or as the rebuilt weights of rows1 (int8 codes with offsets), row by row. */
-#define DOT4(c0, c1, c2, c3, acc, sg, og)                                                                \
+/* int8 codes with offsets: Σ (code·scale + offset)·x over a group, each weight rebuilt exactly */
+#define DOT4R(c0, c1, c2, c3, acc, sg, og)                                                               \
     do {                                                                                                 \
-        const __m256 s_ = _mm256_set1_ps(sg);                                                            \
-        if (o) {                                                                                         \
-            const __m256 o_ = _mm256_set1_ps(og);                                                        \
-            __m256 d_ = _mm256_mul_ps(_mm256_fmadd_ps((c0), s_, o_), x0);                                \
-            d_ = _mm256_fmadd_ps(_mm256_fmadd_ps((c1), s_, o_), x1, d_);                                 \
-            d_ = _mm256_fmadd_ps(_mm256_fmadd_ps((c2), s_, o_), x2, d_);                                 \
-            d_ = _mm256_fmadd_ps(_mm256_fmadd_ps((c3), s_, o_), x3, d_);                                 \
-            (acc) = _mm256_add_ps(d_, (acc));                                                            \
-        } else {                                                                                         \
-            __m256 d_ = _mm256_mul_ps((c0), x0);                                                         \
-            d_ = _mm256_fmadd_ps((c1), x1, d_);                                                          \
-            d_ = _mm256_fmadd_ps((c2), x2, d_);                                                          \
-            d_ = _mm256_fmadd_ps((c3), x3, d_);                                                          \
-            (acc) = _mm256_fmadd_ps(s_, d_, (acc));                                                      \
-        }                                                                                                \
+        const __m256 s_ = _mm256_set1_ps(sg), o_ = _mm256_set1_ps(og);                                   \
+        __m256 d_ = _mm256_mul_ps(_mm256_fmadd_ps((c0), s_, o_), x0);                                    \
+        d_ = _mm256_fmadd_ps(_mm256_fmadd_ps((c1), s_, o_), x1, d_);                                     \
+        d_ = _mm256_fmadd_ps(_mm256_fmadd_ps((c2), s_, o_), x2, d_);                                     \
+        d_ = _mm256_fmadd_ps(_mm256_fmadd_ps((c3), s_, o_), x3, d_);                                     \
+        (acc) = _mm256_add_ps(d_, (acc));                                                                \
     } while (0)
 /* Σ scale·code·x: codes without offsets, or packed codes − 8 (their offsets come after the loop) */
 #define DOT4C(c0, c1, c2, c3, acc, sg)                                                                   \
@@ -192,6 +184,18 @@ static inline float row_dot1(const float* x, const int8_t* c, int64_t us, const 
         d_ = _mm256_fmadd_ps((c3), x3, d_);                                                              \
         (acc) = _mm256_fmadd_ps(_mm256_set1_ps(sg), d_, (acc));                                          \
     } while (0)
+
+/* int8 codes of a four-row block, group by group: x0..x3 the group's x, cg row r's 32 codes; STEP adds them */
+#define INT8_GROUPS(STEP)                                                                                \
+    for (int64_t g = 0; g < ng; g++) {                                                                   \
+        const float* xg = x + g * 32;                                                                    \
+        const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);                             \
+        const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);                       \
+        for (int r = 0; r < 4; r++) {                                                                    \
+            const int8_t* cg = c + (g * 4 + r) * 32;                                                     \
+            STEP;                                                                                        \
+        }                                                                                                \
+    }
 
 static inline void rows4_dot1(const float* x, const int8_t* c, const float* s, const float* o, const float* xs,
                               int64_t ng, int packed, float* out) {
@@ -213,26 +217,10 @@ static inline void rows4_dot1(const float* x, const int8_t* c, const float* s, c
             }
         }
     } else if (o) {
-        for (int64_t g = 0; g < ng; g++) {
-            const float* xg = x + g * 32;
-            const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
-            const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
-            for (int r = 0; r < 4; r++) {
-                const int8_t* cg = c + (g * 4 + r) * 32;
-                DOT4(BYTES8(cg), BYTES8(cg + 8), BYTES8(cg + 16), BYTES8(cg + 24), acc[r], s[r * ng + g],
-                     o[r * ng + g]);
-            }
-        }
+        INT8_GROUPS(DOT4R(BYTES8(cg), BYTES8(cg + 8), BYTES8(cg + 16), BYTES8(cg + 24), acc[r], s[r * ng + g],
+                          o[r * ng + g]));
     } else { /* the common case (Q8_0, Q5_0): a loop of its own, no test of o inside */
-        for (int64_t g = 0; g < ng; g++) {
-            const float* xg = x + g * 32;
-            const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
-            const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
-            for (int r = 0; r < 4; r++) {
-                const int8_t* cg = c + (g * 4 + r) * 32;
-                DOT4C(BYTES8(cg), BYTES8(cg + 8), BYTES8(cg + 16), BYTES8(cg + 24), acc[r], s[r * ng + g]);
-            }
-        }
+        INT8_GROUPS(DOT4C(BYTES8(cg), BYTES8(cg + 8), BYTES8(cg + 16), BYTES8(cg + 24), acc[r], s[r * ng + g]));
     }
     float tail[4] = {0.f, 0.f, 0.f, 0.f};
     if (packed)
