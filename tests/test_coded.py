@@ -199,3 +199,22 @@ def test_float16_scales_are_kept_as_float16_and_give_the_same_product(rows, low,
     assert bool(((lin(x).double() - x.double() @ w.T).abs() <= bound).all())
     k_quant = _codes(5, 64, 32, True, seed=1)  # a float16 d times a 6-bit sub-scale: not a float16 number
     assert not CodedLinear(k_quant.codes, k_quant.scale, k_quant.offset).half
+
+
+@pytest.mark.parametrize("act", [0, 1])  # 0: Gemma's tanh-approximated GELU, 1: Llama's SiLU
+def test_native_gated_activation_equals_torch_over_a_wide_range(act):
+    from lmhead.models import native
+
+    fn = (lambda t: torch.nn.functional.gelu(t, approximate="tanh")) if act == 0 else torch.nn.functional.silu
+    g = torch.Generator().manual_seed(4)
+    f = 1003  # the vectorised loop and its scalar tail
+    gate = torch.cat([torch.linspace(-120, 120, f - 3), torch.tensor([0.0, 1e-30, -1e-30])])
+    gu = torch.cat([gate, torch.randn(f, generator=g)])[None]
+    out = torch.empty(1, f)
+    native.library().lmhead_gated(gu.data_ptr(), out.data_ptr(), 1, f, act)
+    want = fn(gate.double()) * gu[0, f:].double()
+    assert bool(out.isfinite().all())
+    # float32 rounding of the activation and the product, per element (a few ulp of |gate·up|; GELU's far
+    # negative tail is a cancellation in torch's float32 formula too)
+    bound = 1e-6 * gu[0, f:].double().abs() * (1 + gate.double().abs())
+    assert bool(((out[0].double() - want).abs() <= bound).all())
