@@ -144,7 +144,7 @@ def test_the_page_api_answers_while_a_long_generation_runs(server):
 
 
 def test_a_client_that_leaves_mid_stream_frees_the_model():
-    app = create_app(tiny_served_model())
+    app = create_app(_slow_decoding_model())
     runner = app.state.runner
     with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=60) as http:
         body = {"prompt": "The cat", "max_tokens": 240, "temperature": 1.0, "seed": 2, "stream": True}
@@ -159,6 +159,14 @@ def test_a_client_that_leaves_mid_stream_frees_the_model():
         assert runner.retired == 1, "the abandoned generation was not retired"
         abandoned = runner.tokens - after.json()["usage"]["completion_tokens"]
         assert 1 <= abandoned < 240, f"the abandoned generation ran {abandoned} steps"
+
+
+def _slow_decoding_model():
+    """The tiny model with every head call ≥ 2 ms: it decodes its ~250 tokens in well under the server's 0.1 s
+    disconnect poll otherwise, so an abandoned generation could end on its own before the hang-up is seen."""
+    model = tiny_served_model()
+    model.head.register_forward_hook(lambda *_: time.sleep(0.002))
+    return model
 
 
 def _hang_up_after_first_token(url: str, runner, body: bytes) -> None:
@@ -177,7 +185,7 @@ def _hang_up_after_first_token(url: str, runner, body: bytes) -> None:
 def test_clients_that_hang_up_on_non_streamed_requests_stop_their_generations():
     """Six abandoned 256-token requests: each is retired soon after its client leaves, long before its
     256 tokens; the next request then decodes alone."""
-    app = create_app(tiny_served_model())
+    app = create_app(_slow_decoding_model())
     runner = app.state.runner
     body = b'{"prompt": "The cat", "max_tokens": 256, "temperature": 1.0, "seed": 3}'
     with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=60) as http:
