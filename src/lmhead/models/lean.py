@@ -597,14 +597,12 @@ class LeanBody:
         per-step call: decode no longer calls the module every step)."""
         types = getattr(self.rotary, "rope_type", "default")
         static = all(t in self.STATIC_ROPE for t in (types.values() if isinstance(types, dict) else [types]))
-        if not static or positions.numel() == 0:
+        if not static or positions.numel() == 0 or int(positions.min()) < 0:
             return self._rotary_rows(x, positions, kind)
         tables = self.__dict__.setdefault("_rope_tables", {})
         key = (kind, x.dtype, x.device)
         need = int(positions.max()) + 1
-        if key not in tables or tables[key][0].shape[0] < need or int(positions.min()) < 0:
-            if int(positions.min()) < 0:
-                return self._rotary_rows(x, positions, kind)
+        if key not in tables or tables[key][0].shape[0] < need:
             size = max(need, 2 * tables[key][0].shape[0] if key in tables else 512)
             cos, signed = self._rotary_rows(x, torch.arange(size, device=positions.device)[None], kind)
             tables[key] = (cos[0, :, 0], signed[0, :, 0])                    # [P,hd]
