@@ -19,11 +19,13 @@ from lmhead.sampling import (
     apply_temperature,
     apply_top_k,
     apply_top_p,
+    chosen_logprobs,
     entropy,
     logprobs,
     probabilities,
     process_logits,
     sample,
+    sample_with_logprobs,
 )
 
 INF = float("inf")
@@ -790,3 +792,58 @@ def test_top_p_draws_on_language_model_like_rows_settle_in_the_window(monkeypatc
         ids = sample(x[r : r + 1].expand(4000, -1), cfg, generator=gen)
         assert ref.draws_fit(ids, probs[r], groups=12) == "", r
     assert sum(cuts) > 0
+
+
+# every kind of cut in one batch: greedy, top-k (+ top-p, + min-p), top-p alone, min-p alone, none, seeded,
+# penalties and a bias
+MIXED = [SamplingConfig(temperature=0), SamplingConfig(top_k=20, temperature=0.7),
+         SamplingConfig(top_k=50, top_p=0.8, seed=3), SamplingConfig(top_p=0.9, temperature=0.8),
+         SamplingConfig(min_p=0.05), SamplingConfig(), SamplingConfig(top_k=20, temperature=0.7, seed=11),
+         SamplingConfig(top_k=10, min_p=0.1, repetition_penalty=1.3, logit_bias={5: 4.0})]
+
+
+def _reference_chosen(x, ids, configs, prev=None, plen=None):
+    processed = ref.sampling_process(x, configs, prev, plen)
+    return torch.log_softmax(processed.double(), dim=-1).gather(1, ids[:, None]).squeeze(1).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chosen_logprobs_equal_the_log_of_the_processed_distribution(dtype):
+    x = peaked(len(MIXED), 3000, seed=21).to(dtype)
+    prev = [[1, 2, 5, 9]] * len(MIXED)
+    plen = [2] * len(MIXED)
+    g = torch.Generator().manual_seed(0)
+    ids = sample(x, MIXED, generator=g, prev_tokens=prev, prompt_len=plen, step=4)
+    # the drawn ids and ids the pipeline cut (-inf), e.g. the least likely token of each row
+    for tok in (ids, x.float().argmin(dim=-1)):
+        got = chosen_logprobs(x, tok, MIXED, prev_tokens=prev, prompt_len=plen)
+        want = _reference_chosen(x.float(), tok, MIXED, prev, plen)
+        torch.testing.assert_close(got, want, **ref.tolerance(torch.float32))
+        torch.testing.assert_close(got, logprobs(x, tok, MIXED, prev_tokens=prev, prompt_len=plen).logprob)
+
+
+def test_sample_with_logprobs_draws_what_sample_draws_and_scores_it():
+    x = peaked(len(MIXED), 5000, seed=22, scale=2.0)
+    for step in range(6):
+        a = sample(x, MIXED, generator=torch.Generator().manual_seed(step), step=step)
+        b, lp = sample_with_logprobs(x, MIXED, generator=torch.Generator().manual_seed(step), step=step)
+        assert torch.equal(a, b)
+        torch.testing.assert_close(lp, _reference_chosen(x, b, MIXED), **ref.tolerance(torch.float32))
+    one, one_lp = sample_with_logprobs(x[1], MIXED[1], generator=torch.Generator().manual_seed(0))
+    assert one.dim() == 0 and one_lp.dim() == 0
+    empty, empty_lp = sample_with_logprobs(x[:0], SamplingConfig())
+    assert empty.shape == (0,) and empty_lp.shape == (0,)
+
+
+def test_seeded_rows_sharing_a_top_k_cut_draw_what_they_draw_alone_even_with_ties_at_k():
+    x = peaked(6, 4000, seed=23, scale=1.0)
+    # rows 1 and 4: their 5th and 6th largest logits tie (the cut keeps both), beside rows without a tie
+    for r in (1, 4):
+        top = torch.topk(x[r], 6).indices
+        x[r, top[5]] = x[r, top[4]]
+    configs = [SamplingConfig(top_k=5, seed=s) for s in range(6)]
+    for step in range(10):
+        together = sample(x, configs, step=step)
+        alone = [int(sample(x[r], configs[r], step=step)) for r in range(6)]
+        assert together.tolist() == alone
+        assert all(int(together[r]) in torch.topk(x[r], 6).indices.tolist() for r in (1, 4))

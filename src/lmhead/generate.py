@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from lmhead import checks
-from lmhead.sampling import SamplingConfig, as_configs, logprobs, process_logits
+from lmhead.models.native import row_scores
+from lmhead.sampling import SamplingConfig, as_configs, chosen_logprobs, logprobs
 
 _PROMPT_CONTEXT = 4  # prompt tokens decoded before the generated ones, then cut off (keeps leading spaces)
 
@@ -299,12 +300,15 @@ def _count_greater(x: torch.Tensor, values: torch.Tensor) -> list[int]:
     return (x > values[:, None]).sum(dim=-1).tolist()
 
 
-def _scores(logits: torch.Tensor, ids: torch.Tensor, cfg, prev, plen, top_n: int, greedy: bool):
+def _scores(logits: torch.Tensor, ids: torch.Tensor, cfg, prev, plen, top_n: int, greedy: bool,
+            chosen: list[float] | None = None):
     """Per row: processed logprob, raw logprob and raw rank of `ids`, and (top_n > 0) the alternatives.
 
     Equal to `sampling.logprobs` (which is used when alternatives are asked for). Without them the work is
-    one log_softmax (a row-wise kernel: one thread per row, no parallel region over V), a count, and for
-    sampled rows `process_logits`.
+    the normaliser and the count (`models.native.row_scores`; without the library a log_softmax, a row-wise
+    kernel, and numpy's count), and for
+    sampled rows `chosen_logprobs` (over a top-k row's k candidates, not a [B,V] processed row) — or nothing
+    when the draw already gave them (`chosen`, from `sampling.sample_with_logprobs` on these logits).
     """
     if top_n:
         lp = logprobs(logits, ids, cfg, top_n=top_n, prev_tokens=prev, prompt_len=plen)
@@ -313,12 +317,18 @@ def _scores(logits: torch.Tensor, ids: torch.Tensor, cfg, prev, plen, top_n: int
         return lp.logprob.tolist(), lp.raw_logprob.tolist(), lp.rank.tolist(), alts
     x = logits.float()
     col = ids[:, None]
-    raw = torch.log_softmax(x, dim=-1).gather(1, col).squeeze(1).tolist()
-    ranks = [1 + c for c in _count_greater(x, x.gather(1, col).squeeze(1))]
+    native = row_scores(x, ids)  # two passes over each row in C: the normaliser and the count
+    if native is not None:
+        lse, greater = native
+        raw = (x.gather(1, col).squeeze(1).double() - lse).tolist()
+        ranks = [1 + c for c in greater.tolist()]
+    else:
+        raw = torch.log_softmax(x, dim=-1).gather(1, col).squeeze(1).tolist()
+        ranks = [1 + c for c in _count_greater(x, x.gather(1, col).squeeze(1))]
     if greedy:  # a greedy row keeps only its argmax: probability 1
         return [0.0] * len(raw), raw, ranks, None
-    processed = process_logits(x, cfg, prev_tokens=prev, prompt_len=plen)
-    chosen = torch.log_softmax(processed, dim=-1).gather(1, col).squeeze(1).tolist()
+    if chosen is None:
+        chosen = chosen_logprobs(x, ids, cfg, prev_tokens=prev, prompt_len=plen).tolist()
     return chosen, raw, ranks, None
 
 
@@ -392,10 +402,10 @@ class _TransformersRounds:
             self.clock.lap("body")
         logits = decode_logits(self.model.head, hidden, configs).squeeze(1)  # [B,1,D] -> [B,V]
         self.clock.lap("head")
-        ids = plain_choice(logits, configs, history, prompt_len, steps, generator)
+        ids, chosen = plain_choice(logits, configs, history, prompt_len, steps, generator, scored=True)
         self.clock.lap("sampling")
         return Round([[t] for t in ids.tolist()], [logits[b:b + 1] for b in range(len(ids))],
-                     [hidden[b] for b in range(len(ids))])
+                     [hidden[b] for b in range(len(ids))], chosen.tolist())
 
 
 def _rounds(model, draft: str, draft_tokens: int, profile: dict[str, float] | None):
@@ -419,10 +429,12 @@ def _score_logits(model, rnd, rows: list[Row]) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
-def _flat_scores(logits: torch.Tensor, tokens: list[list[int]], history, prompt_len, rows: list[Row]):
+def _flat_scores(logits: torch.Tensor, tokens: list[list[int]], history, prompt_len, rows: list[Row],
+                 chosen: list[float] | None = None):
     """Scores of every token a round emitted (rows × their tokens, flattened, in order; logits [N,V]): each
     token's logprobs, rank and alternatives (the most any row asks for; each row keeps its own count), the
-    earlier tokens of the round counted as generated."""
+    earlier tokens of the round counted as generated. chosen: the processed logprobs the draw gave, when
+    `logits` are the ones it drew from."""
     flat_cfg, prev, plen = [], [] if history is not None else None, []
     for b, row_tokens in enumerate(tokens):
         for j in range(len(row_tokens)):
@@ -433,7 +445,7 @@ def _flat_scores(logits: torch.Tensor, tokens: list[list[int]], history, prompt_
     ids = torch.tensor([t for row_tokens in tokens for t in row_tokens], device=logits.device)
     cfg = flat_cfg[0] if len({id(c) for c in flat_cfg}) == 1 else flat_cfg
     return _scores(logits, ids, cfg, prev, plen if prev is not None else 0, max(r.top_n for r in rows),
-                   greedy=all(c.is_greedy for c in flat_cfg))
+                   greedy=all(c.is_greedy for c in flat_cfg), chosen=chosen)
 
 
 class Batch:
@@ -520,8 +532,11 @@ class Batch:
         rnd = self.rounds.round(self.last, [r.config for r in rows], history, plen,
                                 [len(r.generated) for r in rows], self.generator)
         self.clock.t = time.perf_counter() if self.profile is not None else 0.0
+        drawn = rnd.logprobs  # the draw's own, unless a row is scored under other (exact) logits
+        if drawn is not None and self.model.head is not self.model.exact_head and any(r.exact_logprobs for r in rows):
+            drawn = None
         chosen, raw, ranks, alts = _flat_scores(_score_logits(self.model, rnd, rows), rnd.tokens, history, plen,
-                                                rows)
+                                                rows, drawn)
         self.clock.lap("sampling")
         out: list[tuple[Row, Step]] = []
         finished: list[Row] = []

@@ -107,9 +107,11 @@ class LMHead(nn.Module):
     # `product`: None, or a callable [..., D] -> [..., V] float32 equal to x·Wᵀ for *this* weight up to the order
     # of float32 additions — a faster kernel over the same numbers (`lmhead.models` sets the GGUF codes'
     # `CodedLinear`, which falls back to the weight itself once it changes). Used at inference for calls of at
-    # most PRODUCT_MAX_ROWS positions (decode steps); training and long calls use F.linear.
+    # most PRODUCT_MAX_ROWS positions (decode steps, a server's batched rounds); training and long calls use
+    # F.linear. Measured on Gemma 3's head (2 cores): the codes 159 / 675 ms at 32 / 128 rows, F.linear 426 /
+    # 996 ms; at 512 rows F.linear 2.6 s, the codes 4.5 s.
     product = None
-    PRODUCT_MAX_ROWS = 16
+    PRODUCT_MAX_ROWS = 128
 
     @property
     def d_model(self) -> int:

@@ -92,6 +92,7 @@ __all__ = [
     "apply_top_p",
     "as_configs",
     "as_prev_tokens",
+    "chosen_logprobs",
     "as_row_ints",
     "entropy",
     "logprobs",
@@ -99,6 +100,7 @@ __all__ = [
     "process_logits",
     "race_draw",
     "sample",
+    "sample_with_logprobs",
     "seeded_generator",
 ]
 
@@ -698,10 +700,12 @@ def _sub(rows: Tensor | None, pick: Tensor) -> Tensor:
     return pick if rows is None else rows[pick]
 
 
-def _top_k_parts(x: Tensor, temperature: float, top_k: int, vocab: Vocab) -> list[_Part]:
-    """The top k+1 once; rows whose k-th and (k+1)-th values tie (after the division by T, as HF
-    compares) take every token ≥ the k-th, as HF's ``scores < kth`` rule keeps them."""
-    vals, idx = vocab.topk(x, top_k + 1)
+def _top_k_parts(x: Tensor, temperature: float, top_k: int, vocab: Vocab,
+                 top: tuple[Tensor, Tensor] | None = None) -> list[_Part]:
+    """The top k+1 once (``top``: already taken, ``vocab.topk(x, top_k + 1)``); rows whose k-th and (k+1)-th
+    values tie (after the division by T, as HF compares) take every token ≥ the k-th, as HF's ``scores < kth``
+    rule keeps them."""
+    vals, idx = vocab.topk(x, top_k + 1) if top is None else top
     _check_top(vals[:, 0], vocab.name, temperature)
     vals = vals / temperature  # x / T is monotone: topk of x is a topk of x / T
     tie = (vals[:, top_k - 1] == vals[:, top_k]) & torch.isfinite(vals[:, top_k - 1])
@@ -879,15 +883,15 @@ def _cut_in_bin(row_ids: Tensor, values: Tensor, batch: int, top_t: Tensor, norm
     return torch.where(keep, v, torch.full_like(v, float("inf"))).amin(dim=-1, keepdim=True)
 
 
-def _cut(x: Tensor, cfg: SamplingConfig, vocab: Vocab) -> list[_Part]:
-    """Steps 3-6 for rows that share one cut key."""
+def _cut(x: Tensor, cfg: SamplingConfig, vocab: Vocab, top: tuple[Tensor, Tensor] | None = None) -> list[_Part]:
+    """Steps 3-6 for rows that share one cut key (``top``: a top-k config's top k+1, already taken)."""
     if cfg.is_greedy:
         v, i = vocab.argmax(x)
         _check_top(v[:, 0], vocab.name)
         return [(None, v, i)]
     _, temperature, top_k, top_p, min_p = cfg._cut_key(vocab.size)
     if top_k:
-        parts = _top_k_parts(x, temperature, top_k, vocab)
+        parts = _top_k_parts(x, temperature, top_k, vocab, top)
         if top_p < 1.0:
             # topk's output is sorted, so tied values are adjacent: all _top_p_sorted needs
             parts = [(r, _top_p_sorted(v, top_p), i) for r, v, i in parts]
@@ -903,36 +907,27 @@ def _cut(x: Tensor, cfg: SamplingConfig, vocab: Vocab) -> list[_Part]:
     return parts
 
 
-def _groups(configs: list[SamplingConfig] | SamplingConfig, batch: int, vocab_size: int, device: torch.device,
-            seeded_alone: bool) -> list[tuple[Tensor | None, SamplingConfig]]:
-    """Rows sharing a cut key, as (rows or None for the whole batch, config). With seeded_alone, each seeded,
-    sampled row is its own group so that its cut and draw never depend on the other rows."""
+def _groups(configs: list[SamplingConfig] | SamplingConfig, batch: int, vocab_size: int,
+            device: torch.device) -> list[tuple[Tensor | None, SamplingConfig]]:
+    """Rows sharing a cut key, as (rows or None for the whole batch, config)."""
     if isinstance(configs, SamplingConfig):
-        if seeded_alone and configs.seed is not None and not configs.is_greedy:
-            return [(torch.tensor([r], device=device), configs) for r in range(batch)]
         return [(None, configs)]
     groups: dict[tuple, list[int]] = {}
-    alone: list[tuple[Tensor | None, SamplingConfig]] = []
     first: dict[tuple, SamplingConfig] = {}
     for r, c in enumerate(configs):
-        if seeded_alone and c.seed is not None and not c.is_greedy:
-            alone.append((torch.tensor([r], device=device), c))
-            continue
         key = c._cut_key(vocab_size)
         groups.setdefault(key, []).append(r)
         first.setdefault(key, c)
-    out: list[tuple[Tensor | None, SamplingConfig]] = []
-    for key, rows in groups.items():
-        out.append((None if len(rows) == batch else torch.tensor(rows, device=device), first[key]))
-    return out + alone
+    return [(None if len(rows) == batch else torch.tensor(rows, device=device), first[key])
+            for key, rows in groups.items()]
 
 
-def _parts(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, vocab: Vocab, seeded_alone: bool = False):
+def _parts(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, vocab: Vocab):
     """Steps 3-6 over the whole batch → list of (rows, vals, idx, config), rows indexing the batch."""
     out = []
     if x.shape[0] == 0:
         return out
-    for rows, cfg in _groups(configs, x.shape[0], vocab.size, x.device, seeded_alone):
+    for rows, cfg in _groups(configs, x.shape[0], vocab.size, x.device):
         xs = x if rows is None else x[rows]
         for sub, vals, idx in _cut(xs, cfg, vocab):
             out.append((rows if sub is None else _sub(rows, sub), vals, idx, cfg))
@@ -1201,20 +1196,71 @@ def _top_p_draw(x: Tensor, temperature: float, top_p: float, generator: torch.Ge
     return ids
 
 
-def _draw_group(x: Tensor, cfg: SamplingConfig, generator: torch.Generator | None, vocab: Vocab) -> Tensor:
-    """Steps 3-8 for rows [b,V_r] that share one cut key → [b] global ids."""
+def _part_logprobs(vals: Tensor, idx: Tensor | None, ids: Tensor, vocab: Vocab) -> Tensor:
+    """The processed log-probability of ids [b] (global) in a part of the cut: candidates [b,m] normalised over
+    themselves (the -inf elsewhere in the row add nothing), whole rows [b,V] by a log-softmax over the row
+    (whole vocabulary only). -inf for an id the cut dropped."""
+    if idx is None:
+        return torch.log_softmax(vals, dim=-1).gather(1, (ids - vocab.start)[:, None]).squeeze(1)
+    lse = torch.logsumexp(vals, dim=-1, keepdim=True)
+    return torch.where(idx == ids[:, None], vals - lse, _NEG_INF).amax(dim=-1)
+
+
+def _draw_group(x: Tensor, cfg: SamplingConfig, generator: torch.Generator | None, vocab: Vocab,
+                top: tuple[Tensor, Tensor] | None = None, scored: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Steps 3-8 for rows [b,V_r] that share one cut key → ([b] global ids, with ``scored`` their processed
+    log-probabilities [b] from the same cut, else None; NaN for rows drawn without a cut: top-p alone)."""
     if not cfg.is_greedy:
         _, temperature, top_k, top_p, min_p = cfg._cut_key(vocab.size)
         if top_p < 1.0 and not top_k and not min_p:
-            return _top_p_draw(x, temperature, top_p, generator, cfg.seed is not None, vocab)
+            ids = _top_p_draw(x, temperature, top_p, generator, cfg.seed is not None, vocab)
+            return ids, torch.full(ids.shape, math.nan, device=x.device) if scored else None
     ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
-    for sub, vals, idx in _cut(x, cfg, vocab):
+    lp = torch.empty(x.shape[0], dtype=torch.float32, device=x.device) if scored else None
+    for sub, vals, idx in _cut(x, cfg, vocab, top):
         chosen = idx[:, 0] if cfg.is_greedy else _draw_part(vals, idx, cfg.seed is not None, generator, vocab)
-        if sub is None:
-            ids.copy_(chosen)
-        else:
-            ids[sub] = chosen
-    return ids
+        for out, got in ((ids, chosen), (lp, _part_logprobs(vals, idx, chosen, vocab) if scored else None)):
+            if out is None:
+                continue
+            if sub is None:
+                out.copy_(got)
+            else:
+                out[sub] = got
+    return ids, lp
+
+
+def _draw_groups(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, generator: torch.Generator | None,
+                 steps: list[int] | None, vocab: Vocab, scored: bool) -> tuple[Tensor, Tensor | None]:
+    """Steps 3-8 over the batch → ([B] ids, [B] processed logprobs of them or None). Rows that share a cut key
+    are cut together; a seeded row draws on its own with its (seed, step) noise — rows that share a top-k cut
+    share its partial sort (each row's top k+1 is the same whether sorted alone or beside others, and a
+    seeded draw orders its candidates by id), so the ids do not depend on the batch."""
+    batch = x.shape[0]
+    cfgs = [configs] * batch if isinstance(configs, SamplingConfig) else configs
+    ids = torch.empty(batch, dtype=torch.long, device=x.device)
+    lp = torch.empty(batch, dtype=torch.float32, device=x.device) if scored else None
+    groups: dict[tuple, list[int]] = {}
+    for r, c in enumerate(cfgs):
+        groups.setdefault((c._cut_key(vocab.size), c.seed is not None and not c.is_greedy), []).append(r)
+
+    def put(rows: list[int], got: tuple[Tensor, Tensor | None]) -> None:
+        index = slice(None) if len(rows) == batch else torch.tensor(rows, device=x.device)
+        ids[index] = got[0]
+        if scored:
+            lp[index] = got[1]
+
+    for (key, seeded), rows in groups.items():
+        xs = x if len(rows) == batch else x[torch.tensor(rows, device=x.device)]
+        if not seeded:
+            put(rows, _draw_group(xs, cfgs[rows[0]], generator, vocab, scored=scored))
+            continue
+        top_k = key[2]
+        top = vocab.topk(xs, top_k + 1) if top_k else None
+        for j, r in enumerate(rows):
+            gen = seeded_generator(cfgs[r].seed, steps[r], x.device)
+            one = None if top is None else (top[0][j:j + 1], top[1][j:j + 1])
+            put([r], _draw_group(xs[j:j + 1], cfgs[r], gen, vocab, one, scored))
+    return ids, lp
 
 
 def sample(logits: Tensor, config: ConfigArg = None, generator: torch.Generator | None = None,
@@ -1230,6 +1276,30 @@ def sample(logits: Tensor, config: ConfigArg = None, generator: torch.Generator 
     draws from a generator seeded with (seed, step), on its own, over its tokens in token-id order, so the id
     does not depend on the batch; ``step`` (int or one per row) is the position of the token being drawn.
     ``vocab`` as in ``process_logits`` (the ids are global)."""
+    ids, _, one_row = _sample(logits, config, generator, prev_tokens, prompt_len, step, vocab, scored=False)
+    return ids[0] if one_row else ids
+
+
+def sample_with_logprobs(logits: Tensor, config: ConfigArg = None, generator: torch.Generator | None = None,
+                         prev_tokens: Any = None, prompt_len: int | Sequence[int] = 0,
+                         step: int | Sequence[int] = 0) -> tuple[Tensor, Tensor]:
+    """``sample`` (the same ids for the same generator state and seeds) and each drawn token's processed
+    log-probability, ``chosen_logprobs`` of the ids, taken from the very cut the draw was made from (no second
+    pass over the vocabulary for top-k rows and greedy picks). [B,V] logits → (ids [B] long, logprobs [B]
+    float32); a [V] row → two 0-d tensors. The decode loop's step."""
+    ids, lp, one_row = _sample(logits, config, generator, prev_tokens, prompt_len, step, None, scored=True)
+    missing = torch.isnan(lp)
+    if bool(missing.any()):  # rows drawn without a cut (top-p alone): their kept set, found now
+        rows = missing.nonzero().squeeze(1)
+        x, configs, _, _ = _preprocess(logits, config, prev_tokens, prompt_len)
+        cfgs = [configs] * x.shape[0] if isinstance(configs, SamplingConfig) else configs
+        lp[rows] = chosen_logprobs(x[rows], ids[rows], [cfgs[r] for r in rows.tolist()])
+    return (ids[0], lp[0]) if one_row else (ids, lp)
+
+
+def _sample(logits: Tensor, config: ConfigArg, generator: torch.Generator | None, prev_tokens: Any,
+            prompt_len: int | Sequence[int], step: int | Sequence[int], vocab: Vocab | None,
+            scored: bool) -> tuple[Tensor, Tensor | None, bool]:
     x, configs, one_row, vocab = _preprocess(logits, config, prev_tokens, prompt_len, vocab)
     batch = x.shape[0]
     if generator is not None and not isinstance(generator, torch.Generator):
@@ -1238,19 +1308,11 @@ def sample(logits: Tensor, config: ConfigArg = None, generator: torch.Generator 
     steps = None
     if any(c.seed is not None for c in cfgs):
         steps = as_row_ints(step, batch, "step", torch.device("cpu")).tolist()
-    ids = torch.empty(batch, dtype=torch.long, device=x.device)
     if batch == 0:
-        return ids
-    for rows, cfg in _groups(configs, batch, vocab.size, x.device, seeded_alone=True):
-        gen = generator
-        if cfg.seed is not None and not cfg.is_greedy:  # one row, cut on its own; noise from (seed, step)
-            gen = seeded_generator(cfg.seed, steps[int(rows[0])], x.device)
-        chosen = _draw_group(x if rows is None else x[rows], cfg, gen, vocab)
-        if rows is None:
-            ids.copy_(chosen)
-        else:
-            ids[rows] = chosen
-    return ids[0] if one_row else ids
+        return (torch.empty(0, dtype=torch.long, device=x.device),
+                torch.empty(0, device=x.device) if scored else None, one_row)
+    ids, lp = _draw_groups(x, configs, generator, steps, vocab, scored)
+    return ids, lp, one_row
 
 
 # --- logprobs and entropy ---------------------------------------------------------------------------------
@@ -1351,6 +1413,27 @@ def logprobs(logits: Tensor, token_ids: Tensor | Sequence[int] | int, config: Co
         raw_top_ids=raw_top.indices,
         raw_top_logprobs=raw_top.values,
     )
+
+
+def chosen_logprobs(logits: Tensor, token_ids: Tensor, config: ConfigArg = None, prev_tokens: Any = None,
+                    prompt_len: int | Sequence[int] = 0) -> Tensor:
+    """The processed log-probability of each row's token: [B,V] logits, token_ids [B] long → [B] float32,
+    equal to ``logprobs(...).logprob`` (log of ``probabilities``; -inf for a token the pipeline cut) but
+    normalised over the pipeline's kept candidates where the cut has them (top-k rows, greedy picks: [b,k]
+    values, no [B,V] temporary); rows kept whole (top-p without top-k, min-p, no cut) take a log-softmax over
+    the row. Same config / prev_tokens / prompt_len as ``process_logits``. The decode loop's per-step score."""
+    x, configs, _, vocab = _preprocess(logits, config, prev_tokens, prompt_len)
+    tok = token_ids.to(device=x.device, dtype=torch.long).reshape(-1, 1)
+    if tok.shape[0] != x.shape[0]:
+        raise ValueError(f"token_ids must hold one id per row ({x.shape[0]}), got {tok.shape[0]}")
+    out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    for rows, vals, idx, _ in _parts(x, configs, vocab):
+        lp = _part_logprobs(vals, idx, (tok if rows is None else tok[rows])[:, 0], vocab)
+        if rows is None:
+            out.copy_(lp)
+        else:
+            out[rows] = lp
+    return out
 
 
 def entropy(logits: Tensor) -> Tensor:

@@ -298,11 +298,13 @@ class NgramDraft:
 class Round:
     """What one round gives the live rows: per row the emitted tokens, the target's logits [n_r, V] each
     was chosen from (for logprobs and ranks) and the hidden states [n_r, D] they came from (for exact
-    logprobs: the fp32 head on them)."""
+    logprobs: the fp32 head on them); a round without drafts also the processed logprob of each row's token,
+    taken from the cut it was drawn from (`sampling.sample_with_logprobs`)."""
 
     tokens: list[list[int]]
     logits: list[Tensor]
     hidden: list[Tensor] | None = None
+    logprobs: list[float] | None = None  # a plain round's processed logprob of each row's token, from its draw
 
 
 class Decoder:
@@ -389,8 +391,9 @@ class Decoder:
         self._lap("body")
         logits = decode_logits(self.head, hidden, configs)                                   # [B,k+1,V]
         self._lap("head")
+        chosen = None
         if k == 0:
-            tokens, n = self._plain(logits[:, 0], configs, history, prompt_len, steps, generator)
+            tokens, n, chosen = self._plain(logits[:, 0], configs, history, prompt_len, steps, generator)
         else:
             tokens, n = self._accept(logits, drafts, q, ks, configs, history, prompt_len, steps, generator)
             self._count(n, ks)
@@ -398,7 +401,8 @@ class Decoder:
         self.next_pos += n + 1
         self._lap("sampling")
         keep = [int(n[r]) + 1 for r in range(len(n))]
-        return Round(tokens, [logits[r, :m] for r, m in enumerate(keep)], [hidden[r, :m] for r, m in enumerate(keep)])
+        return Round(tokens, [logits[r, :m] for r, m in enumerate(keep)], [hidden[r, :m] for r, m in enumerate(keep)],
+                     chosen)
 
     @torch.inference_mode()
     def join(self, ids: Tensor, positions: Tensor, valid: Tensor | None, max_new_tokens: int) -> Tensor:
@@ -469,9 +473,10 @@ class Decoder:
         return drafts, q, counts
 
     def _plain(self, logits: Tensor, configs, history, prompt_len, steps, generator):
-        """No draft: one token per row, exactly `sampling.sample` (same seeds, same steps)."""
-        ids = plain_choice(logits, configs, history, prompt_len, steps, generator)
-        return [[int(t)] for t in ids.tolist()], torch.zeros(len(configs), dtype=torch.long)
+        """No draft: one token per row, exactly `sampling.sample` (same seeds, same steps), and its processed
+        logprob."""
+        ids, chosen = plain_choice(logits, configs, history, prompt_len, steps, generator, scored=True)
+        return [[int(t)] for t in ids.tolist()], torch.zeros(len(configs), dtype=torch.long), chosen.tolist()
 
     def _accept(self, logits: Tensor, drafts: Tensor, q: Tensor | None, ks: list[int], configs, history,
                 prompt_len, steps, generator) -> tuple[list[list[int]], Tensor]:
@@ -587,17 +592,20 @@ def _reads_tail(config, exact_k: int) -> bool:
     return not (plain and (config.is_greedy or 1 <= config.top_k <= exact_k))
 
 
-def plain_choice(logits: Tensor, configs: list, history, prompt_len, steps: list[int], generator) -> Tensor:
+def plain_choice(logits: Tensor, configs: list, history, prompt_len, steps: list[int], generator,
+                 scored: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """The plain loop's next token per row of logits [B,V] → ids [B]: `sampling.sample` with each row's
     history (penalties), its prompt length and the step of its token (rows that joined the batch at other times
     are at other steps). One config for all rows when they share one object, so the pipeline takes its
-    whole-batch path."""
-    from lmhead.sampling import sample
+    whole-batch path. scored: (ids, each id's processed logprob [B]) from `sampling.sample_with_logprobs`
+    (the same ids)."""
+    from lmhead.sampling import sample, sample_with_logprobs
 
     cfg = configs[0] if len({id(c) for c in configs}) == 1 else configs
-    return sample(logits, cfg, generator=generator, prev_tokens=history,
-                  prompt_len=prompt_len if history is not None else 0,
-                  step=steps[0] if len(set(steps)) == 1 else list(steps))
+    draw = sample_with_logprobs if scored else sample
+    return draw(logits, cfg, generator=generator, prev_tokens=history,
+                prompt_len=prompt_len if history is not None else 0,
+                step=steps[0] if len(set(steps)) == 1 else list(steps))
 
 
 def _deterministic(config) -> bool:

@@ -66,7 +66,7 @@ static void halves_to_floats(const uint16_t* h, float* f, int64_t n) {
     for (; i < n; i++) f[i] = half_to_float(h[i]);
 }
 
-int lmhead_coded_abi(void) { return 9; }
+int lmhead_coded_abi(void) { return 10; }
 
 #ifdef __AVX2__
 int lmhead_coded_avx2(void) { return 1; }
@@ -329,6 +329,48 @@ ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
     }
 MULTI(1) MULTI(2) MULTI(3)
 
+/* a block of four weight rows against Q = 4..8 query rows (batched decode, longer verifications): one weight
+ * row of the block at a time, each weight rebuilt once and used for the Q rows (Q accumulators). Measured
+ * against ≤ 3-row passes of block4_rows (each rebuilding every weight again): 8 rows 1.2–1.3× faster on
+ * Gemma's head and on both models' MLP matrices. */
+#define EACH(Q)                                                                                              \
+    static inline void block4_each##Q(const float* x, int64_t K, const int8_t* c, const float* s,           \
+                                      const float* o, int64_t ng, int packed, float* out) {                  \
+        for (int r = 0; r < 4; r++) {                                                                        \
+            __m256 acc[Q];                                                                                   \
+            for (int m = 0; m < Q; m++) acc[m] = _mm256_setzero_ps();                                        \
+            if (packed) {                                                                                    \
+                for (int64_t g = 0; g < ng; g += 2) {                                                        \
+                    const __m256i v = FLIP(_mm256_loadu_si256((const __m256i*)(c + ((g >> 1) * 4 + r) * 32))); \
+                    for (int h = 0; h < 2; h++) {                                                            \
+                        const __m256 sv = _mm256_set1_ps(s[r * ng + g + h]);                                 \
+                        const __m256 ov = o ? _mm256_set1_ps(o[r * ng + g + h]) : _mm256_setzero_ps();       \
+                        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                \
+                            const __m256 w = rebuild8(NIB(v, 4 * h + j), sv, ov, o != NULL);                 \
+                            const float* xk = x + (g + h) * 32 + 8 * j;                                      \
+                            for (int m = 0; m < Q; m++)                                                      \
+                                acc[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xk + m * K), acc[m]);            \
+                        }                                                                                    \
+                    }                                                                                        \
+                }                                                                                            \
+            } else {                                                                                         \
+                for (int64_t g = 0; g < ng; g++) {                                                           \
+                    const __m256 sv = _mm256_set1_ps(s[r * ng + g]);                                         \
+                    const __m256 ov = o ? _mm256_set1_ps(o[r * ng + g]) : _mm256_setzero_ps();               \
+                    const int8_t* cg = c + (g * 4 + r) * 32;                                                 \
+                    _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                    \
+                        const __m256 w = rebuild8(BYTES8(cg + 8 * j), sv, ov, o != NULL);                    \
+                        const float* xk = x + g * 32 + 8 * j;                                                \
+                        for (int m = 0; m < Q; m++)                                                          \
+                            acc[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xk + m * K), acc[m]);                \
+                    }                                                                                        \
+                }                                                                                            \
+            }                                                                                                \
+            for (int m = 0; m < Q; m++) out[m * 4 + r] = hsum8(acc[m]);                                      \
+        }                                                                                                    \
+    }
+EACH(4) EACH(5) EACH(6) EACH(7) EACH(8)
+
 static inline void row_dot(const float* x, int64_t K, const int8_t* c, int64_t us, const float* s, const float* o,
                            const float* xs, int64_t ng, int64_t G, int packed, int mb, float* out) {
     switch (mb) {
@@ -428,7 +470,7 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
         if (xs && xs != xs_stack) free(xs);
         return 0;
     }
-    if (M > 1 && rows4) { /* verification and batched decode: each block through its one stream, ≤ 3 rows a pass */
+    if (M > 1 && rows4) { /* verification and batched decode: ≤ 3 rows through the block's one stream, 4..8 row by row */
         const int64_t blocks = N / 4;
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
@@ -445,10 +487,24 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
                 }
             }
             const int8_t* c = codes + n0 * row_bytes;
+            /* the block4_each passes read the block row by row, not as one stream: fetch the next block ahead
+             * (head-sized matrices 1.2× faster; with ≤ 3 rows the one stream is faster without it) */
+            if (M >= 4 && b + 1 < blocks)
+                for (int64_t p = 0; p < 4 * row_bytes; p += 64) _mm_prefetch((const char*)c + 4 * row_bytes + p, _MM_HINT_T0);
             for (int64_t m0 = 0; m0 < M;) {
-                const int64_t left = M - m0, q = left == 4 ? 2 : (left >= 3 ? 3 : left);
-                float out[12];
-                if (q == 3)
+                const int64_t left = M - m0, q = left > 8 ? 8 : left;
+                float out[32];
+                if (q == 8)
+                    block4_each8(x + m0 * K, K, c, s, o, ng, packed, out);
+                else if (q == 7)
+                    block4_each7(x + m0 * K, K, c, s, o, ng, packed, out);
+                else if (q == 6)
+                    block4_each6(x + m0 * K, K, c, s, o, ng, packed, out);
+                else if (q == 5)
+                    block4_each5(x + m0 * K, K, c, s, o, ng, packed, out);
+                else if (q == 4)
+                    block4_each4(x + m0 * K, K, c, s, o, ng, packed, out);
+                else if (q == 3)
                     block4_rows3(x + m0 * K, K, c, s, o, ng, packed, out);
                 else if (q == 2)
                     block4_rows2(x + m0 * K, K, c, s, o, ng, packed, out);

@@ -3,7 +3,8 @@
     coded_kernel.c   the product over GGUF codes (models/coded_linear.py)
     lean_kernels.c   the decode step's small work: RMSNorm, residual add + norms, gated activation, and
                      rope + cache write + attention for the new tokens; and `lmhead_step`, every block of a
-                     decode step in one call over the coded matrices (models/lean.py)
+                     decode step in one call over the coded matrices (models/lean.py); the decode loop's
+                     raw logprob and rank of each chosen token (`row_scores`, lmhead/generate.py)
       ──cc -O3 -march=native -fopenmp──▶ <cache>/kernels/lmhead-<hash>.so (a temporary file renamed into place)
 
 Why C: torch ships no kernel for grouped int8 codes × float32 activations (its int4/int8 weight-only ops
@@ -29,14 +30,14 @@ from pathlib import Path
 import torch
 
 __all__ = ["HALF", "HALF_MAX_GROUPS", "PACKED", "ROWS4", "SOURCES", "LayerDesc", "MatDesc", "block4", "library",
-           "library_path", "pack4", "unblock4", "unpack4"]
+           "library_path", "pack4", "row_scores", "unblock4", "unpack4"]
 
 SOURCES = (Path(__file__).with_name("coded_kernel.c"), Path(__file__).with_name("lean_kernels.c"))
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 # coded_kernel.c's flags: 4-bit codes two per byte; float16 scales and offsets; rows stored in blocks of four
 PACKED, HALF, ROWS4 = 1, 2, 4
 HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
-_ABI = 9  # lmhead_coded_abi() of the sources above
+_ABI = 10  # lmhead_coded_abi() of the sources above
 
 
 def _cpu_flags() -> str:
@@ -119,6 +120,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmhead_add_norm.restype = None
     lib.lmhead_gated.argtypes = [p, p, i64, i64, i32]
     lib.lmhead_gated.restype = None
+    lib.lmhead_row_scores.argtypes = [p, i64, i64, p, p, p, i32]
+    lib.lmhead_row_scores.restype = None
     lib.lmhead_attend.argtypes = [p, i64, p, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, f32, i32]
     lib.lmhead_attend.restype = i32
     pp = ctypes.POINTER(ctypes.c_void_p)
@@ -254,7 +257,36 @@ def _self_test(lib: ctypes.CDLL) -> bool:
         lib.lmhead_gated(gu.data_ptr(), out.data_ptr(), 2, 40, act)
         if not _close(out, fn(gu[:, :40]) * gu[:, 40:]):
             return False
+    rows = torch.randn(3, 1003, generator=g) * 4
+    rows[1, 17] = float("-inf")
+    lse, greater = _row_scores(lib, rows, torch.tensor([5, 17, 1002]), threads=2)
+    if not _close(lse, torch.logsumexp(rows.double(), -1)) or greater.tolist() != [
+            int((rows[b] > rows[b, t]).sum()) for b, t in enumerate((5, 17, 1002))]:
+        return False
     return _attend_test(lib, g)
+
+
+def _row_scores(lib: ctypes.CDLL, x: torch.Tensor, ids: torch.Tensor,
+                threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = ids.to(torch.int64).contiguous()
+    lse, greater = torch.empty(x.shape[0], dtype=torch.float64), torch.empty(x.shape[0], dtype=torch.int64)
+    lib.lmhead_row_scores(x.data_ptr(), x.shape[0], x.shape[1], ids.data_ptr(), lse.data_ptr(), greater.data_ptr(),
+                          threads)
+    return lse, greater
+
+
+def row_scores(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The decode loop's score of each row's token from logits x [B,V] (float32, CPU) and ids [B]: the
+    log-softmax normaliser lse [B] float64 (raw logprob = x[b, id] − lse[b]) and greater [B] int64, the count
+    of logits > x[b, id] (rank − 1), in two passes over each row (lean_kernels.c). None without the library or
+    where a row is not all finite numbers (the caller's torch path then gives torch's answer: NaN, ±inf)."""
+    lib = library()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] == 0:
+        return None
+    lse, greater = _row_scores(lib, x.contiguous(), ids, torch.get_num_threads())
+    if not bool(torch.isfinite(lse).all()):
+        return None
+    return lse, greater
 
 
 def _attend_test(lib: ctypes.CDLL, g: torch.Generator) -> bool:
