@@ -434,6 +434,13 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
     if (half && ng > HALF_MAX_GROUPS) return -1;
     const size_t scale_bytes = half ? 2 : 4;
     if (threads < 1) threads = 1;
+    /* several query rows (compute-bound): rows (or blocks of four) handed out in chunks of ~1/8 of a thread's share
+     * as threads come for them, so that on a shared machine a thread that loses its core for a moment no longer
+     * holds the product back (8 rows 1.1x faster in a batched decode under load); one query row (memory-bound):
+     * one contiguous share per thread, one forward stream each (chunks measured 3-6% slower) */
+    const int64_t units = rows4 ? N / 4 : N;
+    const int64_t chunk = M == 1 ? (units + threads - 1) / threads
+                                 : (units / (8 * threads) > 1 ? units / (8 * threads) : 1);
     /* packed codes, one query row at a time (M = 1, or the last of M = 9, 17, …): that row's group sums, once
      * for all N weight rows */
     float xs_stack[256];
@@ -451,7 +458,7 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
 #ifdef __AVX2__
     if (M == 1 && rows4) { /* decode: weight rows four at a time */
         const int64_t blocks = N / 4;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t n0 = b * 4, nr = 4;
             const float* s = (const float*)((const char*)scale + (size_t)n0 * ng * scale_bytes);
@@ -472,7 +479,7 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
     }
     if (M > 1 && rows4) { /* verification and batched decode: ≤ 3 rows through the block's one stream, 4..8 row by row */
         const int64_t blocks = N / 4;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t n0 = b * 4;
             const float* s = (const float*)((const char*)scale + (size_t)n0 * ng * scale_bytes);
@@ -519,7 +526,7 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
         return 0;
     }
 #endif
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
     for (int64_t n = 0; n < N; n++) {
         const int8_t* c = rows4 ? codes + (n / 4) * 4 * row_bytes + (n % 4) * 32 : codes + n * row_bytes;
         const float* s = (const float*)((const char*)scale + (size_t)n * ng * scale_bytes);
