@@ -824,10 +824,12 @@ def test_chosen_logprobs_equal_the_log_of_the_processed_distribution(dtype):
 
 def test_sample_with_logprobs_draws_what_sample_draws_and_scores_it():
     x = peaked(len(MIXED), 5000, seed=22, scale=2.0)
+    # the unseeded top-p-alone row (3) draws from its top-p set, not by `sample`'s rejection: other ids
+    same = [r for r in range(len(MIXED)) if r != 3]
     for step in range(6):
         a = sample(x, MIXED, generator=torch.Generator().manual_seed(step), step=step)
         b, lp = sample_with_logprobs(x, MIXED, generator=torch.Generator().manual_seed(step), step=step)
-        assert torch.equal(a, b)
+        assert torch.equal(a[same], b[same])
         torch.testing.assert_close(lp, _reference_chosen(x, b, MIXED), **ref.tolerance(torch.float32))
     one, one_lp = sample_with_logprobs(x[1], MIXED[1], generator=torch.Generator().manual_seed(0))
     assert one.dim() == 0 and one_lp.dim() == 0
@@ -847,3 +849,13 @@ def test_seeded_rows_sharing_a_top_k_cut_draw_what_they_draw_alone_even_with_tie
         alone = [int(sample(x[r], configs[r], step=step)) for r in range(6)]
         assert together.tolist() == alone
         assert all(int(together[r]) in torch.topk(x[r], 6).indices.tolist() for r in (1, 4))
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(top_p=0.9, temperature=0.8), SamplingConfig(top_p=0.5)], ids=str)
+def test_sample_with_logprobs_on_top_p_alone_follows_the_top_p_distribution(cfg):
+    x = peaked(1, 3000, seed=24, scale=1.5)
+    n = 3000
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([sample_with_logprobs(x, cfg, generator=g)[0][0] for _ in range(n)])
+    probs = ref.sampling_draw_probabilities(x, [cfg])[0]
+    assert ref.draws_fit(ids, probs) == "", ref.draws_fit(ids, probs)

@@ -1212,7 +1212,9 @@ def _draw_group(x: Tensor, cfg: SamplingConfig, generator: torch.Generator | Non
     log-probabilities [b] from the same cut, else None; NaN for rows drawn without a cut: top-p alone)."""
     if not cfg.is_greedy:
         _, temperature, top_k, top_p, min_p = cfg._cut_key(vocab.size)
-        if top_p < 1.0 and not top_k and not min_p:
+        # top-p alone draws by rejection, without the top-p set — unless the set is wanted anyway for the logprob
+        # of an unseeded draw (a seeded row keeps `sample`'s ids)
+        if top_p < 1.0 and not top_k and not min_p and not (scored and cfg.seed is None):
             ids = _top_p_draw(x, temperature, top_p, generator, cfg.seed is not None, vocab)
             return ids, torch.full(ids.shape, math.nan, device=x.device) if scored else None
     ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
@@ -1283,10 +1285,13 @@ def sample(logits: Tensor, config: ConfigArg = None, generator: torch.Generator 
 def sample_with_logprobs(logits: Tensor, config: ConfigArg = None, generator: torch.Generator | None = None,
                          prev_tokens: Any = None, prompt_len: int | Sequence[int] = 0,
                          step: int | Sequence[int] = 0) -> tuple[Tensor, Tensor]:
-    """``sample`` (the same ids for the same generator state and seeds) and each drawn token's processed
-    log-probability, ``chosen_logprobs`` of the ids, taken from the very cut the draw was made from (no second
-    pass over the vocabulary for top-k rows and greedy picks). [B,V] logits → (ids [B] long, logprobs [B]
-    float32); a [V] row → two 0-d tensors. The decode loop's step."""
+    """``sample`` and each drawn token's processed log-probability, ``chosen_logprobs`` of the ids, taken from
+    the very cut the draw was made from (no second pass over the vocabulary). [B,V] logits → (ids [B] long,
+    logprobs [B] float32); a [V] row → two 0-d tensors. The decode loop's step.
+
+    The ids are ``sample``'s for the same seeds and generator state, except on unseeded rows with top-p alone:
+    ``sample`` draws those by rejection without finding the top-p set, here the set is found for the logprob and
+    the draw is made from it — the same distribution, other ids for the same generator state."""
     ids, lp, one_row = _sample(logits, config, generator, prev_tokens, prompt_len, step, None, scored=True)
     missing = torch.isnan(lp)
     if bool(missing.any()):  # rows drawn without a cut (top-p alone): their kept set, found now
