@@ -159,6 +159,44 @@ void lmhead_row_scores(const float* x, int64_t B, int64_t V, const int64_t* ids,
     free(pmax), free(psum), free(pcnt), free(pnan);
 }
 
+/* The positions i of x [n] with x[i] ≥ thr, ascending, into out (at most cap of them) → their count; -1 when
+ * there are more than cap, -2 when x holds a NaN (models/native.py `topk`: the candidates of a top-k). */
+int64_t lmhead_select_ge(const float* x, int64_t n, float thr, int64_t* out, int64_t cap) {
+    int64_t count = 0, i = 0;
+    int nan = 0;
+#ifdef __AVX2__
+    const __m256 t = _mm256_set1_ps(thr);
+    __m256 un = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        un = _mm256_or_ps(un, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        unsigned bits = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, t, _CMP_GE_OQ));
+        if (!bits) continue;
+        if (count + 8 > cap) { /* the last slots: one at a time */
+            while (bits) {
+                if (count == cap) return -1;
+                out[count++] = i + __builtin_ctz(bits);
+                bits &= bits - 1;
+            }
+            continue;
+        }
+        while (bits) {
+            out[count++] = i + __builtin_ctz(bits);
+            bits &= bits - 1;
+        }
+    }
+    nan = _mm256_movemask_ps(un) != 0;
+#endif
+    for (; i < n; i++) {
+        if (x[i] != x[i]) nan = 1;
+        if (x[i] >= thr) {
+            if (count == cap) return nan ? -2 : -1;
+            out[count++] = i;
+        }
+    }
+    return nan ? -2 : count;
+}
+
 /* out [rows, F] = act(gate) · up with gate_up [rows, 2F] = [gate | up]; act 0: tanh-approximated GELU
  * (Gemma's gelu_pytorch_tanh, tanh(y) = 1 − 2/(e^{2y} + 1)), 1: SiLU (Llama, x/(1 + e^{−x})) */
 void lmhead_gated(const float* gate_up, float* out, int64_t rows, int64_t f, int act) {
