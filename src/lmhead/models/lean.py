@@ -444,9 +444,10 @@ class LeanBody:
             layer.qk_norm_version = version
         return layer.qk_norm
 
-    # decode-sized calls (rows ≤ this) take the coded kernel; a long prompt's prefill is compute-bound and
-    # runs oneDNN's float32 GEMM over the same numbers
-    CODED_MAX_ROWS = 16
+    # decode-sized calls (rows ≤ this: a step of up to 48 rows, a short prompt) take the coded kernel; a long
+    # prompt's prefill runs oneDNN's float32 GEMM over the same numbers. Measured on Gemma 3 (2 cores): a step of
+    # 32 rows 157 ms with oneDNN, 105 ms with the codes; a prefill of 32 tokens 125 / 98 ms, of 64 185 / 198 ms
+    CODED_MAX_ROWS = 48
 
     def _product(self, x: Tensor, layer: _Layer, name: str, b: Tensor | None = None) -> Tensor:
         """x [B,T,in] through the layer's matrix `name` ("qkv", "o", "gate_up", "down")."""
