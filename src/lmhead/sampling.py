@@ -31,7 +31,9 @@ survivors (exactly equivalent, no full sort), and top-p without top-k partially 
 only the tokens of the bin where the mass crosses p) for rows whose top-p set is wider. ``sample`` with top-p
 alone does not find the top-p set at all: it draws from the whole row and keeps the draw iff the mass
 strictly above it is < p, else draws again above it (``_top_p_draw``: exact; a pass of exps, or a partial sort
-of 256, per round, and a round passes with probability ≥ p). With the same
+of 256, per round, and a round passes with probability ≥ p). ``sample_with_logprobs`` draws and returns each
+drawn token's processed log-probability from the same cut (the decode loop's step), ``chosen_logprobs``
+scores given ids without a [B,V] processed row. With the same
 settings ``probabilities`` equals transformers' ``TemperatureLogitsWarper → TopKLogitsWarper →
 TopPLogitsWarper → MinPLogitsWarper`` + softmax (tests/test_sampling_hf.py).
 
