@@ -371,6 +371,11 @@ MULTI(1) MULTI(2) MULTI(3)
     }
 EACH(4) EACH(5) EACH(6) EACH(7) EACH(8)
 
+/* the pass for q query rows of a block: ≤ 3 through its one stream, 4..8 row by row */
+typedef void (*block_pass)(const float*, int64_t, const int8_t*, const float*, const float*, int64_t, int, float*);
+static const block_pass BLOCK_PASS[9] = {NULL, block4_rows1, block4_rows2, block4_rows3, block4_each4,
+                                         block4_each5, block4_each6, block4_each7, block4_each8};
+
 static inline void row_dot(const float* x, int64_t K, const int8_t* c, int64_t us, const float* s, const float* o,
                            const float* xs, int64_t ng, int64_t G, int packed, int mb, float* out) {
     switch (mb) {
@@ -501,22 +506,7 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
             for (int64_t m0 = 0; m0 < M;) {
                 const int64_t left = M - m0, q = left > 8 ? 8 : left;
                 float out[32];
-                if (q == 8)
-                    block4_each8(x + m0 * K, K, c, s, o, ng, packed, out);
-                else if (q == 7)
-                    block4_each7(x + m0 * K, K, c, s, o, ng, packed, out);
-                else if (q == 6)
-                    block4_each6(x + m0 * K, K, c, s, o, ng, packed, out);
-                else if (q == 5)
-                    block4_each5(x + m0 * K, K, c, s, o, ng, packed, out);
-                else if (q == 4)
-                    block4_each4(x + m0 * K, K, c, s, o, ng, packed, out);
-                else if (q == 3)
-                    block4_rows3(x + m0 * K, K, c, s, o, ng, packed, out);
-                else if (q == 2)
-                    block4_rows2(x + m0 * K, K, c, s, o, ng, packed, out);
-                else
-                    block4_rows1(x + m0 * K, K, c, s, o, ng, packed, out);
+                BLOCK_PASS[q](x + m0 * K, K, c, s, o, ng, packed, out);
                 for (int64_t m = 0; m < q; m++)
                     for (int r = 0; r < 4; r++) y[(m0 + m) * N + n0 + r] = out[m * 4 + r];
                 m0 += q;
