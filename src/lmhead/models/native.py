@@ -278,6 +278,7 @@ _TOPK_STRIDE = 16  # `topk`: every 16th logit sets the threshold
 _TOPK_MIN_WIDTH = 16384  # narrower rows: torch.topk alone
 _TOPK_CAP = 1 << 15  # more candidates than this: torch.topk
 _TOPK_MAX_ROWS = 4  # rows are thresholded one after another; torch.topk shares more rows over the threads
+_TOPK_MAX_K_ROWS = 64  # several rows: only for a small k (four rows with k 257 measured 0.92x torch.topk)
 
 
 def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -286,12 +287,13 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     language model's logits a few thousand of 262,144; found in one pass in C) are sorted. The same values in
     the same order; among equal values the indices may come in another order. None (the caller uses
     torch.topk) without the library, for a row with a NaN (torch.topk ranks NaN first) and when too many
-    logits reach the threshold (a flat row), and for more than 4 rows (torch.topk shares them over the
-    threads). Measured on 262,144 logits: k = 41 or 257, one row 0.87-1.0 ms with torch.topk, 0.27-0.49 ms
-    this way; four rows 1.6-2.1 ms, 0.8-1.6 ms; sixteen rows: no gain."""
+    logits reach the threshold (a flat row), for more than 4 rows and for several rows with k > 64 (torch.topk
+    shares rows over the threads). `benchmarks/bench_kernels.py`, 262,144 logits, quiet: one row, k 41 / 257,
+    0.48 / 0.56 ms with torch.topk, 0.15 / 0.39 ms this way; four rows, k 41: 0.92 against 0.45 ms."""
     lib = library()
     if (lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.requires_grad
-            or not 1 <= k <= x.shape[1] // 256 or x.shape[1] < _TOPK_MIN_WIDTH or x.shape[0] > _TOPK_MAX_ROWS):
+            or not 1 <= k <= x.shape[1] // 256 or x.shape[1] < _TOPK_MIN_WIDTH or x.shape[0] > _TOPK_MAX_ROWS
+            or (x.shape[0] > 1 and k > _TOPK_MAX_K_ROWS)):
         return None
     x = x.contiguous()
     b, width = x.shape

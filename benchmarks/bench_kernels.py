@@ -1,0 +1,116 @@
+"""The C kernels' pieces side by side with what they replace, in one process (the load average printed).
+
+    .venv/bin/python benchmarks/bench_kernels.py [--repeats 5] [--quick]
+
+1. The coded product (`CodedLinear`, models/coded_kernel.c) at 1-32 query rows on the packaged models' shapes
+   (synthetic codes in the layouts the models load: Q8_0-like int8 with float16 scales for Gemma 3's head,
+   packed 4-bit with offsets for the MLP matrices): ms per call and per row — one row waits on memory, several
+   on arithmetic.
+2. Gemma 3's head shape at 8-512 rows: the codes against F.linear over the float32 matrix they encode (what
+   `LMHead.PRODUCT_MAX_ROWS` chooses between).
+3. `Vocab.topk` on rows of 262,144 logits: the threshold pass (`models.native.topk`) against torch.topk.
+4. The decode loop's raw scores: `models.native.row_scores` against log_softmax + a count.
+Best of --repeats, each variant timed in turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from lmhead.models import native
+from lmhead.models.coded_linear import CodedLinear
+
+
+def best_ms(fn, repeats: int, inner: int = 1) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - t) / inner)
+    return best * 1e3
+
+
+def coded(n: int, k: int, four_bit: bool, g: torch.Generator) -> CodedLinear:
+    ng = k // 32
+    if four_bit:
+        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
+        scale = torch.rand(n, ng, generator=g) * 0.01 + 1e-3
+        offset = -8 * scale
+    else:
+        codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        scale, offset = (torch.rand(n, ng, generator=g) * 0.01 + 1e-3).half().float(), None
+    return CodedLinear(codes, scale, offset)
+
+
+def load() -> str:
+    return "load " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="fewer row counts, no 512-row head")
+    args = ap.parse_args()
+    if native.library() is None:
+        raise SystemExit("the C kernels are not built here (no compiler, or LMHEAD_NATIVE=0)")
+    g = torch.Generator().manual_seed(0)
+    print(f"torch threads {torch.get_num_threads()}; {load()}")
+
+    rows = [1, 3, 8, 16] if args.quick else [1, 2, 3, 4, 6, 8, 16, 32]
+    print("\n1. coded product, ms per call (ms per row)")
+    shapes = {"Gemma head 262144x640 int8": (262144, 640, False), "Gemma gate_up 4096x640 4-bit": (4096, 640, True),
+              "Gemma down 640x2048 4-bit": (640, 2048, True), "SmolLM2 gate_up 3072x576 4-bit": (3072, 576, True)}
+    for name, (n, k, four_bit) in shapes.items():
+        lin = coded(n, k, four_bit, g)
+        inner = max(1, int(3e7 / (n * k)))
+        cells = []
+        for m in rows:
+            x = torch.randn(m, k, generator=g)
+            ms = best_ms(lambda lin=lin, x=x: lin(x), args.repeats, inner)
+            cells.append(f"{m}: {ms:.2f} ({ms / m:.2f})")
+        print(f"  {name:32} " + "  ".join(cells) + f"  [{load()}]", flush=True)
+
+    print("\n2. Gemma head shape: the codes against F.linear over the float32 matrix they encode (ms)")
+    lin = coded(262144, 640, False, g)
+    weight = lin.dequantize()
+    for m in ([8, 32, 128] if args.quick else [8, 32, 128, 512]):
+        x = torch.randn(m, 640, generator=g)
+        a = best_ms(lambda x=x, lin=lin: lin(x), max(1, args.repeats // 2))
+        b = best_ms(lambda x=x, w=weight: F.linear(x, w), max(1, args.repeats // 2))
+        print(f"  {m:4} rows: codes {a:8.1f}  F.linear {b:8.1f}  F.linear / codes {b / a:5.2f}  [{load()}]",
+              flush=True)
+    del weight, lin
+
+    print("\n3. top-k over rows of 262,144 logits (randn x 3): torch.topk against the threshold pass (ms)")
+    for b in (1, 4, 16):
+        x = torch.randn(b, 1 << 18, generator=g) * 3
+        for k in (41, 257):
+            a = best_ms(lambda x=x, k=k: torch.topk(x, k, dim=-1), args.repeats, 10)
+            got = native.topk(x, k)
+            t = best_ms(lambda x=x, k=k: native.topk(x, k), args.repeats, 10) if got is not None else float("nan")
+            print(f"  {b:2} rows, k {k:3}: torch.topk {a:6.3f}  threshold {t:6.3f}  ratio {a / t:5.2f}"
+                  + ("" if got is not None else "  (declined: torch.topk is used)") + f"  [{load()}]", flush=True)
+
+    print("\n4. raw logprob normaliser and rank: log_softmax + count against row_scores (ms)")
+    for b in (1, 8, 32):
+        x = torch.randn(b, 1 << 18, generator=g) * 3
+        ids = torch.randint(0, 1 << 18, (b,), generator=g)
+
+        def plain(x=x, ids=ids):
+            torch.log_softmax(x, dim=-1).gather(1, ids[:, None])
+            (x > x.gather(1, ids[:, None])).sum(dim=-1)
+
+        a = best_ms(plain, args.repeats, 5)
+        t = best_ms(lambda x=x, ids=ids: native.row_scores(x, ids), args.repeats, 5)
+        print(f"  {b:2} rows: torch {a:6.2f}  row_scores {t:6.2f}  ratio {a / t:5.2f}  [{load()}]", flush=True)
+
+
+if __name__ == "__main__":
+    main()
