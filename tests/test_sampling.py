@@ -859,3 +859,14 @@ def test_sample_with_logprobs_on_top_p_alone_follows_the_top_p_distribution(cfg)
     ids = torch.stack([sample_with_logprobs(x, cfg, generator=g)[0][0] for _ in range(n)])
     probs = ref.sampling_draw_probabilities(x, [cfg])[0]
     assert ref.draws_fit(ids, probs) == "", ref.draws_fit(ids, probs)
+
+
+def test_sample_with_logprobs_scores_a_seeded_top_p_row_with_bias_and_penalties_once():
+    x = peaked(2, 4000, seed=25, scale=1.5)
+    configs = [SamplingConfig(top_p=0.8, seed=5, logit_bias={5: 4.0, 9: -2.0}, repetition_penalty=1.3,
+                              presence_penalty=0.5), SamplingConfig(temperature=0)]
+    prev, plen = [[5, 7, 9, 11], [1, 2]], [2, 1]
+    for step in range(5):
+        ids, lp = sample_with_logprobs(x, configs, prev_tokens=prev, prompt_len=plen, step=step)
+        assert torch.equal(ids, sample(x, configs, prev_tokens=prev, prompt_len=plen, step=step))
+        torch.testing.assert_close(lp, _reference_chosen(x, ids, configs, prev, plen), **ref.tolerance(torch.float32))

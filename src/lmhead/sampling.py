@@ -1303,11 +1303,11 @@ def sample_with_logprobs(logits: Tensor, config: ConfigArg = None, generator: to
     the draw is made from it — the same distribution, other ids for the same generator state."""
     ids, lp, one_row = _sample(logits, config, generator, prev_tokens, prompt_len, step, None, scored=True)
     missing = torch.isnan(lp)
-    if bool(missing.any()):  # rows drawn without a cut (top-p alone): their kept set, found now
+    if bool(missing.any()):  # rows drawn without a cut (seeded, top-p alone): their kept set, found now
         rows = missing.nonzero().squeeze(1)
-        x, configs, _, _ = _preprocess(logits, config, prev_tokens, prompt_len)
+        x, configs, _, vocab = _preprocess(logits, config, prev_tokens, prompt_len)  # bias, penalties: once
         cfgs = [configs] * x.shape[0] if isinstance(configs, SamplingConfig) else configs
-        lp[rows] = chosen_logprobs(x[rows], ids[rows], [cfgs[r] for r in rows.tolist()])
+        lp[rows] = _chosen(x[rows], ids[rows], [cfgs[r] for r in rows.tolist()], vocab)
     return (ids[0], lp[0]) if one_row else (ids, lp)
 
 
@@ -1437,12 +1437,17 @@ def chosen_logprobs(logits: Tensor, token_ids: Tensor, config: ConfigArg = None,
     values, no [B,V] temporary); rows kept whole (top-p without top-k, min-p, no cut) take a log-softmax over
     the row. Same config / prev_tokens / prompt_len as ``process_logits``. The decode loop's per-step score."""
     x, configs, _, vocab = _preprocess(logits, config, prev_tokens, prompt_len)
-    tok = token_ids.to(device=x.device, dtype=torch.long).reshape(-1, 1)
+    tok = token_ids.to(device=x.device, dtype=torch.long).reshape(-1)
     if tok.shape[0] != x.shape[0]:
         raise ValueError(f"token_ids must hold one id per row ({x.shape[0]}), got {tok.shape[0]}")
+    return _chosen(x, tok, configs, vocab)
+
+
+def _chosen(x: Tensor, tok: Tensor, configs: list[SamplingConfig] | SamplingConfig, vocab: Vocab) -> Tensor:
+    """`chosen_logprobs` on logits x [B,V_r] already through steps 1-2, ids tok [B]."""
     out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     for rows, vals, idx, _ in _parts(x, configs, vocab):
-        lp = _part_logprobs(vals, idx, (tok if rows is None else tok[rows])[:, 0], vocab)
+        lp = _part_logprobs(vals, idx, tok if rows is None else tok[rows], vocab)
         if rows is None:
             out.copy_(lp)
         else:
