@@ -473,8 +473,8 @@ class Decoder:
         return drafts, q, counts
 
     def _plain(self, logits: Tensor, configs, history, prompt_len, steps, generator):
-        """No draft: one token per row, exactly `sampling.sample` (same seeds, same steps), and its processed
-        logprob."""
+        """No draft: one token per row from the plain sampler's distribution (`plain_choice`, scored: seeded and
+        greedy rows exactly `sampling.sample`'s ids), and its processed logprob."""
         ids, chosen = plain_choice(logits, configs, history, prompt_len, steps, generator, scored=True)
         return [[int(t)] for t in ids.tolist()], torch.zeros(len(configs), dtype=torch.long), chosen.tolist()
 
@@ -598,7 +598,7 @@ def plain_choice(logits: Tensor, configs: list, history, prompt_len, steps: list
     history (penalties), its prompt length and the step of its token (rows that joined the batch at other times
     are at other steps). One config for all rows when they share one object, so the pipeline takes its
     whole-batch path. scored: (ids, each id's processed logprob [B]) from `sampling.sample_with_logprobs`
-    (the same ids)."""
+    (`sample`'s ids, but for unseeded top-p-alone rows, drawn from the same distribution another way)."""
     from lmhead.sampling import sample, sample_with_logprobs
 
     cfg = configs[0] if len({id(c) for c in configs}) == 1 else configs
