@@ -76,3 +76,10 @@ def test_row_scores_leave_non_finite_rows_to_torch():
     lse, greater = native.row_scores(x, torch.tensor([3]))
     torch.testing.assert_close(lse, torch.logsumexp(x[:, :100].double(), dim=-1), **ref.tolerance(torch.float32))
     assert greater.tolist() == [int((x[0, :100] > x[0, 3]).sum())]
+
+
+def test_row_scores_refuse_ids_outside_the_rows():
+    x = _rows(2, seed=22)
+    for ids in (torch.tensor([0, V]), torch.tensor([-1, 0]), torch.tensor([0]), torch.tensor([0.0, 1.0])):
+        with pytest.raises(ValueError, match="ids must be"):
+            native.row_scores(x, ids)

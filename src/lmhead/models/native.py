@@ -329,6 +329,11 @@ def row_scores(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.
     lib = library()
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] == 0:
         return None
+    # the C passes read x[b, ids[b]]: an id outside the row would be read outside the tensor
+    if ids.dim() != 1 or ids.shape[0] != x.shape[0] or ids.is_floating_point():
+        raise ValueError(f"ids must be [{x.shape[0]}] integer token ids, got {ids.dtype} {tuple(ids.shape)}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= x.shape[1]):
+        raise ValueError(f"ids must be in [0, {x.shape[1]}), got {ids.tolist()}")
     lse, greater = _row_scores(lib, x.contiguous(), ids, torch.get_num_threads())
     if not bool(torch.isfinite(lse).all()):
         return None
