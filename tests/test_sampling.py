@@ -851,6 +851,21 @@ def test_seeded_rows_sharing_a_top_k_cut_draw_what_they_draw_alone_even_with_tie
         assert all(int(together[r]) in torch.topk(x[r], 6).indices.tolist() for r in (1, 4))
 
 
+def test_greedy_and_seeded_rows_apart_draw_what_they_draw_alone():
+    """A server's batch: greedy and seeded top-k rows interleaved (each read in place, not gathered), on a
+    vocabulary wide enough for the threshold top-k."""
+    x = peaked(8, 32768, seed=31, scale=1.0)
+    configs = [SamplingConfig(temperature=0) if r % 3 == 0 else SamplingConfig(temperature=0.8, top_k=40, seed=r)
+               for r in range(8)]
+    for step in range(4):
+        ids, lp = sample_with_logprobs(x, configs, step=step)
+        assert ids.tolist() == sample(x, configs, step=step).tolist()
+        for r, cfg in enumerate(configs):
+            one, one_lp = sample_with_logprobs(x[r], cfg, step=step)
+            assert int(ids[r]) == int(one)
+            torch.testing.assert_close(lp[r], one_lp, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("cfg", [SamplingConfig(top_p=0.9, temperature=0.8), SamplingConfig(top_p=0.5)], ids=str)
 def test_sample_with_logprobs_on_top_p_alone_follows_the_top_p_distribution(cfg):
     x = peaked(1, 3000, seed=24, scale=1.5)

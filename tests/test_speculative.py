@@ -234,12 +234,14 @@ def test_greedy_penalties_and_bias_are_applied_at_every_verified_position():
 
 
 @pytest.mark.parametrize("draft", [True, "ngram"])
-def test_sampled_first_token_follows_the_target_distribution(draft):
+def test_sampled_first_token_follows_the_target_distribution(draft, monkeypatch):
     """Goodness of fit on a tiny model, rows without a seed (the min(1, p/q) rule): the first emitted token
     over 1200 runs is distributed as the plain pipeline's probabilities (a drafted token or a residual draw).
     The prompt repeats itself, so the n-gram draft proposes a token every time."""
+    from lmhead import speculative
     from lmhead.sampling import SamplingConfig, probabilities
 
+    monkeypatch.setattr(speculative, "NGRAM_MAX_POSITIONS", 10_000)  # 200 rows still draft (a speed limit only)
     hf_model, tokenizer = _parts("gemma3", 0.15)[:2]
     prompt = tokenizer("The cat The cat The")["input_ids"]
     assert NgramDraft().propose(prompt, 2)
@@ -250,7 +252,8 @@ def test_sampled_first_token_follows_the_target_distribution(draft):
     counts = torch.zeros_like(p)
     gen = torch.Generator().manual_seed(0)
     for _ in range(runs // rows):
-        out, _ = _decode("gemma3", [prompt] * rows, 1, [cfg] * rows, draft=draft, k=2, generator=gen, init=0.15)
+        out, dec = _decode("gemma3", [prompt] * rows, 1, [cfg] * rows, draft=draft, k=2, generator=gen, init=0.15)
+        assert dec.stats.drafted > 0
         for o in out:
             counts[o[0]] += 1
     kept = p > 0
@@ -258,6 +261,42 @@ def test_sampled_first_token_follows_the_target_distribution(draft):
     chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
     assert counts[~kept].sum() == 0
     assert chi2 < 26.1, (chi2, int(kept.sum()))  # 7 degrees of freedom: p ≈ 0.0005
+
+
+def test_sampled_token_after_an_accepted_ngram_draft_follows_the_target_distribution(monkeypatch):
+    """The n-gram draft is judged by drawing from p and comparing (`NgramDraft`): when the first token equals the
+    draft, the second one is the target's next draw given it — checked by goodness of fit against p_1 computed
+    from the prompt followed by the drafted token (rows without a seed, top-p and min-p on the top-k survivors)."""
+    from lmhead import speculative
+    from lmhead.sampling import SamplingConfig, probabilities
+
+    monkeypatch.setattr(speculative, "NGRAM_MAX_POSITIONS", 10_000)  # 400 rows still draft (a speed limit only)
+    hf_model, tokenizer = _parts("gemma3", 0.15)[:2]
+    prompt = tokenizer("The cat The cat The")["input_ids"]
+    d = NgramDraft().propose(prompt, 2)
+    assert len(d) == 2
+    # a random tiny model barely proposes what the draft does: a logit bias (part of the pipeline) makes
+    # p_0(d) ≈ 0.26, so about 620 of the 2,400 rows accept it
+    cfg = SamplingConfig(temperature=1.5, top_k=6, top_p=0.95, logit_bias={d[0]: 4.0})
+    with torch.no_grad():
+        p0 = probabilities(hf_model(torch.tensor([prompt])).logits[:, -1], cfg)[0]
+        p1 = probabilities(hf_model(torch.tensor([prompt + d[:1]])).logits[:, -1], cfg)[0]
+    counts, firsts = torch.zeros_like(p1), 0
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        out, dec = _decode("gemma3", [prompt] * 400, 2, [cfg] * 400, draft="ngram", k=2, generator=gen, init=0.15)
+        assert dec.stats.accepted > 0
+        for o in out:
+            firsts += o[0] == d[0]
+            if o[0] == d[0]:
+                counts[o[1]] += 1
+    n = int(counts.sum())
+    assert abs(firsts / 2400 - float(p0[d[0]])) < 4 * (float(p0[d[0]]) / 2400) ** 0.5  # accepted at rate p_0(d)
+    kept = p1 > 0
+    expected = p1[kept] * n
+    chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
+    assert counts[~kept].sum() == 0 and float(expected.min()) > 5
+    assert chi2 < 20.5, (chi2, int(kept.sum()))  # ≤ 5 degrees of freedom: p ≈ 0.001
 
 
 @pytest.mark.parametrize("cfg", [dict(temperature=0.9, top_p=0.9, seed=11), dict(temperature=1.2, seed=3),

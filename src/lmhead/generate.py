@@ -57,13 +57,14 @@ class Step:
     "length" (max_new_tokens or the context length). index: which prompt (0 for a single prompt).
     top_logprobs: with `top_logprobs=n`, the n most likely tokens, best first: the tokens the pipeline kept
     by processed log-probability, then cut ones (logprob -inf) by raw log-probability.
+    A generation run with scores=False carries None in logprob, raw_logprob and rank.
     """
 
     token_id: int
     text: str
-    logprob: float
-    raw_logprob: float
-    rank: int
+    logprob: float | None
+    raw_logprob: float | None
+    rank: int | None
     finish_reason: str | None = None
     index: int = 0
     top_logprobs: list[TopLogprob] = field(default_factory=list)
@@ -73,7 +74,7 @@ class Step:
         d = asdict(self)
         for item in [d, *d["top_logprobs"]]:
             for key in ("logprob", "raw_logprob"):
-                if not math.isfinite(item[key]):
+                if item[key] is not None and not math.isfinite(item[key]):
                     item[key] = None
         return d
 
@@ -183,7 +184,8 @@ def generate(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int 
              config: SamplingConfig | Sequence[SamplingConfig] | None = None,
              stop: str | Sequence[str] | None = None, top_logprobs: int = 0, *,
              generator: torch.Generator | None = None, profile: dict[str, float] | None = None,
-             draft: str = "auto", draft_tokens: int = 4, stats=None, exact_logprobs: bool = False) -> Iterator[Step]:
+             draft: str = "auto", draft_tokens: int = 4, stats=None, exact_logprobs: bool = False,
+             scores: bool = True) -> Iterator[Step]:
     """Generate up to `max_new_tokens` tokens per prompt, yielding one `Step` per token as it is chosen.
 
     model: an `lmhead.Model`. prompt_or_prompts: a str (steps have index 0) or a list of str (steps carry the
@@ -207,12 +209,14 @@ def generate(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int 
     (every raw logprob, and the processed ones without a top-k) includes the approximate tail, within the
     head's error bound (`CompressedHead.error_bound`). exact_logprobs=True computes every returned number
     with the fp32 head (`model.exact_head`, one extra product per step); the tokens are the same.
+    scores=False: the steps carry no log-probabilities (None in logprob, raw_logprob and rank) and none are
+    computed (the server's requests that ask for none: a pass over the vocabulary per token saved).
 
     The arguments are checked when this is called (ValueError / TypeError naming the argument); the tokens
     come as the iterator is consumed.
     """
     rows = prepare(model, prompt_or_prompts, max_new_tokens, config, stop, top_logprobs,
-                   exact_logprobs=exact_logprobs)
+                   exact_logprobs=exact_logprobs, scores=scores)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
     from lmhead.speculative import check_draft_mode, check_draft_tokens
@@ -235,6 +239,7 @@ class Row:
     top_n: int = 0
     exact_logprobs: bool = False
     index: int = 0
+    scores: bool = True  # False: its steps carry no logprobs (None), and none are computed
     owner: Any = None
     generated: list[int] = field(default_factory=list)
 
@@ -247,7 +252,7 @@ class Row:
 def prepare(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int = 32,
             config: SamplingConfig | Sequence[SamplingConfig] | None = None,
             stop: str | Sequence[str] | None = None, top_logprobs: int = 0, *,
-            exact_logprobs: bool = False) -> list[Row]:
+            exact_logprobs: bool = False, scores: bool = True) -> list[Row]:
     """The checked, tokenised rows of a `generate` call (same arguments, same errors), ready for a `Batch`."""
     prompts, _ = _prompts(prompt_or_prompts)
     configs = as_configs(config, len(prompts))  # one per prompt, checked as sampling checks it
@@ -257,6 +262,10 @@ def prepare(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int =
         raise ValueError(f"top_logprobs: must be an integer in 0..20, got {top_logprobs!r}")
     if not isinstance(exact_logprobs, bool):
         raise TypeError(f"exact_logprobs: expected a bool, got {type(exact_logprobs).__name__}")
+    if not isinstance(scores, bool):
+        raise TypeError(f"scores: expected a bool, got {type(scores).__name__}")
+    if not scores and top_logprobs:
+        raise ValueError(f"top_logprobs: must be 0 with scores=False (no logprobs), got {top_logprobs!r}")
     special = set(getattr(model.tokenizer, "all_special_ids", []) or [])
     rows = []
     for i, p in enumerate(prompts):
@@ -271,7 +280,7 @@ def prepare(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int =
                                  f"{model.context_length} tokens (at most {model.context_length - 1})")
             budget = min(max_new_tokens, model.context_length - len(ids))
         rows.append(Row(ids, configs[i], budget, _Detokenizer(model.tokenizer, ids, stops, special), top_logprobs,
-                        exact_logprobs, i))
+                        exact_logprobs, i, scores=scores))
     return rows
 
 
@@ -405,7 +414,7 @@ class _TransformersRounds:
         ids, chosen = plain_choice(logits, configs, history, prompt_len, steps, generator, scored=True)
         self.clock.lap("sampling")
         return Round([[t] for t in ids.tolist()], [logits[b:b + 1] for b in range(len(ids))],
-                     [hidden[b] for b in range(len(ids))], chosen.tolist())
+                     [hidden[b] for b in range(len(ids))], [[v] for v in chosen.tolist()])
 
 
 def _rounds(model, draft: str, draft_tokens: int, profile: dict[str, float] | None):
@@ -463,7 +472,7 @@ class Batch:
     a greedy or seeded row gives the tokens it gives alone, and logprobs equal to float rounding (a compressed
     head's own: within its error bound, its kernel differs for one row and several). Rows join a
     running batch on the lean body (`speculative.Decoder.join`); with transformers' modules `can_join` is
-    False while rows are live.
+    False while rows are live. Rows without scores (`Row.scores` False) get their tokens only.
     """
 
     def __init__(self, model, *, generator: torch.Generator | None = None,
@@ -522,6 +531,35 @@ class Batch:
         self.rows = [self.rows[b] for b in keep]
         self.last = self.last.index_select(0, index)
 
+    def _round_scores(self, rnd, history, plen):
+        """The scores of every token of a round (rows × their tokens, flattened, in order; see `_flat_scores`):
+        None for the tokens of rows without scores, which are not computed."""
+        rows = self.rows
+        keep = [b for b, r in enumerate(rows) if r.scores]
+        if len(keep) < len(rows):
+            none = [None] * sum(len(t) for t in rnd.tokens)
+            if not keep:
+                return none, none, none, None
+            sub = self._subset(keep, rnd, history, plen)
+            scored = self._scores_for(*sub)
+            return _spread(scored, [len(t) for t in rnd.tokens], keep)
+        return self._scores_for(rows, rnd, history, plen)
+
+    def _subset(self, keep: list[int], rnd, history, plen):
+        """The rows `keep` of a round: (rows, their Round, history, prompt lengths)."""
+        from lmhead.speculative import Round
+
+        pick = (lambda xs: None if xs is None else [xs[b] for b in keep])
+        return ([self.rows[b] for b in keep], Round(pick(rnd.tokens), pick(rnd.logits), pick(rnd.hidden),
+                                                    pick(rnd.logprobs)), pick(history), pick(plen))
+
+    def _scores_for(self, rows: list[Row], rnd, history, plen):
+        # the draws' own, unless a row is scored under other (exact) logits
+        drawn = None if rnd.logprobs is None else [v for row in rnd.logprobs for v in row]
+        if drawn is not None and self.model.head is not self.model.exact_head and any(r.exact_logprobs for r in rows):
+            drawn = None
+        return _flat_scores(_score_logits(self.model, rnd, rows), rnd.tokens, history, plen, rows, drawn)
+
     @torch.inference_mode()
     def step(self) -> list[tuple[Row, Step]]:
         """One round for every live row → (row, Step) for each token chosen, rows in order; rows that
@@ -532,11 +570,7 @@ class Batch:
         rnd = self.rounds.round(self.last, [r.config for r in rows], history, plen,
                                 [len(r.generated) for r in rows], self.generator)
         self.clock.t = time.perf_counter() if self.profile is not None else 0.0
-        drawn = rnd.logprobs  # the draw's own, unless a row is scored under other (exact) logits
-        if drawn is not None and self.model.head is not self.model.exact_head and any(r.exact_logprobs for r in rows):
-            drawn = None
-        chosen, raw, ranks, alts = _flat_scores(_score_logits(self.model, rnd, rows), rnd.tokens, history, plen,
-                                                rows, drawn)
+        chosen, raw, ranks, alts = self._round_scores(rnd, history, plen)
         self.clock.lap("sampling")
         out: list[tuple[Row, Step]] = []
         finished: list[Row] = []
@@ -557,6 +591,26 @@ class Batch:
         if self.rows:
             self.last = torch.tensor([r.generated[-1] for r in self.rows], device=self.device)
         return out
+
+
+def _spread(scored, counts: list[int], keep: list[int]):
+    """Scores of the rows `keep` (flattened over their tokens) → the same lists over every row's `counts`
+    tokens, None (alternatives: []) for the others."""
+    chosen, raw, ranks, alts = scored
+    out: tuple[list, list, list, list] = ([], [], [], [])
+    kept, i = set(keep), 0
+    for b, n in enumerate(counts):
+        for _ in range(n):
+            if b in kept:
+                out[0].append(chosen[i])
+                out[1].append(raw[i])
+                out[2].append(ranks[i])
+                out[3].append(alts[i] if alts is not None else [])
+                i += 1
+            else:
+                for lst, empty in zip(out, (None, None, None, []), strict=True):
+                    lst.append(empty)
+    return out[0], out[1], out[2], (out[3] if alts is not None else None)
 
 
 def _loop(model, rows: list[Row], generator: torch.Generator | None, profile: dict[str, float] | None,

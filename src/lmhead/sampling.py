@@ -1255,22 +1255,33 @@ def _draw_groups(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, gene
         groups.setdefault((c._cut_key(vocab.size), c.seed is not None and not c.is_greedy), []).append(r)
 
     def put(rows: list[int], got: tuple[Tensor, Tensor | None]) -> None:
-        index = slice(None) if len(rows) == batch else torch.tensor(rows, device=x.device)
+        index = (slice(None) if len(rows) == batch else slice(rows[0], rows[0] + 1) if len(rows) == 1
+                 else torch.tensor(rows, device=x.device))
         ids[index] = got[0]
         if scored:
             lp[index] = got[1]
 
     for (key, seeded), rows in groups.items():
-        xs = x if len(rows) == batch else x[torch.tensor(rows, device=x.device)]
+        # rows side by side are read as one view; rows apart are copied together only where they draw together
+        # (unseeded sampled rows share the generator): greedy and seeded rows apart are read in place, one by one
+        together = rows[-1] - rows[0] == len(rows) - 1
+        if not seeded and not together and cfgs[rows[0]].is_greedy:
+            for r in rows:
+                put([r], _draw_group(x[r:r + 1], cfgs[r], generator, vocab, scored=scored))
+            continue
         if not seeded:
+            xs = x[rows[0]:rows[-1] + 1] if together else x[torch.tensor(rows, device=x.device)]
             put(rows, _draw_group(xs, cfgs[rows[0]], generator, vocab, scored=scored))
             continue
         top_k = key[2]
-        top = vocab.topk(xs, top_k + 1) if top_k else None
+        shared = vocab.topk(x[rows[0]:rows[-1] + 1], top_k + 1) if top_k and together else None
         for j, r in enumerate(rows):
+            one = None
+            if top_k:  # the row's top k+1: the same sorted beside the others or alone
+                one = (shared[0][j:j + 1], shared[1][j:j + 1]) if shared is not None else vocab.topk(x[r:r + 1],
+                                                                                                    top_k + 1)
             gen = seeded_generator(cfgs[r].seed, steps[r], x.device)
-            one = None if top is None else (top[0][j:j + 1], top[1][j:j + 1])
-            put([r], _draw_group(xs[j:j + 1], cfgs[r], gen, vocab, one, scored))
+            put([r], _draw_group(x[r:r + 1], cfgs[r], gen, vocab, one, scored))
     return ids, lp
 
 

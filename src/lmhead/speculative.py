@@ -18,7 +18,8 @@
                   accept d_{i+1} with probability min(1, p_i(d)/q_i(d)); at the first rejection draw from
                   normalise(max(0, p_i − q_i)); when all k are accepted draw one more token from p_k
                   (Leviathan et al. 2023; Chen et al. 2023) — every emitted token is distributed exactly as
-                  the plain sampler's
+                  the plain sampler's. For a point-mass draft (n-gram) this rule is a plain draw t ~ p_i
+                  compared with d: such rows are judged as greedy ones are (`NgramDraft`)
 
 Why it is exact for sampling: for one position, P(emit x) = q(x)·min(1, p(x)/q(x)) + P(reject)·r(x) with
 r = max(0, p−q)/Σmax(0, p−q) and P(reject) = 1 − Σ min(p, q) = Σ max(0, p−q); so P(x) = min(p, q)(x) +
@@ -266,7 +267,11 @@ class NgramDraft:
     loops small models fall into, a chat answer quoting its prompt — and where it does, the full-precision
     model accepts several tokens per verification; where nothing matches the round is a plain step. The draft
     is a point mass (q = 1 on the proposed token), so the speculative-sampling rule accepts a drafted token
-    with probability p(d) and on rejection draws from p without d: the output distribution is the target's.
+    with probability p(d) and on rejection draws from p without d — which is what drawing t from p and
+    comparing it with d does: t = d accepts d, t ≠ d is the replacement (t given t ≠ d is p without d,
+    renormalised). So every row, seeded or not, is judged as a greedy row is (`Decoder._draws`): the plain
+    sampler's draw at each position, the longest prefix of drafts equal to it — no p(d), no [B,k,V] q, and
+    no draw at the positions after the first mismatch.
     """
 
     def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
@@ -298,13 +303,14 @@ class NgramDraft:
 class Round:
     """What one round gives the live rows: per row the emitted tokens, the target's logits [n_r, V] each
     was chosen from (for logprobs and ranks) and the hidden states [n_r, D] they came from (for exact
-    logprobs: the fp32 head on them); a round without drafts also the processed logprob of each row's token,
-    taken from the cut it was drawn from (`sampling.sample_with_logprobs`)."""
+    logprobs: the fp32 head on them); and, where the tokens came from the plain sampler's draws (no draft,
+    n-gram drafts, greedy and seeded rows), each token's processed logprob, taken from the cut it was drawn
+    from (`sampling.sample_with_logprobs`)."""
 
     tokens: list[list[int]]
     logits: list[Tensor]
     hidden: list[Tensor] | None = None
-    logprobs: list[float] | None = None  # a plain round's processed logprob of each row's token, from its draw
+    logprobs: list[list[float]] | None = None  # per row each emitted token's processed logprob, from its draw
 
 
 class Decoder:
@@ -379,7 +385,7 @@ class Decoder:
             # B·(k+1) > 8 positions costs more than the drafts save, so a wide batch drafts less, or not at all
             cap = NGRAM_MAX_POSITIONS // len(ks) - 1
             ks = [min(kr, max(cap, 0)) for kr in ks]
-            drafts, q, ks = self._lookup(last, ks, configs)
+            drafts, ks = self._lookup(last, ks)
             k = 0 if drafts is None else drafts.shape[1]
             self._lap("draft")
         elif k:
@@ -394,6 +400,9 @@ class Decoder:
         chosen = None
         if k == 0:
             tokens, n, chosen = self._plain(logits[:, 0], configs, history, prompt_len, steps, generator)
+        elif q is None:  # point-mass drafts, or greedy and seeded rows only
+            tokens, n, chosen = self._draws(logits, drafts, ks, configs, history, prompt_len, steps, generator)
+            self._count(n, ks)
         else:
             tokens, n = self._accept(logits, drafts, q, ks, configs, history, prompt_len, steps, generator)
             self._count(n, ks)
@@ -453,35 +462,32 @@ class Decoder:
         q = torch.stack(dists, dim=1) if dists else None
         return torch.tensor(drafted, dtype=torch.long), q
 
-    def _lookup(self, last: Tensor, ks: list[int], configs: list) -> tuple[Tensor | None, Tensor | None, list[int]]:
+    def _lookup(self, last: Tensor, ks: list[int]) -> tuple[Tensor | None, list[int]]:
         """The n-gram draft per row from the row's tokens in the target's cache and `last`: drafts [B,w]
-        (rows with fewer proposals padded with their last token, never judged), the point-mass q [B,w,V] when
-        a row samples, and each row's count of proposals (its k this round). (None, None, zeros) when no row
-        has a proposal: the round is a plain step."""
+        (rows with fewer proposals padded with their last token, never judged) and each row's count of
+        proposals (its k this round). (None, zeros) when no row has a proposal: the round is a plain step."""
         length = self.target.length
         tokens, valid = self.target.tokens[:, :length], self.target.valid[:, :length]
         rows = [self.draft.propose(tokens[r][valid[r]].tolist() + [int(last[r])], kr) for r, kr in enumerate(ks)]
         counts = [len(p) for p in rows]
         width = max(counts, default=0)
         if width == 0:
-            return None, None, counts
+            return None, counts
         drafts = torch.tensor([p + [int(last[r])] * (width - len(p)) for r, p in enumerate(rows)], dtype=torch.long)
-        q = None
-        if not all(_deterministic(c) for c in configs):
-            q = torch.zeros((len(rows), width, self.head.vocab_size), dtype=torch.float32)
-            q.scatter_(2, drafts[:, :, None], 1.0)
-        return drafts, q, counts
+        return drafts, counts
 
     def _plain(self, logits: Tensor, configs, history, prompt_len, steps, generator):
         """No draft: one token per row from the plain sampler's distribution (`plain_choice`, scored: seeded and
         greedy rows exactly `sampling.sample`'s ids), and its processed logprob."""
         ids, chosen = plain_choice(logits, configs, history, prompt_len, steps, generator, scored=True)
-        return [[int(t)] for t in ids.tolist()], torch.zeros(len(configs), dtype=torch.long), chosen.tolist()
+        n = torch.zeros(len(configs), dtype=torch.long)
+        return [[int(t)] for t in ids.tolist()], n, [[v] for v in chosen.tolist()]
 
     def _accept(self, logits: Tensor, drafts: Tensor, q: Tensor | None, ks: list[int], configs, history,
                 prompt_len, steps, generator) -> tuple[list[list[int]], Tensor]:
         """Per row the emitted tokens and the count n [B] of accepted drafts; row r judges its first ks[r]
-        drafts only (what it would have drafted alone)."""
+        drafts only (what it would have drafted alone). Greedy and seeded rows: the plain sampler's choice at
+        each position, accepted while it equals the draft; other rows the min(1, p/q) rule against q."""
         b, width, vocab = logits.shape
         rows = drafts.tolist()
         # the pipeline at every position: position i follows the row's history and d_1..d_i
@@ -504,6 +510,32 @@ class Decoder:
             n[r] = nr
             tokens.append(rows[r][:nr] + [last])
         return tokens, n
+
+    def _draws(self, logits: Tensor, drafts: Tensor, ks: list[int], configs, history, prompt_len, steps,
+               generator) -> tuple[list[list[int]], Tensor, list[list[float]]]:
+        """Drafts judged by the plain sampler's draws (every row of a point-mass draft, or rows that are all
+        greedy or seeded): position by position, each row still accepting draws its token there
+        (`plain_choice`, scored) and goes on while it equals its next draft, up to its ks[r]. → (per row the
+        emitted tokens, the count n [B] of accepted drafts, per row each emitted token's processed logprob).
+        Only the positions a row reaches are drawn: a rejection at the first draft costs one draw."""
+        b = logits.shape[0]
+        rows = drafts.tolist()
+        tokens: list[list[int]] = [[] for _ in range(b)]
+        scores: list[list[float]] = [[] for _ in range(b)]
+        live, i = list(range(b)), 0
+        while live:
+            x = logits[:, i] if len(live) == b else logits[torch.tensor(live), i]                    # [b',V]
+            prev = None if history is None else [history[r] + rows[r][:i] for r in live]
+            ids, lp = plain_choice(x, [configs[r] for r in live], prev, [prompt_len[r] for r in live],
+                                   [steps[r] + i for r in live], generator, scored=True)
+            going = []
+            for r, t, v in zip(live, ids.tolist(), lp.tolist(), strict=True):
+                tokens[r].append(t)
+                scores[r].append(v)
+                if i < ks[r] and t == rows[r][i]:
+                    going.append(r)
+            live, i = going, i + 1
+        return tokens, torch.tensor([len(t) - 1 for t in tokens], dtype=torch.long), scores
 
     def _count(self, n: Tensor, ks: list[int]) -> None:
         self.stats.rounds += 1

@@ -8,7 +8,8 @@ A request is checked (the model's name, prompt length, the sampling config via `
 generated in the runner's shared batch (`ModelRunner.generate`: continuous batching), and shaped as OpenAI's
 objects: `_Completion` and `_Chat` build the ids, chunks and bodies. Log-probabilities are the model's own
 (raw: temperature 1, nothing cut), as OpenAI and vLLM report them, from the decode head (`exact_logprobs: true`,
-an lmhead extension: from the fp32 head); errors have OpenAI's shape (errors.py).
+an lmhead extension: from the fp32 head) — a request without `logprobs` gets none computed (`scores=False`);
+errors have OpenAI's shape (errors.py).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ async def v1_completions(req: S.CompletionRequest, request: Request, served: Ser
     ids = await served.call(encode_checked, served.model, prompt)
     cfg = await served.call(sampling_config, req, req.seed)
     steps = partial(served.generate, prompt, req.max_tokens or 16, config=cfg, stop=req.stops() or None,
-                    top_logprobs=req.logprobs or 0, exact_logprobs=req.exact_logprobs)
+                    top_logprobs=req.logprobs or 0, exact_logprobs=req.exact_logprobs,
+                    scores=req.logprobs is not None)
     answer = _Completion(served, req, prompt, len(ids))
     if req.stream:
         return StreamingResponse(await primed(answer.events(steps())), media_type="text/event-stream")
@@ -64,7 +66,7 @@ async def v1_chat(req: S.ChatRequest, request: Request, served: Served = Depends
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     max_tokens = req.max_completion_tokens or req.max_tokens or S.MAX_NEW_TOKENS
     steps = partial(served.generate, prompt, max_tokens, config=cfg, stop=req.stops() or None, top_logprobs=top_n,
-                    exact_logprobs=req.exact_logprobs)
+                    exact_logprobs=req.exact_logprobs, scores=req.logprobs)
     answer = _Chat(served, req, len(ids))
     if req.stream:
         events = answer.events(steps())
