@@ -10,6 +10,9 @@
    `LMHead.PRODUCT_MAX_ROWS` chooses between).
 3. `Vocab.topk` on rows of 262,144 logits: the threshold pass (`models.native.topk`) against torch.topk.
 4. The decode loop's raw scores: `models.native.row_scores` against log_softmax + a count.
+5. A server round's choice for 8 rows of 262,144 logits (half greedy, half seeded top-k 40, as bench_server.py
+   sends them): `speculative.plain_choice` with and without the draws' logprobs, the rows interleaved (each
+   read in place) and side by side (one view per group).
 Best of --repeats, each variant timed in turn.
 """
 
@@ -110,6 +113,20 @@ def main() -> None:
         a = best_ms(plain, args.repeats, 5)
         t = best_ms(lambda x=x, ids=ids: native.row_scores(x, ids), args.repeats, 5)
         print(f"  {b:2} rows: torch {a:6.2f}  row_scores {t:6.2f}  ratio {a / t:5.2f}  [{load()}]", flush=True)
+
+    print("\n5. an 8-row server round's choice (plain_choice; greedy and seeded top-k 40 rows) (ms)")
+    from lmhead.sampling import SamplingConfig
+    from lmhead.speculative import plain_choice
+
+    x = torch.randn(8, 1 << 18, generator=g) * 3
+    greedy = SamplingConfig(temperature=0.0)
+    orders = {"interleaved": [greedy if r % 2 == 0 else SamplingConfig(temperature=0.8, top_k=40, seed=r)
+                              for r in range(8)]}
+    orders["side by side"] = sorted(orders["interleaved"], key=lambda c: c.seed is not None)
+    for name, cfgs in orders.items():
+        a = best_ms(lambda c=cfgs: plain_choice(x, c, None, [8] * 8, [3] * 8, None), args.repeats, 5)
+        t = best_ms(lambda c=cfgs: plain_choice(x, c, None, [8] * 8, [3] * 8, None, scored=True), args.repeats, 5)
+        print(f"  {name:12}: ids {a:6.2f}  ids + logprobs {t:6.2f}  [{load()}]", flush=True)
 
 
 if __name__ == "__main__":
