@@ -1276,10 +1276,11 @@ def _draw_groups(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, gene
         top_k = key[2]
         shared = vocab.topk(x[rows[0]:rows[-1] + 1], top_k + 1) if top_k and together else None
         for j, r in enumerate(rows):
-            one = None
-            if top_k:  # the row's top k+1: the same sorted beside the others or alone
-                one = (shared[0][j:j + 1], shared[1][j:j + 1]) if shared is not None else vocab.topk(x[r:r + 1],
-                                                                                                    top_k + 1)
+            one = None  # the row's top k+1: the same sorted beside the others or alone
+            if shared is not None:
+                one = (shared[0][j:j + 1], shared[1][j:j + 1])
+            elif top_k:
+                one = vocab.topk(x[r:r + 1], top_k + 1)
             gen = seeded_generator(cfgs[r].seed, steps[r], x.device)
             put([r], _draw_group(x[r:r + 1], cfgs[r], gen, vocab, one, scored))
     return ids, lp

@@ -66,7 +66,7 @@ async def v1_chat(req: S.ChatRequest, request: Request, served: Served = Depends
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     max_tokens = req.max_completion_tokens or req.max_tokens or S.MAX_NEW_TOKENS
     steps = partial(served.generate, prompt, max_tokens, config=cfg, stop=req.stops() or None, top_logprobs=top_n,
-                    exact_logprobs=req.exact_logprobs, scores=req.logprobs)
+                    exact_logprobs=req.exact_logprobs, scores=bool(req.logprobs))
     answer = _Chat(served, req, len(ids))
     if req.stream:
         events = answer.events(steps())
