@@ -222,3 +222,29 @@ def test_native_gated_activation_equals_torch_over_a_wide_range(act):
     # negative tail is a cancellation in torch's float32 formula too)
     bound = 1e-6 * gu[0, f:].double().abs() * (1 + gate.double().abs())
     assert bool(((out[0].double() - want).abs() <= bound).all())
+
+
+def test_lean_body_sees_weights_changed_in_place_from_the_next_cache():
+    """The step checks its weights once per cache (a generation), not every step: a weight changed in place
+    after a generation is read by the next one — by the codes while they match it, by the weight once not."""
+    from lmhead.models.lean import LeanBody
+
+    hf_model, _, codes = _coded_tiny("llama")
+    lean = LeanBody(hf_model)
+    lean.use_codes(codes)
+    ids = torch.randint(4, 300, (1, 8), generator=torch.Generator().manual_seed(1))
+
+    def decode() -> torch.Tensor:
+        cache = lean.new_cache(1, 10)
+        return torch.cat([lean(ids[:, t:t + 1], torch.tensor([[t]]), cache) for t in range(8)], dim=1)
+
+    def want() -> torch.Tensor:
+        with torch.no_grad():
+            return hf_model.base_model(input_ids=ids).last_hidden_state
+
+    torch.testing.assert_close(decode(), want(), atol=1e-5, rtol=0)
+    block = hf_model.base_model.layers[1]
+    with torch.no_grad():
+        block.input_layernorm.weight.mul_(1.5)  # a norm: the step's descriptors are rebuilt
+        block.mlp.down_proj.weight.mul_(2.0)  # a coded matrix's weight: its codes no longer give it back
+    torch.testing.assert_close(decode(), want(), atol=1e-5, rtol=0)

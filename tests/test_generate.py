@@ -351,3 +351,40 @@ def test_cli_exact_logprobs_are_the_fp32_heads(tmp_path, capsys):
     for a, b in zip(runs["exact"], runs["fp32"], strict=True):
         assert math.isclose(a["raw_logprob"], b["raw_logprob"], abs_tol=1e-5)
     assert max(abs(a["raw_logprob"] - b["raw_logprob"]) for a, b in zip(runs["int8"], runs["fp32"], strict=True)) > 1e-5
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram"])
+def test_plain_greedy_rows_take_one_native_pass_with_the_pipelines_tokens_and_scores(model, monkeypatch, draft):
+    """Plain greedy rows (no bias, bans or penalties) are chosen and scored by `native.greedy_rows` in one call
+    (with n-gram drafts: every position of the verification at once): the same tokens, processed logprob (0),
+    raw logprob and rank (1) as the general pipeline and scorer; a row with alternatives or a penalty in the
+    batch keeps the general path for what it needs."""
+    import lmhead.speculative as speculative
+    from lmhead.models import native
+
+    if native.library() is None:
+        pytest.skip("no C compiler")
+    calls = []
+
+    def counting(x):
+        calls.append(x.shape[0])
+        return native.greedy_rows(x)
+
+    def steps(**kw):
+        return [(s.index, s.token_id, s.logprob, s.raw_logprob, s.rank, s.top_logprobs)
+                for s in generate(model, PROMPTS * 2, 16, draft=draft, **kw)]
+
+    penalised = SamplingConfig(temperature=0.0, repetition_penalty=1.3)
+    cases = [dict(config=GREEDY), dict(config=GREEDY, top_logprobs=3), dict(config=[GREEDY, penalised, GREEDY] * 2)]
+    monkeypatch.setattr(speculative, "greedy_rows", counting)
+    fast, used = [], []
+    for kw in cases:
+        calls.clear()
+        fast.append(steps(**kw))
+        used.append(list(calls))
+    assert used[0] and used[0][0] >= 2 * len(PROMPTS) and used[1]  # every row at once, with or without alternatives
+    assert used[2] == []  # a penalised row in the batch: the pipeline for all
+    monkeypatch.setattr(speculative, "greedy_rows", lambda x: None)  # the general pipeline and scorer
+    slow = [steps(**kw) for kw in cases]
+    assert fast == slow
+    assert all(s[2] == 0.0 and s[4] == 1 for s in fast[0])

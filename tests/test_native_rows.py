@@ -83,3 +83,32 @@ def test_row_scores_refuse_ids_outside_the_rows():
     for ids in (torch.tensor([0, V]), torch.tensor([-1, 0]), torch.tensor([0]), torch.tensor([0.0, 1.0])):
         with pytest.raises(ValueError, match="ids must be"):
             native.row_scores(x, ids)
+
+
+@pytest.mark.parametrize("b", [1, 2, 5])
+def test_greedy_rows_give_the_first_argmax_and_its_raw_logprob(b):
+    x = _rows(b, seed=30 + b)
+    # a tie in each row, one value in each half of the row (the halves go to different threads): the first wins
+    for r in range(b):
+        x[r, 1000 + r] = x[r, V - 5 - r] = x[r].max() + 1
+    ids, raw = native.greedy_rows(x)
+    assert ids.tolist() == x.argmax(dim=-1).tolist() == [1000 + r for r in range(b)]
+    top = x.gather(1, ids[:, None]).squeeze(1).double()
+    # the normaliser it implies, at the float32 tolerance of a sum of float32 exps (as row_scores')
+    torch.testing.assert_close(top - raw, torch.logsumexp(x.double(), dim=-1), **ref.tolerance(torch.float32))
+    # the same normaliser as the score of a chosen token: equal numbers, not just close
+    lse, greater = native.row_scores(x, ids)
+    assert torch.equal(raw, x.gather(1, ids[:, None]).squeeze(1).double() - lse) and greater.tolist() == [0] * b
+
+
+def test_greedy_rows_leave_non_finite_rows_to_torch():
+    x = _rows(2, seed=40)
+    x[1, 7] = float("nan")
+    assert native.greedy_rows(x) is None
+    x[1, 7] = float("inf")
+    assert native.greedy_rows(x) is None
+    x = _rows(1, seed=41)
+    x[0, :100] = float("-inf")
+    ids, raw = native.greedy_rows(x)
+    assert ids.tolist() == x.argmax(dim=-1).tolist()
+    assert native.greedy_rows(torch.full((1, 64), float("-inf"))) is None  # nothing to choose: torch's error

@@ -551,13 +551,17 @@ class Batch:
 
         pick = (lambda xs: None if xs is None else [xs[b] for b in keep])
         return ([self.rows[b] for b in keep], Round(pick(rnd.tokens), pick(rnd.logits), pick(rnd.hidden),
-                                                    pick(rnd.logprobs)), pick(history), pick(plen))
+                                                    pick(rnd.logprobs), pick(rnd.raw)), pick(history), pick(plen))
 
     def _scores_for(self, rows: list[Row], rnd, history, plen):
         # the draws' own, unless a row is scored under other (exact) logits
         drawn = None if rnd.logprobs is None else [v for row in rnd.logprobs for v in row]
         if drawn is not None and self.model.head is not self.model.exact_head and any(r.exact_logprobs for r in rows):
             drawn = None
+        if drawn is not None and rnd.raw is not None and not any(r.top_n for r in rows):
+            # plain greedy rows: the raw logprob was found with the argmax, whose rank is 1
+            raw = [v for row in rnd.raw for v in row]
+            return drawn, raw, [1] * len(raw), None
         return _flat_scores(_score_logits(self.model, rnd, rows), rnd.tokens, history, plen, rows, drawn)
 
     @torch.inference_mode()

@@ -42,6 +42,7 @@ from torch import Tensor
 from lmhead import checks
 from lmhead.models.fast_linear import Int8Linear, int8_linear_available
 from lmhead.models.lean import SUPPORTED_MODEL_TYPES, LeanBody, StaticCache
+from lmhead.models.native import greedy_rows
 from lmhead.sampling import seeded_generator
 
 __all__ = ["AdaptiveK", "Decoder", "Draft", "NgramDraft", "Round", "SpeculativeStats", "accept_greedy",
@@ -311,6 +312,7 @@ class Round:
     logits: list[Tensor]
     hidden: list[Tensor] | None = None
     logprobs: list[list[float]] | None = None  # per row each emitted token's processed logprob, from its draw
+    raw: list[list[float]] | None = None  # plain greedy rows: each token's raw logprob, found with it (rank 1)
 
 
 class Decoder:
@@ -397,11 +399,12 @@ class Decoder:
         self._lap("body")
         logits = decode_logits(self.head, hidden, configs)                                   # [B,k+1,V]
         self._lap("head")
-        chosen = None
+        chosen = raw = None
         if k == 0:
-            tokens, n, chosen = self._plain(logits[:, 0], configs, history, prompt_len, steps, generator)
+            tokens, n, chosen, raw = self._plain(logits[:, 0], configs, history, prompt_len, steps, generator)
         elif q is None:  # point-mass drafts, or greedy and seeded rows only
-            tokens, n, chosen = self._draws(logits, drafts, ks, configs, history, prompt_len, steps, generator)
+            tokens, n, chosen, raw = self._draws(logits, drafts, ks, configs, history, prompt_len, steps,
+                                                 generator)
             self._count(n, ks)
         else:
             tokens, n = self._accept(logits, drafts, q, ks, configs, history, prompt_len, steps, generator)
@@ -411,7 +414,7 @@ class Decoder:
         self._lap("sampling")
         keep = [int(n[r]) + 1 for r in range(len(n))]
         return Round(tokens, [logits[r, :m] for r, m in enumerate(keep)], [hidden[r, :m] for r, m in enumerate(keep)],
-                     chosen)
+                     chosen, raw)
 
     @torch.inference_mode()
     def join(self, ids: Tensor, positions: Tensor, valid: Tensor | None, max_new_tokens: int) -> Tensor:
@@ -478,10 +481,18 @@ class Decoder:
 
     def _plain(self, logits: Tensor, configs, history, prompt_len, steps, generator):
         """No draft: one token per row from the plain sampler's distribution (`plain_choice`, scored: seeded and
-        greedy rows exactly `sampling.sample`'s ids), and its processed logprob."""
-        ids, chosen = plain_choice(logits, configs, history, prompt_len, steps, generator, scored=True)
+        greedy rows exactly `sampling.sample`'s ids), its processed logprob and — plain greedy rows, whose
+        argmax and normaliser one C pass finds (`native.greedy_rows`) — its raw logprob (else None)."""
         n = torch.zeros(len(configs), dtype=torch.long)
-        return [[int(t)] for t in ids.tolist()], n, [[v] for v in chosen.tolist()]
+        if all(_plain_greedy(c) for c in configs):
+            # the argmax of the unprocessed row is `sample`'s choice; one call instead of the pipeline's ~30 torch
+            # ops, which after a step that streamed the weights through the caches cost ~1 ms per token
+            found = greedy_rows(logits)
+            if found is not None:
+                ids, raw = found
+                return [[t] for t in ids.tolist()], n, [[0.0] for _ in configs], [[v] for v in raw.tolist()]
+        ids, chosen = plain_choice(logits, configs, history, prompt_len, steps, generator, scored=True)
+        return [[int(t)] for t in ids.tolist()], n, [[v] for v in chosen.tolist()], None
 
     def _accept(self, logits: Tensor, drafts: Tensor, q: Tensor | None, ks: list[int], configs, history,
                 prompt_len, steps, generator) -> tuple[list[list[int]], Tensor]:
@@ -512,16 +523,29 @@ class Decoder:
         return tokens, n
 
     def _draws(self, logits: Tensor, drafts: Tensor, ks: list[int], configs, history, prompt_len, steps,
-               generator) -> tuple[list[list[int]], Tensor, list[list[float]]]:
+               generator) -> tuple[list[list[int]], Tensor, list[list[float]], list[list[float]] | None]:
         """Drafts judged by the plain sampler's draws (every row of a point-mass draft, or rows that are all
         greedy or seeded): position by position, each row still accepting draws its token there
         (`plain_choice`, scored) and goes on while it equals its next draft, up to its ks[r]. → (per row the
-        emitted tokens, the count n [B] of accepted drafts, per row each emitted token's processed logprob).
+        emitted tokens, the count n [B] of accepted drafts, per row each emitted token's processed logprob,
+        and — plain greedy rows, chosen at every position in one C pass — their raw logprobs, else None).
         Only the positions a row reaches are drawn: a rejection at the first draft costs one draw."""
         b = logits.shape[0]
         rows = drafts.tolist()
         tokens: list[list[int]] = [[] for _ in range(b)]
         scores: list[list[float]] = [[] for _ in range(b)]
+        if all(_plain_greedy(c) for c in configs):
+            found = greedy_rows(logits.reshape(-1, logits.shape[-1]))  # every position's argmax: one call
+            if found is not None:
+                width = logits.shape[1]
+                ids, raw = found[0].view(b, width).tolist(), found[1].view(b, width).tolist()
+                for r in range(b):
+                    m = 0  # accepted drafts: the argmax equals the draft, up to the row's own k
+                    while m < ks[r] and ids[r][m] == rows[r][m]:
+                        m += 1
+                    tokens[r], scores[r] = ids[r][:m + 1], [0.0] * (m + 1)
+                    raw[r] = raw[r][:m + 1]
+                return tokens, torch.tensor([len(t) - 1 for t in tokens], dtype=torch.long), scores, raw
         live, i = list(range(b)), 0
         while live:
             x = logits[:, i] if len(live) == b else logits[torch.tensor(live), i]                    # [b',V]
@@ -535,7 +559,7 @@ class Decoder:
                 if i < ks[r] and t == rows[r][i]:
                     going.append(r)
             live, i = going, i + 1
-        return tokens, torch.tensor([len(t) - 1 for t in tokens], dtype=torch.long), scores
+        return tokens, torch.tensor([len(t) - 1 for t in tokens], dtype=torch.long), scores, None
 
     def _count(self, n: Tensor, ks: list[int]) -> None:
         self.stats.rounds += 1
@@ -638,6 +662,13 @@ def plain_choice(logits: Tensor, configs: list, history, prompt_len, steps: list
     return draw(logits, cfg, generator=generator, prev_tokens=history,
                 prompt_len=prompt_len if history is not None else 0,
                 step=steps[0] if len(set(steps)) == 1 else list(steps))
+
+
+def _plain_greedy(config) -> bool:
+    """A greedy row without bias, bans or penalties: its token is the argmax of the raw logits."""
+    return (config.is_greedy and config.logit_bias is None and not config.banned_tokens
+            and config.repetition_penalty == 1.0 and config.presence_penalty == 0.0
+            and config.frequency_penalty == 0.0)
 
 
 def _deterministic(config) -> bool:

@@ -39,6 +39,9 @@
 #include <immintrin.h>
 #endif
 
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 2 /* blocks of four rows: see the decode product below */
+#endif
 #define MB 8 /* query rows per pass over a weight row (the row stays in L1 between passes) */
 #define LMHEAD_PACKED 1
 #define LMHEAD_HALF 2
@@ -66,7 +69,7 @@ static void halves_to_floats(const uint16_t* h, float* f, int64_t n) {
     for (; i < n; i++) f[i] = half_to_float(h[i]);
 }
 
-int lmhead_coded_abi(void) { return 10; }
+int lmhead_coded_abi(void) { return 11; }
 
 #ifdef __AVX2__
 int lmhead_coded_avx2(void) { return 1; }
@@ -175,14 +178,15 @@ static inline float row_dot1(const float* x, const int8_t* c, int64_t us, const 
         d_ = _mm256_fmadd_ps(_mm256_fmadd_ps((c3), s_, o_), x3, d_);                                     \
         (acc) = _mm256_add_ps(d_, (acc));                                                                \
     } while (0)
-/* Σ scale·code·x: codes without offsets, or packed codes − 8 (their offsets come after the loop) */
+/* Σ scale·code·x: codes without offsets, or packed codes − 8 (their offsets come after the loop); two chains
+ * of two products each, not one of four: the shorter chains keep more groups in flight (1.05–1.1× a thread) */
 #define DOT4C(c0, c1, c2, c3, acc, sg)                                                                   \
     do {                                                                                                 \
         __m256 d_ = _mm256_mul_ps((c0), x0);                                                             \
-        d_ = _mm256_fmadd_ps((c1), x1, d_);                                                              \
+        __m256 e_ = _mm256_mul_ps((c1), x1);                                                             \
         d_ = _mm256_fmadd_ps((c2), x2, d_);                                                              \
-        d_ = _mm256_fmadd_ps((c3), x3, d_);                                                              \
-        (acc) = _mm256_fmadd_ps(_mm256_set1_ps(sg), d_, (acc));                                          \
+        e_ = _mm256_fmadd_ps((c3), x3, e_);                                                              \
+        (acc) = _mm256_fmadd_ps(_mm256_set1_ps(sg), _mm256_add_ps(d_, e_), (acc));                       \
     } while (0)
 
 /* int8 codes of a four-row block, group by group: x0..x3 the group's x, cg row r's 32 codes; STEP adds them */
@@ -469,6 +473,20 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
             const float* s = (const float*)((const char*)scale + (size_t)n0 * ng * scale_bytes);
             const float* o = offset ? (const float*)((const char*)offset + (size_t)n0 * ng * scale_bytes) : NULL;
             float s32[4 * HALF_MAX_GROUPS], o32[4 * HALF_MAX_GROUPS];
+            /* the block PREFETCH_AHEAD blocks on, fetched while this one is computed: with the unpacking's
+             * arithmetic between its loads, the hardware prefetcher alone left one thread at ~60% of the rate it
+             * computes at from cache (SmolLM2's MLP matrices, one thread, out of cache: 6.7 → 10.5 G weights/s;
+             * two threads, where the pair shares the memory: within the machine's noise, 0.99–1.04×) */
+            if (b + PREFETCH_AHEAD < blocks) {
+                const char* next = (const char*)(codes + (n0 + 4 * PREFETCH_AHEAD) * row_bytes);
+                for (int64_t p = 0; p < 4 * row_bytes; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
+                const char* ns = (const char*)scale + (size_t)(n0 + 4 * PREFETCH_AHEAD) * ng * scale_bytes;
+                for (int64_t p = 0; p < 4 * ng * (int64_t)scale_bytes; p += 64) _mm_prefetch(ns + p, _MM_HINT_T0);
+                if (offset) {
+                    const char* no = (const char*)offset + (size_t)(n0 + 4 * PREFETCH_AHEAD) * ng * scale_bytes;
+                    for (int64_t p = 0; p < 4 * ng * (int64_t)scale_bytes; p += 64) _mm_prefetch(no + p, _MM_HINT_T0);
+                }
+            }
             if (half) {
                 halves_to_floats((const uint16_t*)s, s32, nr * ng);
                 s = s32;

@@ -65,6 +65,13 @@ static inline __m256 exp8(__m256 x) {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
+
+static inline float sum8(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
 #endif
 
 /* The decode loop's score of each row's token (models/native.py `row_scores`): per row b of logits x [B, V],
@@ -157,6 +164,99 @@ void lmhead_row_scores(const float* x, int64_t B, int64_t V, const int64_t* ids,
         }
     }
     free(pmax), free(psum), free(pcnt), free(pnan);
+}
+
+/* A greedy row's choice and score (models/native.py `greedy_rows`): per row b of logits x [B, V], ids[b] = the
+ * first position of the row's maximum (torch.argmax's tie rule) and lse[b] = log Σ_v e^x[b,v], so that its raw
+ * log-probability is x[b, ids[b]] − lse[b] and its rank 1. One pass for the maximum, one for Σ e^(x − max); a
+ * row is cut into pieces over the threads when there are fewer rows than threads, pieces combined in double.
+ * A NaN anywhere makes lse NaN, an infinite maximum makes it that maximum (the caller then takes torch's path). */
+void lmhead_row_greedy(const float* x, int64_t B, int64_t V, int64_t* ids, double* lse, int threads) {
+    if (threads < 1) threads = 1;
+    const int64_t pieces = B >= threads ? 1 : threads, n = B * pieces;
+    float pmax_stack[64];
+    double psum_stack[64];
+    int64_t parg_stack[64];
+    int pnan_stack[64];
+    const int heap = n > 64;
+    float* pmax = heap ? (float*)malloc((size_t)n * sizeof(float)) : pmax_stack;
+    double* psum = heap ? (double*)malloc((size_t)n * sizeof(double)) : psum_stack;
+    int64_t* parg = heap ? (int64_t*)malloc((size_t)n * sizeof(int64_t)) : parg_stack;
+    int* pnan = heap ? (int*)malloc((size_t)n * sizeof(int)) : pnan_stack;
+    if (!pmax || !psum || !parg || !pnan) {
+        for (int64_t b = 0; b < B; b++) lse[b] = NAN, ids[b] = 0;
+        if (heap) free(pmax), free(psum), free(parg), free(pnan);
+        return;
+    }
+    /* one small region: a decode step's row of 49,152–262,144 logits is ~20–100 µs of work */
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t b = j / pieces, p = j % pieces;
+        const float* row = x + b * V;
+        const int64_t lo = V * p / pieces, hi = V * (p + 1) / pieces;
+        int64_t i = lo;
+        float m = -INFINITY;
+        int nan = 0;
+#ifdef __AVX2__
+        __m256 mv = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
+        for (; i + 8 <= hi; i += 8) {
+            const __m256 t = _mm256_loadu_ps(row + i);
+            mv = _mm256_max_ps(mv, t);
+            un = _mm256_or_ps(un, _mm256_cmp_ps(t, t, _CMP_UNORD_Q));
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, mv);
+        for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
+        nan = _mm256_movemask_ps(un) != 0;
+#endif
+        for (; i < hi; i++) {
+            const float t = row[i];
+            if (t != t) nan = 1;
+            if (t > m) m = t;
+        }
+        int64_t arg = lo;
+        while (arg < hi && !(row[arg] == m)) arg++; /* the first position holding it */
+        double sum = 0.0;
+        if (isfinite(m)) {
+            i = lo;
+#ifdef __AVX2__
+            const __m256 mm = _mm256_set1_ps(m);
+            __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+            for (; i + 16 <= hi; i += 16) {
+                s0 = _mm256_add_ps(s0, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i), mm)));
+                s1 = _mm256_add_ps(s1, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i + 8), mm)));
+            }
+            _mm256_storeu_ps(lanes, _mm256_add_ps(s0, s1));
+            for (int l = 0; l < 8; l++) sum += lanes[l];
+#endif
+            for (; i < hi; i++) sum += expf(row[i] - m);
+        }
+        pmax[j] = m, psum[j] = sum, parg[j] = arg < hi ? arg : lo, pnan[j] = nan;
+    }
+    for (int64_t b = 0; b < B; b++) {
+        float m = -INFINITY;
+        int64_t arg = -1;
+        int nan = 0;
+        for (int64_t p = 0; p < pieces; p++) { /* pieces in order: the first piece holding the maximum wins */
+            const int64_t j = b * pieces + p;
+            if (pmax[j] > m || (arg < 0 && pmax[j] == m)) m = pmax[j], arg = parg[j];
+            nan |= pnan[j];
+        }
+        ids[b] = arg < 0 ? 0 : arg;
+        if (nan) {
+            lse[b] = NAN;
+        } else if (!isfinite(m)) {
+            lse[b] = m;
+        } else {
+            double t = 0.0;
+            for (int64_t p = 0; p < pieces; p++) {
+                const int64_t j = b * pieces + p;
+                if (pmax[j] > -INFINITY) t += psum[j] * exp((double)pmax[j] - (double)m);
+            }
+            lse[b] = (double)m + log(t);
+        }
+    }
+    if (heap) free(pmax), free(psum), free(parg), free(pnan);
 }
 
 /* The positions i of x [n] with x[i] ≥ thr, ascending, into out (at most cap of them) → their count; -1 when
@@ -268,47 +368,100 @@ int lmhead_attend(const float* qk, int64_t qk_stride, const float* v, int64_t v_
             }
         }
     const int64_t work = B * H * T;
+    /* a decode step's heads on one thread: split over two in a real step (after the products, with cold
+     * caches) it was 7% slower per token on SmolLM2, though faster alone */
     int nt = (L * hd * work > (int64_t)1 << 18) ? threads : 1;
     int failed = 0;
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t w = 0; w < work; w++) {
-        const int64_t b = w / (H * T), h = (w / T) % H, t = w % T, kh = h / group;
-        const float* qv = q + ((b * T + t) * H + h) * hd;
-        const float* kb = keys + (b * Hkv + kh) * cap * hd;
-        const float* vb = values + (b * Hkv + kh) * cap * hd;
-        const float* mrow = mask ? mask + (b * T + t) * L : NULL;
-        float* p = (float*)malloc(sizeof(float) * (size_t)L);
-        if (p == NULL) {
-            failed = 1;
-            continue;
-        }
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < L; j++) {
-            const float* kj = kb + j * hd;
-            float sc = 0.f;
-            /* a vectorised sum (8 lanes, then the lanes): one serial chain of hd adds took most of the step */
+#pragma omp parallel num_threads(nt)
+    {
+        /* each thread's scores, on the stack up to 4,096 columns (a malloc per head was a third of the time) */
+        float stack_p[4096];
+        float* p = L <= 4096 ? stack_p : (float*)malloc(sizeof(float) * (size_t)L);
+        if (p == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < work; w++) {
+            if (p == NULL) continue;
+            const int64_t b = w / (H * T), h = (w / T) % H, t = w % T, kh = h / group;
+            const float* qv = q + ((b * T + t) * H + h) * hd;
+            const float* kb = keys + (b * Hkv + kh) * cap * hd;
+            const float* vb = values + (b * Hkv + kh) * cap * hd;
+            const float* mrow = mask ? mask + (b * T + t) * L : NULL;
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < L; j++) {
+                const float* kj = kb + j * hd;
+                float sc = 0.f;
+#ifdef __AVX2__
+                if (hd % 16 == 0) { /* two chains of multiply-adds, not one of hd/8: the dot's latency bound it */
+                    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                    for (int64_t i = 0; i < hd; i += 16) {
+                        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i), _mm256_loadu_ps(kj + i), a0);
+                        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i + 8), _mm256_loadu_ps(kj + i + 8), a1);
+                    }
+                    sc = sum8(_mm256_add_ps(a0, a1));
+                } else
+#endif
+                {
+                    /* a vectorised sum (8 lanes, then the lanes): one serial chain of hd adds took most of the step */
 #pragma omp simd reduction(+ : sc)
-            for (int64_t i = 0; i < hd; i++) sc += qv[i] * kj[i];
-            sc *= scaling;
-            if (softcap > 0.f) sc = tanhf(sc / softcap) * softcap;
-            if (mrow) sc += mrow[j];
-            p[j] = sc;
-            if (sc > mx) mx = sc;
+                    for (int64_t i = 0; i < hd; i++) sc += qv[i] * kj[i];
+                }
+                sc *= scaling;
+                if (softcap > 0.f) sc = tanhf(sc / softcap) * softcap;
+                if (mrow) sc += mrow[j];
+                p[j] = sc;
+                if (sc > mx) mx = sc;
+            }
+            float total = 0.f;
+            int64_t j = 0;
+#ifdef __AVX2__
+            /* e^(s − max) eight at a time (exp8: within 2 ulp of expf; one libm call per score was most of the
+             * attention's time on 30-layer models); a masked score of −inf gives e^−87 clamped, so it is set to
+             * 0 exactly */
+            if (mx > -INFINITY) {
+                const __m256 mm = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY);
+                __m256 tv = _mm256_setzero_ps();
+                for (; j + 8 <= L; j += 8) {
+                    const __m256 sv = _mm256_loadu_ps(p + j);
+                    const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(sv, ninf, _CMP_EQ_OQ), exp8(_mm256_sub_ps(sv, mm)));
+                    _mm256_storeu_ps(p + j, e);
+                    tv = _mm256_add_ps(tv, e);
+                }
+                float lanes[8];
+                _mm256_storeu_ps(lanes, tv);
+                for (int l = 0; l < 8; l++) total += lanes[l];
+            }
+#endif
+            for (; j < L; j++) {
+                p[j] = expf(p[j] - mx);
+                total += p[j];
+            }
+            float* o = out + (b * T + t) * H * hd + h * hd;
+            const float inv = 1.0f / total;
+            int64_t i0 = 0;
+#ifdef __AVX2__
+            /* Σ_j p_j·v_j for 64 columns at a time in eight registers: summed in memory, each column's chain
+             * went through a store and a load per key */
+            for (; i0 + 64 <= hd; i0 += 64) {
+                __m256 acc[8];
+                for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+                for (j = 0; j < L; j++) {
+                    const __m256 pj = _mm256_set1_ps(p[j] * inv);
+                    const float* vj = vb + j * hd + i0;
+                    for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * k), acc[k]);
+                }
+                for (int k = 0; k < 8; k++) _mm256_storeu_ps(o + i0 + 8 * k, acc[k]);
+            }
+#endif
+            for (int64_t i = i0; i < hd; i++) o[i] = 0.f;
+            if (i0 < hd)
+                for (j = 0; j < L; j++) {
+                    const float pj = p[j] * inv;
+                    const float* vj = vb + j * hd;
+#pragma omp simd
+                    for (int64_t i = i0; i < hd; i++) o[i] += pj * vj[i];
+                }
         }
-        float total = 0.f;
-        for (int64_t j = 0; j < L; j++) {
-            p[j] = expf(p[j] - mx);
-            total += p[j];
-        }
-        float* o = out + (b * T + t) * H * hd + h * hd;
-        for (int64_t i = 0; i < hd; i++) o[i] = 0.f;
-        const float inv = 1.0f / total;
-        for (int64_t j = 0; j < L; j++) {
-            const float pj = p[j] * inv;
-            const float* vj = vb + j * hd;
-            for (int64_t i = 0; i < hd; i++) o[i] += pj * vj[i];
-        }
-        free(p);
+        if (p != NULL && p != stack_p) free(p);
     }
     free(q);
     return failed ? -1 : 0;

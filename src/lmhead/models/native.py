@@ -4,7 +4,8 @@
     lean_kernels.c   the decode step's small work: RMSNorm, residual add + norms, gated activation, and
                      rope + cache write + attention for the new tokens; and `lmhead_step`, every block of a
                      decode step in one call over the coded matrices (models/lean.py); the decode loop's
-                     raw logprob and rank of each chosen token (`row_scores`, lmhead/generate.py)
+                     raw logprob and rank of each chosen token (`row_scores`, lmhead/generate.py); a greedy
+                     row's argmax and normaliser in one call (`greedy_rows`, lmhead/speculative.py)
       ──cc -O3 -march=native -fopenmp──▶ <cache>/kernels/lmhead-<hash>.so (a temporary file renamed into place)
 
 Why C: torch ships no kernel for grouped int8 codes × float32 activations (its int4/int8 weight-only ops
@@ -37,7 +38,7 @@ _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 # coded_kernel.c's flags: 4-bit codes two per byte; float16 scales and offsets; rows stored in blocks of four
 PACKED, HALF, ROWS4 = 1, 2, 4
 HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
-_ABI = 10  # lmhead_coded_abi() of the sources above
+_ABI = 11  # lmhead_coded_abi() of the sources above
 
 
 def _cpu_flags() -> str:
@@ -122,6 +123,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmhead_gated.restype = None
     lib.lmhead_row_scores.argtypes = [p, i64, i64, p, p, p, i32]
     lib.lmhead_row_scores.restype = None
+    lib.lmhead_row_greedy.argtypes = [p, i64, i64, p, p, i32]
+    lib.lmhead_row_greedy.restype = None
     lib.lmhead_select_ge.argtypes = [p, i64, f32, p, i64]
     lib.lmhead_select_ge.restype = i64
     lib.lmhead_attend.argtypes = [p, i64, p, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, f32, i32]
@@ -265,6 +268,11 @@ def _self_test(lib: ctypes.CDLL) -> bool:
     if not _close(lse, torch.logsumexp(rows.double(), -1)) or greater.tolist() != [
             int((rows[b] > rows[b, t]).sum()) for b, t in enumerate((5, 17, 1002))]:
         return False
+    rows[2, 3] = rows[2, 900] = rows[2].max() + 1  # a tie: the first position
+    ids, lse = torch.empty(3, dtype=torch.int64), torch.empty(3, dtype=torch.float64)
+    lib.lmhead_row_greedy(rows.data_ptr(), 3, 1003, ids.data_ptr(), lse.data_ptr(), 2)
+    if ids.tolist() != rows.argmax(-1).tolist() or not _close(lse, torch.logsumexp(rows.double(), -1)):
+        return False
     row = torch.randn(100, generator=g)
     out = torch.empty(100, dtype=torch.int64)
     if lib.lmhead_select_ge(row.data_ptr(), 100, 0.5, out.data_ptr(), 100) != int((row >= 0.5).sum()):
@@ -338,6 +346,23 @@ def row_scores(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.
     if not bool(torch.isfinite(lse).all()):
         return None
     return lse, greater
+
+
+def greedy_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Plain greedy rows of logits x [B,V] (float32, CPU) in one C call: ids [B] int64, the first position of
+    each row's maximum (`torch.argmax`'s choice), and raw [B] float64, its raw log-probability (max − the
+    log-softmax normaliser; its rank is 1). None without the library or where a row is not all finite numbers
+    (the caller's torch path then gives torch's answer or its error)."""
+    lib = library()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] == 0:
+        return None
+    x = x.contiguous()
+    ids, lse = torch.empty(x.shape[0], dtype=torch.int64), torch.empty(x.shape[0], dtype=torch.float64)
+    lib.lmhead_row_greedy(x.data_ptr(), x.shape[0], x.shape[1], ids.data_ptr(), lse.data_ptr(),
+                          torch.get_num_threads())
+    if not bool(torch.isfinite(lse).all()):
+        return None
+    return ids, x.gather(1, ids[:, None]).squeeze(1).double() - lse
 
 
 def _attend_test(lib: ctypes.CDLL, g: torch.Generator) -> bool:
