@@ -112,3 +112,92 @@ def test_greedy_rows_leave_non_finite_rows_to_torch():
     ids, raw = native.greedy_rows(x)
     assert ids.tolist() == x.argmax(dim=-1).tolist()
     assert native.greedy_rows(torch.full((1, 64), float("-inf"))) is None  # nothing to choose: torch's error
+
+
+def _top_p_kept(row: torch.Tensor, temperature: float, p: float) -> list[int]:
+    """The reference's kept ids of a row under temperature and top-p, most probable first (ties by id)."""
+    xt = row / temperature
+    kept = torch.isfinite(ref.sampling_top_p(xt, p)).nonzero().squeeze(1)
+    order = sorted(kept.tolist(), key=lambda i: (-float(xt[i]), i))
+    return order
+
+
+def _lm_row(seed: int, width: int, lift: float) -> torch.Tensor:
+    """A language model's row: a long tail (randn × 2) and a few dozen likely tokens lifted above it."""
+    g = torch.Generator().manual_seed(seed)
+    row = torch.randn(width, generator=g) * 2
+    lifted = torch.randperm(width, generator=g)[:40]
+    row[lifted] += lift * torch.rand(40, generator=g) + 4
+    return row
+
+
+@pytest.mark.parametrize("width", [49152, V])
+@pytest.mark.parametrize("lift, temperature, p", [(12.0, 0.8, 0.9), (12.0, 1.0, 0.5), (8.0, 0.7, 0.95),
+                                                  (16.0, 1.0, 0.99), (12.0, 0.8, 0.01), (20.0, 1.3, 0.99)])
+def test_top_p_row_keeps_the_references_set(width, lift, temperature, p):
+    for seed in range(3):
+        row = _lm_row(50 + seed, width, lift)
+        vals, ids = native.top_p_row(row, temperature, p)
+        assert ids[0].tolist() == _top_p_kept(row, temperature, p)
+        assert torch.equal(vals[0], row[ids[0]] / temperature)  # x / T as torch divides it
+
+
+def test_top_p_row_keeps_or_drops_a_tie_group_whole():
+    row = torch.full((V,), -20.0)
+    row[:4] = torch.tensor([5.0, 3.0, 3.0, 3.0])  # the 3.0 group straddles the cut: kept whole or not at all
+    row[9000] = 3.0
+    for p in (0.3, 0.5, 0.8, 0.99):
+        vals, ids = native.top_p_row(row, 1.0, p)
+        assert ids[0].tolist() == _top_p_kept(row, 1.0, p)
+    row[100:] = float("-inf")  # banned tokens: nothing of theirs counts
+    vals, ids = native.top_p_row(row, 0.5, 0.9)
+    assert ids[0].tolist() == _top_p_kept(row, 0.5, 0.9)
+
+
+def test_top_p_row_declines_rows_torch_must_answer_or_bin():
+    row = _rows(1, seed=60)[0]
+    row[7] = float("nan")
+    assert native.top_p_row(row, 1.0, 0.9) is None
+    row[7] = float("inf")
+    assert native.top_p_row(row, 1.0, 0.9) is None
+    assert native.top_p_row(torch.full((V,), float("-inf")), 1.0, 0.9) is None
+    assert native.top_p_row(_rows(1, seed=61, scale=0.5)[0], 1.0, 0.9) is None  # flat: > 8,192 candidates
+    assert native.top_p_row(_lm_row(63, 49152, 6.0), 1.0, 0.9) is None  # a set of ~2,000 of 49,152: too wide
+    big = _rows(1, seed=62)[0]
+    big[3] = 1e38
+    assert native.top_p_row(big, 1e-3, 0.9) is None  # the maximum over T is not a float32
+
+
+@pytest.mark.parametrize("width", [49152, V])
+def test_top_p_parts_give_the_same_cut_from_c_and_from_torch(width, monkeypatch):
+    """sampling's top-p without top-k settles a few CPU rows in C: the same kept set and x/T as its torch path
+    (windows, or bins for the rows C declines), row by row, in a batch mixing both."""
+    from lmhead import sampling
+
+    x = torch.stack([_lm_row(70, width, 12.0), _lm_row(71, width, 6.0), _lm_row(72, width, 16.0)])
+    vocab = Vocab(width)
+
+    def cut() -> dict[int, tuple[list[int], list[float]]]:
+        out = {}
+        for rows, vals, idx in sampling._top_p_parts(x, 0.8, 0.9, vocab):
+            rows = list(range(x.shape[0])) if rows is None else rows.tolist()
+            for j, r in enumerate(rows):
+                v = vals[j] if idx is not None else vals[j]
+                i = idx[j] if idx is not None else torch.arange(width)
+                keep = torch.isfinite(v)
+                pairs = sorted(zip(i[keep].tolist(), v[keep].tolist(), strict=True))
+                out[r] = ([a for a, _ in pairs], [b for _, b in pairs])
+        return out
+
+    native_cut = cut()
+    monkeypatch.setattr(sampling, "_NATIVE_TOP_P_ROWS", 0)
+    assert native_cut == cut()
+
+
+def test_top_p_parts_name_the_batch_row_whose_logits_are_bad():
+    from lmhead import sampling
+
+    x = torch.stack([_lm_row(80, 4096, 12.0), _lm_row(81, 4096, 12.0)])
+    x[1, 9] = float("nan")
+    with pytest.raises(ValueError, match=r"NaN \(row 1\)"):
+        sampling._top_p_parts(x, 0.8, 0.9, Vocab(4096))

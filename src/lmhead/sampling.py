@@ -125,6 +125,7 @@ _WINDOW_MAX_FRACTION = 8
 _WINDOW_MARGIN = 1e-5
 # Top-p on wide rows: histogram bins per row; logits more than 104 below the max have probability 0 in float32.
 _BINS = 4096
+_NATIVE_TOP_P_ROWS = 8  # `_top_p_parts`: up to this many rows are settled one by one in C
 _UNDERFLOW = 104.0
 # Passes over whole rows run in chunks of about this many elements (reused buffers: no page faults), and
 # whole-row draws pick a block of _BLOCK tokens first.
@@ -777,7 +778,33 @@ def _top_p_parts(x: Tensor, temperature: float, top_p: float, vocab: Vocab) -> l
     First partial sorts of a small window (top 256, then 1024): a window is enough once the mass strictly
     above its smallest value reaches p — then every token outside it, and any tie at its edge, is dropped and
     the rest of the row only enters through the normaliser. That settles language-model-like rows (their
-    top-p sets hold tens of tokens). Rows with a wide top-p set go to `_top_p_bins`, which is exact too."""
+    top-p sets hold tens of tokens). Rows with a wide top-p set go to `_top_p_bins`, which is exact too.
+
+    A few whole CPU rows are settled in C first (`models.native.top_p_row`: the same rule, three passes and a
+    sort of the candidates, one call per row instead of ~40 torch ops); the rows it declines take the path
+    above."""
+    if not (type(vocab) is Vocab and x.device.type == "cpu" and x.dtype == torch.float32
+            and x.shape[1] == vocab.size and 0 < x.shape[0] <= _NATIVE_TOP_P_ROWS):
+        return _top_p_windows(x, temperature, top_p, vocab)
+    from lmhead.models import native
+
+    found = [native.top_p_row(x[r], temperature, top_p) for r in range(x.shape[0])]
+    rest = [r for r, f in enumerate(found) if f is None]
+    if len(rest) == x.shape[0]:
+        return _top_p_windows(x, temperature, top_p, vocab)
+    if len(found) == 1:
+        return [(None, *found[0])]
+    parts: list[_Part] = [(torch.tensor([r]), *f) for r, f in enumerate(found) if f is not None]
+    if rest:
+        _check_top(vocab.amax(x)[:, 0], vocab.name, temperature)  # an error names the row of x, not of the rest
+        rows = torch.tensor(rest)
+        parts += [(_sub(rows, sub) if sub is not None else rows, vals, idx)
+                  for sub, vals, idx in _top_p_windows(x[rows], temperature, top_p, vocab)]
+    return parts
+
+
+def _top_p_windows(x: Tensor, temperature: float, top_p: float, vocab: Vocab) -> list[_Part]:
+    """`_top_p_parts` in torch: windows of the top 256 and 1024, then `_top_p_bins`."""
     top = vocab.amax(x)
     _check_top(top[:, 0], vocab.name, temperature)
     top_t = top / temperature
@@ -1312,7 +1339,8 @@ def sample_with_logprobs(logits: Tensor, config: ConfigArg = None, generator: to
 
     The ids are ``sample``'s for the same seeds and generator state, except on unseeded rows with top-p alone:
     ``sample`` draws those by rejection without finding the top-p set, here the set is found for the logprob and
-    the draw is made from it — the same distribution, other ids for the same generator state."""
+    the draw is made from it — the same distribution, other ids for the same generator state (and so, in the
+    same call, on the unseeded rows drawn after such a row from the same generator)."""
     ids, lp, one_row = _sample(logits, config, generator, prev_tokens, prompt_len, step, None, scored=True)
     missing = torch.isnan(lp)
     if bool(missing.any()):  # rows drawn without a cut (seeded, top-p alone): their kept set, found now

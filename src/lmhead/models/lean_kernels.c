@@ -259,6 +259,146 @@ void lmhead_row_greedy(const float* x, int64_t B, int64_t V, int64_t* ids, doubl
     if (heap) free(pmax), free(psum), free(parg), free(pnan);
 }
 
+/* An unseeded top-p-alone row's exact kept set (models/native.py `top_p_row`, for sampling.py's `_top_p_parts`):
+ * x [V] logits, temperature T, top_p p → the kept tokens' ids and x/T (float32 division, as x / T in torch),
+ * sorted by x/T descending (ties by position) → their count, or -1 (more than `cap` candidates, or the mass is
+ * too flat for the thresholds below: the caller's histogram path), -2 (a NaN, or a maximum that is not finite
+ * or not finite over T: the caller's path raises the error).
+ *
+ * The rule is sampling.py's `_top_p_sorted` (HF's): in descending order, a token is dropped when the mass of it
+ * and of every token below it is ≤ 1 − p, a tie group taking the mass at its first position, the first token
+ * always kept. Pass 1: the maximum. Pass 2: the normaliser Σ e^(x/T − max/T) (float32 lanes, summed in double)
+ * and, in the same pass, the mass within d = 1, 2, 4, 8, 16 and 32 of max/T. The smallest d whose mass reaches
+ * p (+ a margin) bounds the set: pass 3 collects the tokens within d, which are sorted, their masses taken in
+ * double (e^ in double over the float32 x/T, as `_top_p_parts`). The candidates are cut by a threshold, so every
+ * other token (ties included) lies strictly below all of them: once their mass reaches p (+ margin), the mass
+ * above any token outside is at least p and it is dropped — `_top_p_parts`'s test of a window, which a top-k
+ * must make against its smallest value because a top-k can split a tie. */
+typedef struct {
+    float v;
+    int64_t i;
+} lmhead_cand;
+
+static int cand_desc(const void* a, const void* b) {
+    const lmhead_cand *x = (const lmhead_cand*)a, *y = (const lmhead_cand*)b;
+    if (x->v != y->v) return x->v > y->v ? -1 : 1;
+    return x->i < y->i ? -1 : (x->i > y->i);
+}
+
+#define TOP_P_SPANS 6
+int64_t lmhead_top_p_row(const float* x, int64_t V, float T, double p, int64_t* ids, float* vals, int64_t cap) {
+    static const float spans[TOP_P_SPANS] = {1.f, 2.f, 4.f, 8.f, 16.f, 32.f};
+    const double margin = 1e-5; /* sampling.py's _WINDOW_MARGIN */
+    float m = -INFINITY;
+    int nan = 0;
+    int64_t i = 0;
+#ifdef __AVX2__
+    {
+        __m256 mv = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
+        for (; i + 8 <= V; i += 8) {
+            const __m256 t = _mm256_loadu_ps(x + i);
+            mv = _mm256_max_ps(mv, t);
+            un = _mm256_or_ps(un, _mm256_cmp_ps(t, t, _CMP_UNORD_Q));
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, mv);
+        for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
+        nan = _mm256_movemask_ps(un) != 0;
+    }
+#endif
+    for (; i < V; i++) {
+        if (x[i] != x[i]) nan = 1;
+        if (x[i] > m) m = x[i];
+    }
+    const float top = m / T;
+    if (nan || !isfinite(m) || !isfinite(top)) return -2;
+    double norm = 0.0, within[TOP_P_SPANS] = {0};
+    i = 0;
+#ifdef __AVX2__
+    {
+        const __m256 tv = _mm256_set1_ps(T), topv = _mm256_set1_ps(top);
+        __m256 sum = _mm256_setzero_ps(), w[TOP_P_SPANS];
+        for (int k = 0; k < TOP_P_SPANS; k++) w[k] = _mm256_setzero_ps();
+        int64_t block = 0;
+        for (; i + 8 <= V; i += 8) {
+            const __m256 d = _mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), tv), topv); /* x/T − top ≤ 0 */
+            const __m256 e = exp8(d);
+            sum = _mm256_add_ps(sum, e);
+            for (int k = 0; k < TOP_P_SPANS; k++)
+                w[k] = _mm256_add_ps(w[k], _mm256_and_ps(e, _mm256_cmp_ps(d, _mm256_set1_ps(-spans[k]), _CMP_GE_OQ)));
+            if (++block == 128) { /* float lanes over 1,024 numbers at a time, then double */
+                norm += sum8(sum);
+                for (int k = 0; k < TOP_P_SPANS; k++) within[k] += sum8(w[k]), w[k] = _mm256_setzero_ps();
+                sum = _mm256_setzero_ps();
+                block = 0;
+            }
+        }
+        norm += sum8(sum);
+        for (int k = 0; k < TOP_P_SPANS; k++) within[k] += sum8(w[k]);
+    }
+#endif
+    for (; i < V; i++) {
+        const float d = x[i] / T - top;
+        const float e = expf(d);
+        norm += e;
+        for (int k = 0; k < TOP_P_SPANS; k++)
+            if (d >= -spans[k]) within[k] += e;
+    }
+    int span = -1;
+    for (int k = 0; k < TOP_P_SPANS && span < 0; k++)
+        if (within[k] / norm >= p + 2 * margin) span = k;
+    if (span < 0) return -1;
+    lmhead_cand* c = (lmhead_cand*)malloc((size_t)cap * sizeof(lmhead_cand));
+    if (c == NULL) return -1;
+    int64_t n = 0;
+    const float limit = -spans[span];
+    for (i = 0; i < V; i++) {
+        const float xt = x[i] / T;
+        if (xt - top >= limit) {
+            if (n == cap) {
+                free(c);
+                return -1;
+            }
+            c[n].v = xt, c[n].i = i, n++;
+        }
+    }
+    qsort(c, (size_t)n, sizeof(lmhead_cand), cand_desc);
+    /* masses in double; the candidates' mass must settle the set (see above) */
+    double* pr = (double*)malloc((size_t)n * sizeof(double));
+    if (pr == NULL) {
+        free(c);
+        return -1;
+    }
+    double inside = 0.0;
+    for (int64_t j = 0; j < n; j++) {
+        pr[j] = exp((double)c[j].v - (double)top) / norm;
+        inside += pr[j];
+    }
+    if (inside < p + margin) {
+        free(c), free(pr);
+        return -1;
+    }
+    double tail = 1.0 - inside; /* the mass outside the candidates */
+    if (tail < 0.0) tail = 0.0;
+    /* pr[j] becomes the mass of position j and of every position below it (summed from the bottom, as
+     * `_top_p_sorted`, so that small tails keep their precision), plus the mass outside */
+    double suffix = 0.0;
+    for (int64_t j = n - 1; j >= 0; j--) {
+        suffix += pr[j];
+        pr[j] = suffix + tail;
+    }
+    /* a tie group is kept or dropped whole, by the mass at its first position; the first token always stays */
+    int64_t kept = 1, group = 0;
+    for (int64_t j = 1; j < n; j++) {
+        if (c[j].v != c[j - 1].v) group = j;
+        if (pr[group] <= 1.0 - p) break;
+        kept = j + 1;
+    }
+    for (int64_t j = 0; j < kept; j++) ids[j] = c[j].i, vals[j] = c[j].v;
+    free(c), free(pr);
+    return kept;
+}
+
 /* The positions i of x [n] with x[i] ≥ thr, ascending, into out (at most cap of them) → their count; -1 when
  * there are more than cap, -2 when x holds a NaN (models/native.py `topk`: the candidates of a top-k). */
 int64_t lmhead_select_ge(const float* x, int64_t n, float thr, int64_t* out, int64_t cap) {

@@ -5,7 +5,8 @@
                      rope + cache write + attention for the new tokens; and `lmhead_step`, every block of a
                      decode step in one call over the coded matrices (models/lean.py); the decode loop's
                      raw logprob and rank of each chosen token (`row_scores`, lmhead/generate.py); a greedy
-                     row's argmax and normaliser in one call (`greedy_rows`, lmhead/speculative.py)
+                     row's argmax and normaliser in one call (`greedy_rows`, lmhead/speculative.py); a row's
+                     exact top-p set (`top_p_row`, lmhead/sampling.py)
       ──cc -O3 -march=native -fopenmp──▶ <cache>/kernels/lmhead-<hash>.so (a temporary file renamed into place)
 
 Why C: torch ships no kernel for grouped int8 codes × float32 activations (its int4/int8 weight-only ops
@@ -125,6 +126,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmhead_row_scores.restype = None
     lib.lmhead_row_greedy.argtypes = [p, i64, i64, p, p, i32]
     lib.lmhead_row_greedy.restype = None
+    lib.lmhead_top_p_row.argtypes = [p, i64, f32, ctypes.c_double, p, p, i64]
+    lib.lmhead_top_p_row.restype = i64
     lib.lmhead_select_ge.argtypes = [p, i64, f32, p, i64]
     lib.lmhead_select_ge.restype = i64
     lib.lmhead_attend.argtypes = [p, i64, p, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, f32, i32]
@@ -273,6 +276,15 @@ def _self_test(lib: ctypes.CDLL) -> bool:
     lib.lmhead_row_greedy(rows.data_ptr(), 3, 1003, ids.data_ptr(), lse.data_ptr(), 2)
     if ids.tolist() != rows.argmax(-1).tolist() or not _close(lse, torch.logsumexp(rows.double(), -1)):
         return False
+    row = torch.randn(1003, generator=g) * 3
+    kept = _top_p_row_in(lib, row, 0.7, 0.9)
+    xt = row / 0.7
+    v, i = torch.sort(xt, descending=True, stable=True)
+    probs = torch.softmax(v.double(), -1)
+    keep = probs.flip(-1).cumsum(-1).flip(-1) > 1 - 0.9
+    keep[0] = True
+    if kept is None or not (torch.equal(kept[1][0], i[keep]) and torch.equal(kept[0][0], v[keep])):
+        return False
     row = torch.randn(100, generator=g)
     out = torch.empty(100, dtype=torch.int64)
     if lib.lmhead_select_ge(row.data_ptr(), 100, 0.5, out.data_ptr(), 100) != int((row >= 0.5).sum()):
@@ -363,6 +375,32 @@ def greedy_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     if not bool(torch.isfinite(lse).all()):
         return None
     return ids, x.gather(1, ids[:, None]).squeeze(1).double() - lse
+
+
+TOP_P_CAP = 8192  # `top_p_row`: more candidates than this, the caller's histogram path
+
+
+def top_p_row(x: torch.Tensor, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The exact top-p set of one row of logits x [V] (float32, CPU) at `temperature`, by sampling.py's rule
+    (`_top_p_sorted`): (vals [1,m] float32, the kept tokens' x / temperature sorted descending, ties by id;
+    ids [1,m] int64), in three passes over the row in C and a sort of the few candidates. None without the
+    library, for a row that is not all finite numbers or too flat for its thresholds (more than TOP_P_CAP
+    candidates, or no threshold within 32 of the maximum holds the mass): the caller's torch path then answers."""
+    lib = library()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 1 or x.shape[0] == 0:
+        return None
+    return _top_p_row_in(lib, x, temperature, top_p)
+
+
+def _top_p_row_in(lib: ctypes.CDLL, x: torch.Tensor, temperature: float,
+                 top_p: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    x = x.contiguous()
+    ids, vals = torch.empty(TOP_P_CAP, dtype=torch.int64), torch.empty(TOP_P_CAP, dtype=torch.float32)
+    n = lib.lmhead_top_p_row(x.data_ptr(), x.shape[0], float(temperature), float(top_p), ids.data_ptr(),
+                             vals.data_ptr(), TOP_P_CAP)
+    if n < 1:
+        return None
+    return vals[:n].unsqueeze(0), ids[:n].unsqueeze(0)
 
 
 def _attend_test(lib: ctypes.CDLL, g: torch.Generator) -> bool:
