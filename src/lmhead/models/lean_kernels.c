@@ -286,64 +286,92 @@ static int cand_desc(const void* a, const void* b) {
 }
 
 #define TOP_P_SPANS 6
-int64_t lmhead_top_p_row(const float* x, int64_t V, float T, double p, int64_t* ids, float* vals, int64_t cap) {
-    static const float spans[TOP_P_SPANS] = {1.f, 2.f, 4.f, 8.f, 16.f, 32.f};
-    const double margin = 1e-5; /* sampling.py's _WINDOW_MARGIN */
+/* pass 1 over x[lo, hi): the maximum and whether a NaN is there */
+static void top_p_max(const float* x, int64_t lo, int64_t hi, float* max_out, int* nan_out) {
     float m = -INFINITY;
     int nan = 0;
-    int64_t i = 0;
+    int64_t i = lo;
 #ifdef __AVX2__
-    {
-        __m256 mv = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
-        for (; i + 8 <= V; i += 8) {
-            const __m256 t = _mm256_loadu_ps(x + i);
-            mv = _mm256_max_ps(mv, t);
-            un = _mm256_or_ps(un, _mm256_cmp_ps(t, t, _CMP_UNORD_Q));
-        }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, mv);
-        for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
-        nan = _mm256_movemask_ps(un) != 0;
+    __m256 mv = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
+    for (; i + 8 <= hi; i += 8) {
+        const __m256 t = _mm256_loadu_ps(x + i);
+        mv = _mm256_max_ps(mv, t);
+        un = _mm256_or_ps(un, _mm256_cmp_ps(t, t, _CMP_UNORD_Q));
     }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mv);
+    for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
+    nan = _mm256_movemask_ps(un) != 0;
 #endif
-    for (; i < V; i++) {
+    for (; i < hi; i++) {
         if (x[i] != x[i]) nan = 1;
         if (x[i] > m) m = x[i];
     }
-    const float top = m / T;
-    if (nan || !isfinite(m) || !isfinite(top)) return -2;
-    double norm = 0.0, within[TOP_P_SPANS] = {0};
-    i = 0;
+    *max_out = m, *nan_out = nan;
+}
+
+/* pass 2 over x[lo, hi): Σ e^(x/T − top) (float32 lanes over 1,024 numbers, then double) and the same sum over
+ * the tokens within each span of top (sums[1 + k]) */
+static void top_p_sums(const float* x, int64_t lo, int64_t hi, float T, float top, const float* spans, int nspans,
+                       double* sums) {
+    int64_t i = lo;
+    for (int k = 0; k <= nspans; k++) sums[k] = 0.0;
 #ifdef __AVX2__
-    {
-        const __m256 tv = _mm256_set1_ps(T), topv = _mm256_set1_ps(top);
-        __m256 sum = _mm256_setzero_ps(), w[TOP_P_SPANS];
-        for (int k = 0; k < TOP_P_SPANS; k++) w[k] = _mm256_setzero_ps();
-        int64_t block = 0;
-        for (; i + 8 <= V; i += 8) {
-            const __m256 d = _mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), tv), topv); /* x/T − top ≤ 0 */
-            const __m256 e = exp8(d);
-            sum = _mm256_add_ps(sum, e);
-            for (int k = 0; k < TOP_P_SPANS; k++)
-                w[k] = _mm256_add_ps(w[k], _mm256_and_ps(e, _mm256_cmp_ps(d, _mm256_set1_ps(-spans[k]), _CMP_GE_OQ)));
-            if (++block == 128) { /* float lanes over 1,024 numbers at a time, then double */
-                norm += sum8(sum);
-                for (int k = 0; k < TOP_P_SPANS; k++) within[k] += sum8(w[k]), w[k] = _mm256_setzero_ps();
-                sum = _mm256_setzero_ps();
-                block = 0;
-            }
+    const __m256 tv = _mm256_set1_ps(T), topv = _mm256_set1_ps(top);
+    __m256 sum = _mm256_setzero_ps(), w[8];
+    for (int k = 0; k < nspans; k++) w[k] = _mm256_setzero_ps();
+    int64_t block = 0;
+    for (; i + 8 <= hi; i += 8) {
+        const __m256 d = _mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), tv), topv); /* x/T − top ≤ 0 */
+        const __m256 e = exp8(d);
+        sum = _mm256_add_ps(sum, e);
+        for (int k = 0; k < nspans; k++)
+            w[k] = _mm256_add_ps(w[k], _mm256_and_ps(e, _mm256_cmp_ps(d, _mm256_set1_ps(-spans[k]), _CMP_GE_OQ)));
+        if (++block == 128) {
+            sums[0] += sum8(sum);
+            for (int k = 0; k < nspans; k++) sums[1 + k] += sum8(w[k]), w[k] = _mm256_setzero_ps();
+            sum = _mm256_setzero_ps();
+            block = 0;
         }
-        norm += sum8(sum);
-        for (int k = 0; k < TOP_P_SPANS; k++) within[k] += sum8(w[k]);
     }
+    sums[0] += sum8(sum);
+    for (int k = 0; k < nspans; k++) sums[1 + k] += sum8(w[k]);
 #endif
-    for (; i < V; i++) {
+    for (; i < hi; i++) {
         const float d = x[i] / T - top;
         const float e = expf(d);
-        norm += e;
-        for (int k = 0; k < TOP_P_SPANS; k++)
-            if (d >= -spans[k]) within[k] += e;
+        sums[0] += e;
+        for (int k = 0; k < nspans; k++)
+            if (d >= -spans[k]) sums[1 + k] += e;
     }
+}
+
+int64_t lmhead_top_p_row(const float* x, int64_t V, float T, double p, int64_t* ids, float* vals, int64_t cap,
+                         int threads) {
+    static const float spans[TOP_P_SPANS] = {1.f, 2.f, 4.f, 8.f, 16.f, 32.f};
+    const double margin = 1e-5; /* sampling.py's _WINDOW_MARGIN */
+    /* passes 1 and 2 in pieces over the threads for a wide row (a 262,144-token row: ~0.4 ms on one) */
+    int pieces = threads < 1 ? 1 : (threads > 8 ? 8 : threads);
+    if (V < 32768) pieces = 1;
+    float pmax[8];
+    int pnan[8];
+    double psum[8][TOP_P_SPANS + 1];
+#pragma omp parallel for num_threads(pieces) schedule(static)
+    for (int j = 0; j < pieces; j++) top_p_max(x, V * j / pieces, V * (j + 1) / pieces, pmax + j, pnan + j);
+    float m = -INFINITY;
+    int nan = 0;
+    for (int j = 0; j < pieces; j++) m = pmax[j] > m ? pmax[j] : m, nan |= pnan[j];
+    const float top = m / T;
+    if (nan || !isfinite(m) || !isfinite(top)) return -2;
+#pragma omp parallel for num_threads(pieces) schedule(static)
+    for (int j = 0; j < pieces; j++)
+        top_p_sums(x, V * j / pieces, V * (j + 1) / pieces, T, top, spans, TOP_P_SPANS, psum[j]);
+    double norm = 0.0, within[TOP_P_SPANS] = {0};
+    for (int j = 0; j < pieces; j++) {
+        norm += psum[j][0];
+        for (int k = 0; k < TOP_P_SPANS; k++) within[k] += psum[j][1 + k];
+    }
+    int64_t i;
     int span = -1;
     for (int k = 0; k < TOP_P_SPANS && span < 0; k++)
         if (within[k] / norm >= p + 2 * margin) span = k;
@@ -352,7 +380,32 @@ int64_t lmhead_top_p_row(const float* x, int64_t V, float T, double p, int64_t* 
     if (c == NULL) return -1;
     int64_t n = 0;
     const float limit = -spans[span];
-    for (i = 0; i < V; i++) {
+    /* the candidates: x/T − top ≥ limit. x/T is monotone in x, so a token passes iff x ≥ the least logit that
+     * does — found from a threshold on x a little below it, then each passer's own x/T (ties in x stay ties) */
+    const float below = (top + limit) * T - fabsf((top + limit) * T) * 1e-5f - 1e-30f;
+    i = 0;
+#ifdef __AVX2__
+    {
+        const __m256 thr = _mm256_set1_ps(below);
+        for (; i + 8 <= V; i += 8) {
+            unsigned bits = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), thr, _CMP_GE_OQ));
+            while (bits) {
+                const int64_t j = i + __builtin_ctz(bits);
+                bits &= bits - 1;
+                const float xt = x[j] / T;
+                if (xt - top >= limit) {
+                    if (n == cap) {
+                        free(c);
+                        return -1;
+                    }
+                    c[n].v = xt, c[n].i = j, n++;
+                }
+            }
+        }
+    }
+#endif
+    for (; i < V; i++) {
+        if (!(x[i] >= below)) continue;
         const float xt = x[i] / T;
         if (xt - top >= limit) {
             if (n == cap) {

@@ -126,7 +126,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmhead_row_scores.restype = None
     lib.lmhead_row_greedy.argtypes = [p, i64, i64, p, p, i32]
     lib.lmhead_row_greedy.restype = None
-    lib.lmhead_top_p_row.argtypes = [p, i64, f32, ctypes.c_double, p, p, i64]
+    lib.lmhead_top_p_row.argtypes = [p, i64, f32, ctypes.c_double, p, p, i64, i32]
     lib.lmhead_top_p_row.restype = i64
     lib.lmhead_select_ge.argtypes = [p, i64, f32, p, i64]
     lib.lmhead_select_ge.restype = i64
@@ -383,9 +383,10 @@ TOP_P_CAP = 8192  # `top_p_row`: more candidates than this, the caller's histogr
 def top_p_row(x: torch.Tensor, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The exact top-p set of one row of logits x [V] (float32, CPU) at `temperature`, by sampling.py's rule
     (`_top_p_sorted`): (vals [1,m] float32, the kept tokens' x / temperature sorted descending, ties by id;
-    ids [1,m] int64), in three passes over the row in C and a sort of the few candidates. None without the
-    library, for a row that is not all finite numbers or too flat for its thresholds (more than TOP_P_CAP
-    candidates, or no threshold within 32 of the maximum holds the mass): the caller's torch path then answers."""
+    ids [1,m] int64), in three passes over the row in C (the first two split over the threads) and a sort of the
+    few candidates. None without the library, for a row that is not all finite numbers or too flat for its
+    thresholds (more than TOP_P_CAP candidates, or no threshold within 32 of the maximum holds the mass): the
+    caller's torch path then answers."""
     lib = library()
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 1 or x.shape[0] == 0:
         return None
@@ -397,7 +398,7 @@ def _top_p_row_in(lib: ctypes.CDLL, x: torch.Tensor, temperature: float,
     x = x.contiguous()
     ids, vals = torch.empty(TOP_P_CAP, dtype=torch.int64), torch.empty(TOP_P_CAP, dtype=torch.float32)
     n = lib.lmhead_top_p_row(x.data_ptr(), x.shape[0], float(temperature), float(top_p), ids.data_ptr(),
-                             vals.data_ptr(), TOP_P_CAP)
+                             vals.data_ptr(), TOP_P_CAP, torch.get_num_threads())
     if n < 1:
         return None
     return vals[:n].unsqueeze(0), ids[:n].unsqueeze(0)
