@@ -13,6 +13,10 @@
 5. A server round's choice for 8 rows of 262,144 logits (half greedy, half seeded top-k 40, as bench_server.py
    sends them): `speculative.plain_choice` with and without the draws' logprobs, the rows interleaved (each
    read in place) and side by side (one view per group).
+6. One decode row's choice in C against the torch pipeline it replaces, on language-model-like rows (40 tokens
+   lifted over randn × 2) of 49,152 (SmolLM2) and 262,144 (Gemma 3) logits: a plain greedy row
+   (`native.greedy_rows` against `plain_choice` + `row_scores`) and an unseeded T = 0.8 top-p 0.9 row, scored
+   (`plain_choice` with `sampling._NATIVE_TOP_P_ROWS` 8 — `native.top_p_row` — and 0, the torch windows).
 Best of --repeats, each variant timed in turn.
 """
 
@@ -127,6 +131,36 @@ def main() -> None:
         a = best_ms(lambda c=cfgs: plain_choice(x, c, None, [8] * 8, [3] * 8, None), args.repeats, 5)
         t = best_ms(lambda c=cfgs: plain_choice(x, c, None, [8] * 8, [3] * 8, None, scored=True), args.repeats, 5)
         print(f"  {name:12}: ids {a:6.2f}  ids + logprobs {t:6.2f}  [{load()}]", flush=True)
+
+    print("\n6. one decode row's choice: the C passes against the torch pipeline (ms)")
+    from lmhead import sampling
+
+    greedy_cfg, top_p = [SamplingConfig(temperature=0.0)], [SamplingConfig(temperature=0.8, top_p=0.9)]
+    for width in (49152, 1 << 18):
+        row = torch.randn(1, width, generator=g) * 2
+        lifted = torch.randperm(width, generator=g)[:40]
+        row[0, lifted] += 12 * torch.rand(40, generator=g) + 4
+
+        def greedy_torch(row=row):
+            ids, _ = plain_choice(row, greedy_cfg, None, [8], [3], None, scored=True)
+            native.row_scores(row, ids)
+
+        a = best_ms(greedy_torch, args.repeats, 10)
+        t = best_ms(lambda row=row: native.greedy_rows(row), args.repeats, 10)
+        print(f"  {width:6} logits, greedy: pipeline + row_scores {a:6.3f}  greedy_rows {t:6.3f}  ratio {a / t:5.2f}"
+              f"  [{load()}]", flush=True)
+        gen = torch.Generator().manual_seed(0)
+        timed = {}
+        for rows in (0, sampling._NATIVE_TOP_P_ROWS):
+            saved, sampling._NATIVE_TOP_P_ROWS = sampling._NATIVE_TOP_P_ROWS, rows
+            try:
+                timed[rows] = best_ms(lambda row=row, gen=gen: plain_choice(row, top_p, None, [8], [3], gen,
+                                                                             scored=True), args.repeats, 10)
+            finally:
+                sampling._NATIVE_TOP_P_ROWS = saved
+        a, t = timed[0], timed[sampling._NATIVE_TOP_P_ROWS]
+        print(f"  {width:6} logits, top-p 0.9: torch windows {a:6.3f}  top_p_row {t:6.3f}  ratio {a / t:5.2f}"
+              f"  [{load()}]", flush=True)
 
 
 if __name__ == "__main__":

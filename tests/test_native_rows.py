@@ -201,3 +201,20 @@ def test_top_p_parts_name_the_batch_row_whose_logits_are_bad():
     x[1, 9] = float("nan")
     with pytest.raises(ValueError, match=r"NaN \(row 1\)"):
         sampling._top_p_parts(x, 0.8, 0.9, Vocab(4096))
+
+
+@pytest.mark.parametrize("cfg", [dict(top_p=0.9, seed=7), dict(top_p=0.9, min_p=0.02, seed=8)])
+def test_a_seeded_top_p_row_draws_the_same_id_whether_c_ran_or_not(cfg, monkeypatch):
+    """A seeded draw races noise over its candidates in id order, so the C pass (whose candidate list is shorter
+    than the torch windows') is not used for it: its id does not depend on the batch's size or on C."""
+    from lmhead import sampling
+    from lmhead.sampling import SamplingConfig, sample, sample_with_logprobs
+
+    config = SamplingConfig(temperature=0.8, **cfg)
+    rows = torch.stack([_lm_row(90 + r, 49152, 12.0) for r in range(12)])
+    want = [int(sample(rows[r:r + 1], config, step=3)[0]) for r in range(12)]
+    alone = [int(sample_with_logprobs(rows[r:r + 1], config, step=3)[0][0]) for r in range(12)]
+    together = sample_with_logprobs(rows, config, step=3)[0].tolist()  # > 8 rows: the torch path for all
+    monkeypatch.setattr(sampling, "_NATIVE_TOP_P_ROWS", 0)
+    without = [int(sample_with_logprobs(rows[r:r + 1], config, step=3)[0][0]) for r in range(12)]
+    assert alone == together == without == want

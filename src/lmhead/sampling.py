@@ -772,7 +772,7 @@ def _block_sums(x: Tensor, top: Tensor, temperature: float, block: int = _BLOCK,
     return out
 
 
-def _top_p_parts(x: Tensor, temperature: float, top_p: float, vocab: Vocab) -> list[_Part]:
+def _top_p_parts(x: Tensor, temperature: float, top_p: float, vocab: Vocab, native: bool = True) -> list[_Part]:
     """Top-p without top-k, with no full sort.
 
     First partial sorts of a small window (top 256, then 1024): a window is enough once the mass strictly
@@ -782,8 +782,10 @@ def _top_p_parts(x: Tensor, temperature: float, top_p: float, vocab: Vocab) -> l
 
     A few whole CPU rows are settled in C first (`models.native.top_p_row`: the same rule, three passes and a
     sort of the candidates, one call per row instead of ~40 torch ops); the rows it declines take the path
-    above."""
-    if not (type(vocab) is Vocab and x.device.type == "cpu" and x.dtype == torch.float32
+    above. Not with ``native=False``: a seeded draw races noise over the candidates in id order, dropped ones
+    included, so its id depends on the candidate list — it keeps the windows', which never depend on whether C
+    ran or on the batch's size."""
+    if not (native and type(vocab) is Vocab and x.device.type == "cpu" and x.dtype == torch.float32
             and x.shape[1] == vocab.size and 0 < x.shape[0] <= _NATIVE_TOP_P_ROWS):
         return _top_p_windows(x, temperature, top_p, vocab)
     from lmhead.models import native
@@ -919,8 +921,10 @@ def _cut_in_bin(row_ids: Tensor, values: Tensor, batch: int, top_t: Tensor, norm
     return torch.where(keep, v, torch.full_like(v, float("inf"))).amin(dim=-1, keepdim=True)
 
 
-def _cut(x: Tensor, cfg: SamplingConfig, vocab: Vocab, top: tuple[Tensor, Tensor] | None = None) -> list[_Part]:
-    """Steps 3-6 for rows that share one cut key (``top``: a top-k config's top k+1, already taken)."""
+def _cut(x: Tensor, cfg: SamplingConfig, vocab: Vocab, top: tuple[Tensor, Tensor] | None = None,
+         native: bool = True) -> list[_Part]:
+    """Steps 3-6 for rows that share one cut key (``top``: a top-k config's top k+1, already taken; ``native``:
+    whether top-p may settle rows in C — not for a seeded draw, see `_top_p_parts`)."""
     if cfg.is_greedy:
         v, i = vocab.argmax(x)
         _check_top(v[:, 0], vocab.name)
@@ -932,7 +936,7 @@ def _cut(x: Tensor, cfg: SamplingConfig, vocab: Vocab, top: tuple[Tensor, Tensor
             # topk's output is sorted, so tied values are adjacent: all _top_p_sorted needs
             parts = [(r, _top_p_sorted(v, top_p), i) for r, v, i in parts]
     elif top_p < 1.0:
-        parts = _top_p_parts(x, temperature, top_p, vocab)
+        parts = _top_p_parts(x, temperature, top_p, vocab, native)
     else:
         _check_top(vocab.amax(x)[:, 0], vocab.name, temperature)
         xt = x / temperature
@@ -1227,7 +1231,7 @@ def _top_p_draw(x: Tensor, temperature: float, top_p: float, generator: torch.Ge
             return ids
         rest = (~done).nonzero().squeeze(1)
         rows, x, top_t, norm, sums, floor = rows[rest], x[rest], top_t[rest], norm[rest], sums[rest], value[rest]
-    for sub, vals, idx in _top_p_parts(x, temperature, top_p, vocab):
+    for sub, vals, idx in _top_p_parts(x, temperature, top_p, vocab, native=False):  # `sample`'s ids as they were
         ids[_sub(rows, sub)] = _draw_part(vals, idx, seeded, generator, vocab)
     return ids
 
@@ -1255,7 +1259,7 @@ def _draw_group(x: Tensor, cfg: SamplingConfig, generator: torch.Generator | Non
             return ids, torch.full(ids.shape, math.nan, device=x.device) if scored else None
     ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     lp = torch.empty(x.shape[0], dtype=torch.float32, device=x.device) if scored else None
-    for sub, vals, idx in _cut(x, cfg, vocab, top):
+    for sub, vals, idx in _cut(x, cfg, vocab, top, native=cfg.seed is None):
         chosen = idx[:, 0] if cfg.is_greedy else _draw_part(vals, idx, cfg.seed is not None, generator, vocab)
         for out, got in ((ids, chosen), (lp, _part_logprobs(vals, idx, chosen, vocab) if scored else None)):
             if out is None:
