@@ -74,6 +74,60 @@ static inline float sum8(__m256 v) {
 }
 #endif
 
+/* Σ_{i in [lo, hi)} e^(row[i] − m) for a finite m: float32 lanes (exp8), summed in double */
+static double piece_exp_sum(const float* row, int64_t lo, int64_t hi, float m) {
+    double sum = 0.0;
+    int64_t i = lo;
+#ifdef __AVX2__
+    const __m256 mm = _mm256_set1_ps(m);
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (; i + 16 <= hi; i += 16) {
+        s0 = _mm256_add_ps(s0, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i), mm)));
+        s1 = _mm256_add_ps(s1, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i + 8), mm)));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_add_ps(s0, s1));
+    for (int l = 0; l < 8; l++) sum += lanes[l];
+#endif
+    for (; i < hi; i++) sum += expf(row[i] - m);
+    return sum;
+}
+
+/* pass over x[lo, hi): the maximum and whether a NaN is there */
+static void piece_max(const float* x, int64_t lo, int64_t hi, float* max_out, int* nan_out) {
+    float m = -INFINITY;
+    int nan = 0;
+    int64_t i = lo;
+#ifdef __AVX2__
+    __m256 mv = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
+    for (; i + 8 <= hi; i += 8) {
+        const __m256 t = _mm256_loadu_ps(x + i);
+        mv = _mm256_max_ps(mv, t);
+        un = _mm256_or_ps(un, _mm256_cmp_ps(t, t, _CMP_UNORD_Q));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mv);
+    for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
+    nan = _mm256_movemask_ps(un) != 0;
+#endif
+    for (; i < hi; i++) {
+        if (x[i] != x[i]) nan = 1;
+        if (x[i] > m) m = x[i];
+    }
+    *max_out = m, *nan_out = nan;
+}
+
+/* a row's log Σ e^x from its pieces' maxima and Σ e^(x − piece max), given the row's maximum m (NaN for a NaN
+ * in the row; an infinite maximum is the answer itself) */
+static double pieces_lse(const float* pmax, const double* psum, int64_t pieces, float m, int nan) {
+    if (nan) return NAN;
+    if (!isfinite(m)) return m;
+    double s = 0.0;
+    for (int64_t p = 0; p < pieces; p++)
+        if (pmax[p] > -INFINITY) s += psum[p] * exp((double)pmax[p] - (double)m);
+    return (double)m + log(s);
+}
+
 /* The decode loop's score of each row's token (models/native.py `row_scores`): per row b of logits x [B, V],
  * lse[b] = log Σ_v e^x[b,v] (the raw log-probability of token t is x[b,t] − lse[b]) and greater[b] = the number
  * of logits > x[b, ids[b]] (its rank − 1). One pass for the maximum and the count, one for Σ e^(x − max); the
@@ -122,22 +176,7 @@ void lmhead_row_scores(const float* x, int64_t B, int64_t V, const int64_t* ids,
             if (t > m) m = t;
             cnt += t > v;
         }
-        double sum = 0.0;
-        if (isfinite(m)) {
-            i = lo;
-#ifdef __AVX2__
-            const __m256 mm = _mm256_set1_ps(m);
-            __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-            for (; i + 16 <= hi; i += 16) {
-                s0 = _mm256_add_ps(s0, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i), mm)));
-                s1 = _mm256_add_ps(s1, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i + 8), mm)));
-            }
-            _mm256_storeu_ps(lanes, _mm256_add_ps(s0, s1));
-            for (int l = 0; l < 8; l++) sum += lanes[l];
-#endif
-            for (; i < hi; i++) sum += expf(row[i] - m);
-        }
-        pmax[j] = m, psum[j] = sum, pcnt[j] = cnt, pnan[j] = nan;
+        pmax[j] = m, psum[j] = isfinite(m) ? piece_exp_sum(row, lo, hi, m) : 0.0, pcnt[j] = cnt, pnan[j] = nan;
     }
     for (int64_t b = 0; b < B; b++) {
         float m = -INFINITY;
@@ -150,18 +189,7 @@ void lmhead_row_scores(const float* x, int64_t B, int64_t V, const int64_t* ids,
             nan |= pnan[j];
         }
         greater[b] = cnt;
-        if (nan) {
-            lse[b] = NAN;
-        } else if (!isfinite(m)) {
-            lse[b] = m;
-        } else {
-            double s = 0.0;
-            for (int64_t p = 0; p < pieces; p++) {
-                const int64_t j = b * pieces + p;
-                if (pmax[j] > -INFINITY) s += psum[j] * exp((double)pmax[j] - (double)m);
-            }
-            lse[b] = (double)m + log(s);
-        }
+        lse[b] = pieces_lse(pmax + b * pieces, psum + b * pieces, pieces, m, nan);
     }
     free(pmax), free(psum), free(pcnt), free(pnan);
 }
@@ -194,43 +222,12 @@ void lmhead_row_greedy(const float* x, int64_t B, int64_t V, int64_t* ids, doubl
         const int64_t b = j / pieces, p = j % pieces;
         const float* row = x + b * V;
         const int64_t lo = V * p / pieces, hi = V * (p + 1) / pieces;
-        int64_t i = lo;
-        float m = -INFINITY;
-        int nan = 0;
-#ifdef __AVX2__
-        __m256 mv = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
-        for (; i + 8 <= hi; i += 8) {
-            const __m256 t = _mm256_loadu_ps(row + i);
-            mv = _mm256_max_ps(mv, t);
-            un = _mm256_or_ps(un, _mm256_cmp_ps(t, t, _CMP_UNORD_Q));
-        }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, mv);
-        for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
-        nan = _mm256_movemask_ps(un) != 0;
-#endif
-        for (; i < hi; i++) {
-            const float t = row[i];
-            if (t != t) nan = 1;
-            if (t > m) m = t;
-        }
+        float m;
+        int nan;
+        piece_max(row, lo, hi, &m, &nan);
         int64_t arg = lo;
         while (arg < hi && !(row[arg] == m)) arg++; /* the first position holding it */
-        double sum = 0.0;
-        if (isfinite(m)) {
-            i = lo;
-#ifdef __AVX2__
-            const __m256 mm = _mm256_set1_ps(m);
-            __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-            for (; i + 16 <= hi; i += 16) {
-                s0 = _mm256_add_ps(s0, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i), mm)));
-                s1 = _mm256_add_ps(s1, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i + 8), mm)));
-            }
-            _mm256_storeu_ps(lanes, _mm256_add_ps(s0, s1));
-            for (int l = 0; l < 8; l++) sum += lanes[l];
-#endif
-            for (; i < hi; i++) sum += expf(row[i] - m);
-        }
+        const double sum = isfinite(m) ? piece_exp_sum(row, lo, hi, m) : 0.0;
         pmax[j] = m, psum[j] = sum, parg[j] = arg < hi ? arg : lo, pnan[j] = nan;
     }
     for (int64_t b = 0; b < B; b++) {
@@ -243,18 +240,7 @@ void lmhead_row_greedy(const float* x, int64_t B, int64_t V, int64_t* ids, doubl
             nan |= pnan[j];
         }
         ids[b] = arg < 0 ? 0 : arg;
-        if (nan) {
-            lse[b] = NAN;
-        } else if (!isfinite(m)) {
-            lse[b] = m;
-        } else {
-            double t = 0.0;
-            for (int64_t p = 0; p < pieces; p++) {
-                const int64_t j = b * pieces + p;
-                if (pmax[j] > -INFINITY) t += psum[j] * exp((double)pmax[j] - (double)m);
-            }
-            lse[b] = (double)m + log(t);
-        }
+        lse[b] = pieces_lse(pmax + b * pieces, psum + b * pieces, pieces, m, nan);
     }
     if (heap) free(pmax), free(psum), free(parg), free(pnan);
 }
@@ -285,31 +271,17 @@ static int cand_desc(const void* a, const void* b) {
     return x->i < y->i ? -1 : (x->i > y->i);
 }
 
-#define TOP_P_SPANS 6
-/* pass 1 over x[lo, hi): the maximum and whether a NaN is there */
-static void top_p_max(const float* x, int64_t lo, int64_t hi, float* max_out, int* nan_out) {
-    float m = -INFINITY;
-    int nan = 0;
-    int64_t i = lo;
-#ifdef __AVX2__
-    __m256 mv = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
-    for (; i + 8 <= hi; i += 8) {
-        const __m256 t = _mm256_loadu_ps(x + i);
-        mv = _mm256_max_ps(mv, t);
-        un = _mm256_or_ps(un, _mm256_cmp_ps(t, t, _CMP_UNORD_Q));
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, mv);
-    for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
-    nan = _mm256_movemask_ps(un) != 0;
-#endif
-    for (; i < hi; i++) {
-        if (x[i] != x[i]) nan = 1;
-        if (x[i] > m) m = x[i];
-    }
-    *max_out = m, *nan_out = nan;
+/* token j joins the candidates when x/T − top ≥ limit → 1, or 0 when there is no room for it */
+static inline int take_candidate(const float* x, int64_t j, float T, float top, float limit, lmhead_cand* c,
+                                 int64_t* n, int64_t cap) {
+    const float xt = x[j] / T;
+    if (!(xt - top >= limit)) return 1;
+    if (*n == cap) return 0;
+    c[*n].v = xt, c[*n].i = j, (*n)++;
+    return 1;
 }
 
+#define TOP_P_SPANS 6
 /* pass 2 over x[lo, hi): Σ e^(x/T − top) (float32 lanes over 1,024 numbers, then double) and the same sum over
  * the tokens within each span of top (sums[1 + k]) */
 static void top_p_sums(const float* x, int64_t lo, int64_t hi, float T, float top, const float* spans, int nspans,
@@ -357,7 +329,7 @@ int64_t lmhead_top_p_row(const float* x, int64_t V, float T, double p, int64_t* 
     int pnan[8];
     double psum[8][TOP_P_SPANS + 1];
 #pragma omp parallel for num_threads(pieces) schedule(static)
-    for (int j = 0; j < pieces; j++) top_p_max(x, V * j / pieces, V * (j + 1) / pieces, pmax + j, pnan + j);
+    for (int j = 0; j < pieces; j++) piece_max(x, V * j / pieces, V * (j + 1) / pieces, pmax + j, pnan + j);
     float m = -INFINITY;
     int nan = 0;
     for (int j = 0; j < pieces; j++) m = pmax[j] > m ? pmax[j] : m, nan |= pnan[j];
@@ -392,27 +364,18 @@ int64_t lmhead_top_p_row(const float* x, int64_t V, float T, double p, int64_t* 
             while (bits) {
                 const int64_t j = i + __builtin_ctz(bits);
                 bits &= bits - 1;
-                const float xt = x[j] / T;
-                if (xt - top >= limit) {
-                    if (n == cap) {
-                        free(c);
-                        return -1;
-                    }
-                    c[n].v = xt, c[n].i = j, n++;
+                if (!take_candidate(x, j, T, top, limit, c, &n, cap)) {
+                    free(c);
+                    return -1;
                 }
             }
         }
     }
 #endif
     for (; i < V; i++) {
-        if (!(x[i] >= below)) continue;
-        const float xt = x[i] / T;
-        if (xt - top >= limit) {
-            if (n == cap) {
-                free(c);
-                return -1;
-            }
-            c[n].v = xt, c[n].i = i, n++;
+        if (x[i] >= below && !take_candidate(x, i, T, top, limit, c, &n, cap)) {
+            free(c);
+            return -1;
         }
     }
     qsort(c, (size_t)n, sizeof(lmhead_cand), cand_desc);
