@@ -788,9 +788,9 @@ def _top_p_parts(x: Tensor, temperature: float, top_p: float, vocab: Vocab, nati
     if not (native and type(vocab) is Vocab and x.device.type == "cpu" and x.dtype == torch.float32
             and x.shape[1] == vocab.size and 0 < x.shape[0] <= _NATIVE_TOP_P_ROWS):
         return _top_p_windows(x, temperature, top_p, vocab)
-    from lmhead.models import native
+    from lmhead.models.native import top_p_row
 
-    found = [native.top_p_row(x[r], temperature, top_p) for r in range(x.shape[0])]
+    found = [top_p_row(x[r], temperature, top_p) for r in range(x.shape[0])]
     rest = [r for r, f in enumerate(found) if f is None]
     if len(rest) == x.shape[0]:
         return _top_p_windows(x, temperature, top_p, vocab)
