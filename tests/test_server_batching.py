@@ -85,3 +85,20 @@ def test_explain_calls_run_while_generations_decode(served):
     predict, *long = asyncio.run(main())
     assert predict.status_code == 200 and all(r.status_code == 200 for r in long)
     assert runner.max_live >= 2
+
+
+def test_a_request_waits_for_the_models_thread_once_before_it_joins_the_batch(served):
+    # while a batch decodes, each call through the runner waits for a round to end: a completion's checks are one
+    # call (the prompt's tokens), a chat's one call too (its template and tokens); its sampling config is built
+    # on the event loop
+    _, runner, url = served
+    with httpx.Client(base_url=url, timeout=60) as http:
+        calls = runner.calls
+        assert http.post("/v1/completions", json={"prompt": "The cat", "max_tokens": 2}).status_code == 200
+        assert runner.calls - calls == 1
+        calls = runner.calls
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "top_k": 5, "seed": 1}
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200
+        assert runner.calls - calls == 1
+        r = http.post("/v1/completions", json={"prompt": "The cat", "max_tokens": 2, "repetition_penalty": 1e308})
+        assert r.status_code == 400 and "repetition_penalty" in r.text  # the config's own error, still a 400 naming it

@@ -55,7 +55,7 @@ async def api_step(req: S.StepRequest, served: Served = Depends(get_served)) -> 
 @router.post("/generate", summary="Several steps, streamed as server-sent events")
 async def api_generate(req: S.GenerateRequest, served: Served = Depends(get_served)) -> StreamingResponse:
     await served.call(encode_checked, served.model, req.prompt)
-    cfg = await served.call(sampling_config, req, seed_for_step(req.seed, req.step))
+    cfg = sampling_config(req, seed_for_step(req.seed, req.step))
     steps = served.generate(req.prompt, req.max_tokens, config=cfg, exact_logprobs=True)  # the page's numbers
     return StreamingResponse(_step_events(steps), media_type="text/event-stream")
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 
 from lmhead.checks import sampling_config_from
+from lmhead.models.chat import chat_prompt
 from lmhead.server import schemas as S
 from lmhead.server.errors import APIError
 from lmhead.server.runner import ModelRunner
@@ -93,8 +94,16 @@ def encode_checked(model: Any, prompt: str, param: str = "prompt") -> list[int]:
     return ids
 
 
+def chat_ids(model: Any, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+    """A chat's prompt (`models.chat.chat_prompt`) and its ids (`encode_checked`, naming "messages"): one call on
+    the model's thread, not two (while a batch decodes, each call waits for a round to end)."""
+    prompt = chat_prompt(model, messages)
+    return prompt, encode_checked(model, prompt, "messages")
+
+
 def sampling_config(req: Any, seed: int | None = None) -> SamplingConfig:
-    """`checks.sampling_config_from(req, seed)` (the CLI's function too); a bad setting is a 400."""
+    """`checks.sampling_config_from(req, seed)` (the CLI's function too); a bad setting is a 400. Pure and bounded
+    by the request's schema: routes call it on the event loop, not through the model's thread."""
     try:
         return sampling_config_from(req, seed)
     except (ValueError, TypeError) as exc:

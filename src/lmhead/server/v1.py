@@ -24,10 +24,9 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from lmhead.models.chat import chat_prompt
 from lmhead.server import schemas as S
 from lmhead.server.errors import APIError
-from lmhead.server.served import Served, encode_checked, get_served, sampling_config
+from lmhead.server.served import Served, chat_ids, encode_checked, get_served, sampling_config
 from lmhead.server.sse import DONE, primed, sse
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -44,7 +43,7 @@ async def v1_completions(req: S.CompletionRequest, request: Request, served: Ser
     _check_model(served, req.model)
     prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]  # a list of one (schemas checks)
     ids = await served.call(encode_checked, served.model, prompt)
-    cfg = await served.call(sampling_config, req, req.seed)
+    cfg = sampling_config(req, req.seed)  # pure and bounded: no trip to the model's thread
     steps = partial(served.generate, prompt, req.max_tokens or 16, config=cfg, stop=req.stops() or None,
                     top_logprobs=req.logprobs or 0, exact_logprobs=req.exact_logprobs,
                     scores=req.logprobs is not None)
@@ -60,9 +59,8 @@ async def v1_chat(req: S.ChatRequest, request: Request, served: Served = Depends
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    prompt = await served.call(chat_prompt, served.model, messages)
-    ids = await served.call(encode_checked, served.model, prompt, "messages")
-    cfg = await served.call(sampling_config, req, req.seed)
+    prompt, ids = await served.call(chat_ids, served.model, messages)
+    cfg = sampling_config(req, req.seed)
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     max_tokens = req.max_completion_tokens or req.max_tokens or S.MAX_NEW_TOKENS
     steps = partial(served.generate, prompt, max_tokens, config=cfg, stop=req.stops() or None, top_logprobs=top_n,
