@@ -53,3 +53,32 @@ def test_greedy_tokens_with_codes_and_ngram_drafts_equal_transformers(name):
         want = out[0, enc["input_ids"].shape[1]:].tolist()
         got = [s.token_id for s in model.generate(prompt, len(want), config=SamplingConfig(temperature=0))]
         assert got == want[:len(got)] and len(got) >= len(want) - 1  # both stop at the end-of-text token
+
+
+@pytest.mark.parametrize("name", ["gemma-3-270m", "smollm2-135m"])
+def test_the_heads_screen_gives_the_exact_top_k_and_scoreless_greedy_tokens_equal_transformers(name):
+    # both tied heads are Q8_0 codes: screened, each row's top k exact and the rest below; the greedy tokens of
+    # scoreless rows (screened rounds of 4) are the float32 model's
+    from lmhead import SamplingConfig, load_model
+    from lmhead.models import native
+
+    model = load_model(name, progress=False)
+    product = model.exact_head.product
+    assert product.screens == native.avx2()
+    prompt = "The three most important inventions of the twentieth century are"
+    ids = torch.tensor([model.encode(prompt)])
+    with torch.inference_mode():
+        hidden = model.hidden_states(ids)[0, -8:].contiguous()
+        got = model.exact_head.screen(hidden, [41] * 8) if product.screens else model.exact_head(hidden)
+        for r in range(8):
+            want = model.exact_head(hidden[r:r + 1])[0].topk(41)
+            top = got[r].topk(41)
+            assert torch.equal(top.indices, want.indices) and torch.equal(top.values, want.values)
+        enc = model.tokenizer(prompt, return_tensors="pt")
+        out = model.hf_model.generate(**enc, max_new_tokens=24, do_sample=False, temperature=None, top_p=None,
+                                      top_k=None, pad_token_id=model.tokenizer.pad_token_id)
+    want = out[0, enc["input_ids"].shape[1]:].tolist()
+    greedy = SamplingConfig(temperature=0)
+    steps = list(model.generate([prompt] * 4, 24, config=greedy, scores=False))  # 4 rows: screened rounds
+    rows = [[s.token_id for s in steps if s.index == b] for b in range(4)]
+    assert all(r == want[:len(r)] and len(r) >= len(want) - 1 for r in rows)

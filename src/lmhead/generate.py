@@ -397,7 +397,7 @@ class _TransformersRounds:
         if self.pending is not None:
             self.pending = self.pending[rows]
 
-    def round(self, last, configs, history, prompt_len, steps, generator):
+    def round(self, last, configs, history, prompt_len, steps, generator, scored=None):
         from lmhead.speculative import Round, decode_logits, plain_choice
 
         if self.pending is not None:  # the prefill's last position chooses the first token
@@ -409,7 +409,7 @@ class _TransformersRounds:
             hidden = self.model.hidden_states(last[:, None], attention_mask=self.attention,
                                               position_ids=self.positions, past_key_values=self.cache)
             self.clock.lap("body")
-        logits = decode_logits(self.model.head, hidden, configs).squeeze(1)  # [B,1,D] -> [B,V]
+        logits = decode_logits(self.model.head, hidden, configs, scored).squeeze(1)  # [B,1,D] -> [B,V]
         self.clock.lap("head")
         ids, chosen = plain_choice(logits, configs, history, prompt_len, steps, generator, scored=True)
         self.clock.lap("sampling")
@@ -572,7 +572,7 @@ class Batch:
         history = [r.prompt_ids + r.generated for r in rows] if any(r.penalties for r in rows) else None
         plen = [len(r.prompt_ids) for r in rows]
         rnd = self.rounds.round(self.last, [r.config for r in rows], history, plen,
-                                [len(r.generated) for r in rows], self.generator)
+                                [len(r.generated) for r in rows], self.generator, [r.scores for r in rows])
         self.clock.t = time.perf_counter() if self.profile is not None else 0.0
         chosen, raw, ranks, alts = self._round_scores(rnd, history, plen)
         self.clock.lap("sampling")

@@ -157,6 +157,18 @@ class LMHead(nn.Module):
                 logits.div_(c).tanh_().mul_(c)
         return logits
 
+    def screen(self, hidden: Tensor, ks: list[int]) -> Tensor | None:
+        """hidden [N,D] → float32 logits [N,V] whose top ks[n] per row are exact (ids and values: the product's
+        own for one row) and whose other values are below them — all a greedy or top-k choice reads — or None
+        where this head has no screened product (no GGUF codes that screen, a bias, a softcap, autograd; the
+        caller then takes `forward`). See `CodedLinear.screen`."""
+        product = getattr(self, "product", None)
+        if (product is None or not getattr(product, "screens", False) or self.bias is not None
+                or self.softcap is not None or hidden.dim() != 2 or hidden.dtype != torch.float32
+                or torch.is_grad_enabled() and (hidden.requires_grad or self.weight.requires_grad)):
+            return None
+        return product.screen(hidden, ks)
+
     def loss(self, hidden: Tensor, targets: Tensor, **kwargs: Any) -> Tensor | tuple[Tensor, Tensor]:
         """`linear_cross_entropy(hidden, self.weight, targets, bias=self.bias, softcap=self.softcap, **kwargs)`:
         the fused, chunked cross-entropy (kwargs: ignore_index, reduction, label_smoothing, z_loss, shift,

@@ -69,7 +69,7 @@ static void halves_to_floats(const uint16_t* h, float* f, int64_t n) {
     for (; i < n; i++) f[i] = half_to_float(h[i]);
 }
 
-int lmhead_coded_abi(void) { return 11; }
+int lmhead_coded_abi(void) { return 12; }
 
 #ifdef __AVX2__
 int lmhead_coded_avx2(void) { return 1; }
@@ -558,3 +558,237 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
     if (xs && xs != xs_stack) free(xs);
     return 0;
 }
+
+/* ---- the screen: which logits can be in a row's top k, without computing them all exactly ------------------
+ *
+ * For int8 codes without offsets in blocks of four rows with float16 scales (Q8_0, Q5_0: Gemma 3's head), x is
+ * put on one int16 grid per query row, x̂ = d·q with d = max|x| / 32767, and each weight row's approximate value
+ * ŷ = d · Σ_g scale_g · Σ_i code_i·q_i is summed in int32 (exact: a lane adds four products of at most
+ * 128·32767, below 2^24, so its conversion to float is exact too) — several query rows then cost about 0.6 of
+ * the exact float32 product (the multiplies are 16-bit integer ones, two per pair of weights, not one float32
+ * FMA per weight). The exact value e (rows4_dot1's, the one-row product's own numbers) is within
+ *
+ *     |e − ŷ| ≤ ‖w‖₂ · β,   β = ‖x − x̂‖₂ + γ·(‖x‖₂ + ‖x̂‖₂),   γ = n·u / (1 − n·u), n = K + K/32 + 8, u = 2⁻²⁴
+ *
+ * (Cauchy–Schwarz on w·(x − x̂); γ·Σ|w||x| bounds each float32 sum's rounding, and Σ|w||x| ≤ ‖w‖‖x‖). With L
+ * the k-th largest lower bound ŷ − ‖w‖β of a row, every token whose exact value can reach the row's top k has
+ * ŷ + ‖w‖β ≥ L: those candidates get their exact values (rows4_dot1 of their block), every other token keeps ŷ,
+ * which is below L, so below the top k's exact values. lmhead_screen_norms gives ‖w‖ per row (rounded up),
+ * lmhead_screen gives ŷ [M, N] and β [M], lmhead_screen_select the candidates, lmhead_screen_rescore their
+ * exact values. */
+#define SCREEN_ROWS 8 /* query rows per pass over a block */
+
+/* ‖w_n‖₂ of every weight row, in double, rounded up to float */
+int lmhead_screen_norms(const int8_t* codes, const uint16_t* scale, int64_t N, int64_t K, float* out, int threads) {
+    if (K % 32 != 0 || N % 4 != 0 || K / 32 > HALF_MAX_GROUPS) return -1;
+    const int64_t ng = K / 32;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t* c = codes + (n / 4) * 4 * K + (n % 4) * 32;
+        double total = 0.0;
+        for (int64_t g = 0; g < ng; g++) {
+            const double s = (double)half_to_float(scale[n * ng + g]);
+            int64_t sq = 0;
+            for (int i = 0; i < 32; i++) sq += (int64_t)c[g * 128 + i] * c[g * 128 + i];
+            total += s * s * (double)sq;
+        }
+        const double r = sqrt(total) * (1.0 + 1e-12);
+        float f = (float)r;
+        if ((double)f < r) f = nextafterf(f, INFINITY);
+        out[n] = f;
+    }
+    return 0;
+}
+
+#ifdef __AVX2__
+/* one block of four weight rows against Q ≤ SCREEN_ROWS query rows on their int16 grids: out [Q, 4] (stride 4),
+ * without the grids' steps d */
+#define SCREEN(Q)                                                                                            \
+    static inline void screen_block##Q(const int16_t* q, int64_t K, const int8_t* c, const float* s,       \
+                                       int64_t ng, float* out) {                                           \
+        for (int r = 0; r < 4; r++) {                                                                      \
+            __m256 acc[Q];                                                                                 \
+            for (int m = 0; m < Q; m++) acc[m] = _mm256_setzero_ps();                                      \
+            for (int64_t g = 0; g < ng; g++) {                                                             \
+                const int8_t* cg = c + (g * 4 + r) * 32;                                                   \
+                const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)cg));             \
+                const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(cg + 16)));      \
+                const __m256 sv = _mm256_set1_ps(s[r * ng + g]);                                           \
+                const int16_t* qg = q + g * 32;                                                            \
+                for (int m = 0; m < Q; m++) {                                                              \
+                    const __m256i p = _mm256_add_epi32(                                                    \
+                        _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)(qg + m * K))),          \
+                        _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(qg + m * K + 16))));    \
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sv, acc[m]);                           \
+                }                                                                                          \
+            }                                                                                              \
+            for (int m = 0; m < Q; m++) out[m * 4 + r] = hsum8(acc[m]);                                    \
+        }                                                                                                  \
+    }
+SCREEN(1) SCREEN(2) SCREEN(3) SCREEN(4) SCREEN(5) SCREEN(6) SCREEN(7) SCREEN(8)
+typedef void (*screen_pass)(const int16_t*, int64_t, const int8_t*, const float*, int64_t, float*);
+static const screen_pass SCREEN_PASS[SCREEN_ROWS + 1] = {NULL, screen_block1, screen_block2, screen_block3,
+                                                         screen_block4, screen_block5, screen_block6,
+                                                         screen_block7, screen_block8};
+
+/* ŷ [M, N] and β [M] (see above) for x [M, K]; codes, scale as lmhead_coded_matmul's with flags HALF | ROWS4
+ * (int8 codes, no offsets). Returns 0; -1 for shapes it does not take or a row of x that is not all finite
+ * (nothing is bounded there: the caller computes the row exactly); -2 if it could not allocate. */
+int lmhead_screen(const float* x, int64_t M, int64_t K, const int8_t* codes, const uint16_t* scale, int64_t N,
+                  float* y, double* beta, int threads) {
+    if (K % 32 != 0 || N % 4 != 0 || K / 32 > HALF_MAX_GROUPS || M < 1) return -1;
+    const int64_t ng = K / 32;
+    int16_t* q = (int16_t*)aligned_alloc(32, (size_t)(M * K * 2 + 31) / 32 * 32);
+    float* d = (float*)malloc((size_t)M * sizeof(float));
+    if (!q || !d) {
+        free(q);
+        free(d);
+        return -2;
+    }
+    const double n = (double)(K + ng + 8), u = ldexp(1.0, -24), gamma = n * u / (1.0 - n * u);
+    int bad = 0;
+    for (int64_t m = 0; m < M && !bad; m++) {
+        const float* xm = x + m * K;
+        float top = 0.f;
+        for (int64_t k = 0; k < K; k++) {
+            if (!isfinite(xm[k])) bad = 1;
+            top = fabsf(xm[k]) > top ? fabsf(xm[k]) : top;
+        }
+        d[m] = top > 0.f ? top / 32767.0f : 1.0f;
+        double dd = 0.0, xx = 0.0, hh = 0.0;
+        for (int64_t k = 0; k < K; k++) {
+            float t = rintf(xm[k] / d[m]);
+            t = t > 32767.f ? 32767.f : (t < -32767.f ? -32767.f : t);
+            q[m * K + k] = (int16_t)t;
+            const double xh = (double)d[m] * (double)t, e = (double)xm[k] - xh;
+            dd += e * e;
+            xx += (double)xm[k] * xm[k];
+            hh += xh * xh;
+        }
+        /* the grid's step d multiplies the float32 sum once more: one more rounding, inside γ's 8 spare terms */
+        beta[m] = (sqrt(dd) + gamma * (sqrt(xx) + sqrt(hh))) * (1.0 + 1e-9);
+    }
+    if (bad) {
+        free(q);
+        free(d);
+        return -1;
+    }
+    const int64_t blocks = N / 4;
+    const int64_t chunk = blocks / (8 * threads) > 1 ? blocks / (8 * threads) : 1;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int8_t* c = codes + b * 4 * K;
+        float s32[4 * HALF_MAX_GROUPS];
+        halves_to_floats(scale + b * 4 * ng, s32, 4 * ng);
+        if (b + 1 < blocks)
+            for (int64_t p = 0; p < 4 * K; p += 64) _mm_prefetch((const char*)c + 4 * K + p, _MM_HINT_T0);
+        for (int64_t m0 = 0; m0 < M; m0 += SCREEN_ROWS) {
+            const int64_t Q = M - m0 < SCREEN_ROWS ? M - m0 : SCREEN_ROWS;
+            float out[4 * SCREEN_ROWS];
+            SCREEN_PASS[Q](q + m0 * K, K, c, s32, ng, out);
+            for (int64_t m = 0; m < Q; m++)
+                for (int r = 0; r < 4; r++) y[(m0 + m) * N + b * 4 + r] = out[m * 4 + r] * d[m0 + m];
+        }
+    }
+    free(q);
+    free(d);
+    return 0;
+}
+
+/* the k largest values so far, ascending (low[0] the k-th), with `lo` offered */
+static inline void keep_largest(double* low, int64_t* have, int64_t k, double lo) {
+    int64_t i;
+    if (*have < k) {
+        i = (*have)++;
+        while (i > 0 && low[i - 1] > lo) {
+            low[i] = low[i - 1];
+            i--;
+        }
+    } else {
+        if (lo <= low[0]) return;
+        i = 0;
+        while (i + 1 < k && low[i + 1] < lo) {
+            low[i] = low[i + 1];
+            i++;
+        }
+    }
+    low[i] = lo;
+}
+
+/* the candidates of each row m: ids [M, cap] of every n with ŷ + ‖w_n‖β ≥ L_m, L_m the ks[m]-th largest
+ * ŷ − ‖w_n‖β (1 ≤ ks[m] ≤ 256), in id order; counts [M] (-1: more than cap, the caller computes that row
+ * exactly). Both bounds in double, four at a time: a group of four is looked at one by one only when one of
+ * them passes the test. Returns 0, or -1 for a k out of range. */
+int lmhead_screen_select(const float* y, int64_t M, int64_t N, const float* norms, const double* beta,
+                         const int64_t* ks, int64_t cap, int64_t* ids, int64_t* counts, int threads) {
+    if (N % 4 != 0) return -1;
+    for (int64_t m = 0; m < M; m++)
+        if (ks[m] < 1 || ks[m] > 256 || ks[m] > N) return -1;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t m = 0; m < M; m++) {
+        const float* ym = y + m * N;
+        const __m256d b = _mm256_set1_pd(beta[m]);
+        const int64_t k = ks[m];
+        double low[256], four[4];
+        int64_t have = 0;
+        for (int64_t n = 0; n < N; n += 4) {
+            const __m256d w = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(norms + n)), b);
+            const __m256d lo = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(ym + n)), w);
+            if (have == k && !_mm256_movemask_pd(_mm256_cmp_pd(lo, _mm256_set1_pd(low[0]), _CMP_GT_OQ))) continue;
+            _mm256_storeu_pd(four, lo);
+            for (int i = 0; i < 4; i++) keep_largest(low, &have, k, four[i]);
+        }
+        const __m256d L = _mm256_set1_pd(low[0]);
+        int64_t count = 0;
+        for (int64_t n = 0; n < N; n += 4) {
+            const __m256d w = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(norms + n)), b);
+            const __m256d up = _mm256_add_pd(_mm256_cvtps_pd(_mm_loadu_ps(ym + n)), w);
+            int mask = _mm256_movemask_pd(_mm256_cmp_pd(up, L, _CMP_GE_OQ));
+            while (mask) {
+                const int i = __builtin_ctz(mask);
+                mask &= mask - 1;
+                if (count < cap) ids[m * cap + count] = n + i;
+                count++;
+            }
+        }
+        counts[m] = count > cap ? -1 : count;
+    }
+    return 0;
+}
+
+/* y[m, ids[m, j]] = the exact value of each candidate (rows4_dot1 of its block: the one-row product's numbers),
+ * for rows with counts[m] ≥ 0 */
+int lmhead_screen_rescore(const float* x, int64_t M, int64_t K, const int8_t* codes, const uint16_t* scale,
+                          int64_t N, const int64_t* ids, const int64_t* counts, int64_t cap, float* y, int threads) {
+    if (K % 32 != 0 || N % 4 != 0 || K / 32 > HALF_MAX_GROUPS) return -1;
+    const int64_t ng = K / 32;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t j = 0; j < counts[m]; j++) {
+            const int64_t n = ids[m * cap + j], b = n / 4;
+            float s32[4 * HALF_MAX_GROUPS], out[4];
+            halves_to_floats(scale + b * 4 * ng, s32, 4 * ng);
+            rows4_dot1(x + m * K, codes + b * 4 * K, s32, NULL, NULL, ng, 0, out);
+            y[m * N + n] = out[n % 4];
+        }
+    }
+    return 0;
+}
+#else
+int lmhead_screen(const float* x, int64_t M, int64_t K, const int8_t* codes, const uint16_t* scale, int64_t N,
+                  float* y, double* beta, int threads) {
+    (void)x, (void)M, (void)K, (void)codes, (void)scale, (void)N, (void)y, (void)beta, (void)threads;
+    return -1; /* without AVX2 the exact product serves (the caller's fallback) */
+}
+int lmhead_screen_select(const float* y, int64_t M, int64_t N, const float* norms, const double* beta,
+                         const int64_t* ks, int64_t cap, int64_t* ids, int64_t* counts, int threads) {
+    (void)y, (void)M, (void)N, (void)norms, (void)beta, (void)ks, (void)cap, (void)ids, (void)counts, (void)threads;
+    return -1;
+}
+int lmhead_screen_rescore(const float* x, int64_t M, int64_t K, const int8_t* codes, const uint16_t* scale,
+                          int64_t N, const int64_t* ids, const int64_t* counts, int64_t cap, float* y, int threads) {
+    (void)x, (void)M, (void)K, (void)codes, (void)scale, (void)N, (void)ids, (void)counts, (void)cap, (void)y,
+        (void)threads;
+    return -1;
+}
+#endif

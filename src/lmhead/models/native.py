@@ -39,7 +39,7 @@ _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 # coded_kernel.c's flags: 4-bit codes two per byte; float16 scales and offsets; rows stored in blocks of four
 PACKED, HALF, ROWS4 = 1, 2, 4
 HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
-_ABI = 11  # lmhead_coded_abi() of the sources above
+_ABI = 12  # lmhead_coded_abi() of the sources above
 
 
 def _cpu_flags() -> str:
@@ -114,6 +114,7 @@ class LayerDesc(ctypes.Structure):
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     lib.lmhead_coded_abi.restype = i32
+    lib.lmhead_coded_avx2.restype = i32
     lib.lmhead_coded_matmul.argtypes = [p, i64, i64, p, p, p, i64, i64, i32, p, i32]
     lib.lmhead_coded_matmul.restype = i32
     lib.lmhead_rms_norm.argtypes = [p, p, p, i64, i64, i64, f32, i32]
@@ -136,7 +137,22 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmhead_step.argtypes = [ctypes.POINTER(LayerDesc), i64, p, p, p, p, p, pp, pp, pp, p, i64, i64, i64, i64,
                                 i64, i64, i64, i64, i64, f32, i32, i32, f32, f32, i32]
     lib.lmhead_step.restype = i32
+    lib.lmhead_screen_norms.argtypes = [p, p, i64, i64, p, i32]
+    lib.lmhead_screen_norms.restype = i32
+    lib.lmhead_screen.argtypes = [p, i64, i64, p, p, i64, p, p, i32]
+    lib.lmhead_screen.restype = i32
+    lib.lmhead_screen_select.argtypes = [p, i64, i64, p, p, p, i64, p, p, i32]
+    lib.lmhead_screen_select.restype = i32
+    lib.lmhead_screen_rescore.argtypes = [p, i64, i64, p, p, i64, p, p, i64, p, i32]
+    lib.lmhead_screen_rescore.restype = i32
     return lib
+
+
+@functools.cache
+def avx2() -> bool:
+    """Whether the library was built with its AVX2 kernels (the screen has no other)."""
+    lib = library()
+    return lib is not None and bool(lib.lmhead_coded_avx2())
 
 
 @functools.cache

@@ -1,0 +1,187 @@
+"""The screened head (`CodedLinear.screen`, `LMHead.screen`, `speculative.decode_logits` with `scored`): each row's
+top k exactly as the one-row product gives them and every other value below them; its bound against the exact
+product; its fallbacks; the decode loop's tokens unchanged where it screens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import tiny_model
+
+from lmhead.models import native
+from lmhead.models.coded_linear import CodedLinear, coded_available
+from lmhead.sampling import SamplingConfig
+
+pytestmark = pytest.mark.skipif(not coded_available() or not native.avx2(),
+                                reason="the screen is an AVX2 kernel of the coded library")
+
+
+def _q8(n: int, k: int, seed: int = 0, weight: bool = False) -> CodedLinear:
+    """Q8_0-like codes (int8, one float16 scale per 32, no offsets) for an n × k matrix, as Gemma 3's head."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.004 + 1e-4).half().float()
+    w = (codes.float().view(n, -1, 32) * scale[..., None]).view(n, k) if weight else None
+    return CodedLinear(codes, scale, None, w)
+
+
+def _rows(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * 2.5
+    x[:, 7] = 60.0  # an outlier column, as final hidden states have: the grid's step follows it
+    return x
+
+
+def _one_row(c: CodedLinear, x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([c(x[r:r + 1]) for r in range(x.shape[0])])
+
+
+def _assert_top_k_exact(y: torch.Tensor, want: torch.Tensor, ks: list[int]) -> None:
+    for r, k in enumerate(ks):
+        a, b = want[r].topk(k), y[r].topk(k)
+        assert torch.equal(a.indices, b.indices) and torch.equal(a.values, b.values), (r, k)
+        others = torch.ones(y.shape[1], dtype=torch.bool)
+        others[a.indices] = False
+        exact = y[r] == want[r]
+        # every value that is not the exact one lies below the k-th (the values the choice reads)
+        assert bool((y[r][others & ~exact] < a.values[-1]).all()), (r, k)
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 9, 17])  # every pass width, and more rows than one pass
+def test_screen_gives_each_rows_top_k_exactly_and_the_rest_below(m):
+    c = _q8(1024, 256)
+    assert c.screens
+    x = _rows(m, 256)
+    ks = [[1, 2, 3, 41, 65, 256, 7][r % 7] for r in range(m)]
+    with torch.inference_mode():
+        _assert_top_k_exact(c.screen(x, ks), _one_row(c, x), ks)
+
+
+def test_the_screens_values_are_within_its_bound_of_the_exact_product():
+    # ŷ within ‖w‖·β of the exact value for every token (coded_kernel.c's bound), ‖w‖ rounded up
+    lib = native.library()
+    for seed, spread in ((0, 1.0), (1, 30.0), (2, 1e-3)):
+        c = _q8(512, 640, seed, weight=True)
+        x = _rows(6, 640, seed) * spread
+        y, beta = torch.empty(6, 512), torch.empty(6, dtype=torch.float64)
+        norms = torch.empty(512)
+        assert lib.lmhead_screen_norms(c.codes.data_ptr(), c.scale.data_ptr(), 512, 640, norms.data_ptr(), 2) == 0
+        assert lib.lmhead_screen(x.data_ptr(), 6, 640, c.codes.data_ptr(), c.scale.data_ptr(), 512, y.data_ptr(),
+                                 beta.data_ptr(), 2) == 0
+        exact = x.double() @ c.weight.double().T
+        assert bool((norms.double() >= c.weight.double().norm(dim=1)).all())
+        bound = norms.double()[None] * beta[:, None]
+        assert bool(((y.double() - exact).abs() <= bound).all()), seed
+        assert bool(((_one_row(c, x).double() - y.double()).abs() <= bound).all()), seed
+
+
+def test_ties_at_the_top_are_kept_whole_and_ordered_as_the_exact_product_orders_them():
+    c = _q8(256, 64, 3)
+    codes = native.unblock4(c.codes)
+    scale = c.scale.float()
+    # rows 10, 50 and 51 the same weights: their logits tie exactly, whatever x is
+    for r in (50, 51):
+        codes[r], scale[r] = codes[10], scale[10]
+    c = CodedLinear(codes, scale)
+    x = _rows(4, 64, 4)
+    x = x * torch.sign(x @ c.dequantize()[10])[:, None] * 1.0  # row 10's logit positive
+    x = x + 3.0 * c.dequantize()[10] / c.dequantize()[10].norm()  # and the largest
+    want = _one_row(c, x)
+    for k in (1, 2, 3, 4):
+        with torch.inference_mode():
+            y = c.screen(x, [k] * 4)
+        _assert_top_k_exact(y, want, [k] * 4)
+        assert torch.equal(y.argmax(1), want.argmax(1))
+
+
+def test_rows_the_screen_cannot_bound_are_computed_exactly():
+    c = _q8(512, 64, 5)
+    x = _rows(5, 64, 5)
+    with torch.inference_mode():
+        want = _one_row(c, x)
+        few = c.screen(x, [64] * 5, cap=40)  # more candidates than the cap: those rows exactly, whole
+        assert torch.equal(few, want)
+        x[2, 3] = float("nan")  # no bound holds: every row exactly (the NaN row's own NaNs included)
+        got = c.screen(x, [2] * 5)
+        torch.testing.assert_close(got, c(x), equal_nan=True, rtol=0, atol=0)
+
+
+def test_bad_ks_are_errors_that_name_them():
+    c = _q8(64, 32)
+    x = _rows(2, 32)
+    for ks in ([1], [0, 1], [1, 65], [1.5, 1]):
+        with pytest.raises(ValueError, match="ks"):
+            c.screen(x, ks)
+
+
+def test_a_weight_changed_in_place_is_read_from_its_own_numbers():
+    c = _q8(128, 64, 6, weight=True)
+    x = _rows(4, 64, 6)
+    with torch.no_grad():
+        c.weight.mul_(2.0)
+    with torch.inference_mode():
+        torch.testing.assert_close(c.screen(x, [1] * 4), x @ c.weight.T)
+
+
+def test_which_rows_read_their_top_k_only():
+    from lmhead.speculative import SCREEN_MAX_K, screen_k
+
+    assert screen_k(SamplingConfig(temperature=0), False) == 2
+    assert screen_k(SamplingConfig(temperature=0.8, top_k=40, top_p=0.9, seed=1), False) == 41
+    assert screen_k(SamplingConfig(temperature=0), True) == 0  # scored: its normaliser reads every logit
+    assert screen_k(SamplingConfig(temperature=0.8, top_p=0.9), False) == 0
+    assert screen_k(SamplingConfig(temperature=0.8, top_k=SCREEN_MAX_K + 1), False) == 0
+    assert screen_k(SamplingConfig(temperature=0, logit_bias={3: 5.0}), False) == 0
+    assert screen_k(SamplingConfig(temperature=0, repetition_penalty=1.3), False) == 0
+
+
+def _coded_head_model():
+    """A tiny Llama whose tied head weight is Q8_0-like numbers and reads them through a CodedLinear."""
+    from lmhead.models.model import Model
+
+    hf_model, tokenizer = tiny_model("llama", vocab_size=320)
+    model = Model(hf_model, tokenizer, name="tiny-coded-head")
+    w = model.exact_head.weight
+    with torch.no_grad():
+        scale = (w.view(w.shape[0], -1, 32).abs().amax(-1) / 127).clamp_min(1e-4).half().float()
+        q = torch.round(w.view(w.shape[0], -1, 32) / scale[..., None]).clamp(-127, 127)
+        w.copy_((q * scale[..., None]).view_as(w))
+    model.exact_head.product = CodedLinear(q.to(torch.int8).view_as(w), scale, None, w)
+    assert model.exact_head.product.screens
+    return model
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram"])
+def test_scoreless_rounds_are_screened_and_give_the_same_tokens(monkeypatch, draft):
+    import lmhead.speculative as S
+    from lmhead.generate import Batch, prepare
+
+    model = _coded_head_model()
+    calls = []
+    screen = model.exact_head.screen
+
+    def counting(hidden, ks):
+        calls.append(len(ks))
+        return screen(hidden, ks)
+
+    monkeypatch.setattr(model.exact_head, "screen", counting)
+    prompts = ["a b c a b c a b", "hello there", "x y z", "one two one two one", "q", "the the the"]
+    configs = [SamplingConfig(temperature=0) if i % 2 == 0 else SamplingConfig(temperature=0.9, top_k=12, seed=i)
+               for i in range(len(prompts))]
+
+    def run(scores: bool):
+        rows = [r for p, c in zip(prompts, configs, strict=True) for r in prepare(model, p, 12, c, scores=scores)]
+        batch = Batch(model, draft=draft)
+        batch.add(rows)
+        while batch.rows:
+            batch.step()
+        return [r.generated for r in rows]
+
+    scored = run(True)  # scored rows read every logit: never screened
+    assert calls == []
+    screened = run(False)
+    assert calls and min(calls) >= S.SCREEN_MIN_ROWS
+    assert screened == scored
+    monkeypatch.setattr(S, "SCREEN_MIN_ROWS", 10**9)
+    calls.clear()
+    assert run(False) == scored and calls == []
