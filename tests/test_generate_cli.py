@@ -44,6 +44,20 @@ def test_text_output_is_the_prompt_then_the_generated_text(folder, capsys):
     assert "tokens/s" in captured.err
 
 
+def test_text_output_computes_no_logprobs(folder, capsys, monkeypatch):
+    import lmhead.generate as G
+
+    def scored(*args, **kwargs):
+        raise AssertionError("text output scored its tokens")
+
+    monkeypatch.setattr(G, "_flat_scores", scored)
+    assert main(["generate", "The cat sat", "--model", folder, "-n", "8", "--temperature", "0.9", "--seed", "5"]) == 0
+    assert capsys.readouterr().out.startswith("The cat sat")
+    with pytest.raises(AssertionError, match="scored"):  # JSON lines carry logprobs: they are computed
+        main(["generate", "The cat sat", "--model", folder, "-n", "8", "--temperature", "0.9", "--seed", "5",
+              "--json"])
+
+
 def test_a_seed_reproduces_the_cli_output(folder, capsys):
     outs = []
     for _ in range(2):

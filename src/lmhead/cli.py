@@ -450,7 +450,8 @@ def _run_generate(args: argparse.Namespace) -> None:
     stats = SpeculativeStats()
     steps = model.generate(prompt, args.max_new_tokens, config=config, stop=args.stop,
                            top_logprobs=args.top_logprobs, draft=args.draft, draft_tokens=args.draft_tokens,
-                           stats=stats, exact_logprobs=args.exact_logprobs)
+                           stats=stats, exact_logprobs=args.exact_logprobs,
+                           scores=args.json)  # text shows no logprobs: none computed (nor the normaliser's pass)
     out, count, finish, t0 = sys.stdout, 0, None, time.perf_counter()
     if not args.json and messages is None:  # a chat prints the answer only, not the template around the prompt
         out.write(args.prompt)
