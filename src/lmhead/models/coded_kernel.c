@@ -21,7 +21,8 @@
  * lane l holding code 8·i + l XOR 8 (code − 8 as a signed nibble), so that two shifts give eight consecutive
  * codes − 8 in the eight lanes
  * (no byte shuffles: unpacking was what bounded the product, not memory). Either way a row is a run of 32-byte
- * units (32 int8 codes, or 64 packed ones); `flags & LMHEAD_ROWS4` (G = 32, N a multiple of 4) stores each
+ * units (32 int8 codes, or 64 packed ones); `flags & LMHEAD_ROWS4` (G = 32, or G = 16 for int8 codes without
+ * offsets — Q6_K, two groups to a unit —, N a multiple of 4) stores each
  * block of four rows unit by unit — unit u of rows 4b..4b+3 side by side — so that the decode product reads
  * four rows in one forward stream (four rows at once from four separate streams measured slower than one
  * row at a time: the prefetcher, not the arithmetic, was the limit). Scale and offset [N, K/G], float32,
@@ -201,8 +202,15 @@ static inline float row_dot1(const float* x, const int8_t* c, int64_t us, const 
         }                                                                                                \
     }
 
+/* Q6_K's groups of 16 (int8 codes, no offsets): a 32-byte unit holds two groups, each with its own scale */
+#define DOT2C(c0, c1, xa, xb, acc, sg)                                                                   \
+    do {                                                                                                 \
+        const __m256 d_ = _mm256_mul_ps((c0), (xa)), e_ = _mm256_mul_ps((c1), (xb));                     \
+        (acc) = _mm256_fmadd_ps(_mm256_set1_ps(sg), _mm256_add_ps(d_, e_), (acc));                       \
+    } while (0)
+
 static inline void rows4_dot1(const float* x, const int8_t* c, const float* s, const float* o, const float* xs,
-                              int64_t ng, int packed, float* out) {
+                              int64_t ng, int packed, int g16, float* out) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     if (packed) {
         for (int64_t g = 0; g < ng; g += 2) {
@@ -223,6 +231,17 @@ static inline void rows4_dot1(const float* x, const int8_t* c, const float* s, c
     } else if (o) {
         INT8_GROUPS(DOT4R(BYTES8(cg), BYTES8(cg + 8), BYTES8(cg + 16), BYTES8(cg + 24), acc[r], s[r * ng + g],
                           o[r * ng + g]));
+    } else if (g16) { /* ng = K/16: unit u holds groups 2u and 2u + 1 */
+        for (int64_t u = 0; u < ng / 2; u++) {
+            const float* xg = x + u * 32;
+            const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
+            const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
+            for (int r = 0; r < 4; r++) {
+                const int8_t* cg = c + (u * 4 + r) * 32;
+                DOT2C(BYTES8(cg), BYTES8(cg + 8), x0, x1, acc[r], s[r * ng + 2 * u]);
+                DOT2C(BYTES8(cg + 16), BYTES8(cg + 24), x2, x3, acc[r], s[r * ng + 2 * u + 1]);
+            }
+        }
     } else { /* the common case (Q8_0, Q5_0): a loop of its own, no test of o inside */
         INT8_GROUPS(DOT4C(BYTES8(cg), BYTES8(cg + 8), BYTES8(cg + 16), BYTES8(cg + 24), acc[r], s[r * ng + g]));
     }
@@ -316,13 +335,16 @@ ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
                     }                                                                                        \
                 }                                                                                            \
         } else {                                                                                             \
-            for (int64_t g = 0; g < ng; g++)                                                                 \
+            const int g16 = ng * 16 == K; /* Q6_K: two groups per 32-weight unit */                          \
+            for (int64_t g = 0; g < K / 32; g++)                                                             \
                 for (int r = 0; r < 4; r++) {                                                                \
-                    const __m256 sv = _mm256_set1_ps(s[r * ng + g]);                                         \
-                    const __m256 ov = o ? _mm256_set1_ps(o[r * ng + g]) : _mm256_setzero_ps();               \
+                    const int64_t i0 = r * ng + (g16 ? 2 * g : g), i1 = i0 + g16;                            \
+                    const __m256 s0 = _mm256_set1_ps(s[i0]), s1 = _mm256_set1_ps(s[i1]);                     \
+                    const __m256 o0 = o ? _mm256_set1_ps(o[i0]) : _mm256_setzero_ps();                       \
+                    const __m256 o1 = o ? _mm256_set1_ps(o[i1]) : _mm256_setzero_ps();                       \
                     const int8_t* cg = c + (g * 4 + r) * 32;                                                 \
                     for (int j = 0; j < 4; j++) {                                                            \
-                        const __m256 w = rebuild8(BYTES8(cg + 8 * j), sv, ov, o != NULL);                    \
+                        const __m256 w = rebuild8(BYTES8(cg + 8 * j), j < 2 ? s0 : s1, j < 2 ? o0 : o1, o != NULL); \
                         for (int m = 0; m < Q; m++)                                                          \
                             acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + g * 32 + 8 * j), acc[r][m]); \
                     }                                                                                        \
@@ -358,12 +380,15 @@ MULTI(1) MULTI(2) MULTI(3)
                     }                                                                                        \
                 }                                                                                            \
             } else {                                                                                         \
-                for (int64_t g = 0; g < ng; g++) {                                                           \
-                    const __m256 sv = _mm256_set1_ps(s[r * ng + g]);                                         \
-                    const __m256 ov = o ? _mm256_set1_ps(o[r * ng + g]) : _mm256_setzero_ps();               \
+                const int g16 = ng * 16 == K; /* Q6_K: two groups per 32-weight unit */                      \
+                for (int64_t g = 0; g < K / 32; g++) {                                                       \
+                    const int64_t i0 = r * ng + (g16 ? 2 * g : g), i1 = i0 + g16;                            \
+                    const __m256 s0 = _mm256_set1_ps(s[i0]), s1 = _mm256_set1_ps(s[i1]);                     \
+                    const __m256 o0 = o ? _mm256_set1_ps(o[i0]) : _mm256_setzero_ps();                       \
+                    const __m256 o1 = o ? _mm256_set1_ps(o[i1]) : _mm256_setzero_ps();                       \
                     const int8_t* cg = c + (g * 4 + r) * 32;                                                 \
                     _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                    \
-                        const __m256 w = rebuild8(BYTES8(cg + 8 * j), sv, ov, o != NULL);                    \
+                        const __m256 w = rebuild8(BYTES8(cg + 8 * j), j < 2 ? s0 : s1, j < 2 ? o0 : o1, o != NULL); \
                         const float* xk = x + g * 32 + 8 * j;                                                \
                         for (int m = 0; m < Q; m++)                                                          \
                             acc[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xk + m * K), acc[m]);                \
@@ -429,14 +454,14 @@ static inline void row_dot(const float* x, int64_t K, const int8_t* c, int64_t u
 #endif
 
 /* y [M, N] = x [M, K] · Wᵀ, W given by codes/scale/offset as above. Returns 0, or -1 for arguments it cannot
- * take (G not a multiple of 16, K not a multiple of G; packed: G ≠ 32 or K not a multiple of 64; rows4: G ≠ 32
- * or N not a multiple of 4; float16
+ * take (G not a multiple of 16, K not a multiple of G; packed: G ≠ 32 or K not a multiple of 64; rows4: N or K/32
+ * not whole, or G neither 32 nor 16 without offsets and unpacked (Q6_K: two groups per unit); float16
  * scales: more than HALF_MAX_GROUPS groups per row). */
 int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const void* scale,
                         const void* offset, int64_t N, int64_t G, int flags, float* y, int threads) {
     const int packed = flags & LMHEAD_PACKED, half = (flags & LMHEAD_HALF) != 0, rows4 = (flags & LMHEAD_ROWS4) != 0;
     if (G <= 0 || G % 16 != 0 || K % G != 0 || M < 0 || N < 0 || (packed && (G != 32 || K % 64 != 0)) ||
-        (rows4 && (G != 32 || N % 4 != 0)))
+        (rows4 && (N % 4 != 0 || K % 32 != 0 || !(G == 32 || (G == 16 && !packed && !offset)))))
         return -1;
     const int64_t row_bytes = packed ? K / 2 : K, us = rows4 ? 128 : 32;
     const int64_t ng = K / G;
@@ -495,7 +520,7 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
                     o = o32;
                 }
             }
-            rows4_dot1(x, codes + n0 * row_bytes, s, o, xs, ng, packed, y + n0);
+            rows4_dot1(x, codes + n0 * row_bytes, s, o, xs, ng, packed, G == 16, y + n0);
         }
         if (xs && xs != xs_stack) free(xs);
         return 0;
@@ -768,7 +793,7 @@ int lmhead_screen_rescore(const float* x, int64_t M, int64_t K, const int8_t* co
             const int64_t n = ids[m * cap + j], b = n / 4;
             float s32[4 * HALF_MAX_GROUPS], out[4];
             halves_to_floats(scale + b * 4 * ng, s32, 4 * ng);
-            rows4_dot1(x + m * K, codes + b * 4 * K, s32, NULL, NULL, ng, 0, out);
+            rows4_dot1(x + m * K, codes + b * 4 * K, s32, NULL, NULL, ng, 0, 0, out);
             y[m * N + n] = out[n % 4];
         }
     }

@@ -81,7 +81,9 @@ class CodedLinear:
         codes = native.pack4(codes) if self.packed else codes.contiguous()
         # groups of 32 in whole blocks of four rows: stored block by block, so that decode reads four rows from
         # one forward stream (coded_kernel.c)
-        self.rows4 = bool(self.group == 32 and n and n % 4 == 0)
+        # (Q6_K's groups of 16 too, two to a 32-byte unit: int8 codes without offsets)
+        self.rows4 = bool(n and n % 4 == 0 and (self.group == 32 or (self.group == 16 and k % 32 == 0
+                                                                       and offset is None and not self.packed)))
         self.codes = native.block4(codes) if self.rows4 else codes
         scale, offset = scale.float(), None if offset is None else offset.float()
         # scales and offsets that are float16 numbers (the d and m of Q4_0/Q4_1/Q5_0/Q8_0 blocks) are kept as
@@ -137,8 +139,8 @@ class CodedLinear:
         """Whether `screen` serves this matrix: int8 codes without offsets, float16 scales, blocks of four rows
         (Q8_0 and Q5_0 codes: Gemma 3's head), the kernel built with AVX2."""
         lib = native.library()
-        return (lib is not None and native.avx2() and self.rows4 and self.half and not self.packed
-                and self.offset is None)
+        return (lib is not None and native.avx2() and self.rows4 and self.group == 32 and self.half
+                and not self.packed and self.offset is None)
 
     def screen(self, x: Tensor, ks: list[int], cap: int = SCREEN_CAP) -> Tensor:
         """x [M,K] float32 → y [M,N] float32 where each row's top ks[m] values (ids and values; 1 ≤ k ≤ 256) are

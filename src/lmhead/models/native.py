@@ -235,6 +235,17 @@ def _self_test(lib: ctypes.CDLL) -> bool:
                                          None if off is None else off.data_ptr(), 37, group, 0, y.data_ptr(), 2)
             if rc != 0 or not _close(y, x.double() @ w.double().T):
                 return False
+    # Q6_K's layout: groups of 16 without offsets in blocks of four rows (two groups to a 32-byte unit)
+    codes = torch.randint(-32, 32, (16, 128), generator=g, dtype=torch.int8)
+    scale = torch.rand(16, 8, generator=g) * 0.01
+    w = (codes.float().view(16, 8, 16) * scale[..., None]).view(16, 128)
+    blocked = block4(codes)
+    for m in (1, 3, 6, 9):
+        x, y = torch.randn(m, 128, generator=g), torch.empty(m, 16)
+        rc = lib.lmhead_coded_matmul(x.data_ptr(), m, 128, blocked.data_ptr(), scale.data_ptr(), None, 16, 16, ROWS4,
+                                     y.data_ptr(), 2)
+        if rc != 0 or not _close(y, x.double() @ w.double().T):
+            return False
     # packed 4-bit codes (the same product from half the bytes), float16 scales, both
     codes = torch.randint(0, 16, (19, 128), generator=g, dtype=torch.int8)
     scale = (torch.rand(19, 4, generator=g) * 0.01).half()
