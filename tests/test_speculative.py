@@ -357,3 +357,27 @@ def test_auto_draft_is_none_without_codes():
     hf_model, tokenizer = tiny_model("llama")
     model = Model(hf_model, tokenizer)  # built in memory: no GGUF file, no codes
     assert model.auto_draft() == "none" and model.draft("auto") is None
+    assert not model.auto_greedy_drafts()  # nor n-grams for greedy rows: measured on the coded body only
+
+
+def test_auto_drafts_for_greedy_rows_only_where_the_body_reads_codes(monkeypatch):
+    # SmolLM2's case: auto_draft() "none", but n-gram drafts pay for greedy rows (and cost sampled ones)
+    from lmhead.generate import generate
+    from lmhead.models.model import Model
+    from lmhead.sampling import SamplingConfig
+
+    hf_model, tokenizer = tiny_model("llama")
+    model = Model(hf_model, tokenizer)
+    monkeypatch.setattr(model, "auto_greedy_drafts", lambda: True)
+    prompt = "a b c a b c a b c a b"
+    greedy, sampled = SamplingConfig(temperature=0), SamplingConfig(temperature=0.9, top_k=30, seed=4)
+    for cfg, drafts in ((greedy, True), (sampled, False)):
+        stats = SpeculativeStats()
+        auto = [s.token_id for s in generate(model, prompt, 16, config=cfg, draft="auto", stats=stats)]
+        assert auto == [s.token_id for s in generate(model, prompt, 16, config=cfg, draft="none")]
+        assert (stats.drafted > 0) == drafts
+    stats = SpeculativeStats()  # both in one batch: the greedy row drafts, the sampled one takes plain steps
+    steps = list(generate(model, [prompt, prompt], 16, config=[greedy, sampled], draft="auto", stats=stats))
+    alone = [[s.token_id for s in generate(model, prompt, 16, config=c, draft="none")] for c in (greedy, sampled)]
+    assert [[s.token_id for s in steps if s.index == b] for b in range(2)] == alone
+    assert stats.drafted > 0

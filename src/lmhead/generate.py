@@ -418,13 +418,18 @@ class _TransformersRounds:
 
 
 def _rounds(model, draft: str, draft_tokens: int, profile: dict[str, float] | None):
-    """The round source for `model`: the lean body's `Decoder` (with the draft of mode `draft`), else
-    transformers' modules."""
+    """The round source for `model`: the lean body's `Decoder` (with the draft of mode `draft`; "auto" where
+    `auto_draft()` is "none" and `auto_greedy_drafts()`: n-grams for greedy rows only), else transformers'
+    modules."""
     if model.lean is None:
         return _TransformersRounds(model, profile)
     from lmhead.speculative import Decoder
 
-    return Decoder(model.lean, model.head, model.draft(draft), k=draft_tokens, profile=profile)
+    greedy_only = False
+    if draft == "auto" and model.auto_draft() == "none" and getattr(model, "auto_greedy_drafts", lambda: False)():
+        draft, greedy_only = "ngram", True
+    return Decoder(model.lean, model.head, model.draft(draft), k=draft_tokens, profile=profile,
+                   greedy_only=greedy_only)
 
 
 def _score_logits(model, rnd, rows: list[Row]) -> torch.Tensor:
@@ -505,8 +510,8 @@ class Batch:
         valid = None if attention is None else attention.bool()
         if not self.rows:
             draft = self.draft
-            if draft == "auto":  # measured (docs/decode.md): `Model.auto_draft`
-                draft = self.model.auto_draft() if hasattr(self.model, "auto_draft") else "none"
+            if draft == "auto" and not hasattr(self.model, "auto_draft"):
+                draft = "none"  # measured (docs/decode.md): `Model.auto_draft`, `_rounds`
             self.rounds = _rounds(self.model, draft, self.draft_tokens, self.profile)
             if self.stats is not None and hasattr(self.rounds, "stats"):
                 self.rounds.stats = self.stats

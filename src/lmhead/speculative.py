@@ -339,8 +339,9 @@ class Decoder:
 
     def __init__(self, lean: LeanBody, head, draft: Draft | NgramDraft | None = None, k: int = 4,
                  adaptive: bool = True, stats: SpeculativeStats | None = None,
-                 profile: dict[str, float] | None = None) -> None:
+                 profile: dict[str, float] | None = None, greedy_only: bool = False) -> None:
         self.lean, self.head, self.draft = lean, head, draft
+        self.greedy_only = greedy_only  # only greedy rows draft (the others verify nothing: plain steps)
         self.k0, self.adaptive = k, adaptive
         self.k: list[AdaptiveK] = []  # one per row: a row's k follows its own acceptance only
         self.stats = stats if stats is not None else SpeculativeStats()
@@ -383,6 +384,8 @@ class Decoder:
         count of generated tokens (the step of its next token); `scored` [B] whether a row's scores will be
         read from the round's logits (None: all; rows without may get screened logits, `decode_logits`)."""
         ks = [a.k for a in self.k]
+        if self.greedy_only and ks:
+            ks = [kr if c.is_greedy else 0 for kr, c in zip(ks, configs, strict=True)]
         k = max(ks, default=0)  # the round drafts for the most hopeful row; each row verifies its own k
         self._t = time.perf_counter()
         self._room(k + 1)
@@ -428,7 +431,8 @@ class Decoder:
         new, still generates (the merged caches hold every row's columns, that many more and one full draft).
         The new rows' prompts are prefilled apart, then every row's columns are merged right-aligned
         (`merge_caches`): masks use validity, order and positions only, so no row's attention changes."""
-        other = Decoder(self.lean, self.head, self.draft, self.k0, self.adaptive, self.stats, self.profile)
+        other = Decoder(self.lean, self.head, self.draft, self.k0, self.adaptive, self.stats, self.profile,
+                        self.greedy_only)
         last = other.start(ids, positions, valid, max_new_tokens)
         self.target = merge_caches([self.target, other.target], max_new_tokens + MAX_DRAFT_TOKENS + 2)
         self.capacity = self.target.capacity
