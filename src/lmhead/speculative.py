@@ -633,7 +633,7 @@ def decode_logits(head, hidden: Tensor, configs: list, scored: list[bool] | None
 
     `scored` [B]: whether each row's scores (its normaliser: every logit) will be read; None = all. When no row
     is, every row's choice reads only its top k (`screen_k`) and the call has at least SCREEN_MIN_ROWS
-    positions, a head that can screen (`LMHead.screen`: the GGUF codes of Gemma 3's head) gives each row's top
+    positions, a head that can screen (`LMHead.screen`: Q8_0 codes, both packaged models' heads) gives each row's top
     k exactly — the one-row product's values — and the rest below them, at ~0.6 of the exact product's
     arithmetic; the tokens are the same.
     """

@@ -137,15 +137,16 @@ class CodedLinear:
     @property
     def screens(self) -> bool:
         """Whether `screen` serves this matrix: int8 codes without offsets, float16 scales, blocks of four rows
-        (Q8_0 and Q5_0 codes: Gemma 3's head), the kernel built with AVX2."""
+        (Q8_0 and Q5_0 codes: both packaged models' heads are Q8_0), the kernel built with AVX2."""
         lib = native.library()
         return (lib is not None and native.avx2() and self.rows4 and self.group == 32 and self.half
                 and not self.packed and self.offset is None)
 
     def screen(self, x: Tensor, ks: list[int], cap: int = SCREEN_CAP) -> Tensor:
         """x [M,K] float32 → y [M,N] float32 where each row's top ks[m] values (ids and values; 1 ≤ k ≤ 256) are
-        exactly the one-row product's (`self(x[m:m+1])`) and every other value is strictly below them: what a
-        greedy or top-k choice reads, at about 0.6 of the exact product's arithmetic over several rows.
+        exactly the one-row product's (`self(x[m:m+1])`) and every value that is not exact is strictly below
+        them: what a greedy or top-k choice reads, at about 0.6 of the exact product's arithmetic over several
+        rows.
 
         The approximate values come from x on an int16 grid, bounded by ‖w_n‖₂·β (coded_kernel.c's screen);
         the tokens whose bound reaches a row's k-th largest lower bound get their exact values. A row with
