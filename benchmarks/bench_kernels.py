@@ -17,6 +17,9 @@
    lifted over randn × 2) of 49,152 (SmolLM2) and 262,144 (Gemma 3) logits: a plain greedy row
    (`native.greedy_rows` against `plain_choice` + `row_scores`) and an unseeded T = 0.8 top-p 0.9 row, scored
    (`plain_choice` with `sampling._NATIVE_TOP_P_ROWS` 8 — `native.top_p_row` — and 0, the torch windows).
+7. The screened head (`CodedLinear.screen`: each row's top k exact, the rest below) against the exact product
+   on Gemma 3's head shape (synthetic Q8_0-like codes, rows of randn × 2.5 with an outlier column, as final hidden
+   states have), 1-8 rows, k = 2 (greedy) and 41 (top-k 40): where `speculative.SCREEN_MIN_ROWS` comes from.
 Best of --repeats, each variant timed in turn.
 """
 
@@ -161,6 +164,22 @@ def main() -> None:
         a, t = timed[0], timed[sampling._NATIVE_TOP_P_ROWS]
         print(f"  {width:6} logits, top-p 0.9: torch windows {a:6.3f}  top_p_row {t:6.3f}  ratio {a / t:5.2f}"
               f"  [{load()}]", flush=True)
+
+
+    print("\n7. the screened head against the exact product, Gemma 3's head shape (ms per call)")
+    head = coded(262144, 640, False, g)
+    if not head.screens:
+        print("  (no screen here: the library was built without AVX2)")
+        return
+    for m in ([1, 4, 8] if args.quick else [1, 2, 3, 4, 5, 8]):
+        x = torch.randn(m, 640, generator=g) * 2.5
+        x[:, 7] = 60.0
+        with torch.inference_mode():
+            exact = best_ms(lambda x=x: head(x), args.repeats)
+            two = best_ms(lambda x=x, m=m: head.screen(x, [2] * m), args.repeats)
+            wide = best_ms(lambda x=x, m=m: head.screen(x, [41] * m), args.repeats)
+        print(f"  {m} rows: exact {exact:6.2f}  screen k=2 {two:6.2f} ({exact / two:4.2f}x)  k=41 {wide:6.2f} "
+              f"({exact / wide:4.2f}x)  [{load()}]", flush=True)
 
 
 if __name__ == "__main__":
