@@ -896,3 +896,25 @@ def test_sample_with_logprobs_scores_a_seeded_top_p_row_with_bias_and_penalties_
         ids, lp = sample_with_logprobs(x, configs, prev_tokens=prev, prompt_len=plen, step=step)
         assert torch.equal(ids, sample(x, configs, prev_tokens=prev, prompt_len=plen, step=step))
         torch.testing.assert_close(lp, _reference_chosen(x, ids, configs, prev, plen), **ref.tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("width", [48, 3000])
+def test_narrow_rows_apart_drawn_together_draw_what_they_draw_alone(width):
+    """A screened round's candidates: rows narrow enough to be copied together, greedy and seeded rows interleaved,
+    top-p and min-p inside the top k, ties at the k-th value on some rows, a -inf padding on others."""
+    x = peaked(9, width, seed=37, scale=1.0)
+    for r in (2, 7):  # the 8th and 9th largest tie: the cut keeps both (a width of its own)
+        top = torch.topk(x[r], 9).indices
+        x[r, top[8]] = x[r, top[7]]
+    x[4, width // 2:] = float("-inf")
+    kinds = [SamplingConfig(temperature=0), SamplingConfig(temperature=0.8, top_k=8, seed=3),
+             SamplingConfig(temperature=0.7, top_k=8, top_p=0.8, seed=5),
+             SamplingConfig(temperature=1.2, top_k=8, min_p=0.05, seed=9)]
+    configs = [kinds[r % 4] if r % 4 != 1 else SamplingConfig(temperature=0.8, top_k=8, seed=r) for r in range(9)]
+    for step in range(6):
+        ids, lp = sample_with_logprobs(x, configs, step=step)
+        assert ids.tolist() == sample(x, configs, step=step).tolist()
+        for r, cfg in enumerate(configs):
+            one, one_lp = sample_with_logprobs(x[r], cfg, step=step)
+            assert int(ids[r]) == int(one), (step, r)
+            torch.testing.assert_close(lp[r], one_lp, rtol=0, atol=1e-6)

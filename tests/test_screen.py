@@ -57,6 +57,42 @@ def test_screen_gives_each_rows_top_k_exactly_and_the_rest_below(m):
         _assert_top_k_exact(c.screen(x, ks), _one_row(c, x), ks)
 
 
+@pytest.mark.parametrize("m", [4, 9])
+def test_the_candidates_hold_every_token_a_rows_top_k_can_hold_with_their_exact_values(m):
+    c = _q8(1024, 256, 7)
+    x = _rows(m, 256, 7)
+    ks = [[1, 2, 41, 65, 3][r % 5] for r in range(m)]
+    with torch.inference_mode():
+        y, (vals, ids) = c.screen_candidates(x, ks)
+        want = _one_row(c, x)
+    assert torch.equal(y, c.screen(x, ks))
+    assert vals.shape == ids.shape and vals.shape[0] == m
+    for r, k in enumerate(ks):
+        real = ids[r] < 1024
+        count = int(real.sum())
+        assert bool(real[:count].all()) and count >= k  # the padding comes last
+        assert bool((ids[r, :count].diff() > 0).all())  # ascending ids
+        assert torch.equal(vals[r, :count], want[r, ids[r, :count]])  # the exact values
+        assert bool((vals[r, count:] == float("-inf")).all()) and bool((ids[r, count:] == 1024).all())
+        top = want[r].topk(k)
+        assert set(top.indices.tolist()) <= set(ids[r, :count].tolist())
+        # a token that is no candidate is below the k-th largest value
+        others = torch.ones(1024, dtype=torch.bool)
+        others[ids[r, :count]] = False
+        assert bool((want[r][others] < top.values[-1]).all())
+        assert torch.equal(vals[r].topk(k).values, top.values)
+
+
+def test_rows_computed_whole_give_no_candidates():
+    c = _q8(512, 64, 5)
+    x = _rows(5, 64, 5)
+    with torch.inference_mode():
+        y, cands = c.screen_candidates(x, [64] * 5, cap=40)
+        assert cands is None and torch.equal(y, _one_row(c, x))
+        x[2, 3] = float("nan")
+        assert c.screen_candidates(x, [2] * 5)[1] is None
+
+
 def test_the_screens_values_are_within_its_bound_of_the_exact_product():
     # ŷ within ‖w‖·β of the exact value for every token (coded_kernel.c's bound), ‖w‖ rounded up
     lib = native.library()
@@ -157,14 +193,16 @@ def test_scoreless_rounds_are_screened_and_give_the_same_tokens(monkeypatch, dra
     from lmhead.generate import Batch, prepare
 
     model = _coded_head_model()
-    calls = []
-    screen = model.exact_head.screen
+    calls, plain = [], []
+    screen = model.exact_head.screen_candidates
 
     def counting(hidden, ks):
         calls.append(len(ks))
         return screen(hidden, ks)
 
-    monkeypatch.setattr(model.exact_head, "screen", counting)
+    monkeypatch.setattr(model.exact_head, "screen_candidates", counting)
+    plain_rounds = S.Decoder._plain
+    monkeypatch.setattr(S.Decoder, "_plain", lambda self, logits, *a: plain.append(1) or plain_rounds(self, logits, *a))
     prompts = ["a b c a b c a b", "hello there", "x y z", "one two one two one", "q", "the the the"]
     configs = [SamplingConfig(temperature=0) if i % 2 == 0 else SamplingConfig(temperature=0.9, top_k=12, seed=i)
                for i in range(len(prompts))]
@@ -179,9 +217,12 @@ def test_scoreless_rounds_are_screened_and_give_the_same_tokens(monkeypatch, dra
 
     scored = run(True)  # scored rows read every logit: never screened
     assert calls == []
+    plain.clear()
     screened = run(False)
     assert calls and min(calls) >= S.SCREEN_MIN_ROWS
     assert screened == scored
+    if draft == "none":  # every round screened: the rows chose from their candidates, never from whole rows
+        assert len(calls) >= 12 and not plain
     monkeypatch.setattr(S, "SCREEN_MIN_ROWS", 10**9)
     calls.clear()
     assert run(False) == scored and calls == []

@@ -162,12 +162,18 @@ class LMHead(nn.Module):
         own for one row) and whose other values are below them — all a greedy or top-k choice reads — or None
         where this head has no screened product (no GGUF codes that screen, a bias, a softcap, autograd; the
         caller then takes `forward`). See `CodedLinear.screen`."""
+        got = self.screen_candidates(hidden, ks)
+        return None if got is None else got[0]
+
+    def screen_candidates(self, hidden: Tensor, ks: list[int]) -> tuple[Tensor, tuple[Tensor, Tensor] | None] | None:
+        """`screen`'s logits and the candidates they were made exact on (`CodedLinear.screen_candidates`: values
+        [N,c], ids [N,c]; None where a row was computed whole), or None as `screen`."""
         product = getattr(self, "product", None)
         if (product is None or not getattr(product, "screens", False) or self.bias is not None
                 or self.softcap is not None or hidden.dim() != 2 or hidden.dtype != torch.float32
                 or torch.is_grad_enabled() and (hidden.requires_grad or self.weight.requires_grad)):
             return None
-        return product.screen(hidden, ks)
+        return product.screen_candidates(hidden, ks)
 
     def loss(self, hidden: Tensor, targets: Tensor, **kwargs: Any) -> Tensor | tuple[Tensor, Tensor]:
         """`linear_cross_entropy(hidden, self.weight, targets, bias=self.bias, softcap=self.softcap, **kwargs)`:

@@ -1081,10 +1081,16 @@ def seeded_generator(seed: int, step: int, device: torch.device | str = "cpu") -
     return torch.Generator(device=device).manual_seed(_mix_seed(seed, step))
 
 
-def race_draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+def race_draw(probs: Tensor, generator: torch.Generator | list[torch.Generator] | None = None) -> Tensor:
     """The exponential race on [b,m] probabilities → [b] positions: argmax(p / Exp(1)) picks i with probability
-    p_i (exact, no multinomial). Noise is drawn for the m columns in order, from ``generator``."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    p_i (exact, no multinomial). Noise is drawn for the m columns in order, from ``generator`` — or, given one
+    generator per row, each row's from its own (the noise a row gets alone)."""
+    noise = torch.empty_like(probs)
+    if isinstance(generator, list):
+        for row, gen in zip(noise, generator, strict=True):
+            row.exponential_(generator=gen)
+    else:
+        noise.exponential_(generator=generator)
     return (probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
 
 
@@ -1141,11 +1147,11 @@ def _draw_rows(vals: Tensor, generator: torch.Generator | None, vocab: Vocab) ->
     return _draw_in_blocks(vals, 1.0, top, None, sums, u, vocab)[0]
 
 
-def _draw_part(vals: Tensor, idx: Tensor | None, seeded: bool, generator: torch.Generator | None,
+def _draw_part(vals: Tensor, idx: Tensor | None, seeded: bool, generator: torch.Generator | list | None,
                vocab: Vocab) -> Tensor:
     """A sampled part of the cut ([b,V_r] whole rows when idx is None, else [b,m] candidates and their ids) → [b]
     ids. A seeded row's candidates race in token-id order, so that the noise each token gets does not depend
-    on the order the cut produced them in."""
+    on the order the cut produced them in (``generator``: one per row for seeded rows drawn together)."""
     if idx is None:
         return _draw_rows(vals, generator, vocab)
     if seeded:
@@ -1271,12 +1277,46 @@ def _draw_group(x: Tensor, cfg: SamplingConfig, generator: torch.Generator | Non
     return ids, lp
 
 
+def _draw_seeded_top_k(x: Tensor, cfg: SamplingConfig, gens: list[torch.Generator], vocab: Vocab,
+                       scored: bool) -> tuple[Tensor, Tensor | None]:
+    """Seeded rows [b,V_r] that share a top-k cut key, each with its own (seed, step) generator → ([b] ids, [b]
+    logprobs or None): the ids `_draw_group` gives each row alone. The cut, the softmax and the race work row by
+    row, and each row's noise comes from its own generator over its k candidates in id order, so one pass serves
+    them all; rows whose cut keeps more than k (a tie at the k-th value: a width of their own) draw alone."""
+    top_k = cfg._cut_key(vocab.size)[2]
+    top = vocab.topk(x, top_k + 1)
+    ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    lp = torch.empty(x.shape[0], dtype=torch.float32, device=x.device) if scored else None
+    for sub, vals, idx in _cut(x, cfg, vocab, top, native=False):
+        rows = list(range(x.shape[0])) if sub is None else sub.tolist()
+        if vals.shape[1] != top_k:
+            for r in rows:
+                got = _draw_group(x[r:r + 1], cfg, gens[r], vocab, (top[0][r:r + 1], top[1][r:r + 1]), scored)
+                ids[r] = got[0][0]
+                if scored:
+                    lp[r] = got[1][0]
+            continue
+        chosen = _draw_part(vals, idx, True, [gens[r] for r in rows], vocab)
+        index = slice(None) if sub is None else sub
+        ids[index] = chosen
+        if scored:
+            lp[index] = _part_logprobs(vals, idx, chosen, vocab)
+    return ids, lp
+
+
+# rows apart in the batch are copied together (one pass for them all) when their width is at most this: a screened
+# round's candidates; whole rows of a large vocabulary cost more to copy (~1 ms for four of 262,144) than the
+# separate passes save
+_GATHER_MAX_WIDTH = 4096
+
+
 def _draw_groups(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, generator: torch.Generator | None,
                  steps: list[int] | None, vocab: Vocab, scored: bool) -> tuple[Tensor, Tensor | None]:
     """Steps 3-8 over the batch → ([B] ids, [B] processed logprobs of them or None). Rows that share a cut key
-    are cut together; a seeded row draws on its own with its (seed, step) noise — rows that share a top-k cut
-    share its partial sort (each row's top k+1 is the same whether sorted alone or beside others, and a
-    seeded draw orders its candidates by id), so the ids do not depend on the batch."""
+    are cut together; a seeded row draws with its own (seed, step) noise — rows that share a top-k cut share its
+    partial sort and draw in one pass (`_draw_seeded_top_k`: each row's top k+1 is the same whether sorted
+    alone or beside others, and a seeded draw orders its candidates by id), so the ids do not depend on the
+    batch."""
     batch = x.shape[0]
     cfgs = [configs] * batch if isinstance(configs, SamplingConfig) else configs
     ids = torch.empty(batch, dtype=torch.long, device=x.device)
@@ -1293,27 +1333,28 @@ def _draw_groups(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, gene
             lp[index] = got[1]
 
     for (key, seeded), rows in groups.items():
-        # rows side by side are read as one view; rows apart are copied together only where they draw together
-        # (unseeded sampled rows share the generator): greedy and seeded rows apart are read in place, one by one
+        # rows side by side are read as one view; rows apart are copied together where they are narrow or draw
+        # together (unseeded sampled rows share the generator): wide greedy and seeded rows apart are read in
+        # place, one by one
         together = rows[-1] - rows[0] == len(rows) - 1
-        if not seeded and not together and cfgs[rows[0]].is_greedy:
+        joint = together or x.shape[1] <= _GATHER_MAX_WIDTH
+        cfg = cfgs[rows[0]]
+        if not joint and (cfg.is_greedy or seeded):
             for r in rows:
-                put([r], _draw_group(x[r:r + 1], cfgs[r], generator, vocab, scored=scored))
+                gen = seeded_generator(cfgs[r].seed, steps[r], x.device) if seeded else generator
+                one = vocab.topk(x[r:r + 1], key[2] + 1) if seeded and key[2] else None
+                put([r], _draw_group(x[r:r + 1], cfgs[r], gen, vocab, one, scored))
             continue
+        xs = x[rows[0]:rows[-1] + 1] if together else x[torch.tensor(rows, device=x.device)]
         if not seeded:
-            xs = x[rows[0]:rows[-1] + 1] if together else x[torch.tensor(rows, device=x.device)]
-            put(rows, _draw_group(xs, cfgs[rows[0]], generator, vocab, scored=scored))
-            continue
-        top_k = key[2]
-        shared = vocab.topk(x[rows[0]:rows[-1] + 1], top_k + 1) if top_k and together else None
-        for j, r in enumerate(rows):
-            one = None  # the row's top k+1: the same sorted beside the others or alone
-            if shared is not None:
-                one = (shared[0][j:j + 1], shared[1][j:j + 1])
-            elif top_k:
-                one = vocab.topk(x[r:r + 1], top_k + 1)
-            gen = seeded_generator(cfgs[r].seed, steps[r], x.device)
-            put([r], _draw_group(x[r:r + 1], cfgs[r], gen, vocab, one, scored))
+            put(rows, _draw_group(xs, cfg, generator, vocab, scored=scored))
+        elif key[2]:
+            gens = [seeded_generator(cfgs[r].seed, steps[r], x.device) for r in rows]
+            put(rows, _draw_seeded_top_k(xs, cfg, gens, vocab, scored))
+        else:  # top-p alone, min-p alone or no cut: each row's own draw
+            for j, r in enumerate(rows):
+                put([r], _draw_group(xs[j:j + 1], cfgs[r], seeded_generator(cfgs[r].seed, steps[r], x.device),
+                                     vocab, scored=scored))
     return ids, lp
 
 

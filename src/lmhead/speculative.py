@@ -405,10 +405,12 @@ class Decoder:
         start = self.target.length
         hidden = self.lean(ids, self.next_pos[:, None] + torch.arange(k + 1), self.target)
         self._lap("body")
-        logits = decode_logits(self.head, hidden, configs, scored)                           # [B,k+1,V]
+        logits, cands = decode_head(self.head, hidden, configs, scored)                      # [B,k+1,V]
         self._lap("head")
         chosen = raw = None
-        if k == 0:
+        if k == 0 and cands is not None:  # screened: every row's choice reads its candidates only
+            tokens, n = self._candidates(cands[0][:, 0], cands[1][:, 0], configs, prompt_len, steps, generator)
+        elif k == 0:
             tokens, n, chosen, raw = self._plain(logits[:, 0], configs, history, prompt_len, steps, generator)
         elif q is None:  # point-mass drafts, or greedy and seeded rows only
             tokens, n, chosen, raw = self._draws(logits, drafts, ks, configs, history, prompt_len, steps,
@@ -502,6 +504,15 @@ class Decoder:
                 return [[t] for t in ids.tolist()], n, [[0.0] for _ in configs], [[v] for v in raw.tolist()]
         ids, chosen = plain_choice(logits, configs, history, prompt_len, steps, generator, scored=True)
         return [[int(t)] for t in ids.tolist()], n, [[v] for v in chosen.tolist()], None
+
+    def _candidates(self, vals: Tensor, ids: Tensor, configs, prompt_len, steps, generator):
+        """No draft, a screened round (scoreless rows without bias, bans or penalties): one token per row, the plain
+        sampler's choice from the row's candidates vals, ids [B,c] (`decode_head`) — every token its greedy or
+        top-k choice can read, so the same token as from the whole row (seeded draws race in id order) at the
+        cost of c columns instead of V."""
+        local = plain_choice(vals, configs, None, prompt_len, steps, generator)
+        return [[t] for t in ids.gather(1, local[:, None]).squeeze(1).tolist()], torch.zeros(len(configs),
+                                                                                             dtype=torch.long)
 
     def _accept(self, logits: Tensor, drafts: Tensor, q: Tensor | None, ks: list[int], configs, history,
                 prompt_len, steps, generator) -> tuple[list[list[int]], Tensor]:
@@ -637,23 +648,31 @@ def decode_logits(head, hidden: Tensor, configs: list, scored: list[bool] | None
     k exactly — the one-row product's values — and the rest below them, at ~0.6 of the exact product's
     arithmetic; the tokens are the same.
     """
+    return decode_head(head, hidden, configs, scored)[0]
+
+
+def decode_head(head, hidden: Tensor, configs: list, scored: list[bool] | None = None
+                ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+    """`decode_logits`' logits [B,T,V] and, where the call was screened, the candidates each position's choice
+    reads: values [B,T,c] and ids [B,T,c] (`CodedLinear.screen_candidates`; -inf past a position's own count)
+    — a choice over them is the choice over the whole row; None otherwise."""
     from lmhead.compressed import CompressedHead
 
     if not isinstance(head, CompressedHead):
         screened = None if scored is None else _screened(head, hidden, configs, scored)
-        return screened if screened is not None else head(hidden).float()
-    if hidden.shape[0] < 2:
-        return head(hidden).float()
-    alone = [r for r, c in enumerate(configs) if _reads_tail(c, head.exact_k)]
+        if screened is not None:
+            return screened
+        return head(hidden).float(), None
+    alone = [r for r, c in enumerate(configs) if _reads_tail(c, head.exact_k)] if hidden.shape[0] > 1 else []
     if not alone:
-        return head(hidden).float()
+        return head(hidden).float(), None
     shared = [r for r in range(len(configs)) if r not in alone]
     out = hidden.new_empty((*hidden.shape[:-1], head.vocab_size), dtype=torch.float32)
     if shared:
         out[shared] = head(hidden[shared]).float()
     for r in alone:
         out[r:r + 1] = head(hidden[r:r + 1]).float()
-    return out
+    return out, None
 
 
 def screen_k(config, scored: bool) -> int:
@@ -667,10 +686,11 @@ def screen_k(config, scored: bool) -> int:
     return config.top_k + 1 if 1 <= config.top_k <= SCREEN_MAX_K else 0
 
 
-def _screened(head, hidden: Tensor, configs: list, scored: list[bool]) -> Tensor | None:
-    """`decode_logits`' screened call, or None where it does not apply (a row that needs more than its top k, too
+def _screened(head, hidden: Tensor, configs: list, scored: list[bool]
+              ) -> tuple[Tensor, tuple[Tensor, Tensor] | None] | None:
+    """`decode_head`'s screened call, or None where it does not apply (a row that needs more than its top k, too
     few positions, a head without a screen)."""
-    screen = getattr(head, "screen", None)
+    screen = getattr(head, "screen_candidates", None)
     b, t, d = hidden.shape
     if screen is None or b * t < SCREEN_MIN_ROWS:
         return None
@@ -678,7 +698,12 @@ def _screened(head, hidden: Tensor, configs: list, scored: list[bool]) -> Tensor
     if not all(ks):  # a scored or wide row needs its whole row: one exact call for all, as before
         return None
     got = screen(hidden.reshape(b * t, d), [k for k in ks for _ in range(t)])
-    return None if got is None else got.view(b, t, -1)
+    if got is None:
+        return None
+    logits, cands = got
+    if cands is not None:
+        cands = (cands[0].view(b, t, -1), cands[1].view(b, t, -1))
+    return logits.view(b, t, -1), cands
 
 
 def _plain(config) -> bool:

@@ -153,13 +153,21 @@ class CodedLinear:
         more than `cap` such candidates is computed exactly whole (`self(x[m:m+1])`); where the screen does not
         serve (`screens` False, another dtype or device, a weight changed in place, a value of x that is not
         finite) every value is exact (`self(x)`). ValueError for ks out of range."""
+        return self.screen_candidates(x, ks, cap)[0]
+
+    def screen_candidates(self, x: Tensor, ks: list[int], cap: int = SCREEN_CAP
+                          ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+        """`screen`'s y and its candidates: values [M,c] and ids [M,c] (ascending; c the most any row has, a
+        shorter row padded with -inf and id N), the exact values of every token that can be in a row's top ks[m]
+        — so a choice that reads only those reads the candidates alone. None where a row was computed whole or
+        the screen did not serve."""
         lib = native.library()
         m, k = x.shape
         n = self.out_features
         if len(ks) != m or any(not checks.is_int(v) or not 1 <= v <= min(256, n) for v in ks):
             raise ValueError(f"ks: one int in [1, {min(256, n)}] per row of x ({m}), got {ks!r}")
         if not self.screens or x.dtype != torch.float32 or x.device.type != "cpu" or not self.current():
-            return self(x)  # every value exact (a weight changed in place: its own numbers, as `__call__`)
+            return self(x), None  # every value exact (a weight changed in place: its own numbers, as `__call__`)
         x = x.contiguous()
         threads = torch.get_num_threads()
         if self._norms is None:
@@ -175,7 +183,7 @@ class CodedLinear:
         if rc == -2:
             raise MemoryError("the screen could not allocate its grid")
         if rc != 0:  # a row that is not all finite: no bound holds anywhere, every row exactly
-            return self(x)
+            return self(x), None
         want = torch.tensor([int(v) for v in ks], dtype=torch.int64)
         ids = torch.empty((m, cap), dtype=torch.int64)
         counts = torch.empty(m, dtype=torch.int64)
@@ -183,9 +191,16 @@ class CodedLinear:
                                  ids.data_ptr(), counts.data_ptr(), threads)
         lib.lmhead_screen_rescore(x.data_ptr(), m, k, self.codes.data_ptr(), self.scale.data_ptr(), n,
                                   ids.data_ptr(), counts.data_ptr(), cap, y.data_ptr(), threads)
-        for r in (counts < 0).nonzero().flatten().tolist():
+        whole = (counts < 0).nonzero().flatten().tolist()
+        for r in whole:
             y[r] = self(x[r:r + 1])[0]
-        return y
+        if whole:
+            return y, None
+        width = int(counts.max())
+        pad = torch.arange(width) >= counts[:, None]                                          # [M,c]
+        ids = ids[:, :width].masked_fill(pad, n)
+        vals = y.gather(1, ids.clamp(max=n - 1)).masked_fill_(pad, float("-inf"))
+        return y, (vals, ids)
 
     def __repr__(self) -> str:
         return (f"CodedLinear(in_features={self.in_features}, out_features={self.out_features}, "
