@@ -612,7 +612,8 @@ def test_a_seeded_row_is_the_race_over_its_kept_tokens_in_id_order():
     assert not torch.equal(torch.rand(4, generator=seeded_generator(1, 3)), torch.rand(4, generator=b))
 
 
-def test_the_pipeline_reduces_across_the_vocabulary_with_the_vocab_it_is_given():
+def test_the_pipeline_reduces_across_the_vocabulary_with_the_vocab_it_is_given(monkeypatch):
+    import lmhead.sampling as sampling
     from lmhead.sampling import Vocab
 
     calls: list[str] = []
@@ -628,8 +629,12 @@ def test_the_pipeline_reduces_across_the_vocabulary_with_the_vocab_it_is_given()
             SamplingConfig(min_p=0.05), SamplingConfig(temperature=1.2)]
     xs = torch.cat([x, x[:2]])
     for cfg in cfgs:
-        torch.manual_seed(0)
-        want = sample(xs, cfg)
+        with monkeypatch.context() as m:
+            # the plain whole vocabulary settles a few unseeded top-p rows in C (a subclass keeps its own
+            # reductions): without it both draw the same ids by the same torch passes
+            m.setattr(sampling, "_NATIVE_TOP_P_ROWS", 0)
+            torch.manual_seed(0)
+            want = sample(xs, cfg)
         torch.manual_seed(0)
         assert torch.equal(sample(xs, cfg, vocab=Recording(xs.shape[1])), want), cfg
         got, plain = probabilities(xs, cfg, vocab=Recording(xs.shape[1])), probabilities(xs, cfg)
@@ -918,3 +923,24 @@ def test_narrow_rows_apart_drawn_together_draw_what_they_draw_alone(width):
             one, one_lp = sample_with_logprobs(x[r], cfg, step=step)
             assert int(ids[r]) == int(one), (step, r)
             torch.testing.assert_close(lp[r], one_lp, rtol=0, atol=1e-6)
+
+
+def test_unseeded_top_p_rows_draw_from_the_set_c_finds_and_the_rest_by_rejection(monkeypatch, gen):
+    """`sample` (no logprobs) on a few unseeded top-p-alone rows: a language-model-like row's set is found in C and
+    raced over, a flat row (a set wider than C takes) is drawn by rejection; both follow the reference."""
+    import lmhead.sampling as sampling
+    from lmhead.models import native
+
+    if native.library() is None:
+        pytest.skip("the C pass needs the native library")
+    settled, rejected = [], []
+    top_p_row, draw = native.top_p_row, sampling._top_p_draw
+    monkeypatch.setattr(native, "top_p_row", lambda *a: settled.append(top_p_row(*a) is not None) or top_p_row(*a))
+    monkeypatch.setattr(sampling, "_top_p_draw", lambda x, *a: rejected.append(x.shape[0]) or draw(x, *a))
+    x = torch.cat([window_rows(10_000, [7], seed=5), torch.randn(1, 10_000, generator=gen) * 0.3])
+    cfg = SamplingConfig(temperature=0.8, top_p=0.9)
+    probs = ref.sampling_draw_probabilities(x, [cfg] * 2)
+    ids = torch.stack([sample(x, cfg, generator=gen) for _ in range(1500)], dim=1)
+    assert settled[:2] == [True, False] and set(rejected) == {1}
+    for r in range(2):
+        assert ref.draws_fit(ids[r], probs[r], groups=12) == "", r

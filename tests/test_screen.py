@@ -226,3 +226,32 @@ def test_scoreless_rounds_are_screened_and_give_the_same_tokens(monkeypatch, dra
     monkeypatch.setattr(S, "SCREEN_MIN_ROWS", 10**9)
     calls.clear()
     assert run(False) == scored and calls == []
+
+
+def test_drafted_screened_rounds_draw_from_the_candidates_and_give_the_same_tokens(monkeypatch):
+    """Two rows with n-gram drafts verify up to 8 positions: screened, each position's choice made from its
+    candidates (a seeded top-k row beside a greedy one: the position-by-position draws), the same tokens as
+    unscreened."""
+    import lmhead.speculative as S
+    from lmhead.generate import Batch, prepare
+
+    model = _coded_head_model()
+    seen = []
+    draws = S.Decoder._draws
+    monkeypatch.setattr(S.Decoder, "_draws", lambda self, *a: seen.append(a[-1] is not None) or draws(self, *a))
+    prompts = ["a b c a b c a b c a b c a b", "one two one two one two one two"]
+    configs = [SamplingConfig(temperature=0.9, top_k=12, seed=5), SamplingConfig(temperature=0)]
+
+    def run(scores: bool):
+        rows = [r for p, c in zip(prompts, configs, strict=True) for r in prepare(model, p, 16, c, scores=scores)]
+        batch = Batch(model, draft="ngram")
+        batch.add(rows)
+        while batch.rows:
+            batch.step()
+        return [r.generated for r in rows]
+
+    scored = run(True)
+    assert seen and not any(seen)
+    seen.clear()
+    assert run(False) == scored
+    assert any(seen)

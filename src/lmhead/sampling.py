@@ -19,8 +19,9 @@ before top-k/top-p, which gives different candidate sets for the same settings):
 7. softmax                        ``probabilities``
 8. draw                           ``sample``            the exponential race argmax(p / Exp(1)) over the kept
                                   candidates; rows kept whole (no cut-off) by a two-level inverse CDF with
-                                  one uniform per row; top-p alone by rejection from the whole row (all
-                                  exact; no ``torch.multinomial``)
+                                  one uniform per row; top-p alone from the set C finds at once (a few
+                                  unseeded rows) or by rejection from the whole row (all exact; no
+                                  ``torch.multinomial``)
 
 Every step is also a pure function on ``[B,V]`` logits (logits in, float32 logits out, rejected tokens = -inf,
 at least one token kept) that can be used on its own. ``process_logits`` (steps 1–6), ``probabilities``
@@ -785,24 +786,31 @@ def _top_p_parts(x: Tensor, temperature: float, top_p: float, vocab: Vocab, nati
     above. Not with ``native=False``: a seeded draw races noise over the candidates in id order, dropped ones
     included, so its id depends on the candidate list — it keeps the windows', which never depend on whether C
     ran or on the batch's size."""
-    if not (native and type(vocab) is Vocab and x.device.type == "cpu" and x.dtype == torch.float32
-            and x.shape[1] == vocab.size and 0 < x.shape[0] <= _NATIVE_TOP_P_ROWS):
+    parts, rest = _top_p_native(x, temperature, top_p, vocab) if native else ([], list(range(x.shape[0])))
+    if not parts:
         return _top_p_windows(x, temperature, top_p, vocab)
-    from lmhead.models.native import top_p_row
-
-    found = [top_p_row(x[r], temperature, top_p) for r in range(x.shape[0])]
-    rest = [r for r, f in enumerate(found) if f is None]
-    if len(rest) == x.shape[0]:
-        return _top_p_windows(x, temperature, top_p, vocab)
-    if len(found) == 1:
-        return [(None, *found[0])]
-    parts: list[_Part] = [(torch.tensor([r]), *f) for r, f in enumerate(found) if f is not None]
     if rest:
         _check_top(vocab.amax(x)[:, 0], vocab.name, temperature)  # an error names the row of x, not of the rest
         rows = torch.tensor(rest)
         parts += [(_sub(rows, sub) if sub is not None else rows, vals, idx)
                   for sub, vals, idx in _top_p_windows(x[rows], temperature, top_p, vocab)]
     return parts
+
+
+def _top_p_native(x: Tensor, temperature: float, top_p: float, vocab: Vocab) -> tuple[list[_Part], list[int]]:
+    """The rows of x [b,V] whose top-p set C settles (`models.native.top_p_row`: a few whole float32 CPU rows,
+    one call each; language-model rows, whose sets hold tens of tokens) as parts, and the rows it leaves (flat
+    rows, more rows than _NATIVE_TOP_P_ROWS, a sharded vocabulary, no library)."""
+    if not (type(vocab) is Vocab and x.device.type == "cpu" and x.dtype == torch.float32
+            and x.shape[1] == vocab.size and 0 < x.shape[0] <= _NATIVE_TOP_P_ROWS):
+        return [], list(range(x.shape[0]))
+    from lmhead.models.native import top_p_row
+
+    found = [top_p_row(x[r], temperature, top_p) for r in range(x.shape[0])]
+    if len(found) == 1:
+        return ([(None, *found[0])], []) if found[0] is not None else ([], [0])
+    return ([(torch.tensor([r]), *f) for r, f in enumerate(found) if f is not None],
+            [r for r, f in enumerate(found) if f is None])
 
 
 def _top_p_windows(x: Tensor, temperature: float, top_p: float, vocab: Vocab) -> list[_Part]:
@@ -1242,6 +1250,24 @@ def _top_p_draw(x: Tensor, temperature: float, top_p: float, generator: torch.Ge
     return ids
 
 
+def _top_p_draw_unseeded(x: Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
+                         vocab: Vocab) -> Tensor:
+    """Unseeded rows [b,V_r] with top-p alone → [b] ids from the top-p distribution: rows whose set C settles at
+    once (`_top_p_native`; a language model's row of 49,152: ~0.4 ms against ~1.5 for the rejection's torch
+    passes) race over it, the others draw by rejection (`_top_p_draw`: flat rows, wide batches)."""
+    parts, rest = _top_p_native(x, temperature, top_p, vocab)
+    if not parts:
+        return _top_p_draw(x, temperature, top_p, generator, False, vocab)
+    ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    if rest:
+        _check_top(vocab.amax(x)[:, 0], vocab.name, temperature)  # an error names the row of x, not of the rest
+        index = torch.tensor(rest, device=x.device)
+        ids[index] = _top_p_draw(x[index], temperature, top_p, generator, False, vocab)
+    for rows, vals, idx in parts:
+        ids[slice(None) if rows is None else rows] = _draw_part(vals, idx, False, generator, vocab)
+    return ids
+
+
 def _part_logprobs(vals: Tensor, idx: Tensor | None, ids: Tensor, vocab: Vocab) -> Tensor:
     """The processed log-probability of ids [b] (global) in a part of the cut: candidates [b,m] normalised over
     themselves (the -inf elsewhere in the row add nothing), whole rows [b,V] by a log-softmax over the row
@@ -1259,9 +1285,11 @@ def _draw_group(x: Tensor, cfg: SamplingConfig, generator: torch.Generator | Non
     if not cfg.is_greedy:
         _, temperature, top_k, top_p, min_p = cfg._cut_key(vocab.size)
         # top-p alone draws by rejection, without the top-p set — unless the set is wanted anyway for the logprob
-        # of an unseeded draw (a seeded row keeps `sample`'s ids)
+        # of an unseeded draw (a seeded row keeps `sample`'s ids), or C finds it at once (unseeded rows)
         if top_p < 1.0 and not top_k and not min_p and not (scored and cfg.seed is None):
-            ids = _top_p_draw(x, temperature, top_p, generator, cfg.seed is not None, vocab)
+            if cfg.seed is None:
+                return _top_p_draw_unseeded(x, temperature, top_p, generator, vocab), None
+            ids = _top_p_draw(x, temperature, top_p, generator, True, vocab)
             return ids, torch.full(ids.shape, math.nan, device=x.device) if scored else None
     ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     lp = torch.empty(x.shape[0], dtype=torch.float32, device=x.device) if scored else None
@@ -1365,7 +1393,8 @@ def sample(logits: Tensor, config: ConfigArg = None, generator: torch.Generator 
 
     Greedy rows (temperature 0) take the argmax (the first one on ties). With top-k set only the [B,k]
     survivors are touched after ``torch.topk`` and drawn by the exponential race; rows with top-p alone draw
-    by rejection from the whole row (``_top_p_draw``: no top-p set is computed); other rows kept whole (no
+    by rejection from the whole row (``_top_p_draw``: no top-p set is computed) — but a few unseeded whole CPU
+    rows whose set one C pass finds (a language model's rows) race over that set; other rows kept whole (no
     cut-off, min-p) draw by inverse CDF with one uniform per row.
     Rows without a seed draw from ``generator`` (or torch's default generator). A row whose config has a seed
     draws from a generator seeded with (seed, step), on its own, over its tokens in token-id order, so the id
@@ -1382,10 +1411,10 @@ def sample_with_logprobs(logits: Tensor, config: ConfigArg = None, generator: to
     the very cut the draw was made from (no second pass over the vocabulary). [B,V] logits → (ids [B] long,
     logprobs [B] float32); a [V] row → two 0-d tensors. The decode loop's step.
 
-    The ids are ``sample``'s for the same seeds and generator state, except on unseeded rows with top-p alone:
-    ``sample`` draws those by rejection without finding the top-p set, here the set is found for the logprob and
-    the draw is made from it — the same distribution, other ids for the same generator state (and so, in the
-    same call, on the unseeded rows drawn after such a row from the same generator)."""
+    The ids are ``sample``'s for the same seeds and generator state, except on unseeded rows with top-p alone
+    that ``sample`` draws by rejection without finding the top-p set (rows C does not settle): here the set is
+    found for the logprob and the draw is made from it — the same distribution, other ids for the same generator
+    state (and so, in the same call, on the unseeded rows drawn after such a row from the same generator)."""
     ids, lp, one_row = _sample(logits, config, generator, prev_tokens, prompt_len, step, None, scored=True)
     missing = torch.isnan(lp)
     if bool(missing.any()):  # rows drawn without a cut (seeded, top-p alone): their kept set, found now

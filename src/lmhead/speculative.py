@@ -414,7 +414,7 @@ class Decoder:
             tokens, n, chosen, raw = self._plain(logits[:, 0], configs, history, prompt_len, steps, generator)
         elif q is None:  # point-mass drafts, or greedy and seeded rows only
             tokens, n, chosen, raw = self._draws(logits, drafts, ks, configs, history, prompt_len, steps,
-                                                 generator)
+                                                 generator, cands)
             self._count(n, ks)
         else:
             tokens, n = self._accept(logits, drafts, q, ks, configs, history, prompt_len, steps, generator)
@@ -543,13 +543,16 @@ class Decoder:
         return tokens, n
 
     def _draws(self, logits: Tensor, drafts: Tensor, ks: list[int], configs, history, prompt_len, steps,
-               generator) -> tuple[list[list[int]], Tensor, list[list[float]], list[list[float]] | None]:
+               generator, cands: tuple[Tensor, Tensor] | None = None
+               ) -> tuple[list[list[int]], Tensor, list[list[float]], list[list[float]] | None]:
         """Drafts judged by the plain sampler's draws (every row of a point-mass draft, or rows that are all
         greedy or seeded): position by position, each row still accepting draws its token there
         (`plain_choice`, scored) and goes on while it equals its next draft, up to its ks[r]. → (per row the
         emitted tokens, the count n [B] of accepted drafts, per row each emitted token's processed logprob,
         and — plain greedy rows, chosen at every position in one C pass — their raw logprobs, else None).
-        Only the positions a row reaches are drawn: a rejection at the first draft costs one draw."""
+        Only the positions a row reaches are drawn: a rejection at the first draft costs one draw. A screened
+        round (`cands`: each position's candidates, `decode_head`) draws from them: the same tokens and processed
+        logprobs, c columns instead of V."""
         b = logits.shape[0]
         rows = drafts.tolist()
         tokens: list[list[int]] = [[] for _ in range(b)]
@@ -567,11 +570,15 @@ class Decoder:
                     raw[r] = raw[r][:m + 1]
                 return tokens, torch.tensor([len(t) - 1 for t in tokens], dtype=torch.long), scores, raw
         live, i = list(range(b)), 0
+        source = logits if cands is None else cands[0]
         while live:
-            x = logits[:, i] if len(live) == b else logits[torch.tensor(live), i]                    # [b',V]
+            pick = slice(None) if len(live) == b else torch.tensor(live)
+            x = source[pick, i]                                                         # [b',V] or [b',c]
             prev = None if history is None else [history[r] + rows[r][:i] for r in live]
             ids, lp = plain_choice(x, [configs[r] for r in live], prev, [prompt_len[r] for r in live],
                                    [steps[r] + i for r in live], generator, scored=True)
+            if cands is not None:
+                ids = cands[1][pick, i].gather(1, ids[:, None]).squeeze(1)
             going = []
             for r, t, v in zip(live, ids.tolist(), lp.tolist(), strict=True):
                 tokens[r].append(t)
