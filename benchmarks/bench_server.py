@@ -14,6 +14,13 @@ On each:
      request when the last is answered: p50 / p99 latency; target: p50 `batched` ≤ p50 `serial` / 2
 Every completion is greedy or seeded (top-k 40), so both servers must give the same text: mismatches are
 counted and printed. The load average is printed before and after (a shared machine's timings are noise).
+
+    .venv/bin/python benchmarks/bench_server.py --in-process 4
+
+The same --concurrent requests without HTTP, in one process, alternating: all of them in one `Batch` (as the
+server's rounds) and one after another (each alone), --in-process times each; the median ratio, every run's
+time per round by phase (`Batch(profile=...)`), the load average of each run, and whether the tokens are equal.
+Steadier than two servers one after another, whose phases a busy machine can split.
 """
 
 from __future__ import annotations
@@ -124,6 +131,52 @@ async def measure(url: str, args: argparse.Namespace) -> dict:
             "texts": texts + [t for ts in load for t in ts]}
 
 
+def in_process(args: argparse.Namespace) -> None:
+    """--in-process: 8 at once against 8 one after another in one process, alternating (see the docstring)."""
+    from lmhead import load_model
+    from lmhead.generate import Batch, prepare
+    from lmhead.sampling import SamplingConfig
+
+    model = load_model(args.model)
+
+    def rows(i: int):
+        b = body(i, args.tokens)
+        config = SamplingConfig(temperature=b["temperature"], top_k=b.get("top_k", 0), seed=b.get("seed"))
+        return prepare(model, b["prompt"], args.tokens, config, scores=False)  # as /v1 without logprobs
+
+    def decode(rs, profile=None) -> list[list[int]]:
+        batch = Batch(model, draft="auto", profile=profile)  # the server's own batch
+        batch.add(rs)
+        rounds = 0
+        while batch.rows:
+            batch.step()
+            rounds += 1
+        if profile is not None:
+            profile["rounds"] = rounds
+        return [r.generated for r in rs]
+
+    def timed(f):
+        t = time.perf_counter()
+        out = f()
+        return time.perf_counter() - t, out
+
+    n = args.concurrent
+    decode([r for i in range(n) for r in rows(i)])  # warm-up: kernels, caches
+    together, apart = [], []
+    for rep in range(args.in_process):
+        profile: dict[str, float] = {}
+        ta, a = timed(lambda p=profile: decode([r for i in range(n) for r in rows(i)], p))
+        tb, b = timed(lambda: [decode(rows(i))[0] for i in range(n)])
+        together.append(ta)
+        apart.append(tb)
+        per_round = {k: round(v * 1e3 / profile["rounds"], 1) for k, v in profile.items() if k != "rounds"}
+        print(f"run {rep}: {n} at once {ta:.2f} s ({profile['rounds']} rounds; ms per round {per_round}), "
+              f"one after another {tb:.2f} s, ratio {tb / ta:.2f}, tokens equal {a == b}, "
+              f"load {os.getloadavg()[0]:.2f}", flush=True)
+    ta, tb = statistics.median(together), statistics.median(apart)
+    print(f"median: {n} at once {ta:.2f} s, one after another {tb:.2f} s, ratio {tb / ta:.2f} (target ≥ 3)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gemma-3-270m")
@@ -132,7 +185,14 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--load-tokens", type=int, default=16)
+    ap.add_argument("--in-process", type=int, default=0, metavar="RUNS",
+                    help="no servers: this many alternating in-process runs (see above)")
     args = ap.parse_args()
+    if args.in_process:
+        print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  ({os.cpu_count()} CPUs)")
+        in_process(args)
+        print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        return
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  ({os.cpu_count()} CPUs)")
     results = {}
     for name, max_batch in (("batched", 32), ("serial", 1)):
