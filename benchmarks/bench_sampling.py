@@ -2,7 +2,8 @@
 
 For B ∈ {1, 8, 64} and V ∈ {49,152, 262,144}, the median time of
   lmhead     `sample(logits, SamplingConfig(...))` (top-k via torch.topk, top-p / min-p inside the survivors,
-             exponential-race draw; top-p alone by a rejection draw from the whole row, no top-p set)
+             exponential-race draw; top-p alone by a rejection draw from the whole row, no top-p set — but on
+             up to 8 rows the exact top-p set one C pass finds where it settles a row, raced over)
   hf         TemperatureLogitsWarper → TopKLogitsWarper → TopPLogitsWarper, softmax, torch.multinomial
   topk(50)   a bare `torch.topk(logits, 50)` on the same tensor: the floor for anything that applies top-k
 measured in one process, repeats interleaved (lmhead, hf, topk, lmhead, hf, …), so machine noise hits all
