@@ -147,6 +147,73 @@ def test_lean_body_reading_codes_equals_transformers(arch):
     assert lean.nbytes > 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_decode_call_in_c_equals_the_general_path(arch, monkeypatch):
+    """`LeanBody._decode_native` (the cache's bookkeeping, embedding, rope rows and masks in C) against the
+    general path (torch ops, then `lmhead_step`): the same hidden states and cache, bit for bit, through a
+    left-padded prefill, one-token steps, three-token verifications, columns a rejected draft leaves invalid,
+    and past Gemma's sliding window (8 in the tiny config)."""
+    from lmhead.models.lean import LeanBody
+
+    hf_model, _, codes = _coded_tiny(arch)
+    lean = LeanBody(hf_model)
+    lean.use_codes(codes)
+    general = LeanBody._decode_native
+    used = []
+
+    def run(fast: bool):
+        def decode(self, *args):
+            out = general(self, *args) if fast else None
+            used.append(out is not None)
+            return out
+
+        monkeypatch.setattr(LeanBody, "_decode_native", decode)
+        g = torch.Generator().manual_seed(0)
+        cache = lean.new_cache(2, 40)
+        ids = torch.randint(4, 300, (2, 6), generator=g)
+        valid = torch.ones(2, 6, dtype=torch.bool)
+        valid[1, :2] = False
+        positions = (valid.cumsum(1) - 1).clamp(min=0)
+        out = [lean(ids, positions, cache, valid)]
+        nxt = positions[:, -1] + 1
+        for step in range(12):
+            t = 3 if step % 3 == 0 else 1
+            out.append(lean(torch.randint(4, 300, (2, t), generator=g), nxt[:, None] + torch.arange(t), cache))
+            nxt = nxt + t
+            if step == 4:
+                cache.invalidate(0, cache.length - 2)
+        return out, cache
+
+    with torch.no_grad():
+        lean(torch.tensor([[5]]), torch.tensor([[0]]), lean.new_cache(1, 4))  # makes the rope tables
+        want, want_cache = run(False)
+        used.clear()
+        got, got_cache = run(True)
+    assert all(used) and len(used) == 13
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    for name in ("keys", "values", "valid", "positions", "tokens"):
+        assert torch.equal(getattr(got_cache, name), getattr(want_cache, name)), name
+    assert got_cache.length == want_cache.length
+
+
+def test_decode_call_in_c_declines_what_the_general_path_rejects():
+    from lmhead.models.lean import LeanBody
+
+    hf_model, _, codes = _coded_tiny("llama")
+    lean = LeanBody(hf_model)
+    lean.use_codes(codes)
+    cache = lean.new_cache(1, 8)
+    with torch.no_grad():
+        lean(torch.tensor([[5, 6]]), torch.tensor([[0, 1]]), cache)
+        vocab = lean.embed.shape[0]
+        assert lean._decode_native(torch.tensor([[vocab]]), torch.tensor([[2]]), cache, None) is None
+        assert lean._decode_native(torch.tensor([[7]]), torch.tensor([[10**6]]), cache, None) is None  # no rope row
+        assert cache.length == 2 and not bool(cache.valid[0, 2])  # nothing written
+        with pytest.raises(IndexError):
+            lean(torch.tensor([[vocab]]), torch.tensor([[2]]), cache)
+
+
 def test_head_product_is_used_for_decode_calls_only_and_equals_the_weight():
     from lmhead.head import LMHead
 

@@ -374,13 +374,9 @@ class LeanBody:
             self._versioned = tensors
         return tuple([t._version for t in tensors])
 
-    def _step_native(self, x: Tensor, rope: dict, masks: dict, cache: StaticCache, start: int) -> Tensor | None:
-        """Every block in one C call (`lmhead_step`) when all matrices read codes → hidden [B,T,D], else None."""
-        lib = self._native(x)
-        b, t, d = x.shape
-        if (lib is None or self.act_code is None or b * t > self.CODED_MAX_ROWS
-                or not (cache.keys.is_contiguous() and cache.values.is_contiguous())):
-            return None
+    def _checked_descs(self, cache: StaticCache):
+        """`_step_descs()` for a step on `cache`, or None where the coded step must not run (a matrix without
+        codes, or codes that no longer give their weights back)."""
         descs = self._step_descs()
         # the weights' versions are read once per cache (a generation), not every step: reading ~270 tensors'
         # versions after a step has streamed the weights through the caches cost ~0.3 ms per token; a weight
@@ -394,6 +390,16 @@ class LeanBody:
             if descs is not None and not all(c.current() for layer in self.layers for c in layer.coded.values()):
                 return None
             cache.checked = descs
+        return descs
+
+    def _step_native(self, x: Tensor, rope: dict, masks: dict, cache: StaticCache, start: int) -> Tensor | None:
+        """Every block in one C call (`lmhead_step`) when all matrices read codes → hidden [B,T,D], else None."""
+        lib = self._native(x)
+        b, t, d = x.shape
+        if (lib is None or self.act_code is None or b * t > self.CODED_MAX_ROWS
+                or not (cache.keys.is_contiguous() and cache.values.is_contiguous())):
+            return None
+        descs = self._checked_descs(cache)
         if descs is None:
             return None
         kinds = [rope[kind] for kind in self.layer_types]
@@ -414,6 +420,74 @@ class LeanBody:
                              torch.get_num_threads())
         if rc != 0:
             raise MemoryError("lmhead_step could not allocate its buffers")
+        return h
+
+    def _decode_native(self, ids: Tensor, positions: Tensor, cache: StaticCache, valid: Tensor | None
+                       ) -> Tensor | None:
+        """`forward`'s whole call in C (`lmhead_decode`: the cache's bookkeeping, the embedding, the rope rows
+        and the masks, then `lmhead_step`) → hidden [B,T,D]; None where it does not serve (then nothing has been
+        written and the general path runs): the step's own conditions, rope tables not made yet or too short
+        for a position, an id outside the vocabulary, tensors of another dtype or layout. Why: after a step
+        has streamed the weights through the caches, each torch operation around it costs 50–300 µs
+        (lean_kernels.c), ~1 ms of a 10 ms step."""
+        lib = self._native(self.embed)
+        b, t = ids.shape
+        if (lib is None or self.act_code is None or b * t > self.CODED_MAX_ROWS or not self.embed.is_contiguous()
+                or not (cache.keys.is_contiguous() and cache.values.is_contiguous())):
+            return None
+        tables = self.__dict__.get("_rope_tables", {})
+        rows_tables = [tables.get((kind, self.dtype, self.device)) for kind in self.layer_types]
+        if any(tb is None for tb in rows_tables):
+            return None  # made by the general path's first call (`_rotary`), which checks the rope type
+        table_rows = min(tb[0].shape[0] for tb in rows_tables)
+        for tensor, dtype in ((ids, torch.long), (positions, torch.long), (cache.valid, torch.bool),
+                              (cache.positions, torch.long), (cache.tokens, torch.long)):
+            if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
+                return None
+        if valid is not None and (valid.dtype != torch.bool or valid.shape != ids.shape or not valid.is_contiguous()):
+            return None
+        if positions.shape != ids.shape:
+            return None
+        descs = self._checked_descs(cache)
+        if descs is None:
+            return None
+        start, cap, d, rows = cache.length, cache.capacity, self.embed.shape[1], b * t
+        hd, heads, kv = self.head_dim, self.heads, self.kv_heads
+        f = self.layers[0].coded["down"].in_features
+        key = (rows, cap)
+        buffers = self.__dict__.setdefault("_decode_buffers", {})
+        if key not in buffers:  # reused: the residual stream, the step's scratch and the prelude's rows/masks
+            if len(buffers) > 16:
+                buffers.clear()
+            scratch = rows * ((heads + 2 * kv) * hd + (heads + kv) * hd + heads * hd + 2 * d + 3 * f)
+            work = rows * (2 * len(self.layer_types) * hd + 2 * cap)
+            buffers[key] = (self.embed.new_empty(rows * d), self.embed.new_empty(scratch),
+                            self.embed.new_empty(work))
+        x, scratch, work = buffers[key]
+        made = self.__dict__.get("_table_ptrs")
+        if made is None or any(a is not b for a, b in zip(made[0], rows_tables, strict=True)):
+            if not all(c.is_contiguous() and sn.is_contiguous() for c, sn in rows_tables):
+                return None
+            ptrs = lambda ts: (ctypes.c_void_p * len(ts))(*[tb.data_ptr() for tb in ts])  # noqa: E731
+            made = (rows_tables, ptrs([c for c, _ in rows_tables]), ptrs([sn for _, sn in rows_tables]),
+                    sum({1 << int(layer.sliding) for layer in self.layers}))
+            self._table_ptrs = made
+        h = self.embed.new_empty((b, t, d))
+        scale = self.embed_scale
+        rc = lib.lmhead_decode(descs[0], len(self.layers), self.final_norm.data_ptr(), self.embed.data_ptr(),
+                               self.embed.shape[0], 0.0 if scale is None else float(scale), int(scale is not None),
+                               ids.data_ptr(), positions.data_ptr(), None if valid is None else valid.data_ptr(),
+                               cache.valid.data_ptr(), cache.positions.data_ptr(), cache.tokens.data_ptr(),
+                               made[1], made[2], len(self.layer_types), table_rows, made[3], self.window or 0,
+                               x.data_ptr(), h.data_ptr(),
+                               cache.keys.data_ptr(), cache.values.data_ptr(), work.data_ptr(), scratch.data_ptr(),
+                               b, t, d, heads, kv, hd, f, cap, start, self.eps, int(self.gemma), self.act_code,
+                               self.scaling, self.attn_softcap or 0.0, torch.get_num_threads())
+        if rc == -2:
+            return None
+        if rc != 0:
+            raise MemoryError("lmhead_step could not allocate its buffers")
+        cache.length = start + t
         return h
 
     def _attention_native(self, qk: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, cache: StaticCache, i: int,
@@ -554,6 +628,10 @@ class LeanBody:
         start = cache.length
         if start + t > cache.capacity:
             raise ValueError(f"the cache holds {cache.capacity} columns; {start} used, {t} more asked")
+        if layers is None:
+            h = self._decode_native(ids, positions, cache, valid)
+            if h is not None:
+                return h
         cache.valid[:, start:start + t] = True if valid is None else valid
         cache.positions[:, start:start + t] = positions
         cache.tokens[:, start:start + t] = ids

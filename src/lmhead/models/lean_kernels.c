@@ -4,6 +4,7 @@
  * reductions), here about one. Same float32 math as transformers' modules (Gemma 3, Llama), summed in
  * another order. Built with coded_kernel.c into one library by models/native.py.
  */
+#include <float.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -695,4 +696,86 @@ int lmhead_step(const lmhead_layer* layers, int64_t n_layers, const float* final
         lmhead_add_norm(x2, branch, L->post_mlp_norm, next, x, h, rows, D, eps, plus_one);
     }
     return 0;
+}
+
+/* --- a decode call from token ids: the step's bookkeeping in C too ----------------------------------------- */
+
+/* lmhead_step for `B`·`T` new tokens given as ids, with what models/lean.py's forward does around it: the cache's
+ * columns start..start+T−1 get their validity (new_valid [B,T], or all valid when NULL), rope positions and ids
+ * (cache_valid [B,cap] bytes 0/1, cache_pos and cache_tokens [B,cap] int64); x = embed[ids] (times embed_scale
+ * when has_scale: Gemma's √D, the same float32 product as the model's); cos/sin rows are taken from the tables
+ * ([table_rows, hd] per rope kind, row = position) and the additive masks built per kind — a column is kept when
+ * it is valid, at or before the query's column, and (sliding layers) less than `window` positions before the
+ * query's position (masks for the layers' kinds in `sliding_kinds`: bit 0 full attention, bit 1 sliding);
+ * dropped columns add −FLT_MAX (finite, as transformers' masks: a query with nothing to attend
+ * to gives numbers), and a kind whose every column is kept gets no mask. After a step has streamed the weights
+ * through the caches, each torch operation of this bookkeeping cost 50–300 µs (its code and data evicted from
+ * the shared L3): ~1 ms of a 10 ms step. x, h [B·T, D]; work: at least B·T·(2·n_kinds·hd + 2·(start+T)) floats
+ * beside the step's scratch. Returns 0; −2 for an id outside [0, vocab) or a position outside [0, table_rows)
+ * (nothing written: the caller's general path raises or grows its tables); −1 as lmhead_step. */
+int lmhead_decode(const lmhead_layer* layers, int64_t n_layers, const float* final_norm, const float* embed,
+                  int64_t vocab, float embed_scale, int has_scale, const int64_t* ids, const int64_t* positions,
+                  const uint8_t* new_valid, uint8_t* cache_valid, int64_t* cache_pos, int64_t* cache_tokens,
+                  const float* const* cos_tables, const float* const* sin_tables, int64_t n_kinds,
+                  int64_t table_rows, int sliding_kinds, int64_t window, float* x, float* h,
+                  float* keys, float* values, float* work, float* scratch, int64_t B, int64_t T, int64_t D,
+                  int64_t H, int64_t Hkv, int64_t hd, int64_t F, int64_t cap, int64_t start, float eps, int plus_one,
+                  int act, float scaling, float softcap, int threads) {
+    const int64_t rows = B * T, L = start + T;
+    if (n_kinds < 1 || n_kinds > 8 || L > cap) return -2;
+    for (int64_t r = 0; r < rows; r++)
+        if (ids[r] < 0 || ids[r] >= vocab || positions[r] < 0 || positions[r] >= table_rows) return -2;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t c = b * cap + start + t, r = b * T + t;
+            cache_valid[c] = new_valid ? (new_valid[r] != 0) : 1;
+            cache_pos[c] = positions[r];
+            cache_tokens[c] = ids[r];
+        }
+    for (int64_t r = 0; r < rows; r++) {
+        const float* e = embed + ids[r] * D;
+        float* xr = x + r * D;
+        if (has_scale)
+            for (int64_t i = 0; i < D; i++) xr[i] = e[i] * embed_scale;
+        else
+            for (int64_t i = 0; i < D; i++) xr[i] = e[i];
+    }
+    const float* cos[8];
+    const float* sin[8];
+    const float* masks[2] = {NULL, NULL};
+    float* w = work;
+    for (int64_t k = 0; k < n_kinds; k++) {
+        float* c = w;
+        float* s = w + rows * hd;
+        w += 2 * rows * hd;
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < hd; i++) {
+                c[r * hd + i] = cos_tables[k][positions[r] * hd + i];
+                s[r * hd + i] = sin_tables[k][positions[r] * hd + i];
+            }
+        cos[k] = c;
+        sin[k] = s;
+    }
+    for (int sliding = 0; sliding < 2; sliding++) {
+        if (!(sliding_kinds >> sliding & 1)) continue;
+        float* m = w;
+        int dropped = 0;
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t t = 0; t < T; t++) {
+                const int64_t qpos = cache_pos[b * cap + start + t];
+                float* mr = m + (b * T + t) * L;
+                for (int64_t j = 0; j < L; j++) {
+                    int keep = cache_valid[b * cap + j] && j <= start + t;
+                    if (keep && sliding) keep = qpos - cache_pos[b * cap + j] < window;
+                    mr[j] = keep ? 0.f : -FLT_MAX;
+                    dropped |= !keep;
+                }
+            }
+        if (dropped) {
+            masks[sliding] = m;
+            w += rows * L;
+        }
+    }
+    return lmhead_step(layers, n_layers, final_norm, x, h, keys, values, cos, sin, masks, scratch, B, T, D, H, Hkv,
+                       hd, F, cap, start, eps, plus_one, act, scaling, softcap, threads);
 }

@@ -39,7 +39,7 @@ _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 # coded_kernel.c's flags: 4-bit codes two per byte; float16 scales and offsets; rows stored in blocks of four
 PACKED, HALF, ROWS4 = 1, 2, 4
 HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
-_ABI = 12  # lmhead_coded_abi() of the sources above
+_ABI = 13  # lmhead_coded_abi() of the sources above
 
 
 def _cpu_flags() -> str:
@@ -137,6 +137,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmhead_step.argtypes = [ctypes.POINTER(LayerDesc), i64, p, p, p, p, p, pp, pp, pp, p, i64, i64, i64, i64,
                                 i64, i64, i64, i64, i64, f32, i32, i32, f32, f32, i32]
     lib.lmhead_step.restype = i32
+    lib.lmhead_decode.argtypes = [ctypes.POINTER(LayerDesc), i64, p, p, i64, f32, i32, p, p, p, p, p, p, pp, pp, i64,
+                                  i64, i32, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, i64, f32,
+                                  i32, i32, f32, f32, i32]
+    lib.lmhead_decode.restype = i32
     lib.lmhead_screen_norms.argtypes = [p, p, i64, i64, p, i32]
     lib.lmhead_screen_norms.restype = i32
     lib.lmhead_screen.argtypes = [p, i64, i64, p, p, i64, p, p, i32]
