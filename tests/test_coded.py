@@ -197,6 +197,37 @@ def test_decode_call_in_c_equals_the_general_path(arch, monkeypatch):
     assert got_cache.length == want_cache.length
 
 
+def test_decode_calls_from_two_threads_at_once_equal_each_alone():
+    """The C decode call reuses its buffers per thread: two generations on one model at once (ctypes lets go of
+    the GIL during the call) give each its own hidden states."""
+    import threading
+
+    from lmhead.models.lean import LeanBody
+
+    hf_model, _, codes = _coded_tiny("gemma3")
+    lean = LeanBody(hf_model)
+    lean.use_codes(codes)
+
+    def decode(seed: int, out: list) -> None:
+        g = torch.Generator().manual_seed(seed)
+        cache = lean.new_cache(1, 40)
+        with torch.no_grad():
+            for t in range(30):
+                out.append(lean(torch.randint(4, 300, (1, 1), generator=g), torch.tensor([[t]]), cache))
+
+    alone = {seed: [] for seed in (1, 2)}
+    for seed, out in alone.items():
+        decode(seed, out)
+    together = {seed: [] for seed in (1, 2)}
+    threads = [threading.Thread(target=decode, args=(seed, out)) for seed, out in together.items()]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for seed in (1, 2):
+        assert all(torch.equal(a, b) for a, b in zip(together[seed], alone[seed], strict=True))
+
+
 def test_decode_call_in_c_declines_what_the_general_path_rejects():
     from lmhead.models.lean import LeanBody
 

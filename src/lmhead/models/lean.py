@@ -23,6 +23,7 @@ transformers' forward on tiny models of each family, and greedy tokens on the pa
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -454,7 +455,7 @@ class LeanBody:
         start, cap, d, rows = cache.length, cache.capacity, self.embed.shape[1], b * t
         hd, heads, kv = self.head_dim, self.heads, self.kv_heads
         f = self.layers[0].coded["down"].in_features
-        key = (rows, cap)
+        key = (rows, cap, threading.get_ident())  # per thread: two generations at once must not share them
         buffers = self.__dict__.setdefault("_decode_buffers", {})
         if key not in buffers:  # reused: the residual stream, the step's scratch and the prelude's rows/masks
             if len(buffers) > 16:
