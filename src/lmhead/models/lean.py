@@ -393,6 +393,12 @@ class LeanBody:
             cache.checked = descs
         return descs
 
+    def _step_scratch(self, rows: int) -> int:
+        """Floats of `lmhead_step`'s scratch for `rows` new tokens."""
+        hd, heads, kv = self.head_dim, self.heads, self.kv_heads
+        f, d = self.layers[0].coded["down"].in_features, self.embed.shape[1]
+        return rows * ((heads + 2 * kv) * hd + (heads + kv) * hd + heads * hd + 2 * d + 3 * f)
+
     def _step_native(self, x: Tensor, rope: dict, masks: dict, cache: StaticCache, start: int) -> Tensor | None:
         """Every block in one C call (`lmhead_step`) when all matrices read codes → hidden [B,T,D], else None."""
         lib = self._native(x)
@@ -410,8 +416,7 @@ class LeanBody:
         arr = lambda ts: (ctypes.c_void_p * len(ts))(*[None if v is None else v.data_ptr() for v in ts])  # noqa: E731
         hd, heads, kv = self.head_dim, self.heads, self.kv_heads
         f = self.layers[0].coded["down"].in_features
-        rows = b * t
-        scratch = x.new_empty(rows * ((heads + 2 * kv) * hd + (heads + kv) * hd + heads * hd + 2 * d + 3 * f))
+        scratch = x.new_empty(self._step_scratch(b * t))
         x = x.contiguous().clone()
         h = torch.empty_like(x)
         rc = lib.lmhead_step(descs[0], len(self.layers), self.final_norm.data_ptr(), x.data_ptr(), h.data_ptr(),
@@ -460,9 +465,8 @@ class LeanBody:
         if key not in buffers:  # reused: the residual stream, the step's scratch and the prelude's rows/masks
             if len(buffers) > 16:
                 buffers.clear()
-            scratch = rows * ((heads + 2 * kv) * hd + (heads + kv) * hd + heads * hd + 2 * d + 3 * f)
             work = rows * (2 * len(self.layer_types) * hd + 2 * cap)
-            buffers[key] = (self.embed.new_empty(rows * d), self.embed.new_empty(scratch),
+            buffers[key] = (self.embed.new_empty(rows * d), self.embed.new_empty(self._step_scratch(rows)),
                             self.embed.new_empty(work))
         x, scratch, work = buffers[key]
         made = self.__dict__.get("_table_ptrs")
@@ -470,13 +474,13 @@ class LeanBody:
             if not all(c.is_contiguous() and sn.is_contiguous() for c, sn in rows_tables):
                 return None
             ptrs = lambda ts: (ctypes.c_void_p * len(ts))(*[tb.data_ptr() for tb in ts])  # noqa: E731
+            scale = self.embed_scale  # a constant of the model (Gemma: √D); read once, not at every step
             made = (rows_tables, ptrs([c for c, _ in rows_tables]), ptrs([sn for _, sn in rows_tables]),
-                    sum({1 << int(layer.sliding) for layer in self.layers}))
+                    sum({1 << int(layer.sliding) for layer in self.layers}), 0.0 if scale is None else float(scale))
             self._table_ptrs = made
         h = self.embed.new_empty((b, t, d))
-        scale = self.embed_scale
         rc = lib.lmhead_decode(descs[0], len(self.layers), self.final_norm.data_ptr(), self.embed.data_ptr(),
-                               self.embed.shape[0], 0.0 if scale is None else float(scale), int(scale is not None),
+                               self.embed.shape[0], made[4], int(self.embed_scale is not None),
                                ids.data_ptr(), positions.data_ptr(), None if valid is None else valid.data_ptr(),
                                cache.valid.data_ptr(), cache.positions.data_ptr(), cache.tokens.data_ptr(),
                                made[1], made[2], len(self.layer_types), table_rows, made[3], self.window or 0,
