@@ -199,7 +199,8 @@ static inline void fetch_unit(const char* pf, int64_t u) {
     }
 }
 
-/* int8 codes of a four-row block, group by group: x0..x3 the group's x, cg row r's 32 codes; STEP adds them */
+/* int8 codes of a four-row block, group by group: x0..x3 the group's x, cg row r's 32 codes; STEP adds them
+ * (unit g of the next block, at the caller's pf, fetched meanwhile) */
 #define INT8_GROUPS(STEP)                                                                                \
     for (int64_t g = 0; g < ng; g++) {                                                                   \
         fetch_unit(pf, g);                                                                               \

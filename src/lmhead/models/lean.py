@@ -375,9 +375,13 @@ class LeanBody:
             self._versioned = tensors
         return tuple([t._version for t in tensors])
 
-    def _checked_descs(self, cache: StaticCache):
-        """`_step_descs()` for a step on `cache`, or None where the coded step must not run (a matrix without
-        codes, or codes that no longer give their weights back)."""
+    def _checked_descs(self, cache: StaticCache, rows: int):
+        """`_step_descs()` for a step of `rows` new tokens on `cache`, or None where the coded step must not run (an
+        activation it does not compute, more rows than it takes, a cache not in one piece, a matrix without codes,
+        or codes that no longer give their weights back)."""
+        if (self.act_code is None or rows > self.CODED_MAX_ROWS
+                or not (cache.keys.is_contiguous() and cache.values.is_contiguous())):
+            return None
         descs = self._step_descs()
         # the weights' versions are read once per cache (a generation), not every step: reading ~270 tensors'
         # versions after a step has streamed the weights through the caches cost ~0.3 ms per token; a weight
@@ -403,10 +407,7 @@ class LeanBody:
         """Every block in one C call (`lmhead_step`) when all matrices read codes → hidden [B,T,D], else None."""
         lib = self._native(x)
         b, t, d = x.shape
-        if (lib is None or self.act_code is None or b * t > self.CODED_MAX_ROWS
-                or not (cache.keys.is_contiguous() and cache.values.is_contiguous())):
-            return None
-        descs = self._checked_descs(cache)
+        descs = None if lib is None else self._checked_descs(cache, b * t)
         if descs is None:
             return None
         kinds = [rope[kind] for kind in self.layer_types]
@@ -438,8 +439,7 @@ class LeanBody:
         (lean_kernels.c), ~1 ms of a 10 ms step."""
         lib = self._native(self.embed)
         b, t = ids.shape
-        if (lib is None or self.act_code is None or b * t > self.CODED_MAX_ROWS or not self.embed.is_contiguous()
-                or not (cache.keys.is_contiguous() and cache.values.is_contiguous())):
+        if lib is None or not self.embed.is_contiguous():
             return None
         tables = self.__dict__.get("_rope_tables", {})
         rows_tables = [tables.get((kind, self.dtype, self.device)) for kind in self.layer_types]
@@ -454,7 +454,7 @@ class LeanBody:
             return None
         if positions.shape != ids.shape:
             return None
-        descs = self._checked_descs(cache)
+        descs = self._checked_descs(cache, b * t)
         if descs is None:
             return None
         start, cap, d, rows = cache.length, cache.capacity, self.embed.shape[1], b * t
