@@ -388,3 +388,27 @@ def test_plain_greedy_rows_take_one_native_pass_with_the_pipelines_tokens_and_sc
     slow = [steps(**kw) for kw in cases]
     assert fast == slow
     assert all(s[2] == 0.0 and s[4] == 1 for s in fast[0])
+
+
+@pytest.mark.parametrize("config", [SamplingConfig(temperature=0.8, top_p=0.9), SamplingConfig(temperature=1.0)])
+def test_unseeded_sampled_rows_drawn_in_c_report_their_processed_logprobs(model, config, monkeypatch):
+    from lmhead import speculative
+
+    calls = []
+
+    def spy(*args):
+        calls.append(args)
+        return native_sample_row(*args)
+
+    native_sample_row = speculative.sample_row
+    monkeypatch.setattr(speculative, "sample_row", spy)
+    prompt_ids = model.tokenizer("The cat sat")["input_ids"]
+    steps = _run(model, "The cat sat", 12, config=config, generator=torch.Generator().manual_seed(5))
+    assert len(calls) == len(steps)  # the C draw served every step
+    seq = list(prompt_ids)
+    for s in steps:
+        logits = model.hf_model(torch.tensor([seq])).logits[:, -1].detach()
+        expected = logprobs(logits, [s.token_id], config)
+        assert s.logprob == pytest.approx(float(expected.logprob[0]), abs=1e-4)  # -inf for a token the cut dropped
+        assert s.raw_logprob == pytest.approx(float(expected.raw_logprob[0]), abs=1e-4)
+        seq.append(s.token_id)

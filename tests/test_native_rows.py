@@ -218,3 +218,48 @@ def test_a_seeded_top_p_row_draws_the_same_id_whether_c_ran_or_not(cfg, monkeypa
     monkeypatch.setattr(sampling, "_NATIVE_TOP_P_ROWS", 0)
     without = [int(sample_with_logprobs(rows[r:r + 1], config, step=3)[0][0]) for r in range(12)]
     assert alone == together == without == want
+
+
+# --- one unseeded sampled row's draw (sample_row) ------------------------------------------------------------
+
+
+def _tied_row(width: int, seed: int) -> torch.Tensor:
+    """`_lm_row` with a tie at the top: kept or dropped together, drawn in id order."""
+    row = _lm_row(seed, width, 8.0)
+    row[7] = row[11] = float(row.max())
+    return row
+
+
+@pytest.mark.parametrize("width", [300, 40_000])  # one piece; several pieces over the threads
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (0.8, 0.9), (1.3, 0.5)])
+def test_sample_row_is_the_inverse_cdf_of_the_references_distribution(width, temperature, top_p):
+    from lmhead.sampling import SamplingConfig
+
+    row = _tied_row(width, seed=width + int(top_p * 10))
+    probs = ref.sampling_draw_probabilities(row[None], [SamplingConfig(temperature=temperature, top_p=top_p)])[0]
+    # the order the draw walks: the top-p set by value descending, ties by id; a whole row in id order
+    kept = (probs > 0).nonzero().squeeze(1)
+    order = (sorted(kept.tolist(), key=lambda i: (-float(row[i]), i)) if top_p < 1.0
+             else list(range(width)))
+    position = {t: j for j, t in enumerate(order)}
+    upper = probs[order].cumsum(0)
+    for u in [0.0, *((torch.arange(300, dtype=torch.float64) + 0.5) / 300).tolist(), 1.0 - 1e-12]:
+        got = native.sample_row(row, temperature, top_p, u)
+        assert got is not None
+        token, logprob = got
+        j = position[token]  # a token outside the kept set fails here
+        assert float(upper[j] - probs[token]) - 1e-6 <= u <= float(upper[j]) + 1e-6
+        assert logprob == pytest.approx(float(probs[token].log()), abs=1e-5)
+
+
+def test_sample_row_declines_rows_torch_must_answer():
+    row = _tied_row(V, seed=1)
+    for bad in (float("nan"), float("inf")):
+        broken = row.clone()
+        broken[5] = bad
+        assert native.sample_row(broken, 1.0, 1.0, 0.5) is None
+        assert native.sample_row(broken, 0.8, 0.9, 0.5) is None
+    assert native.sample_row(torch.zeros(V), 1.0, 0.5, 0.5) is None  # a flat row's top-p set: the bins' path
+    assert native.sample_row(row * 1e37, 0.01, 1.0, 0.5) is None  # the maximum over T overflows: torch's error
+    assert native.sample_row(row, 1.0, 1.0, 1.0) is None  # u outside [0, 1)
+    assert native.sample_row(row.double(), 1.0, 1.0, 0.5) is None

@@ -42,7 +42,7 @@ from torch import Tensor
 from lmhead import checks
 from lmhead.models.fast_linear import Int8Linear, int8_linear_available
 from lmhead.models.lean import SUPPORTED_MODEL_TYPES, LeanBody, StaticCache
-from lmhead.models.native import greedy_rows
+from lmhead.models.native import greedy_rows, sample_row
 from lmhead.sampling import seeded_generator
 
 __all__ = ["AdaptiveK", "Decoder", "Draft", "NgramDraft", "Round", "SpeculativeStats", "accept_greedy",
@@ -502,6 +502,14 @@ class Decoder:
             if found is not None:
                 ids, raw = found
                 return [[t] for t in ids.tolist()], n, [[0.0] for _ in configs], [[v] for v in raw.tolist()]
+        if all(_plain_unseeded(c, logits.shape[1]) for c in configs):
+            # the same distribution from one C call per row (`native.sample_row`: the top-p set or the whole row,
+            # drawn by inverse CDF with one uniform): the pipeline's ~20 torch ops around its cut cost ~1 ms per
+            # token after a step that streamed the weights through the caches
+            u = torch.rand(len(configs), dtype=torch.float64, generator=generator).tolist()
+            picked = [sample_row(logits[r], c.temperature, c.top_p, u[r]) for r, c in enumerate(configs)]
+            if all(p is not None for p in picked):
+                return [[t] for t, _ in picked], n, [[lp] for _, lp in picked], None
         ids, chosen = plain_choice(logits, configs, history, prompt_len, steps, generator, scored=True)
         return [[int(t)] for t in ids.tolist()], n, [[v] for v in chosen.tolist()], None
 
@@ -746,6 +754,12 @@ def plain_choice(logits: Tensor, configs: list, history, prompt_len, steps: list
 def _plain_greedy(config) -> bool:
     """A greedy row without bias, bans or penalties: its token is the argmax of the raw logits."""
     return config.is_greedy and _plain(config)
+
+
+def _plain_unseeded(config, vocab_size: int) -> bool:
+    """A sampled row without a seed, bias, bans, penalties, top-k or min-p: `native.sample_row` draws it."""
+    return (not config.is_greedy and config.seed is None and _plain(config)
+            and config._cut_key(vocab_size)[2] == 0 and config.min_p == 0.0)
 
 
 def _deterministic(config) -> bool:

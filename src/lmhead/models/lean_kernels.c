@@ -416,6 +416,107 @@ int64_t lmhead_top_p_row(const float* x, int64_t V, float T, double p, int64_t* 
     return kept;
 }
 
+/* An unseeded sampled row's draw (models/native.py `sample_row`: the decode loop's plain sampled rows, whose
+ * ~20 torch ops around the cut cost more than the cut after a step has streamed the weights through the caches):
+ * x [V] logits, temperature T, top_p p (1: no cut), u uniform in [0, 1) → *id drawn by inverse CDF from the
+ * processed distribution and *logprob its processed log-probability (double) → 0, or < 0 with nothing drawn:
+ * -2 for a NaN or a maximum that is not finite (over T), -1 where lmhead_top_p_row declines (a flat row), -3 if it
+ * could not allocate — the caller's torch path then answers.
+ *
+ * top_p < 1: lmhead_top_p_row's kept set (vals = x/T descending); q_j = e^(v_j − v_0) in double, the draw the
+ * first j whose running sum exceeds u·Σq. No cut: the whole row, e_i = e^(x_i/T − max/T) (x/T in float32, as
+ * x / T in torch; the float32 exp of top_p_sums), Σe from its pass (float32 lanes, double blocks), then a walk in
+ * id order summing e_i in double until it exceeds u·Σe (a row whose walk falls short of Σe by the sums' rounding
+ * takes its last token of nonzero mass). Either way token j is drawn with probability q_j / Σq, up to the
+ * rounding of those sums; logprob = (x_j/T − max/T) − log(Σq), in double. */
+int lmhead_sample_row(const float* x, int64_t V, float T, double p, double u, int64_t* id, double* logprob,
+                      int threads) {
+    if (V < 1 || !(T > 0.f) || !(u >= 0.0 && u < 1.0)) return -2;
+    if (p < 1.0) {
+        int64_t* ids = (int64_t*)malloc(8192 * sizeof(int64_t));
+        float* vals = (float*)malloc(8192 * sizeof(float));
+        if (ids == NULL || vals == NULL) {
+            free(ids), free(vals);
+            return -3;
+        }
+        const int64_t n = lmhead_top_p_row(x, V, T, p, ids, vals, 8192, threads);
+        if (n < 1) {
+            free(ids), free(vals);
+            return n < 0 ? (int)n : -1;
+        }
+        double total = 0.0;
+        for (int64_t j = 0; j < n; j++) total += exp((double)vals[j] - (double)vals[0]);
+        const double target = u * total;
+        double run = 0.0;
+        int64_t j = 0;
+        for (; j < n - 1; j++) {
+            run += exp((double)vals[j] - (double)vals[0]);
+            if (run > target) break;
+        }
+        *id = ids[j];
+        *logprob = ((double)vals[j] - (double)vals[0]) - log(total);
+        free(ids), free(vals);
+        return 0;
+    }
+    int pieces = threads < 1 ? 1 : (threads > 8 ? 8 : threads);
+    if (V < 32768) pieces = 1;
+    float pmax[8];
+    int pnan[8];
+    double psum[8];
+#pragma omp parallel for num_threads(pieces) schedule(static)
+    for (int j = 0; j < pieces; j++) piece_max(x, V * j / pieces, V * (j + 1) / pieces, pmax + j, pnan + j);
+    float m = -INFINITY;
+    int nan = 0;
+    for (int j = 0; j < pieces; j++) m = pmax[j] > m ? pmax[j] : m, nan |= pnan[j];
+    const float top = m / T;
+    if (nan || !isfinite(m) || !isfinite(top)) return -2;
+#pragma omp parallel for num_threads(pieces) schedule(static)
+    for (int j = 0; j < pieces; j++) top_p_sums(x, V * j / pieces, V * (j + 1) / pieces, T, top, NULL, 0, psum + j);
+    double total = 0.0;
+    for (int j = 0; j < pieces; j++) total += psum[j];
+    const double target = u * total;
+    double run = 0.0;
+    int64_t i = 0, last = -1;
+#ifdef __AVX2__
+    const __m256 tv = _mm256_set1_ps(T), topv = _mm256_set1_ps(top);
+    for (; i + 8 <= V; i += 8) {
+        float e[8];
+        _mm256_storeu_ps(e, exp8(_mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), tv), topv)));
+        double block = 0.0;
+        for (int l = 0; l < 8; l++) block += e[l];
+        if (run + block <= target) {
+            run += block;
+            for (int l = 7; l >= 0; l--)
+                if (e[l] > 0.f) {
+                    last = i + l;
+                    break;
+                }
+            continue;
+        }
+        for (int l = 0; l < 8; l++) {
+            run += e[l];
+            if (e[l] > 0.f) last = i + l;
+            if (run > target) {
+                i += l;
+                goto found;
+            }
+        }
+    }
+#endif
+    for (; i < V; i++) {
+        const float e = expf(x[i] / T - top);
+        run += e;
+        if (e > 0.f) last = i;
+        if (run > target) goto found;
+    }
+    i = last; /* the walk fell short of the pass's sum by rounding: the last token of nonzero mass */
+    if (i < 0) return -2;
+found:
+    *id = i;
+    *logprob = ((double)(x[i] / T) - (double)top) - log(total);
+    return 0;
+}
+
 /* The positions i of x [n] with x[i] ≥ thr, ascending, into out (at most cap of them) → their count; -1 when
  * there are more than cap, -2 when x holds a NaN (models/native.py `topk`: the candidates of a top-k). */
 int64_t lmhead_select_ge(const float* x, int64_t n, float thr, int64_t* out, int64_t cap) {
