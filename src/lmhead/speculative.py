@@ -501,7 +501,7 @@ class Decoder:
             found = greedy_rows(logits)
             if found is not None:
                 ids, raw = found
-                return [[t] for t in ids.tolist()], n, [[0.0] for _ in configs], [[v] for v in raw.tolist()]
+                return [[t] for t in ids], n, [[0.0] for _ in configs], [[v] for v in raw]
         if all(_plain_unseeded(c, logits.shape[1]) for c in configs):
             # the same distribution from one C call per row (`native.sample_row`: the top-p set or the whole row,
             # drawn by inverse CDF with one uniform): the pipeline's ~20 torch ops around its cut cost ~1 ms per
@@ -569,7 +569,8 @@ class Decoder:
             found = greedy_rows(logits.reshape(-1, logits.shape[-1]))  # every position's argmax: one call
             if found is not None:
                 width = logits.shape[1]
-                ids, raw = found[0].view(b, width).tolist(), found[1].view(b, width).tolist()
+                ids = [found[0][r * width:(r + 1) * width] for r in range(b)]
+                raw = [found[1][r * width:(r + 1) * width] for r in range(b)]
                 for r in range(b):
                     m = 0  # accepted drafts: the argmax equals the draft, up to the row's own k
                     while m < ks[r] and ids[r][m] == rows[r][m]:
