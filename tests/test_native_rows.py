@@ -65,6 +65,22 @@ def test_row_scores_give_the_log_softmax_normaliser_and_the_rank(b):
     assert greater.tolist() == [int((x[r] > x[r, ids[r]]).sum()) for r in range(b)]
 
 
+@pytest.mark.parametrize("b", [1, 3])
+def test_token_scores_are_row_scores_numbers_as_python_values(b):
+    x = _rows(b, seed=15 + b)
+    ids = torch.randint(0, V, (b,), generator=torch.Generator().manual_seed(b))
+    lse, greater = native.row_scores(x, ids)
+    raw, ranks = native.token_scores(x, ids.tolist())
+    assert raw == (x.gather(1, ids[:, None]).squeeze(1).double() - lse).tolist()  # the same doubles
+    assert ranks == [1 + g for g in greater.tolist()]
+    bad = x.clone()
+    bad[b - 1, 9] = float("nan")
+    assert native.token_scores(bad, ids.tolist()) is None
+    for wrong in ([V] * b, [-1] * b, [0] * (b + 1), [0.0] * b):
+        with pytest.raises(ValueError, match="ids must be"):
+            native.token_scores(x, wrong)
+
+
 def test_row_scores_leave_non_finite_rows_to_torch():
     x = _rows(2, seed=20)
     x[1, 7] = float("nan")

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from lmhead import checks
-from lmhead.models.native import row_scores
+from lmhead.models.native import row_scores, token_scores
 from lmhead.sampling import SamplingConfig, as_configs, chosen_logprobs, logprobs
 
 _PROMPT_CONTEXT = 4  # prompt tokens decoded before the generated ones, then cut off (keeps leading spaces)
@@ -309,9 +309,10 @@ def _count_greater(x: torch.Tensor, values: torch.Tensor) -> list[int]:
     return (x > values[:, None]).sum(dim=-1).tolist()
 
 
-def _scores(logits: torch.Tensor, ids: torch.Tensor, cfg, prev, plen, top_n: int, greedy: bool,
+def _scores(logits: torch.Tensor, ids: torch.Tensor | list[int], cfg, prev, plen, top_n: int, greedy: bool,
             chosen: list[float] | None = None):
-    """Per row: processed logprob, raw logprob and raw rank of `ids`, and (top_n > 0) the alternatives.
+    """Per row: processed logprob, raw logprob and raw rank of `ids` ([N] or a list), and (top_n > 0) the
+    alternatives.
 
     Equal to `sampling.logprobs` (which is used when alternatives are asked for). Without them the work is
     the normaliser and the count (`models.native.row_scores`; without the library a log_softmax, a row-wise
@@ -320,11 +321,24 @@ def _scores(logits: torch.Tensor, ids: torch.Tensor, cfg, prev, plen, top_n: int
     when the draw already gave them (`chosen`, from `sampling.sample_with_logprobs` on these logits).
     """
     if top_n:
+        if isinstance(ids, list):
+            ids = torch.tensor(ids, device=logits.device)
         lp = logprobs(logits, ids, cfg, top_n=top_n, prev_tokens=prev, prompt_len=plen)
         alts = [list(zip(*row, strict=True)) for row in zip(lp.top_ids.tolist(), lp.top_logprobs.tolist(),
                                                             lp.top_raw_logprobs.tolist(), strict=True)]
         return lp.logprob.tolist(), lp.raw_logprob.tolist(), lp.rank.tolist(), alts
-    x = logits.float()
+    x = logits if logits.dtype == torch.float32 else logits.float()
+    if isinstance(ids, list):  # the decode loop's tokens: the C passes answer with Python numbers
+        found = token_scores(x, ids)
+        if found is not None:
+            raw, ranks = found
+            if greedy:
+                return [0.0] * len(raw), raw, ranks, None
+            if chosen is None:
+                chosen = chosen_logprobs(x, torch.tensor(ids, device=x.device), cfg, prev_tokens=prev,
+                                         prompt_len=plen).tolist()
+            return chosen, raw, ranks, None
+        ids = torch.tensor(ids, device=x.device)
     col = ids[:, None]
     native = row_scores(x, ids)  # two passes over each row in C: the normaliser and the count
     if native is not None:
@@ -440,7 +454,7 @@ def _score_logits(model, rnd, rows: list[Row]) -> torch.Tensor:
         for b, row in enumerate(rows):
             if row.exact_logprobs:
                 parts[b] = model.exact_head(rnd.hidden[b]).float()  # [n_b,D] -> [n_b,V]
-    return torch.cat(parts, dim=0)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
 def _flat_scores(logits: torch.Tensor, tokens: list[list[int]], history, prompt_len, rows: list[Row],
@@ -456,7 +470,7 @@ def _flat_scores(logits: torch.Tensor, tokens: list[list[int]], history, prompt_
             plen.append(prompt_len[b])
             if prev is not None:
                 prev.append(history[b] + row_tokens[:j])
-    ids = torch.tensor([t for row_tokens in tokens for t in row_tokens], device=logits.device)
+    ids = [t for row_tokens in tokens for t in row_tokens]
     cfg = flat_cfg[0] if len({id(c) for c in flat_cfg}) == 1 else flat_cfg
     return _scores(logits, ids, cfg, prev, plen if prev is not None else 0, max(r.top_n for r in rows),
                    greedy=all(c.is_greedy for c in flat_cfg), chosen=chosen)

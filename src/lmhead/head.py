@@ -148,7 +148,8 @@ class LMHead(nn.Module):
                 logits = logits + self.bias
         else:
             logits = F.linear(hidden, self.weight, self.bias)  # (B, T', V) in the weight's dtype
-        logits = logits.double() if logits.dtype == torch.float64 else logits.float()
+        if logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.float()
         if self.softcap is not None:
             c = self.softcap
             if torch.is_grad_enabled() and logits.requires_grad:

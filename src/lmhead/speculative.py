@@ -342,6 +342,7 @@ class Decoder:
                  profile: dict[str, float] | None = None, greedy_only: bool = False) -> None:
         self.lean, self.head, self.draft = lean, head, draft
         self.greedy_only = greedy_only  # only greedy rows draft (the others verify nothing: plain steps)
+        self._none_accepted: dict[int, Tensor] = {}  # `_plain`'s counts of accepted drafts (none), per batch size
         self.k0, self.adaptive = k, adaptive
         self.k: list[AdaptiveK] = []  # one per row: a row's k follows its own acceptance only
         self.stats = stats if stats is not None else SpeculativeStats()
@@ -403,7 +404,8 @@ class Decoder:
             self._lap("draft")
         ids = last[:, None] if drafts is None else torch.cat([last[:, None], drafts], dim=1)     # [B,k+1]
         start = self.target.length
-        hidden = self.lean(ids, self.next_pos[:, None] + torch.arange(k + 1), self.target)
+        positions = self.next_pos[:, None] if k == 0 else self.next_pos[:, None] + torch.arange(k + 1)   # [B,k+1]
+        hidden = self.lean(ids, positions, self.target)
         self._lap("body")
         logits, cands = decode_head(self.head, hidden, configs, scored)                      # [B,k+1,V]
         self._lap("head")
@@ -419,10 +421,11 @@ class Decoder:
         else:
             tokens, n = self._accept(logits, drafts, q, ks, configs, history, prompt_len, steps, generator)
             self._count(n, ks)
-        self._keep(start, n)
-        self.next_pos += n + 1
+        accepted = n.tolist()
+        self._keep(start, accepted)
+        self.next_pos += n + 1 if any(accepted) else 1
         self._lap("sampling")
-        keep = [int(n[r]) + 1 for r in range(len(n))]
+        keep = [a + 1 for a in accepted]
         return Round(tokens, [logits[r, :m] for r, m in enumerate(keep)], [hidden[r, :m] for r, m in enumerate(keep)],
                      chosen, raw)
 
@@ -494,7 +497,9 @@ class Decoder:
         """No draft: one token per row from the plain sampler's distribution (`plain_choice`, scored: seeded and
         greedy rows exactly `sampling.sample`'s ids), its processed logprob and — plain greedy rows, whose
         argmax and normaliser one C pass finds (`native.greedy_rows`) — its raw logprob (else None)."""
-        n = torch.zeros(len(configs), dtype=torch.long)
+        n = self._none_accepted.get(len(configs))
+        if n is None:  # read only: one per batch size, not a new tensor every round
+            n = self._none_accepted[len(configs)] = torch.zeros(len(configs), dtype=torch.long)
         if all(_plain_greedy(c) for c in configs):
             # the argmax of the unprocessed row is `sample`'s choice; one call instead of the pipeline's ~30 torch
             # ops, which after a step that streamed the weights through the caches cost ~1 ms per token
@@ -605,11 +610,11 @@ class Decoder:
         for adaptive, nr, kr in zip(self.k, n.tolist(), ks, strict=True):
             adaptive.update([nr], kr)
 
-    def _keep(self, start: int, n: Tensor) -> None:
-        """After a round wrote columns start..: row r keeps start..start+n_r; the draft's cache follows."""
-        keep = int(n.max()) + 1
+    def _keep(self, start: int, n: list[int]) -> None:
+        """After a round wrote columns start..: row r keeps start..start+n[r]; the draft's cache follows."""
+        keep = max(n) + 1
         self.target.truncate(start + keep)
-        for r, nr in enumerate(n.tolist()):
+        for r, nr in enumerate(n):
             if nr + 1 < keep:
                 self.target.invalidate(r, start + nr + 1)
         cache = self.draft_cache
@@ -617,7 +622,7 @@ class Decoder:
             return
         if cache.length > self.target.length:
             cache.truncate(self.target.length)
-        for r, nr in enumerate(n.tolist()):
+        for r, nr in enumerate(n):
             if start + nr + 1 < cache.length:
                 cache.invalidate(r, start + nr + 1)
 
@@ -678,7 +683,8 @@ def decode_head(head, hidden: Tensor, configs: list, scored: list[bool] | None =
         screened = None if scored is None else _screened(head, hidden, configs, scored)
         if screened is not None:
             return screened
-        return head(hidden).float(), None
+        logits = head(hidden)
+        return (logits if logits.dtype == torch.float32 else logits.float()), None
     alone = [r for r, c in enumerate(configs) if _reads_tail(c, head.exact_k)] if hidden.shape[0] > 1 else []
     if not alone:
         return head(hidden).float(), None

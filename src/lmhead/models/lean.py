@@ -77,7 +77,8 @@ class StaticCache:
         """Forget every column from `length` on (their contents are overwritten by the next writes)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"length must be in [0, {self.length}], got {length}")
-        self.valid[:, length:self.length] = False
+        if length < self.length:
+            self.valid[:, length:self.length] = False
         self.length = length
 
     def invalidate(self, row: int, start: int) -> None:

@@ -394,6 +394,29 @@ def row_scores(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.
     return lse, greater
 
 
+def token_scores(x: torch.Tensor, ids: list[int]) -> tuple[list[float], list[int]] | None:
+    """`row_scores` for ids given as a list, answered as Python numbers: each row's raw log-probability of its id
+    (x[b, id], in double, minus the normaliser) and rank (1 + the count of logits above it), with no torch
+    operation around the C passes (the decode loop's scores of sampled tokens: each torch operation cost ~50 µs
+    on the caches a step leaves). x [B,V] float32 CPU. ValueError for ids that are not one int in [0, V) per row;
+    None without the library, or where a row is not all finite numbers (the caller's torch path answers)."""
+    lib = library()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] == 0:
+        return None
+    b, v = x.shape
+    if len(ids) != b or not all(type(t) is int and 0 <= t < v for t in ids):
+        raise ValueError(f"ids must be {b} integer token ids in [0, {v}), got {ids!r}")
+    x = x if x.is_contiguous() else x.contiguous()
+    chosen, lse, greater = (ctypes.c_int64 * b)(*ids), (ctypes.c_double * b)(), (ctypes.c_int64 * b)()
+    lib.lmhead_row_scores(x.data_ptr(), b, v, ctypes.addressof(chosen), ctypes.addressof(lse),
+                          ctypes.addressof(greater), torch.get_num_threads())
+    if not all(math.isfinite(n) for n in lse):
+        return None
+    base = x.data_ptr()
+    raw = [ctypes.c_float.from_address(base + 4 * (r * v + t)).value - lse[r] for r, t in enumerate(ids)]
+    return raw, [1 + g for g in greater]
+
+
 def greedy_rows(x: torch.Tensor) -> tuple[list[int], list[float]] | None:
     """Plain greedy rows of logits x [B,V] (float32, CPU) in one C call: ids [B], the first position of each
     row's maximum (`torch.argmax`'s choice), and raw [B], its raw log-probability (the max, in double, minus the
@@ -403,7 +426,7 @@ def greedy_rows(x: torch.Tensor) -> tuple[list[int], list[float]] | None:
     lib = library()
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] == 0:
         return None
-    x = x.contiguous()
+    x = x if x.is_contiguous() else x.contiguous()
     b, v = x.shape
     ids, lse = (ctypes.c_int64 * b)(), (ctypes.c_double * b)()
     lib.lmhead_row_greedy(x.data_ptr(), b, v, ctypes.addressof(ids), ctypes.addressof(lse), torch.get_num_threads())
@@ -451,7 +474,7 @@ def sample_row(x: torch.Tensor, temperature: float, top_p: float, u: float) -> t
     lib = library()
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 1 or x.shape[0] == 0:
         return None
-    x = x.contiguous()
+    x = x if x.is_contiguous() else x.contiguous()
     out_id, out_lp = ctypes.c_int64(), ctypes.c_double()
     rc = lib.lmhead_sample_row(x.data_ptr(), x.shape[0], float(temperature), float(top_p), float(u),
                                ctypes.byref(out_id), ctypes.byref(out_lp), torch.get_num_threads())
