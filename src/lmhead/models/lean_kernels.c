@@ -418,45 +418,157 @@ int64_t lmhead_top_p_row(const float* x, int64_t V, float T, double p, int64_t* 
 
 /* An unseeded sampled row's draw (models/native.py `sample_row`: the decode loop's plain sampled rows, whose
  * ~20 torch ops around the cut cost more than the cut after a step has streamed the weights through the caches):
- * x [V] logits, temperature T, top_p p (1: no cut), u uniform in [0, 1) → *id drawn by inverse CDF from the
- * processed distribution and *logprob its processed log-probability (double) → 0, or < 0 with nothing drawn:
- * -2 for a NaN or a maximum that is not finite (over T), -1 where lmhead_top_p_row declines (a flat row), -3 if it
- * could not allocate — the caller's torch path then answers.
+ * x [V] logits, temperature T, top_k k (0: none), top_p p (1: none), u uniform in [0, 1) → *id drawn by inverse
+ * CDF from the processed distribution and *logprob its processed log-probability (double) → 0, or < 0 with
+ * nothing drawn: -2 for a NaN or a maximum that is not finite (over T), -1 where the cut is not settled here (a
+ * flat row's top-p set: lmhead_top_p_row declines; a top-k keeping more than SAMPLE_CAP tokens), -3 if it could
+ * not allocate — the caller's torch path then answers.
  *
- * top_p < 1: lmhead_top_p_row's kept set (vals = x/T descending); q_j = e^(v_j − v_0) in double, the draw the
- * first j whose running sum exceeds u·Σq. No cut: the whole row, e_i = e^(x_i/T − max/T) (x/T in float32, as
- * x / T in torch; the float32 exp of top_p_sums), Σe from its pass (float32 lanes, double blocks), then a walk in
- * id order summing e_i in double until it exceeds u·Σe (a row whose walk falls short of Σe by the sums' rounding
- * takes its last token of nonzero mass). Either way token j is drawn with probability q_j / Σq, up to the
- * rounding of those sums; logprob = (x_j/T − max/T) − log(Σq), in double. */
-int lmhead_sample_row(const float* x, int64_t V, float T, double p, double u, int64_t* id, double* logprob,
-                      int threads) {
-    if (V < 1 || !(T > 0.f) || !(u >= 0.0 && u < 1.0)) return -2;
-    if (p < 1.0) {
-        int64_t* ids = (int64_t*)malloc(8192 * sizeof(int64_t));
-        float* vals = (float*)malloc(8192 * sizeof(float));
+ * The cut, on x/T in float32 as x / T in torch: top-k keeps every token ≥ the k-th largest (ties with it), sorted
+ * by value descending, ties by id, and top-p then drops, as `_top_p_sorted`, a token (a tie group by its first
+ * position) whose mass with every token below it is ≤ 1 − p — masses over the top-k set, in double; top-p alone
+ * is lmhead_top_p_row's kept set. Over the kept tokens q_j = e^(v_j − v_0) in double, the draw is the first j
+ * whose running sum exceeds u·Σq. No cut: the whole row, e_i = e^(x_i/T − max/T) (the float32 exp of
+ * top_p_sums), Σe from its pass (float32 lanes, double blocks), then a walk in id order summing e_i in double
+ * until it exceeds u·Σe (a row whose walk falls short of Σe by the sums' rounding takes its last token of nonzero
+ * mass). Either way token j is drawn with probability q_j / Σq, up to the rounding of those sums;
+ * logprob = (v_j − v_0) − log(Σq), in double. */
+#define SAMPLE_CAP 8192
+
+/* draw from kept tokens sorted by value descending (vals = x/T): see above */
+static void draw_sorted(const int64_t* ids, const float* vals, int64_t n, double u, int64_t* id, double* logprob) {
+    double total = 0.0;
+    for (int64_t j = 0; j < n; j++) total += exp((double)vals[j] - (double)vals[0]);
+    const double target = u * total;
+    double run = 0.0;
+    int64_t j = 0;
+    for (; j < n - 1; j++) {
+        run += exp((double)vals[j] - (double)vals[0]);
+        if (run > target) break;
+    }
+    *id = ids[j];
+    *logprob = ((double)vals[j] - (double)vals[0]) - log(total);
+}
+
+/* the top k of x/T (ties with the k-th kept; k < V, k ≤ SAMPLE_CAP) then top-p, into ids/vals sorted descending
+ * → their count, or -1 (more than SAMPLE_CAP tokens tie in), -2 (a NaN or +inf), -3 (no memory) */
+/* offer v to the min-heap of the k largest (have of them so far) */
+static inline void heap_offer(float* heap, int64_t* have, int64_t k, float v) {
+    int64_t at;
+    if (*have < k) { /* sift up */
+        at = (*have)++;
+        while (at > 0 && heap[(at - 1) / 2] > v) heap[at] = heap[(at - 1) / 2], at = (at - 1) / 2;
+    } else { /* replace the root, sift down */
+        if (!(v > heap[0])) return;
+        at = 0;
+        for (;;) {
+            int64_t child = 2 * at + 1;
+            if (child >= k) break;
+            if (child + 1 < k && heap[child + 1] < heap[child]) child++;
+            if (!(heap[child] < v)) break;
+            heap[at] = heap[child], at = child;
+        }
+    }
+    heap[at] = v;
+}
+
+static int64_t top_k_cut(const float* x, int64_t V, float T, int64_t k, double p, int64_t* ids, float* vals) {
+    float* heap = (float*)malloc((size_t)k * sizeof(float)); /* min-heap of the k largest so far */
+    if (heap == NULL) return -3;
+    int64_t have = 0, i = 0;
+    int bad = 0;
+#ifdef __AVX2__
+    /* eight at a time once the heap is full: most tokens are below its least and only compared */
+    const __m256 tv = _mm256_set1_ps(T), inf = _mm256_set1_ps(INFINITY);
+    __m256 odd = _mm256_setzero_ps();
+    for (; i + 8 <= V; i += 8) {
+        const __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), tv);
+        odd = _mm256_or_ps(odd, _mm256_or_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), _mm256_cmp_ps(v, inf, _CMP_EQ_OQ)));
+        unsigned hit = have < k ? 0xFFu
+                                : (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(heap[0]), _CMP_GT_OQ));
+        if (hit) {
+            float lanes[8];
+            _mm256_storeu_ps(lanes, v);
+            for (int l = 0; l < 8; l++)
+                if (hit >> l & 1) heap_offer(heap, &have, k, lanes[l]);
+        }
+    }
+    bad = _mm256_movemask_ps(odd) != 0;
+#endif
+    for (; i < V; i++) {
+        const float v = x[i] / T;
+        if (v != v || v == INFINITY) bad = 1;
+        heap_offer(heap, &have, k, v);
+    }
+    if (bad) {
+        free(heap);
+        return -2;
+    }
+    const float kth = heap[0];
+    free(heap);
+    if (kth == -INFINITY) return -2; /* fewer than k finite tokens: torch's path */
+    lmhead_cand* c = (lmhead_cand*)malloc((size_t)SAMPLE_CAP * sizeof(lmhead_cand));
+    if (c == NULL) return -3;
+    int64_t n = 0;
+    for (int64_t j = 0; j < V; j++) {
+#ifdef __AVX2__
+        if (j + 8 <= V && !_mm256_movemask_ps(_mm256_cmp_ps(_mm256_div_ps(_mm256_loadu_ps(x + j), tv),
+                                                            _mm256_set1_ps(kth), _CMP_GE_OQ))) {
+            j += 7; /* none of these eight */
+            continue;
+        }
+#endif
+        const float v = x[j] / T;
+        if (v >= kth) {
+            if (n == SAMPLE_CAP) {
+                free(c);
+                return -1;
+            }
+            c[n].v = v, c[n].i = j, n++;
+        }
+    }
+    qsort(c, (size_t)n, sizeof(lmhead_cand), cand_desc);
+    int64_t kept = n;
+    if (p < 1.0) { /* `_top_p_sorted` over the top-k set: masses from the bottom, a tie group by its first */
+        double* below = (double*)malloc((size_t)n * sizeof(double));
+        if (below == NULL) {
+            free(c);
+            return -3;
+        }
+        double total = 0.0;
+        for (int64_t j = 0; j < n; j++) total += exp((double)c[j].v - (double)c[0].v);
+        double suffix = 0.0;
+        for (int64_t j = n - 1; j >= 0; j--) suffix += exp((double)c[j].v - (double)c[0].v), below[j] = suffix / total;
+        kept = 1;
+        int64_t group = 0;
+        for (int64_t j = 1; j < n; j++) {
+            if (c[j].v != c[j - 1].v) group = j;
+            if (below[group] <= 1.0 - p) break;
+            kept = j + 1;
+        }
+        free(below);
+    }
+    for (int64_t j = 0; j < kept; j++) ids[j] = c[j].i, vals[j] = c[j].v;
+    free(c);
+    return kept;
+}
+
+int lmhead_sample_row(const float* x, int64_t V, float T, int64_t top_k, double p, double u, int64_t* id,
+                      double* logprob, int threads) {
+    if (V < 1 || !(T > 0.f) || !(u >= 0.0 && u < 1.0) || top_k < 0) return -2;
+    if ((top_k > 0 && top_k < V) || p < 1.0) {
+        if (top_k > SAMPLE_CAP) return -1;
+        int64_t* ids = (int64_t*)malloc(SAMPLE_CAP * sizeof(int64_t));
+        float* vals = (float*)malloc(SAMPLE_CAP * sizeof(float));
         if (ids == NULL || vals == NULL) {
             free(ids), free(vals);
             return -3;
         }
-        const int64_t n = lmhead_top_p_row(x, V, T, p, ids, vals, 8192, threads);
-        if (n < 1) {
-            free(ids), free(vals);
-            return n < 0 ? (int)n : -1;
-        }
-        double total = 0.0;
-        for (int64_t j = 0; j < n; j++) total += exp((double)vals[j] - (double)vals[0]);
-        const double target = u * total;
-        double run = 0.0;
-        int64_t j = 0;
-        for (; j < n - 1; j++) {
-            run += exp((double)vals[j] - (double)vals[0]);
-            if (run > target) break;
-        }
-        *id = ids[j];
-        *logprob = ((double)vals[j] - (double)vals[0]) - log(total);
+        const int64_t n = top_k > 0 && top_k < V ? top_k_cut(x, V, T, top_k, p, ids, vals)
+                                                 : lmhead_top_p_row(x, V, T, p, ids, vals, SAMPLE_CAP, threads);
+        if (n >= 1) draw_sorted(ids, vals, n, u, id, logprob);
         free(ids), free(vals);
-        return 0;
+        return n >= 1 ? 0 : (n < 0 ? (int)n : -1);
     }
     int pieces = threads < 1 ? 1 : (threads > 8 ? 8 : threads);
     if (V < 32768) pieces = 1;
