@@ -391,7 +391,8 @@ def test_plain_greedy_rows_take_one_native_pass_with_the_pipelines_tokens_and_sc
 
 
 @pytest.mark.parametrize("config", [SamplingConfig(temperature=0.8, top_p=0.9), SamplingConfig(temperature=1.0),
-                                    SamplingConfig(temperature=0.9, top_k=20, top_p=0.95)])
+                                    SamplingConfig(temperature=0.9, top_k=20, top_p=0.95),
+                                    SamplingConfig(temperature=1.2, min_p=0.05)])
 def test_unseeded_sampled_rows_drawn_in_c_report_their_processed_logprobs(model, config, monkeypatch):
     from lmhead import speculative
 

@@ -248,25 +248,26 @@ def _tied_row(width: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("width", [300, 40_000])  # one piece; several pieces over the threads
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.8, 0, 0.9), (1.3, 0, 0.5),
-                                                       (0.8, 40, 1.0), (0.8, 40, 0.9), (1.0, 1, 1.0), (1.0, 2, 1.0),
-                                                       (1.2, 30, 0.6)])
-def test_sample_row_is_the_inverse_cdf_of_the_references_distribution(width, temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+    (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (0.8, 0, 0.9, 0.0), (1.3, 0, 0.5, 0.0), (0.8, 40, 1.0, 0.0),
+    (0.8, 40, 0.9, 0.0), (1.0, 1, 1.0, 0.0), (1.0, 2, 1.0, 0.0), (1.2, 30, 0.6, 0.0), (0.8, 0, 1.0, 0.05),
+    (1.5, 0, 1.0, 0.2), (0.8, 0, 0.95, 0.1), (0.8, 40, 0.95, 0.05)])
+def test_sample_row_is_the_inverse_cdf_of_the_references_distribution(width, temperature, top_k, top_p, min_p):
     from lmhead.sampling import SamplingConfig
 
-    row = _tied_row(width, seed=width + int(top_p * 10) + top_k)
-    config = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    row = _tied_row(width, seed=width + int(top_p * 10) + top_k + int(min_p * 100))
+    config = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     probs = ref.sampling_draw_probabilities(row[None], [config])[0]
     # the order the draw walks: a cut's kept tokens by x/T descending, ties by id (top-2 keeps the three tied at
     # the top); a whole row in id order
     kept = (probs > 0).nonzero().squeeze(1)
     scaled = row / temperature
-    order = (sorted(kept.tolist(), key=lambda i: (-float(scaled[i]), i)) if top_k or top_p < 1.0
+    order = (sorted(kept.tolist(), key=lambda i: (-float(scaled[i]), i)) if top_k or top_p < 1.0 or min_p
              else list(range(width)))
     position = {t: j for j, t in enumerate(order)}
     upper = probs[order].cumsum(0)
     for u in [0.0, *((torch.arange(300, dtype=torch.float64) + 0.5) / 300).tolist(), 1.0 - 1e-12]:
-        got = native.sample_row(row, temperature, top_k, top_p, u)
+        got = native.sample_row(row, temperature, top_k, top_p, min_p, u)
         assert got is not None
         token, logprob = got
         j = position[token]  # a token outside the kept set fails here
@@ -279,11 +280,14 @@ def test_sample_row_declines_rows_torch_must_answer():
     for bad in (float("nan"), float("inf")):
         broken = row.clone()
         broken[5] = bad
-        for top_k, top_p in ((0, 1.0), (0, 0.9), (40, 1.0), (40, 0.9)):
-            assert native.sample_row(broken, 1.0, top_k, top_p, 0.5) is None
-    assert native.sample_row(torch.zeros(V), 1.0, 0, 0.5, 0.5) is None  # a flat row's top-p set: the bins' path
-    assert native.sample_row(torch.zeros(V), 1.0, 40, 1.0, 0.5) is None  # a top-40 that keeps every tied token
-    assert native.sample_row(row, 1.0, 10_000, 1.0, 0.5) is None  # a top-k wider than C's buffers
-    assert native.sample_row(row * 1e37, 0.01, 0, 1.0, 0.5) is None  # the maximum over T overflows: torch's error
-    assert native.sample_row(row, 1.0, 0, 1.0, 1.0) is None  # u outside [0, 1)
-    assert native.sample_row(row.double(), 1.0, 0, 1.0, 0.5) is None
+        for top_k, top_p, min_p in ((0, 1.0, 0.0), (0, 0.9, 0.0), (40, 1.0, 0.0), (40, 0.9, 0.1), (0, 1.0, 0.1)):
+            assert native.sample_row(broken, 1.0, top_k, top_p, min_p, 0.5) is None
+    flat = torch.zeros(V)
+    assert native.sample_row(flat, 1.0, 0, 0.5, 0.0, 0.5) is None  # a flat row's top-p set: the bins' path
+    assert native.sample_row(flat, 1.0, 40, 1.0, 0.0, 0.5) is None  # a top-40 that keeps every tied token
+    assert native.sample_row(flat, 1.0, 0, 1.0, 0.5, 0.5) is None  # a min-p that keeps every tied token
+    assert native.sample_row(row, 1.0, 10_000, 1.0, 0.0, 0.5) is None  # a top-k wider than C's buffers
+    assert native.sample_row(row * 1e37, 0.01, 0, 1.0, 0.0, 0.5) is None  # the maximum over T overflows
+    assert native.sample_row(row, 1.0, 0, 1.0, 0.0, 1.0) is None  # u outside [0, 1)
+    assert native.sample_row(row, 1.0, 0, 1.0, 1.5, 0.5) is None  # min_p outside [0, 1]
+    assert native.sample_row(row.double(), 1.0, 0, 1.0, 0.0, 0.5) is None

@@ -507,13 +507,13 @@ class Decoder:
             if found is not None:
                 ids, raw = found
                 return [[t] for t in ids], n, [[0.0] for _ in configs], [[v] for v in raw]
-        if all(_plain_unseeded(c, logits.shape[1]) for c in configs):
+        if all(_plain_unseeded(c) for c in configs):
             # the same distribution from one C call per row (`native.sample_row`: the top-k / top-p cut or the whole
             # row, drawn by inverse CDF with one uniform): the pipeline's ~20 torch ops around its cut cost ~1 ms
             # per token after a step that streamed the weights through the caches
             u = torch.rand(len(configs), dtype=torch.float64, generator=generator).tolist()
             width = logits.shape[1]
-            picked = [sample_row(logits[r], c.temperature, c._cut_key(width)[2], c.top_p, u[r])
+            picked = [sample_row(logits[r], c.temperature, c._cut_key(width)[2], c.top_p, c.min_p, u[r])
                       for r, c in enumerate(configs)]
             if all(p is not None for p in picked):
                 return [[t] for t, _ in picked], n, [[lp] for _, lp in picked], None
@@ -765,9 +765,9 @@ def _plain_greedy(config) -> bool:
     return config.is_greedy and _plain(config)
 
 
-def _plain_unseeded(config, vocab_size: int) -> bool:
-    """A sampled row without a seed, bias, bans, penalties or min-p: `native.sample_row` draws it."""
-    return not config.is_greedy and config.seed is None and _plain(config) and config.min_p == 0.0
+def _plain_unseeded(config) -> bool:
+    """A sampled row without a seed, bias, bans or penalties: `native.sample_row` draws it."""
+    return not config.is_greedy and config.seed is None and _plain(config)
 
 
 def _deterministic(config) -> bool:

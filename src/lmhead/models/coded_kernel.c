@@ -70,7 +70,7 @@ static void halves_to_floats(const uint16_t* h, float* f, int64_t n) {
     for (; i < n; i++) f[i] = half_to_float(h[i]);
 }
 
-int lmhead_coded_abi(void) { return 15; }
+int lmhead_coded_abi(void) { return 16; }
 
 #ifdef __AVX2__
 int lmhead_coded_avx2(void) { return 1; }

@@ -418,16 +418,18 @@ int64_t lmhead_top_p_row(const float* x, int64_t V, float T, double p, int64_t* 
 
 /* An unseeded sampled row's draw (models/native.py `sample_row`: the decode loop's plain sampled rows, whose
  * ~20 torch ops around the cut cost more than the cut after a step has streamed the weights through the caches):
- * x [V] logits, temperature T, top_k k (0: none), top_p p (1: none), u uniform in [0, 1) → *id drawn by inverse
+ * x [V] logits, temperature T, top_k k (0: none), top_p p (1: none), min_p (0: none), u uniform in [0, 1) → *id
+ * drawn by inverse
  * CDF from the processed distribution and *logprob its processed log-probability (double) → 0, or < 0 with
  * nothing drawn: -2 for a NaN or a maximum that is not finite (over T), -1 where the cut is not settled here (a
- * flat row's top-p set: lmhead_top_p_row declines; a top-k keeping more than SAMPLE_CAP tokens), -3 if it could
- * not allocate — the caller's torch path then answers.
+ * flat row's top-p set: lmhead_top_p_row declines; a top-k, or a min-p alone, keeping more than SAMPLE_CAP tokens),
+ * -3 if it could not allocate — the caller's torch path then answers.
  *
  * The cut, on x/T in float32 as x / T in torch: top-k keeps every token ≥ the k-th largest (ties with it), sorted
  * by value descending, ties by id, and top-p then drops, as `_top_p_sorted`, a token (a tie group by its first
  * position) whose mass with every token below it is ≤ 1 − p — masses over the top-k set, in double; top-p alone
- * is lmhead_top_p_row's kept set. Over the kept tokens q_j = e^(v_j − v_0) in double, the draw is the first j
+ * is lmhead_top_p_row's kept set; min-p then keeps the tokens with e^(v − v_0) ≥ min_p (alone: the tokens within
+ * log(min_p) of the maximum, by a threshold pass). Over the kept tokens q_j = e^(v_j − v_0) in double, the draw is the first j
  * whose running sum exceeds u·Σq. No cut: the whole row, e_i = e^(x_i/T − max/T) (the float32 exp of
  * top_p_sums), Σe from its pass (float32 lanes, double blocks), then a walk in id order summing e_i in double
  * until it exceeds u·Σe (a row whose walk falls short of Σe by the sums' rounding takes its last token of nonzero
@@ -553,10 +555,55 @@ static int64_t top_k_cut(const float* x, int64_t V, float T, int64_t k, double p
     return kept;
 }
 
-int lmhead_sample_row(const float* x, int64_t V, float T, int64_t top_k, double p, double u, int64_t* id,
-                      double* logprob, int threads) {
-    if (V < 1 || !(T > 0.f) || !(u >= 0.0 && u < 1.0) || top_k < 0) return -2;
-    if ((top_k > 0 && top_k < V) || p < 1.0) {
+/* min-p on kept tokens sorted descending (vals = x/T): the first of them whose e^(v − v_0) < min_p ends them
+ * (`_min_p_sorted`: p ≥ min_p · p_max, here in double) → how many stay (at least one) */
+static int64_t min_p_prefix(const float* vals, int64_t n, double min_p) {
+    int64_t kept = 1;
+    while (kept < n && exp((double)vals[kept] - (double)vals[0]) >= min_p) kept++;
+    return kept;
+}
+
+/* min-p alone over the whole row: every token within log(min_p) of max/T (a threshold on x/T, a little below the
+ * exact test's), sorted, then min_p_prefix → the count, -1 (more than SAMPLE_CAP within the threshold), -2 (a NaN,
+ * a maximum not finite over T), -3 (no memory) */
+static int64_t min_p_cut(const float* x, int64_t V, float T, double min_p, int64_t* ids, float* vals, int threads) {
+    int pieces = threads < 1 ? 1 : (threads > 8 ? 8 : threads);
+    if (V < 32768) pieces = 1;
+    float pmax[8];
+    int pnan[8];
+#pragma omp parallel for num_threads(pieces) schedule(static)
+    for (int j = 0; j < pieces; j++) piece_max(x, V * j / pieces, V * (j + 1) / pieces, pmax + j, pnan + j);
+    float m = -INFINITY;
+    int nan = 0;
+    for (int j = 0; j < pieces; j++) m = pmax[j] > m ? pmax[j] : m, nan |= pnan[j];
+    const float top = m / T;
+    if (nan || !isfinite(m) || !isfinite(top)) return -2;
+    const double floor_d = (double)top + log(min_p) - 1e-3 * (1.0 + fabs((double)top));
+    if (!(floor_d > -1e30)) return -1; /* min_p too small to cut here: the whole row, torch's path */
+    const float floor_v = (float)floor_d;
+    lmhead_cand* c = (lmhead_cand*)malloc((size_t)SAMPLE_CAP * sizeof(lmhead_cand));
+    if (c == NULL) return -3;
+    int64_t n = 0;
+    for (int64_t i = 0; i < V; i++) {
+        const float v = x[i] / T;
+        if (v >= floor_v) {
+            if (n == SAMPLE_CAP) {
+                free(c);
+                return -1;
+            }
+            c[n].v = v, c[n].i = i, n++;
+        }
+    }
+    qsort(c, (size_t)n, sizeof(lmhead_cand), cand_desc);
+    for (int64_t j = 0; j < n; j++) ids[j] = c[j].i, vals[j] = c[j].v;
+    free(c);
+    return min_p_prefix(vals, n, min_p);
+}
+
+int lmhead_sample_row(const float* x, int64_t V, float T, int64_t top_k, double p, double min_p, double u,
+                      int64_t* id, double* logprob, int threads) {
+    if (V < 1 || !(T > 0.f) || !(u >= 0.0 && u < 1.0) || top_k < 0 || !(min_p >= 0.0 && min_p <= 1.0)) return -2;
+    if ((top_k > 0 && top_k < V) || p < 1.0 || min_p > 0.0) {
         if (top_k > SAMPLE_CAP) return -1;
         int64_t* ids = (int64_t*)malloc(SAMPLE_CAP * sizeof(int64_t));
         float* vals = (float*)malloc(SAMPLE_CAP * sizeof(float));
@@ -564,8 +611,14 @@ int lmhead_sample_row(const float* x, int64_t V, float T, int64_t top_k, double 
             free(ids), free(vals);
             return -3;
         }
-        const int64_t n = top_k > 0 && top_k < V ? top_k_cut(x, V, T, top_k, p, ids, vals)
-                                                 : lmhead_top_p_row(x, V, T, p, ids, vals, SAMPLE_CAP, threads);
+        int64_t n;
+        if (top_k > 0 && top_k < V)
+            n = top_k_cut(x, V, T, top_k, p, ids, vals);
+        else if (p < 1.0)
+            n = lmhead_top_p_row(x, V, T, p, ids, vals, SAMPLE_CAP, threads);
+        else
+            n = min_p_cut(x, V, T, min_p, ids, vals, threads);
+        if (n >= 1 && min_p > 0.0) n = min_p_prefix(vals, n, min_p);
         if (n >= 1) draw_sorted(ids, vals, n, u, id, logprob);
         free(ids), free(vals);
         return n >= 1 ? 0 : (n < 0 ? (int)n : -1);

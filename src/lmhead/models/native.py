@@ -40,7 +40,7 @@ _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 # coded_kernel.c's flags: 4-bit codes two per byte; float16 scales and offsets; rows stored in blocks of four
 PACKED, HALF, ROWS4 = 1, 2, 4
 HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
-_ABI = 15  # lmhead_coded_abi() of the sources above
+_ABI = 16  # lmhead_coded_abi() of the sources above
 
 
 def _cpu_flags() -> str:
@@ -130,7 +130,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmhead_row_greedy.restype = None
     lib.lmhead_top_p_row.argtypes = [p, i64, f32, ctypes.c_double, p, p, i64, i32]
     lib.lmhead_top_p_row.restype = i64
-    lib.lmhead_sample_row.argtypes = [p, i64, f32, i64, ctypes.c_double, ctypes.c_double, p, p, i32]
+    lib.lmhead_sample_row.argtypes = [p, i64, f32, i64, ctypes.c_double, ctypes.c_double, ctypes.c_double, p, p,
+                                      i32]
     lib.lmhead_sample_row.restype = i32
     lib.lmhead_select_ge.argtypes = [p, i64, f32, p, i64]
     lib.lmhead_select_ge.restype = i64
@@ -464,21 +465,23 @@ def _top_p_row_in(lib: ctypes.CDLL, x: torch.Tensor, temperature: float,
     return vals[:n].unsqueeze(0), ids[:n].unsqueeze(0)
 
 
-def sample_row(x: torch.Tensor, temperature: float, top_k: int, top_p: float, u: float) -> tuple[int, float] | None:
-    """One unseeded draw from a row of logits x [V] (float32, CPU) at `temperature` with top-k `top_k` (0: none)
-    and top-p `top_p` (1: none) and nothing else in the pipeline (no bias, penalties or min-p): (id, its processed
-    log-probability) by inverse CDF with the uniform u in [0, 1), in one C call (the top-k set cut by top-p, the
-    top-p set as `top_p_row` finds it, or the whole row). The same distribution as `sampling.sample`'s for such a
-    row; other ids for the same generator state. None without the library, for a row that is not all finite
-    numbers, or a cut not settled in C (a flat row's top-p set, a top-k keeping more than 8,192 tokens): the
-    caller's torch path then answers (and raises its errors)."""
+def sample_row(x: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
+               u: float) -> tuple[int, float] | None:
+    """One unseeded draw from a row of logits x [V] (float32, CPU) at `temperature` with top-k `top_k` (0: none),
+    top-p `top_p` (1: none) and min-p `min_p` (0: none), and nothing else in the pipeline (no bias or penalties):
+    (id, its processed log-probability) by inverse CDF with the uniform u in [0, 1), in one C call (the cut-offs
+    in the pipeline's order over the top-k set, `top_p_row`'s set or the tokens min-p keeps; or the whole row).
+    The same distribution as `sampling.sample`'s for such a row; other ids for the same generator state. None
+    without the library, for a row that is not all finite numbers, or a cut not settled in C (a flat row's top-p
+    set, a top-k or a min-p alone keeping more than 8,192 tokens): the caller's torch path then answers (and
+    raises its errors)."""
     lib = library()
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 1 or x.shape[0] == 0:
         return None
     x = x if x.is_contiguous() else x.contiguous()
     out_id, out_lp = ctypes.c_int64(), ctypes.c_double()
-    rc = lib.lmhead_sample_row(x.data_ptr(), x.shape[0], float(temperature), int(top_k), float(top_p), float(u),
-                               ctypes.byref(out_id), ctypes.byref(out_lp), torch.get_num_threads())
+    rc = lib.lmhead_sample_row(x.data_ptr(), x.shape[0], float(temperature), int(top_k), float(top_p), float(min_p),
+                               float(u), ctypes.byref(out_id), ctypes.byref(out_lp), torch.get_num_threads())
     return (out_id.value, out_lp.value) if rc == 0 else None
 
 
