@@ -496,7 +496,9 @@ class Decoder:
     def _plain(self, logits: Tensor, configs, history, prompt_len, steps, generator):
         """No draft: one token per row from the plain sampler's distribution (`plain_choice`, scored: seeded and
         greedy rows exactly `sampling.sample`'s ids), its processed logprob and — plain greedy rows, whose
-        argmax and normaliser one C pass finds (`native.greedy_rows`) — its raw logprob (else None)."""
+        argmax and normaliser one C pass finds (`native.greedy_rows`) — its raw logprob (else None). Plain
+        unseeded sampled rows are drawn by `native.sample_row`, one C call each: the same distribution, other ids
+        for the same generator state than `plain_choice`'s."""
         n = self._none_accepted.get(len(configs))
         if n is None:  # read only: one per batch size, not a new tensor every round
             n = self._none_accepted[len(configs)] = torch.zeros(len(configs), dtype=torch.long)
