@@ -474,6 +474,48 @@ static inline void heap_offer(float* heap, int64_t* have, int64_t k, float v) {
     heap[at] = v;
 }
 
+/* how many pieces a pass over a row of V logits is cut into over the threads (a row of a small vocabulary: one) */
+static inline int row_pieces(int64_t V, int threads) {
+    const int pieces = threads < 1 ? 1 : (threads > 8 ? 8 : threads);
+    return V < 32768 ? 1 : pieces;
+}
+
+/* max(x)/T over the row, its pieces over the threads → 0, or -2 for a NaN or a maximum not finite (over T) */
+static int row_top(const float* x, int64_t V, float T, int threads, float* top) {
+    const int pieces = row_pieces(V, threads);
+    float pmax[8];
+    int pnan[8];
+#pragma omp parallel for num_threads(pieces) schedule(static)
+    for (int j = 0; j < pieces; j++) piece_max(x, V * j / pieces, V * (j + 1) / pieces, pmax + j, pnan + j);
+    float m = -INFINITY;
+    int nan = 0;
+    for (int j = 0; j < pieces; j++) m = pmax[j] > m ? pmax[j] : m, nan |= pnan[j];
+    *top = m / T;
+    return nan || !isfinite(m) || !isfinite(*top) ? -2 : 0;
+}
+
+/* every token with x/T ≥ floor, sorted by value descending (ties by id), into c (room for SAMPLE_CAP) → their
+ * count, or -1 when there are more (eight logits compared at a time: most are below) */
+static int64_t collect_at_least(const float* x, int64_t V, float T, float floor, lmhead_cand* c) {
+    int64_t n = 0;
+    for (int64_t j = 0; j < V; j++) {
+#ifdef __AVX2__
+        if (j + 8 <= V && !_mm256_movemask_ps(_mm256_cmp_ps(_mm256_div_ps(_mm256_loadu_ps(x + j), _mm256_set1_ps(T)),
+                                                            _mm256_set1_ps(floor), _CMP_GE_OQ))) {
+            j += 7; /* none of these eight */
+            continue;
+        }
+#endif
+        const float v = x[j] / T;
+        if (v >= floor) {
+            if (n == SAMPLE_CAP) return -1;
+            c[n].v = v, c[n].i = j, n++;
+        }
+    }
+    qsort(c, (size_t)n, sizeof(lmhead_cand), cand_desc);
+    return n;
+}
+
 static int64_t top_k_cut(const float* x, int64_t V, float T, int64_t k, double p, int64_t* ids, float* vals) {
     float* heap = (float*)malloc((size_t)k * sizeof(float)); /* min-heap of the k largest so far */
     if (heap == NULL) return -3;
@@ -511,25 +553,11 @@ static int64_t top_k_cut(const float* x, int64_t V, float T, int64_t k, double p
     if (kth == -INFINITY) return -2; /* fewer than k finite tokens: torch's path */
     lmhead_cand* c = (lmhead_cand*)malloc((size_t)SAMPLE_CAP * sizeof(lmhead_cand));
     if (c == NULL) return -3;
-    int64_t n = 0;
-    for (int64_t j = 0; j < V; j++) {
-#ifdef __AVX2__
-        if (j + 8 <= V && !_mm256_movemask_ps(_mm256_cmp_ps(_mm256_div_ps(_mm256_loadu_ps(x + j), tv),
-                                                            _mm256_set1_ps(kth), _CMP_GE_OQ))) {
-            j += 7; /* none of these eight */
-            continue;
-        }
-#endif
-        const float v = x[j] / T;
-        if (v >= kth) {
-            if (n == SAMPLE_CAP) {
-                free(c);
-                return -1;
-            }
-            c[n].v = v, c[n].i = j, n++;
-        }
+    const int64_t n = collect_at_least(x, V, T, kth, c);
+    if (n < 0) {
+        free(c);
+        return -1;
     }
-    qsort(c, (size_t)n, sizeof(lmhead_cand), cand_desc);
     int64_t kept = n;
     if (p < 1.0) { /* `_top_p_sorted` over the top-k set: masses from the bottom, a tie group by its first */
         double* below = (double*)malloc((size_t)n * sizeof(double));
@@ -567,37 +595,16 @@ static int64_t min_p_prefix(const float* vals, int64_t n, double min_p) {
  * exact test's), sorted, then min_p_prefix → the count, -1 (more than SAMPLE_CAP within the threshold), -2 (a NaN,
  * a maximum not finite over T), -3 (no memory) */
 static int64_t min_p_cut(const float* x, int64_t V, float T, double min_p, int64_t* ids, float* vals, int threads) {
-    int pieces = threads < 1 ? 1 : (threads > 8 ? 8 : threads);
-    if (V < 32768) pieces = 1;
-    float pmax[8];
-    int pnan[8];
-#pragma omp parallel for num_threads(pieces) schedule(static)
-    for (int j = 0; j < pieces; j++) piece_max(x, V * j / pieces, V * (j + 1) / pieces, pmax + j, pnan + j);
-    float m = -INFINITY;
-    int nan = 0;
-    for (int j = 0; j < pieces; j++) m = pmax[j] > m ? pmax[j] : m, nan |= pnan[j];
-    const float top = m / T;
-    if (nan || !isfinite(m) || !isfinite(top)) return -2;
+    float top;
+    if (row_top(x, V, T, threads, &top)) return -2;
     const double floor_d = (double)top + log(min_p) - 1e-3 * (1.0 + fabs((double)top));
     if (!(floor_d > -1e30)) return -1; /* min_p too small to cut here: the whole row, torch's path */
-    const float floor_v = (float)floor_d;
     lmhead_cand* c = (lmhead_cand*)malloc((size_t)SAMPLE_CAP * sizeof(lmhead_cand));
     if (c == NULL) return -3;
-    int64_t n = 0;
-    for (int64_t i = 0; i < V; i++) {
-        const float v = x[i] / T;
-        if (v >= floor_v) {
-            if (n == SAMPLE_CAP) {
-                free(c);
-                return -1;
-            }
-            c[n].v = v, c[n].i = i, n++;
-        }
-    }
-    qsort(c, (size_t)n, sizeof(lmhead_cand), cand_desc);
+    const int64_t n = collect_at_least(x, V, T, (float)floor_d, c);
     for (int64_t j = 0; j < n; j++) ids[j] = c[j].i, vals[j] = c[j].v;
     free(c);
-    return min_p_prefix(vals, n, min_p);
+    return n < 0 ? -1 : min_p_prefix(vals, n, min_p);
 }
 
 int lmhead_sample_row(const float* x, int64_t V, float T, int64_t top_k, double p, double min_p, double u,
@@ -623,18 +630,10 @@ int lmhead_sample_row(const float* x, int64_t V, float T, int64_t top_k, double 
         free(ids), free(vals);
         return n >= 1 ? 0 : (n < 0 ? (int)n : -1);
     }
-    int pieces = threads < 1 ? 1 : (threads > 8 ? 8 : threads);
-    if (V < 32768) pieces = 1;
-    float pmax[8];
-    int pnan[8];
+    float top;
+    if (row_top(x, V, T, threads, &top)) return -2;
+    const int pieces = row_pieces(V, threads);
     double psum[8];
-#pragma omp parallel for num_threads(pieces) schedule(static)
-    for (int j = 0; j < pieces; j++) piece_max(x, V * j / pieces, V * (j + 1) / pieces, pmax + j, pnan + j);
-    float m = -INFINITY;
-    int nan = 0;
-    for (int j = 0; j < pieces; j++) m = pmax[j] > m ? pmax[j] : m, nan |= pnan[j];
-    const float top = m / T;
-    if (nan || !isfinite(m) || !isfinite(top)) return -2;
 #pragma omp parallel for num_threads(pieces) schedule(static)
     for (int j = 0; j < pieces; j++) top_p_sums(x, V * j / pieces, V * (j + 1) / pieces, T, top, NULL, 0, psum + j);
     double total = 0.0;
