@@ -319,23 +319,35 @@ static void top_p_sums(const float* x, int64_t lo, int64_t hi, float T, float to
     }
 }
 
-int64_t lmhead_top_p_row(const float* x, int64_t V, float T, double p, int64_t* ids, float* vals, int64_t cap,
-                         int threads) {
-    static const float spans[TOP_P_SPANS] = {1.f, 2.f, 4.f, 8.f, 16.f, 32.f};
-    const double margin = 1e-5; /* sampling.py's _WINDOW_MARGIN */
-    /* passes 1 and 2 in pieces over the threads for a wide row (a 262,144-token row: ~0.4 ms on one) */
-    int pieces = threads < 1 ? 1 : (threads > 8 ? 8 : threads);
-    if (V < 32768) pieces = 1;
+/* how many pieces a pass over a row of V logits is cut into over the threads (a row of a small vocabulary: one) */
+static inline int row_pieces(int64_t V, int threads) {
+    const int pieces = threads < 1 ? 1 : (threads > 8 ? 8 : threads);
+    return V < 32768 ? 1 : pieces;
+}
+
+/* max(x)/T over the row, its pieces over the threads → 0, or -2 for a NaN or a maximum not finite (over T) */
+static int row_top(const float* x, int64_t V, float T, int threads, float* top) {
+    const int pieces = row_pieces(V, threads);
     float pmax[8];
     int pnan[8];
-    double psum[8][TOP_P_SPANS + 1];
 #pragma omp parallel for num_threads(pieces) schedule(static)
     for (int j = 0; j < pieces; j++) piece_max(x, V * j / pieces, V * (j + 1) / pieces, pmax + j, pnan + j);
     float m = -INFINITY;
     int nan = 0;
     for (int j = 0; j < pieces; j++) m = pmax[j] > m ? pmax[j] : m, nan |= pnan[j];
-    const float top = m / T;
-    if (nan || !isfinite(m) || !isfinite(top)) return -2;
+    *top = m / T;
+    return nan || !isfinite(m) || !isfinite(*top) ? -2 : 0;
+}
+
+int64_t lmhead_top_p_row(const float* x, int64_t V, float T, double p, int64_t* ids, float* vals, int64_t cap,
+                         int threads) {
+    static const float spans[TOP_P_SPANS] = {1.f, 2.f, 4.f, 8.f, 16.f, 32.f};
+    const double margin = 1e-5; /* sampling.py's _WINDOW_MARGIN */
+    /* passes 1 and 2 in pieces over the threads for a wide row (a 262,144-token row: ~0.4 ms on one) */
+    float top;
+    if (row_top(x, V, T, threads, &top)) return -2;
+    const int pieces = row_pieces(V, threads);
+    double psum[8][TOP_P_SPANS + 1];
 #pragma omp parallel for num_threads(pieces) schedule(static)
     for (int j = 0; j < pieces; j++)
         top_p_sums(x, V * j / pieces, V * (j + 1) / pieces, T, top, spans, TOP_P_SPANS, psum[j]);
@@ -472,26 +484,6 @@ static inline void heap_offer(float* heap, int64_t* have, int64_t k, float v) {
         }
     }
     heap[at] = v;
-}
-
-/* how many pieces a pass over a row of V logits is cut into over the threads (a row of a small vocabulary: one) */
-static inline int row_pieces(int64_t V, int threads) {
-    const int pieces = threads < 1 ? 1 : (threads > 8 ? 8 : threads);
-    return V < 32768 ? 1 : pieces;
-}
-
-/* max(x)/T over the row, its pieces over the threads → 0, or -2 for a NaN or a maximum not finite (over T) */
-static int row_top(const float* x, int64_t V, float T, int threads, float* top) {
-    const int pieces = row_pieces(V, threads);
-    float pmax[8];
-    int pnan[8];
-#pragma omp parallel for num_threads(pieces) schedule(static)
-    for (int j = 0; j < pieces; j++) piece_max(x, V * j / pieces, V * (j + 1) / pieces, pmax + j, pnan + j);
-    float m = -INFINITY;
-    int nan = 0;
-    for (int j = 0; j < pieces; j++) m = pmax[j] > m ? pmax[j] : m, nan |= pnan[j];
-    *top = m / T;
-    return nan || !isfinite(m) || !isfinite(*top) ? -2 : 0;
 }
 
 /* every token with x/T ≥ floor, sorted by value descending (ties by id), into c (room for SAMPLE_CAP) → their
