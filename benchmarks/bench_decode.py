@@ -58,8 +58,9 @@ def _theirs(model, prompt: str, n: int, sampled: bool) -> tuple[float, list[int]
     return time.perf_counter() - t, out[0, enc["input_ids"].shape[1]:].tolist()
 
 
-def _llama_cpp(name: str, n: int, repeats: int) -> float | None:
-    """llama-bench's token-generation rate (tok/s) on the model's GGUF file, or None when it is not built."""
+def _llama_cpp(name: str, n: int, repeats: int, depth: int = 0) -> float | None:
+    """llama-bench's token-generation rate (tok/s) on the model's GGUF file — after `depth` tokens already in its
+    cache (`-d`) — or None when it is not built."""
     if not LLAMA_BENCH.exists():
         return None
     from lmhead.models.registry import MODELS
@@ -67,7 +68,8 @@ def _llama_cpp(name: str, n: int, repeats: int) -> float | None:
     with tempfile.TemporaryDirectory() as work:
         gguf = MODELS[name].gguf(Path(work))
         out = subprocess.run([str(LLAMA_BENCH), "-m", str(gguf), "-t", "2", "-p", "0", "-n", str(n),
-                              "-r", str(repeats), "-o", "csv"], capture_output=True, text=True, check=True).stdout
+                              "-d", str(depth), "-r", str(repeats), "-o", "csv"],
+                             capture_output=True, text=True, check=True).stdout
     row = list(csv.DictReader(io.StringIO(out)))[-1]
     return float(row["avg_ts"])
 

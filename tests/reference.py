@@ -328,3 +328,30 @@ def ngram_proposal(tokens: list[int], k: int, max_n: int, min_n: int) -> list[in
             s = max(starts)
             return tokens[s + n:s + n + k]
     return []
+
+
+def attention_step(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                   values: torch.Tensor, mask: torch.Tensor | None, start: int, scaling: float,
+                   softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's attention for T new tokens, plainly: rope on the q and k heads of `qk` [B,T,H+Hkv,hd] (x·cos +
+    rotate_half(x)·sin, the signed sin given: (x₂, x₁)·sin), k and v [B,T,Hkv,hd] written at the cache's columns
+    start..start+T of keys, values [B,Hkv,cap,hd], then per query head (key head h // (H/Hkv)) softmax(q·k·scaling
+    (softcap·tanh(·/softcap) when softcap > 0) + mask [B,T,L]) · v over the L = start+T columns.
+    → (out [B,T,H·hd], keys, values) — new tensors, the inputs unchanged."""
+    b, t, heads, hd = qk.shape
+    hkv = v.shape[2]
+    h = heads - hkv
+    keys, values = keys.clone(), values.clone()
+    roped = qk * cos[:, :, None] + qk.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin[:, :, None]
+    keys[:, :, start:start + t] = roped[:, :, h:].transpose(1, 2)
+    values[:, :, start:start + t] = v.transpose(1, 2)
+    q = roped[:, :, :h].transpose(1, 2).double()                                    # [B,H,T,hd]
+    kk = keys[:, :, :start + t].repeat_interleave(h // hkv, dim=1).double()
+    vv = values[:, :, :start + t].repeat_interleave(h // hkv, dim=1).double()
+    scores = q @ kk.transpose(-1, -2) * scaling
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask[:, None].double()
+    out = (torch.softmax(scores, -1) @ vv).transpose(1, 2).reshape(b, t, h * hd)
+    return out.float(), keys, values

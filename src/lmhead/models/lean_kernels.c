@@ -781,102 +781,181 @@ int lmhead_attend(const float* qk, int64_t qk_stride, const float* v, int64_t v_
                 for (int64_t i = 0; i < hd; i++) dst[i] = vs[h * hd + i];
             }
         }
-    const int64_t work = B * H * T;
-    /* a decode step's heads on one thread: split over two in a real step (after the products, with cold
-     * caches) it was 7% slower per token on SmolLM2, though faster alone */
-    int nt = (L * hd * work > (int64_t)1 << 18) ? threads : 1;
+    /* each query's span of columns: from the first to the last one its mask keeps (all L without a mask, or
+     * where it keeps none). A column outside is dropped (−FLT_MAX or −inf: torch.finfo's min, as transformers'
+     * masks). Its e^(s − max) had been at most e^−87 ≈ 1.7e−38 (exp8's clamp) beside the kept maximum's 1 and
+     * torch's softmax gives it exactly 0; the sum of the exponentials below keeps the whole row's lanes, so only
+     * an output within ~1e−30 of zero can change. What it saves is the reading: a sliding-window layer (Gemma 3:
+     * 15 of 18, window 512) attends over 512 columns instead of the whole context (its attention at 2,048
+     * columns 13.2 → 5.9 ms a token, interleaved), and a verification's queries skip the columns after them. */
+    int64_t span_stack[2 * 64];
+    int64_t* span = B * T <= 64 ? span_stack : (int64_t*)malloc(sizeof(int64_t) * 2 * (size_t)(B * T));
+    if (span == NULL) {
+        free(q);
+        return -1;
+    }
+    for (int64_t r = 0; r < B * T; r++) {
+        int64_t lo = 0, hi = L;
+        if (mask) {
+            const float* mrow = mask + r * L;
+            while (lo < L && mrow[lo] <= -FLT_MAX) lo++;
+            while (hi > lo && mrow[hi - 1] <= -FLT_MAX) hi--;
+            if (lo == L) lo = 0, hi = L; /* nothing kept: every column, as before (transformers' numbers) */
+        }
+        span[2 * r] = lo;
+        span[2 * r + 1] = hi;
+    }
+    /* Work items: (row, token, key head, a set of `sub` of its query heads). The query heads that share a key
+     * head are taken together, key block by key block: each block of keys and values (≤ 16 KB) is read from
+     * memory once for the set and again from L1 for each head, instead of once per head — per head the whole
+     * context came back from L3 or memory (at 2,048 columns SmolLM2 read 283 MB of cache a token for 94 MB of
+     * keys and values; Gemma 3's 256-wide heads read each value row four times, once per 64 columns). Each
+     * head's arithmetic is the same sequence as head by head (scores, maximum, exponentials and the value sums
+     * in column order; a partial sum waits in `out` between blocks), so the numbers are unchanged. The sets are
+     * as large as still share the threads evenly (items a multiple of the threads, or at least four per thread):
+     * a decode step of Gemma 3 (one key head, four query heads) gives two items of two heads; SmolLM2's three
+     * key heads of three give nine items of one (three items of three left one thread a third idle, 1.1x slower
+     * at 1,024 columns where a head's keys and values still fit L2). */
+    const int64_t per = B * T * Hkv, heads_work = B * H * T;
+    /* both threads from a few columns on: after the products the keys and values come cold from L3 or memory,
+     * and two threads read them at twice the rate (this session's decode steps, interleaved: SmolLM2's attention
+     * 0.99 → 0.80 ms a token and Gemma 3's 0.86 → 0.80 at the benchmark's contexts; a threshold of 2^18 — one
+     * thread below ~450 columns on SmolLM2 — had been set when the split measured slower) */
+    int nt = (L * hd * heads_work > (int64_t)1 << 13) ? threads : 1;
+    int64_t sub = group;
+    while (sub > 1) {
+        const int64_t items = per * (group / sub);
+        if (sub <= 64 && (items % nt == 0 || items >= 4 * (int64_t)nt)) break; /* ≤ 64: the maxima below */
+        do sub--;
+        while (sub > 1 && group % sub != 0);
+    }
+    const int64_t sets = group / sub, work = per * sets;
+    const int64_t block = hd >= 1024 ? 4 : 4096 / hd; /* keys per block: ≤ 16 KB of keys, as many of values */
     int failed = 0;
 #pragma omp parallel num_threads(nt)
     {
-        /* each thread's scores, on the stack up to 4,096 columns (a malloc per head was a third of the time) */
+        /* each thread's scores for its set of heads, on the stack up to 4,096 numbers (a malloc per head was a
+         * third of the time) */
         float stack_p[4096];
-        float* p = L <= 4096 ? stack_p : (float*)malloc(sizeof(float) * (size_t)L);
+        float* p = sub * L <= 4096 ? stack_p : (float*)malloc(sizeof(float) * (size_t)(sub * L));
         if (p == NULL) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work; w++) {
             if (p == NULL) continue;
-            const int64_t b = w / (H * T), h = (w / T) % H, t = w % T, kh = h / group;
-            const float* qv = q + ((b * T + t) * H + h) * hd;
+            const int64_t b = w / (T * Hkv * sets), t = (w / (Hkv * sets)) % T, kh = (w / sets) % Hkv;
+            const int64_t h0 = kh * group + (w % sets) * sub;
             const float* kb = keys + (b * Hkv + kh) * cap * hd;
             const float* vb = values + (b * Hkv + kh) * cap * hd;
             const float* mrow = mask ? mask + (b * T + t) * L : NULL;
-            float mx = -INFINITY;
-            for (int64_t j = 0; j < L; j++) {
-                const float* kj = kb + j * hd;
-                float sc = 0.f;
+            const int64_t lo = span[2 * (b * T + t)], hi = span[2 * (b * T + t) + 1];
+            float mx[64], inv[64];
+            for (int64_t g = 0; g < sub; g++) mx[g] = -INFINITY;
+            for (int64_t j0 = lo; j0 < hi; j0 += block) {
+                const int64_t j1 = j0 + block < hi ? j0 + block : hi;
+                for (int64_t g = 0; g < sub; g++) {
+                    const float* qv = q + ((b * T + t) * H + h0 + g) * hd;
+                    float* pg = p + g * L;
+                    float m = mx[g];
+                    for (int64_t j = j0; j < j1; j++) {
+                        const float* kj = kb + j * hd;
+                        float sc = 0.f;
 #ifdef __AVX2__
-                if (hd % 16 == 0) { /* two chains of multiply-adds, not one of hd/8: the dot's latency bound it */
-                    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-                    for (int64_t i = 0; i < hd; i += 16) {
-                        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i), _mm256_loadu_ps(kj + i), a0);
-                        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i + 8), _mm256_loadu_ps(kj + i + 8), a1);
-                    }
-                    sc = sum8(_mm256_add_ps(a0, a1));
-                } else
+                        if (hd % 16 == 0) { /* two chains of multiply-adds, not one of hd/8: the dot's latency bound it */
+                            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                            for (int64_t i = 0; i < hd; i += 16) {
+                                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i), _mm256_loadu_ps(kj + i), a0);
+                                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i + 8), _mm256_loadu_ps(kj + i + 8), a1);
+                            }
+                            sc = sum8(_mm256_add_ps(a0, a1));
+                        } else
 #endif
-                {
-                    /* a vectorised sum (8 lanes, then the lanes): one serial chain of hd adds took most of the step */
+                        {
+                            /* a vectorised sum (8 lanes, then the lanes): one serial chain of hd adds took most of
+                             * the step */
 #pragma omp simd reduction(+ : sc)
-                    for (int64_t i = 0; i < hd; i++) sc += qv[i] * kj[i];
+                            for (int64_t i = 0; i < hd; i++) sc += qv[i] * kj[i];
+                        }
+                        sc *= scaling;
+                        if (softcap > 0.f) sc = tanhf(sc / softcap) * softcap;
+                        if (mrow) sc += mrow[j];
+                        pg[j] = sc;
+                        if (sc > m) m = sc;
+                    }
+                    mx[g] = m;
                 }
-                sc *= scaling;
-                if (softcap > 0.f) sc = tanhf(sc / softcap) * softcap;
-                if (mrow) sc += mrow[j];
-                p[j] = sc;
-                if (sc > mx) mx = sc;
             }
-            float total = 0.f;
-            int64_t j = 0;
+            for (int64_t g = 0; g < sub; g++) {
+                float* pg = p + g * L;
+                float total = 0.f;
+                int64_t j = lo, scalar_from = lo;
 #ifdef __AVX2__
-            /* e^(s − max) eight at a time (exp8: within 2 ulp of expf; one libm call per score was most of the
-             * attention's time on 30-layer models); a masked score of −inf gives e^−87 clamped, so it is set to
-             * 0 exactly */
-            if (mx > -INFINITY) {
-                const __m256 mm = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY);
-                __m256 tv = _mm256_setzero_ps();
-                for (; j + 8 <= L; j += 8) {
-                    const __m256 sv = _mm256_loadu_ps(p + j);
-                    const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(sv, ninf, _CMP_EQ_OQ), exp8(_mm256_sub_ps(sv, mm)));
-                    _mm256_storeu_ps(p + j, e);
-                    tv = _mm256_add_ps(tv, e);
+                /* e^(s − max) eight at a time (exp8: within 2 ulp of expf; one libm call per score was most of the
+                 * attention's time on 30-layer models); a masked score of −inf gives e^−87 clamped, so it is set
+                 * to 0 exactly. Column j goes to lane j mod 8 and the columns from L rounded down to 8 are added
+                 * one by one, as over the whole row: the span's ends are filled with −inf (0) up to the eight
+                 * around them, so that the sum's rounding is the whole row's */
+                if (mx[g] > -INFINITY) {
+                    const int64_t whole = L & ~(int64_t)7, up = (hi + 7) & ~(int64_t)7;
+                    const int64_t vend = up < whole ? up : whole;
+                    for (j = lo & ~(int64_t)7; j < lo; j++) pg[j] = -INFINITY;
+                    for (j = hi; j < vend; j++) pg[j] = -INFINITY;
+                    j = lo & ~(int64_t)7;
+                    scalar_from = vend > lo ? vend : lo;
+                    const __m256 mm = _mm256_set1_ps(mx[g]), ninf = _mm256_set1_ps(-INFINITY);
+                    __m256 tv = _mm256_setzero_ps();
+                    for (; j + 8 <= vend; j += 8) {
+                        const __m256 sv = _mm256_loadu_ps(pg + j);
+                        const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(sv, ninf, _CMP_EQ_OQ),
+                                                          exp8(_mm256_sub_ps(sv, mm)));
+                        _mm256_storeu_ps(pg + j, e);
+                        tv = _mm256_add_ps(tv, e);
+                    }
+                    float lanes[8];
+                    _mm256_storeu_ps(lanes, tv);
+                    for (int l = 0; l < 8; l++) total += lanes[l];
                 }
-                float lanes[8];
-                _mm256_storeu_ps(lanes, tv);
-                for (int l = 0; l < 8; l++) total += lanes[l];
-            }
 #endif
-            for (; j < L; j++) {
-                p[j] = expf(p[j] - mx);
-                total += p[j];
+                for (j = scalar_from; j < hi; j++) {
+                    pg[j] = expf(pg[j] - mx[g]);
+                    total += pg[j];
+                }
+                inv[g] = 1.0f / total;
+                float* o = out + (b * T + t) * H * hd + (h0 + g) * hd;
+                for (int64_t i = 0; i < hd; i++) o[i] = 0.f;
             }
-            float* o = out + (b * T + t) * H * hd + h * hd;
-            const float inv = 1.0f / total;
-            int64_t i0 = 0;
+            for (int64_t j0 = lo; j0 < hi; j0 += block) {
+                const int64_t j1 = j0 + block < hi ? j0 + block : hi;
+                for (int64_t g = 0; g < sub; g++) {
+                    const float* pg = p + g * L;
+                    float* o = out + (b * T + t) * H * hd + (h0 + g) * hd;
+                    int64_t i0 = 0;
 #ifdef __AVX2__
-            /* Σ_j p_j·v_j for 64 columns at a time in eight registers: summed in memory, each column's chain
-             * went through a store and a load per key */
-            for (; i0 + 64 <= hd; i0 += 64) {
-                __m256 acc[8];
-                for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
-                for (j = 0; j < L; j++) {
-                    const __m256 pj = _mm256_set1_ps(p[j] * inv);
-                    const float* vj = vb + j * hd + i0;
-                    for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * k), acc[k]);
-                }
-                for (int k = 0; k < 8; k++) _mm256_storeu_ps(o + i0 + 8 * k, acc[k]);
-            }
+                    /* Σ_j p_j·v_j for 64 columns at a time in eight registers (summed in memory, each column's
+                     * chain went through a store and a load per key), carried in `o` from block to block */
+                    for (; i0 + 64 <= hd; i0 += 64) {
+                        __m256 acc[8];
+                        for (int k = 0; k < 8; k++) acc[k] = _mm256_loadu_ps(o + i0 + 8 * k);
+                        for (int64_t j = j0; j < j1; j++) {
+                            const __m256 pj = _mm256_set1_ps(pg[j] * inv[g]);
+                            const float* vj = vb + j * hd + i0;
+                            for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * k), acc[k]);
+                        }
+                        for (int k = 0; k < 8; k++) _mm256_storeu_ps(o + i0 + 8 * k, acc[k]);
+                    }
 #endif
-            for (int64_t i = i0; i < hd; i++) o[i] = 0.f;
-            if (i0 < hd)
-                for (j = 0; j < L; j++) {
-                    const float pj = p[j] * inv;
-                    const float* vj = vb + j * hd;
+                    if (i0 < hd)
+                        for (int64_t j = j0; j < j1; j++) {
+                            const float pj = pg[j] * inv[g];
+                            const float* vj = vb + j * hd;
 #pragma omp simd
-                    for (int64_t i = i0; i < hd; i++) o[i] += pj * vj[i];
+                            for (int64_t i = i0; i < hd; i++) o[i] += pj * vj[i];
+                        }
                 }
+            }
         }
         if (p != NULL && p != stack_p) free(p);
     }
+    if (span != span_stack) free(span);
     free(q);
     return failed ? -1 : 0;
 }
