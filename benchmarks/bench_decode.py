@@ -48,7 +48,7 @@ def _ours(model, prompt: str, n: int, config, draft: str) -> tuple[float, list[i
     return time.perf_counter() - t, ids, profile
 
 
-def _theirs(model, prompt: str, n: int, sampled: bool) -> tuple[float, list[int]]:
+def transformers_generate(model, prompt: str, n: int, sampled: bool) -> tuple[float, list[int]]:
     enc = model.tokenizer(prompt, return_tensors="pt")
     kw = dict(do_sample=True, temperature=0.8, top_k=None, top_p=0.9) if sampled else \
         dict(do_sample=False, temperature=None, top_k=None, top_p=None)
@@ -58,7 +58,7 @@ def _theirs(model, prompt: str, n: int, sampled: bool) -> tuple[float, list[int]
     return time.perf_counter() - t, out[0, enc["input_ids"].shape[1]:].tolist()
 
 
-def _llama_cpp(name: str, n: int, repeats: int, depth: int = 0) -> float | None:
+def llama_cpp_rate(name: str, n: int, repeats: int, depth: int = 0) -> float | None:
     """llama-bench's token-generation rate (tok/s) on the model's GGUF file — after `depth` tokens already in its
     cache (`-d`) — or None when it is not built."""
     if not LLAMA_BENCH.exists():
@@ -104,8 +104,8 @@ def bench_model(name: str, args) -> None:
     modes = {"greedy": SamplingConfig(temperature=0.0), "sampled": SamplingConfig(temperature=0.8, top_p=0.9)}
     for draft in args.draft:  # warm-up: lazy initialisation in torch, transformers and oneDNN
         _ours(model, prompts[0], 4, modes["greedy"], draft)
-    _theirs(model, prompts[0], 4, sampled=False)
-    llama = _llama_cpp(name, args.new_tokens, 3) if args.llama_cpp else None
+    transformers_generate(model, prompts[0], 4, sampled=False)
+    llama = llama_cpp_rate(name, args.new_tokens, 3) if args.llama_cpp else None
     bandwidth = read_bandwidth_gbs()
     print(f"\n## {name}: batch 1, {args.new_tokens} new tokens, {len(prompts)} prompts x {args.repeats} "
           f"interleaved repeats, torch threads {torch.get_num_threads()}, head {type(model.head).__name__} "
@@ -125,7 +125,7 @@ def bench_model(name: str, args) -> None:
                 order = [*args.draft, "transformers"]
                 for who in order if r % 2 == 0 else order[::-1]:
                     if who == "transformers":
-                        t, ref = _theirs(model, prompt, args.new_tokens, sampled=mode == "sampled")
+                        t, ref = transformers_generate(model, prompt, args.new_tokens, sampled=mode == "sampled")
                         rates[who].append(len(ref) / t)
                         continue
                     t, ids, profile = _ours(model, prompt, args.new_tokens, config, who)
@@ -136,7 +136,7 @@ def bench_model(name: str, args) -> None:
                     outs[(who, prompt)] = ids
             if mode == "greedy":
                 for prompt in prompts:
-                    _, ref = _theirs(model, prompt, args.new_tokens, sampled=False)
+                    _, ref = transformers_generate(model, prompt, args.new_tokens, sampled=False)
                     for d in args.draft:
                         same[d] += int(outs[(d, prompt)] == ref)
         hf = statistics.median(rates["transformers"])

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_decode import PROMPTS, _llama_cpp, _theirs  # noqa: E402
+from bench_decode import PROMPTS, llama_cpp_rate, transformers_generate  # noqa: E402
 
 WORDS = ("the of and to in is was that for on with as by at from his her they this which but were had not are "
          "river mountain city market winter summer garden letter ship road bridge school king queen music paper "
@@ -75,12 +75,12 @@ def bench_model(name: str, args: argparse.Namespace) -> None:
             rate, ids = decode_rate(model, prompts[depth], args.new_tokens)
             ours.append(rate)
             if args.llama_cpp:
-                lc = _llama_cpp(name, args.new_tokens, 1, depth)
+                lc = llama_cpp_rate(name, args.new_tokens, 1, depth)
                 if lc is not None:
                     theirs.append(lc)
         same = "-"
         if args.check:
-            _, ref = _theirs(model, prompts[depth], args.new_tokens, sampled=False)
+            _, ref = transformers_generate(model, prompts[depth], args.new_tokens, sampled=False)
             same = "yes" if ref == ids else f"no (first difference at token {_first_difference(ref, ids)})"
         o = statistics.median(ours)
         t = statistics.median(theirs) if theirs else None
