@@ -109,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     for d in args.depth:
         if d < 0:
             parser.error(f"--depth must be >= 0, got {d}")
+    if args.new_tokens < 2:
+        parser.error(f"--new-tokens must be >= 2 (the rate is taken after the first token), got {args.new_tokens}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     for name in args.model:
         bench_model(name, args)
     return 0
