@@ -56,6 +56,8 @@ def decode_rate(model, prompt: str, n: int) -> tuple[float, list[int]]:
     for step in model.generate(prompt, n, config=SamplingConfig(temperature=0), draft="none"):
         times.append(time.perf_counter())
         ids.append(step.token_id)
+    if len(times) < 2:  # the model ended its text at once: no rate to take
+        raise SystemExit(f"bench_depth.py: the model stopped after {len(times)} token(s); no decode rate to measure")
     return (len(times) - 1) / (times[-1] - times[0]), ids
 
 
