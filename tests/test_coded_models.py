@@ -15,7 +15,6 @@ pytestmark = [pytest.mark.model,
 @pytest.mark.parametrize("name", ["gemma-3-270m", "smollm2-135m"])
 def test_every_matrix_reads_its_codes_and_the_logits_equal_transformers(name):
     from lmhead import load_model
-    from lmhead.models.gguf_codes import codes_for_model
 
     model = load_model(name, progress=False)
     layers = model.config.get_text_config().num_hidden_layers
@@ -23,11 +22,11 @@ def test_every_matrix_reads_its_codes_and_the_logits_equal_transformers(name):
     assert model.exact_head.product is not None and model.head is model.exact_head
     # draft="auto": n-gram drafts where the head is the larger read (measured faster on Gemma, slower on SmolLM2)
     assert model.auto_draft() == {"gemma-3-270m": "ngram", "smollm2-135m": "none"}[name]
-    codes = codes_for_model(model, build=False)
     blocks = model.hf_model.base_model.layers
-    for block, key in ((blocks[0].mlp.down_proj, "layers.0.mlp.down_proj"),
-                       (blocks[-1].self_attn.q_proj, f"layers.{layers - 1}.self_attn.q_proj")):
-        assert torch.equal(codes[key].dequantize(), block.weight)  # lossless: the float32 weights exactly
+    down = model.lean.layers[0].coded["down"].dequantize()
+    q = model.lean.layers[-1].coded["qkv"].dequantize()[:blocks[-1].self_attn.q_proj.weight.shape[0]]
+    for codes, block in ((down, blocks[0].mlp.down_proj), (q, blocks[-1].self_attn.q_proj)):
+        assert torch.equal(codes, block.weight)  # lossless: the file's codes are the float32 weights exactly
     ids = torch.tensor([model.encode("The quick brown fox jumps over the lazy dog because")])
     with torch.no_grad():
         want = model.hf_model(ids).logits[0]

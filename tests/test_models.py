@@ -124,7 +124,9 @@ def test_loading_a_corrupt_gguf_path_fails_before_transformers(tmp_path, monkeyp
     with pytest.raises(ModelError, match=r"broken\.gguf"):
         load_model(str(path), progress=False)
     # nothing half-written is left in the cache
-    assert [p.name for p in (tmp_path / "cache" / "models").iterdir() if not p.name.endswith(".lock")] == []
+    left = [p.name for folder in ("models", "meta") if (tmp_path / "cache" / folder).exists()
+            for p in (tmp_path / "cache" / folder).iterdir() if not p.name.endswith(".lock")]
+    assert left == []
 
 
 # --- the cache ---------------------------------------------------------------------------------------------
@@ -376,6 +378,7 @@ def test_cached_folder_converts_once_and_then_reuses(tmp_path, monkeypatch):
         return {"model_class": "LlamaForCausalLM"}
 
     monkeypatch.setattr(loading, "convert_gguf", fake_convert)
+    monkeypatch.setenv("LMHEAD_CONVERT", "1")  # the conversion cache under test, not the file's own loader
     source = resolve(str(gguf_path))
     folder = cached_folder(source, progress=False)
     assert len(calls) == 1 and cache.verify(folder, checksums=True) is None
@@ -413,6 +416,7 @@ def test_an_unloadable_cache_with_the_right_sizes_is_rebuilt(tmp_path, monkeypat
         return {}
 
     monkeypatch.setattr(loading, "convert_gguf", fake_convert)
+    monkeypatch.setenv("LMHEAD_CONVERT", "1")  # the conversion cache under test, not the file's own loader
     folder = cached_folder(resolve(str(gguf_path)), progress=False)
     weights = folder / "model.safetensors"
     weights.write_bytes(b"\xff" * weights.stat().st_size)  # same size, garbage: passes the size check
@@ -434,6 +438,7 @@ def test_weights_damaged_in_place_are_detected_on_load_and_rebuilt(tmp_path, mon
         return {}
 
     monkeypatch.setattr(loading, "convert_gguf", fake_convert)
+    monkeypatch.setenv("LMHEAD_CONVERT", "1")  # the conversion cache under test, not the file's own loader
     folder = cached_folder(resolve(str(gguf_path)), progress=False)
     weights = folder / "model.safetensors"
     good = weights.read_bytes()
@@ -499,6 +504,7 @@ def test_conversion_progress_goes_to_stderr(tmp_path, monkeypatch, capsys):
         return {}
 
     monkeypatch.setattr(loading, "convert_gguf", fake_convert)
+    monkeypatch.setenv("LMHEAD_CONVERT", "1")  # the conversion cache under test, not the file's own loader
     cached_folder(resolve(str(gguf_path)))
     captured = capsys.readouterr()
     assert captured.out == ""

@@ -29,7 +29,8 @@ def model(request):
 def test_named_model_shapes_and_tied_head(model):
     vocab, width = SHAPES[model.name]
     assert tuple(model.head.weight.shape) == (vocab, width)
-    assert model.head.weight.data_ptr() == model.hf_model.get_input_embeddings().weight.data_ptr()
+    hf_model = model.hf_model  # built on first use: from then on the head shares its (tied) weight
+    assert model.head.weight.data_ptr() == hf_model.get_input_embeddings().weight.data_ptr()
     assert model.head.weight.dtype == torch.float32 and not model.hf_model.training
     assert model.eos_token_ids and all(0 <= i < vocab for i in model.eos_token_ids)
 

@@ -262,7 +262,7 @@ def _model_name(model, name: str | None) -> str:
 
 
 def _device(model) -> torch.device:
-    return model.exact_head.weight.device
+    return model.device
 
 
 def _encode(tokenizer, text: str, what: str) -> list[int]:

@@ -63,7 +63,7 @@ class LastPosition:
 def last_position(model, prompt: str) -> LastPosition:
     """Run `model`'s body (an `lmhead.Model`) on `prompt` and its `exact_head` on the last position."""
     ids = prompt_ids(model, prompt)
-    x = torch.tensor([ids], device=model.exact_head.weight.device)
+    x = torch.tensor([ids], device=model.device)
     h = model.hidden_states(x)[0, -1].float()  # [D]
     logits = model.exact_head(h[None, None]).reshape(-1).float()  # [V]
     return LastPosition(ids=ids, hidden=h, logits=logits)
@@ -404,7 +404,7 @@ def step_profile(model, prompt: str, token_ids: Sequence[int], configs=None) -> 
     cfgs = [_config(configs)] * n if not isinstance(configs, (list, tuple)) else [_config(c) for c in configs]
     if len(cfgs) != n:
         raise ValueError(f"configs: expected one SamplingConfig or a list of {n}, got a list of {len(cfgs)}")
-    seq = torch.tensor([ids + new], device=model.exact_head.weight.device)
+    seq = torch.tensor([ids + new], device=model.device)
     hidden = model.hidden_states(seq[:, :-1])[0, p - 1 :]  # [n,D]: the positions that predicted each token
     logits = model.exact_head(hidden[None]).reshape(n, vocab).float()  # [n,V]
     prev = seq[0, :-1].expand(n, -1).clone()  # row j: the sequence before token j, padded with -1

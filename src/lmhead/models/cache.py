@@ -22,7 +22,6 @@ import contextlib
 import fcntl
 import hashlib
 import json
-import mmap
 import os
 import shutil
 import tempfile
@@ -57,6 +56,20 @@ def models_dir() -> Path:
     return path
 
 
+def meta_dir() -> Path:
+    """`<cache>/meta`: per GGUF source, what transformers derives from the file once (config, tokenizer) —
+    the weights stay the file's (`models/file_model.py`)."""
+    path = cache_root() / "meta"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        from lmhead.models.errors import ModelError
+
+        raise ModelError(f"cannot create the model cache folder {path}: {exc.strerror}; "
+                         "set LMHEAD_CACHE to a writable folder") from exc
+    return path
+
+
 def sha256_file(path: Path, block: int = 1 << 22) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -65,23 +78,19 @@ def sha256_file(path: Path, block: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def fast_checksum_file(path: Path, block: int = 1 << 26) -> str:
+def fast_checksum_file(path: Path, block: int = 1 << 24) -> str:
     """The file's xxh3_64 (hex): a non-cryptographic checksum that reads at memory speed, cheap enough to run on
     every load. It guards against damage (a disk, a copy, a stray write), not against a deliberate forgery:
-    the sha256 in the manifest (`verify(checksums=True)`) is for that."""
+    the sha256 in the manifest (`verify(checksums=True)`) is for that. Read through one reused buffer (a map
+    of the whole file would count it in the process's peak memory)."""
     import xxhash
 
     digest = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return digest.hexdigest()
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            view = memoryview(mapped)
-            try:
-                for start in range(0, len(view), block):
-                    digest.update(view[start:start + block])
-            finally:
-                view.release()
+    buf = bytearray(block)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            digest.update(view[:n])
     return digest.hexdigest()
 
 
@@ -229,10 +238,11 @@ def derived_path(folder: Any, kind: str, suffix: str) -> Path | None:
     manifest's checksum of the weights; None for any other folder (do not write next to the user's files)."""
     try:
         manifest = json.loads((Path(folder) / MANIFEST).read_text())
-        sha = manifest["files"]["model.safetensors"]["sha256"]
+        # a converted folder: its float32 weights' checksum; a model read from its GGUF file: the file's
+        sha = manifest.get("weights_sha256") or manifest["files"]["model.safetensors"]["sha256"]
     except Exception:
         return None
-    if Path(folder).resolve().parent.name != "models":
+    if Path(folder).resolve().parent.name not in ("models", "meta"):
         return None
     return Path(folder).resolve().parent.parent / kind / f"{sha[:32]}-{suffix}.safetensors"
 

@@ -70,7 +70,10 @@ static void halves_to_floats(const uint16_t* h, float* f, int64_t n) {
     for (; i < n; i++) f[i] = half_to_float(h[i]);
 }
 
-int lmhead_coded_abi(void) { return 16; }
+int lmhead_coded_abi(void) { return 17; }
+
+/* half_to_float for the other source file (lean_kernels.c's embedding rows) */
+float lmhead_half(uint16_t h) { return half_to_float(h); }
 
 #ifdef __AVX2__
 int lmhead_coded_avx2(void) { return 1; }

@@ -79,15 +79,41 @@ class CodedLinear:
         if weight is not None and tuple(weight.shape) != (n, k):
             raise ValueError(f"weight must be [{n}, {k}] like the codes, got {tuple(weight.shape)}")
         # unsigned 4-bit codes (Q4_K, Q4_1) are stored two per byte: half the bytes to read again
-        self.packed = bool(self.group == 32 and k % 64 == 0 and codes.numel()
-                           and int(codes.min()) >= 0 and int(codes.max()) <= 15)
-        codes = native.pack4(codes) if self.packed else codes.contiguous()
+        packed = bool(self.group == 32 and k % 64 == 0 and codes.numel()
+                      and int(codes.min()) >= 0 and int(codes.max()) <= 15)
+        codes = native.pack4(codes) if packed else codes.contiguous()
+        rows4 = self._rows4(n, k, self.group, offset is not None, packed)
+        self._finish(native.block4(codes) if rows4 else codes, packed, rows4, n, k, scale, offset, weight, sources)
+
+    @staticmethod
+    def _rows4(n: int, k: int, group: int, has_offset: bool, packed: bool) -> bool:
         # groups of 32 in whole blocks of four rows: stored block by block, so that decode reads four rows from
         # one forward stream (coded_kernel.c)
         # (Q6_K's groups of 16 too, two to a 32-byte unit: int8 codes without offsets)
-        self.rows4 = bool(n and n % 4 == 0 and (self.group == 32 or (self.group == 16 and k % 32 == 0
-                                                                       and offset is None and not self.packed)))
-        self.codes = native.block4(codes) if self.rows4 else codes
+        return bool(n and n % 4 == 0 and (group == 32 or (group == 16 and k % 32 == 0 and not has_offset
+                                                          and not packed)))
+
+    @classmethod
+    def from_chunks(cls, n: int, k: int, scale: Tensor, offset: Tensor | None, chunks, unsigned4: bool
+                    ) -> CodedLinear:
+        """The same object as `CodedLinear(codes, scale, offset)` for codes [N,K] given as `chunks` — (first row,
+        int8 codes [r,K]) in order, r a multiple of 4 but for the last — laid out piece by piece into the kernel's
+        layout, so that the whole int8 matrix never exists beside it (a large head read from its file).
+        `unsigned4`: the codes are in [0, 15] (Q4_1, Q4_K), which the constructor would find by reading them."""
+        self = cls.__new__(cls)
+        self.group = k // scale.shape[1]
+        packed = bool(self.group == 32 and k % 64 == 0 and unsigned4)
+        rows4 = cls._rows4(n, k, self.group, offset is not None, packed)
+        out = torch.empty((n, k // 2 if packed else k), dtype=torch.int8)
+        for start, codes in chunks:
+            codes = native.pack4(codes) if packed else codes
+            out[start:start + codes.shape[0]] = native.block4(codes) if rows4 else codes
+        self._finish(out, packed, rows4, n, k, scale, offset, None, None)
+        return self
+
+    def _finish(self, codes: Tensor, packed: bool, rows4: bool, n: int, k: int, scale: Tensor,
+                offset: Tensor | None, weight: Tensor | None, sources: tuple[Tensor, ...] | None) -> None:
+        self.packed, self.rows4, self.codes = packed, rows4, codes
         scale, offset = scale.float(), None if offset is None else offset.float()
         # scales and offsets that are float16 numbers (the d and m of Q4_0/Q4_1/Q5_0/Q8_0 blocks) are kept as
         # float16: the same values, and 1/16 of a byte less per weight to read
@@ -125,6 +151,25 @@ class CodedLinear:
         if self.offset is not None:
             w = w + self.offset.float()[..., None]
         return w.view(n, k)
+
+    def desc(self) -> native.MatDesc:
+        """This matrix as the kernels' `lmhead_mat` (pointers into this object's own tensors: keep it alive)."""
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        return native.MatDesc(ptr(self.codes), ptr(self.scale), ptr(self.offset), self.group, self.out_features,
+                              self.in_features, self.flags)
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """Rows `ids` (int64, any shape S) of the float32 matrix the codes encode → [*S, K]: an embedding lookup
+        over the codes (the same numbers as `dequantize()[ids]`). IndexError for an id outside [0, N)."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty((flat.numel(), self.in_features), dtype=torch.float32)
+        lib = native.library()
+        if lib is not None:
+            if lib.lmhead_coded_rows(ctypes.byref(self.desc()), flat.data_ptr(), flat.numel(), out.data_ptr()) != 0:
+                raise IndexError(f"ids must be in [0, {self.out_features}), got {flat.min()}..{flat.max()}")
+        else:
+            out = self.dequantize()[flat] if self.weight is None else self.weight.detach()[flat].float()
+        return out.view(*ids.shape, self.in_features)
 
     def __call__(self, x: Tensor) -> Tensor:
         lib = native.library()

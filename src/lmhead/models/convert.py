@@ -8,14 +8,11 @@ state dict is written here with safetensors, each shared (tied) tensor once; loa
 
 from __future__ import annotations
 
-import struct
 import sys
 import time
 from pathlib import Path
 
 from lmhead.models.errors import ModelError
-
-GGUF_MAGIC = b"GGUF"
 
 
 def check_gguf(path: Path) -> dict[str, object]:
@@ -23,33 +20,13 @@ def check_gguf(path: Path) -> dict[str, object]:
 
     Returns {"architecture", "tensors", "size"}. Every tensor's data must lie inside the file.
     """
+    from lmhead.models.gguf_file import read_header
+
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
+        arch, tensors, size = read_header(Path(path))
     except OSError as exc:
         raise ModelError(f"cannot read GGUF file {path}: {exc}") from exc
-    if len(head) < 8 or head[:4] != GGUF_MAGIC:
-        raise ModelError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
-    (version,) = struct.unpack("<I", head[4:8])
-    if version not in (2, 3):
-        raise ModelError(f"{path}: unsupported GGUF version {version} (supported: 2, 3)")
-    try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(path)
-        arch_field = reader.fields.get("general.architecture")
-        arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else "unknown"
-        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-        n_tensors = len(reader.tensors)
-    except ModelError:
-        raise
-    except Exception as exc:  # the gguf parser raises many types on a damaged file
-        raise ModelError(f"{path} is a damaged GGUF file (truncated or corrupt: {type(exc).__name__}: {exc})") \
-            from exc
-    if end > size or n_tensors == 0:
-        raise ModelError(f"{path} is a truncated GGUF file: its tensors need {end} bytes, the file has {size}")
-    return {"architecture": arch, "tensors": n_tensors, "size": size}
+    return {"architecture": arch, "tensors": len(tensors), "size": size}
 
 
 class Steps:

@@ -29,12 +29,13 @@ from torch import Tensor
 
 from lmhead.models import cache
 
-__all__ = ["FORMAT", "Codes", "codes_for_model", "codes_from_weight", "fuse_codes", "gguf_codes", "module_codes"]
+__all__ = ["BLOCKS", "FORMAT", "Codes", "block_scales", "codes_for_model", "codes_from_weight", "fuse_codes",
+           "gguf_codes", "module_codes"]
 
 FORMAT = 1  # bump when the stored layout changes: older files are rebuilt
 
 # GGUF block layouts: name -> (weights per block, bytes per block, weights per scale group)
-_BLOCK = {"Q4_0": (32, 18, 32), "Q4_1": (32, 20, 32), "Q5_0": (32, 22, 32), "Q5_1": (32, 24, 32),
+BLOCKS = {"Q4_0": (32, 18, 32), "Q4_1": (32, 20, 32), "Q5_0": (32, 22, 32), "Q5_1": (32, 24, 32),
           "Q8_0": (32, 34, 32), "Q4_K": (256, 144, 32), "Q5_K": (256, 176, 32), "Q6_K": (256, 210, 16)}
 
 # GGUF tensor name (per block i) -> the transformers module path under the base model
@@ -64,7 +65,7 @@ class Codes:
         return w.view(n, k)
 
 
-def _scales(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+def block_scales(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """Per-group (scale, offset) float32 [n_blocks, groups per block] of raw blocks [n_blocks, bytes], computed
     as gguf's dequantiser computes them (float32 products of the stored half-precision and integer parts)."""
     f16 = lambda a: a.copy().view(np.float16).astype(np.float32)  # noqa: E731
@@ -117,15 +118,15 @@ def _row_order(gguf_rows: Tensor, weight: Tensor) -> Tensor | None:
 def _tensor_codes(t: Any, weight: Tensor) -> Codes | None:
     """Codes for the GGUF tensor `t` that reproduce `weight` exactly, or None."""
     kind = t.tensor_type.name
-    if kind not in _BLOCK:
+    if kind not in BLOCKS:
         return None
-    per_block, nbytes, group = _BLOCK[kind]
+    per_block, nbytes, group = BLOCKS[kind]
     n, k = weight.shape
     data = np.asarray(t.data)
     if data.dtype != np.uint8 or data.size != n * (k // per_block) * nbytes or k % per_block:
         return None
     blocks = data.reshape(n * (k // per_block), nbytes)
-    s, o = _scales(kind, blocks)
+    s, o = block_scales(kind, blocks)
     scale = torch.from_numpy(s.reshape(n, k // group))
     offset = None if o is None else torch.from_numpy(o.reshape(n, k // group))
     codes = codes_from_weight(weight, scale, offset, kind)

@@ -37,12 +37,12 @@ def check_head_mode(mode: Any) -> str:
     return mode
 
 
-def resolve_head_mode(mode: str, weight: torch.Tensor, coded: bool = False) -> str:
+def resolve_head_mode(mode: str, weight: torch.Tensor | None, coded: bool = False) -> str:
     """`mode`, with "auto" replaced by "fp32" where the fp32 head reads the GGUF file's codes (`coded`: exact
     and the fastest, benchmarks/bench_head.py), else "exact-int8" for heads of ≥ 256 MiB in fp32 and "fp32"
     below."""
     if check_head_mode(mode) == "auto":
-        return "exact-int8" if not coded and weight.numel() * 4 >= AUTO_MIN_BYTES else "fp32"
+        return "exact-int8" if not coded and weight.numel() * 4 >= AUTO_MIN_BYTES else "fp32"  # codes: no weight read
     return mode
 
 
@@ -63,7 +63,8 @@ def build_head(model: Any, mode: str = DEFAULT_HEAD_MODE, cache: bool = True, **
     compress again; models without a manifest in lmhead's cache (HF folders) are compressed in memory.
     """
     base = model.exact_head
-    mode = resolve_head_mode(mode, base.weight, coded=getattr(base, "product", None) is not None)
+    coded = getattr(base, "product", None) is not None
+    mode = resolve_head_mode(mode, None if coded else base.weight, coded=coded)
     if mode == "fp32":
         return base
     path = _state_path(model, mode) if cache else None

@@ -193,6 +193,24 @@ class LeanBody:
             raise ValueError(f"the lean body supports {', '.join(SUPPORTED_MODEL_TYPES)}; got {model_type!r}")
         cfg = hf_model.config.get_text_config()
         base = hf_model.base_model
+        self._configure(cfg, onednn)
+        self.embed = base.embed_tokens.weight
+        self.embed_codes = None
+        self.embed_scale = (base.embed_tokens.embed_scale.to(base.embed_tokens.weight.dtype)
+                            if self.gemma else None)
+        self.rotary = base.rotary_emb
+        self.final_norm = base.norm.weight
+        self.act = base.layers[0].mlp.act_fn
+        self.hf_blocks = list(base.layers)
+        self.layers = [self._layer(block, t) for block, t in zip(base.layers, self._types, strict=True)]
+        self.dtype, self.device = self.embed.dtype, self.embed.device
+        if int8:
+            for layer in self.layers:
+                for name in ("qkv", "o", "gate_up", "down"):
+                    setattr(layer, name, Int8Linear(getattr(layer, name)))
+
+    def _configure(self, cfg, onednn: bool | None) -> None:
+        """What the step reads from the model's config (a transformers config or `models.config.ModelConfig`)."""
         self.model_type = cfg.model_type
         self.gemma = cfg.model_type == "gemma3_text"
         self.config = cfg
@@ -203,26 +221,45 @@ class LeanBody:
         self.scaling = (cfg.query_pre_attn_scalar ** -0.5) if self.gemma else self.head_dim ** -0.5
         self.attn_softcap = getattr(cfg, "attn_logit_softcapping", None) if self.gemma else None
         self.window = getattr(cfg, "sliding_window", None)
-        types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
-        self.embed = base.embed_tokens.weight
-        self.embed_scale = (base.embed_tokens.embed_scale.to(base.embed_tokens.weight.dtype)
-                            if self.gemma else None)
-        self.rotary = base.rotary_emb
-        self.final_norm = base.norm.weight
-        self.act = base.layers[0].mlp.act_fn
+        self._types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+        self.layer_types = sorted(set(self._types))
         # the activations lean_kernels.c computes (by the config's name; others run the model's own act_fn)
         act_name = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
         self.act_code = {"gelu_pytorch_tanh": 0, "silu": 1}.get(act_name)
         self.native = native.library()
         self.onednn = onednn_available() if onednn is None else onednn
-        self.hf_blocks = list(base.layers)
-        self.layers = [self._layer(block, t) for block, t in zip(base.layers, types, strict=True)]
-        self.layer_types = sorted(set(types))
-        self.dtype, self.device = self.embed.dtype, self.embed.device
-        if int8:
-            for layer in self.layers:
-                for name in ("qkv", "o", "gate_up", "down"):
-                    setattr(layer, name, Int8Linear(getattr(layer, name)))
+
+    @classmethod
+    def from_parts(cls, cfg, embed: Tensor | CodedLinear, layers: list[_Layer], final_norm: Tensor, rotary,
+                   act, embed_scale: Tensor | None = None, onednn: bool | None = None) -> LeanBody:
+        """A body over tensors that are no transformers model's (`models/file_body.py`: a GGUF file's codes):
+        `embed` the [V,D] embedding (float32, or a `CodedLinear` whose rows are read at each step), `layers` with
+        their coded matrices (`_Layer.coded`; the float32 matrices may be None: long products then dequantize
+        the codes), `rotary(x, positions[, kind])` → cos, sin as transformers' rotary module, `act` the MLP's
+        activation for the torch path."""
+        self = cls.__new__(cls)
+        self._configure(cfg, onednn)
+        if isinstance(embed, CodedLinear):
+            self.embed, self.embed_codes = None, embed
+        else:
+            self.embed, self.embed_codes = embed, None
+        self.embed_scale = embed_scale
+        self.rotary, self.act, self.final_norm = rotary, act, final_norm
+        self.hf_blocks = None
+        self.layers = layers
+        self.dtype, self.device = final_norm.dtype, final_norm.device
+        return self
+
+    @property
+    def width(self) -> int:
+        """D, the width of the residual stream."""
+        return int(self.final_norm.shape[-1])
+
+    def embedding(self, ids: Tensor) -> Tensor:
+        """ids [B,T] → the embedding rows [B,T,D] float32 (before Gemma's scale)."""
+        if self.embed_codes is not None:
+            return self.embed_codes.rows(ids)
+        return F.embedding(ids, self.embed)
 
     @property
     def nbytes(self) -> int:
@@ -238,7 +275,7 @@ class LeanBody:
         of the body's matrices run coded; 0 when the kernel is unavailable (no C compiler) or nothing matches."""
         from lmhead.models.gguf_codes import fuse_codes, module_codes
 
-        if not coded_available() or not codes:
+        if not coded_available() or not codes or self.hf_blocks is None:
             return 0
         self._descs = self._versioned = None  # the step's descriptors and version list follow the new matrices
         count = 0
@@ -401,7 +438,7 @@ class LeanBody:
     def _step_scratch(self, rows: int) -> int:
         """Floats of `lmhead_step`'s scratch for `rows` new tokens."""
         hd, heads, kv = self.head_dim, self.heads, self.kv_heads
-        f, d = self.layers[0].coded["down"].in_features, self.embed.shape[1]
+        f, d = self.layers[0].coded["down"].in_features, self.width
         return rows * ((heads + 2 * kv) * hd + (heads + kv) * hd + heads * hd + 2 * d + 3 * f)
 
     def _step_native(self, x: Tensor, rope: dict, masks: dict, cache: StaticCache, start: int) -> Tensor | None:
@@ -438,9 +475,9 @@ class LeanBody:
         for a position, an id outside the vocabulary, tensors of another dtype or layout. Why: after a step
         has streamed the weights through the caches, each torch operation around it costs 50–300 µs
         (lean_kernels.c), ~1 ms of a 10 ms step."""
-        lib = self._native(self.embed)
+        lib = self._native(self.final_norm)
         b, t = ids.shape
-        if lib is None or not self.embed.is_contiguous():
+        if lib is None or (self.embed is not None and not self.embed.is_contiguous()):
             return None
         tables = self.__dict__.get("_rope_tables", {})
         rows_tables = [tables.get((kind, self.dtype, self.device)) for kind in self.layer_types]
@@ -458,7 +495,7 @@ class LeanBody:
         descs = self._checked_descs(cache, b * t)
         if descs is None:
             return None
-        start, cap, d, rows = cache.length, cache.capacity, self.embed.shape[1], b * t
+        start, cap, d, rows = cache.length, cache.capacity, self.width, b * t
         hd, heads, kv = self.head_dim, self.heads, self.kv_heads
         f = self.layers[0].coded["down"].in_features
         key = (rows, cap, threading.get_ident())  # per thread: two generations at once must not share them
@@ -467,8 +504,8 @@ class LeanBody:
             if len(buffers) > 16:
                 buffers.clear()
             work = rows * (2 * len(self.layer_types) * hd + 2 * cap)
-            buffers[key] = (self.embed.new_empty(rows * d), self.embed.new_empty(self._step_scratch(rows)),
-                            self.embed.new_empty(work))
+            new = self.final_norm.new_empty
+            buffers[key] = (new(rows * d), new(self._step_scratch(rows)), new(work))
         x, scratch, work = buffers[key]
         made = self.__dict__.get("_table_ptrs")
         if made is None or any(a is not b for a, b in zip(made[0], rows_tables, strict=True)):
@@ -479,9 +516,15 @@ class LeanBody:
             made = (rows_tables, ptrs([c for c, _ in rows_tables]), ptrs([sn for _, sn in rows_tables]),
                     sum({1 << int(layer.sliding) for layer in self.layers}), 0.0 if scale is None else float(scale))
             self._table_ptrs = made
-        h = self.embed.new_empty((b, t, d))
-        rc = lib.lmhead_decode(descs[0], len(self.layers), self.final_norm.data_ptr(), self.embed.data_ptr(),
-                               self.embed.shape[0], made[4], int(self.embed_scale is not None),
+        h = self.final_norm.new_empty((b, t, d))
+        coded = self.embed_codes
+        embed_desc = None if coded is None else self.__dict__.get("_embed_desc")
+        if coded is not None and embed_desc is None:
+            embed_desc = self._embed_desc = ctypes.byref(coded.desc())
+        rc = lib.lmhead_decode(descs[0], len(self.layers), self.final_norm.data_ptr(),
+                               None if coded is not None else self.embed.data_ptr(), embed_desc,
+                               coded.out_features if coded is not None else self.embed.shape[0], made[4],
+                               int(self.embed_scale is not None),
                                ids.data_ptr(), positions.data_ptr(), None if valid is None else valid.data_ptr(),
                                cache.valid.data_ptr(), cache.positions.data_ptr(), cache.tokens.data_ptr(),
                                made[1], made[2], len(self.layer_types), table_rows, made[3], self.window or 0,
@@ -541,10 +584,14 @@ class LeanBody:
     def _product(self, x: Tensor, layer: _Layer, name: str, b: Tensor | None = None) -> Tensor:
         """x [B,T,in] through the layer's matrix `name` ("qkv", "o", "gate_up", "down")."""
         coded = layer.coded.get(name) if layer.coded else None
-        if coded is not None and x.shape[:-1].numel() <= self.CODED_MAX_ROWS:
+        weight = getattr(layer, name)
+        if coded is not None and (x.shape[:-1].numel() <= self.CODED_MAX_ROWS or weight is None):
+            if weight is None and x.shape[:-1].numel() > self.CODED_MAX_ROWS:
+                # no float32 copy kept (a model read from its file): the matrix for this long product only
+                return self._linear(x, coded.dequantize(), b)
             y = coded(x)
             return y if b is None else y + b
-        return self._linear(x, getattr(layer, name), b)
+        return self._linear(x, weight, b)
 
     def _linear(self, x: Tensor, w: Tensor | Int8Linear, b: Tensor | None = None) -> Tensor:
         if isinstance(w, Int8Linear):
@@ -643,7 +690,7 @@ class LeanBody:
         cache.tokens[:, start:start + t] = ids
         cache.length = start + t
         masks = self._masks(cache, start, t)
-        x = F.embedding(ids, self.embed)
+        x = self.embedding(ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         rope = {kind: self._rotary(x, positions, kind) for kind in self.layer_types}

@@ -981,6 +981,39 @@ typedef struct {
     int64_t rope, sliding;                                  /* which cos/sin and which mask */
 } lmhead_layer;
 
+float lmhead_half(uint16_t h);
+
+/* Row `n` of a coded matrix as float32: w[k] = code·scale + offset of its group, the same two float32 operations
+ * (never fused into one: the function is built without contraction) as CodedLinear.dequantize, so the row is the
+ * model's weight bit for bit. Reads every layout of coded_kernel.c: int8 or packed 4-bit codes (PACKED: each 64
+ * codes 32 bytes, byte 4·l + b holding codes 16·b + l (low nibble) and 16·b + 8 + l (high), XOR 8), rows stored
+ * in blocks of four (ROWS4: the block's rows 32 bytes each, unit by unit), float32 or float16 (HALF) scales. */
+__attribute__((optimize("fp-contract=off")))
+static void coded_row(const lmhead_mat* m, int64_t n, float* out) {
+    const int packed = (m->flags & 1) != 0, half = (m->flags & 2) != 0, rows4 = (m->flags & 4) != 0;
+    const int64_t K = m->k, R = packed ? K / 2 : K, ng = K / m->group;
+    const uint8_t* base = (const uint8_t*)m->codes;
+    for (int64_t k = 0; k < K; k++) {
+        int64_t p = packed ? (k / 64) * 32 + ((k % 16) % 8) * 4 + (k % 64) / 16 : k;
+        const uint8_t* byte = rows4 ? base + (n / 4) * 4 * R + (p / 32) * 128 + (n % 4) * 32 + p % 32
+                                    : base + n * R + p;
+        float code = packed ? (float)((((*byte) >> (4 * ((k % 16) / 8))) & 15) ^ 8) : (float)(int8_t)(*byte);
+        const int64_t g = n * ng + k / m->group;
+        float s = half ? lmhead_half(((const uint16_t*)m->scale)[g]) : ((const float*)m->scale)[g];
+        float w = code * s;
+        if (m->offset) w = w + (half ? lmhead_half(((const uint16_t*)m->offset)[g]) : ((const float*)m->offset)[g]);
+        out[k] = w;
+    }
+}
+
+/* out [rows, k] = rows ids[0..rows−1] of the coded matrix `m` (coded_row); −2 for an id outside [0, n). */
+int lmhead_coded_rows(const lmhead_mat* m, const int64_t* ids, int64_t rows, float* out) {
+    for (int64_t r = 0; r < rows; r++)
+        if (ids[r] < 0 || ids[r] >= m->n) return -2;
+    for (int64_t r = 0; r < rows; r++) coded_row(m, ids[r], out + r * m->k);
+    return 0;
+}
+
 static int matmul(const float* x, int64_t rows, const lmhead_mat* m, float* y, int threads) {
     return lmhead_coded_matmul(x, rows, m->k, m->codes, m->scale, m->offset, m->n, m->group, (int)m->flags, y,
                                threads);
@@ -1040,7 +1073,8 @@ int lmhead_step(const lmhead_layer* layers, int64_t n_layers, const float* final
 /* lmhead_step for `B`·`T` new tokens given as ids, with what models/lean.py's forward does around it: the cache's
  * columns start..start+T−1 get their validity (new_valid [B,T], or all valid when NULL), rope positions and ids
  * (cache_valid [B,cap] bytes 0/1, cache_pos and cache_tokens [B,cap] int64); x = embed[ids] (times embed_scale
- * when has_scale: Gemma's √D, the same float32 product as the model's); cos/sin rows are taken from the tables
+ * when has_scale: Gemma's √D, the same float32 product as the model's; from the rows of `embed_codes` instead
+ * where that is not NULL: coded_row); cos/sin rows are taken from the tables
  * ([table_rows, hd] per rope kind, row = position) and the additive masks built per kind — a column is kept when
  * it is valid, at or before the query's column, and (sliding layers) less than `window` positions before the
  * query's position (masks for the layers' kinds in `sliding_kinds`: bit 0 full attention, bit 1 sliding);
@@ -1051,7 +1085,8 @@ int lmhead_step(const lmhead_layer* layers, int64_t n_layers, const float* final
  * beside the step's scratch. Returns 0; −2 for an id outside [0, vocab) or a position outside [0, table_rows)
  * (nothing written: the caller's general path raises or grows its tables); −1 as lmhead_step. */
 int lmhead_decode(const lmhead_layer* layers, int64_t n_layers, const float* final_norm, const float* embed,
-                  int64_t vocab, float embed_scale, int has_scale, const int64_t* ids, const int64_t* positions,
+                  const lmhead_mat* embed_codes, int64_t vocab, float embed_scale, int has_scale, const int64_t* ids,
+                  const int64_t* positions,
                   const uint8_t* new_valid, uint8_t* cache_valid, int64_t* cache_pos, int64_t* cache_tokens,
                   const float* const* cos_tables, const float* const* sin_tables, int64_t n_kinds,
                   int64_t table_rows, int sliding_kinds, int64_t window, float* x, float* h,
@@ -1070,8 +1105,12 @@ int lmhead_decode(const lmhead_layer* layers, int64_t n_layers, const float* fin
             cache_tokens[c] = ids[r];
         }
     for (int64_t r = 0; r < rows; r++) {
-        const float* e = embed + ids[r] * D;
         float* xr = x + r * D;
+        const float* e = embed + ids[r] * D;
+        if (embed_codes) { /* the embedding read from its codes (a model loaded straight from its GGUF file) */
+            coded_row(embed_codes, ids[r], xr);
+            e = xr;
+        }
         if (has_scale)
             for (int64_t i = 0; i < D; i++) xr[i] = e[i] * embed_scale;
         else

@@ -1,7 +1,8 @@
-"""Resolve a model name or path, convert GGUF files once into the cache, and load the cached folder.
+"""Resolve a model name or path and load it: GGUF files straight from the file, HF folders as they are.
 
-    load_model("gemma-3-270m")          a named model (registry.py): its package's GGUF, converted once
-    load_model("path/to/file.gguf")     any local GGUF file, converted once (keyed by path, size, mtime)
+    load_model("gemma-3-270m")          a named model (registry.py): its package's GGUF, read in place
+    load_model("path/to/file.gguf")     any local GGUF file, read in place (config + tokenizer cached once, keyed
+                                        by path, size, mtime); `hf_model` converted once on first use
     load_model("path/to/hf-folder")     a Hugging Face folder (config.json + safetensors + tokenizer), as is
 """
 
@@ -13,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,9 +240,13 @@ def load_model(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, verify: 
                progress: bool = True, head: str = "auto", body: str = "auto"):
     """Load a model by name ("gemma-3-270m", "smollm2-135m"), GGUF file path or HF folder path -> Model.
 
-    GGUF models are converted once into the cache (`lmhead.models.cache_root()`; a progress display goes to
-    stderr) and loaded from there afterwards. Every load checks the cached files' sizes and fast checksums
-    (`verify=True`: sha256) and rebuilds a folder that does not match; a cache that turns out unreadable is
+    GGUF models run straight from their file (`file_model.py`): the body and the exact head read the file's
+    own codes; only the config and tokenizer transformers reads from the file are cached, once
+    (`<cache>/meta/`). `hf_model` (transformers' float32 model) is built on first use from the conversion cache
+    below. Architectures the lean body does not run from a file (and `LMHEAD_CONVERT=1`) are converted once
+    into the cache (`lmhead.models.cache_root()`; a progress display goes to stderr) and loaded from there
+    afterwards. Every load checks the cached files' sizes and fast checksums (`verify=True`: sha256) and
+    rebuilds a folder that does not match; a cache that turns out unreadable is
     rebuilt once.
     `head` picks the LM head generate and the server's /v1 decode with (`lmhead.models.heads`): "auto"
     (default: "fp32" where the head reads the GGUF file's codes — exact and the fastest —, else "exact-int8" for
@@ -258,6 +264,10 @@ def load_model(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, verify: 
         raise ValueError(f"body must be one of {', '.join(BODY_MODES)}; got {body!r}")
 
     source = resolve(name_or_path)
+    if source.kind != "folder" and os.environ.get("LMHEAD_CONVERT") != "1":
+        model = _load_file(source, head=head, body=body, progress=progress)
+        if model is not None:
+            return model
     if source.kind == "folder":
         hf_model, tokenizer = load_folder(source.path)
         return Model(hf_model, tokenizer, name=source.name, path=source.path, body=body, head=head)
@@ -273,3 +283,72 @@ def load_model(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, verify: 
         except ModelError:
             raise exc from None
     return Model(hf_model, tokenizer, name=source.name, path=folder, body=body, head=head, progress=progress)
+
+
+def _gguf_path(source: Source, folder: Path | None, workdir: Path) -> Path:
+    """The GGUF file of a GGUF source: the user's file, the package's, or the one assembled into `folder`."""
+    if source.kind == "gguf":
+        return source.path
+    if folder is not None and (folder / "model.gguf").is_file():
+        return folder / "model.gguf"
+    source.spec.require()
+    return source.spec.gguf(workdir)
+
+
+def _load_file(source: Source, head: str, body: str, progress: bool):
+    """The model read straight from its GGUF file (`file_model.py`), or None where its architecture is not one the
+    lean body runs from a file (said once on stderr; the caller converts it as before)."""
+    import tempfile
+
+    from lmhead.head import LMHead
+    from lmhead.models.coded_head import CodedHead
+    from lmhead.models.coded_linear import CodedLinear
+    from lmhead.models.file_model import (
+        FILE_ARCHITECTURES,
+        check_fits,
+        file_body,
+        meta_folder,
+        read_meta,
+        supports_file,
+    )
+    from lmhead.models.gguf_file import GGUFFile
+    from lmhead.models.model import Model
+
+    if source.kind == "gguf":
+        check_gguf(source.path)  # a damaged file: its error before anything is written
+    key = _key(source)
+    facts = _source_facts(source)
+    folder = cache.meta_dir() / key
+    with tempfile.TemporaryDirectory(prefix="lmhead-gguf-", dir=cache.meta_dir()) as work:
+        gguf = _gguf_path(source, folder if folder.exists() else None, Path(work))
+        arch = str(check_gguf(gguf)["architecture"])
+        if not supports_file(arch):
+            why = "no C compiler for the coded kernel" if arch in FILE_ARCHITECTURES else \
+                f"the architecture {arch!r} (read from the file: {', '.join(FILE_ARCHITECTURES)})"
+            print(f"lmhead: {gguf.name}: {why}; running transformers' body on a float32 conversion",
+                  file=sys.stderr, flush=True)
+            return None
+        assembled = gguf.parent == Path(work)
+        folder = meta_folder(key, gguf, facts, progress=progress, keep=gguf if assembled else None)
+        if assembled:
+            gguf = folder / "model.gguf"
+    cfg, tokenizer, eos = read_meta(folder)
+    f = GGUFFile(gguf)
+    try:
+        check_fits(f)
+        lean, weight, bias, tied = file_body(f, cfg)
+    finally:
+        f.close()
+    softcap = cfg.final_logit_softcapping or None
+    exact = (CodedHead(weight, bias=bias, softcap=softcap, tied=tied) if isinstance(weight, CodedLinear)
+             else LMHead.from_weight(weight, bias=bias, softcap=softcap))
+
+    def build_hf():
+        print(f"lmhead: building transformers' float32 model of {source.name} (for hf_model; converted once "
+              "and cached)", file=sys.stderr, flush=True)
+        hf_model, _ = load_folder(cached_folder(source, progress=progress), cached=True)
+        return hf_model.float().eval()
+
+    return Model.from_file(lean, tokenizer, cfg, eos, exact, name=source.name, path=folder, build_hf=build_hf,
+                           head=head, body=body)
+

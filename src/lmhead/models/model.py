@@ -99,6 +99,64 @@ class Model:
         return count
 
     @classmethod
+    def from_file(cls, lean: LeanBody, tokenizer, config, eos_token_ids: list[int], exact_head, name: str,
+                  path: Path, build_hf, head: str = "auto", body: str = "auto") -> Model:
+        """A Model read straight from its GGUF file (`file_model.py`): the lean body and the exact head over the
+        file's codes; `hf_model` and the transformers `body` are built on first use by `build_hf()` (the float32
+        model, as the conversion cache holds it)."""
+        check_head_mode(head)
+        if body not in BODY_MODES:
+            raise ValueError(f"body must be one of {', '.join(BODY_MODES)}; got {body!r}")
+        self = cls.__new__(cls)
+        self._hf_model, self._body, self._build_hf, self._body_mode = None, None, build_hf, body
+        self.tokenizer, self.name, self.path, self.config = tokenizer, name, path, config
+        self.lean = lean if body in ("auto", "lean") else None
+        self._draft = None
+        self.exact_head = exact_head
+        self.eos_token_ids = eos_token_ids
+        self.context_length = parts.context_length(config)
+        if getattr(tokenizer, "pad_token_id", None) is None and self.eos_token_ids:
+            tokenizer.pad_token_id = self.eos_token_ids[0]
+        parts_of = {"qkv": 3, "gate_up": 2}  # the model's matrices each fused product holds
+        self.coded_matrices = sum(parts_of.get(name, 1) for layer in lean.layers for name in (layer.coded or {})) \
+            + int(getattr(exact_head, "product", None) is not None)
+        self.head = build_head(self, head)
+        return self
+
+    @property
+    def hf_model(self):
+        """transformers' float32 model of these weights (built on first use for a model read from its file)."""
+        if self.__dict__.get("_hf_model") is None and self.__dict__.get("_build_hf") is not None:
+            self._hf_model = self._build_hf()
+            share = getattr(self.exact_head, "share", None)
+            if share is not None:  # the exact head and transformers' then hold one float32 weight
+                share(self._hf_model.get_output_embeddings().weight)
+        return self.__dict__.get("_hf_model")
+
+    @hf_model.setter
+    def hf_model(self, value) -> None:
+        self._hf_model = value
+
+    @property
+    def body(self):
+        """The body as transformers' modules (embedding, blocks, final norm; oneDNN linears unless
+        body="transformers"), built on first use for a model read from its file."""
+        if self.__dict__.get("_body") is None and self.__dict__.get("_build_hf") is not None:
+            decoder = parts.body(self.hf_model)
+            self._body = decoder if self._body_mode == "transformers" else with_onednn_linears(decoder)
+        return self.__dict__.get("_body")
+
+    @body.setter
+    def body(self, value) -> None:
+        self._body = value
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's tensors are (the CPU for every model lmhead loads)."""
+        head = self.exact_head
+        return head.device if hasattr(type(head), "device") else head.weight.device
+
+    @classmethod
     def from_parts(cls, hf_model, tokenizer, head, body: str = "transformers") -> Model:
         """A Model over an existing transformers model, tokenizer and head module (an LMHead or a compressed
         head on the model's head weight) for the explain functions' older call form
@@ -111,7 +169,7 @@ class Model:
         return model
 
     def __repr__(self) -> str:
-        vocab, width = self.exact_head.weight.shape
+        vocab, width = self.exact_head.vocab_size, self.exact_head.d_model
         return (f"Model({self.name!r}, vocab={vocab}, width={width}, "
                 f"layers={getattr(self.config, 'num_hidden_layers', '?')}, context={self.context_length})")
 
@@ -157,7 +215,7 @@ class Model:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.exact_head.weight.shape[0])
+        return int(self.exact_head.vocab_size)
 
     def encode(self, prompt: str) -> list[int]:
         """The prompt's token ids, with the tokenizer's special tokens (e.g. Gemma's <bos>) as the model expects."""

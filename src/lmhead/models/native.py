@@ -19,6 +19,7 @@ library fails its self-test against plain torch math, `library()` is None and ev
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -27,6 +28,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -40,7 +42,7 @@ _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 # coded_kernel.c's flags: 4-bit codes two per byte; float16 scales and offsets; rows stored in blocks of four
 PACKED, HALF, ROWS4 = 1, 2, 4
 HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
-_ABI = 16  # lmhead_coded_abi() of the sources above
+_ABI = 17  # lmhead_coded_abi() of the sources above
 
 
 def _cpu_flags() -> str:
@@ -86,6 +88,7 @@ def _build(target: Path) -> bool:
                                   timeout=120)
             if done.returncode == 0:
                 os.chmod(tmp, 0o755)
+                _checksum_path(target).write_text(_checksum(Path(tmp)))
                 os.replace(tmp, target)
                 return True
         return False
@@ -94,6 +97,22 @@ def _build(target: Path) -> bool:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _checksum_path(library: Path) -> Path:
+    return library.with_name(library.name + ".xxh3")
+
+
+def _checksum(path: Path) -> str:
+    return f"{path.stat().st_size}-{hashlib.sha256(path.read_bytes()).hexdigest()}"
+
+
+def _intact(path: Path) -> bool:
+    """Whether the cached library is the file its build wrote (size and checksum beside it), before it is mapped."""
+    try:
+        return _checksum_path(path).read_text().strip() == _checksum(path)
+    except OSError:
+        return False
 
 
 class MatDesc(ctypes.Structure):
@@ -141,10 +160,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmhead_step.argtypes = [ctypes.POINTER(LayerDesc), i64, p, p, p, p, p, pp, pp, pp, p, i64, i64, i64, i64,
                                 i64, i64, i64, i64, i64, f32, i32, i32, f32, f32, i32]
     lib.lmhead_step.restype = i32
-    lib.lmhead_decode.argtypes = [ctypes.POINTER(LayerDesc), i64, p, p, i64, f32, i32, p, p, p, p, p, p, pp, pp, i64,
-                                  i64, i32, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, i64, f32,
-                                  i32, i32, f32, f32, i32]
+    lib.lmhead_decode.argtypes = [ctypes.POINTER(LayerDesc), i64, p, p, ctypes.POINTER(MatDesc), i64, f32, i32, p, p,
+                                  p, p, p, p, pp, pp, i64, i64, i32, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64,
+                                  i64, i64, i64, i64, f32, i32, i32, f32, f32, i32]
     lib.lmhead_decode.restype = i32
+    lib.lmhead_coded_rows.argtypes = [ctypes.POINTER(MatDesc), p, i64, p]
+    lib.lmhead_coded_rows.restype = i32
     lib.lmhead_screen_norms.argtypes = [p, p, i64, i64, p, i32]
     lib.lmhead_screen_norms.restype = i32
     lib.lmhead_screen.argtypes = [p, i64, i64, p, p, i64, p, p, i32]
@@ -173,6 +194,12 @@ def library() -> ctypes.CDLL | None:
     except OSError:
         return None
     for attempt in range(2):
+        if path.exists() and not _intact(path):
+            # a library cut short or damaged in the cache would crash the process when mapped (a bus error)
+            print(f"lmhead: the compiled kernels {path} do not match their checksum; building them again",
+                  file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):
+                path.unlink()
         if not path.exists() and not _build(path):
             return None
         try:

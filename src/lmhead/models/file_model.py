@@ -1,0 +1,315 @@
+"""A GGUF model run straight from its file: the body and the head over the file's own codes, nothing converted.
+
+    GGUF file ──once: transformers reads its config and tokenizer──▶ <cache>/meta/<key>/ (config.json,
+        generation_config.json, tokenizer files, manifest; a few MB) ──every load──▶ ModelConfig + tokenizer
+    GGUF file ──memory map──▶ each matrix's blocks ──integer codes + group scales (gguf_file.py)──▶ CodedLinear
+        ──▶ LeanBody.from_parts (embedding rows read from the codes) + CodedHead (the exact head)
+    types without codes (F32, F16, BF16, Q2_K, Q3_K, IQ*) ──gguf-py's dequantize, once at load──▶ float32
+
+The numbers are the dequantised file (gguf-py's `dequantize`, what transformers' loader uses): every code is
+read from the blocks' bits and gives that value back exactly; tensor layouts follow transformers' GGUF loader
+(Llama's q/k rows un-permuted for its rope, Gemma's norms stored as 1 + w). transformers' float32 model is built
+only when asked for (`Model.hf_model`: the conversion cache of `loading.py`), never to generate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lmhead.models import cache
+from lmhead.models.coded_linear import CodedLinear, coded_available
+from lmhead.models.config import ModelConfig
+from lmhead.models.errors import ModelError
+from lmhead.models.gguf_codes import Codes, fuse_codes
+from lmhead.models.gguf_file import CODE_TYPES, GGUFFile
+
+__all__ = ["FILE_ARCHITECTURES", "file_body", "meta_folder", "supports_file"]
+
+# GGUF architectures whose body lmhead runs from the file (transformers' model types in parentheses)
+FILE_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>")
+_TOKENIZER_CHECK = "The cat sat on the mat. 12345 ünïcödé — \n\t  spaces; <b>tags</b> and emoji 🙂"
+
+
+def supports_file(architecture: str) -> bool:
+    return architecture in FILE_ARCHITECTURES and coded_available()
+
+
+# --- config and tokenizer, once per file ------------------------------------------------------------------
+
+
+def meta_folder(key: str, gguf: Path, facts: dict[str, Any], progress: bool = True, keep: Path | None = None
+                ) -> Path:
+    """`<cache>/meta/<key>`: the config, generation config and tokenizer transformers reads from `gguf`, built once
+    (checked against its manifest on every load; rebuilt when `facts` — where the file came from — changed).
+    `keep`: a GGUF file made for this load (a packaged model assembled from its chunks), moved into the folder
+    as model.gguf."""
+    folder = cache.meta_dir() / key
+    if _usable(folder, facts) is None:
+        return folder
+    with cache.lock(f"meta-{key}"):
+        reason = _usable(folder, facts)
+        if reason is None:
+            return folder
+        cache.remove_stale_tmp(f"meta-{key}")
+        tmp = cache.new_tmp_dir(f"meta-{key}")
+        try:
+            if progress:
+                print(f"lmhead: reading {gguf.name}'s config and tokenizer (once; cached in {folder})",
+                      file=sys.stderr, flush=True)
+            out = tmp / "out"
+            out.mkdir()
+            _write_meta(gguf, out)
+            weights = f"{gguf.stat().st_size}-{cache.fast_checksum_file(gguf)}"
+            if keep is not None:
+                shutil.move(str(keep), out / "model.gguf")
+            cache.write_manifest(out, {"name": key, "source": facts, "weights_sha256": weights, "kind": "gguf-meta"})
+            cache.publish(out, folder)
+        except OSError as exc:
+            need = (keep.stat().st_size if keep is not None and keep.exists() else 0) + 64 * 2**20
+            raise _disk_error(exc, folder, need) from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _disk_error(exc: OSError, folder: Path, need: int) -> ModelError:
+    return ModelError(f"cannot write the model cache in {folder.parent}: {exc.strerror or exc}; it needs about "
+                      f"{need / 1e6:.0f} MB there: free some space or set LMHEAD_CACHE to another folder")
+
+
+def _usable(folder: Path, facts: dict[str, Any]) -> str | None:
+    reason = cache.verify(folder)
+    if reason is not None:
+        return reason
+    built = (cache.read_manifest(folder) or {}).get("source", {})
+    changed = [k for k, v in facts.items() if built.get(k) != v]
+    return f"the source changed ({', '.join(changed)})" if changed else None
+
+
+def _write_meta(gguf: Path, out: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from lmhead.models.loading import _no_progress_bars, fast_tokenizer
+
+    try:
+        with _no_progress_bars():
+            config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as exc:
+        raise ModelError(f"transformers could not read the config and tokenizer of {gguf}: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    if getattr(config, "quantization_config", None) is not None:
+        delattr(config, "quantization_config")
+    config.save_pretrained(out)
+    generation = GenerationConfig.from_model_config(config)
+    value = generation.eos_token_id
+    eos = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+    vocab = tokenizer.get_vocab()
+    eos += [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and vocab[t] not in eos]
+    generation.eos_token_id = eos[0] if len(eos) == 1 else eos or None
+    generation.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    for extra in ("special_tokens_map.json",):  # not read back: fast_tokenizer takes tokenizer_config.json
+        (out / extra).unlink(missing_ok=True)
+    saved = fast_tokenizer(out)
+    if saved(_TOKENIZER_CHECK)["input_ids"] != tokenizer(_TOKENIZER_CHECK)["input_ids"]:
+        raise ModelError(f"the tokenizer saved from {gguf} does not encode a test text as transformers' GGUF "
+                         "tokenizer does")
+
+
+def read_meta(folder: Path) -> tuple[ModelConfig, Any, list[int]]:
+    """(config, tokenizer, end-of-sequence ids) of a meta folder."""
+    from lmhead.models.loading import fast_tokenizer
+
+    cfg = ModelConfig.from_file(folder / "config.json")
+    generation = json.loads((folder / "generation_config.json").read_text())
+    return cfg, fast_tokenizer(folder), _ids(generation.get("eos_token_id"), cfg.eos_token_id)
+
+
+def _ids(*values: Any) -> list[int]:
+    out: list[int] = []
+    for value in values:
+        for i in value if isinstance(value, (list, tuple)) else [value]:
+            if i is not None and int(i) not in out:
+                out.append(int(i))
+    return out
+
+
+# --- the weights ---------------------------------------------------------------------------------------------
+
+_LINEARS = (("qkv", ("attn_q", "attn_k", "attn_v")), ("o", ("attn_output",)), ("gate_up", ("ffn_gate", "ffn_up")),
+            ("down", ("ffn_down",)))
+
+
+class _Reader:
+    """Tensors of the file as the lean body wants them: transformers' layout, codes where the kernel takes them."""
+
+    def __init__(self, f: GGUFFile, cfg: ModelConfig) -> None:
+        self.f, self.cfg = f, cfg
+        self.gemma = f.architecture == "gemma3"
+        self.permute = f.architecture == "llama"  # transformers' LlamaTensorProcessor un-permutes q and k
+        self.dequantized: list[str] = []
+
+    def has(self, name: str) -> bool:
+        return name in self.f.tensors
+
+    def _perm(self, name: str, rows: int) -> np.ndarray | None:
+        if not self.permute or not (".attn_q." in name or ".attn_k." in name):
+            return None
+        heads = self.cfg.num_attention_heads if ".attn_q." in name else self.cfg.num_key_value_heads
+        dim = rows // heads // 2
+        return np.arange(rows).reshape(heads, dim, 2).swapaxes(2, 1).reshape(rows)
+
+    def vector(self, name: str) -> torch.Tensor | None:
+        """A norm or bias as float32 (Gemma's norms stored as 1 + w: w, as transformers computes it)."""
+        if name not in self.f.tensors:
+            return None
+        t = self.f.dequantize(name)
+        if self.gemma and "norm.weight" in name:
+            t = torch.from_numpy(t.numpy() - 1)
+        perm = self._perm(name, t.shape[0])
+        self.f.release(name)
+        return t[torch.from_numpy(perm)].contiguous() if perm is not None else t
+
+    def codes(self, name: str) -> Codes | None:
+        if self.f.type_of(name) not in CODE_TYPES:
+            return None
+        c = self.f.codes(name)
+        perm = self._perm(name, c.codes.shape[0])
+        if perm is not None:
+            p = torch.from_numpy(perm)
+            c = Codes(c.codes[p], c.scale[p], None if c.offset is None else c.offset[p], c.kind)
+        return c
+
+    def matrix(self, name: str) -> torch.Tensor:
+        t = self.f.dequantize(name)
+        self.dequantized.append(f"{name} ({self.f.type_of(name)})")
+        perm = self._perm(name, t.shape[0])
+        self.f.release(name)
+        return t[torch.from_numpy(perm)].contiguous() if perm is not None else t
+
+    def coded(self, name: str) -> CodedLinear | None:
+        """One matrix as the coded kernel's (converted piece by piece), or None for a type without codes."""
+        if self.f.type_of(name) not in CODE_TYPES:
+            return None
+        if self._perm(name, 4) is not None:
+            return self.linear([name])[0]
+        return self.f.coded(name)
+
+    def linear(self, names: list[str]) -> tuple[CodedLinear | None, torch.Tensor | None]:
+        """(codes, None) for matrices the coded kernel takes, else (None, the float32 rows concatenated)."""
+        if len(names) == 1 and self._perm(names[0], 4) is None and self.f.type_of(names[0]) in CODE_TYPES:
+            return self.f.coded(names[0]), None
+        found = [self.codes(n) for n in names]
+        if all(c is not None for c in found):
+            fused = fuse_codes(found)
+            coded = CodedLinear(fused.codes, fused.scale, fused.offset)
+            for n in names:
+                self.f.release(n)
+            return coded, None
+        return None, torch.cat([self.matrix(n) for n in names])
+
+
+def file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None = None):
+    """(LeanBody, head codes or float32 head weight, head bias, tied) for the GGUF file `f` with config `cfg`.
+
+    The repacking is many small element-wise passes: on one thread, which on a busy machine is several times
+    faster than torch's pool waking for each of them (and no slower on a quiet one: the passes are memory-bound).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _file_body(f, cfg, onednn)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None):
+    from lmhead.models.lean import LeanBody, _Layer
+    from lmhead.models.rope import Rotary
+
+    r = _Reader(f, cfg)
+    types = list(cfg.layer_types or ["full_attention"] * cfg.num_hidden_layers)
+    layers = []
+    for i, kind in enumerate(types):
+        p = f"blk.{i}."
+        mats, coded = {}, {}
+        for key, parts in _LINEARS:
+            c, w = r.linear([p + part + ".weight" for part in parts])
+            mats[key] = w
+            if c is not None:
+                coded[key] = c
+        biases = [r.vector(p + f"{part}.bias") for part in ("attn_q", "attn_k", "attn_v")]
+        bias = None
+        if any(b is not None for b in biases):
+            sizes = [cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_key_value_heads]
+            hd = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+            bias = torch.cat([b if b is not None else torch.zeros(n * hd) for b, n in zip(biases, sizes, strict=True)])
+        gemma = r.gemma
+        layers.append(_Layer(
+            qkv=mats["qkv"], qkv_bias=bias, o=mats["o"], gate_up=mats["gate_up"], down=mats["down"],
+            input_norm=r.vector(p + "attn_norm.weight"),
+            post_attn_norm=r.vector(p + "post_attention_norm.weight") if gemma else None,
+            pre_mlp_norm=r.vector(p + "ffn_norm.weight"),
+            post_mlp_norm=r.vector(p + "post_ffw_norm.weight") if gemma else None,
+            q_norm=r.vector(p + "attn_q_norm.weight"), k_norm=r.vector(p + "attn_k_norm.weight"),
+            kind=kind, sliding=kind == "sliding_attention" and cfg.sliding_window is not None,
+            coded=coded or None))
+    tied = not r.has("output.weight")
+    embed: Any = r.coded("token_embd.weight")
+    if embed is None:
+        embed = r.matrix("token_embd.weight")
+    head = embed if tied else (r.coded("output.weight") or r.matrix("output.weight"))
+    act_name = cfg.hidden_activation or cfg.hidden_act
+    act = {"gelu_pytorch_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+           "silu": torch.nn.functional.silu}.get(act_name)
+    if act is None:
+        raise ModelError(f"{f.path}: the activation {act_name!r} has no lean implementation")
+    scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32) if r.gemma else None
+    body = LeanBody.from_parts(cfg, embed, layers, r.vector("output_norm.weight"), Rotary(cfg), act,
+                               embed_scale=scale, onednn=onednn)
+    if r.dequantized:
+        print(f"lmhead: {len(r.dequantized)} tensors of {f.path.name} have no code kernel "
+              f"({', '.join(sorted({d.split(' ')[1] for d in r.dequantized}))}): dequantized to float32 at load",
+              file=sys.stderr, flush=True)
+    return body, head, None, tied
+
+
+def memory_needed(f: GGUFFile) -> int:
+    """Bytes a load holds: the codes (about the file's block bytes; 4 bytes a weight for the types dequantized)."""
+    total = 0
+    for name, t in f.tensors.items():
+        if f.type_of(name) in CODE_TYPES or f.type_of(name) == "F32":
+            total += int(t.n_bytes) * (2 if f.type_of(name) in ("Q4_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K") else 1)
+        else:
+            total += int(np.prod(f.shape(name))) * 4
+    return total
+
+
+def available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_fits(f: GGUFFile) -> None:
+    """ModelError before loading a file whose weights will not fit in the memory available now."""
+    need, have = memory_needed(f), available_memory()
+    if have is not None and need > have and not os.environ.get("LMHEAD_IGNORE_MEMORY"):
+        raise ModelError(f"{f.path}: loading it needs about {need / 2**30:.1f} GiB of memory and "
+                         f"{have / 2**30:.1f} GiB is available; close other programs or choose a smaller file "
+                         "(LMHEAD_IGNORE_MEMORY=1 tries anyway)")

@@ -1,0 +1,317 @@
+"""A GGUF file read in place: its tensor table over a memory map, and each matrix's blocks as integer codes.
+
+    file ──GGUFReader (numpy memmap)──▶ tensors {name: type, shape, bytes}
+    a block tensor (Q4_0 … Q6_K) [N, K] ──bits of its blocks──▶ codes int8 [N,K] + scale, offset [N, K/G]
+        (W = scale·code + offset, the numbers gguf-py's `dequantize` gives, bit for bit)
+    any other type (F32, F16, BF16, Q2_K, Q3_K, IQ*) ──gguf-py's `dequantize`──▶ float32 [N,K]
+
+The model's numbers are defined as gguf-py's dequantisation of the file (what transformers' GGUF loader uses).
+The codes are read straight from the blocks' bits, with the scales and offsets computed by the same float32
+products as gguf-py's dequantiser (`gguf_codes.block_scales`), so `Codes.dequantize()` equals `dequantize(...)`
+for every weight (tests/test_gguf_file.py checks each type on random blocks and on both packaged files).
+Pages of the map that a tensor was read from are released after it is converted (`release`), so the file
+does not stay resident beside the codes made from it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lmhead.models.errors import ModelError
+from lmhead.models.gguf_codes import BLOCKS, Codes, block_scales
+
+__all__ = ["CODE_TYPES", "GGUFFile", "block_codes", "read_header"]
+
+CODE_TYPES: frozenset[str] = frozenset(BLOCKS)  # the block types whose codes the coded kernel multiplies
+
+
+def _nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:
+    """Bytes [nb, c·chunk/2] holding `chunk` 4-bit values per run (low nibbles first, then high) → [nb, c·chunk]."""
+    nb = qs.shape[0]
+    q = qs.reshape(nb, -1, 1, chunk // 2) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (q & np.uint8(15)).reshape(nb, -1)
+
+
+def block_codes(kind: str, blocks: np.ndarray) -> np.ndarray:
+    """The integer code of every weight of raw `blocks` [nb, bytes] of type `kind` → int8 [nb, weights per block],
+    the numbers gguf-py's dequantiser multiplies by the group's scale (and adds the group's offset to)."""
+    nb = blocks.shape[0]
+    if kind == "Q8_0":
+        return blocks[:, 2:].copy().view(np.int8)
+    if kind in ("Q4_0", "Q4_1"):
+        q = _nibbles(blocks[:, 2 if kind == "Q4_0" else 4:], 32)
+        return (q.astype(np.int8) - np.int8(8)) if kind == "Q4_0" else q.astype(np.int8)
+    if kind in ("Q5_0", "Q5_1"):
+        start = 2 if kind == "Q5_0" else 4
+        qh = blocks[:, start:start + 4].copy().view(np.uint32).reshape(nb, 1)
+        high = ((qh >> np.arange(32, dtype=np.uint32).reshape(1, 32)) & np.uint32(1)).astype(np.uint8)
+        q = (_nibbles(blocks[:, start + 4:], 32) | (high << np.uint8(4))).astype(np.int8)
+        return q - np.int8(16) if kind == "Q5_0" else q
+    if kind == "Q4_K":
+        return _nibbles(blocks[:, 16:], 64).astype(np.int8)
+    if kind == "Q5_K":
+        low = _nibbles(blocks[:, 48:], 64).reshape(nb, 8, 32)
+        qh = blocks[:, 16:48].reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        return (low | ((qh & np.uint8(1)) << np.uint8(4))).reshape(nb, 256).astype(np.int8)
+    if kind == "Q6_K":
+        low = _nibbles(blocks[:, :128], 128).reshape(nb, 8, 32)
+        qh = blocks[:, 128:192].reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        high = (qh & np.uint8(3)).reshape(nb, 8, 32)
+        return ((low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)).reshape(nb, 256)
+    raise ValueError(f"no codes for GGUF type {kind}")
+
+
+_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALAR = {kind: struct.Struct(f) for kind, f in _FORMATS.items()}
+_U32, _U64 = _SCALAR[4], _SCALAR[10]
+
+
+class _Header:
+    """A GGUF header read with struct over a map of the file: scalar metadata values (arrays are skipped: the
+    vocabulary is transformers' to read, once) and the tensor table. gguf-py's reader builds a numpy view per
+    field part — seconds for a large vocabulary on every load; this reads only what a load needs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "rb") as fh:
+            self.size = os.fstat(fh.fileno()).st_size
+            if fh.read(4) != b"GGUF":
+                raise ModelError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
+            if self.size < 24:
+                raise ModelError(f"{path} is a truncated GGUF file ({self.size} bytes)")
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                self.buf, self.pos = buf, 0
+                self._read()
+                self.buf = None
+
+    def _read(self) -> None:
+        path = self.path
+        if self._take(4) != b"GGUF":
+            raise ModelError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
+        self.version = self._num(_U32)
+        if self.version not in (2, 3):
+            raise ModelError(f"{path}: unsupported GGUF version {self.version} (supported: 2, 3)")
+        n_tensors, n_kv = self._num(_U64), self._num(_U64)
+        if n_tensors > 1 << 20 or n_kv > 1 << 20:
+            raise ModelError(f"{path} is a damaged GGUF file (its header counts {n_tensors} tensors and {n_kv} "
+                             "metadata entries)")
+        self.fields: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = self._str()
+            self.fields[key] = self._value(self._num(_U32))
+        self.tensors: list[tuple[str, tuple[int, ...], int, int]] = []
+        for _ in range(n_tensors):
+            name = self._str()
+            n_dims = self._num(_U32)
+            if n_dims > 8:
+                raise ModelError(f"{path} is a damaged GGUF file (tensor {name!r} has {n_dims} dimensions)")
+            dims = tuple(self._num(_U64) for _ in range(n_dims))
+            self.tensors.append((name, dims, self._num(_U32), self._num(_U64)))
+        align = self.fields.get("general.alignment")
+        align = align if isinstance(align, int) and align > 0 else 32
+        self.data_start = (self.pos + align - 1) // align * align
+
+    def _need(self, end: int) -> None:
+        if end > self.size:
+            raise ModelError(f"{self.path} is a truncated GGUF file (its header runs past the file's "
+                             f"{self.size} bytes)")
+
+    def _take(self, n: int) -> bytes:
+        self._need(self.pos + n)
+        out = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def _num(self, fmt: struct.Struct) -> Any:
+        self._need(self.pos + fmt.size)
+        (value,) = fmt.unpack_from(self.buf, self.pos)
+        self.pos += fmt.size
+        return value
+
+    def _str(self) -> str:
+        n = self._num(_U64)
+        if n > 1 << 30:
+            raise ModelError(f"{self.path} is a damaged GGUF file (a string of {n} bytes in its header)")
+        return self._take(n).decode("utf-8", errors="replace")
+
+    def _value(self, kind: int) -> Any:
+        if kind in _SCALAR:
+            return self._num(_SCALAR[kind])
+        if kind == 8:
+            return self._str()
+        if kind == 9:
+            item, n = self._num(_U32), self._num(_U64)
+            if item in _SCALAR:
+                self._need(self.pos + n * _SCALAR[item].size)
+                self.pos += n * _SCALAR[item].size
+            elif item == 8:  # strings: each its length, then its bytes
+                pos, buf, size, unpack = self.pos, self.buf, self.size, _U64.unpack_from
+                for _ in range(n):
+                    if pos + 8 > size:
+                        break
+                    pos += 8 + unpack(buf, pos)[0]
+                self.pos = pos
+                self._need(pos)
+            else:
+                for _ in range(n):
+                    self._value(item)
+            return None
+        raise ModelError(f"{self.path} is a damaged GGUF file (unknown metadata type {kind})")
+
+
+class _Tensor:
+    """One tensor of the table: `data` a uint8 view [rows, bytes per row] of the map (F32/F16/BF16 too)."""
+
+    def __init__(self, name: str, dims: tuple[int, ...], kind: Any, offset: int, n_bytes: int, mapped: Any):
+        self.name, self.shape, self.tensor_type = name, dims, kind
+        self.data_offset, self.n_bytes, self._mapped = offset, n_bytes, mapped
+
+    @property
+    def data(self) -> np.ndarray:
+        rows = int(np.prod(self.shape[1:])) if len(self.shape) > 1 else 1
+        view = np.frombuffer(self._mapped, dtype=np.uint8, count=self.n_bytes, offset=self.data_offset)
+        return view.reshape(rows, self.n_bytes // max(rows, 1))
+
+
+def read_header(path: Path) -> tuple[str, list[_Tensor], int]:
+    """(architecture, tensors without data, file size) of a GGUF file; ModelError for a damaged or truncated one."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    path = Path(path)
+    try:
+        head = _Header(path)
+    except ModelError:
+        raise
+    except (OSError, UnicodeError, ValueError, OverflowError, MemoryError) as exc:
+        raise ModelError(f"{path} is a damaged GGUF file (truncated or corrupt: {type(exc).__name__}: {exc})") \
+            from exc
+    tensors = []
+    for name, dims, kind, offset in head.tensors:
+        try:
+            qtype = GGMLQuantizationType(kind)
+            block, size = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise ModelError(f"{path}: tensor {name!r} has an unknown GGUF type {kind}") from None
+        count = int(np.prod(dims)) if dims else 1
+        if count % block:
+            raise ModelError(f"{path} is a damaged GGUF file (tensor {name!r} of {count} weights is not whole "
+                             f"{qtype.name} blocks)")
+        tensors.append(_Tensor(name, dims, qtype, head.data_start + offset, count // block * size, None))
+    end = max((t.data_offset + t.n_bytes for t in tensors), default=0)
+    if end > head.size or not tensors:
+        raise ModelError(f"{path} is a truncated GGUF file: its tensors need {end} bytes, the file has {head.size}")
+    arch = head.fields.get("general.architecture")
+    return (arch if isinstance(arch, str) else "unknown"), tensors, head.size
+
+
+class GGUFFile:
+    """A GGUF file's header and tensor table, its data read through a memory map (nothing copied up front).
+
+    `tensors` {name: tensor}; `type_of(name)`; `codes(name)` → `Codes` for a block type the coded kernel takes,
+    `dequantize(name)` → float32 tensor for any type; `release(name)` drops the tensor's pages from this
+    process's memory (they are the file's: read again from the page cache if needed)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.architecture, tensors, _ = read_header(self.path)
+        with open(self.path, "rb") as fh:
+            self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        for t in tensors:
+            t._mapped = self._map
+        self.tensors: dict[str, Any] = {t.name: t for t in tensors}
+
+    def type_of(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape as torch orders it ([N, K] for a matrix: GGUF lists K first)."""
+        return tuple(int(d) for d in reversed(self.tensors[name].shape))
+
+    def nbytes(self) -> int:
+        return sum(int(t.n_bytes) for t in self.reader.tensors)
+
+    def codes(self, name: str) -> Codes:
+        """The matrix `name` [N,K] as codes and group scales (its type must be in CODE_TYPES)."""
+        t = self.tensors[name]
+        kind = t.tensor_type.name
+        per_block, nbytes, group = BLOCKS[kind]
+        n, k = self.shape(name)
+        data = np.asarray(t.data)
+        if data.dtype != np.uint8 or k % per_block or data.size != n * (k // per_block) * nbytes:
+            raise ModelError(f"{self.path}: tensor {name} ({kind}, {n}x{k}) does not hold whole blocks")
+        blocks = data.reshape(n * (k // per_block), nbytes)
+        s, o = block_scales(kind, blocks)
+        codes = torch.from_numpy(block_codes(kind, blocks).reshape(n, k))
+        scale = torch.from_numpy(np.ascontiguousarray(s).reshape(n, k // group))
+        offset = None if o is None else torch.from_numpy(np.ascontiguousarray(o).reshape(n, k // group))
+        return Codes(codes, scale, offset, kind)
+
+    def coded(self, name: str, chunk_rows: int = 8192):
+        """The matrix `name` [N,K] as a `CodedLinear`, converted `chunk_rows` rows at a time (each piece's pages of
+        the map released after it): neither the file's bytes nor an int8 copy of the whole matrix stay beside the
+        kernel's layout (`CodedLinear.from_chunks`)."""
+        from lmhead.models.coded_linear import CodedLinear
+
+        t = self.tensors[name]
+        kind = t.tensor_type.name
+        per_block, nbytes, group = BLOCKS[kind]
+        n, k = self.shape(name)
+        data = np.asarray(t.data)
+        if k % per_block or data.size != n * (k // per_block) * nbytes:
+            raise ModelError(f"{self.path}: tensor {name} ({kind}, {n}x{k}) does not hold whole blocks")
+        blocks = data.reshape(n * (k // per_block), nbytes)
+        s, o = block_scales(kind, blocks)
+        scale = torch.from_numpy(np.ascontiguousarray(s).reshape(n, k // group))
+        offset = None if o is None else torch.from_numpy(np.ascontiguousarray(o).reshape(n, k // group))
+        per_row = k // per_block
+        step = max(4, chunk_rows // 4 * 4)
+
+        def chunks():
+            for start in range(0, n, step):
+                part = blocks[start * per_row:min(n, start + step) * per_row]
+                yield start, torch.from_numpy(block_codes(kind, part).reshape(-1, k))
+                self._release_range(t.data_offset + start * per_row * nbytes, part.size)
+
+        return CodedLinear.from_chunks(n, k, scale, offset, chunks(), unsigned4=kind in ("Q4_1", "Q4_K"))
+
+    def dequantize(self, name: str) -> torch.Tensor:
+        """The tensor as float32, by gguf-py's `dequantize` (the definition of the model's numbers)."""
+        from gguf.quants import dequantize
+
+        t = self.tensors[name]
+        try:
+            values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except NotImplementedError as exc:
+            raise ModelError(f"{self.path}: tensor {name} has the type {t.tensor_type.name}, which gguf-py "
+                             "cannot dequantize") from exc
+        if not values.flags.owndata or not values.flags.writeable:  # F32 comes back as a view of the map
+            values = values.copy()
+        return torch.from_numpy(values.reshape(self.shape(name)))
+
+    def release(self, name: str) -> None:
+        """Drop the pages of tensor `name` from this process's resident memory (a read-only map of the file)."""
+        t = self.tensors[name]
+        self._release_range(t.data_offset, t.n_bytes)
+
+    def _release_range(self, offset: int, size: int) -> None:
+        page = mmap.PAGESIZE
+        start = offset // page * page
+        try:
+            self._map.madvise(mmap.MADV_DONTNEED, start, offset + size - start)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def close(self) -> None:
+        """Unmap the file (the tensors' numpy views must be gone; a view still alive keeps the map)."""
+        self.tensors.clear()
+        try:
+            self._map.close()
+        except (BufferError, ValueError):
+            pass

@@ -1,0 +1,124 @@
+"""A GGUF file read in place: codes bit-equal to gguf-py's dequantisation, embedding rows from the codes, and
+tiny models written as GGUF loaded without conversion, equal to transformers' forward on the same file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+
+from lmhead.models.coded_linear import CodedLinear, coded_available
+from lmhead.models.gguf_codes import block_scales
+from lmhead.models.gguf_file import CODE_TYPES, block_codes
+
+_F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
+               "Q6_K": [208]}
+
+
+def _random_blocks(kind: str, n: int, seed: int) -> np.ndarray:
+    """Random bytes for every field, with finite float16 scales (a NaN scale is no weight anyone stores)."""
+    rng = np.random.default_rng(seed)
+    _, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    blocks = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    for at in _F16_FIELDS[kind]:
+        blocks[:, at:at + 2] = rng.uniform(-2, 2, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return blocks
+
+
+@pytest.mark.parametrize("kind", sorted(CODE_TYPES))
+def test_block_codes_times_their_scales_are_gguf_dequantize_bit_for_bit(kind):
+    blocks = _random_blocks(kind, 64, seed=len(kind))
+    codes = block_codes(kind, blocks).astype(np.float32)                     # [nb, block]
+    scale, offset = block_scales(kind, blocks)                                     # [nb, groups]
+    group = codes.shape[1] // scale.shape[1]
+    w = codes.reshape(len(blocks), -1, group) * scale[..., None]
+    if offset is not None:
+        w = w + offset[..., None]
+    expected = dequantize(blocks, GGMLQuantizationType[kind]).reshape(w.shape)
+    np.testing.assert_array_equal(w.view(np.uint32), expected.astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
+@pytest.mark.parametrize("lo,hi,group,n,k,offset", [(-128, 128, 32, 12, 64, False), (0, 16, 32, 8, 128, True),
+                                                    (-32, 32, 16, 6, 64, False), (-16, 16, 32, 5, 96, True)])
+def test_coded_rows_are_the_dequantized_rows_in_every_layout(lo, hi, group, n, k, offset):
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.randn(n, k // group, generator=g).half().float()
+    off = torch.randn(n, k // group, generator=g).half().float() if offset else None
+    coded = CodedLinear(codes, scale, off)
+    ids = torch.tensor([[n - 1, 0, 2], [1, 1, n - 2]])
+    got = coded.rows(ids)
+    assert got.shape == (2, 3, k)
+    torch.testing.assert_close(got, coded.dequantize()[ids], rtol=0, atol=0)
+    with pytest.raises(IndexError, match="ids must be in"):
+        coded.rows(torch.tensor([n]))
+
+
+# --- whole tiny models --------------------------------------------------------------------------------------
+
+
+def _load_both(tmp_path, monkeypatch, arch: str, kind: str):
+    from tiny_gguf import write_tiny_gguf
+    from transformers import AutoModelForCausalLM
+
+    from lmhead import load_model
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / f"tiny-{arch}.gguf", arch, kind=kind)
+    model = load_model(str(path), progress=False)
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    return model, ref
+
+
+@pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
+@pytest.mark.parametrize("arch,kind", [("llama", "Q8_0"), ("llama", "Q4_1"), ("gemma3", "Q8_0"), ("qwen2", "Q5_0"),
+                                       ("qwen3", "Q4_0"), ("llama", "F16")])
+def test_a_tiny_gguf_runs_from_its_file_with_transformers_numbers(tmp_path, monkeypatch, arch, kind):
+    model, ref = _load_both(tmp_path, monkeypatch, arch, kind)
+    assert model.lean is not None and model.lean.embed is None or kind == "F16"
+    assert "_hf_model" not in model.__dict__ or model.__dict__["_hf_model"] is None  # nothing converted
+    ids = torch.tensor([model.encode("The cat sat on the mat. The dog")])
+    with torch.no_grad():
+        expected = ref(ids).logits
+    torch.testing.assert_close(model.logits(ids), expected, rtol=1e-4, atol=1e-4)
+    greedy = [s.token_id for s in model.generate("The cat sat", max_new_tokens=12,
+                                                 config=__import__("lmhead").SamplingConfig(temperature=0))]
+    start = torch.tensor([model.encode("The cat sat")])
+    want = ref.generate(start, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, start.shape[1]:].tolist()
+    assert greedy == want[:len(greedy)] and len(greedy) >= 1
+    # the embedding rows the decode step reads from the codes are the file's dequantised rows
+    if model.lean.embed_codes is not None:
+        torch.testing.assert_close(model.lean.embedding(ids), ref.get_input_embeddings().weight.detach()[ids],
+                                   rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
+def test_the_exact_head_of_a_file_model_makes_its_float32_weight_only_when_asked(tmp_path, monkeypatch):
+    model, ref = _load_both(tmp_path, monkeypatch, "llama", "Q8_0")
+    head = model.exact_head
+    assert not head.materialized
+    h = torch.randn(3, head.d_model)
+    logits = head(h)
+    assert not head.materialized
+    torch.testing.assert_close(head.weight, ref.get_output_embeddings().weight.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(logits, h @ head.weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_second_load_of_a_gguf_reads_only_its_cached_config_and_tokenizer(tmp_path, monkeypatch):
+    from tiny_gguf import write_tiny_gguf
+
+    from lmhead import load_model
+    from lmhead.models import file_model
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
+    load_model(str(path), progress=False)
+    calls = []
+    monkeypatch.setattr(file_model, "_write_meta", lambda *a: calls.append(a))
+    load_model(str(path), progress=False)
+    assert calls == []
+    assert not list((tmp_path / "cache" / "models").glob("*/model.safetensors"))  # no float32 copy on disk
