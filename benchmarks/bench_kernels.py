@@ -16,7 +16,7 @@
 6. One decode row's choice in C against the torch pipeline it replaces, on language-model-like rows (40 tokens
    lifted over randn × 2) of 49,152 (SmolLM2) and 262,144 (Gemma 3) logits: a plain greedy row
    (`native.greedy_rows` against `plain_choice` + `row_scores`) and an unseeded T = 0.8 top-p 0.9 row, scored
-   (`plain_choice` with `sampling._NATIVE_TOP_P_ROWS` 8 — `native.top_p_row` — and 0, the torch windows).
+   (`plain_choice` with `sampling.top_p._NATIVE_TOP_P_ROWS` 8 — `native.top_p_row` — and 0, the torch windows).
 7. The screened head (`CodedLinear.screen`: each row's top k exact, the rest below) against the exact product
    on Gemma 3's head shape (synthetic Q8_0-like codes, rows of randn × 2.5 with an outlier column, as final hidden
    states have), 1-8 rows, k = 2 (greedy) and 41 (top-k 40): where `speculative.SCREEN_MIN_ROWS` comes from.
@@ -136,7 +136,7 @@ def main() -> None:
         print(f"  {name:12}: ids {a:6.2f}  ids + logprobs {t:6.2f}  [{load()}]", flush=True)
 
     print("\n6. one decode row's choice: the C passes against the torch pipeline (ms)")
-    from lmhead import sampling
+    from lmhead.sampling import top_p as sampling  # the module that holds the C pass's row limit
 
     greedy_cfg, top_p = [SamplingConfig(temperature=0.0)], [SamplingConfig(temperature=0.8, top_p=0.9)]
     for width in (49152, 1 << 18):

@@ -189,7 +189,7 @@ def test_top_p_row_declines_rows_torch_must_answer_or_bin():
 def test_top_p_parts_give_the_same_cut_from_c_and_from_torch(width, monkeypatch):
     """sampling's top-p without top-k settles a few CPU rows in C: the same kept set and x/T as its torch path
     (windows, or bins for the rows C declines), row by row, in a batch mixing both."""
-    from lmhead import sampling
+    from lmhead.sampling import top_p as sampling  # the module that holds the top-p paths
 
     x = torch.stack([_lm_row(70, width, 12.0), _lm_row(71, width, 6.0), _lm_row(72, width, 16.0)])
     vocab = Vocab(width)
@@ -212,7 +212,7 @@ def test_top_p_parts_give_the_same_cut_from_c_and_from_torch(width, monkeypatch)
 
 
 def test_top_p_parts_name_the_batch_row_whose_logits_are_bad():
-    from lmhead import sampling
+    from lmhead.sampling import top_p as sampling  # the module that holds the top-p paths
 
     x = torch.stack([_lm_row(80, 4096, 12.0), _lm_row(81, 4096, 12.0)])
     x[1, 9] = float("nan")
@@ -224,8 +224,8 @@ def test_top_p_parts_name_the_batch_row_whose_logits_are_bad():
 def test_a_seeded_top_p_row_draws_the_same_id_whether_c_ran_or_not(cfg, monkeypatch):
     """A seeded draw races noise over its candidates in id order, so the C pass (whose candidate list is shorter
     than the torch windows') is not used for it: its id does not depend on the batch's size or on C."""
-    from lmhead import sampling
     from lmhead.sampling import SamplingConfig, sample, sample_with_logprobs
+    from lmhead.sampling import top_p as sampling  # the module that holds the top-p paths
 
     config = SamplingConfig(temperature=0.8, **cfg)
     rows = torch.stack([_lm_row(90 + r, 49152, 12.0) for r in range(12)])

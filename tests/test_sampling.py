@@ -542,7 +542,7 @@ def test_whole_row_draw_follows_probabilities_across_blocks(gen):
 
 
 def test_each_top_p_path_is_exercised_and_exact(monkeypatch):
-    import lmhead.sampling as sampling
+    import lmhead.sampling.top_p as sampling  # the module that holds the top-p paths and their constants
 
     calls = {"bins": 0, "windows": []}
     real_bins, real_topk = sampling._top_p_bins, torch.topk
@@ -613,7 +613,7 @@ def test_a_seeded_row_is_the_race_over_its_kept_tokens_in_id_order():
 
 
 def test_the_pipeline_reduces_across_the_vocabulary_with_the_vocab_it_is_given(monkeypatch):
-    import lmhead.sampling as sampling
+    import lmhead.sampling.top_p as sampling  # the module that holds the top-p paths and their constants
     from lmhead.sampling import Vocab
 
     calls: list[str] = []
@@ -668,7 +668,7 @@ def _top_p_rows() -> torch.Tensor:
 def test_top_p_draw_accepts_exactly_the_reference_set(p):
     # the test each proposal faces: the mass strictly above the drawn value < p · the row's mass. Asked of every
     # distinct value of each row, it must give the reference's kept set, ties and the argmax included.
-    import lmhead.sampling as sampling
+    import lmhead.sampling.top_p as sampling  # the module that holds the top-p paths and their constants
 
     x, temperature = _top_p_rows(), 0.8
     want = torch.isfinite(ref.sampling_process(x, [SamplingConfig(temperature=temperature, top_p=p)] * 6))
@@ -702,7 +702,7 @@ def test_top_p_draws_follow_the_reference_distribution(p, gen):
 
 def test_top_p_draw_is_exact_when_rows_run_out_of_rounds(monkeypatch, gen):
     # after _DRAW_ROUNDS rejections a row draws from its exact top-p set: the mixture is still the top-p law
-    import lmhead.sampling as sampling
+    import lmhead.sampling.top_p as sampling  # the module that holds the top-p paths and their constants
 
     monkeypatch.setattr(sampling, "_DRAW_ROUNDS", 1)
     row = torch.log(torch.tensor([0.3, 0.25, 0.2, 0.1, 0.1, 0.05]))
@@ -795,7 +795,7 @@ def test_an_overflow_in_processing_names_the_setting_not_the_logits():
 def test_top_p_draws_on_language_model_like_rows_settle_in_the_window(monkeypatch, gen):
     # rows whose top-p set is a few tokens: draws are tested from the top 256, and a rejected draw gives way to
     # the exact cut of that window; the draws still follow the reference distribution
-    import lmhead.sampling as sampling
+    import lmhead.sampling.top_p as sampling  # the module that holds the top-p paths and their constants
 
     cuts = []
     real = sampling._top_p_sorted
@@ -928,7 +928,7 @@ def test_narrow_rows_apart_drawn_together_draw_what_they_draw_alone(width):
 def test_unseeded_top_p_rows_draw_from_the_set_c_finds_and_the_rest_by_rejection(monkeypatch, gen):
     """`sample` (no logprobs) on a few unseeded top-p-alone rows: a language-model-like row's set is found in C and
     raced over, a flat row (a set wider than C takes) is drawn by rejection; both follow the reference."""
-    import lmhead.sampling as sampling
+    import lmhead.sampling.top_p as sampling  # the module that holds the top-p paths and their constants
     from lmhead.models import native
 
     if native.library() is None:

@@ -1,0 +1,122 @@
+"""Step 8 over a batch: rows grouped by their cut, seeded rows drawn with their own (seed, step) noise."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from lmhead.sampling.config import SamplingConfig
+from lmhead.sampling.cuts import _cut
+from lmhead.sampling.race import _draw_part, _part_logprobs, seeded_generator
+from lmhead.sampling.top_p import _top_p_draw, _top_p_draw_unseeded
+from lmhead.sampling.vocab import Vocab
+
+
+def _draw_group(x: Tensor, cfg: SamplingConfig, generator: torch.Generator | None, vocab: Vocab,
+                top: tuple[Tensor, Tensor] | None = None, scored: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Steps 3-8 for rows [b,V_r] that share one cut key → ([b] global ids, with ``scored`` their processed
+    log-probabilities [b] from the same cut, else None; NaN for rows drawn without a cut: top-p alone)."""
+    if not cfg.is_greedy:
+        _, temperature, top_k, top_p, min_p = cfg._cut_key(vocab.size)
+        # top-p alone draws by rejection, without the top-p set — unless the set is wanted anyway for the logprob
+        # of an unseeded draw (a seeded row keeps `sample`'s ids), or C finds it at once (unseeded rows)
+        if top_p < 1.0 and not top_k and not min_p and not (scored and cfg.seed is None):
+            if cfg.seed is None:
+                return _top_p_draw_unseeded(x, temperature, top_p, generator, vocab), None
+            ids = _top_p_draw(x, temperature, top_p, generator, True, vocab)
+            return ids, torch.full(ids.shape, math.nan, device=x.device) if scored else None
+    ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    lp = torch.empty(x.shape[0], dtype=torch.float32, device=x.device) if scored else None
+    for sub, vals, idx in _cut(x, cfg, vocab, top, native=cfg.seed is None):
+        chosen = idx[:, 0] if cfg.is_greedy else _draw_part(vals, idx, cfg.seed is not None, generator, vocab)
+        for out, got in ((ids, chosen), (lp, _part_logprobs(vals, idx, chosen, vocab) if scored else None)):
+            if out is None:
+                continue
+            if sub is None:
+                out.copy_(got)
+            else:
+                out[sub] = got
+    return ids, lp
+
+
+def _draw_seeded_top_k(x: Tensor, cfg: SamplingConfig, gens: list[torch.Generator], vocab: Vocab,
+                       scored: bool) -> tuple[Tensor, Tensor | None]:
+    """Seeded rows [b,V_r] that share a top-k cut key, each with its own (seed, step) generator → ([b] ids, [b]
+    logprobs or None): the ids `_draw_group` gives each row alone. The cut, the softmax and the race work row by
+    row, and each row's noise comes from its own generator over its k candidates in id order, so one pass serves
+    them all; rows whose cut keeps more than k (a tie at the k-th value: a width of their own) draw alone."""
+    top_k = cfg._cut_key(vocab.size)[2]
+    top = vocab.topk(x, top_k + 1)
+    ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    lp = torch.empty(x.shape[0], dtype=torch.float32, device=x.device) if scored else None
+    for sub, vals, idx in _cut(x, cfg, vocab, top, native=False):
+        rows = list(range(x.shape[0])) if sub is None else sub.tolist()
+        if vals.shape[1] != top_k:
+            for r in rows:
+                got = _draw_group(x[r:r + 1], cfg, gens[r], vocab, (top[0][r:r + 1], top[1][r:r + 1]), scored)
+                ids[r] = got[0][0]
+                if scored:
+                    lp[r] = got[1][0]
+            continue
+        chosen = _draw_part(vals, idx, True, [gens[r] for r in rows], vocab)
+        index = slice(None) if sub is None else sub
+        ids[index] = chosen
+        if scored:
+            lp[index] = _part_logprobs(vals, idx, chosen, vocab)
+    return ids, lp
+
+
+# rows apart in the batch are copied together (one pass for them all) when their width is at most this: a screened
+# round's candidates; whole rows of a large vocabulary cost more to copy (~1 ms for four of 262,144) than the
+# separate passes save
+_GATHER_MAX_WIDTH = 4096
+
+
+def _draw_groups(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, generator: torch.Generator | None,
+                 steps: list[int] | None, vocab: Vocab, scored: bool) -> tuple[Tensor, Tensor | None]:
+    """Steps 3-8 over the batch → ([B] ids, [B] processed logprobs of them or None). Rows that share a cut key
+    are cut together; a seeded row draws with its own (seed, step) noise — rows that share a top-k cut share its
+    partial sort and draw in one pass (`_draw_seeded_top_k`: each row's top k+1 is the same whether sorted
+    alone or beside others, and a seeded draw orders its candidates by id), so the ids do not depend on the
+    batch."""
+    batch = x.shape[0]
+    cfgs = [configs] * batch if isinstance(configs, SamplingConfig) else configs
+    ids = torch.empty(batch, dtype=torch.long, device=x.device)
+    lp = torch.empty(batch, dtype=torch.float32, device=x.device) if scored else None
+    groups: dict[tuple, list[int]] = {}
+    for r, c in enumerate(cfgs):
+        groups.setdefault((c._cut_key(vocab.size), c.seed is not None and not c.is_greedy), []).append(r)
+
+    def put(rows: list[int], got: tuple[Tensor, Tensor | None]) -> None:
+        index = (slice(None) if len(rows) == batch else slice(rows[0], rows[0] + 1) if len(rows) == 1
+                 else torch.tensor(rows, device=x.device))
+        ids[index] = got[0]
+        if scored:
+            lp[index] = got[1]
+
+    for (key, seeded), rows in groups.items():
+        # rows side by side are read as one view; rows apart are copied together where they are narrow or draw
+        # together (unseeded sampled rows share the generator): wide greedy and seeded rows apart are read in
+        # place, one by one
+        together = rows[-1] - rows[0] == len(rows) - 1
+        joint = together or x.shape[1] <= _GATHER_MAX_WIDTH
+        cfg = cfgs[rows[0]]
+        if not joint and (cfg.is_greedy or seeded):
+            for r in rows:
+                gen = seeded_generator(cfgs[r].seed, steps[r], x.device) if seeded else generator
+                one = vocab.topk(x[r:r + 1], key[2] + 1) if seeded and key[2] else None
+                put([r], _draw_group(x[r:r + 1], cfgs[r], gen, vocab, one, scored))
+            continue
+        xs = x[rows[0]:rows[-1] + 1] if together else x[torch.tensor(rows, device=x.device)]
+        if not seeded:
+            put(rows, _draw_group(xs, cfg, generator, vocab, scored=scored))
+        elif key[2]:
+            gens = [seeded_generator(cfgs[r].seed, steps[r], x.device) for r in rows]
+            put(rows, _draw_seeded_top_k(xs, cfg, gens, vocab, scored))
+        else:  # top-p alone, min-p alone or no cut: each row's own draw
+            for j, r in enumerate(rows):
+                put([r], _draw_group(xs[j:j + 1], cfgs[r], seeded_generator(cfgs[r].seed, steps[r], x.device),
+                                     vocab, scored=scored))
+    return ids, lp

@@ -1,0 +1,129 @@
+"""The whole pipeline: ``process_logits`` (steps 1-6), ``probabilities`` (1-7), ``sample`` (1-8),
+``sample_with_logprobs`` and ``chosen_logprobs`` (the decode loop's step and score)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lmhead.sampling.config import ConfigArg, SamplingConfig
+from lmhead.sampling.cuts import _parts, _scatter_rows
+from lmhead.sampling.draw import _draw_groups
+from lmhead.sampling.inputs import as_row_ints
+from lmhead.sampling.preprocess import _preprocess
+from lmhead.sampling.race import _part_logprobs
+from lmhead.sampling.vocab import _NEG_INF, Vocab
+
+
+def process_logits(logits: Tensor, config: ConfigArg = None, prev_tokens: Any = None,
+                   prompt_len: int | Sequence[int] = 0, *, vocab: Vocab | None = None) -> Tensor:
+    """Steps 1-6: [B,V] logits → [B,V] float32 processed logits (temperature-scaled), rejected tokens -inf.
+
+    A greedy row keeps only its argmax (at its biased / penalised logit). ``config`` is one SamplingConfig or
+    a list with one per row; ``prev_tokens`` ([B,L] LongTensor, -1 = padding, or list of lists) is the
+    sequence so far, its first ``prompt_len`` tokens (int or one per row) the prompt. ``vocab`` (None: the
+    logits are the whole vocabulary) says which columns [start, start + V_r) of it the logits hold, and
+    carries the reductions across it; the result then holds the same columns ([B,V_r])."""
+    x, configs, one_row, vocab = _preprocess(logits, config, prev_tokens, prompt_len, vocab)
+    out = torch.empty_like(x)
+    for rows, vals, idx, _ in _parts(x, configs, vocab):
+        _scatter_rows(out, rows, vals, idx, _NEG_INF, vocab)
+    return out[0] if one_row else out
+
+
+def probabilities(logits: Tensor, config: ConfigArg = None, prev_tokens: Any = None,
+                  prompt_len: int | Sequence[int] = 0, *, vocab: Vocab | None = None) -> Tensor:
+    """Steps 1-7: [B,V] logits → [B,V] float32 probabilities over the full vocabulary (rows sum to 1, cut
+    tokens 0). Same arguments as ``process_logits``."""
+    x, configs, one_row, vocab = _preprocess(logits, config, prev_tokens, prompt_len, vocab)
+    out = torch.empty_like(x)
+    for rows, vals, idx, _ in _parts(x, configs, vocab):
+        probs = vocab.softmax(vals) if idx is None else torch.softmax(vals, dim=-1)
+        _scatter_rows(out, rows, probs, idx, 0.0, vocab)
+    return out[0] if one_row else out
+
+
+def sample(logits: Tensor, config: ConfigArg = None, generator: torch.Generator | None = None,
+           prev_tokens: Any = None, prompt_len: int | Sequence[int] = 0,
+           step: int | Sequence[int] = 0, *, vocab: Vocab | None = None) -> Tensor:
+    """Steps 1-8: [B,V] logits → [B] long token ids (a 0-d tensor for a [V] row).
+
+    Greedy rows (temperature 0) take the argmax (the first one on ties). With top-k set only the [B,k]
+    survivors are touched after ``torch.topk`` and drawn by the exponential race; rows with top-p alone draw
+    by rejection from the whole row (``_top_p_draw``: no top-p set is computed) — but a few unseeded whole CPU
+    rows whose set one C pass finds (a language model's rows) race over that set; other rows kept whole (no
+    cut-off, min-p) draw by inverse CDF with one uniform per row.
+    Rows without a seed draw from ``generator`` (or torch's default generator). A row whose config has a seed
+    draws from a generator seeded with (seed, step), on its own, over its tokens in token-id order, so the id
+    does not depend on the batch; ``step`` (int or one per row) is the position of the token being drawn.
+    ``vocab`` as in ``process_logits`` (the ids are global)."""
+    ids, _, one_row = _sample(logits, config, generator, prev_tokens, prompt_len, step, vocab, scored=False)
+    return ids[0] if one_row else ids
+
+
+def sample_with_logprobs(logits: Tensor, config: ConfigArg = None, generator: torch.Generator | None = None,
+                         prev_tokens: Any = None, prompt_len: int | Sequence[int] = 0,
+                         step: int | Sequence[int] = 0) -> tuple[Tensor, Tensor]:
+    """``sample`` and each drawn token's processed log-probability, ``chosen_logprobs`` of the ids, taken from
+    the very cut the draw was made from (no second pass over the vocabulary). [B,V] logits → (ids [B] long,
+    logprobs [B] float32); a [V] row → two 0-d tensors. The decode loop's step.
+
+    The ids are ``sample``'s for the same seeds and generator state, except on unseeded rows with top-p alone
+    that ``sample`` draws by rejection without finding the top-p set (rows C does not settle): here the set is
+    found for the logprob and the draw is made from it — the same distribution, other ids for the same generator
+    state (and so, in the same call, on the unseeded rows drawn after such a row from the same generator)."""
+    ids, lp, one_row = _sample(logits, config, generator, prev_tokens, prompt_len, step, None, scored=True)
+    missing = torch.isnan(lp)
+    if bool(missing.any()):  # rows drawn without a cut (seeded, top-p alone): their kept set, found now
+        rows = missing.nonzero().squeeze(1)
+        x, configs, _, vocab = _preprocess(logits, config, prev_tokens, prompt_len)  # bias, penalties: once
+        cfgs = [configs] * x.shape[0] if isinstance(configs, SamplingConfig) else configs
+        lp[rows] = _chosen(x[rows], ids[rows], [cfgs[r] for r in rows.tolist()], vocab)
+    return (ids[0], lp[0]) if one_row else (ids, lp)
+
+
+def _sample(logits: Tensor, config: ConfigArg, generator: torch.Generator | None, prev_tokens: Any,
+            prompt_len: int | Sequence[int], step: int | Sequence[int], vocab: Vocab | None,
+            scored: bool) -> tuple[Tensor, Tensor | None, bool]:
+    x, configs, one_row, vocab = _preprocess(logits, config, prev_tokens, prompt_len, vocab)
+    batch = x.shape[0]
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    cfgs = [configs] if isinstance(configs, SamplingConfig) else configs
+    steps = None
+    if any(c.seed is not None for c in cfgs):
+        steps = as_row_ints(step, batch, "step", torch.device("cpu")).tolist()
+    if batch == 0:
+        return (torch.empty(0, dtype=torch.long, device=x.device),
+                torch.empty(0, device=x.device) if scored else None, one_row)
+    ids, lp = _draw_groups(x, configs, generator, steps, vocab, scored)
+    return ids, lp, one_row
+
+
+def chosen_logprobs(logits: Tensor, token_ids: Tensor, config: ConfigArg = None, prev_tokens: Any = None,
+                    prompt_len: int | Sequence[int] = 0) -> Tensor:
+    """The processed log-probability of each row's token: [B,V] logits, token_ids [B] long → [B] float32,
+    equal to ``logprobs(...).logprob`` (log of ``probabilities``; -inf for a token the pipeline cut) but
+    normalised over the pipeline's kept candidates where the cut has them (top-k rows, greedy picks: [b,k]
+    values, no [B,V] temporary); rows kept whole (top-p without top-k, min-p, no cut) take a log-softmax over
+    the row. Same config / prev_tokens / prompt_len as ``process_logits``. The decode loop's per-step score."""
+    x, configs, _, vocab = _preprocess(logits, config, prev_tokens, prompt_len)
+    tok = token_ids.to(device=x.device, dtype=torch.long).reshape(-1)
+    if tok.shape[0] != x.shape[0]:
+        raise ValueError(f"token_ids must hold one id per row ({x.shape[0]}), got {tok.shape[0]}")
+    return _chosen(x, tok, configs, vocab)
+
+
+def _chosen(x: Tensor, tok: Tensor, configs: list[SamplingConfig] | SamplingConfig, vocab: Vocab) -> Tensor:
+    """`chosen_logprobs` on logits x [B,V_r] already through steps 1-2, ids tok [B]."""
+    out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    for rows, vals, idx, _ in _parts(x, configs, vocab):
+        lp = _part_logprobs(vals, idx, tok if rows is None else tok[rows], vocab)
+        if rows is None:
+            out.copy_(lp)
+        else:
+            out[rows] = lp
+    return out

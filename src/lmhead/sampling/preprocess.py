@@ -1,0 +1,181 @@
+"""Steps 1-2 of the pipeline: logit bias and bans, then the penalties, on [B,V_r] logits."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from lmhead.sampling.config import PENALTY_LIMIT, REPETITION_PENALTY_RANGE, ConfigArg, SamplingConfig, _config_arg
+from lmhead.sampling.inputs import (
+    _as_row_floats,
+    _check_logits,
+    _check_overflow,
+    _check_values,
+    as_prev_tokens,
+    as_row_ints,
+)
+from lmhead.sampling.vocab import _NEG_INF, Vocab
+
+
+def _bias_index(configs: list[SamplingConfig] | SamplingConfig, batch: int, vocab: int, device: torch.device,
+                start: int = 0, width: int | None = None):
+    """(rows, cols, values) of every logit_bias entry and (rows, cols) of every banned token, in the local
+    columns [start, start + width) of a vocabulary of `vocab` ids (entries outside them are another shard's)."""
+    end = vocab if width is None else start + width
+
+    def entries(c: SamplingConfig):
+        ids = list(c.logit_bias.keys()) if c.logit_bias else []
+        vals = list(c.logit_bias.values()) if c.logit_bias else []
+        banned = list(c.banned_tokens)
+        for name, toks in (("logit_bias", ids), ("banned_tokens", banned)):
+            if toks and max(toks) >= vocab:
+                raise ValueError(f"{name}: token id {max(toks)} is outside the vocabulary [0, {vocab})")
+        if (start, end) != (0, vocab):
+            kept = [(i - start, v) for i, v in zip(ids, vals, strict=True) if start <= i < end]
+            ids, vals = [i for i, _ in kept], [v for _, v in kept]
+            banned = [i - start for i in banned if start <= i < end]
+        return ids, vals, banned
+
+    rows_b, cols_b, vals_b, rows_x, cols_x = [], [], [], [], []
+    if isinstance(configs, SamplingConfig):
+        ids, vals, banned = entries(configs)
+        return (None, torch.tensor(ids, dtype=torch.long, device=device),
+                torch.tensor(vals, dtype=torch.float32, device=device),
+                None, torch.tensor(banned, dtype=torch.long, device=device))
+    for r, c in enumerate(configs):
+        ids, vals, banned = entries(c)
+        rows_b += [r] * len(ids)
+        cols_b += ids
+        vals_b += vals
+        rows_x += [r] * len(banned)
+        cols_x += banned
+    as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)
+    return (as_long(rows_b), as_long(cols_b), torch.tensor(vals_b, dtype=torch.float32, device=device),
+            as_long(rows_x), as_long(cols_x))
+
+
+def _apply_bias_(x: Tensor, rows, cols, vals, rows_x, cols_x) -> None:
+    """In place on x [B,V]: add biases, then set banned ids to -inf."""
+    if cols.numel():
+        if rows is None:
+            x[:, cols] += vals
+        else:
+            x[rows, cols] += vals  # (row, id) pairs are unique: a mapping per row
+    if cols_x.numel():
+        if rows_x is None:
+            x[:, cols_x] = _NEG_INF
+        else:
+            x[rows_x, cols_x] = _NEG_INF
+
+
+def apply_logit_bias(logits: Tensor, logit_bias: Mapping[int, float] | None = None,
+                     banned_tokens: Sequence[int] = ()) -> Tensor:
+    """Step 1 on [B,V] logits → new [B,V] float32: add ``logit_bias[id]`` to every row (-inf bans), then set
+    ``banned_tokens`` to -inf. Ids must be in [0, V)."""
+    x, one_row = _check_logits(logits)
+    cfg = SamplingConfig(logit_bias=logit_bias, banned_tokens=tuple(banned_tokens))
+    x = x.clone()
+    _apply_bias_(x, *_bias_index(cfg, x.shape[0], x.shape[1], x.device))
+    _check_values(x)
+    return x[0] if one_row else x
+
+
+def _penalize_(x: Tensor, prev: Tensor, prompt_len: Tensor, rep: Tensor, pres: Tensor, freq: Tensor,
+               start: int = 0) -> None:
+    """In place on x [B,V_r] (global ids [start, start + V_r)) with per-row penalties [B] and prev [B,L] (global
+    ids, -1 = padding)."""
+    batch, vocab = x.shape
+    valid = prev >= 0
+    local = prev - start
+    mine = valid & (local >= 0) & (local < vocab)
+    # padding and other shards' tokens go to an extra column that is dropped (they still count as positions)
+    safe = torch.where(mine, local, vocab)
+    if bool((rep != 1.0).any()):
+        # repetition (CTRL / HF): every token seen in the prompt or the generation, once
+        seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=x.device)
+        seen.scatter_(1, safe, True)
+        seen = seen[:, :vocab]
+        r = rep.unsqueeze(1)
+        cols = safe.clamp(max=vocab - 1)
+        before = x.gather(1, cols)
+        x.copy_(torch.where(seen, torch.where(x < 0, x * r, x / r), x))
+        # a logit beyond ~3.4e34 can leave float32's range even with a bounded penalty; presence and frequency
+        # cannot (a bounded shift of a finite float32 rounds back to a finite one)
+        _check_overflow(x, cols, mine, before, "repetition_penalty", rep, start)
+    if bool((pres != 0.0).any() or (freq != 0.0).any()):
+        # presence / frequency (OpenAI): generated tokens only = valid tokens after the first prompt_len
+        ordinal = valid.long().cumsum(1) - 1
+        generated = valid & (ordinal >= prompt_len.unsqueeze(1))
+        counts = torch.zeros(batch, vocab + 1, dtype=torch.float32, device=x.device)
+        counts.scatter_add_(1, torch.where(generated, safe, vocab), generated.float())
+        counts = counts[:, :vocab]
+        x.sub_(counts * freq.unsqueeze(1) + (counts > 0).float() * pres.unsqueeze(1))
+
+
+def apply_penalties(logits: Tensor, prev_tokens: Tensor | Sequence[Sequence[int]] | None,
+                    repetition_penalty: float | Sequence[float] = 1.0,
+                    presence_penalty: float | Sequence[float] = 0.0,
+                    frequency_penalty: float | Sequence[float] = 0.0,
+                    prompt_len: int | Sequence[int] = 0) -> Tensor:
+    """Step 2 on [B,V] logits → new [B,V] float32.
+
+    ``prev_tokens`` is the sequence so far per row ([B,L] LongTensor, -1 = padding, or a list of lists),
+    prompt first; the first ``prompt_len`` tokens of a row (padding not counted) are its prompt.
+    Repetition (CTRL/HF): each token seen in the prompt or the generated tokens, once: logit > 0 → logit / r,
+    else logit · r. Then frequency / presence (OpenAI), over the generated tokens only:
+    logit − count·frequency − (count > 0)·presence. Each penalty is a number or one per row.
+    """
+    x, one_row = _check_logits(logits)
+    x = x.clone()
+    batch, vocab = x.shape
+    dev = x.device
+    low, high = REPETITION_PENALTY_RANGE
+    rep = _as_row_floats(repetition_penalty, batch, "repetition_penalty", dev,
+                         lambda t: (t >= low) & (t <= high), f"in [{low:g}, {high:g}]")
+    pres, freq = (_as_row_floats(value, batch, name, dev, lambda t: t.abs() <= PENALTY_LIMIT,
+                                 f"in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]")
+                  for name, value in (("presence_penalty", presence_penalty),
+                                      ("frequency_penalty", frequency_penalty)))
+    if prev_tokens is not None:
+        prev = as_prev_tokens(prev_tokens, batch, vocab, dev, one_row)
+        _penalize_(x, prev, as_row_ints(prompt_len, batch, "prompt_len", dev), rep, pres, freq)
+    _check_values(x)
+    return x[0] if one_row else x
+
+
+def _preprocess(logits: Tensor, config: ConfigArg, prev_tokens: object, prompt_len: object,
+                vocab: Vocab | None = None):
+    """Validate, upcast to float32 and apply steps 1-2. Returns (x [B,V_r], configs, one_row, vocab).
+
+    ``vocab`` says which columns of the vocabulary the logits hold (None: all of it, in this process); steps
+    1-2 are per token, so a shard applies them to its own columns. x is the caller's tensor itself (not a
+    copy) when nothing needs changing: callers never write into it."""
+    x, one_row = _check_logits(logits)
+    batch, width = x.shape
+    if vocab is None:
+        vocab = Vocab(width)
+    elif not 0 <= vocab.start <= vocab.start + width <= vocab.size:
+        raise ValueError(f"logits hold columns [{vocab.start}, {vocab.start + width}) of a vocabulary of "
+                         f"{vocab.size}")
+    configs = _config_arg(config, batch)
+    cfgs = [configs] if isinstance(configs, SamplingConfig) else configs
+    has_bias = any(c.logit_bias or c.banned_tokens for c in cfgs)
+    has_pen = prev_tokens is not None and any(c.has_penalties for c in cfgs)
+    if prev_tokens is not None:  # always validated, even when no penalty uses it
+        prev = as_prev_tokens(prev_tokens, batch, vocab.size, x.device, one_row)
+        plen = as_row_ints(prompt_len, batch, "prompt_len", x.device)
+    if not (has_bias or has_pen):
+        return x, configs, one_row, vocab
+    x = x.clone() if x.data_ptr() == logits.data_ptr() else x
+    if has_bias:
+        _apply_bias_(x, *_bias_index(configs, batch, vocab.size, x.device, vocab.start, width))
+    if has_pen:
+        if isinstance(configs, SamplingConfig):
+            per_row = lambda name: torch.full((batch,), getattr(configs, name), device=x.device)
+        else:
+            per_row = lambda name: torch.tensor([getattr(c, name) for c in configs], device=x.device)
+        _penalize_(x, prev, plen, per_row("repetition_penalty"), per_row("presence_penalty"),
+                   per_row("frequency_penalty"), vocab.start)
+    return x, configs, one_row, vocab

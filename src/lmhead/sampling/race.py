@@ -1,0 +1,65 @@
+"""The seeded generator of a row (seed, step) and the exponential race over candidates [b,m]."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lmhead.sampling.rows import _draw_rows
+from lmhead.sampling.vocab import _NEG_INF, Vocab
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix_seed(seed: int, step: int) -> int:
+    """(seed, step) → a 64-bit generator seed (splitmix64 finaliser, twice): nearby seeds and steps give
+    unrelated streams."""
+    def splitmix(z: int) -> int:
+        z = (z + 0x9E3779B97F4A7C15) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return z ^ (z >> 31)
+
+    return splitmix(splitmix(seed & _MASK64) ^ (step & _MASK64))
+
+
+def seeded_generator(seed: int, step: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator a seeded row draws from at position ``step``: seeded from (seed, step) by splitmix64, so
+    nearby seeds and steps give unrelated streams and the draw depends on nothing else."""
+    return torch.Generator(device=device).manual_seed(_mix_seed(seed, step))
+
+
+def race_draw(probs: Tensor, generator: torch.Generator | list[torch.Generator] | None = None) -> Tensor:
+    """The exponential race on [b,m] probabilities → [b] positions: argmax(p / Exp(1)) picks i with probability
+    p_i (exact, no multinomial). Noise is drawn for the m columns in order, from ``generator`` — or, given one
+    generator per row, each row's from its own (the noise a row gets alone)."""
+    noise = torch.empty_like(probs)
+    if isinstance(generator, list):
+        for row, gen in zip(noise, generator, strict=True):
+            row.exponential_(generator=gen)
+    else:
+        noise.exponential_(generator=generator)
+    return (probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
+
+
+def _draw_part(vals: Tensor, idx: Tensor | None, seeded: bool, generator: torch.Generator | list | None,
+               vocab: Vocab) -> Tensor:
+    """A sampled part of the cut ([b,V_r] whole rows when idx is None, else [b,m] candidates and their ids) → [b]
+    ids. A seeded row's candidates race in token-id order, so that the noise each token gets does not depend
+    on the order the cut produced them in (``generator``: one per row for seeded rows drawn together)."""
+    if idx is None:
+        return _draw_rows(vals, generator, vocab)
+    if seeded:
+        order = idx.argsort(dim=-1)
+        vals, idx = vals.gather(1, order), idx.gather(1, order)
+    return idx.gather(1, race_draw(torch.softmax(vals, dim=-1), generator).unsqueeze(1)).squeeze(1)
+
+
+def _part_logprobs(vals: Tensor, idx: Tensor | None, ids: Tensor, vocab: Vocab) -> Tensor:
+    """The processed log-probability of ids [b] (global) in a part of the cut: candidates [b,m] normalised over
+    themselves (the -inf elsewhere in the row add nothing), whole rows [b,V] by a log-softmax over the row
+    (whole vocabulary only). -inf for an id the cut dropped."""
+    if idx is None:
+        return torch.log_softmax(vals, dim=-1).gather(1, (ids - vocab.start)[:, None]).squeeze(1)
+    lse = torch.logsumexp(vals, dim=-1, keepdim=True)
+    return torch.where(idx == ids[:, None], vals - lse, _NEG_INF).amax(dim=-1)
