@@ -9,6 +9,7 @@ from lmhead.checks import is_int, is_real
 from lmhead.sampling.config import GREEDY_TEMPERATURE, TEMPERATURE_LIMIT, SamplingConfig
 from lmhead.sampling.inputs import _check_logits, _check_top, _check_values
 from lmhead.sampling.rows import _Part, _sub
+from lmhead.sampling.steps.cutoffs import _min_p_rows
 from lmhead.sampling.top_p import _top_p_parts, _top_p_sorted
 from lmhead.sampling.vocab import _NEG_INF, Vocab
 
@@ -33,14 +34,6 @@ def _min_p_sorted(vals: Tensor, min_p: float) -> Tensor:
     remove = probs < min_p * probs[:, :1]
     remove[:, 0] = False
     return vals.masked_fill(remove, _NEG_INF)
-
-
-def _min_p_rows(x: Tensor, min_p: float, vocab: Vocab) -> Tensor:
-    """Min-p on whole rows [b,V_r], exactly HF's MinPLogitsWarper. The argmax is always kept without a
-    special case: its p is the maximum itself, and min_p · p_max ≤ p_max for min_p ≤ 1."""
-    probs = vocab.softmax(x)
-    remove = probs < min_p * vocab.amax(probs)
-    return x.masked_fill(remove, _NEG_INF)
 
 
 def _top_k_parts(x: Tensor, temperature: float, top_k: int, vocab: Vocab,

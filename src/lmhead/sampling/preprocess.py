@@ -11,63 +11,13 @@ from lmhead.sampling.config import PENALTY_LIMIT, REPETITION_PENALTY_RANGE, Conf
 from lmhead.sampling.inputs import (
     _as_row_floats,
     _check_logits,
-    _check_overflow,
     _check_values,
     as_prev_tokens,
     as_row_ints,
 )
-from lmhead.sampling.vocab import _NEG_INF, Vocab
-
-
-def _bias_index(configs: list[SamplingConfig] | SamplingConfig, batch: int, vocab: int, device: torch.device,
-                start: int = 0, width: int | None = None):
-    """(rows, cols, values) of every logit_bias entry and (rows, cols) of every banned token, in the local
-    columns [start, start + width) of a vocabulary of `vocab` ids (entries outside them are another shard's)."""
-    end = vocab if width is None else start + width
-
-    def entries(c: SamplingConfig):
-        ids = list(c.logit_bias.keys()) if c.logit_bias else []
-        vals = list(c.logit_bias.values()) if c.logit_bias else []
-        banned = list(c.banned_tokens)
-        for name, toks in (("logit_bias", ids), ("banned_tokens", banned)):
-            if toks and max(toks) >= vocab:
-                raise ValueError(f"{name}: token id {max(toks)} is outside the vocabulary [0, {vocab})")
-        if (start, end) != (0, vocab):
-            kept = [(i - start, v) for i, v in zip(ids, vals, strict=True) if start <= i < end]
-            ids, vals = [i for i, _ in kept], [v for _, v in kept]
-            banned = [i - start for i in banned if start <= i < end]
-        return ids, vals, banned
-
-    rows_b, cols_b, vals_b, rows_x, cols_x = [], [], [], [], []
-    if isinstance(configs, SamplingConfig):
-        ids, vals, banned = entries(configs)
-        return (None, torch.tensor(ids, dtype=torch.long, device=device),
-                torch.tensor(vals, dtype=torch.float32, device=device),
-                None, torch.tensor(banned, dtype=torch.long, device=device))
-    for r, c in enumerate(configs):
-        ids, vals, banned = entries(c)
-        rows_b += [r] * len(ids)
-        cols_b += ids
-        vals_b += vals
-        rows_x += [r] * len(banned)
-        cols_x += banned
-    as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)
-    return (as_long(rows_b), as_long(cols_b), torch.tensor(vals_b, dtype=torch.float32, device=device),
-            as_long(rows_x), as_long(cols_x))
-
-
-def _apply_bias_(x: Tensor, rows, cols, vals, rows_x, cols_x) -> None:
-    """In place on x [B,V]: add biases, then set banned ids to -inf."""
-    if cols.numel():
-        if rows is None:
-            x[:, cols] += vals
-        else:
-            x[rows, cols] += vals  # (row, id) pairs are unique: a mapping per row
-    if cols_x.numel():
-        if rows_x is None:
-            x[:, cols_x] = _NEG_INF
-        else:
-            x[rows_x, cols_x] = _NEG_INF
+from lmhead.sampling.steps.masks import _apply_bias_, _bias_index
+from lmhead.sampling.steps.penalties import _penalize_
+from lmhead.sampling.vocab import Vocab
 
 
 def apply_logit_bias(logits: Tensor, logit_bias: Mapping[int, float] | None = None,
@@ -80,38 +30,6 @@ def apply_logit_bias(logits: Tensor, logit_bias: Mapping[int, float] | None = No
     _apply_bias_(x, *_bias_index(cfg, x.shape[0], x.shape[1], x.device))
     _check_values(x)
     return x[0] if one_row else x
-
-
-def _penalize_(x: Tensor, prev: Tensor, prompt_len: Tensor, rep: Tensor, pres: Tensor, freq: Tensor,
-               start: int = 0) -> None:
-    """In place on x [B,V_r] (global ids [start, start + V_r)) with per-row penalties [B] and prev [B,L] (global
-    ids, -1 = padding)."""
-    batch, vocab = x.shape
-    valid = prev >= 0
-    local = prev - start
-    mine = valid & (local >= 0) & (local < vocab)
-    # padding and other shards' tokens go to an extra column that is dropped (they still count as positions)
-    safe = torch.where(mine, local, vocab)
-    if bool((rep != 1.0).any()):
-        # repetition (CTRL / HF): every token seen in the prompt or the generation, once
-        seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=x.device)
-        seen.scatter_(1, safe, True)
-        seen = seen[:, :vocab]
-        r = rep.unsqueeze(1)
-        cols = safe.clamp(max=vocab - 1)
-        before = x.gather(1, cols)
-        x.copy_(torch.where(seen, torch.where(x < 0, x * r, x / r), x))
-        # a logit beyond ~3.4e34 can leave float32's range even with a bounded penalty; presence and frequency
-        # cannot (a bounded shift of a finite float32 rounds back to a finite one)
-        _check_overflow(x, cols, mine, before, "repetition_penalty", rep, start)
-    if bool((pres != 0.0).any() or (freq != 0.0).any()):
-        # presence / frequency (OpenAI): generated tokens only = valid tokens after the first prompt_len
-        ordinal = valid.long().cumsum(1) - 1
-        generated = valid & (ordinal >= prompt_len.unsqueeze(1))
-        counts = torch.zeros(batch, vocab + 1, dtype=torch.float32, device=x.device)
-        counts.scatter_add_(1, torch.where(generated, safe, vocab), generated.float())
-        counts = counts[:, :vocab]
-        x.sub_(counts * freq.unsqueeze(1) + (counts > 0).float() * pres.unsqueeze(1))
 
 
 def apply_penalties(logits: Tensor, prev_tokens: Tensor | Sequence[Sequence[int]] | None,

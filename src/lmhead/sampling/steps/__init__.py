@@ -1,0 +1,123 @@
+"""The declared steps of the pipeline and the orders they run in.
+
+Every step lives in one module of this package with its ``Param``s and its ``Step`` (``base``). Everything else is
+derived from them: ``SamplingConfig``'s fields and checks (``lmhead.sampling.config``), the server's request fields
+and the CLI's flags (``params_for_schema``), the explainer's reasons, the fast-path eligibility (``runs_on``) and the
+sharded sampler's refusal of a step it cannot run.
+
+The order (``samplers``): the masks (stage 1) run first always; stages 2-4 run in lmhead's order (below), a named
+preset (``PRESETS``: llama.cpp's default chain, transformers' order) or a list of step names (llama.cpp's and
+transformers' names accepted, ``canonical``). As in llama.cpp, a step left out of a given list does not run, and
+with ``mirostat`` on the chain is the masks, the temperature and mirostat (llama.cpp's rule: the penalties, DRY and
+other cut-offs are not applied). A greedy row (temperature 0) runs stages 1-2 and takes the argmax.
+
+lmhead's order: penalties → DRY → no-repeat n-grams → temperature (or dynamic temperature) → top-k → typical-p →
+top-p → min-p → top-nσ → XTC → epsilon → eta. For today's settings that is transformers' order (temperature →
+top-k → top-p → min-p).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from lmhead.sampling.steps import cutoffs, masks, mirostat, penalties, temperature
+from lmhead.sampling.steps.base import Context, Param, RowState, Step
+
+__all__ = ["ORDER", "PARAMS", "PRESETS", "STEPS", "Context", "Param", "RowState", "Step", "canonical", "chain",
+           "runs_on", "step"]
+
+_MODULES = (masks, penalties, temperature, cutoffs, mirostat)
+STEPS: dict[str, Step] = {s.name: s for m in _MODULES for s in m.STEPS}
+# the steps "temperature" names in an order: dynamic temperature takes the division's place
+_GROUPS = {"temperature": ("temperature", "dynatemp")}
+MASKS = tuple(name for name, s in STEPS.items() if s.stage == 1)
+ORDER = ("penalties", "dry", "no_repeat_ngram", "temperature", "top_k", "typical_p", "top_p", "min_p",
+         "top_n_sigma", "xtc", "epsilon", "eta")
+PRESETS: dict[str, tuple[str, ...] | None] = {
+    "lmhead": None,
+    # common/common.h's default `samplers` (temperature last)
+    "llama.cpp": ("penalties", "dry", "top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc", "temperature"),
+    # generation/utils.py `_get_logits_processor`: processors, then the warpers in this order
+    "transformers": ("penalties", "no_repeat_ngram", "temperature", "top_k", "top_p", "min_p", "typical_p",
+                     "epsilon", "eta"),
+}
+_ALIASES = {a: s.name for s in STEPS.values() for a in (s.name, *s.aliases)}
+ORDERABLE = tuple(n for n in ORDER if n in STEPS) + ("dynatemp",)
+
+
+def canonical(name: str) -> str:
+    """A step's name as lmhead spells it, from its own or an alias (llama.cpp's ``typ_p``, ``temp``, ``top-k``...;
+    case and - / _ ignored). ValueError naming `samplers` for a name that is no orderable step."""
+    key = name.strip().lower()
+    for k in (key, key.replace("-", "_")):
+        if k in _ALIASES and _ALIASES[k] in ORDERABLE:
+            return _ALIASES[k]
+    raise ValueError(f"samplers: {name!r} is not a step that can be ordered; the names are "
+                     f"{', '.join(ORDER)} (and their llama.cpp / transformers spellings), or a preset: "
+                     f"{', '.join(PRESETS)}")
+
+
+def _check_samplers(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value in PRESETS:
+            return PRESETS[value]
+        value = [v for v in value.replace(",", ";").split(";") if v.strip()]  # llama.cpp's --samplers a;b;c
+    if not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"samplers must be a preset ({', '.join(PRESETS)}) or a list of step names, got {value!r}")
+    names = tuple(canonical(v) for v in value)
+    if len(set(names)) != len(names):
+        raise ValueError(f"samplers must name each step once, got {list(value)!r}")
+    return names
+
+
+def _check_seed(value: Any) -> int | None:
+    from lmhead.checks import is_int
+
+    if value is not None and not is_int(value):
+        raise ValueError(f"seed must be an int or None, got {value!r}")
+    return value
+
+
+SEED = Param("seed", None, "int | None", "seed", "an int or None", "with a seed, a row's draw depends only on "
+             "(seed, step).", _check_seed)
+SAMPLERS = Param("samplers", None, "tuple[str, ...] | None", "names",
+                 f"a preset ({', '.join(PRESETS)}) or a list of step names",
+                 "the order of stages 2-4 (see lmhead.sampling.steps); None = lmhead's.", _check_samplers)
+PARAMS: dict[str, Param] = {p.name: p for m in _MODULES for p in m.PARAMS}
+PARAMS["seed"] = SEED
+PARAMS["samplers"] = SAMPLERS
+# SamplingConfig's positional order: the fields it had first keep their places
+FIELD_ORDER = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+               "frequency_penalty", "logit_bias", "banned_tokens", "seed",
+               *(n for n in PARAMS if n not in {"temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                                                 "presence_penalty", "frequency_penalty", "logit_bias",
+                                                 "banned_tokens", "seed"}))
+
+
+def step(name: str) -> Step:
+    return STEPS[name]
+
+
+def chain(cfg: Any) -> list[Step]:
+    """The steps that run for cfg, in order, active ones only (a disabled step costs nothing)."""
+    if cfg.mirostat:
+        order: Sequence[str] = ("temperature", "mirostat")
+    else:
+        order = ORDER if cfg.samplers is None else cfg.samplers
+    names = [*MASKS, *(n for o in order for n in _GROUPS.get(o, (o,)))]
+    steps = [STEPS[n] for n in names]
+    if cfg.is_greedy:
+        steps = [s for s in steps if s.stage <= 2]
+    return [s for s in steps if s.active(cfg)]
+
+
+def runs_on(cfg: Any, backend: str) -> bool:
+    """Whether every step cfg runs declares `backend` and the order is lmhead's (where the batch and C paths keep
+    theirs): "batch" — the vectorised torch path; "c" — native.sample_row (no masks or penalties either, which C
+    does not apply); "sharded" — distributed.ShardedVocab."""
+    if backend != "sharded" and (cfg.samplers is not None or cfg.mirostat):
+        return False
+    return all(backend in s.backends for s in chain(cfg))

@@ -1,0 +1,170 @@
+"""What a step of the pipeline declares: its parameters with their checks, and the step itself.
+
+A ``Param`` is one field of ``SamplingConfig``: its default, its check (a ValueError naming the field and its
+range), the words of its range (``allowed``, shown by the server's schema and the CLI's help) and its kind (which
+JSON / command-line type carries it). A ``Step`` is one unit of the chain (llama.cpp's ``llama_sampler_i``, vLLM's
+``LogitsProcessor``): its parameters, when it is active, whether it leaves the argmax alone, whether it reads the
+row's history or keeps state, which backends run it, how the explainer names a token it cut, and its torch
+implementation on a whole row.
+
+Backends: ``torch`` (the exact reference on whole rows: every step), ``c`` (``native.sample_row``'s one C call:
+temperature, top-k, top-p, min-p), ``sharded`` (``distributed.ShardedVocab``: the steps whose reductions go
+through ``Vocab``), ``batch`` (the vectorised torch path of ``cuts`` / ``draw``, which serves rows whose active
+steps all declare it, in the default order).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lmhead.checks import is_int, is_real
+
+
+@dataclass(frozen=True)
+class Param:
+    """One field of SamplingConfig. ``check(value)`` → the normalised value, or a ValueError naming the field.
+
+    kind: "float", "int", "ids" (token ids), "sequences" (token-id sequences), "bias" (id → float), "names" (step
+    names), "seed". low / high: the numeric range (None where unbounded or not a number)."""
+
+    name: str
+    default: Any
+    annotation: str
+    kind: str
+    allowed: str
+    doc: str
+    check: Callable[[Any], Any]
+    low: float | None = None
+    high: float | None = None
+
+
+def real_param(name: str, default: float, low: float, high: float, doc: str, off: str = "", *,
+               low_open: bool = False, high_open: bool = False, also: Sequence[float] = ()) -> Param:
+    """A float in [low, high] (open ends as asked; `also`: single values allowed besides, such as llama.cpp's -1
+    for "off"). The message says the range and what turns the step off."""
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    extra = "".join(f" or {v:g}" for v in also)
+    allowed = f"in {interval}{extra}" + (f" ({off})" if off else "")
+
+    def check(value: Any) -> float:
+        if is_real(value) and not math.isnan(value):
+            v = float(value)
+            inside = (low < v if low_open else low <= v) and (v < high if high_open else v <= high)
+            if inside or v in also:
+                return v
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+    return Param(name, float(default), "float", "float", allowed, doc, check, low, high)
+
+
+def int_param(name: str, default: int, low: int, high: int | None, doc: str, off: str = "",
+              also: Sequence[int] = ()) -> Param:
+    """An int in [low, high] (high None: unbounded; bool rejected; `also`: single values allowed besides)."""
+    allowed = (f"an int ≥ {low}" if high is None else f"an int in [{low}, {high}]") + "".join(
+        f" or {v}" for v in also) + (f" ({off})" if off else "")
+
+    def check(value: Any) -> int:
+        if is_int(value) and ((low <= value and (high is None or value <= high)) or value in also):
+            return int(value)
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+    return Param(name, default, "int", "int", allowed, doc, check, low, high)
+
+
+def _id_tuple(name: str, value: Any, what: str) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, set, frozenset, Tensor)):
+        raise ValueError(f"{name} must be a sequence of token ids (int ≥ 0), got {value!r}")
+    out = tuple(int(t) if isinstance(t, Tensor) else t for t in value)
+    for tok in out:
+        if not is_int(tok) or tok < 0:
+            raise ValueError(f"{name} must hold {what} (int ≥ 0), got {tok!r}")
+    return tuple(int(t) for t in out)
+
+
+def ids_param(name: str, doc: str, default: tuple[int, ...] | None = ()) -> Param:
+    """Token ids (int ≥ 0), stored as a tuple (None allowed when it is the default: "no restriction")."""
+    def check(value: Any) -> tuple[int, ...] | None:
+        if value is None and default is None:
+            return None
+        return _id_tuple(name, value, "token ids")
+
+    annotation = "tuple[int, ...]" + (" | None" if default is None else "")
+    return Param(name, default, annotation, "ids", "token ids (int ≥ 0)", doc, check)
+
+
+def sequences_param(name: str, doc: str) -> Param:
+    """Non-empty sequences of token ids, stored as a tuple of tuples."""
+    def check(value: Any) -> tuple[tuple[int, ...], ...]:
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            raise ValueError(f"{name} must be a list of token-id sequences (each non-empty, ids int ≥ 0), "
+                             f"got {value!r}")
+        out = tuple(_id_tuple(name, seq, "token-id sequences") for seq in value)
+        if any(len(seq) == 0 for seq in out):
+            raise ValueError(f"{name} must be a list of token-id sequences, each non-empty, got {value!r}")
+        return out
+
+    return Param(name, (), "tuple[tuple[int, ...], ...]", "sequences",
+                 "token-id sequences (each non-empty, ids int ≥ 0)", doc, check)
+
+
+@dataclass
+class RowState:
+    """The state a row's stateful steps keep from one token to the next (one object per generated sequence).
+
+    mu: mirostat's target surprise bound μ (None until the first mirostat step: then 2·τ, as llama.cpp)."""
+
+    mu: float | None = None
+
+
+@dataclass
+class Context:
+    """What a step sees of its row besides the logits: history [L] (the prompt first, then the generated
+    tokens; plain ints), prompt_len (how many of them are the prompt), state (RowState), generator (the row's
+    draw generator: a seeded row's (seed, step) one), xtc (for XTC: whether this draw's coin removes the top
+    choices; None in `process_logits` / `probabilities`, where the pipeline mixes both outcomes)."""
+
+    history: list[int] = field(default_factory=list)
+    prompt_len: int = 0
+    state: RowState = field(default_factory=RowState)
+    generator: torch.Generator | None = None
+    xtc: bool | None = None
+
+    @property
+    def generated(self) -> int:
+        return len(self.history) - self.prompt_len
+
+
+@dataclass(frozen=True)
+class Step:
+    """One declared step of the chain.
+
+    name        the step's name (in ``samplers`` and the explainer); aliases: other names accepted for it
+                (llama.cpp's and transformers' spellings)
+    params      the SamplingConfig fields it reads
+    stage       1 masks, 2 penalties, 3 temperature, 4 cut-offs (greedy rows run stages 1-2 only)
+    active      cfg → whether the step changes anything for this config (a disabled step costs nothing)
+    argmax_invariant  the most probable token survives the step (a cut-off), so a greedy row may skip it
+    history     reads the row's tokens so far; state: keeps a RowState between tokens
+    backends    the backends that run it ("torch", "c", "sharded", "batch"; see the module docstring)
+    explain     why the explainer says a token was cut by it
+    apply       (x [1,V] float32, cfg, Context) → x [1,V], the exact torch implementation on a whole row
+    origin      the definition it follows (the reference implementation)"""
+
+    name: str
+    params: tuple[str, ...]
+    stage: int
+    active: Callable[[Any], bool]
+    argmax_invariant: bool
+    explain: str
+    apply: Callable[[Tensor, Any, Context], Tensor]
+    origin: str
+    backends: frozenset[str] = frozenset({"torch"})
+    history: bool = False
+    state: bool = False
+    aliases: tuple[str, ...] = ()

@@ -1,0 +1,157 @@
+"""Stage 4, the cut-offs: top-k, typical-p, top-p, min-p, top-nσ, XTC, epsilon and eta cut-offs (and mirostat, in
+``mirostat``, in place of them). Each keeps a subset of the row (rejected tokens at -inf, at least one kept)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lmhead.sampling.steps.base import Context, Step, int_param, real_param
+from lmhead.sampling.top_p import _top_p_parts
+from lmhead.sampling.vocab import _NEG_INF, Vocab
+
+SIGMA_LIMIT = 1e4
+
+PARAMS = (
+    int_param("top_k", 0, 0, None, "keeps the k largest logits (ties with the k-th kept).", "0 = off"),
+    real_param("top_p", 1.0, 0.0, 1.0, "the smallest set whose mass reaches top_p (the crossing token kept).",
+               "1 = off", low_open=True),
+    real_param("min_p", 0.0, 0.0, 1.0, "keeps tokens with p ≥ min_p · p_max.", "0 = off"),
+    real_param("typical_p", 1.0, 0.0, 1.0, "locally typical sampling (Meister et al.): the tokens whose surprise "
+               "is closest to the row's entropy, until their mass reaches typical_p.", "1 = off", low_open=True),
+    real_param("top_n_sigma", -1.0, 0.0, SIGMA_LIMIT, "llama.cpp top-nσ: keeps logits ≥ max − n·σ (σ the standard "
+               "deviation of the finite logits).", "0 = off", also=(-1.0,)),
+    real_param("xtc_probability", 0.0, 0.0, 1.0, "llama.cpp XTC: the chance that a draw excludes the top choices.",
+               "0 = off"),
+    real_param("xtc_threshold", 0.1, 0.0, 1.0, "llama.cpp XTC: tokens with p ≥ threshold but the least probable "
+               "of them are removed.", "> 0.5 = off"),
+    real_param("epsilon_cutoff", 0.0, 0.0, 1.0, "transformers: drops tokens with p < epsilon.", "0 = off",
+               high_open=True),
+    real_param("eta_cutoff", 0.0, 0.0, 1.0, "transformers: drops tokens with p < min(η, √η · e^−H).", "0 = off",
+               high_open=True),
+)
+
+
+def _keep_top(x: Tensor, drop: Tensor) -> Tensor:
+    """x with `drop` at -inf, the row's largest logit (and its ties) always kept (transformers' min_tokens_to_keep
+    = 1: ``scores < topk(scores, 1)``)."""
+    return x.masked_fill(drop & (x < x.amax(dim=-1, keepdim=True)), _NEG_INF)
+
+
+def _top_k_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
+    if cfg.top_k >= x.shape[-1]:
+        return x
+    kth = torch.topk(x, cfg.top_k, dim=-1).values[:, -1:]
+    return x.masked_fill(x < kth, _NEG_INF)
+
+
+def _top_p_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
+    """The pipeline's top-p rule (`top_p._top_p_parts` at T = 1, its torch path: the same cut as the batch's)."""
+    out = torch.full_like(x, _NEG_INF)
+    for rows, vals, idx in _top_p_parts(x, 1.0, cfg.top_p, Vocab(x.shape[1]), native=False):
+        block = vals if idx is None else torch.full_like(x[: vals.shape[0]], _NEG_INF).scatter_(1, idx, vals)
+        out[slice(None) if rows is None else rows] = block
+    return out
+
+
+def _min_p_rows(x: Tensor, min_p: float, vocab: Vocab) -> Tensor:
+    """Min-p on whole rows [b,V_r], exactly HF's MinPLogitsWarper. The argmax is always kept without a
+    special case: its p is the maximum itself, and min_p · p_max ≤ p_max for min_p ≤ 1."""
+    probs = vocab.softmax(x)
+    remove = probs < min_p * vocab.amax(probs)
+    return x.masked_fill(remove, _NEG_INF)
+
+
+def _min_p_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
+    return _min_p_rows(x, cfg.min_p, Vocab(x.shape[1]))
+
+
+def _typical_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
+    """transformers' TypicalLogitsWarper (Meister et al., "Locally Typical Sampling"): with H the entropy of
+    softmax(x), sort tokens by |−log p − H| ascending; the kept set ends at the first token whose cumulative mass
+    reaches typical_p, and every token whose |−log p − H| is at most that token's is kept (ties whole)."""
+    logp = torch.log_softmax(x, dim=-1)
+    p = logp.exp()
+    ent = -(logp * p).nansum(-1, keepdim=True)
+    shifted = (-logp - ent).abs()
+    sorted_scores, order = torch.sort(shifted, stable=True)
+    cum = x.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (cum < cfg.typical_p).sum(dim=1).clamp_(max=x.shape[-1] - 1)
+    drop_sorted = sorted_scores > sorted_scores.gather(1, last.view(-1, 1))
+    drop_sorted[..., :1] = False
+    return x.masked_fill(drop_sorted.scatter(1, order, drop_sorted), _NEG_INF)
+
+
+def _top_n_sigma_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
+    """llama.cpp's ``llama_sampler_top_n_sigma_apply``: over the finite logits, their mean and population
+    standard deviation σ; tokens below max − n·σ at -inf (one candidate: unchanged). In float64."""
+    finite = torch.isfinite(x)
+    if int(finite.sum()) <= 1:
+        return x
+    v = x[finite].double()
+    sigma = float(((v - v.mean()) ** 2).mean().sqrt())
+    return x.masked_fill(x.double() < float(v.max()) - cfg.top_n_sigma * sigma, _NEG_INF)
+
+
+def xtc_removed(x: Tensor, threshold: float) -> Tensor:
+    """llama.cpp's XTC cut (``llama_sampler_xtc_apply``) on x [1,V], the coin already thrown: the tokens with
+    p ≥ threshold, all but the least probable of them (bool [1,V]; none when fewer than two reach it). Among
+    tokens tied at the least probability, the one of the highest id stays."""
+    p = torch.softmax(x, dim=-1)
+    above = p >= threshold
+    if int(above.sum()) < 2:
+        return torch.zeros_like(above)
+    low = torch.where(above, p, torch.full_like(p, math.inf)).amin(dim=-1, keepdim=True)
+    last = torch.where(above & (p == low), torch.arange(x.shape[-1], device=x.device), -1).amax(dim=-1)
+    keep = torch.zeros_like(above)
+    keep[0, last] = True
+    return above & ~keep
+
+
+def _xtc_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
+    """Removes the top choices when this draw's coin (Context.xtc, thrown by the pipeline with probability
+    xtc_probability from the row's generator) says so."""
+    return x.masked_fill(xtc_removed(x, cfg.xtc_threshold), _NEG_INF) if ctx.xtc else x
+
+
+def _epsilon_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
+    """transformers' EpsilonLogitsWarper (Hewitt et al., "Truncation Sampling as Language Model Desmoothing"):
+    tokens with p < ε dropped, the most probable kept."""
+    return _keep_top(x, torch.softmax(x, dim=-1) < cfg.epsilon_cutoff)
+
+
+def _eta_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
+    """transformers' EtaLogitsWarper (Hewitt et al.): η' = min(η, √η · e^−H), H the entropy of softmax(x); tokens
+    with p < η' dropped, the most probable kept."""
+    logp = torch.log_softmax(x, dim=-1)
+    p = logp.exp()
+    ent = -(p * logp).nansum(-1, keepdim=True)
+    eta = torch.minimum(torch.tensor(cfg.eta_cutoff), math.sqrt(cfg.eta_cutoff) * torch.exp(-ent))
+    return _keep_top(x, p < eta)
+
+
+_CUTS = frozenset({"torch", "c", "sharded", "batch"})
+STEPS = (
+    Step("top_k", ("top_k",), 4, lambda c: c.top_k > 0, True, "outside the top k", _top_k_apply,
+         "transformers TopKLogitsWarper (ties with the k-th kept)", _CUTS, aliases=("top-k", "k")),
+    Step("typical_p", ("typical_p",), 4, lambda c: c.typical_p < 1.0, True, "outside the typical set",
+         _typical_apply, "transformers TypicalLogitsWarper; llama.cpp llama_sampler_typical",
+         aliases=("typ_p", "typical", "typ", "typical-p", "typ-p", "locally_typical")),
+    Step("top_p", ("top_p",), 4, lambda c: c.top_p < 1.0, True, "outside the top-p mass", _top_p_apply,
+         "transformers TopPLogitsWarper (a tie at the cut kept whole)", _CUTS, aliases=("top-p", "nucleus")),
+    Step("min_p", ("min_p",), 4, lambda c: c.min_p > 0.0, True, "below min_p · p_max", _min_p_apply,
+         "transformers MinPLogitsWarper", _CUTS, aliases=("min-p",)),
+    Step("top_n_sigma", ("top_n_sigma",), 4, lambda c: c.top_n_sigma > 0.0, True, "below max − n·σ",
+         _top_n_sigma_apply, "llama.cpp llama_sampler_top_n_sigma (Tang et al., top-nσ)",
+         aliases=("top-n-sigma", "top_nsigma")),
+    Step("xtc", ("xtc_probability", "xtc_threshold"), 4,
+         lambda c: c.xtc_probability > 0.0 and c.xtc_threshold <= 0.5, False, "excluded as a top choice (XTC)",
+         _xtc_apply, "llama.cpp llama_sampler_xtc (src/llama-sampling.cpp)"),
+    Step("epsilon", ("epsilon_cutoff",), 4, lambda c: c.epsilon_cutoff > 0.0, True, "p below epsilon_cutoff",
+         _epsilon_apply, "transformers EpsilonLogitsWarper", aliases=("epsilon_cutoff",)),
+    Step("eta", ("eta_cutoff",), 4, lambda c: c.eta_cutoff > 0.0, True, "p below the eta cut-off", _eta_apply,
+         "transformers EtaLogitsWarper", aliases=("eta_cutoff",)),
+)
