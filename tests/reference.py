@@ -7,6 +7,8 @@ where they make the definition plain. Tests compare lmhead's fast paths against 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # (rtol, atol) per dtype, used by tests that compare a fast path with its reference.
@@ -135,6 +137,189 @@ def sampling_process(logits: torch.Tensor, configs: list, prev: list[list[int]] 
         row = sampling_min_p(row, cfg.min_p)
         rows.append(row)
     return torch.stack(rows)
+
+
+def sampling_typical(row: torch.Tensor, mass: float) -> torch.Tensor:
+    """Locally typical sampling by its definition (Meister et al.; transformers' rule for the edge): tokens in order
+    of |−log p − H|, kept up to and including the first whose cumulative mass reaches `mass`, ties of that score
+    kept with it."""
+    if mass >= 1.0:
+        return row
+    probs = torch.softmax(row.double(), dim=-1).tolist()
+    h = -sum(q * math.log(q) for q in probs if q > 0)
+    score = [abs(-math.log(q) - h) if q > 0 else math.inf for q in probs]
+    order = sorted(range(len(probs)), key=lambda i: score[i])
+    total, last = 0.0, order[-1]
+    for i in order:
+        total += probs[i]
+        if total >= mass:
+            last = i
+            break
+    keep = {i for i in range(len(probs)) if score[i] <= score[last]} | {order[0]}
+    return torch.tensor([v if i in keep else -math.inf for i, v in enumerate(row.tolist())])
+
+
+def sampling_top_n_sigma(row: torch.Tensor, n: float) -> torch.Tensor:
+    """llama.cpp's top-nσ: keep logits ≥ max − n·σ, σ the population standard deviation of the finite logits."""
+    vals = [v for v in row.tolist() if math.isfinite(v)]
+    if n <= 0 or len(vals) <= 1:
+        return row
+    mean = sum(vals) / len(vals)
+    sigma = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals))
+    return torch.tensor([v if v >= max(vals) - n * sigma else -math.inf for v in row.tolist()])
+
+
+def sampling_xtc(row: torch.Tensor, threshold: float) -> torch.Tensor:
+    """XTC with its coin thrown: of the tokens with p ≥ threshold, all but the least probable are removed (none
+    when fewer than two reach it; among ties for least probable, the highest id stays)."""
+    probs = torch.softmax(row.double(), dim=-1).tolist()
+    above = [i for i, q in enumerate(probs) if q >= threshold]
+    if len(above) < 2:
+        return row
+    stay = max(above, key=lambda i: (-probs[i], i))
+    return torch.tensor([-math.inf if i in above and i != stay else v for i, v in enumerate(row.tolist())])
+
+
+def sampling_epsilon(row: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """Drop p < ε, keep the most probable token (and its ties)."""
+    probs = torch.softmax(row.double(), dim=-1)
+    top = float(row.max())
+    return torch.tensor([v if (q >= epsilon or v >= top) else -math.inf
+                         for v, q in zip(row.tolist(), probs.tolist(), strict=True)])
+
+
+def sampling_eta(row: torch.Tensor, eta: float) -> torch.Tensor:
+    """Drop p < min(η, √η·e^−H), H the entropy; keep the most probable token."""
+    h = sampling_entropy(row)
+    return sampling_epsilon(row, min(eta, math.sqrt(eta) * math.exp(-h)))
+
+
+def sampling_dry(row: torch.Tensor, history: list[int], multiplier: float, base: float, allowed: int,
+                 last_n: int, breakers: tuple = ()) -> torch.Tensor:
+    """DRY by brute force: for each earlier end position j of the (last_n) history, the longest n such that the n
+    tokens ending at j equal the n tokens ending the history (none of them a breaker); the token after j is then
+    penalised by multiplier · base^(n − allowed) when n ≥ allowed (the longest n per token)."""
+    tail = history if last_n < 0 else history[len(history) - min(last_n, len(history)):]
+    out = row.clone()
+    best: dict[int, int] = {}
+    for j in range(len(tail) - 1):  # the earlier sequence ends at j, followed by tail[j + 1]
+        n = 0
+        while n <= j and tail[j - n] == tail[len(tail) - 1 - n] and tail[len(tail) - 1 - n] not in breakers:
+            n += 1
+        if n >= allowed:
+            best[tail[j + 1]] = max(best.get(tail[j + 1], 0), n)
+    for tok, n in best.items():
+        out[tok] = out[tok] - multiplier * base ** (n - allowed)
+    return out
+
+
+def sampling_no_repeat_ngram(row: torch.Tensor, history: list[int], size: int) -> torch.Tensor:
+    """Ban every token that would make the last `size` tokens an n-gram already seen in the history."""
+    out = row.clone()
+    if size <= 0 or len(history) < size - 1:
+        return out
+    tail = history[len(history) - (size - 1):] if size > 1 else []
+    for i in range(len(history) - size + 1):
+        if history[i:i + size - 1] == tail:
+            out[history[i + size - 1]] = -math.inf
+    return out
+
+
+def sampling_dynatemp(row: torch.Tensor, temperature: float, spread: float, exponent: float) -> torch.Tensor:
+    """llama.cpp's dynamic temperature: T' = max(0, T − spread) + (T + spread − max(0, T − spread))·(H / ln n)^e
+    over the n finite logits; row / T'."""
+    n = sum(1 for v in row.tolist() if math.isfinite(v))
+    if n <= 1:
+        return row / temperature
+    low, high = max(0.0, temperature - spread), temperature + spread
+    return row / (low + (high - low) * (sampling_entropy(row) / math.log(n)) ** exponent)
+
+
+def sampling_mirostat(row: torch.Tensor, version: int, mu: float) -> torch.Tensor:
+    """One mirostat cut at bound μ (llama.cpp). v2: keep tokens with −log2 p ≤ μ (at least the top one). v1: fit
+    the Zipf exponent s on the top 100 probabilities (least squares through the origin of log(p_i / p_i+1) on
+    log((i + 2) / (i + 1))), k = ((s − 1)·2^μ / (1 − V^(1 − s)))^(1/s), keep the top k."""
+    probs = sorted(torch.softmax(row.double(), dim=-1).tolist(), reverse=True)
+    if version == 2:
+        full = torch.softmax(row.double(), dim=-1).tolist()
+        top = max(row.tolist())
+        return torch.tensor([v if (q > 0 and -math.log2(q) <= mu) or v == top else -math.inf
+                             for v, q in zip(row.tolist(), full, strict=True)])
+    m = min(99, len(probs) - 1)
+    ts = [math.log((i + 2) / (i + 1)) for i in range(m)]
+    bs = [math.log(probs[i] / probs[i + 1]) for i in range(m)]
+    s = sum(a * b for a, b in zip(ts, bs, strict=True)) / sum(a * a for a in ts)
+    k = max(int(((s - 1) * 2 ** mu / (1 - len(probs) ** (1 - s))) ** (1 / s)), 1)
+    return sampling_top_k(row, k) if k < len(probs) else row
+
+
+def sampling_bad_words(row: torch.Tensor, history: list[int], bad_words) -> torch.Tensor:
+    """Ban the last token of each sequence whose other tokens end the history (one-token sequences always)."""
+    out = row.clone()
+    for seq in bad_words:
+        seq = list(seq)
+        if len(seq) == 1 or history[len(history) - len(seq) + 1:] == seq[:-1]:
+            out[seq[-1]] = -math.inf
+    return out
+
+
+def sampling_chain(row: torch.Tensor, cfg, history: list[int] | None = None, prompt_len: int = 0,
+                   mu: float | None = None, xtc: bool = True) -> torch.Tensor:
+    """One row through cfg's chain by these plain steps, in lmhead's order or cfg.samplers (mirostat: masks,
+    temperature, mirostat at μ, default 2·τ; XTC with its coin `xtc`). The masks: bias and bans, allowed ids, bad
+    words, min tokens."""
+    history = list(history or [])
+    row = sampling_bias(row.float(), dict(cfg.logit_bias or {}), tuple(cfg.banned_tokens))
+    if cfg.allowed_token_ids is not None:
+        row = torch.tensor([v if i in cfg.allowed_token_ids else -math.inf for i, v in enumerate(row.tolist())])
+    row = sampling_bad_words(row, history, cfg.bad_words)
+    if len(history) - prompt_len < cfg.min_tokens:
+        row = row.clone()
+        row[list(cfg.stop_token_ids)] = -math.inf
+    plain = {
+        "penalties": lambda r: sampling_penalties(r, history, prompt_len, cfg.repetition_penalty,
+                                                  cfg.presence_penalty, cfg.frequency_penalty),
+        "dry": lambda r: sampling_dry(r, history, cfg.dry_multiplier, cfg.dry_base, cfg.dry_allowed_length,
+                                      cfg.dry_penalty_last_n, cfg.dry_sequence_breakers)
+        if cfg.dry_multiplier > 0 and cfg.dry_penalty_last_n != 0 else r,
+        "no_repeat_ngram": lambda r: sampling_no_repeat_ngram(r, history, cfg.no_repeat_ngram_size),
+        "temperature": lambda r: (sampling_dynatemp(r, cfg.temperature, cfg.dynatemp_range, cfg.dynatemp_exponent)
+                                  if cfg.dynatemp_range > 0 else r / cfg.temperature),
+        "top_k": lambda r: sampling_top_k(r, cfg.top_k),
+        "typical_p": lambda r: sampling_typical(r, cfg.typical_p),
+        "top_p": lambda r: sampling_top_p(r, cfg.top_p),
+        "min_p": lambda r: sampling_min_p(r, cfg.min_p),
+        "top_n_sigma": lambda r: sampling_top_n_sigma(r, cfg.top_n_sigma),
+        "xtc": lambda r: sampling_xtc(r, cfg.xtc_threshold)
+        if xtc and cfg.xtc_probability > 0 and cfg.xtc_threshold <= 0.5 else r,
+        "epsilon": lambda r: sampling_epsilon(r, cfg.epsilon_cutoff) if cfg.epsilon_cutoff > 0 else r,
+        "eta": lambda r: sampling_eta(r, cfg.eta_cutoff) if cfg.eta_cutoff > 0 else r,
+    }
+    if cfg.mirostat:
+        row = plain["temperature"](row)
+        return sampling_mirostat(row, cfg.mirostat, 2 * cfg.mirostat_tau if mu is None else mu)
+    order = cfg.samplers or ("penalties", "dry", "no_repeat_ngram", "temperature", "top_k", "typical_p", "top_p",
+                             "min_p", "top_n_sigma", "xtc", "epsilon", "eta")
+    if cfg.temperature < 1e-5:
+        for name in order:
+            if name in ("penalties", "dry", "no_repeat_ngram"):
+                row = plain[name](row)
+        out = torch.full_like(row, -math.inf)
+        out[int(torch.argmax(row))] = row[int(torch.argmax(row))]
+        return out
+    for name in order:
+        row = plain[name](row)
+    return row
+
+
+def sampling_chain_probabilities(row: torch.Tensor, cfg, history: list[int] | None = None,
+                                 prompt_len: int = 0) -> torch.Tensor:
+    """The distribution a draw of `sampling_chain` follows: with XTC, (1 − P)·p(coin off) + P·p(coin on)."""
+    on = torch.softmax(sampling_chain(row, cfg, history, prompt_len, xtc=True).double(), dim=-1)
+    if cfg.xtc_probability <= 0 or cfg.xtc_threshold > 0.5:
+        return on
+    off = torch.softmax(sampling_chain(row, cfg, history, prompt_len, xtc=False).double(), dim=-1)
+    return (1 - cfg.xtc_probability) * off + cfg.xtc_probability * on
 
 
 def sampling_entropy(row: torch.Tensor) -> float:

@@ -1,0 +1,257 @@
+"""The declared steps (lmhead.sampling.steps): each new sampler against its plain reference (tests/reference.py) and,
+where transformers has it, against transformers' processor; the orders; mirostat's state; XTC's coin; the checks
+derived from the declarations; today's settings keep the batch path."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import reference as ref
+import torch
+
+from lmhead.sampling import SamplingConfig, probabilities, process_logits, sample, sample_with_logprobs
+from lmhead.sampling.steps import ORDER, PARAMS, PRESETS, STEPS, RowState, canonical
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+HISTORY = [[3, 7, 9, 3, 7, 9, 3, 7], [1, 2, 1, 2, 1], [4, 4, 4, 4], [], [5, 6, 7, 5, 6]]
+
+
+def rows(vocab: int = 300, seed: int = 0) -> torch.Tensor:
+    """Language-model-like rows [5, vocab]: a few high logits over a Gaussian tail, one flat row, a tie."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, vocab, generator=g) * 3
+    x[1] *= 0.3  # flat
+    x[2, :6] += 8.0
+    x[3, 10] = x[3, 11] = float(x[3].max()) + 1.0  # a tie at the top
+    return x
+
+
+def reference_probs(x, cfg, history=HISTORY, prompt_len=(2, 1, 0, 0, 2)):
+    return torch.stack([ref.sampling_chain_probabilities(x[r], cfg, history[r], prompt_len[r])
+                        for r in range(x.shape[0])]).float()
+
+
+NEW_SETTINGS = [
+    dict(typical_p=0.9), dict(typical_p=0.2, temperature=0.7), dict(top_n_sigma=1.0), dict(top_n_sigma=0.5, top_k=40),
+    dict(xtc_probability=1.0, xtc_threshold=0.05), dict(xtc_probability=0.4, xtc_threshold=0.02),
+    dict(dry_multiplier=0.8), dict(dry_multiplier=1.5, dry_base=2.0, dry_allowed_length=1, dry_penalty_last_n=5),
+    dict(dry_multiplier=0.8, dry_allowed_length=1, dry_sequence_breakers=(9,)),
+    dict(mirostat=1, mirostat_tau=4.0), dict(mirostat=2, mirostat_tau=3.0, temperature=0.8),
+    dict(dynatemp_range=0.5), dict(dynatemp_range=1.5, dynatemp_exponent=2.0, temperature=1.0),
+    dict(epsilon_cutoff=3e-3), dict(eta_cutoff=3e-3), dict(no_repeat_ngram_size=2), dict(no_repeat_ngram_size=3),
+    dict(bad_words=((3, 7, 9), (1, 2), (0,))), dict(allowed_token_ids=(0, 4, 9, 11)),
+    dict(min_tokens=5, stop_token_ids=(10, 2)), dict(typical_p=0.9, min_p=0.05, repetition_penalty=1.3),
+    dict(samplers="llama.cpp", top_k=40, top_p=0.9, min_p=0.05, temperature=0.7, dry_multiplier=0.8),
+    dict(samplers="transformers", top_k=40, typical_p=0.9, epsilon_cutoff=1e-3, temperature=1.3),
+    dict(samplers=["top_k", "temp", "typ_p"], top_k=20, typical_p=0.5, temperature=0.5),
+    dict(temperature=0, dry_multiplier=3.0, typical_p=0.1),
+]
+
+
+@pytest.mark.parametrize("settings", NEW_SETTINGS, ids=lambda s: ",".join(s))
+def test_probabilities_equal_the_plain_chain(settings):
+    cfg = SamplingConfig(**settings)
+    x = rows()
+    got = probabilities(x, cfg, prev_tokens=HISTORY, prompt_len=[2, 1, 0, 0, 2])
+    want = reference_probs(x, cfg)
+    assert torch.equal(got > 0, want > 0), settings
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("settings", [dict(typical_p=0.8), dict(top_n_sigma=1.0), dict(xtc_probability=0.5,
+                                      xtc_threshold=0.02), dict(mirostat=2), dict(dry_multiplier=0.8)],
+                         ids=lambda s: ",".join(s))
+def test_draws_follow_the_processed_distribution(settings, gen):
+    cfg = SamplingConfig(temperature=0.9, **settings)
+    x = rows(200, seed=3)[2:3]
+    want = reference_probs(x, cfg, [HISTORY[0]], [0])[0]
+    n = 4000
+    ids = sample(x.expand(n, -1), cfg, generator=gen, prev_tokens=[HISTORY[0]] * n)
+    assert ref.draws_fit(ids, want.double(), groups=10) == ""
+
+
+
+
+def _hf():
+    return pytest.importorskip("transformers.generation.logits_process")
+
+
+@pytest.mark.parametrize("which", ["typical", "epsilon", "eta", "ngram", "bad_words", "min_new_tokens"])
+@pytest.mark.parametrize("vocab", [300, 49152])
+def test_steps_equal_transformers_processors(which, vocab):
+    lp = _hf()
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(3, vocab, generator=g) * 4
+    history = [[3, 7, 9, 3, 7, 9, 3, 7], [1, 2, 1, 2, 1, 2, 1, 2], [5, 6, 7, 5, 6, 7, 5, 6]]
+    ids = torch.tensor(history)
+    cfg, proc = {
+        "typical": (SamplingConfig(typical_p=0.7), lp.TypicalLogitsWarper(0.7)),
+        "epsilon": (SamplingConfig(epsilon_cutoff=2e-4), lp.EpsilonLogitsWarper(2e-4)),
+        "eta": (SamplingConfig(eta_cutoff=2e-4), lp.EtaLogitsWarper(2e-4)),
+        "ngram": (SamplingConfig(no_repeat_ngram_size=2), lp.NoRepeatNGramLogitsProcessor(2)),
+        "bad_words": (SamplingConfig(bad_words=((9, 3), (2, 1), (6,))),
+                      lp.NoBadWordsLogitsProcessor([[9, 3], [2, 1], [6]], eos_token_id=0)),
+        "min_new_tokens": (SamplingConfig(min_tokens=5, stop_token_ids=(0,)),
+                           lp.MinNewTokensLengthLogitsProcessor(4, 5, 0)),
+    }[which]
+    prompt = 4 if which == "min_new_tokens" else 0
+    want = torch.softmax(proc(ids, x.clone()), dim=-1)
+    got = probabilities(x, cfg, prev_tokens=history, prompt_len=prompt)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_dry_penalises_the_token_that_would_extend_a_repeat():
+    # history "a b c a b": c would extend the repeat "a b" (length 2) → multiplier · base^0; with allowed 1, the
+    # repeat of length 2 costs multiplier · base^1
+    x = torch.zeros(1, 10)
+    history = [[1, 2, 3, 1, 2]]
+    got = process_logits(x, SamplingConfig(dry_multiplier=0.5, dry_base=2.0, dry_allowed_length=2), history)
+    assert got[0, 3].item() == pytest.approx(-0.5) and int((got[0] != 0).sum()) == 1
+    got = process_logits(x, SamplingConfig(dry_multiplier=0.5, dry_base=2.0, dry_allowed_length=1), history)
+    assert got[0, 3].item() == pytest.approx(-1.0)
+    breaker = SamplingConfig(dry_multiplier=0.5, dry_base=2.0, dry_allowed_length=2, dry_sequence_breakers=(1,))
+    assert torch.equal(process_logits(x, breaker, history), x)  # the suffix may not reach back past a breaker
+
+
+def test_mirostat_moves_its_state_as_llama_cpp_and_ignores_the_other_cuts(gen):
+    x = rows(400, seed=5)[0:1]
+    cfg = SamplingConfig(mirostat=2, mirostat_tau=3.0, mirostat_eta=0.2, seed=11)
+    state = RowState()
+    for step in range(4):
+        cut = ref.sampling_mirostat(x[0], 2, 2 * 3.0 if state.mu is None else state.mu)
+        tok, lp = sample_with_logprobs(x, cfg, step=step, state=[state])
+        p = torch.softmax(cut.double(), dim=-1)[int(tok[0])]
+        assert float(lp[0]) == pytest.approx(math.log(p), abs=1e-5)  # the draw's cut is the one at this μ
+    # llama.cpp's rule: with mirostat on, top-k / top-p / penalties do not run
+    with_cuts = SamplingConfig(mirostat=2, mirostat_tau=3.0, top_k=1, top_p=0.1, repetition_penalty=2.0)
+    torch.testing.assert_close(probabilities(x, with_cuts, prev_tokens=[[1, 2]]),
+                               probabilities(x, SamplingConfig(mirostat=2, mirostat_tau=3.0)))
+
+
+def test_mirostat_update_is_minus_eta_times_the_surprise_error():
+    x = rows(400, seed=6)[0:1]
+    cfg = SamplingConfig(mirostat=1, mirostat_tau=4.0, mirostat_eta=0.1, seed=3)
+    state = RowState()
+    _, lp = sample_with_logprobs(x, cfg, step=0, state=[state])
+    assert state.mu == pytest.approx(8.0 - 0.1 * (-float(lp[0]) / math.log(2) - 4.0), rel=1e-6)
+
+
+@pytest.mark.parametrize("settings", [dict(typical_p=0.5), dict(xtc_probability=0.5, xtc_threshold=0.02),
+                                      dict(dry_multiplier=1.0), dict(mirostat=2)], ids=lambda s: ",".join(s))
+def test_a_seeded_row_draws_the_same_token_alone_or_in_any_batch(settings):
+    x = rows(300, seed=8)
+    cfg = SamplingConfig(seed=5, temperature=0.9, **settings)
+    others = [SamplingConfig(), SamplingConfig(top_k=5), SamplingConfig(typical_p=0.3), SamplingConfig(temperature=0)]
+    for step in range(3):
+        alone = [int(sample(x[r:r + 1], cfg, prev_tokens=[HISTORY[r]], step=step)[0]) for r in range(5)]
+        batch = sample(x, cfg, prev_tokens=HISTORY, step=step).tolist()
+        mixed = sample(torch.cat([x, x[:4]]), [cfg] * 5 + others, prev_tokens=HISTORY + HISTORY[:4],
+                       step=step).tolist()[:5]
+        assert alone == batch == mixed
+
+
+def test_xtc_with_probability_one_removes_the_top_choices():
+    x = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.06, 0.04]]))
+    got = probabilities(x, SamplingConfig(xtc_probability=1.0, xtc_threshold=0.1))
+    torch.testing.assert_close(got, torch.tensor([[0.0, 0.0, 0.2, 0.06, 0.04]]) / 0.3)
+    half = probabilities(x, SamplingConfig(xtc_probability=0.5, xtc_threshold=0.1))
+    torch.testing.assert_close(half, 0.5 * torch.softmax(x, dim=-1) + 0.5 * got)
+    off = SamplingConfig(xtc_probability=1.0, xtc_threshold=0.6)  # llama.cpp: a threshold above 0.5 is off
+    assert off.runs_on("batch")
+
+
+def test_the_order_is_a_preset_or_names_with_llama_cpps_spellings():
+    assert SamplingConfig(samplers="lmhead").samplers is None
+    assert SamplingConfig(samplers="llama.cpp").samplers == PRESETS["llama.cpp"]
+    assert SamplingConfig(samplers="top_k;typ_p;top-p;temp").samplers == ("top_k", "typical_p", "top_p",
+                                                                          "temperature")
+    assert canonical("Top-N-Sigma") == "top_n_sigma" and canonical("nucleus") == "top_p"
+    with pytest.raises(ValueError, match="samplers: 'beam' is not a step"):
+        SamplingConfig(samplers=["beam"])
+    with pytest.raises(ValueError, match="samplers must name each step once"):
+        SamplingConfig(samplers=["top_k", "top-k"])
+    # temperature first or last gives other candidate sets for the same settings (llama.cpp#4091)
+    x = rows()
+    first = probabilities(x, SamplingConfig(temperature=2.0, min_p=0.2))
+    last = probabilities(x, SamplingConfig(temperature=2.0, min_p=0.2, samplers="llama.cpp"))
+    assert not torch.equal(first > 0, last > 0)
+    torch.testing.assert_close(last, reference_probs(x, SamplingConfig(temperature=2.0, min_p=0.2,
+                                                                       samplers="llama.cpp")))
+
+
+def test_todays_settings_keep_the_batch_path_and_the_transformers_preset_gives_their_numbers():
+    for cfg in [SamplingConfig(), SamplingConfig(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05,
+                                                 repetition_penalty=1.2, logit_bias={3: -1.0}, seed=3)]:
+        assert cfg.runs_on("batch")
+    cfg = SamplingConfig(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05)
+    x = rows()
+    preset = probabilities(x, SamplingConfig(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05,
+                                             samplers="transformers"))
+    torch.testing.assert_close(preset, probabilities(x, cfg), rtol=1e-5, atol=1e-7)
+    assert not SamplingConfig(typical_p=0.9).runs_on("batch") and not SamplingConfig(typical_p=0.9).runs_on("c")
+    assert SamplingConfig(top_k=40, top_p=0.9).runs_on("c") and not SamplingConfig(presence_penalty=1).runs_on("c")
+
+
+def _outside(p):
+    """A value outside each numeric param's range, and the words its message must hold."""
+    if p.kind == "float":
+        return [p.low - 1.0 if p.low is not None else None, p.high * 2 + 1 if p.high else None, float("nan")]
+    if p.kind == "int":
+        return [p.low - 2, (p.high + 1) if p.high is not None else None, 1.5, True]
+    return []
+
+
+NUMERIC = [p for p in PARAMS.values() if p.kind in ("float", "int")]
+
+
+@pytest.mark.parametrize("param", NUMERIC, ids=lambda p: p.name)
+def test_every_numeric_setting_out_of_range_is_a_value_error_naming_it_and_its_range(param):
+    for value in _outside(param):
+        if value is None or value in getattr(param, "_also", ()):
+            continue
+        if param.name == "top_n_sigma" and value == -1.0:
+            continue
+        with pytest.raises(ValueError, match=rf"^{param.name} must be") as err:
+            SamplingConfig(**{param.name: value})
+        assert param.allowed in str(err.value)
+
+
+@pytest.mark.parametrize("name, value", [("bad_words", [[]]), ("bad_words", [[1, -2]]), ("bad_words", "ab"),
+                                         ("allowed_token_ids", [-1]), ("stop_token_ids", ["a"]),
+                                         ("dry_sequence_breakers", [1.5]), ("samplers", 3)])
+def test_every_sequence_setting_malformed_is_a_value_error_naming_it(name, value):
+    with pytest.raises(ValueError, match=name):
+        SamplingConfig(**{name: value})
+
+
+def test_ids_beyond_the_vocabulary_are_value_errors_naming_the_setting():
+    x = torch.zeros(1, 10)
+    for name, value in [("allowed_token_ids", (3, 10)), ("stop_token_ids", (12,)), ("bad_words", ((1, 11),))]:
+        cfg = SamplingConfig(min_tokens=1, **{name: value})
+        with pytest.raises(ValueError, match=rf"{name}: token id \d+ is outside the vocabulary"):
+            probabilities(x, cfg)
+
+
+def test_the_sharded_vocabulary_refuses_a_step_it_cannot_run():
+    from lmhead.sampling import Vocab
+
+    class Shard(Vocab):  # any vocabulary other than the whole one in this process
+        pass
+
+    with pytest.raises(ValueError, match="typical_p: not run over a sharded vocabulary"):
+        sample(torch.zeros(1, 10), SamplingConfig(typical_p=0.5), vocab=Shard(10))
+
+
+def test_every_step_declares_what_the_pipeline_derives_from_it():
+    assert set(ORDER) <= set(STEPS)
+    for s in STEPS.values():
+        assert s.origin and "torch" in s.backends and set(s.params) <= set(PARAMS), s.name
+        assert s.stage in (1, 2, 3, 4)
+        if s.stage == 4 and s.name != "mirostat":
+            assert s.explain, s.name  # the explainer's reason for a token the cut dropped
+    fields = {f for f in SamplingConfig.__dataclass_fields__}
+    assert fields == set(PARAMS)
+    assert hash(SamplingConfig(bad_words=[[1, 2]])) == hash(SamplingConfig(bad_words=((1, 2),)))
