@@ -107,8 +107,10 @@ def test_generation_config_mapping():
     assert config_from_generation_config(gc) == SamplingConfig(
         temperature=0.7, top_k=64, top_p=0.95, repetition_penalty=1.1, banned_tokens=(5, 9))
     assert config_from_generation_config({"do_sample": False}).is_greedy
-    with pytest.raises(ValueError, match="typical_p"):
-        config_from_generation_config(GenerationConfig(do_sample=True, typical_p=0.5))
+    assert config_from_generation_config(GenerationConfig(do_sample=True, typical_p=0.5, bad_words_ids=[[5, 6]])) \
+        == SamplingConfig(typical_p=0.5, bad_words=((5, 6),), samplers="transformers")
+    with pytest.raises(ValueError, match="sequence_bias"):
+        config_from_generation_config(GenerationConfig(do_sample=True, sequence_bias={(5,): 1.0}))
     with pytest.raises(ValueError, match="num_beams"):
         config_from_generation_config(GenerationConfig(num_beams=4))
 

@@ -121,22 +121,27 @@ class OptionError(ValueError):
 
 
 SAMPLING_FIELDS: tuple[str, ...] = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                                    "presence_penalty", "frequency_penalty")
+                                    "presence_penalty", "frequency_penalty")  # and the steps' declared fields
 
 
 def sampling_config_from(fields: Any, seed: int | None = None) -> SamplingConfig:
     """The `SamplingConfig` of an entry point's fields (CLI arguments, a request body): the one place where
     the CLI and the server turn user input into a config, so the same input gets the same config or error.
 
-    fields: any object; its attributes named in `SAMPLING_FIELDS` are used, missing ones keep
-    SamplingConfig's defaults. Its `logit_bias`, if any and not empty, maps token ids written as strings
-    (JSON object keys) to floats. `seed` is passed as given (see `seed_for_step` for per-call seeds).
+    fields: any object; its attributes named in `SAMPLING_FIELDS` and in the steps' declared fields
+    (`lmhead.sampling.steps.ENTRY_FIELDS`: typical_p, dry_*, mirostat*, ...) are used, missing ones (and None
+    for a declared field: not given) keep SamplingConfig's defaults. Its `logit_bias`, if any and not empty,
+    maps token ids written as strings (JSON object keys) to floats. `seed` is passed as given (see
+    `seed_for_step` for per-call seeds).
     Raises ValueError / TypeError with SamplingConfig's messages; a key that is not an int is an
     `OptionError` naming `logit_bias`.
     """
     from lmhead.sampling import SamplingConfig  # here, not at the top: sampling imports this module
+    from lmhead.sampling.steps import ENTRY_FIELDS
 
     kwargs: dict[str, Any] = {name: getattr(fields, name) for name in SAMPLING_FIELDS if hasattr(fields, name)}
+    given = {p.name: getattr(fields, p.name, None) for p in ENTRY_FIELDS}
+    kwargs.update({name: value for name, value in given.items() if value is not None})
     kwargs["seed"] = seed
     bias = getattr(fields, "logit_bias", None)
     if bias:

@@ -42,6 +42,36 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with mass >= p (1 = off)")
     g.add_argument("--min-p", type=float, default=0.0,
                    help="keep tokens with probability >= min_p x the top probability (0 = off)")
+    _add_step_args(p.add_argument_group(
+        "more steps (lmhead.sampling.steps; default order: penalties, DRY, n-grams, temperature, top-k, typical-p, "
+        "top-p, min-p, top-n-sigma, XTC, epsilon, eta; --samplers llama.cpp / transformers / a;b;c)"))
+
+
+def _id_list(text: str) -> list[int]:
+    """"1,2,3" → [1, 2, 3] (token ids)."""
+    try:
+        return [int(v) for v in text.replace(" ", ",").split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids separated by commas, got {text!r}") from None
+
+
+def _add_step_args(g) -> None:
+    """One flag per declared step parameter (`lmhead.sampling.steps.ENTRY_FIELDS`): --typical-p, --dry-multiplier,
+    ...; an id list is "1,2,3", a sequence flag is given once per sequence (--bad-words 5,6 --bad-words 7). Not
+    given = SamplingConfig's default; SamplingConfig checks the values (exit 2 naming the field and its range)."""
+    from lmhead.sampling.steps import ENTRY_FIELDS
+
+    for param in ENTRY_FIELDS:
+        flag = "--" + param.name.replace("_", "-")
+        text = f"{param.allowed}; {param.doc}".replace("%", "%%")
+        if param.kind in ("float", "int"):
+            g.add_argument(flag, type=float if param.kind == "float" else int, default=None, help=text)
+        elif param.kind == "ids":
+            g.add_argument(flag, type=_id_list, default=None, help=text)
+        elif param.kind == "sequences":
+            g.add_argument(flag, type=_id_list, action="append", default=None, help=text)
+        else:  # names: a preset or a;b;c
+            g.add_argument(flag, default=None, help=text)
 
 
 def _sampling_config(args: argparse.Namespace):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,7 @@ import torch
 
 from lmhead import checks
 from lmhead.models.native import row_scores, token_scores
-from lmhead.sampling import SamplingConfig, as_configs, chosen_logprobs, logprobs
+from lmhead.sampling import RowState, SamplingConfig, as_configs, chosen_logprobs, logprobs
 
 _PROMPT_CONTEXT = 4  # prompt tokens decoded before the generated ones, then cut off (keeps leading spaces)
 
@@ -242,11 +242,16 @@ class Row:
     scores: bool = True  # False: its steps carry no logprobs (None), and none are computed
     owner: Any = None
     generated: list[int] = field(default_factory=list)
+    state: RowState = field(default_factory=RowState)  # what its stateful steps keep (mirostat's μ)
 
     @property
     def penalties(self) -> bool:
-        c = self.config
-        return c.repetition_penalty != 1.0 or c.presence_penalty != 0.0 or c.frequency_penalty != 0.0
+        """Whether a step of its config reads the history (penalties, DRY, n-grams, bad words, min tokens)."""
+        return any(s.history for s in self.config.steps())
+
+    @property
+    def stateful(self) -> bool:
+        return any(s.state for s in self.config.steps())
 
 
 def prepare(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int = 32,
@@ -256,6 +261,10 @@ def prepare(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int =
     """The checked, tokenised rows of a `generate` call (same arguments, same errors), ready for a `Batch`."""
     prompts, _ = _prompts(prompt_or_prompts)
     configs = as_configs(config, len(prompts))  # one per prompt, checked as sampling checks it
+    eos = tuple(getattr(model, "eos_token_ids", ()) or ())
+    # min_tokens withholds the end of sequence too (vLLM's rule), not only the stop_token_ids given
+    configs = [replace(c, stop_token_ids=tuple(dict.fromkeys(c.stop_token_ids + eos))) if c.min_tokens and eos
+               else c for c in configs]
     stops = _stops(stop)
     checks.positive_int("max_new_tokens", max_new_tokens)
     if not checks.is_int(top_logprobs) or not 0 <= top_logprobs <= 20:
@@ -411,7 +420,7 @@ class _TransformersRounds:
         if self.pending is not None:
             self.pending = self.pending[rows]
 
-    def round(self, last, configs, history, prompt_len, steps, generator, scored=None):
+    def round(self, last, configs, history, prompt_len, steps, generator, scored=None, states=None):
         from lmhead.speculative import Round, decode_logits, plain_choice
 
         if self.pending is not None:  # the prefill's last position chooses the first token
@@ -425,7 +434,8 @@ class _TransformersRounds:
             self.clock.lap("body")
         logits = decode_logits(self.model.head, hidden, configs, scored).squeeze(1)  # [B,1,D] -> [B,V]
         self.clock.lap("head")
-        ids, chosen = plain_choice(logits, configs, history, prompt_len, steps, generator, scored=True)
+        ids, chosen = plain_choice(logits, configs, history, prompt_len, steps, generator, scored=True,
+                                   states=states)
         self.clock.lap("sampling")
         return Round([[t] for t in ids.tolist()], [logits[b:b + 1] for b in range(len(ids))],
                      [hidden[b] for b in range(len(ids))], [[v] for v in chosen.tolist()])
@@ -590,8 +600,9 @@ class Batch:
         rows, tokenizer = self.rows, self.model.tokenizer
         history = [r.prompt_ids + r.generated for r in rows] if any(r.penalties for r in rows) else None
         plen = [len(r.prompt_ids) for r in rows]
+        states = {"states": [r.state for r in rows]} if any(r.stateful for r in rows) else {}
         rnd = self.rounds.round(self.last, [r.config for r in rows], history, plen,
-                                [len(r.generated) for r in rows], self.generator, [r.scores for r in rows])
+                                [len(r.generated) for r in rows], self.generator, [r.scores for r in rows], **states)
         self.clock.t = time.perf_counter() if self.profile is not None else 0.0
         chosen, raw, ranks, alts = self._round_scores(rnd, history, plen)
         self.clock.lap("sampling")

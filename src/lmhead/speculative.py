@@ -379,14 +379,19 @@ class Decoder:
 
     @torch.inference_mode()
     def round(self, last: Tensor, configs: list, history: list[list[int]] | None, prompt_len: list[int],
-              steps: list[int], generator: torch.Generator | None, scored: list[bool] | None = None) -> Round:
+              steps: list[int], generator: torch.Generator | None, scored: list[bool] | None = None,
+              states: list | None = None) -> Round:
         """One round. `last` [B] each row's newest token (not yet in the caches); `history` each row's tokens
         so far, `last` included (None when no row uses penalties); `prompt_len` [B]; `steps` [B] each row's
         count of generated tokens (the step of its next token); `scored` [B] whether a row's scores will be
-        read from the round's logits (None: all; rows without may get screened logits, `decode_logits`)."""
+        read from the round's logits (None: all; rows without may get screened logits, `decode_logits`); `states`
+        each row's `sampling.RowState` (None: no row keeps state). A round with a stateful row (`_stateful`) drafts
+        nothing: every row takes one plain step, and the row's state moves once, as in the plain loop."""
         ks = [a.k for a in self.k]
         if self.greedy_only and ks:
             ks = [kr if c.is_greedy else 0 for kr, c in zip(ks, configs, strict=True)]
+        if states is not None and any(_stateful(c) for c in configs):
+            ks = [0] * len(ks)
         k = max(ks, default=0)  # the round drafts for the most hopeful row; each row verifies its own k
         self._t = time.perf_counter()
         self._room(k + 1)
@@ -413,7 +418,8 @@ class Decoder:
         if k == 0 and cands is not None:  # screened: every row's choice reads its candidates only
             tokens, n = self._candidates(cands[0][:, 0], cands[1][:, 0], configs, prompt_len, steps, generator)
         elif k == 0:
-            tokens, n, chosen, raw = self._plain(logits[:, 0], configs, history, prompt_len, steps, generator)
+            tokens, n, chosen, raw = self._plain(logits[:, 0], configs, history, prompt_len, steps, generator,
+                                                 states)
         elif q is None:  # point-mass drafts, or greedy and seeded rows only
             tokens, n, chosen, raw = self._draws(logits, drafts, ks, configs, history, prompt_len, steps,
                                                  generator, cands)
@@ -493,12 +499,13 @@ class Decoder:
         drafts = torch.tensor([p + [int(last[r])] * (width - len(p)) for r, p in enumerate(rows)], dtype=torch.long)
         return drafts, counts
 
-    def _plain(self, logits: Tensor, configs, history, prompt_len, steps, generator):
+    def _plain(self, logits: Tensor, configs, history, prompt_len, steps, generator, states=None):
         """No draft: one token per row from the plain sampler's distribution (`plain_choice`, scored: seeded and
         greedy rows exactly `sampling.sample`'s ids), its processed logprob and — plain greedy rows, whose
         argmax and normaliser one C pass finds (`native.greedy_rows`) — its raw logprob (else None). Plain
         unseeded sampled rows are drawn by `native.sample_row`, one C call each: the same distribution, other ids
-        for the same generator state than `plain_choice`'s."""
+        for the same generator state than `plain_choice`'s. Rows with a step C does not run (`_plain` false) make
+        the round take the pipeline, whose time the profile then books under "sampling, torch path (<steps>)"."""
         n = self._none_accepted.get(len(configs))
         if n is None:  # read only: one per batch size, not a new tensor every round
             n = self._none_accepted[len(configs)] = torch.zeros(len(configs), dtype=torch.long)
@@ -515,11 +522,14 @@ class Decoder:
             # per token after a step that streamed the weights through the caches
             u = torch.rand(len(configs), dtype=torch.float64, generator=generator).tolist()
             width = logits.shape[1]
-            picked = [sample_row(logits[r], c.temperature, c._cut_key(width)[2], c.top_p, c.min_p, u[r])
+            picked = [sample_row(logits[r], c.temperature, c.cut_key(width).top_k, c.top_p, c.min_p, u[r])
                       for r, c in enumerate(configs)]
             if all(p is not None for p in picked):
                 return [[t] for t, _ in picked], n, [[lp] for _, lp in picked], None
-        ids, chosen = plain_choice(logits, configs, history, prompt_len, steps, generator, scored=True)
+        ids, chosen = plain_choice(logits, configs, history, prompt_len, steps, generator, scored=True, states=states)
+        slow = _torch_steps(configs)
+        if slow:
+            self._lap(f"sampling, torch path ({slow})")
         return [[int(t)] for t in ids.tolist()], n, [[v] for v in chosen.tolist()], None
 
     def _candidates(self, vals: Tensor, ids: Tensor, configs, prompt_len, steps, generator):
@@ -733,9 +743,22 @@ def _screened(head, hidden: Tensor, configs: list, scored: list[bool]
 
 
 def _plain(config) -> bool:
-    """No logit bias, banned tokens or penalties: the row's logits reach its cut-offs as the head gave them."""
-    return (config.logit_bias is None and not config.banned_tokens and config.repetition_penalty == 1.0
-            and config.presence_penalty == 0.0 and config.frequency_penalty == 0.0)
+    """Every step the row runs declares the C backend (``SamplingConfig.runs_on("c")``: temperature, top-k, top-p,
+    min-p, in lmhead's order; no masks, penalties or other steps): the row's logits reach its cut-offs as the head
+    gave them, and its choice reads only what those cut-offs read."""
+    return config.runs_on("c")
+
+
+def _stateful(config) -> bool:
+    """A row with a step that keeps state between tokens (mirostat's μ): it takes plain steps only, one token a
+    round, so that its state moves once per token as in the plain loop."""
+    return any(s.state for s in config.steps())
+
+
+def _torch_steps(configs) -> str:
+    """The names of the steps that keep rows off the C path (for the profile's phase), "" when none."""
+    names = sorted({s.name for c in configs if not c.runs_on("c") for s in c.steps() if "c" not in s.backends})
+    return ", ".join(names)
 
 
 def _reads_tail(config, exact_k: int) -> bool:
@@ -747,19 +770,20 @@ def _reads_tail(config, exact_k: int) -> bool:
 
 
 def plain_choice(logits: Tensor, configs: list, history, prompt_len, steps: list[int], generator,
-                 scored: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                 scored: bool = False, states: list | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """The plain loop's next token per row of logits [B,V] → ids [B]: `sampling.sample` with each row's
     history (penalties), its prompt length and the step of its token (rows that joined the batch at other times
     are at other steps). One config for all rows when they share one object, so the pipeline takes its
     whole-batch path. scored: (ids, each id's processed logprob [B]) from `sampling.sample_with_logprobs`
-    (`sample`'s ids, but for unseeded top-p-alone rows, drawn from the same distribution another way)."""
+    (`sample`'s ids, but for unseeded top-p-alone rows, drawn from the same distribution another way). states: one
+    `sampling.RowState` per row, moved by its stateful steps (None where no row has one)."""
     from lmhead.sampling import sample, sample_with_logprobs
 
     cfg = configs[0] if len({id(c) for c in configs}) == 1 else configs
     draw = sample_with_logprobs if scored else sample
     return draw(logits, cfg, generator=generator, prev_tokens=history,
                 prompt_len=prompt_len if history is not None else 0,
-                step=steps[0] if len(set(steps)) == 1 else list(steps))
+                step=steps[0] if len(set(steps)) == 1 else list(steps), state=states)
 
 
 def _plain_greedy(config) -> bool:

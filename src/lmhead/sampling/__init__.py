@@ -81,11 +81,13 @@ from lmhead.sampling.logprobs import LogProbs, entropy, logprobs
 from lmhead.sampling.pipeline import chosen_logprobs, probabilities, process_logits, sample, sample_with_logprobs
 from lmhead.sampling.preprocess import apply_logit_bias, apply_penalties
 from lmhead.sampling.race import race_draw, seeded_generator
+from lmhead.sampling.steps import RowState
 from lmhead.sampling.vocab import Vocab
 
 __all__ = [
     "GREEDY_TEMPERATURE",
     "LogProbs",
+    "RowState",
     "SamplingConfig",
     "Vocab",
     "apply_logit_bias",

@@ -84,7 +84,7 @@ SamplingConfig = make_dataclass(
     [(n, PARAMS[n].annotation, field(default=PARAMS[n].default)) for n in FIELD_ORDER],
     frozen=True,
     namespace={"__post_init__": _post_init, "__hash__": _hash, "is_greedy": property(_is_greedy),
-               "has_penalties": property(_has_penalties), "cut_key": _cut_key, "_cut_key": _cut_key,
+               "has_penalties": property(_has_penalties), "cut_key": _cut_key,
                "steps": _steps, "runs_on": _runs_on, "__doc__": _doc(), "__module__": __name__},
 )
 ConfigArg = SamplingConfig | Sequence[SamplingConfig] | None

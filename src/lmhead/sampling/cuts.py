@@ -69,7 +69,8 @@ def _cut(x: Tensor, cfg: SamplingConfig, vocab: Vocab, top: tuple[Tensor, Tensor
         v, i = vocab.argmax(x)
         _check_top(v[:, 0], vocab.name)
         return [(None, v, i)]
-    _, temperature, top_k, top_p, min_p = cfg._cut_key(vocab.size)
+    key = cfg.cut_key(vocab.size)
+    temperature, top_k, top_p, min_p = key.temperature, key.top_k, key.top_p, key.min_p
     if top_k:
         parts = _top_k_parts(x, temperature, top_k, vocab, top)
         if top_p < 1.0:
@@ -95,7 +96,7 @@ def _groups(configs: list[SamplingConfig] | SamplingConfig, batch: int, vocab_si
     groups: dict[tuple, list[int]] = {}
     first: dict[tuple, SamplingConfig] = {}
     for r, c in enumerate(configs):
-        key = c._cut_key(vocab_size)
+        key = c.cut_key(vocab_size)
         groups.setdefault(key, []).append(r)
         first.setdefault(key, c)
     return [(None if len(rows) == batch else torch.tensor(rows, device=device), first[key])

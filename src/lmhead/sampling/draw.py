@@ -19,7 +19,8 @@ def _draw_group(x: Tensor, cfg: SamplingConfig, generator: torch.Generator | Non
     """Steps 3-8 for rows [b,V_r] that share one cut key → ([b] global ids, with ``scored`` their processed
     log-probabilities [b] from the same cut, else None; NaN for rows drawn without a cut: top-p alone)."""
     if not cfg.is_greedy:
-        _, temperature, top_k, top_p, min_p = cfg._cut_key(vocab.size)
+        key = cfg.cut_key(vocab.size)
+        temperature, top_k, top_p, min_p = key.temperature, key.top_k, key.top_p, key.min_p
         # top-p alone draws by rejection, without the top-p set — unless the set is wanted anyway for the logprob
         # of an unseeded draw (a seeded row keeps `sample`'s ids), or C finds it at once (unseeded rows)
         if top_p < 1.0 and not top_k and not min_p and not (scored and cfg.seed is None):
@@ -47,7 +48,7 @@ def _draw_seeded_top_k(x: Tensor, cfg: SamplingConfig, gens: list[torch.Generato
     logprobs or None): the ids `_draw_group` gives each row alone. The cut, the softmax and the race work row by
     row, and each row's noise comes from its own generator over its k candidates in id order, so one pass serves
     them all; rows whose cut keeps more than k (a tie at the k-th value: a width of their own) draw alone."""
-    top_k = cfg._cut_key(vocab.size)[2]
+    top_k = cfg.cut_key(vocab.size).top_k
     top = vocab.topk(x, top_k + 1)
     ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     lp = torch.empty(x.shape[0], dtype=torch.float32, device=x.device) if scored else None
@@ -87,7 +88,7 @@ def _draw_groups(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, gene
     lp = torch.empty(batch, dtype=torch.float32, device=x.device) if scored else None
     groups: dict[tuple, list[int]] = {}
     for r, c in enumerate(cfgs):
-        groups.setdefault((c._cut_key(vocab.size), c.seed is not None and not c.is_greedy), []).append(r)
+        groups.setdefault((c.cut_key(vocab.size), c.seed is not None and not c.is_greedy), []).append(r)
 
     def put(rows: list[int], got: tuple[Tensor, Tensor | None]) -> None:
         index = (slice(None) if len(rows) == batch else slice(rows[0], rows[0] + 1) if len(rows) == 1
@@ -106,13 +107,13 @@ def _draw_groups(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, gene
         if not joint and (cfg.is_greedy or seeded):
             for r in rows:
                 gen = seeded_generator(cfgs[r].seed, steps[r], x.device) if seeded else generator
-                one = vocab.topk(x[r:r + 1], key[2] + 1) if seeded and key[2] else None
+                one = vocab.topk(x[r:r + 1], key.top_k + 1) if seeded and key.top_k else None
                 put([r], _draw_group(x[r:r + 1], cfgs[r], gen, vocab, one, scored))
             continue
         xs = x[rows[0]:rows[-1] + 1] if together else x[torch.tensor(rows, device=x.device)]
         if not seeded:
             put(rows, _draw_group(xs, cfg, generator, vocab, scored=scored))
-        elif key[2]:
+        elif key.top_k:
             gens = [seeded_generator(cfgs[r].seed, steps[r], x.device) for r in rows]
             put(rows, _draw_seeded_top_k(xs, cfg, gens, vocab, scored))
         else:  # top-p alone, min-p alone or no cut: each row's own draw

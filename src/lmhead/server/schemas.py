@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+
+from lmhead.sampling.steps import ENTRY_FIELDS
 
 # Bounds (also reported by GET /api/model so the page and clients can see them).
 MAX_PROMPT_CHARS = 20_000  # checked before tokenizing, so a huge body costs nothing
@@ -35,8 +37,31 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class SamplingFields(_Request):
-    """The logits pipeline's settings, in HF order: temperature → top-k → top-p → min-p."""
+def _declared(param: Any) -> tuple[Any, Any]:
+    """A declared step parameter (lmhead.sampling.steps.Param) as a pydantic field: its type, default and range
+    as declared (a range with single values beside it, such as top_n_sigma's -1, is left to SamplingConfig's
+    check: a 400 naming the field)."""
+    bounds: dict[str, float] = {}
+    if param.kind in ("float", "int") and not param.also:
+        bounds["gt" if param.low_open else "ge"] = param.low
+        if param.high is not None:
+            bounds["lt" if param.high_open else "le"] = param.high
+    kind = {"float": float, "int": int, "ids": list[int] | None, "sequences": list[list[int]] | None,
+            "names": str | list[str] | None}[param.kind]
+    default = param.default if param.kind in ("float", "int") else None
+    return kind, Field(default, description=f"{param.allowed}. {param.doc}", **bounds)
+
+
+# the steps' own fields (typical_p, top_n_sigma, xtc_*, dry_*, mirostat*, dynatemp_*, epsilon/eta cut-offs,
+# no_repeat_ngram_size, bad_words, allowed_token_ids, min_tokens, stop_token_ids, samplers), under the names their
+# origins use, generated from their declarations
+StepFields = create_model("StepFields", __base__=_Request, __doc__="The declared steps' settings (see "
+                          "lmhead.sampling.steps).", **{p.name: _declared(p) for p in ENTRY_FIELDS})
+
+
+class SamplingFields(StepFields):
+    """The logits pipeline's settings: temperature → top-k → top-p → min-p as the page sets them, and every
+    declared step's (StepFields)."""
 
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy (argmax)")
     top_k: int = Field(0, ge=0, description="0 = off")
@@ -105,7 +130,7 @@ Prompt = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
-class _OpenAIRequest(_Request):
+class _OpenAIRequest(StepFields):
     model: Name | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
     temperature: float = Field(1.0, ge=0.0, le=2.0)

@@ -24,8 +24,8 @@ from typing import Any
 from lmhead.sampling.steps import cutoffs, masks, mirostat, penalties, temperature
 from lmhead.sampling.steps.base import Context, Param, RowState, Step
 
-__all__ = ["ORDER", "PARAMS", "PRESETS", "STEPS", "Context", "Param", "RowState", "Step", "canonical", "chain",
-           "runs_on", "step"]
+__all__ = ["ENTRY_FIELDS", "LEGACY_FIELDS", "ORDER", "PARAMS", "PRESETS", "STEPS", "Context", "Param", "RowState",
+           "Step", "canonical", "chain", "runs_on", "step"]
 
 _MODULES = (masks, penalties, temperature, cutoffs, mirostat)
 STEPS: dict[str, Step] = {s.name: s for m in _MODULES for s in m.STEPS}
@@ -95,6 +95,13 @@ FIELD_ORDER = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "
                *(n for n in PARAMS if n not in {"temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                                                  "presence_penalty", "frequency_penalty", "logit_bias",
                                                  "banned_tokens", "seed"}))
+
+
+# the fields every entry point took before the steps declared themselves; the others (ENTRY_FIELDS) reach the
+# server's requests and the CLI's flags from their declarations
+LEGACY_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "logit_bias", "banned_tokens", "seed")
+ENTRY_FIELDS = tuple(p for n, p in PARAMS.items() if n not in LEGACY_FIELDS)
 
 
 def step(name: str) -> Step:

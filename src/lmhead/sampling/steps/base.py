@@ -42,6 +42,9 @@ class Param:
     check: Callable[[Any], Any]
     low: float | None = None
     high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    also: tuple = ()  # single values allowed outside [low, high] (llama.cpp's -1 = off)
 
 
 def real_param(name: str, default: float, low: float, high: float, doc: str, off: str = "", *,
@@ -60,7 +63,8 @@ def real_param(name: str, default: float, low: float, high: float, doc: str, off
                 return v
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
-    return Param(name, float(default), "float", "float", allowed, doc, check, low, high)
+    return Param(name, float(default), "float", "float", allowed, doc, check, low, high, low_open, high_open,
+                 tuple(also))
 
 
 def int_param(name: str, default: int, low: int, high: int | None, doc: str, off: str = "",
@@ -74,7 +78,7 @@ def int_param(name: str, default: int, low: int, high: int | None, doc: str, off
             return int(value)
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
-    return Param(name, default, "int", "int", allowed, doc, check, low, high)
+    return Param(name, default, "int", "int", allowed, doc, check, low, high, also=tuple(also))
 
 
 def _id_tuple(name: str, value: Any, what: str) -> tuple[int, ...]:
