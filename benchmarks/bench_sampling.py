@@ -11,9 +11,12 @@ columns alike. Table 1: T=0.8, top-k=50, top-p=0.9. Tables 2-4: T=0.8, top-p=0.9
 vocabulary) on Gaussian logits of std 5 — the spread of Gemma 3 270M's next-token logits (measured: std
 4.5–5.3; its top-p 0.9 sets held 8–73 tokens) —, std 3 (top-p sets of ~2,000 of 262,144 tokens) and std 1
 (flat: the top-p set is half the vocabulary). `--only-top-p` skips table 1; `--sizes B,V` picks one size.
+The last table: each declared step that the batch path does not run (lmhead.sampling.steps; typical-p, DRY,
+mirostat, ...), alone at T=0.8 on one row of V = 262,144 (std 5) with a 256-token history, beside a bare
+`torch.topk(50)` on that row (the issue's goal: no step above it); `--only-steps` prints only that table.
 
     .venv/bin/python benchmarks/bench_sampling.py [--quick] [--repeats N] [--threads N (default 1)]
-                                                  [--only-top-p] [--sizes 64,262144]
+                                                  [--only-top-p] [--only-steps] [--sizes 64,262144]
 """
 
 from __future__ import annotations
@@ -119,6 +122,43 @@ def table(title: str, cfg: SamplingConfig, repeats: int, scale: float, with_topk
         print(row, flush=True)
 
 
+# one setting that turns each general-path step on (a step missing here is an error: every step gets measured)
+STEP_SETTINGS = {
+    "allowed_token_ids": dict(allowed_token_ids=tuple(range(0, 262_144, 7))),
+    "bad_words": dict(bad_words=tuple((i, i + 1) for i in range(0, 2000, 2))),
+    "min_tokens": dict(min_tokens=1000, stop_token_ids=(0, 1, 2)),
+    "dry": dict(dry_multiplier=0.8), "no_repeat_ngram": dict(no_repeat_ngram_size=3),
+    "dynatemp": dict(dynatemp_range=0.5), "typical_p": dict(typical_p=0.9), "top_n_sigma": dict(top_n_sigma=1.0),
+    "xtc": dict(xtc_probability=0.5, xtc_threshold=0.1), "epsilon": dict(epsilon_cutoff=3e-4),
+    "eta": dict(eta_cutoff=3e-4), "mirostat": dict(mirostat=2),
+}
+
+
+def steps_table(repeats: int) -> None:
+    from lmhead.sampling import RowState
+    from lmhead.sampling.steps import STEPS
+
+    missing = [n for n, s in STEPS.items() if "batch" not in s.backends and n not in STEP_SETTINGS]
+    if missing:
+        raise SystemExit(f"bench_sampling: no setting for the steps {missing}")
+    vocab = 262_144
+    print(f"\neach step alone, T=0.8, one row of V = {vocab:,} (std 5), 256 tokens of history — lmhead.sample "
+          "vs a bare torch.topk(50) on the row")
+    print(f"{'step':>18} {'ms/token':>10} {'topk(50) ms':>12} {'step/topk':>10}")
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)) * 5
+    history = [torch.randint(0, vocab, (256,), generator=torch.Generator().manual_seed(3)).tolist()]
+    history[0][-8:] = history[0][100:108]  # a repeat for DRY and the n-grams to find
+    for name in STEP_SETTINGS:
+        cfg = SamplingConfig(temperature=0.8, **STEP_SETTINGS[name])
+        gen, state = torch.Generator().manual_seed(1), [RowState()]
+        fns = {"step": lambda c=cfg, g=gen, s=state: sample(logits, c, generator=g, prev_tokens=history,
+                                                            prompt_len=0, state=s),
+               "topk": lambda: torch.topk(logits, 50)}
+        t = median_times(fns, repeats, budget_s=1.0)
+        print(f"{name:>18} {t['step'] * 1e3:>10.2f} {t['topk'] * 1e3:>12.2f} {t['step'] / t['topk']:>9.2f}×",
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="5 repeats instead of 21")
@@ -126,6 +166,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: on a shared machine one thread gives stable medians)")
     ap.add_argument("--only-top-p", action="store_true", help="only the top-p-alone tables")
+    ap.add_argument("--only-steps", action="store_true", help="only the table of the declared steps' costs")
     ap.add_argument("--sizes", default=None, help="one size B,V (default: B in 1, 8, 64 × V in 49152, 262144)")
     args = ap.parse_args()
     if args.sizes:
@@ -138,6 +179,9 @@ def main() -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, load average {load:.1f}; median of ≥ {repeats} interleaved repeats")
+    if args.only_steps:
+        steps_table(repeats)
+        return
     if not args.only_top_p:
         table("T=0.8, top-k=50, top-p=0.9 — lmhead.sample vs HF warpers + multinomial (logits std 5)",
               SamplingConfig(temperature=0.8, top_k=50, top_p=0.9), repeats, 5.0, True, sizes)
@@ -145,6 +189,8 @@ def main() -> None:
                         (1.0, "flat: top-p sets of half the vocabulary")):
         table(f"T=0.8, top-p=0.9 alone — lmhead (rejection draw) vs HF (full sort) + multinomial (logits std "
               f"{scale:g}, {what})", SamplingConfig(temperature=0.8, top_p=0.9), repeats, scale, False, sizes)
+    if not args.only_top_p:
+        steps_table(repeats)
 
 
 if __name__ == "__main__":
