@@ -439,3 +439,34 @@ def test_token_segments_rebuild_the_text(llama):
     shown = [t for t, _ in explain.token_texts(tokenizer, ids)]
     assert "<0xF0>" in shown  # the first byte of 😀 on its own: shown as a byte, not "�"
     assert "�" not in "".join(shown)
+
+
+# --- the declared steps in the explainer ----------------------------------------------------------------
+
+
+STEP_CONFIGS = [SamplingConfig(typical_p=0.6), SamplingConfig(temperature=0.8, top_n_sigma=0.5, top_k=40),
+                SamplingConfig(epsilon_cutoff=0.02, repetition_penalty=1.3),
+                SamplingConfig(top_p=0.7, temperature=1.5, samplers="llama.cpp"),
+                SamplingConfig(xtc_probability=0.5, xtc_threshold=0.02), SamplingConfig(temperature=0, typical_p=0.2)]
+
+
+@pytest.mark.parametrize("config", STEP_CONFIGS, ids=str)
+def test_the_explainer_shows_every_step_with_its_parameters_and_cuts(llama, config):
+    model, tokenizer, lm = llama
+    ids, logits = model_logits(model, tokenizer, PROMPT)
+    expected = probabilities(logits, config, prev_tokens=ids, prompt_len=ids.shape[1])[0]
+    pred = explain.predict(lm, PROMPT, top=len(tokenizer), config=config)
+    got = torch.zeros_like(expected)
+    for c in pred.candidates:
+        got[c.token_id] = c.probability
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    names = [s["name"] for s in pred.steps]
+    assert names == [s.name for s in config.steps()]
+    for s in pred.steps:
+        assert set(s["params"]) == set(config.steps()[names.index(s["name"])].params)
+    cut = {c.cut_by for c in pred.candidates if not c.kept}
+    # each cut token names the first declared step that removed it, and the steps' counts add up to the cuts
+    assert cut <= {*names, "bias", "greedy"}
+    if not config.is_greedy and not config.xtc_probability:
+        assert sum(s["cut"] for s in pred.steps) == len(tokenizer) - pred.kept_count
+    json.dumps(pred.to_dict())

@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -227,6 +227,9 @@ class Prediction(JSONReady):
     config: dict[str, Any]
     layers: list[LensLayer] | None = None
     head: str = "fp32"  # the head whose logits these are: "fp32" (the model's own), else the decode head's mode
+    # every step the config runs, in order, from its declaration (lmhead.sampling.steps): name, its parameters'
+    # values, how many tokens it cut (of those still in), why it cuts (the explainer's reason) and its origin
+    steps: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -359,7 +362,7 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
     stages = _stages(logits, config, prev, len(ids))
     processed = process_logits(logits, config, prev_tokens=prev, prompt_len=len(ids))  # [1,V]
     probs = torch.softmax(processed[0].double(), dim=-1)  # [V]: step 7 of the pipeline, in float64 (see above)
-    candidates = _candidates(model.tokenizer, logits[0], stages, processed[0], probs, top)
+    candidates = _candidates(model.tokenizer, logits[0], stages, processed[0], probs, top, _cut_names(config))
     scaled = stages["scaled"][0]
     ent = _entropies(torch.stack([logits[0], scaled, processed[0]]))
     prompt_tokens = [PromptToken(token_id=i, text=s, decoded=d)
@@ -374,15 +377,51 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
         entropy={"raw": float(ent[0]), "scaled": float(ent[1]), "processed": float(ent[2])},
         kept_count=int(torch.isfinite(processed[0]).sum()), vocab_size=vocab,
         logsumexp=float(torch.logsumexp(logits[0], dim=-1)), scaled_logsumexp=float(torch.logsumexp(scaled, dim=-1)),
-        config=_config_dict(config), layers=lens, head=head_name,
+        config=_config_dict(config), layers=lens, head=head_name, steps=_step_rows(config, stages),
     )
 
 
-_CUTS = ("bias", "greedy", "top_k", "top_p", "min_p")  # the pipeline's cuts, in its order
+_CUTS = ("bias", "greedy", "top_k", "top_p", "min_p")  # the batch path's cuts, in its order
+
+
+def _stage_name(step) -> str:
+    return "bias" if step.name == "logit_bias" else step.name
+
+
+def _cut_names(config) -> tuple[str, ...]:
+    """The names `cut_by` can take for this config, in pipeline order: the batch path's, or every declared step
+    the config runs (``SamplingConfig.steps()``; its masks' first as "bias"), then "greedy"."""
+    if config.runs_on("batch"):
+        return _CUTS
+    names = [_stage_name(s) for s in config.steps()]
+    return (*names, "greedy") if config.is_greedy else tuple(names)
+
+
+def _step_rows(config, stages: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+    """One entry per step the config runs: its declared name, parameters, reason and origin, and the tokens it
+    cut (finite before it, -inf after it; 0 for a step that reshapes rather than cuts)."""
+    rows, before = [], torch.isfinite(stages["raw"][0]) if "raw" in stages else None
+    for s in config.steps():
+        after = stages.get(f"after_{_stage_name(s)}")
+        cut = 0
+        if after is not None and before is not None:
+            now = torch.isfinite(after[0])
+            cut, before = int((before & ~now).sum()), now
+        rows.append({"name": s.name, "params": {n: _json_value(getattr(config, n)) for n in s.params},
+                     "cut": cut, "reason": s.explain, "origin": s.origin, "stage": s.stage})
+    return rows
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return [_json_value(x) for x in v]
+    if hasattr(v, "items"):
+        return {str(k): float(x) for k, x in v.items()}
+    return v
 
 
 def _candidates(tokenizer, logits: torch.Tensor, stages: dict[str, torch.Tensor], processed: torch.Tensor,
-                probs: torch.Tensor, top: int) -> list[Candidate]:
+                probs: torch.Tensor, top: int, cuts: tuple[str, ...] = _CUTS) -> list[Candidate]:
     """The `top` best candidates of one row: `logits` [V] (raw), `stages` from `_stages`, `processed` [V]
     and `probs` [V] (the pipeline's logits and probabilities).
 
@@ -402,7 +441,7 @@ def _candidates(tokenizer, logits: torch.Tensor, stages: dict[str, torch.Tensor]
         cum, raw_cum, scaled_cum = cum + p, raw_cum + rp, scaled_cum + sp
         flags = {k: bool(m[tid]) for k, m in masks.items()}
         kept = bool(kept_mask[tid])
-        cut_by = None if kept else next((c for c in _CUTS if not flags[f"after_{c}"]), None)
+        cut_by = None if kept else next((c for c in cuts if not flags.get(f"after_{c}", True)), None)
         candidates.append(Candidate(
             rank=rank, token_id=tid, text=shown, decoded=decoded, logit=float(logits[tid]),
             scaled_logit=float(scaled[tid]), raw_probability=rp, scaled_probability=sp, probability=p,
@@ -427,9 +466,11 @@ def _stages(logits: torch.Tensor, config, prev: torch.Tensor, prompt_len: int) -
     """
     from lmhead.sampling import apply_min_p, apply_temperature, apply_top_k, apply_top_p, process_logits
 
+    if not config.runs_on("batch"):
+        return _declared_stages(logits, config, prev, prompt_len)
     plain = dataclasses.replace(config, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
     adjusted = process_logits(logits, plain, prev_tokens=prev, prompt_len=prompt_len)
-    stages = {"adjusted": adjusted, "after_bias": adjusted}
+    stages = {"raw": logits, "adjusted": adjusted, "after_bias": adjusted}
     if config.is_greedy:  # the argmax of the adjusted logits, nothing else (the pipeline's own greedy path)
         keep = process_logits(logits, config, prev_tokens=prev, prompt_len=prompt_len)
         stages.update(scaled=adjusted, after_greedy=keep, after_top_k=keep, after_top_p=keep, after_min_p=keep)
@@ -439,6 +480,34 @@ def _stages(logits: torch.Tensor, config, prev: torch.Tensor, prompt_len: int) -
     p = apply_top_p(k, config.top_p)
     m = apply_min_p(p, config.min_p)
     stages.update(scaled=scaled, after_greedy=scaled, after_top_k=k, after_top_p=p, after_min_p=m)
+    return stages
+
+
+def _declared_stages(logits: torch.Tensor, config, prev: torch.Tensor, prompt_len: int) -> dict[str, torch.Tensor]:
+    """`_stages` for a config the batch path does not run: each declared step's exact torch implementation in the
+    config's order (``SamplingConfig.steps()``), after_<step> the row after it; XTC shown with its coin on (its
+    cut visible; the processed distribution is the mixture). The batch path's keys (after_bias, after_top_k, ...)
+    a step does not produce hold the row as the chain left it."""
+    from lmhead.sampling import process_logits
+    from lmhead.sampling.steps import Context
+
+    ctx = Context(history=[t for t in prev[0].tolist() if t >= 0], prompt_len=prompt_len, xtc=True)
+    x = logits.float()
+    stages: dict[str, torch.Tensor] = {"raw": x}
+    adjusted = scaled = x
+    for s in config.steps():
+        x = s.apply(x, config, ctx)
+        stages[f"after_{_stage_name(s)}"] = x
+        if s.stage <= 2:
+            adjusted = scaled = x
+        elif s.stage == 3:
+            scaled = x
+    stages.update(adjusted=adjusted, scaled=scaled)
+    if config.is_greedy:
+        stages["after_greedy"] = process_logits(logits, config, prev_tokens=prev, prompt_len=prompt_len)
+        x = stages["after_greedy"]
+    for key in ("after_bias", "after_greedy", "after_top_k", "after_top_p", "after_min_p"):
+        stages.setdefault(key, x)
     return stages
 
 
