@@ -448,17 +448,19 @@ def hf_sliding_window_nll(hf_model, input_ids: torch.Tensor, window: int, stride
 
 def generate_plain(hf_model, tokenizer, prompt: str, max_new_tokens: int, config, eos_ids) -> list[int]:
     """The decode loop without a KV cache: each step runs transformers on the whole sequence so far, takes the
-    last position's logits and hands them to `lmhead.sampling.sample` (step = tokens generated so far).
-    Stops after an end-of-sequence id or `max_new_tokens` tokens."""
-    from lmhead.sampling import sample
+    last position's logits and hands them to `lmhead.sampling.sample` (step = tokens generated so far; one
+    RowState carried from step to step for stateful steps). Stops after an end-of-sequence id or `max_new_tokens`
+    tokens."""
+    from lmhead.sampling import RowState, sample
 
     prompt_ids = list(tokenizer(prompt)["input_ids"])
     seq = list(prompt_ids)
     out: list[int] = []
+    state = [RowState()]
     for step in range(max_new_tokens):
         with torch.no_grad():
             logits = hf_model(torch.tensor([seq])).logits[:, -1, :].float()
-        token = int(sample(logits, config, prev_tokens=[seq], prompt_len=len(prompt_ids), step=step)[0])
+        token = int(sample(logits, config, prev_tokens=[seq], prompt_len=len(prompt_ids), step=step, state=state)[0])
         out.append(token)
         seq.append(token)
         if token in eos_ids:

@@ -255,3 +255,21 @@ def test_every_step_declares_what_the_pipeline_derives_from_it():
     fields = {f for f in SamplingConfig.__dataclass_fields__}
     assert fields == set(PARAMS)
     assert hash(SamplingConfig(bad_words=[[1, 2]])) == hash(SamplingConfig(bad_words=((1, 2),)))
+
+
+@pytest.mark.parametrize("settings", [dict(mirostat=2, mirostat_tau=3.0), dict(mirostat=1),
+                                      dict(dry_multiplier=2.0, dry_allowed_length=1), dict(no_repeat_ngram_size=2),
+                                      dict(typical_p=0.7, xtc_probability=0.5, xtc_threshold=0.05)],
+                         ids=lambda s: ",".join(s))
+def test_generate_gives_the_plain_loops_tokens_with_state_and_history(settings):
+    from tiny import tiny_model
+
+    from lmhead.generate import generate
+    from lmhead.models import Model
+
+    hf_model, tokenizer = tiny_model("llama")
+    model = Model(hf_model, tokenizer, name="tiny-llama")
+    cfg = SamplingConfig(temperature=1.2, seed=17, **settings)
+    want = ref.generate_plain(hf_model, tokenizer, "The cat sat on the", 12, cfg, set(model.eos_token_ids))
+    got = [s.token_id for s in generate(model, "The cat sat on the", 12, config=cfg)]
+    assert got == want
