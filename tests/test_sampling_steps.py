@@ -273,3 +273,65 @@ def test_generate_gives_the_plain_loops_tokens_with_state_and_history(settings):
     want = ref.generate_plain(hf_model, tokenizer, "The cat sat on the", 12, cfg, set(model.eos_token_ids))
     got = [s.token_id for s in generate(model, "The cat sat on the", 12, config=cfg)]
     assert got == want
+
+
+# --- the entry points: the same fields, the same checks, the same config ---------------------------------------
+
+
+BAD = [("typical_p", 0.0), ("top_n_sigma", -0.5), ("xtc_threshold", 1.5), ("dry_base", 0.5), ("mirostat", 3),
+       ("dry_penalty_last_n", -2), ("eta_cutoff", 1.0), ("samplers", ["beam"])]
+
+
+@pytest.mark.parametrize("name, value", BAD)
+def test_the_cli_exits_2_naming_a_bad_step_setting(capsys, name, value):
+    from lmhead.cli import main
+
+    flag = "--" + name.replace("_", "-")
+    arg = ";".join(value) if isinstance(value, list) else str(value)
+    code = main(["generate", "x", "--model", "/nonexistent", flag, arg])
+    err = capsys.readouterr().err
+    assert code == 2 and name in err and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def client():
+    from fastapi.testclient import TestClient
+    from test_server_harness import tiny_served_model
+
+    from lmhead.server import create_app
+
+    with TestClient(create_app(tiny_served_model())) as c:
+        yield c
+
+
+@pytest.mark.parametrize("name, value", BAD)
+@pytest.mark.parametrize("route", ["/api/predict", "/v1/completions"])
+def test_the_server_answers_4xx_naming_a_bad_step_setting(client, route, name, value):
+    body = {"prompt": "The cat", name: value, **({"max_tokens": 1} if route.startswith("/v1") else {})}
+    r = client.post(route, json=body)
+    assert r.status_code in (400, 422) and name in r.text, r.text
+
+
+def test_the_server_and_the_cli_build_the_config_the_library_builds():
+    from lmhead.checks import sampling_config_from
+    from lmhead.cli import build_parser
+    from lmhead.server.schemas import CompletionRequest
+
+    want = SamplingConfig(typical_p=0.5, dry_multiplier=0.8, bad_words=((1, 2), (3,)), samplers="llama.cpp",
+                          mirostat=2, allowed_token_ids=(1, 2, 3))
+    body = CompletionRequest(prompt="x", typical_p=0.5, dry_multiplier=0.8, bad_words=[[1, 2], [3]],
+                             samplers="llama.cpp", mirostat=2, allowed_token_ids=[1, 2, 3])
+    args = build_parser().parse_args(["generate", "x", "--typical-p", "0.5", "--dry-multiplier", "0.8",
+                                      "--bad-words", "1,2", "--bad-words", "3", "--samplers", "llama.cpp",
+                                      "--mirostat", "2", "--allowed-token-ids", "1,2,3"])
+    assert sampling_config_from(body) == sampling_config_from(args) == want
+
+
+def test_the_server_serves_the_new_steps(client):
+    r = client.post("/api/predict", json={"prompt": "The cat", "typical_p": 0.5, "samplers": "llama.cpp"})
+    assert r.status_code == 200, r.text
+    assert [s["name"] for s in r.json()["steps"]] == [s.name for s in SamplingConfig(typical_p=0.5,
+                                                                                      samplers="llama.cpp").steps()]
+    r = client.post("/v1/completions", json={"prompt": "The cat", "max_tokens": 4, "mirostat": 2, "seed": 3,
+                                              "dry_multiplier": 0.8})
+    assert r.status_code == 200, r.text
