@@ -4,6 +4,7 @@ derived from the declarations; today's settings keep the batch path."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -335,3 +336,78 @@ def test_the_server_serves_the_new_steps(client):
     r = client.post("/v1/completions", json={"prompt": "The cat", "max_tokens": 4, "mirostat": 2, "seed": 3,
                                               "dry_multiplier": 0.8})
     assert r.status_code == 200, r.text
+
+
+# --- speculative decoding: the plain loop's tokens, with the new steps ---------------------------------------
+
+
+@functools.cache
+def _lean_parts():
+    """(lean body, head, int8 draft) of a tiny llama, built once."""
+    from tiny import tiny_head, tiny_model
+
+    from lmhead.models.lean import LeanBody
+    from lmhead.speculative import Draft
+
+    hf_model, tokenizer = tiny_model("llama", layers=2, init=0.3)
+    return LeanBody(hf_model), tiny_head(hf_model), Draft(hf_model, tokenizer)
+
+
+def _decode(prompts, n, configs, draft, profile=None, stateful=False):
+    """Drive speculative.Decoder over a tiny lean body as generate does: n tokens per row (states: one RowState
+    per row when `stateful`)."""
+    from lmhead.speculative import Decoder, NgramDraft
+
+    lean, head, int8 = _lean_parts()
+    dec = Decoder(lean, head, NgramDraft() if draft == "ngram" else (int8 if draft else None), k=3, profile=profile)
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p)
+        mask[r, width - len(p):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    last = dec.start(ids, positions, mask.bool(), 4 * n + 16)
+    out = [[] for _ in prompts]
+    states = [RowState() for _ in prompts] if stateful else None
+    while min(len(o) for o in out) < n:
+        history = [p + o for p, o in zip(prompts, out, strict=True)]
+        rnd = dec.round(last, configs, history, [len(p) for p in prompts], [len(o) for o in out], None,
+                        states=states)
+        for o, toks in zip(out, rnd.tokens, strict=True):
+            o.extend(toks)
+        last = torch.tensor([o[-1] for o in out])
+    return [o[:n] for o in out], dec
+
+
+PROMPTS = [[5, 9, 11, 5, 9, 11, 5, 9, 11, 5], [7, 8, 7, 8, 7]]
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0, dry_multiplier=2.0, dry_allowed_length=1),
+                                      dict(temperature=0, no_repeat_ngram_size=2, bad_words=((9, 11),)),
+                                      dict(temperature=0.9, typical_p=0.8, seed=4),
+                                      dict(temperature=1.1, xtc_probability=0.5, xtc_threshold=0.01, seed=2),
+                                      dict(temperature=1.0, dry_multiplier=1.0, top_n_sigma=1.5, seed=9)],
+                         ids=lambda s: ",".join(s))
+@pytest.mark.parametrize("draft", [True, "ngram"])
+def test_speculative_rounds_give_the_plain_loops_tokens_with_the_new_steps(settings, draft):
+    cfg = [SamplingConfig(**settings)] * 2
+    plain, _ = _decode(PROMPTS, 10, cfg, draft=False)
+    spec, dec = _decode(PROMPTS, 10, cfg, draft=draft)
+    assert spec == plain and dec.stats.drafted > 0
+
+
+def test_a_mirostat_row_takes_plain_steps_and_its_state_moves_once_a_token():
+    cfg = [SamplingConfig(mirostat=2, mirostat_tau=3.0, seed=1), SamplingConfig(temperature=0)]
+    plain, _ = _decode(PROMPTS, 8, cfg, draft=False, stateful=True)
+    spec, dec = _decode(PROMPTS, 8, cfg, draft=True, stateful=True)
+    assert spec == plain and dec.stats.drafted == 0
+
+
+def test_a_step_without_a_c_path_is_booked_in_the_profile():
+    profile: dict[str, float] = {}
+    _decode(PROMPTS, 3, [SamplingConfig(typical_p=0.8)] * 2, draft=False, profile=profile)
+    assert "sampling, torch path (typical_p)" in profile
+    plain: dict[str, float] = {}
+    _decode(PROMPTS, 3, [SamplingConfig(top_k=20)] * 2, draft=False, profile=plain)
+    assert not any("torch path" in k for k in plain)
