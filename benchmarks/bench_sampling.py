@@ -12,8 +12,9 @@ vocabulary) on Gaussian logits of std 5 — the spread of Gemma 3 270M's next-to
 4.5–5.3; its top-p 0.9 sets held 8–73 tokens) —, std 3 (top-p sets of ~2,000 of 262,144 tokens) and std 1
 (flat: the top-p set is half the vocabulary). `--only-top-p` skips table 1; `--sizes B,V` picks one size.
 The last table: each declared step that the batch path does not run (lmhead.sampling.steps; typical-p, DRY,
-mirostat, ...), alone at T=0.8 on one row of V = 262,144 (std 5) with a 256-token history, beside a bare
-`torch.topk(50)` on that row (the issue's goal: no step above it); `--only-steps` prints only that table.
+mirostat, ...), with the example setting its declaration gives, alone at T=0.8 on one row of V = 262,144 (std 5)
+with a 256-token history, beside a bare `torch.topk(50)` on that row (the issue's goal: no step above it);
+`--only-steps` prints only that table.
 
     .venv/bin/python benchmarks/bench_sampling.py [--quick] [--repeats N] [--threads N (default 1)]
                                                   [--only-top-p] [--only-steps] [--sizes 64,262144]
@@ -122,25 +123,14 @@ def table(title: str, cfg: SamplingConfig, repeats: int, scale: float, with_topk
         print(row, flush=True)
 
 
-# one setting that turns each general-path step on (a step missing here is an error: every step gets measured)
-STEP_SETTINGS = {
-    "allowed_token_ids": dict(allowed_token_ids=tuple(range(0, 262_144, 7))),
-    "bad_words": dict(bad_words=tuple((i, i + 1) for i in range(0, 2000, 2))),
-    "min_tokens": dict(min_tokens=1000, stop_token_ids=(0, 1, 2)),
-    "dry": dict(dry_multiplier=0.8), "no_repeat_ngram": dict(no_repeat_ngram_size=3),
-    "dynatemp": dict(dynatemp_range=0.5), "typical_p": dict(typical_p=0.9), "top_n_sigma": dict(top_n_sigma=1.0),
-    "xtc": dict(xtc_probability=0.5, xtc_threshold=0.1), "epsilon": dict(epsilon_cutoff=3e-4),
-    "eta": dict(eta_cutoff=3e-4), "mirostat": dict(mirostat=2),
-}
-
-
 def steps_table(repeats: int) -> None:
     from lmhead.sampling import RowState
     from lmhead.sampling.steps import STEPS
 
-    missing = [n for n, s in STEPS.items() if "batch" not in s.backends and n not in STEP_SETTINGS]
+    settings = {n: dict(s.example) for n, s in STEPS.items() if "batch" not in s.backends}
+    missing = [n for n, example in settings.items() if not example]
     if missing:
-        raise SystemExit(f"bench_sampling: no setting for the steps {missing}")
+        raise SystemExit(f"bench_sampling: the steps {missing} declare no example setting")
     vocab = 262_144
     print(f"\neach step alone, T=0.8, one row of V = {vocab:,} (std 5), 256 tokens of history — lmhead.sample "
           "vs a bare torch.topk(50) on the row")
@@ -148,8 +138,8 @@ def steps_table(repeats: int) -> None:
     logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)) * 5
     history = [torch.randint(0, vocab, (256,), generator=torch.Generator().manual_seed(3)).tolist()]
     history[0][-8:] = history[0][100:108]  # a repeat for DRY and the n-grams to find
-    for name in STEP_SETTINGS:
-        cfg = SamplingConfig(temperature=0.8, **STEP_SETTINGS[name])
+    for name, example in settings.items():
+        cfg = SamplingConfig(temperature=0.8, **example)
         gen, state = torch.Generator().manual_seed(1), [RowState()]
         fns = {"step": lambda c=cfg, g=gen, s=state: sample(logits, c, generator=g, prev_tokens=history,
                                                             prompt_len=0, state=s),

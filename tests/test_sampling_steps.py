@@ -250,6 +250,8 @@ def test_every_step_declares_what_the_pipeline_derives_from_it():
     assert set(ORDER) <= set(STEPS)
     for s in STEPS.values():
         assert s.origin and "torch" in s.backends and set(s.params) <= set(PARAMS), s.name
+        if "batch" not in s.backends:  # the benchmark's setting for it turns it on
+            assert s in SamplingConfig(temperature=0.8, **dict(s.example)).steps(), s.name
         assert s.stage in (1, 2, 3, 4)
         if s.stage == 4 and s.name != "mirostat":
             assert s.explain, s.name  # the explainer's reason for a token the cut dropped

@@ -18,22 +18,44 @@ top-k → top-p → min-p).
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Sequence
 from typing import Any
 
-from lmhead.sampling.steps import cutoffs, masks, mirostat, penalties, temperature
 from lmhead.sampling.steps.base import Context, Param, RowState, Step
 
 __all__ = ["ENTRY_FIELDS", "LEGACY_FIELDS", "ORDER", "PARAMS", "PRESETS", "STEPS", "Context", "Param", "RowState",
            "Step", "canonical", "chain", "runs_on", "step"]
 
-_MODULES = (masks, penalties, temperature, cutoffs, mirostat)
+# every module of this package that declares STEPS and PARAMS: a new step is one new module here
+_MODULES = tuple(importlib.import_module(f"{__name__}.{m.name}") for m in pkgutil.iter_modules(__path__)
+                 if m.name != "base")
+_MODULES = tuple(m for m in _MODULES if hasattr(m, "STEPS"))
 STEPS: dict[str, Step] = {s.name: s for m in _MODULES for s in m.STEPS}
 # the steps "temperature" names in an order: dynamic temperature takes the division's place
 _GROUPS = {"temperature": ("temperature", "dynatemp")}
 MASKS = tuple(name for name, s in STEPS.items() if s.stage == 1)
-ORDER = ("penalties", "dry", "no_repeat_ngram", "temperature", "top_k", "typical_p", "top_p", "min_p",
-         "top_n_sigma", "xtc", "epsilon", "eta")
+_ORDER = ("penalties", "dry", "no_repeat_ngram", "temperature", "top_k", "typical_p", "top_p", "min_p",
+          "top_n_sigma", "xtc", "epsilon", "eta")
+
+
+def _with_new_steps(order: tuple[str, ...]) -> tuple[str, ...]:
+    """lmhead's order with each declared step it does not name yet placed after its `after` step."""
+    out = list(order)
+    pending = [s for s in STEPS.values() if s.stage >= 2 and s.name not in out and s.name not in
+               ("dynatemp", "mirostat")]
+    while pending:
+        placed = [s for s in pending if s.after in out]
+        if not placed:
+            raise ValueError(f"steps {[s.name for s in pending]}: `after` names no step of the order")
+        for s in placed:
+            out.insert(out.index(s.after) + 1, s.name)
+            pending.remove(s)
+    return tuple(out)
+
+
+ORDER = _with_new_steps(_ORDER)
 PRESETS: dict[str, tuple[str, ...] | None] = {
     "lmhead": None,
     # common/common.h's default `samplers` (temperature last)
@@ -86,7 +108,11 @@ SEED = Param("seed", None, "int | None", "seed", "an int or None", "with a seed,
 SAMPLERS = Param("samplers", None, "tuple[str, ...] | None", "names",
                  f"a preset ({', '.join(PRESETS)}) or a list of step names",
                  "the order of stages 2-4 (see lmhead.sampling.steps); None = lmhead's.", _check_samplers)
-PARAMS: dict[str, Param] = {p.name: p for m in _MODULES for p in m.PARAMS}
+# parameters in pipeline order of their modules (masks, penalties, temperature, cut-offs, mirostat, then others)
+_FIRST = ("masks", "penalties", "temperature", "cutoffs", "mirostat")
+_BY_PLACE = sorted(_MODULES, key=lambda m: (_FIRST.index(m.__name__.rsplit(".", 1)[1])
+                                            if m.__name__.rsplit(".", 1)[1] in _FIRST else len(_FIRST)))
+PARAMS: dict[str, Param] = {p.name: p for m in _BY_PLACE for p in m.PARAMS}
 PARAMS["seed"] = SEED
 PARAMS["samplers"] = SAMPLERS
 # SamplingConfig's positional order: the fields it had first keep their places

@@ -158,7 +158,9 @@ class Step:
     backends    the backends that run it ("torch", "c", "sharded", "batch"; see the module docstring)
     explain     why the explainer says a token was cut by it
     apply       (x [1,V] float32, cfg, Context) → x [1,V], the exact torch implementation on a whole row
-    origin      the definition it follows (the reference implementation)"""
+    origin      the definition it follows (the reference implementation)
+    after       where lmhead's order runs it: after this step (a step of stage 2-4 the order does not name yet)
+    example     settings that turn it on (benchmarks/bench_sampling.py measures each step with them)"""
 
     name: str
     params: tuple[str, ...]
@@ -172,3 +174,5 @@ class Step:
     history: bool = False
     state: bool = False
     aliases: tuple[str, ...] = ()
+    after: str | None = None
+    example: tuple[tuple[str, Any], ...] = ()

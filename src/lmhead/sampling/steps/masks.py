@@ -66,7 +66,7 @@ def _bias_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
 def _allowed_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     """vLLM's allowed_token_ids (``vllm/v1/sample/logits_processor``: a mask of -inf off the allowed ids)."""
     keep = torch.zeros(x.shape[-1], dtype=torch.bool, device=x.device)
-    keep[list(cfg.allowed_token_ids)] = True
+    keep[torch.as_tensor(cfg.allowed_token_ids, dtype=torch.long, device=x.device)] = True
     return x.masked_fill(~keep, _NEG_INF)
 
 
@@ -105,12 +105,15 @@ STEPS = (
          "banned (logit_bias -inf / banned_tokens)", _bias_apply, "OpenAI's logit_bias; llama.cpp's logit_bias sampler",
          frozenset({"torch", "sharded", "batch"}), aliases=("bias",)),
     Step("allowed_token_ids", ("allowed_token_ids",), 1, lambda c: c.allowed_token_ids is not None, False,
-         "not in allowed_token_ids", _allowed_apply, "vLLM SamplingParams.allowed_token_ids"),
+         "not in allowed_token_ids", _allowed_apply, "vLLM SamplingParams.allowed_token_ids",
+         example=(("allowed_token_ids", tuple(range(0, 262_144, 7))),)),
     Step("bad_words", ("bad_words",), 1, lambda c: bool(c.bad_words), False, "would complete a bad word",
-         _bad_words_apply, "transformers NoBadWordsLogitsProcessor (bad_words_ids)", history=True),
+         _bad_words_apply, "transformers NoBadWordsLogitsProcessor (bad_words_ids)", history=True,
+         example=(("bad_words", tuple((i, i + 1) for i in range(0, 2000, 2))),)),
     Step("min_tokens", ("min_tokens", "stop_token_ids"), 1, lambda c: c.min_tokens > 0 and bool(c.stop_token_ids),
          False, "a stop token before min_tokens", _min_tokens_apply,
-         "vLLM min_tokens; transformers MinNewTokensLengthLogitsProcessor", history=True),
+         "vLLM min_tokens; transformers MinNewTokensLengthLogitsProcessor", history=True,
+         example=(("min_tokens", 1000), ("stop_token_ids", (0, 1, 2)))),
 )
 
 

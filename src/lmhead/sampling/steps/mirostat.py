@@ -80,5 +80,6 @@ def mirostat_update(cfg: Any, state: RowState, logprob: float) -> None:
 STEPS = (
     Step("mirostat", ("mirostat", "mirostat_tau", "mirostat_eta"), 4, lambda c: c.mirostat > 0, True,
          "above mirostat's surprise bound μ", _mirostat_apply,
-         "llama.cpp llama_sampler_mirostat / llama_sampler_mirostat_v2", state=True),
+         "llama.cpp llama_sampler_mirostat / llama_sampler_mirostat_v2", state=True,
+         example=(("mirostat", 2),)),
 )

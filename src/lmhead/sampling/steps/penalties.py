@@ -142,10 +142,12 @@ STEPS = (
          frozenset({"torch", "sharded", "batch"}), history=True, aliases=("repetition_penalty", "penalty")),
     Step("dry", ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers"),
          2, lambda c: c.dry_multiplier > 0 and c.dry_penalty_last_n != 0, False, "", _dry_apply,
-         "llama.cpp llama_sampler_dry (src/llama-sampling.cpp)", history=True),
+         "llama.cpp llama_sampler_dry (src/llama-sampling.cpp)", history=True,
+         example=(("dry_multiplier", 0.8),)),
     Step("no_repeat_ngram", ("no_repeat_ngram_size",), 2, lambda c: c.no_repeat_ngram_size > 0, False,
          "would repeat an n-gram", _ngram_apply, "transformers NoRepeatNGramLogitsProcessor", history=True,
-         aliases=("no_repeat_ngram_size",)),
+         aliases=("no_repeat_ngram_size",),
+         example=(("no_repeat_ngram_size", 3),)),
 )
 
 

@@ -62,5 +62,6 @@ STEPS = (
          _temperature_apply, "logits / T (transformers TemperatureLogitsWarper)",
          frozenset({"torch", "c", "sharded", "batch"}), aliases=("temp",)),
     Step("dynatemp", ("temperature", "dynatemp_range", "dynatemp_exponent"), 3, lambda c: c.dynatemp_range > 0,
-         True, "", _dynatemp_apply, "llama.cpp llama_sampler_temp_ext (src/llama-sampling.cpp)"),
+         True, "", _dynatemp_apply, "llama.cpp llama_sampler_temp_ext (src/llama-sampling.cpp)",
+         example=(("dynatemp_range", 0.5),)),
 )
