@@ -436,7 +436,7 @@ class Decoder:
             tokens, n = self._candidates(cands[0][:, 0], cands[1][:, 0], configs, prompt_len, steps, generator)
         elif k == 0:
             tokens, n, chosen, raw = self._plain(logits[:, 0], configs, history, prompt_len, steps, generator,
-                                                 states)
+                                                 states, matchers is None)
         elif q is None:  # point-mass drafts, or greedy and seeded rows only
             tokens, n, chosen, raw = self._draws(logits, drafts, ks, configs, history, prompt_len, steps,
                                                  generator, cands)
@@ -517,13 +517,17 @@ class Decoder:
         drafts = torch.tensor([p + [int(last[r])] * (width - len(p)) for r, p in enumerate(rows)], dtype=torch.long)
         return drafts, counts
 
-    def _plain(self, logits: Tensor, configs, history, prompt_len, steps, generator, states=None):
+    def _plain(self, logits: Tensor, configs, history, prompt_len, steps, generator, states=None,
+               unmasked: bool = True):
         """No draft: one token per row from the plain sampler's distribution (`plain_choice`, scored: seeded and
         greedy rows exactly `sampling.sample`'s ids), its processed logprob and — plain greedy rows, whose
         argmax and normaliser one C pass finds (`native.greedy_rows`) — its raw logprob (else None). Plain
         unseeded sampled rows are drawn by `native.sample_row`, one C call each: the same distribution, other ids
-        for the same generator state than `plain_choice`'s. Rows with a step C does not run (`_plain` false) make
-        the round take the pipeline, whose time the profile then books under "sampling, torch path (<steps>)"."""
+        for the same generator state than `plain_choice`'s — but not in a round with a constrained row (`unmasked`
+        False): its inverse CDF may stop on a token of zero mass (u = 0 before the first allowed token), so such
+        rounds draw in the pipeline. The greedy C pass takes masked rows (the argmax of the allowed tokens). Rows
+        with a step C does not run (`_plain` false) make the round take the pipeline, whose time the profile then
+        books under "sampling, torch path (<steps>)"."""
         n = self._none_accepted.get(len(configs))
         if n is None:  # read only: one per batch size, not a new tensor every round
             n = self._none_accepted[len(configs)] = torch.zeros(len(configs), dtype=torch.long)
@@ -534,7 +538,7 @@ class Decoder:
             if found is not None:
                 ids, raw = found
                 return [[t] for t in ids], n, [[0.0] for _ in configs], [[v] for v in raw]
-        if all(_plain_unseeded(c) for c in configs):
+        if unmasked and all(_plain_unseeded(c) for c in configs):
             # the same distribution from one C call per row (`native.sample_row`: the top-k / top-p cut or the whole
             # row, drawn by inverse CDF with one uniform): the pipeline's ~20 torch ops around its cut cost ~1 ms
             # per token after a step that streamed the weights through the caches
