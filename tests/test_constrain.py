@@ -86,8 +86,10 @@ def _allowed_set(matcher) -> set[int]:
 
 def test_constraints_are_immutable_hashable_and_equal_by_content():
     a = JSONSchema({"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}})
-    b = JSONSchema('{"properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "type": "object"}')
+    b = JSONSchema('{"type": "object",\n "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}}')
     assert a == b and hash(a) == hash(b) and len({a, b, JSONObject()}) == 2
+    # the properties' order is the answer's order: another order is another constraint
+    assert a != JSONSchema({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}})
     assert Choice(["x", "y"]) == Choice(("x", "y")) and Regex("a+") != Regex("a*")
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.schema = "{}"
@@ -308,6 +310,13 @@ def test_forced_tokens_are_scored_with_probability_one(model):
 
 
 # --- finish reasons ---------------------------------------------------------------------------------------
+
+
+def test_properties_come_out_in_the_schemas_order(model):
+    schema = {"type": "object", "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}},
+              "required": ["zeta", "alpha"], "additionalProperties": False}
+    text = "".join(s.text for s in model.generate("Hi", 30, config=GREEDY, constraint=JSONSchema(schema)))
+    assert text.startswith('{"zeta": ') and list(json.loads(text)) == ["zeta", "alpha"]
 
 
 def test_complete_grammar_stops_and_the_budget_before_completion_is_length(model):

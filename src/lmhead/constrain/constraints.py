@@ -7,8 +7,8 @@
     Grammar(text, "lark")     a context-free grammar: Lark as llguidance reads it, or llama.cpp's GBNF
 
 Each one becomes an llguidance grammar (`grammar()`, a str); `lmhead.constrain.compiled.compile_constraint`
-compiles it for a tokenizer once. A constraint holds text only (a schema is kept as canonical JSON), so two
-constraints that ask for the same thing are equal and share one compiled form.
+compiles it for a tokenizer once. A constraint holds text only (a schema is kept as compact JSON text, its keys in
+the order given: the order the answer writes properties in), so equal constraints share one compiled form.
 
 JSON whitespace: "compact" (the default) writes JSON as `json.dumps` does — ", " between items, ": " after keys,
 no other whitespace — which keeps a small model from spending its tokens on blank lines; "flexible" allows any
@@ -68,7 +68,7 @@ class Constraint:
 
 @dataclass(frozen=True)
 class JSONSchema(Constraint):
-    """A JSON value that matches `schema` (a dict or its JSON text; kept as canonical JSON text).
+    """A JSON value that matches `schema` (a dict or its JSON text; kept as compact JSON text, keys in order).
     whitespace: "compact" or "flexible" (module docstring)."""
 
     schema: str
@@ -91,7 +91,8 @@ class JSONSchema(Constraint):
         if not isinstance(value, dict):
             raise ConstraintError(f"schema: a JSON schema is an object (or true), got {type(value).__name__}")
         try:
-            text = json.dumps(value, sort_keys=True, ensure_ascii=False, allow_nan=False)
+            # key order kept: a schema's properties come out in the order it lists them
+            text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
         except (TypeError, ValueError) as exc:
             raise ConstraintError(f"schema: cannot be written as JSON ({exc})") from None
         _text("schema", text)

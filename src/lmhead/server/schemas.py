@@ -9,7 +9,10 @@ as a whole is bounded before it is parsed (guard.py: 413).
 Two families:
 * `/api/*` — the explainer page's own API (predict, step, generate, layers, score, model, params).
 * `/v1/*`  — OpenAI-compatible completions and chat completions, with `top_k`, `min_p` and
-  `repetition_penalty` as extensions (as vLLM and llama.cpp's server accept them).
+  `repetition_penalty` as extensions (as vLLM and llama.cpp's server accept them), and structured output in
+  the three dialects clients send (server/structured.py turns them into one constraint): OpenAI's
+  `response_format` (and `tools` / `tool_choice` on chat), vLLM's `structured_outputs`, llama.cpp's
+  `json_schema` and `grammar`.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ MAX_STOP_CHARS = 1000  # each stop string
 MAX_MESSAGES = MAX_PROMPT_TOKENS  # every chat message costs at least one token of the template
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_NAME_CHARS = 256  # `user`, a message's `name`, `model`
+MAX_GRAMMAR_CHARS = 100_000  # a regex, a grammar (a schema is bounded by the body's size: guard.py)
+MAX_CHOICES = 256  # structured_outputs.choice
+MAX_TOOLS = 128
 
 
 class _Request(BaseModel):
@@ -130,6 +136,42 @@ Prompt = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
+GrammarText = Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)]
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class JSONSchemaFormat(_Request):
+    """OpenAI's `response_format.json_schema`: a named schema; `strict` is accepted (the output always matches)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: FunctionName
+    description: Annotated[str, Field(max_length=MAX_STOP_CHARS)] | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="the JSON schema (absent: any JSON)")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`: "text" (free), "json_object" (any JSON object), "json_schema"."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs`: exactly one of json (a schema), regex, choice, grammar (Lark or GBNF),
+    json_object."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: GrammarText | None = None
+    choice: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
+                      Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    grammar: GrammarText | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
 class _OpenAIRequest(StepFields):
     model: Name | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
@@ -150,6 +192,11 @@ class _OpenAIRequest(StepFields):
     repetition_penalty: float = Field(1.0, gt=0.0)
     # lmhead's extension: logprobs from the fp32 head (by default: the decode head's, see lmhead.generate)
     exact_logprobs: bool = Field(False, description="compute the returned logprobs with the full-precision head")
+    # structured output: at most one of these (server/structured.py)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's: json, regex, choice, grammar")
+    json_schema: dict[str, Any] | None = Field(None, description="llama.cpp server's: the answer matches this schema")
+    grammar: GrammarText | None = Field(None, description="llama.cpp server's: a GBNF (or Lark) grammar")
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -179,6 +226,27 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDef(_Request):
+    name: FunctionName
+    description: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | None = None
+    parameters: dict[str, Any] | None = Field(None, description="the arguments' JSON schema (absent: no arguments)")
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(
         ..., min_length=1, max_length=MAX_MESSAGES,
@@ -186,6 +254,9 @@ class ChatRequest(_OpenAIRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, description="accepted; an answer makes at most one call")
 
     @field_validator("messages")
     @classmethod

@@ -10,10 +10,16 @@ objects: `_Completion` and `_Chat` build the ids, chunks and bodies. Log-probabi
 (raw: temperature 1, nothing cut), as OpenAI and vLLM report them, from the decode head (`exact_logprobs: true`,
 an lmhead extension: from the fp32 head) — a request without `logprobs` gets none computed (`scores=False`);
 errors have OpenAI's shape (errors.py).
+
+Structured output (`response_format`, `structured_outputs`, `json_schema`, `grammar`; `tools` on chat): one
+constraint (server/structured.py), compiled before the answer starts (a 400 where it cannot be), decoded in the
+shared batch with the other requests; under it the logprobs are the constrained distribution's. A chat answer
+that is a call has `tool_calls`, no content and finish_reason "tool_calls".
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import uuid
@@ -28,6 +34,7 @@ from lmhead.server import schemas as S
 from lmhead.server.errors import APIError
 from lmhead.server.served import Served, chat_ids, encode_checked, get_served, sampling_config
 from lmhead.server.sse import DONE, primed, sse
+from lmhead.server.structured import ToolCalls, compile_for, constraint_for, tool_prompt
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -44,9 +51,10 @@ async def v1_completions(req: S.CompletionRequest, request: Request, served: Ser
     prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]  # a list of one (schemas checks)
     ids = await served.call(encode_checked, served.model, prompt)
     cfg = sampling_config(req, req.seed)  # pure and bounded: no trip to the model's thread
+    constraint, _ = await _structured(served, req)
     steps = partial(served.generate, prompt, req.max_tokens or 16, config=cfg, stop=req.stops() or None,
                     top_logprobs=req.logprobs or 0, exact_logprobs=req.exact_logprobs,
-                    scores=req.logprobs is not None)
+                    scores=req.logprobs is not None, constraint=constraint)
     answer = _Completion(served, req, prompt, len(ids))
     if req.stream:
         return StreamingResponse(await primed(answer.events(steps())), media_type="text/event-stream")
@@ -59,17 +67,43 @@ async def v1_chat(req: S.ChatRequest, request: Request, served: Served = Depends
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    prompt, ids = await served.call(chat_ids, served.model, messages)
+    constraint, tools = await _structured(served, req)
+    if tools is not None:
+        prompt, ids = await served.call(tool_prompt, served.model, messages, _called(req, tools))
+    else:
+        prompt, ids = await served.call(chat_ids, served.model, messages)
     cfg = sampling_config(req, req.seed)
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     max_tokens = req.max_completion_tokens or req.max_tokens or S.MAX_NEW_TOKENS
     steps = partial(served.generate, prompt, max_tokens, config=cfg, stop=req.stops() or None, top_logprobs=top_n,
-                    exact_logprobs=req.exact_logprobs, scores=bool(req.logprobs))
-    answer = _Chat(served, req, len(ids))
+                    exact_logprobs=req.exact_logprobs, scores=bool(req.logprobs), constraint=constraint)
+    answer = _Chat(served, req, len(ids), tools)
+    if req.stream and tools is not None:  # a call is known once it is whole: the answer comes as one chunk
+        events = answer.events_whole(await served.collect(steps(), request))
+        return StreamingResponse(events, media_type="text/event-stream")
     if req.stream:
         events = answer.events(steps())
         return StreamingResponse(await primed(events, first_step=2), media_type="text/event-stream")
     return answer.body(await served.collect(steps(), request))
+
+
+async def _structured(served: Served, req: Any):
+    """The request's constraint and tool reader (`structured.constraint_for`), compiled off the event loop; what
+    cannot be compiled or is not supported is a 400 naming it."""
+    try:
+        constraint, tools = constraint_for(req)
+        await asyncio.to_thread(compile_for, served.model, constraint)
+    except APIError:
+        raise
+    except (ValueError, TypeError) as exc:
+        param = next((f for f in ("response_format", "structured_outputs", "json_schema", "grammar", "tools")
+                      if getattr(req, f, None) is not None), None)
+        raise APIError(400, str(exc), param) from exc
+    return constraint, tools
+
+
+def _called(req: S.ChatRequest, tools: ToolCalls) -> list[S.Tool]:
+    return [t for t in req.tools or [] if t.function.name in tools.names]
 
 
 def _check_model(served: Served, name: str | None) -> None:
@@ -138,6 +172,33 @@ class _Chat(_Answer):
 
     prefix = "chatcmpl"
 
+    def __init__(self, served: Served, req: S.ChatRequest, prompt_tokens: int, tools: ToolCalls | None = None) -> None:
+        super().__init__(served, req, prompt_tokens)
+        self.tools = tools
+
+    def message(self, steps: list[Any]) -> tuple[dict[str, Any], str]:
+        """The answer's message and finish reason: a tool call where the text is a whole call."""
+        text = "".join(s.text for s in steps)
+        finish = steps[-1].finish_reason if steps else "length"
+        calls = self.tools.read(text) if self.tools is not None and finish == "stop" else None
+        if calls:
+            return {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": text, "refusal": None}, finish
+
+    async def events_whole(self, steps: list[Any]) -> AsyncIterator[str]:
+        """A finished answer as a stream: the role, the content or the tool calls (with their index), the finish."""
+        message, finish = self.message(steps)
+        yield sse(self.chunk({"role": "assistant", "content": ""}, None, None))
+        if "tool_calls" in message:
+            calls = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+            yield sse(self.chunk({"tool_calls": calls}, None, None))
+        else:
+            yield sse(self.chunk({"content": message["content"]}, self.logprobs(steps), None))
+        yield sse(self.chunk({}, None, finish))
+        if self.req.stream_options and self.req.stream_options.include_usage:
+            yield sse({**self.chunk({}, None, None), "choices": [], "usage": self.usage(len(steps))})
+        yield DONE
+
     def logprobs(self, steps: Iterable[Any]) -> dict[str, Any] | None:
         if not self.req.logprobs:
             return None
@@ -159,14 +220,11 @@ class _Chat(_Answer):
         yield DONE
 
     def body(self, steps: list[Any]) -> dict[str, Any]:
+        message, finish = self.message(steps)
         return {
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.served.name,
             "system_fingerprint": None,
-            "choices": [{"index": 0,
-                         "message": {"role": "assistant", "content": "".join(s.text for s in steps),
-                                     "refusal": None},
-                         "logprobs": self.logprobs(steps),
-                         "finish_reason": steps[-1].finish_reason if steps else "length"}],
+            "choices": [{"index": 0, "message": message, "logprobs": self.logprobs(steps), "finish_reason": finish}],
             "usage": self.usage(len(steps)),
         }
 
