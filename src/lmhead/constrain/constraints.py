@@ -188,6 +188,11 @@ class Grammar(Constraint):
         if self.syntax not in GRAMMAR_SYNTAXES:
             raise ValueError(f"syntax: must be one of {', '.join(GRAMMAR_SYNTAXES)}; got {self.syntax!r}")
 
+    @classmethod
+    def from_text(cls, text: str) -> Grammar:
+        """A grammar in either syntax: GBNF where its rules are written `name ::= ...` (llama.cpp's), else Lark."""
+        return cls(text, syntax="gbnf" if isinstance(text, str) and "::=" in text else "lark")
+
     def grammar(self) -> str:
         from llguidance import LLMatcher
 

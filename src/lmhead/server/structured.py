@@ -33,8 +33,8 @@ _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator
 
 
 def _grammar(text: str) -> Grammar:
-    """llama.cpp's and vLLM's `grammar`: GBNF where it has GBNF's `::=`, else Lark."""
-    return Grammar(text, syntax="gbnf" if "::=" in text else "lark")
+    """llama.cpp's and vLLM's `grammar`: GBNF where its rules use `::=`, else Lark (`Grammar.from_text`)."""
+    return Grammar.from_text(text)
 
 
 def _from_response_format(fmt: S.ResponseFormat) -> Constraint | None:
