@@ -78,11 +78,20 @@ class SamplingFields(StepFields):
 # --- /api ---------------------------------------------------------------------------------------------------
 
 
+class PageConstraint(_Request):
+    """The page's constraint box: the answer that starts after the prompt is JSON matching a schema, a regex's
+    match, or one of comma-separated strings."""
+
+    kind: Literal["json_schema", "regex", "choice"]
+    text: Annotated[str, Field(min_length=1, max_length=100_000)]
+
+
 class PredictRequest(SamplingFields):
     """POST /api/predict: the next-token candidates of a prompt, raw (T=1) and after the pipeline."""
 
     prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS)
     top: int = Field(200, ge=1, le=MAX_CANDIDATES, description="how many candidates to return (by logit)")
+    constraint: PageConstraint | None = Field(None, description="structured output: its mask cuts first")
 
 
 class StepRequest(SamplingFields):

@@ -26,7 +26,7 @@ from lmhead.constrain import Choice, Constraint, Grammar, JSONObject, JSONSchema
 from lmhead.server import schemas as S
 from lmhead.server.errors import APIError
 
-__all__ = ["ToolCalls", "compile_for", "constraint_for", "tool_prompt"]
+__all__ = ["ToolCalls", "compile_for", "constraint_for", "page_constraint", "tool_prompt"]
 
 # the keys OpenAI's tool-call object uses; the model writes {"name": ..., "arguments": {...}}
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -146,6 +146,17 @@ def constraint_for(req: Any) -> tuple[Constraint | None, ToolCalls | None]:
         raise APIError(400, "a request takes one structured-output option; got " + " and ".join(n for n, _ in asked),
                        asked[1][0])
     return (asked[0][1] if asked else None), tools
+
+
+def page_constraint(box: S.PageConstraint | None) -> Constraint | None:
+    """The explainer page's constraint box as a constraint (a choice's options comma-separated)."""
+    if box is None:
+        return None
+    if box.kind == "json_schema":
+        return JSONSchema(box.text)
+    if box.kind == "regex":
+        return Regex(box.text)
+    return Choice([c.strip() for c in box.text.split(",") if c.strip()])
 
 
 def compile_for(model: Any, constraint: Constraint | None) -> None:
