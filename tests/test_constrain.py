@@ -372,3 +372,29 @@ def test_generate_refuses_what_is_not_a_constraint_and_a_wrong_count(model):
         model.generate("Hi", 4, constraint={"type": "object"})
     with pytest.raises(ValueError, match="one per prompt"):
         model.generate(["a", "b"], 4, constraint=[None])
+
+
+# --- the packaged models -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma-3-270m"])
+def test_packaged_model_answers_valid_json_with_and_without_drafts(name):
+    # the real tokenizers (49,152 and 262,144 ids), the coded heads and, on scoreless greedy rows, the screened
+    # head's round, which constrained rows decline (their mask may cut any top k)
+    import jsonschema
+    from test_server_harness import real_model
+
+    from lmhead.models.chat import chat_prompt
+
+    real = real_model(name)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"type": "string", "maxLength": 20}},
+              "required": ["city", "country"], "additionalProperties": False}
+    prompt = chat_prompt(real, [{"role": "user", "content": "Name a large city and its country, as JSON."}])
+    runs = {draft: list(real.generate(prompt, 48, config=GREEDY, constraint=JSONSchema(schema), draft=draft,
+                                      scores=False)) for draft in ("none", "ngram")}
+    assert [s.token_id for s in runs["ngram"]] == [s.token_id for s in runs["none"]]
+    steps = runs["none"]
+    assert steps[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads("".join(s.text for s in steps)), schema)

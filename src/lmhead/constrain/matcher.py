@@ -15,6 +15,8 @@ it may end here (EOS is allowed). A token the mask forbade reaching `consume` is
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from lmhead.constrain.mask import words
@@ -23,11 +25,13 @@ __all__ = ["Matcher"]
 
 
 class Matcher:
-    """A row's llguidance matcher over `vocab_size` logits (made by `Compiled.matcher()`)."""
+    """A row's llguidance matcher over `vocab_size` logits (made by `Compiled.matcher()`). `seconds`: set it to a
+    list and each mask computed appends its wall time (benchmarks/bench_structured.py); None costs nothing."""
 
     def __init__(self, llm, vocab_size: int, eos: tuple[int, ...]) -> None:
         self._m, self.vocab_size, self.eos = llm, vocab_size, eos
         self.width = words(vocab_size)
+        self.seconds: list[float] | None = None
 
     @property
     def stopped(self) -> bool:
@@ -40,7 +44,10 @@ class Matcher:
         return self._m.is_accepting()
 
     def _fill(self, out: np.ndarray) -> None:
+        t0 = time.perf_counter() if self.seconds is not None else 0.0
         self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        if self.seconds is not None:
+            self.seconds.append(time.perf_counter() - t0)
         if self._m.is_error():
             raise RuntimeError(f"constraint: the matcher failed: {self._m.get_error()}")
 
