@@ -26,6 +26,7 @@ from lmhead.constrain import (
 )
 from lmhead.generate import Batch, prepare
 from lmhead.models import Model
+from lmhead.models.fast_linear import int8_linear_available
 from lmhead.models.native import greedy_rows
 from lmhead.sampling import SamplingConfig
 from lmhead.speculative import SpeculativeStats
@@ -232,6 +233,20 @@ def test_ngram_drafts_give_the_tokens_of_decoding_without_drafts(model, constrai
     assert [s.finish_reason for s in drafted] == [s.finish_reason for s in plain]
     assert [s.logprob for s in drafted] == pytest.approx([s.logprob for s in plain], abs=1e-4)
     assert stats.drafted > 0  # the drafts ran (and were judged under the masks)
+
+
+@pytest.mark.skipif(not int8_linear_available(), reason="this torch build has no oneDNN int8 inner product")
+def test_int8_drafts_leave_constrained_rows_their_plain_tokens(model):
+    # constrained rows judge none of the int8 draft's tokens (it proposes from unmasked logits); free rows beside
+    # them still draft
+    prompts, cs = ["The cat sat on the mat. The cat", "The dog"], [SPEC_CONSTRAINTS[1], None]
+    stats = SpeculativeStats()
+    got = {}
+    for s in model.generate(prompts, 30, config=GREEDY, constraint=cs, draft="int8", stats=stats):
+        got.setdefault(s.index, []).append(s.token_id)
+    for i, p in enumerate(prompts):
+        assert got[i] == [s.token_id for s in model.generate(p, 30, config=GREEDY, constraint=cs[i], draft="none")]
+    assert stats.drafted > 0
 
 
 def test_rejected_drafts_are_rolled_back_in_the_matcher(model):
