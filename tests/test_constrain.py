@@ -8,6 +8,7 @@ import dataclasses
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 from reference import constrained_allowed, constrained_logprobs, forced_bytes
@@ -413,3 +414,28 @@ def test_packaged_model_answers_valid_json_with_and_without_drafts(name):
     steps = runs["none"]
     assert steps[-1].finish_reason == "stop"
     jsonschema.validate(json.loads("".join(s.text for s in steps)), schema)
+
+
+def test_forced_token_is_read_from_the_mask_words():
+    from lmhead.constrain import forced_token
+
+    for t in (0, 5, 31, 32, 63, 300):
+        bits = np.zeros(10, dtype=np.int64)
+        bits[t // 32] = 1 << (t % 32)
+        assert forced_token(bits.astype(np.uint32).view(np.int32)) == t
+    two = np.zeros(10, dtype=np.int32)
+    two[0], two[3] = 1, 4
+    assert forced_token(two) is None and forced_token(np.zeros(10, dtype=np.int32)) is None
+    assert forced_token(np.array([3, 0], dtype=np.int32)) is None
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_forced_tokens_are_taken_without_a_draw(model, seed):
+    # one option: every token is forced; the shared generator is never drawn from, each step is scored prob. 1
+    g = torch.Generator().manual_seed(0)
+    before = g.get_state().clone()
+    steps = list(model.generate("The", 20, config=SamplingConfig(temperature=1.0, seed=seed), generator=g,
+                                constraint=Choice(["the cat sat on the mat"]), draft="none"))
+    assert "".join(s.text for s in steps) == "the cat sat on the mat" and steps[-1].finish_reason == "stop"
+    assert torch.equal(g.get_state(), before)
+    assert all(s.logprob == 0.0 and s.raw_logprob == 0.0 and s.rank == 1 for s in steps)

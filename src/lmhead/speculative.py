@@ -435,8 +435,8 @@ class Decoder:
         if k == 0 and cands is not None:  # screened: every row's choice reads its candidates only
             tokens, n = self._candidates(cands[0][:, 0], cands[1][:, 0], configs, prompt_len, steps, generator)
         elif k == 0:
-            tokens, n, chosen, raw = self._plain(logits[:, 0], configs, history, prompt_len, steps, generator,
-                                                 states, matchers is None)
+            tokens, n, chosen, raw = self._plain_or_forced(logits[:, 0], configs, history, prompt_len, steps,
+                                                           generator, taken, states)
         elif q is None:  # point-mass drafts, or greedy and seeded rows only
             tokens, n, chosen, raw = self._draws(logits, drafts, ks, configs, history, prompt_len, steps,
                                                  generator, cands)
@@ -553,6 +553,32 @@ class Decoder:
         if slow:
             self._lap(f"sampling, torch path ({slow})")
         return [[int(t)] for t in ids.tolist()], n, [[v] for v in chosen.tolist()], None
+
+    def _plain_or_forced(self, logits: Tensor, configs, history, prompt_len, steps, generator, taken, states=None):
+        """`_plain`, but a constrained row whose mask allows one token only (a forced token: a schema's fixed keys)
+        takes it without a draw — no pipeline, no random number from the shared generator — scored as what it is,
+        probability 1 (processed and raw logprob 0, rank 1 under the masked logits)."""
+        from lmhead.constrain import forced_token
+
+        forced = [None] * len(configs) if taken is None else [
+            None if got is None else forced_token(got[0][0]) for got in taken]
+        if all(f is None for f in forced):
+            return self._plain(logits, configs, history, prompt_len, steps, generator, states, taken is None)
+        free = [r for r, f in enumerate(forced) if f is None]
+        tokens = [[f] for f in forced]
+        chosen, raw = [[0.0] for _ in forced], [[0.0] for _ in forced]
+        if free:
+            pick = (lambda xs: [xs[r] for r in free])
+            sub_tokens, _, sub_chosen, sub_raw = self._plain(
+                logits[torch.tensor(free)], pick(configs), None if history is None else pick(history),
+                pick(prompt_len), pick(steps), generator, None if states is None else pick(states), False)
+            for j, r in enumerate(free):
+                tokens[r], chosen[r] = sub_tokens[j], sub_chosen[j]
+                if sub_raw is not None:
+                    raw[r] = sub_raw[j]
+            if sub_raw is None:
+                raw = None  # the free rows' raw logprobs come from the logits (`generate._flat_scores`)
+        return tokens, torch.zeros(len(configs), dtype=torch.long), chosen, raw
 
     def _candidates(self, vals: Tensor, ids: Tensor, configs, prompt_len, steps, generator):
         """No draft, a screened round (scoreless rows without bias, bans or penalties): one token per row, the plain

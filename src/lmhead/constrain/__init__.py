@@ -24,11 +24,12 @@ from lmhead.constrain.constraints import (
     JSONSchema,
     Regex,
 )
-from lmhead.constrain.mask import allowed, apply_bitmask_
+from lmhead.constrain.mask import allowed, apply_bitmask_, forced_token
 from lmhead.constrain.matcher import Matcher
 
 __all__ = ["Choice", "Compiled", "Constraint", "ConstraintError", "Grammar", "JSONObject", "JSONSchema", "Matcher",
-           "Regex", "allowed", "apply_bitmask_", "compile_constraint", "for_rows", "guidance_tokenizer"]
+           "Regex", "allowed", "apply_bitmask_", "compile_constraint", "for_rows", "forced_token",
+           "guidance_tokenizer"]
 
 
 def for_rows(model, constraint, count: int) -> list[Matcher | None]:

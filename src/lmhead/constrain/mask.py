@@ -13,12 +13,24 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["allowed", "apply_bitmask_", "words"]
+__all__ = ["allowed", "apply_bitmask_", "forced_token", "words"]
 
 
 def words(vocab_size: int) -> int:
     """⌈V/32⌉: the int32 words of one row's bitmask."""
     return (vocab_size + 31) // 32
+
+
+def forced_token(bits: np.ndarray) -> int | None:
+    """The one token a row's mask bits [W] allow, or None where it allows more (or none): read from the words
+    alone (the set words, then the one set bit), no pass over the vocabulary."""
+    nz = np.flatnonzero(bits)
+    if len(nz) != 1:
+        return None
+    word = int(bits[nz[0]]) & 0xFFFFFFFF
+    if word & (word - 1):
+        return None
+    return int(nz[0]) * 32 + word.bit_length() - 1
 
 
 def allowed(bits: np.ndarray, vocab_size: int) -> torch.Tensor:
