@@ -186,3 +186,28 @@ def test_tool_choice_naming_an_unknown_function_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as exc:
         _chat(client, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
     assert exc.value.body["param"] == "tool_choice"
+
+
+def test_a_tool_loop_sends_the_call_and_its_result_back(client):
+    first = client.chat.completions.create(model="tiny-llama", messages=SHORT, temperature=0, max_tokens=64,
+                                           tools=[WEATHER], tool_choice="required")
+    call = first.choices[0].message.tool_calls[0]
+    history = [*SHORT, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": "12 C, rain"}]
+    second = client.chat.completions.create(model="tiny-llama", messages=history, temperature=0, max_tokens=8,
+                                            tools=[WEATHER], tool_choice="none")
+    assert second.choices[0].message.tool_calls is None and second.choices[0].finish_reason in ("stop", "length")
+
+
+def test_chat_turns_render_calls_and_results_for_any_template():
+    from lmhead.server import schemas as S
+    from lmhead.server.structured import chat_turns
+
+    msgs = [S.ChatMessage(role="user", content="Weather?"),
+            S.ChatMessage(role="assistant", tool_calls=[S.ToolCall(id="c1", function=S.CalledFunction(
+                name="get_weather", arguments='{"city": "Oslo"}'))]),
+            S.ChatMessage(role="tool", tool_call_id="c1", content="12 C")]
+    assert chat_turns(msgs) == [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": '{"name": "get_weather", "arguments": {"city": "Oslo"}}'},
+        {"role": "user", "content": "Result of get_weather: 12 C"}]

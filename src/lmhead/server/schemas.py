@@ -224,12 +224,29 @@ class TextPart(_Request):
     text: Prompt
 
 
+class CalledFunction(_Request):
+    name: Annotated[str, Field(max_length=64)]
+    arguments: Prompt = Field(..., description="the arguments as JSON text")
+
+
+class ToolCall(_Request):
+    """A call an earlier assistant turn made (sent back by the client with the tool's result after it)."""
+
+    id: Name
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Prompt | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Prompt | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
     name: Name | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Name | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)

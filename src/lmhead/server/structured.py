@@ -26,7 +26,7 @@ from lmhead.constrain import Choice, Constraint, Grammar, JSONObject, JSONSchema
 from lmhead.server import schemas as S
 from lmhead.server.errors import APIError
 
-__all__ = ["ToolCalls", "compile_for", "constraint_for", "page_constraint", "tool_prompt"]
+__all__ = ["ToolCalls", "chat_turns", "compile_for", "constraint_for", "page_constraint", "tool_prompt"]
 
 # the keys OpenAI's tool-call object uses; the model writes {"name": ..., "arguments": {...}}
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -157,6 +157,30 @@ def page_constraint(box: S.PageConstraint | None) -> Constraint | None:
     if box.kind == "regex":
         return Regex(box.text)
     return Choice([c.strip() for c in box.text.split(",") if c.strip()])
+
+
+def chat_turns(messages: list[S.ChatMessage]) -> list[dict[str, str]]:
+    """A chat's turns as {"role", "content"} for any chat template: an assistant turn that called a tool becomes
+    the call as the model writes one (`{"name": ..., "arguments": {...}}`), a tool's result a user turn that names
+    the function it answers."""
+    names = {c.id: c.function.name for m in messages for c in m.tool_calls or []}
+    turns = []
+    for m in messages:
+        if m.role == "tool":
+            which = names.get(m.tool_call_id or "", m.name or "the function")
+            turns.append({"role": "user", "content": f"Result of {which}: {m.text()}"})
+        elif m.tool_calls:
+            calls = []
+            for c in m.tool_calls:
+                try:
+                    args = json.loads(c.function.arguments)
+                except json.JSONDecodeError:
+                    raise APIError(400, f"tool_calls[{c.id}].function.arguments is not JSON", "messages") from None
+                calls.append(json.dumps({"name": c.function.name, "arguments": args}, ensure_ascii=False))
+            turns.append({"role": "assistant", "content": (m.text() + "\n" if m.text() else "") + "\n".join(calls)})
+        else:
+            turns.append({"role": m.role, "content": m.text()})
+    return turns
 
 
 def compile_for(model: Any, constraint: Constraint | None) -> None:

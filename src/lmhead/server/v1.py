@@ -34,7 +34,7 @@ from lmhead.server import schemas as S
 from lmhead.server.errors import APIError
 from lmhead.server.served import Served, chat_ids, encode_checked, get_served, sampling_config
 from lmhead.server.sse import DONE, primed, sse
-from lmhead.server.structured import ToolCalls, compile_for, constraint_for, tool_prompt
+from lmhead.server.structured import ToolCalls, chat_turns, compile_for, constraint_for, tool_prompt
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -66,7 +66,7 @@ async def v1_chat(req: S.ChatRequest, request: Request, served: Served = Depends
     _check_model(served, req.model)
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages = chat_turns(req.messages)  # tool calls and results as text any template reads
     constraint, tools = await _structured(served, req)
     if tools is not None:
         prompt, ids = await served.call(tool_prompt, served.model, messages, _called(req, tools))
