@@ -439,3 +439,16 @@ def test_forced_tokens_are_taken_without_a_draw(model, seed):
     assert "".join(s.text for s in steps) == "the cat sat on the mat" and steps[-1].finish_reason == "stop"
     assert torch.equal(g.get_state(), before)
     assert all(s.logprob == 0.0 and s.raw_logprob == 0.0 and s.rank == 1 for s in steps)
+
+
+def test_forced_continuations_draft_and_are_accepted_in_one_forward(model):
+    # a schema whose keys are fixed: its forced tokens are the drafts (jump-forward); the tokens stay the plain ones
+    schema = {"type": "object", "properties": {"service_name": {"const": "the quick brown fox"},
+                                               "status": {"enum": ["up", "down"]}},
+              "required": ["service_name", "status"], "additionalProperties": False}
+    plain = [s.token_id for s in model.generate("Hi", 60, config=GREEDY, constraint=JSONSchema(schema), draft="none")]
+    stats = SpeculativeStats()
+    fast = [s.token_id for s in model.generate("Hi", 60, config=GREEDY, constraint=JSONSchema(schema), draft="ngram",
+                                               stats=stats)]
+    assert fast == plain
+    assert stats.accepted >= len(plain) // 2 and stats.rounds < len(plain) / 2

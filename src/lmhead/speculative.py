@@ -411,7 +411,8 @@ class Decoder:
             # B·(k+1) > 8 positions costs more than the drafts save, so a wide batch drafts less, or not at all
             cap = NGRAM_MAX_POSITIONS // len(ks) - 1
             ks = [min(kr, max(cap, 0)) for kr in ks]
-            drafts, ks = self._lookup(last, ks)
+            forced = None if matchers is None else [None if m is None else m.forced() for m in matchers]
+            drafts, ks = self._lookup(last, ks, forced)
             taken = take_drafts(matchers, drafts, ks)  # constrained rows: ks cut where a draft is forbidden
             if drafts is not None and max(ks) == 0:
                 drafts = None
@@ -503,13 +504,17 @@ class Decoder:
         q = torch.stack(dists, dim=1) if dists else None
         return torch.tensor(drafted, dtype=torch.long), q
 
-    def _lookup(self, last: Tensor, ks: list[int]) -> tuple[Tensor | None, list[int]]:
+    def _lookup(self, last: Tensor, ks: list[int], forced: list | None = None) -> tuple[Tensor | None, list[int]]:
         """The n-gram draft per row from the row's tokens in the target's cache and `last`: drafts [B,w]
         (rows with fewer proposals padded with their last token, never judged) and each row's count of
-        proposals (its k this round). (None, zeros) when no row has a proposal: the round is a plain step."""
+        proposals (its k this round). (None, zeros) when no row has a proposal: the round is a plain step.
+        forced [B]: a constrained row's forced continuation (`Matcher.forced`: the tokens its grammar allows as
+        the only way on) drafts in place of the n-grams — jump-forward through the verification's one forward:
+        the target's choice under a one-token mask is that token, so they are accepted, and judged as any draft."""
         length = self.target.length
         tokens, valid = self.target.tokens[:, :length], self.target.valid[:, :length]
-        rows = [self.draft.propose(tokens[r][valid[r]].tolist() + [int(last[r])], kr) for r, kr in enumerate(ks)]
+        rows = [forced[r][:kr] if forced is not None and forced[r] else
+                self.draft.propose(tokens[r][valid[r]].tolist() + [int(last[r])], kr) for r, kr in enumerate(ks)]
         counts = [len(p) for p in rows]
         width = max(counts, default=0)
         if width == 0:
