@@ -148,7 +148,6 @@ class _CountingEncode:
 @pytest.mark.parametrize("route,body,param", [
     ("/v1/completions", {"prompt": "x" * (S.MAX_PROMPT_CHARS + 1)}, "prompt"),
     ("/v1/completions", {"prompt": ["x" * (S.MAX_PROMPT_CHARS + 1)]}, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
     ("/v1/completions", {"prompt": "x", "stop": "s" * (S.MAX_STOP_CHARS + 1)}, "stop"),
     ("/v1/completions", {"prompt": "x", "user": "u" * (S.MAX_NAME_CHARS + 1)}, "user"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(S.MAX_LOGIT_BIAS + 1)}},

@@ -120,8 +120,10 @@ class _Detokenizer:
     or the beginning of a stop string. `stop_at` is set when a stop string appears: the text ends before it.
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int], stops: list[str], special: set[int]) -> None:
+    def __init__(self, tokenizer, prompt_ids: list[int], stops: list[str], special: set[int],
+                 include_stop: bool = False) -> None:
         self.tokenizer, self.stops, self.special = tokenizer, stops, special
+        self.include_stop = include_stop  # the text ends after the stop string instead of before it
         self.context = [i for i in prompt_ids if i not in special][-_PROMPT_CONTEXT:]
         self.prefix = self._decode(self.context)
         self.ids: list[int] = []
@@ -144,11 +146,13 @@ class _Detokenizer:
             return ""
         self.ids.append(token_id)
         text = self._text()
-        end = len(text)
+        end, first = len(text), None
         for s in self.stops:  # the earliest stop string that appears (search from where it could start)
             at = text.find(s, max(0, self.emitted - len(s) + 1))
-            if at != -1 and at < end:
-                end, self.stopped = at, True
+            if at != -1 and (first is None or at < first[0]):
+                first = (at, s)
+        if first is not None:
+            end, self.stopped = first[0] + (len(first[1]) if self.include_stop else 0), True
         if not self.stopped:
             while end > self.emitted and text[end - 1] == "\ufffd":  # an incomplete character: wait
                 end -= 1
@@ -243,6 +247,7 @@ class Row:
     owner: Any = None
     generated: list[int] = field(default_factory=list)
     state: RowState = field(default_factory=RowState)  # what its stateful steps keep (mirostat's μ)
+    stop_ids: frozenset[int] | None = None  # ids that end the row (None: the model's end-of-sequence ids)
 
     @property
     def penalties(self) -> bool:
@@ -252,6 +257,10 @@ class Row:
     @property
     def stateful(self) -> bool:
         return any(s.state for s in self.config.steps())
+
+    def ends(self, token: int, eos: set[int]) -> bool:
+        """Whether `token` ends this row (its stop ids, else the batch's end-of-sequence ids)."""
+        return token in (eos if self.stop_ids is None else self.stop_ids)
 
 
 def prepare(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int = 32,
@@ -267,6 +276,61 @@ def prepare(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int =
                else c for c in configs]
     stops = _stops(stop)
     checks.positive_int("max_new_tokens", max_new_tokens)
+    encoded = []
+    for i, p in enumerate(prompts):
+        ids = list(model.tokenizer(p)["input_ids"])
+        if not ids:
+            raise ValueError(f"prompt_or_prompts[{i}]: the prompt encodes to no tokens")
+        encoded.append(ids)
+    return _rows(model, encoded, max_new_tokens, configs, stops, top_logprobs, exact_logprobs, scores)
+
+
+def prepare_ids(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int = 32,
+                config: SamplingConfig | Sequence[SamplingConfig] | None = None,
+                stop: str | Sequence[str] | None = None, top_logprobs: int = 0, *,
+                exact_logprobs: bool = False, scores: bool = True, stop_token_ids: Sequence[int] | None = None,
+                ignore_eos: bool = False, include_stop: bool = False) -> list[Row]:
+    """`prepare` for prompts given as token ids (one list per row; row i has index i), with vLLM's options:
+    stop_token_ids (ids that end a row beside the end-of-sequence ones; the token adds no text), ignore_eos
+    (the end-of-sequence ids do not end a row), include_stop (the text keeps the stop string that ended it).
+    A config's min_tokens (the sampling step) withholds every id that ends the row."""
+    if isinstance(prompt_ids, (str, bytes)) or not prompt_ids:
+        raise ValueError("prompt_ids: expected a non-empty list of token-id lists")
+    vocab = model.vocab_size
+    encoded = []
+    for i, ids in enumerate(prompt_ids):
+        ids = list(ids)
+        if not ids:
+            raise ValueError(f"prompt_ids[{i}]: the prompt is empty")
+        for t in ids:
+            if not checks.is_int(t) or not 0 <= t < vocab:
+                raise ValueError(f"prompt_ids[{i}]: token ids must be integers in 0..{vocab - 1}, got {t!r}")
+        encoded.append(ids)
+    configs = as_configs(config, len(encoded))
+    stops = _stops(stop)
+    checks.positive_int("max_new_tokens", max_new_tokens)
+    for name, flag in (("ignore_eos", ignore_eos), ("include_stop", include_stop)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    extra = set()
+    for t in stop_token_ids or ():
+        if not checks.is_int(t) or not 0 <= t < vocab:
+            raise ValueError(f"stop_token_ids: token ids must be integers in 0..{vocab - 1}, got {t!r}")
+        extra.add(int(t))
+    ends = frozenset(extra if ignore_eos else extra | set(model.eos_token_ids))
+    # min_tokens withholds every id that would end the row (vLLM's rule)
+    configs = [replace(c, stop_token_ids=tuple(dict.fromkeys(c.stop_token_ids + tuple(sorted(ends)))))
+               if c.min_tokens and ends else c for c in configs]
+    rows = _rows(model, encoded, max_new_tokens, configs, stops, top_logprobs, exact_logprobs, scores,
+                 include_stop)
+    for row in rows:
+        row.stop_ids = ends
+    return rows
+
+
+def _rows(model, encoded: list[list[int]], max_new_tokens: int, configs: list[SamplingConfig], stops: list[str],
+          top_logprobs: int, exact_logprobs: bool, scores: bool, include_stop: bool = False) -> list[Row]:
+    """The rows of checked prompts' ids (the checks `prepare` shares with `prepare_ids`)."""
     if not checks.is_int(top_logprobs) or not 0 <= top_logprobs <= 20:
         raise ValueError(f"top_logprobs: must be an integer in 0..20, got {top_logprobs!r}")
     if not isinstance(exact_logprobs, bool):
@@ -276,11 +340,9 @@ def prepare(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int =
     if not scores and top_logprobs:
         raise ValueError(f"top_logprobs: must be 0 with scores=False (no logprobs), got {top_logprobs!r}")
     special = set(getattr(model.tokenizer, "all_special_ids", []) or [])
+    prompts = encoded
     rows = []
-    for i, p in enumerate(prompts):
-        ids = list(model.tokenizer(p)["input_ids"])
-        if not ids:
-            raise ValueError(f"prompt_or_prompts[{i}]: the prompt encodes to no tokens")
+    for i, ids in enumerate(encoded):
         what = "prompt" if len(prompts) == 1 else f"prompt_or_prompts[{i}]"
         budget = max_new_tokens
         if model.context_length is not None:
@@ -288,8 +350,8 @@ def prepare(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int =
                 raise ValueError(f"{what}: {len(ids)} tokens leaves no room in the model's context of "
                                  f"{model.context_length} tokens (at most {model.context_length - 1})")
             budget = min(max_new_tokens, model.context_length - len(ids))
-        rows.append(Row(ids, configs[i], budget, _Detokenizer(model.tokenizer, ids, stops, special), top_logprobs,
-                        exact_logprobs, i, scores=scores))
+        rows.append(Row(ids, configs[i], budget, _Detokenizer(model.tokenizer, ids, stops, special, include_stop),
+                        top_logprobs, exact_logprobs, i, scores=scores))
     return rows
 
 
@@ -613,7 +675,7 @@ class Batch:
             finish = None
             for token in tokens:
                 if finish is None:
-                    text, finish = _advance(row.detok, row.generated, row.budget, token, token in self.eos)
+                    text, finish = _advance(row.detok, row.generated, row.budget, token, row.ends(token, self.eos))
                     top = [TopLogprob(t, tokenizer.decode([t]), v, rv) for t, v, rv in alts[i][:row.top_n]
                            ] if row.top_n else []
                     out.append((row, Step(token, text, chosen[i], raw[i], ranks[i], finish, row.index, top)))

@@ -12,6 +12,12 @@
             queue; finished rows leave
     the thread ends when there is nothing to do and starts again with the next request
 
+Admission (with `limits`, server/limits.py): a waiting request joins when the live rows, with its own, are at
+most `limits.parallel` and their KV cache fits `limits.kv_bytes` (`ServeLimits.batch_kv_bytes`, from the
+request's row count and its longest row's prompt + max_tokens); otherwise it waits its turn, first come first
+served — never an out-of-memory kill, never a shorter answer. Past `limits.queue` waiting requests a new one is
+refused at once (`QueueFull`: the route's 503 with Retry-After).
+
 Continuous batching, as vLLM's and llama.cpp's servers do it: requests that arrive together, or while others
 decode, share decode steps, so 8 concurrent generations cost little more than one. Each answer is what its
 request gets alone: rows have their own configs and seeds (a seeded row draws from (seed, step) only), left
@@ -40,6 +46,11 @@ from lmhead.generate import Batch, Row, Step, prepare
 
 T = TypeVar("T")
 _END = object()
+
+
+class QueueFull(Exception):
+    """A generation refused because `limits.queue` requests already wait for room."""
+
 MAX_BATCH = 32  # live rows at most; later requests wait for a row to finish
 DISCONNECT_POLL_S = 0.1  # how often a non-streamed request checks that its client is still there
 
@@ -85,6 +96,7 @@ class _Generation(_Job):
     make_rows: Callable[[], list[Row]] | None = None
     rows: list[Row] = field(default_factory=list)
     left: int = 0
+    size: tuple[int, int] = (1, 0)  # (rows, tokens of its longest row: prompt + max_tokens), for admission
 
 
 @dataclass(eq=False)
@@ -104,9 +116,10 @@ class ModelRunner:
     to requests), `retired` (rows retired because their request went away), `max_live` (the largest batch).
     """
 
-    def __init__(self, model: Any, max_batch: int = MAX_BATCH) -> None:
+    def __init__(self, model: Any, max_batch: int = MAX_BATCH, limits: Any = None) -> None:
         self.model = model
-        self.max_batch = max_batch
+        self.limits = limits  # limits.ServeLimits or None (no KV bound, no queue bound)
+        self.max_batch = max_batch if limits is None else limits.parallel
         self._cond = threading.Condition()
         self._calls: deque[tuple[concurrent.futures.Future, Callable[..., Any], tuple]] = deque()
         self._waiting: deque[_Generation] = deque()
@@ -137,12 +150,22 @@ class ModelRunner:
         self._submit(partial(self._calls.append, (future, fn, args)))
         return await asyncio.wrap_future(future)
 
-    def generate(self, prompt_or_prompts: Any, max_new_tokens: int = 32, **kwargs: Any) -> AsyncIterator[Step]:
+    def generate(self, prompt_or_prompts: Any, max_new_tokens: int = 32, *, size: tuple[int, int] | None = None,
+                 prepare_rows: Callable[..., list[Row]] = prepare, **kwargs: Any) -> AsyncIterator[Step]:
         """The Steps of `lmhead.generate.generate(model, prompt_or_prompts, max_new_tokens, **kwargs)` (config,
-        stop, top_logprobs, exact_logprobs), decoded in the shared batch. The arguments are checked on the
-        thread when the request is admitted: a ValueError/TypeError comes out of the first iteration."""
+        stop, top_logprobs, exact_logprobs), decoded in the shared batch; `prepare_rows` makes the rows
+        (`generate.prepare`, or `generate.prepare_ids` for token ids). size: (rows, tokens of the longest row)
+        for admission (default: one row at the full `max_new_tokens` past an unknown prompt: admitted alone).
+        The arguments are checked on the thread when the request is admitted: a ValueError/TypeError comes out
+        of the first iteration. Past `limits.queue` waiting requests: QueueFull, at once."""
+        if self.limits is not None:
+            with self._cond:
+                waiting = sum(not job.cancelled for job in self._waiting)
+            if waiting >= self.limits.queue:
+                raise QueueFull(f"{waiting} requests are waiting for room; the limit is {self.limits.queue}")
         job = _Generation(asyncio.get_running_loop(),
-                          make_rows=partial(prepare, self.model, prompt_or_prompts, max_new_tokens, **kwargs))
+                          make_rows=partial(prepare_rows, self.model, prompt_or_prompts, max_new_tokens, **kwargs),
+                          size=size or (1, 0))
         self._submit(partial(self._waiting.append, job))
         return job.items(self._wake)
 
@@ -210,11 +233,15 @@ class ModelRunner:
                     self._thread = None  # idle: the next request starts a new thread
                     return False
             streams = list(self._streams)
-            admit = []
-            while self._waiting and len(admit) < self.max_batch - len(batch.rows) and batch.can_join:
-                job = self._waiting.popleft()
-                if not job.cancelled:  # a request that went away while it waited takes no room
-                    admit.append(job)
+            admit: list[_Generation] = []
+            while self._waiting and batch.can_join:
+                job = self._waiting[0]
+                if job.cancelled:  # a request that went away while it waited takes no room
+                    self._waiting.popleft()
+                    continue
+                if not self._fits(batch, admit, job):
+                    break  # it waits its turn: no later request overtakes it
+                admit.append(self._waiting.popleft())
         self._run_calls()
         for job in streams:
             self._advance(job)
@@ -225,6 +252,20 @@ class ModelRunner:
             self._round_s = time.perf_counter() - t
         self._live = live
         return True
+
+    def _fits(self, batch: Batch, admit: list[_Generation], job: _Generation) -> bool:
+        """Whether `job` may join the live rows and those admitted this turn: rows ≤ max_batch and (with limits)
+        their KV cache within limits.kv_bytes. A request joins an empty batch whatever its size (the routes
+        refuse one that cannot fit alone)."""
+        if not batch.rows and not admit:
+            return True
+        rows = len(batch.rows) + sum(j.size[0] for j in admit) + job.size[0]
+        if rows > self.max_batch:
+            return False
+        if self.limits is None:
+            return True
+        longest = max([len(r.prompt_ids) + r.budget for r in batch.rows] + [j.size[1] for j in (*admit, job)])
+        return self.limits.batch_kv_bytes(rows, longest) <= self.limits.kv_bytes
 
     def _run_calls(self) -> None:
         """Pending calls, in order, for about as long as the last decode round took (at least one; all of
