@@ -345,6 +345,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                    help="a name the server answers to beside 127.0.0.1, localhost, [::1] and --host (repeatable; "
                         "'*' = any): other Host headers get 400, against DNS rebinding")
+    g = p.add_argument_group("limits (as llama-server's -c / -n / -np; defaults from the model)")
+    g.add_argument("--ctx-size", "-c", type=int, default=None, metavar="N",
+                   help="tokens a request may use, prompt + max_tokens (default: the model's context)")
+    g.add_argument("--max-tokens", "-n", type=int, default=None, metavar="N",
+                   help="new tokens a request may ask for (default: the context less one)")
+    g.add_argument("--parallel", "-np", type=int, default=None, metavar="N",
+                   help="rows decoding at once, all requests together (default 32); more wait their turn")
+    g.add_argument("--kv-memory", type=float, default=None, metavar="GIB",
+                   help="GiB of KV cache the live rows may hold together (default: half the memory available); "
+                        "a request that does not fit waits")
+    g.add_argument("--queue", type=int, default=None, metavar="N",
+                   help="requests that may wait for room (default 256); one more gets 503 with Retry-After")
     p.set_defaults(run=_run_serve)
 
 
@@ -380,13 +392,22 @@ def _run_serve(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     _check_model_arg(args)
+    for option, value, least in (("--ctx-size", args.ctx_size, 2), ("--max-tokens", args.max_tokens, 1),
+                                 ("--parallel", args.parallel, 1), ("--queue", args.queue, 0)):
+        if value is not None and value < least:  # before the model loads; the rest needs its context
+            raise ValueError(f"{option} must be an integer ≥ {least}, got {value}")
+    if args.kv_memory is not None and not 0 < args.kv_memory < float("inf"):
+        raise ValueError(f"--kv-memory must be a positive number of GiB, got {args.kv_memory}")
     sockets = _listen(args.host, args.port)
     try:
         import uvicorn
 
         from lmhead.server import create_app
+        from lmhead.server.limits import serve_limits
 
         model = _load(args)
+        kv = None if args.kv_memory is None else int(args.kv_memory * 2**30)
+        limits = serve_limits(model, args.ctx_size, args.max_tokens, args.parallel, kv, args.queue)
     except BaseException:
         for sock in sockets:
             sock.close()
@@ -397,7 +418,9 @@ def _run_serve(args: argparse.Namespace) -> None:
     port = sockets[0].getsockname()[1]  # the port bound (--port 0: the one the system chose)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"lmhead: serving {model.name} at http://{host}:{port}/ (Ctrl-C stops)", file=sys.stderr)
-    app = create_app(model, allowed_hosts=[args.host, *args.allowed_host])
+    print(f"lmhead: context {limits.context:,} tokens, max_tokens {limits.max_tokens:,}, {limits.parallel} rows "
+          f"at once, {limits.kv_bytes / 2**30:.1f} GiB of KV memory", file=sys.stderr)
+    app = create_app(model, allowed_hosts=[args.host, *args.allowed_host], serve=limits)
     from lmhead.server.protocol import HeaderTimeoutProtocol  # uvicorn's h11, with a deadline for headers
 
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level="warning",
