@@ -579,11 +579,13 @@ class Batch:
         self.rounds = None
         self.last: torch.Tensor | None = None  # [B] each live row's newest token (not yet in the caches)
         self.clock = _Clock(profile)
+        self._joining: tuple | None = None  # (rows, their Decoder, their last, room) while `begin_join` prefills
 
     @property
     def can_join(self) -> bool:
-        """Whether `add` takes rows now: always on the lean body, else only when no row is live."""
-        return not self.rows or self.model.lean is not None
+        """Whether `add` takes rows now: always on the lean body (unless a `begin_join` is under way), else only
+        when no row is live."""
+        return self._joining is None and (not self.rows or self.model.lean is not None)
 
     @torch.inference_mode()
     def add(self, rows: list[Row]) -> None:
@@ -607,6 +609,51 @@ class Batch:
             self.last = torch.cat([self.last, self.rounds.join(ids, positions, valid, room)])
         self.rows = [*self.rows, *rows]
 
+    @property
+    def joining(self) -> list[Row]:
+        """The rows whose prompts `begin_join` is prefilling (not live yet)."""
+        return self._joining[0] if self._joining is not None else []
+
+    @torch.inference_mode()
+    def begin_join(self, rows: list[Row]) -> None:
+        """Start `add`-ing `rows` to the running ones in pieces (chunked prefill): each `prefill()` feeds one
+        piece of their prompts (`speculative.PREFILL_PIECE` columns), so decode rounds of the live rows run
+        between the pieces; after the last the rows are live. On an empty batch (or transformers' modules) this
+        is `add`. One join at a time."""
+        if not self.rows or self.model.lean is None:
+            self.add(rows)
+            return
+        if self._joining is not None:
+            raise RuntimeError("a join is under way: call prefill() until it returns False")
+        ids, positions, attention = _left_pad([r.prompt_ids for r in rows], self.pad, self.device)
+        room = max(r.budget - len(r.generated) for r in [*self.rows, *rows])
+        other, last = self.rounds.begin_join(ids, positions, None if attention is None else attention.bool(), room)
+        self._joining = (rows, other, last, room)
+
+    @torch.inference_mode()
+    def prefill(self) -> bool:
+        """One piece of the joining rows' prompts; when none is left they join (become live). True while
+        pieces remain."""
+        if self._joining is None:
+            return False
+        rows, other, last, room = self._joining
+        if other.prefill_piece():
+            return True
+        self._joining = None
+        if not self.rows:  # every running row left meanwhile: the joining rows are the batch
+            self.rounds, self.last, self.rows = other, last, list(rows)
+            return False
+        self.rounds.finish_join(other, room)
+        self.last = torch.cat([self.last, last])
+        self.rows = [*self.rows, *rows]
+        return False
+
+    def drop_join(self) -> None:
+        """Abandon the join under way (its prefill failed); the live rows go on."""
+        self._joining = None
+        if not self.rows:
+            self.rounds, self.last = None, None
+
     @torch.inference_mode()
     def remove(self, rows: list[Row]) -> None:
         """Retire `rows` (live rows of this batch) now; their cache rows are dropped."""
@@ -615,7 +662,9 @@ class Batch:
         if len(keep) == len(self.rows):
             return
         if not keep:
-            self.rows, self.rounds, self.last = [], None, None
+            self.rows, self.last = [], None
+            if self._joining is None:
+                self.rounds = None
             return
         index = torch.tensor(keep, device=self.device)
         self.rounds.select(index)

@@ -5,8 +5,10 @@
         pending calls (explain endpoints: predict, step, layers, score; the routes' checks) run, alone, in
             order, for about as long as one decode round takes (all of them when nothing decodes)
         each generic stream (`stream`) gives one item
-        waiting generations join the batch (`lmhead.generate.Batch.add`: their prompts prefilled together,
-            then merged into the running rows' caches)
+        waiting generations join the batch (`lmhead.generate.Batch.begin_join`: their prompts prefilled
+            together, one piece of `speculative.PREFILL_PIECE` columns per turn — chunked prefill, so a long
+            prompt does not hold the running streams for its whole prefill — then merged into the running
+            rows' caches); no other request joins while one does
         rows whose request went away are retired (`Batch.remove`)
         one batched decode round for every live row (`Batch.step`); each row's Step goes to its request's
             queue; finished rows leave
@@ -245,6 +247,8 @@ class ModelRunner:
         self._run_calls()
         for job in streams:
             self._advance(job)
+        if batch.joining:
+            self._continue_join(batch, self._live)
         live = self._retire(batch, self._admit(batch, self._live, admit))
         if batch.rows:
             t = time.perf_counter()
@@ -326,22 +330,38 @@ class ModelRunner:
         if not rows:
             return live
         try:
-            batch.add(rows)
+            batch.begin_join(rows)  # on an empty batch the whole prefill at once; else its first piece here
+            batch.prefill()
         except Exception as exc:
+            batch.drop_join()
             for job in ready:
                 job.put(_END, exc)
             return live
         self.max_live = max(self.max_live, len(batch.rows))
         return [*live, *ready]
 
+    def _continue_join(self, batch: Batch, live: list[_Generation]) -> None:
+        """The next piece of the joining rows' prefill (between two decode rounds of the live ones)."""
+        joining = {id(r) for r in batch.joining}
+        try:
+            batch.prefill()
+        except Exception as exc:  # the joining requests get the error; the live rows go on
+            batch.drop_join()
+            for job in live:
+                if any(id(r) in joining for r in job.rows):
+                    job.put(_END, exc)
+            return
+        self.max_live = max(self.max_live, len(batch.rows))
+
     def _retire(self, batch: Batch, live: list[_Generation]) -> list[_Generation]:
         """Drop the rows of requests that went away."""
-        gone = [job for job in live if job.cancelled]
+        joining = {id(r) for r in batch.joining}  # retired once they are live (after their prefill)
+        gone = [job for job in live if job.cancelled and not any(id(r) in joining for r in job.rows)]
         if gone:
             rows = [row for job in gone for row in job.rows if row in batch.rows]
             self.retired += len(rows)
             batch.remove(rows)
-        return [job for job in live if not job.cancelled]
+        return [job for job in live if job not in gone and not job.done]
 
     def _round(self, batch: Batch, live: list[_Generation]) -> list[_Generation]:
         """One decode round for every live row; each request gets its rows' steps; finished requests end."""
