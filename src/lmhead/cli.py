@@ -533,9 +533,92 @@ def _run_generate(args: argparse.Namespace) -> None:
               f"{stats.tokens_per_round:.2f} tokens per verification]", file=sys.stderr)
 
 
+# --- chat -------------------------------------------------------------------------------------------------
+
+
+def _add_chat(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chat",
+        help="an interactive multi-turn chat in the terminal (an instruction-tuned model)",
+        description=(
+            "Chat with an instruction-tuned model (smollm2-135m): each line you type is a user turn, the answer "
+            "streams as it is chosen, and the conversation is kept (the model's chat template over the whole "
+            "history). /reset starts a new conversation, /exit (or Ctrl-D) ends the chat; Ctrl-C stops an "
+            "answer, not the chat (the answer so far stays in the history). From a pipe every line is a turn "
+            "and only the answers are printed, one a line. A base model (no chat template) is an error."
+        ),
+    )
+    _add_model_arg(p)
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system message before the conversation")
+    p.add_argument("--max-new-tokens", "-n", type=int, default=512,
+                   help="tokens an answer may have at most (default 512; less where the context ends first)")
+    _add_sampling_args(p)
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed for the draws: the same conversation and settings give the same answers")
+    p.set_defaults(run=_run_chat)
+
+
+def _run_chat(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.system is not None and not args.system:
+        raise ValueError("--system: must be a non-empty string")
+    config = _sampling_config(args)  # bad settings fail before the model loads
+    from lmhead.chat_session import ChatSession
+
+    model = _load(args)
+    session = ChatSession(model, system=args.system, config=config, max_new_tokens=args.max_new_tokens,
+                          scores=False)
+    tty = sys.stdin.isatty()
+    if tty:
+        print(f"lmhead: chatting with {model.name}; /reset starts again, /exit ends (Ctrl-C stops an answer)",
+              file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ") if tty else sys.stdin.readline()
+        except EOFError:
+            break
+        if not tty and not line:  # the pipe's end
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit", "/bye"):
+            break
+        if text == "/reset":
+            session.reset()
+            if tty:
+                print("[a new conversation]", file=sys.stderr)
+            continue
+        _chat_turn(session, text)
+
+
+def _chat_turn(session, text: str) -> None:
+    """One answer, streamed to stdout; Ctrl-C stops it (the chat goes on); a conversation past the context is
+    one line on stderr (the chat goes on)."""
+    out = sys.stdout
+    try:
+        steps = session.reply(text)
+    except ValueError as exc:
+        print(f"lmhead: {exc}", file=sys.stderr)
+        return
+    try:
+        for step in steps:
+            out.write(step.text)
+            out.flush()
+    except KeyboardInterrupt:
+        steps.close()
+        out.write("\n")
+        out.flush()
+        print("[answer stopped]", file=sys.stderr)
+        return
+    out.write("\n")
+    out.flush()
+
+
 # --- commands added by later issues register here ----------------------------------------------------------
 
-_COMMANDS = [_add_params, _add_predict, _add_eval, _add_serve, _add_generate]
+_COMMANDS = [_add_params, _add_predict, _add_eval, _add_serve, _add_generate, _add_chat]
 
 
 def build_parser() -> argparse.ArgumentParser:
