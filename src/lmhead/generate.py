@@ -568,8 +568,9 @@ class Batch:
 
     def __init__(self, model, *, generator: torch.Generator | None = None,
                  profile: dict[str, float] | None = None, draft: str = "none", draft_tokens: int = 4,
-                 stats=None) -> None:
+                 stats=None, prefix_cache=None) -> None:
         self.model, self.generator, self.profile = model, generator, profile
+        self.prefix_cache = prefix_cache  # a prefix_cache.PrefixCache: finished rows' columns, reused by prompts
         self.draft, self.draft_tokens, self.stats = draft, draft_tokens, stats
         self.device = model.device
         self.eos = set(model.eos_token_ids)
@@ -603,7 +604,7 @@ class Batch:
             self.rounds = _rounds(self.model, draft, self.draft_tokens, self.profile)
             if self.stats is not None and hasattr(self.rounds, "stats"):
                 self.rounds.stats = self.stats
-            self.last = self.rounds.start(ids, positions, valid, max(r.budget for r in rows))
+            self.last = self.rounds.start(ids, positions, valid, max(r.budget for r in rows), **self._prefix(rows))
         else:
             room = max(r.budget - len(r.generated) for r in [*self.rows, *rows])
             self.last = torch.cat([self.last, self.rounds.join(ids, positions, valid, room)])
@@ -627,7 +628,8 @@ class Batch:
             raise RuntimeError("a join is under way: call prefill() until it returns False")
         ids, positions, attention = _left_pad([r.prompt_ids for r in rows], self.pad, self.device)
         room = max(r.budget - len(r.generated) for r in [*self.rows, *rows])
-        other, last = self.rounds.begin_join(ids, positions, None if attention is None else attention.bool(), room)
+        other, last = self.rounds.begin_join(ids, positions, None if attention is None else attention.bool(), room,
+                                             **self._prefix(rows))
         self._joining = (rows, other, last, room)
 
     @torch.inference_mode()
@@ -647,6 +649,25 @@ class Batch:
         self.last = torch.cat([self.last, last])
         self.rows = [*self.rows, *rows]
         return False
+
+    def _prefix(self, rows: list[Row]) -> dict[str, Any]:
+        """The `prefix` keyword for a Decoder's start of `rows`: the prefix cache's match for a lone row's prompt
+        (none for several rows, whose left padding the cached columns do not have)."""
+        if self.prefix_cache is None or len(rows) != 1 or self.model.lean is None:
+            return {}
+        found = self.prefix_cache.match(rows[0].prompt_ids[:-1])
+        return {} if found is None else {"prefix": found}
+
+    def _keep_prefixes(self, finished: list[Row]) -> None:
+        """Store the columns of finished rows (their prompt and the tokens they fed) in the prefix cache."""
+        target = getattr(self.rounds, "target", None)
+        if self.prefix_cache is None or target is None:
+            return
+        for b, row in enumerate(self.rows):
+            if row in finished:
+                src = target.valid[b, :target.length].nonzero().squeeze(1)
+                self.prefix_cache.put(target.tokens[b, src].tolist(), target.keys[:, b, :, src],
+                                      target.values[:, b, :, src])
 
     def drop_join(self) -> None:
         """Abandon the join under way (its prefill failed); the live rows go on."""
@@ -732,6 +753,8 @@ class Batch:
             if finish is not None:
                 finished.append(row)
         self.clock.lap("text")
+        if finished:
+            self._keep_prefixes(finished)
         self.remove(finished)
         if self.rows:
             self.last = torch.tensor([r.generated[-1] for r in self.rows], device=self.device)

@@ -359,18 +359,21 @@ class Decoder:
             self._t = now
 
     @torch.inference_mode()
-    def start(self, ids: Tensor, positions: Tensor, valid: Tensor | None, max_new_tokens: int) -> Tensor:
+    def start(self, ids: Tensor, positions: Tensor, valid: Tensor | None, max_new_tokens: int,
+              prefix: tuple[int, Tensor, Tensor] | None = None) -> Tensor:
         """ids, positions [B,W] (left-padded; valid [B,W] marks real tokens) → last [B] (the prompts' last
         tokens). The caches hold the prompt, the new tokens and one full draft. The prompt is prefilled in
         pieces of PREFILL_PIECE columns (`begin`, then `prefill_piece` until none is left)."""
-        last = self.begin(ids, positions, valid, max_new_tokens)
+        last = self.begin(ids, positions, valid, max_new_tokens, prefix)
         while self.prefill_piece():
             pass
         return last
 
-    def begin(self, ids: Tensor, positions: Tensor, valid: Tensor | None, max_new_tokens: int) -> Tensor:
+    def begin(self, ids: Tensor, positions: Tensor, valid: Tensor | None, max_new_tokens: int,
+              prefix: tuple[int, Tensor, Tensor] | None = None) -> Tensor:
         """`start` without its prefill: the caches made, the prompt columns (all but `last`) left to
-        `prefill_piece`."""
+        `prefill_piece`. prefix (one row, no padding): (m, keys, values [layers, H_kv, ≥m, hd]) — the keys and
+        values of the prompt's first m tokens (`prefix_cache.PrefixCache.match`), copied in instead of fed."""
         b, w = ids.shape
         self.capacity = w + max_new_tokens + MAX_DRAFT_TOKENS + 2
         self.target = self.lean.new_cache(b, self.capacity)
@@ -379,6 +382,17 @@ class Decoder:
         self.k = [AdaptiveK(self.k0, self.adaptive) for _ in range(b)] if self.draft is not None else []
         self._prefill = (ids[:, :-1], positions[:, :-1], None if valid is None else valid[:, :-1], 0) \
             if w > 1 else None
+        if prefix is not None and w > 1:
+            m = min(prefix[0], w - 1)  # `last` is always fed by the first round
+            if b != 1 or valid is not None:
+                raise ValueError("prefix: only for one row without padding")
+            self.target.keys[:, 0, :, :m] = prefix[1][:, :, :m]
+            self.target.values[:, 0, :, :m] = prefix[2][:, :, :m]
+            self.target.valid[0, :m] = True
+            self.target.positions[0, :m] = positions[0, :m]
+            self.target.tokens[0, :m] = ids[0, :m]
+            self.target.length = m
+            self._prefill = (ids[:, :-1], positions[:, :-1], None, m) if m < w - 1 else None
         return ids[:, -1].clone()
 
     @torch.inference_mode()
@@ -471,13 +485,13 @@ class Decoder:
         return last
 
     def begin_join(self, ids: Tensor, positions: Tensor, valid: Tensor | None,
-                   max_new_tokens: int) -> tuple[Decoder, Tensor]:
+                   max_new_tokens: int, prefix: tuple[int, Tensor, Tensor] | None = None) -> tuple[Decoder, Tensor]:
         """`join` in steps (chunked prefill): a Decoder for the new rows, its prompt not yet fed (→ it and the
         rows' `last` [B']); `other.prefill_piece()` feeds it a piece at a time, between this decoder's rounds;
         `finish_join(other, ...)` feeds what is left and merges it."""
         other = Decoder(self.lean, self.head, self.draft, self.k0, self.adaptive, self.stats, self.profile,
                         self.greedy_only)
-        return other, other.begin(ids, positions, valid, max_new_tokens)
+        return other, other.begin(ids, positions, valid, max_new_tokens, prefix)
 
     @torch.inference_mode()
     def finish_join(self, other: Decoder, max_new_tokens: int) -> None:

@@ -5,7 +5,8 @@
         pending calls (explain endpoints: predict, step, layers, score; the routes' checks) run, alone, in
             order, for about as long as one decode round takes (all of them when nothing decodes)
         each generic stream (`stream`) gives one item
-        waiting generations join the batch (`lmhead.generate.Batch.begin_join`: their prompts prefilled
+        waiting generations join the batch (a lone row's prompt starting from the longest prefix the
+            prefix cache holds: `prefix_cache.PrefixCache`, `lmhead.generate.Batch.begin_join`: their prompts prefilled
             together, one piece of `speculative.PREFILL_PIECE` columns per turn — chunked prefill, so a long
             prompt does not hold the running streams for its whole prefill — then merged into the running
             rows' caches); no other request joins while one does
@@ -45,6 +46,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from lmhead.generate import Batch, Row, Step, prepare
+from lmhead.prefix_cache import PrefixCache
 
 T = TypeVar("T")
 _END = object()
@@ -54,6 +56,7 @@ class QueueFull(Exception):
     """A generation refused because `limits.queue` requests already wait for room."""
 
 MAX_BATCH = 32  # live rows at most; later requests wait for a row to finish
+PREFIX_CACHE_BYTES = 1 << 30  # the prefix cache's bound (at most a quarter of the KV memory)
 DISCONNECT_POLL_S = 0.1  # how often a non-streamed request checks that its client is still there
 
 
@@ -130,6 +133,10 @@ class ModelRunner:
         self._live: list[_Generation] = []  # the generations with rows in the batch (the thread's own)
         self._round_s = 0.0  # how long the last decode round took
         self.calls = self.rounds = self.tokens = self.retired = self.max_live = 0
+        # finished rows' keys and values, reused by prompts that begin with their tokens (a chat's next turn);
+        # kept across the thread's restarts, bounded apart from the live rows' KV memory
+        prefix_bytes = PREFIX_CACHE_BYTES if limits is None else min(PREFIX_CACHE_BYTES, limits.kv_bytes // 4)
+        self.prefix_cache = PrefixCache(prefix_bytes)
 
     # --- the event loop's side -------------------------------------------------------------------------------
 
@@ -207,7 +214,7 @@ class ModelRunner:
     # --- the model's thread ----------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        batch = Batch(self.model, draft="auto")
+        batch = Batch(self.model, draft="auto", prefix_cache=self.prefix_cache)
         self._live = []
         try:
             while self._turn(batch):
