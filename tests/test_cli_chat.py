@@ -66,9 +66,7 @@ def test_chat_from_a_pipe_answers_every_line_with_the_history_kept(monkeypatch, 
 
 
 def test_ctrl_c_stops_the_answer_not_the_chat(monkeypatch, capsys, chat_folder, session_model):
-    from lmhead.models.model import Model
-
-    original, calls = Model.generate, []
+    original, calls = ChatSession._steps, []
 
     def interrupted(self, *args, **kwargs):
         steps = original(self, *args, **kwargs)
@@ -83,11 +81,11 @@ def test_ctrl_c_stops_the_answer_not_the_chat(monkeypatch, capsys, chat_folder, 
                 yield step
         return two_then_ctrl_c()
 
-    monkeypatch.setattr(Model, "generate", interrupted)
+    monkeypatch.setattr(ChatSession, "_steps", interrupted)
     code, out, err = _chat(monkeypatch, capsys, chat_folder, "Hi\nAgain\n", *GREEDY)
     assert code == 0 and "[answer stopped]" in err
     partial, rest = out.split("\n")[0], out.split("\n")[1]
-    monkeypatch.setattr(Model, "generate", original)
+    monkeypatch.setattr(ChatSession, "_steps", original)
     session = ChatSession(session_model, config=SamplingConfig(temperature=0), max_new_tokens=6)
     whole = "".join(s.text for s in session.reply("Hi"))
     assert whole.startswith(partial) and len(partial) < len(whole) or whole == partial == ""
@@ -142,3 +140,15 @@ def test_chat_on_a_terminal_prompts_and_exits_on_slash_exit(chat_folder):
         if proc.poll() is None:
             proc.kill()
         os.close(leader)
+
+
+def test_a_chats_turns_reuse_the_history_through_the_prefix_cache(session_model):
+    session = ChatSession(session_model, config=SamplingConfig(temperature=0), max_new_tokens=6)
+    first = "".join(s.text for s in session.reply("tell me about the cat and the dog please"))
+    second = "".join(s.text for s in session.reply("and the bird?"))
+    assert session.prefix_cache.hits >= 1 and session.prefix_cache.reused >= 16
+    fresh = ChatSession(session_model, config=SamplingConfig(temperature=0), max_new_tokens=6)
+    fresh.messages = [{"role": "user", "content": "tell me about the cat and the dog please"},
+                      {"role": "assistant", "content": first}]
+    assert "".join(s.text for s in fresh.reply("and the bird?")) == second
+    assert fresh.prefix_cache.hits == 0

@@ -6,8 +6,10 @@
     session.reset()                       # a new conversation (the system message stays)
 
 `lmhead chat` runs one. A base model (no chat template) is a ValueError when the session is made. Each turn's
-prompt is the whole history through the template; a history that leaves no room for an answer in the context is a
-ValueError naming both numbers (the history is kept: /reset starts again).
+prompt is the whole history through the template, decoded by `generate.Batch` with the session's prefix cache
+(`prefix_cache.PrefixCache`): the columns of the previous turn's prompt and answer are reused, so a turn prefills
+its new tokens, not the history. A history that leaves no room for an answer in the context is a ValueError
+naming both numbers (the history is kept: /reset starts again).
 """
 
 from __future__ import annotations
@@ -15,20 +17,23 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from lmhead.generate import Batch, prepare
 from lmhead.models.chat import chat_prompt
+from lmhead.prefix_cache import PrefixCache
 
 
 class ChatSession:
     """The conversation so far (`messages`: [{"role", "content"}], the system message first when given)."""
 
     def __init__(self, model: Any, system: str | None = None, config: Any = None, max_new_tokens: int = 512,
-                 **generate_kwargs: Any) -> None:
+                 draft: str = "auto") -> None:
         if system is not None and (not isinstance(system, str) or not system):
             raise ValueError("system: must be a non-empty string")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be an integer ≥ 1, got {max_new_tokens!r}")
         self.model, self.system, self.config = model, system, config
-        self.max_new_tokens, self.generate_kwargs = max_new_tokens, generate_kwargs
+        self.max_new_tokens, self.draft = max_new_tokens, draft
+        self.prefix_cache = PrefixCache()
         self.messages: list[dict[str, str]] = []
         self.reset()
         chat_prompt(model, [*self.messages, {"role": "user", "content": "x"}], require_template=True)
@@ -51,8 +56,15 @@ class ChatSession:
             raise ValueError(f"the conversation is {len(ids):,} tokens; the model's context holds {context:,} "
                              f"(/reset starts a new one)")
         budget = self.max_new_tokens if context is None else min(self.max_new_tokens, context - len(ids))
-        steps = self.model.generate(prompt, budget, config=self.config, **self.generate_kwargs)
-        return self._answer(turns, steps)
+        return self._answer(turns, self._steps(prompt, budget))
+
+    def _steps(self, prompt: str, budget: int) -> Iterator[Any]:
+        """The answer's Steps (no logprobs computed), the prompt's known prefix taken from the prefix cache."""
+        batch = Batch(self.model, draft=self.draft, prefix_cache=self.prefix_cache)
+        batch.add(prepare(self.model, prompt, budget, self.config, scores=False))
+        while batch.rows:
+            for _, step in batch.step():
+                yield step
 
     def _answer(self, turns: list[dict[str, str]], steps: Iterator[Any]) -> Iterator[Any]:
         parts: list[str] = []

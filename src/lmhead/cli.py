@@ -567,8 +567,7 @@ def _run_chat(args: argparse.Namespace) -> None:
     from lmhead.chat_session import ChatSession
 
     model = _load(args)
-    session = ChatSession(model, system=args.system, config=config, max_new_tokens=args.max_new_tokens,
-                          scores=False)
+    session = ChatSession(model, system=args.system, config=config, max_new_tokens=args.max_new_tokens)
     tty = sys.stdin.isatty()
     if tty:
         print(f"lmhead: chatting with {model.name}; /reset starts again, /exit ends (Ctrl-C stops an answer)",
