@@ -205,6 +205,9 @@ def test_prompt_and_max_tokens_past_the_context_is_400_naming_both(client, model
     assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "prompt"
     assert f"{model.context_length:,}" in err["message"] and f"{room + 1:,}" in err["message"]
     assert f"{len(ids) + room + 1:,}" in err["message"]
+    full = (ids * model.context_length)[:model.context_length]  # no room left: a 400, not an empty answer
+    r = client.post("/v1/completions", json={"prompt": full})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
 @pytest.mark.parametrize("body,param", [

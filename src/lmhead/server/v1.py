@@ -68,7 +68,8 @@ async def v1_completions(req: S.CompletionRequest, request: Request, served: Ser
     if "max_tokens" in req.model_fields_set and req.max_tokens is not None:
         max_tokens = req.max_tokens
     else:  # OpenAI's default of 16, or the rest of the context (None)
-        max_tokens = min(16 if req.max_tokens is not None else context, context - max(lengths))
+        # at least 1: a prompt that fills the context is a 400 below, not an empty answer
+        max_tokens = max(1, min(16 if req.max_tokens is not None else context, context - max(lengths)))
     check_fit(served, lengths, max_tokens)
     rows = len(ids) * req.n
     check_rows(served, rows, max(lengths) + max_tokens)
