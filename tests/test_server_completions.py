@@ -213,7 +213,6 @@ def test_prompt_and_max_tokens_past_the_context_is_400_naming_both(client, model
 @pytest.mark.parametrize("body,param", [
     ({"prompt": [1, 2, 10_000]}, "prompt"),
     ({"prompt": "hi", "n": 33}, "n"),
-    ({"prompt": "hi", "echo": True, "stream": True}, "echo"),
     ({"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
 ])
 def test_bad_completion_fields_are_400_naming_the_field(client, body, param):
@@ -255,3 +254,22 @@ def test_tokenize_and_detokenize_round_trip_as_vllm_serves_them(client, model):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
     info = client.get("/tokenizer_info").json()
     assert info["eos_token"] == model.tokenizer.eos_token and info["model_max_length"] == model.context_length
+
+
+def test_echo_streams_each_prompt_first_then_its_tokens(client, model):
+    body = {"prompt": [PROMPT, "A dog"], "echo": True, "logprobs": 1, "max_tokens": 3, **GREEDY}
+    whole = _complete(client, **body)
+    r = client.post("/v1/completions", json={**body, "stream": True})
+    events = [json.loads(b[6:]) for b in r.text.split("\n\n") if b.startswith("data: {")]
+    texts: dict[int, str] = {}
+    lps: dict[int, list] = {}
+    for e in events:
+        for c in e["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            lps.setdefault(c["index"], []).extend(c["logprobs"]["token_logprobs"])
+    for c in whole["choices"]:
+        assert texts[c["index"]] == c["text"]
+        assert lps[c["index"]] == pytest.approx(c["logprobs"]["token_logprobs"])
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "echo": True, "max_tokens": 0, "stream": True})
+    events = [json.loads(b[6:]) for b in r.text.split("\n\n") if b.startswith("data: {")]
+    assert [c["text"] for e in events for c in e["choices"]] == [PROMPT]

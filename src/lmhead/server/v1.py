@@ -57,8 +57,6 @@ async def v1_completions(req: S.CompletionRequest, request: Request, served: Ser
     prompts = req.prompts()
     texts = [p for p in prompts if isinstance(p, str)]
     check_chars(served.limits, texts, "prompt")
-    if req.echo and req.stream:
-        raise APIError(400, "echo is not supported with stream=true; send stream=false", "echo")
     if req.min_tokens and req.max_tokens is not None and req.min_tokens > req.max_tokens:
         raise APIError(400, f"min_tokens ({req.min_tokens}) must be at most max_tokens ({req.max_tokens})",
                        "min_tokens")
@@ -78,6 +76,8 @@ async def v1_completions(req: S.CompletionRequest, request: Request, served: Ser
               if top_prompt is not None else None)
     answer = _Completion(served, req, prompts, ids, scored)
     if max_tokens == 0:
+        if req.stream:
+            return StreamingResponse(answer.events(None), media_type="text/event-stream")
         return answer.body([])
     cfg = sampling_config(req, req.seed)  # pure and bounded: no trip to the model's thread
     configs = [cfg if req.seed is None or j == 0 else dataclasses.replace(cfg, seed=(req.seed + j) % 2**63)
@@ -91,6 +91,11 @@ async def v1_completions(req: S.CompletionRequest, request: Request, served: Ser
     if req.stream:
         return StreamingResponse(await primed(answer.events(steps())), media_type="text/event-stream")
     return answer.body(await served.collect(steps(), request))
+
+
+async def _nothing() -> AsyncIterator[Any]:
+    return
+    yield
 
 
 def _prompt_top(req: S.CompletionRequest) -> int | None:
@@ -231,10 +236,15 @@ class _Completion(_Answer):
             out.append(entry)
         return out
 
-    async def events(self, steps: AsyncIterator[Any]) -> AsyncIterator[str]:
+    async def events(self, steps: AsyncIterator[Any] | None) -> AsyncIterator[str]:
         count: dict[int, int] = {}
         offsets = {i: len(self.prompt_text(i // self.n)) for i in range(len(self.ids) * self.n)}
-        async for step in steps:
+        if self.req.echo:  # each choice's first chunk: its prompt (and its tokens' logprobs), as vLLM streams it
+            for i in offsets:
+                lp = self.echo_logprobs(i // self.n) if self.req.logprobs is not None else None
+                yield sse(self.chunk([self.choice(i, self.prompt_text(i // self.n), lp,
+                                                  None if steps is not None else "length")]))
+        async for step in steps if steps is not None else _nothing():
             count[step.index] = count.get(step.index, 0) + 1
             lp = self.logprobs([step], offsets[step.index])
             offsets[step.index] += len(step.text)
