@@ -1,10 +1,15 @@
 """/v1/*: the OpenAI-compatible API (one router; `create_app` includes it).
 
     GET  /v1/models              the served model
-    POST /v1/completions         completions (stream, logprobs, seed, stop; top_k, min_p, repetition_penalty)
+    POST /v1/completions         completions: prompts as text, lists, token ids (a choice each, × n), echo and
+                                 prompt logprobs (`lmhead.prompt_scores`: the fp32 head's), stream, logprobs,
+                                 seed, stop; top_k, min_p, repetition_penalty; vLLM's stop_token_ids, min_tokens,
+                                 ignore_eos, include_stop_str_in_output, prompt_logprobs
     POST /v1/chat/completions    chat: the prompt from `models.chat.chat_prompt`, then the same generation
 
-A request is checked (the model's name, prompt length, the sampling config via `checks.sampling_config_from`),
+A request is checked (the model's name, characters and tokens against the served limits — prompt + max_tokens ≤
+the context, rows ≤ --parallel and within the KV memory: served.py —, the sampling config via
+`checks.sampling_config_from`),
 generated in the runner's shared batch (`ModelRunner.generate`: continuous batching), and shaped as OpenAI's
 objects: `_Completion` and `_Chat` build the ids, chunks and bodies. Log-probabilities are the model's own
 (raw: temperature 1, nothing cut), as OpenAI and vLLM report them, from the decode head (`exact_logprobs: true`,
