@@ -122,3 +122,11 @@ def test_a_full_queue_is_a_503_with_retry_after(model, monkeypatch):
         r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "server_busy"
+
+
+def test_api_model_reports_the_served_limits(model):
+    limits = serve_limits(model, ctx_size=64, max_tokens=8, parallel=3, kv_memory=1 << 30, queue=5)
+    with TestClient(create_app(model, serve=limits)) as client:
+        v1 = client.get("/api/model").json()["limits"]["v1"]
+    assert v1 == {"context": 64, "max_tokens": 8, "parallel": 3, "kv_bytes": 1 << 30, "queue": 5,
+                  "prompt_chars": 20_000}
