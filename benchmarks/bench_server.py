@@ -39,6 +39,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import PROMPTS as DECODE_PROMPTS  # noqa: E402
+from records import Figure, Recorder  # noqa: E402
 
 # bench_decode's five prompts and three more
 PROMPTS = [*DECODE_PROMPTS, "The recipe calls for two cups of flour,", "In 1969, the first humans",
@@ -131,7 +132,7 @@ async def measure(url: str, args: argparse.Namespace) -> dict:
             "texts": texts + [t for ts in load for t in ts]}
 
 
-def in_process(args: argparse.Namespace) -> None:
+def in_process(args: argparse.Namespace, rec: Recorder) -> None:
     """--in-process: 8 at once against 8 one after another in one process, alternating (see the docstring)."""
     from lmhead import load_model
     from lmhead.generate import Batch, prepare
@@ -163,6 +164,9 @@ def in_process(args: argparse.Namespace) -> None:
     n = args.concurrent
     decode([r for i in range(n) for r in rows(i)])  # warm-up: kernels, caches
     together, apart = [], []
+    table = rec.table("in_process", f"{args.model}: {n} × {args.tokens}-token requests in one process, all in one "
+                      "batch against one after another", ["run", f"{n} at once (s)", "one after another (s)",
+                                                          "ratio", "tokens equal", "load"])
     for rep in range(args.in_process):
         profile: dict[str, float] = {}
         ta, a = timed(lambda p=profile: decode([r for i in range(n) for r in rows(i)], p))
@@ -173,8 +177,11 @@ def in_process(args: argparse.Namespace) -> None:
         print(f"run {rep}: {n} at once {ta:.2f} s ({profile['rounds']} rounds; ms per round {per_round}), "
               f"one after another {tb:.2f} s, ratio {tb / ta:.2f}, tokens equal {a == b}, "
               f"load {os.getloadavg()[0]:.2f}", flush=True)
+        table.row([rep, f"{ta:.2f}", f"{tb:.2f}", f"{tb / ta:.2f}", a == b, f"{os.getloadavg()[0]:.2f}"])
     ta, tb = statistics.median(together), statistics.median(apart)
     print(f"median: {n} at once {ta:.2f} s, one after another {tb:.2f} s, ratio {tb / ta:.2f} (target ≥ 3)")
+    table.row(["median", f"{ta:.2f}", f"{tb:.2f}", f"{tb / ta:.2f}", "—", "—"],
+              [Figure(f"{n} requests in one batch", ta, "s", "one after another", tb)])
 
 
 def main() -> None:
@@ -188,12 +195,13 @@ def main() -> None:
     ap.add_argument("--in-process", type=int, default=0, metavar="RUNS",
                     help="no servers: this many alternating in-process runs (see above)")
     args = ap.parse_args()
+    rec = Recorder("server")
+    print(rec.header())
     if args.in_process:
-        print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  ({os.cpu_count()} CPUs)")
-        in_process(args)
+        in_process(args, rec)
         print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        rec.write()
         return
-    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  ({os.cpu_count()} CPUs)")
     results = {}
     for name, max_batch in (("batched", 32), ("serial", 1)):
         server = Server(args.model, max_batch)
@@ -206,6 +214,9 @@ def main() -> None:
     print(f"\n{args.model}, loopback; {n} × {k}-token completions; {args.clients} clients × {args.requests} "
           f"requests of {args.load_tokens} tokens")
     print(f"{'':34}{'batched':>10}{'serial':>10}{'ratio':>8}")
+    table = rec.table("servers", f"{args.model}, loopback: the server as shipped (batched) against one generation at a "
+                      f"time (serial); {n} × {k}-token completions, {args.clients} clients × {args.requests} requests "
+                      f"of {args.load_tokens} tokens", ["", "batched", "serial", "ratio"])
     rows = [("one request, idle server (s)", b["idle"], s["idle"]),
             (f"{n} one after another (s)", b["one_by_one"], s["one_by_one"]),
             (f"{n} at once (s)", b["at_once"], s["at_once"]),
@@ -214,13 +225,18 @@ def main() -> None:
             (f"{args.clients}×{args.requests}: wall (s)", b["load_wall"], s["load_wall"])]
     for label, x, y in rows:
         print(f"{label:34}{x:10.2f}{y:10.2f}{y / x:8.2f}")
+        table.row([label, f"{x:.2f}", f"{y:.2f}", f"{y / x:.2f}"], [Figure(label, x, "s", "serial server", y)])
     speedup = b["one_by_one"] / b["at_once"]
     halved = s["p50"] / b["p50"]
     print(f"\n{n} at once vs one after another (batched server): {speedup:.2f}× sooner (target ≥ 3)")
     print(f"p50 latency under load, serial / batched: {halved:.2f}× (target ≥ 2)")
     same = sum(x == y for x, y in zip(b["texts"], s["texts"], strict=True))
     print(f"answers equal on both servers: {same} of {len(b['texts'])}")
+    table.note(f"{n} at once vs one after another (batched server): {speedup:.2f}× sooner (target ≥ 3); p50 latency "
+               f"under load, serial / batched: {halved:.2f}× (target ≥ 2); answers equal on both servers: {same} of "
+               f"{len(b['texts'])}")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    rec.write()
 
 
 if __name__ == "__main__":
