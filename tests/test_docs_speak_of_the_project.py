@@ -58,6 +58,5 @@ def test_readme_docs_benchmarks_and_examples_name_no_round_of_work(where):
     assert hits(where) == []
 
 
-@pytest.mark.xfail(strict=False, reason="src/ is being rewritten by the open issues; its lines are cleaned after")
 def test_source_names_no_round_of_work():
     assert hits("src") == []

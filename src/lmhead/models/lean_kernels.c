@@ -818,10 +818,8 @@ int lmhead_attend(const float* qk, int64_t qk_stride, const float* v, int64_t v_
      * at 1,024 columns where a head's keys and values still fit L2). */
     const int64_t per = B * T * Hkv, heads_work = B * H * T;
     /* both threads from a few columns on: after the products the keys and values come cold from L3 or memory,
-     * and two threads read them at twice the rate (decode steps interleaved in one process, fourteenth session:
-     * SmolLM2's attention 0.99 → 0.80 ms a token and Gemma 3's 0.86 → 0.80 at the benchmark's contexts; a
-     * threshold of 2^18 — one thread below ~450 columns on SmolLM2 — had been set when the split measured
-     * slower) */
+     * and two threads read them at twice the rate (decode steps interleaved in one process measured both models'
+     * attention faster on two threads than with a one-thread threshold; docs/decode.md) */
     int nt = (L * hd * heads_work > (int64_t)1 << 13) ? threads : 1;
     int64_t sub = group;
     while (sub > 1) {
