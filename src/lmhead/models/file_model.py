@@ -98,10 +98,10 @@ def _usable(folder: Path, facts: dict[str, Any]) -> str | None:
 def _write_meta(gguf: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from lmhead.models.loading import _no_progress_bars, fast_tokenizer
+    from lmhead.models.loading import fast_tokenizer, no_progress_bars
 
     try:
-        with _no_progress_bars():
+        with no_progress_bars():
             config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as exc:
@@ -234,7 +234,7 @@ def file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None = None):
 
 
 def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None):
-    from lmhead.models.lean import LeanBody, _Layer
+    from lmhead.models.lean import Layer, LeanBody
     from lmhead.models.rope import Rotary
 
     r = _Reader(f, cfg)
@@ -255,7 +255,7 @@ def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None):
             hd = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
             bias = torch.cat([b if b is not None else torch.zeros(n * hd) for b, n in zip(biases, sizes, strict=True)])
         gemma = r.gemma
-        layers.append(_Layer(
+        layers.append(Layer(
             qkv=mats["qkv"], qkv_bias=bias, o=mats["o"], gate_up=mats["gate_up"], down=mats["down"],
             input_norm=r.vector(p + "attn_norm.weight"),
             post_attn_norm=r.vector(p + "post_attention_norm.weight") if gemma else None,

@@ -167,7 +167,7 @@ def _build(source: Source, folder: Path, key: str, stale_reason: str | None, pro
                      architecture=info["architecture"], gguf_file=gguf.name)
         out = tmp / "out"
         out.mkdir()
-        with contextlib.nullcontext() if progress else _no_progress_bars():  # transformers' own tqdm bars
+        with contextlib.nullcontext() if progress else no_progress_bars():  # transformers' own tqdm bars
             extra = convert_gguf(gguf, out, steps)
         cache.write_manifest(out, {
             "name": source.name, "source": facts, **extra,
@@ -206,7 +206,7 @@ def fast_tokenizer(folder: Path):
 
 
 @contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
+def no_progress_bars() -> Iterator[None]:
     from transformers.utils import logging
 
     enabled = logging.is_progress_bar_enabled()
@@ -229,7 +229,7 @@ def load_folder(folder: Path, cached: bool = False):
 
     try:
         tokenizer = fast_tokenizer(folder) if cached else AutoTokenizer.from_pretrained(str(folder))
-        with _no_progress_bars():  # loading float32 safetensors takes a second: no "Loading weights" bar
+        with no_progress_bars():  # loading float32 safetensors takes a second: no "Loading weights" bar
             hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     except Exception as exc:
         raise ModelError(f"could not load the model folder {folder}: {type(exc).__name__}: {exc}") from exc
