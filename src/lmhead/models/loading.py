@@ -314,26 +314,32 @@ def _load_file(source: Source, head: str, body: str, progress: bool):
     from lmhead.models.gguf_file import GGUFFile
     from lmhead.models.model import Model
 
-    if source.kind == "gguf":
-        check_gguf(source.path)  # a damaged file: its error before anything is written
     key = _key(source)
     facts = _source_facts(source)
     folder = cache.meta_dir() / key
-    with tempfile.TemporaryDirectory(prefix="lmhead-gguf-", dir=cache.meta_dir()) as work:
+    # a file assembled from a package's chunks is made once, inside the folder being built: only then a workdir
+    # in the cache (which may be read-only once built)
+    building = source.kind == "named" and not (folder / "model.gguf").is_file()
+    with tempfile.TemporaryDirectory(prefix="lmhead-gguf-", dir=cache.meta_dir() if building else None) as work:
         gguf = _gguf_path(source, folder if folder.exists() else None, Path(work))
-        arch = str(check_gguf(gguf)["architecture"])
-        if not supports_file(arch):
+        f = GGUFFile(gguf)  # a damaged file: its error (naming it) before anything is written
+        if not supports_file(f.architecture):
+            arch = f.architecture
+            f.close()
             why = "no C compiler for the coded kernel" if arch in FILE_ARCHITECTURES else \
                 f"the architecture {arch!r} (read from the file: {', '.join(FILE_ARCHITECTURES)})"
             print(f"lmhead: {gguf.name}: {why}; running transformers' body on a float32 conversion",
                   file=sys.stderr, flush=True)
             return None
         assembled = gguf.parent == Path(work)
-        folder = meta_folder(key, gguf, facts, progress=progress, keep=gguf if assembled else None)
-        if assembled:
-            gguf = folder / "model.gguf"
+        try:
+            folder = meta_folder(key, gguf, facts, progress=progress, keep=gguf if assembled else None)
+        except BaseException:
+            f.close()
+            raise
+        if assembled:  # moved into the folder (one file system: the map stays valid)
+            f.path = folder / "model.gguf"
     cfg, tokenizer, eos = read_meta(folder)
-    f = GGUFFile(gguf)
     try:
         check_fits(f)
         lean, weight, bias, tied = file_body(f, cfg)
