@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  := torch==2.13.0
 PROMPT ?= The cat sat on the
 
-.PHONY: install demo test test-fast bench lint browser clean llama-bench
+.PHONY: install demo test test-fast bench lint browser clean llama-bench results
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)" >&2; exit 2; }
@@ -40,6 +40,10 @@ test-fast: install
 
 bench: install
 	$(BIN)/python benchmarks/bench_sampling.py
+
+# The README's and docs' tables, rendered from the records benchmarks/ wrote (fails on a table without its record)
+results:
+	python3 benchmarks/render.py
 
 # llama.cpp's llama-bench for benchmarks/bench_decode.py (optional: compiles for ~10 minutes; never part of test)
 llama-bench: install

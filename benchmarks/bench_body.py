@@ -17,7 +17,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from bench_head import interleaved, read_bandwidth_gbs  # same folder: run as a script, it is on sys.path
+from bench_head import interleaved  # same folder: run as a script, it is on sys.path
+from records import Figure, Recorder
 
 
 class _Threads:
@@ -62,16 +63,21 @@ def main(argv: list[str] | None = None) -> int:
         for m in linears:
             torch.ops.mkldnn._linear_pointwise(xs[m.in_features], m.weight, m.bias, "none", [], "")
 
-    bw = read_bandwidth_gbs()
+    rec = Recorder("body")
+    print(rec.header())
+    bw = rec.machine["read_gbs"]
     with torch.inference_mode():
         t = interleaved({"F.linear (MKL)": f_linear, "F.linear, 1 thread": f_linear_1, "oneDNN": onednn},
                         args.repeats)
     print(f"model {model.name}: {len(linears)} linears in the body, {nbytes / 1e6:.1f} MB read per token; "
-          f"torch threads {torch.get_num_threads()}; read bandwidth (1 GiB sum) {bw:.1f} GB/s")
-    print(f"{'linears, one token':24s} {'ms':>8s} {'vs F.linear':>12s} {'GB/s':>7s} {'of peak':>8s}")
+          f"torch threads {torch.get_num_threads()}; read bandwidth {bw:.1f} GB/s")
+    lin = rec.table(f"linears_{model.name}", f"{model.name}: the body's {len(linears)} linears applied to one token "
+                    f"({nbytes / 1e6:.1f} MB read)", ["linears, one token", "ms", "vs F.linear", "GB/s", "of peak"])
     for k, s in t.items():
-        print(f"{k:24s} {s * 1e3:8.2f} {t['F.linear (MKL)'] / s:11.2f}x {nbytes / s / 1e9:7.1f} "
-              f"{nbytes / s / 1e9 / bw:7.0%}")
+        cells = [k, f"{s * 1e3:.2f}", f"{t['F.linear (MKL)'] / s:.2f}x", f"{nbytes / s / 1e9:.1f}",
+                 f"{nbytes / s / 1e9 / bw:.0%}"]
+        print(f"{k:24s} {s * 1e3:8.2f} {cells[2]:>12s} {nbytes / s / 1e9:7.1f} {cells[4]:>8s}")
+        lin.row(cells, [Figure(k, s * 1e3, "ms", "F.linear (MKL)", t["F.linear (MKL)"] * 1e3)])
 
     ids = torch.tensor([model.encode("Once upon a time, in a small village by the sea, there lived")])
     bodies = {"transformers modules": plain, "lmhead Model.body (oneDNN)": model.body}
@@ -96,10 +102,17 @@ def main(argv: list[str] | None = None) -> int:
         b = bodies["lmhead Model.body (oneDNN)"](input_ids=ids).last_hidden_state
     print(f"{'body, one decode step':28s} {'ms':>8s} {'vs transformers':>16s}")
     base = steps["transformers modules"]
+    body = rec.table(f"body_step_{model.name}", f"{model.name}: one decode step of the whole body",
+                     ["body, one decode step", "ms", "vs transformers"])
     for k, s in steps.items():
         print(f"{k:28s} {s * 1e3:8.2f} {base / s:15.2f}x")
-    print(f"max |hidden(oneDNN) - hidden(transformers)| over the prompt: {float((a - b).abs().max()):.2e} "
-          f"(largest |hidden| {float(a.abs().max()):.1f})")
+        body.row([k, f"{s * 1e3:.2f}", f"{base / s:.2f}x"], [Figure(k, s * 1e3, "ms", "transformers modules",
+                                                                    base * 1e3)])
+    check = (f"max |hidden(oneDNN) - hidden(transformers)| over the prompt: {float((a - b).abs().max()):.2e} "
+             f"(largest |hidden| {float(a.abs().max()):.1f})")
+    print(check)
+    body.note(check)
+    rec.write()
     return 0
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_head import read_bandwidth_gbs  # noqa: E402
+from records import Figure, Recorder, Table  # noqa: E402
 
 PROMPTS = [
     "Once upon a time, in a small village by the sea, there lived",
@@ -95,7 +95,16 @@ def _head_bytes(model) -> int:
     return head.weight.numel() * head.weight.element_size()
 
 
-def bench_model(name: str, args) -> None:
+COLUMNS = ["mode", "who", "tok/s", "vs transformers", "vs llama.cpp", "identical to fp32 greedy", "draft", "body",
+           "head", "sampling", "text (ms/token)"]
+
+
+def _print_row(table: Table, cells: list[str], figures: list[Figure]) -> None:
+    print("| " + " | ".join(cells) + " |")
+    table.row(cells, figures)
+
+
+def bench_model(name: str, args, rec: Recorder) -> None:
     from lmhead.models import load_model
     from lmhead.sampling import SamplingConfig
 
@@ -106,14 +115,14 @@ def bench_model(name: str, args) -> None:
         _ours(model, prompts[0], 4, modes["greedy"], draft)
     transformers_generate(model, prompts[0], 4, sampled=False)
     llama = llama_cpp_rate(name, args.new_tokens, 3) if args.llama_cpp else None
-    bandwidth = read_bandwidth_gbs()
-    print(f"\n## {name}: batch 1, {args.new_tokens} new tokens, {len(prompts)} prompts x {args.repeats} "
-          f"interleaved repeats, torch threads {torch.get_num_threads()}, head {type(model.head).__name__} "
-          f"({args.head}), body {'lean' if model.lean is not None else args.body}; load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print("| mode | who | tok/s | vs transformers | vs llama.cpp | identical to fp32 greedy | "
-          "draft | body | head | sampling | text (ms/token) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    bandwidth = rec.machine["read_gbs"]
+    title = (f"{name}: batch 1, {args.new_tokens} new tokens, {len(prompts)} prompts x {args.repeats} interleaved "
+             f"repeats, torch threads {torch.get_num_threads()}, head {type(model.head).__name__} ({args.head}), "
+             f"body {'lean' if model.lean is not None else args.body}")
+    print(f"\n## {title}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    table = rec.table(name.replace("-", "_").replace(".", "_"), title, COLUMNS)
+    print("| " + " | ".join(COLUMNS) + " |")
+    print("|" + "---|" * len(COLUMNS))
     for mode, config in modes.items():
         rates: dict[str, list[float]] = {d: [] for d in args.draft} | {"transformers": []}
         phases: dict[str, dict[str, float]] = {d: {} for d in args.draft}
@@ -145,18 +154,24 @@ def bench_model(name: str, args) -> None:
             ms = {k: 1e3 * v / max(tokens[d], 1) for k, v in phases[d].items()}
             vs_llama = f"{ours / llama:.2f}x" if llama else "-"
             ident = f"{same[d] // args.repeats}/{len(prompts)}" if mode == "greedy" else "-"
-            print(f"| {mode} | lmhead draft={d} | {ours:.1f} | {ours / hf:.2f}x | {vs_llama} | {ident} | "
-                  f"{ms.get('draft', 0):.1f} | {ms.get('body', 0):.1f} | {ms.get('head', 0):.1f} | "
-                  f"{ms.get('sampling', 0):.1f} | {ms.get('text', 0):.1f} |")
-        print(f"| {mode} | transformers generate() | {hf:.1f} | 1.00x | "
-              f"{f'{hf / llama:.2f}x' if llama else '-'} | - | | | | | |")
+            figures = [Figure(f"{name} {mode}, lmhead draft={d}", ours, "tok/s", "transformers generate()", hf,
+                              ours / hf)]
+            if llama:
+                figures.append(Figure(f"{name} {mode}, lmhead draft={d}", ours, "tok/s", "llama.cpp llama-bench",
+                                      llama, ours / llama))
+            _print_row(table, [mode, f"lmhead draft={d}", f"{ours:.1f}", f"{ours / hf:.2f}x", vs_llama, ident,
+                               f"{ms.get('draft', 0):.1f}", f"{ms.get('body', 0):.1f}", f"{ms.get('head', 0):.1f}",
+                               f"{ms.get('sampling', 0):.1f}", f"{ms.get('text', 0):.1f}"], figures)
+        _print_row(table, [mode, "transformers generate()", f"{hf:.1f}", "1.00x",
+                           f"{hf / llama:.2f}x" if llama else "-", "-", "-", "-", "-", "-", "-"], [])
     if llama:
-        print(f"| greedy | llama.cpp llama-bench -t 2 (its own Q4/Q8 arithmetic) | {llama:.1f} | | 1.00x | - "
-              f"| | | | | |")
+        _print_row(table, ["greedy", "llama.cpp llama-bench -t 2 (its own Q4/Q8 arithmetic)", f"{llama:.1f}", "-",
+                           "1.00x", "-", "-", "-", "-", "-", "-"], [])
     body_ms, head_ms = _body_bytes(model) / bandwidth / 1e6, _head_bytes(model) / bandwidth / 1e6
-    print(f"read bandwidth {bandwidth:.1f} GB/s: the body's matrices ({_body_bytes(model) / 1e6:.0f} MB) take "
-          f"{body_ms:.1f} ms to read, the head ({_head_bytes(model) / 1e6:.0f} MB) {head_ms:.1f} ms; "
-          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    note = (f"read bandwidth {bandwidth:.1f} GB/s: the body's matrices ({_body_bytes(model) / 1e6:.0f} MB) take "
+            f"{body_ms:.1f} ms to read, the head ({_head_bytes(model) / 1e6:.0f} MB) {head_ms:.1f} ms")
+    print(f"{note}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    table.note(note)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,8 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.model = args.model or ["gemma-3-270m", "smollm2-135m"]
     args.draft = args.draft or ["none", "ngram"]
-    for name in args.model:
-        bench_model(name, args)
+    rec = Recorder("decode")
+    print(rec.header())
+    try:
+        for name in args.model:
+            bench_model(name, args, rec)
+    finally:
+        rec.write()
     return 0
 
 

@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import PROMPTS, llama_cpp_rate, transformers_generate  # noqa: E402
+from records import Figure, Recorder  # noqa: E402
 
 WORDS = ("the of and to in is was that for on with as by at from his her they this which but were had not are "
          "river mountain city market winter summer garden letter ship road bridge school king queen music paper "
@@ -61,14 +62,17 @@ def decode_rate(model, prompt: str, n: int) -> tuple[float, list[int]]:
     return (len(times) - 1) / (times[-1] - times[0]), ids
 
 
-def bench_model(name: str, args: argparse.Namespace) -> None:
+def bench_model(name: str, args: argparse.Namespace, rec: Recorder) -> None:
     from lmhead.models import load_model
 
     model = load_model(name, progress=False)
     prompts = {d: context(model.tokenizer, d, PROMPTS[0]) for d in args.depth}
-    print(f"\n## {name}: greedy decode after a context of d tokens, {args.new_tokens} new tokens, "
-          f"{torch.get_num_threads()} threads, medians of {args.repeats}")
-    print("| depth | lmhead tok/s | llama.cpp tok/s | lmhead / llama.cpp | greedy = transformers |")
+    title = (f"{name}: greedy decode after a context of d tokens, {args.new_tokens} new tokens, "
+             f"{torch.get_num_threads()} threads, medians of {args.repeats}")
+    print(f"\n## {title}")
+    columns = ["depth", "lmhead tok/s", "llama.cpp tok/s", "lmhead / llama.cpp", "greedy = transformers"]
+    table = rec.table(name.replace("-", "_").replace(".", "_"), title, columns)
+    print("| " + " | ".join(columns) + " |")
     print("|---|---|---|---|---|")
     for depth in args.depth:
         ours, theirs = [], []
@@ -86,8 +90,10 @@ def bench_model(name: str, args: argparse.Namespace) -> None:
             same = "yes" if ref == ids else f"no (first difference at token {_first_difference(ref, ids)})"
         o = statistics.median(ours)
         t = statistics.median(theirs) if theirs else None
-        print(f"| {depth} | {o:.1f} | {f'{t:.1f}' if t else '-'} | {f'{o / t:.2f}x' if t else '-'} | {same} |",
-              flush=True)
+        cells = [str(depth), f"{o:.1f}", f"{t:.1f}" if t else "-", f"{o / t:.2f}x" if t else "-", same]
+        print("| " + " | ".join(cells) + " |", flush=True)
+        table.row(cells, [Figure(f"{name} greedy decode at depth {depth}", o, "tok/s",
+                                 "llama.cpp llama-bench" if t else None, t, o / t if t else None)])
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
@@ -115,8 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--new-tokens must be >= 2 (the rate is taken after the first token), got {args.new_tokens}")
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    for name in args.model:
-        bench_model(name, args)
+    rec = Recorder("depth")
+    print(rec.header())
+    try:
+        for name in args.model:
+            bench_model(name, args, rec)
+    finally:
+        rec.write()
     return 0
 
 

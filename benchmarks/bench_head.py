@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from records import Figure, Recorder, Table  # same folder: run as a script, it is on sys.path
 
 from lmhead.compressed import CompressedHead, onednn_int8_usable
 
@@ -171,7 +172,7 @@ def alpha_sweep(W: torch.Tensor, H: torch.Tensor, calibration: torch.Tensor | No
         del head
 
 
-def exactness(W: torch.Tensor, H: torch.Tensor, heads: list[tuple[str, CompressedHead]]) -> None:
+def exactness(W: torch.Tensor, H: torch.Tensor, heads: list[tuple[str, CompressedHead]], table: Table) -> None:
     """For each exact head: on every hidden state of H [N,D], one decode step at a time, whether argmax and
     top-10 equal the fp32 head's, the candidates re-scored, the fallbacks and the largest |p − p_fp32|."""
     ref = F.linear(H, W)
@@ -185,14 +186,16 @@ def exactness(W: torch.Tensor, H: torch.Tensor, heads: list[tuple[str, Compresse
             top10_ok += int(torch.equal(torch.topk(out[0], 10).indices, torch.topk(ref[n], 10).indices))
             perr = max(perr, float((torch.softmax(out[0], -1) - torch.softmax(ref[n], -1)).abs().max()))
         s = head.stats
-        print(f"{label}: argmax = fp32 on {argmax_ok}/{H.shape[0]}, top-10 on {top10_ok}/{H.shape[0]}; "
-              f"re-scored per step mean {s['candidates'] / max(1, s['rows']):.0f}, max {s['max_candidates']}; "
-              f"fallbacks {s['fallback_rows']} (too many candidates) + {s['tie_fallback_rows']} (fp32 near-tie); "
-              f"max |p - p_fp32| {perr:.2e}")
+        line = (f"{label}: argmax = fp32 on {argmax_ok}/{H.shape[0]}, top-10 on {top10_ok}/{H.shape[0]}; "
+                f"re-scored per step mean {s['candidates'] / max(1, s['rows']):.0f}, max {s['max_candidates']}; "
+                f"fallbacks {s['fallback_rows']} (too many candidates) + {s['tie_fallback_rows']} (fp32 near-tie); "
+                f"max |p - p_fp32| {perr:.2e}")
+        print(line)
+        table.note(line)
 
 
-def prefill_times(W: torch.Tensor, Wb: torch.Tensor, i8: CompressedHead, i4: CompressedHead, prefill: int,
-                  repeats: int) -> None:
+def prefill_times(rec: Recorder, name: str, W: torch.Tensor, Wb: torch.Tensor, i8: CompressedHead,
+                  i4: CompressedHead, prefill: int, repeats: int) -> None:
     """The head on `prefill` positions at once, per mode (medians of interleaved repeats); Wb = W in bf16."""
     D = W.shape[1]
     g = torch.Generator().manual_seed(3)
@@ -207,11 +210,15 @@ def prefill_times(W: torch.Tensor, Wb: torch.Tensor, i8: CompressedHead, i4: Com
     }
     pt = interleaved(p_modes, max(3, repeats // 5))
     print(f"prefill: {prefill} positions at once")
+    table = rec.table(f"prefill_{name}", f"{name}: the head on {prefill} positions at once",
+                      ["mode", "ms", "vs fp32"])
     for k, t in pt.items():
         print(f"  {k:36s} {t * 1e3:9.1f} ms  {pt['fp32'] / t:5.2f}x fp32")
+        table.row([k, f"{t * 1e3:.1f}", f"{pt['fp32'] / t:.2f}x"], [Figure(k, t * 1e3, "ms", "fp32", pt["fp32"] * 1e3)])
 
 
-def bench(name: str, repeats: int, show_kernels: bool, prefill: int, alphas: list[float] | None = None) -> None:
+def bench(rec: Recorder, name: str, repeats: int, show_kernels: bool, prefill: int,
+          alphas: list[float] | None = None) -> None:
     """Every table of one model's head (see the module docstring)."""
     W, origin = load_weight(name)
     V, D = W.shape
@@ -248,22 +255,27 @@ def bench(name: str, repeats: int, show_kernels: bool, prefill: int, alphas: lis
           f"{torch.get_num_threads()}")
     print(f"{'mode':26s} {'ms/step':>9s} {'vs fp32':>8s} {'MB read':>9s} {'GB/s':>7s} {'of peak':>8s}")
     base = times["fp32"]
+    table = rec.table(f"modes_{name}", f"{name}: one decode step of the head alone [{V} x {D}], per mode "
+                      f"(read bandwidth {bw:.1f} GB/s in the same run)",
+                      ["mode", "ms/step", "vs fp32", "MB read", "GB/s", "of peak"])
     for k, (_, nbytes) in modes.items():
         t = times[k]
         print(f"{k:26s} {t * 1e3:9.2f} {base / t:7.2f}x {nbytes / 1e6:9.1f} {nbytes / t / 1e9:7.1f} "
               f"{nbytes / t / 1e9 / bw:7.0%}")
+        table.row([k, f"{t * 1e3:.2f}", f"{base / t:.2f}x", f"{nbytes / 1e6:.1f}", f"{nbytes / t / 1e9:.1f}",
+                   f"{nbytes / t / 1e9 / bw:.0%}"], [Figure(k, t * 1e3, "ms", "fp32", base * 1e3)])
     print(f"(exact modes also read the re-scored fp32 rows: ~{D * 4 / 1e3:.1f} kB each)")
 
     exact_heads = [(f"exact-int8 {i8.kernel}", i8), ("exact-int4 g32", i4)]
     if i8p is not None:
         exact_heads.insert(1, ("exact-int8 int8pack", i8p))
-    exactness(W, H, exact_heads)
+    exactness(W, H, exact_heads, table)
 
     if alphas:
         alpha_sweep(W, H, calibration, alphas)
 
     if prefill:
-        prefill_times(W, Wb, i8, i4, prefill, repeats)
+        prefill_times(rec, name, W, Wb, i8, i4, prefill, repeats)
 
     if show_kernels:
         for M in (1, prefill or 0):
@@ -281,7 +293,7 @@ DECODE_PROMPTS = ["Once upon a time, in a small village by the sea, there lived"
                   "Dear hiring manager, I am writing to apply for"]
 
 
-def decode(name: str, new_tokens: int, n_prompts: int, modes: list[str]) -> None:
+def decode(rec: Recorder, name: str, new_tokens: int, n_prompts: int, modes: list[str]) -> None:
     """End to end greedy decode: transformers' generate() vs lmhead's loop with each head mode (and, for the
     first mode, also on transformers' own body modules instead of the oneDNN linears), same model."""
     from lmhead.models import load_model
@@ -333,12 +345,18 @@ def decode(name: str, new_tokens: int, n_prompts: int, modes: list[str]) -> None
     base = tok["transformers"] / sec["transformers"]
     print(f"{'':48s} {'tokens/s':>9s} {'vs transformers':>16s} {'identical tokens':>17s}")
     print(f"{'transformers generate()':48s} {base:9.2f} {1.0:15.2f}x {'-':>17s}")
+    table = rec.table(f"decode_{name}", f"{name}: end-to-end greedy decode, {n_prompts} prompts x {new_tokens} new "
+                      "tokens, batch 1, per head", ["", "tokens/s", "vs transformers", "identical tokens"])
+    table.row(["transformers generate()", f"{base:.2f}", "1.00x", "-"])
     for v in variants:
         rate = tok[v] / sec[v]
         print(f"{'lmhead, ' + v:48s} {rate:9.2f} {rate / base:15.2f}x {same[v]:>11d}/{n_prompts} prompts")
+        table.row([f"lmhead, {v}", f"{rate:.2f}", f"{rate / base:.2f}x", f"{same[v]}/{n_prompts} prompts"],
+                  [Figure(f"lmhead, {v}", rate, "tok/s", "transformers generate()", base, rate / base)])
     for m, head in heads.items():
         if hasattr(head, "stats"):
             print(f"{m} stats (all variants with it): {head.stats}")
+            table.note(f"{m} stats (all variants with it): {head.stats}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -367,13 +385,16 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     except ImportError:
         pass
-    print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs; "
-          f"load average {os.getloadavg()[0]:.1f}")
-    for name in args.models:
-        if not args.skip_head:
-            bench(name, args.repeats, args.kernels, args.prefill, args.alphas)
-        if args.decode:
-            decode(name, args.decode, args.decode_prompts, args.decode_modes)
+    rec = Recorder("head")
+    print(f"{rec.header()}; torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}")
+    try:
+        for name in args.models:
+            if not args.skip_head:
+                bench(rec, name, args.repeats, args.kernels, args.prefill, args.alphas)
+            if args.decode:
+                decode(rec, name, args.decode, args.decode_prompts, args.decode_modes)
+    finally:
+        rec.write()
     return 0
 
 

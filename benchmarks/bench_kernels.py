@@ -31,6 +31,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from records import Figure, Recorder  # same folder: run as a script, it is on sys.path
 
 from lmhead.models import native
 from lmhead.models.coded_linear import CodedLinear
@@ -71,10 +72,20 @@ def main() -> None:
     if native.library() is None:
         raise SystemExit("the C kernels are not built here (no compiler, or LMHEAD_NATIVE=0)")
     g = torch.Generator().manual_seed(0)
-    print(f"torch threads {torch.get_num_threads()}; {load()}")
+    rec = Recorder("kernels")
+    print(f"{rec.header()}; torch threads {torch.get_num_threads()}")
+    try:
+        sections(args, g, rec)
+    finally:
+        rec.write()
+
+
+def sections(args: argparse.Namespace, g: torch.Generator, rec: Recorder) -> None:
 
     rows = [1, 3, 8, 16] if args.quick else [1, 2, 3, 4, 6, 8, 16, 32]
     print("\n1. coded product, ms per call (ms per row)")
+    t1 = rec.table("coded_product", "The coded product (CodedLinear) on the packaged models' shapes: ms per call and "
+                   "per row", ["matrix", "rows", "ms per call", "ms per row", "load"])
     shapes = {"Gemma head 262144x640 int8": (262144, 640, False), "Gemma gate_up 4096x640 4-bit": (4096, 640, True),
               "Gemma down 640x2048 4-bit": (640, 2048, True), "SmolLM2 gate_up 3072x576 4-bit": (3072, 576, True)}
     for name, (n, k, four_bit) in shapes.items():
@@ -85,9 +96,12 @@ def main() -> None:
             x = torch.randn(m, k, generator=g)
             ms = best_ms(lambda lin=lin, x=x: lin(x), args.repeats, inner)
             cells.append(f"{m}: {ms:.2f} ({ms / m:.2f})")
+            t1.row([name, m, f"{ms:.2f}", f"{ms / m:.2f}", load()[5:]], [Figure(f"{name}, {m} rows", ms, "ms")])
         print(f"  {name:32} " + "  ".join(cells) + f"  [{load()}]", flush=True)
 
     print("\n2. Gemma head shape: the codes against F.linear over the float32 matrix they encode (ms)")
+    t2 = rec.table("head_codes_vs_linear", "Gemma 3's head shape: the codes against F.linear over the float32 matrix "
+                   "they encode (ms)", ["rows", "codes", "F.linear", "F.linear / codes", "load"])
     lin = coded(262144, 640, False, g)
     weight = lin.dequantize()
     for m in ([8, 32, 128] if args.quick else [8, 32, 128, 512]):
@@ -96,9 +110,13 @@ def main() -> None:
         b = best_ms(lambda x=x, w=weight: F.linear(x, w), max(1, args.repeats // 2))
         print(f"  {m:4} rows: codes {a:8.1f}  F.linear {b:8.1f}  F.linear / codes {b / a:5.2f}  [{load()}]",
               flush=True)
+        t2.row([m, f"{a:.1f}", f"{b:.1f}", f"{b / a:.2f}", load()[5:]],
+               [Figure(f"coded head, {m} rows", a, "ms", "F.linear over float32", b)])
     del weight, lin
 
     print("\n3. top-k over rows of 262,144 logits (randn x 3): torch.topk against the threshold pass (ms)")
+    t3 = rec.table("topk", "top-k over rows of 262,144 logits: torch.topk against the threshold pass (ms)",
+                   ["rows", "k", "torch.topk", "threshold", "ratio", "load"])
     for b in (1, 4, 16):
         x = torch.randn(b, 1 << 18, generator=g) * 3
         for k in (41, 257):
@@ -107,8 +125,12 @@ def main() -> None:
             t = best_ms(lambda x=x, k=k: native.topk(x, k), args.repeats, 10) if got is not None else float("nan")
             print(f"  {b:2} rows, k {k:3}: torch.topk {a:6.3f}  threshold {t:6.3f}  ratio {a / t:5.2f}"
                   + ("" if got is not None else "  (declined: torch.topk is used)") + f"  [{load()}]", flush=True)
+            t3.row([b, k, f"{a:.3f}", f"{t:.3f}" if got is not None else "declined", f"{a / t:.2f}", load()[5:]],
+                   [Figure(f"threshold top-{k}, {b} rows", t, "ms", "torch.topk", a)] if got is not None else [])
 
     print("\n4. raw logprob normaliser and rank: log_softmax + count against row_scores (ms)")
+    t4 = rec.table("row_scores", "Raw logprob normaliser and rank over 262,144 logits: log_softmax + count against "
+                   "row_scores (ms)", ["rows", "torch", "row_scores", "ratio", "load"])
     for b in (1, 8, 32):
         x = torch.randn(b, 1 << 18, generator=g) * 3
         ids = torch.randint(0, 1 << 18, (b,), generator=g)
@@ -120,8 +142,12 @@ def main() -> None:
         a = best_ms(plain, args.repeats, 5)
         t = best_ms(lambda x=x, ids=ids: native.row_scores(x, ids), args.repeats, 5)
         print(f"  {b:2} rows: torch {a:6.2f}  row_scores {t:6.2f}  ratio {a / t:5.2f}  [{load()}]", flush=True)
+        t4.row([b, f"{a:.2f}", f"{t:.2f}", f"{a / t:.2f}", load()[5:]],
+               [Figure(f"row_scores, {b} rows", t, "ms", "log_softmax + count", a)])
 
     print("\n5. an 8-row server round's choice (plain_choice; greedy and seeded top-k 40 rows) (ms)")
+    t5 = rec.table("server_round", "An 8-row server round's choice over 262,144 logits (greedy and seeded top-k 40 "
+                   "rows), ms", ["rows", "ids", "ids + logprobs", "load"])
     from lmhead.sampling import SamplingConfig
     from lmhead.speculative import plain_choice
 
@@ -134,8 +160,12 @@ def main() -> None:
         a = best_ms(lambda c=cfgs: plain_choice(x, c, None, [8] * 8, [3] * 8, None), args.repeats, 5)
         t = best_ms(lambda c=cfgs: plain_choice(x, c, None, [8] * 8, [3] * 8, None, scored=True), args.repeats, 5)
         print(f"  {name:12}: ids {a:6.2f}  ids + logprobs {t:6.2f}  [{load()}]", flush=True)
+        t5.row([name, f"{a:.2f}", f"{t:.2f}", load()[5:]],
+               [Figure(f"plain_choice with logprobs, {name}", t, "ms", "plain_choice, ids only", a)])
 
     print("\n6. one decode row's choice: the C passes against the torch pipeline (ms)")
+    t6 = rec.table("decode_row", "One decode row's choice: the C passes against the torch pipeline (ms)",
+                   ["logits", "row", "torch", "C", "ratio", "load"])
     from lmhead.sampling import top_p as sampling  # the module that holds the C pass's row limit
 
     greedy_cfg, top_p = [SamplingConfig(temperature=0.0)], [SamplingConfig(temperature=0.8, top_p=0.9)]
@@ -152,6 +182,8 @@ def main() -> None:
         t = best_ms(lambda row=row: native.greedy_rows(row), args.repeats, 10)
         print(f"  {width:6} logits, greedy: pipeline + row_scores {a:6.3f}  greedy_rows {t:6.3f}  ratio {a / t:5.2f}"
               f"  [{load()}]", flush=True)
+        t6.row([width, "greedy", f"{a:.3f}", f"{t:.3f}", f"{a / t:.2f}", load()[5:]],
+               [Figure(f"greedy_rows, {width} logits", t, "ms", "plain_choice + row_scores", a)])
         gen = torch.Generator().manual_seed(0)
         timed = {}
         for rows in (0, sampling._NATIVE_TOP_P_ROWS):
@@ -164,9 +196,13 @@ def main() -> None:
         a, t = timed[0], timed[sampling._NATIVE_TOP_P_ROWS]
         print(f"  {width:6} logits, top-p 0.9: torch windows {a:6.3f}  top_p_row {t:6.3f}  ratio {a / t:5.2f}"
               f"  [{load()}]", flush=True)
+        t6.row([width, "T 0.8, top-p 0.9", f"{a:.3f}", f"{t:.3f}", f"{a / t:.2f}", load()[5:]],
+               [Figure(f"top_p_row, {width} logits", t, "ms", "torch windows", a)])
 
 
     print("\n7. the screened head against the exact product, Gemma 3's head shape (ms per call)")
+    t7 = rec.table("screen", "The screened head against the exact product, Gemma 3's head shape (ms per call)",
+                   ["rows", "exact", "screen k=2", "exact / k=2", "screen k=41", "exact / k=41", "load"])
     head = coded(262144, 640, False, g)
     if not head.screens:
         print("  (no screen here: the library was built without AVX2)")
@@ -180,6 +216,9 @@ def main() -> None:
             wide = best_ms(lambda x=x, m=m: head.screen(x, [41] * m), args.repeats)
         print(f"  {m} rows: exact {exact:6.2f}  screen k=2 {two:6.2f} ({exact / two:4.2f}x)  k=41 {wide:6.2f} "
               f"({exact / wide:4.2f}x)  [{load()}]", flush=True)
+        t7.row([m, f"{exact:.2f}", f"{two:.2f}", f"{exact / two:.2f}×", f"{wide:.2f}", f"{exact / wide:.2f}×",
+                load()[5:]], [Figure(f"screen k=2, {m} rows", two, "ms", "exact product", exact),
+                              Figure(f"screen k=41, {m} rows", wide, "ms", "exact product", exact)])
 
 
 if __name__ == "__main__":

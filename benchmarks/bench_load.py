@@ -20,6 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from records import Figure, Recorder  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 LMHEAD = Path(sys.executable).with_name("lmhead")
 LLAMA_BENCH = ROOT / "build" / "llama.cpp" / "bin" / "llama-bench"
@@ -94,9 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.new_tokens < 1:
         parser.error("--new-tokens must be >= 1")
     models = args.model or ["gemma-3-270m", "smollm2-135m"]
-    print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}; {os.cpu_count()} cores; "
-          f"{args.new_tokens} new tokens; llama-bench {'found' if LLAMA_BENCH.exists() else 'not built'}")
-    print("| model | run | first token s | total s | peak RSS MiB | cache MB | llama.cpp total s | llama.cpp RSS MiB |")
+    rec = Recorder("load")
+    print(f"{rec.header()}; {args.new_tokens} new tokens; llama-bench "
+          f"{'found' if LLAMA_BENCH.exists() else 'not built'}")
+    columns = ["model", "run", "first token s", "total s", "peak RSS MiB", "cache MB", "llama.cpp total s",
+               "llama.cpp RSS MiB"]
+    table = rec.table("runs", f"lmhead generate -n {args.new_tokens}, cold and warm cache, beside llama-bench",
+                      columns)
+    print("| " + " | ".join(columns) + " |")
     print("|---|---|---|---|---|---|---|---|")
     for model in models:
         with tempfile.TemporaryDirectory(prefix="lmhead-bench-load-") as tmp:
@@ -107,10 +115,14 @@ def main(argv: list[str] | None = None) -> int:
             kept = cache_bytes(cache, gguf if gguf is not None and cache in gguf.parents else None)
             llama = llama_run(gguf, args.new_tokens) if gguf is not None else None
             for name, run in (("cold", cold), ("warm", warm)):
-                lc = (f"{llama['total']:.2f} | {llama['rss']:.0f}" if llama else "- | -")
-                print(f"| {model} | {name} | {run['first']:.2f} | {run['total']:.2f} | {run['rss']:.0f} | "
-                      f"{kept / 1e6:.1f} | {lc} |")
+                cells = [model, name, f"{run['first']:.2f}", f"{run['total']:.2f}", f"{run['rss']:.0f}",
+                         f"{kept / 1e6:.1f}", f"{llama['total']:.2f}" if llama else "-",
+                         f"{llama['rss']:.0f}" if llama else "-"]
+                print("| " + " | ".join(cells) + " |")
+                table.row(cells, [Figure(f"{model} {name} run, whole", run["total"], "s",
+                                         "llama-bench" if llama else None, llama["total"] if llama else None)])
     print(f"load average after {os.getloadavg()[0]:.2f}")
+    rec.write()
     return 0
 
 

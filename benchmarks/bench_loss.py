@@ -41,6 +41,8 @@ import subprocess
 import sys
 import time
 
+from records import Figure, Recorder, Table  # same folder: run as a script, it is on sys.path
+
 CONFIGS = [(4096, 576, 49152), (4096, 640, 262144), (8192, 640, 262144)]
 QUICK_CONFIGS = [(1024, 256, 32000), (2048, 576, 49152)]
 CHART = {"d": 576, "v": 49152, "n": [512, 1024, 2048, 4096]}  # SmolLM2-135M's head
@@ -96,7 +98,7 @@ def worker(method: str, n: int, d: int, v: int, threads: int) -> dict:
 
 def plain_need_bytes(n: int, d: int, v: int) -> int:
     """Peak estimate of the plain computation: three [N,V] float32 buffers + inputs + gradients, +5%
-    (measured: 2.86·N·V·4 bytes of working memory at N=4,096, V=49,152)."""
+    (the three [N,V] buffers are what this script measures at the peak)."""
     return int((3 * n * v + 2 * (n * d + v * d)) * 4 * 1.05)
 
 
@@ -157,10 +159,13 @@ def _mem(b: float) -> str:
     return f"{b / GiB:.2f} GiB" if b >= GiB else f"{b / 2**20:.0f} MiB"
 
 
-def table(results: dict) -> str:
-    head = ("| N | D | V | plain time | torch time | lmhead time | plain mem | torch mem | lmhead mem "
-            "| lmhead/plain mem | lmhead/plain time | lmhead/torch time | max Δloss |")
-    lines = [head, "|" + "---|" * 13]
+COLUMNS = ["N", "D", "V", "plain time", "torch time", "lmhead time", "plain mem", "torch mem", "lmhead mem",
+           "lmhead/plain mem", "lmhead/plain time", "lmhead/torch time", "max Δloss"]
+
+
+def rows(results: dict) -> list[tuple[list[str], list[Figure]]]:
+    """The table's cells per configuration, and lmhead's figures against plain and torch behind them."""
+    out = []
     for (n, d, v), res in results.items():
         res = {m: res.get(m, {"times": [], "working": 0, "skipped": "not run"}) for m in ALL_METHODS}
         t = {m: statistics.median(res[m]["times"]) if res[m]["times"] else None for m in ALL_METHODS}
@@ -179,10 +184,25 @@ def table(results: dict) -> str:
 
         losses = [res[m]["loss"] for m in ALL_METHODS if "loss" in res[m]]
         dloss = f"{(max(losses) - min(losses)) / abs(losses[0]):.1e}" if len(losses) > 1 else "—"
-        lines.append(f"| {n:,} | {d} | {v:,} | {cell('plain', 't')} | {cell('torch', 't')} | "
-                     f"{cell('lmhead', 't')} | {cell('plain', 'm')} | {cell('torch', 'm')} | {cell('lmhead', 'm')} "
-                     f"| {ratio('lmhead', 'plain', 'm')} | {ratio('lmhead', 'plain', 't')} "
-                     f"| {ratio('lmhead', 'torch', 't')} | {dloss} |")
+        figures = []
+        for base in ("plain", "torch"):
+            shape = f"N={n} D={d} V={v}"
+            if t["lmhead"] is not None and t[base] is not None:
+                figures.append(Figure(f"lmhead fwd+bwd time, {shape}", t["lmhead"], "s", base, t[base]))
+            if w["lmhead"] is not None and w[base] is not None:
+                figures.append(Figure(f"lmhead working memory, {shape}", w["lmhead"], "bytes", base, w[base]))
+        out.append(([f"{n:,}", str(d), f"{v:,}", cell("plain", "t"), cell("torch", "t"), cell("lmhead", "t"),
+                     cell("plain", "m"), cell("torch", "m"), cell("lmhead", "m"), ratio("lmhead", "plain", "m"),
+                     ratio("lmhead", "plain", "t"), ratio("lmhead", "torch", "t"), dloss], figures))
+    return out
+
+
+def table(results: dict, record: Table | None = None) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for cells, figures in rows(results):
+        lines.append("| " + " | ".join(cells) + " |")
+        if record is not None:
+            record.row(cells, figures)
     return "\n".join(lines)
 
 
@@ -250,8 +270,6 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--methods must be a subset of {','.join(METHODS)}, got {args.methods!r}")
     METHODS[:] = [m for m in ALL_METHODS if m in chosen]
 
-    import platform
-
     import torch
 
     configs = QUICK_CONFIGS if args.quick else CONFIGS
@@ -261,19 +279,24 @@ def main(argv: list[str] | None = None) -> None:
             assert len(configs[0]) == 3 and min(configs[0]) > 0
         except (ValueError, AssertionError):
             p.error(f"--only must be N,D,V (three positive ints), got {args.only!r}")
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
-          f"{torch.__version__}, threads {args.threads or torch.get_num_threads()}; fwd+bwd float32, "
-          f"mean loss; median of up to {args.repeats} interleaved runs, each in a fresh process")
+    rec = Recorder("loss")
+    print(f"{rec.header()}; torch {torch.__version__}, threads {args.threads or torch.get_num_threads()}; "
+          f"fwd+bwd float32, mean loss; median of up to {args.repeats} interleaved runs, each in a fresh process")
     results = {} if args.chart_only else measure(configs, args, args.repeats)
     if results:
-        print(table(results))
+        name = "quick" if args.quick and not args.only else "configs" if not args.only else "one"
+        print(table(results, rec.table(name, "Fused linear cross-entropy, forward + backward, float32: time and "
+                                       "working memory against the plain loss and torch's chunked one", COLUMNS)))
     if args.chart:
         spec = QUICK_CHART if args.quick else CHART
         extra = [(n, spec["d"], spec["v"]) for n in spec["n"] if (n, spec["d"], spec["v"]) not in results]
         results.update(measure(extra, args, 1))
         chart(args.chart, results, spec)
         print("chart points:")
-        print(table({k: results[k] for k in sorted(results) if k[1:] == (spec["d"], spec["v"])}))
+        points = rec.table("chart", f"Working memory against N (D={spec['d']}, V={spec['v']:,}): the chart's "
+                           "points", COLUMNS)
+        print(table({k: results[k] for k in sorted(results) if k[1:] == (spec["d"], spec["v"])}, points))
+    rec.write()
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ For B ∈ {1, 8, 64} and V ∈ {49,152, 262,144}, the median time of
   topk(50)   a bare `torch.topk(logits, 50)` on the same tensor: the floor for anything that applies top-k
 measured in one process, repeats interleaved (lmhead, hf, topk, lmhead, hf, …), so machine noise hits all
 columns alike. Table 1: T=0.8, top-k=50, top-p=0.9. Tables 2-4: T=0.8, top-p=0.9 alone (HF sorts the whole
-vocabulary) on Gaussian logits of std 5 — the spread of Gemma 3 270M's next-token logits (measured: std
-4.5–5.3; its top-p 0.9 sets held 8–73 tokens) —, std 3 (top-p sets of ~2,000 of 262,144 tokens) and std 1
+vocabulary) on Gaussian logits of std 5 — about the spread of Gemma 3 270M's next-token logits (its top-p
+0.9 sets hold tens of tokens) —, std 3 (top-p sets of ~2,000 of 262,144 tokens) and std 1
 (flat: the top-p set is half the vocabulary). `--only-top-p` skips table 1; `--sizes B,V` picks one size.
 The last table: each declared step that the batch path does not run (lmhead.sampling.steps; typical-p, DRY,
 mirostat, ...), with the example setting its declaration gives, alone at T=0.8 on one row of V = 262,144 (std 5)
@@ -23,28 +23,16 @@ with a 256-token history, beside a bare `torch.topk(50)` on that row (the issue'
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import time
 
 import torch
+from records import Figure, Recorder  # same folder: run as a script, it is on sys.path
 
 from lmhead.sampling import SamplingConfig, sample
 
 BATCHES = (1, 8, 64)
 VOCABS = (49_152, 262_144)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def hf_chain(temperature: float, top_k: int, top_p: float):
@@ -96,9 +84,11 @@ def fits(batch: int, vocab: int) -> tuple[bool, float]:
         return True, need
 
 
-def table(title: str, cfg: SamplingConfig, repeats: int, scale: float, with_topk: bool,
-          sizes: list[tuple[int, int]]) -> None:
+def table(rec: Recorder, name: str, title: str, cfg: SamplingConfig, repeats: int, scale: float,
+          with_topk: bool, sizes: list[tuple[int, int]]) -> None:
     print(f"\n{title}")
+    columns = ["B", "V", "lmhead ms", "hf ms", "hf/lmhead"] + (["topk(50) ms", "lmhead/topk"] if with_topk else [])
+    record = rec.table(name, title, columns)
     head = f"{'B':>4} {'V':>8} {'lmhead ms':>10} {'hf ms':>10} {'hf/lmhead':>10}"
     if with_topk:
         head += f" {'topk(50) ms':>12} {'lmhead/topk':>12}"
@@ -108,6 +98,7 @@ def table(title: str, cfg: SamplingConfig, repeats: int, scale: float, with_topk
         ok, need = fits(batch, vocab)
         if not ok:
             print(f"{batch:>4} {vocab:>8}  skipped: needs {need:.1f} GiB")
+            record.note(f"B={batch}, V={vocab}: skipped, needs {need:.1f} GiB")
             continue
         logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0)) * scale
         gen_a, gen_b = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
@@ -118,12 +109,17 @@ def table(title: str, cfg: SamplingConfig, repeats: int, scale: float, with_topk
         t = median_times(fns, repeats, budget_s=2.0 if repeats > 5 else 0.5)
         row = (f"{batch:>4} {vocab:>8} {t['lmhead'] * 1e3:>10.2f} {t['hf'] * 1e3:>10.2f} "
                f"{t['hf'] / t['lmhead']:>9.1f}×")
+        figures = [Figure(f"lmhead sample, B={batch}, V={vocab}", t["lmhead"] * 1e3, "ms",
+                          "transformers warpers + torch.multinomial", t["hf"] * 1e3)]
         if with_topk:
             row += f" {t['topk'] * 1e3:>12.2f} {t['lmhead'] / t['topk']:>11.2f}×"
+            figures.append(Figure(f"lmhead sample, B={batch}, V={vocab}", t["lmhead"] * 1e3, "ms",
+                                  "torch.topk(logits, 50)", t["topk"] * 1e3, t["lmhead"] / t["topk"]))
         print(row, flush=True)
+        record.row(row.split(), figures)
 
 
-def steps_table(repeats: int) -> None:
+def steps_table(rec: Recorder, repeats: int) -> None:
     from lmhead.sampling import RowState
     from lmhead.sampling.steps import STEPS
 
@@ -135,6 +131,9 @@ def steps_table(repeats: int) -> None:
     print(f"\neach step alone, T=0.8, one row of V = {vocab:,} (std 5), 256 tokens of history — lmhead.sample "
           "vs a bare torch.topk(50) on the row")
     print(f"{'step':>18} {'ms/token':>10} {'topk(50) ms':>12} {'step/topk':>10}")
+    record = rec.table("steps", f"Each declared step alone, T=0.8, one row of V = {vocab:,} (std 5), 256 tokens of "
+                       "history — lmhead.sample vs a bare torch.topk(50) on the row",
+                       ["step", "ms/token", "topk(50) ms", "step/topk"])
     logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)) * 5
     history = [torch.randint(0, vocab, (256,), generator=torch.Generator().manual_seed(3)).tolist()]
     history[0][-8:] = history[0][100:108]  # a repeat for DRY and the n-grams to find
@@ -147,6 +146,9 @@ def steps_table(repeats: int) -> None:
         t = median_times(fns, repeats, budget_s=1.0)
         print(f"{name:>18} {t['step'] * 1e3:>10.2f} {t['topk'] * 1e3:>12.2f} {t['step'] / t['topk']:>9.2f}×",
               flush=True)
+        record.row([name, f"{t['step'] * 1e3:.2f}", f"{t['topk'] * 1e3:.2f}", f"{t['step'] / t['topk']:.2f}×"],
+                   [Figure(f"{name} alone, one row", t["step"] * 1e3, "ms", "torch.topk(logits, 50)",
+                           t["topk"] * 1e3, t["step"] / t["topk"])])
 
 
 def main() -> None:
@@ -166,21 +168,24 @@ def main() -> None:
         sizes = [(batch, vocab) for vocab in VOCABS for batch in BATCHES]
     torch.set_num_threads(max(1, args.threads))
     repeats = args.repeats or (5 if args.quick else 21)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, load average {load:.1f}; median of ≥ {repeats} interleaved repeats")
+    rec = Recorder("sampling")
+    print(f"{rec.header()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"median of ≥ {repeats} interleaved repeats")
     if args.only_steps:
-        steps_table(repeats)
+        steps_table(rec, repeats)
+        rec.write()
         return
     if not args.only_top_p:
-        table("T=0.8, top-k=50, top-p=0.9 — lmhead.sample vs HF warpers + multinomial (logits std 5)",
-              SamplingConfig(temperature=0.8, top_k=50, top_p=0.9), repeats, 5.0, True, sizes)
+        table(rec, "top_k_top_p", "T=0.8, top-k=50, top-p=0.9 — lmhead.sample vs HF warpers + multinomial (logits "
+              "std 5)", SamplingConfig(temperature=0.8, top_k=50, top_p=0.9), repeats, 5.0, True, sizes)
     for scale, what in ((5.0, "like a language model's"), (3.0, "top-p sets of thousands"),
                         (1.0, "flat: top-p sets of half the vocabulary")):
-        table(f"T=0.8, top-p=0.9 alone — lmhead (rejection draw) vs HF (full sort) + multinomial (logits std "
-              f"{scale:g}, {what})", SamplingConfig(temperature=0.8, top_p=0.9), repeats, scale, False, sizes)
+        table(rec, f"top_p_std{scale:g}", f"T=0.8, top-p=0.9 alone — lmhead (rejection draw) vs HF (full sort) + "
+              f"multinomial (logits std {scale:g}, {what})", SamplingConfig(temperature=0.8, top_p=0.9), repeats,
+              scale, False, sizes)
     if not args.only_top_p:
-        steps_table(repeats)
+        steps_table(rec, repeats)
+    rec.write()
 
 
 if __name__ == "__main__":

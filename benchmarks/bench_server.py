@@ -21,6 +21,20 @@ The same --concurrent requests without HTTP, in one process, alternating: all of
 server's rounds) and one after another (each alone), --in-process times each; the median ratio, every run's
 time per round by phase (`Batch(profile=...)`), the load average of each run, and whether the tokens are equal.
 Steadier than two servers one after another, whose phases a busy machine can split.
+
+    .venv/bin/python benchmarks/bench_server.py --chat-turns 10 [--model smollm2-135m] [--tokens 64]
+
+A --chat-turns chat (`lmhead.chat_session.ChatSession`, greedy, --tokens an answer) with its prefix cache and
+with none, alternating by turn: per turn the prompt's tokens, the tokens prefilled (prompt less the reused
+columns) and the time to the first token of each; target: the last turn's time to first token within 1.5× of
+the first's with the cache.
+
+    .venv/bin/python benchmarks/bench_server.py --join-gap 4096 [--concurrent 8] [--tokens 64]
+
+--concurrent streams decode in one `Batch` while a --join-gap-token prompt joins (`Batch.begin_join`, one piece
+of `speculative.PREFILL_PIECE` columns between two rounds) and, for comparison, with the whole prompt prefilled
+at once (the piece as long as the prompt): the longest gap between two rounds of the running streams against
+their median round; target ≤ 3× with chunked prefill.
 """
 
 from __future__ import annotations
@@ -39,6 +53,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import PROMPTS as DECODE_PROMPTS  # noqa: E402
+from records import Figure, Recorder  # noqa: E402
 
 # bench_decode's five prompts and three more
 PROMPTS = [*DECODE_PROMPTS, "The recipe calls for two cups of flour,", "In 1969, the first humans",
@@ -131,7 +146,7 @@ async def measure(url: str, args: argparse.Namespace) -> dict:
             "texts": texts + [t for ts in load for t in ts]}
 
 
-def in_process(args: argparse.Namespace) -> None:
+def in_process(args: argparse.Namespace, rec: Recorder) -> None:
     """--in-process: 8 at once against 8 one after another in one process, alternating (see the docstring)."""
     from lmhead import load_model
     from lmhead.generate import Batch, prepare
@@ -163,6 +178,9 @@ def in_process(args: argparse.Namespace) -> None:
     n = args.concurrent
     decode([r for i in range(n) for r in rows(i)])  # warm-up: kernels, caches
     together, apart = [], []
+    table = rec.table("in_process", f"{args.model}: {n} × {args.tokens}-token requests in one process, all in one "
+                      "batch against one after another", ["run", f"{n} at once (s)", "one after another (s)",
+                                                          "ratio", "tokens equal", "load"])
     for rep in range(args.in_process):
         profile: dict[str, float] = {}
         ta, a = timed(lambda p=profile: decode([r for i in range(n) for r in rows(i)], p))
@@ -173,8 +191,92 @@ def in_process(args: argparse.Namespace) -> None:
         print(f"run {rep}: {n} at once {ta:.2f} s ({profile['rounds']} rounds; ms per round {per_round}), "
               f"one after another {tb:.2f} s, ratio {tb / ta:.2f}, tokens equal {a == b}, "
               f"load {os.getloadavg()[0]:.2f}", flush=True)
+        table.row([rep, f"{ta:.2f}", f"{tb:.2f}", f"{tb / ta:.2f}", a == b, f"{os.getloadavg()[0]:.2f}"])
     ta, tb = statistics.median(together), statistics.median(apart)
     print(f"median: {n} at once {ta:.2f} s, one after another {tb:.2f} s, ratio {tb / ta:.2f} (target ≥ 3)")
+    table.row(["median", f"{ta:.2f}", f"{tb:.2f}", f"{tb / ta:.2f}", "—", "—"],
+              [Figure(f"{n} requests in one batch", ta, "s", "one after another", tb)])
+
+
+def chat_turns(args: argparse.Namespace, rec: Recorder) -> None:
+    """--chat-turns: prefilled tokens and time to first token per turn, with and without the prefix cache."""
+    from lmhead import load_model
+    from lmhead.chat_session import ChatSession
+    from lmhead.prefix_cache import PrefixCache
+    from lmhead.sampling import SamplingConfig
+
+    model = load_model(args.model)
+    sessions = {name: ChatSession(model, config=SamplingConfig(temperature=0), max_new_tokens=args.tokens)
+                for name in ("cache", "none")}
+    sessions["none"].prefix_cache = PrefixCache(max_bytes=0)  # stores nothing
+    print(f"{'turn':>4}{'prompt':>8}{'prefilled (cache)':>19}{'TTFT cache (s)':>16}{'TTFT none (s)':>15}")
+    table = rec.table("chat_turns", f"{args.model}: an {args.chat_turns}-turn chat, time to first token with the "
+                      "prefix cache and without", ["turn", "prompt tokens", "prefilled (cache)", "TTFT cache (s)",
+                                                   "TTFT none (s)"])
+    first = None
+    for turn in range(args.chat_turns):
+        line = [f"{turn + 1:>4}"]
+        ttft = {}
+        for name, session in sessions.items():
+            cache = session.prefix_cache
+            reused = cache.reused
+            t = time.perf_counter()
+            steps = session.reply(PROMPTS[turn % len(PROMPTS)] + " Tell me more.")
+            next(steps)
+            ttft[name] = time.perf_counter() - t
+            for _ in steps:
+                pass
+            if name == "cache":
+                prompt = len(model.encode(model.tokenizer.apply_chat_template(
+                    session.messages[:-1], tokenize=False, add_generation_prompt=True)))
+                line += [f"{prompt:>8}", f"{prompt - (cache.reused - reused):>19}"]
+        first = first or ttft["cache"]
+        print("".join(line) + f"{ttft['cache']:>16.3f}{ttft['none']:>15.3f}", flush=True)
+        table.row([c.strip() for c in line] + [f"{ttft['cache']:.3f}", f"{ttft['none']:.3f}"],
+                  [Figure(f"turn {turn + 1} time to first token", ttft["cache"], "s", "no prefix cache",
+                          ttft["none"])])
+    summary = (f"last turn's TTFT / first's with the cache: {ttft['cache'] / first:.2f} (target ≤ 1.5); "
+               f"load {os.getloadavg()[0]:.2f}")
+    print(summary)
+    table.note(summary)
+
+
+def join_gap(args: argparse.Namespace, rec: Recorder) -> None:
+    """--join-gap: the longest gap between two rounds of running streams while a long prompt joins."""
+    import lmhead.speculative as spec
+    from lmhead import load_model
+    from lmhead.generate import Batch, prepare
+    from lmhead.sampling import SamplingConfig
+
+    model = load_model(args.model)
+    long_ids = (model.encode(" ".join(PROMPTS)) * (args.join_gap // 40 + 1))[:args.join_gap]
+    long_prompt = model.tokenizer.decode(long_ids)
+    shipped = spec.PREFILL_PIECE
+    table = rec.table("join_gap", f"{args.model}: {args.concurrent} streams decoding while a {args.join_gap}-token "
+                      "prompt joins", ["prefill", "longest gap (ms)", "median round (ms)", "ratio"])
+    for name, piece in (("chunked", shipped), ("whole", args.join_gap + 1)):
+        spec.PREFILL_PIECE = piece
+        batch = Batch(model, draft="none")
+        batch.add([r for i in range(args.concurrent)
+                   for r in prepare(model, PROMPTS[i % len(PROMPTS)], args.tokens, SamplingConfig(temperature=0))])
+        gaps, joined, t = [], False, time.perf_counter()
+        while batch.rows:
+            if not joined and len(gaps) == 4:
+                batch.begin_join(prepare(model, long_prompt, 4, SamplingConfig(temperature=0)))
+                joined = True
+            batch.prefill()
+            batch.step()
+            now = time.perf_counter()
+            gaps.append(now - t)
+            t = now
+        normal = statistics.median(gaps)
+        table.row([name, f"{max(gaps) * 1e3:.0f}", f"{normal * 1e3:.0f}", f"{max(gaps) / normal:.1f}"],
+                  [Figure(f"longest gap, {name} prefill", max(gaps) * 1e3, "ms", "median round", normal * 1e3,
+                                 ratio=max(gaps) / normal)])
+        print(f"{name}: {args.concurrent} streams, a {args.join_gap}-token prompt joins: longest gap "
+              f"{max(gaps) * 1e3:.0f} ms, median round {normal * 1e3:.0f} ms, ratio {max(gaps) / normal:.1f} "
+              f"(target ≤ 3 chunked); load {os.getloadavg()[0]:.2f}", flush=True)
+    spec.PREFILL_PIECE = shipped
 
 
 def main() -> None:
@@ -187,13 +289,26 @@ def main() -> None:
     ap.add_argument("--load-tokens", type=int, default=16)
     ap.add_argument("--in-process", type=int, default=0, metavar="RUNS",
                     help="no servers: this many alternating in-process runs (see above)")
+    ap.add_argument("--chat-turns", type=int, default=0, metavar="N",
+                    help="no servers: an N-turn chat with and without the prefix cache (see above)")
+    ap.add_argument("--join-gap", type=int, default=0, metavar="TOKENS",
+                    help="no servers: the longest gap of running streams while a TOKENS-token prompt joins")
     args = ap.parse_args()
-    if args.in_process:
-        print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  ({os.cpu_count()} CPUs)")
-        in_process(args)
+    rec = Recorder("server")
+    print(rec.header())
+    if args.chat_turns or args.join_gap:
+        if args.chat_turns:
+            chat_turns(args, rec)
+        if args.join_gap:
+            join_gap(args, rec)
         print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        rec.write()
         return
-    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  ({os.cpu_count()} CPUs)")
+    if args.in_process:
+        in_process(args, rec)
+        print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        rec.write()
+        return
     results = {}
     for name, max_batch in (("batched", 32), ("serial", 1)):
         server = Server(args.model, max_batch)
@@ -206,6 +321,9 @@ def main() -> None:
     print(f"\n{args.model}, loopback; {n} × {k}-token completions; {args.clients} clients × {args.requests} "
           f"requests of {args.load_tokens} tokens")
     print(f"{'':34}{'batched':>10}{'serial':>10}{'ratio':>8}")
+    table = rec.table("servers", f"{args.model}, loopback: the server as shipped (batched) against one generation at a "
+                      f"time (serial); {n} × {k}-token completions, {args.clients} clients × {args.requests} requests "
+                      f"of {args.load_tokens} tokens", ["", "batched", "serial", "ratio"])
     rows = [("one request, idle server (s)", b["idle"], s["idle"]),
             (f"{n} one after another (s)", b["one_by_one"], s["one_by_one"]),
             (f"{n} at once (s)", b["at_once"], s["at_once"]),
@@ -214,13 +332,18 @@ def main() -> None:
             (f"{args.clients}×{args.requests}: wall (s)", b["load_wall"], s["load_wall"])]
     for label, x, y in rows:
         print(f"{label:34}{x:10.2f}{y:10.2f}{y / x:8.2f}")
+        table.row([label, f"{x:.2f}", f"{y:.2f}", f"{y / x:.2f}"], [Figure(label, x, "s", "serial server", y)])
     speedup = b["one_by_one"] / b["at_once"]
     halved = s["p50"] / b["p50"]
     print(f"\n{n} at once vs one after another (batched server): {speedup:.2f}× sooner (target ≥ 3)")
     print(f"p50 latency under load, serial / batched: {halved:.2f}× (target ≥ 2)")
     same = sum(x == y for x, y in zip(b["texts"], s["texts"], strict=True))
     print(f"answers equal on both servers: {same} of {len(b['texts'])}")
+    table.note(f"{n} at once vs one after another (batched server): {speedup:.2f}× sooner (target ≥ 3); p50 latency "
+               f"under load, serial / batched: {halved:.2f}× (target ≥ 2); answers equal on both servers: {same} of "
+               f"{len(b['texts'])}")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    rec.write()
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import time
 
 import psutil
 import torch
+from records import Figure, Recorder, Table  # same folder: run as a script, it is on sys.path
 
 GIB = 2**30
 MIB = 2**20
@@ -186,13 +187,17 @@ def child(model_name: str, batch: int, seq_len: int, loss: str, steps: int, chec
             "attention": str(getattr(model.config, "_attn_implementation", None)), "checkpointing": checkpointing}
 
 
-def trainer_table(runs: list[tuple[str, int, int]], steps: int, checkpointing: bool = False) -> None:
+def trainer_table(rec: Recorder, runs: list[tuple[str, int, int]], steps: int, checkpointing: bool = False) -> None:
     gc = ", gradient checkpointing in both runs" if checkpointing else ""
     print(f"Trainer step (forward + backward + AdamW{gc}), float32, CPU, {torch.get_num_threads()} threads; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     head = (f"{'model':>14} {'B x T':>9} {'loss':>7} {'step s':>7} {'working GiB':>12} {'peak RSS GiB':>13}"
             f" {'saved: body GiB':>16} {'head+loss GiB':>14}")
     print(head)
+    table = rec.table("trainer_checkpointing" if checkpointing else "trainer",
+                      f"Trainer step (forward + backward + AdamW{gc}), float32, CPU: lmhead's fused loss against the "
+                      "unpatched model's", ["model", "B x T", "loss", "step s", "working GiB", "peak RSS GiB",
+                                            "saved: body GiB", "head+loss GiB"])
     for name, batch, seq_len in runs:
         res = {}
         for loss in ("lmhead", "plain"):
@@ -201,6 +206,7 @@ def trainer_table(runs: list[tuple[str, int, int]], steps: int, checkpointing: b
             if "gemma" in name and need > avail:
                 print(f"{name:>14} {batch}x{seq_len:<7} {loss:>7}  skipped: needs ~{need / GIB:.0f} GiB, "
                       f"{avail / GIB:.1f} GiB available")
+                table.note(f"{name} {batch}x{seq_len} {loss}: skipped, needs ~{need / GIB:.0f} GiB")
                 continue
             cmd = [sys.executable, __file__, "--child", name, str(batch), str(seq_len), loss, str(steps),
                    str(int(checkpointing))]
@@ -214,11 +220,13 @@ def trainer_table(runs: list[tuple[str, int, int]], steps: int, checkpointing: b
             r = res[loss] = json.loads(out.stdout.strip().splitlines()[-1])
             print(f"{name:>14} {batch}x{seq_len:<7} {loss:>7} {r['time']:>7.2f} {r['working'] / GIB:>12.2f}"
                   f" {r['peak'] / GIB:>13.2f} {r['saved_body'] / GIB:>16.2f} {r['saved_rest'] / GIB:>14.2f}")
+            table.row([name, f"{batch}x{seq_len}", loss, f"{r['time']:.2f}", f"{r['working'] / GIB:.2f}",
+                       f"{r['peak'] / GIB:.2f}", f"{r['saved_body'] / GIB:.2f}", f"{r['saved_rest'] / GIB:.2f}"])
         if res:
-            where_it_goes(res)
+            where_it_goes(res, table, f"{name} {batch}x{seq_len}")
 
 
-def where_it_goes(res: dict[str, dict]) -> None:
+def where_it_goes(res: dict[str, dict], table: Table, run: str) -> None:
     """The lmhead/plain ratios and where the remaining working memory goes (activations vs logits)."""
     any_run = next(iter(res.values()))
     logits, body = any_run["logits_bytes"], any_run["saved_body"]
@@ -240,9 +248,13 @@ def where_it_goes(res: dict[str, dict]) -> None:
               f"{r['saved_rest'] / MIB:.0f} MiB)")
     if len(res) == 2:
         a, b = res["lmhead"], res["plain"]
-        print(f"{'':>14} lmhead/plain: step time {a['time'] / b['time']:.2f}x, working memory "
-              f"{a['working'] / b['working']:.0%}; the lowest ratio any loss can reach with this body "
-              f"(its activations / plain working memory): {b['saved_body'] / b['working']:.0%}")
+        line = (f"lmhead/plain: step time {a['time'] / b['time']:.2f}x, working memory "
+                f"{a['working'] / b['working']:.0%}; the lowest ratio any loss can reach with this body "
+                f"(its activations / plain working memory): {b['saved_body'] / b['working']:.0%}")
+        print(f"{'':>14} {line}")
+        table.note(f"{run}: {line}")
+        table.figures += [Figure(f"{run} step time", a["time"], "s", "unpatched model", b["time"]),
+                          Figure(f"{run} working memory", a["working"], "bytes", "unpatched model", b["working"])]
     print(f"{'':>14} held (not counted): params + grads + AdamW = {4 * any_run['param_bytes'] / GIB:.2f} GiB")
 
 
@@ -269,7 +281,7 @@ def _sampler_calls(x: torch.Tensor, ids: torch.Tensor, cfg, warpers: list) -> di
     return {"hf": hf, "draw": draw, "logits": logits}
 
 
-def sampler_table(vocab: int = 262_144, batches: tuple[int, ...] = (1, 8), repeats: int = 15) -> None:
+def sampler_table(rec: Recorder, vocab: int = 262_144, batches: tuple[int, ...] = (1, 8), repeats: int = 15) -> None:
     from transformers.generation import logits_process as lp
 
     from lmhead.sampling import SamplingConfig
@@ -278,6 +290,9 @@ def sampler_table(vocab: int = 262_144, batches: tuple[int, ...] = (1, 8), repea
           f"top-p 0.9, min-p 0.05); load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"{'B':>3} {'HF warpers+draw ms':>19} {'lmhead draw=True ms':>20} {'ratio':>6} "
           f"{'lmhead draw=False ms':>21} {'ratio':>6}")
+    table = rec.table("sampler", f"generate() processor, one call on [B, {vocab:,}] float32 logits (temperature "
+                      "0.8, top-k 50, top-p 0.9, min-p 0.05)", ["B", "HF warpers+draw ms", "lmhead draw=True ms",
+                                                                "ratio", "lmhead draw=False ms", "ratio"])
     cfg = SamplingConfig(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05)
     warpers = [lp.TemperatureLogitsWarper(0.8), lp.TopKLogitsWarper(50), lp.TopPLogitsWarper(0.9),
                lp.MinPLogitsWarper(0.05)]
@@ -294,6 +309,11 @@ def sampler_table(vocab: int = 262_144, batches: tuple[int, ...] = (1, 8), repea
         m = {k: statistics.median(v) for k, v in times.items()}
         print(f"{b:>3} {m['hf']:>19.2f} {m['draw']:>20.2f} {m['hf'] / m['draw']:>5.1f}x {m['logits']:>21.2f}"
               f" {m['hf'] / m['logits']:>5.1f}x")
+        table.row([b, f"{m['hf']:.2f}", f"{m['draw']:.2f}", f"{m['hf'] / m['draw']:.1f}x", f"{m['logits']:.2f}",
+                   f"{m['hf'] / m['logits']:.1f}x"],
+                  [Figure(f"SamplingLogitsProcessor draw=True, B={b}", m["draw"], "ms", "HF warpers + draw", m["hf"]),
+                   Figure(f"SamplingLogitsProcessor draw=False, B={b}", m["logits"], "ms", "HF warpers + draw",
+                          m["hf"])])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,15 +331,18 @@ def main(argv: list[str] | None = None) -> int:
         name, b, t, loss, steps, gc = (*args.child, "0")[:6]
         print(json.dumps(child(name, int(b), int(t), loss, int(steps), bool(int(gc)))))
         return 0
+    rec = Recorder("trainer")
+    print(rec.header())
     if not args.sampler_only:
         runs = []
         for item in args.runs.split(","):
             name, _, size = item.partition(":")
             b, _, t = size.partition("x")
             runs.append((name, int(b), int(t)))
-        trainer_table(runs, max(1, args.steps), args.gradient_checkpointing)
+        trainer_table(rec, runs, max(1, args.steps), args.gradient_checkpointing)
     if not args.no_sampler:
-        sampler_table()
+        sampler_table(rec)
+    rec.write()
     return 0
 
 

@@ -27,6 +27,7 @@ import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from records import Figure, Recorder, Table  # same folder: run as a script, it is on sys.path
 
 MB = 2**20
 
@@ -153,8 +154,12 @@ def main() -> None:
     if (2 * v * d + 2 * n * d) * 4 * 1.5 > avail:
         print(f"skipped: needs {2 * v * d * 4 * 1.5 / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available")
         return
-    print(f"vocab-parallel head + fused loss, fp32 forward+backward: N={n}, D={d}, V={v}; "
-          f"{os.cpu_count()} CPU cores, gloo; memory per rank = the largest over the ranks")
+    rec = Recorder("vocab_parallel")
+    print(rec.header())
+    title = f"vocab-parallel head + fused loss, fp32 forward+backward: N={n}, D={d}, V={v}; gloo; memory per rank"
+    print(f"{title} = the largest over the ranks")
+    table = rec.table("worlds", title, ["setup", "rows/rank", "shard MB", "head+loss MB", "vs 1 process",
+                                        "working MB", "fwd+bwd s", "loss"])
     header = (f"{'setup':<24}{'rows/rank':>10}{'shard MB':>10}{'head+loss MB':>14}{'vs 1 process':>14}"
               f"{'working MB':>12}{'fwd+bwd s':>11}{'loss':>12}")
     print(header)
@@ -166,19 +171,22 @@ def main() -> None:
                   f"{avail / 2**30:.1f} GiB available")
         else:
             rows.append(("1 process, full logits", _run(1, args, plain=True)))
-            _print_row(*rows[-1], None)
+            _print_row(table, *rows[-1], None)
     first = None
     for world in args.worlds:
         res = _run(world, args)
         label = f"{world} rank{'s' if world > 1 else ''}, fused loss"
         head_loss = max(r["head_loss"] for r in res)
         first = first if first is not None else head_loss
-        _print_row(label, res, first)
-    print("head+loss = peak RSS above start-up: weight shard + dW + working memory; working = head+loss minus "
-          "the inputs' and gradients' bytes")
+        _print_row(table, label, res, first)
+    note = ("head+loss = peak RSS above start-up: weight shard + dW + working memory; working = head+loss minus "
+            "the inputs' and gradients' bytes")
+    print(note)
+    table.note(note)
+    rec.write()
 
 
-def _print_row(label: str, res: list[dict], first: int | None) -> None:
+def _print_row(table: Table, label: str, res: list[dict], first: int | None) -> None:
     head_loss = max(r["head_loss"] for r in res)
     ratio = f"{head_loss / first:.2f}x" if first else "-"
     losses = {round(r["loss"], 6) for r in res}
@@ -186,6 +194,10 @@ def _print_row(label: str, res: list[dict], first: int | None) -> None:
     print(f"{label:<24}{max(r['rows'] for r in res):>10}{max(r['shard'] for r in res) / MB:>10.0f}"
           f"{head_loss / MB:>14.0f}{ratio:>14}{max(r['working'] for r in res) / MB:>12.0f}"
           f"{max(r['seconds'] for r in res):>11.2f}{loss:>12}")
+    table.row([label, max(r["rows"] for r in res), f"{max(r['shard'] for r in res) / MB:.0f}", f"{head_loss / MB:.0f}",
+               ratio, f"{max(r['working'] for r in res) / MB:.0f}", f"{max(r['seconds'] for r in res):.2f}", loss],
+              [Figure(f"{label}: head+loss memory per rank", head_loss, "bytes", "1 process", first,
+                      head_loss / first if first else None)])
 
 
 if __name__ == "__main__":

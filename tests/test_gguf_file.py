@@ -122,3 +122,29 @@ def test_a_second_load_of_a_gguf_reads_only_its_cached_config_and_tokenizer(tmp_
     load_model(str(path), progress=False)
     assert calls == []
     assert not list((tmp_path / "cache" / "models").glob("*/model.safetensors"))  # no float32 copy on disk
+
+
+def test_a_gguf_without_a_tensor_its_architecture_needs_is_a_clear_error(tmp_path, monkeypatch):
+    from tiny_gguf import write_tiny_gguf
+
+    from lmhead import load_model
+    from lmhead.models import ModelError
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "cut.gguf", "llama", drop="blk.1.ffn_down.weight")
+    with pytest.raises(ModelError, match=r"cut\.gguf: the file has no tensor 'blk\.1\.ffn_down\.weight'"):
+        load_model(str(path), progress=False)
+
+
+def test_a_gguf_larger_than_the_memory_available_is_refused_before_it_loads(tmp_path, monkeypatch):
+    from tiny_gguf import write_tiny_gguf
+
+    from lmhead import load_model
+    from lmhead.models import ModelError, file_model
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("LMHEAD_IGNORE_MEMORY", raising=False)
+    path = write_tiny_gguf(tmp_path / "big.gguf", "llama")
+    monkeypatch.setattr(file_model, "available_memory", lambda: 1024)
+    with pytest.raises(ModelError, match=r"big\.gguf: loading it needs about .* GiB of memory and 0\.0 GiB is"):
+        load_model(str(path), progress=False)

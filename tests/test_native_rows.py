@@ -196,7 +196,7 @@ def test_top_p_parts_give_the_same_cut_from_c_and_from_torch(width, monkeypatch)
 
     def cut() -> dict[int, tuple[list[int], list[float]]]:
         out = {}
-        for rows, vals, idx in sampling._top_p_parts(x, 0.8, 0.9, vocab):
+        for rows, vals, idx in sampling.top_p_parts(x, 0.8, 0.9, vocab):
             rows = list(range(x.shape[0])) if rows is None else rows.tolist()
             for j, r in enumerate(rows):
                 v = vals[j] if idx is not None else vals[j]
@@ -217,7 +217,7 @@ def test_top_p_parts_name_the_batch_row_whose_logits_are_bad():
     x = torch.stack([_lm_row(80, 4096, 12.0), _lm_row(81, 4096, 12.0)])
     x[1, 9] = float("nan")
     with pytest.raises(ValueError, match=r"NaN \(row 1\)"):
-        sampling._top_p_parts(x, 0.8, 0.9, Vocab(4096))
+        sampling.top_p_parts(x, 0.8, 0.9, Vocab(4096))
 
 
 @pytest.mark.parametrize("cfg", [dict(top_p=0.9, seed=7), dict(top_p=0.9, min_p=0.02, seed=8)])

@@ -674,11 +674,11 @@ def test_top_p_draw_accepts_exactly_the_reference_set(p):
     want = torch.isfinite(ref.sampling_process(x, [SamplingConfig(temperature=temperature, top_p=p)] * 6))
     vocab = sampling.Vocab(x.shape[1])
     top = x.amax(dim=-1, keepdim=True) / temperature
-    limit = p * sampling._grid_sums(x, top, temperature, None, vocab).sum(dim=-1, dtype=torch.float64)
+    limit = p * sampling.grid_sums(x, top, temperature, None, vocab).sum(dim=-1, dtype=torch.float64)
     for r in range(x.shape[0]):
         values = torch.unique(x[r][torch.isfinite(x[r])] / temperature)
         rows = x[r : r + 1].expand(values.numel(), -1)
-        above = sampling._grid_sums(rows, top[r : r + 1].expand(values.numel(), 1), temperature, values[:, None],
+        above = sampling.grid_sums(rows, top[r : r + 1].expand(values.numel(), 1), temperature, values[:, None],
                                     vocab).sum(dim=-1, dtype=torch.float64)
         kept_values = values[above < limit[r]]
         got = torch.isin(x[r] / temperature, kept_values)
@@ -798,8 +798,8 @@ def test_top_p_draws_on_language_model_like_rows_settle_in_the_window(monkeypatc
     import lmhead.sampling.top_p as sampling  # the module that holds the top-p paths and their constants
 
     cuts = []
-    real = sampling._top_p_sorted
-    monkeypatch.setattr(sampling, "_top_p_sorted", lambda *a: cuts.append(a[0].shape[0]) or real(*a))
+    real = sampling.top_p_sorted
+    monkeypatch.setattr(sampling, "top_p_sorted", lambda *a: cuts.append(a[0].shape[0]) or real(*a))
     x = torch.cat([peaked(1, 3000, seed=9, scale=5.0), window_rows(3000, [6], seed=4)])
     cfg = SamplingConfig(temperature=0.8, top_p=0.6)  # about half the first draws are rejected
     probs = ref.sampling_draw_probabilities(x, [cfg] * 2)
@@ -934,9 +934,9 @@ def test_unseeded_top_p_rows_draw_from_the_set_c_finds_and_the_rest_by_rejection
     if native.library() is None:
         pytest.skip("the C pass needs the native library")
     settled, rejected = [], []
-    top_p_row, draw = native.top_p_row, sampling._top_p_draw
+    top_p_row, draw = native.top_p_row, sampling.top_p_draw
     monkeypatch.setattr(native, "top_p_row", lambda *a: settled.append(top_p_row(*a) is not None) or top_p_row(*a))
-    monkeypatch.setattr(sampling, "_top_p_draw", lambda x, *a: rejected.append(x.shape[0]) or draw(x, *a))
+    monkeypatch.setattr(sampling, "top_p_draw", lambda x, *a: rejected.append(x.shape[0]) or draw(x, *a))
     x = torch.cat([window_rows(10_000, [7], seed=5), torch.randn(1, 10_000, generator=gen) * 0.3])
     cfg = SamplingConfig(temperature=0.8, top_p=0.9)
     probs = ref.sampling_draw_probabilities(x, [cfg] * 2)

@@ -55,8 +55,10 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", seed: int = 0) -> Path:
-    """Write tiny.py's `arch` model to `path` as a GGUF file with its matrices in `kind`; returns the path."""
+def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", seed: int = 0, drop: str | None = None
+                    ) -> Path:
+    """Write tiny.py's `arch` model to `path` as a GGUF file with its matrices in `kind` (without the tensor `drop`:
+    an incomplete file); returns the path."""
     import gguf
     from gguf.quants import quantize
 
@@ -115,6 +117,8 @@ def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", seed: i
             out = f"blk.{parts[2]}.{gg}.{suffix}"
             if arch == "llama" and gg in ("attn_q", "attn_k"):
                 a = _permute(a, cfg.num_attention_heads if gg == "attn_q" else cfg.num_key_value_heads)
+        if out == drop:
+            continue
         if gemma and "norm" in out:
             a = a + 1
         if a.ndim == 2 and out != "output_norm.weight":

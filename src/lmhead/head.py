@@ -199,11 +199,15 @@ class LMHead(nn.Module):
         if hidden.dim() not in (2, 3) or hidden.shape[-1] != self.d_model:
             raise ValueError(f"hidden must be [B,T,D] or [N,D] with D = d_model = {self.d_model}, got shape "
                              f"{list(hidden.shape)}")
-        if hidden.dtype != self.weight.dtype:
-            raise TypeError(f"hidden dtype {hidden.dtype} must match the head's weight dtype {self.weight.dtype} "
+        dtype, device = self._weight_dtype_device()
+        if hidden.dtype != dtype:
+            raise TypeError(f"hidden dtype {hidden.dtype} must match the head's weight dtype {dtype} "
                             f"(cast one of them with .to())")
-        if hidden.device != self.weight.device:
-            raise ValueError(f"hidden is on {hidden.device} but the head's weight is on {self.weight.device}")
+        if hidden.device != device:
+            raise ValueError(f"hidden is on {hidden.device} but the head's weight is on {device}")
+
+    def _weight_dtype_device(self) -> tuple[torch.dtype, torch.device]:
+        return self.weight.dtype, self.weight.device
 
 
 def _as_parameter(t: Tensor) -> nn.Parameter:

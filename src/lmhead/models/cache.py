@@ -44,8 +44,9 @@ def cache_root() -> Path:
     return base / "lmhead"
 
 
-def models_dir() -> Path:
-    path = cache_root() / "models"
+def _folder(name: str) -> Path:
+    """`<cache>/<name>`, made if missing; ModelError naming it where it cannot be."""
+    path = cache_root() / name
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -54,20 +55,16 @@ def models_dir() -> Path:
         raise ModelError(f"cannot create the model cache folder {path}: {exc.strerror}; "
                          "set LMHEAD_CACHE to a writable folder") from exc
     return path
+
+
+def models_dir() -> Path:
+    return _folder("models")
 
 
 def meta_dir() -> Path:
     """`<cache>/meta`: per GGUF source, what transformers derives from the file once (config, tokenizer) —
     the weights stay the file's (`models/file_model.py`)."""
-    path = cache_root() / "meta"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        from lmhead.models.errors import ModelError
-
-        raise ModelError(f"cannot create the model cache folder {path}: {exc.strerror}; "
-                         "set LMHEAD_CACHE to a writable folder") from exc
-    return path
+    return _folder("meta")
 
 
 def sha256_file(path: Path, block: int = 1 << 22) -> str:

@@ -81,16 +81,8 @@ class CodedHead(LMHead):
     def _weight_trains(self) -> bool:
         return self.materialized and self.weight.requires_grad
 
-    def _check_hidden(self, hidden: Tensor) -> None:
-        if not isinstance(hidden, Tensor):
-            raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
-        if hidden.dim() not in (2, 3) or hidden.shape[-1] != self.d_model:
-            raise ValueError(f"hidden must be [B,T,D] or [N,D] with D = d_model = {self.d_model}, got shape "
-                             f"{list(hidden.shape)}")
-        if hidden.dtype != torch.float32:
-            raise TypeError(f"hidden dtype {hidden.dtype} must be the head's float32 (cast it with .float())")
-        if hidden.device.type != "cpu":
-            raise ValueError(f"hidden is on {hidden.device} but the head's codes are on the CPU")
+    def _weight_dtype_device(self) -> tuple[torch.dtype, torch.device]:
+        return torch.float32, torch.device("cpu")  # the codes' products: float32 on the CPU, no weight read
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, vocab_size={self.vocab_size}, bias={self.bias is not None}, "

@@ -63,8 +63,8 @@ class Steps:
 END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>")
 
 
-def _eos_ids(model, tokenizer) -> list[int] | int | None:
-    value = model.generation_config.eos_token_id
+def eos_ids(value: int | list[int] | None, tokenizer) -> list[int] | int | None:
+    """A generation config's eos_token_id (`value`) with the tokenizer's end-of-turn tokens added."""
     ids = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
     vocab = tokenizer.get_vocab()
     ids += [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and vocab[t] not in ids]
@@ -109,7 +109,7 @@ def convert_gguf(gguf: Path, out: Path, steps: Steps) -> dict[str, object]:
         delattr(model.config, "quantization_config")
     model.config.save_pretrained(out)
     if model.generation_config is not None:
-        model.generation_config.eos_token_id = _eos_ids(model, tokenizer)
+        model.generation_config.eos_token_id = eos_ids(model.generation_config.eos_token_id, tokenizer)
         model.generation_config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     save_state_dict(model, out / "model.safetensors")

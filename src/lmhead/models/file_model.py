@@ -27,6 +27,7 @@ import torch
 from lmhead.models import cache
 from lmhead.models.coded_linear import CodedLinear, coded_available
 from lmhead.models.config import ModelConfig
+from lmhead.models.convert import eos_ids
 from lmhead.models.errors import ModelError
 from lmhead.models.gguf_codes import Codes, fuse_codes
 from lmhead.models.gguf_file import CODE_TYPES, GGUFFile
@@ -35,7 +36,6 @@ __all__ = ["FILE_ARCHITECTURES", "file_body", "meta_folder", "supports_file"]
 
 # GGUF architectures whose body lmhead runs from the file (transformers' model types in parentheses)
 FILE_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
-END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>")
 _TOKENIZER_CHECK = "The cat sat on the mat. 12345 ünïcödé — \n\t  spaces; <b>tags</b> and emoji 🙂"
 
 
@@ -98,10 +98,10 @@ def _usable(folder: Path, facts: dict[str, Any]) -> str | None:
 def _write_meta(gguf: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from lmhead.models.loading import _no_progress_bars, fast_tokenizer
+    from lmhead.models.loading import fast_tokenizer, no_progress_bars
 
     try:
-        with _no_progress_bars():
+        with no_progress_bars():
             config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as exc:
@@ -111,11 +111,7 @@ def _write_meta(gguf: Path, out: Path) -> None:
         delattr(config, "quantization_config")
     config.save_pretrained(out)
     generation = GenerationConfig.from_model_config(config)
-    value = generation.eos_token_id
-    eos = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
-    vocab = tokenizer.get_vocab()
-    eos += [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and vocab[t] not in eos]
-    generation.eos_token_id = eos[0] if len(eos) == 1 else eos or None
+    generation.eos_token_id = eos_ids(generation.eos_token_id, tokenizer)
     generation.save_pretrained(out)
     tokenizer.save_pretrained(out)
     for extra in ("special_tokens_map.json",):  # not read back: fast_tokenizer takes tokenizer_config.json
@@ -169,16 +165,19 @@ class _Reader:
         dim = rows // heads // 2
         return np.arange(rows).reshape(heads, dim, 2).swapaxes(2, 1).reshape(rows)
 
-    def vector(self, name: str) -> torch.Tensor | None:
-        """A norm or bias as float32 (Gemma's norms stored as 1 + w: w, as transformers computes it)."""
-        if name not in self.f.tensors:
-            return None
+    def _dense(self, name: str) -> torch.Tensor:
+        """The tensor as float32 in transformers' layout (Gemma's norms stored as 1 + w: w, as transformers
+        computes it; Llama's q/k rows un-permuted), its pages released."""
         t = self.f.dequantize(name)
         if self.gemma and "norm.weight" in name:
             t = torch.from_numpy(t.numpy() - 1)
         perm = self._perm(name, t.shape[0])
         self.f.release(name)
         return t[torch.from_numpy(perm)].contiguous() if perm is not None else t
+
+    def vector(self, name: str) -> torch.Tensor | None:
+        """A norm or bias as float32, or None where the file has none."""
+        return self._dense(name) if name in self.f.tensors else None
 
     def codes(self, name: str) -> Codes | None:
         if self.f.type_of(name) not in CODE_TYPES:
@@ -191,11 +190,9 @@ class _Reader:
         return c
 
     def matrix(self, name: str) -> torch.Tensor:
-        t = self.f.dequantize(name)
+        """A matrix of a type without codes, dequantized (said once per load on stderr)."""
         self.dequantized.append(f"{name} ({self.f.type_of(name)})")
-        perm = self._perm(name, t.shape[0])
-        self.f.release(name)
-        return t[torch.from_numpy(perm)].contiguous() if perm is not None else t
+        return self._dense(name)
 
     def coded(self, name: str) -> CodedLinear | None:
         """One matrix as the coded kernel's (converted piece by piece), or None for a type without codes."""
@@ -229,12 +226,15 @@ def file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None = None):
     torch.set_num_threads(1)
     try:
         return _file_body(f, cfg, onednn)
+    except KeyError as exc:
+        raise ModelError(f"{f.path}: the file has no tensor {exc} that a {f.architecture} model of "
+                         f"{cfg.num_hidden_layers} layers needs (a damaged or incomplete file)") from None
     finally:
         torch.set_num_threads(threads)
 
 
 def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None):
-    from lmhead.models.lean import LeanBody, _Layer
+    from lmhead.models.lean import Layer, LeanBody
     from lmhead.models.rope import Rotary
 
     r = _Reader(f, cfg)
@@ -255,7 +255,7 @@ def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None):
             hd = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
             bias = torch.cat([b if b is not None else torch.zeros(n * hd) for b, n in zip(biases, sizes, strict=True)])
         gemma = r.gemma
-        layers.append(_Layer(
+        layers.append(Layer(
             qkv=mats["qkv"], qkv_bias=bias, o=mats["o"], gate_up=mats["gate_up"], down=mats["down"],
             input_norm=r.vector(p + "attn_norm.weight"),
             post_attn_norm=r.vector(p + "post_attention_norm.weight") if gemma else None,

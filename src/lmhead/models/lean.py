@@ -115,7 +115,7 @@ class StaticCache:
 
 
 @dataclass
-class _Layer:
+class Layer:
     """One block's tensors (the model's own; norms' weights as the model stores them)."""
 
     qkv: Tensor | Int8Linear      # [(H + 2·H_kv)·hd, D]: q, k and v rows of one buffer
@@ -230,11 +230,11 @@ class LeanBody:
         self.onednn = onednn_available() if onednn is None else onednn
 
     @classmethod
-    def from_parts(cls, cfg, embed: Tensor | CodedLinear, layers: list[_Layer], final_norm: Tensor, rotary,
+    def from_parts(cls, cfg, embed: Tensor | CodedLinear, layers: list[Layer], final_norm: Tensor, rotary,
                    act, embed_scale: Tensor | None = None, onednn: bool | None = None) -> LeanBody:
         """A body over tensors that are no transformers model's (`models/file_body.py`: a GGUF file's codes):
         `embed` the [V,D] embedding (float32, or a `CodedLinear` whose rows are read at each step), `layers` with
-        their coded matrices (`_Layer.coded`; the float32 matrices may be None: long products then dequantize
+        their coded matrices (`Layer.coded`; the float32 matrices may be None: long products then dequantize
         the codes), `rotary(x, positions[, kind])` → cos, sin as transformers' rotary module, `act` the MLP's
         activation for the torch path."""
         self = cls.__new__(cls)
@@ -296,12 +296,12 @@ class LeanBody:
                 count += len(parts)
         return count
 
-    def _layer(self, block, kind: str) -> _Layer:
+    def _layer(self, block, kind: str) -> Layer:
         attn, mlp = block.self_attn, block.mlp
         qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         gate_up, _ = _fuse([mlp.gate_proj, mlp.up_proj])
         gemma = self.gemma
-        return _Layer(
+        return Layer(
             qkv=qkv, qkv_bias=qkv_bias, o=attn.o_proj.weight, gate_up=gate_up, down=mlp.down_proj.weight,
             input_norm=block.input_layernorm.weight,
             post_attn_norm=block.post_attention_layernorm.weight if gemma else None,
@@ -566,7 +566,7 @@ class LeanBody:
             raise MemoryError("lmhead_attend could not allocate its buffers")
         return out
 
-    def _qk_norm(self, layer: _Layer) -> Tensor:
+    def _qk_norm(self, layer: Layer) -> Tensor:
         """The q and k norms' weights as one [H+H_kv, hd] table for `norm` on the side-by-side heads. Derived
         from the model's weights, so it is rebuilt when either changes in place (an optimizer step)."""
         version = (layer.q_norm._version, layer.k_norm._version)
@@ -581,7 +581,7 @@ class LeanBody:
     # 32 rows 157 ms with oneDNN, 105 ms with the codes; a prefill of 32 tokens 125 / 98 ms, of 64 185 / 198 ms
     CODED_MAX_ROWS = 48
 
-    def _product(self, x: Tensor, layer: _Layer, name: str, b: Tensor | None = None) -> Tensor:
+    def _product(self, x: Tensor, layer: Layer, name: str, b: Tensor | None = None) -> Tensor:
         """x [B,T,in] through the layer's matrix `name` ("qkv", "o", "gate_up", "down")."""
         coded = layer.coded.get(name) if layer.coded else None
         weight = getattr(layer, name)

@@ -246,20 +246,20 @@ void lmhead_row_greedy(const float* x, int64_t B, int64_t V, int64_t* ids, doubl
     if (heap) free(pmax), free(psum), free(parg), free(pnan);
 }
 
-/* An unseeded top-p-alone row's exact kept set (models/native.py `top_p_row`, for sampling.py's `_top_p_parts`):
+/* An unseeded top-p-alone row's exact kept set (models/native.py `top_p_row`, for sampling/top_p.py's `top_p_parts`):
  * x [V] logits, temperature T, top_p p → the kept tokens' ids and x/T (float32 division, as x / T in torch),
  * sorted by x/T descending (ties by position) → their count, or -1 (more than `cap` candidates, or the mass is
  * too flat for the thresholds below: the caller's histogram path), -2 (a NaN, or a maximum that is not finite
  * or not finite over T: the caller's path raises the error).
  *
- * The rule is sampling.py's `_top_p_sorted` (HF's): in descending order, a token is dropped when the mass of it
+ * The rule is sampling/top_p.py's `top_p_sorted` (HF's): in descending order, a token is dropped when the mass of it
  * and of every token below it is ≤ 1 − p, a tie group taking the mass at its first position, the first token
  * always kept. Pass 1: the maximum. Pass 2: the normaliser Σ e^(x/T − max/T) (float32 lanes, summed in double)
  * and, in the same pass, the mass within d = 1, 2, 4, 8, 16 and 32 of max/T. The smallest d whose mass reaches
  * p (+ a margin) bounds the set: pass 3 collects the tokens within d, which are sorted, their masses taken in
- * double (e^ in double over the float32 x/T, as `_top_p_parts`). The candidates are cut by a threshold, so every
+ * double (e^ in double over the float32 x/T, as `top_p_parts`). The candidates are cut by a threshold, so every
  * other token (ties included) lies strictly below all of them: once their mass reaches p (+ margin), the mass
- * above any token outside is at least p and it is dropped — `_top_p_parts`'s test of a window, which a top-k
+ * above any token outside is at least p and it is dropped — `top_p_parts`'s test of a window, which a top-k
  * must make against its smallest value because a top-k can split a tie. */
 typedef struct {
     float v;
@@ -342,7 +342,7 @@ static int row_top(const float* x, int64_t V, float T, int threads, float* top) 
 int64_t lmhead_top_p_row(const float* x, int64_t V, float T, double p, int64_t* ids, float* vals, int64_t cap,
                          int threads) {
     static const float spans[TOP_P_SPANS] = {1.f, 2.f, 4.f, 8.f, 16.f, 32.f};
-    const double margin = 1e-5; /* sampling.py's _WINDOW_MARGIN */
+    const double margin = 1e-5; /* sampling/top_p.py's _WINDOW_MARGIN */
     /* passes 1 and 2 in pieces over the threads for a wide row (a 262,144-token row: ~0.4 ms on one) */
     float top;
     if (row_top(x, V, T, threads, &top)) return -2;
@@ -410,7 +410,7 @@ int64_t lmhead_top_p_row(const float* x, int64_t V, float T, double p, int64_t* 
     double tail = 1.0 - inside; /* the mass outside the candidates */
     if (tail < 0.0) tail = 0.0;
     /* pr[j] becomes the mass of position j and of every position below it (summed from the bottom, as
-     * `_top_p_sorted`, so that small tails keep their precision), plus the mass outside */
+     * `top_p_sorted`, so that small tails keep their precision), plus the mass outside */
     double suffix = 0.0;
     for (int64_t j = n - 1; j >= 0; j--) {
         suffix += pr[j];
@@ -438,7 +438,7 @@ int64_t lmhead_top_p_row(const float* x, int64_t V, float T, double p, int64_t* 
  * -3 if it could not allocate — the caller's torch path then answers.
  *
  * The cut, on x/T in float32 as x / T in torch: top-k keeps every token ≥ the k-th largest (ties with it), sorted
- * by value descending, ties by id, and top-p then drops, as `_top_p_sorted`, a token (a tie group by its first
+ * by value descending, ties by id, and top-p then drops, as `top_p_sorted`, a token (a tie group by its first
  * position) whose mass with every token below it is ≤ 1 − p — masses over the top-k set, in double; top-p alone
  * is lmhead_top_p_row's kept set; min-p then keeps the tokens with e^(v − v_0) ≥ min_p (alone: the tokens within
  * log(min_p) of the maximum, by a threshold pass). Over the kept tokens q_j = e^(v_j − v_0) in double, the draw is the first j
@@ -551,7 +551,7 @@ static int64_t top_k_cut(const float* x, int64_t V, float T, int64_t k, double p
         return -1;
     }
     int64_t kept = n;
-    if (p < 1.0) { /* `_top_p_sorted` over the top-k set: masses from the bottom, a tie group by its first */
+    if (p < 1.0) { /* `top_p_sorted` over the top-k set: masses from the bottom, a tie group by its first */
         double* below = (double*)malloc((size_t)n * sizeof(double));
         if (below == NULL) {
             free(c);
@@ -818,10 +818,8 @@ int lmhead_attend(const float* qk, int64_t qk_stride, const float* v, int64_t v_
      * at 1,024 columns where a head's keys and values still fit L2). */
     const int64_t per = B * T * Hkv, heads_work = B * H * T;
     /* both threads from a few columns on: after the products the keys and values come cold from L3 or memory,
-     * and two threads read them at twice the rate (decode steps interleaved in one process, fourteenth session:
-     * SmolLM2's attention 0.99 → 0.80 ms a token and Gemma 3's 0.86 → 0.80 at the benchmark's contexts; a
-     * threshold of 2^18 — one thread below ~450 columns on SmolLM2 — had been set when the split measured
-     * slower) */
+     * and two threads read them at twice the rate (decode steps interleaved in one process measured both models'
+     * attention faster on two threads than with a one-thread threshold; docs/decode.md) */
     int nt = (L * hd * heads_work > (int64_t)1 << 13) ? threads : 1;
     int64_t sub = group;
     while (sub > 1) {

@@ -167,7 +167,7 @@ def _build(source: Source, folder: Path, key: str, stale_reason: str | None, pro
                      architecture=info["architecture"], gguf_file=gguf.name)
         out = tmp / "out"
         out.mkdir()
-        with contextlib.nullcontext() if progress else _no_progress_bars():  # transformers' own tqdm bars
+        with contextlib.nullcontext() if progress else no_progress_bars():  # transformers' own tqdm bars
             extra = convert_gguf(gguf, out, steps)
         cache.write_manifest(out, {
             "name": source.name, "source": facts, **extra,
@@ -206,7 +206,7 @@ def fast_tokenizer(folder: Path):
 
 
 @contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
+def no_progress_bars() -> Iterator[None]:
     from transformers.utils import logging
 
     enabled = logging.is_progress_bar_enabled()
@@ -229,7 +229,7 @@ def load_folder(folder: Path, cached: bool = False):
 
     try:
         tokenizer = fast_tokenizer(folder) if cached else AutoTokenizer.from_pretrained(str(folder))
-        with _no_progress_bars():  # loading float32 safetensors takes a second: no "Loading weights" bar
+        with no_progress_bars():  # loading float32 safetensors takes a second: no "Loading weights" bar
             hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     except Exception as exc:
         raise ModelError(f"could not load the model folder {folder}: {type(exc).__name__}: {exc}") from exc
@@ -314,26 +314,32 @@ def _load_file(source: Source, head: str, body: str, progress: bool):
     from lmhead.models.gguf_file import GGUFFile
     from lmhead.models.model import Model
 
-    if source.kind == "gguf":
-        check_gguf(source.path)  # a damaged file: its error before anything is written
     key = _key(source)
     facts = _source_facts(source)
     folder = cache.meta_dir() / key
-    with tempfile.TemporaryDirectory(prefix="lmhead-gguf-", dir=cache.meta_dir()) as work:
+    # a file assembled from a package's chunks is made once, inside the folder being built: only then a workdir
+    # in the cache (which may be read-only once built)
+    building = source.kind == "named" and not (folder / "model.gguf").is_file()
+    with tempfile.TemporaryDirectory(prefix="lmhead-gguf-", dir=cache.meta_dir() if building else None) as work:
         gguf = _gguf_path(source, folder if folder.exists() else None, Path(work))
-        arch = str(check_gguf(gguf)["architecture"])
-        if not supports_file(arch):
+        f = GGUFFile(gguf)  # a damaged file: its error (naming it) before anything is written
+        if not supports_file(f.architecture):
+            arch = f.architecture
+            f.close()
             why = "no C compiler for the coded kernel" if arch in FILE_ARCHITECTURES else \
                 f"the architecture {arch!r} (read from the file: {', '.join(FILE_ARCHITECTURES)})"
             print(f"lmhead: {gguf.name}: {why}; running transformers' body on a float32 conversion",
                   file=sys.stderr, flush=True)
             return None
         assembled = gguf.parent == Path(work)
-        folder = meta_folder(key, gguf, facts, progress=progress, keep=gguf if assembled else None)
-        if assembled:
-            gguf = folder / "model.gguf"
+        try:
+            folder = meta_folder(key, gguf, facts, progress=progress, keep=gguf if assembled else None)
+        except BaseException:
+            f.close()
+            raise
+        if assembled:  # moved into the folder (one file system: the map stays valid)
+            f.path = folder / "model.gguf"
     cfg, tokenizer, eos = read_meta(folder)
-    f = GGUFFile(gguf)
     try:
         check_fits(f)
         lean, weight, bias, tied = file_body(f, cfg)

@@ -207,9 +207,8 @@ class Model:
     def auto_greedy_drafts(self) -> bool:
         """Whether `draft="auto"`, where `auto_draft()` is "none", still drafts n-grams for greedy rows (sampled
         rows then draft nothing): on the lean body over GGUF codes a verification of a few positions costs little
-        more than one step, and greedy rows accept most of their n-grams. Measured on SmolLM2-135M (tenth session,
-        5 prompts × 128 tokens, medians of 3 alternating runs in one process): greedy 79.5 → 86.5 tok/s with
-        drafts (+9%), sampled 71.1 → 62.0 (−13%); bench_decode's run the same day: greedy +27%, sampled 0%."""
+        more than one step, and greedy rows accept most of their n-grams; sampled rows do not gain from drafts
+        (benchmarks/bench_decode.py measures both, alternating in one process)."""
         product = getattr(self.exact_head, "product", None)
         return self.lean is not None and product is not None and bool(self.lean.nbytes)
 

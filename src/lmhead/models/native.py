@@ -6,7 +6,7 @@
                      decode step in one call over the coded matrices (models/lean.py); the decode loop's
                      raw logprob and rank of each chosen token (`row_scores`, lmhead/generate.py); a greedy
                      row's argmax and normaliser in one call (`greedy_rows`, lmhead/speculative.py); a row's
-                     exact top-p set (`top_p_row`, lmhead/sampling.py)
+                     exact top-p set (`top_p_row`, lmhead/sampling/top_p.py)
       ──cc -O3 -march=native -fopenmp──▶ <cache>/kernels/lmhead-<hash>.so (a temporary file renamed into place)
 
 Why C: torch ships no kernel for grouped int8 codes × float32 activations (its int4/int8 weight-only ops
@@ -469,8 +469,8 @@ TOP_P_CAP = 8192  # `top_p_row`: more candidates than this, the caller's histogr
 
 
 def top_p_row(x: torch.Tensor, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The exact top-p set of one row of logits x [V] (float32, CPU) at `temperature`, by sampling.py's rule
-    (`_top_p_sorted`): (vals [1,m] float32, the kept tokens' x / temperature sorted descending, ties by id;
+    """The exact top-p set of one row of logits x [V] (float32, CPU) at `temperature`, by sampling/top_p.py's rule
+    (`top_p_sorted`): (vals [1,m] float32, the kept tokens' x / temperature sorted descending, ties by id;
     ids [1,m] int64), in three passes over the row in C (the first two split over the threads) and a sort of the
     few candidates. None without the library, for a row that is not all finite numbers or too flat for its
     thresholds (more than TOP_P_CAP candidates, or no threshold within 32 of the maximum holds the mass): the

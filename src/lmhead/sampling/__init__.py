@@ -31,7 +31,7 @@ survivors (exactly equivalent, no full sort), and top-p without top-k partially 
 (top 256, then 1024) until the window provably holds every kept token, with an exact histogram select (sort
 only the tokens of the bin where the mass crosses p) for rows whose top-p set is wider. ``sample`` with top-p
 alone does not find the top-p set at all: it draws from the whole row and keeps the draw iff the mass
-strictly above it is < p, else draws again above it (``_top_p_draw``: exact; a pass of exps, or a partial sort
+strictly above it is < p, else draws again above it (``top_p_draw``: exact; a pass of exps, or a partial sort
 of 256, per round, and a round passes with probability ≥ p). ``sample_with_logprobs`` draws and returns each
 drawn token's processed log-probability from the same cut (the decode loop's step), ``chosen_logprobs``
 scores given ids without a [B,V] processed row. With the same

@@ -111,7 +111,7 @@ def as_configs(config: ConfigArg | Mapping[str, Any], batch: int) -> list[Sampli
     raise TypeError(f"config must be a SamplingConfig or a list of them, got {type(config).__name__}")
 
 
-def _config_arg(config: ConfigArg, batch: int) -> list[SamplingConfig] | SamplingConfig:
+def config_arg(config: ConfigArg, batch: int) -> list[SamplingConfig] | SamplingConfig:
     """as_configs, but one config for the whole batch stays one (its rows then run as one group, no indexing)."""
     if isinstance(config, (list, tuple)):
         return as_configs(config, batch)

@@ -8,9 +8,9 @@ import torch
 from torch import Tensor
 
 from lmhead.sampling.config import SamplingConfig
-from lmhead.sampling.cuts import _cut
-from lmhead.sampling.race import _draw_part, _part_logprobs, seeded_generator
-from lmhead.sampling.top_p import _top_p_draw, _top_p_draw_unseeded
+from lmhead.sampling.cuts import apply_cut
+from lmhead.sampling.race import draw_part, part_logprobs, seeded_generator
+from lmhead.sampling.top_p import top_p_draw, top_p_draw_unseeded
 from lmhead.sampling.vocab import Vocab
 
 
@@ -25,14 +25,14 @@ def _draw_group(x: Tensor, cfg: SamplingConfig, generator: torch.Generator | Non
         # of an unseeded draw (a seeded row keeps `sample`'s ids), or C finds it at once (unseeded rows)
         if top_p < 1.0 and not top_k and not min_p and not (scored and cfg.seed is None):
             if cfg.seed is None:
-                return _top_p_draw_unseeded(x, temperature, top_p, generator, vocab), None
-            ids = _top_p_draw(x, temperature, top_p, generator, True, vocab)
+                return top_p_draw_unseeded(x, temperature, top_p, generator, vocab), None
+            ids = top_p_draw(x, temperature, top_p, generator, True, vocab)
             return ids, torch.full(ids.shape, math.nan, device=x.device) if scored else None
     ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     lp = torch.empty(x.shape[0], dtype=torch.float32, device=x.device) if scored else None
-    for sub, vals, idx in _cut(x, cfg, vocab, top, native=cfg.seed is None):
-        chosen = idx[:, 0] if cfg.is_greedy else _draw_part(vals, idx, cfg.seed is not None, generator, vocab)
-        for out, got in ((ids, chosen), (lp, _part_logprobs(vals, idx, chosen, vocab) if scored else None)):
+    for sub, vals, idx in apply_cut(x, cfg, vocab, top, native=cfg.seed is None):
+        chosen = idx[:, 0] if cfg.is_greedy else draw_part(vals, idx, cfg.seed is not None, generator, vocab)
+        for out, got in ((ids, chosen), (lp, part_logprobs(vals, idx, chosen, vocab) if scored else None)):
             if out is None:
                 continue
             if sub is None:
@@ -52,7 +52,7 @@ def _draw_seeded_top_k(x: Tensor, cfg: SamplingConfig, gens: list[torch.Generato
     top = vocab.topk(x, top_k + 1)
     ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     lp = torch.empty(x.shape[0], dtype=torch.float32, device=x.device) if scored else None
-    for sub, vals, idx in _cut(x, cfg, vocab, top, native=False):
+    for sub, vals, idx in apply_cut(x, cfg, vocab, top, native=False):
         rows = list(range(x.shape[0])) if sub is None else sub.tolist()
         if vals.shape[1] != top_k:
             for r in rows:
@@ -61,11 +61,11 @@ def _draw_seeded_top_k(x: Tensor, cfg: SamplingConfig, gens: list[torch.Generato
                 if scored:
                     lp[r] = got[1][0]
             continue
-        chosen = _draw_part(vals, idx, True, [gens[r] for r in rows], vocab)
+        chosen = draw_part(vals, idx, True, [gens[r] for r in rows], vocab)
         index = slice(None) if sub is None else sub
         ids[index] = chosen
         if scored:
-            lp[index] = _part_logprobs(vals, idx, chosen, vocab)
+            lp[index] = part_logprobs(vals, idx, chosen, vocab)
     return ids, lp
 
 
@@ -75,7 +75,7 @@ def _draw_seeded_top_k(x: Tensor, cfg: SamplingConfig, gens: list[torch.Generato
 _GATHER_MAX_WIDTH = 4096
 
 
-def _draw_groups(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, generator: torch.Generator | None,
+def draw_groups(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, generator: torch.Generator | None,
                  steps: list[int] | None, vocab: Vocab, scored: bool) -> tuple[Tensor, Tensor | None]:
     """Steps 3-8 over the batch → ([B] ids, [B] processed logprobs of them or None). Rows that share a cut key
     are cut together; a seeded row draws with its own (seed, step) noise — rows that share a top-k cut share its

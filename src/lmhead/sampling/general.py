@@ -1,7 +1,7 @@
 """The torch path for rows the batch path does not serve: any step without the "batch" backend (typical-p, DRY,
 mirostat, ...), or an order other than lmhead's. Each row runs alone through its declared chain
 (``lmhead.sampling.steps.chain``), every step's exact torch implementation on the whole row [1,V]; the draw is the
-whole-row inverse CDF with one uniform (``rows._draw_rows``) from the row's generator — a seeded row's (seed, step)
+whole-row inverse CDF with one uniform (``rows.draw_whole_rows``) from the row's generator — a seeded row's (seed, step)
 one, so its token depends on nothing else in the batch.
 
 XTC is a coin per draw: ``sample`` throws it (probability xtc_probability) from the row's generator before the
@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lmhead.sampling.inputs import _check_top
+from lmhead.sampling.inputs import check_top
 from lmhead.sampling.race import seeded_generator
-from lmhead.sampling.rows import _draw_rows
+from lmhead.sampling.rows import draw_whole_rows
 from lmhead.sampling.steps import STEPS, Context, RowState, chain
 from lmhead.sampling.steps.mirostat import mirostat_update
-from lmhead.sampling.vocab import _NEG_INF, Vocab
+from lmhead.sampling.vocab import NEG_INF, Vocab
 
 _XTC = STEPS["xtc"]
 
@@ -34,16 +34,16 @@ def _run(x: Tensor, cfg: Any, ctx: Context, name: str) -> Tensor:
     for s in chain(cfg):
         if s.stage > 1 and not masked:
             masked = True
-            _check_top(x.amax(dim=-1), name)  # an all -inf row after the masks: no token can be chosen
+            check_top(x.amax(dim=-1), name)  # an all -inf row after the masks: no token can be chosen
         x = s.apply(x, cfg, ctx)
     if not masked:
-        _check_top(x.amax(dim=-1), name)
+        check_top(x.amax(dim=-1), name)
     if cfg.is_greedy:
         i = int(x.argmax(dim=-1))
-        out = torch.full_like(x, _NEG_INF)
+        out = torch.full_like(x, NEG_INF)
         out[0, i] = x[0, i]
         return out
-    _check_top(x.amax(dim=-1), name)  # NaN or +inf a step made (a temperature near 0 on huge logits)
+    check_top(x.amax(dim=-1), name)  # NaN or +inf a step made (a temperature near 0 on huge logits)
     return x
 
 
@@ -65,7 +65,7 @@ def row_logits(x: Tensor, cfg: Any, ctx: Context, name: str = "logits") -> Tenso
     ctx.xtc = None
     p = cfg.xtc_probability
     mix = (1 - p) * torch.softmax(whole.double(), dim=-1) + p * torch.softmax(cut.double(), dim=-1)
-    return torch.where(mix > 0, mix.log(), torch.full_like(mix, _NEG_INF)).float()
+    return torch.where(mix > 0, mix.log(), torch.full_like(mix, NEG_INF)).float()
 
 
 def contexts(cfgs: list, histories: list[list[int]] | None, prompt_lens: list[int],
@@ -97,7 +97,7 @@ def draw_rows(x: Tensor, cfgs: list, ctxs: list[Context], steps: list[int] | Non
         if cfg.is_greedy:
             ids[r], lp[r] = int(vals.argmax(dim=-1)), 0.0
             continue
-        tok = int(_draw_rows(vals, gen, Vocab(x.shape[1]))[0])
+        tok = int(draw_whole_rows(vals, gen, Vocab(x.shape[1]))[0])
         ids[r] = tok
         lp[r] = torch.log_softmax(vals, dim=-1)[0, tok]
         if cfg.mirostat:
@@ -108,4 +108,4 @@ def draw_rows(x: Tensor, cfgs: list, ctxs: list[Context], steps: list[int] | Non
 def logprob_of(vals: Tensor, tok: int) -> float:
     """The processed log-probability of `tok` in processed logits [1,V] (-inf where cut)."""
     v = float(torch.log_softmax(vals, dim=-1)[0, tok])
-    return v if not math.isnan(v) else _NEG_INF
+    return v if not math.isnan(v) else NEG_INF

@@ -12,8 +12,8 @@ from torch import Tensor
 from lmhead.checks import is_int
 
 
-def _check_logits(logits: object, name: str = "logits") -> tuple[Tensor, bool]:
-    """[B,V] or [V] floating tensor → ([B,V] float32, was_1d). Values are checked later (see _check_top)."""
+def check_logits(logits: object, name: str = "logits") -> tuple[Tensor, bool]:
+    """[B,V] or [V] floating tensor → ([B,V] float32, was_1d). Values are checked later (see check_top)."""
     if not isinstance(logits, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape [B, V], got {type(logits).__name__}")
     if not logits.is_floating_point():
@@ -27,7 +27,7 @@ def _check_logits(logits: object, name: str = "logits") -> tuple[Tensor, bool]:
     return x.float(), one_row
 
 
-def _check_top(top: Tensor, name: str = "logits", temperature: float = 1.0) -> None:
+def check_top(top: Tensor, name: str = "logits", temperature: float = 1.0) -> None:
     """`top` is each row's largest value (max propagates NaN and +inf): one check covers NaN, +inf and rows
     that are all -inf, at no extra pass over the vocabulary. With a temperature, also that top / temperature
     (the largest scaled logit) is a finite float32: otherwise the row would turn into NaN."""
@@ -48,7 +48,7 @@ def _check_top(top: Tensor, name: str = "logits", temperature: float = 1.0) -> N
                          f"({top.reshape(-1)[bad].item():g}) outside float32's range; use a larger temperature")
 
 
-def _check_overflow(x: Tensor, cols: Tensor, mine: Tensor, before: Tensor, name: str, setting: Tensor,
+def check_overflow(x: Tensor, cols: Tensor, mine: Tensor, before: Tensor, name: str, setting: Tensor,
                     start: int) -> None:
     """The logits at cols [B,L] (where `mine`) were `before` a step that used the per-row `setting` [B]: one
     that was finite and is not any more is a ValueError naming the setting (not the logits, which were fine)."""
@@ -60,9 +60,9 @@ def _check_overflow(x: Tensor, cols: Tensor, mine: Tensor, before: Tensor, name:
                          "closer to 1")
 
 
-def _check_values(x: Tensor, name: str = "logits") -> None:
+def check_values(x: Tensor, name: str = "logits") -> None:
     if x.numel():
-        _check_top(x.amax(dim=-1), name)
+        check_top(x.amax(dim=-1), name)
 
 
 def as_row_ints(value: object, batch: int, name: str, device: torch.device) -> Tensor:
@@ -112,7 +112,7 @@ def as_prev_tokens(prev: object, batch: int, vocab: int | None, device: torch.de
     return t
 
 
-def _as_row_floats(value: float | Sequence[float] | Tensor, batch: int, name: str, device: torch.device,
+def as_row_floats(value: float | Sequence[float] | Tensor, batch: int, name: str, device: torch.device,
                    ok: Any, allowed: str) -> Tensor:
     """A setting given as one number or one per row → float32 [B]; checked in float64, before a value beyond
     float32's range could become ±inf."""

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from lmhead.checks import is_int
 from lmhead.sampling.config import ConfigArg
-from lmhead.sampling.inputs import _check_logits, _check_values
+from lmhead.sampling.inputs import check_logits, check_values
 from lmhead.sampling.pipeline import process_logits
 
 
@@ -72,7 +72,7 @@ def logprobs(logits: Tensor, token_ids: Tensor | Sequence[int] | int, config: Co
     """Raw and processed log-probabilities of ``token_ids`` [B] under [B,V] logits, with the top-n
     alternatives of each (top_n clamped to V). A [V] row is a batch of one (the fields keep the batch
     dimension). Same config / prev_tokens / prompt_len as ``process_logits``."""
-    x, one_row = _check_logits(logits)
+    x, one_row = check_logits(logits)
     batch, vocab = x.shape
     if not is_int(top_n) or top_n < 0:
         raise ValueError(f"top_n must be an int ≥ 0, got {top_n!r}")
@@ -90,7 +90,7 @@ def logprobs(logits: Tensor, token_ids: Tensor | Sequence[int] | int, config: Co
         raise ValueError(f"token_ids must hold one id per row ({batch}), got {tok.numel()}")
     if tok.numel() and (bool((tok < 0).any()) or bool((tok >= vocab).any())):
         raise ValueError(f"token_ids must be in [0, {vocab}), got {tok.tolist()}")
-    _check_values(x)
+    check_values(x)
     raw = torch.log_softmax(x, dim=-1)
     processed = process_logits(logits, config, prev_tokens, prompt_len)  # the caller's shape: [V] or [B,V]
     processed = torch.log_softmax(processed.unsqueeze(0) if one_row else processed, dim=-1)
@@ -123,7 +123,7 @@ def entropy(logits: Tensor) -> Tensor:
     if logits.dim() == 0 or logits.shape[-1] == 0:
         raise ValueError(f"logits must have shape [..., V] with V ≥ 1, got {tuple(logits.shape)}")
     x = logits.float()
-    _check_values(x.reshape(-1, x.shape[-1]))
+    check_values(x.reshape(-1, x.shape[-1]))
     logp = torch.log_softmax(x, dim=-1)
     p = logp.exp()
     return -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(dim=-1)

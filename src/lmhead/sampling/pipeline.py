@@ -11,15 +11,15 @@ import torch
 from torch import Tensor
 
 from lmhead.sampling import general
-from lmhead.sampling.config import ConfigArg, SamplingConfig, _config_arg
-from lmhead.sampling.cuts import _parts, _scatter_rows
-from lmhead.sampling.draw import _draw_groups
-from lmhead.sampling.inputs import _check_logits, as_prev_tokens, as_row_ints
-from lmhead.sampling.preprocess import _preprocess
-from lmhead.sampling.race import _part_logprobs
+from lmhead.sampling.config import ConfigArg, SamplingConfig, config_arg
+from lmhead.sampling.cuts import cut_parts, scatter_rows
+from lmhead.sampling.draw import draw_groups
+from lmhead.sampling.inputs import as_prev_tokens, as_row_ints, check_logits
+from lmhead.sampling.preprocess import preprocess_rows
+from lmhead.sampling.race import part_logprobs
 from lmhead.sampling.steps import RowState
 from lmhead.sampling.steps.masks import ID_FIELDS
-from lmhead.sampling.vocab import _NEG_INF, Vocab
+from lmhead.sampling.vocab import NEG_INF, Vocab
 
 
 def process_logits(logits: Tensor, config: ConfigArg = None, prev_tokens: Any = None,
@@ -36,10 +36,10 @@ def process_logits(logits: Tensor, config: ConfigArg = None, prev_tokens: Any = 
         out = split.assemble(lambda x, c, p, pl: process_logits(x, c, p, pl),
                              lambda: general.process_rows(split.general_x, split.general_cfgs, split.contexts()))
         return out[0] if split.one_row else out
-    x, configs, one_row, vocab = _preprocess(logits, config, prev_tokens, prompt_len, vocab)
+    x, configs, one_row, vocab = preprocess_rows(logits, config, prev_tokens, prompt_len, vocab)
     out = torch.empty_like(x)
-    for rows, vals, idx, _ in _parts(x, configs, vocab):
-        _scatter_rows(out, rows, vals, idx, _NEG_INF, vocab)
+    for rows, vals, idx, _ in cut_parts(x, configs, vocab):
+        scatter_rows(out, rows, vals, idx, NEG_INF, vocab)
     return out[0] if one_row else out
 
 
@@ -52,11 +52,11 @@ def probabilities(logits: Tensor, config: ConfigArg = None, prev_tokens: Any = N
         out = split.assemble(lambda x, c, p, pl: probabilities(x, c, p, pl), lambda: torch.softmax(
             general.process_rows(split.general_x, split.general_cfgs, split.contexts()), dim=-1))
         return out[0] if split.one_row else out
-    x, configs, one_row, vocab = _preprocess(logits, config, prev_tokens, prompt_len, vocab)
+    x, configs, one_row, vocab = preprocess_rows(logits, config, prev_tokens, prompt_len, vocab)
     out = torch.empty_like(x)
-    for rows, vals, idx, _ in _parts(x, configs, vocab):
+    for rows, vals, idx, _ in cut_parts(x, configs, vocab):
         probs = vocab.softmax(vals) if idx is None else torch.softmax(vals, dim=-1)
-        _scatter_rows(out, rows, probs, idx, 0.0, vocab)
+        scatter_rows(out, rows, probs, idx, 0.0, vocab)
     return out[0] if one_row else out
 
 
@@ -68,7 +68,7 @@ def sample(logits: Tensor, config: ConfigArg = None, generator: torch.Generator 
 
     Greedy rows (temperature 0) take the argmax (the first one on ties). With top-k set only the [B,k]
     survivors are touched after ``torch.topk`` and drawn by the exponential race; rows with top-p alone draw
-    by rejection from the whole row (``_top_p_draw``: no top-p set is computed) — but a few unseeded whole CPU
+    by rejection from the whole row (``top_p_draw``: no top-p set is computed) — but a few unseeded whole CPU
     rows whose set one C pass finds (a language model's rows) race over that set; other rows kept whole (no
     cut-off, min-p) draw by inverse CDF with one uniform per row.
     Rows without a seed draw from ``generator`` (or torch's default generator). A row whose config has a seed
@@ -107,7 +107,7 @@ def sample_with_logprobs(logits: Tensor, config: ConfigArg = None, generator: to
     missing = torch.isnan(lp)
     if bool(missing.any()):  # rows drawn without a cut (seeded, top-p alone): their kept set, found now
         rows = missing.nonzero().squeeze(1)
-        x, configs, _, vocab = _preprocess(logits, config, prev_tokens, prompt_len)  # bias, penalties: once
+        x, configs, _, vocab = preprocess_rows(logits, config, prev_tokens, prompt_len)  # bias, penalties: once
         cfgs = [configs] * x.shape[0] if isinstance(configs, SamplingConfig) else configs
         lp[rows] = _chosen(x[rows], ids[rows], [cfgs[r] for r in rows.tolist()], vocab)
     return (ids[0], lp[0]) if one_row else (ids, lp)
@@ -116,7 +116,7 @@ def sample_with_logprobs(logits: Tensor, config: ConfigArg = None, generator: to
 def _sample(logits: Tensor, config: ConfigArg, generator: torch.Generator | None, prev_tokens: Any,
             prompt_len: int | Sequence[int], step: int | Sequence[int], vocab: Vocab | None,
             scored: bool) -> tuple[Tensor, Tensor | None, bool]:
-    x, configs, one_row, vocab = _preprocess(logits, config, prev_tokens, prompt_len, vocab)
+    x, configs, one_row, vocab = preprocess_rows(logits, config, prev_tokens, prompt_len, vocab)
     batch = x.shape[0]
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
@@ -127,7 +127,7 @@ def _sample(logits: Tensor, config: ConfigArg, generator: torch.Generator | None
     if batch == 0:
         return (torch.empty(0, dtype=torch.long, device=x.device),
                 torch.empty(0, device=x.device) if scored else None, one_row)
-    ids, lp = _draw_groups(x, configs, generator, steps, vocab, scored)
+    ids, lp = draw_groups(x, configs, generator, steps, vocab, scored)
     return ids, lp, one_row
 
 
@@ -147,7 +147,7 @@ def chosen_logprobs(logits: Tensor, token_ids: Tensor, config: ConfigArg = None,
             lambda x, c, p, pl: chosen_logprobs(x, tok[split.legacy], c, p, pl),
             lambda: torch.log_softmax(general.process_rows(split.general_x, split.general_cfgs, split.contexts()),
                                       dim=-1).gather(1, tok[split.general, None]).squeeze(1), width=None)
-    x, configs, _, vocab = _preprocess(logits, config, prev_tokens, prompt_len)
+    x, configs, _, vocab = preprocess_rows(logits, config, prev_tokens, prompt_len)
     tok = token_ids.to(device=x.device, dtype=torch.long).reshape(-1)
     if tok.shape[0] != x.shape[0]:
         raise ValueError(f"token_ids must hold one id per row ({x.shape[0]}), got {tok.shape[0]}")
@@ -157,8 +157,8 @@ def chosen_logprobs(logits: Tensor, token_ids: Tensor, config: ConfigArg = None,
 def _chosen(x: Tensor, tok: Tensor, configs: list[SamplingConfig] | SamplingConfig, vocab: Vocab) -> Tensor:
     """`chosen_logprobs` on logits x [B,V_r] already through steps 1-2, ids tok [B]."""
     out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    for rows, vals, idx, _ in _parts(x, configs, vocab):
-        lp = _part_logprobs(vals, idx, tok if rows is None else tok[rows], vocab)
+    for rows, vals, idx, _ in cut_parts(x, configs, vocab):
+        lp = part_logprobs(vals, idx, tok if rows is None else tok[rows], vocab)
         if rows is None:
             out.copy_(lp)
         else:
@@ -229,9 +229,9 @@ def _split(logits: Tensor, config: ConfigArg, prev_tokens: Any, prompt_len: Any,
     """None when every row takes the batch path (today's settings in lmhead's order: the code above, unchanged);
     else the batch split by path. A sharded vocabulary runs the batch path only: a row whose steps need the
     general path is a ValueError naming them."""
-    x, one_row = _check_logits(logits)
+    x, one_row = check_logits(logits)
     batch = x.shape[0]
-    configs = _config_arg(config, batch)
+    configs = config_arg(config, batch)
     if isinstance(configs, SamplingConfig):
         if _batch_ok(configs):
             return None

@@ -7,16 +7,16 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from lmhead.sampling.config import PENALTY_LIMIT, REPETITION_PENALTY_RANGE, ConfigArg, SamplingConfig, _config_arg
+from lmhead.sampling.config import PENALTY_LIMIT, REPETITION_PENALTY_RANGE, ConfigArg, SamplingConfig, config_arg
 from lmhead.sampling.inputs import (
-    _as_row_floats,
-    _check_logits,
-    _check_values,
     as_prev_tokens,
+    as_row_floats,
     as_row_ints,
+    check_logits,
+    check_values,
 )
-from lmhead.sampling.steps.masks import _apply_bias_, _bias_index
-from lmhead.sampling.steps.penalties import _penalize_
+from lmhead.sampling.steps.masks import apply_bias_, bias_index
+from lmhead.sampling.steps.penalties import penalize_
 from lmhead.sampling.vocab import Vocab
 
 
@@ -24,11 +24,11 @@ def apply_logit_bias(logits: Tensor, logit_bias: Mapping[int, float] | None = No
                      banned_tokens: Sequence[int] = ()) -> Tensor:
     """Step 1 on [B,V] logits → new [B,V] float32: add ``logit_bias[id]`` to every row (-inf bans), then set
     ``banned_tokens`` to -inf. Ids must be in [0, V)."""
-    x, one_row = _check_logits(logits)
+    x, one_row = check_logits(logits)
     cfg = SamplingConfig(logit_bias=logit_bias, banned_tokens=tuple(banned_tokens))
     x = x.clone()
-    _apply_bias_(x, *_bias_index(cfg, x.shape[0], x.shape[1], x.device))
-    _check_values(x)
+    apply_bias_(x, *bias_index(cfg, x.shape[0], x.shape[1], x.device))
+    check_values(x)
     return x[0] if one_row else x
 
 
@@ -45,39 +45,39 @@ def apply_penalties(logits: Tensor, prev_tokens: Tensor | Sequence[Sequence[int]
     else logit · r. Then frequency / presence (OpenAI), over the generated tokens only:
     logit − count·frequency − (count > 0)·presence. Each penalty is a number or one per row.
     """
-    x, one_row = _check_logits(logits)
+    x, one_row = check_logits(logits)
     x = x.clone()
     batch, vocab = x.shape
     dev = x.device
     low, high = REPETITION_PENALTY_RANGE
-    rep = _as_row_floats(repetition_penalty, batch, "repetition_penalty", dev,
+    rep = as_row_floats(repetition_penalty, batch, "repetition_penalty", dev,
                          lambda t: (t >= low) & (t <= high), f"in [{low:g}, {high:g}]")
-    pres, freq = (_as_row_floats(value, batch, name, dev, lambda t: t.abs() <= PENALTY_LIMIT,
+    pres, freq = (as_row_floats(value, batch, name, dev, lambda t: t.abs() <= PENALTY_LIMIT,
                                  f"in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]")
                   for name, value in (("presence_penalty", presence_penalty),
                                       ("frequency_penalty", frequency_penalty)))
     if prev_tokens is not None:
         prev = as_prev_tokens(prev_tokens, batch, vocab, dev, one_row)
-        _penalize_(x, prev, as_row_ints(prompt_len, batch, "prompt_len", dev), rep, pres, freq)
-    _check_values(x)
+        penalize_(x, prev, as_row_ints(prompt_len, batch, "prompt_len", dev), rep, pres, freq)
+    check_values(x)
     return x[0] if one_row else x
 
 
-def _preprocess(logits: Tensor, config: ConfigArg, prev_tokens: object, prompt_len: object,
+def preprocess_rows(logits: Tensor, config: ConfigArg, prev_tokens: object, prompt_len: object,
                 vocab: Vocab | None = None):
     """Validate, upcast to float32 and apply steps 1-2. Returns (x [B,V_r], configs, one_row, vocab).
 
     ``vocab`` says which columns of the vocabulary the logits hold (None: all of it, in this process); steps
     1-2 are per token, so a shard applies them to its own columns. x is the caller's tensor itself (not a
     copy) when nothing needs changing: callers never write into it."""
-    x, one_row = _check_logits(logits)
+    x, one_row = check_logits(logits)
     batch, width = x.shape
     if vocab is None:
         vocab = Vocab(width)
     elif not 0 <= vocab.start <= vocab.start + width <= vocab.size:
         raise ValueError(f"logits hold columns [{vocab.start}, {vocab.start + width}) of a vocabulary of "
                          f"{vocab.size}")
-    configs = _config_arg(config, batch)
+    configs = config_arg(config, batch)
     cfgs = [configs] if isinstance(configs, SamplingConfig) else configs
     has_bias = any(c.logit_bias or c.banned_tokens for c in cfgs)
     has_pen = prev_tokens is not None and any(c.has_penalties for c in cfgs)
@@ -88,12 +88,12 @@ def _preprocess(logits: Tensor, config: ConfigArg, prev_tokens: object, prompt_l
         return x, configs, one_row, vocab
     x = x.clone() if x.data_ptr() == logits.data_ptr() else x
     if has_bias:
-        _apply_bias_(x, *_bias_index(configs, batch, vocab.size, x.device, vocab.start, width))
+        apply_bias_(x, *bias_index(configs, batch, vocab.size, x.device, vocab.start, width))
     if has_pen:
         if isinstance(configs, SamplingConfig):
             per_row = lambda name: torch.full((batch,), getattr(configs, name), device=x.device)
         else:
             per_row = lambda name: torch.tensor([getattr(c, name) for c in configs], device=x.device)
-        _penalize_(x, prev, plen, per_row("repetition_penalty"), per_row("presence_penalty"),
+        penalize_(x, prev, plen, per_row("repetition_penalty"), per_row("presence_penalty"),
                    per_row("frequency_penalty"), vocab.start)
     return x, configs, one_row, vocab

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lmhead.sampling.rows import _draw_rows
-from lmhead.sampling.vocab import _NEG_INF, Vocab
+from lmhead.sampling.rows import draw_whole_rows
+from lmhead.sampling.vocab import NEG_INF, Vocab
 
 _MASK64 = (1 << 64) - 1
 
@@ -42,24 +42,24 @@ def race_draw(probs: Tensor, generator: torch.Generator | list[torch.Generator] 
     return (probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
 
 
-def _draw_part(vals: Tensor, idx: Tensor | None, seeded: bool, generator: torch.Generator | list | None,
+def draw_part(vals: Tensor, idx: Tensor | None, seeded: bool, generator: torch.Generator | list | None,
                vocab: Vocab) -> Tensor:
     """A sampled part of the cut ([b,V_r] whole rows when idx is None, else [b,m] candidates and their ids) → [b]
     ids. A seeded row's candidates race in token-id order, so that the noise each token gets does not depend
     on the order the cut produced them in (``generator``: one per row for seeded rows drawn together)."""
     if idx is None:
-        return _draw_rows(vals, generator, vocab)
+        return draw_whole_rows(vals, generator, vocab)
     if seeded:
         order = idx.argsort(dim=-1)
         vals, idx = vals.gather(1, order), idx.gather(1, order)
     return idx.gather(1, race_draw(torch.softmax(vals, dim=-1), generator).unsqueeze(1)).squeeze(1)
 
 
-def _part_logprobs(vals: Tensor, idx: Tensor | None, ids: Tensor, vocab: Vocab) -> Tensor:
+def part_logprobs(vals: Tensor, idx: Tensor | None, ids: Tensor, vocab: Vocab) -> Tensor:
     """The processed log-probability of ids [b] (global) in a part of the cut: candidates [b,m] normalised over
     themselves (the -inf elsewhere in the row add nothing), whole rows [b,V] by a log-softmax over the row
     (whole vocabulary only). -inf for an id the cut dropped."""
     if idx is None:
         return torch.log_softmax(vals, dim=-1).gather(1, (ids - vocab.start)[:, None]).squeeze(1)
     lse = torch.logsumexp(vals, dim=-1, keepdim=True)
-    return torch.where(idx == ids[:, None], vals - lse, _NEG_INF).amax(dim=-1)
+    return torch.where(idx == ids[:, None], vals - lse, NEG_INF).amax(dim=-1)

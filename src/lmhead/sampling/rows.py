@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lmhead.sampling.vocab import _BLOCK, _NEG_INF, Vocab, _chunk_columns, _tail_exp_
+from lmhead.sampling.vocab import BLOCK, NEG_INF, Vocab, chunk_columns, tail_exp_
 
 _FLOOR_ROWS = 64
 
@@ -13,14 +13,14 @@ _FLOOR_ROWS = 64
 # A part of a batch after the cut: (rows, vals, idx). rows: indices into the batch (None = all rows);
 # vals: temperature-scaled logits, -inf = cut; idx: the token id of each column of vals, or None when vals
 # are whole rows [b,V]. Candidates [b,m] are sorted by value, descending.
-_Part = tuple[Tensor | None, Tensor, Tensor | None]
+Part = tuple[Tensor | None, Tensor, Tensor | None]
 
 
-def _sub(rows: Tensor | None, pick: Tensor) -> Tensor:
+def sub_part(rows: Tensor | None, pick: Tensor) -> Tensor:
     return pick if rows is None else rows[pick]
 
 
-def _block_sums(x: Tensor, top: Tensor, temperature: float, block: int = _BLOCK, start: int = 0,
+def block_sums(x: Tensor, top: Tensor, temperature: float, block: int = BLOCK, start: int = 0,
                 floor: Tensor | None = None) -> Tensor:
     """Σ exp(x/T − top) over each block of `block` columns → [b, n] float32, the n blocks that x's columns
     touch on a grid of blocks that starts at id 0 (x [b,V_r] holds ids [start, start + V_r); the first block
@@ -31,11 +31,11 @@ def _block_sums(x: Tensor, top: Tensor, temperature: float, block: int = _BLOCK,
     about as much as the arithmetic)."""
     batch, width = x.shape
     if floor is not None and batch > _FLOOR_ROWS:  # rows in groups: chunks stay long, threshold_ calls few
-        return torch.cat([_block_sums(x[r : r + _FLOOR_ROWS], top[r : r + _FLOOR_ROWS], temperature, block, start,
+        return torch.cat([block_sums(x[r : r + _FLOOR_ROWS], top[r : r + _FLOOR_ROWS], temperature, block, start,
                                       floor[r : r + _FLOOR_ROWS]) for r in range(0, batch, _FLOOR_ROWS)])
     offset = start % block  # grid positions before the first column
     span = offset + width
-    chunk = _chunk_columns(batch, span, block)
+    chunk = chunk_columns(batch, span, block)
     out = torch.empty(batch, -(-span // block), dtype=torch.float32, device=x.device)
     buf = torch.empty(batch, chunk, dtype=torch.float32, device=x.device)
     floors = [] if floor is None else floor[:, 0].tolist()  # float32 values: exact as Python floats
@@ -49,20 +49,20 @@ def _block_sums(x: Tensor, top: Tensor, temperature: float, block: int = _BLOCK,
         b = buf[:, head:end]
         torch.div(part, temperature, out=b)
         for row, value in enumerate(floors):  # threshold_ per row: a broadcast bool mask costs as much as the exp
-            torch.threshold_(b[row], value, _NEG_INF)
-        _tail_exp_(b.sub_(top))
+            torch.threshold_(b[row], value, NEG_INF)
+        tail_exp_(b.sub_(top))
         if padded > end:
             buf[:, end:padded] = 0.0
         out[:, pos // block : pos // block + padded // block] = buf[:, :padded].view(batch, -1, block).sum(-1)
     return out
 
 
-def _grid_sums(x: Tensor, top: Tensor, temperature: float, floor: Tensor | None, vocab: Vocab) -> Tensor:
+def grid_sums(x: Tensor, top: Tensor, temperature: float, floor: Tensor | None, vocab: Vocab) -> Tensor:
     """Σ exp(x/T − top) per block of 1024 ids over the whole vocabulary (only x/T > floor when a floor [b,1] is
     given) → [b, ⌈V/1024⌉] float32. x [b,V_r] are local columns; over shards each rank's blocks are put in
     place on the whole grid and summed (each column belongs to one shard)."""
-    block = min(_BLOCK, vocab.size)
-    sums = _block_sums(x, top, temperature, block, vocab.start, floor)
+    block = min(BLOCK, vocab.size)
+    sums = block_sums(x, top, temperature, block, vocab.start, floor)
     n_blocks = -(-vocab.size // block)
     if sums.shape[1] != n_blocks:  # a shard: its blocks in place on the whole grid
         first = vocab.start // block
@@ -72,14 +72,14 @@ def _grid_sums(x: Tensor, top: Tensor, temperature: float, floor: Tensor | None,
     return vocab.sum(sums)
 
 
-def _draw_in_blocks(x: Tensor, temperature: float, top: Tensor, floor: Tensor | None, sums: Tensor, u: Tensor,
+def draw_in_blocks(x: Tensor, temperature: float, top: Tensor, floor: Tensor | None, sums: Tensor, u: Tensor,
                     vocab: Vocab) -> tuple[Tensor, Tensor]:
     """Inverse CDF with one uniform u [b,1] (float64, in [0, 1)) per row, in two levels: the block by its mass in
-    `sums` (from `_grid_sums` with the same floor), then the token inside it → (ids [b] global, their x/T
+    `sums` (from `grid_sums` with the same floor), then the token inside it → (ids [b] global, their x/T
     [b,1]). Zero-mass tokens are never picked: rounding that leaves u at or past a total takes the last block
     or token with mass. Over shards the chosen block's 1024 values are summed (each column is one shard's)."""
     width = x.shape[1]
-    block = min(_BLOCK, vocab.size)
+    block = min(BLOCK, vocab.size)
     positions = torch.arange(max(block, sums.shape[1]), device=x.device)
     cdf = sums.cumsum(dim=-1, dtype=torch.float64)
     u = u * cdf[:, -1:]
@@ -93,18 +93,18 @@ def _draw_in_blocks(x: Tensor, temperature: float, top: Tensor, floor: Tensor | 
     live = cols < vocab.size
     if floor is not None:
         live &= xt > floor
-    e = _tail_exp_(torch.where(live, xt - top, _NEG_INF))  # as the block sums count them
+    e = tail_exp_(torch.where(live, xt - top, NEG_INF))  # as the block sums count them
     within = e.cumsum(dim=-1, dtype=torch.float64)
     last = torch.where(e > 0, positions[:block], -1).amax(dim=-1, keepdim=True)
     pick = torch.minimum(torch.searchsorted(within, rest, right=True), last)
     return cols.gather(1, pick).squeeze(1), xt.gather(1, pick)
 
 
-def _draw_rows(vals: Tensor, generator: torch.Generator | None, vocab: Vocab) -> Tensor:
+def draw_whole_rows(vals: Tensor, generator: torch.Generator | None, vocab: Vocab) -> Tensor:
     """Draw from whole rows of scaled logits [b,V_r] (-inf = cut) → [b] ids, by inverse CDF with one uniform
-    per row (`_draw_in_blocks`): two light passes over V and no [B,V] temporary (V exponentials or a full
+    per row (`draw_in_blocks`): two light passes over V and no [B,V] temporary (V exponentials or a full
     cumsum cost several times more)."""
     top = vocab.amax(vals)
-    sums = _grid_sums(vals, top, 1.0, None, vocab)
+    sums = grid_sums(vals, top, 1.0, None, vocab)
     u = torch.rand(vals.shape[0], 1, dtype=torch.float64, device=vals.device, generator=generator)
-    return _draw_in_blocks(vals, 1.0, top, None, sums, u, vocab)[0]
+    return draw_in_blocks(vals, 1.0, top, None, sums, u, vocab)[0]

@@ -1,15 +1,15 @@
-"""Top-p without top-k: the C pass, the windows, the histogram select (``_top_p_parts``) and, in
-``sample``, the rejection draw that needs no top-p set (``_top_p_draw``)."""
+"""Top-p without top-k: the C pass, the windows, the histogram select (``top_p_parts``) and, in
+``sample``, the rejection draw that needs no top-p set (``top_p_draw``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from lmhead.sampling.inputs import _check_top
-from lmhead.sampling.race import _draw_part
-from lmhead.sampling.rows import _block_sums, _draw_in_blocks, _grid_sums, _Part, _sub
-from lmhead.sampling.vocab import _BLOCK, _NEG_INF, Vocab, _chunk_columns, _tail_exp_
+from lmhead.sampling.inputs import check_top
+from lmhead.sampling.race import draw_part
+from lmhead.sampling.rows import Part, block_sums, draw_in_blocks, grid_sums, sub_part
+from lmhead.sampling.vocab import BLOCK, NEG_INF, Vocab, chunk_columns, tail_exp_
 
 # Top-p without top-k: the first partial-sort window, its growth factor, and the widest window before a full
 # sort is cheaper. The margin keeps a window from being accepted on a float-rounding knife edge.
@@ -22,7 +22,7 @@ _WINDOW_MARGIN = 1e-5
 
 # Top-p on wide rows: histogram bins per row; logits more than 104 below the max have probability 0 in float32.
 _BINS = 4096
-_NATIVE_TOP_P_ROWS = 8  # `_top_p_parts`: up to this many rows are settled one by one in C
+_NATIVE_TOP_P_ROWS = 8  # `top_p_parts`: up to this many rows are settled one by one in C
 _UNDERFLOW = 104.0
 
 
@@ -31,7 +31,7 @@ _UNDERFLOW = 104.0
 _DRAW_ROUNDS = 6
 
 
-def _top_p_sorted(vals: Tensor, top_p: float, probs: Tensor | None = None) -> Tensor:
+def top_p_sorted(vals: Tensor, top_p: float, probs: Tensor | None = None) -> Tensor:
     """Top-p on candidates sorted by value, descending ([b,m], ties adjacent) → vals with cut ones at -inf.
 
     ``probs`` are the candidates' probabilities over the full row when the candidates are only a window of it
@@ -52,10 +52,10 @@ def _top_p_sorted(vals: Tensor, top_p: float, probs: Tensor | None = None) -> Te
         ascending_mass = ascending_mass.gather(1, first)
     remove = ascending_mass <= (1 - top_p)
     remove[:, 0] = False
-    return vals.masked_fill(remove, _NEG_INF)
+    return vals.masked_fill(remove, NEG_INF)
 
 
-def _top_p_parts(x: Tensor, temperature: float, top_p: float, vocab: Vocab, native: bool = True) -> list[_Part]:
+def top_p_parts(x: Tensor, temperature: float, top_p: float, vocab: Vocab, native: bool = True) -> list[Part]:
     """Top-p without top-k, with no full sort.
 
     First partial sorts of a small window (top 256, then 1024): a window is enough once the mass strictly
@@ -72,14 +72,14 @@ def _top_p_parts(x: Tensor, temperature: float, top_p: float, vocab: Vocab, nati
     if not parts:
         return _top_p_windows(x, temperature, top_p, vocab)
     if rest:
-        _check_top(vocab.amax(x)[:, 0], vocab.name, temperature)  # an error names the row of x, not of the rest
+        check_top(vocab.amax(x)[:, 0], vocab.name, temperature)  # an error names the row of x, not of the rest
         rows = torch.tensor(rest)
-        parts += [(_sub(rows, sub) if sub is not None else rows, vals, idx)
+        parts += [(sub_part(rows, sub) if sub is not None else rows, vals, idx)
                   for sub, vals, idx in _top_p_windows(x[rows], temperature, top_p, vocab)]
     return parts
 
 
-def _top_p_native(x: Tensor, temperature: float, top_p: float, vocab: Vocab) -> tuple[list[_Part], list[int]]:
+def _top_p_native(x: Tensor, temperature: float, top_p: float, vocab: Vocab) -> tuple[list[Part], list[int]]:
     """The rows of x [b,V] whose top-p set C settles (`models.native.top_p_row`: a few whole float32 CPU rows,
     one call each; language-model rows, whose sets hold tens of tokens) as parts, and the rows it leaves (flat
     rows, more rows than _NATIVE_TOP_P_ROWS, a sharded vocabulary, no library)."""
@@ -95,15 +95,15 @@ def _top_p_native(x: Tensor, temperature: float, top_p: float, vocab: Vocab) -> 
             [r for r, f in enumerate(found) if f is None])
 
 
-def _top_p_windows(x: Tensor, temperature: float, top_p: float, vocab: Vocab) -> list[_Part]:
-    """`_top_p_parts` in torch: windows of the top 256 and 1024, then `_top_p_bins`."""
+def _top_p_windows(x: Tensor, temperature: float, top_p: float, vocab: Vocab) -> list[Part]:
+    """`top_p_parts` in torch: windows of the top 256 and 1024, then `_top_p_bins`."""
     top = vocab.amax(x)
-    _check_top(top[:, 0], vocab.name, temperature)
+    check_top(top[:, 0], vocab.name, temperature)
     top_t = top / temperature
     # the softmax normaliser over the full row, in cache-sized chunks (no sort, no [B,V] temporary), summed
     # in float64 so that the window's masses are as exact as float32 logits allow
-    norm = vocab.sum(_block_sums(x, top_t, temperature).sum(dim=-1, keepdim=True, dtype=torch.float64))
-    parts: list[_Part] = []
+    norm = vocab.sum(block_sums(x, top_t, temperature).sum(dim=-1, keepdim=True, dtype=torch.float64))
+    parts: list[Part] = []
     rows: Tensor | None = None
     xs, top_t = x, top_t.double()
     window = min(_WINDOW_START, vocab.size)
@@ -119,13 +119,13 @@ def _top_p_windows(x: Tensor, temperature: float, top_p: float, vocab: Vocab) ->
         if bool(hopeless.all()):
             break
         if bool(done.all()):
-            parts.append((rows, _top_p_sorted(vals, top_p, probs), i))
+            parts.append((rows, top_p_sorted(vals, top_p, probs), i))
             return parts
         if bool(done.any()):
             d = done.nonzero().squeeze(1)
-            parts.append((_sub(rows, d), _top_p_sorted(vals[d], top_p, probs[d]), i[d]))
+            parts.append((sub_part(rows, d), top_p_sorted(vals[d], top_p, probs[d]), i[d]))
             rest = (~done).nonzero().squeeze(1)
-            rows, xs, top_t, norm = _sub(rows, rest), xs[rest], top_t[rest], norm[rest]
+            rows, xs, top_t, norm = sub_part(rows, rest), xs[rest], top_t[rest], norm[rest]
         window *= _WINDOW_GROWTH
     parts.append((rows, _top_p_bins(xs, temperature, top_t, norm, top_p, vocab), None))
     return parts
@@ -148,7 +148,7 @@ def _top_p_bins(xs: Tensor, temperature: float, top_t: Tensor, norm: Tensor, top
     # min(x)/T is min(x/T) (division by T > 0 is monotone); below hi − 104, exp(·) is 0 in float32 anyway
     lo = torch.maximum(vocab.amin(xs) / temperature, hi - _UNDERFLOW)
     scale = nbins / (hi - lo).clamp_min(1e-30)  # a flat row: every finite token in one bin
-    chunk = _chunk_columns(batch, width)
+    chunk = chunk_columns(batch, width)
     xt_buf = torch.empty(batch, chunk, dtype=torch.float32, device=xs.device)
     bin_buf = torch.empty_like(xt_buf)
     idx_buf = torch.empty(batch, chunk, dtype=torch.long, device=xs.device)
@@ -182,7 +182,7 @@ def _top_p_bins(xs: Tensor, temperature: float, top_t: Tensor, norm: Tensor, top
     out = xs / temperature
     for start_col in range(0, width, chunk):
         o = out[:, start_col : start_col + chunk]
-        o.masked_fill_(o < cut, _NEG_INF)
+        o.masked_fill_(o < cut, NEG_INF)
     return out
 
 
@@ -213,8 +213,8 @@ def _cut_in_bin(row_ids: Tensor, values: Tensor, batch: int, top_t: Tensor, norm
 
 def _mass_above(vals: Tensor, top: Tensor, value: Tensor) -> Tensor:
     """Σ exp(v − top) over the candidates vals [n,m] (x/T) strictly above value [n,1] → [n] float64, counted as
-    the block masses count them (`_tail_exp_`)."""
-    return _tail_exp_(torch.where(vals > value, vals - top, _NEG_INF)).sum(dim=-1, dtype=torch.float64)
+    the block masses count them (`tail_exp_`)."""
+    return tail_exp_(torch.where(vals > value, vals - top, NEG_INF)).sum(dim=-1, dtype=torch.float64)
 
 
 def _settle(x: Tensor, temperature: float, top_p: float, top: Tensor, norm: Tensor, chosen: Tensor, value: Tensor,
@@ -228,10 +228,10 @@ def _settle(x: Tensor, temperature: float, top_p: float, top: Tensor, norm: Tens
     when at least half of the rows can have their draw there: fewer than norm / e(draw) tokens lie above it).
     A row whose top 256 hold its whole top-p set and whose draw is not kept then draws from that set's exact
     cut instead of another round (language-model rows)."""
-    n, n_blocks = x.shape[0], -(-vocab.size // min(_BLOCK, vocab.size))
+    n, n_blocks = x.shape[0], -(-vocab.size // min(BLOCK, vocab.size))
     limit = top_p * norm
     if 2 * int((norm / torch.exp((value - top)[:, 0].double()) >= _WINDOW_START).sum()) > n:
-        sums = _grid_sums(x, top, temperature, value, vocab)  # mostly wide rows: one pass over all of them
+        sums = grid_sums(x, top, temperature, value, vocab)  # mostly wide rows: one pass over all of them
         return sums.sum(dim=-1, dtype=torch.float64) < limit, chosen, sums
     vals, idx = vocab.topk(x, min(_WINDOW_START, vocab.size))
     vals = vals / temperature
@@ -245,67 +245,67 @@ def _settle(x: Tensor, temperature: float, top_p: float, top: Tensor, norm: Tens
     ids = chosen.clone()
     if bool(covered.any()):
         c = covered.nonzero().squeeze(1)
-        ids[c] = _draw_part(_top_p_sorted(vals[c], top_p, probs[c]), idx[c], seeded, generator, vocab)
+        ids[c] = draw_part(top_p_sorted(vals[c], top_p, probs[c]), idx[c], seeded, generator, vocab)
         done |= covered
     sums = torch.zeros(n, n_blocks, dtype=torch.float32, device=x.device)
     rest = (~done).nonzero().squeeze(1)
     if rest.numel():  # the mass above a draw outside the window, and the next proposal, from a pass over the row
-        sums[rest] = _grid_sums(x[rest], top[rest], temperature, value[rest], vocab)
+        sums[rest] = grid_sums(x[rest], top[rest], temperature, value[rest], vocab)
         done[rest] = ~in_window[rest] & (sums[rest].sum(dim=-1, dtype=torch.float64) < limit[rest])
     return done, ids, sums
 
 
-def _top_p_draw(x: Tensor, temperature: float, top_p: float, generator: torch.Generator | None, seeded: bool,
+def top_p_draw(x: Tensor, temperature: float, top_p: float, generator: torch.Generator | None, seeded: bool,
                 vocab: Vocab) -> Tensor:
     """Draw from the top-p distribution of rows [b,V_r] (top-p alone: no top-k, no min-p) → [b] global ids,
     without finding the top-p set: by rejection.
 
     The top-p set K is the tokens whose mass strictly above them is < p; it is an upper set (every token at
     least as probable as a kept one is kept). A round draws a token from the row restricted to x/T > floor (at
-    first the whole row) by `_draw_in_blocks`, then `_settle` sums the mass strictly above the drawn value:
+    first the whole row) by `draw_in_blocks`, then `_settle` sums the mass strictly above the drawn value:
     < p · (the row's mass) → the token is in K and is the row's draw; otherwise the token and everything at or
     below it are outside K, its value becomes the floor, and the block masses above it are the next round's
     proposal. A draw from p restricted to any S ⊇ K, kept only when it lands in K, is exactly p restricted to
     K (ties are kept or dropped together; the row's maximum, whose mass above is 0, always passes), so the ids
     follow the top-p distribution exactly; a row that stops the rounds and draws from its exact top-p set
-    instead (`_settle`'s window; after _DRAW_ROUNDS rounds `_top_p_parts`) keeps the mixture exact. A round
+    instead (`_settle`'s window; after _DRAW_ROUNDS rounds `top_p_parts`) keeps the mixture exact. A round
     passes with probability ≥ p. Cost: the row max, a pass of exps, and per round one pass (or a partial sort
     of 256) over the rows it concerns."""
     top = vocab.amax(x)
-    _check_top(top[:, 0], vocab.name, temperature)
+    check_top(top[:, 0], vocab.name, temperature)
     top_t = top / temperature
-    sums = _grid_sums(x, top_t, temperature, None, vocab)
+    sums = grid_sums(x, top_t, temperature, None, vocab)
     norm = sums.sum(dim=-1, dtype=torch.float64)  # the row's mass, in float64 as the reference sums it
     ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     rows = torch.arange(x.shape[0], device=x.device)
     floor = None
     for _ in range(_DRAW_ROUNDS):
         u = torch.rand(rows.numel(), 1, dtype=torch.float64, device=x.device, generator=generator)
-        chosen, value = _draw_in_blocks(x, temperature, top_t, floor, sums, u, vocab)
+        chosen, value = draw_in_blocks(x, temperature, top_t, floor, sums, u, vocab)
         done, chosen, sums = _settle(x, temperature, top_p, top_t, norm, chosen, value, generator, seeded, vocab)
         ids[rows[done]] = chosen[done]
         if bool(done.all()):
             return ids
         rest = (~done).nonzero().squeeze(1)
         rows, x, top_t, norm, sums, floor = rows[rest], x[rest], top_t[rest], norm[rest], sums[rest], value[rest]
-    for sub, vals, idx in _top_p_parts(x, temperature, top_p, vocab, native=False):  # `sample`'s ids as they were
-        ids[_sub(rows, sub)] = _draw_part(vals, idx, seeded, generator, vocab)
+    for sub, vals, idx in top_p_parts(x, temperature, top_p, vocab, native=False):  # `sample`'s ids as they were
+        ids[sub_part(rows, sub)] = draw_part(vals, idx, seeded, generator, vocab)
     return ids
 
 
-def _top_p_draw_unseeded(x: Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
+def top_p_draw_unseeded(x: Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
                          vocab: Vocab) -> Tensor:
     """Unseeded rows [b,V_r] with top-p alone → [b] ids from the top-p distribution: rows whose set C settles at
     once (`_top_p_native`; a language model's row of 49,152: ~0.4 ms against ~1.5 for the rejection's torch
-    passes) race over it, the others draw by rejection (`_top_p_draw`: flat rows, wide batches)."""
+    passes) race over it, the others draw by rejection (`top_p_draw`: flat rows, wide batches)."""
     parts, rest = _top_p_native(x, temperature, top_p, vocab)
     if not parts:
-        return _top_p_draw(x, temperature, top_p, generator, False, vocab)
+        return top_p_draw(x, temperature, top_p, generator, False, vocab)
     ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     if rest:
-        _check_top(vocab.amax(x)[:, 0], vocab.name, temperature)  # an error names the row of x, not of the rest
+        check_top(vocab.amax(x)[:, 0], vocab.name, temperature)  # an error names the row of x, not of the rest
         index = torch.tensor(rest, device=x.device)
-        ids[index] = _top_p_draw(x[index], temperature, top_p, generator, False, vocab)
+        ids[index] = top_p_draw(x[index], temperature, top_p, generator, False, vocab)
     for rows, vals, idx in parts:
-        ids[slice(None) if rows is None else rows] = _draw_part(vals, idx, False, generator, vocab)
+        ids[slice(None) if rows is None else rows] = draw_part(vals, idx, False, generator, vocab)
     return ids

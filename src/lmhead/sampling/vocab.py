@@ -7,9 +7,9 @@ import torch
 from torch import Tensor
 
 # Passes over whole rows run in chunks of about this many elements (reused buffers: no page faults), and
-# whole-row draws pick a block of _BLOCK tokens first.
+# whole-row draws pick a block of BLOCK tokens first.
 _CHUNK_ELEMENTS = 1 << 20
-_BLOCK = 1024
+BLOCK = 1024
 
 
 # In the passes that sum masses, a token more than 64 below the row's max (x/T) counts 0: e^-64 ≈ 1.6e-28 of the
@@ -17,15 +17,15 @@ _BLOCK = 1024
 # subnormal results), runs 6 to 100 times slower than exp of a normal value.
 _TAIL = -64.0
 _TAIL_EXP = torch.tensor(_TAIL).exp().item()
-_NEG_INF = float("-inf")
+NEG_INF = float("-inf")
 
 
-def _tail_exp_(d: Tensor) -> Tensor:
+def tail_exp_(d: Tensor) -> Tensor:
     """In place on d = x/T − max (≤ 0, -inf allowed): exp(d), with d < −64 counted 0 (see _TAIL)."""
     return torch.threshold_(d.clamp_min_(_TAIL).exp_(), _TAIL_EXP, 0.0)
 
 
-def _chunk_columns(batch: int, vocab: int, multiple: int = 1) -> int:
+def chunk_columns(batch: int, vocab: int, multiple: int = 1) -> int:
     cols = max(multiple, _CHUNK_ELEMENTS // max(batch, 1) // multiple * multiple)
     return min(cols, -(-vocab // multiple) * multiple)
 

@@ -81,7 +81,7 @@ def int_param(name: str, default: int, low: int, high: int | None, doc: str, off
     return Param(name, default, "int", "int", allowed, doc, check, low, high, also=tuple(also))
 
 
-def _id_tuple(name: str, value: Any, what: str) -> tuple[int, ...]:
+def id_tuple(name: str, value: Any, what: str) -> tuple[int, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, set, frozenset, Tensor)):
         raise ValueError(f"{name} must be a sequence of token ids (int ≥ 0), got {value!r}")
     out = tuple(int(t) if isinstance(t, Tensor) else t for t in value)
@@ -96,7 +96,7 @@ def ids_param(name: str, doc: str, default: tuple[int, ...] | None = ()) -> Para
     def check(value: Any) -> tuple[int, ...] | None:
         if value is None and default is None:
             return None
-        return _id_tuple(name, value, "token ids")
+        return id_tuple(name, value, "token ids")
 
     annotation = "tuple[int, ...]" + (" | None" if default is None else "")
     return Param(name, default, annotation, "ids", "token ids (int ≥ 0)", doc, check)
@@ -108,7 +108,7 @@ def sequences_param(name: str, doc: str) -> Param:
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
             raise ValueError(f"{name} must be a list of token-id sequences (each non-empty, ids int ≥ 0), "
                              f"got {value!r}")
-        out = tuple(_id_tuple(name, seq, "token-id sequences") for seq in value)
+        out = tuple(id_tuple(name, seq, "token-id sequences") for seq in value)
         if any(len(seq) == 0 for seq in out):
             raise ValueError(f"{name} must be a list of token-id sequences, each non-empty, got {value!r}")
         return out

@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 
 from lmhead.sampling.steps.base import Context, Step, int_param, real_param
-from lmhead.sampling.top_p import _top_p_parts
-from lmhead.sampling.vocab import _NEG_INF, Vocab
+from lmhead.sampling.top_p import top_p_parts
+from lmhead.sampling.vocab import NEG_INF, Vocab
 
 SIGMA_LIMIT = 1e4
 
@@ -38,35 +38,35 @@ PARAMS = (
 def _keep_top(x: Tensor, drop: Tensor) -> Tensor:
     """x with `drop` at -inf, the row's largest logit (and its ties) always kept (transformers' min_tokens_to_keep
     = 1: ``scores < topk(scores, 1)``)."""
-    return x.masked_fill(drop & (x < x.amax(dim=-1, keepdim=True)), _NEG_INF)
+    return x.masked_fill(drop & (x < x.amax(dim=-1, keepdim=True)), NEG_INF)
 
 
 def _top_k_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     if cfg.top_k >= x.shape[-1]:
         return x
     kth = torch.topk(x, cfg.top_k, dim=-1).values[:, -1:]
-    return x.masked_fill(x < kth, _NEG_INF)
+    return x.masked_fill(x < kth, NEG_INF)
 
 
 def _top_p_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
-    """The pipeline's top-p rule (`top_p._top_p_parts` at T = 1, its torch path: the same cut as the batch's)."""
-    out = torch.full_like(x, _NEG_INF)
-    for rows, vals, idx in _top_p_parts(x, 1.0, cfg.top_p, Vocab(x.shape[1]), native=False):
-        block = vals if idx is None else torch.full_like(x[: vals.shape[0]], _NEG_INF).scatter_(1, idx, vals)
+    """The pipeline's top-p rule (`top_p.top_p_parts` at T = 1, its torch path: the same cut as the batch's)."""
+    out = torch.full_like(x, NEG_INF)
+    for rows, vals, idx in top_p_parts(x, 1.0, cfg.top_p, Vocab(x.shape[1]), native=False):
+        block = vals if idx is None else torch.full_like(x[: vals.shape[0]], NEG_INF).scatter_(1, idx, vals)
         out[slice(None) if rows is None else rows] = block
     return out
 
 
-def _min_p_rows(x: Tensor, min_p: float, vocab: Vocab) -> Tensor:
+def min_p_rows(x: Tensor, min_p: float, vocab: Vocab) -> Tensor:
     """Min-p on whole rows [b,V_r], exactly HF's MinPLogitsWarper. The argmax is always kept without a
     special case: its p is the maximum itself, and min_p · p_max ≤ p_max for min_p ≤ 1."""
     probs = vocab.softmax(x)
     remove = probs < min_p * vocab.amax(probs)
-    return x.masked_fill(remove, _NEG_INF)
+    return x.masked_fill(remove, NEG_INF)
 
 
 def _min_p_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
-    return _min_p_rows(x, cfg.min_p, Vocab(x.shape[1]))
+    return min_p_rows(x, cfg.min_p, Vocab(x.shape[1]))
 
 
 def _typical_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
@@ -82,7 +82,7 @@ def _typical_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     last = (cum < cfg.typical_p).sum(dim=1).clamp_(max=x.shape[-1] - 1)
     drop_sorted = sorted_scores > sorted_scores.gather(1, last.view(-1, 1))
     drop_sorted[..., :1] = False
-    return x.masked_fill(drop_sorted.scatter(1, order, drop_sorted), _NEG_INF)
+    return x.masked_fill(drop_sorted.scatter(1, order, drop_sorted), NEG_INF)
 
 
 def _top_n_sigma_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
@@ -93,7 +93,7 @@ def _top_n_sigma_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
         return x
     v = x[finite].double()
     sigma = float(((v - v.mean()) ** 2).mean().sqrt())
-    return x.masked_fill(x.double() < float(v.max()) - cfg.top_n_sigma * sigma, _NEG_INF)
+    return x.masked_fill(x.double() < float(v.max()) - cfg.top_n_sigma * sigma, NEG_INF)
 
 
 def xtc_removed(x: Tensor, threshold: float) -> Tensor:
@@ -114,7 +114,7 @@ def xtc_removed(x: Tensor, threshold: float) -> Tensor:
 def _xtc_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     """Removes the top choices when this draw's coin (Context.xtc, thrown by the pipeline with probability
     xtc_probability from the row's generator) says so."""
-    return x.masked_fill(xtc_removed(x, cfg.xtc_threshold), _NEG_INF) if ctx.xtc else x
+    return x.masked_fill(xtc_removed(x, cfg.xtc_threshold), NEG_INF) if ctx.xtc else x
 
 
 def _epsilon_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:

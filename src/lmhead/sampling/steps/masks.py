@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lmhead.checks import is_int, is_real
 from lmhead.sampling.steps.base import Context, Param, Step, ids_param, int_param, sequences_param
-from lmhead.sampling.vocab import _NEG_INF
+from lmhead.sampling.vocab import NEG_INF
 
 LOGIT_BIAS_LIMIT = 1e4  # |logit_bias| of a finite bias; -inf bans
 MIN_TOKENS_LIMIT = 1 << 20
@@ -59,7 +59,7 @@ ID_FIELDS = ("banned_tokens", "allowed_token_ids", "stop_token_ids")
 
 def _bias_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     x = x.clone()
-    _apply_bias_(x, *_bias_index(cfg, x.shape[0], x.shape[1], x.device))
+    apply_bias_(x, *bias_index(cfg, x.shape[0], x.shape[1], x.device))
     return x
 
 
@@ -67,7 +67,7 @@ def _allowed_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     """vLLM's allowed_token_ids (``vllm/v1/sample/logits_processor``: a mask of -inf off the allowed ids)."""
     keep = torch.zeros(x.shape[-1], dtype=torch.bool, device=x.device)
     keep[torch.as_tensor(cfg.allowed_token_ids, dtype=torch.long, device=x.device)] = True
-    return x.masked_fill(~keep, _NEG_INF)
+    return x.masked_fill(~keep, NEG_INF)
 
 
 def banned_by_bad_words(bad_words: tuple[tuple[int, ...], ...], history: list[int]) -> list[int]:
@@ -86,7 +86,7 @@ def _bad_words_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     if not banned:
         return x
     x = x.clone()
-    x[:, banned] = _NEG_INF
+    x[:, banned] = NEG_INF
     return x
 
 
@@ -96,7 +96,7 @@ def _min_tokens_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     if ctx.generated >= cfg.min_tokens or not cfg.stop_token_ids:
         return x
     x = x.clone()
-    x[:, list(cfg.stop_token_ids)] = _NEG_INF
+    x[:, list(cfg.stop_token_ids)] = NEG_INF
     return x
 
 
@@ -117,7 +117,7 @@ STEPS = (
 )
 
 
-def _bias_index(configs: Any, batch: int, vocab: int, device: torch.device,
+def bias_index(configs: Any, batch: int, vocab: int, device: torch.device,
                 start: int = 0, width: int | None = None):
     """(rows, cols, values) of every logit_bias entry and (rows, cols) of every banned token, in the local
     columns [start, start + width) of a vocabulary of `vocab` ids (entries outside them are another shard's)."""
@@ -154,7 +154,7 @@ def _bias_index(configs: Any, batch: int, vocab: int, device: torch.device,
             as_long(rows_x), as_long(cols_x))
 
 
-def _apply_bias_(x: Tensor, rows, cols, vals, rows_x, cols_x) -> None:
+def apply_bias_(x: Tensor, rows, cols, vals, rows_x, cols_x) -> None:
     """In place on x [B,V]: add biases, then set banned ids to -inf."""
     if cols.numel():
         if rows is None:
@@ -163,6 +163,6 @@ def _apply_bias_(x: Tensor, rows, cols, vals, rows_x, cols_x) -> None:
             x[rows, cols] += vals  # (row, id) pairs are unique: a mapping per row
     if cols_x.numel():
         if rows_x is None:
-            x[:, cols_x] = _NEG_INF
+            x[:, cols_x] = NEG_INF
         else:
-            x[rows_x, cols_x] = _NEG_INF
+            x[rows_x, cols_x] = NEG_INF

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from lmhead.sampling.steps.base import Context, RowState, Step, int_param, real_param
-from lmhead.sampling.vocab import _NEG_INF
+from lmhead.sampling.vocab import NEG_INF
 
 MIROSTAT_M = 100  # llama.cpp's m: the tokens v1 estimates the Zipf exponent from
 TAU_LIMIT = 1e3
@@ -66,9 +66,9 @@ def _mirostat_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
         if k >= x.shape[-1]:
             return x
         kth = torch.topk(x, k, dim=-1).values[:, -1:]
-        return x.masked_fill(x < kth, _NEG_INF)
+        return x.masked_fill(x < kth, NEG_INF)
     drop = (-logp / math.log(2.0)) > mu
-    return x.masked_fill(drop & (x < x.amax(dim=-1, keepdim=True)), _NEG_INF)
+    return x.masked_fill(drop & (x < x.amax(dim=-1, keepdim=True)), NEG_INF)
 
 
 def mirostat_update(cfg: Any, state: RowState, logprob: float) -> None:

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lmhead.sampling.inputs import _check_overflow
-from lmhead.sampling.steps.base import Context, Param, Step, _id_tuple, int_param, real_param
-from lmhead.sampling.vocab import _NEG_INF
+from lmhead.sampling.inputs import check_overflow
+from lmhead.sampling.steps.base import Context, Param, Step, id_tuple, int_param, real_param
+from lmhead.sampling.vocab import NEG_INF
 
 REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 PENALTY_LIMIT = 1e4  # |presence_penalty|, |frequency_penalty|
@@ -24,7 +24,7 @@ _low, _high = REPETITION_PENALTY_RANGE
 
 
 def _check_breakers(value: Any) -> tuple[int, ...]:
-    return _id_tuple("dry_sequence_breakers", value, "token ids")
+    return id_tuple("dry_sequence_breakers", value, "token ids")
 
 
 PARAMS = (
@@ -52,7 +52,7 @@ def _penalties_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     x = x.clone()
     prev = torch.tensor([ctx.history], dtype=torch.long, device=x.device).reshape(1, -1)
     full = lambda v: torch.tensor([v], dtype=torch.float32, device=x.device)
-    _penalize_(x, prev, torch.tensor([ctx.prompt_len], device=x.device), full(cfg.repetition_penalty),
+    penalize_(x, prev, torch.tensor([ctx.prompt_len], device=x.device), full(cfg.repetition_penalty),
                full(cfg.presence_penalty), full(cfg.frequency_penalty))
     return x
 
@@ -128,7 +128,7 @@ def _ngram_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     if not banned:
         return x
     x = x.clone()
-    x[0, banned] = _NEG_INF
+    x[0, banned] = NEG_INF
     return x
 
 
@@ -151,7 +151,7 @@ STEPS = (
 )
 
 
-def _penalize_(x: Tensor, prev: Tensor, prompt_len: Tensor, rep: Tensor, pres: Tensor, freq: Tensor,
+def penalize_(x: Tensor, prev: Tensor, prompt_len: Tensor, rep: Tensor, pres: Tensor, freq: Tensor,
                start: int = 0) -> None:
     """In place on x [B,V_r] (global ids [start, start + V_r)) with per-row penalties [B] and prev [B,L] (global
     ids, -1 = padding)."""
@@ -172,7 +172,7 @@ def _penalize_(x: Tensor, prev: Tensor, prompt_len: Tensor, rep: Tensor, pres: T
         x.copy_(torch.where(seen, torch.where(x < 0, x * r, x / r), x))
         # a logit beyond ~3.4e34 can leave float32's range even with a bounded penalty; presence and frequency
         # cannot (a bounded shift of a finite float32 rounds back to a finite one)
-        _check_overflow(x, cols, mine, before, "repetition_penalty", rep, start)
+        check_overflow(x, cols, mine, before, "repetition_penalty", rep, start)
     if bool((pres != 0.0).any() or (freq != 0.0).any()):
         # presence / frequency (OpenAI): generated tokens only = valid tokens after the first prompt_len
         ordinal = valid.long().cumsum(1) - 1

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from lmhead.sampling.steps.base import Context, Step, real_param
-from lmhead.sampling.vocab import _NEG_INF
+from lmhead.sampling.vocab import NEG_INF
 
 # Temperatures below this are greedy (vLLM's rule): dividing by ~0 would overflow to ±inf.
 GREEDY_TEMPERATURE = 1e-5
@@ -52,7 +52,7 @@ def _dynatemp_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     t = dynamic_temperature(x, cfg.temperature, cfg.dynatemp_range, cfg.dynatemp_exponent)
     if t < GREEDY_TEMPERATURE:  # a dynamic temperature of ~0: the argmax alone, as a division by ~0 would give
         top = x.amax(dim=-1, keepdim=True)
-        return torch.where(x == top, torch.zeros_like(x), torch.full_like(x, _NEG_INF))
+        return torch.where(x == top, torch.zeros_like(x), torch.full_like(x, NEG_INF))
     return x / t
 
 
