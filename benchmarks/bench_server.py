@@ -21,6 +21,20 @@ The same --concurrent requests without HTTP, in one process, alternating: all of
 server's rounds) and one after another (each alone), --in-process times each; the median ratio, every run's
 time per round by phase (`Batch(profile=...)`), the load average of each run, and whether the tokens are equal.
 Steadier than two servers one after another, whose phases a busy machine can split.
+
+    .venv/bin/python benchmarks/bench_server.py --chat-turns 10 [--model smollm2-135m] [--tokens 64]
+
+A --chat-turns chat (`lmhead.chat_session.ChatSession`, greedy, --tokens an answer) with its prefix cache and
+with none, alternating by turn: per turn the prompt's tokens, the tokens prefilled (prompt less the reused
+columns) and the time to the first token of each; target: the last turn's time to first token within 1.5× of
+the first's with the cache.
+
+    .venv/bin/python benchmarks/bench_server.py --join-gap 4096 [--concurrent 8] [--tokens 64]
+
+--concurrent streams decode in one `Batch` while a --join-gap-token prompt joins (`Batch.begin_join`, one piece
+of `speculative.PREFILL_PIECE` columns between two rounds) and, for comparison, with the whole prompt prefilled
+at once (the piece as long as the prompt): the longest gap between two rounds of the running streams against
+their median round; target ≤ 3× with chunked prefill.
 """
 
 from __future__ import annotations
@@ -184,6 +198,87 @@ def in_process(args: argparse.Namespace, rec: Recorder) -> None:
               [Figure(f"{n} requests in one batch", ta, "s", "one after another", tb)])
 
 
+def chat_turns(args: argparse.Namespace, rec: Recorder) -> None:
+    """--chat-turns: prefilled tokens and time to first token per turn, with and without the prefix cache."""
+    from lmhead import load_model
+    from lmhead.chat_session import ChatSession
+    from lmhead.prefix_cache import PrefixCache
+    from lmhead.sampling import SamplingConfig
+
+    model = load_model(args.model)
+    sessions = {name: ChatSession(model, config=SamplingConfig(temperature=0), max_new_tokens=args.tokens)
+                for name in ("cache", "none")}
+    sessions["none"].prefix_cache = PrefixCache(max_bytes=0)  # stores nothing
+    print(f"{'turn':>4}{'prompt':>8}{'prefilled (cache)':>19}{'TTFT cache (s)':>16}{'TTFT none (s)':>15}")
+    table = rec.table("chat_turns", f"{args.model}: an {args.chat_turns}-turn chat, time to first token with the "
+                      "prefix cache and without", ["turn", "prompt tokens", "prefilled (cache)", "TTFT cache (s)",
+                                                   "TTFT none (s)"])
+    first = None
+    for turn in range(args.chat_turns):
+        line = [f"{turn + 1:>4}"]
+        ttft = {}
+        for name, session in sessions.items():
+            cache = session.prefix_cache
+            reused = cache.reused
+            t = time.perf_counter()
+            steps = session.reply(PROMPTS[turn % len(PROMPTS)] + " Tell me more.")
+            next(steps)
+            ttft[name] = time.perf_counter() - t
+            for _ in steps:
+                pass
+            if name == "cache":
+                prompt = len(model.encode(model.tokenizer.apply_chat_template(
+                    session.messages[:-1], tokenize=False, add_generation_prompt=True)))
+                line += [f"{prompt:>8}", f"{prompt - (cache.reused - reused):>19}"]
+        first = first or ttft["cache"]
+        print("".join(line) + f"{ttft['cache']:>16.3f}{ttft['none']:>15.3f}", flush=True)
+        table.row([c.strip() for c in line] + [f"{ttft['cache']:.3f}", f"{ttft['none']:.3f}"],
+                  [Figure(f"turn {turn + 1} time to first token", ttft["cache"], "s", "no prefix cache",
+                          ttft["none"])])
+    summary = (f"last turn's TTFT / first's with the cache: {ttft['cache'] / first:.2f} (target ≤ 1.5); "
+               f"load {os.getloadavg()[0]:.2f}")
+    print(summary)
+    table.note(summary)
+
+
+def join_gap(args: argparse.Namespace, rec: Recorder) -> None:
+    """--join-gap: the longest gap between two rounds of running streams while a long prompt joins."""
+    import lmhead.speculative as spec
+    from lmhead import load_model
+    from lmhead.generate import Batch, prepare
+    from lmhead.sampling import SamplingConfig
+
+    model = load_model(args.model)
+    long_ids = (model.encode(" ".join(PROMPTS)) * (args.join_gap // 40 + 1))[:args.join_gap]
+    long_prompt = model.tokenizer.decode(long_ids)
+    shipped = spec.PREFILL_PIECE
+    table = rec.table("join_gap", f"{args.model}: {args.concurrent} streams decoding while a {args.join_gap}-token "
+                      "prompt joins", ["prefill", "longest gap (ms)", "median round (ms)", "ratio"])
+    for name, piece in (("chunked", shipped), ("whole", args.join_gap + 1)):
+        spec.PREFILL_PIECE = piece
+        batch = Batch(model, draft="none")
+        batch.add([r for i in range(args.concurrent)
+                   for r in prepare(model, PROMPTS[i % len(PROMPTS)], args.tokens, SamplingConfig(temperature=0))])
+        gaps, joined, t = [], False, time.perf_counter()
+        while batch.rows:
+            if not joined and len(gaps) == 4:
+                batch.begin_join(prepare(model, long_prompt, 4, SamplingConfig(temperature=0)))
+                joined = True
+            batch.prefill()
+            batch.step()
+            now = time.perf_counter()
+            gaps.append(now - t)
+            t = now
+        normal = statistics.median(gaps)
+        table.row([name, f"{max(gaps) * 1e3:.0f}", f"{normal * 1e3:.0f}", f"{max(gaps) / normal:.1f}"],
+                  [Figure(f"longest gap, {name} prefill", max(gaps) * 1e3, "ms", "median round", normal * 1e3,
+                                 ratio=max(gaps) / normal)])
+        print(f"{name}: {args.concurrent} streams, a {args.join_gap}-token prompt joins: longest gap "
+              f"{max(gaps) * 1e3:.0f} ms, median round {normal * 1e3:.0f} ms, ratio {max(gaps) / normal:.1f} "
+              f"(target ≤ 3 chunked); load {os.getloadavg()[0]:.2f}", flush=True)
+    spec.PREFILL_PIECE = shipped
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gemma-3-270m")
@@ -194,9 +289,21 @@ def main() -> None:
     ap.add_argument("--load-tokens", type=int, default=16)
     ap.add_argument("--in-process", type=int, default=0, metavar="RUNS",
                     help="no servers: this many alternating in-process runs (see above)")
+    ap.add_argument("--chat-turns", type=int, default=0, metavar="N",
+                    help="no servers: an N-turn chat with and without the prefix cache (see above)")
+    ap.add_argument("--join-gap", type=int, default=0, metavar="TOKENS",
+                    help="no servers: the longest gap of running streams while a TOKENS-token prompt joins")
     args = ap.parse_args()
     rec = Recorder("server")
     print(rec.header())
+    if args.chat_turns or args.join_gap:
+        if args.chat_turns:
+            chat_turns(args, rec)
+        if args.join_gap:
+            join_gap(args, rec)
+        print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        rec.write()
+        return
     if args.in_process:
         in_process(args, rec)
         print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

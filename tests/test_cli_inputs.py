@@ -185,3 +185,19 @@ def test_help_says_which_packaged_model_is_base_and_which_instruction_tuned(caps
     out = " ".join(capsys.readouterr().out.split())
     assert "gemma-3-270m (the default; base" in out and "smollm2-135m (instruction-tuned" in out
     assert "--chat" in out and "exact" in out and "error bound" in out
+
+
+@pytest.mark.parametrize("argv,option", [(["--parallel", "0"], "--parallel"), (["--ctx-size", "1"], "--ctx-size"),
+                                         (["--max-tokens", "0"], "--max-tokens"), (["--queue", "-1"], "--queue"),
+                                         (["--kv-memory", "0"], "--kv-memory")])
+def test_serve_rejects_a_bad_limit_before_loading_the_model(capsys, no_load, argv, option):
+    code, _, err = run(capsys, "serve", "--port", "0", *argv)
+    one_line_error(code, err, option)
+
+
+def test_serve_rejects_a_ctx_size_over_the_models_context_in_one_line(capsys, folder, monkeypatch):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: pytest.fail("the server started"))
+    code, _, err = run(capsys, "serve", "--model", folder, "--port", "0", "--ctx-size", "100000")
+    one_line_error(code, err, "--ctx-size", "context")

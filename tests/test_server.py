@@ -206,10 +206,10 @@ def test_a_prompt_over_the_token_bound_is_400(client, model):
 
 
 @pytest.mark.parametrize("route,body,param", [
-    ("/v1/completions", {"prompt": "hi", "max_tokens": S.MAX_NEW_TOKENS + 1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": S.MAX_CONTEXT_TOKENS + 1}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": S.MAX_N + 1}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                               "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": []}, "messages"),

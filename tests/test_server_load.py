@@ -183,11 +183,11 @@ def _hang_up_after_first_token(url: str, runner, body: bytes) -> None:
 
 
 def test_clients_that_hang_up_on_non_streamed_requests_stop_their_generations():
-    """Six abandoned 256-token requests: each is retired soon after its client leaves, long before its
-    256 tokens; the next request then decodes alone."""
+    """Six abandoned 240-token requests (prompt + max_tokens within the tiny model's 256-token context): each is
+    retired soon after its client leaves, long before its 240 tokens; the next request then decodes alone."""
     app = create_app(_slow_decoding_model())
     runner = app.state.runner
-    body = b'{"prompt": "The cat", "max_tokens": 256, "temperature": 1.0, "seed": 3}'
+    body = b'{"prompt": "The cat", "max_tokens": 240, "temperature": 1.0, "seed": 3}'
     with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=60) as http:
         deadline = time.monotonic() + 60
         for i in range(6):
@@ -199,7 +199,7 @@ def test_clients_that_hang_up_on_non_streamed_requests_stop_their_generations():
                 time.sleep(0.01)
         assert runner.retired == 6, "an abandoned generation was not retired"
         abandoned = runner.tokens
-        assert abandoned < 6 * 256, f"the abandoned generations ran {abandoned} steps"
+        assert abandoned < 6 * 240, f"the abandoned generations ran {abandoned} steps"
         after = http.post("/v1/completions", json={"prompt": "A dog", "max_tokens": 3, "temperature": 0})
         assert after.status_code == 200
         assert runner.tokens == abandoned + 3  # nothing of the abandoned ones ran beside it

@@ -97,6 +97,6 @@ def test_errors_come_back_as_openai_exceptions(client):
                                        logprobs=True, top_logprobs=21)
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model="tiny-llama", prompt="word " * 600, max_tokens=2)
-    assert "limit" in exc.value.body["message"]
+    assert "maximum context length is 256 tokens" in exc.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="not-this-one", prompt="hi", max_tokens=2)

@@ -345,6 +345,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                    help="a name the server answers to beside 127.0.0.1, localhost, [::1] and --host (repeatable; "
                         "'*' = any): other Host headers get 400, against DNS rebinding")
+    g = p.add_argument_group("limits (as llama-server's -c / -n / -np; defaults from the model)")
+    g.add_argument("--ctx-size", "-c", type=int, default=None, metavar="N",
+                   help="tokens a request may use, prompt + max_tokens (default: the model's context)")
+    g.add_argument("--max-tokens", "-n", type=int, default=None, metavar="N",
+                   help="new tokens a request may ask for (default: the context less one)")
+    g.add_argument("--parallel", "-np", type=int, default=None, metavar="N",
+                   help="rows decoding at once, all requests together (default 32); more wait their turn")
+    g.add_argument("--kv-memory", type=float, default=None, metavar="GIB",
+                   help="GiB of KV cache the live rows may hold together (default: half the memory available); "
+                        "a request that does not fit waits")
+    g.add_argument("--queue", type=int, default=None, metavar="N",
+                   help="requests that may wait for room (default 256); one more gets 503 with Retry-After")
     p.set_defaults(run=_run_serve)
 
 
@@ -380,13 +392,22 @@ def _run_serve(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     _check_model_arg(args)
+    for option, value, least in (("--ctx-size", args.ctx_size, 2), ("--max-tokens", args.max_tokens, 1),
+                                 ("--parallel", args.parallel, 1), ("--queue", args.queue, 0)):
+        if value is not None and value < least:  # before the model loads; the rest needs its context
+            raise ValueError(f"{option} must be an integer ≥ {least}, got {value}")
+    if args.kv_memory is not None and not 0 < args.kv_memory < float("inf"):
+        raise ValueError(f"--kv-memory must be a positive number of GiB, got {args.kv_memory}")
     sockets = _listen(args.host, args.port)
     try:
         import uvicorn
 
         from lmhead.server import create_app
+        from lmhead.server.limits import serve_limits
 
         model = _load(args)
+        kv = None if args.kv_memory is None else int(args.kv_memory * 2**30)
+        limits = serve_limits(model, args.ctx_size, args.max_tokens, args.parallel, kv, args.queue)
     except BaseException:
         for sock in sockets:
             sock.close()
@@ -397,7 +418,9 @@ def _run_serve(args: argparse.Namespace) -> None:
     port = sockets[0].getsockname()[1]  # the port bound (--port 0: the one the system chose)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"lmhead: serving {model.name} at http://{host}:{port}/ (Ctrl-C stops)", file=sys.stderr)
-    app = create_app(model, allowed_hosts=[args.host, *args.allowed_host])
+    print(f"lmhead: context {limits.context:,} tokens, max_tokens {limits.max_tokens:,}, {limits.parallel} rows "
+          f"at once, {limits.kv_bytes / 2**30:.1f} GiB of KV memory", file=sys.stderr)
+    app = create_app(model, allowed_hosts=[args.host, *args.allowed_host], serve=limits)
     from lmhead.server.protocol import HeaderTimeoutProtocol  # uvicorn's h11, with a deadline for headers
 
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level="warning",
@@ -510,9 +533,91 @@ def _run_generate(args: argparse.Namespace) -> None:
               f"{stats.tokens_per_round:.2f} tokens per verification]", file=sys.stderr)
 
 
+# --- chat -------------------------------------------------------------------------------------------------
+
+
+def _add_chat(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chat",
+        help="an interactive multi-turn chat in the terminal (an instruction-tuned model)",
+        description=(
+            "Chat with an instruction-tuned model (smollm2-135m): each line you type is a user turn, the answer "
+            "streams as it is chosen, and the conversation is kept (the model's chat template over the whole "
+            "history). /reset starts a new conversation, /exit (or Ctrl-D) ends the chat; Ctrl-C stops an "
+            "answer, not the chat (the answer so far stays in the history). From a pipe every line is a turn "
+            "and only the answers are printed, one a line. A base model (no chat template) is an error."
+        ),
+    )
+    _add_model_arg(p)
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system message before the conversation")
+    p.add_argument("--max-new-tokens", "-n", type=int, default=512,
+                   help="tokens an answer may have at most (default 512; less where the context ends first)")
+    _add_sampling_args(p)
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed for the draws: the same conversation and settings give the same answers")
+    p.set_defaults(run=_run_chat)
+
+
+def _run_chat(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.system is not None and not args.system:
+        raise ValueError("--system: must be a non-empty string")
+    config = _sampling_config(args)  # bad settings fail before the model loads
+    from lmhead.chat_session import ChatSession
+
+    model = _load(args)
+    session = ChatSession(model, system=args.system, config=config, max_new_tokens=args.max_new_tokens)
+    tty = sys.stdin.isatty()
+    if tty:
+        print(f"lmhead: chatting with {model.name}; /reset starts again, /exit ends (Ctrl-C stops an answer)",
+              file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ") if tty else sys.stdin.readline()
+        except EOFError:
+            break
+        if not tty and not line:  # the pipe's end
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit", "/bye"):
+            break
+        if text == "/reset":
+            session.reset()
+            if tty:
+                print("[a new conversation]", file=sys.stderr)
+            continue
+        _chat_turn(session, text)
+
+
+def _chat_turn(session, text: str) -> None:
+    """One answer, streamed to stdout; Ctrl-C stops it (the chat goes on); a conversation past the context is
+    one line on stderr (the chat goes on)."""
+    out = sys.stdout
+    try:
+        steps = session.reply(text)
+    except ValueError as exc:
+        print(f"lmhead: {exc}", file=sys.stderr)
+        return
+    try:
+        for step in steps:
+            out.write(step.text)
+            out.flush()
+    except KeyboardInterrupt:
+        steps.close()
+        out.write("\n")
+        out.flush()
+        print("[answer stopped]", file=sys.stderr)
+        return
+    out.write("\n")
+    out.flush()
+
+
 # --- commands added by later issues register here ----------------------------------------------------------
 
-_COMMANDS = [_add_params, _add_predict, _add_eval, _add_serve, _add_generate]
+_COMMANDS = [_add_params, _add_predict, _add_eval, _add_serve, _add_generate, _add_chat]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -120,8 +120,10 @@ class _Detokenizer:
     or the beginning of a stop string. `stop_at` is set when a stop string appears: the text ends before it.
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int], stops: list[str], special: set[int]) -> None:
+    def __init__(self, tokenizer, prompt_ids: list[int], stops: list[str], special: set[int],
+                 include_stop: bool = False) -> None:
         self.tokenizer, self.stops, self.special = tokenizer, stops, special
+        self.include_stop = include_stop  # the text ends after the stop string instead of before it
         self.context = [i for i in prompt_ids if i not in special][-_PROMPT_CONTEXT:]
         self.prefix = self._decode(self.context)
         self.ids: list[int] = []
@@ -144,11 +146,13 @@ class _Detokenizer:
             return ""
         self.ids.append(token_id)
         text = self._text()
-        end = len(text)
+        end, first = len(text), None
         for s in self.stops:  # the earliest stop string that appears (search from where it could start)
             at = text.find(s, max(0, self.emitted - len(s) + 1))
-            if at != -1 and at < end:
-                end, self.stopped = at, True
+            if at != -1 and (first is None or at < first[0]):
+                first = (at, s)
+        if first is not None:
+            end, self.stopped = first[0] + (len(first[1]) if self.include_stop else 0), True
         if not self.stopped:
             while end > self.emitted and text[end - 1] == "\ufffd":  # an incomplete character: wait
                 end -= 1
@@ -243,6 +247,7 @@ class Row:
     owner: Any = None
     generated: list[int] = field(default_factory=list)
     state: RowState = field(default_factory=RowState)  # what its stateful steps keep (mirostat's μ)
+    stop_ids: frozenset[int] | None = None  # ids that end the row (None: the model's end-of-sequence ids)
 
     @property
     def penalties(self) -> bool:
@@ -252,6 +257,10 @@ class Row:
     @property
     def stateful(self) -> bool:
         return any(s.state for s in self.config.steps())
+
+    def ends(self, token: int, eos: set[int]) -> bool:
+        """Whether `token` ends this row (its stop ids, else the batch's end-of-sequence ids)."""
+        return token in (eos if self.stop_ids is None else self.stop_ids)
 
 
 def prepare(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int = 32,
@@ -267,6 +276,61 @@ def prepare(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int =
                else c for c in configs]
     stops = _stops(stop)
     checks.positive_int("max_new_tokens", max_new_tokens)
+    encoded = []
+    for i, p in enumerate(prompts):
+        ids = list(model.tokenizer(p)["input_ids"])
+        if not ids:
+            raise ValueError(f"prompt_or_prompts[{i}]: the prompt encodes to no tokens")
+        encoded.append(ids)
+    return _rows(model, encoded, max_new_tokens, configs, stops, top_logprobs, exact_logprobs, scores)
+
+
+def prepare_ids(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int = 32,
+                config: SamplingConfig | Sequence[SamplingConfig] | None = None,
+                stop: str | Sequence[str] | None = None, top_logprobs: int = 0, *,
+                exact_logprobs: bool = False, scores: bool = True, stop_token_ids: Sequence[int] | None = None,
+                ignore_eos: bool = False, include_stop: bool = False) -> list[Row]:
+    """`prepare` for prompts given as token ids (one list per row; row i has index i), with vLLM's options:
+    stop_token_ids (ids that end a row beside the end-of-sequence ones; the token adds no text), ignore_eos
+    (the end-of-sequence ids do not end a row), include_stop (the text keeps the stop string that ended it).
+    A config's min_tokens (the sampling step) withholds every id that ends the row."""
+    if isinstance(prompt_ids, (str, bytes)) or not prompt_ids:
+        raise ValueError("prompt_ids: expected a non-empty list of token-id lists")
+    vocab = model.vocab_size
+    encoded = []
+    for i, ids in enumerate(prompt_ids):
+        ids = list(ids)
+        if not ids:
+            raise ValueError(f"prompt_ids[{i}]: the prompt is empty")
+        for t in ids:
+            if not checks.is_int(t) or not 0 <= t < vocab:
+                raise ValueError(f"prompt_ids[{i}]: token ids must be integers in 0..{vocab - 1}, got {t!r}")
+        encoded.append(ids)
+    configs = as_configs(config, len(encoded))
+    stops = _stops(stop)
+    checks.positive_int("max_new_tokens", max_new_tokens)
+    for name, flag in (("ignore_eos", ignore_eos), ("include_stop", include_stop)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    extra = set()
+    for t in stop_token_ids or ():
+        if not checks.is_int(t) or not 0 <= t < vocab:
+            raise ValueError(f"stop_token_ids: token ids must be integers in 0..{vocab - 1}, got {t!r}")
+        extra.add(int(t))
+    ends = frozenset(extra if ignore_eos else extra | set(model.eos_token_ids))
+    # min_tokens withholds every id that would end the row (vLLM's rule)
+    configs = [replace(c, stop_token_ids=tuple(dict.fromkeys(c.stop_token_ids + tuple(sorted(ends)))))
+               if c.min_tokens and ends else c for c in configs]
+    rows = _rows(model, encoded, max_new_tokens, configs, stops, top_logprobs, exact_logprobs, scores,
+                 include_stop)
+    for row in rows:
+        row.stop_ids = ends
+    return rows
+
+
+def _rows(model, encoded: list[list[int]], max_new_tokens: int, configs: list[SamplingConfig], stops: list[str],
+          top_logprobs: int, exact_logprobs: bool, scores: bool, include_stop: bool = False) -> list[Row]:
+    """The rows of checked prompts' ids (the checks `prepare` shares with `prepare_ids`)."""
     if not checks.is_int(top_logprobs) or not 0 <= top_logprobs <= 20:
         raise ValueError(f"top_logprobs: must be an integer in 0..20, got {top_logprobs!r}")
     if not isinstance(exact_logprobs, bool):
@@ -276,11 +340,9 @@ def prepare(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int =
     if not scores and top_logprobs:
         raise ValueError(f"top_logprobs: must be 0 with scores=False (no logprobs), got {top_logprobs!r}")
     special = set(getattr(model.tokenizer, "all_special_ids", []) or [])
+    prompts = encoded
     rows = []
-    for i, p in enumerate(prompts):
-        ids = list(model.tokenizer(p)["input_ids"])
-        if not ids:
-            raise ValueError(f"prompt_or_prompts[{i}]: the prompt encodes to no tokens")
+    for i, ids in enumerate(encoded):
         what = "prompt" if len(prompts) == 1 else f"prompt_or_prompts[{i}]"
         budget = max_new_tokens
         if model.context_length is not None:
@@ -288,8 +350,8 @@ def prepare(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int =
                 raise ValueError(f"{what}: {len(ids)} tokens leaves no room in the model's context of "
                                  f"{model.context_length} tokens (at most {model.context_length - 1})")
             budget = min(max_new_tokens, model.context_length - len(ids))
-        rows.append(Row(ids, configs[i], budget, _Detokenizer(model.tokenizer, ids, stops, special), top_logprobs,
-                        exact_logprobs, i, scores=scores))
+        rows.append(Row(ids, configs[i], budget, _Detokenizer(model.tokenizer, ids, stops, special, include_stop),
+                        top_logprobs, exact_logprobs, i, scores=scores))
     return rows
 
 
@@ -506,8 +568,9 @@ class Batch:
 
     def __init__(self, model, *, generator: torch.Generator | None = None,
                  profile: dict[str, float] | None = None, draft: str = "none", draft_tokens: int = 4,
-                 stats=None) -> None:
+                 stats=None, prefix_cache=None) -> None:
         self.model, self.generator, self.profile = model, generator, profile
+        self.prefix_cache = prefix_cache  # a prefix_cache.PrefixCache: finished rows' columns, reused by prompts
         self.draft, self.draft_tokens, self.stats = draft, draft_tokens, stats
         self.device = model.device
         self.eos = set(model.eos_token_ids)
@@ -517,11 +580,13 @@ class Batch:
         self.rounds = None
         self.last: torch.Tensor | None = None  # [B] each live row's newest token (not yet in the caches)
         self.clock = _Clock(profile)
+        self._joining: tuple | None = None  # (rows, their Decoder, their last, room) while `begin_join` prefills
 
     @property
     def can_join(self) -> bool:
-        """Whether `add` takes rows now: always on the lean body, else only when no row is live."""
-        return not self.rows or self.model.lean is not None
+        """Whether `add` takes rows now: always on the lean body (unless a `begin_join` is under way), else only
+        when no row is live."""
+        return self._joining is None and (not self.rows or self.model.lean is not None)
 
     @torch.inference_mode()
     def add(self, rows: list[Row]) -> None:
@@ -539,11 +604,76 @@ class Batch:
             self.rounds = _rounds(self.model, draft, self.draft_tokens, self.profile)
             if self.stats is not None and hasattr(self.rounds, "stats"):
                 self.rounds.stats = self.stats
-            self.last = self.rounds.start(ids, positions, valid, max(r.budget for r in rows))
+            self.last = self.rounds.start(ids, positions, valid, max(r.budget for r in rows), **self._prefix(rows))
         else:
             room = max(r.budget - len(r.generated) for r in [*self.rows, *rows])
             self.last = torch.cat([self.last, self.rounds.join(ids, positions, valid, room)])
         self.rows = [*self.rows, *rows]
+
+    @property
+    def joining(self) -> list[Row]:
+        """The rows whose prompts `begin_join` is prefilling (not live yet)."""
+        return self._joining[0] if self._joining is not None else []
+
+    @torch.inference_mode()
+    def begin_join(self, rows: list[Row]) -> None:
+        """Start `add`-ing `rows` to the running ones in pieces (chunked prefill): each `prefill()` feeds one
+        piece of their prompts (`speculative.PREFILL_PIECE` columns), so decode rounds of the live rows run
+        between the pieces; after the last the rows are live. On an empty batch (or transformers' modules) this
+        is `add`. One join at a time."""
+        if not self.rows or self.model.lean is None:
+            self.add(rows)
+            return
+        if self._joining is not None:
+            raise RuntimeError("a join is under way: call prefill() until it returns False")
+        ids, positions, attention = _left_pad([r.prompt_ids for r in rows], self.pad, self.device)
+        room = max(r.budget - len(r.generated) for r in [*self.rows, *rows])
+        other, last = self.rounds.begin_join(ids, positions, None if attention is None else attention.bool(), room,
+                                             **self._prefix(rows))
+        self._joining = (rows, other, last, room)
+
+    @torch.inference_mode()
+    def prefill(self) -> bool:
+        """One piece of the joining rows' prompts; when none is left they join (become live). True while
+        pieces remain."""
+        if self._joining is None:
+            return False
+        rows, other, last, room = self._joining
+        if other.prefill_piece():
+            return True
+        self._joining = None
+        if not self.rows:  # every running row left meanwhile: the joining rows are the batch
+            self.rounds, self.last, self.rows = other, last, list(rows)
+            return False
+        self.rounds.finish_join(other, room)
+        self.last = torch.cat([self.last, last])
+        self.rows = [*self.rows, *rows]
+        return False
+
+    def _prefix(self, rows: list[Row]) -> dict[str, Any]:
+        """The `prefix` keyword for a Decoder's start of `rows`: the prefix cache's match for a lone row's prompt
+        (none for several rows, whose left padding the cached columns do not have)."""
+        if self.prefix_cache is None or len(rows) != 1 or self.model.lean is None:
+            return {}
+        found = self.prefix_cache.match(rows[0].prompt_ids[:-1])
+        return {} if found is None else {"prefix": found}
+
+    def _keep_prefixes(self, finished: list[Row]) -> None:
+        """Store the columns of finished rows (their prompt and the tokens they fed) in the prefix cache."""
+        target = getattr(self.rounds, "target", None)
+        if self.prefix_cache is None or target is None:
+            return
+        for b, row in enumerate(self.rows):
+            if row in finished:
+                src = target.valid[b, :target.length].nonzero().squeeze(1)
+                self.prefix_cache.put(target.tokens[b, src].tolist(), target.keys[:, b, :, src],
+                                      target.values[:, b, :, src])
+
+    def drop_join(self) -> None:
+        """Abandon the join under way (its prefill failed); the live rows go on."""
+        self._joining = None
+        if not self.rows:
+            self.rounds, self.last = None, None
 
     @torch.inference_mode()
     def remove(self, rows: list[Row]) -> None:
@@ -553,7 +683,9 @@ class Batch:
         if len(keep) == len(self.rows):
             return
         if not keep:
-            self.rows, self.rounds, self.last = [], None, None
+            self.rows, self.last = [], None
+            if self._joining is None:
+                self.rounds = None
             return
         index = torch.tensor(keep, device=self.device)
         self.rounds.select(index)
@@ -613,7 +745,7 @@ class Batch:
             finish = None
             for token in tokens:
                 if finish is None:
-                    text, finish = _advance(row.detok, row.generated, row.budget, token, token in self.eos)
+                    text, finish = _advance(row.detok, row.generated, row.budget, token, row.ends(token, self.eos))
                     top = [TopLogprob(t, tokenizer.decode([t]), v, rv) for t, v, rv in alts[i][:row.top_n]
                            ] if row.top_n else []
                     out.append((row, Step(token, text, chosen[i], raw[i], ranks[i], finish, row.index, top)))
@@ -621,6 +753,8 @@ class Batch:
             if finish is not None:
                 finished.append(row)
         self.clock.lap("text")
+        if finished:
+            self._keep_prefixes(finished)
         self.remove(finished)
         if self.rows:
             self.last = torch.tensor([r.generated[-1] for r in self.rows], device=self.device)

@@ -52,6 +52,7 @@ __all__ = ["AdaptiveK", "Decoder", "Draft", "NgramDraft", "Round", "SpeculativeS
 
 DRAFT_MODES: tuple[str, ...] = ("auto", "ngram", "int8", "none")
 MAX_DRAFT_TOKENS = 16
+PREFILL_PIECE = 512  # prompt columns per prefill forward (`Decoder.prefill_piece`)
 NGRAM_MAX_POSITIONS = 8  # positions one n-gram verification may score (all rows): measured, docs/decode.md
 # `decode_logits`' screened head: from 4 positions (Gemma 3's head, interleaved: 1.3-1.4x the exact product at 4,
 # 1.2-1.3x at 5, 1.15-1.25x at 8; ~1.0x at 2-3, where one pass over the codes is memory's time either way)
@@ -348,6 +349,7 @@ class Decoder:
         self.stats = stats if stats is not None else SpeculativeStats()
         self.profile = profile
         self._t = time.perf_counter()
+        self._prefill: tuple | None = None  # prompt columns not yet fed: (ids, positions, valid, next column)
 
     def _lap(self, phase: str) -> None:
         """Add the time since the last lap to `profile[phase]` (nothing when there is no profile)."""
@@ -357,18 +359,54 @@ class Decoder:
             self._t = now
 
     @torch.inference_mode()
-    def start(self, ids: Tensor, positions: Tensor, valid: Tensor | None, max_new_tokens: int) -> Tensor:
+    def start(self, ids: Tensor, positions: Tensor, valid: Tensor | None, max_new_tokens: int,
+              prefix: tuple[int, Tensor, Tensor] | None = None) -> Tensor:
         """ids, positions [B,W] (left-padded; valid [B,W] marks real tokens) → last [B] (the prompts' last
-        tokens). The caches hold the prompt, the new tokens and one full draft."""
+        tokens). The caches hold the prompt, the new tokens and one full draft. The prompt is prefilled in
+        pieces of PREFILL_PIECE columns (`begin`, then `prefill_piece` until none is left)."""
+        last = self.begin(ids, positions, valid, max_new_tokens, prefix)
+        while self.prefill_piece():
+            pass
+        return last
+
+    def begin(self, ids: Tensor, positions: Tensor, valid: Tensor | None, max_new_tokens: int,
+              prefix: tuple[int, Tensor, Tensor] | None = None) -> Tensor:
+        """`start` without its prefill: the caches made, the prompt columns (all but `last`) left to
+        `prefill_piece`. prefix (one row, no padding): (m, keys, values [layers, H_kv, ≥m, hd]) — the keys and
+        values of the prompt's first m tokens (`prefix_cache.PrefixCache.match`), copied in instead of fed."""
         b, w = ids.shape
         self.capacity = w + max_new_tokens + MAX_DRAFT_TOKENS + 2
         self.target = self.lean.new_cache(b, self.capacity)
         self.draft_cache = self.draft.new_cache(b, self.capacity) if isinstance(self.draft, Draft) else None
         self.next_pos = positions[:, -1].clone()  # the position of `last`
         self.k = [AdaptiveK(self.k0, self.adaptive) for _ in range(b)] if self.draft is not None else []
-        if w > 1:
-            self.lean(ids[:, :-1], positions[:, :-1], self.target, None if valid is None else valid[:, :-1])
+        self._prefill = (ids[:, :-1], positions[:, :-1], None if valid is None else valid[:, :-1], 0) \
+            if w > 1 else None
+        if prefix is not None and w > 1:
+            m = min(prefix[0], w - 1)  # `last` is always fed by the first round
+            if b != 1 or valid is not None:
+                raise ValueError("prefix: only for one row without padding")
+            self.target.keys[:, 0, :, :m] = prefix[1][:, :, :m]
+            self.target.values[:, 0, :, :m] = prefix[2][:, :, :m]
+            self.target.valid[0, :m] = True
+            self.target.positions[0, :m] = positions[0, :m]
+            self.target.tokens[0, :m] = ids[0, :m]
+            self.target.length = m
+            self._prefill = (ids[:, :-1], positions[:, :-1], None, m) if m < w - 1 else None
         return ids[:, -1].clone()
+
+    @torch.inference_mode()
+    def prefill_piece(self, size: int | None = None) -> bool:
+        """Feed the next `size` (default PREFILL_PIECE) prompt columns to the target; True while columns are
+        left. Attention's scores for a piece are [B, heads, size, columns so far], so a long prompt never needs
+        [heads, W, W] at once, and the scheduler can run decode rounds between the pieces of a joining prompt."""
+        if self._prefill is None:
+            return False
+        ids, positions, valid, at = self._prefill
+        end = min(at + (size or PREFILL_PIECE), ids.shape[1])
+        self.lean(ids[:, at:end], positions[:, at:end], self.target, None if valid is None else valid[:, at:end])
+        self._prefill = None if end == ids.shape[1] else (ids, positions, valid, end)
+        return self._prefill is not None
 
     def select(self, rows: Tensor) -> None:
         self.target.select(rows)
@@ -442,16 +480,30 @@ class Decoder:
         new, still generates (the merged caches hold every row's columns, that many more and one full draft).
         The new rows' prompts are prefilled apart, then every row's columns are merged right-aligned
         (`merge_caches`): masks use validity, order and positions only, so no row's attention changes."""
+        other, last = self.begin_join(ids, positions, valid, max_new_tokens)
+        self.finish_join(other, max_new_tokens)
+        return last
+
+    def begin_join(self, ids: Tensor, positions: Tensor, valid: Tensor | None,
+                   max_new_tokens: int, prefix: tuple[int, Tensor, Tensor] | None = None) -> tuple[Decoder, Tensor]:
+        """`join` in steps (chunked prefill): a Decoder for the new rows, its prompt not yet fed (→ it and the
+        rows' `last` [B']); `other.prefill_piece()` feeds it a piece at a time, between this decoder's rounds;
+        `finish_join(other, ...)` feeds what is left and merges it."""
         other = Decoder(self.lean, self.head, self.draft, self.k0, self.adaptive, self.stats, self.profile,
                         self.greedy_only)
-        last = other.start(ids, positions, valid, max_new_tokens)
+        return other, other.begin(ids, positions, valid, max_new_tokens, prefix)
+
+    @torch.inference_mode()
+    def finish_join(self, other: Decoder, max_new_tokens: int) -> None:
+        """Merge `other` (from `begin_join`, its prefill finished here if it is not) after the running rows."""
+        while other.prefill_piece():
+            pass
         self.target = merge_caches([self.target, other.target], max_new_tokens + MAX_DRAFT_TOKENS + 2)
         self.capacity = self.target.capacity
         if self.draft_cache is not None:  # empty: the draft re-reads every column in its next forward
             self.draft_cache = self.draft.new_cache(self.target.batch, self.capacity)
         self.next_pos = torch.cat([self.next_pos, other.next_pos])
         self.k = self.k + other.k
-        return last
 
     def _room(self, t: int) -> None:
         """Compact the target's cache when the next `t` columns would not fit; the draft then re-reads every

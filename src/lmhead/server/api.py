@@ -31,7 +31,10 @@ router = APIRouter(prefix="/api", tags=["explainer"])
 
 @router.get("/model", summary="The loaded model and the server's limits")
 async def api_model(served: Served = Depends(get_served)) -> dict[str, Any]:
-    return model_info(served.model)
+    info = model_info(served.model)
+    if served.limits is not None:  # what /v1 lets a request use (lmhead serve -c / -n / -np, --kv-memory)
+        info["limits"]["v1"] = served.limits.as_dict()
+    return info
 
 
 @router.get("/params", summary="Parameter breakdown by component, and GPT-2 small's")

@@ -8,6 +8,7 @@ Routes
     /api/*                       the page's own API: model, params, predict, step, generate, layers, score (api.py)
                                  and its pictures and model list (charts.py; ?model=NAME: registry.py)
     /v1/*                        OpenAI-compatible: models, completions, chat/completions (v1.py)
+    /tokenize, /detokenize, /tokenizer_info   vLLM's tokenizer routes (tokens.py)
 
 The package, one job per module:
     app.py       create_app: wires the routers, the error handlers, the guard and the static files
@@ -18,6 +19,8 @@ The package, one job per module:
     served.py    what each route needs: the model and its runner (a FastAPI dependency), the prompt-length
                  and sampling checks that turn a request into library arguments (400 on bad input)
     runner.py    one model call at a time, in a worker thread        sse.py     server-sent events
+    limits.py    what a request may use: context, max_tokens, parallel rows, KV memory, the queue
+    tokens.py    /tokenize, /detokenize, /tokenizer_info
     errors.py    APIError and the error bodies (OpenAI's shape under /v1)
     schemas.py   the request and response bodies (pydantic; 422 on invalid JSON or an unknown field)
 
@@ -35,10 +38,11 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
-from lmhead.server import api, charts, v1
+from lmhead.server import api, charts, tokens, v1
 from lmhead.server.docs import add_docs
 from lmhead.server.errors import APIError, add_error_handlers
-from lmhead.server.guard import BODY_TIMEOUT, MAX_BODY_BYTES, Limits, RequestGuard
+from lmhead.server.guard import BODY_TIMEOUT, Limits, RequestGuard
+from lmhead.server.limits import ServeLimits, serve_limits
 from lmhead.server.registry import ModelRegistry
 from lmhead.server.runner import ModelRunner
 from lmhead.server.served import Served
@@ -48,15 +52,19 @@ __all__ = ["STATIC", "APIError", "create_app"]
 STATIC = Path(__file__).parent / "static"
 
 
-def create_app(model: Any, *, allowed_hosts: Iterable[str] = (), max_body_bytes: int = MAX_BODY_BYTES,
-               body_timeout: float = BODY_TIMEOUT) -> FastAPI:
+def create_app(model: Any, *, allowed_hosts: Iterable[str] = (), max_body_bytes: int | None = None,
+               body_timeout: float = BODY_TIMEOUT, serve: ServeLimits | None = None) -> FastAPI:
     """A FastAPI app serving `model` (an `lmhead.models.Model`): the explainer page and the JSON API.
 
     Every request passes guard.RequestGuard first: a Host of this server (loopback names, `allowed_hosts`, "*"
-    for any), a body of at most `max_body_bytes` that arrives within `body_timeout` seconds, strict JSON.
+    for any), a body of at most `max_body_bytes` (default `serve.body_bytes`: 1 MiB, more for a long context)
+    that arrives within `body_timeout` seconds, strict JSON. serve: what a request may use
+    (`limits.serve_limits(model)` by default: the model's whole context).
     """
-    limits = Limits(allowed_hosts, max_body_bytes, body_timeout)  # a bad setting fails here, not later
-    runner = ModelRunner(model)
+    serve = serve if serve is not None else serve_limits(model)
+    body = serve.body_bytes if max_body_bytes is None else max_body_bytes
+    limits = Limits(allowed_hosts, body, body_timeout)  # a bad setting fails here, not later
+    runner = ModelRunner(model, limits=serve)
     app = FastAPI(
         title="lmhead explainer",
         version="0.1.0",
@@ -66,7 +74,8 @@ def create_app(model: Any, *, allowed_hosts: Iterable[str] = (), max_body_bytes:
     app.add_middleware(RequestGuard, limits=limits)
     app.state.runner = runner
     app.state.model = model
-    app.state.served = Served(model, runner, getattr(model, "name", "model"))
+    app.state.served = Served(model, runner, getattr(model, "name", "model"), serve)
+    app.state.limits = serve
     app.state.registry = ModelRegistry(app.state.served)  # ?model=NAME: the page's model selector
     add_error_handlers(app)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
@@ -75,6 +84,7 @@ def create_app(model: Any, *, allowed_hosts: Iterable[str] = (), max_body_bytes:
     app.include_router(api.router)
     app.include_router(charts.router)
     app.include_router(v1.router)
+    app.include_router(tokens.router)
     return app
 
 

@@ -31,13 +31,18 @@ ECHO_CHARS = 40  # an error sends back at most this much of the client's own tex
 class APIError(Exception):
     """A request the server refuses: status code, message, and the offending parameter."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # e.g. a 503's Retry-After
+
+
+_OPENAI_ROOT = ("/tokenize", "/detokenize", "/tokenizer_info")  # vLLM's routes beside /v1, in its error shape
 
 
 def _is_v1(path: str) -> bool:
-    return path.startswith("/v1/")
+    return path.startswith("/v1/") or path in _OPENAI_ROOT
 
 
 def _kind(status: int) -> str:
@@ -90,7 +95,7 @@ def _short(text: str, limit: int = ECHO_CHARS) -> str:
 
 
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return error_response(request.url.path, exc.status, exc.message, exc.param, exc.code)
+    return error_response(request.url.path, exc.status, exc.message, exc.param, exc.code, exc.headers)
 
 
 def _where(error: dict[str, Any]) -> str:

@@ -13,6 +13,9 @@ In this order, each answered with a JSON error in the route family's shape (erro
 4. Strict JSON — a JSON body with NaN, Infinity, -Infinity (or a number that overflows to them, 1e999) or a
    lone UTF-16 surrogate ("\\ud800", which no UTF-8 text can hold) is refused with the field that holds it:
    422. Python's json module accepts all of these; the routes could neither use them nor send them back.
+   Before any of that, a body nested deeper than `MAX_JSON_DEPTH` arrays and objects is refused (422), on
+   every route and whatever its content type says: Python's decoder recurses once per level, and a body of
+   100,000 `[` raised RecursionError inside it (a 500). The depth is counted without recursion (`json_depth`).
 
 The body is read once, whole (it is at most `max_body_bytes`), and handed on to the app as one message; after
 it, the app's `receive()` is the server's own, so a route still hears a client that hangs up.
@@ -24,11 +27,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import numpy as np
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lmhead.server.errors import error_response, validation_response
@@ -36,6 +41,8 @@ from lmhead.server.errors import error_response, validation_response
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: the largest valid request (20,000 characters of text) is under 130 KB
 BODY_TIMEOUT = 10.0  # seconds from the headers to the body's last byte
+MAX_JSON_DEPTH = 64  # arrays and objects inside each other; the deepest valid request nests 5
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 
 class Refused(Exception):
@@ -185,6 +192,10 @@ def check_json(scope: Scope, body: bytes) -> None:
 
     Bodies that are not JSON (or not valid JSON) pass unchanged: FastAPI answers those itself.
     """
+    depth = json_depth(body)
+    if depth > MAX_JSON_DEPTH:  # checked for every body: FastAPI decodes some without a JSON content type
+        raise Refused(422, f"the JSON nests {depth:,} levels of arrays and objects; the limit is {MAX_JSON_DEPTH}",
+                      None, [])
     content_type = (_header(scope, b"content-type") or "").lower()
     if not body or (content_type and "json" not in content_type):
         return
@@ -196,6 +207,18 @@ def check_json(scope: Scope, body: bytes) -> None:
     if found is not None:
         path, rule = found
         raise Refused(422, rule, ".".join(path) or None, path)
+
+
+def json_depth(body: bytes) -> int:
+    """How deep `body`'s arrays and objects nest (0 for a scalar), counted on the bytes without recursion or
+    decoding: strings (escapes included) are blanked first, so brackets inside them do not count. On a body that
+    is not JSON the count is a bound of what a decoder would recurse into."""
+    bare = _JSON_STRING.sub(b'""', body)
+    if not bare:
+        return 0
+    raw = np.frombuffer(bare, dtype=np.uint8)
+    step = np.isin(raw, (ord("["), ord("{"))).astype(np.int32) - np.isin(raw, (ord("]"), ord("}")))
+    return int(max(0, np.cumsum(step).max()))
 
 
 def _first_bad(value: Any, path: list[str]) -> tuple[list[str], str] | None:

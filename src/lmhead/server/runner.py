@@ -5,12 +5,21 @@
         pending calls (explain endpoints: predict, step, layers, score; the routes' checks) run, alone, in
             order, for about as long as one decode round takes (all of them when nothing decodes)
         each generic stream (`stream`) gives one item
-        waiting generations join the batch (`lmhead.generate.Batch.add`: their prompts prefilled together,
-            then merged into the running rows' caches)
+        waiting generations join the batch (a lone row's prompt starting from the longest prefix the
+            prefix cache holds: `prefix_cache.PrefixCache`, `lmhead.generate.Batch.begin_join`: their prompts prefilled
+            together, one piece of `speculative.PREFILL_PIECE` columns per turn — chunked prefill, so a long
+            prompt does not hold the running streams for its whole prefill — then merged into the running
+            rows' caches); no other request joins while one does
         rows whose request went away are retired (`Batch.remove`)
         one batched decode round for every live row (`Batch.step`); each row's Step goes to its request's
             queue; finished rows leave
     the thread ends when there is nothing to do and starts again with the next request
+
+Admission (with `limits`, server/limits.py): a waiting request joins when the live rows, with its own, are at
+most `limits.parallel` and their KV cache fits `limits.kv_bytes` (`ServeLimits.batch_kv_bytes`, from the
+request's row count and its longest row's prompt + max_tokens); otherwise it waits its turn, first come first
+served — never an out-of-memory kill, never a shorter answer. Past `limits.queue` waiting requests a new one is
+refused at once (`QueueFull`: the route's 503 with Retry-After).
 
 Continuous batching, as vLLM's and llama.cpp's servers do it: requests that arrive together, or while others
 decode, share decode steps, so 8 concurrent generations cost little more than one. Each answer is what its
@@ -37,10 +46,17 @@ from functools import partial
 from typing import Any, TypeVar
 
 from lmhead.generate import Batch, Row, Step, prepare
+from lmhead.prefix_cache import PrefixCache
 
 T = TypeVar("T")
 _END = object()
+
+
+class QueueFull(Exception):
+    """A generation refused because `limits.queue` requests already wait for room."""
+
 MAX_BATCH = 32  # live rows at most; later requests wait for a row to finish
+PREFIX_CACHE_BYTES = 1 << 30  # the prefix cache's bound (at most a quarter of the KV memory)
 DISCONNECT_POLL_S = 0.1  # how often a non-streamed request checks that its client is still there
 
 
@@ -85,6 +101,7 @@ class _Generation(_Job):
     make_rows: Callable[[], list[Row]] | None = None
     rows: list[Row] = field(default_factory=list)
     left: int = 0
+    size: tuple[int, int] = (1, 0)  # (rows, tokens of its longest row: prompt + max_tokens), for admission
 
 
 @dataclass(eq=False)
@@ -104,9 +121,10 @@ class ModelRunner:
     to requests), `retired` (rows retired because their request went away), `max_live` (the largest batch).
     """
 
-    def __init__(self, model: Any, max_batch: int = MAX_BATCH) -> None:
+    def __init__(self, model: Any, max_batch: int = MAX_BATCH, limits: Any = None) -> None:
         self.model = model
-        self.max_batch = max_batch
+        self.limits = limits  # limits.ServeLimits or None (no KV bound, no queue bound)
+        self.max_batch = max_batch if limits is None else limits.parallel
         self._cond = threading.Condition()
         self._calls: deque[tuple[concurrent.futures.Future, Callable[..., Any], tuple]] = deque()
         self._waiting: deque[_Generation] = deque()
@@ -115,6 +133,10 @@ class ModelRunner:
         self._live: list[_Generation] = []  # the generations with rows in the batch (the thread's own)
         self._round_s = 0.0  # how long the last decode round took
         self.calls = self.rounds = self.tokens = self.retired = self.max_live = 0
+        # finished rows' keys and values, reused by prompts that begin with their tokens (a chat's next turn);
+        # kept across the thread's restarts, bounded apart from the live rows' KV memory
+        prefix_bytes = PREFIX_CACHE_BYTES if limits is None else min(PREFIX_CACHE_BYTES, limits.kv_bytes // 4)
+        self.prefix_cache = PrefixCache(prefix_bytes)
 
     # --- the event loop's side -------------------------------------------------------------------------------
 
@@ -137,12 +159,22 @@ class ModelRunner:
         self._submit(partial(self._calls.append, (future, fn, args)))
         return await asyncio.wrap_future(future)
 
-    def generate(self, prompt_or_prompts: Any, max_new_tokens: int = 32, **kwargs: Any) -> AsyncIterator[Step]:
+    def generate(self, prompt_or_prompts: Any, max_new_tokens: int = 32, *, size: tuple[int, int] | None = None,
+                 prepare_rows: Callable[..., list[Row]] = prepare, **kwargs: Any) -> AsyncIterator[Step]:
         """The Steps of `lmhead.generate.generate(model, prompt_or_prompts, max_new_tokens, **kwargs)` (config,
-        stop, top_logprobs, exact_logprobs), decoded in the shared batch. The arguments are checked on the
-        thread when the request is admitted: a ValueError/TypeError comes out of the first iteration."""
+        stop, top_logprobs, exact_logprobs), decoded in the shared batch; `prepare_rows` makes the rows
+        (`generate.prepare`, or `generate.prepare_ids` for token ids). size: (rows, tokens of the longest row)
+        for admission (default: one row at the full `max_new_tokens` past an unknown prompt: admitted alone).
+        The arguments are checked on the thread when the request is admitted: a ValueError/TypeError comes out
+        of the first iteration. Past `limits.queue` waiting requests: QueueFull, at once."""
+        if self.limits is not None:
+            with self._cond:
+                waiting = sum(not job.cancelled for job in self._waiting)
+            if waiting >= self.limits.queue:
+                raise QueueFull(f"{waiting} requests are waiting for room; the limit is {self.limits.queue}")
         job = _Generation(asyncio.get_running_loop(),
-                          make_rows=partial(prepare, self.model, prompt_or_prompts, max_new_tokens, **kwargs))
+                          make_rows=partial(prepare_rows, self.model, prompt_or_prompts, max_new_tokens, **kwargs),
+                          size=size or (1, 0))
         self._submit(partial(self._waiting.append, job))
         return job.items(self._wake)
 
@@ -182,7 +214,7 @@ class ModelRunner:
     # --- the model's thread ----------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        batch = Batch(self.model, draft="auto")
+        batch = Batch(self.model, draft="auto", prefix_cache=self.prefix_cache)
         self._live = []
         try:
             while self._turn(batch):
@@ -210,14 +242,20 @@ class ModelRunner:
                     self._thread = None  # idle: the next request starts a new thread
                     return False
             streams = list(self._streams)
-            admit = []
-            while self._waiting and len(admit) < self.max_batch - len(batch.rows) and batch.can_join:
-                job = self._waiting.popleft()
-                if not job.cancelled:  # a request that went away while it waited takes no room
-                    admit.append(job)
+            admit: list[_Generation] = []
+            while self._waiting and batch.can_join:
+                job = self._waiting[0]
+                if job.cancelled:  # a request that went away while it waited takes no room
+                    self._waiting.popleft()
+                    continue
+                if not self._fits(batch, admit, job):
+                    break  # it waits its turn: no later request overtakes it
+                admit.append(self._waiting.popleft())
         self._run_calls()
         for job in streams:
             self._advance(job)
+        if batch.joining:
+            self._continue_join(batch, self._live)
         live = self._retire(batch, self._admit(batch, self._live, admit))
         if batch.rows:
             t = time.perf_counter()
@@ -225,6 +263,20 @@ class ModelRunner:
             self._round_s = time.perf_counter() - t
         self._live = live
         return True
+
+    def _fits(self, batch: Batch, admit: list[_Generation], job: _Generation) -> bool:
+        """Whether `job` may join the live rows and those admitted this turn: rows ≤ max_batch and (with limits)
+        their KV cache within limits.kv_bytes. A request joins an empty batch whatever its size (the routes
+        refuse one that cannot fit alone)."""
+        if not batch.rows and not admit:
+            return True
+        rows = len(batch.rows) + sum(j.size[0] for j in admit) + job.size[0]
+        if rows > self.max_batch:
+            return False
+        if self.limits is None:
+            return True
+        longest = max([len(r.prompt_ids) + r.budget for r in batch.rows] + [j.size[1] for j in (*admit, job)])
+        return self.limits.batch_kv_bytes(rows, longest) <= self.limits.kv_bytes
 
     def _run_calls(self) -> None:
         """Pending calls, in order, for about as long as the last decode round took (at least one; all of
@@ -285,22 +337,38 @@ class ModelRunner:
         if not rows:
             return live
         try:
-            batch.add(rows)
+            batch.begin_join(rows)  # on an empty batch the whole prefill at once; else its first piece here
+            batch.prefill()
         except Exception as exc:
+            batch.drop_join()
             for job in ready:
                 job.put(_END, exc)
             return live
         self.max_live = max(self.max_live, len(batch.rows))
         return [*live, *ready]
 
+    def _continue_join(self, batch: Batch, live: list[_Generation]) -> None:
+        """The next piece of the joining rows' prefill (between two decode rounds of the live ones)."""
+        joining = {id(r) for r in batch.joining}
+        try:
+            batch.prefill()
+        except Exception as exc:  # the joining requests get the error; the live rows go on
+            batch.drop_join()
+            for job in live:
+                if any(id(r) in joining for r in job.rows):
+                    job.put(_END, exc)
+            return
+        self.max_live = max(self.max_live, len(batch.rows))
+
     def _retire(self, batch: Batch, live: list[_Generation]) -> list[_Generation]:
         """Drop the rows of requests that went away."""
-        gone = [job for job in live if job.cancelled]
+        joining = {id(r) for r in batch.joining}  # retired once they are live (after their prefill)
+        gone = [job for job in live if job.cancelled and not any(id(r) in joining for r in job.rows)]
         if gone:
             rows = [row for job in gone for row in job.rows if row in batch.rows]
             self.retired += len(rows)
             batch.remove(rows)
-        return [job for job in live if not job.cancelled]
+        return [job for job in live if job not in gone and not job.done]
 
     def _round(self, batch: Batch, live: list[_Generation]) -> list[_Generation]:
         """One decode round for every live row; each request gets its rows' steps; finished requests end."""

@@ -1,10 +1,11 @@
 """Request and response bodies of the server's JSON API (pydantic).
 
 Every request model forbids unknown fields (`extra="forbid"`): a misspelt option is a 422, never silently
-ignored. Bounds that do not depend on the model (max_tokens, top_logprobs ≤ 20, sampling ranges, every text's
-characters — a prompt, the messages' total, a stop string, a name) are checked here, before anything is
-tokenised; bounds that need the tokenizer (prompt length in tokens) are checked by served.py (400). The body
-as a whole is bounded before it is parsed (guard.py: 413).
+ignored. Bounds that do not depend on the model (top_logprobs ≤ 20, sampling ranges, a stop string, a name,
+ceilings on every text and list) are checked here, before anything is tokenised; bounds that follow the served
+model (server/limits.py: a prompt's characters, prompt + max_tokens ≤ the context, n × prompts ≤ --parallel,
+token ids in the vocabulary) are checked by served.py. The body as a whole is bounded before it is parsed
+(guard.py: 413). Booleans are strict (`"stream": "yes"` is a 422, as OpenAI's schema says boolean).
 
 Two families:
 * `/api/*` — the explainer page's own API (predict, step, generate, layers, score, model, params).
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model, field_validator
 
 from lmhead.sampling.steps import ENTRY_FIELDS
 
@@ -31,6 +32,11 @@ MAX_STOP_CHARS = 1000  # each stop string
 MAX_MESSAGES = MAX_PROMPT_TOKENS  # every chat message costs at least one token of the template
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_NAME_CHARS = 256  # `user`, a message's `name`, `model`
+# /v1's ceilings, whatever the model: the served bounds (limits.py) lie below them
+MAX_CONTEXT_TOKENS = 131_072  # token ids of one prompt, max_tokens
+MAX_TEXT_CHARS = 16 * MAX_CONTEXT_TOKENS  # one prompt's characters (limits.ServeLimits.prompt_chars: 16 a token)
+MAX_PROMPTS = 64  # prompts of one completions request
+MAX_N = 16  # choices per prompt
 
 
 class _Request(BaseModel):
@@ -122,23 +128,26 @@ class StepResponse(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
-Prompt = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+Prompt = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_CONTEXT_TOKENS)]
 Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class _OpenAIRequest(StepFields):
     model: Name | None = None
-    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_CONTEXT_TOKENS,
+                                  description="prompt + max_tokens ≤ the served context (default: the rest of it)")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    n: int = Field(1, ge=1, le=MAX_N, description="choices per prompt, each its own draw (with a seed: seed + i)")
     stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -149,7 +158,11 @@ class _OpenAIRequest(StepFields):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     # lmhead's extension: logprobs from the fp32 head (by default: the decode head's, see lmhead.generate)
-    exact_logprobs: bool = Field(False, description="compute the returned logprobs with the full-precision head")
+    exact_logprobs: StrictBool = Field(False, description="compute the returned logprobs with the full-precision head")
+    # vLLM's extensions (stop_token_ids and min_tokens are the declared steps': StepFields; stop_token_ids
+    # also end a choice, v1.py)
+    ignore_eos: StrictBool = Field(False, description="the model's end-of-sequence ids do not end a choice")
+    include_stop_str_in_output: StrictBool = Field(False, description="a choice's text keeps the stop string")
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -157,10 +170,24 @@ class _OpenAIRequest(StepFields):
 
 
 class CompletionRequest(_OpenAIRequest):
-    prompt: Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=1)] = Field(
-        ..., description=f"one prompt (a list of one is accepted), at most {MAX_PROMPT_CHARS:,} characters")
+    prompt: (Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
+        ..., description="a string, a list of strings, a list of token ids or a list of lists of token ids: one "
+                         "choice (n choices) per prompt, in order (`index`)")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    max_tokens: int | None = Field(16, ge=1, le=MAX_NEW_TOKENS)
+    max_tokens: int | None = Field(16, ge=0, le=MAX_CONTEXT_TOKENS,
+                                   description="0 with echo: the prompt's scores only")
+    echo: StrictBool = Field(False, description="the prompt before each choice's text (and its tokens' logprobs: "
+                                                "the first one's null)")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                        description="vLLM's: each prompt token's logprob and its top alternatives")
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts as a list: strings, or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        return [p] if p and isinstance(p[0], int) else list(p)  # type: ignore[list-item]
 
 
 class TextPart(_Request):
@@ -183,19 +210,38 @@ class ChatRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(
         ..., min_length=1, max_length=MAX_MESSAGES,
         description=f"at most {MAX_PROMPT_CHARS:,} characters of text in all (before the chat template)")
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_CONTEXT_TOKENS)
 
     @field_validator("messages")
     @classmethod
     def _bounded_text(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
-        # each message is bounded alone; their sum is what the template and the tokenizer would see
+        # each message is bounded alone; their sum is what the template and the tokenizer would see (the served
+        # bound, below this ceiling, is served.check_chars')
         total = sum(len(m.text()) for m in messages)
-        if total > MAX_PROMPT_CHARS:
+        if total > MAX_TEXT_CHARS:
             raise ValueError(f"the messages hold {total:,} characters of text in all; the limit is "
-                             f"{MAX_PROMPT_CHARS:,}")
+                             f"{MAX_TEXT_CHARS:,}")
         return messages
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize (vLLM's shape): a prompt, or chat messages through the chat template."""
+
+    model: Name | None = None
+    prompt: Prompt | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    add_special_tokens: StrictBool = Field(True, description="the tokenizer's special tokens (a prompt's BOS)")
+    add_generation_prompt: StrictBool = Field(True, description="messages: the assistant turn's opening")
+    return_token_strs: StrictBool = Field(False, description="each token's text too")
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize (vLLM's shape): token ids → text."""
+
+    model: Name | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_CONTEXT_TOKENS)]
 
 
 def openai_error(message: str, type_: str = "invalid_request_error", param: str | None = None,

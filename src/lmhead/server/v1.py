@@ -1,10 +1,15 @@
 """/v1/*: the OpenAI-compatible API (one router; `create_app` includes it).
 
     GET  /v1/models              the served model
-    POST /v1/completions         completions (stream, logprobs, seed, stop; top_k, min_p, repetition_penalty)
+    POST /v1/completions         completions: prompts as text, lists, token ids (a choice each, × n), echo and
+                                 prompt logprobs (`lmhead.prompt_scores`: the fp32 head's), stream, logprobs,
+                                 seed, stop; top_k, min_p, repetition_penalty; vLLM's stop_token_ids, min_tokens,
+                                 ignore_eos, include_stop_str_in_output, prompt_logprobs
     POST /v1/chat/completions    chat: the prompt from `models.chat.chat_prompt`, then the same generation
 
-A request is checked (the model's name, prompt length, the sampling config via `checks.sampling_config_from`),
+A request is checked (the model's name, characters and tokens against the served limits — prompt + max_tokens ≤
+the context, rows ≤ --parallel and within the KV memory: served.py —, the sampling config via
+`checks.sampling_config_from`),
 generated in the runner's shared batch (`ModelRunner.generate`: continuous batching), and shaped as OpenAI's
 objects: `_Completion` and `_Chat` build the ids, chunks and bodies. Log-probabilities are the model's own
 (raw: temperature 1, nothing cut), as OpenAI and vLLM report them, from the decode head (`exact_logprobs: true`,
@@ -14,6 +19,7 @@ errors have OpenAI's shape (errors.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import uuid
@@ -24,9 +30,21 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
+from lmhead.generate import prepare_ids
+from lmhead.prompt_scores import prompt_scores
 from lmhead.server import schemas as S
 from lmhead.server.errors import APIError
-from lmhead.server.served import Served, chat_ids, encode_checked, get_served, sampling_config
+from lmhead.server.served import (
+    Served,
+    chat_ids,
+    check_chars,
+    check_fit,
+    check_rows,
+    context_of,
+    get_served,
+    prompt_ids,
+    sampling_config,
+)
 from lmhead.server.sse import DONE, primed, sse
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -41,16 +59,59 @@ async def v1_models(served: Served = Depends(get_served)) -> dict[str, Any]:
 @router.post("/completions", summary="OpenAI-compatible completions")
 async def v1_completions(req: S.CompletionRequest, request: Request, served: Served = Depends(get_served)):
     _check_model(served, req.model)
-    prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]  # a list of one (schemas checks)
-    ids = await served.call(encode_checked, served.model, prompt)
+    prompts = req.prompts()
+    texts = [p for p in prompts if isinstance(p, str)]
+    check_chars(served.limits, texts, "prompt")
+    if req.min_tokens and req.max_tokens is not None and req.min_tokens > req.max_tokens:
+        raise APIError(400, f"min_tokens ({req.min_tokens}) must be at most max_tokens ({req.max_tokens})",
+                       "min_tokens")
+    ids = await served.call(prompt_ids, served.model, prompts)
+    lengths = [len(x) for x in ids]
+    context = context_of(served)
+    if "max_tokens" in req.model_fields_set and req.max_tokens is not None:
+        max_tokens = req.max_tokens
+    else:  # OpenAI's default of 16, or the rest of the context (None)
+        # at least 1: a prompt that fills the context is a 400 below, not an empty answer
+        max_tokens = max(1, min(16 if req.max_tokens is not None else context, context - max(lengths)))
+    check_fit(served, lengths, max_tokens)
+    rows = len(ids) * req.n
+    check_rows(served, rows, max(lengths) + max_tokens)
+    top_prompt = _prompt_top(req)
+    scored = (await served.call(_all_prompt_scores, served.model, ids, top_prompt)
+              if top_prompt is not None else None)
+    answer = _Completion(served, req, prompts, ids, scored)
+    if max_tokens == 0:
+        if req.stream:
+            return StreamingResponse(answer.events(None), media_type="text/event-stream")
+        return answer.body([])
     cfg = sampling_config(req, req.seed)  # pure and bounded: no trip to the model's thread
-    steps = partial(served.generate, prompt, req.max_tokens or 16, config=cfg, stop=req.stops() or None,
-                    top_logprobs=req.logprobs or 0, exact_logprobs=req.exact_logprobs,
-                    scores=req.logprobs is not None)
-    answer = _Completion(served, req, prompt, len(ids))
+    configs = [cfg if req.seed is None or j == 0 else dataclasses.replace(cfg, seed=(req.seed + j) % 2**63)
+               for _ in ids for j in range(req.n)]
+    flat = [x for x in ids for _ in range(req.n)]
+    steps = partial(served.generate, flat, max_tokens, prepare_rows=prepare_ids, config=configs,
+                    stop=req.stops() or None, top_logprobs=req.logprobs or 0, exact_logprobs=req.exact_logprobs,
+                    scores=req.logprobs is not None, stop_token_ids=req.stop_token_ids,
+                    ignore_eos=req.ignore_eos, include_stop=req.include_stop_str_in_output,
+                    size=(rows, max(lengths) + max_tokens))
     if req.stream:
         return StreamingResponse(await primed(answer.events(steps())), media_type="text/event-stream")
     return answer.body(await served.collect(steps(), request))
+
+
+async def _nothing() -> AsyncIterator[Any]:
+    return
+    yield
+
+
+def _prompt_top(req: S.CompletionRequest) -> int | None:
+    """How many alternatives the prompt tokens' scores list (None: no prompt scores): vLLM's prompt_logprobs,
+    or echo with logprobs (OpenAI's legacy shape)."""
+    wanted = [n for n in (req.prompt_logprobs, req.logprobs if req.echo else None) if n is not None]
+    return max(wanted) if wanted else None
+
+
+def _all_prompt_scores(model: Any, ids: list[list[int]], top: int) -> list[list[Any]]:
+    return [prompt_scores(model, x, top) for x in ids]
 
 
 @router.post("/chat/completions", summary="OpenAI-compatible chat completions")
@@ -59,12 +120,26 @@ async def v1_chat(req: S.ChatRequest, request: Request, served: Served = Depends
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    prompt, ids = await served.call(chat_ids, served.model, messages)
+    check_chars(served.limits, ["".join(m["content"] for m in messages)], "messages")
+    _, ids = await served.call(chat_ids, served.model, messages)
+    context = context_of(served)
+    asked = req.max_completion_tokens or req.max_tokens
+    max_tokens = asked if asked is not None else context - len(ids)  # default: the rest of the context
+    if served.limits is not None and asked is None:
+        max_tokens = min(max_tokens, served.limits.max_tokens)
+    check_fit(served, [len(ids)], max(max_tokens, 1), "messages")
+    if req.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
+    check_rows(served, req.n, len(ids) + max_tokens)
     cfg = sampling_config(req, req.seed)
+    configs = [cfg if req.seed is None or j == 0 else dataclasses.replace(cfg, seed=(req.seed + j) % 2**63)
+               for j in range(req.n)]
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
-    max_tokens = req.max_completion_tokens or req.max_tokens or S.MAX_NEW_TOKENS
-    steps = partial(served.generate, prompt, max_tokens, config=cfg, stop=req.stops() or None, top_logprobs=top_n,
-                    exact_logprobs=req.exact_logprobs, scores=bool(req.logprobs))
+    steps = partial(served.generate, [ids] * req.n, max_tokens, prepare_rows=prepare_ids, config=configs,
+                    stop=req.stops() or None, top_logprobs=top_n, exact_logprobs=req.exact_logprobs,
+                    scores=bool(req.logprobs), stop_token_ids=req.stop_token_ids,
+                    ignore_eos=req.ignore_eos, include_stop=req.include_stop_str_in_output,
+                    size=(req.n, len(ids) + max_tokens))
     answer = _Chat(served, req, len(ids))
     if req.stream:
         events = answer.events(steps())
@@ -100,41 +175,111 @@ class _Answer:
 
 
 class _Completion(_Answer):
-    """A /v1/completions answer: `text_completion` chunks (streamed) or one body."""
+    """A /v1/completions answer: `text_completion` chunks (streamed) or one body; one choice per prompt and n
+    (`index` = prompt × n + j), each with the prompt (echo) and its tokens' scores (echo + logprobs: OpenAI's
+    legacy shape, the first token's null; prompt_logprobs: vLLM's)."""
 
     prefix = "cmpl"
 
-    def __init__(self, served: Served, req: S.CompletionRequest, prompt: str, prompt_tokens: int) -> None:
-        super().__init__(served, req, prompt_tokens)
-        self.prompt = prompt
+    def __init__(self, served: Served, req: S.CompletionRequest, prompts: list[Any], ids: list[list[int]],
+                 scored: list[list[Any]] | None) -> None:
+        super().__init__(served, req, sum(len(x) for x in ids))
+        self.prompts, self.ids, self.scored, self.n = prompts, ids, scored, req.n
 
-    def chunk(self, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
+    def prompt_text(self, p: int) -> str:
+        prompt = self.prompts[p]
+        return prompt if isinstance(prompt, str) else self.served.model.tokenizer.decode(self.ids[p])
+
+    def choice(self, index: int, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
+        out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if self.req.prompt_logprobs is not None and self.scored is not None:
+            out["prompt_logprobs"] = self.vllm_prompt_logprobs(index // self.n)
+        return out
+
+    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.served.name,
-                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+                "choices": choices}
 
     def logprobs(self, steps: list[Any], offset: int) -> dict[str, Any] | None:
         return completion_logprobs(steps, self.tok_text, offset) if self.req.logprobs is not None else None
 
-    async def events(self, steps: AsyncIterator[Any]) -> AsyncIterator[str]:
-        n, offset = 0, len(self.prompt)
-        async for step in steps:
-            n += 1
-            lp = self.logprobs([step], offset)
-            offset += len(step.text)
-            yield sse(self.chunk(step.text, lp, step.finish_reason))
+    def echo_logprobs(self, p: int) -> dict[str, Any]:
+        """The prompt's tokens in the legacy logprobs shape: their texts, logprobs (the first None), each one's
+        top `logprobs` alternatives (None for the first) and text offsets."""
+        tok = self.served.model.tokenizer
+        top_n = self.req.logprobs or 0
+        tokens, token_logprobs, tops, offsets, offset = [], [], [], [], 0
+        for t, score in zip(self.ids[p], self.scored[p], strict=True):
+            text = tok.decode([t])
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            if score is None:
+                token_logprobs.append(None)
+                tops.append(None)
+                continue
+            token_logprobs.append(_finite(score.logprob))
+            top: dict[str, float] = {}
+            for alt, lp in score.top[:top_n]:
+                top.setdefault(tok.decode([alt]), _finite(lp))
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def vllm_prompt_logprobs(self, p: int) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token None (the first) or {id: {logprob, rank, decoded_token}} for
+        the token and its top alternatives."""
+        tok = self.served.model.tokenizer
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for score in self.scored[p]:
+            if score is None:
+                out.append(None)
+                continue
+            entry = {str(score.token_id): {"logprob": _finite(score.logprob), "rank": score.rank,
+                                           "decoded_token": tok.decode([score.token_id])}}
+            for rank, (alt, lp) in enumerate(score.top[:self.req.prompt_logprobs], start=1):
+                entry.setdefault(str(alt), {"logprob": _finite(lp), "rank": rank, "decoded_token": tok.decode([alt])})
+            out.append(entry)
+        return out
+
+    async def events(self, steps: AsyncIterator[Any] | None) -> AsyncIterator[str]:
+        count: dict[int, int] = {}
+        offsets = {i: len(self.prompt_text(i // self.n)) for i in range(len(self.ids) * self.n)}
+        if self.req.echo:  # each choice's first chunk: its prompt (and its tokens' logprobs), as vLLM streams it
+            for i in offsets:
+                lp = self.echo_logprobs(i // self.n) if self.req.logprobs is not None else None
+                yield sse(self.chunk([self.choice(i, self.prompt_text(i // self.n), lp,
+                                                  None if steps is not None else "length")]))
+        async for step in steps if steps is not None else _nothing():
+            count[step.index] = count.get(step.index, 0) + 1
+            lp = self.logprobs([step], offsets[step.index])
+            offsets[step.index] += len(step.text)
+            yield sse(self.chunk([self.choice(step.index, step.text, lp, step.finish_reason)]))
         if self.req.stream_options and self.req.stream_options.include_usage:
-            yield sse({**self.chunk("", None, None), "choices": [], "usage": self.usage(n)})
+            yield sse({**self.chunk([]), "usage": self.usage(sum(count.values()))})
         yield DONE
 
     def body(self, steps: list[Any]) -> dict[str, Any]:
-        text = "".join(s.text for s in steps)
-        out = self.chunk(text, self.logprobs(steps, len(self.prompt)), steps[-1].finish_reason if steps else "length")
+        per: dict[int, list[Any]] = {i: [] for i in range(len(self.ids) * self.n)}
+        for step in steps:
+            per[step.index].append(step)
+        choices = []
+        for i, own in per.items():
+            p = i // self.n
+            prompt = self.prompt_text(p) if self.req.echo else ""
+            text = prompt + "".join(s.text for s in own)
+            lp = self.logprobs(own, len(self.prompt_text(p)))  # offsets count the prompt, echoed or not
+            if lp is not None and self.req.echo and self.scored is not None:
+                head = self.echo_logprobs(p)
+                lp = {key: head[key] + lp[key] for key in lp}
+            choices.append(self.choice(i, text, lp, own[-1].finish_reason if own else "length"))
+        out = self.chunk(choices)
         out["usage"] = self.usage(len(steps))
         return out
 
 
 class _Chat(_Answer):
-    """A /v1/chat/completions answer: `chat.completion.chunk`s (streamed) or one `chat.completion`."""
+    """A /v1/chat/completions answer: `chat.completion.chunk`s (streamed) or one `chat.completion`; n choices,
+    each its `index`."""
 
     prefix = "chatcmpl"
 
@@ -143,30 +288,35 @@ class _Chat(_Answer):
             return None
         return {"content": [chat_logprob(self.tok_text(s), s) for s in steps], "refusal": None}
 
-    def chunk(self, delta: dict[str, Any], lp: Any, finish: str | None) -> dict[str, Any]:
+    def chunk(self, delta: dict[str, Any], lp: Any, finish: str | None, index: int = 0) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.served.name, "system_fingerprint": None,
-                "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+                "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
     async def events(self, steps: AsyncIterator[Any]) -> AsyncIterator[str]:
         n = 0
-        yield sse(self.chunk({"role": "assistant", "content": ""}, None, None))
+        for i in range(self.req.n):
+            yield sse(self.chunk({"role": "assistant", "content": ""}, None, None, i))
         async for step in steps:
             n += 1
-            yield sse(self.chunk({"content": step.text}, self.logprobs([step]), step.finish_reason))
+            yield sse(self.chunk({"content": step.text}, self.logprobs([step]), step.finish_reason, step.index))
         if self.req.stream_options and self.req.stream_options.include_usage:
             yield sse({**self.chunk({}, None, None), "choices": [], "usage": self.usage(n)})
         yield DONE
 
     def body(self, steps: list[Any]) -> dict[str, Any]:
+        per: dict[int, list[Any]] = {i: [] for i in range(self.req.n)}
+        for step in steps:
+            per[step.index].append(step)
         return {
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.served.name,
             "system_fingerprint": None,
-            "choices": [{"index": 0,
-                         "message": {"role": "assistant", "content": "".join(s.text for s in steps),
+            "choices": [{"index": i,
+                         "message": {"role": "assistant", "content": "".join(s.text for s in own),
                                      "refusal": None},
-                         "logprobs": self.logprobs(steps),
-                         "finish_reason": steps[-1].finish_reason if steps else "length"}],
+                         "logprobs": self.logprobs(own),
+                         "finish_reason": own[-1].finish_reason if own else "length"}
+                        for i, own in per.items()],
             "usage": self.usage(len(steps)),
         }
 

@@ -1,0 +1,90 @@
+"""Chunked prefill: a prompt fed to the lean body in pieces (`speculative.Decoder.prefill_piece`) gives the tokens
+and logprobs of one forward, and a prompt joining a running batch in pieces (`Batch.begin_join` / `prefill`)
+lets the live rows decode between its pieces, then gives what it gives alone."""
+
+from __future__ import annotations
+
+import pytest
+from test_server_harness import tiny_served_model
+
+import lmhead.speculative as spec
+from lmhead.generate import Batch, prepare
+from lmhead.sampling import SamplingConfig
+
+GREEDY = SamplingConfig(temperature=0)
+LONG = "the cat and the dog went to the market to buy bread and milk " * 3
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_served_model()
+
+
+def _alone(model, prompt, n, config=GREEDY):
+    batch = Batch(model)
+    batch.add(prepare(model, prompt, n, config))
+    out = []
+    while batch.rows:
+        out += [step for _, step in batch.step()]
+    return out
+
+
+def test_a_prompt_prefilled_in_pieces_gives_the_tokens_of_one_forward(model, monkeypatch):
+    whole = _alone(model, LONG, 12)
+    monkeypatch.setattr(spec, "PREFILL_PIECE", 5)
+    pieces = _alone(model, LONG, 12)
+    assert [s.token_id for s in pieces] == [s.token_id for s in whole]
+    assert [s.raw_logprob for s in pieces] == pytest.approx([s.raw_logprob for s in whole], abs=1e-5)
+    seeded = SamplingConfig(temperature=0.9, top_k=20, seed=3)
+    assert [s.token_id for s in _alone(model, LONG, 12, seeded)] == [
+        s.token_id for s in _alone(model, LONG, 12, seeded)]
+
+
+def test_live_rows_decode_between_the_pieces_of_a_joining_prompt(model, monkeypatch):
+    want_long = _alone(model, LONG, 8)
+    want_short = _alone(model, "Hello there", 30)
+    monkeypatch.setattr(spec, "PREFILL_PIECE", 4)
+    batch = Batch(model)
+    short = prepare(model, "Hello there", 30, GREEDY)
+    batch.add(short)
+    got: dict[int, list] = {0: [], 1: []}
+    for _, step in batch.step():
+        got[0].append(step)
+    long = prepare(model, LONG, 8, GREEDY)
+    for row in long:
+        row.index = 1
+    batch.begin_join(long)
+    pieces = 0
+    while batch.prefill():  # a decode round of the live row between every two pieces
+        pieces += 1
+        assert batch.joining == long and batch.rows == short
+        for _, step in batch.step():
+            got[0].append(step)
+    assert pieces >= len(long[0].prompt_ids) // 4 - 1
+    assert batch.rows == [*short, *long] and not batch.joining
+    while batch.rows:
+        for _, step in batch.step():
+            got[step.index].append(step)
+    assert [s.token_id for s in got[0]] == [s.token_id for s in want_short]
+    assert [s.token_id for s in got[1]] == [s.token_id for s in want_long]
+    assert [s.raw_logprob for s in got[1]] == pytest.approx([s.raw_logprob for s in want_long], abs=1e-5)
+
+
+def test_a_join_whose_running_rows_all_left_becomes_the_batch(model, monkeypatch):
+    want = _alone(model, LONG, 6)
+    monkeypatch.setattr(spec, "PREFILL_PIECE", 4)
+    batch = Batch(model)
+    short = prepare(model, "Hi", 30, GREEDY)
+    batch.add(short)
+    batch.step()
+    long = prepare(model, LONG, 6, GREEDY)
+    batch.begin_join(long)
+    batch.prefill()
+    batch.remove(short)  # the running row's client went away mid-join
+    assert not batch.rows and batch.joining == long and not batch.can_join
+    while batch.prefill():
+        pass
+    got = []
+    while batch.rows:
+        got += [step for _, step in batch.step()]
+    assert [s.token_id for s in got] == [s.token_id for s in want]
