@@ -1,7 +1,8 @@
 """lm-evaluation-harness as a client: `lm_eval --model local-completions` against `lmhead serve`'s app (uvicorn
 on 127.0.0.1, a free port) on SmolLM2-135M, and lm-eval's own `hf` backend on the same weights (the GGUF file
 lmhead reads, dequantised by transformers' loader: the numbers lmhead's exactness is defined against), over
-the small multiple-choice task in tests/data/lmeval: every item's per-choice loglikelihood equal to 1e-4 and the accuracy identical.
+the small multiple-choice task in tests/data/lmeval: every item's per-choice loglikelihood equal to 1e-4 and
+the accuracy identical.
 
 lm-eval's loglikelihood requests send token-id prompts with `echo: true, logprobs: 1, max_tokens: 1` and sum the
 prompt tokens' logprobs past the context; its remote tokenizer reads /tokenize, /detokenize and /tokenizer_info.
