@@ -45,7 +45,7 @@ bench: install
 results:
 	python3 benchmarks/render.py
 
-# llama.cpp's llama-bench for benchmarks/bench_decode.py (optional: compiles for ~10 minutes; never part of test)
+# llama.cpp's llama-bench, llama-quantize, llama-server and llama-cli for the benchmarks (optional; never part of test)
 llama-bench: install
 	PYTHON=$(BIN)/python bash benchmarks/build_llama_bench.sh
 

@@ -108,6 +108,15 @@ def test_the_exact_head_of_a_file_model_makes_its_float32_weight_only_when_asked
     torch.testing.assert_close(logits, h @ head.weight.T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
+def test_the_float32_weight_first_read_under_inference_mode_is_a_normal_tensor(tmp_path, monkeypatch):
+    model, ref = _load_both(tmp_path, monkeypatch, "llama", "Q8_0")
+    with torch.inference_mode():
+        w = model.exact_head.weight
+    assert not w.is_inference()
+    torch.testing.assert_close(w, ref.get_output_embeddings().weight.detach(), rtol=0, atol=0)
+
+
 def test_a_second_load_of_a_gguf_reads_only_its_cached_config_and_tokenizer(tmp_path, monkeypatch):
     from tiny_gguf import write_tiny_gguf
 

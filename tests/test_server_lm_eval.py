@@ -1,7 +1,8 @@
 """lm-evaluation-harness as a client: `lm_eval --model local-completions` against `lmhead serve`'s app (uvicorn
-on 127.0.0.1, a free port) on SmolLM2-135M, and lm-eval's own `hf` backend on the same weights (the converted
-folder lmhead loads), over the small multiple-choice task in tests/data/lmeval: every item's per-choice
-loglikelihood equal to 1e-4 and the accuracy identical.
+on 127.0.0.1, a free port) on SmolLM2-135M, and lm-eval's own `hf` backend on the same weights (the GGUF file
+lmhead reads, dequantised by transformers' loader: the numbers lmhead's exactness is defined against), over
+the small multiple-choice task in tests/data/lmeval: every item's per-choice loglikelihood equal to 1e-4 and
+the accuracy identical.
 
 lm-eval's loglikelihood requests send token-id prompts with `echo: true, logprobs: 1, max_tokens: 1` and sum the
 prompt tokens' logprobs past the context; its remote tokenizer reads /tokenize, /detokenize and /tokenizer_info.
@@ -45,7 +46,9 @@ def test_lm_eval_local_completions_scores_equal_its_hf_backend_on_the_same_weigh
         args = (f"model={model.name},base_url={server.url}/v1/completions,tokenizer_backend=remote,"
                 f"num_concurrent=1,max_retries=1,tokenized_requests=True")
         served, served_ll = _lm_eval(tmp_path / "served", "local-completions", args)
-    hf, hf_ll = _lm_eval(tmp_path / "hf", "hf", f"pretrained={model.path},dtype=float32", "--device", "cpu")
+    gguf = model.gguf_path
+    hf, hf_ll = _lm_eval(tmp_path / "hf", "hf", f"pretrained={gguf.parent},gguf_file={gguf.name},dtype=float32",
+                         "--device", "cpu")
     assert sorted(served_ll) == sorted(hf_ll) and len(served_ll) == 16
     for doc, lls in served_ll.items():
         assert len(lls) == 4 and all(ll < 0 for ll in lls) and len(set(lls)) == 4, lls

@@ -35,7 +35,7 @@ class TokenScore:
 def hidden_of(model, ids: Sequence[int]) -> torch.Tensor:
     """The body's final hidden states [T,D] of one prompt: as `Model.hidden_states` (what `evaluate` reads) for up
     to PIECE tokens; longer prompts on the lean body in pieces of PIECE through one cache."""
-    x = torch.tensor([list(ids)], device=model.exact_head.weight.device)
+    x = torch.tensor([list(ids)], device=model.device)
     if model.lean is None or x.shape[1] <= PIECE:
         return model.hidden_states(x)[0]
     t = x.shape[1]

@@ -37,7 +37,10 @@ class CodedHead(LMHead):
         """The float32 [V,D] weight the codes encode, made on first access and shared from then on."""
         w = self.__dict__["_weight"]
         if w is None:
-            w = nn.Parameter(self.product.dequantize(), requires_grad=False)
+            # a normal tensor even when first read under inference_mode: one made there has no version counter,
+            # and training reads this same weight later
+            with torch.inference_mode(False):
+                w = nn.Parameter(self.product.dequantize(), requires_grad=False)
             self.__dict__["_weight"] = w
             # the codes answer for this tensor's numbers only while it is unchanged (an optimizer step: F.linear)
             self.product.weight, self.product.sources, self.product.versions = w, (w,), (w._version,)

@@ -340,6 +340,7 @@ def _load_file(source: Source, head: str, body: str, progress: bool):
         if assembled:  # moved into the folder (one file system: the map stays valid)
             f.path = folder / "model.gguf"
     cfg, tokenizer, eos = read_meta(folder)
+    gguf = f.path
     try:
         check_fits(f)
         lean, weight, bias, tied = file_body(f, cfg)
@@ -355,6 +356,8 @@ def _load_file(source: Source, head: str, body: str, progress: bool):
         hf_model, _ = load_folder(cached_folder(source, progress=progress), cached=True)
         return hf_model.float().eval()
 
-    return Model.from_file(lean, tokenizer, cfg, eos, exact, name=source.name, path=folder, build_hf=build_hf,
-                           head=head, body=body)
+    model = Model.from_file(lean, tokenizer, cfg, eos, exact, name=source.name, path=folder, build_hf=build_hf,
+                            head=head, body=body)
+    model.gguf_path = Path(gguf)
+    return model
 

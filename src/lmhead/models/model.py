@@ -56,6 +56,7 @@ class Model:
         self.tokenizer = tokenizer
         self.name = name
         self.path = path
+        self.gguf_path: Path | None = None  # the GGUF file the weights are read from, where they are
         self.config = hf_model.config
         text_config = parts.text_config(self.config)
         # embedding + blocks + final norm; with oneDNN linears (the same weights, see fast_linear.py) unless
@@ -110,6 +111,7 @@ class Model:
         self = cls.__new__(cls)
         self._hf_model, self._body, self._build_hf, self._body_mode = None, None, build_hf, body
         self.tokenizer, self.name, self.path, self.config = tokenizer, name, path, config
+        self.gguf_path: Path | None = None  # the file the weights are read from (set by the loader)
         self.lean = lean if body in ("auto", "lean") else None
         self._draft = None
         self.exact_head = exact_head
