@@ -49,7 +49,7 @@ def client(model):
 
 
 def _chat(client, **kw):
-    return client.chat.completions.create(model="tiny-llama", messages=USER, max_tokens=64, temperature=0, **kw)
+    return client.chat.completions.create(model="tiny-llama", messages=USER, max_tokens=64, **{"temperature": 0, **kw})
 
 
 def test_response_format_json_schema_answers_a_valid_object_equal_to_the_library(client, model):
@@ -211,3 +211,32 @@ def test_chat_turns_render_calls_and_results_for_any_template():
         {"role": "user", "content": "Weather?"},
         {"role": "assistant", "content": '{"name": "get_weather", "arguments": {"city": "Oslo"}}'},
         {"role": "user", "content": "Result of get_weather: 12 C"}]
+
+
+def test_n_constrained_choices_each_match_the_schema_and_equal_their_own_seeded_request(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    many = _chat(client, n=3, seed=5, temperature=1.0, response_format=fmt)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    for j, c in enumerate(many.choices):
+        one = _chat(client, seed=5 + j, temperature=1.0, response_format=fmt).choices[0]
+        assert c.message.content == one.message.content and c.finish_reason == one.finish_reason
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.message.content), PERSON)
+
+
+def test_token_id_prompts_take_the_constraint_each(client, model):
+    ids = [model.encode("Hi"), model.encode("The cat")]
+    r = client.completions.create(model="tiny-llama", prompt=ids, max_tokens=8, temperature=0,
+                                  extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(c.text in ("yes", "no") and c.finish_reason == "stop" for c in r.choices)
+
+
+def test_n_streamed_tool_calls_come_one_per_choice(client):
+    chunks = list(client.chat.completions.create(model="tiny-llama", messages=SHORT, max_tokens=64, temperature=1.0,
+                                                 seed=3, n=2, tools=[WEATHER], tool_choice="required", stream=True))
+    finishes = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices
+                and c.choices[0].finish_reason}
+    assert finishes == {0: "tool_calls", 1: "tool_calls"}
+    calls = [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert sorted(c.choices[0].index for c in calls) == [0, 1]
