@@ -542,3 +542,38 @@ def attention_step(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: to
         scores = scores + mask[:, None].double()
     out = (torch.softmax(scores, -1) @ vv).transpose(1, 2).reshape(b, t, h * hd)
     return out.float(), keys, values
+
+
+# --- structured output ------------------------------------------------------------------------------------
+
+
+def constrained_allowed(token_bytes: list[bytes], prefix: bytes, language: list[bytes], eos: set[int]) -> set[int]:
+    """The tokens a grammar over the finite `language` allows after the text `prefix`, by brute force: token t
+    (its bytes token_bytes[t]; b"" for special tokens, never allowed) iff prefix + its bytes begins a word of
+    the language; an end-of-sequence id iff prefix is a word."""
+    out = {t for t, b in enumerate(token_bytes) if b and any(w.startswith(prefix + b) for w in language)}
+    if prefix in language:
+        out |= eos
+    return out
+
+
+def forced_bytes(prefix: bytes, language: list[bytes]) -> bytes:
+    """The bytes every word of `language` that begins with `prefix` continues with (their longest common prefix
+    after it); b"" where the words branch at once or `prefix` is itself a word (then the text may end)."""
+    rest = [w[len(prefix):] for w in language if w.startswith(prefix)]
+    if not rest or b"" in rest:
+        return b""
+    n = 0
+    while all(len(r) > n and r[n] == rest[0][n] for r in rest):
+        n += 1
+    return rest[0][:n]
+
+
+def constrained_logprobs(logits: torch.Tensor, allowed: set[int], temperature: float = 1.0) -> torch.Tensor:
+    """The constrained distribution in closed form: log softmax(logits / T) over the allowed tokens, -inf
+    elsewhere. logits [V] → [V] float64."""
+    x = logits.double() / temperature
+    keep = torch.zeros_like(x, dtype=torch.bool)
+    keep[sorted(allowed)] = True
+    x = x.masked_fill(~keep, float("-inf"))
+    return x - torch.logsumexp(x, dim=0)

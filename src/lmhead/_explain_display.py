@@ -12,7 +12,8 @@ from lmhead.explain import Evaluation, Prediction
 RANK_BUCKETS = [(1, "top-1", "black on green3"), (10, "top-10", "black on yellow3"),
                 (100, "top-100", "black on red3"), (None, "beyond", "white on purple4")]
 
-_CUT_NAMES = {"bias": "banned", "greedy": "greedy", "top_k": "top-k", "top_p": "top-p", "min_p": "min-p"}
+_CUT_NAMES = {"constraint": "constraint", "bias": "banned", "greedy": "greedy", "top_k": "top-k", "top_p": "top-p",
+              "min_p": "min-p"}
 
 
 def _pct(p: float) -> str:
@@ -58,6 +59,8 @@ def print_prediction(pred: Prediction, console: Console | None = None) -> None:
     console.print(Text(f"model {pred.model} · {len(pred.prompt_tokens)} prompt tokens · vocabulary "
                        f"{pred.vocab_size:,} · {_config_line(pred.config)}", style="bold"))
     console.print(prompt_tokens_text(pred.prompt_tokens))
+    if pred.constraint is not None:
+        console.print(Text(f"constraint (applied first): {pred.constraint}", style="bold"))
     table = Table(title="next token", title_justify="left", show_edge=False, pad_edge=False)
     for name, justify in [("#", "right"), ("token", "left"), ("id", "right"), ("logit", "right"),
                           ("logit/T", "right"), ("raw", "right"),

@@ -74,6 +74,41 @@ def _add_step_args(g) -> None:
             g.add_argument(flag, default=None, help=text)
 
 
+def _add_constraint_args(p: argparse.ArgumentParser) -> None:
+    """Structured output (lmhead.constrain): at most one; the answer is constrained from its first token."""
+    g = p.add_argument_group("structured output (one of them; applied before every sampling step)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="the answer is JSON matching the JSON schema in FILE ('-' reads stdin)")
+    x.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
+    x.add_argument("--regex", metavar="R", default=None, help="the answer matches the regular expression R")
+    x.add_argument("--choice", metavar="A,B,C", default=None, help="the answer is one of the comma-separated strings")
+    x.add_argument("--grammar", metavar="FILE", default=None,
+                   help="the answer follows the grammar in FILE: Lark (llguidance's), or GBNF where rules use ::=")
+
+
+def _constraint(args: argparse.Namespace):
+    """The constraint the flags ask for (None: a free answer); a malformed one is an error naming the flag."""
+    from lmhead.constrain import Choice, Grammar, JSONObject, JSONSchema, Regex
+    from lmhead.constrain.constraints import MAX_CONSTRAINT_CHARS
+
+    try:
+        if args.json_schema is not None:
+            return JSONSchema(_read_text(args.json_schema, MAX_CONSTRAINT_CHARS))
+        if args.json_object:
+            return JSONObject()
+        if args.regex is not None:
+            return Regex(args.regex)
+        if args.choice is not None:
+            return Choice([c for c in args.choice.split(",") if c] or [""])
+        if args.grammar is not None:
+            return Grammar.from_text(_read_text(args.grammar, MAX_CONSTRAINT_CHARS))
+    except (ValueError, TypeError) as exc:
+        flag = next(f for f in ("json_schema", "json_object", "regex", "choice", "grammar") if getattr(args, f))
+        raise ValueError(f"--{flag.replace('_', '-')}: {exc}") from None
+    return None
+
+
 def _sampling_config(args: argparse.Namespace):
     """The SamplingConfig of `_add_sampling_args`' options (and --seed where the command has it), made by the
     function the server uses too: the same settings give the same config or the same error."""
@@ -229,6 +264,7 @@ def _add_predict(sub: argparse._SubParsersAction) -> None:
                    "generate would use)")
     _add_chat_args(p)
     _add_sampling_args(p)
+    _add_constraint_args(p)
     p.add_argument("--top", type=int, default=10, help="candidates to show (default 10)")
     p.add_argument("--layers", action="store_true",
                    help="logit lens: the final norm + head applied after every layer (top candidates per layer)")
@@ -240,11 +276,13 @@ def _run_predict(args: argparse.Namespace) -> None:
     config = _sampling_config(args)  # bad settings fail before the model loads
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
+    constraint = _constraint(args)
     messages = _chat_messages(args)
     model = _load(args, head="fp32")  # no compressed head to build unless --head asks to see one
     prompt = _prompt_text(model, args, messages)
     head = "exact" if args.head in (None, "fp32") else "decode"
-    pred = model.predict(prompt, top=args.top, config=config, layers=args.layers, model_name=model.name, head=head)
+    pred = model.predict(prompt, top=args.top, config=config, layers=args.layers, model_name=model.name, head=head,
+                         constraint=constraint)
     if args.json:
         _print_json(pred.to_dict())
         return
@@ -460,6 +498,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     _add_chat_args(p)
     p.add_argument("--max-new-tokens", "-n", type=int, default=64, help="tokens to generate at most (default 64)")
     _add_sampling_args(p)
+    _add_constraint_args(p)
     p.add_argument("--seed", type=int, default=None,
                    help="seed for the draws: the same seed and settings give the same text")
     p.add_argument("--stop", action="extend", nargs="+", default=None, metavar="S",
@@ -497,13 +536,14 @@ def _run_generate(args: argparse.Namespace) -> None:
 
     check_draft_tokens(args.draft_tokens)
     config = _sampling_config(args)  # bad settings fail before the model loads
+    constraint = _constraint(args)
     messages = _chat_messages(args)
     model = _load(args)
     prompt = _prompt_text(model, args, messages)
     stats = SpeculativeStats()
     steps = model.generate(prompt, args.max_new_tokens, config=config, stop=args.stop,
                            top_logprobs=args.top_logprobs, draft=args.draft, draft_tokens=args.draft_tokens,
-                           stats=stats, exact_logprobs=args.exact_logprobs,
+                           stats=stats, exact_logprobs=args.exact_logprobs, constraint=constraint,
                            scores=args.json)  # text shows no logprobs: none computed (nor the normaliser's pass)
     out, count, finish, t0 = sys.stdout, 0, None, time.perf_counter()
     if not args.json and messages is None:  # a chat prints the answer only, not the template around the prompt

@@ -185,7 +185,8 @@ class Candidate(JSONReady):
     kept_top_k: bool  # still in after top-k (pipeline order, so False also when an earlier step cut it)
     kept_top_p: bool
     kept_min_p: bool
-    cut_by: str | None  # first step that removed it: "bias", "greedy", "top_k", "top_p", "min_p"; None if kept
+    cut_by: str | None  # first step that removed it: "constraint", "bias", "greedy", "top_k", "top_p", "min_p";
+    # None if kept
     cumulative: float  # running sum of `probability` down the list (processed mass up to this row)
     raw_cumulative: float  # running sum of `raw_probability`
     scaled_cumulative: float  # running sum of `scaled_probability` (what top-p compares with p)
@@ -230,6 +231,7 @@ class Prediction(JSONReady):
     # every step the config runs, in order, from its declaration (lmhead.sampling.steps): name, its parameters'
     # values, how many tokens it cut (of those still in), why it cuts (the explainer's reason) and its origin
     steps: list[dict[str, Any]] = field(default_factory=list)
+    constraint: str | None = None  # the structured-output constraint applied first (its description), if any
 
 
 @dataclass
@@ -312,7 +314,7 @@ def explain_head(model, head: str = "exact"):
 @torch.inference_mode()
 @_accepts_parts
 def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False, layer_top: int = 5,
-            model_name: str | None = None, head: str = "exact") -> Prediction:
+            model_name: str | None = None, head: str = "exact", constraint=None) -> Prediction:
     """The next-token candidates for `prompt`, with both distributions and what each cut did.
 
     model: an `lmhead.Model`; its `body` runs the prompt (the body `generate` runs) and its full-precision
@@ -332,7 +334,9 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
     (after bias/penalties; ties by raw logit, then token id), so the kept tokens are a prefix of the list.
 
     top: candidates shown (1..V). layers: add the logit lens (`layer_top` candidates per layer), with the
-    same head.
+    same head. constraint: a structured-output constraint (`lmhead.constrain`) for the answer that starts after
+    the prompt: its mask is step 0, before bias — tokens it forbids are cut by "constraint" (their raw
+    probability stays the model's own) and every later step sees the constrained logits, as `generate` does.
     """
     from lmhead.sampling import SamplingConfig, process_logits
 
@@ -359,10 +363,13 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
     logits = head(last[:, -1:], exact_k=exact_k).reshape(1, vocab).float()  # [1,V]
 
     prev = input_ids.to(logits.device)
-    stages = _stages(logits, config, prev, len(ids))
-    processed = process_logits(logits, config, prev_tokens=prev, prompt_len=len(ids))  # [1,V]
+    masked = _constrained(model, logits, constraint)  # step 0: the constraint's mask (or the logits themselves)
+    stages = _stages(masked, config, prev, len(ids))
+    stages["after_constraint"] = masked
+    processed = process_logits(masked, config, prev_tokens=prev, prompt_len=len(ids))  # [1,V]
     probs = torch.softmax(processed[0].double(), dim=-1)  # [V]: step 7 of the pipeline, in float64 (see above)
-    candidates = _candidates(model.tokenizer, logits[0], stages, processed[0], probs, top, _cut_names(config))
+    cuts = _cut_names(config) if constraint is None else ("constraint", *_cut_names(config))
+    candidates = _candidates(model.tokenizer, logits[0], stages, processed[0], probs, top, cuts)
     scaled = stages["scaled"][0]
     ent = _entropies(torch.stack([logits[0], scaled, processed[0]]))
     prompt_tokens = [PromptToken(token_id=i, text=s, decoded=d)
@@ -378,7 +385,18 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
         kept_count=int(torch.isfinite(processed[0]).sum()), vocab_size=vocab,
         logsumexp=float(torch.logsumexp(logits[0], dim=-1)), scaled_logsumexp=float(torch.logsumexp(scaled, dim=-1)),
         config=_config_dict(config), layers=lens, head=head_name, steps=_step_rows(config, stages),
+        constraint=None if constraint is None else constraint.describe(),
     )
+
+
+def _constrained(model, logits: torch.Tensor, constraint) -> torch.Tensor:
+    """logits [1,V] with -inf where `constraint` forbids the answer's first token (a copy); `logits` when None."""
+    if constraint is None:
+        return logits
+    from lmhead.constrain import apply_bitmask_, for_rows
+
+    bits = for_rows(model, constraint, 1)[0].bits()
+    return apply_bitmask_(logits.clone(), bits[None])
 
 
 _CUTS = ("bias", "greedy", "top_k", "top_p", "min_p")  # the batch path's cuts, in its order

@@ -189,7 +189,7 @@ def generate(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int 
              stop: str | Sequence[str] | None = None, top_logprobs: int = 0, *,
              generator: torch.Generator | None = None, profile: dict[str, float] | None = None,
              draft: str = "auto", draft_tokens: int = 4, stats=None, exact_logprobs: bool = False,
-             scores: bool = True) -> Iterator[Step]:
+             scores: bool = True, constraint=None) -> Iterator[Step]:
     """Generate up to `max_new_tokens` tokens per prompt, yielding one `Step` per token as it is chosen.
 
     model: an `lmhead.Model`. prompt_or_prompts: a str (steps have index 0) or a list of str (steps carry the
@@ -215,12 +215,18 @@ def generate(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int 
     with the fp32 head (`model.exact_head`, one extra product per step); the tokens are the same.
     scores=False: the steps carry no log-probabilities (None in logprob, raw_logprob and rank) and none are
     computed (the server's requests that ask for none: a pass over the vocabulary per token saved).
+    constraint: structured output (`lmhead.constrain`): a JSONSchema, JSONObject, Regex, Choice or Grammar for
+    every prompt, or a list with one (or None: a free row) per prompt. The constraint's mask comes first, before
+    the pipeline, so the tokens, every logprob (raw ones included: the model's softmax over the allowed tokens)
+    and the alternatives are the constrained distribution's; EOS only where the grammar may stop; a grammar that
+    is complete ends the row with "stop", one that is not by max_new_tokens with "length" (the text so far).
+    ConstraintError (a ValueError) where it does not compile or uses a feature llguidance does not support.
 
     The arguments are checked when this is called (ValueError / TypeError naming the argument); the tokens
     come as the iterator is consumed.
     """
     rows = prepare(model, prompt_or_prompts, max_new_tokens, config, stop, top_logprobs,
-                   exact_logprobs=exact_logprobs, scores=scores)
+                   exact_logprobs=exact_logprobs, scores=scores, constraint=constraint)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
     from lmhead.speculative import check_draft_mode, check_draft_tokens
@@ -247,6 +253,7 @@ class Row:
     owner: Any = None
     generated: list[int] = field(default_factory=list)
     state: RowState = field(default_factory=RowState)  # what its stateful steps keep (mirostat's μ)
+    matcher: Any = None  # a `constrain.Matcher`: the row's place in its grammar (None: a free row)
     stop_ids: frozenset[int] | None = None  # ids that end the row (None: the model's end-of-sequence ids)
 
     @property
@@ -266,7 +273,7 @@ class Row:
 def prepare(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int = 32,
             config: SamplingConfig | Sequence[SamplingConfig] | None = None,
             stop: str | Sequence[str] | None = None, top_logprobs: int = 0, *,
-            exact_logprobs: bool = False, scores: bool = True) -> list[Row]:
+            exact_logprobs: bool = False, scores: bool = True, constraint=None) -> list[Row]:
     """The checked, tokenised rows of a `generate` call (same arguments, same errors), ready for a `Batch`."""
     prompts, _ = _prompts(prompt_or_prompts)
     configs = as_configs(config, len(prompts))  # one per prompt, checked as sampling checks it
@@ -282,17 +289,19 @@ def prepare(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int =
         if not ids:
             raise ValueError(f"prompt_or_prompts[{i}]: the prompt encodes to no tokens")
         encoded.append(ids)
-    return _rows(model, encoded, max_new_tokens, configs, stops, top_logprobs, exact_logprobs, scores)
+    return _rows(model, encoded, max_new_tokens, configs, stops, top_logprobs, exact_logprobs, scores,
+                 constraint=constraint)
 
 
 def prepare_ids(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int = 32,
                 config: SamplingConfig | Sequence[SamplingConfig] | None = None,
                 stop: str | Sequence[str] | None = None, top_logprobs: int = 0, *,
                 exact_logprobs: bool = False, scores: bool = True, stop_token_ids: Sequence[int] | None = None,
-                ignore_eos: bool = False, include_stop: bool = False) -> list[Row]:
+                ignore_eos: bool = False, include_stop: bool = False, constraint=None) -> list[Row]:
     """`prepare` for prompts given as token ids (one list per row; row i has index i), with vLLM's options:
     stop_token_ids (ids that end a row beside the end-of-sequence ones; the token adds no text), ignore_eos
-    (the end-of-sequence ids do not end a row), include_stop (the text keeps the stop string that ended it).
+    (the end-of-sequence ids do not end a row), include_stop (the text keeps the stop string that ended it);
+    constraint as `prepare`'s.
     A config's min_tokens (the sampling step) withholds every id that ends the row."""
     if isinstance(prompt_ids, (str, bytes)) or not prompt_ids:
         raise ValueError("prompt_ids: expected a non-empty list of token-id lists")
@@ -322,14 +331,15 @@ def prepare_ids(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int 
     configs = [replace(c, stop_token_ids=tuple(dict.fromkeys(c.stop_token_ids + tuple(sorted(ends)))))
                if c.min_tokens and ends else c for c in configs]
     rows = _rows(model, encoded, max_new_tokens, configs, stops, top_logprobs, exact_logprobs, scores,
-                 include_stop)
+                 include_stop, constraint)
     for row in rows:
         row.stop_ids = ends
     return rows
 
 
 def _rows(model, encoded: list[list[int]], max_new_tokens: int, configs: list[SamplingConfig], stops: list[str],
-          top_logprobs: int, exact_logprobs: bool, scores: bool, include_stop: bool = False) -> list[Row]:
+          top_logprobs: int, exact_logprobs: bool, scores: bool, include_stop: bool = False,
+          constraint=None) -> list[Row]:
     """The rows of checked prompts' ids (the checks `prepare` shares with `prepare_ids`)."""
     if not checks.is_int(top_logprobs) or not 0 <= top_logprobs <= 20:
         raise ValueError(f"top_logprobs: must be an integer in 0..20, got {top_logprobs!r}")
@@ -340,7 +350,10 @@ def _rows(model, encoded: list[list[int]], max_new_tokens: int, configs: list[Sa
     if not scores and top_logprobs:
         raise ValueError(f"top_logprobs: must be 0 with scores=False (no logprobs), got {top_logprobs!r}")
     special = set(getattr(model.tokenizer, "all_special_ids", []) or [])
+    from lmhead.constrain import for_rows
+
     prompts = encoded
+    matchers = for_rows(model, constraint, len(encoded))
     rows = []
     for i, ids in enumerate(encoded):
         what = "prompt" if len(prompts) == 1 else f"prompt_or_prompts[{i}]"
@@ -351,7 +364,7 @@ def _rows(model, encoded: list[list[int]], max_new_tokens: int, configs: list[Sa
                                  f"{model.context_length} tokens (at most {model.context_length - 1})")
             budget = min(max_new_tokens, model.context_length - len(ids))
         rows.append(Row(ids, configs[i], budget, _Detokenizer(model.tokenizer, ids, stops, special, include_stop),
-                        top_logprobs, exact_logprobs, i, scores=scores))
+                        top_logprobs, exact_logprobs, i, scores=scores, matcher=matchers[i]))
     return rows
 
 
@@ -482,8 +495,8 @@ class _TransformersRounds:
         if self.pending is not None:
             self.pending = self.pending[rows]
 
-    def round(self, last, configs, history, prompt_len, steps, generator, scored=None, states=None):
-        from lmhead.speculative import Round, decode_logits, plain_choice
+    def round(self, last, configs, history, prompt_len, steps, generator, scored=None, states=None, matchers=None):
+        from lmhead.speculative import Round, apply_masks, decode_logits, plain_choice, settle_round, take_drafts
 
         if self.pending is not None:  # the prefill's last position chooses the first token
             hidden, self.pending = self.pending, None
@@ -494,13 +507,17 @@ class _TransformersRounds:
             hidden = self.model.hidden_states(last[:, None], attention_mask=self.attention,
                                               position_ids=self.positions, past_key_values=self.cache)
             self.clock.lap("body")
-        logits = decode_logits(self.model.head, hidden, configs, scored).squeeze(1)  # [B,1,D] -> [B,V]
+        logits = decode_logits(self.model.head, hidden, configs, scored)  # [B,1,V]
         self.clock.lap("head")
+        taken = take_drafts(matchers, None, [])
+        apply_masks(logits, taken)
+        logits = logits.squeeze(1)  # [B,1,V] -> [B,V]
         ids, chosen = plain_choice(logits, configs, history, prompt_len, steps, generator, scored=True,
                                    states=states)
         self.clock.lap("sampling")
-        return Round([[t] for t in ids.tolist()], [logits[b:b + 1] for b in range(len(ids))],
-                     [hidden[b] for b in range(len(ids))], [[v] for v in chosen.tolist()])
+        rnd = Round([[t] for t in ids.tolist()], [logits[b:b + 1] for b in range(len(ids))],
+                    [hidden[b] for b in range(len(ids))], [[v] for v in chosen.tolist()])
+        return settle_round(rnd, matchers, taken)
 
 
 def _rounds(model, draft: str, draft_tokens: int, profile: dict[str, float] | None):
@@ -733,8 +750,13 @@ class Batch:
         history = [r.prompt_ids + r.generated for r in rows] if any(r.penalties for r in rows) else None
         plen = [len(r.prompt_ids) for r in rows]
         states = {"states": [r.state for r in rows]} if any(r.stateful for r in rows) else {}
+        matchers = [r.matcher for r in rows]
+        # a constrained row reads its whole row (its mask may cut any top k): it declines the screened head
+        scored = [r.scores or r.matcher is not None for r in rows]
+        if any(m is not None for m in matchers):
+            states["matchers"] = matchers
         rnd = self.rounds.round(self.last, [r.config for r in rows], history, plen,
-                                [len(r.generated) for r in rows], self.generator, [r.scores for r in rows], **states)
+                                [len(r.generated) for r in rows], self.generator, scored, **states)
         self.clock.t = time.perf_counter() if self.profile is not None else 0.0
         chosen, raw, ranks, alts = self._round_scores(rnd, history, plen)
         self.clock.lap("sampling")
@@ -743,9 +765,12 @@ class Batch:
         i = 0
         for row, tokens in zip(rows, rnd.tokens, strict=True):
             finish = None
-            for token in tokens:
+            for j, token in enumerate(tokens):
                 if finish is None:
                     text, finish = _advance(row.detok, row.generated, row.budget, token, row.ends(token, self.eos))
+                    if row.matcher is not None and j == len(tokens) - 1 and row.matcher.stopped:
+                        # the grammar is complete: the row ends here, also where the budget ends with it
+                        text, finish = (text + row.detok.flush(), "stop") if finish is None else (text, "stop")
                     top = [TopLogprob(t, tokenizer.decode([t]), v, rv) for t, v, rv in alts[i][:row.top_n]
                            ] if row.top_n else []
                     out.append((row, Step(token, text, chosen[i], raw[i], ranks[i], finish, row.index, top)))

@@ -47,7 +47,8 @@ from lmhead.sampling import seeded_generator
 
 __all__ = ["AdaptiveK", "Decoder", "Draft", "NgramDraft", "Round", "SpeculativeStats", "accept_greedy",
            "accept_sampled", "check_draft_mode", "check_draft_tokens", "decode_logits", "frequent_tokens",
-           "merge_caches", "plain_choice", "residual", "screen_k", "token_generator",
+           "apply_masks", "merge_caches", "plain_choice", "residual", "screen_k", "settle_round", "take_drafts",
+           "token_generator",
            "DRAFT_MODES", "MAX_DRAFT_TOKENS", "SCREEN_MAX_K", "SCREEN_MIN_ROWS"]
 
 DRAFT_MODES: tuple[str, ...] = ("auto", "ngram", "int8", "none")
@@ -418,28 +419,41 @@ class Decoder:
     @torch.inference_mode()
     def round(self, last: Tensor, configs: list, history: list[list[int]] | None, prompt_len: list[int],
               steps: list[int], generator: torch.Generator | None, scored: list[bool] | None = None,
-              states: list | None = None) -> Round:
+              states: list | None = None, matchers: list | None = None) -> Round:
         """One round. `last` [B] each row's newest token (not yet in the caches); `history` each row's tokens
         so far, `last` included (None when no row uses penalties); `prompt_len` [B]; `steps` [B] each row's
         count of generated tokens (the step of its next token); `scored` [B] whether a row's scores will be
         read from the round's logits (None: all; rows without may get screened logits, `decode_logits`); `states`
         each row's `sampling.RowState` (None: no row keeps state). A round with a stateful row (`_stateful`) drafts
-        nothing: every row takes one plain step, and the row's state moves once, as in the plain loop."""
+        nothing: every row takes one plain step, and the row's state moves once, as in the plain loop.
+
+        `matchers` [B] (`constrain.Matcher` or None): a constrained row's mask is applied to its logits at every
+        position it judges, before the pipeline (`apply_masks`). Its n-gram drafts are taken by its matcher
+        while allowed (a forbidden draft ends the row's draft: the target could never choose it), so each
+        position's mask is the one the plain loop would compute there and the tokens are the plain loop's; the
+        rejected drafts are rolled back (`settle_round`). The int8 draft proposes from unmasked logits, so a
+        constrained row judges none of its drafts (its round is a plain step)."""
         ks = [a.k for a in self.k]
         if self.greedy_only and ks:
             ks = [kr if c.is_greedy else 0 for kr, c in zip(ks, configs, strict=True)]
         if states is not None and any(_stateful(c) for c in configs):
             ks = [0] * len(ks)
+        if matchers is not None and ks and isinstance(self.draft, Draft):
+            ks = [0 if m is not None else kr for kr, m in zip(ks, matchers, strict=True)]
         k = max(ks, default=0)  # the round drafts for the most hopeful row; each row verifies its own k
         self._t = time.perf_counter()
         self._room(k + 1)
-        drafts, q = None, None
+        drafts, q, taken = None, None, None
         if k and isinstance(self.draft, NgramDraft):
             # the coded products cost ~linearly in rows beyond ~8 (compute, not memory): a verification of
             # B·(k+1) > 8 positions costs more than the drafts save, so a wide batch drafts less, or not at all
             cap = NGRAM_MAX_POSITIONS // len(ks) - 1
             ks = [min(kr, max(cap, 0)) for kr in ks]
-            drafts, ks = self._lookup(last, ks)
+            forced = None if matchers is None else [None if m is None else m.forced() for m in matchers]
+            drafts, ks = self._lookup(last, ks, forced)
+            taken = take_drafts(matchers, drafts, ks)  # constrained rows: ks cut where a draft is forbidden
+            if drafts is not None and max(ks) == 0:
+                drafts = None
             k = 0 if drafts is None else drafts.shape[1]
             self._lap("draft")
         elif k:
@@ -452,12 +466,16 @@ class Decoder:
         self._lap("body")
         logits, cands = decode_head(self.head, hidden, configs, scored)                      # [B,k+1,V]
         self._lap("head")
+        if matchers is not None:
+            if taken is None:  # no n-gram lookup this round: each constrained row judges position 0 only
+                taken = take_drafts(matchers, None, ks)
+            apply_masks(logits, taken)
         chosen = raw = None
         if k == 0 and cands is not None:  # screened: every row's choice reads its candidates only
             tokens, n = self._candidates(cands[0][:, 0], cands[1][:, 0], configs, prompt_len, steps, generator)
         elif k == 0:
-            tokens, n, chosen, raw = self._plain(logits[:, 0], configs, history, prompt_len, steps, generator,
-                                                 states)
+            tokens, n, chosen, raw = self._plain_or_forced(logits[:, 0], configs, history, prompt_len, steps,
+                                                           generator, taken, states)
         elif q is None:  # point-mass drafts, or greedy and seeded rows only
             tokens, n, chosen, raw = self._draws(logits, drafts, ks, configs, history, prompt_len, steps,
                                                  generator, cands)
@@ -470,8 +488,9 @@ class Decoder:
         self.next_pos += n + 1 if any(accepted) else 1
         self._lap("sampling")
         keep = [a + 1 for a in accepted]
-        return Round(tokens, [logits[r, :m] for r, m in enumerate(keep)], [hidden[r, :m] for r, m in enumerate(keep)],
-                     chosen, raw)
+        rnd = Round(tokens, [logits[r, :m] for r, m in enumerate(keep)], [hidden[r, :m] for r, m in enumerate(keep)],
+                    chosen, raw)
+        return rnd if matchers is None else settle_round(rnd, matchers, taken)
 
     @torch.inference_mode()
     def join(self, ids: Tensor, positions: Tensor, valid: Tensor | None, max_new_tokens: int) -> Tensor:
@@ -537,13 +556,17 @@ class Decoder:
         q = torch.stack(dists, dim=1) if dists else None
         return torch.tensor(drafted, dtype=torch.long), q
 
-    def _lookup(self, last: Tensor, ks: list[int]) -> tuple[Tensor | None, list[int]]:
+    def _lookup(self, last: Tensor, ks: list[int], forced: list | None = None) -> tuple[Tensor | None, list[int]]:
         """The n-gram draft per row from the row's tokens in the target's cache and `last`: drafts [B,w]
         (rows with fewer proposals padded with their last token, never judged) and each row's count of
-        proposals (its k this round). (None, zeros) when no row has a proposal: the round is a plain step."""
+        proposals (its k this round). (None, zeros) when no row has a proposal: the round is a plain step.
+        forced [B]: a constrained row's forced continuation (`Matcher.forced`: the tokens its grammar allows as
+        the only way on) drafts in place of the n-grams — jump-forward through the verification's one forward:
+        the target's choice under a one-token mask is that token, so they are accepted, and judged as any draft."""
         length = self.target.length
         tokens, valid = self.target.tokens[:, :length], self.target.valid[:, :length]
-        rows = [self.draft.propose(tokens[r][valid[r]].tolist() + [int(last[r])], kr) for r, kr in enumerate(ks)]
+        rows = [forced[r][:kr] if forced is not None and forced[r] else
+                self.draft.propose(tokens[r][valid[r]].tolist() + [int(last[r])], kr) for r, kr in enumerate(ks)]
         counts = [len(p) for p in rows]
         width = max(counts, default=0)
         if width == 0:
@@ -551,13 +574,17 @@ class Decoder:
         drafts = torch.tensor([p + [int(last[r])] * (width - len(p)) for r, p in enumerate(rows)], dtype=torch.long)
         return drafts, counts
 
-    def _plain(self, logits: Tensor, configs, history, prompt_len, steps, generator, states=None):
+    def _plain(self, logits: Tensor, configs, history, prompt_len, steps, generator, states=None,
+               unmasked: bool = True):
         """No draft: one token per row from the plain sampler's distribution (`plain_choice`, scored: seeded and
         greedy rows exactly `sampling.sample`'s ids), its processed logprob and — plain greedy rows, whose
         argmax and normaliser one C pass finds (`native.greedy_rows`) — its raw logprob (else None). Plain
         unseeded sampled rows are drawn by `native.sample_row`, one C call each: the same distribution, other ids
-        for the same generator state than `plain_choice`'s. Rows with a step C does not run (`_plain` false) make
-        the round take the pipeline, whose time the profile then books under "sampling, torch path (<steps>)"."""
+        for the same generator state than `plain_choice`'s — but not in a round with a constrained row (`unmasked`
+        False): its inverse CDF may stop on a token of zero mass (u = 0 before the first allowed token), so such
+        rounds draw in the pipeline. The greedy C pass takes masked rows (the argmax of the allowed tokens). Rows
+        with a step C does not run (`_plain` false) make the round take the pipeline, whose time the profile then
+        books under "sampling, torch path (<steps>)"."""
         n = self._none_accepted.get(len(configs))
         if n is None:  # read only: one per batch size, not a new tensor every round
             n = self._none_accepted[len(configs)] = torch.zeros(len(configs), dtype=torch.long)
@@ -568,7 +595,7 @@ class Decoder:
             if found is not None:
                 ids, raw = found
                 return [[t] for t in ids], n, [[0.0] for _ in configs], [[v] for v in raw]
-        if all(_plain_unseeded(c) for c in configs):
+        if unmasked and all(_plain_unseeded(c) for c in configs):
             # the same distribution from one C call per row (`native.sample_row`: the top-k / top-p cut or the whole
             # row, drawn by inverse CDF with one uniform): the pipeline's ~20 torch ops around its cut cost ~1 ms
             # per token after a step that streamed the weights through the caches
@@ -583,6 +610,32 @@ class Decoder:
         if slow:
             self._lap(f"sampling, torch path ({slow})")
         return [[int(t)] for t in ids.tolist()], n, [[v] for v in chosen.tolist()], None
+
+    def _plain_or_forced(self, logits: Tensor, configs, history, prompt_len, steps, generator, taken, states=None):
+        """`_plain`, but a constrained row whose mask allows one token only (a forced token: a schema's fixed keys)
+        takes it without a draw — no pipeline, no random number from the shared generator — scored as what it is,
+        probability 1 (processed and raw logprob 0, rank 1 under the masked logits)."""
+        from lmhead.constrain import forced_token
+
+        forced = [None] * len(configs) if taken is None else [
+            None if got is None else forced_token(got[0][0]) for got in taken]
+        if all(f is None for f in forced):
+            return self._plain(logits, configs, history, prompt_len, steps, generator, states, taken is None)
+        free = [r for r, f in enumerate(forced) if f is None]
+        tokens = [[f] for f in forced]
+        chosen, raw = [[0.0] for _ in forced], [[0.0] for _ in forced]
+        if free:
+            pick = (lambda xs: [xs[r] for r in free])
+            sub_tokens, _, sub_chosen, sub_raw = self._plain(
+                logits[torch.tensor(free)], pick(configs), None if history is None else pick(history),
+                pick(prompt_len), pick(steps), generator, None if states is None else pick(states), False)
+            for j, r in enumerate(free):
+                tokens[r], chosen[r] = sub_tokens[j], sub_chosen[j]
+                if sub_raw is not None:
+                    raw[r] = sub_raw[j]
+            if sub_raw is None:
+                raw = None  # the free rows' raw logprobs come from the logits (`generate._flat_scores`)
+        return tokens, torch.zeros(len(configs), dtype=torch.long), chosen, raw
 
     def _candidates(self, vals: Tensor, ids: Tensor, configs, prompt_len, steps, generator):
         """No draft, a screened round (scoreless rows without bias, bans or penalties): one token per row, the plain
@@ -889,3 +942,59 @@ def _choose(x: Tensor, configs: list, prev, plen, steps: list[int], generator) -
         if not _deterministic(c):
             ids[r] = _draw(probs[r], generator)
     return ids, probs
+
+
+# --- structured output: the constraint's masks in a round ------------------------------------------------
+
+
+def take_drafts(matchers: list | None, drafts: Tensor | None, ks: list[int]) -> list | None:
+    """Each constrained row's masks for the positions it will judge: its matcher takes the row's first ks[r]
+    drafts while each is allowed (`Matcher.draft`), and ks[r] becomes the count taken (a forbidden draft could
+    never be the target's choice: judging it would only reject it). → per row (bits [m+1, W], m) or None (a
+    free row); None when no row is constrained. ks is changed in place."""
+    if matchers is None:
+        return None
+    rows = None if drafts is None else drafts.tolist()
+    taken: list = []
+    for r, m in enumerate(matchers):
+        if m is None:
+            taken.append(None)
+            continue
+        bits, n = m.draft([] if rows is None or r >= len(ks) else rows[r][:ks[r]])
+        if r < len(ks):
+            ks[r] = n
+        taken.append((bits, n))
+    return taken
+
+
+def apply_masks(logits: Tensor, taken: list | None) -> None:
+    """logits [B,T,V]: a constrained row's positions 0..m get its masks (-inf where forbidden), in place, before
+    any step of the pipeline; its later positions are never judged."""
+    if taken is None:
+        return
+    from lmhead.constrain import apply_bitmask_
+
+    for r, got in enumerate(taken):
+        if got is not None:
+            apply_bitmask_(logits[r, :got[0].shape[0]], got[0])
+
+
+def settle_round(rnd: Round, matchers: list | None, taken: list | None) -> Round:
+    """The round's tokens given to the constrained rows' matchers (rejected drafts rolled back, the new token
+    consumed, `Matcher.settle`); a row whose grammar completed before its last token keeps the tokens up to there
+    (its Round entries cut to them)."""
+    if matchers is None or taken is None:
+        return rnd
+    for r, got in enumerate(taken):
+        if got is None:
+            continue
+        keep = matchers[r].settle(rnd.tokens[r], got[1])
+        if keep < len(rnd.tokens[r]):
+            rnd.tokens[r] = rnd.tokens[r][:keep]
+            rnd.logits[r] = rnd.logits[r][:keep]
+            if rnd.hidden is not None:
+                rnd.hidden[r] = rnd.hidden[r][:keep]
+            for part in (rnd.logprobs, rnd.raw):
+                if part is not None:
+                    part[r] = part[r][:keep]
+    return rnd

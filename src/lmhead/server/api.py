@@ -77,8 +77,11 @@ async def api_score(req: S.ScoreRequest, served: Served = Depends(get_served)) -
 
 
 def _predict(model: Any, req: S.PredictRequest) -> dict[str, Any]:
+    from lmhead.server.structured import page_constraint
+
     encode_checked(model, req.prompt)
-    return model.predict(req.prompt, top=req.top, config=sampling_config(req)).to_dict()
+    return model.predict(req.prompt, top=req.top, config=sampling_config(req),
+                         constraint=page_constraint(req.constraint)).to_dict()
 
 
 def _step(model: Any, req: S.StepRequest) -> Any:

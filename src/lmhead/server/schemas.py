@@ -10,7 +10,10 @@ token ids in the vocabulary) are checked by served.py. The body as a whole is bo
 Two families:
 * `/api/*` — the explainer page's own API (predict, step, generate, layers, score, model, params).
 * `/v1/*`  — OpenAI-compatible completions and chat completions, with `top_k`, `min_p` and
-  `repetition_penalty` as extensions (as vLLM and llama.cpp's server accept them).
+  `repetition_penalty` as extensions (as vLLM and llama.cpp's server accept them), and structured output in
+  the three dialects clients send (server/structured.py turns them into one constraint): OpenAI's
+  `response_format` (and `tools` / `tool_choice` on chat), vLLM's `structured_outputs`, llama.cpp's
+  `json_schema` and `grammar`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ MAX_STOP_CHARS = 1000  # each stop string
 MAX_MESSAGES = MAX_PROMPT_TOKENS  # every chat message costs at least one token of the template
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_NAME_CHARS = 256  # `user`, a message's `name`, `model`
+MAX_GRAMMAR_CHARS = 100_000  # a regex, a grammar (a schema is bounded by the body's size: guard.py)
+MAX_CHOICES = 256  # structured_outputs.choice
+MAX_TOOLS = 128
 # /v1's ceilings, whatever the model: the served bounds (limits.py) lie below them
 MAX_CONTEXT_TOKENS = 131_072  # token ids of one prompt, max_tokens
 MAX_TEXT_CHARS = 16 * MAX_CONTEXT_TOKENS  # one prompt's characters (limits.ServeLimits.prompt_chars: 16 a token)
@@ -78,11 +84,20 @@ class SamplingFields(StepFields):
 # --- /api ---------------------------------------------------------------------------------------------------
 
 
+class PageConstraint(_Request):
+    """The page's constraint box: the answer that starts after the prompt is JSON matching a schema, a regex's
+    match, or one of comma-separated strings."""
+
+    kind: Literal["json_schema", "regex", "choice"]
+    text: Annotated[str, Field(min_length=1, max_length=100_000)]
+
+
 class PredictRequest(SamplingFields):
     """POST /api/predict: the next-token candidates of a prompt, raw (T=1) and after the pipeline."""
 
     prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS)
     top: int = Field(200, ge=1, le=MAX_CANDIDATES, description="how many candidates to return (by logit)")
+    constraint: PageConstraint | None = Field(None, description="structured output: its mask cuts first")
 
 
 class StepRequest(SamplingFields):
@@ -138,6 +153,42 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_CONTEXT_T
 Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
+GrammarText = Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)]
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class JSONSchemaFormat(_Request):
+    """OpenAI's `response_format.json_schema`: a named schema; `strict` is accepted (the output always matches)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: FunctionName
+    description: Annotated[str, Field(max_length=MAX_STOP_CHARS)] | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="the JSON schema (absent: any JSON)")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`: "text" (free), "json_object" (any JSON object), "json_schema"."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs`: exactly one of json (a schema), regex, choice, grammar (Lark or GBNF),
+    json_object."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: GrammarText | None = None
+    choice: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
+                      Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    grammar: GrammarText | None = None
+    json_object: StrictBool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
 class _OpenAIRequest(StepFields):
     model: Name | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_CONTEXT_TOKENS,
@@ -163,6 +214,11 @@ class _OpenAIRequest(StepFields):
     # also end a choice, v1.py)
     ignore_eos: StrictBool = Field(False, description="the model's end-of-sequence ids do not end a choice")
     include_stop_str_in_output: StrictBool = Field(False, description="a choice's text keeps the stop string")
+    # structured output: at most one of these (server/structured.py)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's: json, regex, choice, grammar")
+    json_schema: dict[str, Any] | None = Field(None, description="llama.cpp server's: the answer matches this schema")
+    grammar: GrammarText | None = Field(None, description="llama.cpp server's: a GBNF (or Lark) grammar")
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -195,15 +251,53 @@ class TextPart(_Request):
     text: Prompt
 
 
+class CalledFunction(_Request):
+    name: Annotated[str, Field(max_length=64)]
+    arguments: Prompt = Field(..., description="the arguments as JSON text")
+
+
+class ToolCall(_Request):
+    """A call an earlier assistant turn made (sent back by the client with the tool's result after it)."""
+
+    id: Name
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Prompt | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Prompt | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
     name: Name | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Name | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDef(_Request):
+    name: FunctionName
+    description: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | None = None
+    parameters: dict[str, Any] | None = Field(None, description="the arguments' JSON schema (absent: no arguments)")
+    strict: StrictBool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(_OpenAIRequest):
@@ -213,6 +307,9 @@ class ChatRequest(_OpenAIRequest):
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_CONTEXT_TOKENS)
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = Field(None, description="accepted; an answer makes at most one call")
 
     @field_validator("messages")
     @classmethod

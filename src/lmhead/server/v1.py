@@ -15,10 +15,16 @@ objects: `_Completion` and `_Chat` build the ids, chunks and bodies. Log-probabi
 (raw: temperature 1, nothing cut), as OpenAI and vLLM report them, from the decode head (`exact_logprobs: true`,
 an lmhead extension: from the fp32 head) — a request without `logprobs` gets none computed (`scores=False`);
 errors have OpenAI's shape (errors.py).
+
+Structured output (`response_format`, `structured_outputs`, `json_schema`, `grammar`; `tools` on chat): one
+constraint (server/structured.py), compiled before the answer starts (a 400 where it cannot be), decoded in the
+shared batch with the other requests; under it the logprobs are the constrained distribution's. A chat answer
+that is a call has `tool_calls`, no content and finish_reason "tool_calls".
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import time
@@ -46,6 +52,7 @@ from lmhead.server.served import (
     sampling_config,
 )
 from lmhead.server.sse import DONE, primed, sse
+from lmhead.server.structured import ToolCalls, chat_turns, compile_for, constraint_for, tool_prompt
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -76,6 +83,7 @@ async def v1_completions(req: S.CompletionRequest, request: Request, served: Ser
     check_fit(served, lengths, max_tokens)
     rows = len(ids) * req.n
     check_rows(served, rows, max(lengths) + max_tokens)
+    constraint, _ = await _structured(served, req)  # a 400 before any work where it does not compile
     top_prompt = _prompt_top(req)
     scored = (await served.call(_all_prompt_scores, served.model, ids, top_prompt)
               if top_prompt is not None else None)
@@ -92,7 +100,7 @@ async def v1_completions(req: S.CompletionRequest, request: Request, served: Ser
                     stop=req.stops() or None, top_logprobs=req.logprobs or 0, exact_logprobs=req.exact_logprobs,
                     scores=req.logprobs is not None, stop_token_ids=req.stop_token_ids,
                     ignore_eos=req.ignore_eos, include_stop=req.include_stop_str_in_output,
-                    size=(rows, max(lengths) + max_tokens))
+                    size=(rows, max(lengths) + max_tokens), constraint=constraint)
     if req.stream:
         return StreamingResponse(await primed(answer.events(steps())), media_type="text/event-stream")
     return answer.body(await served.collect(steps(), request))
@@ -119,9 +127,13 @@ async def v1_chat(req: S.ChatRequest, request: Request, served: Served = Depends
     _check_model(served, req.model)
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    check_chars(served.limits, ["".join(m["content"] for m in messages)], "messages")
-    _, ids = await served.call(chat_ids, served.model, messages)
+    messages = chat_turns(req.messages)  # tool calls and results as text any template reads
+    check_chars(served.limits, ["".join(m.get("content") or "" for m in messages)], "messages")
+    constraint, tools = await _structured(served, req)
+    if tools is not None:
+        _, ids = await served.call(tool_prompt, served.model, messages, _called(req, tools))
+    else:
+        _, ids = await served.call(chat_ids, served.model, messages)
     context = context_of(served)
     asked = req.max_completion_tokens or req.max_tokens
     max_tokens = asked if asked is not None else context - len(ids)  # default: the rest of the context
@@ -139,12 +151,34 @@ async def v1_chat(req: S.ChatRequest, request: Request, served: Served = Depends
                     stop=req.stops() or None, top_logprobs=top_n, exact_logprobs=req.exact_logprobs,
                     scores=bool(req.logprobs), stop_token_ids=req.stop_token_ids,
                     ignore_eos=req.ignore_eos, include_stop=req.include_stop_str_in_output,
-                    size=(req.n, len(ids) + max_tokens))
-    answer = _Chat(served, req, len(ids))
+                    size=(req.n, len(ids) + max_tokens), constraint=constraint)
+    answer = _Chat(served, req, len(ids), tools)
+    if req.stream and tools is not None:  # a call is known once it is whole: each choice comes as one chunk
+        events = answer.events_whole(await served.collect(steps(), request))
+        return StreamingResponse(events, media_type="text/event-stream")
     if req.stream:
         events = answer.events(steps())
         return StreamingResponse(await primed(events, first_step=2), media_type="text/event-stream")
     return answer.body(await served.collect(steps(), request))
+
+
+async def _structured(served: Served, req: Any):
+    """The request's constraint and tool reader (`structured.constraint_for`), compiled off the event loop; what
+    cannot be compiled or is not supported is a 400 naming it."""
+    try:
+        constraint, tools = constraint_for(req)
+        await asyncio.to_thread(compile_for, served.model, constraint)
+    except APIError:
+        raise
+    except (ValueError, TypeError) as exc:
+        param = next((f for f in ("response_format", "structured_outputs", "json_schema", "grammar", "tools")
+                      if getattr(req, f, None) is not None), None)
+        raise APIError(400, str(exc), param) from exc
+    return constraint, tools
+
+
+def _called(req: S.ChatRequest, tools: ToolCalls) -> list[S.Tool]:
+    return [t for t in req.tools or [] if t.function.name in tools.names]
 
 
 def _check_model(served: Served, name: str | None) -> None:
@@ -283,6 +317,41 @@ class _Chat(_Answer):
 
     prefix = "chatcmpl"
 
+    def __init__(self, served: Served, req: S.ChatRequest, prompt_tokens: int, tools: ToolCalls | None = None) -> None:
+        super().__init__(served, req, prompt_tokens)
+        self.tools = tools
+
+    def message(self, steps: list[Any]) -> tuple[dict[str, Any], str]:
+        """The answer's message and finish reason: a tool call where the text is a whole call."""
+        text = "".join(s.text for s in steps)
+        finish = steps[-1].finish_reason if steps else "length"
+        calls = self.tools.read(text) if self.tools is not None and finish == "stop" else None
+        if calls:
+            return {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": text, "refusal": None}, finish
+
+    def per_choice(self, steps: list[Any]) -> dict[int, list[Any]]:
+        per: dict[int, list[Any]] = {i: [] for i in range(self.req.n)}
+        for step in steps:
+            per[step.index].append(step)
+        return per
+
+    async def events_whole(self, steps: list[Any]) -> AsyncIterator[str]:
+        """Finished answers as a stream: per choice the role, the content or the tool calls (with their index),
+        the finish."""
+        for i, own in self.per_choice(steps).items():
+            message, finish = self.message(own)
+            yield sse(self.chunk({"role": "assistant", "content": ""}, None, None, i))
+            if "tool_calls" in message:
+                calls = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
+                yield sse(self.chunk({"tool_calls": calls}, None, None, i))
+            else:
+                yield sse(self.chunk({"content": message["content"]}, self.logprobs(own), None, i))
+            yield sse(self.chunk({}, None, finish, i))
+        if self.req.stream_options and self.req.stream_options.include_usage:
+            yield sse({**self.chunk({}, None, None), "choices": [], "usage": self.usage(len(steps))})
+        yield DONE
+
     def logprobs(self, steps: Iterable[Any]) -> dict[str, Any] | None:
         if not self.req.logprobs:
             return None
@@ -305,18 +374,12 @@ class _Chat(_Answer):
         yield DONE
 
     def body(self, steps: list[Any]) -> dict[str, Any]:
-        per: dict[int, list[Any]] = {i: [] for i in range(self.req.n)}
-        for step in steps:
-            per[step.index].append(step)
         return {
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.served.name,
             "system_fingerprint": None,
-            "choices": [{"index": i,
-                         "message": {"role": "assistant", "content": "".join(s.text for s in own),
-                                     "refusal": None},
-                         "logprobs": self.logprobs(own),
-                         "finish_reason": own[-1].finish_reason if own else "length"}
-                        for i, own in per.items()],
+            "choices": [{"index": i, "message": message, "logprobs": self.logprobs(own), "finish_reason": finish}
+                        for i, own in self.per_choice(steps).items()
+                        for message, finish in [self.message(own)]],
             "usage": self.usage(len(steps)),
         }
 

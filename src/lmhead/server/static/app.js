@@ -14,6 +14,7 @@ const state = {
   model: null,
   data: null, // the last /api/predict answer
   dataSettings: null, // the settings it was computed with
+  dataConstraint: "", // the constraint box it was computed with ("" = none)
   prompt: "",
   generatedFrom: null, // index of the first generated token among the chips
   step: 0, // tokens generated since the prompt was typed: the seeded draws are keyed on (seed + step)
@@ -113,6 +114,14 @@ function showSettings() {
   $("#top-p-out").value = s.top_p >= 1 ? "off" : s.top_p.toFixed(2);
   $("#min-p-out").value = s.min_p <= 0 ? "off" : s.min_p.toFixed(2);
 }
+
+// The constraint box (structured output): the server applies its mask first; the page shows the server's numbers
+// for a constrained prompt (its mask is not known here) and asks again when a setting changes.
+function constraintAsked() {
+  const kind = $("#constraint-kind").value, text = $("#constraint-text").value.trim();
+  return kind === "none" || !text ? null : { kind, text };
+}
+const constraintKey = (c) => (c ? `${c.kind}\u0000${c.text}` : "");
 
 function seed() {
   const v = $("#seed").value.trim();
@@ -283,7 +292,7 @@ function render() {
   if (!d) return;
   showSettings();
   const st = settings();
-  const useServer = sameSettings(st, state.dataSettings);
+  const useServer = sameSettings(st, state.dataSettings) || state.dataConstraint !== "";
   const c = compute(d, st);
   const N = d.z.length;
   const rows = Math.min(N, parseInt($("#rows").value, 10));
@@ -293,7 +302,8 @@ function render() {
   for (let i = 0; i < rows; i++) {
     const cand = cands[i];
     const p = useServer ? cand.probability : c.probs[i];
-    const cutBy = useServer ? (cand.kept ? null : (cand.cut_by || "cut").replace("_", "-")) : c.cut[i];
+    const cutBy = useServer ? (cand.kept ? null : cand.cut_by === "constraint" ? "cut by the constraint"
+      : (cand.cut_by || "cut").replace("_", "-")) : c.cut[i];
     const cum = useServer ? (st.temperature === 0 ? cand.cumulative : cand.scaled_cumulative) : c.cum[i];
     const cross = !useServer ? c.cross === i : (st.top_p < 1 && st.temperature > 0 && cand.kept &&
       (i + 1 >= cands.length || !cands[i + 1].kept_top_p) && cand.kept_top_k);
@@ -401,6 +411,7 @@ function loadData(raw, st) {
     scaledLse: st.temperature > 0 ? raw.scaled_logsumexp : null,
   };
   state.dataSettings = st;
+  state.dataConstraint = constraintKey(raw.constraint ? constraintAsked() : null);
   document.querySelectorAll(".n-cand").forEach((e) => (e.textContent = String(z.length)));
   document.querySelectorAll(".n-vocab").forEach((e) => (e.textContent = raw.vocab_size.toLocaleString()));
 }
@@ -412,7 +423,8 @@ async function predict(opts = {}) {
   const seq = ++state.seq;
   if (!opts.quiet) setStatus("Running the model…");
   try {
-    const raw = await api("/api/predict", { prompt, top: candidatesWanted(), ...st });
+    const asked = constraintAsked();
+    const raw = await api("/api/predict", { prompt, top: candidatesWanted(), ...st, ...(asked ? { constraint: asked } : {}) });
     if (seq !== state.seq) return; // a newer request is on its way
     state.prompt = prompt;
     if (opts.generatedFrom !== undefined) state.generatedFrom = opts.generatedFrom;
@@ -430,7 +442,8 @@ async function predict(opts = {}) {
 function scheduleRequery(ms) {
   clearTimeout(state.requery);
   state.requery = setTimeout(() => {
-    if (!state.data || sameSettings(settings(), state.dataSettings)) return;
+    if (!state.data || (sameSettings(settings(), state.dataSettings) &&
+      constraintKey(constraintAsked()) === state.dataConstraint)) return;
     predict({ quiet: true, prompt: state.prompt });
   }, ms);
 }
@@ -864,6 +877,7 @@ async function init() {
     $(id).addEventListener("change", () => { showSettings(); render(); scheduleRequery(0); scheduleDistribution(0); scheduleRedraw(); });
   }
   $("#rows").addEventListener("change", render);
+  for (const id of ["#constraint-kind", "#constraint-text"]) $(id).addEventListener("change", () => scheduleRequery(0));
   $("#next-token").addEventListener("click", nextToken);
   $("#generate").addEventListener("click", generate);
   $("#reset").addEventListener("click", resetSettings);
