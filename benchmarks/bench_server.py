@@ -35,6 +35,18 @@ the first's with the cache.
 of `speculative.PREFILL_PIECE` columns between two rounds) and, for comparison, with the whole prompt prefilled
 at once (the piece as long as the prompt): the longest gap between two rounds of the running streams against
 their median round; target ≤ 3× with chunked prefill.
+
+    .venv/bin/python benchmarks/bench_server.py --llama-server 3 [--concurrent 8] [--tokens 64] [--prompt-tokens 2048]
+
+lmhead's server (as shipped, `lmhead serve`) beside llama.cpp's `llama-server -np --concurrent -t 2` on the same
+GGUF file (built by `make llama-bench`), one after the other, --llama-server runs each: --concurrent greedy
+completions of exactly --tokens tokens (`ignore_eos`) at once, each prompt --prompt-tokens long (0: the short
+prompts), their aggregate tok/s, and each server's peak RSS (VmHWM) over its whole run.
+
+    .venv/bin/python benchmarks/bench_server.py --prefill 512,4096 [--model smollm2-135m]
+
+Prefill throughput and time to the first token of a prompt of each length on the lean body in process (a
+`Batch` with one row of one new token: what a request's first token waits for), beside `llama-bench -p N -n 0`.
 """
 
 from __future__ import annotations
@@ -70,6 +82,10 @@ uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
 """
 
 
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_BIN = ROOT / "build" / "llama.cpp" / "bin"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -95,9 +111,157 @@ class Server:
             time.sleep(0.5)
         raise RuntimeError("the server did not start in 600 s")
 
+    def peak_rss_mib(self) -> float:
+        """The server process's peak resident memory so far (VmHWM)."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=30)
+
+
+class LlamaServer(Server):
+    """llama.cpp's `llama-server` on `gguf` with `parallel` slots of `slot_tokens` each, 2 threads (loopback)."""
+
+    def __init__(self, gguf: Path, parallel: int, slot_tokens: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([str(LLAMA_BIN / "llama-server"), "-m", str(gguf), "-t", "2", "--port",
+                                      str(self.port), "-np", str(parallel), "-c", str(parallel * slot_tokens)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("llama-server did not start in 600 s")
+
+
+def _gguf(model: str, work: Path) -> Path:
+    """The GGUF file of a packaged model name (assembled into `work`) or the path given."""
+    from lmhead.models.registry import MODELS
+
+    return MODELS[model].gguf(work) if model in MODELS else Path(model)
+
+
+def _long_prompt(model, tokens: int) -> str:
+    """A text of about `tokens` tokens (the model's own tokenizer) built from the bench prompts."""
+    ids: list[int] = []
+    while len(ids) < tokens:
+        ids += model.encode(" " + " ".join(PROMPTS))
+    return model.tokenizer.decode(ids[:tokens])
+
+
+async def _aggregate(url: str, prompts: list[str], tokens: int) -> tuple[float, int]:
+    """All `prompts` at once as greedy completions of exactly `tokens` tokens: (wall seconds, tokens produced)."""
+    limits = httpx.Limits(max_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
+        async def one(prompt: str) -> int:
+            r = await http.post("/v1/completions", json={"prompt": prompt, "max_tokens": tokens, "temperature": 0.0,
+                                                         "ignore_eos": True})
+            r.raise_for_status()
+            return r.json()["usage"]["completion_tokens"]
+
+        await one(prompts[0][:200])  # warm-up
+        t = time.perf_counter()
+        made = await asyncio.gather(*(one(p) for p in prompts))
+        return time.perf_counter() - t, sum(made)
+
+
+def versus_llama_server(args: argparse.Namespace, rec: Recorder) -> None:
+    """--llama-server: aggregate tok/s and peak RSS of both servers on the same file (see the docstring)."""
+    import tempfile
+
+    from lmhead import load_model
+
+    if not (LLAMA_BIN / "llama-server").exists():
+        raise SystemExit("--llama-server: build/llama.cpp/bin/llama-server is not built (make llama-bench)")
+    model = load_model(args.model, progress=False)
+    n, k = args.concurrent, args.tokens
+    prompts = ([_long_prompt(model, args.prompt_tokens)] * n if args.prompt_tokens
+               else [PROMPTS[i % len(PROMPTS)] for i in range(n)])
+    slot = (args.prompt_tokens or 64) + k + 64
+    table = rec.table("versus_llama_server", f"{args.model}, loopback: {n} greedy completions of {k} tokens at once, "
+                      f"prompts of {args.prompt_tokens or 'about 10'} tokens; lmhead serve beside llama-server -np "
+                      f"{n} -t 2 on the same GGUF file", ["run", "lmhead tok/s", "llama-server tok/s", "ratio",
+                                                          "lmhead peak RSS (MiB)", "llama-server peak RSS (MiB)",
+                                                          "load"])
+    rates: dict[str, list[float]] = {"lmhead": [], "llama": []}
+    with tempfile.TemporaryDirectory() as work:
+        gguf = _gguf(args.model, Path(work))
+        for run in range(args.llama_server):
+            got = {}
+            for who in ("lmhead", "llama"):
+                server = Server(args.model, 32) if who == "lmhead" else LlamaServer(gguf, n, slot)
+                try:
+                    wall, made = asyncio.run(_aggregate(server.url, prompts, k))
+                    got[who] = (made / wall, server.peak_rss_mib())
+                finally:
+                    server.close()
+                rates[who].append(got[who][0])
+            (a, ra), (b, rb) = got["lmhead"], got["llama"]
+            load = f"{os.getloadavg()[0]:.2f}"
+            print(f"run {run}: lmhead {a:.1f} tok/s ({ra:.0f} MiB), llama-server {b:.1f} tok/s ({rb:.0f} MiB), "
+                  f"ratio {a / b:.2f}, load {load}", flush=True)
+            table.row([run, f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}", f"{ra:.0f}", f"{rb:.0f}", load])
+    a, b = statistics.median(rates["lmhead"]), statistics.median(rates["llama"])
+    print(f"median: lmhead {a:.1f} tok/s, llama-server {b:.1f} tok/s, ratio {a / b:.2f} (goal ≥ 1.0)")
+    table.row(["median", f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}", "—", "—", "—"],
+              [Figure(f"{n} × {k} tokens at once, aggregate", a, "tok/s", "llama-server", b, a / b)])
+
+
+def prefill(args: argparse.Namespace, rec: Recorder) -> None:
+    """--prefill: prefill tok/s and time to the first token per prompt length, beside llama-bench -p."""
+    import csv
+    import io
+    import tempfile
+
+    from lmhead import load_model
+    from lmhead.generate import Batch, prepare
+    from lmhead.sampling import SamplingConfig
+
+    model = load_model(args.model, progress=False)
+    lengths = [int(x) for x in args.prefill.split(",")]
+    table = rec.table("prefill", f"{args.model}: a prompt's prefill in process (its first token) beside "
+                      "llama-bench -p N -n 0 -t 2 on the same GGUF file",
+                      ["prompt tokens", "lmhead TTFT (s)", "lmhead tok/s", "llama-bench tok/s", "ratio"])
+    llama = {}
+    if (LLAMA_BIN / "llama-bench").exists():
+        with tempfile.TemporaryDirectory() as work:
+            out = subprocess.run([str(LLAMA_BIN / "llama-bench"), "-m", str(_gguf(args.model, Path(work))), "-t", "2",
+                                  "-p", args.prefill, "-n", "0", "-r", "3", "-o", "csv"],
+                                 capture_output=True, text=True, check=True).stdout
+        llama = {int(r["n_prompt"]): float(r["avg_ts"]) for r in csv.DictReader(io.StringIO(out))}
+    config = SamplingConfig(temperature=0)
+    for n in lengths:
+        rows = prepare(model, _long_prompt(model, n), 1, config, scores=False)
+        times = []
+        for _ in range(3):
+            batch = Batch(model, draft="none")
+            t = time.perf_counter()
+            batch.add(prepare(model, _long_prompt(model, n), 1, config, scores=False))
+            while batch.rows:
+                batch.step()
+            times.append(time.perf_counter() - t)
+        ttft = statistics.median(times)
+        tokens = len(rows[0].prompt_ids)
+        ours = tokens / ttft
+        theirs = llama.get(n)
+        print(f"{tokens} tokens: TTFT {ttft:.2f} s, {ours:.0f} tok/s, llama-bench "
+              f"{f'{theirs:.0f} tok/s, ratio {ours / theirs:.2f}' if theirs else '-'}; load {os.getloadavg()[0]:.2f}",
+              flush=True)
+        table.row([tokens, f"{ttft:.2f}", f"{ours:.0f}", f"{theirs:.0f}" if theirs else "-",
+                   f"{ours / theirs:.2f}" if theirs else "-"],
+                  [Figure(f"prefill of {n} tokens", ours, "tok/s", "llama-bench -p", theirs, ours / theirs)]
+                  if theirs else [])
 
 
 def body(i: int, tokens: int) -> dict:
@@ -293,9 +457,21 @@ def main() -> None:
                     help="no servers: an N-turn chat with and without the prefix cache (see above)")
     ap.add_argument("--join-gap", type=int, default=0, metavar="TOKENS",
                     help="no servers: the longest gap of running streams while a TOKENS-token prompt joins")
+    ap.add_argument("--llama-server", type=int, default=0, metavar="RUNS",
+                    help="lmhead serve beside llama-server on the same file, RUNS alternating runs (see above)")
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="with --llama-server: each prompt's length")
+    ap.add_argument("--prefill", default="", metavar="N,N", help="prefill of prompts of these lengths (see above)")
     args = ap.parse_args()
     rec = Recorder("server")
     print(rec.header())
+    if args.llama_server or args.prefill:
+        if args.prefill:
+            prefill(args, rec)
+        if args.llama_server:
+            versus_llama_server(args, rec)
+        print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        rec.write()
+        return
     if args.chat_turns or args.join_gap:
         if args.chat_turns:
             chat_turns(args, rec)
