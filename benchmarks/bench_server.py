@@ -24,7 +24,7 @@ Steadier than two servers one after another, whose phases a busy machine can spl
 
     .venv/bin/python benchmarks/bench_server.py --chat-turns 10 [--model smollm2-135m] [--tokens 64]
 
-A --chat-turns chat (`lmhead.chat_session.ChatSession`, greedy, --tokens an answer) with its prefix cache and
+A --chat-turns chat (`lmhead.conversation.Conversation`, greedy, --tokens an answer) with its prefix cache and
 with none, alternating by turn: per turn the prompt's tokens, the tokens prefilled (prompt less the reused
 columns) and the time to the first token of each; target: the last turn's time to first token within 1.5× of
 the first's with the cache.
@@ -365,14 +365,14 @@ def in_process(args: argparse.Namespace, rec: Recorder) -> None:
 def chat_turns(args: argparse.Namespace, rec: Recorder) -> None:
     """--chat-turns: prefilled tokens and time to first token per turn, with and without the prefix cache."""
     from lmhead import load_model
-    from lmhead.chat_session import ChatSession
+    from lmhead.conversation import Conversation
     from lmhead.prefix_cache import PrefixCache
     from lmhead.sampling import SamplingConfig
 
     model = load_model(args.model)
-    sessions = {name: ChatSession(model, config=SamplingConfig(temperature=0), max_new_tokens=args.tokens)
+    chats = {name: Conversation(model, config=SamplingConfig(temperature=0), max_new_tokens=args.tokens)
                 for name in ("cache", "none")}
-    sessions["none"].prefix_cache = PrefixCache(max_bytes=0)  # stores nothing
+    chats["none"].prefix_cache = PrefixCache(max_bytes=0)  # stores nothing
     print(f"{'turn':>4}{'prompt':>8}{'prefilled (cache)':>19}{'TTFT cache (s)':>16}{'TTFT none (s)':>15}")
     table = rec.table("chat_turns", f"{args.model}: an {args.chat_turns}-turn chat, time to first token with the "
                       "prefix cache and without", ["turn", "prompt tokens", "prefilled (cache)", "TTFT cache (s)",
@@ -381,18 +381,18 @@ def chat_turns(args: argparse.Namespace, rec: Recorder) -> None:
     for turn in range(args.chat_turns):
         line = [f"{turn + 1:>4}"]
         ttft = {}
-        for name, session in sessions.items():
-            cache = session.prefix_cache
+        for name, chat in chats.items():
+            cache = chat.prefix_cache
             reused = cache.reused
             t = time.perf_counter()
-            steps = session.reply(PROMPTS[turn % len(PROMPTS)] + " Tell me more.")
+            steps = chat.reply(PROMPTS[turn % len(PROMPTS)] + " Tell me more.")
             next(steps)
             ttft[name] = time.perf_counter() - t
             for _ in steps:
                 pass
             if name == "cache":
                 prompt = len(model.encode(model.tokenizer.apply_chat_template(
-                    session.messages[:-1], tokenize=False, add_generation_prompt=True)))
+                    chat.messages[:-1], tokenize=False, add_generation_prompt=True)))
                 line += [f"{prompt:>8}", f"{prompt - (cache.reused - reused):>19}"]
         first = first or ttft["cache"]
         print("".join(line) + f"{ttft['cache']:>16.3f}{ttft['none']:>15.3f}", flush=True)

@@ -1,7 +1,7 @@
 """Structured output: validity, cost and compile time over a suite of JSON schemas of the kinds apps send.
 
     .venv/bin/python benchmarks/bench_structured.py [--model smollm2-135m --model gemma-3-270m]
-        [--mode greedy --mode sampled] [--schemas N] [--max-tokens 256] [--json FILE]
+        [--mode greedy --mode sampled] [--schemas N] [--max-tokens 256]
 
 Per model and mode (greedy; sampled: temperature 0.7, top-p 0.95, seeded), for each schema of `SCHEMAS` (nested
 objects, bounded arrays, enums, const, patterns, anyOf, number ranges, nullable fields, unicode strings, ...):
@@ -32,6 +32,9 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from records import Figure, Recorder  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
 LLAMA_SERVER = ROOT / "build" / "llama.cpp" / "bin" / "llama-server"
@@ -205,13 +208,13 @@ class LlamaServer:
             self.work.cleanup()
 
 
-def bench(name: str, modes: list[str], suite: list[tuple[str, dict]], max_tokens: int) -> list[dict]:
+def bench(name: str, modes: list[str], suite: list[tuple[str, dict]], max_tokens: int, rec: Recorder) -> list[dict]:
     from lmhead.constrain import JSONSchema, compile_constraint, guidance_tokenizer
     from lmhead.models import load_model
     from lmhead.sampling import SamplingConfig
 
     model = load_model(name, progress=False)
-    vocab = int(model.exact_head.weight.shape[0])
+    vocab = int(model.vocab_size)
     t = time.perf_counter()
     guidance_tokenizer(model.tokenizer, vocab, tuple(model.eos_token_ids))  # once per model, not per schema
     print(f"\n{name}: llguidance's tokenizer built in {time.perf_counter() - t:.2f} s (once per model)")
@@ -222,6 +225,9 @@ def bench(name: str, modes: list[str], suite: list[tuple[str, dict]], max_tokens
         compiles.append(time.perf_counter() - t)
     server = LlamaServer(name)
     records = []
+    table = rec.table(f"schemas_{name}", f"{name}: {len(suite)} JSON schemas, at most {max_tokens} tokens an answer; "
+                      "constrained against free decoding on the same prompts (tok/s), llama-server's json_schema "
+                      "beside it", COLUMNS)
     try:
         for mode in modes:
             cfg = SamplingConfig(temperature=0.0) if mode == "greedy" else SamplingConfig(temperature=0.7, top_p=0.95,
@@ -238,14 +244,18 @@ def bench(name: str, modes: list[str], suite: list[tuple[str, dict]], max_tokens
                     lt, lrate, stopped = server.run(prompt, schema, max_tokens, mode == "greedy")
                     row.update(llama_rate=lrate, llama_valid=stopped and _valid(lt, schema))
                 rows.append(row)
-            records.append(_table(name, mode, rows, masks, compiles, max_tokens))
+            records.append(_table(name, mode, rows, masks, compiles, max_tokens, table))
     finally:
         server.close()
     return records
 
 
+COLUMNS = ["mode", "stop within budget", "valid of stop", "constrained tok/s", "free tok/s", "ratio",
+           "mask p50 / p99 (µs)", "compile p50 / p99 (ms)", "fixed keys tok/s", "llama-server tok/s (valid)"]
+
+
 def _table(name: str, mode: str, rows: list[dict], masks: list[float], compiles: list[float],
-           max_tokens: int) -> dict:
+           max_tokens: int, table) -> dict:
     stopped = [r for r in rows if r["finish"] == "stop"]
     valid = [r for r in stopped if r["valid"]]
     rate = statistics.median(r["rate"] for r in rows if r["rate"] == r["rate"])
@@ -261,15 +271,20 @@ def _table(name: str, mode: str, rows: list[dict], masks: list[float], compiles:
     if llama:
         out["llama_server_tok_s"] = statistics.median(r["llama_rate"] for r in llama)
         out["llama_server_valid"] = sum(r["llama_valid"] for r in llama) / len(llama)
-    print(f"\n## {name}, {mode}: {len(rows)} schemas, at most {max_tokens} tokens")
-    print("| stop within budget | valid of stop | constrained tok/s | free tok/s | ratio | mask p50 / p99 | "
-          "compile p50 / p99 | fixed keys tok/s | llama-server tok/s (valid) |")
-    print("|---|---|---|---|---|---|---|---|---|")
     ls = (f"{out['llama_server_tok_s']:.1f} ({out['llama_server_valid']:.0%})" if llama else "-")
-    print(f"| {out['stop_share']:.0%} | {out['valid_share_of_stop']:.0%} | {rate:.1f} | {free:.1f} | "
-          f"{out['ratio']:.2f}x | {out['mask_us_p50']:.0f} / {out['mask_us_p99']:.0f} µs | "
-          f"{out['compile_ms_p50']:.1f} / {out['compile_ms_p99']:.1f} ms | "
-          f"{fixed['rate'] if fixed else float('nan'):.1f} | {ls} |")
+    cells = [mode, f"{out['stop_share']:.0%}", f"{out['valid_share_of_stop']:.0%}", f"{rate:.1f}", f"{free:.1f}",
+             f"{out['ratio']:.2f}", f"{out['mask_us_p50']:.0f} / {out['mask_us_p99']:.0f}",
+             f"{out['compile_ms_p50']:.1f} / {out['compile_ms_p99']:.1f}",
+             f"{fixed['rate']:.1f}" if fixed else "-", ls]
+    print(f"\n## {name}, {mode}: {len(rows)} schemas, at most {max_tokens} tokens")
+    print("| " + " | ".join(COLUMNS) + " |")
+    print("|" + "---|" * len(COLUMNS))
+    print("| " + " | ".join(cells) + " |")
+    figures = [Figure(f"{name} {mode}: constrained decode", rate, "tok/s", "free decode", free, rate / free)]
+    if llama:
+        figures.append(Figure(f"{name} {mode}: constrained decode", rate, "tok/s", "llama-server json_schema",
+                              out["llama_server_tok_s"], rate / out["llama_server_tok_s"]))
+    table.row(cells, figures)
     bad = [r["schema"] for r in stopped if not r["valid"]]
     if bad:
         print(f"INVALID answers that finished with stop: {bad}")
@@ -284,18 +299,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schemas", type=int, default=len(SCHEMAS), help=f"the first N schemas (default all "
                         f"{len(SCHEMAS)})")
     parser.add_argument("--max-tokens", type=int, default=256, help="budget per answer (default 256)")
-    parser.add_argument("--json", default=None, metavar="FILE", help="also write the records as JSON")
     args = parser.parse_args(argv)
     if not 1 <= args.schemas <= len(SCHEMAS):
         parser.error(f"--schemas must be in 1..{len(SCHEMAS)}, got {args.schemas}")
     if args.max_tokens < 2:
         parser.error(f"--max-tokens must be >= 2 (the rate is taken after the first token), got {args.max_tokens}")
     suite = SCHEMAS[:args.schemas]
+    rec = Recorder("structured")
+    print(rec.header())
     records = []
     for name in args.model or ["smollm2-135m", "gemma-3-270m"]:
-        records += bench(name, args.mode or ["greedy", "sampled"], suite, args.max_tokens)
-    if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1))
+        records += bench(name, args.mode or ["greedy", "sampled"], suite, args.max_tokens, rec)
+    rec.write()
     return 0 if all(r["valid_share_of_stop"] in (1.0,) or r["valid_share_of_stop"] != r["valid_share_of_stop"]
                     for r in records) else 1
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from tiny import save_tiny, tiny_model
 
-from lmhead.chat_session import ChatSession
 from lmhead.cli import main
+from lmhead.conversation import Conversation
 from lmhead.models import load_model
 from lmhead.sampling import SamplingConfig
 
@@ -38,7 +38,7 @@ def chat_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def session_model(chat_folder):
+def chat_model(chat_folder):
     return load_model(chat_folder, head="fp32")
 
 
@@ -51,22 +51,22 @@ def _chat(monkeypatch, capsys, folder, lines, *argv):
 
 def _answers(model, turns, system=None):
     """The library's answers to `turns`, one conversation (what the CLI must print)."""
-    session = ChatSession(model, system=system, config=SamplingConfig(temperature=0), max_new_tokens=6)
-    return ["".join(s.text for s in session.reply(t)) for t in turns]
+    chat = Conversation(model, system=system, config=SamplingConfig(temperature=0), max_new_tokens=6)
+    return ["".join(s.text for s in chat.reply(t)) for t in turns]
 
 
-def test_chat_from_a_pipe_answers_every_line_with_the_history_kept(monkeypatch, capsys, chat_folder, session_model):
+def test_chat_from_a_pipe_answers_every_line_with_the_history_kept(monkeypatch, capsys, chat_folder, chat_model):
     code, out, err = _chat(monkeypatch, capsys, chat_folder, "Hi\n\nHow are you\n/reset\nHi\n/exit\nnot read\n",
                            *GREEDY, "--system", "Be brief.")
     assert code == 0, err
-    first, second = _answers(session_model, ["Hi", "How are you"], system="Be brief.")
+    first, second = _answers(chat_model, ["Hi", "How are you"], system="Be brief.")
     assert out.split("\n")[:-1] == [first, second, first]  # /reset: the same first turn again
-    alone = _answers(session_model, ["How are you"], system="Be brief.")[0]
+    alone = _answers(chat_model, ["How are you"], system="Be brief.")[0]
     assert second != alone or first == ""  # the second turn read the first (its prompt holds it)
 
 
-def test_ctrl_c_stops_the_answer_not_the_chat(monkeypatch, capsys, chat_folder, session_model):
-    original, calls = ChatSession._steps, []
+def test_ctrl_c_stops_the_answer_not_the_chat(monkeypatch, capsys, chat_folder, chat_model):
+    original, calls = Conversation._steps, []
 
     def interrupted(self, *args, **kwargs):
         steps = original(self, *args, **kwargs)
@@ -81,16 +81,16 @@ def test_ctrl_c_stops_the_answer_not_the_chat(monkeypatch, capsys, chat_folder, 
                 yield step
         return two_then_ctrl_c()
 
-    monkeypatch.setattr(ChatSession, "_steps", interrupted)
+    monkeypatch.setattr(Conversation, "_steps", interrupted)
     code, out, err = _chat(monkeypatch, capsys, chat_folder, "Hi\nAgain\n", *GREEDY)
     assert code == 0 and "[answer stopped]" in err
     partial, rest = out.split("\n")[0], out.split("\n")[1]
-    monkeypatch.setattr(ChatSession, "_steps", original)
-    session = ChatSession(session_model, config=SamplingConfig(temperature=0), max_new_tokens=6)
-    whole = "".join(s.text for s in session.reply("Hi"))
+    monkeypatch.setattr(Conversation, "_steps", original)
+    chat = Conversation(chat_model, config=SamplingConfig(temperature=0), max_new_tokens=6)
+    whole = "".join(s.text for s in chat.reply("Hi"))
     assert whole.startswith(partial) and len(partial) < len(whole) or whole == partial == ""
-    session.messages[-1]["content"] = partial  # the history keeps the answer as far as it came
-    assert rest == "".join(s.text for s in session.reply("Again"))
+    chat.messages[-1]["content"] = partial  # the history keeps the answer as far as it came
+    assert rest == "".join(s.text for s in chat.reply("Again"))
 
 
 def test_chat_with_a_base_model_is_one_line_exit_2(monkeypatch, capsys, tmp_path):
@@ -142,12 +142,12 @@ def test_chat_on_a_terminal_prompts_and_exits_on_slash_exit(chat_folder):
         os.close(leader)
 
 
-def test_a_chats_turns_reuse_the_history_through_the_prefix_cache(session_model):
-    session = ChatSession(session_model, config=SamplingConfig(temperature=0), max_new_tokens=6)
-    first = "".join(s.text for s in session.reply("tell me about the cat and the dog please"))
-    second = "".join(s.text for s in session.reply("and the bird?"))
-    assert session.prefix_cache.hits >= 1 and session.prefix_cache.reused >= 16
-    fresh = ChatSession(session_model, config=SamplingConfig(temperature=0), max_new_tokens=6)
+def test_a_chats_turns_reuse_the_history_through_the_prefix_cache(chat_model):
+    chat = Conversation(chat_model, config=SamplingConfig(temperature=0), max_new_tokens=6)
+    first = "".join(s.text for s in chat.reply("tell me about the cat and the dog please"))
+    second = "".join(s.text for s in chat.reply("and the bird?"))
+    assert chat.prefix_cache.hits >= 1 and chat.prefix_cache.reused >= 16
+    fresh = Conversation(chat_model, config=SamplingConfig(temperature=0), max_new_tokens=6)
     fresh.messages = [{"role": "user", "content": "tell me about the cat and the dog please"},
                       {"role": "assistant", "content": first}]
     assert "".join(s.text for s in fresh.reply("and the bird?")) == second

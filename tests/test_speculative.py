@@ -164,7 +164,7 @@ def test_frequent_tokens_keeps_specials_and_single_characters():
 
 @functools.cache
 def _parts(arch: str, init: float = 0.3):
-    """(hf_model, tokenizer, lean body, head, int8 draft) of a tiny model, built once per test session."""
+    """(hf_model, tokenizer, lean body, head, int8 draft) of a tiny model, built once per test run."""
     from tiny import tiny_head
 
     from lmhead.models.lean import LeanBody

@@ -604,10 +604,10 @@ def _run_chat(args: argparse.Namespace) -> None:
     if args.system is not None and not args.system:
         raise ValueError("--system: must be a non-empty string")
     config = _sampling_config(args)  # bad settings fail before the model loads
-    from lmhead.chat_session import ChatSession
+    from lmhead.conversation import Conversation
 
     model = _load(args)
-    session = ChatSession(model, system=args.system, config=config, max_new_tokens=args.max_new_tokens)
+    chat = Conversation(model, system=args.system, config=config, max_new_tokens=args.max_new_tokens)
     tty = sys.stdin.isatty()
     if tty:
         print(f"lmhead: chatting with {model.name}; /reset starts again, /exit ends (Ctrl-C stops an answer)",
@@ -625,19 +625,19 @@ def _run_chat(args: argparse.Namespace) -> None:
         if text in ("/exit", "/quit", "/bye"):
             break
         if text == "/reset":
-            session.reset()
+            chat.reset()
             if tty:
                 print("[a new conversation]", file=sys.stderr)
             continue
-        _chat_turn(session, text)
+        _chat_turn(chat, text)
 
 
-def _chat_turn(session, text: str) -> None:
+def _chat_turn(chat, text: str) -> None:
     """One answer, streamed to stdout; Ctrl-C stops it (the chat goes on); a conversation past the context is
     one line on stderr (the chat goes on)."""
     out = sys.stdout
     try:
-        steps = session.reply(text)
+        steps = chat.reply(text)
     except ValueError as exc:
         print(f"lmhead: {exc}", file=sys.stderr)
         return

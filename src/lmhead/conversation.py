@@ -1,12 +1,12 @@
 """A multi-turn chat with one model: the history as messages, each turn's prompt from the model's chat template.
 
-    session = ChatSession(model, system="Be brief.", config=SamplingConfig(temperature=0.7), max_new_tokens=512)
-    for step in session.reply("Hi!"):     # the answer's Steps, streamed; the history keeps the answer
+    chat = Conversation(model, system="Be brief.", config=SamplingConfig(temperature=0.7), max_new_tokens=512)
+    for step in chat.reply("Hi!"):        # the answer's Steps, streamed; the history keeps the answer
         print(step.text, end="")
-    session.reset()                       # a new conversation (the system message stays)
+    chat.reset()                          # a new conversation (the system message stays)
 
-`lmhead chat` runs one. A base model (no chat template) is a ValueError when the session is made. Each turn's
-prompt is the whole history through the template, decoded by `generate.Batch` with the session's prefix cache
+`lmhead chat` runs one. A base model (no chat template) is a ValueError when the chat is made. Each turn's
+prompt is the whole history through the template, decoded by `generate.Batch` with the chat's prefix cache
 (`prefix_cache.PrefixCache`): the columns of the previous turn's prompt and answer are reused, so a turn prefills
 its new tokens, not the history. A history that leaves no room for an answer in the context is a ValueError
 naming both numbers (the history is kept: /reset starts again).
@@ -22,7 +22,7 @@ from lmhead.models.chat import chat_prompt
 from lmhead.prefix_cache import PrefixCache
 
 
-class ChatSession:
+class Conversation:
     """The conversation so far (`messages`: [{"role", "content"}], the system message first when given)."""
 
     def __init__(self, model: Any, system: str | None = None, config: Any = None, max_new_tokens: int = 512,
