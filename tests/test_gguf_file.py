@@ -15,7 +15,7 @@ from lmhead.models.gguf_codes import block_scales
 from lmhead.models.gguf_file import CODE_TYPES, block_codes
 
 _F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
-               "Q6_K": [208]}
+               "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108], "IQ4_NL": [0], "IQ4_XS": [0]}
 
 
 def _random_blocks(kind: str, n: int, seed: int) -> np.ndarray:
@@ -76,7 +76,8 @@ def _load_both(tmp_path, monkeypatch, arch: str, kind: str):
 
 @pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
 @pytest.mark.parametrize("arch,kind", [("llama", "Q8_0"), ("llama", "Q4_1"), ("gemma3", "Q8_0"), ("qwen2", "Q5_0"),
-                                       ("qwen3", "Q4_0"), ("llama", "F16")])
+                                       ("qwen3", "Q4_0"), ("llama", "F16"), ("llama", "Q2_K"), ("llama", "Q3_K"),
+                                       ("qwen2", "IQ4_NL"), ("llama", "IQ4_XS")])
 def test_a_tiny_gguf_runs_from_its_file_with_transformers_numbers(tmp_path, monkeypatch, arch, kind):
     model, ref = _load_both(tmp_path, monkeypatch, arch, kind)
     assert model.lean is not None and model.lean.embed is None or kind == "F16"

@@ -4,7 +4,7 @@
         generation_config.json, tokenizer files, manifest; a few MB) ──every load──▶ ModelConfig + tokenizer
     GGUF file ──memory map──▶ each matrix's blocks ──integer codes + group scales (gguf_file.py)──▶ CodedLinear
         ──▶ LeanBody.from_parts (embedding rows read from the codes) + CodedHead (the exact head)
-    types without codes (F32, F16, BF16, Q2_K, Q3_K, IQ*) ──gguf-py's dequantize, once at load──▶ float32
+    types without codes (F32, F16, BF16, IQ* but IQ4_NL/IQ4_XS) ──gguf-py's dequantize, once at load──▶ float32
 
 The numbers are the dequantised file (gguf-py's `dequantize`, what transformers' loader uses): every code is
 read from the blocks' bits and gives that value back exactly; tensor layouts follow transformers' GGUF loader
