@@ -21,8 +21,8 @@
  * lane l holding code 8·i + l XOR 8 (code − 8 as a signed nibble), so that two shifts give eight consecutive
  * codes − 8 in the eight lanes
  * (no byte shuffles: unpacking was what bounded the product, not memory). Either way a row is a run of 32-byte
- * units (32 int8 codes, or 64 packed ones); `flags & LMHEAD_ROWS4` (G = 32, or G = 16 for int8 codes without
- * offsets — Q6_K, two groups to a unit —, N a multiple of 4) stores each
+ * units (32 int8 codes, or 64 packed ones); `flags & LMHEAD_ROWS4` (G = 32, or G = 16 for int8 codes — Q6_K,
+ * Q3_K, Q2_K: two groups to a unit —, N a multiple of 4) stores each
  * block of four rows unit by unit — unit u of rows 4b..4b+3 side by side — so that the decode product reads
  * four rows in one forward stream (four rows at once from four separate streams measured slower than one
  * row at a time: the prefetcher, not the arithmetic, was the limit). Scale and offset [N, K/G], float32,
@@ -70,7 +70,7 @@ static void halves_to_floats(const uint16_t* h, float* f, int64_t n) {
     for (; i < n; i++) f[i] = half_to_float(h[i]);
 }
 
-int lmhead_coded_abi(void) { return 17; }
+int lmhead_coded_abi(void) { return 18; }
 
 /* half_to_float for the other source file (lean_kernels.c's embedding rows) */
 float lmhead_half(uint16_t h) { return half_to_float(h); }
@@ -216,11 +216,19 @@ static inline void fetch_unit(const char* pf, int64_t u) {
         }                                                                                                \
     }
 
-/* Q6_K's groups of 16 (int8 codes, no offsets): a 32-byte unit holds two groups, each with its own scale */
+/* Q6_K's and Q3_K's groups of 16 (int8 codes, no offsets): a 32-byte unit holds two groups, each with its own
+ * scale */
 #define DOT2C(c0, c1, xa, xb, acc, sg)                                                                   \
     do {                                                                                                 \
         const __m256 d_ = _mm256_mul_ps((c0), (xa)), e_ = _mm256_mul_ps((c1), (xb));                     \
         (acc) = _mm256_fmadd_ps(_mm256_set1_ps(sg), _mm256_add_ps(d_, e_), (acc));                       \
+    } while (0)
+/* Q2_K's groups of 16 with offsets: each weight rebuilt exactly (code·scale + offset), as DOT4R */
+#define DOT2R(c0, c1, xa, xb, acc, sg, og)                                                               \
+    do {                                                                                                 \
+        const __m256 s_ = _mm256_set1_ps(sg), o_ = _mm256_set1_ps(og);                                   \
+        const __m256 d_ = _mm256_mul_ps(_mm256_fmadd_ps((c0), s_, o_), (xa));                            \
+        (acc) = _mm256_add_ps(_mm256_fmadd_ps(_mm256_fmadd_ps((c1), s_, o_), (xb), d_), (acc));          \
     } while (0)
 
 static inline void rows4_dot1(const float* x, const int8_t* c, const float* s, const float* o, const float* xs,
@@ -241,6 +249,19 @@ static inline void rows4_dot1(const float* x, const int8_t* c, const float* s, c
             for (int r = 0; r < 4; r++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (g * 2 + r) * 32));
                 DOT4C(NIBC(v, 4), NIBC(v, 5), NIBC(v, 6), NIBC(v, 7), acc[r], s[r * ng + g + 1]);
+            }
+        }
+    } else if (o && g16) { /* ng = K/16: unit u holds groups 2u and 2u + 1 */
+        for (int64_t u = 0; u < ng / 2; u++) {
+            fetch_unit(pf, u);
+            const float* xg = x + u * 32;
+            const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
+            const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
+            for (int r = 0; r < 4; r++) {
+                const int8_t* cg = c + (u * 4 + r) * 32;
+                const int64_t i = r * ng + 2 * u;
+                DOT2R(BYTES8(cg), BYTES8(cg + 8), x0, x1, acc[r], s[i], o[i]);
+                DOT2R(BYTES8(cg + 16), BYTES8(cg + 24), x2, x3, acc[r], s[i + 1], o[i + 1]);
             }
         }
     } else if (o) {
@@ -353,7 +374,7 @@ ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
                 }                                                                                            \
             }                                                                                                \
         } else {                                                                                             \
-            const int g16 = ng * 16 == K; /* Q6_K: two groups per 32-weight unit */                          \
+            const int g16 = ng * 16 == K; /* Q6_K, Q3_K, Q2_K: two groups per 32-weight unit */                          \
             for (int64_t g = 0; g < K / 32; g++) {                                                           \
                 fetch_unit(pf, g);                                                                           \
                 for (int r = 0; r < 4; r++) {                                                                \
@@ -401,7 +422,7 @@ MULTI(1) MULTI(2) MULTI(3)
                     }                                                                                        \
                 }                                                                                            \
             } else {                                                                                         \
-                const int g16 = ng * 16 == K; /* Q6_K: two groups per 32-weight unit */                      \
+                const int g16 = ng * 16 == K; /* Q6_K, Q3_K, Q2_K: two groups per 32-weight unit */                      \
                 for (int64_t g = 0; g < K / 32; g++) {                                                       \
                     fetch_unit(r == 0 ? pf : NULL, g);                                                       \
                     const int64_t i0 = r * ng + (g16 ? 2 * g : g), i1 = i0 + g16;                            \
@@ -478,13 +499,13 @@ static inline void row_dot(const float* x, int64_t K, const int8_t* c, int64_t u
 
 /* y [M, N] = x [M, K] · Wᵀ, W given by codes/scale/offset as above. Returns 0, or -1 for arguments it cannot
  * take (G not a multiple of 16, K not a multiple of G; packed: G ≠ 32 or K not a multiple of 64; rows4: N or K/32
- * not whole, or G neither 32 nor 16 without offsets and unpacked (Q6_K: two groups per unit); float16
+ * not whole, or G neither 32 nor 16 unpacked (Q6_K, Q3_K, Q2_K: two groups per unit); float16
  * scales: more than HALF_MAX_GROUPS groups per row). */
 int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const void* scale,
                         const void* offset, int64_t N, int64_t G, int flags, float* y, int threads) {
     const int packed = flags & LMHEAD_PACKED, half = (flags & LMHEAD_HALF) != 0, rows4 = (flags & LMHEAD_ROWS4) != 0;
     if (G <= 0 || G % 16 != 0 || K % G != 0 || M < 0 || N < 0 || (packed && (G != 32 || K % 64 != 0)) ||
-        (rows4 && (N % 4 != 0 || K % 32 != 0 || !(G == 32 || (G == 16 && !packed && !offset)))))
+        (rows4 && (N % 4 != 0 || K % 32 != 0 || !(G == 32 || (G == 16 && !packed)))))
         return -1;
     const int64_t row_bytes = packed ? K / 2 : K, us = rows4 ? 128 : 32;
     const int64_t ng = K / G;

@@ -82,16 +82,15 @@ class CodedLinear:
         packed = bool(self.group == 32 and k % 64 == 0 and codes.numel()
                       and int(codes.min()) >= 0 and int(codes.max()) <= 15)
         codes = native.pack4(codes) if packed else codes.contiguous()
-        rows4 = self._rows4(n, k, self.group, offset is not None, packed)
+        rows4 = self._rows4(n, k, self.group, packed)
         self._finish(native.block4(codes) if rows4 else codes, packed, rows4, n, k, scale, offset, weight, sources)
 
     @staticmethod
-    def _rows4(n: int, k: int, group: int, has_offset: bool, packed: bool) -> bool:
+    def _rows4(n: int, k: int, group: int, packed: bool) -> bool:
         # groups of 32 in whole blocks of four rows: stored block by block, so that decode reads four rows from
         # one forward stream (coded_kernel.c)
-        # (Q6_K's groups of 16 too, two to a 32-byte unit: int8 codes without offsets)
-        return bool(n and n % 4 == 0 and (group == 32 or (group == 16 and k % 32 == 0 and not has_offset
-                                                          and not packed)))
+        # (Q6_K's, Q3_K's and Q2_K's groups of 16 too, two to a 32-byte unit: int8 codes)
+        return bool(n and n % 4 == 0 and (group == 32 or (group == 16 and k % 32 == 0 and not packed)))
 
     @classmethod
     def from_chunks(cls, n: int, k: int, scale: Tensor, offset: Tensor | None, chunks, unsigned4: bool
@@ -103,7 +102,7 @@ class CodedLinear:
         self = cls.__new__(cls)
         self.group = k // scale.shape[1]
         packed = bool(self.group == 32 and k % 64 == 0 and unsigned4)
-        rows4 = cls._rows4(n, k, self.group, offset is not None, packed)
+        rows4 = cls._rows4(n, k, self.group, packed)
         out = torch.empty((n, k // 2 if packed else k), dtype=torch.int8)
         for start, codes in chunks:
             codes = native.pack4(codes) if packed else codes

@@ -42,7 +42,7 @@ _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 # coded_kernel.c's flags: 4-bit codes two per byte; float16 scales and offsets; rows stored in blocks of four
 PACKED, HALF, ROWS4 = 1, 2, 4
 HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
-_ABI = 17  # lmhead_coded_abi() of the sources above
+_ABI = 18  # lmhead_coded_abi() of the sources above
 
 
 def _cpu_flags() -> str:
@@ -270,17 +270,20 @@ def _self_test(lib: ctypes.CDLL) -> bool:
                                          None if off is None else off.data_ptr(), 37, group, 0, y.data_ptr(), 2)
             if rc != 0 or not _close(y, x.double() @ w.double().T):
                 return False
-    # Q6_K's layout: groups of 16 without offsets in blocks of four rows (two groups to a 32-byte unit)
+    # Q6_K's and Q3_K's layout: groups of 16 in blocks of four rows (two groups to a 32-byte unit); Q2_K's: with
+    # offsets
     codes = torch.randint(-32, 32, (16, 128), generator=g, dtype=torch.int8)
     scale = torch.rand(16, 8, generator=g) * 0.01
-    w = (codes.float().view(16, 8, 16) * scale[..., None]).view(16, 128)
+    off = torch.randn(16, 8, generator=g) * 0.01
     blocked = block4(codes)
-    for m in (1, 3, 6, 9):
-        x, y = torch.randn(m, 128, generator=g), torch.empty(m, 16)
-        rc = lib.lmhead_coded_matmul(x.data_ptr(), m, 128, blocked.data_ptr(), scale.data_ptr(), None, 16, 16, ROWS4,
-                                     y.data_ptr(), 2)
-        if rc != 0 or not _close(y, x.double() @ w.double().T):
-            return False
+    for o in (None, off):
+        w = (codes.float().view(16, 8, 16) * scale[..., None] + (0 if o is None else o[..., None])).view(16, 128)
+        for m in (1, 3, 6, 9):
+            x, y = torch.randn(m, 128, generator=g), torch.empty(m, 16)
+            rc = lib.lmhead_coded_matmul(x.data_ptr(), m, 128, blocked.data_ptr(), scale.data_ptr(),
+                                         None if o is None else o.data_ptr(), 16, 16, ROWS4, y.data_ptr(), 2)
+            if rc != 0 or not _close(y, x.double() @ w.double().T):
+                return False
     # packed 4-bit codes (the same product from half the bytes), float16 scales, both
     codes = torch.randint(0, 16, (19, 128), generator=g, dtype=torch.int8)
     scale = (torch.rand(19, 4, generator=g) * 0.01).half()
