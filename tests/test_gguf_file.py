@@ -42,6 +42,41 @@ def test_block_codes_times_their_scales_are_gguf_dequantize_bit_for_bit(kind):
 
 
 @pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
+@pytest.mark.parametrize("kind", sorted(CODE_TYPES))
+@pytest.mark.parametrize("n", [12, 10])  # 12: blocks of four rows (the decode layout); 10: plain rows
+def test_a_matrix_of_every_code_type_read_from_a_file_multiplies_as_its_dequantized_weights(tmp_path, kind, n):
+    import gguf
+
+    from lmhead.models.gguf_file import GGUFFile
+
+    per_block, _ = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    k = 2 * max(per_block, 64)
+    blocks = _random_blocks(kind, n * k // per_block, seed=n)
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_tensor("m.weight", blocks.reshape(n, -1), raw_dtype=GGMLQuantizationType[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = GGUFFile(tmp_path / "m.gguf")
+    want = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[kind]).reshape(n, k).astype(np.float32))
+    coded = f.coded("m.weight", chunk_rows=4)  # converted in pieces, as a large matrix is
+    assert coded.rows4 == (n % 4 == 0)
+    torch.testing.assert_close(coded.dequantize(), want, rtol=0, atol=0)
+    torch.testing.assert_close(f.codes("m.weight").dequantize(), want, rtol=0, atol=0)
+    torch.testing.assert_close(coded.rows(torch.tensor([n - 1, 0, 3])), want[[n - 1, 0, 3]], rtol=0, atol=0)
+    g = torch.Generator().manual_seed(1)
+    for m in (1, 2, 5, 9):  # decode, the several-row passes, 8 + the rest
+        x = torch.randn(m, k, generator=g)
+        exact = x.double() @ want.double().T
+        # float32 summation error: a small multiple of eps32 times the sum of |terms| of each output
+        bound = 2e-6 * (x.double().abs() @ want.double().abs().T) + 1e-7
+        assert bool(((coded(x).double() - exact).abs() <= bound).all()), (kind, m)
+    del coded, want
+    f.close()
+
+
+@pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
 @pytest.mark.parametrize("lo,hi,group,n,k,offset", [(-128, 128, 32, 12, 64, False), (0, 16, 32, 8, 128, True),
                                                     (-32, 32, 16, 6, 64, False), (-16, 16, 32, 5, 96, True)])
 def test_coded_rows_are_the_dequantized_rows_in_every_layout(lo, hi, group, n, k, offset):

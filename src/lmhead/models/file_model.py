@@ -29,7 +29,7 @@ from lmhead.models.coded_linear import CodedLinear, coded_available
 from lmhead.models.config import ModelConfig
 from lmhead.models.convert import eos_ids
 from lmhead.models.errors import ModelError
-from lmhead.models.gguf_codes import Codes, fuse_codes
+from lmhead.models.gguf_codes import Codes, coded_nbytes, fuse_codes
 from lmhead.models.gguf_file import CODE_TYPES, GGUFFile
 
 __all__ = ["FILE_ARCHITECTURES", "file_body", "meta_folder", "supports_file"]
@@ -285,13 +285,12 @@ def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None):
 
 
 def memory_needed(f: GGUFFile) -> int:
-    """Bytes a load holds: the codes (about the file's block bytes; 4 bytes a weight for the types dequantized)."""
+    """Bytes a load holds: each matrix in the kernel's layout (`coded_nbytes`; 4 bytes a weight for the types
+    dequantized)."""
     total = 0
-    for name, t in f.tensors.items():
-        if f.type_of(name) in CODE_TYPES or f.type_of(name) == "F32":
-            total += int(t.n_bytes) * (2 if f.type_of(name) in ("Q4_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K") else 1)
-        else:
-            total += int(np.prod(f.shape(name))) * 4
+    for name in f.tensors:
+        kind, count = f.type_of(name), int(np.prod(f.shape(name)))
+        total += coded_nbytes(kind, count) if kind in CODE_TYPES else 4 * count
     return total
 
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from lmhead.models.errors import ModelError
-from lmhead.models.gguf_codes import BLOCKS, Codes, block_scales
+from lmhead.models.gguf_codes import BLOCKS, PACKED_TYPES, Codes, block_scales
 
 __all__ = ["CODE_TYPES", "GGUFFile", "block_codes", "read_header"]
 
@@ -304,7 +304,7 @@ class GGUFFile:
                 yield start, torch.from_numpy(block_codes(kind, part).reshape(-1, k))
                 self._release_range(t.data_offset + start * per_row * nbytes, part.size)
 
-        return CodedLinear.from_chunks(n, k, scale, offset, chunks(), unsigned4=kind in ("Q4_1", "Q4_K"))
+        return CodedLinear.from_chunks(n, k, scale, offset, chunks(), unsigned4=kind in PACKED_TYPES)
 
     def dequantize(self, name: str) -> torch.Tensor:
         """The tensor as float32, by gguf-py's `dequantize` (the definition of the model's numbers)."""
