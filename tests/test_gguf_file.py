@@ -42,7 +42,7 @@ def test_block_codes_times_their_scales_are_gguf_dequantize_bit_for_bit(kind):
 
 
 @pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
-@pytest.mark.parametrize("kind", sorted(CODE_TYPES))
+@pytest.mark.parametrize("kind", sorted(CODE_TYPES) + ["F16", "BF16"])
 @pytest.mark.parametrize("n", [12, 10])  # 12: blocks of four rows (the decode layout); 10: plain rows
 def test_a_matrix_of_every_code_type_read_from_a_file_multiplies_as_its_dequantized_weights(tmp_path, kind, n):
     import gguf
@@ -50,8 +50,12 @@ def test_a_matrix_of_every_code_type_read_from_a_file_multiplies_as_its_dequanti
     from lmhead.models.gguf_file import GGUFFile
 
     per_block, _ = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
-    k = 2 * max(per_block, 64)
-    blocks = _random_blocks(kind, n * k // per_block, seed=n)
+    k = 2 * max(per_block, 64) + (19 if per_block == 1 else 0)  # 16-bit weights: rows not whole vectors too
+    if per_block == 1:
+        values = torch.randn(n, k, generator=torch.Generator().manual_seed(n)) * 3
+        blocks = values.to(torch.float16 if kind == "F16" else torch.bfloat16).view(torch.uint8).numpy()
+    else:
+        blocks = _random_blocks(kind, n * k // per_block, seed=n)
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
     w.add_tensor("m.weight", blocks.reshape(n, -1), raw_dtype=GGMLQuantizationType[kind])
     w.write_header_to_file()
@@ -60,10 +64,13 @@ def test_a_matrix_of_every_code_type_read_from_a_file_multiplies_as_its_dequanti
     w.close()
     f = GGUFFile(tmp_path / "m.gguf")
     want = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[kind]).reshape(n, k).astype(np.float32))
-    coded = f.coded("m.weight", chunk_rows=4)  # converted in pieces, as a large matrix is
-    assert coded.rows4 == (n % 4 == 0)
+    if per_block == 1:
+        coded = CodedLinear.dense16(f.weights16("m.weight"))
+    else:
+        coded = f.coded("m.weight", chunk_rows=4)  # converted in pieces, as a large matrix is
+        assert coded.rows4 == (n % 4 == 0)
+        torch.testing.assert_close(f.codes("m.weight").dequantize(), want, rtol=0, atol=0)
     torch.testing.assert_close(coded.dequantize(), want, rtol=0, atol=0)
-    torch.testing.assert_close(f.codes("m.weight").dequantize(), want, rtol=0, atol=0)
     torch.testing.assert_close(coded.rows(torch.tensor([n - 1, 0, 3])), want[[n - 1, 0, 3]], rtol=0, atol=0)
     g = torch.Generator().manual_seed(1)
     for m in (1, 2, 5, 9):  # decode, the several-row passes, 8 + the rest
@@ -112,10 +119,11 @@ def _load_both(tmp_path, monkeypatch, arch: str, kind: str):
 @pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
 @pytest.mark.parametrize("arch,kind", [("llama", "Q8_0"), ("llama", "Q4_1"), ("gemma3", "Q8_0"), ("qwen2", "Q5_0"),
                                        ("qwen3", "Q4_0"), ("llama", "F16"), ("llama", "Q2_K"), ("llama", "Q3_K"),
-                                       ("qwen2", "IQ4_NL"), ("llama", "IQ4_XS")])
+                                       ("qwen2", "IQ4_NL"), ("llama", "IQ4_XS"), ("gemma3", "BF16")])
 def test_a_tiny_gguf_runs_from_its_file_with_transformers_numbers(tmp_path, monkeypatch, arch, kind):
     model, ref = _load_both(tmp_path, monkeypatch, arch, kind)
-    assert model.lean is not None and model.lean.embed is None or kind == "F16"
+    assert model.lean is not None and model.lean.embed is None  # the embedding's rows read from the file's codes
+    assert model.lean._step_descs() is not None  # every block matrix coded: the whole decode step in C
     assert "_hf_model" not in model.__dict__ or model.__dict__["_hf_model"] is None  # nothing converted
     ids = torch.tensor([model.encode("The cat sat on the mat. The dog")])
     with torch.no_grad():

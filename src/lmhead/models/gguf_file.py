@@ -3,7 +3,8 @@
     file ──GGUFReader (numpy memmap)──▶ tensors {name: type, shape, bytes}
     a block tensor (Q4_0 … Q8_0, Q2_K … Q6_K, IQ4_NL, IQ4_XS) [N, K] ──bits of its blocks──▶ codes int8 [N,K]
         + scale, offset [N, K/G]  (W = scale·code + offset, the numbers gguf-py's `dequantize` gives, bit for bit)
-    any other type (F32, F16, BF16, the other IQ*) ──gguf-py's `dequantize`──▶ float32 [N,K]
+    F16, BF16 [N, K] ──its 16-bit weights as they are──▶ float16 / bfloat16 [N,K] (the kernel converts each exactly)
+    any other type (F32, the other IQ*, ...) ──gguf-py's `dequantize`──▶ float32 [N,K]
 
 Every type above is an integer per weight times a per-group float32 product of the block's parts, plus a
 per-group offset for some: Q2_K's d·sc·q − dmin·m per 16, Q3_K's d·(sc − 32)·q with q in −4 … 3, IQ4_NL's
@@ -33,9 +34,11 @@ import torch
 from lmhead.models.errors import ModelError
 from lmhead.models.gguf_codes import BLOCKS, PACKED_TYPES, Codes, block_scales
 
-__all__ = ["CODE_TYPES", "GGUFFile", "block_codes", "read_header"]
+__all__ = ["CODE_TYPES", "DENSE_TYPES", "IQ4_VALUES", "GGUFFile", "block_codes", "read_header"]
 
 CODE_TYPES: frozenset[str] = frozenset(BLOCKS)  # the block types whose codes the coded kernel multiplies
+# 16-bit float types the kernel multiplies as they are (`CodedLinear.dense16`): each weight converted exactly
+DENSE_TYPES: dict[str, torch.dtype] = {"F16": torch.float16, "BF16": torch.bfloat16}
 # IQ4_NL's and IQ4_XS's 16 levels: a weight is d·IQ4_VALUES[q], so the table's integer is the weight's code
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
@@ -305,6 +308,19 @@ class GGUFFile:
                 self._release_range(t.data_offset + start * per_row * nbytes, part.size)
 
         return CodedLinear.from_chunks(n, k, scale, offset, chunks(), unsigned4=kind in PACKED_TYPES)
+
+    def weights16(self, name: str) -> torch.Tensor:
+        """The F16 or BF16 matrix `name` [N,K] as a float16 or bfloat16 tensor (a copy of its bytes, its pages of
+        the map released)."""
+        t = self.tensors[name]
+        n, k = self.shape(name)
+        data = np.asarray(t.data)
+        if data.size != n * k * 2:
+            raise ModelError(f"{self.path}: tensor {name} ({t.tensor_type.name}, {n}x{k}) does not hold {n * k} "
+                             "16-bit weights")
+        out = torch.from_numpy(data.reshape(n, 2 * k).view(np.int16).copy()).view(DENSE_TYPES[t.tensor_type.name])
+        self.release(name)
+        return out
 
     def dequantize(self, name: str) -> torch.Tensor:
         """The tensor as float32, by gguf-py's `dequantize` (the definition of the model's numbers)."""

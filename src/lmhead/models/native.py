@@ -34,15 +34,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["HALF", "HALF_MAX_GROUPS", "PACKED", "ROWS4", "SOURCES", "LayerDesc", "MatDesc", "block4", "library",
-           "library_path", "pack4", "row_scores", "topk", "unblock4", "unpack4"]
+__all__ = ["BF16", "F16", "HALF", "HALF_MAX_GROUPS", "PACKED", "ROWS4", "SOURCES", "LayerDesc", "MatDesc", "block4",
+           "library", "library_path", "pack4", "row_scores", "topk", "unblock4", "unpack4"]
 
 SOURCES = (Path(__file__).with_name("coded_kernel.c"), Path(__file__).with_name("lean_kernels.c"))
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
-# coded_kernel.c's flags: 4-bit codes two per byte; float16 scales and offsets; rows stored in blocks of four
-PACKED, HALF, ROWS4 = 1, 2, 4
+# coded_kernel.c's flags: 4-bit codes two per byte; float16 scales and offsets; rows stored in blocks of four;
+# the file's float16 or bfloat16 weights themselves (no codes, no scales)
+PACKED, HALF, ROWS4, F16, BF16 = 1, 2, 4, 8, 16
 HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
-_ABI = 18  # lmhead_coded_abi() of the sources above
+_ABI = 19  # lmhead_coded_abi() of the sources above
 
 
 def _cpu_flags() -> str:
@@ -308,6 +309,15 @@ def _self_test(lib: ctypes.CDLL) -> bool:
                                          y.data_ptr(), 2)
             wo = (codes[:rows].float().view(rows, 4, 32) * scale[:rows].float()[..., None]).view(rows, 128)
             if rc != 0 or not _close(y, x.double() @ wo.double().T):
+                return False
+    # float16 and bfloat16 weights, K not a multiple of the vector width
+    for flags, dtype in ((F16, torch.float16), (BF16, torch.bfloat16)):
+        w16 = torch.randn(7, 75, generator=g).to(dtype)
+        for m in (1, 4, 9):
+            x, y = torch.randn(m, 75, generator=g), torch.empty(m, 7)
+            rc = lib.lmhead_coded_matmul(x.data_ptr(), m, 75, w16.data_ptr(), None, None, 7, 75, flags,
+                                         y.data_ptr(), 2)
+            if rc != 0 or not _close(y, x.double() @ w16.double().T):
                 return False
     x, a = torch.randn(3, 40, generator=g), torch.randn(3, 40, generator=g)
     w1, w2 = torch.randn(40, generator=g), torch.randn(40, generator=g)
