@@ -141,6 +141,16 @@ def test_a_tiny_gguf_runs_from_its_file_with_transformers_numbers(tmp_path, monk
 
 
 @pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
+def test_a_type_without_a_code_kernel_is_dequantized_at_load_and_said_once_on_stderr(tmp_path, monkeypatch, capsys):
+    model, ref = _load_both(tmp_path, monkeypatch, "llama", "F32")
+    said = [line for line in capsys.readouterr().err.splitlines() if "no code kernel" in line]
+    assert len(said) == 1 and "(F32): dequantized to float32 at load" in said[0], said
+    ids = torch.tensor([model.encode("The cat sat on the mat.")])
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(ids), ref(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
 def test_the_exact_head_of_a_file_model_makes_its_float32_weight_only_when_asked(tmp_path, monkeypatch):
     model, ref = _load_both(tmp_path, monkeypatch, "llama", "Q8_0")
     head = model.exact_head

@@ -286,9 +286,9 @@ def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None):
     body = LeanBody.from_parts(cfg, embed, layers, r.vector("output_norm.weight"), Rotary(cfg), act,
                                embed_scale=scale, onednn=onednn)
     if r.dequantized:
-        print(f"lmhead: {len(r.dequantized)} tensors of {f.path.name} have no code kernel "
-              f"({', '.join(sorted({d.split(' ')[1] for d in r.dequantized}))}): dequantized to float32 at load",
-              file=sys.stderr, flush=True)
+        kinds = ", ".join(sorted({d.split(" ")[1].strip("()") for d in r.dequantized}))
+        print(f"lmhead: {len(r.dequantized)} tensors of {f.path.name} have no code kernel ({kinds}): dequantized "
+              "to float32 at load", file=sys.stderr, flush=True)
     return body, head, None, tied
 
 
