@@ -15,7 +15,7 @@ from lmhead.models.gguf_codes import block_scales
 from lmhead.models.gguf_file import CODE_TYPES, block_codes
 
 _F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
-               "Q6_K": [208]}
+               "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108], "IQ4_NL": [0], "IQ4_XS": [0]}
 
 
 def _random_blocks(kind: str, n: int, seed: int) -> np.ndarray:
@@ -39,6 +39,48 @@ def test_block_codes_times_their_scales_are_gguf_dequantize_bit_for_bit(kind):
         w = w + offset[..., None]
     expected = dequantize(blocks, GGMLQuantizationType[kind]).reshape(w.shape)
     np.testing.assert_array_equal(w.view(np.uint32), expected.astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
+@pytest.mark.parametrize("kind", sorted(CODE_TYPES) + ["F16", "BF16"])
+@pytest.mark.parametrize("n", [12, 10])  # 12: blocks of four rows (the decode layout); 10: plain rows
+def test_a_matrix_of_every_code_type_read_from_a_file_multiplies_as_its_dequantized_weights(tmp_path, kind, n):
+    import gguf
+
+    from lmhead.models.gguf_file import GGUFFile
+
+    per_block, _ = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    k = 2 * max(per_block, 64) + (19 if per_block == 1 else 0)  # 16-bit weights: rows not whole vectors too
+    if per_block == 1:
+        values = torch.randn(n, k, generator=torch.Generator().manual_seed(n)) * 3
+        blocks = values.to(torch.float16 if kind == "F16" else torch.bfloat16).view(torch.uint8).numpy()
+    else:
+        blocks = _random_blocks(kind, n * k // per_block, seed=n)
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_tensor("m.weight", blocks.reshape(n, -1), raw_dtype=GGMLQuantizationType[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = GGUFFile(tmp_path / "m.gguf")
+    want = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[kind]).reshape(n, k).astype(np.float32))
+    if per_block == 1:
+        coded = CodedLinear.dense16(f.weights16("m.weight"))
+    else:
+        coded = f.coded("m.weight", chunk_rows=4)  # converted in pieces, as a large matrix is
+        assert coded.rows4 == (n % 4 == 0)
+        torch.testing.assert_close(f.codes("m.weight").dequantize(), want, rtol=0, atol=0)
+    torch.testing.assert_close(coded.dequantize(), want, rtol=0, atol=0)
+    torch.testing.assert_close(coded.rows(torch.tensor([n - 1, 0, 3])), want[[n - 1, 0, 3]], rtol=0, atol=0)
+    g = torch.Generator().manual_seed(1)
+    for m in (1, 2, 5, 9):  # decode, the several-row passes, 8 + the rest
+        x = torch.randn(m, k, generator=g)
+        exact = x.double() @ want.double().T
+        # float32 summation error: a small multiple of eps32 times the sum of |terms| of each output
+        bound = 2e-6 * (x.double().abs() @ want.double().abs().T) + 1e-7
+        assert bool(((coded(x).double() - exact).abs() <= bound).all()), (kind, m)
+    del coded, want
+    f.close()
 
 
 @pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
@@ -76,10 +118,12 @@ def _load_both(tmp_path, monkeypatch, arch: str, kind: str):
 
 @pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
 @pytest.mark.parametrize("arch,kind", [("llama", "Q8_0"), ("llama", "Q4_1"), ("gemma3", "Q8_0"), ("qwen2", "Q5_0"),
-                                       ("qwen3", "Q4_0"), ("llama", "F16")])
+                                       ("qwen3", "Q4_0"), ("llama", "F16"), ("llama", "Q2_K"), ("llama", "Q3_K"),
+                                       ("qwen2", "IQ4_NL"), ("llama", "IQ4_XS"), ("gemma3", "BF16")])
 def test_a_tiny_gguf_runs_from_its_file_with_transformers_numbers(tmp_path, monkeypatch, arch, kind):
     model, ref = _load_both(tmp_path, monkeypatch, arch, kind)
-    assert model.lean is not None and model.lean.embed is None or kind == "F16"
+    assert model.lean is not None and model.lean.embed is None  # the embedding's rows read from the file's codes
+    assert model.lean._step_descs() is not None  # every block matrix coded: the whole decode step in C
     assert "_hf_model" not in model.__dict__ or model.__dict__["_hf_model"] is None  # nothing converted
     ids = torch.tensor([model.encode("The cat sat on the mat. The dog")])
     with torch.no_grad():
@@ -94,6 +138,16 @@ def test_a_tiny_gguf_runs_from_its_file_with_transformers_numbers(tmp_path, monk
     if model.lean.embed_codes is not None:
         torch.testing.assert_close(model.lean.embedding(ids), ref.get_input_embeddings().weight.detach()[ids],
                                    rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
+def test_a_type_without_a_code_kernel_is_dequantized_at_load_and_said_once_on_stderr(tmp_path, monkeypatch, capsys):
+    model, ref = _load_both(tmp_path, monkeypatch, "llama", "F32")
+    said = [line for line in capsys.readouterr().err.splitlines() if "no code kernel" in line]
+    assert len(said) == 1 and "(F32): dequantized to float32 at load" in said[0], said
+    ids = torch.tensor([model.encode("The cat sat on the mat.")])
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(ids), ref(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")

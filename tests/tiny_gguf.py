@@ -3,7 +3,8 @@
     path = write_tiny_gguf(tmp_path / "m.gguf", "llama", kind="Q8_0")    # or "gemma3", "qwen2", "qwen3"
 
 The weights are tests/tiny.py's tiny model (width 32, 2 layers); matrices are stored as `kind` (gguf-py's own
-quantiser: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), norms and biases as F32. Layout as llama.cpp writes it:
+quantiser: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; Q2_K, Q3_K, IQ4_NL and IQ4_XS, which
+it has no quantiser for, by a plain one here), norms and biases as F32. Layout as llama.cpp writes it:
 Llama's q/k rows permuted for its rope, Gemma's norms as 1 + w. The tokenizer is tiny.py's byte-level BPE as a
 "gpt2" GGUF tokenizer (tokens, types, merges). transformers reads these files (`from_pretrained(gguf_file=)`):
 it is the reference the tests hold lmhead's loader against.
@@ -25,12 +26,20 @@ _GEMMA_NORMS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforw
                 "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def _hf_model(arch: str, seed: int):
+def _hf_model(arch: str, seed: int, width: int = 32):
     from tiny import tiny_config, tiny_tokenizer
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     tokenizer = tiny_tokenizer()
-    if arch in ("llama", "gemma3"):
+    if width != 32:  # rows of whole 256-weight blocks (the K-quants and IQ4_XS): a wider llama
+        if arch != "llama":
+            raise ValueError(f"width {width}: only the llama tiny model comes wider")
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width,
+                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                             head_dim=width // 2, max_position_embeddings=256, tie_word_embeddings=True,
+                             initializer_range=0.3 * (32 / width) ** 0.5, pad_token_id=0, eos_token_id=1,
+                             bos_token_id=2)
+    elif arch in ("llama", "gemma3"):
         config = tiny_config(arch, len(tokenizer))
     else:
         common = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -55,14 +64,95 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _f16(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def _nearest(x: np.ndarray, levels: np.ndarray) -> np.ndarray:
+    """The index of the level nearest each x (levels ascending, along the last axis of x's broadcast)."""
+    return np.abs(x[..., None] - levels).argmin(-1)
+
+
+def _pack2(q: np.ndarray) -> np.ndarray:
+    """2-bit values [nb, 256] → the 64 bytes of Q2_K/Q3_K: weight 128·h + 32·j + i in bits 2·j of byte 32·h + i."""
+    q = q.astype(np.uint8).reshape(-1, 2, 4, 32)
+    return (q[:, :, 0] | q[:, :, 1] << 2 | q[:, :, 2] << 4 | q[:, :, 3] << 6).reshape(-1, 64)
+
+
+def _pack4(q: np.ndarray) -> np.ndarray:
+    """4-bit indices [nb, 32·r] → bytes [nb, 16·r]: each 32 as 16 bytes, the first 16 in the low nibbles."""
+    q = q.astype(np.uint8).reshape(q.shape[0], -1, 2, 16)
+    return (q[:, :, 0] | q[:, :, 1] << 4).reshape(q.shape[0], -1)
+
+
+_IQ4 = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def _six_bit_scales(gs: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """Group scales gs [nb, g] as d [nb] (float16) · (ls − 32), ls in [0, 63]: (d as float32, ls)."""
+    d = (np.abs(gs).max(1) / top).astype(np.float16).astype(np.float32)
+    safe = np.where(d == 0, 1, d)
+    return d, np.clip(np.rint(gs / safe[:, None]) + 32, 0, 63).astype(np.uint8)
+
+
+def _blocks(a: np.ndarray, kind: str) -> np.ndarray:
+    """A float32 matrix as blocks of a type gguf-py has no quantiser for (close to `a`, not llama.cpp's choice
+    of codes: only the dequantisation of what is written has to be exact)."""
+    n, k = a.shape
+    if kind == "IQ4_NL":
+        x = a.reshape(-1, 32)
+        d = (np.abs(x).max(1) / 127).astype(np.float16).astype(np.float32)
+        q = _nearest(x / np.where(d == 0, 1, d)[:, None], _IQ4)
+        return np.concatenate([_f16(d), _pack4(q)], 1).reshape(n, -1)
+    x = a.reshape(-1, 256)
+    nb = x.shape[0]
+    if kind == "IQ4_XS":
+        g = x.reshape(nb, 8, 32)
+        d, ls = _six_bit_scales(np.abs(g).max(2) / 127, 31)
+        dl = d[:, None] * (ls.astype(np.float32) - 32)
+        q = _nearest(g / np.where(dl == 0, 1, dl)[..., None], _IQ4)
+        high = (((ls >> 4).astype(np.uint16) << (2 * np.arange(8)).astype(np.uint16)).sum(1)).astype(np.uint16)
+        low = (ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)
+        return np.concatenate([_f16(d), high.reshape(-1, 1).view(np.uint8), low, _pack4(q.reshape(nb, 256))],
+                              1).reshape(n, -1)
+    g = x.reshape(nb, 16, 16)
+    if kind == "Q3_K":
+        d, sc = _six_bit_scales(np.abs(g).max(2) / 4, 31)
+        dl = d[:, None] * (sc.astype(np.float32) - 32)
+        q = np.clip(np.rint(g / np.where(dl == 0, 1, dl)[..., None]), -4, 3).astype(np.int8).reshape(nb, 256)
+        hbit = (q >= 0).astype(np.uint8).reshape(nb, 8, 32)           # set: the code is the low bits as they are
+        hmask = (hbit << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1).astype(np.uint8)
+        low = (sc[:, :8] & 15) | ((sc[:, 8:] & 15) << 4)            # scale j: byte j % 8, nibble j // 8
+        top = (sc >> 4).reshape(nb, 4, 4)                             # scale j: byte 8 + j % 4, bits 2·(j // 4)
+        high = top[:, 0] | top[:, 1] << 2 | top[:, 2] << 4 | top[:, 3] << 6
+        return np.concatenate([hmask, _pack2(np.where(q >= 0, q, q + 4)), low, high, _f16(d)], 1).reshape(n, -1)
+    if kind == "Q2_K":
+        lo = np.minimum(g.min(2), 0)
+        dl, ml = (g.max(2) - lo) / 3, -lo
+        d = (dl.max(1) / 15).astype(np.float16).astype(np.float32)
+        dmin = (ml.max(1) / 15).astype(np.float16).astype(np.float32)
+        sc = np.clip(np.rint(dl / np.where(d == 0, 1, d)[:, None]), 0, 15).astype(np.uint8)
+        m = np.clip(np.rint(ml / np.where(dmin == 0, 1, dmin)[:, None]), 0, 15).astype(np.uint8)
+        step = d[:, None] * sc
+        q = np.clip(np.rint((g + (dmin[:, None] * m)[..., None]) / np.where(step == 0, 1, step)[..., None]), 0, 3)
+        return np.concatenate([sc | (m << 4), _pack2(q.reshape(nb, 256)), _f16(d), _f16(dmin)], 1).reshape(n, -1)
+    raise ValueError(f"no writer for GGUF type {kind}")
+
+
+_OWN_WRITER = ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")  # types gguf-py's `quantize` does not write
+
+
 def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", seed: int = 0, drop: str | None = None
                     ) -> Path:
     """Write tiny.py's `arch` model to `path` as a GGUF file with its matrices in `kind` (without the tensor `drop`:
-    an incomplete file); returns the path."""
+    an incomplete file); returns the path. Types of 256-weight blocks (Q2_K, Q3_K, IQ4_XS) get a wider
+    llama (width 256), whose rows are whole blocks."""
     import gguf
+    from gguf.constants import GGML_QUANT_SIZES
     from gguf.quants import quantize
 
-    model, tokenizer = _hf_model(arch, seed)
+    qtype = gguf.GGMLQuantizationType[kind]
+    model, tokenizer = _hf_model(arch, seed, width=256 if GGML_QUANT_SIZES[qtype][0] == 256 else 32)
     cfg = model.config
     gemma = arch == "gemma3"
     w = gguf.GGUFWriter(str(path), arch)
@@ -95,7 +185,6 @@ def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", seed: i
     w.add_eos_token_id(1)
     w.add_pad_token_id(0)
     w.add_add_bos_token(True)
-    qtype = gguf.GGMLQuantizationType[kind]
     for name, t in model.state_dict().items():
         a = t.detach().float().numpy()
         if name == "model.embed_tokens.weight":
@@ -122,7 +211,8 @@ def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", seed: i
         if gemma and "norm" in out:
             a = a + 1
         if a.ndim == 2 and out != "output_norm.weight":
-            w.add_tensor(out, quantize(np.ascontiguousarray(a), qtype), raw_dtype=qtype)
+            a = np.ascontiguousarray(a)
+            w.add_tensor(out, _blocks(a, kind) if kind in _OWN_WRITER else quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(out, np.ascontiguousarray(a, dtype=np.float32))
     w.write_header_to_file()

@@ -21,8 +21,8 @@
  * lane l holding code 8·i + l XOR 8 (code − 8 as a signed nibble), so that two shifts give eight consecutive
  * codes − 8 in the eight lanes
  * (no byte shuffles: unpacking was what bounded the product, not memory). Either way a row is a run of 32-byte
- * units (32 int8 codes, or 64 packed ones); `flags & LMHEAD_ROWS4` (G = 32, or G = 16 for int8 codes without
- * offsets — Q6_K, two groups to a unit —, N a multiple of 4) stores each
+ * units (32 int8 codes, or 64 packed ones); `flags & LMHEAD_ROWS4` (G = 32, or G = 16 for int8 codes — Q6_K,
+ * Q3_K, Q2_K: two groups to a unit —, N a multiple of 4) stores each
  * block of four rows unit by unit — unit u of rows 4b..4b+3 side by side — so that the decode product reads
  * four rows in one forward stream (four rows at once from four separate streams measured slower than one
  * row at a time: the prefetcher, not the arithmetic, was the limit). Scale and offset [N, K/G], float32,
@@ -47,6 +47,8 @@
 #define LMHEAD_PACKED 1
 #define LMHEAD_HALF 2
 #define LMHEAD_ROWS4 4
+#define LMHEAD_F16 8  /* codes: the file's float16 weights [N, K] (no scales): see dense_matmul */
+#define LMHEAD_BF16 16 /* codes: bfloat16 weights [N, K] */
 #define HALF_MAX_GROUPS 1024 /* float16 scales: a row's groups converted on the stack */
 
 /* float16 bits → float32 (exact: every float16 is a float32) */
@@ -70,7 +72,7 @@ static void halves_to_floats(const uint16_t* h, float* f, int64_t n) {
     for (; i < n; i++) f[i] = half_to_float(h[i]);
 }
 
-int lmhead_coded_abi(void) { return 17; }
+int lmhead_coded_abi(void) { return 19; }
 
 /* half_to_float for the other source file (lean_kernels.c's embedding rows) */
 float lmhead_half(uint16_t h) { return half_to_float(h); }
@@ -216,11 +218,19 @@ static inline void fetch_unit(const char* pf, int64_t u) {
         }                                                                                                \
     }
 
-/* Q6_K's groups of 16 (int8 codes, no offsets): a 32-byte unit holds two groups, each with its own scale */
+/* Q6_K's and Q3_K's groups of 16 (int8 codes, no offsets): a 32-byte unit holds two groups, each with its own
+ * scale */
 #define DOT2C(c0, c1, xa, xb, acc, sg)                                                                   \
     do {                                                                                                 \
         const __m256 d_ = _mm256_mul_ps((c0), (xa)), e_ = _mm256_mul_ps((c1), (xb));                     \
         (acc) = _mm256_fmadd_ps(_mm256_set1_ps(sg), _mm256_add_ps(d_, e_), (acc));                       \
+    } while (0)
+/* Q2_K's groups of 16 with offsets: each weight rebuilt exactly (code·scale + offset), as DOT4R */
+#define DOT2R(c0, c1, xa, xb, acc, sg, og)                                                               \
+    do {                                                                                                 \
+        const __m256 s_ = _mm256_set1_ps(sg), o_ = _mm256_set1_ps(og);                                   \
+        const __m256 d_ = _mm256_mul_ps(_mm256_fmadd_ps((c0), s_, o_), (xa));                            \
+        (acc) = _mm256_add_ps(_mm256_fmadd_ps(_mm256_fmadd_ps((c1), s_, o_), (xb), d_), (acc));          \
     } while (0)
 
 static inline void rows4_dot1(const float* x, const int8_t* c, const float* s, const float* o, const float* xs,
@@ -241,6 +251,19 @@ static inline void rows4_dot1(const float* x, const int8_t* c, const float* s, c
             for (int r = 0; r < 4; r++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (g * 2 + r) * 32));
                 DOT4C(NIBC(v, 4), NIBC(v, 5), NIBC(v, 6), NIBC(v, 7), acc[r], s[r * ng + g + 1]);
+            }
+        }
+    } else if (o && g16) { /* ng = K/16: unit u holds groups 2u and 2u + 1 */
+        for (int64_t u = 0; u < ng / 2; u++) {
+            fetch_unit(pf, u);
+            const float* xg = x + u * 32;
+            const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
+            const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
+            for (int r = 0; r < 4; r++) {
+                const int8_t* cg = c + (u * 4 + r) * 32;
+                const int64_t i = r * ng + 2 * u;
+                DOT2R(BYTES8(cg), BYTES8(cg + 8), x0, x1, acc[r], s[i], o[i]);
+                DOT2R(BYTES8(cg + 16), BYTES8(cg + 24), x2, x3, acc[r], s[i + 1], o[i + 1]);
             }
         }
     } else if (o) {
@@ -353,7 +376,7 @@ ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
                 }                                                                                            \
             }                                                                                                \
         } else {                                                                                             \
-            const int g16 = ng * 16 == K; /* Q6_K: two groups per 32-weight unit */                          \
+            const int g16 = ng * 16 == K; /* Q6_K, Q3_K, Q2_K: two groups per 32-weight unit */                          \
             for (int64_t g = 0; g < K / 32; g++) {                                                           \
                 fetch_unit(pf, g);                                                                           \
                 for (int r = 0; r < 4; r++) {                                                                \
@@ -401,7 +424,7 @@ MULTI(1) MULTI(2) MULTI(3)
                     }                                                                                        \
                 }                                                                                            \
             } else {                                                                                         \
-                const int g16 = ng * 16 == K; /* Q6_K: two groups per 32-weight unit */                      \
+                const int g16 = ng * 16 == K; /* Q6_K, Q3_K, Q2_K: two groups per 32-weight unit */                      \
                 for (int64_t g = 0; g < K / 32; g++) {                                                       \
                     fetch_unit(r == 0 ? pf : NULL, g);                                                       \
                     const int64_t i0 = r * ng + (g16 ? 2 * g : g), i1 = i0 + g16;                            \
@@ -476,15 +499,95 @@ static inline void row_dot(const float* x, int64_t K, const int8_t* c, int64_t u
 }
 #endif
 
-/* y [M, N] = x [M, K] · Wᵀ, W given by codes/scale/offset as above. Returns 0, or -1 for arguments it cannot
+/* ---- float16 and bfloat16 weights (F16 and BF16 files) -------------------------------------------------------
+ * No scale to factor out: each weight is converted to the float32 number it is (exact, as gguf-py's dequantiser
+ * converts it) and multiplied as float32 weights are, from half their bytes. Several query rows share each
+ * conversion (R rows per pass over a weight row, as ROWS). */
+static inline float bf16_to_float(uint16_t b) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)b << 16;
+    return v.f;
+}
+static inline float w16(const uint16_t* w, int64_t k, int bf16) {
+    return bf16 ? bf16_to_float(w[k]) : half_to_float(w[k]);
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+#define LOADH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))
+#define LOADB(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p))), 16))
+/* one weight row against R query rows; two accumulators per row up to 4 rows (as ROWS) */
+#define DENSE(R, NAME, LOAD, BF)                                                                              \
+    static inline void NAME##R(const float* x, int64_t K, const uint16_t* w, float* out) {                  \
+        __m256 a[R], b[R];                                                                                   \
+        for (int m = 0; m < R; m++) a[m] = b[m] = _mm256_setzero_ps();                                       \
+        int64_t k = 0;                                                                                       \
+        for (; k + 16 <= K; k += 16) {                                                                       \
+            const __m256 w0 = LOAD(w + k), w1 = LOAD(w + k + 8);                                             \
+            for (int m = 0; m < R; m++) {                                                                    \
+                a[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * K + k), a[m]);                            \
+                if (R <= 4)                                                                                  \
+                    b[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), b[m]);                    \
+                else                                                                                         \
+                    a[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), a[m]);                    \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int m = 0; m < R; m++) {                                                                        \
+            float t = hsum8(_mm256_add_ps(a[m], b[m]));                                                      \
+            for (int64_t j = k; j < K; j++) t += w16(w, j, BF) * x[m * K + j];                               \
+            out[m] = t;                                                                                      \
+        }                                                                                                    \
+    }
+DENSE(1, f16_rows, LOADH, 0) DENSE(2, f16_rows, LOADH, 0) DENSE(3, f16_rows, LOADH, 0) DENSE(4, f16_rows, LOADH, 0)
+DENSE(5, f16_rows, LOADH, 0) DENSE(6, f16_rows, LOADH, 0) DENSE(7, f16_rows, LOADH, 0) DENSE(8, f16_rows, LOADH, 0)
+DENSE(1, bf16_rows, LOADB, 1) DENSE(2, bf16_rows, LOADB, 1) DENSE(3, bf16_rows, LOADB, 1) DENSE(4, bf16_rows, LOADB, 1)
+DENSE(5, bf16_rows, LOADB, 1) DENSE(6, bf16_rows, LOADB, 1) DENSE(7, bf16_rows, LOADB, 1) DENSE(8, bf16_rows, LOADB, 1)
+typedef void (*dense_pass)(const float*, int64_t, const uint16_t*, float*);
+static const dense_pass DENSE_PASS[2][MB + 1] = {
+    {NULL, f16_rows1, f16_rows2, f16_rows3, f16_rows4, f16_rows5, f16_rows6, f16_rows7, f16_rows8},
+    {NULL, bf16_rows1, bf16_rows2, bf16_rows3, bf16_rows4, bf16_rows5, bf16_rows6, bf16_rows7, bf16_rows8}};
+#endif
+
+static int dense_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, int bf16, float* y,
+                        int threads) {
+    if (threads < 1) threads = 1;
+    /* shares of rows as lmhead_coded_matmul's: one contiguous stream per thread for one query row, else chunks */
+    const int64_t chunk = M == 1 ? (N + threads - 1) / threads : (N / (8 * threads) > 1 ? N / (8 * threads) : 1);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
+    for (int64_t n = 0; n < N; n++) {
+        const uint16_t* wn = w + n * K;
+        for (int64_t m0 = 0; m0 < M; m0 += MB) {
+            const int mb = (int)(M - m0 < MB ? M - m0 : MB);
+            float out[MB];
+#if defined(__AVX2__) && defined(__F16C__)
+            DENSE_PASS[bf16][mb](x + m0 * K, K, wn, out);
+#else
+            for (int m = 0; m < mb; m++) {
+                float t = 0.f;
+                for (int64_t k = 0; k < K; k++) t += w16(wn, k, bf16) * x[(m0 + m) * K + k];
+                out[m] = t;
+            }
+#endif
+            for (int m = 0; m < mb; m++) y[(m0 + m) * N + n] = out[m];
+        }
+    }
+    return 0;
+}
+
+/* y [M, N] = x [M, K] · Wᵀ, W given by codes/scale/offset as above (or, LMHEAD_F16 / LMHEAD_BF16, by 16-bit
+ * weights: dense_matmul). Returns 0, or -1 for arguments it cannot
  * take (G not a multiple of 16, K not a multiple of G; packed: G ≠ 32 or K not a multiple of 64; rows4: N or K/32
- * not whole, or G neither 32 nor 16 without offsets and unpacked (Q6_K: two groups per unit); float16
+ * not whole, or G neither 32 nor 16 unpacked (Q6_K, Q3_K, Q2_K: two groups per unit); float16
  * scales: more than HALF_MAX_GROUPS groups per row). */
 int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const void* scale,
                         const void* offset, int64_t N, int64_t G, int flags, float* y, int threads) {
+    if (flags & (LMHEAD_F16 | LMHEAD_BF16)) {
+        if (M < 0 || N < 0 || K < 0 || (flags & ~(LMHEAD_F16 | LMHEAD_BF16)) || flags == (LMHEAD_F16 | LMHEAD_BF16))
+            return -1;
+        return dense_matmul(x, M, K, (const uint16_t*)codes, N, (flags & LMHEAD_BF16) != 0, y, threads);
+    }
     const int packed = flags & LMHEAD_PACKED, half = (flags & LMHEAD_HALF) != 0, rows4 = (flags & LMHEAD_ROWS4) != 0;
     if (G <= 0 || G % 16 != 0 || K % G != 0 || M < 0 || N < 0 || (packed && (G != 32 || K % 64 != 0)) ||
-        (rows4 && (N % 4 != 0 || K % 32 != 0 || !(G == 32 || (G == 16 && !packed && !offset)))))
+        (rows4 && (N % 4 != 0 || K % 32 != 0 || !(G == 32 || (G == 16 && !packed)))))
         return -1;
     const int64_t row_bytes = packed ? K / 2 : K, us = rows4 ? 128 : 32;
     const int64_t ng = K / G;

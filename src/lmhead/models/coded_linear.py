@@ -39,7 +39,7 @@ def _call(lib: ctypes.CDLL, x: Tensor, codes: Tensor, scale: Tensor, offset: Ten
     n = codes.shape[0]
     m = x.numel() // k if k else 0
     y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
-    rc = lib.lmhead_coded_matmul(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(),
+    rc = lib.lmhead_coded_matmul(x.data_ptr(), m, k, codes.data_ptr(), None if scale is None else scale.data_ptr(),
                                  None if offset is None else offset.data_ptr(), n, group, flags, y.data_ptr(),
                                  torch.get_num_threads())
     if rc != 0:
@@ -57,7 +57,8 @@ class CodedLinear:
     """y = x·Wᵀ for W [N,K] given as int8 `codes` [N,K], float32 `scale` [N,K/G] and optional `offset`
     [N,K/G] (W = scale·code + offset per group of G). x [..., K] float32 → [..., N] float32.
 
-    Holds its own tensors (the codes are 1 byte per weight, half a byte where they are unsigned 4-bit).
+    Holds its own tensors (the codes are 1 byte per weight, half a byte where they are unsigned 4-bit; `dense16`
+    holds a file's float16 or bfloat16 weights instead, 2 bytes per weight, with no scales).
     `weight`, when given, is the float32 matrix they encode (the model's, shared) and `sources` the model's
     tensors it is made of (default: `weight`): once
     any of them changes in place (an optimizer step: autograd's version counter), or autograd records, or the
@@ -82,16 +83,29 @@ class CodedLinear:
         packed = bool(self.group == 32 and k % 64 == 0 and codes.numel()
                       and int(codes.min()) >= 0 and int(codes.max()) <= 15)
         codes = native.pack4(codes) if packed else codes.contiguous()
-        rows4 = self._rows4(n, k, self.group, offset is not None, packed)
+        rows4 = self._rows4(n, k, self.group, packed)
         self._finish(native.block4(codes) if rows4 else codes, packed, rows4, n, k, scale, offset, weight, sources)
 
     @staticmethod
-    def _rows4(n: int, k: int, group: int, has_offset: bool, packed: bool) -> bool:
+    def _rows4(n: int, k: int, group: int, packed: bool) -> bool:
         # groups of 32 in whole blocks of four rows: stored block by block, so that decode reads four rows from
         # one forward stream (coded_kernel.c)
-        # (Q6_K's groups of 16 too, two to a 32-byte unit: int8 codes without offsets)
-        return bool(n and n % 4 == 0 and (group == 32 or (group == 16 and k % 32 == 0 and not has_offset
-                                                          and not packed)))
+        # (Q6_K's, Q3_K's and Q2_K's groups of 16 too, two to a 32-byte unit: int8 codes)
+        return bool(n and n % 4 == 0 and (group == 32 or (group == 16 and k % 32 == 0 and not packed)))
+
+    @classmethod
+    def dense16(cls, weights: Tensor) -> CodedLinear:
+        """The matrix of a file's float16 or bfloat16 weights [N,K] (F16, BF16), held as they are: the kernel
+        converts each to the float32 number it is (exact) in the product, so the float32 matrix is never made
+        and half its bytes are read."""
+        if weights.dtype not in (torch.float16, torch.bfloat16) or weights.dim() != 2:
+            raise TypeError(f"weights must be a 2-D float16 or bfloat16 tensor, got {weights.dtype} "
+                            f"{tuple(weights.shape)}")
+        self = cls.__new__(cls)
+        n, k = weights.shape
+        self.group = k
+        self._finish(weights.contiguous(), False, False, n, k, None, None, None, None)
+        return self
 
     @classmethod
     def from_chunks(cls, n: int, k: int, scale: Tensor, offset: Tensor | None, chunks, unsigned4: bool
@@ -103,7 +117,7 @@ class CodedLinear:
         self = cls.__new__(cls)
         self.group = k // scale.shape[1]
         packed = bool(self.group == 32 and k % 64 == 0 and unsigned4)
-        rows4 = cls._rows4(n, k, self.group, offset is not None, packed)
+        rows4 = cls._rows4(n, k, self.group, packed)
         out = torch.empty((n, k // 2 if packed else k), dtype=torch.int8)
         for start, codes in chunks:
             codes = native.pack4(codes) if packed else codes
@@ -114,6 +128,15 @@ class CodedLinear:
     def _finish(self, codes: Tensor, packed: bool, rows4: bool, n: int, k: int, scale: Tensor,
                 offset: Tensor | None, weight: Tensor | None, sources: tuple[Tensor, ...] | None) -> None:
         self.packed, self.rows4, self.codes = packed, rows4, codes
+        self.dense = codes.dtype in (torch.float16, torch.bfloat16)  # `dense16`: weights, no scales
+        self.weight = weight
+        self.sources = tuple(sources) if sources is not None else (() if weight is None else (weight,))
+        self.versions = tuple(t._version for t in self.sources)
+        self.out_features, self.in_features = n, k
+        self._norms: Tensor | None = None  # ‖w_n‖₂ per row for `screen`, made on its first call
+        if self.dense:
+            self.half, self.scale, self.offset = False, None, None
+            return
         scale, offset = scale.float(), None if offset is None else offset.float()
         # scales and offsets that are float16 numbers (the d and m of Q4_0/Q4_1/Q5_0/Q8_0 blocks) are kept as
         # float16: the same values, and 1/16 of a byte less per weight to read
@@ -122,15 +145,13 @@ class CodedLinear:
         dtype = torch.float16 if self.half else torch.float32
         self.scale = scale.to(dtype).contiguous()
         self.offset = None if offset is None else offset.to(dtype).contiguous()
-        self.weight = weight
-        self.sources = tuple(sources) if sources is not None else (() if weight is None else (weight,))
-        self.versions = tuple(t._version for t in self.sources)
-        self.out_features, self.in_features = n, k
-        self._norms: Tensor | None = None  # ‖w_n‖₂ per row for `screen`, made on its first call
 
     @property
     def flags(self) -> int:
-        """The kernel's layout flags (`native.PACKED`, `native.HALF`)."""
+        """The kernel's layout flags (`native.PACKED`, `native.HALF`, `native.ROWS4`; `native.F16` or `native.BF16`
+        for `dense16`'s weights)."""
+        if self.dense:
+            return native.F16 if self.codes.dtype == torch.float16 else native.BF16
         return ((native.PACKED if self.packed else 0) | (native.HALF if self.half else 0)
                 | (native.ROWS4 if self.rows4 else 0))
 
@@ -144,6 +165,8 @@ class CodedLinear:
 
     def dequantize(self) -> Tensor:
         """The float32 matrix [N,K] the codes encode."""
+        if self.dense:
+            return self.codes.float()
         codes = native.unblock4(self.codes) if self.rows4 else self.codes
         codes = native.unpack4(codes) if self.packed else codes
         n, k = codes.shape
@@ -249,6 +272,9 @@ class CodedLinear:
         return y, (vals, ids)
 
     def __repr__(self) -> str:
+        if self.dense:
+            return (f"CodedLinear(in_features={self.in_features}, out_features={self.out_features}, "
+                    f"weights={self.codes.dtype})")
         return (f"CodedLinear(in_features={self.in_features}, out_features={self.out_features}, "
                 f"group={self.group}, offset={self.offset is not None}, packed={self.packed}, half={self.half}, "
                 f"rows4={self.rows4})")

@@ -4,7 +4,8 @@
         generation_config.json, tokenizer files, manifest; a few MB) ──every load──▶ ModelConfig + tokenizer
     GGUF file ──memory map──▶ each matrix's blocks ──integer codes + group scales (gguf_file.py)──▶ CodedLinear
         ──▶ LeanBody.from_parts (embedding rows read from the codes) + CodedHead (the exact head)
-    types without codes (F32, F16, BF16, Q2_K, Q3_K, IQ*) ──gguf-py's dequantize, once at load──▶ float32
+    F16, BF16 matrices ──their 16-bit weights as they are──▶ CodedLinear.dense16 (converted exactly in the product)
+    other types (F32, IQ* but IQ4_NL/IQ4_XS) ──gguf-py's dequantize, once at load──▶ float32
 
 The numbers are the dequantised file (gguf-py's `dequantize`, what transformers' loader uses): every code is
 read from the blocks' bits and gives that value back exactly; tensor layouts follow transformers' GGUF loader
@@ -29,8 +30,8 @@ from lmhead.models.coded_linear import CodedLinear, coded_available
 from lmhead.models.config import ModelConfig
 from lmhead.models.convert import eos_ids
 from lmhead.models.errors import ModelError
-from lmhead.models.gguf_codes import Codes, fuse_codes
-from lmhead.models.gguf_file import CODE_TYPES, GGUFFile
+from lmhead.models.gguf_codes import Codes, coded_nbytes, fuse_codes
+from lmhead.models.gguf_file import CODE_TYPES, DENSE_TYPES, GGUFFile
 
 __all__ = ["FILE_ARCHITECTURES", "file_body", "meta_folder", "supports_file"]
 
@@ -196,16 +197,23 @@ class _Reader:
 
     def coded(self, name: str) -> CodedLinear | None:
         """One matrix as the coded kernel's (converted piece by piece), or None for a type without codes."""
-        if self.f.type_of(name) not in CODE_TYPES:
-            return None
-        if self._perm(name, 4) is not None:
+        kind = self.f.type_of(name)
+        if kind in DENSE_TYPES or (kind in CODE_TYPES and self._perm(name, 4) is not None):
             return self.linear([name])[0]
-        return self.f.coded(name)
+        return self.f.coded(name) if kind in CODE_TYPES else None
+
+    def weights16(self, name: str) -> torch.Tensor:
+        w = self.f.weights16(name)
+        perm = self._perm(name, w.shape[0])
+        return w[torch.from_numpy(perm)] if perm is not None else w
 
     def linear(self, names: list[str]) -> tuple[CodedLinear | None, torch.Tensor | None]:
         """(codes, None) for matrices the coded kernel takes, else (None, the float32 rows concatenated)."""
         if len(names) == 1 and self._perm(names[0], 4) is None and self.f.type_of(names[0]) in CODE_TYPES:
             return self.f.coded(names[0]), None
+        kinds = {self.f.type_of(n) for n in names}
+        if len(kinds) == 1 and kinds <= DENSE_TYPES.keys():  # F16 or BF16 rows, as they are
+            return CodedLinear.dense16(torch.cat([self.weights16(n) for n in names])), None
         found = [self.codes(n) for n in names]
         if all(c is not None for c in found):
             fused = fuse_codes(found)
@@ -278,20 +286,19 @@ def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None):
     body = LeanBody.from_parts(cfg, embed, layers, r.vector("output_norm.weight"), Rotary(cfg), act,
                                embed_scale=scale, onednn=onednn)
     if r.dequantized:
-        print(f"lmhead: {len(r.dequantized)} tensors of {f.path.name} have no code kernel "
-              f"({', '.join(sorted({d.split(' ')[1] for d in r.dequantized}))}): dequantized to float32 at load",
-              file=sys.stderr, flush=True)
+        kinds = ", ".join(sorted({d.split(" ")[1].strip("()") for d in r.dequantized}))
+        print(f"lmhead: {len(r.dequantized)} tensors of {f.path.name} have no code kernel ({kinds}): dequantized "
+              "to float32 at load", file=sys.stderr, flush=True)
     return body, head, None, tied
 
 
 def memory_needed(f: GGUFFile) -> int:
-    """Bytes a load holds: the codes (about the file's block bytes; 4 bytes a weight for the types dequantized)."""
+    """Bytes a load holds: each matrix in the kernel's layout (`coded_nbytes`; 2 bytes a weight for F16 and BF16,
+    4 for the types dequantized)."""
     total = 0
-    for name, t in f.tensors.items():
-        if f.type_of(name) in CODE_TYPES or f.type_of(name) == "F32":
-            total += int(t.n_bytes) * (2 if f.type_of(name) in ("Q4_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K") else 1)
-        else:
-            total += int(np.prod(f.shape(name))) * 4
+    for name in f.tensors:
+        kind, count = f.type_of(name), int(np.prod(f.shape(name)))
+        total += coded_nbytes(kind, count) if kind in CODE_TYPES else (2 if kind in DENSE_TYPES else 4) * count
     return total
 
 

@@ -29,14 +29,29 @@ from torch import Tensor
 
 from lmhead.models import cache
 
-__all__ = ["BLOCKS", "FORMAT", "Codes", "block_scales", "codes_for_model", "codes_from_weight", "fuse_codes",
-           "gguf_codes", "module_codes"]
+__all__ = ["BLOCKS", "FORMAT", "PACKED_TYPES", "Codes", "block_scales", "coded_nbytes", "codes_for_model",
+           "codes_from_weight", "fuse_codes", "gguf_codes", "module_codes"]
 
 FORMAT = 1  # bump when the stored layout changes: older files are rebuilt
 
 # GGUF block layouts: name -> (weights per block, bytes per block, weights per scale group)
 BLOCKS = {"Q4_0": (32, 18, 32), "Q4_1": (32, 20, 32), "Q5_0": (32, 22, 32), "Q5_1": (32, 24, 32),
-          "Q8_0": (32, 34, 32), "Q4_K": (256, 144, 32), "Q5_K": (256, 176, 32), "Q6_K": (256, 210, 16)}
+          "Q8_0": (32, 34, 32), "Q2_K": (256, 84, 16), "Q3_K": (256, 110, 16), "Q4_K": (256, 144, 32),
+          "Q5_K": (256, 176, 32), "Q6_K": (256, 210, 16), "IQ4_NL": (32, 18, 32), "IQ4_XS": (256, 136, 32)}
+
+# how the coded kernel holds each type (CodedLinear): codes two to a byte (unsigned 4-bit, groups of 32), float16
+# scales (the blocks' d and m are float16 numbers), an offset per group
+PACKED_TYPES = frozenset({"Q4_1", "Q4_K"})
+_HALF_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"})
+_OFFSET_TYPES = frozenset({"Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"})
+
+
+def coded_nbytes(kind: str, count: int) -> int:
+    """Bytes the kernel's layout of `count` weights of type `kind` takes: codes, scales and offsets."""
+    groups = count // BLOCKS[kind][2]
+    per_group = (2 if kind in _HALF_TYPES else 4) * (2 if kind in _OFFSET_TYPES else 1)
+    return (count // 2 if kind in PACKED_TYPES else count) + groups * per_group
+
 
 # GGUF tensor name (per block i) -> the transformers module path under the base model
 _LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -82,7 +97,36 @@ def block_scales(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray 
     if kind == "Q6_K":
         sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
         return f16(blocks[:, 208:210]) * sc, None
+    if kind == "IQ4_NL":  # the code is the table's integer value (kvalues[q]), the scale the block's d
+        return f16(blocks[:, 0:2]), None
+    if kind == "Q2_K":  # d·sc per 16 weights and −(dmin·m): gguf-py's dl·q − ml, the product exact in float32
+        sc = blocks[:, 0:16]
+        d, dmin = f16(blocks[:, 80:82]), f16(blocks[:, 82:84])
+        return d * (sc & np.uint8(15)).astype(np.float32), -(dmin * (sc >> np.uint8(4)).astype(np.float32))
+    if kind == "Q3_K":
+        return f16(blocks[:, 108:110]) * _q3k_scales(blocks[:, 96:108]), None
+    if kind == "IQ4_XS":
+        return f16(blocks[:, 0:2]) * _iq4xs_scales(blocks[:, 2:8]), None
     raise ValueError(f"no codes for GGUF type {kind}")
+
+
+def _q3k_scales(packed: np.ndarray) -> np.ndarray:
+    """Q3_K's 16 six-bit scales − 32 as float32 [nb, 16]: low 4 bits in bytes 0–7 (low nibbles for scales 0–7,
+    high for 8–15), the top 2 bits in bytes 8–11 (scale j: byte 8 + j % 4, bits 2·(j // 4))."""
+    nb = packed.shape[0]
+    j = np.arange(16)
+    low = (packed[:, j % 8] >> (4 * (j // 8)).astype(np.uint8)) & np.uint8(15)
+    high = (packed[:, 8 + j % 4] >> (2 * (j // 4)).astype(np.uint8)) & np.uint8(3)
+    return ((low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)).astype(np.float32).reshape(nb, 16)
+
+
+def _iq4xs_scales(packed: np.ndarray) -> np.ndarray:
+    """IQ4_XS's 8 six-bit scales − 32 as float32 [nb, 8]: bytes 0–1 the top 2 bits (a little-endian uint16, scale
+    j at bits 2·j), bytes 2–5 the low 4 bits (scale j: byte 2 + j // 2, low nibble for even j)."""
+    j = np.arange(8)
+    high = (packed[:, 0:2].copy().view(np.uint16) >> (2 * j).astype(np.uint16)) & np.uint16(3)
+    low = (packed[:, 2 + j // 2] >> (4 * (j % 2)).astype(np.uint8)) & np.uint8(15)
+    return ((low | (high.astype(np.uint8) << np.uint8(4))).astype(np.int8) - np.int8(32)).astype(np.float32)
 
 
 def codes_from_weight(weight: Tensor, scale: Tensor, offset: Tensor | None, kind: str) -> Codes | None:

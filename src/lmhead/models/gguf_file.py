@@ -1,9 +1,16 @@
 """A GGUF file read in place: its tensor table over a memory map, and each matrix's blocks as integer codes.
 
     file ──GGUFReader (numpy memmap)──▶ tensors {name: type, shape, bytes}
-    a block tensor (Q4_0 … Q6_K) [N, K] ──bits of its blocks──▶ codes int8 [N,K] + scale, offset [N, K/G]
-        (W = scale·code + offset, the numbers gguf-py's `dequantize` gives, bit for bit)
-    any other type (F32, F16, BF16, Q2_K, Q3_K, IQ*) ──gguf-py's `dequantize`──▶ float32 [N,K]
+    a block tensor (Q4_0 … Q8_0, Q2_K … Q6_K, IQ4_NL, IQ4_XS) [N, K] ──bits of its blocks──▶ codes int8 [N,K]
+        + scale, offset [N, K/G]  (W = scale·code + offset, the numbers gguf-py's `dequantize` gives, bit for bit)
+    F16, BF16 [N, K] ──its 16-bit weights as they are──▶ float16 / bfloat16 [N,K] (the kernel converts each exactly)
+    any other type (F32, the other IQ*, ...) ──gguf-py's `dequantize`──▶ float32 [N,K]
+
+Every type above is an integer per weight times a per-group float32 product of the block's parts, plus a
+per-group offset for some: Q2_K's d·sc·q − dmin·m per 16, Q3_K's d·(sc − 32)·q with q in −4 … 3, IQ4_NL's
+d·v[q] and IQ4_XS's d·(ls − 32)·v[q] with v a table of 16 integers (so v[q] is the code). Each product is exact
+in float32 (at most 24 significant bits), so scale·code + offset rounds only where gguf-py's dequantiser
+rounds too: at the offset's addition.
 
 The model's numbers are defined as gguf-py's dequantisation of the file (what transformers' GGUF loader uses).
 The codes are read straight from the blocks' bits, with the scales and offsets computed by the same float32
@@ -25,11 +32,15 @@ import numpy as np
 import torch
 
 from lmhead.models.errors import ModelError
-from lmhead.models.gguf_codes import BLOCKS, Codes, block_scales
+from lmhead.models.gguf_codes import BLOCKS, PACKED_TYPES, Codes, block_scales
 
-__all__ = ["CODE_TYPES", "GGUFFile", "block_codes", "read_header"]
+__all__ = ["CODE_TYPES", "DENSE_TYPES", "IQ4_VALUES", "GGUFFile", "block_codes", "read_header"]
 
 CODE_TYPES: frozenset[str] = frozenset(BLOCKS)  # the block types whose codes the coded kernel multiplies
+# 16-bit float types the kernel multiplies as they are (`CodedLinear.dense16`): each weight converted exactly
+DENSE_TYPES: dict[str, torch.dtype] = {"F16": torch.float16, "BF16": torch.bfloat16}
+# IQ4_NL's and IQ4_XS's 16 levels: a weight is d·IQ4_VALUES[q], so the table's integer is the weight's code
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
 
 def _nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:
@@ -37,6 +48,14 @@ def _nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:
     nb = qs.shape[0]
     q = qs.reshape(nb, -1, 1, chunk // 2) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     return (q & np.uint8(15)).reshape(nb, -1)
+
+
+def _pairs(qs: np.ndarray) -> np.ndarray:
+    """Bytes [nb, 32·r] of 2-bit values, four per byte (bits 0–1 of byte i the first run of 32, 2–3 the second,
+    ...) → [nb, 128·r], each run of 32 bytes giving 128 values in order."""
+    nb = qs.shape[0]
+    q = qs.reshape(nb, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    return (q & np.uint8(3)).reshape(nb, -1)
 
 
 def block_codes(kind: str, blocks: np.ndarray) -> np.ndarray:
@@ -60,6 +79,15 @@ def block_codes(kind: str, blocks: np.ndarray) -> np.ndarray:
         low = _nibbles(blocks[:, 48:], 64).reshape(nb, 8, 32)
         qh = blocks[:, 16:48].reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
         return (low | ((qh & np.uint8(1)) << np.uint8(4))).reshape(nb, 256).astype(np.int8)
+    if kind in ("IQ4_NL", "IQ4_XS"):
+        return IQ4_VALUES[_nibbles(blocks[:, 2 if kind == "IQ4_NL" else 8:], 32)]
+    if kind in ("Q2_K", "Q3_K"):  # 2-bit fields: byte i of each 32-byte run holds weights i, i+32, i+64, i+96
+        low = _pairs(blocks[:, 16:80] if kind == "Q2_K" else blocks[:, 32:96])
+        if kind == "Q2_K":
+            return low.astype(np.int8)
+        hmask = blocks[:, 0:32].reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        # a clear bit of hmask subtracts 4: codes −4 … 3
+        return low.astype(np.int8) - ((~hmask & np.uint8(1)) << np.uint8(2)).reshape(nb, 256).astype(np.int8)
     if kind == "Q6_K":
         low = _nibbles(blocks[:, :128], 128).reshape(nb, 8, 32)
         qh = blocks[:, 128:192].reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
@@ -279,7 +307,20 @@ class GGUFFile:
                 yield start, torch.from_numpy(block_codes(kind, part).reshape(-1, k))
                 self._release_range(t.data_offset + start * per_row * nbytes, part.size)
 
-        return CodedLinear.from_chunks(n, k, scale, offset, chunks(), unsigned4=kind in ("Q4_1", "Q4_K"))
+        return CodedLinear.from_chunks(n, k, scale, offset, chunks(), unsigned4=kind in PACKED_TYPES)
+
+    def weights16(self, name: str) -> torch.Tensor:
+        """The F16 or BF16 matrix `name` [N,K] as a float16 or bfloat16 tensor (a copy of its bytes, its pages of
+        the map released)."""
+        t = self.tensors[name]
+        n, k = self.shape(name)
+        data = np.asarray(t.data)
+        if data.size != n * k * 2:
+            raise ModelError(f"{self.path}: tensor {name} ({t.tensor_type.name}, {n}x{k}) does not hold {n * k} "
+                             "16-bit weights")
+        out = torch.from_numpy(data.reshape(n, 2 * k).view(np.int16).copy()).view(DENSE_TYPES[t.tensor_type.name])
+        self.release(name)
+        return out
 
     def dequantize(self, name: str) -> torch.Tensor:
         """The tensor as float32, by gguf-py's `dequantize` (the definition of the model's numbers)."""

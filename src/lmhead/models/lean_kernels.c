@@ -968,7 +968,7 @@ typedef struct {
     const int8_t* codes;
     const void* scale;  /* float32, or float16 (flags) */
     const void* offset; /* NULL when the format has none */
-    int64_t group, n, k, flags; /* flags: coded_kernel.c's LMHEAD_PACKED | LMHEAD_HALF */
+    int64_t group, n, k, flags; /* flags: coded_kernel.c's LMHEAD_* (PACKED, HALF, ROWS4, F16, BF16) */
 } lmhead_mat;
 
 typedef struct {
@@ -985,9 +985,19 @@ float lmhead_half(uint16_t h);
  * (never fused into one: the function is built without contraction) as CodedLinear.dequantize, so the row is the
  * model's weight bit for bit. Reads every layout of coded_kernel.c: int8 or packed 4-bit codes (PACKED: each 64
  * codes 32 bytes, byte 4·l + b holding codes 16·b + l (low nibble) and 16·b + 8 + l (high), XOR 8), rows stored
- * in blocks of four (ROWS4: the block's rows 32 bytes each, unit by unit), float32 or float16 (HALF) scales. */
+ * in blocks of four (ROWS4: the block's rows 32 bytes each, unit by unit), float32 or float16 (HALF) scales; or
+ * a row of the file's own float16 or bfloat16 weights (F16, BF16: flags 8, 16). */
 __attribute__((optimize("fp-contract=off")))
 static void coded_row(const lmhead_mat* m, int64_t n, float* out) {
+    if (m->flags & (8 | 16)) { /* LMHEAD_F16 / LMHEAD_BF16: the row's 16-bit weights, converted exactly */
+        const uint16_t* w = (const uint16_t*)m->codes + n * m->k;
+        for (int64_t k = 0; k < m->k; k++) {
+            union { uint32_t u; float f; } v;
+            v.u = (uint32_t)w[k] << 16;
+            out[k] = (m->flags & 16) ? v.f : lmhead_half(w[k]);
+        }
+        return;
+    }
     const int packed = (m->flags & 1) != 0, half = (m->flags & 2) != 0, rows4 = (m->flags & 4) != 0;
     const int64_t K = m->k, R = packed ? K / 2 : K, ng = K / m->group;
     const uint8_t* base = (const uint8_t*)m->codes;

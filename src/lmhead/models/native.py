@@ -34,15 +34,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["HALF", "HALF_MAX_GROUPS", "PACKED", "ROWS4", "SOURCES", "LayerDesc", "MatDesc", "block4", "library",
-           "library_path", "pack4", "row_scores", "topk", "unblock4", "unpack4"]
+__all__ = ["BF16", "F16", "HALF", "HALF_MAX_GROUPS", "PACKED", "ROWS4", "SOURCES", "LayerDesc", "MatDesc", "block4",
+           "library", "library_path", "pack4", "row_scores", "topk", "unblock4", "unpack4"]
 
 SOURCES = (Path(__file__).with_name("coded_kernel.c"), Path(__file__).with_name("lean_kernels.c"))
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
-# coded_kernel.c's flags: 4-bit codes two per byte; float16 scales and offsets; rows stored in blocks of four
-PACKED, HALF, ROWS4 = 1, 2, 4
+# coded_kernel.c's flags: 4-bit codes two per byte; float16 scales and offsets; rows stored in blocks of four;
+# the file's float16 or bfloat16 weights themselves (no codes, no scales)
+PACKED, HALF, ROWS4, F16, BF16 = 1, 2, 4, 8, 16
 HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
-_ABI = 17  # lmhead_coded_abi() of the sources above
+_ABI = 19  # lmhead_coded_abi() of the sources above
 
 
 def _cpu_flags() -> str:
@@ -270,17 +271,20 @@ def _self_test(lib: ctypes.CDLL) -> bool:
                                          None if off is None else off.data_ptr(), 37, group, 0, y.data_ptr(), 2)
             if rc != 0 or not _close(y, x.double() @ w.double().T):
                 return False
-    # Q6_K's layout: groups of 16 without offsets in blocks of four rows (two groups to a 32-byte unit)
+    # Q6_K's and Q3_K's layout: groups of 16 in blocks of four rows (two groups to a 32-byte unit); Q2_K's: with
+    # offsets
     codes = torch.randint(-32, 32, (16, 128), generator=g, dtype=torch.int8)
     scale = torch.rand(16, 8, generator=g) * 0.01
-    w = (codes.float().view(16, 8, 16) * scale[..., None]).view(16, 128)
+    off = torch.randn(16, 8, generator=g) * 0.01
     blocked = block4(codes)
-    for m in (1, 3, 6, 9):
-        x, y = torch.randn(m, 128, generator=g), torch.empty(m, 16)
-        rc = lib.lmhead_coded_matmul(x.data_ptr(), m, 128, blocked.data_ptr(), scale.data_ptr(), None, 16, 16, ROWS4,
-                                     y.data_ptr(), 2)
-        if rc != 0 or not _close(y, x.double() @ w.double().T):
-            return False
+    for o in (None, off):
+        w = (codes.float().view(16, 8, 16) * scale[..., None] + (0 if o is None else o[..., None])).view(16, 128)
+        for m in (1, 3, 6, 9):
+            x, y = torch.randn(m, 128, generator=g), torch.empty(m, 16)
+            rc = lib.lmhead_coded_matmul(x.data_ptr(), m, 128, blocked.data_ptr(), scale.data_ptr(),
+                                         None if o is None else o.data_ptr(), 16, 16, ROWS4, y.data_ptr(), 2)
+            if rc != 0 or not _close(y, x.double() @ w.double().T):
+                return False
     # packed 4-bit codes (the same product from half the bytes), float16 scales, both
     codes = torch.randint(0, 16, (19, 128), generator=g, dtype=torch.int8)
     scale = (torch.rand(19, 4, generator=g) * 0.01).half()
@@ -305,6 +309,15 @@ def _self_test(lib: ctypes.CDLL) -> bool:
                                          y.data_ptr(), 2)
             wo = (codes[:rows].float().view(rows, 4, 32) * scale[:rows].float()[..., None]).view(rows, 128)
             if rc != 0 or not _close(y, x.double() @ wo.double().T):
+                return False
+    # float16 and bfloat16 weights, K not a multiple of the vector width
+    for flags, dtype in ((F16, torch.float16), (BF16, torch.bfloat16)):
+        w16 = torch.randn(7, 75, generator=g).to(dtype)
+        for m in (1, 4, 9):
+            x, y = torch.randn(m, 75, generator=g), torch.empty(m, 7)
+            rc = lib.lmhead_coded_matmul(x.data_ptr(), m, 75, w16.data_ptr(), None, None, 7, 75, flags,
+                                         y.data_ptr(), 2)
+            if rc != 0 or not _close(y, x.double() @ w16.double().T):
                 return False
     x, a = torch.randn(3, 40, generator=g), torch.randn(3, 40, generator=g)
     w1, w2 = torch.randn(40, generator=g), torch.randn(40, generator=g)
