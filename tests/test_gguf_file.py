@@ -211,3 +211,20 @@ def test_a_gguf_larger_than_the_memory_available_is_refused_before_it_loads(tmp_
     monkeypatch.setattr(file_model, "available_memory", lambda: 1024)
     with pytest.raises(ModelError, match=r"big\.gguf: loading it needs about .* GiB of memory and 0\.0 GiB is"):
         load_model(str(path), progress=False)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
+def test_transformers_reads_the_same_config_and_tokenizer_through_the_header_reader(tmp_path, arch):
+    from tiny_gguf import write_tiny_gguf
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from lmhead.models.gguf_meta import header_reader
+
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf", arch))
+    with header_reader():
+        ours = load_gguf_checkpoint(path, return_tensors=False)
+        again = load_gguf_checkpoint(path, return_tensors=False)  # the parsed header, kept for the block
+    assert ours == load_gguf_checkpoint(path, return_tensors=False) == again
+    import gguf
+
+    assert gguf.GGUFReader.__module__.startswith("gguf")  # restored after the block

@@ -99,10 +99,11 @@ def _usable(folder: Path, facts: dict[str, Any]) -> str | None:
 def _write_meta(gguf: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    from lmhead.models.gguf_meta import header_reader
     from lmhead.models.loading import fast_tokenizer, no_progress_bars
 
     try:
-        with no_progress_bars():
+        with no_progress_bars(), header_reader():
             config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as exc:

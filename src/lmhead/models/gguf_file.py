@@ -102,12 +102,14 @@ _U32, _U64 = _SCALAR[4], _SCALAR[10]
 
 
 class _Header:
-    """A GGUF header read with struct over a map of the file: scalar metadata values (arrays are skipped: the
-    vocabulary is transformers' to read, once) and the tensor table. gguf-py's reader builds a numpy view per
-    field part — seconds for a large vocabulary on every load; this reads only what a load needs."""
+    """A GGUF header read with struct over a map of the file: scalar metadata values and the tensor table; arrays
+    (the vocabulary) are skipped unless `arrays` (then `fields` holds them too: numbers as lists, strings as
+    bytes, and `types` each field's GGUF value types as gguf-py lists them). gguf-py's reader builds a numpy view
+    per field part — seconds for a large vocabulary on every read; this reads only what is asked for."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, arrays: bool = False) -> None:
+        self.path, self.arrays = path, arrays
+        self.types: dict[str, list[int]] = {}
         with open(path, "rb") as fh:
             self.size = os.fstat(fh.fileno()).st_size
             if fh.read(4) != b"GGUF":
@@ -127,13 +129,18 @@ class _Header:
         if self.version not in (2, 3):
             raise ModelError(f"{path}: unsupported GGUF version {self.version} (supported: 2, 3)")
         n_tensors, n_kv = self._num(_U64), self._num(_U64)
+        self.n_tensors, self.n_kv = n_tensors, n_kv
         if n_tensors > 1 << 20 or n_kv > 1 << 20:
             raise ModelError(f"{path} is a damaged GGUF file (its header counts {n_tensors} tensors and {n_kv} "
                              "metadata entries)")
         self.fields: dict[str, Any] = {}
         for _ in range(n_kv):
             key = self._str()
-            self.fields[key] = self._value(self._num(_U32))
+            kind = self._num(_U32)
+            if self.arrays:
+                self.types[key], self.fields[key] = self._typed(kind)
+            else:
+                self.fields[key] = self._value(kind)
         self.tensors: list[tuple[str, tuple[int, ...], int, int]] = []
         for _ in range(n_tensors):
             name = self._str()
@@ -192,6 +199,28 @@ class _Header:
                     self._value(item)
             return None
         raise ModelError(f"{self.path} is a damaged GGUF file (unknown metadata type {kind})")
+
+
+    def _typed(self, kind: int) -> tuple[list[int], Any]:
+        """(gguf-py's value types, the value) of one metadata entry, arrays included; strings as raw bytes."""
+        if kind == 8:
+            n = self._num(_U64)
+            return [8], self._take(n)
+        if kind != 9:
+            return [kind], self._value(kind)
+        item, n = self._num(_U32), self._num(_U64)
+        if item in _SCALAR:
+            fmt = _FORMATS[item]
+            self._need(self.pos + n * _SCALAR[item].size)
+            values = np.frombuffer(self.buf, dtype=np.dtype(fmt), count=n, offset=self.pos).tolist()
+            self.pos += n * _SCALAR[item].size
+            return [9, item], values
+        if item == 8:
+            out = []
+            for _ in range(n):
+                out.append(self._take(self._num(_U64)))
+            return [9, 8], out
+        raise ModelError(f"{self.path}: metadata arrays of type {item} are not read (nested arrays)")
 
 
 class _Tensor:
