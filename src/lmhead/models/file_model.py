@@ -321,3 +321,4 @@ def check_fits(f: GGUFFile) -> None:
         raise ModelError(f"{f.path}: loading it needs about {need / 2**30:.1f} GiB of memory and "
                          f"{have / 2**30:.1f} GiB is available; close other programs or choose a smaller file "
                          "(LMHEAD_IGNORE_MEMORY=1 tries anyway)")
+

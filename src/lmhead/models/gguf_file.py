@@ -33,6 +33,7 @@ import torch
 
 from lmhead.models.errors import ModelError
 from lmhead.models.gguf_codes import BLOCKS, PACKED_TYPES, Codes, block_scales
+from lmhead.models.heap import trim_heap
 
 __all__ = ["CODE_TYPES", "DENSE_TYPES", "IQ4_VALUES", "GGUFFile", "block_codes", "read_header"]
 
@@ -335,6 +336,7 @@ class GGUFFile:
                 part = blocks[start * per_row:min(n, start + step) * per_row]
                 yield start, torch.from_numpy(block_codes(kind, part).reshape(-1, k))
                 self._release_range(t.data_offset + start * per_row * nbytes, part.size)
+                trim_heap()  # each chunk's transient arrays, before the next one's (models/heap.py)
 
         return CodedLinear.from_chunks(n, k, scale, offset, chunks(), unsigned4=kind in PACKED_TYPES)
 

@@ -312,6 +312,7 @@ def _load_file(source: Source, head: str, body: str, progress: bool):
         supports_file,
     )
     from lmhead.models.gguf_file import GGUFFile
+    from lmhead.models.heap import trim_heap
     from lmhead.models.model import Model
 
     key = _key(source)
@@ -340,12 +341,14 @@ def _load_file(source: Source, head: str, body: str, progress: bool):
         if assembled:  # moved into the folder (one file system: the map stays valid)
             f.path = folder / "model.gguf"
     cfg, tokenizer, eos = read_meta(folder)
+    trim_heap()
     gguf = f.path
     try:
         check_fits(f)
         lean, weight, bias, tied = file_body(f, cfg)
     finally:
         f.close()
+    trim_heap()  # the conversion's transient arrays
     softcap = cfg.final_logit_softcapping or None
     exact = (CodedHead(weight, bias=bias, softcap=softcap, tied=tied) if isinstance(weight, CodedLinear)
              else LMHead.from_weight(weight, bias=bias, softcap=softcap))
