@@ -6,9 +6,10 @@
 
 transformers' loader (`load_gguf_checkpoint`) opens the file with gguf-py's `GGUFReader` for every object it
 builds, and that reader makes a numpy view of every part of every field — for Gemma 3's 262,144-token vocabulary
-(its tokens, scores, types and merges) most of the first run's time, paid again per object. `MetadataReader` holds
-what transformers reads when it asks for no tensors (each field's parts, data indices and types as gguf-py lays
-them out, and the tensors' names), parsed once per file by `gguf_file._Header` and kept for the block's duration.
+(its tokens, scores, types and merges) most of the first run's time, paid again per object, and then parses each
+part into a Python value one call at a time. `MetadataReader` holds what transformers reads when it asks for no
+tensors (each field's parts, data indices and types as gguf-py lays them out, and the tensors' names), parsed
+once per file by `gguf_file._Header` into the values transformers would make of them, and kept for the block.
 transformers then maps fields, builds the config and converts the tokenizer exactly as it does from gguf-py's
 reader (tests/test_gguf_file.py compares the two on every architecture's file).
 """
@@ -26,17 +27,36 @@ from lmhead.models.gguf_file import _Header
 __all__ = ["MetadataReader", "header_reader"]
 
 
+class _Parsed:
+    """A value already parsed (what transformers' `_gguf_parse_value` would make of gguf-py's part)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _python(kind: int, value: Any) -> Any:
+    """A metadata value as transformers' `_gguf_parse_value` returns it: strings decoded, bools as bool."""
+    if kind == 8:
+        return value.decode("utf-8")
+    if kind == 7:
+        return bool(value)
+    return value
+
+
 class _Field:
-    """One metadata field as gguf-py's `ReaderField`: `parts[i]` for each index `i` of `data` is one value."""
+    """One metadata field as gguf-py's `ReaderField`: `parts[i]` for each index `i` of `data` is one value
+    (`_Parsed`, which the block's `_gguf_parse_value` returns as it is)."""
 
     __slots__ = ("data", "name", "parts", "types")
 
     def __init__(self, name: str, types: list[int], value: Any) -> None:
         self.name, self.types = name, types
-        if types[0] == 9:  # an array: one part per element (strings as bytes, numbers as a 1-tuple)
-            self.parts = value if types[1] == 8 else [(v,) for v in value]
+        if types[0] == 9:  # an array: one part per element
+            self.parts = [_Parsed(_python(types[1], v)) for v in value]
         else:
-            self.parts = [value if types[0] == 8 else (value,)]
+            self.parts = [_Parsed(_python(types[0], value))]
         self.data = range(len(self.parts))
 
 
@@ -66,11 +86,16 @@ def header_reader() -> Iterator[None]:
     """gguf-py's `GGUFReader` is `MetadataReader` inside the block (each file's header parsed once), and restored
     after; for reading config and tokenizer only (`MetadataReader` holds no tensor data)."""
     import gguf
+    from transformers import modeling_gguf_pytorch_utils as loader
 
-    original = gguf.GGUFReader
-    gguf.GGUFReader = MetadataReader
+    original, parse = gguf.GGUFReader, loader._gguf_parse_value
+
+    def parse_value(value: Any, types: Any) -> Any:
+        return value.value if type(value) is _Parsed else parse(value, types)
+
+    gguf.GGUFReader, loader._gguf_parse_value = MetadataReader, parse_value
     try:
         yield
     finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader, loader._gguf_parse_value = original, parse
         MetadataReader._cache.clear()
