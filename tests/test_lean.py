@@ -11,13 +11,17 @@ from lmhead.models.lean import LeanBody, StaticCache
 ATOL = 1e-5  # fp32: the lean body sums in another order (fused products, batched heads) than transformers
 
 
-def _qwen(arch: str, seed: int = 0):
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+def _other(arch: str, seed: int = 0, layers: int = 2):
+    """A tiny model of an architecture tiny.py does not build (4 heads, 2 key heads, random norms and biases)."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    common = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   tie_word_embeddings=False, initializer_range=0.3)
-    config = Qwen2Config(**common) if arch == "qwen2" else Qwen3Config(head_dim=8, **common)
+    if arch == "mistral":  # a window shorter than the tests' sequences: every layer slides
+        config = MistralConfig(sliding_window=8, **common)
+    else:
+        config = Qwen2Config(**common) if arch == "qwen2" else Qwen3Config(head_dim=8, **common)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
@@ -29,9 +33,9 @@ def _qwen(arch: str, seed: int = 0):
 
 
 def _model(arch: str, layers: int = 2):
-    if arch in ("qwen2", "qwen3"):
-        return _qwen(arch)
-    return tiny_model(arch, layers=layers)[0]
+    if arch in ("llama", "gemma3"):
+        return tiny_model(arch, layers=layers)[0]
+    return _other(arch, layers=layers)
 
 
 def _reference(hf_model, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,7 +45,7 @@ def _reference(hf_model, ids: torch.Tensor, mask: torch.Tensor | None = None) ->
         return hf_model.base_model(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
 
 
-ARCHS = ["llama", "gemma3", "qwen2", "qwen3"]
+ARCHS = ["llama", "gemma3", "qwen2", "qwen3", "mistral"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -58,7 +62,7 @@ def test_prefill_then_steps_equal_the_full_forward(arch):
     torch.testing.assert_close(torch.cat(got, dim=1), want, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "mistral"])
 def test_left_padded_rows_equal_each_row_alone(arch):
     hf_model = _model(arch)
     lean = LeanBody(hf_model)
