@@ -54,7 +54,7 @@ class ArchSpec:
 
 
 _GEMMA = dict(unit_offset_norm=True, sandwich_norms=True, scaled_embedding=True, query_pre_attn_scalar=True,
-              attn_softcap=True, act="act_fn")
+              attn_softcap=True)
 
 ARCHS: dict[str, ArchSpec] = {spec.model_type: spec for spec in (
     ArchSpec("llama", gguf="llama", permute_qk=True),
@@ -62,6 +62,13 @@ ARCHS: dict[str, ArchSpec] = {spec.model_type: spec for spec in (
     ArchSpec("mistral", permute_qk=True, slide_every_layer=True),
     ArchSpec("qwen2", gguf="qwen2"),
     ArchSpec("qwen3", gguf="qwen3"),
+    # Phi-3: q/k/v one linear (attn_qkv in the file), gate/up one (ffn_up in the file, gate rows first); a Phi-3
+    # file's long-context rope factors and sliding window are not read by transformers' loader
+    ArchSpec("phi3", gguf="phi3", slide_every_layer=True, qkv=("qkv_proj",), gate_up=("gate_up_proj",),
+             gguf_qkv=("attn_qkv",), gguf_gate_up=("ffn_up",), act="activation_fn"),
+    # Gemma 2: Gemma 3 without q/k norms and with one rope; its softcaps and query scalar are the config's (a
+    # GGUF's own softcap keys are not read by transformers' loader: its Gemma2Config defaults, 50 and 30, apply)
+    ArchSpec("gemma2", gguf="gemma2", **_GEMMA),
     ArchSpec("gemma3_text", gguf="gemma3", rope_per_layer_type=True, **_GEMMA),
 )}
 

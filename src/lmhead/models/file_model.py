@@ -9,8 +9,9 @@
 
 The numbers are the dequantised file (gguf-py's `dequantize`, what transformers' loader uses): every code is
 read from the blocks' bits and gives that value back exactly; tensor layouts follow transformers' GGUF loader
-(Llama's q/k rows un-permuted for its rope, Gemma's norms stored as 1 + w). transformers' float32 model is built
-only when asked for (`Model.hf_model`: the conversion cache of `loading.py`), never to generate.
+(Llama's q/k rows un-permuted for its rope, Gemma's norms stored as 1 + w, Phi-3's q/k/v and gate/up each
+one matrix already). transformers' float32 model is built only when asked for (`Model.hf_model`: the conversion
+cache of `loading.py`), never to generate.
 """
 
 from __future__ import annotations
@@ -291,6 +292,11 @@ def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None):
     scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32) if arch.scaled_embedding else None
     body = LeanBody.from_parts(cfg, embed, layers, r.vector("output_norm.weight"), Rotary(cfg), act,
                                embed_scale=scale, onednn=onednn)
+    factors = sorted(n for n in f.tensors if n.startswith("rope_factors"))
+    if factors:  # llama.cpp's longrope (Phi-3 128k): llama.cpp's numbers differ from transformers' here
+        print(f"lmhead: {f.path.name}: its rope factors ({', '.join(factors)}) are not applied, as transformers' "
+              "GGUF loader does not apply them: the numbers are transformers' on this file", file=sys.stderr,
+              flush=True)
     if r.dequantized:
         kinds = ", ".join(sorted({d.split(" ")[1].strip("()") for d in r.dequantized}))
         print(f"lmhead: {len(r.dequantized)} tensors of {f.path.name} have no code kernel ({kinds}): dequantized "

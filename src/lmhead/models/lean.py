@@ -16,7 +16,7 @@ read the same memory and nothing is copied. Products run through oneDNN's inner 
 (`fast_linear`), else `F.linear`.
 
 Supported: the architectures of `models/arch.py`'s table (Llama-style models — Llama, SmolLM2, Mistral, Qwen2 with
-q/k/v bias, Qwen3 with q/k norms — and Gemma 3 text); what differs between them is the table's row
+q/k/v bias, Qwen3 with q/k norms —, Phi-3, Gemma 2 and Gemma 3 text); what differs between them is the table's row
 (`self.arch`), not a check here. `LeanBody.supports(hf_model)` says whether a model is one of them; tests compare
 the hidden states with transformers' forward on tiny models of each family, and greedy tokens on the packaged
 models.
