@@ -119,7 +119,8 @@ def _load_both(tmp_path, monkeypatch, arch: str, kind: str):
 @pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
 @pytest.mark.parametrize("arch,kind", [("llama", "Q8_0"), ("llama", "Q4_1"), ("gemma3", "Q8_0"), ("qwen2", "Q5_0"),
                                        ("qwen3", "Q4_0"), ("llama", "F16"), ("llama", "Q2_K"), ("llama", "Q3_K"),
-                                       ("qwen2", "IQ4_NL"), ("llama", "IQ4_XS"), ("gemma3", "BF16")])
+                                       ("qwen2", "IQ4_NL"), ("llama", "IQ4_XS"), ("gemma3", "BF16"),
+                                       ("gemma2", "Q8_0"), ("gemma2", "Q5_1"), ("phi3", "Q8_0"), ("phi3", "F16")])
 def test_a_tiny_gguf_runs_from_its_file_with_transformers_numbers(tmp_path, monkeypatch, arch, kind):
     model, ref = _load_both(tmp_path, monkeypatch, arch, kind)
     assert model.lean is not None and model.lean.embed is None  # the embedding's rows read from the file's codes
@@ -129,6 +130,10 @@ def test_a_tiny_gguf_runs_from_its_file_with_transformers_numbers(tmp_path, monk
     with torch.no_grad():
         expected = ref(ids).logits
     torch.testing.assert_close(model.logits(ids), expected, rtol=1e-4, atol=1e-4)
+    # the step-by-step path (the one the logit lens takes) gives the C step's hidden states
+    positions = torch.arange(ids.shape[1])[None]
+    step_by_step = model.lean(ids, positions, model.lean.new_cache(1, ids.shape[1]), layers=[])
+    torch.testing.assert_close(step_by_step, model.hidden_states(ids), rtol=1e-5, atol=1e-5)
     greedy = [s.token_id for s in model.generate("The cat sat", max_new_tokens=12,
                                                  config=__import__("lmhead").SamplingConfig(temperature=0))]
     start = torch.tensor([model.encode("The cat sat")])
@@ -145,6 +150,25 @@ def test_a_type_without_a_code_kernel_is_dequantized_at_load_and_said_once_on_st
     model, ref = _load_both(tmp_path, monkeypatch, "llama", "F32")
     said = [line for line in capsys.readouterr().err.splitlines() if "no code kernel" in line]
     assert len(said) == 1 and "(F32): dequantized to float32 at load" in said[0], said
+    ids = torch.tensor([model.encode("The cat sat on the mat.")])
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(ids), ref(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
+def test_a_phi3_files_rope_factors_are_said_once_on_stderr_and_the_numbers_stay_transformers(tmp_path, monkeypatch,
+                                                                                              capsys):
+    from tiny_gguf import write_tiny_gguf
+    from transformers import AutoModelForCausalLM
+
+    from lmhead import load_model
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "long.gguf", "phi3", rope_factors=True)
+    model = load_model(str(path), progress=False)
+    said = [line for line in capsys.readouterr().err.splitlines() if "rope factors" in line]
+    assert len(said) == 1 and "rope_factors_long.weight, rope_factors_short.weight" in said[0], said
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
     ids = torch.tensor([model.encode("The cat sat on the mat.")])
     with torch.no_grad():
         torch.testing.assert_close(model.logits(ids), ref(ids).logits, rtol=1e-4, atol=1e-4)
@@ -169,6 +193,46 @@ def test_the_float32_weight_first_read_under_inference_mode_is_a_normal_tensor(t
         w = model.exact_head.weight
     assert not w.is_inference()
     torch.testing.assert_close(w, ref.get_output_embeddings().weight.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("values,why", [
+    ({"model_type": "phi3", "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "'longrope' rope"),
+    ({"model_type": "phi3", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
+     "partial_rotary_factor 0.75"),
+    ({"model_type": "llama", "hidden_act": "relu"}, "activation 'relu'"),
+    ({"model_type": "gpt2"}, "model type 'gpt2'"),
+    ({"model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh",
+      "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, None),
+])
+def test_a_config_the_lean_body_does_not_compute_is_named(values, why):
+    from lmhead.models.config import ModelConfig
+    from lmhead.models.file_model import file_refusal
+
+    values = {"hidden_act": "silu", **values}
+    got = file_refusal(ModelConfig(values))
+    assert (got is None) if why is None else (why in got), got
+
+
+@pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
+def test_a_file_the_lean_body_refuses_runs_through_transformers_said_once_on_stderr(tmp_path, monkeypatch, capsys):
+    from tiny_gguf import write_tiny_gguf
+    from transformers import AutoModelForCausalLM
+
+    from lmhead import load_model
+    from lmhead.models import file_model
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(file_model, "file_refusal", lambda cfg: "a test's rope")
+    path = write_tiny_gguf(tmp_path / "refused.gguf", "phi3")
+    model = load_model(str(path), progress=False)
+    said = [line for line in capsys.readouterr().err.splitlines() if "lean body does not run" in line]
+    assert said == ["lmhead: refused.gguf: the lean body does not run a test's rope; running transformers' body on "
+                    "a float32 conversion"], said
+    assert model.gguf_path is None  # converted, not read from the file
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    ids = torch.tensor([model.encode("The cat sat on the mat.")])
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(ids), ref(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_a_second_load_of_a_gguf_reads_only_its_cached_config_and_tokenizer(tmp_path, monkeypatch):

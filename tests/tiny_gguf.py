@@ -1,11 +1,12 @@
 """Tiny random models written as GGUF files, the way llama.cpp's converter lays them out, for the file loader's tests.
 
-    path = write_tiny_gguf(tmp_path / "m.gguf", "llama", kind="Q8_0")    # or "gemma3", "qwen2", "qwen3"
+    path = write_tiny_gguf(tmp_path / "m.gguf", "llama", kind="Q8_0")    # or gemma2, gemma3, phi3, qwen2, qwen3
 
 The weights are tests/tiny.py's tiny model (width 32, 2 layers); matrices are stored as `kind` (gguf-py's own
 quantiser: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; Q2_K, Q3_K, IQ4_NL and IQ4_XS, which
 it has no quantiser for, by a plain one here), norms and biases as F32. Layout as llama.cpp writes it:
-Llama's q/k rows permuted for its rope, Gemma's norms as 1 + w. The tokenizer is tiny.py's byte-level BPE as a
+Llama's q/k rows permuted for its rope, Gemma's norms as 1 + w, Phi-3's q/k/v as one matrix (attn_qkv) and gate/up
+as one (ffn_up, gate first), its output matrix untied. The tokenizer is tiny.py's byte-level BPE as a
 "gpt2" GGUF tokenizer (tokens, types, merges). transformers reads these files (`from_pretrained(gguf_file=)`):
 it is the reference the tests hold lmhead's loader against.
 """
@@ -21,14 +22,14 @@ import torch
 _NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
           "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-          "input_layernorm": "attn_norm"}
+          "input_layernorm": "attn_norm", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 _GEMMA_NORMS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def _hf_model(arch: str, seed: int, width: int = 32):
     from tiny import tiny_config, tiny_tokenizer
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     tokenizer = tiny_tokenizer()
     if width != 32:  # rows of whole 256-weight blocks (the K-quants and IQ4_XS): a wider llama
@@ -48,7 +49,17 @@ def _hf_model(arch: str, seed: int, width: int = 32):
                       bos_token_id=2)
         if arch == "qwen3":  # transformers reads no head_dim from a qwen3 file: its default, 128
             common["head_dim"] = 128
-        config = Qwen2Config(**common) if arch == "qwen2" else Qwen3Config(**common)
+        if arch == "gemma2":
+            # the fields transformers' GGUF reader takes from a gemma2 file; the softcaps and the query scalar
+            # are Gemma2Config's defaults (50, 30, 256) whatever the file says, as in the reference model
+            config = Gemma2Config(**common, sliding_window=8)
+        elif arch == "phi3":  # its head_dim is hidden_size / heads (the reader takes none from the file)
+            common.pop("head_dim")
+            config = Phi3Config(**{**common, "tie_word_embeddings": False})
+        elif arch in ("qwen2", "qwen3"):
+            config = Qwen2Config(**common) if arch == "qwen2" else Qwen3Config(**common)
+        else:
+            raise ValueError(f"no tiny {arch} model")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
@@ -142,10 +153,11 @@ def _blocks(a: np.ndarray, kind: str) -> np.ndarray:
 _OWN_WRITER = ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")  # types gguf-py's `quantize` does not write
 
 
-def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", seed: int = 0, drop: str | None = None
-                    ) -> Path:
+def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", seed: int = 0, drop: str | None = None,
+                    rope_factors: bool = False) -> Path:
     """Write tiny.py's `arch` model to `path` as a GGUF file with its matrices in `kind` (without the tensor `drop`:
-    an incomplete file); returns the path. Types of 256-weight blocks (Q2_K, Q3_K, IQ4_XS) get a wider
+    an incomplete file; `rope_factors`: with the long/short rope factor tensors llama.cpp writes for a longrope
+    Phi-3); returns the path. Types of 256-weight blocks (Q2_K, Q3_K, IQ4_XS) get a wider
     llama (width 256), whose rows are whole blocks."""
     import gguf
     from gguf.constants import GGML_QUANT_SIZES
@@ -154,7 +166,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", seed: i
     qtype = gguf.GGMLQuantizationType[kind]
     model, tokenizer = _hf_model(arch, seed, width=256 if GGML_QUANT_SIZES[qtype][0] == 256 else 32)
     cfg = model.config
-    gemma = arch == "gemma3"
+    gemma = arch in ("gemma2", "gemma3")
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}")
     w.add_context_length(cfg.max_position_embeddings)
@@ -163,16 +175,20 @@ def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", seed: i
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    theta = (cfg.rope_parameters or {}).get("rope_theta") if not gemma else \
+    theta = (cfg.rope_parameters or {}).get("rope_theta") if arch != "gemma3" else \
         cfg.rope_parameters["full_attention"]["rope_theta"]
     w.add_rope_freq_base(float(theta or 10000.0))
-    if arch == "llama":
-        w.add_rope_dimension_count(cfg.head_dim)
+    if arch in ("llama", "phi3"):
+        w.add_rope_dimension_count(head_dim)
     if gemma:
         w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":  # as llama.cpp's converter writes them (transformers' reader takes neither)
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     vocab = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
     tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
     w.add_tokenizer_model("gpt2")
@@ -192,7 +208,9 @@ def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", seed: i
         elif name == "model.norm.weight":
             out = "output_norm.weight"
         elif name == "lm_head.weight":
-            continue  # tied
+            if cfg.tie_word_embeddings:
+                continue
+            out = "output.weight"
         else:
             parts = name.split(".")  # model.layers.{i}.{module...}.{weight|bias}
             module = ".".join(parts[3:-1])
@@ -215,6 +233,10 @@ def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", seed: i
             w.add_tensor(out, _blocks(a, kind) if kind in _OWN_WRITER else quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(out, np.ascontiguousarray(a, dtype=np.float32))
+    if rope_factors:
+        half = (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) // 2
+        for which, value in (("long", 4.0), ("short", 1.5)):
+            w.add_tensor(f"rope_factors_{which}.weight", np.full(half, value, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

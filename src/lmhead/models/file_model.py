@@ -9,8 +9,9 @@
 
 The numbers are the dequantised file (gguf-py's `dequantize`, what transformers' loader uses): every code is
 read from the blocks' bits and gives that value back exactly; tensor layouts follow transformers' GGUF loader
-(Llama's q/k rows un-permuted for its rope, Gemma's norms stored as 1 + w). transformers' float32 model is built
-only when asked for (`Model.hf_model`: the conversion cache of `loading.py`), never to generate.
+(Llama's q/k rows un-permuted for its rope, Gemma's norms stored as 1 + w, Phi-3's q/k/v and gate/up each
+one matrix already). transformers' float32 model is built only when asked for (`Model.hf_model`: the conversion
+cache of `loading.py`), never to generate.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from lmhead.models import cache
+from lmhead.models.arch import FILE_ARCHITECTURES, ArchSpec, arch_of, refusal
 from lmhead.models.coded_linear import CodedLinear, coded_available
 from lmhead.models.config import ModelConfig
 from lmhead.models.convert import eos_ids
@@ -33,15 +35,26 @@ from lmhead.models.errors import ModelError
 from lmhead.models.gguf_codes import Codes, coded_nbytes, fuse_codes
 from lmhead.models.gguf_file import CODE_TYPES, DENSE_TYPES, GGUFFile
 
-__all__ = ["FILE_ARCHITECTURES", "file_body", "meta_folder", "supports_file"]
-
-# GGUF architectures whose body lmhead runs from the file (transformers' model types in parentheses)
-FILE_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+__all__ = ["FILE_ARCHITECTURES", "file_body", "file_refusal", "meta_folder", "supports_file"]
 _TOKENIZER_CHECK = "The cat sat on the mat. 12345 ünïcödé — \n\t  spaces; <b>tags</b> and emoji 🙂"
 
 
 def supports_file(architecture: str) -> bool:
     return architecture in FILE_ARCHITECTURES and coded_available()
+
+
+_ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+                "silu": torch.nn.functional.silu}
+
+
+def file_refusal(cfg: ModelConfig) -> str | None:
+    """What of the config transformers read from a file the lean body does not compute (then transformers' body
+    runs it), or None."""
+    why = refusal(cfg)
+    act = cfg.hidden_activation or cfg.hidden_act
+    if why is None and act not in _ACTIVATIONS:
+        why = f"the activation {act!r}"
+    return why
 
 
 # --- config and tokenizer, once per file ------------------------------------------------------------------
@@ -144,8 +157,9 @@ def _ids(*values: Any) -> list[int]:
 
 # --- the weights ---------------------------------------------------------------------------------------------
 
-_LINEARS = (("qkv", ("attn_q", "attn_k", "attn_v")), ("o", ("attn_output",)), ("gate_up", ("ffn_gate", "ffn_up")),
-            ("down", ("ffn_down",)))
+def _linears(arch: ArchSpec) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The lean body's four products and the file's matrices each is (fused when several, in this order)."""
+    return (("qkv", arch.gguf_qkv), ("o", ("attn_output",)), ("gate_up", arch.gguf_gate_up), ("down", ("ffn_down",)))
 
 
 class _Reader:
@@ -153,8 +167,8 @@ class _Reader:
 
     def __init__(self, f: GGUFFile, cfg: ModelConfig) -> None:
         self.f, self.cfg = f, cfg
-        self.gemma = f.architecture == "gemma3"
-        self.permute = f.architecture == "llama"  # transformers' LlamaTensorProcessor un-permutes q and k
+        self.arch = arch_of(cfg)
+        self.permute = self.arch.permute_qk  # transformers' LlamaTensorProcessor un-permutes q and k
         self.dequantized: list[str] = []
 
     def has(self, name: str) -> bool:
@@ -171,7 +185,7 @@ class _Reader:
         """The tensor as float32 in transformers' layout (Gemma's norms stored as 1 + w: w, as transformers
         computes it; Llama's q/k rows un-permuted), its pages released."""
         t = self.f.dequantize(name)
-        if self.gemma and "norm.weight" in name:
+        if self.arch.unit_offset_norm and "norm.weight" in name:
             t = torch.from_numpy(t.numpy() - 1)
         perm = self._perm(name, t.shape[0])
         self.f.release(name)
@@ -246,51 +260,62 @@ def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None):
     from lmhead.models.lean import Layer, LeanBody
     from lmhead.models.rope import Rotary
 
+    why = file_refusal(cfg)
+    if why is not None:
+        raise ModelError(f"{f.path}: the lean body does not run {why}")
     r = _Reader(f, cfg)
+    arch = r.arch
     types = list(cfg.layer_types or ["full_attention"] * cfg.num_hidden_layers)
     layers = []
     for i, kind in enumerate(types):
         p = f"blk.{i}."
         mats, coded = {}, {}
-        for key, parts in _LINEARS:
+        for key, parts in _linears(arch):
             c, w = r.linear([p + part + ".weight" for part in parts])
             mats[key] = w
             if c is not None:
                 coded[key] = c
-        biases = [r.vector(p + f"{part}.bias") for part in ("attn_q", "attn_k", "attn_v")]
-        bias = None
-        if any(b is not None for b in biases):
-            sizes = [cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_key_value_heads]
-            hd = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
-            bias = torch.cat([b if b is not None else torch.zeros(n * hd) for b, n in zip(biases, sizes, strict=True)])
-        gemma = r.gemma
+        sandwich = arch.sandwich_norms
         layers.append(Layer(
-            qkv=mats["qkv"], qkv_bias=bias, o=mats["o"], gate_up=mats["gate_up"], down=mats["down"],
-            input_norm=r.vector(p + "attn_norm.weight"),
-            post_attn_norm=r.vector(p + "post_attention_norm.weight") if gemma else None,
+            qkv=mats["qkv"], qkv_bias=_qkv_bias(r, p, arch), o=mats["o"], gate_up=mats["gate_up"],
+            down=mats["down"], input_norm=r.vector(p + "attn_norm.weight"),
+            post_attn_norm=r.vector(p + "post_attention_norm.weight") if sandwich else None,
             pre_mlp_norm=r.vector(p + "ffn_norm.weight"),
-            post_mlp_norm=r.vector(p + "post_ffw_norm.weight") if gemma else None,
+            post_mlp_norm=r.vector(p + "post_ffw_norm.weight") if sandwich else None,
             q_norm=r.vector(p + "attn_q_norm.weight"), k_norm=r.vector(p + "attn_k_norm.weight"),
-            kind=kind, sliding=kind == "sliding_attention" and cfg.sliding_window is not None,
-            coded=coded or None))
+            kind=kind, sliding=arch.sliding(kind, cfg.sliding_window), coded=coded or None))
     tied = not r.has("output.weight")
     embed: Any = r.coded("token_embd.weight")
     if embed is None:
         embed = r.matrix("token_embd.weight")
     head = embed if tied else (r.coded("output.weight") or r.matrix("output.weight"))
-    act_name = cfg.hidden_activation or cfg.hidden_act
-    act = {"gelu_pytorch_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
-           "silu": torch.nn.functional.silu}.get(act_name)
-    if act is None:
-        raise ModelError(f"{f.path}: the activation {act_name!r} has no lean implementation")
-    scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32) if r.gemma else None
+    act = _ACTIVATIONS[cfg.hidden_activation or cfg.hidden_act]
+    scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32) if arch.scaled_embedding else None
     body = LeanBody.from_parts(cfg, embed, layers, r.vector("output_norm.weight"), Rotary(cfg), act,
                                embed_scale=scale, onednn=onednn)
+    factors = sorted(n for n in f.tensors if n.startswith("rope_factors"))
+    if factors:  # llama.cpp's longrope (Phi-3 128k): llama.cpp's numbers differ from transformers' here
+        print(f"lmhead: {f.path.name}: its rope factors ({', '.join(factors)}) are not applied, as transformers' "
+              "GGUF loader does not apply them: the numbers are transformers' on this file", file=sys.stderr,
+              flush=True)
     if r.dequantized:
         kinds = ", ".join(sorted({d.split(" ")[1].strip("()") for d in r.dequantized}))
         print(f"lmhead: {len(r.dequantized)} tensors of {f.path.name} have no code kernel ({kinds}): dequantized "
               "to float32 at load", file=sys.stderr, flush=True)
     return body, head, None, tied
+
+
+def _qkv_bias(r: _Reader, p: str, arch: ArchSpec) -> torch.Tensor | None:
+    """The q, k and v biases as one vector (zeros for a part without one; None where none has a bias)."""
+    biases = [r.vector(p + f"{part}.bias") for part in arch.gguf_qkv]
+    if all(b is None for b in biases):
+        return None
+    if len(biases) == 1:
+        return biases[0]
+    cfg = r.cfg
+    sizes = [cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_key_value_heads]
+    hd = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    return torch.cat([b if b is not None else torch.zeros(n * hd) for b, n in zip(biases, sizes, strict=True)])
 
 
 def memory_needed(f: GGUFFile) -> int:

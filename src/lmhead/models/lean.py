@@ -15,9 +15,11 @@ up) are re-pointed to row slices of one buffer (`Parameter.data`), so `hf_model`
 read the same memory and nothing is copied. Products run through oneDNN's inner product when torch has it
 (`fast_linear`), else `F.linear`.
 
-Supported: Gemma 3 (text) and Llama-style models (Llama, SmolLM2, Qwen2 with q/k/v bias, Qwen3 with q/k norms).
-`LeanBody.supports(hf_model)` says whether a model is one of them; tests compare the hidden states with
-transformers' forward on tiny models of each family, and greedy tokens on the packaged models.
+Supported: the architectures of `models/arch.py`'s table (Llama-style models — Llama, SmolLM2, Mistral, Qwen2 with
+q/k/v bias, Qwen3 with q/k norms —, Phi-3, Gemma 2 and Gemma 3 text); what differs between them is the table's row
+(`self.arch`), not a check here. `LeanBody.supports(hf_model)` says whether a model is one of them; tests compare
+the hidden states with transformers' forward on tiny models of each family, and greedy tokens on the packaged
+models.
 """
 
 from __future__ import annotations
@@ -31,12 +33,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmhead.models import native
+from lmhead.models.arch import ARCHS, STATIC_ROPE, arch_of, refusal
 from lmhead.models.coded_linear import CodedLinear, coded_available
 from lmhead.models.fast_linear import Int8Linear, onednn_available
 
 __all__ = ["LeanBody", "StaticCache", "SUPPORTED_MODEL_TYPES"]
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("gemma3_text", "llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(ARCHS))
 
 
 class StaticCache:
@@ -124,9 +127,9 @@ class Layer:
     gate_up: Tensor | Int8Linear  # [2·F, D]
     down: Tensor | Int8Linear     # [D, F]
     input_norm: Tensor
-    post_attn_norm: Tensor | None   # Gemma: after attention; Llama: None
+    post_attn_norm: Tensor | None   # sandwich norms (Gemma): after attention; else None
     pre_mlp_norm: Tensor            # Gemma: pre_feedforward_layernorm; Llama: post_attention_layernorm
-    post_mlp_norm: Tensor | None    # Gemma only
+    post_mlp_norm: Tensor | None    # sandwich norms only
     q_norm: Tensor | None
     k_norm: Tensor | None
     kind: str              # the layer type its rope frequencies are kept under ("full_attention", ...)
@@ -183,24 +186,27 @@ class LeanBody:
     def supports(hf_model) -> bool:
         cfg = getattr(hf_model, "config", None)
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        return getattr(cfg, "model_type", None) in SUPPORTED_MODEL_TYPES
+        return cfg is not None and refusal(cfg, own_rotary=True) is None
 
     def __init__(self, hf_model, onednn: bool | None = None, int8: bool = False) -> None:
         """`int8=True`: the four matrices of each block become int8 copies (`Int8Linear`, activations quantised
         per call) — an approximate body for the speculative draft; the embedding and norms stay shared."""
         if not self.supports(hf_model):
             model_type = getattr(getattr(hf_model, "config", None), "model_type", type(hf_model).__name__)
-            raise ValueError(f"the lean body supports {', '.join(SUPPORTED_MODEL_TYPES)}; got {model_type!r}")
+            why = refusal(hf_model.config.get_text_config(), own_rotary=True) \
+                if hasattr(getattr(hf_model, "config", None), "get_text_config") else None
+            raise ValueError(f"the lean body supports {', '.join(SUPPORTED_MODEL_TYPES)}; got {model_type!r}"
+                             + (f" ({why})" if why and model_type in ARCHS else ""))
         cfg = hf_model.config.get_text_config()
         base = hf_model.base_model
         self._configure(cfg, onednn)
         self.embed = base.embed_tokens.weight
         self.embed_codes = None
         self.embed_scale = (base.embed_tokens.embed_scale.to(base.embed_tokens.weight.dtype)
-                            if self.gemma else None)
+                            if self.arch.scaled_embedding else None)
         self.rotary = base.rotary_emb
         self.final_norm = base.norm.weight
-        self.act = base.layers[0].mlp.act_fn
+        self.act = getattr(base.layers[0].mlp, self.arch.act)
         self.hf_blocks = list(base.layers)
         self.layers = [self._layer(block, t) for block, t in zip(base.layers, self._types, strict=True)]
         self.dtype, self.device = self.embed.dtype, self.embed.device
@@ -212,14 +218,16 @@ class LeanBody:
     def _configure(self, cfg, onednn: bool | None) -> None:
         """What the step reads from the model's config (a transformers config or `models.config.ModelConfig`)."""
         self.model_type = cfg.model_type
-        self.gemma = cfg.model_type == "gemma3_text"
+        self.arch = arch_of(cfg)
+        if self.arch is None:
+            raise ValueError(f"the lean body supports {', '.join(SUPPORTED_MODEL_TYPES)}; got {cfg.model_type!r}")
         self.config = cfg
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
-        self.scaling = (cfg.query_pre_attn_scalar ** -0.5) if self.gemma else self.head_dim ** -0.5
-        self.attn_softcap = getattr(cfg, "attn_logit_softcapping", None) if self.gemma else None
+        self.scaling = self.arch.scaling(cfg, self.head_dim)
+        self.attn_softcap = self.arch.softcap(cfg)
         self.window = getattr(cfg, "sliding_window", None)
         self._types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
         self.layer_types = sorted(set(self._types))
@@ -281,10 +289,9 @@ class LeanBody:
         count = 0
         for i, (layer, block) in enumerate(zip(self.layers, self.hf_blocks, strict=True)):
             attn, mlp = block.self_attn, block.mlp
-            groups = {"qkv": [("self_attn.q_proj", attn.q_proj), ("self_attn.k_proj", attn.k_proj),
-                              ("self_attn.v_proj", attn.v_proj)],
+            groups = {"qkv": [(f"self_attn.{n}", getattr(attn, n)) for n in self.arch.qkv],
                       "o": [("self_attn.o_proj", attn.o_proj)], "down": [("mlp.down_proj", mlp.down_proj)],
-                      "gate_up": [("mlp.gate_proj", mlp.gate_proj), ("mlp.up_proj", mlp.up_proj)]}
+                      "gate_up": [(f"mlp.{n}", getattr(mlp, n)) for n in self.arch.gate_up]}
             layer.coded = {}
             for name, parts in groups.items():
                 found = [module_codes(codes, f"layers.{i}.{path}", lin.weight) for path, lin in parts]
@@ -298,18 +305,19 @@ class LeanBody:
 
     def _layer(self, block, kind: str) -> Layer:
         attn, mlp = block.self_attn, block.mlp
-        qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        gate_up, _ = _fuse([mlp.gate_proj, mlp.up_proj])
-        gemma = self.gemma
+        arch = self.arch
+        qkv, qkv_bias = _fuse([getattr(attn, n) for n in arch.qkv])
+        gate_up, _ = _fuse([getattr(mlp, n) for n in arch.gate_up])
+        sandwich = arch.sandwich_norms
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3, Gemma 3
         return Layer(
             qkv=qkv, qkv_bias=qkv_bias, o=attn.o_proj.weight, gate_up=gate_up, down=mlp.down_proj.weight,
             input_norm=block.input_layernorm.weight,
-            post_attn_norm=block.post_attention_layernorm.weight if gemma else None,
-            pre_mlp_norm=(block.pre_feedforward_layernorm if gemma else block.post_attention_layernorm).weight,
-            post_mlp_norm=block.post_feedforward_layernorm.weight if gemma else None,
-            q_norm=attn.q_norm.weight if hasattr(attn, "q_norm") else None,
-            k_norm=attn.k_norm.weight if hasattr(attn, "k_norm") else None,
-            kind=kind, sliding=kind == "sliding_attention" and self.window is not None)
+            post_attn_norm=block.post_attention_layernorm.weight if sandwich else None,
+            pre_mlp_norm=(block.pre_feedforward_layernorm if sandwich else block.post_attention_layernorm).weight,
+            post_mlp_norm=block.post_feedforward_layernorm.weight if sandwich else None,
+            q_norm=None if q_norm is None else q_norm.weight, k_norm=None if k_norm is None else k_norm.weight,
+            kind=kind, sliding=arch.sliding(kind, self.window))
 
     # --- pieces ---------------------------------------------------------------------------------------------
 
@@ -320,12 +328,12 @@ class LeanBody:
             x = x.contiguous()
             y = torch.empty_like(x)
             lib.lmhead_rms_norm(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
-                                w.numel() // w.shape[-1], self.eps, int(self.gemma))
+                                w.numel() // w.shape[-1], self.eps, int(self.arch.unit_offset_norm))
             return y
         # Gemma scales by (1 + w) after normalising in fp32 — y + y·w, one op; Llama multiplies w by the
         # normalised x. A decode step is dominated by per-op dispatch, so every op saved counts.
         y = F.rms_norm(x if x.dtype == torch.float32 else x.float(), (x.shape[-1],), None, self.eps)
-        if self.gemma:
+        if self.arch.unit_offset_norm:
             y = torch.addcmul(y, y, w)
             return y if y.dtype == x.dtype else y.type_as(x)
         return w * (y if y.dtype == x.dtype else y.type_as(x))
@@ -351,7 +359,7 @@ class LeanBody:
         out, h = torch.empty_like(x), torch.empty_like(x)
         lib.lmhead_add_norm(x.data_ptr(), a.data_ptr(), None if w_post is None else w_post.data_ptr(),
                             w_pre.data_ptr(), out.data_ptr(), h.data_ptr(), x.numel() // x.shape[-1],
-                            x.shape[-1], self.eps, int(self.gemma))
+                            x.shape[-1], self.eps, int(self.arch.unit_offset_norm))
         return out, h
 
     def _gated(self, gate_up: Tensor) -> Tensor:
@@ -461,7 +469,7 @@ class LeanBody:
         rc = lib.lmhead_step(descs[0], len(self.layers), self.final_norm.data_ptr(), x.data_ptr(), h.data_ptr(),
                              cache.keys.data_ptr(), cache.values.data_ptr(), arr(cos), arr(sin), arr(mask_list),
                              scratch.data_ptr(), b, t, d, heads, kv, hd, f, cache.capacity, start, self.eps,
-                             int(self.gemma), self.act_code, self.scaling, self.attn_softcap or 0.0,
+                             int(self.arch.unit_offset_norm), self.act_code, self.scaling, self.attn_softcap or 0.0,
                              torch.get_num_threads())
         if rc != 0:
             raise MemoryError("lmhead_step could not allocate its buffers")
@@ -530,8 +538,8 @@ class LeanBody:
                                made[1], made[2], len(self.layer_types), table_rows, made[3], self.window or 0,
                                x.data_ptr(), h.data_ptr(),
                                cache.keys.data_ptr(), cache.values.data_ptr(), work.data_ptr(), scratch.data_ptr(),
-                               b, t, d, heads, kv, hd, f, cap, start, self.eps, int(self.gemma), self.act_code,
-                               self.scaling, self.attn_softcap or 0.0, torch.get_num_threads())
+                               b, t, d, heads, kv, hd, f, cap, start, self.eps, int(self.arch.unit_offset_norm),
+                               self.act_code, self.scaling, self.attn_softcap or 0.0, torch.get_num_threads())
         if rc == -2:
             return None
         if rc != 0:
@@ -728,16 +736,14 @@ class LeanBody:
 
     __call__ = forward
 
-    # rope types whose frequencies do not depend on the sequence (the rest are recomputed every step)
-    STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn", "proportional"})
-
     def _rotary(self, x: Tensor, positions: Tensor, kind: str) -> tuple[Tensor, Tensor]:
         """cos and the signed sin of `_rope`, [B,T,1,hd] (broadcast over heads), from the model's own rotary
         module (its frequencies and scaling). Where those do not change with the sequence, rows of a table the
         module made once for positions 0..P-1 (each entry is the same element-wise product and cos/sin as a
         per-step call: decode no longer calls the module every step)."""
         types = getattr(self.rotary, "rope_type", "default")
-        static = all(t in self.STATIC_ROPE for t in (types.values() if isinstance(types, dict) else [types]))
+        # rope types outside STATIC_ROPE change with the sequence: the module is called at every step
+        static = all(t in STATIC_ROPE for t in (types.values() if isinstance(types, dict) else [types]))
         if not static or positions.numel() == 0 or int(positions.min()) < 0:
             return self._rotary_rows(x, positions, kind)
         tables = self.__dict__.setdefault("_rope_tables", {})
@@ -752,7 +758,7 @@ class LeanBody:
 
     def _rotary_rows(self, x: Tensor, positions: Tensor, kind: str) -> tuple[Tensor, Tensor]:
         """`_rotary` from one call of the model's rotary module for `positions` [B,T]."""
-        if self.gemma:
+        if self.arch.rope_per_layer_type:
             cos, sin = self.rotary(x, positions, kind)
         else:
             cos, sin = self.rotary(x, positions)

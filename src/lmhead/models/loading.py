@@ -307,6 +307,7 @@ def _load_file(source: Source, head: str, body: str, progress: bool):
         FILE_ARCHITECTURES,
         check_fits,
         file_body,
+        file_refusal,
         meta_folder,
         read_meta,
         supports_file,
@@ -343,6 +344,12 @@ def _load_file(source: Source, head: str, body: str, progress: bool):
     cfg, tokenizer, eos = read_meta(folder)
     trim_heap()
     gguf = f.path
+    why = file_refusal(cfg)
+    if why is not None:
+        f.close()
+        print(f"lmhead: {gguf.name}: the lean body does not run {why}; running transformers' body on a float32 "
+              "conversion", file=sys.stderr, flush=True)
+        return None
     try:
         check_fits(f)
         lean, weight, bias, tied = file_body(f, cfg)

@@ -119,7 +119,8 @@ class Model:
         self.context_length = parts.context_length(config)
         if getattr(tokenizer, "pad_token_id", None) is None and self.eos_token_ids:
             tokenizer.pad_token_id = self.eos_token_ids[0]
-        parts_of = {"qkv": 3, "gate_up": 2}  # the model's matrices each fused product holds
+        parts_of = {"qkv": len(lean.arch.gguf_qkv), "gate_up": len(lean.arch.gguf_gate_up)}  # the file's matrices
+        # each fused product holds
         self.coded_matrices = sum(parts_of.get(name, 1) for layer in lean.layers for name in (layer.coded or {})) \
             + int(getattr(exact_head, "product", None) is not None)
         self.head = build_head(self, head)
