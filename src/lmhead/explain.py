@@ -335,11 +335,13 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
     same head.
     """
     from lmhead.sampling import SamplingConfig, process_logits
+    from lmhead.sampling.steps.masks import withhold_stops
 
     if config is None:
         config = SamplingConfig()
     if not isinstance(config, SamplingConfig):
         raise TypeError(f"config: expected a SamplingConfig, got {type(config).__name__}")
+    config = withhold_stops(config, getattr(model, "eos_token_ids", ()))  # what the next draw follows (generate)
     head, head_name = explain_head(model, head)
     vocab = model.vocab_size
     top = min(checks.positive_int("top", top), vocab)

@@ -87,14 +87,16 @@ def _last(model, prompt: str | LastPosition) -> LastPosition:
     return prompt if isinstance(prompt, LastPosition) else last_position(model, prompt)
 
 
-def _config(config):
+def _config(config, model):
+    """The config checked, with the model's end of sequence among what min_tokens withholds, as `generate` runs it."""
     from lmhead.sampling import SamplingConfig
+    from lmhead.sampling.steps.masks import withhold_stops
 
     if config is None:
         return SamplingConfig()
     if not isinstance(config, SamplingConfig):
         raise TypeError(f"config: expected a SamplingConfig, got {type(config).__name__}")
-    return config
+    return withhold_stops(config, getattr(model, "eos_token_ids", ()))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -261,7 +263,7 @@ def rank_curve(model, prompt: str | LastPosition, config=None, points: int = 160
     """
     from lmhead.sampling import entropy, probabilities, process_logits
 
-    config = _config(config)
+    config = _config(config, model)
     last = _last(model, prompt)
     logits = last.logits[None]  # [1,V]
     prev = torch.tensor([last.ids], device=logits.device)
@@ -337,7 +339,7 @@ def draw_tokens(model, prompt: str | LastPosition, n: int, seed: int = 0, config
     from lmhead.explain import token_texts
     from lmhead.sampling import SamplingConfig, process_logits, sample
 
-    config = _config(config)
+    config = _config(config, model)
     if not checks.is_int(seed) or not 0 <= seed < 2**63:
         raise ValueError(f"seed: must be an integer in [0, 2**63), got {seed!r}")
     top = checks.int_in_range("top", top, 0, 200)
@@ -401,7 +403,8 @@ def step_profile(model, prompt: str, token_ids: Sequence[int], configs=None) -> 
         raise ValueError("token_ids: must hold at least one token id")
     ids = prompt_ids(model, prompt, extra=len(new))
     n, p = len(new), len(ids)
-    cfgs = [_config(configs)] * n if not isinstance(configs, (list, tuple)) else [_config(c) for c in configs]
+    cfgs = ([_config(configs, model)] * n if not isinstance(configs, (list, tuple))
+            else [_config(c, model) for c in configs])
     if len(cfgs) != n:
         raise ValueError(f"configs: expected one SamplingConfig or a list of {n}, got a list of {len(cfgs)}")
     seq = torch.tensor([ids + new], device=model.device)
