@@ -609,3 +609,17 @@ def test_reset_turns_every_step_off_and_back_to_the_prefix_pipeline(page):
     assert page.evaluate("window.lmhead.settings()") == {"temperature": 1, "top_k": 0, "top_p": 1, "min_p": 0}
     assert page.locator("#chain li").count() == 0
     assert page.get_by_label("Order", exact=True).input_value() == "lmhead"
+
+
+def test_the_rank_curve_draws_a_line_where_each_declared_step_cuts(page, server):
+    submit(page, REPEATS)
+    open_steps(page)
+    set_params(page, {"typical_p": 0.6, "top_n_sigma": 1.5})
+    wait_chart(page, "#dist-chart", typical_p=0.6, top_n_sigma=1.5)
+    want = httpx.post(server.url + "/api/distribution",
+                      json={"prompt": REPEATS, "typical_p": 0.6, "top_n_sigma": 1.5}).json()
+    lines = page.locator("#dist-chart line.cutline").evaluate_all(
+        "ls => ls.map(l => [l.dataset.step, +l.dataset.rank])")
+    assert lines == [[c["step"], c["rank"]] for c in want["cutoffs"]] == [["typical_p", lines[0][1]],
+                                                                         ["top_n_sigma", want["kept_count"]]]
+    assert "typical-p 0.6 leaves" in page.locator("#dist-chart svg desc").text_content()

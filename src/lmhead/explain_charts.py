@@ -218,7 +218,8 @@ class RankCurve(JSONReady):
     scaled: list[float]
     processed: list[float]
     scaled_cumulative: list[float]
-    cutoffs: list[dict[str, Any]]  # {"step": "top_k"|"top_p"|"min_p"|"greedy", "setting": value, "rank": n}
+    cutoffs: list[dict[str, Any]]  # {"step": "top_k"|"top_p"|"min_p"|"greedy"|another step's name, "setting": value,
+    #                                "rank": n}
     kept_count: int
     entropy: dict[str, float]  # raw, scaled, processed (nats, full vocabulary)
     config: dict[str, Any]
@@ -253,6 +254,21 @@ def _cut_counts(adjusted: torch.Tensor, config) -> list[dict[str, Any]]:
     return out
 
 
+def _declared_cuts(logits: torch.Tensor, config, prev: torch.Tensor, prompt_len: int):
+    """For a config the batch path does not run (`explain.pipeline_stages`: its declared steps in its order): the
+    logits after temperature (after the masks and penalties when greedy), and a cut-off entry for every step of
+    stage 4 and every other step that cut a token (its first parameter as the setting), as `_cut_counts` gives."""
+    from lmhead.explain import pipeline_stages, step_rows
+
+    stages = pipeline_stages(logits, config, prev, prompt_len)
+    rows = step_rows(config, stages, left=True)
+    cutoffs = [{"step": r["name"], "setting": next(iter(r["params"].values())), "rank": r["left"]}
+               for r in rows if r["stage"] == 4 or r["cut"]]
+    if config.is_greedy:
+        cutoffs.append({"step": "greedy", "setting": 0.0, "rank": 1})
+    return stages["scaled"], cutoffs
+
+
 @torch.inference_mode()
 def rank_curve(model, prompt: str | LastPosition, config=None, points: int = 160) -> RankCurve:
     """Probability against rank over the full vocabulary [V], before and after the pipeline (`RankCurve`).
@@ -268,12 +284,15 @@ def rank_curve(model, prompt: str | LastPosition, config=None, points: int = 160
     logits = last.logits[None]  # [1,V]
     prev = torch.tensor([last.ids], device=logits.device)
     kw = dict(prev_tokens=prev, prompt_len=len(last.ids))
-    plain = dataclasses.replace(config, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
-    adjusted = process_logits(logits, plain, **kw)  # steps 1-2
-    scaled = adjusted if config.is_greedy else adjusted / config.temperature
     processed = process_logits(logits, config, **kw)
     probs = probabilities(logits, config, **kw)[0]
-    cutoffs = _cut_counts(adjusted, config)
+    if config.runs_on("batch"):
+        plain = dataclasses.replace(config, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+        adjusted = process_logits(logits, plain, **kw)  # steps 1-2
+        scaled = adjusted if config.is_greedy else adjusted / config.temperature
+        cutoffs = _cut_counts(adjusted, config)
+    else:
+        scaled, cutoffs = _declared_cuts(logits, config, prev, len(last.ids))
     vocab = logits.shape[1]
     ranks = rank_points(vocab, points, [c["rank"] for c in cutoffs])
     at = torch.tensor(ranks) - 1
