@@ -485,6 +485,9 @@ def set_params(page, values: dict) -> None:
             slide(page, name, value)
         else:
             page.get_by_label(name, exact=True).fill(str(value))
+    # the table shows these settings (renders while a control moves wait for the next frame)
+    page.wait_for_function("document.querySelector('#stage').dataset.settings === "
+                           "window.lmhead.settingsKey(window.lmhead.settings())")
 
 
 def shown_rows(page) -> list[dict]:
@@ -531,10 +534,10 @@ def test_every_declared_parameter_has_a_control_built_from_the_declaration(page,
     options = page.get_by_label("Order", exact=True).locator("option").evaluate_all("os => os.map(o => o.value)")
     assert options == [*decl["presets"], "custom"]
     page.get_by_label("dry_base", exact=True).fill("0.5")  # outside its range: said, not sent
-    assert "dry_base must be in [1, 10000]" in page.locator("#status").inner_text()
+    page.wait_for_function("document.querySelector('#status').textContent.includes('dry_base must be in [1, 10000]')")
     assert page.get_by_label("dry_base", exact=True).get_attribute("aria-invalid") == "true"
     page.get_by_label("dry_base", exact=True).fill("2")
-    assert page.locator("#status").inner_text() == ""
+    page.wait_for_function("document.querySelector('#status').textContent === ''")
 
 
 STEP_SETTINGS = [

@@ -173,6 +173,7 @@ def _declared_settings(top: list[int]) -> list[dict]:
         dict(top_k=5, typical_p=0.5, top_n_sigma=1.0, epsilon_cutoff=1e-3, temperature=1.4),
         dict(temperature=0.7, top_k=12, top_p=0.8, min_p=0.05, repetition_penalty=1.2),
         dict(allowed_token_ids=top[:50], mirostat=1),  # fewer tokens than mirostat's m: its fit keeps them all
+        dict(top_p=0.95, temperature=2.0), dict(top_p=0.999),  # top-p sets wider than a first window
     ]
 
 

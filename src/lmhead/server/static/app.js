@@ -132,8 +132,9 @@ function readSettings() {
   return { st, error: errors.length ? errors.join("; ") : null };
 }
 const settings = () => readSettings().st;
-const sameSettings = (a, b) => !!a && !!b && JSON.stringify(sortedKeys(a)) === JSON.stringify(sortedKeys(b));
+const sameSettings = (a, b) => !!a && !!b && settingsKey(a) === settingsKey(b);
 const sortedKeys = (o) => Object.fromEntries(Object.keys(o).sort().map((k) => [k, o[k]]));
+const settingsKey = (st) => JSON.stringify(sortedKeys(st));
 // Only the four sliders above are set (the prefix-of-the-candidates pipeline below runs them)
 const legacyOnly = (st) => !!st && Object.keys(st).every((k) => LEGACY.includes(k));
 
@@ -277,11 +278,21 @@ function resetStepControls() {
 
 // A control moved (input) or was released (change): the page recomputes at once; on release it also asks the server
 // for the candidates and the pictures at the new settings.
+// While a control moves, its renders are coalesced to one per frame: over a large vocabulary one run of the declared
+// steps can take longer than the events come.
 function settingsChanged(released) {
+  if (!released) {
+    if (!state.frame) state.frame = requestAnimationFrame(() => { state.frame = 0; render(); });
+    if (!readSettings().error) scheduleDistribution(60);
+    return;
+  }
+  cancelAnimationFrame(state.frame);
+  state.frame = 0;
   render();
   if (state.settingsError) return;
-  scheduleDistribution(released ? 0 : 60);
-  if (released) { scheduleRequery(0); scheduleRedraw(); }
+  scheduleDistribution(0);
+  scheduleRequery(0);
+  scheduleRedraw();
 }
 
 function seed() {
@@ -512,6 +523,7 @@ function renderLegacy(d, st) {
     frag.append(tr);
   }
   body.replaceChildren(frag);
+  $("#stage").dataset.settings = settingsKey(st); // what the table shows (the tests wait for it)
 
   // Summary: entropy, kept, exactness.
   $("#entropy-raw").textContent = nats(d.raw.entropy.raw);
@@ -631,6 +643,7 @@ function renderDeclared(d, st) {
     return;
   }
   paintRows(items, r ? r.config : lmheadPipeline.configOf(state.decl, st, eosIds()));
+  $("#stage").dataset.settings = settingsKey(st);
   let mass = null;
   if (r) {
     const sp = lmheadPipeline.softmax(r.scaled);
@@ -1243,7 +1256,7 @@ async function init() {
 // For tests and the curious: the pipeline functions and the state (in Node: module.exports, for the tests that
 // compare this pipeline with lmhead.sampling's over a full vocabulary).
 if (typeof window !== "undefined") {
-  window.lmhead = { state, compute, settings, readSettings, pct, withModel };
+  window.lmhead = { state, compute, settings, readSettings, settingsKey, pct, withModel };
   init();
 } else if (typeof module !== "undefined") {
   module.exports = { compute, tailBounds, runPipeline, entropyOf };

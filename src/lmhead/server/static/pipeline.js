@@ -50,9 +50,31 @@
     for (let i = 0; i < logp.length; i++) if (logp[i] > NEG) h -= Math.exp(logp[i]) * logp[i];
     return h;
   }
-  function descending(x) { // a sorted copy, largest first (a typed sort: no comparator over the whole row)
-    const s = Float64Array.from(x).sort();
-    return s.reverse();
+  // The k-th largest value (k ≥ 1) by Hoare's selection on a copy: linear on average, where a sort of the whole row
+  // would cost far more at a vocabulary of 262,144.
+  function kthLargest(x, k) {
+    const a = Float64Array.from(x), t = k - 1;
+    let lo = 0, hi = a.length - 1;
+    while (lo < hi) {
+      const pivot = a[(lo + hi) >> 1];
+      let i = lo, j = hi;
+      while (i <= j) {
+        while (a[i] > pivot) i++;
+        while (a[j] < pivot) j--;
+        if (i <= j) { const v = a[i]; a[i] = a[j]; a[j] = v; i++; j--; }
+      }
+      if (t <= j) hi = j;
+      else if (t >= i) lo = i;
+      else break;
+    }
+    return a[t];
+  }
+  // The indices of the m largest values and of every value tied with the m-th, largest first.
+  function topIndices(x, m) {
+    const floor = kthLargest(x, Math.min(m, x.length));
+    const idx = [];
+    for (let i = 0; i < x.length; i++) if (x[i] >= floor) idx.push(i);
+    return idx.sort((a, b) => x[b] - x[a] || a - b);
   }
   function keepTop(x, drop) { // drop[i] at -inf, the row's largest logit (and its ties) always kept
     const top = maxOf(x), out = Float64Array.from(x);
@@ -142,27 +164,31 @@
 
   function topK(x, k) {
     if (k >= x.length) return x;
-    const kth = descending(x)[k - 1];
+    const kth = kthLargest(x, k);
     return keepTop(x, (i) => x[i] < kth);
   }
 
-  // Top-p as lmhead.sampling.top_p.top_p_sorted on the whole row: a token goes when the mass of it and every token
-  // below it is ≤ 1 − p, a tie group by its first member, the most probable always kept. Removal runs from some value
-  // down, so it is a threshold on the logit.
+  // Top-p as lmhead.sampling.top_p.top_p_sorted: a tie group goes when the mass of it and every token below it is
+  // ≤ 1 − p, i.e. when the mass strictly above it is ≥ p; the most probable always stays. Removal runs from some value
+  // down, so it is a threshold on the logit, found in a window of the largest logits that grows until it holds the
+  // group where the mass reaches p (as lmhead.sampling's windows do; the whole row at the end).
   function topP(x, p) {
-    const s = descending(x), probs = softmax(s);
-    const asc = new Float64Array(s.length);
-    let below = 0;
-    for (let i = s.length - 1; i >= 0; i--) { below += probs[i]; asc[i] = below; }
-    let first = 0;
-    for (let i = 1; i < s.length; i++) {
-      if (s[i] !== s[i - 1]) first = i;
-      if (first > 0 && asc[first] <= 1 - p) {
-        const v = s[first];
-        return keepTop(x, (j) => x[j] <= v);
+    const top = maxOf(x);
+    let z = 0;
+    for (let i = 0; i < x.length; i++) z += Math.exp(x[i] - top);
+    for (let m = 256; ; m *= 4) {
+      const idx = topIndices(x, m);
+      let above = 0;
+      for (let j = 0; j < idx.length; j++) {
+        const v = x[idx[j]];
+        if (j > 0 && v !== x[idx[j - 1]] && 1 - above <= 1 - p) return keepTop(x, (i) => x[i] <= v);
+        above += Math.exp(v - top) / z;
       }
+      if (idx.length === x.length) return x;
+      const last = x[idx[idx.length - 1]]; // every token below the window: one group's worth of mass above it
+      if (1 - above <= 1 - p) return keepTop(x, (i) => x[i] < last);
+      if (m >= x.length) return x;
     }
-    return x;
   }
 
   function minP(x, p) { // transformers' MinPLogitsWarper: p < min_p · p_max
@@ -170,24 +196,25 @@
     return keepTop(x, (i) => Math.exp(x[i] - top) < p);
   }
 
-  // transformers' TypicalLogitsWarper: tokens by |−log p − H| ascending, the set ends where the mass reaches
-  // typical_p, and every token scored at most that token's is kept. The order among equal scores does not change
-  // the set (the token where the mass crosses has the score of its whole tie group).
+  // transformers' TypicalLogitsWarper: tokens by |−log p − H| ascending, the set ends at the first token where the
+  // mass reaches typical_p, and every token scored at most that token's is kept (the best scored always). The order
+  // among equal scores does not change the set — the token where the mass crosses has the score of its whole tie
+  // group — so the bound is the smallest score whose tokens scored at most it hold typical_p (or the largest score
+  // when none does), found by bisection over the sorted scores instead of sorting the tokens.
   function typicalP(x, tp) {
     const logp = logSoftmax(x), h = entropyOf(logp), V = x.length;
-    const score = new Float64Array(V);
-    for (let i = 0; i < V; i++) score[i] = Math.abs(-logp[i] - h);
-    const order = new Uint32Array(V);
-    for (let i = 0; i < V; i++) order[i] = i;
-    order.sort((a, b) => score[a] - score[b] || a - b);
-    let cum = 0, last = V - 1;
-    for (let j = 0; j < V; j++) {
-      cum += Math.exp(logp[order[j]]);
-      if (!(cum < tp)) { last = j; break; }
+    const score = new Float64Array(V), p = new Float64Array(V);
+    for (let i = 0; i < V; i++) { score[i] = Math.abs(-logp[i] - h); p[i] = Math.exp(logp[i]); }
+    const sorted = Float64Array.from(score).sort();
+    const holds = (bound) => { let m = 0; for (let i = 0; i < V; i++) if (score[i] <= bound) m += p[i]; return !(m < tp); };
+    let lo = 0, hi = V - 1;
+    while (lo < hi) {
+      const mid = (lo + hi) >> 1;
+      if (holds(sorted[mid])) hi = mid; else lo = mid + 1;
     }
-    const bound = score[order[last]], firstTok = order[0];
+    const bound = sorted[lo];
     const out = Float64Array.from(x);
-    for (let i = 0; i < V; i++) if (i !== firstTok && score[i] > bound) out[i] = NEG;
+    for (let i = 0; i < V; i++) if (score[i] > bound) out[i] = NEG;
     return out;
   }
 
@@ -250,7 +277,9 @@
     if (c.mirostat === 1) {
       const p = new Float64Array(x.length);
       for (let i = 0; i < x.length; i++) p[i] = Math.exp(logp[i]);
-      const k = mirostatK(descending(p), x.length, mu);
+      // the fit reads the top m + 1 probabilities only (the zeros of cut tokens included, as the sorted row has them)
+      const top = topIndices(p, MIROSTAT_M).slice(0, MIROSTAT_M).map((i) => p[i]);
+      const k = mirostatK(top, x.length, mu);
       return k >= x.length ? x : topK(x, k);
     }
     return keepTop(x, (i) => -logp[i] / Math.LN2 > mu);
@@ -489,7 +518,7 @@
   function topOrder(adjusted, row, n) {
     const V = adjusted.length;
     n = Math.min(n, V);
-    const floor = descending(adjusted)[n - 1];
+    const floor = kthLargest(adjusted, n);
     const idx = [];
     for (let i = 0; i < V; i++) if (adjusted[i] >= floor) idx.push(i);
     idx.sort((a, b) => (adjusted[b] - adjusted[a]) || (row[b] - row[a]) || (a - b));
