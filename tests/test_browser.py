@@ -461,3 +461,168 @@ def test_real_default_model_pictures_and_screenshots(browser):
         ctx.close()
     for name in ("distribution", "head", "draws", "steps"):
         assert (DOCS / f"explain_{name}.png").stat().st_size > 10_000
+
+
+# --- every declared step: its controls, its cuts, and the page's numbers against the server's --------------------
+
+REPEATS = "The cat sat on the mat. The cat sat on the"  # a prompt that repeats itself: DRY and the n-grams cut
+
+
+def open_steps(page) -> None:
+    page.locator("#more-steps summary").click()
+    page.wait_for_selector("#step-controls fieldset.step")
+
+
+def set_params(page, values: dict) -> None:
+    """Each control by its label (the parameter's name), then the order (a preset, or names typed)."""
+    for name, value in values.items():
+        if name == "samplers":
+            preset = "custom" if isinstance(value, list) else value
+            page.get_by_label("Order", exact=True).select_option(preset)
+            if preset == "custom":
+                page.get_by_label("samplers", exact=True).fill(";".join(value))
+        elif name in ("Temperature", "Top-k", "Top-p", "Min-p"):
+            slide(page, name, value)
+        else:
+            page.get_by_label(name, exact=True).fill(str(value))
+    # the table shows these settings (renders while a control moves wait for the next frame)
+    page.wait_for_function("document.querySelector('#stage').dataset.settings === "
+                           "window.lmhead.settingsKey(window.lmhead.settings())")
+
+
+def shown_rows(page) -> list[dict]:
+    return page.locator("#stage tbody tr").evaluate_all(
+        "rows => rows.map(r => ({id: +r.dataset.id, p: +r.querySelector('td.prob').dataset.p, "
+        "kept: r.classList.contains('kept'), cut: r.dataset.cut || null, xtc: r.classList.contains('xtc')}))")
+
+
+def assert_page_equals_server(page, server, prompt: str) -> dict:
+    """The table, the summary and the chain strip the page computed against /api/predict at the page's settings over
+    the whole vocabulary: each shown token's probability, whether it is kept, the step that cut it; the entropy,
+    the kept count, and every step that ran with its count of tokens cut."""
+    settings = page.evaluate("window.lmhead.settings()")
+    vocab = page.evaluate("window.lmhead.state.data.V")
+    want = httpx.post(server.url + "/api/predict", json={"prompt": prompt, "top": vocab, **settings}).json()
+    by_id = {c["token_id"]: c for c in want["candidates"]}
+    rows = shown_rows(page)
+    assert len(rows) == 20
+    for r in rows:
+        c = by_id[r["id"]]
+        assert r["p"] == pytest.approx(c["probability"], rel=1e-4, abs=1e-7), (settings, r, c)
+        assert r["kept"] == c["kept"] and r["cut"] == c["cut_by"], (settings, r, c)
+    assert [r["id"] for r in rows if r["kept"]] == [c["token_id"] for c in want["candidates"][:20] if c["kept"]]
+    assert entropy(page) == pytest.approx(want["entropy"]["processed"], rel=1e-4, abs=1e-6)
+    assert page.locator("#kept-count").inner_text() == f"{want['kept_count']:,}"
+    chain = page.locator("#chain li").evaluate_all("els => els.map(e => [e.dataset.step, +e.dataset.cut])")
+    assert chain == [[s["name"], s["cut"]] for s in want["steps"]], settings
+    assert "every step run here" in page.locator("#exactness").inner_text()
+    return want
+
+
+def test_every_declared_parameter_has_a_control_built_from_the_declaration(page, server):
+    decl = httpx.get(server.url + "/api/samplers").json()
+    open_steps(page)
+    hand = {"temperature", "top_k", "top_p", "min_p", "samplers"}  # the sliders above, and the order's own control
+    for name, p in decl["params"].items():
+        if name in hand:
+            continue
+        control = page.get_by_label(name, exact=True)
+        assert control.count() == 1, name
+        assert p["allowed"] in page.locator(f"#p-{name}-help").inner_text(), name
+    groups = page.locator("#step-controls fieldset.step").evaluate_all("els => els.map(e => e.dataset.step)")
+    assert groups == [s["name"] for s in decl["steps"] if set(s["params"]) - hand] + ["samplers"]
+    options = page.get_by_label("Order", exact=True).locator("option").evaluate_all("os => os.map(o => o.value)")
+    assert options == [*decl["presets"], "custom"]
+    page.get_by_label("dry_base", exact=True).fill("0.5")  # outside its range: said, not sent
+    page.wait_for_function("document.querySelector('#status').textContent.includes('dry_base must be in [1, 10000]')")
+    assert page.get_by_label("dry_base", exact=True).get_attribute("aria-invalid") == "true"
+    page.get_by_label("dry_base", exact=True).fill("2")
+    page.wait_for_function("document.querySelector('#status').textContent === ''")
+
+
+STEP_SETTINGS = [
+    pytest.param({"typical_p": 0.6}, id="typical_p"),
+    pytest.param({"top_n_sigma": 1.0, "Temperature": 1.3}, id="top_n_sigma"),
+    pytest.param({"xtc_probability": 0.5, "xtc_threshold": 0.05}, id="xtc"),
+    pytest.param({"dry_multiplier": 0.8, "dry_base": 2.0}, id="dry"),
+    pytest.param({"mirostat": 1, "mirostat_tau": 3.0}, id="mirostat_v1"),
+    pytest.param({"mirostat": 2, "mirostat_tau": 2.0, "Top-k": 5}, id="mirostat_v2"),  # llama.cpp: top-k ignored
+    pytest.param({"dynatemp_range": 0.5, "Temperature": 0.8}, id="dynatemp"),
+    pytest.param({"epsilon_cutoff": 0.01}, id="epsilon"),
+    pytest.param({"eta_cutoff": 0.02}, id="eta"),
+    pytest.param({"no_repeat_ngram_size": 2}, id="no_repeat_ngram"),
+    pytest.param({"repetition_penalty": 1.5, "presence_penalty": 0.3}, id="penalties"),
+    pytest.param({"logit_bias": "12: 4, 40: -3", "banned_tokens": "5"}, id="logit_bias"),
+    pytest.param({"allowed_token_ids": "5, 12, 40, 100, 153, 196"}, id="allowed_token_ids"),
+    pytest.param({"min_tokens": 3, "stop_token_ids": "105"}, id="min_tokens"),
+    pytest.param({"samplers": "llama.cpp", "Temperature": 0.7, "Top-k": 20, "Min-p": 0.05}, id="preset_llama.cpp"),
+    pytest.param({"samplers": ["top-k", "temp", "typ_p", "xtc"], "Top-k": 10, "Temperature": 1.5, "typical_p": 0.8,
+                  "xtc_probability": 1.0, "xtc_threshold": 0.05}, id="user_order"),
+    pytest.param({"dry_multiplier": 1.0, "Temperature": 0}, id="greedy_after_dry"),
+]
+
+
+@pytest.mark.parametrize("values", STEP_SETTINGS)
+def test_each_steps_numbers_and_cuts_on_the_page_equal_the_servers(page, server, values):
+    submit(page, REPEATS)
+    open_steps(page)
+    set_params(page, values)
+    want = assert_page_equals_server(page, server, REPEATS)
+    names = {s["name"] for s in want["steps"]}
+    assert not {"mirostat", "typical_p"} & names or page.locator("#stage tbody tr.cut").count()
+    if "xtc" in names:  # the rows XTC removes when its coin lands are marked: the top choices but the last
+        xtc = next(s for s in want["steps"] if s["name"] == "xtc")
+        assert xtc["cut"] >= 1 and page.locator("#stage tbody tr.xtc").count() == xtc["cut"]
+
+
+def test_bad_words_are_cut_where_the_prompt_ends_with_their_head(page, server):
+    submit(page, REPEATS)
+    ids = [t["token_id"] for t in page.evaluate("window.lmhead.state.data.raw.prompt_tokens")]
+    first = page.locator("#stage tbody tr[data-rank='1']").get_attribute("data-id")
+    second = page.locator("#stage tbody tr[data-rank='2']").get_attribute("data-id")
+    open_steps(page)
+    set_params(page, {"bad_words": f"{ids[-2]} {ids[-1]} {first}; {second}; 7 {first}"})
+    want = assert_page_equals_server(page, server, REPEATS)
+    # masked tokens sort last (the explainer orders by the logit after the masks): the chain strip counts them
+    assert page.locator("#chain li[data-step='bad_words']").get_attribute("data-cut") == "2"
+    shown = page.locator("#stage tbody tr").evaluate_all("rs => rs.map(r => r.dataset.id)")
+    assert first not in shown and second not in shown
+    assert {c["token_id"] for c in want["candidates"] if c["cut_by"] == "bad_words"} == {int(first), int(second)}
+
+
+def test_with_fewer_candidates_the_page_fetches_all_logits_and_stays_exact(page, server):
+    """A vocabulary larger than the candidates sent: the page asks /api/logits once and runs the steps over it."""
+    page.evaluate("window.lmhead.state.candidates = 40")
+    submit(page, REPEATS)
+    assert page.evaluate("window.lmhead.state.data.z.length") == 40
+    open_steps(page)
+    set_params(page, {"typical_p": 0.9, "dry_multiplier": 0.8, "Temperature": 1.4})
+    page.wait_for_function("document.querySelector('#exactness').textContent.includes('every step run here')")
+    assert_page_equals_server(page, server, REPEATS)
+    set_params(page, {"samplers": "transformers"})
+    assert_page_equals_server(page, server, REPEATS)
+
+
+def test_reset_turns_every_step_off_and_back_to_the_prefix_pipeline(page):
+    submit(page)
+    open_steps(page)
+    set_params(page, {"typical_p": 0.5, "samplers": "llama.cpp", "dry_multiplier": 1.0})
+    assert page.locator("#chain li[data-step='typical_p']").count() == 1
+    page.get_by_role("button", name="Reset settings").click()
+    assert page.evaluate("window.lmhead.settings()") == {"temperature": 1, "top_k": 0, "top_p": 1, "min_p": 0}
+    assert page.locator("#chain li").count() == 0
+    assert page.get_by_label("Order", exact=True).input_value() == "lmhead"
+
+
+def test_the_rank_curve_draws_a_line_where_each_declared_step_cuts(page, server):
+    submit(page, REPEATS)
+    open_steps(page)
+    set_params(page, {"typical_p": 0.6, "top_n_sigma": 1.5})
+    wait_chart(page, "#dist-chart", typical_p=0.6, top_n_sigma=1.5)
+    want = httpx.post(server.url + "/api/distribution",
+                      json={"prompt": REPEATS, "typical_p": 0.6, "top_n_sigma": 1.5}).json()
+    lines = page.locator("#dist-chart line.cutline").evaluate_all(
+        "ls => ls.map(l => [l.dataset.step, +l.dataset.rank])")
+    assert lines == [[c["step"], c["rank"]] for c in want["cutoffs"]] == [["typical_p", lines[0][1]],
+                                                                         ["top_n_sigma", want["kept_count"]]]
+    assert "typical-p 0.6 leaves" in page.locator("#dist-chart svg desc").text_content()

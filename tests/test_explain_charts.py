@@ -151,6 +151,39 @@ def test_rank_curve_cutoffs_fall_where_each_step_leaves_its_tokens(llama):
     assert curve.processed[j] > 0 and curve.processed[j + 1] == 0
 
 
+@pytest.mark.parametrize("cfg", [
+    SamplingConfig(typical_p=0.6, temperature=0.8, repetition_penalty=1.4),
+    SamplingConfig(samplers="llama.cpp", top_k=30, top_n_sigma=1.0, temperature=0.7),
+    SamplingConfig(mirostat=2, mirostat_tau=2.0), SamplingConfig(dynatemp_range=0.5, epsilon_cutoff=0.01),
+    SamplingConfig(temperature=0.0, no_repeat_ngram_size=1)])
+def test_rank_curve_of_declared_steps_cuts_where_each_leaves_its_tokens(llama, cfg):
+    """A config the batch path does not run: the curve after temperature is the row after the masks, penalties and
+    (dynamic) temperature, and every cut-off step has a line where it leaves its tokens."""
+    from lmhead.sampling.steps import Context
+
+    curve = C.rank_curve(llama, PROMPT, cfg, points=30)
+    _, logits = plain_last(llama, PROMPT)
+    ids = llama.tokenizer(PROMPT)["input_ids"]
+    ctx = Context(history=ids, prompt_len=len(ids), xtc=True)
+    x, scaled, want, before = logits[None], logits[None], [], logits.numel()
+    for s in cfg.steps():
+        x = s.apply(x, cfg, ctx)
+        if s.stage <= 3:
+            scaled = x
+        left = int(torch.isfinite(x).sum())
+        if s.stage == 4 or left < before:
+            want.append({"step": s.name, "setting": getattr(cfg, s.params[0]), "rank": left})
+        before = left
+    if cfg.is_greedy:
+        want.append({"step": "greedy", "setting": 0.0, "rank": 1})
+    assert [c["step"] for c in curve.cutoffs] == [c["step"] for c in want] and curve.cutoffs
+    assert [c["rank"] for c in curve.cutoffs] == [c["rank"] for c in want]
+    at = torch.tensor(curve.ranks) - 1
+    sorted_scaled = torch.softmax(scaled[0], -1).sort(descending=True).values
+    torch.testing.assert_close(torch.tensor(curve.scaled), sorted_scaled[at], rtol=1e-5, atol=1e-7)
+    assert curve.kept_count == want[-1]["rank"] or cfg.is_greedy
+
+
 def test_rank_points_are_log_spaced_and_include_the_extras():
     r = C.rank_points(262_144, 100, [5000])
     assert r[:10] == list(range(1, 11)) and r[-1] == 262_144 and {5000, 5001} <= set(r)

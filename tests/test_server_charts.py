@@ -165,3 +165,52 @@ def test_a_model_that_cannot_load_is_a_503_and_an_unknown_name_a_404(multi):
     r = client.get("/api/model?model=nope")
     assert r.status_code == 404 and "tiny-llama, tiny-b, other, broken" in r.json()["detail"]
     assert client.post("/api/predict", json={"prompt": PROMPT, "top": 1}).status_code == 200  # the server goes on
+
+
+# --- what the page runs its own pipeline from ---------------------------------------------------------------------
+
+
+def test_samplers_route_is_the_declaration_of_every_step_the_pages_requests_take(client):
+    from lmhead.sampling.steps import ORDER, PARAMS, PRESETS, STEPS
+    from lmhead.server.schemas import PredictRequest, SamplingFields
+
+    d = client.get("/api/samplers").json()
+    assert {s["name"] for s in d["steps"]} == set(STEPS) and d["order"] == list(ORDER)
+    assert d["presets"] == {k: None if v is None else list(v) for k, v in PRESETS.items()}
+    assert set(d["params"]) == set(SamplingFields.model_fields) <= set(PredictRequest.model_fields)
+    assert set(d["params"]) == set(PARAMS) - {"seed"}  # every declared parameter: the page sets its own seed
+    for name, p in d["params"].items():
+        assert p["kind"] == PARAMS[name].kind and p["allowed"] == PARAMS[name].allowed, name
+    step = next(s for s in d["steps"] if s.get("name") == "xtc")
+    assert step["params"] == ["xtc_probability", "xtc_threshold"] and step["explain"] == STEPS["xtc"].explain
+
+
+def test_logits_route_sends_the_last_positions_logits_as_float32_bytes(client, model):
+    import numpy as np
+
+    r = client.post("/api/logits", json={"prompt": PROMPT})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
+    got = np.frombuffer(r.content, dtype="<f4")
+    assert got.tolist() == C.last_position(model, PROMPT).logits.tolist()
+    shown = client.post("/api/predict", json={"prompt": PROMPT, "top": 10}).json()["candidates"]
+    assert [got[c["token_id"]] for c in shown] == pytest.approx([c["logit"] for c in shown], rel=1e-6)
+    assert client.post("/api/logits", json={"prompt": ""}).status_code == 422
+
+
+def test_the_pages_requests_take_the_penalties_bias_and_bans_the_library_runs(client, model):
+    body = {"prompt": PROMPT, "top": 5, "repetition_penalty": 1.5, "logit_bias": {"7": 3.0}, "banned_tokens": [11]}
+    got = client.post("/api/predict", json=body).json()
+    want = model.predict(PROMPT, top=5, config=SamplingConfig(repetition_penalty=1.5, logit_bias={7: 3.0},
+                                                              banned_tokens=(11,))).to_dict()
+    assert got == want and [s["name"] for s in got["steps"]] == ["logit_bias", "penalties"]
+    assert client.post("/api/predict", json={**body, "repetition_penalty": 0}).status_code == 422
+
+
+def test_min_tokens_withholds_the_end_of_sequence_in_the_explainer_as_in_generate(client, model):
+    eos = model.eos_token_ids[0]
+    got = client.post("/api/predict", json={"prompt": PROMPT, "top": model.vocab_size, "min_tokens": 2}).json()
+    assert got["config"]["stop_token_ids"] == list(model.eos_token_ids)
+    cand = next(c for c in got["candidates"] if c["token_id"] == eos)
+    assert cand["probability"] == 0 and cand["cut_by"] == "min_tokens"
+    curve = client.post("/api/distribution", json={"prompt": PROMPT, "min_tokens": 2}).json()
+    assert curve["kept_count"] == model.vocab_size - 1

@@ -132,7 +132,7 @@ def sampling_config_from(fields: Any, seed: int | None = None) -> SamplingConfig
     (`lmhead.sampling.steps.ENTRY_FIELDS`: typical_p, dry_*, mirostat*, ...) are used, missing ones (and None
     for a declared field: not given) keep SamplingConfig's defaults. Its `logit_bias`, if any and not empty,
     maps token ids written as strings (JSON object keys) to floats. `seed` is passed as given (see
-    `seed_for_step` for per-call seeds).
+    `seed_for_step` for per-call seeds). Its `banned_tokens`, if any, are passed as given.
     Raises ValueError / TypeError with SamplingConfig's messages; a key that is not an int is an
     `OptionError` naming `logit_bias`.
     """
@@ -143,6 +143,9 @@ def sampling_config_from(fields: Any, seed: int | None = None) -> SamplingConfig
     given = {p.name: getattr(fields, p.name, None) for p in ENTRY_FIELDS}
     kwargs.update({name: value for name, value in given.items() if value is not None})
     kwargs["seed"] = seed
+    banned = getattr(fields, "banned_tokens", None)
+    if banned:  # None or empty: not given
+        kwargs["banned_tokens"] = banned
     bias = getattr(fields, "logit_bias", None)
     if bias:
         try:

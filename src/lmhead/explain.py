@@ -339,11 +339,13 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
     probability stays the model's own) and every later step sees the constrained logits, as `generate` does.
     """
     from lmhead.sampling import SamplingConfig, process_logits
+    from lmhead.sampling.steps.masks import withhold_stops
 
     if config is None:
         config = SamplingConfig()
     if not isinstance(config, SamplingConfig):
         raise TypeError(f"config: expected a SamplingConfig, got {type(config).__name__}")
+    config = withhold_stops(config, getattr(model, "eos_token_ids", ()))  # what the next draw follows (generate)
     head, head_name = explain_head(model, head)
     vocab = model.vocab_size
     top = min(checks.positive_int("top", top), vocab)
@@ -364,7 +366,7 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
 
     prev = input_ids.to(logits.device)
     masked = _constrained(model, logits, constraint)  # step 0: the constraint's mask (or the logits themselves)
-    stages = _stages(masked, config, prev, len(ids))
+    stages = pipeline_stages(masked, config, prev, len(ids))
     stages["after_constraint"] = masked
     processed = process_logits(masked, config, prev_tokens=prev, prompt_len=len(ids))  # [1,V]
     probs = torch.softmax(processed[0].double(), dim=-1)  # [V]: step 7 of the pipeline, in float64 (see above)
@@ -384,7 +386,7 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
         entropy={"raw": float(ent[0]), "scaled": float(ent[1]), "processed": float(ent[2])},
         kept_count=int(torch.isfinite(processed[0]).sum()), vocab_size=vocab,
         logsumexp=float(torch.logsumexp(logits[0], dim=-1)), scaled_logsumexp=float(torch.logsumexp(scaled, dim=-1)),
-        config=_config_dict(config), layers=lens, head=head_name, steps=_step_rows(config, stages),
+        config=_config_dict(config), layers=lens, head=head_name, steps=step_rows(config, stages),
         constraint=None if constraint is None else constraint.describe(),
     )
 
@@ -415,9 +417,10 @@ def _cut_names(config) -> tuple[str, ...]:
     return (*names, "greedy") if config.is_greedy else tuple(names)
 
 
-def _step_rows(config, stages: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+def step_rows(config, stages: dict[str, torch.Tensor], left: bool = False) -> list[dict[str, Any]]:
     """One entry per step the config runs: its declared name, parameters, reason and origin, and the tokens it
-    cut (finite before it, -inf after it; 0 for a step that reshapes rather than cuts)."""
+    cut (finite before it, -inf after it; 0 for a step that reshapes rather than cuts). `stages`: from
+    `pipeline_stages`. left: also the tokens still in after each step ("left")."""
     rows, before = [], torch.isfinite(stages["raw"][0]) if "raw" in stages else None
     for s in config.steps():
         after = stages.get(f"after_{_stage_name(s)}")
@@ -427,6 +430,8 @@ def _step_rows(config, stages: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
             cut, before = int((before & ~now).sum()), now
         rows.append({"name": s.name, "params": {n: _json_value(getattr(config, n)) for n in s.params},
                      "cut": cut, "reason": s.explain, "origin": s.origin, "stage": s.stage})
+        if left:
+            rows[-1]["left"] = None if before is None else int(before.sum())
     return rows
 
 
@@ -440,7 +445,7 @@ def _json_value(v: Any) -> Any:
 
 def _candidates(tokenizer, logits: torch.Tensor, stages: dict[str, torch.Tensor], processed: torch.Tensor,
                 probs: torch.Tensor, top: int, cuts: tuple[str, ...] = _CUTS) -> list[Candidate]:
-    """The `top` best candidates of one row: `logits` [V] (raw), `stages` from `_stages`, `processed` [V]
+    """The `top` best candidates of one row: `logits` [V] (raw), `stages` from `pipeline_stages`, `processed` [V]
     and `probs` [V] (the pipeline's logits and probabilities).
 
     Best first by the pipeline's logit (so kept tokens form a prefix), then raw logit, then token id.
@@ -476,8 +481,9 @@ def _sort_desc(primary: torch.Tensor, secondary: torch.Tensor) -> torch.Tensor:
     return idx[torch.argsort(primary[idx], descending=True, stable=True)]
 
 
-def _stages(logits: torch.Tensor, config, prev: torch.Tensor, prompt_len: int) -> dict[str, torch.Tensor]:
-    """The pipeline's intermediate [1,V] logits, from sampling's own per-step functions.
+def pipeline_stages(logits: torch.Tensor, config, prev: torch.Tensor, prompt_len: int) -> dict[str, torch.Tensor]:
+    """The pipeline's intermediate [1,V] logits, from sampling's own per-step functions; `prev` [1,L] the sequence
+    so far, its first `prompt_len` tokens the prompt.
 
     adjusted: after bias/penalties (steps 1-2); scaled: after temperature (T=0: = adjusted);
     after_<step>: -inf where the step (or an earlier one) removed the token.
@@ -502,8 +508,8 @@ def _stages(logits: torch.Tensor, config, prev: torch.Tensor, prompt_len: int) -
 
 
 def _declared_stages(logits: torch.Tensor, config, prev: torch.Tensor, prompt_len: int) -> dict[str, torch.Tensor]:
-    """`_stages` for a config the batch path does not run: each declared step's exact torch implementation in the
-    config's order (``SamplingConfig.steps()``), after_<step> the row after it; XTC shown with its coin on (its
+    """`pipeline_stages` for a config the batch path does not run: each declared step's exact torch implementation
+    in the config's order (``SamplingConfig.steps()``), after_<step> the row after it; XTC shown with its coin on (its
     cut visible; the processed distribution is the mixture). The batch path's keys (after_bias, after_top_k, ...)
     a step does not produce hold the row as the chain left it."""
     from lmhead.sampling import process_logits
@@ -777,6 +783,6 @@ def score_tokens(model, text: str, window: int | None = None, stride: int | None
 
 __all__ = [
     "EXPLAIN_HEADS", "Candidate", "Evaluation", "LensCandidate", "LensLayer", "Prediction", "PromptToken",
-    "TokenScore", "evaluate", "explain_head", "lens_logits", "perplexity", "predict", "score_tokens",
-    "text_segments", "token_texts", "visible", "windows",
+    "TokenScore", "evaluate", "explain_head", "lens_logits", "perplexity", "pipeline_stages", "predict",
+    "score_tokens", "step_rows", "text_segments", "token_texts", "visible", "windows",
 ]

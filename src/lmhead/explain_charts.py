@@ -87,14 +87,16 @@ def _last(model, prompt: str | LastPosition) -> LastPosition:
     return prompt if isinstance(prompt, LastPosition) else last_position(model, prompt)
 
 
-def _config(config):
+def _config(config, model):
+    """The config checked, with the model's end of sequence among what min_tokens withholds, as `generate` runs it."""
     from lmhead.sampling import SamplingConfig
+    from lmhead.sampling.steps.masks import withhold_stops
 
     if config is None:
         return SamplingConfig()
     if not isinstance(config, SamplingConfig):
         raise TypeError(f"config: expected a SamplingConfig, got {type(config).__name__}")
-    return config
+    return withhold_stops(config, getattr(model, "eos_token_ids", ()))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -216,7 +218,8 @@ class RankCurve(JSONReady):
     scaled: list[float]
     processed: list[float]
     scaled_cumulative: list[float]
-    cutoffs: list[dict[str, Any]]  # {"step": "top_k"|"top_p"|"min_p"|"greedy", "setting": value, "rank": n}
+    cutoffs: list[dict[str, Any]]  # {"step": "top_k"|"top_p"|"min_p"|"greedy"|another step's name, "setting": value,
+    #                                "rank": n}
     kept_count: int
     entropy: dict[str, float]  # raw, scaled, processed (nats, full vocabulary)
     config: dict[str, Any]
@@ -251,6 +254,21 @@ def _cut_counts(adjusted: torch.Tensor, config) -> list[dict[str, Any]]:
     return out
 
 
+def _declared_cuts(logits: torch.Tensor, config, prev: torch.Tensor, prompt_len: int):
+    """For a config the batch path does not run (`explain.pipeline_stages`: its declared steps in its order): the
+    logits after temperature (after the masks and penalties when greedy), and a cut-off entry for every step of
+    stage 4 and every other step that cut a token (its first parameter as the setting), as `_cut_counts` gives."""
+    from lmhead.explain import pipeline_stages, step_rows
+
+    stages = pipeline_stages(logits, config, prev, prompt_len)
+    rows = step_rows(config, stages, left=True)
+    cutoffs = [{"step": r["name"], "setting": next(iter(r["params"].values())), "rank": r["left"]}
+               for r in rows if r["stage"] == 4 or r["cut"]]
+    if config.is_greedy:
+        cutoffs.append({"step": "greedy", "setting": 0.0, "rank": 1})
+    return stages["scaled"], cutoffs
+
+
 @torch.inference_mode()
 def rank_curve(model, prompt: str | LastPosition, config=None, points: int = 160) -> RankCurve:
     """Probability against rank over the full vocabulary [V], before and after the pipeline (`RankCurve`).
@@ -261,17 +279,20 @@ def rank_curve(model, prompt: str | LastPosition, config=None, points: int = 160
     """
     from lmhead.sampling import entropy, probabilities, process_logits
 
-    config = _config(config)
+    config = _config(config, model)
     last = _last(model, prompt)
     logits = last.logits[None]  # [1,V]
     prev = torch.tensor([last.ids], device=logits.device)
     kw = dict(prev_tokens=prev, prompt_len=len(last.ids))
-    plain = dataclasses.replace(config, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
-    adjusted = process_logits(logits, plain, **kw)  # steps 1-2
-    scaled = adjusted if config.is_greedy else adjusted / config.temperature
     processed = process_logits(logits, config, **kw)
     probs = probabilities(logits, config, **kw)[0]
-    cutoffs = _cut_counts(adjusted, config)
+    if config.runs_on("batch"):
+        plain = dataclasses.replace(config, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+        adjusted = process_logits(logits, plain, **kw)  # steps 1-2
+        scaled = adjusted if config.is_greedy else adjusted / config.temperature
+        cutoffs = _cut_counts(adjusted, config)
+    else:
+        scaled, cutoffs = _declared_cuts(logits, config, prev, len(last.ids))
     vocab = logits.shape[1]
     ranks = rank_points(vocab, points, [c["rank"] for c in cutoffs])
     at = torch.tensor(ranks) - 1
@@ -337,7 +358,7 @@ def draw_tokens(model, prompt: str | LastPosition, n: int, seed: int = 0, config
     from lmhead.explain import token_texts
     from lmhead.sampling import SamplingConfig, process_logits, sample
 
-    config = _config(config)
+    config = _config(config, model)
     if not checks.is_int(seed) or not 0 <= seed < 2**63:
         raise ValueError(f"seed: must be an integer in [0, 2**63), got {seed!r}")
     top = checks.int_in_range("top", top, 0, 200)
@@ -401,7 +422,8 @@ def step_profile(model, prompt: str, token_ids: Sequence[int], configs=None) -> 
         raise ValueError("token_ids: must hold at least one token id")
     ids = prompt_ids(model, prompt, extra=len(new))
     n, p = len(new), len(ids)
-    cfgs = [_config(configs)] * n if not isinstance(configs, (list, tuple)) else [_config(c) for c in configs]
+    cfgs = ([_config(configs, model)] * n if not isinstance(configs, (list, tuple))
+            else [_config(c, model) for c in configs])
     if len(cfgs) != n:
         raise ValueError(f"configs: expected one SamplingConfig or a list of {n}, got a list of {len(cfgs)}")
     seq = torch.tensor([ids + new], device=model.device)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,7 @@ import torch
 from lmhead import checks
 from lmhead.models.native import row_scores, token_scores
 from lmhead.sampling import RowState, SamplingConfig, as_configs, chosen_logprobs, logprobs
+from lmhead.sampling.steps.masks import withhold_stops
 
 _PROMPT_CONTEXT = 4  # prompt tokens decoded before the generated ones, then cut off (keeps leading spaces)
 
@@ -277,10 +278,8 @@ def prepare(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int =
     """The checked, tokenised rows of a `generate` call (same arguments, same errors), ready for a `Batch`."""
     prompts, _ = _prompts(prompt_or_prompts)
     configs = as_configs(config, len(prompts))  # one per prompt, checked as sampling checks it
-    eos = tuple(getattr(model, "eos_token_ids", ()) or ())
-    # min_tokens withholds the end of sequence too (vLLM's rule), not only the stop_token_ids given
-    configs = [replace(c, stop_token_ids=tuple(dict.fromkeys(c.stop_token_ids + eos))) if c.min_tokens and eos
-               else c for c in configs]
+    eos = getattr(model, "eos_token_ids", ())
+    configs = [withhold_stops(c, eos) for c in configs]  # min_tokens withholds the end of sequence too
     stops = _stops(stop)
     checks.positive_int("max_new_tokens", max_new_tokens)
     encoded = []
@@ -328,8 +327,7 @@ def prepare_ids(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int 
         extra.add(int(t))
     ends = frozenset(extra if ignore_eos else extra | set(model.eos_token_ids))
     # min_tokens withholds every id that would end the row (vLLM's rule)
-    configs = [replace(c, stop_token_ids=tuple(dict.fromkeys(c.stop_token_ids + tuple(sorted(ends)))))
-               if c.min_tokens and ends else c for c in configs]
+    configs = [withhold_stops(c, sorted(ends)) for c in configs]
     rows = _rows(model, encoded, max_new_tokens, configs, stops, top_logprobs, exact_logprobs, scores,
                  include_stop, constraint)
     for row in rows:

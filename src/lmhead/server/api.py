@@ -2,6 +2,8 @@
 
     GET  /api/model       the loaded model: name, vocabulary, width, layers, context, limits
     GET  /api/params      its parameter breakdown by component (module counts) and GPT-2 small's
+    GET  /api/samplers    the declared steps of the pipeline, their parameters (those the page's requests take),
+                          lmhead's order, the presets (the page builds its controls and its pipeline from them)
     POST /api/predict     next-token candidates: logits, raw and processed probabilities, entropy, lse
     POST /api/step        choose one token with the current settings, append it; its probability, rank
     POST /api/generate    several steps as server-sent events
@@ -22,6 +24,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import StreamingResponse
 
 from lmhead.checks import seed_for_step
+from lmhead.sampling.steps import describe
 from lmhead.server import schemas as S
 from lmhead.server.served import Served, encode_checked, get_served, max_prompt_tokens, sampling_config
 from lmhead.server.sse import DONE, sse
@@ -40,6 +43,11 @@ async def api_model(served: Served = Depends(get_served)) -> dict[str, Any]:
 @router.get("/params", summary="Parameter breakdown by component, and GPT-2 small's")
 async def api_params(served: Served = Depends(get_served)) -> dict[str, Any]:
     return await served.call(params_body, served.model)
+
+
+@router.get("/samplers", summary="The declared steps of the logits pipeline and their parameters")
+async def api_samplers() -> dict[str, Any]:
+    return describe(list(S.SamplingFields.model_fields))
 
 
 @router.post("/predict", summary="Next-token candidates, raw and processed")

@@ -5,6 +5,8 @@
     POST /api/distribution  probability against rank over the full vocabulary, before and after the pipeline
     POST /api/draws         N seeded draws with lmhead's sampler, and each token's count and probability
     POST /api/steps         generated tokens: probability, rank and entropy of each step
+    POST /api/logits        the full-precision head's logits at the last position, all V of them (float32, little-endian
+                            bytes): the page runs the declared steps over the whole row itself
 
 Every /api route takes `?model=NAME` (served.get_served asks the registry: loaded on first use). The last few
 prompts' forward passes are kept per model (`LastPosition`: ids, h, logits), so moving a slider recomputes a
@@ -18,7 +20,7 @@ import weakref
 from collections import OrderedDict
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmhead import explain_charts as charts
@@ -57,6 +59,12 @@ class DrawsRequest(SamplingFields):
     top: int = Field(12, ge=0, le=50, description="most probable tokens listed even if never drawn")
 
 
+class LogitsRequest(_Strict):
+    """POST /api/logits: the last position's logits over the whole vocabulary."""
+
+    prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS)
+
+
 class StepToken(SamplingFields):
     """One generated token and the settings it was drawn with."""
 
@@ -88,6 +96,13 @@ async def api_distribution(req: DistributionRequest, served: Served = Depends(ge
 @router.post("/draws", summary="Draw the next token n times (seeded)")
 async def api_draws(req: DrawsRequest, served: Served = Depends(get_served)) -> dict[str, Any]:
     return await served.call(_draws, served.model, req)
+
+
+@router.post("/logits", summary="The last position's logits, all V (float32 little-endian bytes)",
+             response_class=Response, responses={200: {"content": {"application/octet-stream": {}}}})
+async def api_logits(req: LogitsRequest, served: Served = Depends(get_served)) -> Response:
+    body = await served.call(_logits, served.model, req)
+    return Response(body, media_type="application/octet-stream", headers={"Cache-Control": "no-store"})
 
 
 @router.post("/steps", summary="Probability, rank and entropy of generated tokens")
@@ -130,6 +145,10 @@ def _draws(model: Any, req: DrawsRequest) -> dict[str, Any]:
     cfg = sampling_config(req)
     return charts.draw_tokens(model, last_position(model, req.prompt), req.n, seed=req.seed, config=cfg,
                               top=req.top).to_dict()
+
+
+def _logits(model: Any, req: LogitsRequest) -> bytes:
+    return last_position(model, req.prompt).logits.detach().cpu().numpy().astype("<f4").tobytes()
 
 
 def _steps(model: Any, req: StepsRequest) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model, field_validator
 
-from lmhead.sampling.steps import ENTRY_FIELDS
+from lmhead.sampling.steps import ENTRY_FIELDS, PARAMS
 
 # Bounds (also reported by GET /api/model so the page and clients can see them).
 MAX_PROMPT_CHARS = 20_000  # checked before tokenizing, so a huge body costs nothing
@@ -71,14 +71,24 @@ StepFields = create_model("StepFields", __base__=_Request, __doc__="The declared
                           "lmhead.sampling.steps).", **{p.name: _declared(p) for p in ENTRY_FIELDS})
 
 
-class SamplingFields(StepFields):
-    """The logits pipeline's settings: temperature → top-k → top-p → min-p as the page sets them, and every
-    declared step's (StepFields)."""
-
+class _PageFields(StepFields):
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy (argmax)")
     top_k: int = Field(0, ge=0, description="0 = off")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="1 = off")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="0 = off")
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+        None, description="token id (as a string) → a bias in [-1e4, 1e4] added to its logit")
+    banned_tokens: Annotated[list[int], Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+        None, description="token ids that can never be chosen")
+
+
+# the page's settings: every step's, so that the page can show each one (the penalties from their declarations)
+SamplingFields = create_model(
+    "SamplingFields", __base__=_PageFields,
+    __doc__="The logits pipeline's settings as the page sets them: temperature → top-k → top-p → min-p (the "
+            "temperature bounded for the page's slider), the logit bias and bans, the penalties and every declared "
+            "step's (StepFields).",
+    **{n: _declared(PARAMS[n]) for n in ("repetition_penalty", "presence_penalty", "frequency_penalty")})
 
 
 # --- /api ---------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import Any
 from lmhead.sampling.steps.base import Context, Param, RowState, Step
 
 __all__ = ["ENTRY_FIELDS", "LEGACY_FIELDS", "ORDER", "PARAMS", "PRESETS", "STEPS", "Context", "Param", "RowState",
-           "Step", "canonical", "chain", "runs_on", "step"]
+           "Step", "canonical", "chain", "describe", "runs_on", "step"]
 
 # every module of this package that declares STEPS and PARAMS: a new step is one new module here
 _MODULES = tuple(importlib.import_module(f"{__name__}.{m.name}") for m in pkgutil.iter_modules(__path__)
@@ -154,3 +154,30 @@ def runs_on(cfg: Any, backend: str) -> bool:
     if backend != "sharded" and (cfg.samplers is not None or cfg.mirostat):
         return False
     return all(backend in s.backends for s in chain(cfg))
+
+
+def _json(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return [_json(v) for v in value]
+    return value
+
+
+def describe(params: Sequence[str] | None = None) -> dict[str, Any]:
+    """The declarations as JSON-ready data, for a client that runs its own copy of the chain (the explainer page
+    builds its controls and its pipeline from them): every step in the order `chain` lists them (name, stage, its
+    parameters, aliases, the explainer's reason, origin, whether it reads the history, keeps state or leaves the
+    argmax alone), each parameter (kind, default, range and its words, doc), lmhead's order, the masks, the steps
+    an order's name stands for (``groups``), the presets and the names an order may hold. ``params``: only these
+    parameters (those a client's requests accept); None: all."""
+    names = [*MASKS, *(n for o in ORDER for n in _GROUPS.get(o, (o,))), "mirostat"]
+    keep = set(PARAMS if params is None else params)
+    steps = [{"name": s.name, "stage": s.stage, "params": [p for p in s.params if p in keep],
+              "aliases": list(s.aliases), "explain": s.explain, "origin": s.origin, "history": s.history,
+              "state": s.state, "argmax_invariant": s.argmax_invariant}
+             for s in (STEPS[n] for n in dict.fromkeys(names) if n in STEPS)]
+    fields = {p.name: {"kind": p.kind, "default": _json(p.default), "low": p.low, "high": p.high,
+                       "low_open": p.low_open, "high_open": p.high_open, "also": list(p.also), "allowed": p.allowed,
+                       "doc": p.doc} for p in PARAMS.values() if p.name in keep}
+    return {"steps": steps, "params": fields, "order": list(ORDER), "masks": list(MASKS),
+            "groups": {k: list(v) for k, v in _GROUPS.items()}, "orderable": list(ORDERABLE),
+            "presets": {k: None if v is None else list(v) for k, v in PRESETS.items()}}

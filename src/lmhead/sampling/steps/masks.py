@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
@@ -115,6 +116,16 @@ STEPS = (
          "vLLM min_tokens; transformers MinNewTokensLengthLogitsProcessor", history=True,
          example=(("min_tokens", 1000), ("stop_token_ids", (0, 1, 2)))),
 )
+
+
+def withhold_stops(cfg: Any, eos: Any) -> Any:
+    """cfg with the model's end-of-sequence ids `eos` among the tokens min_tokens withholds (vLLM's rule: the end
+    of sequence too, not only the stop_token_ids given); cfg itself without min_tokens or eos. `generate` and the
+    explainer apply it, so the explainer shows the distribution the next draw follows."""
+    eos = tuple(eos or ())
+    if not cfg.min_tokens or not eos:
+        return cfg
+    return replace(cfg, stop_token_ids=tuple(dict.fromkeys(cfg.stop_token_ids + eos)))
 
 
 def bias_index(configs: Any, batch: int, vocab: int, device: torch.device,

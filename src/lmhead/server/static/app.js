@@ -7,6 +7,12 @@
 // inside the N candidates, every number is exact. What needs the tokens that were not sent (the normaliser at
 // T ≠ 1 when nothing cuts inside the candidates) is bounded, shown as such, and fetched exactly from the server
 // when the slider is released.
+//
+// Every other step lmhead.sampling declares (bans and masks, penalties, DRY, n-grams, dynamic temperature, typical-p,
+// top-nσ, XTC, ε / η, mirostat) and another order: their controls are built from the server's declaration (GET
+// /api/samplers), and the page runs them with pipeline.js over all V logits (the candidates when the whole vocabulary
+// was sent, else POST /api/logits once per prompt) — exact, whatever the settings; see pipeline.js for what one
+// next-token prediction means for the stateful steps and for XTC's coin.
 "use strict";
 
 const $ = (sel) => document.querySelector(sel);
@@ -78,12 +84,14 @@ function withModel(path) {
   return state.modelName ? `${path}${path.includes("?") ? "&" : "?"}model=${encodeURIComponent(state.modelName)}` : path;
 }
 
-async function api(path, body) {
+// POST body as JSON (GET without one); the answer's JSON, or its bytes with as = "bytes".
+async function api(path, body, as = "json") {
   path = withModel(path);
   const opts = body === undefined ? {} : {
     method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
   };
   const r = await fetch(path, opts);
+  if (r.ok && as === "bytes") return r.arrayBuffer();
   const j = await r.json().catch(() => ({}));
   if (!r.ok) {
     const d = j.detail;
@@ -96,16 +104,40 @@ async function api(path, body) {
 // ------------------------------------------------------------------------------------------------------------
 // Settings
 
-function settings() {
-  return {
+// The four sliders above are written by hand; every other parameter's control is built from the server's declaration
+// (GET /api/samplers, `buildStepControls`). A request carries those four always and every other parameter that is
+// off its declared default.
+const LEGACY = ["temperature", "top_k", "top_p", "min_p"];
+
+function readSettings() {
+  const st = {
     temperature: parseFloat($("#temperature").value),
     top_k: parseInt($("#top-k").value, 10),
     top_p: parseFloat($("#top-p").value),
     min_p: parseFloat($("#min-p").value),
   };
+  const errors = [];
+  for (const input of document.querySelectorAll("#step-controls input[data-param]")) {
+    const name = input.dataset.param;
+    try {
+      const v = parseParam(state.decl.params[name], input.value, name);
+      input.removeAttribute("aria-invalid");
+      if (v !== undefined) st[name] = v;
+    } catch (e) {
+      input.setAttribute("aria-invalid", "true");
+      errors.push(e.message);
+    }
+  }
+  const order = orderSetting();
+  if (order !== undefined) st.samplers = order;
+  return { st, error: errors.length ? errors.join("; ") : null };
 }
-const sameSettings = (a, b) => !!a && !!b && a.temperature === b.temperature && a.top_k === b.top_k &&
-  a.top_p === b.top_p && a.min_p === b.min_p;
+const settings = () => readSettings().st;
+const sameSettings = (a, b) => !!a && !!b && settingsKey(a) === settingsKey(b);
+const sortedKeys = (o) => Object.fromEntries(Object.keys(o).sort().map((k) => [k, o[k]]));
+const settingsKey = (st) => JSON.stringify(sortedKeys(st));
+// Only the four sliders above are set (the prefix-of-the-candidates pipeline below runs them)
+const legacyOnly = (st) => !!st && Object.keys(st).every((k) => LEGACY.includes(k));
 
 function showSettings() {
   const s = settings();
@@ -113,6 +145,155 @@ function showSettings() {
   $("#top-k-out").value = s.top_k === 0 ? "off" : String(s.top_k);
   $("#top-p-out").value = s.top_p >= 1 ? "off" : s.top_p.toFixed(2);
   $("#min-p-out").value = s.min_p <= 0 ? "off" : s.min_p.toFixed(2);
+  for (const out of document.querySelectorAll("#step-controls output[data-param]")) {
+    const input = document.getElementById(out.htmlFor.value);
+    out.value = input.value;
+  }
+}
+
+// --- the declared parameters as controls -------------------------------------------------------------------
+
+// A parameter's text as its declared kind: numbers in their declared range (the single values it also allows),
+// token ids "1, 2", token-id sequences "1 2; 3", a bias "id: value, ...". Returns undefined for the default (an
+// empty field included), throws an Error naming the parameter and its range otherwise.
+function parseParam(p, text, name) {
+  const t = text.trim();
+  const bad = () => new Error(`${name} must be ${p.allowed}, got ${JSON.stringify(text)}`);
+  const ids = (u) => u.split(/[\s,]+/).filter(Boolean).map((v) => {
+    if (!/^\d+$/.test(v)) throw bad();
+    return parseInt(v, 10);
+  });
+  if (p.kind === "float" || p.kind === "int") {
+    if (t === "") return undefined;
+    const v = Number(t);
+    if (!Number.isFinite(v) || (p.kind === "int" && !Number.isInteger(v))) throw bad();
+    const inside = (p.low === null || (p.low_open ? v > p.low : v >= p.low)) &&
+      (p.high === null || (p.high_open ? v < p.high : v <= p.high));
+    if (!inside && !p.also.includes(v)) throw bad();
+    return v === p.default ? undefined : v;
+  }
+  if (t === "") return undefined;
+  if (p.kind === "ids") return ids(t);
+  if (p.kind === "sequences") {
+    const seqs = t.split(";").map((u) => ids(u));
+    if (seqs.some((q) => !q.length)) throw bad();
+    return seqs;
+  }
+  if (p.kind === "bias") {
+    const out = {};
+    for (const part of t.split(",").filter((u) => u.trim())) {
+      const m = /^\s*(\d+)\s*:\s*(\S+)\s*$/.exec(part);
+      const v = m ? Number(m[2]) : NaN;
+      if (!m || !Number.isFinite(v) || Math.abs(v) > 1e4) throw bad();
+      out[m[1]] = v;
+    }
+    return out;
+  }
+  throw bad();
+}
+
+// The order: lmhead's (undefined: not sent), a preset by name, or the names typed (checked as the server checks them).
+function orderSetting() {
+  const preset = $("#samplers-preset");
+  if (!preset || preset.value === "lmhead") return undefined;
+  if (preset.value !== "custom") return preset.value;
+  const names = $("#samplers").value.replace(/,/g, ";").split(";").map((v) => v.trim()).filter(Boolean);
+  lmheadPipeline.orderOf(state.decl, names); // an unknown or repeated name is an Error naming samplers
+  return names;
+}
+
+// A float whose declared range is a closed stretch of at most 1 (top-p's kind) is a slider; any other number a number
+// field with the declared bounds; ids, sequences and a bias are text.
+function controlFor(name, p) {
+  const id = `p-${name}`;
+  const help = el("small", { id: `${id}-help`, text: `${p.allowed}. ${p.doc}` });
+  const attrs = { id, "data-param": name, "aria-describedby": help.id };
+  let input, output = null;
+  const slider = p.kind === "float" && p.low !== null && p.high !== null && p.high - p.low <= 1 && !p.high_open;
+  if (slider) {
+    const lo = p.low_open ? p.low + 0.01 : p.low;
+    input = el("input", { ...attrs, type: "range", min: String(lo), max: String(p.high), step: "0.01",
+      value: String(p.default) });
+    output = el("output", { id: `${id}-out`, "data-param": name, text: String(p.default) });
+    output.htmlFor.value = id;
+  } else if (p.kind === "float" || p.kind === "int") {
+    input = el("input", { ...attrs, type: "number", step: p.kind === "int" ? "1" : "any", inputMode: "decimal",
+      placeholder: String(p.default) });
+    if (p.low !== null && !p.also.some((v) => v < p.low)) input.min = String(p.low);
+    if (p.high !== null) input.max = String(p.high);
+  } else {
+    const hint = { ids: "e.g. 12, 40", sequences: "e.g. 12 7; 40", bias: "e.g. 12: 2.5, 40: -3" }[p.kind] || "";
+    input = el("input", { ...attrs, type: "text", spellcheck: false, placeholder: hint });
+  }
+  return el("div", { class: "control" + (slider ? "" : " wide") }, el("label", { htmlFor: id, text: name }), input, output, help);
+}
+
+function buildStepControls(decl) {
+  const box = $("#step-controls");
+  const shown = new Set(LEGACY);
+  const stages = { 1: "Masks", 2: "Penalties", 3: "Temperature", 4: "Cuts" };
+  const groups = [];
+  for (const step of decl.steps) {
+    const names = step.params.filter((n) => !shown.has(n) && n in decl.params);
+    if (!names.length) continue;
+    names.forEach((n) => shown.add(n));
+    const g = el("fieldset", { class: "step", "data-step": step.name, title: step.explain || "" });
+    g.append(el("legend", {}, el("code", { text: step.name }), " ",
+      el("small", { text: `${stages[step.stage] || ""} · ${step.origin}` })));
+    for (const n of names) g.append(controlFor(n, decl.params[n]));
+    groups.push(g);
+  }
+  const presets = el("select", { id: "samplers-preset", "aria-describedby": "samplers-help" },
+    ...Object.keys(decl.presets).map((k) => el("option", { value: k, text: k === "lmhead" ? "lmhead (the default)" : k })),
+    el("option", { value: "custom", text: "your own order" }));
+  const names = el("input", { id: "samplers", type: "text", spellcheck: false, "aria-describedby": "samplers-help",
+    value: decl.order.join(";") });
+  const p = decl.params.samplers;
+  groups.push(el("fieldset", { class: "step order", "data-step": "samplers" },
+    el("legend", {}, el("code", { text: "samplers" }), " ", el("small", { text: "the order of stages 2-4" })),
+    el("div", { class: "control wide" }, el("label", { htmlFor: "samplers-preset", text: "Order" }), presets),
+    el("div", { class: "control wide" }, el("label", { htmlFor: "samplers", text: "samplers" }), names,
+      el("small", { id: "samplers-help", text: `${p ? p.allowed + ". " + p.doc : ""} Names are separated by ; — ` +
+        `a step left out does not run; mirostat replaces the cuts (llama.cpp's rule). Steps: ${decl.orderable.join(", ")}.` }))));
+  box.replaceChildren(...groups);
+  presets.addEventListener("change", () => {
+    if (presets.value !== "custom") names.value = (decl.presets[presets.value] || decl.order).join(";");
+    settingsChanged(true);
+  });
+  names.addEventListener("input", () => { presets.value = "custom"; settingsChanged(false); });
+  names.addEventListener("change", () => settingsChanged(true));
+  for (const input of box.querySelectorAll("input[data-param]")) {
+    input.addEventListener("input", () => settingsChanged(false));
+    input.addEventListener("change", () => settingsChanged(true));
+  }
+}
+
+function resetStepControls() {
+  for (const input of document.querySelectorAll("#step-controls input[data-param]")) {
+    const p = state.decl.params[input.dataset.param];
+    input.value = input.type === "range" ? String(p.default) : "";
+    input.removeAttribute("aria-invalid");
+  }
+  if ($("#samplers-preset")) { $("#samplers-preset").value = "lmhead"; $("#samplers").value = state.decl.order.join(";"); }
+}
+
+// A control moved (input) or was released (change): the page recomputes at once; on release it also asks the server
+// for the candidates and the pictures at the new settings.
+// While a control moves, its renders are coalesced to one per frame: over a large vocabulary one run of the declared
+// steps can take longer than the events come.
+function settingsChanged(released) {
+  if (!released) {
+    if (!state.frame) state.frame = requestAnimationFrame(() => { state.frame = 0; render(); });
+    if (!readSettings().error) scheduleDistribution(60);
+    return;
+  }
+  cancelAnimationFrame(state.frame);
+  state.frame = 0;
+  render();
+  if (state.settingsError) return;
+  scheduleDistribution(0);
+  scheduleRequery(0);
+  scheduleRedraw();
 }
 
 // The constraint box (structured output): the server applies its mask first; the page shows the server's numbers
@@ -287,12 +468,31 @@ function renderChips(tokens, generatedFrom) {
     "chip" + (/^<.*>$/.test(t.text) ? " special" : "") + (generatedFrom !== null && i >= generatedFrom ? " generated" : ""))));
 }
 
+// The settings, or null after saying what is wrong with them (a message that goes once they are right again).
+function checkedSettings() {
+  const { st, error } = readSettings();
+  if (error) { state.settingsError = error; setStatus(error, true); return null; }
+  if (state.settingsError) setStatus("");
+  state.settingsError = null;
+  return st;
+}
+
 function render() {
   const d = state.data;
-  if (!d) return;
   showSettings();
-  const st = settings();
-  const useServer = sameSettings(st, state.dataSettings) || state.dataConstraint !== "";
+  const st = checkedSettings();
+  if (!d || !st) return;
+  // A constrained prompt shows the server's numbers: its mask is not known in the page (the table marks the
+  // tokens it forbids from the server's cut_by).
+  if (state.dataConstraint !== "") { renderLegacy(d, st, true); return; }
+  // The prefix pipeline needs the candidates in the order of their logits: candidates the server sorted after
+  // penalties or masks (another step was on when they were fetched) go through the declared steps instead.
+  if (legacyOnly(st) && (legacyOnly(state.dataSettings) || d.V === d.z.length) && d.sorted) renderLegacy(d, st);
+  else renderDeclared(d, st);
+}
+
+function renderLegacy(d, st, serverOnly = false) {
+  const useServer = serverOnly || sameSettings(st, state.dataSettings);
   const c = compute(d, st);
   const N = d.z.length;
   const rows = Math.min(N, parseInt($("#rows").value, 10));
@@ -307,7 +507,8 @@ function render() {
     const cum = useServer ? (st.temperature === 0 ? cand.cumulative : cand.scaled_cumulative) : c.cum[i];
     const cross = !useServer ? c.cross === i : (st.top_p < 1 && st.temperature > 0 && cand.kept &&
       (i + 1 >= cands.length || !cands[i + 1].kept_top_p) && cand.kept_top_k);
-    const tr = el("tr", { class: (cutBy ? "cut" : "kept") + (cross ? " cross" : ""), "data-rank": String(i + 1) });
+    const tr = el("tr", { class: (cutBy ? "cut" : "kept") + (cross ? " cross" : ""), "data-rank": String(i + 1),
+      "data-id": String(cand.token_id) });
     tr.append(el("td", { text: String(i + 1) }));
     tr.append(el("td", { class: "tok" }, chip(cand.text, cand.token_id)));
     tr.append(el("td", { text: fix(cand.logit) }));
@@ -335,6 +536,7 @@ function render() {
     frag.append(tr);
   }
   body.replaceChildren(frag);
+  $("#stage").dataset.settings = settingsKey(st); // what the table shows (the tests wait for it)
 
   // Summary: entropy, kept, exactness.
   $("#entropy-raw").textContent = nats(d.raw.entropy.raw);
@@ -381,6 +583,167 @@ function render() {
   }
   state.candProbs = probs;
   renderGeometry();
+  if (!state.decl) return;
+  const cfg = lmheadPipeline.configOf(state.decl, st, eosIds());
+  renderChain(lmheadPipeline.chain(state.decl, cfg).map((step) => {
+    const done = useServer ? (d.raw.steps || []).find((x) => x.name === step.name) : null;
+    return { name: step.name, cut: done ? done.cut : null };
+  }), cfg);
+}
+
+// --- every declared step, over the whole row -----------------------------------------------------------------
+
+const eosIds = () => (state.model ? state.model.eos_token_ids : []);
+
+// All V logits of the prompt (float64): the candidates themselves when the server sent the whole vocabulary, else
+// POST /api/logits once per prompt (the page re-renders when they arrive); null until then.
+function fullRow(d) {
+  if (d.row) return d.row;
+  if (d.V === d.z.length) {
+    d.row = new Float64Array(d.V);
+    for (const c of d.raw.candidates) d.row[c.token_id] = c.logit;
+    return d.row;
+  }
+  const key = `${state.modelName}\u0000${d.raw.prompt}`;
+  if (state.row && state.row.key === key) return state.row.x;
+  if (state.rowPending !== key) {
+    state.rowPending = key;
+    api("/api/logits", { prompt: d.raw.prompt }, "bytes").then((buf) => {
+      if (state.rowPending !== key) return;
+      state.rowPending = null;
+      if (buf.byteLength !== 4 * d.V) throw new Error(`/api/logits sent ${buf.byteLength} bytes for ${d.V} logits`);
+      state.row = { key, x: Float64Array.from(new Float32Array(buf)) };
+      render();
+    }).catch((e) => { state.rowPending = null; setStatus(e.message, true); });
+  }
+  return null;
+}
+
+function renderDeclared(d, st) {
+  const useServer = sameSettings(st, state.dataSettings);
+  const row = fullRow(d);
+  let r = null;
+  if (row) {
+    try {
+      r = lmheadPipeline.runChain(state.decl, row, st, { history: d.raw.prompt_tokens.map((t) => t.token_id) }, eosIds());
+    } catch (e) {
+      state.settingsError = e.message;
+      setStatus(e.message, true);
+      return;
+    }
+    if (r.missing.length) r = null; // a step this page does not implement: the server's numbers
+  }
+  const N = Math.min(parseInt($("#rows").value, 10), d.V);
+  let items;
+  if (r) {
+    const byId = d.byId, xtc = new Set(r.xtc);
+    let cum = 0;
+    items = lmheadPipeline.topOrder(r.adjusted, row, N).map((id) => {
+      cum += r.probs[id];
+      const c = byId.get(id);
+      return { id, text: c ? c.text : null, logit: row[id], scaled: r.greedy ? null : r.scaled[id], kept: !!r.keep[id],
+        cutBy: r.cutBy[id], cum, p: r.probs[id], rawP: Math.exp(row[id] - d.lse), xtc: xtc.has(id) };
+    });
+    if (items.some((x) => x.text === null)) scheduleRequery(400); // a token the candidates do not hold: its text
+  } else if (useServer) {
+    items = d.raw.candidates.slice(0, N).map((c) => ({ id: c.token_id, text: c.text, logit: c.logit,
+      scaled: st.temperature === 0 ? null : c.scaled_logit, kept: c.kept, cutBy: c.kept ? null : c.cut_by || "cut",
+      cum: c.cumulative, p: c.probability, rawP: c.raw_probability, xtc: false }));
+  } else {
+    $("#exactness").textContent = row ? "computed by the server — waiting for its answer" : "waiting for all V logits…";
+    $("#exactness").className = "badge bounded";
+    if (row) scheduleRequery(0);
+    return;
+  }
+  paintRows(items, r ? r.config : lmheadPipeline.configOf(state.decl, st, eosIds()));
+  $("#stage").dataset.settings = settingsKey(st);
+  let mass = null;
+  if (r) {
+    const sp = lmheadPipeline.softmax(r.scaled);
+    mass = 0;
+    for (let i = 0; i < sp.length; i++) if (r.keep[i]) mass += sp[i];
+  }
+  const kept = r ? r.kept : d.raw.kept_count;
+  const ent = r ? r.entropy : d.raw.entropy.processed;
+  $("#entropy-raw").textContent = nats(d.raw.entropy.raw);
+  $("#entropy").textContent = nats(ent);
+  $("#entropy").dataset.value = String(ent);
+  $("#kept-count").textContent = kept.toLocaleString();
+  $("#kept-unit").textContent = kept === 1 ? "token" : "tokens";
+  $("#kept-mass").textContent = mass === null ? "–" : pct(mass);
+  $("#exactness").textContent = r ? `exact — every step run here over all ${d.V.toLocaleString()} logits`
+    : `exact — computed by the server over all ${d.V.toLocaleString()} tokens`;
+  $("#exactness").className = "badge exact";
+  const shown = items.filter((x) => x.kept).length;
+  $("#more").textContent = kept > shown ? `${(kept - shown).toLocaleString()} more kept tokens are not shown.` : "";
+  const probs = new Map();
+  for (const c of d.raw.candidates) {
+    probs.set(c.token_id, r ? { p: r.probs[c.token_id], kept: !!r.keep[c.token_id] } : { p: c.probability, kept: c.kept });
+  }
+  state.candProbs = probs;
+  renderGeometry();
+  const cfg = r ? r.config : lmheadPipeline.configOf(state.decl, st, eosIds());
+  renderChain(r ? r.steps : (useServer ? d.raw.steps || [] : []), cfg);
+}
+
+// The stage table's rows from `items` (the declared path): cut rows name the step that cut them (the explainer's
+// cut_by, in data-cut); rows XTC removes when its coin lands are marked (they keep a share of the mixture).
+function paintRows(items, cfg) {
+  const frag = document.createDocumentFragment();
+  items.forEach((x, i) => {
+    const cut = !x.kept;
+    const tr = el("tr", { class: (cut ? "cut" : "kept") + (x.xtc ? " xtc" : ""), "data-rank": String(i + 1),
+      "data-id": String(x.id), "data-cut": cut ? x.cutBy || "" : "" });
+    tr.append(el("td", { text: String(i + 1) }));
+    tr.append(el("td", { class: "tok" }, x.text === null ? el("span", { class: "chip", text: `id ${x.id}`,
+      title: `id ${x.id}`, "data-id": String(x.id) }) : chip(x.text, x.id)));
+    tr.append(el("td", { text: fix(x.logit) }));
+    tr.append(el("td", { text: x.scaled === null ? "—" : fix(x.scaled) }));
+    const after = el("td", { class: "after" });
+    after.append(cut ? "−∞" : fix(x.scaled === null ? x.logit : x.scaled));
+    if (cut && x.cutBy) after.append(el("span", { class: "why", text: stepLabel(x.cutBy), title: stepReason(x.cutBy) }));
+    if (x.xtc) after.append(el("span", { class: "why xtcmark", text: `XTC ${pct(cfg.xtc_probability)}`,
+      title: `XTC removes this token when its coin lands (probability ${cfg.xtc_probability}): it keeps only the ` +
+        "share of the mixture that the coin's other side gives it" }));
+    after.append(el("span", { class: "thin", text: ` (${pct(Math.min(1, x.cum))})` }));
+    tr.append(after);
+    const probCell = el("td", { class: "probcol prob", "data-p": String(x.p) });
+    const bar = el("div", { class: "bar", role: "img", "aria-label": `probability ${pct(x.p)}` }, el("span"));
+    bar.firstChild.style.width = `${Math.min(100, x.p * 100)}%`;
+    bar.append(el("em", { text: pct(x.p) }));
+    probCell.append(bar);
+    tr.append(probCell);
+    const rawCell = el("td", { class: "probcol raw", "data-p": String(x.rawP) });
+    const rbar = el("div", { class: "bar raw", role: "img", "aria-label": `raw probability ${pct(x.rawP)}` }, el("span"));
+    rbar.firstChild.style.width = `${Math.min(100, x.rawP * 100)}%`;
+    rbar.append(el("em", { text: pct(x.rawP) }));
+    rawCell.append(rbar);
+    tr.append(rawCell);
+    frag.append(tr);
+  });
+  $("#stage tbody").replaceChildren(frag);
+}
+
+const stepLabel = (name) => name.replace(/_/g, "-");
+function stepReason(name) {
+  const step = state.decl.steps.find((s) => s.name === (name === "bias" ? "logit_bias" : name));
+  return name === "greedy" ? "temperature 0: only the most likely token" : step ? step.explain : "";
+}
+
+// The chain that runs, in order: each step with its settings and the tokens it cut (of those still in; "–" where
+// the page does not know the whole row's count).
+function renderChain(steps, cfg) {
+  const box = $("#chain");
+  const byName = Object.fromEntries(state.decl.steps.map((s) => [s.name, s]));
+  box.replaceChildren(...steps.map((x) => {
+    const step = byName[x.name] || { params: [], origin: "", explain: "" };
+    const params = step.params.map((n) => `${n}=${JSON.stringify(cfg[n])}`).join(" ");
+    return el("li", { "data-step": x.name, "data-cut": x.cut === null ? "" : String(x.cut),
+      title: `${step.origin}${step.explain ? " — cuts a token: " + step.explain : ""}` },
+      el("code", { text: x.name }), el("span", { class: "thin", text: ` ${params}` }),
+      el("span", { class: "cutcount", text: x.cut === null ? "" : ` cut ${x.cut.toLocaleString()}` }));
+  }));
+  box.hidden = !steps.length;
 }
 
 function serverKeptMass(d, st) {
@@ -399,6 +762,7 @@ function serverKeptMass(d, st) {
 function candidatesWanted() {
   const V = state.model ? state.model.vocab_size : 256;
   const max = state.model ? state.model.limits.max_candidates : 1000;
+  if (state.candidates) return Math.min(state.candidates, max, V); // set by hand (window.lmhead.state)
   return V <= max ? V : 256; // a small vocabulary is sent whole: then everything is exact
 }
 
@@ -406,6 +770,8 @@ function loadData(raw, st) {
   const z = raw.candidates.map((c) => c.logit);
   state.data = {
     raw, z, V: raw.vocab_size, lse: raw.logsumexp,
+    byId: new Map(raw.candidates.map((c) => [c.token_id, c])),
+    sorted: z.every((v, i) => i === 0 || z[i - 1] >= v), // by logit: what the prefix pipeline needs
     rawP: raw.candidates.map((c) => c.raw_probability),
     scaledT: st.temperature > 0 ? st.temperature : null,
     scaledLse: st.temperature > 0 ? raw.scaled_logsumexp : null,
@@ -419,7 +785,8 @@ function loadData(raw, st) {
 async function predict(opts = {}) {
   const prompt = opts.prompt ?? $("#prompt").value;
   if (!prompt) { setStatus("Type a prompt first.", true); return; }
-  const st = settings();
+  const { st, error } = readSettings();
+  if (error) { setStatus(error, true); return; }
   const seq = ++state.seq;
   if (!opts.quiet) setStatus("Running the model…");
   try {
@@ -470,7 +837,8 @@ async function nextToken() {
   setBusy(true);
   try {
     const before = state.generatedFrom ?? (state.data ? state.data.raw.prompt_tokens.length : null);
-    const st = settings();
+    const { st, error } = readSettings();
+    if (error) { setStatus(error, true); return; }
     const r = await api("/api/step", { prompt, ...st, seed: seed(), step: state.step });
     state.step += 1;
     noteGenerated(prompt, r.token_id, r.text, st);
@@ -496,7 +864,8 @@ async function generate() {
   setStatus("Generating…");
   const before = state.generatedFrom ?? (state.data ? state.data.raw.prompt_tokens.length : null);
   try {
-    const st = settings();
+    const { st, error } = readSettings();
+    if (error) { setStatus(error, true); return; }
     const r = await fetch(withModel("/api/generate"), {
       method: "POST", headers: { "Content-Type": "application/json" },
       body: JSON.stringify({ prompt, ...st, seed: seed(), step: state.step, max_tokens: n }),
@@ -663,7 +1032,8 @@ async function loadDistribution() {
   const prompt = state.prompt;
   if (!prompt) return;
   const seq = ++state.distSeq;
-  const st = settings();
+  const { st, error } = readSettings();
+  if (error) { setStatus(error, true); return; }
   try {
     const d = await api("/api/distribution", { prompt, ...st });
     if (seq !== state.distSeq) return; // a newer setting is on its way
@@ -717,7 +1087,8 @@ async function draw() {
   const most = parseInt($("#draw-n").max, 10) || MAX_DRAWS;
   const n = Math.max(1, Math.min(most, parseInt($("#draw-n").value, 10) || 1000));
   $("#draw-n").value = String(n);
-  const st = settings();
+  const { st, error } = readSettings();
+  if (error) { setStatus(error, true); return; }
   $("#draw").disabled = true;
   try {
     const d = await api("/api/draws", { prompt, ...st, n, seed: seed() ?? 0 });
@@ -850,10 +1221,8 @@ function selectTab(tab) {
 
 function resetSettings() {
   $("#temperature").value = "1"; $("#top-k").value = "0"; $("#top-p").value = "1"; $("#min-p").value = "0";
-  render();
-  showSettings();
-  scheduleDistribution(0);
-  scheduleRedraw();
+  if (state.decl) resetStepControls();
+  settingsChanged(true);
 }
 
 async function init() {
@@ -873,8 +1242,8 @@ async function init() {
     if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) { e.preventDefault(); submit(); }
   });
   for (const id of ["#temperature", "#top-k", "#top-p", "#min-p"]) {
-    $(id).addEventListener("input", () => { showSettings(); render(); scheduleDistribution(60); });
-    $(id).addEventListener("change", () => { showSettings(); render(); scheduleRequery(0); scheduleDistribution(0); scheduleRedraw(); });
+    $(id).addEventListener("input", () => settingsChanged(false));
+    $(id).addEventListener("change", () => settingsChanged(true));
   }
   $("#rows").addEventListener("change", render);
   for (const id of ["#constraint-kind", "#constraint-text"]) $(id).addEventListener("change", () => scheduleRequery(0));
@@ -892,6 +1261,8 @@ async function init() {
   try {
     await loadModelInfo();
     await loadModels();
+    state.decl = await api("/api/samplers");
+    buildStepControls(state.decl);
   } catch (e) {
     setStatus(`The server did not answer: ${e.message}`, true);
     return;
@@ -902,7 +1273,7 @@ async function init() {
 // For tests and the curious: the pipeline functions and the state (in Node: module.exports, for the tests that
 // compare this pipeline with lmhead.sampling's over a full vocabulary).
 if (typeof window !== "undefined") {
-  window.lmhead = { state, compute, settings, pct, withModel };
+  window.lmhead = { state, compute, settings, readSettings, settingsKey, pct, withModel };
   init();
 } else if (typeof module !== "undefined") {
   module.exports = { compute, tailBounds, runPipeline, entropyOf };

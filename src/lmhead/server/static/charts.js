@@ -78,7 +78,9 @@
   // ----------------------------------------------------------------------------------------------------------
   // Probability against rank, log-log: raw (T = 1), after temperature, after the whole pipeline; the cut-offs.
 
-  const CUT_NAMES = { top_k: "top-k", top_p: "top-p", min_p: "min-p", greedy: "greedy" };
+  // a cut's name as the stage table writes it (top_k → top-k, typical_p → typical-p; the server's step names)
+  const cutName = (step) => step.replace(/_/g, "-");
+  const cutSetting = (c) => (typeof c.setting === "number" && c.step !== "greedy" ? ` ${c.setting}` : "");
 
   function rankChart(fig, d) {
     const W = widthOf(fig), H = W < 500 ? 260 : 300, L = 52, R = 10, T = 14, B = 40;
@@ -90,7 +92,7 @@
     const Y = (p) => T + (H - T - B) * (Math.log10(Math.max(p, 10 ** lo)) / lo);
     const kept = d.kept_count;
     const top = d.processed[0];
-    const cuts = d.cutoffs.map((c) => `${CUT_NAMES[c.step]} ${c.step === "greedy" ? "" : c.setting} leaves ${c.rank.toLocaleString()}`);
+    const cuts = d.cutoffs.map((c) => `${cutName(c.step)}${cutSetting(c)} leaves ${c.rank.toLocaleString()}`);
     const desc = `Probability of the r-th most likely token against r, both on log scales, over all ${V.toLocaleString()} ` +
       `tokens. Before the pipeline the top token has ${pct(d.raw[0])}; after it ${pct(top)}, and ${kept.toLocaleString()} ` +
       `tokens keep a probability above 0.` + (cuts.length ? ` Cut-offs: ${cuts.join("; ")}.` : " Nothing is cut.");
@@ -117,7 +119,7 @@
       const x = X(Math.max(1, c.rank));
       svg.append(s("line", { x1: x, x2: x, y1: T, y2: H - B, class: "cutline " + c.step, "data-step": c.step,
         "data-rank": c.rank }));
-      svg.append(txt(x + 3, T + 12 + 12 * d.cutoffs.indexOf(c), `${CUT_NAMES[c.step]} → ${c.rank.toLocaleString()}`,
+      svg.append(txt(x + 3, T + 12 + 12 * d.cutoffs.indexOf(c), `${cutName(c.step)} → ${c.rank.toLocaleString()}`,
         { class: "cutlabel " + c.step }));
     }
     svg.append(path(d.raw, "raw", "raw"), path(d.scaled, "scaled", "scaled"), path(d.processed, "processed", "processed"));
