@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_decode.py [--model gemma-3-270m --model smollm2-135m] [--new-tokens 128]
         [--prompts 5] [--repeats 1] [--draft none --draft int8] [--head auto] [--body auto] [--no-llama-cpp]
+    .venv/bin/python benchmarks/bench_decode.py --types smollm2-135m [--type Q8_0 ...] [--new-tokens 64]
 
 Per model, batch 1, greedy and sampled (T=0.8, top-p 0.9): lmhead (one row per draft mode), transformers'
 `generate()` on the same loaded model (`model.hf_model`, its own modules), and llama.cpp's `llama-bench -t 2
@@ -11,6 +12,10 @@ the table shows medians of tokens/s (generated tokens / wall time, prefill inclu
 where a token's time goes (draft, body, head, sampling, text in ms per token) beside what the body's and the
 head's bytes take at the read bandwidth measured in the same run. Greedy tokens must equal transformers'
 (the full-precision model's) on every prompt. The load average is printed with each table.
+
+--types: the packaged file requantised by llama.cpp's `llama-quantize --allow-requantize` into each GGUF type
+(Q8_0 … Q2_K, IQ4_NL, IQ4_XS, F16, BF16), each loaded from the file by lmhead and decoded greedily beside
+`llama-bench` on the same file (tests/test_gguf_file.py holds each type's exactness).
 """
 
 from __future__ import annotations
@@ -66,12 +71,61 @@ def llama_cpp_rate(name: str, n: int, repeats: int, depth: int = 0) -> float | N
     from lmhead.models.registry import MODELS
 
     with tempfile.TemporaryDirectory() as work:
-        gguf = MODELS[name].gguf(Path(work))
-        out = subprocess.run([str(LLAMA_BENCH), "-m", str(gguf), "-t", "2", "-p", "0", "-n", str(n),
-                              "-d", str(depth), "-r", str(repeats), "-o", "csv"],
-                             capture_output=True, text=True, check=True).stdout
+        return llama_bench_rate(MODELS[name].gguf(Path(work)), n, repeats, depth)
+
+
+def llama_bench_rate(gguf: Path, n: int, repeats: int, depth: int = 0) -> float:
+    """llama-bench's token-generation rate (tok/s) on a GGUF file, 2 threads."""
+    out = subprocess.run([str(LLAMA_BENCH), "-m", str(gguf), "-t", "2", "-p", "0", "-n", str(n),
+                          "-d", str(depth), "-r", str(repeats), "-o", "csv"],
+                         capture_output=True, text=True, check=True).stdout
     row = list(csv.DictReader(io.StringIO(out)))[-1]
     return float(row["avg_ts"])
+
+
+TYPES = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K", "IQ4_NL", "IQ4_XS", "F16", "BF16"]
+
+
+def bench_types(args, rec: Recorder) -> None:
+    """--types: the packaged model requantised by llama-quantize into each type, lmhead beside llama-bench."""
+    from lmhead.models.registry import MODELS
+    from lmhead.sampling import SamplingConfig
+
+    quantize = LLAMA_BENCH.with_name("llama-quantize")
+    if not (quantize.exists() and LLAMA_BENCH.exists()):
+        raise SystemExit("--types needs build/llama.cpp/bin/llama-quantize and llama-bench (make llama-bench)")
+    name, n = args.types, args.new_tokens
+    greedy = SamplingConfig(temperature=0.0)
+    table = rec.table(f"types_{name.replace('-', '_')}", f"{name} requantised with llama-quantize "
+                      f"--allow-requantize: greedy decode of {n} tokens, batch 1, lmhead (draft none, median of 3) "
+                      "beside llama-bench -t 2 -p 0 on the same file", ["type", "file MB", "lmhead tok/s",
+                                                                       "llama-bench tok/s", "ratio", "load"])
+    with tempfile.TemporaryDirectory() as work:
+        work = Path(work)
+        os.environ["LMHEAD_CACHE"] = str(work / "cache")  # each file's metadata cache, gone with the files
+        from lmhead.models import load_model
+
+        source = MODELS[name].gguf(work)
+        for kind in args.type or TYPES:
+            out = work / f"{name}-{kind}.gguf"
+            done = subprocess.run([str(quantize), "--allow-requantize", str(source), str(out), kind, "2"],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                print(f"{kind}: llama-quantize failed ({done.stderr.strip().splitlines()[-1:]})", flush=True)
+                continue
+            model = load_model(str(out), progress=False)
+            _ours(model, PROMPTS[0], 4, greedy, "none")  # warm-up
+            ours = statistics.median(len(ids) / t for t, ids, _ in
+                                     (_ours(model, PROMPTS[0], n, greedy, "none") for _ in range(3)))
+            theirs = llama_bench_rate(out, n, 3)
+            load = f"{os.getloadavg()[0]:.2f}"
+            mb = out.stat().st_size / 1e6
+            print(f"{kind}: {mb:.0f} MB, lmhead {ours:.1f} tok/s, llama-bench {theirs:.1f} tok/s, ratio "
+                  f"{ours / theirs:.2f}, load {load}", flush=True)
+            table.row([kind, f"{mb:.0f}", f"{ours:.1f}", f"{theirs:.1f}", f"{ours / theirs:.2f}", load],
+                      [Figure(f"{name} {kind} decode", ours, "tok/s", "llama-bench", theirs, ours / theirs)])
+            del model
+            out.unlink()
 
 
 def _body_bytes(model) -> int:
@@ -187,7 +241,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--body", default="auto", help="body: auto (default), lean, onednn, transformers")
     parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false",
                         help="skip llama.cpp even when build/llama.cpp/bin/llama-bench exists")
+    parser.add_argument("--types", default=None, metavar="MODEL",
+                        help="instead: MODEL requantised into each GGUF type by llama-quantize, beside llama-bench")
+    parser.add_argument("--type", action="append", help="with --types: only these types (repeatable)")
     args = parser.parse_args(argv)
+    if args.types:
+        rec = Recorder("decode")
+        print(rec.header())
+        try:
+            bench_types(args, rec)
+        finally:
+            rec.write()
+        return 0
     args.model = args.model or ["gemma-3-270m", "smollm2-135m"]
     args.draft = args.draft or ["none", "ngram"]
     rec = Recorder("decode")
