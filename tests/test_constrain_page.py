@@ -1,6 +1,6 @@
-"""The explainer page's constraint over several requests: predict, step and generate take the constraint and where
-its answer starts (`answer_from`, in characters of the prompt); the server's matcher consumes the answer so far, so a run of
-Next-token clicks follows the constraint as one `generate(constraint=...)` does."""
+"""The explainer page's constraint over several requests: predict, step and generate take the constraint and
+where its answer starts (`answer_from`, in characters of the prompt); the server's matcher consumes the answer so
+far, so a run of Next-token clicks follows the constraint as one `generate(constraint=...)` does."""
 
 from __future__ import annotations
 

@@ -373,7 +373,7 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
     logits = head(last[:, -1:], exact_k=exact_k).reshape(1, vocab).float()  # [1,V]
 
     prev = input_ids.to(logits.device)
-    masked = _constrained(model, logits, constraint, ids, start)  # step 0: the constraint's mask (or the logits themselves)
+    masked = _constrained(model, logits, constraint, ids, start)  # step 0: the constraint's mask (or the logits)
     stages = pipeline_stages(masked, config, prev, len(ids))
     stages["after_constraint"] = masked
     processed = process_logits(masked, config, prev_tokens=prev, prompt_len=len(ids))  # [1,V]
