@@ -57,3 +57,20 @@ def test_constraint_box_marks_the_tokens_it_cuts(page):
 def test_a_constraint_that_does_not_compile_says_why(page):
     _show(page, "regex", "a(b")
     page.wait_for_function("/unclosed group/.test(document.querySelector('#status').textContent)")
+
+
+def test_next_token_continues_one_constrained_answer(page):
+    prompt = "The cat sat on the "
+    page.select_option("#constraint-kind", "choice")
+    page.fill("#constraint-text", "mat,log")
+    page.get_by_label("Prompt", exact=True).fill(prompt)
+    page.get_by_role("button", name="Show candidates").click()
+    page.wait_for_selector("#stage tbody tr .why:text('cut by the constraint')")
+    # each option is at most three tokens; a click after a complete answer may only end it (EOS, no text)
+    for _ in range(4):
+        page.get_by_role("button", name="Next token").click()
+        page.wait_for_function("!document.querySelector('#next-token').disabled")
+        answer = page.get_by_label("Prompt", exact=True).input_value()[len(prompt):]
+        assert "mat".startswith(answer) or "log".startswith(answer), answer
+    assert answer in ("mat", "log")
+    page.select_option("#constraint-kind", "none")

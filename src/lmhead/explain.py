@@ -314,7 +314,8 @@ def explain_head(model, head: str = "exact"):
 @torch.inference_mode()
 @_accepts_parts
 def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False, layer_top: int = 5,
-            model_name: str | None = None, head: str = "exact", constraint=None) -> Prediction:
+            model_name: str | None = None, head: str = "exact", constraint=None,
+            constraint_from: int | None = None) -> Prediction:
     """The next-token candidates for `prompt`, with both distributions and what each cut did.
 
     model: an `lmhead.Model`; its `body` runs the prompt (the body `generate` runs) and its full-precision
@@ -337,6 +338,8 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
     same head. constraint: a structured-output constraint (`lmhead.constrain`) for the answer that starts after
     the prompt: its mask is step 0, before bias — tokens it forbids are cut by "constraint" (their raw
     probability stays the model's own) and every later step sees the constrained logits, as `generate` does.
+    constraint_from: where that answer starts, in characters of the prompt (default: after it), as `generate`'s:
+    the answer so far is tokenized on its own and the mask is its next token's.
     """
     from lmhead.sampling import SamplingConfig, process_logits
     from lmhead.sampling.steps.masks import withhold_stops
@@ -352,6 +355,11 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
     checks.positive_int("layer_top", layer_top)
 
     ids = _encode(model.tokenizer, prompt, "prompt")
+    start = None
+    if constraint is not None and constraint_from is not None:
+        from lmhead.constrain import split_answer
+
+        ids, start = split_answer(model.tokenizer, prompt, constraint_from)
     ctx = model.context_length
     if ctx is not None and len(ids) > ctx:
         raise ValueError(f"prompt: {len(ids)} tokens is longer than the model's context of {ctx} tokens")
@@ -365,7 +373,7 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
     logits = head(last[:, -1:], exact_k=exact_k).reshape(1, vocab).float()  # [1,V]
 
     prev = input_ids.to(logits.device)
-    masked = _constrained(model, logits, constraint)  # step 0: the constraint's mask (or the logits themselves)
+    masked = _constrained(model, logits, constraint, ids, start)  # step 0: the constraint's mask (or the logits)
     stages = pipeline_stages(masked, config, prev, len(ids))
     stages["after_constraint"] = masked
     processed = process_logits(masked, config, prev_tokens=prev, prompt_len=len(ids))  # [1,V]
@@ -391,13 +399,17 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
     )
 
 
-def _constrained(model, logits: torch.Tensor, constraint) -> torch.Tensor:
-    """logits [1,V] with -inf where `constraint` forbids the answer's first token (a copy); `logits` when None."""
+def _constrained(model, logits: torch.Tensor, constraint, ids: list[int], start: int | None) -> torch.Tensor:
+    """logits [1,V] with -inf where `constraint` forbids the answer's next token (a copy; the answer so far is
+    ids[start:]); `logits` when None."""
     if constraint is None:
         return logits
     from lmhead.constrain import apply_bitmask_, for_rows
 
-    bits = for_rows(model, constraint, 1)[0].bits()
+    matcher = for_rows(model, constraint, 1)[0]
+    if start is not None:
+        matcher.advance(ids[start:])
+    bits = matcher.bits()
     return apply_bitmask_(logits.clone(), bits[None])
 
 

@@ -190,7 +190,7 @@ def generate(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int 
              stop: str | Sequence[str] | None = None, top_logprobs: int = 0, *,
              generator: torch.Generator | None = None, profile: dict[str, float] | None = None,
              draft: str = "auto", draft_tokens: int = 4, stats=None, exact_logprobs: bool = False,
-             scores: bool = True, constraint=None) -> Iterator[Step]:
+             scores: bool = True, constraint=None, constraint_from: int | None = None) -> Iterator[Step]:
     """Generate up to `max_new_tokens` tokens per prompt, yielding one `Step` per token as it is chosen.
 
     model: an `lmhead.Model`. prompt_or_prompts: a str (steps have index 0) or a list of str (steps carry the
@@ -222,12 +222,16 @@ def generate(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int 
     and the alternatives are the constrained distribution's; EOS only where the grammar may stop; a grammar that
     is complete ends the row with "stop", one that is not by max_new_tokens with "length" (the text so far).
     ConstraintError (a ValueError) where it does not compile or uses a feature llguidance does not support.
+    constraint_from: where the constrained answer starts in each prompt, in characters (default: after the whole
+    prompt); the text from there is the answer so far, tokenized on its own (`constrain.split_answer`), which
+    each row's matcher consumes before the first step (ValueError naming the constraint where it does not match).
 
     The arguments are checked when this is called (ValueError / TypeError naming the argument); the tokens
     come as the iterator is consumed.
     """
     rows = prepare(model, prompt_or_prompts, max_new_tokens, config, stop, top_logprobs,
-                   exact_logprobs=exact_logprobs, scores=scores, constraint=constraint)
+                   exact_logprobs=exact_logprobs, scores=scores, constraint=constraint,
+                   constraint_from=constraint_from)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
     from lmhead.speculative import check_draft_mode, check_draft_tokens
@@ -274,7 +278,8 @@ class Row:
 def prepare(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int = 32,
             config: SamplingConfig | Sequence[SamplingConfig] | None = None,
             stop: str | Sequence[str] | None = None, top_logprobs: int = 0, *,
-            exact_logprobs: bool = False, scores: bool = True, constraint=None) -> list[Row]:
+            exact_logprobs: bool = False, scores: bool = True, constraint=None,
+            constraint_from: int | None = None) -> list[Row]:
     """The checked, tokenised rows of a `generate` call (same arguments, same errors), ready for a `Batch`."""
     prompts, _ = _prompts(prompt_or_prompts)
     configs = as_configs(config, len(prompts))  # one per prompt, checked as sampling checks it
@@ -283,13 +288,20 @@ def prepare(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int =
     stops = _stops(stop)
     checks.positive_int("max_new_tokens", max_new_tokens)
     encoded = []
+    starts = []
     for i, p in enumerate(prompts):
-        ids = list(model.tokenizer(p)["input_ids"])
+        if constraint_from is None:
+            ids = list(model.tokenizer(p)["input_ids"])
+        else:
+            from lmhead.constrain import split_answer
+
+            ids, start = split_answer(model.tokenizer, p, constraint_from)
+            starts.append(start)
         if not ids:
             raise ValueError(f"prompt_or_prompts[{i}]: the prompt encodes to no tokens")
         encoded.append(ids)
     return _rows(model, encoded, max_new_tokens, configs, stops, top_logprobs, exact_logprobs, scores,
-                 constraint=constraint)
+                 constraint=constraint, answer_starts=starts if constraint_from is not None else None)
 
 
 def prepare_ids(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int = 32,
@@ -337,8 +349,9 @@ def prepare_ids(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int 
 
 def _rows(model, encoded: list[list[int]], max_new_tokens: int, configs: list[SamplingConfig], stops: list[str],
           top_logprobs: int, exact_logprobs: bool, scores: bool, include_stop: bool = False,
-          constraint=None) -> list[Row]:
-    """The rows of checked prompts' ids (the checks `prepare` shares with `prepare_ids`)."""
+          constraint=None, answer_starts: list[int] | None = None) -> list[Row]:
+    """The rows of checked prompts' ids (the checks `prepare` shares with `prepare_ids`); answer_starts: where
+    each row's constrained answer begins in its ids (its matcher consumes the rest)."""
     if not checks.is_int(top_logprobs) or not 0 <= top_logprobs <= 20:
         raise ValueError(f"top_logprobs: must be an integer in 0..20, got {top_logprobs!r}")
     if not isinstance(exact_logprobs, bool):
@@ -352,6 +365,9 @@ def _rows(model, encoded: list[list[int]], max_new_tokens: int, configs: list[Sa
 
     prompts = encoded
     matchers = for_rows(model, constraint, len(encoded))
+    for ids, m, start in zip(encoded, matchers, answer_starts or [len(ids) for ids in encoded], strict=True):
+        if m is not None:
+            m.advance(ids[start:])
     rows = []
     for i, ids in enumerate(encoded):
         what = "prompt" if len(prompts) == 1 else f"prompt_or_prompts[{i}]"

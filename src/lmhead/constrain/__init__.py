@@ -29,7 +29,20 @@ from lmhead.constrain.matcher import Matcher
 
 __all__ = ["Choice", "Compiled", "Constraint", "ConstraintError", "Grammar", "JSONObject", "JSONSchema", "Matcher",
            "Regex", "allowed", "apply_bitmask_", "compile_constraint", "for_rows", "forced_token",
-           "guidance_tokenizer"]
+           "guidance_tokenizer", "split_answer"]
+
+
+def split_answer(tokenizer, prompt: str, start: int) -> tuple[list[int], int]:
+    """`prompt`'s ids with its constrained answer (the text from character `start` on) tokenized on its own, and
+    where in them the answer begins. Apart because tokenizing the whole text would merge the answer's first
+    characters with the prompt's last (" " + "m" → " m"): the answer's tokens would not be the ones a decode
+    emitted after the prompt, and the boundary would fall inside a token."""
+    if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= len(prompt):
+        raise ValueError(f"constraint_from: must be a character offset in 0..{len(prompt)}, got {start!r}")
+    head = [int(i) for i in tokenizer(prompt[:start])["input_ids"]]
+    tail = [int(i) for i in tokenizer(prompt[start:], add_special_tokens=False)["input_ids"]] if start < len(prompt) \
+        else []
+    return head + tail, len(head)
 
 
 def for_rows(model, constraint, count: int) -> list[Matcher | None]:

@@ -65,6 +65,15 @@ class Matcher:
         if not self._m.consume_token(int(token)):
             raise RuntimeError(f"constraint: token {token} is not allowed here ({self._m.get_error()})")
 
+    def advance(self, ids) -> None:
+        """Consume `ids`, an answer begun before this matcher was made (the explainer's steps, one request each):
+        ValueError naming the constraint where one of them is not allowed there."""
+        for i, t in enumerate(ids):
+            if self.stopped or not self.allows(self.bits(), int(t)):
+                raise ValueError(f"constraint: the answer so far does not match it (token {i}, id {int(t)}, is not "
+                                 f"allowed there)")
+            self.consume(int(t))
+
     def forced(self) -> list[int]:
         """The tokens the grammar allows as the only continuation from here (may be [])."""
         return list(self._m.compute_ff_tokens())

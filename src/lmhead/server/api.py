@@ -66,8 +66,11 @@ async def api_step(req: S.StepRequest, served: Served = Depends(get_served)) -> 
 @router.post("/generate", summary="Several steps, streamed as server-sent events")
 async def api_generate(req: S.GenerateRequest, served: Served = Depends(get_served)) -> StreamingResponse:
     await served.call(encode_checked, served.model, req.prompt)
+    # the answer so far is checked here, so that one the constraint does not accept is a 400, not a stream's error
+    constraint = await served.call(_answer_checked, served.model, req)
     cfg = sampling_config(req, seed_for_step(req.seed, req.step))
-    steps = served.generate(req.prompt, req.max_tokens, config=cfg, exact_logprobs=True)  # the page's numbers
+    steps = served.generate(req.prompt, req.max_tokens, config=cfg, exact_logprobs=True,  # the page's numbers
+                            constraint=constraint, constraint_from=req.answer_from if constraint else None)
     return StreamingResponse(_step_events(steps), media_type="text/event-stream")
 
 
@@ -84,20 +87,43 @@ async def api_score(req: S.ScoreRequest, served: Served = Depends(get_served)) -
 # --- the calls (blocking: they run in the runner's worker thread) ---------------------------------------------
 
 
-def _predict(model: Any, req: S.PredictRequest) -> dict[str, Any]:
+def _answer_checked(model: Any, req: S.PredictRequest | S.StepRequest) -> Any:
+    """The page's constraint (None: none), with the answer so far (the prompt's text from `answer_from`)
+    checked against it: a 400 naming `constraint` where it does not match, `answer_from` where it is past the
+    prompt. The page asks one step per request, so each request starts the matcher again from the answer."""
+    from lmhead.constrain import for_rows, split_answer
+    from lmhead.server.errors import APIError
     from lmhead.server.structured import page_constraint
 
+    constraint = page_constraint(req.constraint)
+    if constraint is None or req.answer_from is None:
+        return constraint
+    if req.answer_from > len(req.prompt):
+        raise APIError(400, f"answer_from: {req.answer_from} is past the prompt's {len(req.prompt)} characters",
+                       "answer_from")
+    ids, start = split_answer(model.tokenizer, req.prompt, req.answer_from)
+    try:
+        for_rows(model, constraint, 1)[0].advance(ids[start:])
+    except ValueError as exc:
+        raise APIError(400, str(exc), "constraint") from exc
+    return constraint
+
+
+def _predict(model: Any, req: S.PredictRequest) -> dict[str, Any]:
     encode_checked(model, req.prompt)
-    return model.predict(req.prompt, top=req.top, config=sampling_config(req),
-                         constraint=page_constraint(req.constraint)).to_dict()
+    constraint = _answer_checked(model, req)
+    return model.predict(req.prompt, top=req.top, config=sampling_config(req), constraint=constraint,
+                         constraint_from=req.answer_from if constraint else None).to_dict()
 
 
 def _step(model: Any, req: S.StepRequest) -> Any:
     encode_checked(model, req.prompt)
+    constraint = _answer_checked(model, req)
     # A seeded run keys each click's draw on (seed + step): clicks differ, a rerun repeats them.
     cfg = sampling_config(req, seed_for_step(req.seed, req.step))
     # the page shows the model's own numbers: probability, raw probability and rank from the fp32 head
-    return next(iter(model.generate(req.prompt, 1, config=cfg, exact_logprobs=True)))
+    return next(iter(model.generate(req.prompt, 1, config=cfg, exact_logprobs=True, constraint=constraint,
+                                    constraint_from=req.answer_from if constraint else None)))
 
 
 def _layers(model: Any, req: S.LayersRequest) -> dict[str, Any]:

@@ -94,6 +94,10 @@ SamplingFields = create_model(
 # --- /api ---------------------------------------------------------------------------------------------------
 
 
+_ANSWER_FROM = ("where the constrained answer starts, in characters (code points) of the prompt (default: after "
+                "it); the text from there is the answer so far, which must match the constraint")
+
+
 class PageConstraint(_Request):
     """The page's constraint box: the answer that starts after the prompt is JSON matching a schema, a regex's
     match, or one of comma-separated strings."""
@@ -108,12 +112,15 @@ class PredictRequest(SamplingFields):
     prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS)
     top: int = Field(200, ge=1, le=MAX_CANDIDATES, description="how many candidates to return (by logit)")
     constraint: PageConstraint | None = Field(None, description="structured output: its mask cuts first")
+    answer_from: int | None = Field(None, ge=0, le=MAX_PROMPT_CHARS, description=_ANSWER_FROM)
 
 
 class StepRequest(SamplingFields):
     """POST /api/step: choose one next token with the current settings and append it to the prompt."""
 
     prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS)
+    constraint: PageConstraint | None = Field(None, description="structured output: its mask cuts first")
+    answer_from: int | None = Field(None, ge=0, le=MAX_PROMPT_CHARS, description=_ANSWER_FROM)
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="same seed and step → same token")
     step: int = Field(0, ge=0, le=1_000_000, description="index of this step in a seeded run")
 

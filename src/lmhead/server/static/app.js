@@ -21,6 +21,7 @@ const state = {
   data: null, // the last /api/predict answer
   dataSettings: null, // the settings it was computed with
   dataConstraint: "", // the constraint box it was computed with ("" = none)
+  answer: null, // where the constrained answer starts: { key (the box), prompt (the text before the answer) }
   prompt: "",
   generatedFrom: null, // index of the first generated token among the chips
   step: 0, // tokens generated since the prompt was typed: the seeded draws are keyed on (seed + step)
@@ -303,6 +304,18 @@ function constraintAsked() {
   return kind === "none" || !text ? null : { kind, text };
 }
 const constraintKey = (c) => (c ? `${c.kind}\u0000${c.text}` : "");
+
+// The constrained answer starts where the box was first asked for this prompt: the server consumes the text
+// after that point as the answer so far, so Next token and Generate continue one answer, not start a new one
+// at every click. A new box or an edited prompt (one that no longer extends it) starts the answer again.
+function constraintFields(prompt) {
+  const asked = constraintAsked();
+  if (!asked) { state.answer = null; return {}; }
+  const key = constraintKey(asked);
+  if (!state.answer || state.answer.key !== key || !prompt.startsWith(state.answer.prompt)) state.answer = { key, prompt };
+  // code points, as the server counts characters
+  return { constraint: asked, answer_from: Array.from(state.answer.prompt).length };
+}
 
 function seed() {
   const v = $("#seed").value.trim();
@@ -790,8 +803,7 @@ async function predict(opts = {}) {
   const seq = ++state.seq;
   if (!opts.quiet) setStatus("Running the model…");
   try {
-    const asked = constraintAsked();
-    const raw = await api("/api/predict", { prompt, top: candidatesWanted(), ...st, ...(asked ? { constraint: asked } : {}) });
+    const raw = await api("/api/predict", { prompt, top: candidatesWanted(), ...st, ...constraintFields(prompt) });
     if (seq !== state.seq) return; // a newer request is on its way
     state.prompt = prompt;
     if (opts.generatedFrom !== undefined) state.generatedFrom = opts.generatedFrom;
@@ -839,7 +851,7 @@ async function nextToken() {
     const before = state.generatedFrom ?? (state.data ? state.data.raw.prompt_tokens.length : null);
     const { st, error } = readSettings();
     if (error) { setStatus(error, true); return; }
-    const r = await api("/api/step", { prompt, ...st, seed: seed(), step: state.step });
+    const r = await api("/api/step", { prompt, ...st, ...constraintFields(prompt), seed: seed(), step: state.step });
     state.step += 1;
     noteGenerated(prompt, r.token_id, r.text, st);
     $("#prompt").value = r.prompt;
@@ -868,7 +880,7 @@ async function generate() {
     if (error) { setStatus(error, true); return; }
     const r = await fetch(withModel("/api/generate"), {
       method: "POST", headers: { "Content-Type": "application/json" },
-      body: JSON.stringify({ prompt, ...st, seed: seed(), step: state.step, max_tokens: n }),
+      body: JSON.stringify({ prompt, ...st, ...constraintFields(prompt), seed: seed(), step: state.step, max_tokens: n }),
     });
     if (!r.ok) {
       const j = await r.json().catch(() => ({}));
@@ -1246,7 +1258,11 @@ async function init() {
     $(id).addEventListener("change", () => settingsChanged(true));
   }
   $("#rows").addEventListener("change", render);
-  for (const id of ["#constraint-kind", "#constraint-text"]) $(id).addEventListener("change", () => scheduleRequery(0));
+  for (const id of ["#constraint-kind", "#constraint-text"]) {
+    $(id).addEventListener("change", () => { state.answer = null; scheduleRequery(0); });
+  }
+  // typing (not the page's own writes of chosen tokens) moves where a constrained answer starts
+  $("#prompt").addEventListener("input", () => { state.answer = null; });
   $("#next-token").addEventListener("click", nextToken);
   $("#generate").addEventListener("click", generate);
   $("#reset").addEventListener("click", resetSettings);
