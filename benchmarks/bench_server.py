@@ -189,7 +189,8 @@ def versus_llama_server(args: argparse.Namespace, rec: Recorder) -> None:
     prompts = ([_long_prompt(model, args.prompt_tokens)] * n if args.prompt_tokens
                else [PROMPTS[i % len(PROMPTS)] for i in range(n)])
     slot = (args.prompt_tokens or 64) + k + 64
-    table = rec.table("versus_llama_server", f"{args.model}, loopback: {n} greedy completions of {k} tokens at once, "
+    name = "versus_llama_server" + (f"_{args.prompt_tokens}" if args.prompt_tokens else "")
+    table = rec.table(name, f"{args.model}, loopback: {n} greedy completions of {k} tokens at once, "
                       f"prompts of {args.prompt_tokens or 'about 10'} tokens; lmhead serve beside llama-server -np "
                       f"{n} -t 2 on the same GGUF file", ["run", "lmhead tok/s", "llama-server tok/s", "ratio",
                                                           "lmhead peak RSS (MiB)", "llama-server peak RSS (MiB)",
