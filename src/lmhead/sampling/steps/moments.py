@@ -1,0 +1,146 @@
+"""A row's moments in float64 and the cut at a threshold: the passes the cut-offs and dynamic temperature share.
+
+Their references (tests/reference.py) decide in float64 — a token's probability q = e^(x − max) / S, the entropy
+H = −Σ q log q, the mean and standard deviation of the finite logits — and each of their rules is a threshold on
+the logit itself (q ≥ ε ⟺ x ≥ max + log(ε·S); −log2 q ≤ μ ⟺ x ≥ max + log S − μ·ln 2), so a cut is one pass for the
+maximum, one for S and A = Σ e^(x − max)·(x − max) (log-normaliser max + log S, entropy log S − A/S) and one that
+writes the row: no softmax, no float64 copy of the row, no mask tensor. Locally typical sampling orders tokens by
+|−log q − H| = |x − c| with c = max + A/S, and only the tokens near the crossing of its mass need sorting.
+
+The passes run in C (models/native.py: step_kernels.c) for a CPU row where the library is built, in torch's float64
+otherwise (``native=False``: the same numbers up to float64 rounding, slower; the tests compare the two). A row
+with a NaN, +inf or no finite logit has no moments (None): the steps leave it as it is and the pipeline's check of
+the row names the problem.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lmhead.sampling.vocab import NEG_INF
+
+
+@dataclass(frozen=True)
+class Moments:
+    """One row's moments (float64): its maximum, how many logits are finite, S = Σ e^(x − max), A = Σ e^(x −
+    max)·(x − max), the least finite logit, the mean of the finite logits and (when asked) their population
+    standard deviation (0 otherwise)."""
+
+    max: float
+    finite: int
+    norm: float
+    tilt: float
+    least: float
+    mean: float
+    sd: float
+
+    @property
+    def lse(self) -> float:
+        """log Σ e^x: a token's log-probability is x − lse."""
+        return self.max + math.log(self.norm)
+
+    @property
+    def entropy(self) -> float:
+        """H = −Σ q log q in nats (≥ 0: log S ≥ 0 and A ≤ 0)."""
+        return math.log(self.norm) - self.tilt / self.norm
+
+    @property
+    def center(self) -> float:
+        """Σ q·x, the logit whose surprise is the entropy: |−log q − H| = |x − center|."""
+        return self.max + self.tilt / self.norm
+
+
+def _library(x: Tensor, use: bool):
+    """models.native for a CPU float32 row when `use` (imported on first use, as the pipeline's other C paths)."""
+    if not (use and x.device.type == "cpu" and x.dtype == torch.float32):
+        return None
+    from lmhead.models import native
+
+    return native
+
+
+def moments(x: Tensor, sigma: bool = False, native: bool = True) -> Moments | None:
+    """The moments of one row x [1,V] or [V] (sd only with `sigma`); None for a row with a NaN, +inf or no finite
+    logit."""
+    row = x.reshape(-1)
+    lib = _library(row, native)
+    got = lib.row_moments(row, sigma) if lib else None
+    if got is None:
+        got = _torch_moments(row, sigma)
+    return None if got is None else Moments(got[0], int(got[1]), *got[2:])
+
+
+def _torch_moments(row: Tensor, sigma: bool) -> tuple[float, ...] | None:
+    d = row.double()
+    finite = d > NEG_INF
+    if not bool(finite.any()) or bool(torch.isnan(d).any()) or bool(torch.isposinf(d).any()):
+        return None
+    top = d.max()
+    e = torch.exp(d - top)
+    vals = d[finite]
+    mean = vals.mean()
+    sd = float(((vals - mean) ** 2).mean().sqrt()) if sigma else 0.0
+    return (float(top), vals.numel(), float(e.sum()), float((e[finite] * (vals - top)).sum()), float(vals.min()),
+            float(mean), sd)
+
+
+def ceil32(t: float) -> float:
+    """The least float32 value ≥ t (±inf beyond float32's range): for a float32 x, x ≥ t ⟺ x ≥ ceil32(t)."""
+    if math.isnan(t) or math.isinf(t) or abs(t) > float(np.finfo(np.float32).max):
+        return t if not math.isfinite(t) else math.copysign(math.inf, t)
+    f = np.float32(t)
+    if float(f) < t:
+        f = np.nextafter(f, np.float32(np.inf))
+    return float(f)
+
+
+def keep_at_least(x: Tensor, threshold: float, native: bool = True) -> Tensor:
+    """x [1,V] with every logit below `threshold` (a float64 number, compared exactly) at -inf."""
+    t = ceil32(threshold)
+    row = x.reshape(-1)
+    lib = _library(row, native)
+    out = lib.keep_ge(row, t) if lib and not math.isnan(t) else None
+    if out is None:
+        out = torch.where(row >= t, row, torch.full_like(row, NEG_INF))
+    return out.view_as(x)
+
+
+def at_least_ids(x: Tensor, threshold: float, cap: int, native: bool = True) -> Tensor:
+    """The ids of the logits ≥ `threshold` (compared exactly) in x [1,V], ascending; `cap` bounds how many the C pass
+    collects (more: torch's pass finds them)."""
+    t = ceil32(threshold)
+    row = x.reshape(-1)
+    lib = _library(row, native)
+    ids = lib.select_ge(row, t, cap) if lib and not math.isnan(t) else None
+    return (row >= t).nonzero().squeeze(1) if ids is None else ids
+
+
+def keep_probable(x: Tensor, mo: Moments, log_q: float) -> Tensor:
+    """x [1,V] keeping the tokens with log-probability log q ≥ `log_q` (q = e^(x − max) / S in float64) and the
+    most probable token and its ties whatever its probability (transformers' min_tokens_to_keep = 1)."""
+    return keep_at_least(x, min(mo.lse + log_q, mo.max))
+
+
+def typical(x: Tensor, mass: float, native: bool = True) -> Tensor:
+    """Locally typical sampling (transformers' TypicalLogitsWarper; the reference's rule in float64) on x [1,V]:
+    tokens in order of |−log q − H| = |x − c| (Moments.center), kept up to and including the first whose
+    cumulative mass reaches `mass`, with every token scoring no more than that one (ties whole); -inf elsewhere."""
+    row = x.reshape(-1)
+    lib = _library(row, native)
+    out = lib.typical_row(row, mass) if lib else None
+    if out is not None:
+        return out.view_as(x)
+    mo = moments(row, native=False)
+    if mo is None:
+        return x
+    d = row.double()
+    score = (d - mo.center).abs()  # -inf logits score inf
+    ordered, order = torch.sort(score, stable=True)
+    cum = torch.exp(d - mo.max)[order].cumsum(0)
+    last = int((cum < mass * mo.norm).sum().clamp(max=row.shape[0] - 1))
+    return torch.where(score <= ordered[last], row, torch.full_like(row, NEG_INF)).view_as(x)
