@@ -7,6 +7,7 @@
  * reads the float32 row once; a wide row is cut into pieces over the threads, the pieces' sums combined in order.
  * Built with the other kernels into one library by models/native.py, which tests every entry point on load.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -332,70 +333,75 @@ static double typical_mass(const double* prefix, int first, int last) {
     return last < first ? 0.0 : prefix[last + 1] - prefix[first];
 }
 
+/* token i joins the candidates when its bin is in [a0, a1] or [b0, b1] (and it is finite) → 0, or -3 for no memory */
+static inline int typical_take(const float* x, int64_t i, double m, double c, double k, int a0, int a1, int b0, int b1,
+                               typical_cand** out, int64_t* have, int64_t* room) {
+    const int b = typical_bin(m, (double)x[i], k);
+    if (!(x[i] > -INFINITY) || !((b >= a0 && b <= a1) || (b >= b0 && b <= b1))) return 0;
+    if (*have == *room) {
+        typical_cand* grown = (typical_cand*)realloc(*out, (size_t)(*room *= 2) * sizeof(typical_cand));
+        if (!grown) return -3;
+        *out = grown;
+    }
+    (*out)[*have].score = fabs((double)x[i] - c), (*out)[*have].e = exp_neg((double)x[i] - m), (*out)[*have].i = i;
+    (*have)++;
+    return 0;
+}
+
 /* the finite tokens of x whose bin is in [a0, a1] or [b0, b1] → cand (grown as needed), their count; -3 for no
- * memory */
+ * memory. The vector loop finds each token's bin in float32, which can differ from the bin in double by one:
+ * it passes every token within one bin of the ranges to the exact test. */
 static int64_t typical_collect(const float* x, int64_t V, double m, double c, double k, int a0, int a1, int b0,
                                int b1, typical_cand** cand) {
     int64_t have = 0, room = 1024, i = 0;
     typical_cand* out = (typical_cand*)malloc((size_t)room * sizeof(typical_cand));
     if (!out) return -3;
 #ifdef __AVX2__
-    const __m256d mv = _mm256_set1_pd(m), kv = _mm256_set1_pd(k), last = _mm256_set1_pd((double)(TYPICAL_BINS - 1));
-    const __m128i lo_a = _mm_set1_epi32(a0 - 1), hi_a = _mm_set1_epi32(a1 + 1), lo_b = _mm_set1_epi32(b0 - 1),
-                  hi_b = _mm_set1_epi32(b1 + 1);
-    for (; i + 4 <= V; i += 4) {
-        const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
-        const __m128i b = _mm256_cvttpd_epi32(_mm256_min_pd(_mm256_mul_pd(_mm256_sub_pd(mv, v), kv), last));
-        const __m128i in = _mm_or_si128(_mm_and_si128(_mm_cmpgt_epi32(b, lo_a), _mm_cmplt_epi32(b, hi_a)),
-                                        _mm_and_si128(_mm_cmpgt_epi32(b, lo_b), _mm_cmplt_epi32(b, hi_b)));
-        unsigned bits = (unsigned)_mm_movemask_ps(_mm_castsi128_ps(in));
+    const __m256 mv = _mm256_set1_ps((float)m), kv = _mm256_set1_ps((float)k),
+                 last = _mm256_set1_ps((float)TYPICAL_BINS);
+    const __m256i lo_a = _mm256_set1_epi32(a0 - 2), hi_a = _mm256_set1_epi32(a1 + 2), lo_b = _mm256_set1_epi32(b0 - 2),
+                  hi_b = _mm256_set1_epi32(b1 + 2);
+    for (; i + 8 <= V; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256i b = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_mul_ps(_mm256_sub_ps(mv, v), kv), last));
+        const __m256i in = _mm256_or_si256(_mm256_and_si256(_mm256_cmpgt_epi32(b, lo_a), _mm256_cmpgt_epi32(hi_a, b)),
+                                           _mm256_and_si256(_mm256_cmpgt_epi32(b, lo_b), _mm256_cmpgt_epi32(hi_b, b)));
+        unsigned bits = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(in));
         while (bits) {
             const int64_t j = i + __builtin_ctz(bits);
             bits &= bits - 1;
-            if (!(x[j] > -INFINITY)) continue;
-            if (have == room) {
-                typical_cand* grown = (typical_cand*)realloc(out, (size_t)(room *= 2) * sizeof(typical_cand));
-                if (!grown) return free(out), -3;
-                out = grown;
-            }
-            out[have].score = fabs((double)x[j] - c), out[have].e = exp_neg((double)x[j] - m), out[have].i = j;
-            have++;
+            if (typical_take(x, j, m, c, k, a0, a1, b0, b1, &out, &have, &room)) return free(out), -3;
         }
     }
 #endif
-    for (; i < V; i++) {
-        const int b = typical_bin(m, (double)x[i], k);
-        if (!(x[i] > -INFINITY) || !((b >= a0 && b <= a1) || (b >= b0 && b <= b1))) continue;
-        if (have == room) {
-            typical_cand* grown = (typical_cand*)realloc(out, (size_t)(room *= 2) * sizeof(typical_cand));
-            if (!grown) return free(out), -3;
-            out = grown;
-        }
-        out[have].score = fabs((double)x[i] - c), out[have].e = exp_neg((double)x[i] - m), out[have].i = i;
-        have++;
-    }
+    for (; i < V; i++)
+        if (typical_take(x, i, m, c, k, a0, a1, b0, b1, &out, &have, &room)) return free(out), -3;
     *cand = out;
     return have;
 }
 
-/* out = x where |x − c| ≤ limit, −inf elsewhere → the count kept */
+/* out = x where |(double)x − c| ≤ limit, −inf elsewhere → the count kept. The score is monotone in x on either side
+ * of c, so the kept logits are the float32 values in [lo, hi]: the float32 numbers nearest c ± limit, moved by a
+ * step at a time until they are the outermost that pass the test itself. */
 static int64_t typical_write(const float* x, int64_t V, double c, double limit, float* out) {
+    float hi = (float)(c + limit), lo = (float)(c - limit);
+    while (hi > -INFINITY && fabs((double)hi - c) > limit) hi = nextafterf(hi, -INFINITY);
+    while (hi < INFINITY && fabs((double)nextafterf(hi, INFINITY) - c) <= limit) hi = nextafterf(hi, INFINITY);
+    while (lo < INFINITY && fabs((double)lo - c) > limit) lo = nextafterf(lo, INFINITY);
+    while (lo > -INFINITY && fabs((double)nextafterf(lo, -INFINITY) - c) <= limit) lo = nextafterf(lo, -INFINITY);
+    if (lo == -INFINITY) lo = -FLT_MAX; /* −inf scores inf: never kept */
     int64_t kept = 0, i = 0;
 #ifdef __AVX2__
-    const __m256d cv = _mm256_set1_pd(c), lv = _mm256_set1_pd(limit), sign = _mm256_set1_pd(-0.0);
-    const __m128i lane = _mm_set_epi32(8, 4, 2, 1);
-    for (; i + 4 <= V; i += 4) {
-        const __m128 t = _mm_loadu_ps(x + i);
-        const __m256d sc = _mm256_andnot_pd(sign, _mm256_sub_pd(_mm256_cvtps_pd(t), cv));
-        /* −inf scores inf, above any finite limit */
-        const unsigned bits = (unsigned)_mm256_movemask_pd(_mm256_cmp_pd(sc, lv, _CMP_LE_OQ));
-        const __m128 keep = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(_mm_set1_epi32((int)bits), lane), lane));
-        _mm_storeu_ps(out + i, _mm_blendv_ps(_mm_set1_ps(-INFINITY), t, keep));
-        kept += __builtin_popcount(bits);
+    const __m256 lov = _mm256_set1_ps(lo), hiv = _mm256_set1_ps(hi), ninf = _mm256_set1_ps(-INFINITY);
+    for (; i + 8 <= V; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(v, lov, _CMP_GE_OQ), _mm256_cmp_ps(v, hiv, _CMP_LE_OQ));
+        _mm256_storeu_ps(out + i, _mm256_blendv_ps(ninf, v, keep));
+        kept += __builtin_popcount((unsigned)_mm256_movemask_ps(keep));
     }
 #endif
     for (; i < V; i++) {
-        const int keep = fabs((double)x[i] - c) <= limit;
+        const int keep = x[i] >= lo && x[i] <= hi;
         out[i] = keep ? x[i] : -INFINITY;
         kept += keep;
     }

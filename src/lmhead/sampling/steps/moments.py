@@ -16,6 +16,7 @@ the row names the problem.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,14 +90,18 @@ def _torch_moments(row: Tensor, sigma: bool) -> tuple[float, ...] | None:
             float(mean), sd)
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def ceil32(t: float) -> float:
     """The least float32 value ≥ t (±inf beyond float32's range): for a float32 x, x ≥ t ⟺ x ≥ ceil32(t)."""
-    if math.isnan(t) or math.isinf(t) or abs(t) > float(np.finfo(np.float32).max):
+    if not -_FLOAT32_MAX <= t <= _FLOAT32_MAX:  # ±inf, NaN and beyond float32's range
         return t if not math.isfinite(t) else math.copysign(math.inf, t)
-    f = np.float32(t)
-    if float(f) < t:
-        f = np.nextafter(f, np.float32(np.inf))
-    return float(f)
+    f = struct.unpack("f", struct.pack("f", t))[0]  # t rounded to the nearest float32
+    if f < t:  # the next float32 up: one step of the bit pattern away from zero, or towards it below zero
+        bits = struct.unpack("<i", struct.pack("<f", f))[0]
+        f = struct.unpack("<f", struct.pack("<i", bits + 1 if f >= 0 else bits - 1))[0] if f != 0 else 2.0 ** -149
+    return f
 
 
 def keep_at_least(x: Tensor, threshold: float, native: bool = True) -> Tensor:
