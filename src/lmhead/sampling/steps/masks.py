@@ -8,7 +8,6 @@ logit bias before its chain and vLLM its allowed / bad-word masks before its sam
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -17,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lmhead.checks import is_int, is_real
+from lmhead.sampling.inputs import once_per
 from lmhead.sampling.steps.base import Context, Param, Step, ids_param, int_param, sequences_param
 from lmhead.sampling.vocab import NEG_INF
 
@@ -64,30 +64,10 @@ def _bias_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     return x
 
 
-# what a config's token-id settings become, built once per setting: keyed by the identity of the (frozen) config's
-# tuple and holding it, so that the key cannot be reused while the entry lives — hashing a tuple of 37,000 ids,
-# or turning it into a tensor, costs more than the step
-_BUILT: dict[tuple[str, int], tuple[Any, Any]] = {}
-_BUILT_MAX = 64
-_BUILT_LOCK = threading.Lock()
-
-
-def _built(kind: str, value: Any, build: Any) -> Any:
-    key = (kind, id(value))
-    hit = _BUILT.get(key)
-    if hit is not None and hit[0] is value:
-        return hit[1]
-    out = build(value)
-    with _BUILT_LOCK:
-        if len(_BUILT) >= _BUILT_MAX:
-            _BUILT.pop(next(iter(_BUILT)))
-        _BUILT[key] = (value, out)
-    return out
-
-
 def _allowed_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     """vLLM's allowed_token_ids (``vllm/v1/sample/logits_processor``: a mask of -inf off the allowed ids)."""
-    ids = _built("allowed", cfg.allowed_token_ids, lambda v: torch.tensor(v, dtype=torch.long))
+    # built once per setting: turning a tuple of 37,000 ids into a tensor costs more than the step
+    ids = once_per("allowed_token_ids", cfg.allowed_token_ids, lambda v: torch.tensor(v, dtype=torch.long), 64)
     ids = ids if ids.device == x.device else ids.to(x.device)
     out = torch.full_like(x, NEG_INF)
     out[0].index_copy_(0, ids, x[0].index_select(0, ids))
@@ -113,7 +93,7 @@ def banned_by_bad_words(bad_words: tuple[tuple[int, ...], ...], history: list[in
     """The tokens bad_words bans after `history` (transformers' NoBadWordsLogitsProcessor: a sequence's last token
     is banned where the history ends with the sequence's other tokens; a one-token sequence always). Only the
     sequences whose last-but-one token ends the history are compared."""
-    always, by_prev = _built("bad_words", bad_words, _bad_words_index)
+    always, by_prev = once_per("bad_words", bad_words, _bad_words_index, 64)
     out = list(always)
     for head, last in by_prev.get(history[-1], ()) if history else ():
         if len(history) >= len(head) and history[len(history) - len(head):] == head:
