@@ -149,6 +149,28 @@ def test_each_cut_keeps_the_plain_rules_set_on_wide_tied_masked_and_flat_rows(wh
         torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0), (which, kind)
 
 
+@pytest.mark.parametrize("which", ["epsilon", "eta", "mirostat v2", "xtc"])
+def test_a_logit_at_the_threshold_is_cut_as_the_float64_rule_cuts_it(which):
+    # the float32 log-normaliser (and entropy) decide only where their error bounds do: logits one float32 step
+    # either side of the exact threshold send the cut to the float64 moments
+    from lmhead.sampling.steps import Context
+    from lmhead.sampling.steps.moments import ceil32, floor32
+
+    settings, plain = _CUTS_AGAINST_REFERENCE[which]
+    log_q = {"epsilon": lambda h: math.log(3e-4), "eta": lambda h: min(math.log(3e-4), 0.5 * math.log(3e-4) - h),
+             "mirostat v2": lambda h: -6.0 * math.log(2.0), "xtc": lambda h: math.log(0.01)}[which]
+    row = torch.randn(50_000, generator=torch.Generator().manual_seed(11)) * 3
+    for _ in range(12):  # the two logits move the normaliser a little: settle them
+        d = row.double()
+        logp = torch.log_softmax(d, 0)
+        t = float(d.max()) + log_q(float(-(logp.exp() * logp).sum())) + math.log(float(torch.exp(d - d.max()).sum()))
+        row[5], row[6] = ceil32(t), floor32(t)
+    got = STEPS[which.split()[0]].apply(row[None], SamplingConfig(**settings), Context(xtc=True))[0]
+    want = plain(row)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    assert bool(torch.isfinite(want[5]) != torch.isfinite(want[6])) or which == "xtc"
+
+
 def test_the_c_passes_cut_alike_on_one_thread_or_several():
     from lmhead.models import native as lib
     from lmhead.sampling.steps import Context

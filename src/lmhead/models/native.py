@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["HALF", "HALF_MAX_GROUPS", "PACKED", "ROWS4", "SOURCES", "LayerDesc", "MatDesc", "block4", "keep_ge",
-           "library", "library_path", "pack4", "row_moments", "row_scores", "select_ge", "topk", "typical_row",
-           "unblock4", "unpack4"]
+           "keep_ge_unsure", "library", "library_path", "pack4", "row_lse_bounded", "row_moments", "row_scores",
+           "select_ge", "topk", "typical_row", "unblock4", "unpack4"]
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("coded_kernel.c", "lean_kernels.c", "step_kernels.c"))
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
@@ -164,6 +164,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmhead_keep_ge.restype = None
     lib.lmhead_typical_row.argtypes = [p, i64, ctypes.c_double, p, i32]
     lib.lmhead_typical_row.restype = i64
+    lib.lmhead_row_lse_bounded.argtypes = [p, i64, p, i32]
+    lib.lmhead_row_lse_bounded.restype = i32
+    lib.lmhead_keep_ge_unsure.argtypes = [p, i64, f32, f32, f32, f32, p]
+    lib.lmhead_keep_ge_unsure.restype = i64
     lib.lmhead_attend.argtypes = [p, i64, p, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, f32, i32]
     lib.lmhead_attend.restype = i32
     pp = ctypes.POINTER(ctypes.c_void_p)
@@ -522,22 +526,52 @@ def sample_row(x: torch.Tensor, temperature: float, top_k: int, top_p: float, mi
     return (out_id.value, out_lp.value) if rc == 0 else None
 
 
-def _row_moments_in(lib: ctypes.CDLL, x: torch.Tensor, sigma: bool, threads: int) -> tuple[float, ...] | None:
+def _row_moments_in(lib: ctypes.CDLL, x: torch.Tensor, sigma: bool, threads: int,
+                    exps: bool = True) -> tuple[float, ...] | None:
     out = (ctypes.c_double * 7)()
-    if lib.lmhead_row_moments(x.data_ptr(), x.shape[0], int(sigma), ctypes.addressof(out), threads):
+    if lib.lmhead_row_moments(x.data_ptr(), x.shape[0], int(exps) | 2 * int(sigma), ctypes.addressof(out), threads):
         return None
     return tuple(out)
 
 
-def row_moments(x: torch.Tensor, sigma: bool = False) -> tuple[float, ...] | None:
+def row_moments(x: torch.Tensor, sigma: bool = False, exps: bool = True) -> tuple[float, ...] | None:
     """One row of logits x [V] (float32, CPU) → (max, the count of finite logits, S = Σ e^(x − max), A = Σ e^(x −
-    max)·(x − max), the least finite logit, the mean of the finite logits, and with `sigma` their population
-    standard deviation, else 0), in float64 from two passes over the row in C (three with `sigma`). None without
-    the library, or for a row with a NaN, +inf or no finite logit (the caller's torch path answers)."""
+    max)·(x − max) (NaN without `exps`), the least finite logit, the mean of the finite logits, and with `sigma`
+    their population standard deviation, else 0), in float64 from one pass over the row in C, one more for the
+    exps and one for `sigma`. None without the library, or for a row with a NaN, +inf or no finite logit (the
+    caller's torch path answers)."""
     lib = library()
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 1 or x.shape[0] == 0:
         return None
-    return _row_moments_in(lib, x if x.is_contiguous() else x.contiguous(), sigma, torch.get_num_threads())
+    return _row_moments_in(lib, x if x.is_contiguous() else x.contiguous(), sigma, torch.get_num_threads(), exps)
+
+
+def row_lse_bounded(x: torch.Tensor) -> tuple[float, float, float, float, float] | None:
+    """One row of logits x [V] (float32, CPU) → (max, log S', δ, H', δ_H): the log-normaliser's log Σ e^(x − max)
+    and the entropy from float32 exps summed in double, with bounds δ and δ_H on their distances from the exact ones
+    (step_kernels.c), in two passes. None without the library or AVX2, or for a row with a NaN, +inf or no finite
+    logit."""
+    lib = library()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 1 or x.shape[0] == 0:
+        return None
+    x = x if x.is_contiguous() else x.contiguous()
+    out = (ctypes.c_double * 5)()
+    if lib.lmhead_row_lse_bounded(x.data_ptr(), x.shape[0], ctypes.addressof(out), torch.get_num_threads()):
+        return None
+    return out[0], out[1], out[2], out[3], out[4]
+
+
+def keep_ge_unsure(x: torch.Tensor, threshold: float, low: float, high: float,
+                   top: float) -> tuple[torch.Tensor, int] | None:
+    """`keep_ge` (float32 values), and how many logits below `top` lie in [low, high] — the ones a threshold known
+    only to lie in [low, high] may not have decided. None without the library."""
+    lib = library()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 1:
+        return None
+    x = x if x.is_contiguous() else x.contiguous()
+    out = torch.empty_like(x)
+    unsure = lib.lmhead_keep_ge_unsure(x.data_ptr(), x.shape[0], threshold, low, high, top, out.data_ptr())
+    return out, unsure
 
 
 def keep_ge(x: torch.Tensor, threshold: float) -> torch.Tensor | None:
@@ -603,9 +637,22 @@ def _steps_test(lib: ctypes.CDLL, g: torch.Generator) -> bool:
         typ = _typical_row_in(lib, row, mass, threads)
         if typ is None or not torch.equal(typ, torch.where(keep, row, float("-inf"))):
             return False
-    out = torch.empty_like(row)
-    lib.lmhead_keep_ge(row.data_ptr(), row.shape[0], 0.5, out.data_ptr())
-    return torch.equal(out, torch.where(row >= 0.5, row, float("-inf")))
+    out, d = (ctypes.c_double * 5)(), row.double()
+    if lib.lmhead_coded_avx2():  # the bounded log-normaliser has no path without AVX2
+        if lib.lmhead_row_lse_bounded(row.data_ptr(), row.shape[0], ctypes.addressof(out), 2):
+            return False
+        logp = torch.log_softmax(d, 0)
+        exact, entropy = float(torch.logsumexp(d - d.max(), 0)), float(-(logp.exp() * logp).nansum())
+        if not (out[0] == float(d.max()) and abs(out[1] - exact) <= out[2] < 1e-4
+                and abs(out[3] - entropy) <= out[4] < 1e-4):
+            return False
+    kept = torch.empty_like(row)
+    lib.lmhead_keep_ge(row.data_ptr(), row.shape[0], 0.5, kept.data_ptr())
+    if not torch.equal(kept, torch.where(row >= 0.5, row, float("-inf"))):
+        return False
+    unsure = lib.lmhead_keep_ge_unsure(row.data_ptr(), row.shape[0], 0.5, 0.25, 0.75, float(row.max()), kept.data_ptr())
+    return torch.equal(kept, torch.where(row >= 0.5, row, float("-inf"))) and unsure == int(
+        ((row >= 0.25) & (row <= 0.75)).sum())
 
 
 def _attend_test(lib: ctypes.CDLL, g: torch.Generator) -> bool:

@@ -70,6 +70,27 @@ static inline double hsum4(__m256d v) {
     _mm256_storeu_pd(lanes, v);
     return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 }
+
+/* lean_kernels.c's float32 e^x for eight floats (Cephes' polynomial; x clamped to [−87, 88]), for the passes
+ * whose error is bounded below: over every float32 x in [−87, 0] its result is within EXP8_ERROR of e^x
+ * (relatively; checked against exp in double, input by input) */
+#define EXP8_ERROR 1.19e-7
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
 #endif
 
 /* how many pieces a pass over a row of V logits is cut into over the threads (a row of a small vocabulary: one) */
@@ -165,29 +186,33 @@ static void exp_piece(const float* x, int64_t lo, int64_t hi, double m, double* 
     *s_out = s, *a_out = a;
 }
 
-/* the moments below into out[0..5] (out[6] = 0) → 0 or -2 */
-static int row_moments(const float* x, int64_t V, double* out, int threads) {
+/* the moments below into out[0..5] (out[6] = 0; S and A NaN without `exps`) → 0 or -2 */
+static int row_moments(const float* x, int64_t V, int exps, double* out, int threads) {
     row_scan sc;
     if (scan_row(x, V, threads, &sc)) return -2;
     const int pieces = pieces_of(V, threads);
     const double m = sc.max;
-    double ps[8], pa[8];
+    double s = NAN, a = NAN;
+    if (exps) {
+        double ps[8], pa[8];
 #pragma omp parallel for num_threads(pieces) schedule(static)
-    for (int j = 0; j < pieces; j++) exp_piece(x, V * j / pieces, V * (j + 1) / pieces, m, ps + j, pa + j);
-    double s = 0.0, a = 0.0;
-    for (int j = 0; j < pieces; j++) s += ps[j], a += pa[j];
+        for (int j = 0; j < pieces; j++) exp_piece(x, V * j / pieces, V * (j + 1) / pieces, m, ps + j, pa + j);
+        s = 0.0, a = 0.0;
+        for (int j = 0; j < pieces; j++) s += ps[j], a += pa[j];
+    }
     out[0] = m, out[1] = (double)sc.finite, out[2] = s, out[3] = a, out[4] = sc.min;
     out[5] = sc.sum / (double)sc.finite, out[6] = 0.0;
     return 0;
 }
 
 /* The row's moments (models/native.py `row_moments`): out[0] the maximum, out[1] the count of finite logits,
- * out[2] S = Σ e^(x − max), out[3] A = Σ e^(x − max)·(x − max), out[4] the least finite logit, out[5] the mean
- * of the finite logits and, when `sigma`, out[6] their population standard deviation (a second pass about the
- * mean, in double) → 0, or -2 for a NaN, +inf or a row without a finite logit. log-normaliser = max + log S;
- * entropy = log S − A/S; the mean of x under softmax(x) = max + A/S. */
-int lmhead_row_moments(const float* x, int64_t V, int sigma, double* out, int threads) {
-    if (row_moments(x, V, out, threads)) return -2;
+ * out[2] S = Σ e^(x − max), out[3] A = Σ e^(x − max)·(x − max) (with `what` & 1; else NaN), out[4] the least
+ * finite logit, out[5] the mean of the finite logits and, with `what` & 2, out[6] their population standard
+ * deviation (a second pass about the mean, in double) → 0, or -2 for a NaN, +inf or a row without a finite
+ * logit. log-normaliser = max + log S; entropy = log S − A/S; the mean of x under softmax(x) = max + A/S. */
+int lmhead_row_moments(const float* x, int64_t V, int what, double* out, int threads) {
+    const int sigma = what & 2;
+    if (row_moments(x, V, what & 1, out, threads)) return -2;
     const int pieces = pieces_of(V, threads);
     const double mean = out[5];
     if (sigma) {
@@ -222,6 +247,97 @@ int lmhead_row_moments(const float* x, int64_t V, int sigma, double* out, int th
         out[6] = sqrt(v / out[1]);
     }
     return 0;
+}
+
+/* The log-normaliser and the entropy at float32 cost, with bounds on their errors (models/native.py
+ * `row_lse_bounded`): out[0] the maximum m, out[1] log S' with S' = Σ exp8(fl32(x − m)) summed in double, out[2]
+ * a bound on |log S − log S'| for the exact S = Σ e^(x − m), out[3] the entropy H' = log S' − A'/S' (A' = Σ e'·d'),
+ * out[4] a bound on |H − H'| → 0, or -2 for a NaN, +inf, a row without a finite logit, or a CPU without AVX2 (the
+ * caller takes the float64 moments).
+ *
+ * The bounds: d' = fl32(x − m) is within 2^−24·|d| of d = x − m, so e^d' within that much of e^d relatively, and
+ * exp8 adds EXP8_ERROR; a logit more than 87 below m counts as e^−87 instead of its (smaller) mass. Summed:
+ * |S' − S| ≤ EXP8_ERROR·S + 2^−24·Σ e·|d| + V·e^−87, and |A' − A| ≤ (EXP8_ERROR + 2^−24)·Σ e·|d| +
+ * 2^−24·Σ e·d² + V·87·e^−87, with Σ e·|d| = −A' and Σ e·d² = B' = Σ e'·d'² up to those errors again (room of
+ * 1.001 covers them); the double sums' own rounding is below V·2^−53 of each. A threshold on the logit decided
+ * from these is the exact one wherever no logit lies within the bound of it (the callers check). */
+int lmhead_row_lse_bounded(const float* x, int64_t V, double* out, int threads) {
+#ifdef __AVX2__
+    row_scan sc;
+    if (scan_row(x, V, threads, &sc)) return -2;
+    const int pieces = pieces_of(V, threads);
+    const float m = sc.max;
+    double ps[8], pa[8], pb[8];
+#pragma omp parallel for num_threads(pieces) schedule(static)
+    for (int j = 0; j < pieces; j++) {
+        const int64_t lo = V * j / pieces, hi = V * (j + 1) / pieces;
+        int64_t i = lo;
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd(), a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd(),
+                b0 = _mm256_setzero_pd(), b1 = _mm256_setzero_pd();
+        for (; i + 8 <= hi; i += 8) {
+            const __m256 t = _mm256_loadu_ps(x + i);
+            /* d below −87 (−inf too) counts as −87: e^−87 for a token of (nearly) nothing, within the bound */
+            const __m256 d = _mm256_max_ps(_mm256_sub_ps(t, mv), _mm256_set1_ps(-87.0f));
+            const __m256 e = exp8(d);
+            const __m256d e0 = _mm256_cvtps_pd(_mm256_castps256_ps128(e)), e1 = _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1));
+            const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(d)), d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(d, 1));
+            const __m256d ed0 = _mm256_mul_pd(e0, d0), ed1 = _mm256_mul_pd(e1, d1);
+            s0 = _mm256_add_pd(s0, e0), s1 = _mm256_add_pd(s1, e1);
+            a0 = _mm256_add_pd(a0, ed0), a1 = _mm256_add_pd(a1, ed1);
+            b0 = _mm256_fmadd_pd(ed0, d0, b0), b1 = _mm256_fmadd_pd(ed1, d1, b1);
+        }
+        double s = hsum4(_mm256_add_pd(s0, s1)), a = hsum4(_mm256_add_pd(a0, a1)), b = hsum4(_mm256_add_pd(b0, b1));
+        for (; i < hi; i++) { /* the tail through the same vector exp, one lane used */
+            float d = x[i] - m;
+            d = d > -87.0f ? d : -87.0f;
+            float lanes[8];
+            _mm256_storeu_ps(lanes, exp8(_mm256_set1_ps(d)));
+            s += lanes[0], a += (double)lanes[0] * d, b += (double)lanes[0] * d * d;
+        }
+        ps[j] = s, pa[j] = a, pb[j] = b;
+    }
+    double s = 0.0, a = 0.0, b = 0.0;
+    for (int j = 0; j < pieces; j++) s += ps[j], a += pa[j], b += pb[j];
+    const double n = (double)V, round = n * 0x1p-53;
+    const double err_s = 1.001 * (EXP8_ERROR * s + 0x1p-24 * fabs(a)) + n * 2e-38 + round * s;
+    const double err_a = 1.001 * ((EXP8_ERROR + 0x1p-24) * fabs(a) + 0x1p-24 * b) + n * 2e-36 + round * fabs(a);
+    const double rel = err_s / s;
+    if (!(rel < 0.5)) {
+        out[0] = m, out[1] = log(s), out[2] = out[4] = INFINITY, out[3] = log(s) - a / s;
+        return 0;
+    }
+    const double d_log = 1.01 * rel + 1e-15;
+    /* |A/S − A'/S'| ≤ (|A − A'| + |A'|·|S − S'|/S')/S, and S ≥ S'(1 − rel) */
+    const double d_mean = (err_a + fabs(a) * rel) / (s * (1.0 - rel)) + 1e-15 * (1.0 + fabs(a / s));
+    out[0] = m, out[1] = log(s), out[2] = d_log, out[3] = log(s) - a / s, out[4] = d_log + d_mean;
+    return 0;
+#else
+    (void)x, (void)V, (void)out, (void)threads;
+    return -2;
+#endif
+}
+
+/* out[i] = x[i] if x[i] ≥ t, else −inf, as lmhead_keep_ge → the count of logits in [lo, hi] below m (those a
+ * threshold known only to lie in [lo, hi] may not have decided; the maximum is kept either way) */
+int64_t lmhead_keep_ge_unsure(const float* x, int64_t V, float t, float lo, float hi, float m, float* out) {
+    int64_t unsure = 0, i = 0;
+#ifdef __AVX2__
+    const __m256 tv = _mm256_set1_ps(t), lov = _mm256_set1_ps(lo), hiv = _mm256_set1_ps(hi), mv = _mm256_set1_ps(m),
+                 ninf = _mm256_set1_ps(-INFINITY);
+    for (; i + 8 <= V; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        _mm256_storeu_ps(out + i, _mm256_blendv_ps(ninf, v, _mm256_cmp_ps(v, tv, _CMP_GE_OQ)));
+        const __m256 in = _mm256_and_ps(_mm256_and_ps(_mm256_cmp_ps(v, lov, _CMP_GE_OQ), _mm256_cmp_ps(v, hiv, _CMP_LE_OQ)),
+                                        _mm256_cmp_ps(v, mv, _CMP_LT_OQ));
+        unsure += __builtin_popcount((unsigned)_mm256_movemask_ps(in));
+    }
+#endif
+    for (; i < V; i++) {
+        out[i] = x[i] >= t ? x[i] : -INFINITY;
+        unsure += x[i] >= lo && x[i] <= hi && x[i] < m;
+    }
+    return unsure;
 }
 
 /* out[i] = x[i] if x[i] ≥ t, else −inf (a cut at a threshold; NaN compares false) */

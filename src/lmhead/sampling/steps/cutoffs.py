@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from lmhead.sampling.steps.base import Context, Step, int_param, real_param
-from lmhead.sampling.steps.moments import at_least_ids, keep_at_least, keep_probable, moments, typical
+from lmhead.sampling.steps.moments import keep_at_least, keep_probable, moments, probable_ids, typical
 from lmhead.sampling.top_p import top_p_parts
 from lmhead.sampling.vocab import NEG_INF, Vocab
 
@@ -75,7 +75,7 @@ def _typical_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
 def _top_n_sigma_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     """llama.cpp's ``llama_sampler_top_n_sigma_apply``: over the finite logits, their mean and population
     standard deviation σ; tokens below max − n·σ at -inf (one candidate: unchanged). In float64."""
-    mo = moments(x, sigma=True)
+    mo = moments(x, sigma=True, exps=False)
     if mo is None or mo.finite <= 1:
         return x
     return keep_at_least(x, mo.max - cfg.top_n_sigma * mo.sd)
@@ -94,13 +94,10 @@ def xtc_removed(x: Tensor, threshold: float) -> Tensor:
 
 def _xtc_ids(x: Tensor, threshold: float) -> Tensor | None:
     """`xtc_removed`'s tokens as ids (None when none is removed): p ≥ threshold ⟺ x ≥ max + log(threshold·S)."""
-    mo = moments(x)
-    if mo is None:
-        return None
     # at most 1/threshold tokens have p ≥ threshold
     cap = x.shape[1] if threshold <= 0 else min(x.shape[1], int(1 / threshold) + 16)
-    ids = at_least_ids(x, mo.lse + math.log(threshold) if threshold > 0 else NEG_INF, cap)
-    if ids.numel() < 2:
+    ids = probable_ids(x, math.log(threshold) if threshold > 0 else NEG_INF, cap)
+    if ids is None or ids.numel() < 2:
         return None
     vals = x[0, ids]
     low = vals == vals.min()  # equal logits, equal probabilities: the last of them stays
@@ -120,18 +117,15 @@ def _xtc_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
 def _epsilon_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     """transformers' EpsilonLogitsWarper (Hewitt et al., "Truncation Sampling as Language Model Desmoothing"):
     tokens with p < ε dropped, the most probable kept. p in float64."""
-    mo = moments(x)
-    return x if mo is None else keep_probable(x, mo, math.log(cfg.epsilon_cutoff))
+    return keep_probable(x, math.log(cfg.epsilon_cutoff))
 
 
 def _eta_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     """transformers' EtaLogitsWarper (Hewitt et al.): η' = min(η, √η · e^−H), H the entropy of softmax(x); tokens
-    with p < η' dropped, the most probable kept. In float64."""
-    mo = moments(x)
-    if mo is None:
-        return x
-    eta = min(cfg.eta_cutoff, math.sqrt(cfg.eta_cutoff) * math.exp(-mo.entropy))
-    return keep_probable(x, mo, math.log(eta))
+    with p < η' dropped, the most probable kept. p and H in float64 terms: log η' = min(log η, ½ log η − H) moves by
+    no more than H does, so a bounded entropy bounds the threshold (`moments.keep_probable`)."""
+    log_eta = math.log(cfg.eta_cutoff)
+    return keep_probable(x, log_eta, by_entropy=lambda h: min(log_eta, 0.5 * log_eta - h))
 
 
 _CUTS = frozenset({"torch", "c", "sharded", "batch"})

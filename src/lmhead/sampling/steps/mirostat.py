@@ -62,18 +62,18 @@ def _mirostat_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     k-th kept), from the top m + 1 probabilities; v2: the tokens whose surprise −log2 p ≤ μ (at least the most
     probable). p in float64."""
     mu = mu_of(cfg, ctx.state)
-    mo = moments(x)
-    if mo is None:
-        return x
     vocab = x.shape[-1]
     if cfg.mirostat == 1:
+        mo = moments(x)
+        if mo is None:
+            return x
         top = Vocab(vocab).topk(x, min(MIROSTAT_M + 1, vocab))[0][0].double()
         k = _v1_k(torch.exp(top - mo.max) / mo.norm, vocab, mu)
         if k >= vocab:
             return x
         kth = Vocab(vocab).topk(x, k)[0][0, -1] if k <= vocab // 256 else torch.kthvalue(x[0], vocab - k + 1)[0]
         return keep_at_least(x, float(kth))
-    return keep_probable(x, mo, -mu * math.log(2.0))
+    return keep_probable(x, -mu * math.log(2.0))
 
 
 def mirostat_update(cfg: Any, state: RowState, logprob: float) -> None:

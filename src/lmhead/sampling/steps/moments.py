@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,29 +66,31 @@ def _library(x: Tensor, use: bool):
     return native
 
 
-def moments(x: Tensor, sigma: bool = False, native: bool = True) -> Moments | None:
-    """The moments of one row x [1,V] or [V] (sd only with `sigma`); None for a row with a NaN, +inf or no finite
-    logit."""
+def moments(x: Tensor, sigma: bool = False, native: bool = True, exps: bool = True) -> Moments | None:
+    """The moments of one row x [1,V] or [V] (sd only with `sigma`; norm and tilt NaN without `exps`, which saves
+    the pass of exps); None for a row with a NaN, +inf or no finite logit."""
     row = x.reshape(-1)
     lib = _library(row, native)
-    got = lib.row_moments(row, sigma) if lib else None
+    got = lib.row_moments(row, sigma, exps) if lib else None
     if got is None:
-        got = _torch_moments(row, sigma)
+        got = _torch_moments(row, sigma, exps)
     return None if got is None else Moments(got[0], int(got[1]), *got[2:])
 
 
-def _torch_moments(row: Tensor, sigma: bool) -> tuple[float, ...] | None:
+def _torch_moments(row: Tensor, sigma: bool, exps: bool) -> tuple[float, ...] | None:
     d = row.double()
     finite = d > NEG_INF
     if not bool(finite.any()) or bool(torch.isnan(d).any()) or bool(torch.isposinf(d).any()):
         return None
     top = d.max()
-    e = torch.exp(d - top)
     vals = d[finite]
     mean = vals.mean()
     sd = float(((vals - mean) ** 2).mean().sqrt()) if sigma else 0.0
-    return (float(top), vals.numel(), float(e.sum()), float((e[finite] * (vals - top)).sum()), float(vals.min()),
-            float(mean), sd)
+    norm = tilt = math.nan
+    if exps:
+        e = torch.exp(d - top)
+        norm, tilt = float(e.sum()), float((e[finite] * (vals - top)).sum())
+    return float(top), vals.numel(), norm, tilt, float(vals.min()), float(mean), sd
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -125,10 +128,65 @@ def at_least_ids(x: Tensor, threshold: float, cap: int, native: bool = True) -> 
     return (row >= t).nonzero().squeeze(1) if ids is None else ids
 
 
-def keep_probable(x: Tensor, mo: Moments, log_q: float) -> Tensor:
-    """x [1,V] keeping the tokens with log-probability log q ≥ `log_q` (q = e^(x − max) / S in float64) and the
-    most probable token and its ties whatever its probability (transformers' min_tokens_to_keep = 1)."""
-    return keep_at_least(x, min(mo.lse + log_q, mo.max))
+def floor32(t: float) -> float:
+    """The greatest float32 value ≤ t."""
+    return -ceil32(-t)
+
+
+def _bounded_threshold(row: Tensor, lib, log_q: float,
+                       by_entropy: Callable[[float], float] | None) -> tuple[float, float, float, float] | None:
+    """(max, t, low, high) from the float32 log-normaliser: the logit threshold t = max + log q + log S' (log q from
+    the float32 entropy with `by_entropy`), and the float32 band [low, high] the exact threshold lies in (the
+    bounds, and room for the rounding of t). None where there is no bounded log-normaliser."""
+    got = lib.row_lse_bounded(row)
+    if got is None:
+        return None
+    top, log_s, delta, entropy, delta_h = got
+    if by_entropy is not None:
+        log_q, delta = by_entropy(entropy), delta + delta_h
+    t = top + log_q + log_s
+    delta += 1e-12 * (abs(top) + abs(log_q) + abs(log_s) + 1.0)
+    return top, t, floor32(t - delta), ceil32(t + delta)
+
+
+def keep_probable(x: Tensor, log_q: float, mo: Moments | None = None, native: bool = True,
+                  by_entropy: Callable[[float], float] | None = None) -> Tensor:
+    """x [1,V] keeping the tokens with log-probability log q ≥ `log_q` (q = e^(x − max) / S, exact) — or ≥
+    by_entropy(H), H the entropy, for a rule that moves by no more than H does — and the most probable token and its
+    ties whatever its probability (transformers' min_tokens_to_keep = 1). Without `mo`, at float32 cost where that
+    decides every token: a float32 log-normaliser (and entropy) with bounds on their errors set the threshold, and
+    unless a logit below the maximum lies within the bounds of it the cut is the exact one; else (or without the
+    library) from the float64 moments."""
+    row = x.reshape(-1)
+    lib = _library(row, native) if mo is None else None
+    got = _bounded_threshold(row, lib, log_q, by_entropy) if lib else None
+    if got is not None:
+        top, t, low, high = got
+        cut = lib.keep_ge_unsure(row, ceil32(min(t, top)), low, high, top)
+        if cut is not None and cut[1] == 0:
+            return cut[0].view_as(x)
+    mo = mo if mo is not None else moments(row, native=native)
+    if mo is None:
+        return x
+    if by_entropy is not None:
+        log_q = by_entropy(mo.entropy)
+    return keep_at_least(x, min(mo.lse + log_q, mo.max), native=native)
+
+
+def probable_ids(x: Tensor, log_q: float, cap: int, native: bool = True) -> Tensor | None:
+    """The ids of the tokens of x [1,V] with log-probability ≥ `log_q` (exact), ascending; `cap` bounds how many
+    the C pass collects. From the float32 log-normaliser where its bound decides every token (none of the
+    collected within the bound of the threshold), else from the float64 moments. None for a row without moments."""
+    row = x.reshape(-1)
+    lib = _library(row, native)
+    got = _bounded_threshold(row, lib, log_q, None) if lib else None
+    if got is not None:
+        _, _, low, high = got
+        ids = at_least_ids(x, low, cap, native=native)
+        if not bool((row[ids] <= high).any()):
+            return ids
+    mo = moments(row, native=native)
+    return None if mo is None else at_least_ids(x, mo.lse + log_q, cap, native=native)
 
 
 def typical(x: Tensor, mass: float, native: bool = True) -> Tensor:
