@@ -38,8 +38,8 @@ def mu_of(cfg: Any, state: RowState) -> float:
 
 def _v1_k(p_sorted: Tensor, vocab: int, mu: float) -> int:
     """llama.cpp v1's k: the Zipf exponent ŝ fitted on the top m probabilities (p_sorted: the top m + 1 or more,
-    descending, float64),
-    ε̂ = ŝ − 1, k = (ε̂ · 2^μ / (1 − V^−ε̂))^(1/ŝ). A fit that is not finite (a flat top) keeps every token."""
+    descending, float64), ε̂ = ŝ − 1, k = (ε̂ · 2^μ / (1 − V^−ε̂))^(1/ŝ). A fit that is not finite (a flat top)
+    keeps every token."""
     m = min(MIROSTAT_M - 1, p_sorted.numel() - 1)
     if m < 1:
         return 1
