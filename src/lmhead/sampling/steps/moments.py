@@ -4,8 +4,11 @@ Their references (tests/reference.py) decide in float64 — a token's probabilit
 H = −Σ q log q, the mean and standard deviation of the finite logits — and each of their rules is a threshold on
 the logit itself (q ≥ ε ⟺ x ≥ max + log(ε·S); −log2 q ≤ μ ⟺ x ≥ max + log S − μ·ln 2), so a cut is one pass for the
 maximum, one for S and A = Σ e^(x − max)·(x − max) (log-normaliser max + log S, entropy log S − A/S) and one that
-writes the row: no softmax, no float64 copy of the row, no mask tensor. Locally typical sampling orders tokens by
-|−log q − H| = |x − c| with c = max + A/S, and only the tokens near the crossing of its mass need sorting.
+writes the row: no softmax, no float64 copy of the row, no mask tensor. Where a rule reads only the log-normaliser
+and the entropy (epsilon, eta, mirostat v2, XTC), float32 exps with a bound on their error set the threshold, and
+the float64 moments are taken only when a logit lies within that bound of it (`keep_probable`, `probable_ids`).
+Locally typical sampling orders tokens by |−log q − H| = |x − c| with c = max + A/S, and only the tokens near the
+crossing of its mass need sorting.
 
 The passes run in C (models/native.py: step_kernels.c) for a CPU row where the library is built, in torch's float64
 otherwise (``native=False``: the same numbers up to float64 rounding, slower; the tests compare the two). A row
