@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from lmhead.sampling.steps.base import Context, RowState, Step, int_param, real_param
-from lmhead.sampling.steps.moments import keep_at_least, keep_probable, moments
+from lmhead.sampling.steps.moments import keep_at_least, keep_probable
 from lmhead.sampling.vocab import Vocab
 
 MIROSTAT_M = 100  # llama.cpp's m: the tokens v1 estimates the Zipf exponent from
@@ -38,8 +38,8 @@ def mu_of(cfg: Any, state: RowState) -> float:
 
 def _v1_k(p_sorted: Tensor, vocab: int, mu: float) -> int:
     """llama.cpp v1's k: the Zipf exponent ŝ fitted on the top m probabilities (p_sorted: the top m + 1 or more,
-    descending, float64), ε̂ = ŝ − 1, k = (ε̂ · 2^μ / (1 − V^−ε̂))^(1/ŝ). A fit that is not finite (a flat top)
-    keeps every token."""
+    descending, float64; any positive multiple of them, the fit reads their ratios), ε̂ = ŝ − 1,
+    k = (ε̂ · 2^μ / (1 − V^−ε̂))^(1/ŝ). A fit that is not finite (a flat top) keeps every token."""
     m = min(MIROSTAT_M - 1, p_sorted.numel() - 1)
     if m < 1:
         return 1
@@ -64,14 +64,15 @@ def _mirostat_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     mu = mu_of(cfg, ctx.state)
     vocab = x.shape[-1]
     if cfg.mirostat == 1:
-        mo = moments(x)
-        if mo is None:
-            return x
-        top = Vocab(vocab).topk(x, min(MIROSTAT_M + 1, vocab))[0][0].double()
-        k = _v1_k(torch.exp(top - mo.max) / mo.norm, vocab, mu)
+        top = Vocab(vocab).topk(x, min(MIROSTAT_M + 1, vocab))[0][0]
+        # the fit reads ratios of probabilities only: e^(v − v_0) is as good as p and needs no normaliser
+        k = _v1_k(torch.exp(top.double() - float(top[0])), vocab, mu)
         if k >= vocab:
             return x
-        kth = Vocab(vocab).topk(x, k)[0][0, -1] if k <= vocab // 256 else torch.kthvalue(x[0], vocab - k + 1)[0]
+        if k <= top.numel():
+            kth = top[k - 1]
+        else:
+            kth = Vocab(vocab).topk(x, k)[0][0, -1] if k <= vocab // 256 else torch.kthvalue(x[0], vocab - k + 1)[0]
         return keep_at_least(x, float(kth))
     return keep_probable(x, -mu * math.log(2.0))
 
