@@ -12,9 +12,10 @@ vocabulary) on Gaussian logits of std 5 — about the spread of Gemma 3 270M's n
 0.9 sets hold tens of tokens) —, std 3 (top-p sets of ~2,000 of 262,144 tokens) and std 1
 (flat: the top-p set is half the vocabulary). `--only-top-p` skips table 1; `--sizes B,V` picks one size.
 The last table: each declared step that the batch path does not run (lmhead.sampling.steps; typical-p, DRY,
-mirostat, ...), with the example setting its declaration gives, alone at T=0.8 on one row of V = 262,144 (std 5)
-with a 256-token history, beside a bare `torch.topk(50)` on that row (the issue's goal: no step above it);
-`--only-steps` prints only that table.
+mirostat, ...), with the example setting its declaration gives, alone at T=0.8 on one row (B=1) of V = 49,152 and
+262,144 (std 5) with a 256-token history: the step's own cost per token and a whole token with it, beside a bare
+`torch.topk(row, 50)` on that row (the goal: no step above it) and a token at T=0.8 alone (the path today's
+settings take); `--only-steps` prints only that table.
 
     .venv/bin/python benchmarks/bench_sampling.py [--quick] [--repeats N] [--threads N (default 1)]
                                                   [--only-top-p] [--only-steps] [--sizes 64,262144]
@@ -120,35 +121,55 @@ def table(rec: Recorder, name: str, title: str, cfg: SamplingConfig, repeats: in
 
 
 def steps_table(rec: Recorder, repeats: int) -> None:
+    """Each declared step the batch path does not run, with its declaration's example setting, at T=0.8 on one row
+    (std 5 logits, a 256-token history) of each vocabulary size: the step's own cost (its `apply` on the row the
+    chain hands it, as lmhead.sampling.general runs it) and a whole token with it (`sample`), beside a bare
+    `torch.topk(row, 50)` and a token at T=0.8 alone (today's path) on the same row, all interleaved."""
     from lmhead.sampling import RowState
-    from lmhead.sampling.steps import STEPS
+    from lmhead.sampling.steps import STEPS, Context
 
     settings = {n: dict(s.example) for n, s in STEPS.items() if "batch" not in s.backends}
     missing = [n for n, example in settings.items() if not example]
     if missing:
         raise SystemExit(f"bench_sampling: the steps {missing} declare no example setting")
-    vocab = 262_144
-    print(f"\neach step alone, T=0.8, one row of V = {vocab:,} (std 5), 256 tokens of history — lmhead.sample "
-          "vs a bare torch.topk(50) on the row")
-    print(f"{'step':>18} {'ms/token':>10} {'topk(50) ms':>12} {'step/topk':>10}")
-    record = rec.table("steps", f"Each declared step alone, T=0.8, one row of V = {vocab:,} (std 5), 256 tokens of "
-                       "history — lmhead.sample vs a bare torch.topk(50) on the row",
-                       ["step", "ms/token", "topk(50) ms", "step/topk"])
-    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)) * 5
-    history = [torch.randint(0, vocab, (256,), generator=torch.Generator().manual_seed(3)).tolist()]
-    history[0][-8:] = history[0][100:108]  # a repeat for DRY and the n-grams to find
-    for name, example in settings.items():
-        cfg = SamplingConfig(temperature=0.8, **example)
-        gen, state = torch.Generator().manual_seed(1), [RowState()]
-        fns = {"step": lambda c=cfg, g=gen, s=state: sample(logits, c, generator=g, prev_tokens=history,
-                                                            prompt_len=0, state=s),
-               "topk": lambda: torch.topk(logits, 50)}
-        t = median_times(fns, repeats, budget_s=1.0)
-        print(f"{name:>18} {t['step'] * 1e3:>10.2f} {t['topk'] * 1e3:>12.2f} {t['step'] / t['topk']:>9.2f}×",
-              flush=True)
-        record.row([name, f"{t['step'] * 1e3:.2f}", f"{t['topk'] * 1e3:.2f}", f"{t['step'] / t['topk']:.2f}×"],
-                   [Figure(f"{name} alone, one row", t["step"] * 1e3, "ms", "torch.topk(logits, 50)",
-                           t["topk"] * 1e3, t["step"] / t["topk"])])
+    title = ("Each declared step alone, T=0.8, B=1 (logits std 5, 256 tokens of history): the step's own cost and a "
+             "whole token with it (lmhead.sample) beside a bare torch.topk(row, 50) and a token at T=0.8 alone")
+    print(f"\n{title}")
+    columns = ["step", "V", "step ms", "token ms", "topk(50) ms", "T-only token ms", "step/topk", "token/topk",
+               "token/T-only"]
+    print(f"{columns[0]:>18} {columns[1]:>7} " + " ".join(f"{c:>12}" for c in columns[2:]))
+    record = rec.table("steps", title, columns)
+    plain = SamplingConfig(temperature=0.8)
+    for vocab in VOCABS:
+        logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)) * 5
+        scaled = logits / plain.temperature
+        history = torch.randint(0, vocab, (256,), generator=torch.Generator().manual_seed(3)).tolist()
+        history[-8:] = history[100:108]  # a repeat for DRY and the n-grams to find
+        for name, example in settings.items():
+            if "allowed_token_ids" in example:  # every 7th id of this vocabulary
+                example = {**example, "allowed_token_ids": tuple(range(0, vocab, 7))}
+            cfg = SamplingConfig(temperature=0.8, **example)
+            step = STEPS[name]
+            row = logits if step.stage <= 2 else scaled  # what the chain hands the step
+            ctx = Context(history=history, prompt_len=0, state=RowState(), xtc=True)  # XTC's coin: the cut runs
+            gen, state = torch.Generator().manual_seed(1), [RowState()]
+            fns = {"step": lambda s=step, r=row, c=cfg, x=ctx: s.apply(r, c, x),
+                   "token": lambda x=logits, c=cfg, g=gen, st=state, h=history: sample(
+                       x, c, generator=g, prev_tokens=[h], prompt_len=0, state=st),
+                   "topk": lambda x=logits: torch.topk(x, 50),
+                   "plain": lambda x=logits, g=gen: sample(x, plain, generator=g)}
+            t = median_times(fns, repeats, budget_s=1.0)
+            cells = [name, vocab, f"{t['step'] * 1e3:.3f}", f"{t['token'] * 1e3:.3f}", f"{t['topk'] * 1e3:.3f}",
+                     f"{t['plain'] * 1e3:.3f}", f"{t['step'] / t['topk']:.2f}×", f"{t['token'] / t['topk']:.2f}×",
+                     f"{t['token'] / t['plain']:.2f}×"]
+            print(f"{cells[0]:>18} {cells[1]:>7} " + " ".join(f"{c:>12}" for c in cells[2:]), flush=True)
+            what = f"{name} alone, B=1, V={vocab}"
+            record.row(cells, [Figure(f"{what}: the step", t["step"] * 1e3, "ms", "torch.topk(row, 50)",
+                                      t["topk"] * 1e3, t["step"] / t["topk"]),
+                               Figure(f"{what}: a token", t["token"] * 1e3, "ms", "torch.topk(row, 50)",
+                                      t["topk"] * 1e3, t["token"] / t["topk"]),
+                               Figure(f"{what}: a token", t["token"] * 1e3, "ms", "a token at T=0.8 alone",
+                                      t["plain"] * 1e3, t["token"] / t["plain"])])
 
 
 def main() -> None:

@@ -166,7 +166,8 @@ def sampling_top_n_sigma(row: torch.Tensor, n: float) -> torch.Tensor:
         return row
     mean = sum(vals) / len(vals)
     sigma = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals))
-    return torch.tensor([v if v >= max(vals) - n * sigma else -math.inf for v in row.tolist()])
+    floor = max(vals) - n * sigma
+    return torch.tensor([v if v >= floor else -math.inf for v in row.tolist()])
 
 
 def sampling_xtc(row: torch.Tensor, threshold: float) -> torch.Tensor:

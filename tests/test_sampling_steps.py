@@ -104,6 +104,94 @@ def test_steps_equal_transformers_processors(which, vocab):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
+def _awkward_rows() -> dict[str, torch.Tensor]:
+    """Rows the float64 passes must cut exactly as the plain rules: wide, tied (bfloat16), masked, flat, and of
+    widths that leave a tail after the vector lanes."""
+    g = torch.Generator().manual_seed(29)
+    masked = torch.randn(1003, generator=g) * 3
+    masked[torch.randint(0, 1003, (300,), generator=g)] = float("-inf")
+    return {"wide": torch.randn(49_152, generator=g) * 4,
+            "ties": (torch.randn(4099, generator=g) * 4).bfloat16().float(), "masked": masked,
+            "flat": torch.randn(5001, generator=g) * 0.05, "peaked": torch.randn(777, generator=g) * 12}
+
+
+_CUTS_AGAINST_REFERENCE = {
+    "typical_p": (dict(typical_p=0.9), lambda r: ref.sampling_typical(r, 0.9)),
+    "typical_p low": (dict(typical_p=0.2), lambda r: ref.sampling_typical(r, 0.2)),
+    "top_n_sigma": (dict(top_n_sigma=1.0), lambda r: ref.sampling_top_n_sigma(r, 1.0)),
+    "xtc": (dict(xtc_probability=1.0, xtc_threshold=0.01), lambda r: ref.sampling_xtc(r, 0.01)),
+    "epsilon": (dict(epsilon_cutoff=3e-4), lambda r: ref.sampling_epsilon(r, 3e-4)),
+    "eta": (dict(eta_cutoff=3e-4), lambda r: ref.sampling_eta(r, 3e-4)),
+    "mirostat v1": (dict(mirostat=1, mirostat_tau=4.0), lambda r: ref.sampling_mirostat(r, 1, 8.0)),
+    "mirostat v2": (dict(mirostat=2, mirostat_tau=3.0), lambda r: ref.sampling_mirostat(r, 2, 6.0)),
+    "dynatemp": (dict(dynatemp_range=0.5, temperature=0.9), lambda r: ref.sampling_dynatemp(r, 0.9, 0.5, 1.0)),
+}
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "torch"])
+@pytest.mark.parametrize("which", list(_CUTS_AGAINST_REFERENCE))
+def test_each_cut_keeps_the_plain_rules_set_on_wide_tied_masked_and_flat_rows(which, native, monkeypatch):
+    # the steps decide in float64 from the row's moments (C passes, or torch's float64 without the library)
+    from lmhead.models import native as lib
+    from lmhead.sampling.steps import Context
+
+    if native and lib.library() is None:
+        pytest.skip("no C compiler")
+    if not native:
+        monkeypatch.setattr(lib, "library", lambda: None)
+    settings, plain = _CUTS_AGAINST_REFERENCE[which]
+    cfg = SamplingConfig(**settings)
+    name = which.split()[0]
+    for kind, row in _awkward_rows().items():
+        got = STEPS[name].apply(row[None], cfg, Context(xtc=True))[0]
+        want = plain(row)
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want)), (which, kind)
+        torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0), (which, kind)
+
+
+@pytest.mark.parametrize("which", ["epsilon", "eta", "mirostat v2", "xtc"])
+def test_a_logit_at_the_threshold_is_cut_as_the_float64_rule_cuts_it(which):
+    # the float32 log-normaliser (and entropy) decide only where their error bounds do: logits one float32 step
+    # either side of the exact threshold send the cut to the float64 moments
+    from lmhead.sampling.steps import Context
+    from lmhead.sampling.steps.moments import ceil32, floor32
+
+    settings, plain = _CUTS_AGAINST_REFERENCE[which]
+    log_q = {"epsilon": lambda h: math.log(3e-4), "eta": lambda h: min(math.log(3e-4), 0.5 * math.log(3e-4) - h),
+             "mirostat v2": lambda h: -6.0 * math.log(2.0), "xtc": lambda h: math.log(0.01)}[which]
+    row = torch.randn(50_000, generator=torch.Generator().manual_seed(11)) * 3
+    for _ in range(12):  # the two logits move the normaliser a little: settle them
+        d = row.double()
+        logp = torch.log_softmax(d, 0)
+        t = float(d.max()) + log_q(float(-(logp.exp() * logp).sum())) + math.log(float(torch.exp(d - d.max()).sum()))
+        row[5], row[6] = ceil32(t), floor32(t)
+    got = STEPS[which.split()[0]].apply(row[None], SamplingConfig(**settings), Context(xtc=True))[0]
+    want = plain(row)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    assert bool(torch.isfinite(want[5]) != torch.isfinite(want[6])) or which == "xtc"
+
+
+def test_the_c_passes_cut_alike_on_one_thread_or_several():
+    from lmhead.models import native as lib
+    from lmhead.sampling.steps import Context
+
+    if lib.library() is None:
+        pytest.skip("no C compiler")
+    row = (torch.randn(1, 100_003, generator=torch.Generator().manual_seed(7)) * 3).bfloat16().float()
+    before = torch.get_num_threads()
+    try:
+        for which, (settings, _) in _CUTS_AGAINST_REFERENCE.items():
+            cfg, step = SamplingConfig(**settings), STEPS[which.split()[0]]
+            torch.set_num_threads(1)
+            one = step.apply(row, cfg, Context(xtc=True))
+            torch.set_num_threads(4)
+            several = step.apply(row, cfg, Context(xtc=True))
+            assert torch.equal(torch.isfinite(one), torch.isfinite(several)), which
+            torch.testing.assert_close(one, several, rtol=1e-6, atol=0)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_dry_penalises_the_token_that_would_extend_a_repeat():
     # history "a b c a b": c would extend the repeat "a b" (length 2) → multiplier · base^0; with allowed 1, the
     # repeat of length 2 costs multiplier · base^1

@@ -7,6 +7,9 @@
                      raw logprob and rank of each chosen token (`row_scores`, lmhead/generate.py); a greedy
                      row's argmax and normaliser in one call (`greedy_rows`, lmhead/speculative.py); a row's
                      exact top-p set (`top_p_row`, lmhead/sampling/top_p.py)
+    step_kernels.c   the declared sampler steps' passes over a row, in float64 (lmhead/sampling/steps/moments.py):
+                     a row's moments (`row_moments`), locally typical sampling's kept set (`typical_row`), a cut
+                     at a threshold (`keep_ge`)
       ──cc -O3 -march=native -fopenmp──▶ <cache>/kernels/lmhead-<hash>.so (a temporary file renamed into place)
 
 Why C: torch ships no kernel for grouped int8 codes × float32 activations (its int4/int8 weight-only ops
@@ -35,9 +38,10 @@ from pathlib import Path
 import torch
 
 __all__ = ["BF16", "F16", "HALF", "HALF_MAX_GROUPS", "PACKED", "ROWS4", "SOURCES", "LayerDesc", "MatDesc", "block4",
-           "library", "library_path", "pack4", "row_scores", "topk", "unblock4", "unpack4"]
+           "keep_ge", "keep_ge_unsure", "library", "library_path", "pack4", "row_lse_bounded", "row_moments",
+           "row_scores", "select_ge", "topk", "typical_row", "unblock4", "unpack4"]
 
-SOURCES = (Path(__file__).with_name("coded_kernel.c"), Path(__file__).with_name("lean_kernels.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("coded_kernel.c", "lean_kernels.c", "step_kernels.c"))
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 # coded_kernel.c's flags: 4-bit codes two per byte; float16 scales and offsets; rows stored in blocks of four;
 # the file's float16 or bfloat16 weights themselves (no codes, no scales)
@@ -155,6 +159,16 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmhead_sample_row.restype = i32
     lib.lmhead_select_ge.argtypes = [p, i64, f32, p, i64]
     lib.lmhead_select_ge.restype = i64
+    lib.lmhead_row_moments.argtypes = [p, i64, i32, p, i32]
+    lib.lmhead_row_moments.restype = i32
+    lib.lmhead_keep_ge.argtypes = [p, i64, f32, p]
+    lib.lmhead_keep_ge.restype = None
+    lib.lmhead_typical_row.argtypes = [p, i64, ctypes.c_double, p, i32]
+    lib.lmhead_typical_row.restype = i64
+    lib.lmhead_row_lse_bounded.argtypes = [p, i64, p, i32]
+    lib.lmhead_row_lse_bounded.restype = i32
+    lib.lmhead_keep_ge_unsure.argtypes = [p, i64, f32, f32, f32, f32, p]
+    lib.lmhead_keep_ge_unsure.restype = i64
     lib.lmhead_attend.argtypes = [p, i64, p, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, f32, i32]
     lib.lmhead_attend.restype = i32
     pp = ctypes.POINTER(ctypes.c_void_p)
@@ -366,7 +380,7 @@ def _self_test(lib: ctypes.CDLL) -> bool:
         return False
     if out[:int((row >= 0.5).sum())].tolist() != (row >= 0.5).nonzero().squeeze(1).tolist():
         return False
-    return _attend_test(lib, g)
+    return _steps_test(lib, g) and _attend_test(lib, g)
 
 
 _TOPK_STRIDE = 16  # `topk`: every 16th logit sets the threshold
@@ -523,6 +537,135 @@ def sample_row(x: torch.Tensor, temperature: float, top_k: int, top_p: float, mi
     rc = lib.lmhead_sample_row(x.data_ptr(), x.shape[0], float(temperature), int(top_k), float(top_p), float(min_p),
                                float(u), ctypes.byref(out_id), ctypes.byref(out_lp), torch.get_num_threads())
     return (out_id.value, out_lp.value) if rc == 0 else None
+
+
+def _row_moments_in(lib: ctypes.CDLL, x: torch.Tensor, sigma: bool, threads: int,
+                    exps: bool = True) -> tuple[float, ...] | None:
+    out = (ctypes.c_double * 7)()
+    if lib.lmhead_row_moments(x.data_ptr(), x.shape[0], int(exps) | 2 * int(sigma), ctypes.addressof(out), threads):
+        return None
+    return tuple(out)
+
+
+def row_moments(x: torch.Tensor, sigma: bool = False, exps: bool = True) -> tuple[float, ...] | None:
+    """One row of logits x [V] (float32, CPU) → (max, the count of finite logits, S = Σ e^(x − max), A = Σ e^(x −
+    max)·(x − max) (NaN without `exps`), the least finite logit, the mean of the finite logits, and with `sigma`
+    their population standard deviation, else 0), in float64 from one pass over the row in C, one more for the
+    exps and one for `sigma`. None without the library, or for a row with a NaN, +inf or no finite logit (the
+    caller's torch path answers)."""
+    lib = library()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 1 or x.shape[0] == 0:
+        return None
+    return _row_moments_in(lib, x if x.is_contiguous() else x.contiguous(), sigma, torch.get_num_threads(), exps)
+
+
+def row_lse_bounded(x: torch.Tensor) -> tuple[float, float, float, float, float] | None:
+    """One row of logits x [V] (float32, CPU) → (max, log S', δ, H', δ_H): the log-normaliser's log Σ e^(x − max)
+    and the entropy from float32 exps summed in double, with bounds δ and δ_H on their distances from the exact ones
+    (step_kernels.c), in two passes. None without the library or AVX2, or for a row with a NaN, +inf or no finite
+    logit."""
+    lib = library()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 1 or x.shape[0] == 0:
+        return None
+    x = x if x.is_contiguous() else x.contiguous()
+    out = (ctypes.c_double * 5)()
+    if lib.lmhead_row_lse_bounded(x.data_ptr(), x.shape[0], ctypes.addressof(out), torch.get_num_threads()):
+        return None
+    return out[0], out[1], out[2], out[3], out[4]
+
+
+def keep_ge_unsure(x: torch.Tensor, threshold: float, low: float, high: float,
+                   top: float) -> tuple[torch.Tensor, int] | None:
+    """`keep_ge` (float32 values), and how many logits below `top` lie in [low, high] — the ones a threshold known
+    only to lie in [low, high] may not have decided. None without the library."""
+    lib = library()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 1:
+        return None
+    x = x if x.is_contiguous() else x.contiguous()
+    out = torch.empty_like(x)
+    unsure = lib.lmhead_keep_ge_unsure(x.data_ptr(), x.shape[0], threshold, low, high, top, out.data_ptr())
+    return out, unsure
+
+
+def keep_ge(x: torch.Tensor, threshold: float) -> torch.Tensor | None:
+    """x [V] (float32, CPU) with every logit below `threshold` (a float32 value) at -inf, in one pass in C. None
+    without the library."""
+    lib = library()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 1:
+        return None
+    x = x if x.is_contiguous() else x.contiguous()
+    out = torch.empty_like(x)
+    lib.lmhead_keep_ge(x.data_ptr(), x.shape[0], threshold, out.data_ptr())
+    return out
+
+
+def select_ge(x: torch.Tensor, threshold: float, cap: int) -> torch.Tensor | None:
+    """The positions of x [V] (float32, CPU) holding values ≥ `threshold` (a float32 value), ascending, int64, in
+    one pass in C. None without the library, for a NaN, or when more than `cap` reach it."""
+    lib = library()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 1:
+        return None
+    x = x if x.is_contiguous() else x.contiguous()
+    out = torch.empty(max(cap, 1), dtype=torch.int64)
+    n = lib.lmhead_select_ge(x.data_ptr(), x.shape[0], threshold, out.data_ptr(), max(cap, 1))
+    return out[:n] if n >= 0 else None
+
+
+def _typical_row_in(lib: ctypes.CDLL, x: torch.Tensor, mass: float, threads: int) -> torch.Tensor | None:
+    out = torch.empty_like(x)
+    return out if lib.lmhead_typical_row(x.data_ptr(), x.shape[0], float(mass), out.data_ptr(), threads) >= 0 else None
+
+
+def typical_row(x: torch.Tensor, mass: float) -> torch.Tensor | None:
+    """Locally typical sampling on one row of logits x [V] (float32, CPU) with mass `mass`: x with the tokens outside
+    the typical set at -inf (step_kernels.c: the reference's rule in float64, in four passes over the row and a
+    sort of one bin's tokens). None without the library or for a row with a NaN, +inf or no finite logit."""
+    lib = library()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 1 or x.shape[0] == 0:
+        return None
+    return _typical_row_in(lib, x if x.is_contiguous() else x.contiguous(), mass, torch.get_num_threads())
+
+
+def _steps_test(lib: ctypes.CDLL, g: torch.Generator) -> bool:
+    """step_kernels.c against torch's float64: the moments, a threshold cut, and the typical set by sorting, on a
+    row wide enough to be cut into pieces over two threads."""
+    row = torch.randn(40_003, generator=g) * 4
+    row[7] = float("-inf")
+    for threads in (1, 2):
+        got = _row_moments_in(lib, row, True, threads)
+        d = row.double()
+        fin = d[torch.isfinite(d)]
+        e = torch.exp(d - d.max())
+        want = (float(d.max()), fin.numel(), float(e.sum()), float((e[torch.isfinite(d)] * (fin - d.max())).sum()),
+                float(fin.min()), float(fin.mean()), float(((fin - fin.mean()) ** 2).mean().sqrt()))
+        if got is None or not all(math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-12)
+                                  for a, b in zip(got, want, strict=True)):
+            return False
+        mass = 0.7
+        p = torch.softmax(d, -1)
+        score = (d - (d.max() + got[3] / got[2])).abs()
+        order = torch.sort(score, stable=True).indices
+        last = int((p[order].cumsum(0) < mass).sum())
+        keep = score <= score[order[last]]
+        typ = _typical_row_in(lib, row, mass, threads)
+        if typ is None or not torch.equal(typ, torch.where(keep, row, float("-inf"))):
+            return False
+    out, d = (ctypes.c_double * 5)(), row.double()
+    if lib.lmhead_coded_avx2():  # the bounded log-normaliser has no path without AVX2
+        if lib.lmhead_row_lse_bounded(row.data_ptr(), row.shape[0], ctypes.addressof(out), 2):
+            return False
+        logp = torch.log_softmax(d, 0)
+        exact, entropy = float(torch.logsumexp(d - d.max(), 0)), float(-(logp.exp() * logp).nansum())
+        if not (out[0] == float(d.max()) and abs(out[1] - exact) <= out[2] < 1e-4
+                and abs(out[3] - entropy) <= out[4] < 1e-4):
+            return False
+    kept = torch.empty_like(row)
+    lib.lmhead_keep_ge(row.data_ptr(), row.shape[0], 0.5, kept.data_ptr())
+    if not torch.equal(kept, torch.where(row >= 0.5, row, float("-inf"))):
+        return False
+    unsure = lib.lmhead_keep_ge_unsure(row.data_ptr(), row.shape[0], 0.5, 0.25, 0.75, float(row.max()), kept.data_ptr())
+    return torch.equal(kept, torch.where(row >= 0.5, row, float("-inf"))) and unsure == int(
+        ((row >= 0.25) & (row <= 0.75)).sum())
 
 
 def _attend_test(lib: ctypes.CDLL, g: torch.Generator) -> bool:

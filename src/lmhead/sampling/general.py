@@ -99,10 +99,22 @@ def draw_rows(x: Tensor, cfgs: list, ctxs: list[Context], steps: list[int] | Non
             continue
         tok = int(draw_whole_rows(vals, gen, Vocab(x.shape[1]))[0])
         ids[r] = tok
-        lp[r] = torch.log_softmax(vals, dim=-1)[0, tok]
+        lp[r] = _drawn_logprob(vals, tok)
         if cfg.mirostat:
             mirostat_update(cfg, ctx.state, float(lp[r]))
     return ids, lp
+
+
+def _drawn_logprob(vals: Tensor, tok: int) -> float:
+    """The log-probability of the drawn `tok` in processed logits [1,V]: its logit less the row's log-normaliser,
+    from one C call where the library is (two passes over the row, no [1,V] temporary), else a log-softmax."""
+    if vals.device.type == "cpu" and vals.dtype == torch.float32:
+        from lmhead.models import native
+
+        got = native.token_scores(vals, [tok])
+        if got is not None:
+            return got[0][0]
+    return float(torch.log_softmax(vals, dim=-1)[0, tok])
 
 
 def logprob_of(vals: Tensor, tok: int) -> float:

@@ -3,13 +3,35 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lmhead.checks import is_int
+
+_ONCE: dict[str, dict[int, tuple[Any, Any]]] = {}
+_ONCE_LOCK = threading.Lock()
+
+
+def once_per(kind: str, value: Any, build: Callable[[Any], Any], size: int = 256) -> Any:
+    """build(value), computed once per object (of up to `size` objects of this kind, the oldest forgotten first):
+    keyed by the object's identity and holding it, so that the key cannot name another object while the entry
+    lives. For what a frozen config or its token-id tuples become, where hashing them or walking them each call
+    costs more than the work they serve."""
+    seen = _ONCE.get(kind)
+    hit = None if seen is None else seen.get(id(value))
+    if hit is not None and hit[0] is value:
+        return hit[1]
+    out = build(value)
+    with _ONCE_LOCK:
+        seen = _ONCE.setdefault(kind, {})
+        while len(seen) >= size:
+            seen.pop(next(iter(seen)))
+        seen[id(value)] = (value, out)
+    return out
 
 
 def check_logits(logits: object, name: str = "logits") -> tuple[Tensor, bool]:

@@ -14,7 +14,7 @@ from lmhead.sampling import general
 from lmhead.sampling.config import ConfigArg, SamplingConfig, config_arg
 from lmhead.sampling.cuts import cut_parts, scatter_rows
 from lmhead.sampling.draw import draw_groups
-from lmhead.sampling.inputs import as_prev_tokens, as_row_ints, check_logits
+from lmhead.sampling.inputs import as_prev_tokens, as_row_ints, check_logits, once_per
 from lmhead.sampling.preprocess import preprocess_rows
 from lmhead.sampling.race import part_logprobs
 from lmhead.sampling.steps import RowState
@@ -166,9 +166,22 @@ def _chosen(x: Tensor, tok: Tensor, configs: list[SamplingConfig] | SamplingConf
     return out
 
 
+def _top_ids(cfg: SamplingConfig) -> tuple[tuple[str, int], ...]:
+    """The largest token id of each token-id setting of cfg that has one (checked against V on every call)."""
+    tops = [(name, max(getattr(cfg, name))) for name in ID_FIELDS if getattr(cfg, name)]
+    if cfg.bad_words:
+        tops.append(("bad_words", max(max(seq) for seq in cfg.bad_words)))
+    return tuple(tops)
+
+
 @lru_cache(maxsize=4096)
-def _batch_ok(cfg: SamplingConfig) -> bool:
+def _batch_ok_by_value(cfg: SamplingConfig) -> bool:
     return cfg.runs_on("batch")
+
+
+def _batch_ok(cfg: SamplingConfig) -> bool:
+    # by the config object first: hashing a config hashes its token-id tuples too
+    return once_per("batch_ok", cfg, _batch_ok_by_value, 4096)
 
 
 class _Split:
@@ -177,9 +190,11 @@ class _Split:
 
     def __init__(self, x: Tensor, one_row: bool, cfgs: list, prev: Tensor | None, plen: list[int]) -> None:
         self.x, self.one_row, self.cfgs, self.prev, self.plen = x, one_row, cfgs, prev, plen
-        self.general = [r for r, c in enumerate(cfgs) if not _batch_ok(c)]
-        self.legacy = [r for r, c in enumerate(cfgs) if _batch_ok(c)]
-        self.general_x = x[self.general]
+        ok = [_batch_ok(c) for c in cfgs]
+        self.general = [r for r in range(len(cfgs)) if not ok[r]]
+        self.legacy = [r for r in range(len(cfgs)) if ok[r]]
+        # the steps never write into their input: a batch that is all general rows is read where it lies
+        self.general_x = x if not self.legacy else x[self.general]
         self.general_cfgs = [cfgs[r] for r in self.general]
 
     def contexts(self, states: Sequence[RowState] | None = None) -> list:
@@ -244,12 +259,8 @@ def _split(logits: Tensor, config: ConfigArg, prev_tokens: Any, prompt_len: Any,
                          "(steps without the 'sharded' backend, or an order other than lmhead's)")
     prev = None if prev_tokens is None else as_prev_tokens(prev_tokens, batch, x.shape[1], x.device, one_row)
     plen = as_row_ints(prompt_len, batch, "prompt_len", torch.device("cpu")).tolist()
-    for c in configs:
-        for name in ID_FIELDS:
-            ids = getattr(c, name) or ()
-            if ids and max(ids) >= x.shape[1]:
-                raise ValueError(f"{name}: token id {max(ids)} is outside the vocabulary [0, {x.shape[1]})")
-        for seq in c.bad_words:
-            if max(seq) >= x.shape[1]:
-                raise ValueError(f"bad_words: token id {max(seq)} is outside the vocabulary [0, {x.shape[1]})")
+    for c in {id(c): c for c in configs}.values():  # rows that share a config: checked once
+        for name, top in once_per("top_ids", c, _top_ids, 4096):
+            if top >= x.shape[1]:
+                raise ValueError(f"{name}: token id {top} is outside the vocabulary [0, {x.shape[1]})")
     return _Split(x, one_row, configs, prev, plen)

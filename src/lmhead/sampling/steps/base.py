@@ -157,7 +157,8 @@ class Step:
     history     reads the row's tokens so far; state: keeps a RowState between tokens
     backends    the backends that run it ("torch", "c", "sharded", "batch"; see the module docstring)
     explain     why the explainer says a token was cut by it
-    apply       (x [1,V] float32, cfg, Context) → x [1,V], the exact torch implementation on a whole row
+    apply       (x [1,V] float32, cfg, Context) → x [1,V], the exact implementation on a whole row (torch ops, and
+                the float64 passes over the row of ``moments``, in C where the library is built)
     origin      the definition it follows (the reference implementation)
     after       where lmhead's order runs it: after this step (a step of stage 2-4 the order does not name yet)
     example     settings that turn it on (benchmarks/bench_sampling.py measures each step with them)"""

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from lmhead.sampling.steps.base import Context, Step, int_param, real_param
+from lmhead.sampling.steps.moments import keep_at_least, keep_probable, moments, probable_ids, typical
 from lmhead.sampling.top_p import top_p_parts
 from lmhead.sampling.vocab import NEG_INF, Vocab
 
@@ -33,12 +34,6 @@ PARAMS = (
     real_param("eta_cutoff", 0.0, 0.0, 1.0, "transformers: drops tokens with p < min(η, √η · e^−H).", "0 = off",
                high_open=True),
 )
-
-
-def _keep_top(x: Tensor, drop: Tensor) -> Tensor:
-    """x with `drop` at -inf, the row's largest logit (and its ties) always kept (transformers' min_tokens_to_keep
-    = 1: ``scores < topk(scores, 1)``)."""
-    return x.masked_fill(drop & (x < x.amax(dim=-1, keepdim=True)), NEG_INF)
 
 
 def _top_k_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
@@ -72,65 +67,65 @@ def _min_p_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
 def _typical_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     """transformers' TypicalLogitsWarper (Meister et al., "Locally Typical Sampling"): with H the entropy of
     softmax(x), sort tokens by |−log p − H| ascending; the kept set ends at the first token whose cumulative mass
-    reaches typical_p, and every token whose |−log p − H| is at most that token's is kept (ties whole)."""
-    logp = torch.log_softmax(x, dim=-1)
-    p = logp.exp()
-    ent = -(logp * p).nansum(-1, keepdim=True)
-    shifted = (-logp - ent).abs()
-    sorted_scores, order = torch.sort(shifted, stable=True)
-    cum = x.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
-    last = (cum < cfg.typical_p).sum(dim=1).clamp_(max=x.shape[-1] - 1)
-    drop_sorted = sorted_scores > sorted_scores.gather(1, last.view(-1, 1))
-    drop_sorted[..., :1] = False
-    return x.masked_fill(drop_sorted.scatter(1, order, drop_sorted), NEG_INF)
+    reaches typical_p, and every token whose |−log p − H| is at most that token's is kept (ties whole). In float64
+    (`moments.typical`: only the tokens near the crossing are sorted)."""
+    return typical(x, cfg.typical_p)
 
 
 def _top_n_sigma_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     """llama.cpp's ``llama_sampler_top_n_sigma_apply``: over the finite logits, their mean and population
     standard deviation σ; tokens below max − n·σ at -inf (one candidate: unchanged). In float64."""
-    finite = torch.isfinite(x)
-    if int(finite.sum()) <= 1:
+    mo = moments(x, sigma=True, exps=False)
+    if mo is None or mo.finite <= 1:
         return x
-    v = x[finite].double()
-    sigma = float(((v - v.mean()) ** 2).mean().sqrt())
-    return x.masked_fill(x.double() < float(v.max()) - cfg.top_n_sigma * sigma, NEG_INF)
+    return keep_at_least(x, mo.max - cfg.top_n_sigma * mo.sd)
 
 
 def xtc_removed(x: Tensor, threshold: float) -> Tensor:
     """llama.cpp's XTC cut (``llama_sampler_xtc_apply``) on x [1,V], the coin already thrown: the tokens with
     p ≥ threshold, all but the least probable of them (bool [1,V]; none when fewer than two reach it). Among
-    tokens tied at the least probability, the one of the highest id stays."""
-    p = torch.softmax(x, dim=-1)
-    above = p >= threshold
-    if int(above.sum()) < 2:
-        return torch.zeros_like(above)
-    low = torch.where(above, p, torch.full_like(p, math.inf)).amin(dim=-1, keepdim=True)
-    last = torch.where(above & (p == low), torch.arange(x.shape[-1], device=x.device), -1).amax(dim=-1)
-    keep = torch.zeros_like(above)
-    keep[0, last] = True
-    return above & ~keep
+    tokens tied at the least probability, the one of the highest id stays. p in float64."""
+    removed = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+    ids = _xtc_ids(x, threshold)
+    if ids is not None:
+        removed[0, ids] = True
+    return removed
+
+
+def _xtc_ids(x: Tensor, threshold: float) -> Tensor | None:
+    """`xtc_removed`'s tokens as ids (None when none is removed): p ≥ threshold ⟺ x ≥ max + log(threshold·S)."""
+    # at most 1/threshold tokens have p ≥ threshold
+    cap = x.shape[1] if threshold <= 0 else min(x.shape[1], int(1 / threshold) + 16)
+    ids = probable_ids(x, math.log(threshold) if threshold > 0 else NEG_INF, cap)
+    if ids is None or ids.numel() < 2:
+        return None
+    vals = x[0, ids]
+    low = vals == vals.min()  # equal logits, equal probabilities: the last of them stays
+    stay = int(low.nonzero()[-1, 0])
+    return torch.cat([ids[:stay], ids[stay + 1 :]])
 
 
 def _xtc_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     """Removes the top choices when this draw's coin (Context.xtc, thrown by the pipeline with probability
     xtc_probability from the row's generator) says so."""
-    return x.masked_fill(xtc_removed(x, cfg.xtc_threshold), NEG_INF) if ctx.xtc else x
+    if not ctx.xtc:
+        return x
+    ids = _xtc_ids(x, cfg.xtc_threshold)
+    return x if ids is None else x.index_fill(1, ids, NEG_INF)
 
 
 def _epsilon_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     """transformers' EpsilonLogitsWarper (Hewitt et al., "Truncation Sampling as Language Model Desmoothing"):
-    tokens with p < ε dropped, the most probable kept."""
-    return _keep_top(x, torch.softmax(x, dim=-1) < cfg.epsilon_cutoff)
+    tokens with p < ε dropped, the most probable kept. p in float64."""
+    return keep_probable(x, math.log(cfg.epsilon_cutoff))
 
 
 def _eta_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     """transformers' EtaLogitsWarper (Hewitt et al.): η' = min(η, √η · e^−H), H the entropy of softmax(x); tokens
-    with p < η' dropped, the most probable kept."""
-    logp = torch.log_softmax(x, dim=-1)
-    p = logp.exp()
-    ent = -(p * logp).nansum(-1, keepdim=True)
-    eta = torch.minimum(torch.tensor(cfg.eta_cutoff), math.sqrt(cfg.eta_cutoff) * torch.exp(-ent))
-    return _keep_top(x, p < eta)
+    with p < η' dropped, the most probable kept. p and H in float64 terms: log η' = min(log η, ½ log η − H) moves by
+    no more than H does, so a bounded entropy bounds the threshold (`moments.keep_probable`)."""
+    log_eta = math.log(cfg.eta_cutoff)
+    return keep_probable(x, log_eta, by_entropy=lambda h: min(log_eta, 0.5 * log_eta - h))
 
 
 _CUTS = frozenset({"torch", "c", "sharded", "batch"})

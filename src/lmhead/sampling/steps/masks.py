@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lmhead.checks import is_int, is_real
+from lmhead.sampling.inputs import once_per
 from lmhead.sampling.steps.base import Context, Param, Step, ids_param, int_param, sequences_param
 from lmhead.sampling.vocab import NEG_INF
 
@@ -66,19 +67,38 @@ def _bias_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
 
 def _allowed_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     """vLLM's allowed_token_ids (``vllm/v1/sample/logits_processor``: a mask of -inf off the allowed ids)."""
-    keep = torch.zeros(x.shape[-1], dtype=torch.bool, device=x.device)
-    keep[torch.as_tensor(cfg.allowed_token_ids, dtype=torch.long, device=x.device)] = True
-    return x.masked_fill(~keep, NEG_INF)
+    # built once per setting: turning a tuple of 37,000 ids into a tensor costs more than the step
+    ids = once_per("allowed_token_ids", cfg.allowed_token_ids, lambda v: torch.tensor(v, dtype=torch.long), 64)
+    ids = ids if ids.device == x.device else ids.to(x.device)
+    out = torch.full_like(x, NEG_INF)
+    out[0].index_copy_(0, ids, x[0].index_select(0, ids))
+    return out
+
+
+_Heads = dict[int, list[tuple[list[int], int]]]
+
+
+def _bad_words_index(bad_words: tuple[tuple[int, ...], ...]) -> tuple[list[int], _Heads]:
+    """(the one-token sequences' ids, {a longer sequence's last-but-one token: [(its other tokens, its last)]})."""
+    always: list[int] = []
+    by_prev: _Heads = {}
+    for seq in bad_words:
+        if len(seq) == 1:
+            always.append(seq[0])
+        else:
+            by_prev.setdefault(seq[-2], []).append((list(seq[:-1]), seq[-1]))
+    return always, by_prev
 
 
 def banned_by_bad_words(bad_words: tuple[tuple[int, ...], ...], history: list[int]) -> list[int]:
     """The tokens bad_words bans after `history` (transformers' NoBadWordsLogitsProcessor: a sequence's last token
-    is banned where the history ends with the sequence's other tokens; a one-token sequence always)."""
-    out = []
-    for seq in bad_words:
-        head = list(seq[:-1])
-        if not head or (len(history) >= len(head) and history[len(history) - len(head):] == head):
-            out.append(seq[-1])
+    is banned where the history ends with the sequence's other tokens; a one-token sequence always). Only the
+    sequences whose last-but-one token ends the history are compared."""
+    always, by_prev = once_per("bad_words", bad_words, _bad_words_index, 64)
+    out = list(always)
+    for head, last in by_prev.get(history[-1], ()) if history else ():
+        if len(history) >= len(head) and history[len(history) - len(head):] == head:
+            out.append(last)
     return out
 
 
@@ -86,9 +106,7 @@ def _bad_words_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     banned = banned_by_bad_words(cfg.bad_words, ctx.history)
     if not banned:
         return x
-    x = x.clone()
-    x[:, banned] = NEG_INF
-    return x
+    return x.index_fill(1, torch.tensor(banned, dtype=torch.long, device=x.device), NEG_INF)
 
 
 def _min_tokens_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
@@ -96,9 +114,7 @@ def _min_tokens_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     than min_tokens tokens have been generated."""
     if ctx.generated >= cfg.min_tokens or not cfg.stop_token_ids:
         return x
-    x = x.clone()
-    x[:, list(cfg.stop_token_ids)] = NEG_INF
-    return x
+    return x.index_fill(1, torch.tensor(cfg.stop_token_ids, dtype=torch.long, device=x.device), NEG_INF)
 
 
 STEPS = (

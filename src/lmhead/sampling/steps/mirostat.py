@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from lmhead.sampling.steps.base import Context, RowState, Step, int_param, real_param
-from lmhead.sampling.vocab import NEG_INF
+from lmhead.sampling.steps.moments import keep_at_least, keep_probable
+from lmhead.sampling.vocab import Vocab
 
 MIROSTAT_M = 100  # llama.cpp's m: the tokens v1 estimates the Zipf exponent from
 TAU_LIMIT = 1e3
@@ -36,8 +37,9 @@ def mu_of(cfg: Any, state: RowState) -> float:
 
 
 def _v1_k(p_sorted: Tensor, vocab: int, mu: float) -> int:
-    """llama.cpp v1's k: the Zipf exponent ŝ fitted on the top m probabilities (sorted, descending, float64),
-    ε̂ = ŝ − 1, k = (ε̂ · 2^μ / (1 − V^−ε̂))^(1/ŝ). A fit that is not finite (a flat top) keeps every token."""
+    """llama.cpp v1's k: the Zipf exponent ŝ fitted on the top m probabilities (p_sorted: the top m + 1 or more,
+    descending, float64; any positive multiple of them, the fit reads their ratios), ε̂ = ŝ − 1,
+    k = (ε̂ · 2^μ / (1 − V^−ε̂))^(1/ŝ). A fit that is not finite (a flat top) keeps every token."""
     m = min(MIROSTAT_M - 1, p_sorted.numel() - 1)
     if m < 1:
         return 1
@@ -57,18 +59,22 @@ def _v1_k(p_sorted: Tensor, vocab: int, mu: float) -> int:
 
 def _mirostat_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     """The cut for the row's current μ on x [1,V] (after the temperature). v1: the top k of `_v1_k` (ties with the
-    k-th kept); v2: the tokens whose surprise −log2 p ≤ μ (at least the most probable)."""
+    k-th kept), from the top m + 1 probabilities; v2: the tokens whose surprise −log2 p ≤ μ (at least the most
+    probable). p in float64."""
     mu = mu_of(cfg, ctx.state)
-    logp = torch.log_softmax(x.double(), dim=-1)
+    vocab = x.shape[-1]
     if cfg.mirostat == 1:
-        p_sorted = torch.sort(logp[0].exp(), descending=True).values
-        k = _v1_k(p_sorted, x.shape[-1], mu)
-        if k >= x.shape[-1]:
+        top = Vocab(vocab).topk(x, min(MIROSTAT_M + 1, vocab))[0][0]
+        # the fit reads ratios of probabilities only: e^(v − v_0) is as good as p and needs no normaliser
+        k = _v1_k(torch.exp(top.double() - float(top[0])), vocab, mu)
+        if k >= vocab:
             return x
-        kth = torch.topk(x, k, dim=-1).values[:, -1:]
-        return x.masked_fill(x < kth, NEG_INF)
-    drop = (-logp / math.log(2.0)) > mu
-    return x.masked_fill(drop & (x < x.amax(dim=-1, keepdim=True)), NEG_INF)
+        if k <= top.numel():
+            kth = top[k - 1]
+        else:
+            kth = Vocab(vocab).topk(x, k)[0][0, -1] if k <= vocab // 256 else torch.kthvalue(x[0], vocab - k + 1)[0]
+        return keep_at_least(x, float(kth))
+    return keep_probable(x, -mu * math.log(2.0))
 
 
 def mirostat_update(cfg: Any, state: RowState, logprob: float) -> None:

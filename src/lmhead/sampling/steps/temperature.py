@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from lmhead.sampling.steps.base import Context, Step, real_param
+from lmhead.sampling.steps.moments import moments
 from lmhead.sampling.vocab import NEG_INF
 
 # Temperatures below this are greedy (vLLM's rule): dividing by ~0 would overflow to ±inf.
@@ -32,16 +33,12 @@ PARAMS = (
 def dynamic_temperature(x: Tensor, temperature: float, spread: float, exponent: float) -> float:
     """llama.cpp's ``llama_sampler_temp_ext_apply``: over the row's candidates (finite logits, n > 1), H = the
     entropy of softmax(x), T' = max(0, T − spread) + 2·spread·(H / ln n)^exponent (min + (max − min)·h^e); one
-    candidate keeps T. Computed in float64."""
-    finite = torch.isfinite(x)
-    n = int(finite.sum())
-    if n <= 1:
+    candidate keeps T. Computed in float64 (`moments`)."""
+    mo = moments(x)
+    if mo is None or mo.finite <= 1:
         return temperature
     low, high = max(0.0, temperature - spread), temperature + spread
-    logp = torch.log_softmax(x.double(), dim=-1)
-    p = logp.exp()
-    h = float(-torch.where(p > 0, p * logp, torch.zeros_like(p)).sum())
-    return low + (high - low) * (h / math.log(n)) ** exponent
+    return low + (high - low) * (mo.entropy / math.log(mo.finite)) ** exponent
 
 
 def _temperature_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
