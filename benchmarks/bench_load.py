@@ -28,18 +28,35 @@ LMHEAD = Path(sys.executable).with_name("lmhead")
 LLAMA_BENCH = ROOT / "build" / "llama.cpp" / "bin" / "llama-bench"
 
 
-def _wait(proc: subprocess.Popen) -> tuple[int, float]:
-    """(exit code, peak RSS MiB) of a finished child, from wait4's rusage (this child only)."""
+TIME = Path("/usr/bin/time")
+
+
+def _spawn(cmd: list[str], **kw) -> tuple[subprocess.Popen, Path | None]:
+    """`cmd` started under /usr/bin/time (its peak RSS written to a file). A child forked straight from this
+    process would report this process's resident size at the fork as its own peak (Linux keeps the larger
+    high-water mark across exec), and this process holds the bandwidth probe's buffer."""
+    if not TIME.exists():
+        return subprocess.Popen(cmd, **kw), None
+    out = Path(tempfile.mkstemp(suffix=".rss")[1])
+    return subprocess.Popen([str(TIME), "-f", "%M", "-o", str(out), *cmd], **kw), out
+
+
+def _wait(proc: subprocess.Popen, rss_file: Path | None) -> tuple[int, float]:
+    """(exit code, peak RSS MiB) of a finished child: /usr/bin/time's measure of the command, else wait4's."""
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, usage.ru_maxrss / 1024
+    if rss_file is None:
+        return proc.returncode, usage.ru_maxrss / 1024
+    text = rss_file.read_text().split()
+    rss_file.unlink()
+    return proc.returncode, int(text[-1]) / 1024 if text and text[-1].isdigit() else float("nan")
 
 
 def lmhead_run(model: str, n: int, cache: Path) -> dict[str, float]:
     """One `lmhead generate` process: first-token and total seconds, peak RSS MiB."""
     env = {**os.environ, "LMHEAD_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
-    proc = subprocess.Popen([str(LMHEAD), "generate", "The cat sat on the", "-m", model, "--max-new-tokens",
+    proc, rss_file = _spawn([str(LMHEAD), "generate", "The cat sat on the", "-m", model, "--max-new-tokens",
                              str(n), "--temperature", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             env=env)
     first = None
@@ -49,7 +66,7 @@ def lmhead_run(model: str, n: int, cache: Path) -> dict[str, float]:
             break
         if first is None and byte.strip():
             first = time.perf_counter() - t0
-    code, rss = _wait(proc)
+    code, rss = _wait(proc, rss_file)
     total = time.perf_counter() - t0
     if code != 0:
         raise SystemExit(f"lmhead generate -m {model} exited {code}")
@@ -60,9 +77,9 @@ def llama_run(gguf: Path, n: int) -> dict[str, float] | None:
     if not LLAMA_BENCH.exists():
         return None
     t0 = time.perf_counter()
-    proc = subprocess.Popen([str(LLAMA_BENCH), "-m", str(gguf), "-t", "2", "-p", "16", "-n", str(n), "-r", "1"],
+    proc, rss_file = _spawn([str(LLAMA_BENCH), "-m", str(gguf), "-t", "2", "-p", "16", "-n", str(n), "-r", "1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    code, rss = _wait(proc)
+    code, rss = _wait(proc, rss_file)
     return None if code else {"total": time.perf_counter() - t0, "rss": rss}
 
 

@@ -199,7 +199,9 @@ class LlamaServer:
         req = urllib.request.Request(self.url + "/completion", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         out = json.loads(urllib.request.urlopen(req, timeout=600).read())
-        return out["content"], float(out["timings"]["predicted_per_second"]), bool(out.get("stopped_eos"))
+        # this server reports why it stopped as stop_type ("eos": the grammar was complete); older ones as stopped_eos
+        stopped = out.get("stop_type") == "eos" or bool(out.get("stopped_eos"))
+        return out["content"], float(out["timings"]["predicted_per_second"]), stopped
 
     def close(self) -> None:
         if self.proc is not None:
