@@ -68,7 +68,8 @@ def test_next_token_continues_one_constrained_answer(page):
     page.wait_for_selector("#stage tbody tr .why:text('cut by the constraint')")
     # each option is at most three tokens; a click after a complete answer may only end it (EOS, no text)
     for _ in range(4):
-        page.get_by_role("button", name="Next token").click()
+        with page.expect_response(lambda r: "/api/step" in r.url):  # the click's step, not a state before it
+            page.get_by_role("button", name="Next token").click()
         page.wait_for_function("!document.querySelector('#next-token').disabled")
         answer = page.get_by_label("Prompt", exact=True).input_value()[len(prompt):]
         assert "mat".startswith(answer) or "log".startswith(answer), answer
