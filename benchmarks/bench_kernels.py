@@ -16,7 +16,7 @@
 6. One decode row's choice in C against the torch pipeline it replaces, on language-model-like rows (40 tokens
    lifted over randn × 2) of 49,152 (SmolLM2) and 262,144 (Gemma 3) logits: a plain greedy row
    (`native.greedy_rows` against `plain_choice` + `row_scores`) and an unseeded T = 0.8 top-p 0.9 row, scored
-   (`plain_choice` with `sampling.top_p._NATIVE_TOP_P_ROWS` 8 — `native.top_p_row` — and 0, the torch windows).
+   (`plain_choice` with `sampling.top_p.NATIVE_TOP_P_ROWS` 8 — `native.top_p_row` — and 0, the torch windows).
 7. The screened head (`CodedLinear.screen`: each row's top k exact, the rest below) against the exact product
    on Gemma 3's head shape (synthetic Q8_0-like codes, rows of randn × 2.5 with an outlier column, as final hidden
    states have), 1-8 rows, k = 2 (greedy) and 41 (top-k 40): where `speculative.SCREEN_MIN_ROWS` comes from.
@@ -186,14 +186,14 @@ def sections(args: argparse.Namespace, g: torch.Generator, rec: Recorder) -> Non
                [Figure(f"greedy_rows, {width} logits", t, "ms", "plain_choice + row_scores", a)])
         gen = torch.Generator().manual_seed(0)
         timed = {}
-        for rows in (0, sampling._NATIVE_TOP_P_ROWS):
-            saved, sampling._NATIVE_TOP_P_ROWS = sampling._NATIVE_TOP_P_ROWS, rows
+        for rows in (0, sampling.NATIVE_TOP_P_ROWS):
+            saved, sampling.NATIVE_TOP_P_ROWS = sampling.NATIVE_TOP_P_ROWS, rows
             try:
                 timed[rows] = best_ms(lambda row=row, gen=gen: plain_choice(row, top_p, None, [8], [3], gen,
                                                                              scored=True), args.repeats, 10)
             finally:
-                sampling._NATIVE_TOP_P_ROWS = saved
-        a, t = timed[0], timed[sampling._NATIVE_TOP_P_ROWS]
+                sampling.NATIVE_TOP_P_ROWS = saved
+        a, t = timed[0], timed[sampling.NATIVE_TOP_P_ROWS]
         print(f"  {width:6} logits, top-p 0.9: torch windows {a:6.3f}  top_p_row {t:6.3f}  ratio {a / t:5.2f}"
               f"  [{load()}]", flush=True)
         t6.row([width, "T 0.8, top-p 0.9", f"{a:.3f}", f"{t:.3f}", f"{a / t:.2f}", load()[5:]],

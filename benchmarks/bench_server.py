@@ -99,17 +99,21 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-c", SERVER, model, str(self.port), str(max_batch)])
+        self.wait_ready("/v1/models", "the server")
+
+    def wait_ready(self, route: str, who: str) -> None:
+        """Wait until `route` answers 200 (at most 600 s); the process exiting first is an error."""
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}")
+                raise RuntimeError(f"{who} exited with {self.proc.returncode}")
             try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}{route}", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise RuntimeError("the server did not start in 600 s")
+        raise RuntimeError(f"{who} did not start in 600 s")
 
     def peak_rss_mib(self) -> float:
         """The server process's peak resident memory so far (VmHWM)."""
@@ -132,17 +136,7 @@ class LlamaServer(Server):
         self.proc = subprocess.Popen([str(LLAMA_BIN / "llama-server"), "-m", str(gguf), "-t", "2", "--port",
                                       str(self.port), "-np", str(parallel), "-c", str(parallel * slot_tokens)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("llama-server did not start in 600 s")
+        self.wait_ready("/health", "llama-server")
 
 
 def _gguf(model: str, work: Path) -> Path:

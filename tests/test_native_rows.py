@@ -207,7 +207,7 @@ def test_top_p_parts_give_the_same_cut_from_c_and_from_torch(width, monkeypatch)
         return out
 
     native_cut = cut()
-    monkeypatch.setattr(sampling, "_NATIVE_TOP_P_ROWS", 0)
+    monkeypatch.setattr(sampling, "NATIVE_TOP_P_ROWS", 0)
     assert native_cut == cut()
 
 
@@ -232,7 +232,7 @@ def test_a_seeded_top_p_row_draws_the_same_id_whether_c_ran_or_not(cfg, monkeypa
     want = [int(sample(rows[r:r + 1], config, step=3)[0]) for r in range(12)]
     alone = [int(sample_with_logprobs(rows[r:r + 1], config, step=3)[0][0]) for r in range(12)]
     together = sample_with_logprobs(rows, config, step=3)[0].tolist()  # > 8 rows: the torch path for all
-    monkeypatch.setattr(sampling, "_NATIVE_TOP_P_ROWS", 0)
+    monkeypatch.setattr(sampling, "NATIVE_TOP_P_ROWS", 0)
     without = [int(sample_with_logprobs(rows[r:r + 1], config, step=3)[0][0]) for r in range(12)]
     assert alone == together == without == want
 

@@ -35,7 +35,7 @@ from lmhead.models.errors import ModelError
 from lmhead.models.gguf_codes import BLOCKS, PACKED_TYPES, Codes, block_scales
 from lmhead.models.heap import trim_heap
 
-__all__ = ["CODE_TYPES", "DENSE_TYPES", "IQ4_VALUES", "GGUFFile", "block_codes", "read_header"]
+__all__ = ["CODE_TYPES", "DENSE_TYPES", "IQ4_VALUES", "GGUFFile", "Header", "block_codes", "read_header"]
 
 CODE_TYPES: frozenset[str] = frozenset(BLOCKS)  # the block types whose codes the coded kernel multiplies
 # 16-bit float types the kernel multiplies as they are (`CodedLinear.dense16`): each weight converted exactly
@@ -102,7 +102,7 @@ _SCALAR = {kind: struct.Struct(f) for kind, f in _FORMATS.items()}
 _U32, _U64 = _SCALAR[4], _SCALAR[10]
 
 
-class _Header:
+class Header:
     """A GGUF header read with struct over a map of the file: scalar metadata values and the tensor table; arrays
     (the vocabulary) are skipped unless `arrays` (then `fields` holds them too: numbers as lists, strings as
     bytes, and `types` each field's GGUF value types as gguf-py lists them). gguf-py's reader builds a numpy view
@@ -244,7 +244,7 @@ def read_header(path: Path) -> tuple[str, list[_Tensor], int]:
 
     path = Path(path)
     try:
-        head = _Header(path)
+        head = Header(path)
     except ModelError:
         raise
     except (OSError, UnicodeError, ValueError, OverflowError, MemoryError) as exc:

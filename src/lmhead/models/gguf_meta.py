@@ -9,7 +9,7 @@ builds, and that reader makes a numpy view of every part of every field — for 
 (its tokens, scores, types and merges) most of the first run's time, paid again per object, and then parses each
 part into a Python value one call at a time. `MetadataReader` holds what transformers reads when it asks for no
 tensors (each field's parts, data indices and types as gguf-py lays them out, and the tensors' names), parsed
-once per file by `gguf_file._Header` into the values transformers would make of them, and kept for the block.
+once per file by `gguf_file.Header` into the values transformers would make of them, and kept for the block.
 transformers then maps fields, builds the config and converts the tokenizer exactly as it does from gguf-py's
 reader (tests/test_gguf_file.py compares the two on every architecture's file).
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from lmhead.models.gguf_file import _Header
+from lmhead.models.gguf_file import Header
 
 __all__ = ["MetadataReader", "header_reader"]
 
@@ -70,7 +70,7 @@ class MetadataReader:
         stat = path.stat()
         key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
         if key not in self._cache:
-            head = _Header(path, arrays=True)
+            head = Header(path, arrays=True)
             # gguf-py's reader lists the header's own numbers first, as fields (transformers ignores them)
             fields = {"GGUF.version": _Field("GGUF.version", [4], head.version),
                       "GGUF.tensor_count": _Field("GGUF.tensor_count", [10], head.n_tensors),

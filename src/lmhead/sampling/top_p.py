@@ -22,7 +22,7 @@ _WINDOW_MARGIN = 1e-5
 
 # Top-p on wide rows: histogram bins per row; logits more than 104 below the max have probability 0 in float32.
 _BINS = 4096
-_NATIVE_TOP_P_ROWS = 8  # `top_p_parts`: up to this many rows are settled one by one in C
+NATIVE_TOP_P_ROWS = 8  # `top_p_parts`: up to this many rows are settled one by one in C
 _UNDERFLOW = 104.0
 
 
@@ -82,9 +82,9 @@ def top_p_parts(x: Tensor, temperature: float, top_p: float, vocab: Vocab, nativ
 def _top_p_native(x: Tensor, temperature: float, top_p: float, vocab: Vocab) -> tuple[list[Part], list[int]]:
     """The rows of x [b,V] whose top-p set C settles (`models.native.top_p_row`: a few whole float32 CPU rows,
     one call each; language-model rows, whose sets hold tens of tokens) as parts, and the rows it leaves (flat
-    rows, more rows than _NATIVE_TOP_P_ROWS, a sharded vocabulary, no library)."""
+    rows, more rows than NATIVE_TOP_P_ROWS, a sharded vocabulary, no library)."""
     if not (type(vocab) is Vocab and x.device.type == "cpu" and x.dtype == torch.float32
-            and x.shape[1] == vocab.size and 0 < x.shape[0] <= _NATIVE_TOP_P_ROWS):
+            and x.shape[1] == vocab.size and 0 < x.shape[0] <= NATIVE_TOP_P_ROWS):
         return [], list(range(x.shape[0]))
     from lmhead.models.native import top_p_row
 
