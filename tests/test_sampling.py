@@ -561,7 +561,7 @@ def test_each_top_p_path_is_exercised_and_exact(monkeypatch):
     cfg = SamplingConfig(temperature=0.9, top_p=0.9)
     # the C pass settles these CPU rows first (top-p sets of 3, 359 and 2,817 tokens)
     assert_same_cut(process_logits(x, cfg), ref.sampling_process(x, [cfg] * 3))
-    monkeypatch.setattr(sampling, "_NATIVE_TOP_P_ROWS", 0)  # the torch paths, each of them
+    monkeypatch.setattr(sampling, "NATIVE_TOP_P_ROWS", 0)  # the torch paths, each of them
     monkeypatch.setattr(sampling, "_top_p_bins", bins)
     monkeypatch.setattr(sampling.torch, "topk", topk)
     out = process_logits(x, cfg)
@@ -632,7 +632,7 @@ def test_the_pipeline_reduces_across_the_vocabulary_with_the_vocab_it_is_given(m
         with monkeypatch.context() as m:
             # the plain whole vocabulary settles a few unseeded top-p rows in C (a subclass keeps its own
             # reductions): without it both draw the same ids by the same torch passes
-            m.setattr(sampling, "_NATIVE_TOP_P_ROWS", 0)
+            m.setattr(sampling, "NATIVE_TOP_P_ROWS", 0)
             torch.manual_seed(0)
             want = sample(xs, cfg)
         torch.manual_seed(0)
