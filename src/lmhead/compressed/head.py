@@ -359,6 +359,11 @@ class CompressedHead(nn.Module):
         if N > self.max_rows:
             self.stats["full_rows"] += N
             return self._full(h), None
+        if not math.isfinite(float(h.sum())):
+            # a NaN or inf activation has no int8 grid (onednn's per-call scale would be NaN) and no bound:
+            # the full head's answer, as `_select` gives for a non-finite approximation
+            self.stats["fallback_rows"] += N
+            return self._full(h), None
         a = self._approx(h)  # the one big memory-bound pass: torch's thread count
         # The rest is a few dozen small [N,V] passes: on 1 thread they never wait for a busy core.
         with kernels.one_thread():

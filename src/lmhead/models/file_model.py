@@ -61,18 +61,19 @@ def file_refusal(cfg: ModelConfig) -> str | None:
 
 
 def meta_folder(key: str, gguf: Path, facts: dict[str, Any], progress: bool = True, keep: Path | None = None
-                ) -> Path:
-    """`<cache>/meta/<key>`: the config, generation config and tokenizer transformers reads from `gguf`, built once
-    (checked against its manifest on every load; rebuilt when `facts` — where the file came from — changed).
+                ) -> tuple[Path, Any]:
+    """(`<cache>/meta/<key>`, the tokenizer read back from it when it was built now, else None): the config,
+    generation config and tokenizer transformers reads from `gguf`, built once (checked against its manifest on
+    every load; rebuilt when `facts` — where the file came from — changed).
     `keep`: a GGUF file made for this load (a packaged model assembled from its chunks), moved into the folder
     as model.gguf."""
     folder = cache.meta_dir() / key
     if _usable(folder, facts) is None:
-        return folder
+        return folder, None
     with cache.lock(f"meta-{key}"):
         reason = _usable(folder, facts)
         if reason is None:
-            return folder
+            return folder, None
         cache.remove_stale_tmp(f"meta-{key}")
         tmp = cache.new_tmp_dir(f"meta-{key}")
         try:
@@ -81,7 +82,7 @@ def meta_folder(key: str, gguf: Path, facts: dict[str, Any], progress: bool = Tr
                       file=sys.stderr, flush=True)
             out = tmp / "out"
             out.mkdir()
-            _write_meta(gguf, out)
+            tokenizer = _write_meta(gguf, out)
             weights = f"{gguf.stat().st_size}-{cache.fast_checksum_file(gguf)}"
             if keep is not None:
                 shutil.move(str(keep), out / "model.gguf")
@@ -92,7 +93,7 @@ def meta_folder(key: str, gguf: Path, facts: dict[str, Any], progress: bool = Tr
             raise _disk_error(exc, folder, need) from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    return folder, tokenizer
 
 
 def _disk_error(exc: OSError, folder: Path, need: int) -> ModelError:
@@ -109,7 +110,9 @@ def _usable(folder: Path, facts: dict[str, Any]) -> str | None:
     return f"the source changed ({', '.join(changed)})" if changed else None
 
 
-def _write_meta(gguf: Path, out: Path) -> None:
+def _write_meta(gguf: Path, out: Path) -> Any:
+    """Write `gguf`'s config, generation config and tokenizer into `out`; the tokenizer as read back from `out`
+    (checked to encode a test text as transformers' GGUF tokenizer does), which the load then uses."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from lmhead.models.gguf_meta import header_reader
@@ -135,15 +138,17 @@ def _write_meta(gguf: Path, out: Path) -> None:
     if saved(_TOKENIZER_CHECK)["input_ids"] != tokenizer(_TOKENIZER_CHECK)["input_ids"]:
         raise ModelError(f"the tokenizer saved from {gguf} does not encode a test text as transformers' GGUF "
                          "tokenizer does")
+    return saved
 
 
-def read_meta(folder: Path) -> tuple[ModelConfig, Any, list[int]]:
-    """(config, tokenizer, end-of-sequence ids) of a meta folder."""
+def read_meta(folder: Path, tokenizer: Any = None) -> tuple[ModelConfig, Any, list[int]]:
+    """(config, tokenizer, end-of-sequence ids) of a meta folder (`tokenizer`: the folder's, already read)."""
     from lmhead.models.loading import fast_tokenizer
 
     cfg = ModelConfig.from_file(folder / "config.json")
     generation = json.loads((folder / "generation_config.json").read_text())
-    return cfg, fast_tokenizer(folder), _ids(generation.get("eos_token_id"), cfg.eos_token_id)
+    tokenizer = fast_tokenizer(folder) if tokenizer is None else tokenizer
+    return cfg, tokenizer, _ids(generation.get("eos_token_id"), cfg.eos_token_id)
 
 
 def _ids(*values: Any) -> list[int]:

@@ -256,6 +256,9 @@ def load_model(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, verify: 
     oneDNN's kernel when torch has it — the same weights; docs/models.md has the timings), "onednn",
     "transformers" (transformers' own modules). `hf_model` is transformers' model either way.
     """
+    from lmhead.models import native_build
+
+    native_build.start()  # a machine without the kernels compiles them while torch and the file are read
     from lmhead.models.heads import check_head_mode
     from lmhead.models.model import BODY_MODES, Model
 
@@ -325,25 +328,29 @@ def _load_file(source: Source, head: str, body: str, progress: bool):
     with tempfile.TemporaryDirectory(prefix="lmhead-gguf-", dir=cache.meta_dir() if building else None) as work:
         gguf = _gguf_path(source, folder if folder.exists() else None, Path(work))
         f = GGUFFile(gguf)  # a damaged file: its error (naming it) before anything is written
-        if not supports_file(f.architecture):
+        if f.architecture not in FILE_ARCHITECTURES:
             arch = f.architecture
             f.close()
-            why = "no C compiler for the coded kernel" if arch in FILE_ARCHITECTURES else \
-                f"the architecture {arch!r} (read from the file: {', '.join(FILE_ARCHITECTURES)})"
-            print(f"lmhead: {gguf.name}: {why}; running transformers' body on a float32 conversion",
+            print(f"lmhead: {gguf.name}: the architecture {arch!r} (read from the file: "
+                  f"{', '.join(FILE_ARCHITECTURES)}); running transformers' body on a float32 conversion",
                   file=sys.stderr, flush=True)
             return None
         assembled = gguf.parent == Path(work)
         try:
-            folder = meta_folder(key, gguf, facts, progress=progress, keep=gguf if assembled else None)
+            folder, fresh = meta_folder(key, gguf, facts, progress=progress, keep=gguf if assembled else None)
         except BaseException:
             f.close()
             raise
         if assembled:  # moved into the folder (one file system: the map stays valid)
             f.path = folder / "model.gguf"
-    cfg, tokenizer, eos = read_meta(folder)
+    cfg, tokenizer, eos = read_meta(folder, fresh)
     trim_heap()
     gguf = f.path
+    if not supports_file(f.architecture):  # asked only now: the kernels compiled while the above was read
+        f.close()
+        print(f"lmhead: {gguf.name}: no C compiler for the coded kernel; running transformers' body on a float32 "
+              "conversion", file=sys.stderr, flush=True)
+        return None
     why = file_refusal(cfg)
     if why is not None:
         f.close()

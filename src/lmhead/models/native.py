@@ -10,7 +10,8 @@
     step_kernels.c   the declared sampler steps' passes over a row, in float64 (lmhead/sampling/steps/moments.py):
                      a row's moments (`row_moments`), locally typical sampling's kept set (`typical_row`), a cut
                      at a threshold (`keep_ge`)
-      ──cc -O3 -march=native -fopenmp──▶ <cache>/kernels/lmhead-<hash>.so (a temporary file renamed into place)
+      ──cc -O3 -march=native -fopenmp (models/native_build.py)──▶ <cache>/kernels/lmhead-<hash>.so (a temporary
+      file renamed into place; begun in the background by `load_model` while it reads the file)
 
 Why C: torch ships no kernel for grouped int8 codes × float32 activations (its int4/int8 weight-only ops
 quantise the activations or measured slower than float32 here: benchmarks/bench_body.py), and a decode step
@@ -25,99 +26,24 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
 import math
 import os
-import platform
-import shutil
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
+
+from lmhead.models import native_build
+from lmhead.models.native_build import SOURCES, library_path
 
 __all__ = ["BF16", "F16", "HALF", "HALF_MAX_GROUPS", "PACKED", "ROWS4", "SOURCES", "LayerDesc", "MatDesc", "block4",
            "keep_ge", "keep_ge_unsure", "library", "library_path", "pack4", "row_lse_bounded", "row_moments",
            "row_scores", "select_ge", "topk", "typical_row", "unblock4", "unpack4"]
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("coded_kernel.c", "lean_kernels.c", "step_kernels.c"))
-_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 # coded_kernel.c's flags: 4-bit codes two per byte; float16 scales and offsets; rows stored in blocks of four;
 # the file's float16 or bfloat16 weights themselves (no codes, no scales)
 PACKED, HALF, ROWS4, F16, BF16 = 1, 2, 4, 8, 16
 HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
 _ABI = 19  # lmhead_coded_abi() of the sources above
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def library_path() -> Path:
-    """Where this machine's build lives: keyed by the sources, the flags and the CPU (-march=native)."""
-    from lmhead.models.cache import cache_root
-
-    digest = hashlib.sha256()
-    for src in SOURCES:
-        digest.update(src.read_bytes())
-    digest.update((" ".join(_FLAGS) + _cpu_flags() + platform.machine()).encode())
-    return cache_root() / "kernels" / f"lmhead-{digest.hexdigest()[:24]}.so"
-
-
-def _compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
-            return cc
-    return None
-
-
-def _build(target: Path) -> bool:
-    """Compile the sources into `target` (a temporary file renamed into place: a concurrent process sees no
-    library or the whole one). False when there is no compiler or it fails."""
-    cc = _compiler()
-    if cc is None:
-        return False
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".so")
-    os.close(fd)
-    try:
-        for flags in (_FLAGS, _FLAGS[:-1]):  # without OpenMP if the compiler has none: one thread
-            done = subprocess.run([cc, *flags, *map(str, SOURCES), "-lm", "-o", tmp], capture_output=True,
-                                  timeout=120)
-            if done.returncode == 0:
-                os.chmod(tmp, 0o755)
-                _checksum_path(target).write_text(_checksum(Path(tmp)))
-                os.replace(tmp, target)
-                return True
-        return False
-    except (OSError, subprocess.SubprocessError):
-        return False
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _checksum_path(library: Path) -> Path:
-    return library.with_name(library.name + ".xxh3")
-
-
-def _checksum(path: Path) -> str:
-    return f"{path.stat().st_size}-{hashlib.sha256(path.read_bytes()).hexdigest()}"
-
-
-def _intact(path: Path) -> bool:
-    """Whether the cached library is the file its build wrote (size and checksum beside it), before it is mapped."""
-    try:
-        return _checksum_path(path).read_text().strip() == _checksum(path)
-    except OSError:
-        return False
 
 
 class MatDesc(ctypes.Structure):
@@ -208,14 +134,15 @@ def library() -> ctypes.CDLL | None:
         path = library_path()
     except OSError:
         return None
+    native_build.wait()  # a build `native_build.start()` began
     for attempt in range(2):
-        if path.exists() and not _intact(path):
+        if path.exists() and not native_build.intact(path):
             # a library cut short or damaged in the cache would crash the process when mapped (a bus error)
             print(f"lmhead: the compiled kernels {path} do not match their checksum; building them again",
                   file=sys.stderr, flush=True)
             with contextlib.suppress(OSError):
                 path.unlink()
-        if not path.exists() and not _build(path):
+        if not path.exists() and not native_build.build(path):
             return None
         try:
             lib = _bind(ctypes.CDLL(str(path)))

@@ -1,0 +1,149 @@
+"""Building lmhead's C kernels: where the machine's library lives, compiling it, checking it — without torch.
+
+    SOURCES ──cc -c, one compiler per source at once──▶ objects ──cc -shared──▶ <cache>/kernels/lmhead-<hash>.so
+        (a temporary file renamed into place; its size and sha256 written beside it, checked before it is mapped)
+
+This module imports no torch, so that `start()` can begin a build that the cache lacks before the slow imports
+and the first read of a new file's tokenizer: a fresh machine's first load compiles while it does the rest.
+`models/native.py` loads and binds the library (and waits for a build begun here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+__all__ = ["FLAGS", "SOURCES", "build", "compiler", "intact", "library_path", "start", "wait"]
+
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("coded_kernel.c", "lean_kernels.c", "step_kernels.c"))
+FLAGS = ("-O3", "-march=native", "-fPIC", "-fopenmp")
+_TIMEOUT = 180  # seconds for one compiler run
+
+_pending: threading.Thread | None = None
+_pending_lock = threading.Lock()
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path() -> Path:
+    """Where this machine's build lives: keyed by the sources, the flags and the CPU (-march=native)."""
+    from lmhead.models.cache import cache_root
+
+    digest = hashlib.sha256()
+    for src in SOURCES:
+        digest.update(src.read_bytes())
+    digest.update((" ".join(FLAGS) + " -shared" + _cpu_flags() + platform.machine()).encode())
+    return cache_root() / "kernels" / f"lmhead-{digest.hexdigest()[:24]}.so"
+
+
+def compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _compile(cc: str, flags: tuple[str, ...], folder: Path, out: str) -> bool:
+    """Each source to an object in `folder`, every compiler started at once (the sources are independent, and
+    the largest alone sets the time), then linked into `out`."""
+    objects = [folder / f"{src.stem}.o" for src in SOURCES]
+    procs = [subprocess.Popen([cc, *flags, "-c", str(src), "-o", str(obj)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for src, obj in zip(SOURCES, objects, strict=True)]
+    ok = True
+    for proc in procs:
+        try:
+            ok = proc.wait(timeout=_TIMEOUT) == 0 and ok
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            ok = False
+    if not ok:
+        return False
+    done = subprocess.run([cc, *flags, "-shared", *map(str, objects), "-lm", "-o", out], capture_output=True,
+                          timeout=_TIMEOUT)
+    return done.returncode == 0
+
+
+def build(target: Path) -> bool:
+    """Compile the sources into `target` (a temporary file renamed into place: a concurrent process sees no
+    library or the whole one). False when there is no compiler or it fails."""
+    cc = compiler()
+    if cc is None:
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".so")
+    os.close(fd)
+    try:
+        with tempfile.TemporaryDirectory(prefix=".tmp-objects-", dir=target.parent) as objects:
+            for flags in (FLAGS, FLAGS[:-1]):  # without OpenMP if the compiler has none: one thread
+                if _compile(cc, flags, Path(objects), tmp):
+                    os.chmod(tmp, 0o755)
+                    checksum_path(target).write_text(checksum(Path(tmp)))
+                    os.replace(tmp, target)
+                    return True
+        return False
+    except (OSError, subprocess.SubprocessError):
+        return False
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def checksum_path(library: Path) -> Path:
+    return library.with_name(library.name + ".xxh3")
+
+
+def checksum(path: Path) -> str:
+    return f"{path.stat().st_size}-{hashlib.sha256(path.read_bytes()).hexdigest()}"
+
+
+def intact(path: Path) -> bool:
+    """Whether the cached library is the file its build wrote (size and checksum beside it), before it is mapped."""
+    try:
+        return checksum_path(path).read_text().strip() == checksum(path)
+    except OSError:
+        return False
+
+
+def start() -> None:
+    """Begin building the library in a background thread when the cache has no intact one (and the kernels are
+    not switched off); `wait()` — which `native.library()` calls — joins it. A no-op when it is built."""
+    global _pending
+    if os.environ.get("LMHEAD_NATIVE", "1") == "0" or compiler() is None:
+        return
+    try:
+        path = library_path()
+        if path.exists() and intact(path):
+            return
+    except OSError:
+        return
+    with _pending_lock:
+        if _pending is not None:
+            return
+        if path.exists():  # damaged: `native.library()` says so and rebuilds it itself
+            return
+        _pending = threading.Thread(target=build, args=(path,), name="lmhead-kernels", daemon=True)
+        _pending.start()
+
+
+def wait() -> None:
+    """Join a build `start()` began (nothing to do when none was)."""
+    global _pending
+    with _pending_lock:
+        thread, _pending = _pending, None
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
