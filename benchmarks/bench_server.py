@@ -402,7 +402,6 @@ def chat_turns(args: argparse.Namespace, rec: Recorder) -> None:
 
 def join_gap(args: argparse.Namespace, rec: Recorder) -> None:
     """--join-gap: the longest gap between two rounds of running streams while a long prompt joins."""
-    import lmhead.speculative as spec
     from lmhead import load_model
     from lmhead.generate import Batch, prepare
     from lmhead.sampling import SamplingConfig
@@ -410,11 +409,9 @@ def join_gap(args: argparse.Namespace, rec: Recorder) -> None:
     model = load_model(args.model)
     long_ids = (model.encode(" ".join(PROMPTS)) * (args.join_gap // 40 + 1))[:args.join_gap]
     long_prompt = model.tokenizer.decode(long_ids)
-    shipped = spec.PREFILL_PIECE
     table = rec.table("join_gap", f"{args.model}: {args.concurrent} streams decoding while a {args.join_gap}-token "
                       "prompt joins", ["prefill", "longest gap (ms)", "median round (ms)", "ratio"])
-    for name, piece in (("chunked", shipped), ("whole", args.join_gap + 1)):
-        spec.PREFILL_PIECE = piece
+    for name, piece in (("chunked", None), ("whole", args.join_gap + 1)):  # None: the budget sizes the pieces
         batch = Batch(model, draft="none")
         batch.add([r for i in range(args.concurrent)
                    for r in prepare(model, PROMPTS[i % len(PROMPTS)], args.tokens, SamplingConfig(temperature=0))])
@@ -423,7 +420,7 @@ def join_gap(args: argparse.Namespace, rec: Recorder) -> None:
             if not joined and len(gaps) == 4:
                 batch.begin_join(prepare(model, long_prompt, 4, SamplingConfig(temperature=0)))
                 joined = True
-            batch.prefill()
+            batch.prefill(piece)
             batch.step()
             now = time.perf_counter()
             gaps.append(now - t)
@@ -435,7 +432,6 @@ def join_gap(args: argparse.Namespace, rec: Recorder) -> None:
         print(f"{name}: {args.concurrent} streams, a {args.join_gap}-token prompt joins: longest gap "
               f"{max(gaps) * 1e3:.0f} ms, median round {normal * 1e3:.0f} ms, ratio {max(gaps) / normal:.1f} "
               f"(target ≤ 3 chunked); load {os.getloadavg()[0]:.2f}", flush=True)
-    spec.PREFILL_PIECE = shipped
 
 
 def main() -> None:

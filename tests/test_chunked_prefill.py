@@ -55,7 +55,7 @@ def test_live_rows_decode_between_the_pieces_of_a_joining_prompt(model, monkeypa
         row.index = 1
     batch.begin_join(long)
     pieces = 0
-    while batch.prefill():  # a decode round of the live row between every two pieces
+    while batch.prefill(4):  # a decode round of the live row between every two pieces
         pieces += 1
         assert batch.joining == long and batch.rows == short
         for _, step in batch.step():
@@ -88,3 +88,50 @@ def test_a_join_whose_running_rows_all_left_becomes_the_batch(model, monkeypatch
     while batch.rows:
         got += [step for _, step in batch.step()]
     assert [s.token_id for s in got] == [s.token_id for s in want]
+
+
+@pytest.mark.parametrize("sizes", [[8, 16, 3, 40], [1, 2, 5, 7, 11], None])
+def test_pieces_of_varying_sizes_give_the_tokens_and_logprobs_of_one_prefill(model, sizes):
+    want_long = _alone(model, LONG, 8)
+    want_short = _alone(model, "Hello there", 20)
+    batch = Batch(model)
+    short = prepare(model, "Hello there", 20, GREEDY)
+    batch.add(short)
+    got: dict[int, list] = {0: [s for _, s in batch.step()], 1: []}
+    long = prepare(model, LONG, 8, GREEDY)
+    for row in long:
+        row.index = 1
+    batch.begin_join(long)
+    i = 0
+    while batch.prefill(None if sizes is None else sizes[i % len(sizes)]):  # None: the budget sizes them
+        i += 1
+        for _, step in batch.step():
+            got[0].append(step)
+    while batch.rows:
+        for _, step in batch.step():
+            got[step.index].append(step)
+    assert [s.token_id for s in got[0]] == [s.token_id for s in want_short]
+    assert [s.token_id for s in got[1]] == [s.token_id for s in want_long]
+    assert [s.raw_logprob for s in got[1]] == pytest.approx([s.raw_logprob for s in want_long], abs=1e-5)
+
+
+def test_the_budget_sizes_a_piece_from_the_measured_round_and_rate():
+    from lmhead.generate import PIECE_UNIT, PrefillBudget
+    budget = PrefillBudget()
+    assert budget.columns(1, 64) == PIECE_UNIT  # nothing measured yet: one unit
+    for _ in range(5):
+        budget.note_round(0.010)
+    budget.note_piece(0.001, PIECE_UNIT, PIECE_UNIT)  # 1/8 ms a position: a 10 ms round allows 80
+    assert budget.columns(1, 64) == min(64, 2 * PIECE_UNIT)  # at most twice the last piece
+    budget.note_piece(0.002, 16, 16)
+    assert budget.columns(1, 1024) == 32
+    budget.note_piece(0.004, 32, 32)
+    assert budget.columns(1, 1024) == 64
+    budget.note_piece(0.008, 64, 64)
+    assert budget.columns(1, 1024) == 80  # the round's time at the last piece's rate
+    assert budget.columns(1, 40) == 40  # at most `most`
+    assert budget.columns(2, 1024) % 4 == 0 and budget.columns(2, 1024) == 40  # 2 rows: half the columns
+    budget.note_piece(10.0, 8, 8)  # a slow piece: the next is one unit
+    assert budget.columns(1, 1024) == PIECE_UNIT
+    with pytest.raises(ValueError, match="rows"):
+        budget.columns(0, 64)

@@ -197,6 +197,42 @@ def test_decode_call_in_c_equals_the_general_path(arch, monkeypatch):
     assert got_cache.length == want_cache.length
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_rows_of_a_larger_cache_decode_as_a_cache_of_their_own(arch):
+    """The C step over `StaticCache.view`'s rows (rows 1 and 2 of 4: each layer's block `layer_stride` numbers from
+    the next, not two rows' worth) gives a two-row cache's hidden states and columns, bit for bit, past Gemma's
+    sliding window (8), and leaves the rows around them as they were."""
+    from lmhead.models.lean import LeanBody
+
+    hf_model, _, codes = _coded_tiny(arch)
+    lean = LeanBody(hf_model)
+    lean.use_codes(codes)
+
+    def run(cache):
+        g = torch.Generator().manual_seed(0)
+        out = [lean(torch.randint(4, 300, (2, 6), generator=g), torch.arange(6).expand(2, -1), cache)]
+        for t in range(6, 14):
+            out.append(lean(torch.randint(4, 300, (2, 1), generator=g), torch.full((2, 1), t), cache))
+        return out
+
+    with torch.no_grad():
+        lean(torch.tensor([[5]]), torch.tensor([[0]]), lean.new_cache(1, 4))  # makes the rope tables
+        alone = lean.new_cache(2, 20)
+        want = run(alone)
+        big = lean.new_cache(4, 20)
+        view = big.view(1, 3)
+        assert view.layer_stride == 2 * alone.layer_stride and lean._checked_descs(view, 1) is not None
+        got = run(view)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    for name in ("keys", "values"):
+        assert torch.equal(getattr(view, name), getattr(alone, name)), name
+        assert not bool(getattr(big, name)[:, [0, 3]].any())
+    for name in ("valid", "positions", "tokens"):
+        assert torch.equal(getattr(view, name), getattr(alone, name)), name
+        assert not bool(getattr(big, name)[[0, 3]].any())
+
+
 def test_decode_calls_from_two_threads_at_once_equal_each_alone():
     """The C decode call reuses its buffers per thread: two generations on one model at once (ctypes lets go of
     the GIL during the call) give each its own hidden states."""

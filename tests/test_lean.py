@@ -131,11 +131,81 @@ def test_weights_are_shared_not_copied():
     assert attn.q_proj.weight.untyped_storage().data_ptr() == lean.layers[0].qkv.untyped_storage().data_ptr()
 
 
-def test_select_drops_rows():
-    cache = StaticCache(layers=1, batch=3, kv_heads=1, head_dim=2, capacity=4)
-    cache.keys[0, :, 0, 0, 0] = torch.tensor([1.0, 2.0, 3.0])
-    cache.select(torch.tensor([0, 2]))
-    assert cache.batch == 2 and cache.keys[0, :, 0, 0, 0].tolist() == [1.0, 3.0]
+def _filled_cache(batch: int, seed: int = 0, capacity: int = 12) -> StaticCache:
+    """A cache of `batch` rows, 9 columns used: row r's valid columns from column r on (its left padding), a
+    hole at column 6 in odd rows (a rejected draft), numbered keys, values, positions and ids."""
+    g = torch.Generator().manual_seed(seed)
+    cache = StaticCache(layers=2, batch=batch, kv_heads=1, head_dim=3, capacity=capacity)
+    cache.length = 9
+    for r in range(batch):
+        cache.valid[r, r % 9:9] = True
+        if r % 2:
+            cache.valid[r, 6] = False
+    cache.keys[:, :, :, :9] = torch.randn(2, batch, 1, 9, 3, generator=g)
+    cache.values[:, :, :, :9] = torch.randn(2, batch, 1, 9, 3, generator=g)
+    cache.positions[:, :9] = torch.arange(9) + 100 * torch.arange(batch)[:, None]
+    cache.tokens[:, :9] = torch.randint(0, 50, (batch, 9), generator=g)
+    return cache
+
+
+def _row(cache: StaticCache, r: int) -> tuple:
+    """What attention reads of row r: its validity, and keys, values, positions and ids of its valid columns."""
+    cols = cache.valid[r, :cache.length].nonzero().squeeze(1)
+    return (cache.valid[r, :cache.length].clone(), cache.keys[:, r, :, cols].clone(),
+            cache.values[:, r, :, cols].clone(), cache.positions[r, cols].clone(), cache.tokens[r, cols].clone())
+
+
+@pytest.mark.parametrize("keep", [[0, 2], [1, 2, 3], [0, 1], [2], [0, 1, 4], [0, 3, 4], [1, 3], [3, 0, 2], []])
+def test_select_keeps_each_kept_rows_columns(keep):
+    cache = _filled_cache(5)
+    before = [_row(cache, r) for r in range(5)]
+    cache.select(torch.tensor(keep, dtype=torch.long))
+    assert cache.batch == len(keep) and cache.length == 9
+    for i, r in enumerate(keep):
+        for got, want in zip(_row(cache, i), before[r], strict=True):
+            assert torch.equal(got, want)
+    assert cache.in_blocks()
+
+
+def test_select_moves_the_side_of_a_dropped_row_that_holds_less():
+    def first_row_after(keep: list[int], short: int) -> int:
+        """Which row of the cache's memory is the first kept one after `select(keep)`, row `short` holding one
+        column."""
+        cache = _filled_cache(5)
+        cache.valid[short, :8] = False
+        base, row = cache.keys.data_ptr(), cache.keys.stride(1) * cache.keys.element_size()
+        before = [_row(cache, r) for r in keep]
+        cache.select(torch.tensor(keep))
+        for i, want in enumerate(before):
+            assert all(torch.equal(a, b) for a, b in zip(_row(cache, i), want, strict=True))
+        return (cache.keys.data_ptr() - base) // row
+
+    assert first_row_after([1, 2, 3, 4], short=0) == 1  # a run of rows: a narrower view, nothing moved
+    assert first_row_after([0, 1, 2, 4], short=4) == 0  # row 4 moved next to rows 0..2
+    assert first_row_after([0, 2, 3, 4], short=0) == 1  # row 0 moved next to rows 2..4
+
+
+def test_a_view_is_rows_of_its_cache():
+    cache = _filled_cache(4)
+    view = cache.view(1, 3)
+    assert view.batch == 2 and view.in_blocks() and view.layer_stride == cache.layer_stride
+    view.keys[1, 1, 0, 10, 2] = 7.0
+    view.valid[1, 10] = True
+    assert float(cache.keys[1, 2, 0, 10, 2]) == 7.0 and bool(cache.valid[2, 10])
+    with pytest.raises(ValueError, match=r"rows must be within \[0, 4\]"):
+        cache.view(2, 5)
+
+
+def test_new_large_caches_are_zeros_until_written():
+    from lmhead.models.lean import LAZY_BYTES, cache_zeros
+
+    big = cache_zeros((LAZY_BYTES // 4 + 5,), torch.float32)
+    small = cache_zeros((3, 2), torch.long)
+    assert big.dtype == torch.float32 and not bool(big.any()) and not bool(small.any())
+    big[-1] = 2.0
+    assert float(big.sum()) == 2.0
+    cache = StaticCache(layers=2, batch=3, kv_heads=1, head_dim=64, capacity=4096)  # 3 MiB of keys: mapped
+    assert not bool(cache.keys.any()) and not bool(cache.valid.any()) and cache.in_blocks()
 
 
 def test_unsupported_model_and_overflow_are_clear_errors():

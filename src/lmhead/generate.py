@@ -579,6 +579,64 @@ def _flat_scores(logits: torch.Tensor, tokens: list[list[int]], history, prompt_
                    greedy=all(c.is_greedy for c in flat_cfg), chosen=chosen)
 
 
+# chunked prefill while rows decode (`PrefillBudget`): a piece costs at most this share of their decode round, so
+# a round with a piece costs at most (1 + share)× one without
+PIECE_SHARE = 1.0
+PIECE_UNIT = 8  # positions (rows × columns) a piece is a multiple of: the coded product's passes of 8 query rows
+ROUNDS_KEPT = 5  # the decode rounds whose median is "a round"
+
+
+class PrefillBudget:
+    """How many prompt columns the next piece of a joining prompt takes while other rows decode: chunked prefill
+    under a per-round budget, as vLLM's `max_num_batched_tokens`, in time rather than tokens.
+
+        note_round(s)            a decode round of the running rows took s seconds (`Batch.step`)
+        note_piece(s, n)         a piece of n positions (rows × columns) took s seconds (`Batch.prefill`)
+        columns(rows, most)      → the next piece's columns: as many as PIECE_SHARE × the median of the last
+                                 ROUNDS_KEPT rounds, at the seconds per position of the last piece, allow; a
+                                 multiple of PIECE_UNIT positions, at least one unit, at most `most` positions
+                                 (rounded down to a unit) and at most twice the last piece
+
+    Both rates come from this process (its machine, its load, the model, the context the piece attends over),
+    and the last piece's rate is the freshest for the next one, whose context is a piece longer. A piece of
+    few positions costs more per position (each reads every weight once), so sizing from a small one errs
+    small; the doubling bound keeps a piece from outgrowing its measurement. The first piece of a join is one
+    unit.
+
+    Why multiples of PIECE_UNIT at most `most` (`LeanBody.CODED_MAX_ROWS`): the coded step computes each
+    position's numbers the same way in every pass of 8 query rows, so pieces of any such sizes give the same
+    cache, bit for bit — the joined row's tokens and logprobs do not depend on the timings that sized its
+    pieces.
+    """
+
+    def __init__(self) -> None:
+        self.rounds: list[float] = []
+        self.rate: float | None = None  # seconds per position of the last piece
+        self.last = 0  # the last piece's columns (0: none yet in this join)
+
+    def start(self) -> None:
+        """A new join: its first piece is one unit again."""
+        self.last, self.rate = 0, None
+
+    def note_round(self, seconds: float) -> None:
+        self.rounds = [*self.rounds[1 - ROUNDS_KEPT:], seconds]
+
+    def note_piece(self, seconds: float, positions: int, columns: int) -> None:
+        self.rate, self.last = seconds / max(positions, 1), columns
+
+    def columns(self, rows: int, most: int) -> int:
+        """The next piece's columns for `rows` joining rows (see the class docstring)."""
+        if rows < 1 or most < 1:
+            raise ValueError(f"rows and most must be ≥ 1, got {rows} and {most}")
+        unit = PIECE_UNIT // math.gcd(rows, PIECE_UNIT)  # columns: rows × unit is a multiple of PIECE_UNIT
+        cap = max(unit, most // (rows * unit) * unit)
+        if self.rate is None or not self.rounds or not self.last:
+            return unit
+        budget = PIECE_SHARE * sorted(self.rounds)[len(self.rounds) // 2]
+        want = int(budget / max(self.rate, 1e-12) / rows) // unit * unit
+        return max(unit, min(want, cap, 2 * self.last))
+
+
 class Batch:
     """Rows decoding together, open to rows that join while others decode (continuous batching).
 
@@ -612,6 +670,7 @@ class Batch:
         self.last: torch.Tensor | None = None  # [B] each live row's newest token (not yet in the caches)
         self.clock = _Clock(profile)
         self._joining: tuple | None = None  # (rows, their Decoder, their last, room) while `begin_join` prefills
+        self.budget = PrefillBudget()  # the pieces of a joining prompt while rows decode
 
     @property
     def can_join(self) -> bool:
@@ -649,9 +708,9 @@ class Batch:
     @torch.inference_mode()
     def begin_join(self, rows: list[Row]) -> None:
         """Start `add`-ing `rows` to the running ones in pieces (chunked prefill): each `prefill()` feeds one
-        piece of their prompts (`speculative.PREFILL_PIECE` columns), so decode rounds of the live rows run
-        between the pieces; after the last the rows are live. On an empty batch (or transformers' modules) this
-        is `add`. One join at a time."""
+        piece of their prompts, so decode rounds of the live rows run between the pieces; the call after the
+        last piece merges them, and they are live. On an empty batch (or transformers' modules) this is `add`.
+        One join at a time."""
         if not self.rows or self.model.lean is None:
             self.add(rows)
             return
@@ -662,15 +721,28 @@ class Batch:
         other, last = self.rounds.begin_join(ids, positions, None if attention is None else attention.bool(), room,
                                              **self._prefix(rows))
         self._joining = (rows, other, last, room)
+        self.budget.start()
 
     @torch.inference_mode()
-    def prefill(self) -> bool:
-        """One piece of the joining rows' prompts; when none is left they join (become live). True while
-        pieces remain."""
+    def prefill(self, columns: int | None = None) -> bool:
+        """One piece of the joining rows' prompts, or, once none is left, the merge: they join (become live).
+        True while pieces or the merge remain. The piece: `columns` prompt columns; None: while rows decode,
+        what `budget` allows (a round with a piece costs at most 1 + PIECE_SHARE rounds without), else
+        `speculative.PREFILL_PIECE` (a lone prompt's time to first token as `add`'s). The merge is a call of
+        its own, so that a round waits for a piece or for the merge, never both."""
         if self._joining is None:
             return False
         rows, other, last, room = self._joining
-        if other.prefill_piece():
+        if other.prefilling:
+            if columns is not None:
+                columns = checks.positive_int("columns", columns)
+            elif self.rows:
+                columns = self.budget.columns(len(rows), self.model.lean.CODED_MAX_ROWS)
+            t = time.perf_counter()
+            before = other.target.length
+            other.prefill_piece(columns)
+            self.budget.note_piece(time.perf_counter() - t, len(rows) * (other.target.length - before),
+                                   other.target.length - before)
             return True
         self._joining = None
         if not self.rows:  # every running row left meanwhile: the joining rows are the batch
@@ -769,6 +841,7 @@ class Batch:
         scored = [r.scores or r.matcher is not None for r in rows]
         if any(m is not None for m in matchers):
             states["matchers"] = matchers
+        began = time.perf_counter()
         rnd = self.rounds.round(self.last, [r.config for r in rows], history, plen,
                                 [len(r.generated) for r in rows], self.generator, scored, **states)
         self.clock.t = time.perf_counter() if self.profile is not None else 0.0
@@ -797,6 +870,7 @@ class Batch:
         self.remove(finished)
         if self.rows:
             self.last = torch.tensor([r.generated[-1] for r in self.rows], device=self.device)
+        self.budget.note_round(time.perf_counter() - began)
         return out
 
 

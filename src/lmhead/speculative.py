@@ -41,7 +41,7 @@ from torch import Tensor
 
 from lmhead import checks
 from lmhead.models.fast_linear import Int8Linear, int8_linear_available
-from lmhead.models.lean import SUPPORTED_MODEL_TYPES, LeanBody, StaticCache
+from lmhead.models.lean import SUPPORTED_MODEL_TYPES, LeanBody, StaticCache, gather_row
 from lmhead.models.native import greedy_rows, sample_row
 from lmhead.sampling import seeded_generator
 
@@ -351,6 +351,7 @@ class Decoder:
         self.profile = profile
         self._t = time.perf_counter()
         self._prefill: tuple | None = None  # prompt columns not yet fed: (ids, positions, valid, next column)
+        self._merged: tuple[StaticCache, int] | None = None  # `begin_join`'s merged cache and its first new row
 
     def _lap(self, phase: str) -> None:
         """Add the time since the last lap to `profile[phase]` (nothing when there is no profile)."""
@@ -371,13 +372,24 @@ class Decoder:
         return last
 
     def begin(self, ids: Tensor, positions: Tensor, valid: Tensor | None, max_new_tokens: int,
-              prefix: tuple[int, Tensor, Tensor] | None = None) -> Tensor:
+              prefix: tuple[int, Tensor, Tensor] | None = None, *, cache: StaticCache | None = None,
+              offset: int = 0) -> Tensor:
         """`start` without its prefill: the caches made, the prompt columns (all but `last`) left to
         `prefill_piece`. prefix (one row, no padding): (m, keys, values [layers, H_kv, ≥m, hd]) — the keys and
-        values of the prompt's first m tokens (`prefix_cache.PrefixCache.match`), copied in instead of fed."""
+        values of the prompt's first m tokens (`prefix_cache.PrefixCache.match`), copied in instead of fed.
+        cache: the target's cache, B rows of capacity ≥ offset + W + max_new_tokens + MAX_DRAFT_TOKENS + 2
+        (`begin_join`: rows of the merged cache), its prompt columns from column `offset` on (the ones before
+        it left empty); None: a new one, from column 0."""
         b, w = ids.shape
-        self.capacity = w + max_new_tokens + MAX_DRAFT_TOKENS + 2
-        self.target = self.lean.new_cache(b, self.capacity)
+        self.capacity = offset + w + max_new_tokens + MAX_DRAFT_TOKENS + 2
+        if cache is None:
+            self.target = self.lean.new_cache(b, self.capacity)
+        elif cache.batch != b or cache.capacity < self.capacity or cache.length > offset:
+            raise ValueError(f"cache: {b} rows of at least {self.capacity} columns, none used before column {offset}; "
+                             f"got {cache.batch} rows of {cache.capacity}, {cache.length} used")
+        else:
+            self.target, self.capacity = cache, cache.capacity
+            cache.length = offset
         self.draft_cache = self.draft.new_cache(b, self.capacity) if isinstance(self.draft, Draft) else None
         self.next_pos = positions[:, -1].clone()  # the position of `last`
         self.k = [AdaptiveK(self.k0, self.adaptive) for _ in range(b)] if self.draft is not None else []
@@ -387,14 +399,20 @@ class Decoder:
             m = min(prefix[0], w - 1)  # `last` is always fed by the first round
             if b != 1 or valid is not None:
                 raise ValueError("prefix: only for one row without padding")
-            self.target.keys[:, 0, :, :m] = prefix[1][:, :, :m]
-            self.target.values[:, 0, :, :m] = prefix[2][:, :, :m]
-            self.target.valid[0, :m] = True
-            self.target.positions[0, :m] = positions[0, :m]
-            self.target.tokens[0, :m] = ids[0, :m]
-            self.target.length = m
+            cols = slice(offset, offset + m)
+            self.target.keys[:, 0, :, cols] = prefix[1][:, :, :m]
+            self.target.values[:, 0, :, cols] = prefix[2][:, :, :m]
+            self.target.valid[0, cols] = True
+            self.target.positions[0, cols] = positions[0, :m]
+            self.target.tokens[0, cols] = ids[0, :m]
+            self.target.length = offset + m
             self._prefill = (ids[:, :-1], positions[:, :-1], None, m) if m < w - 1 else None
         return ids[:, -1].clone()
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether prompt columns are left for `prefill_piece`."""
+        return self._prefill is not None
 
     @torch.inference_mode()
     def prefill_piece(self, size: int | None = None) -> bool:
@@ -507,17 +525,49 @@ class Decoder:
                    max_new_tokens: int, prefix: tuple[int, Tensor, Tensor] | None = None) -> tuple[Decoder, Tensor]:
         """`join` in steps (chunked prefill): a Decoder for the new rows, its prompt not yet fed (→ it and the
         rows' `last` [B']); `other.prefill_piece()` feeds it a piece at a time, between this decoder's rounds;
-        `finish_join(other, ...)` feeds what is left and merges it."""
+        `finish_join(other, ...)` feeds what is left and merges it.
+
+        The merged cache is made here, B + B' rows, and the new rows prefill straight into its last B'
+        (`StaticCache.view`), their columns ending where the running rows' do now: the merge then copies only the
+        running rows' columns, never the prompt's (a long prompt's cache is its size; a copy of it, and of the
+        whole merged cache's zeros, had been most of a merge). Its columns past what the rows write are
+        `lean.cache_zeros`' untouched pages: they cost no time and no memory."""
         other = Decoder(self.lean, self.head, self.draft, self.k0, self.adaptive, self.stats, self.profile,
                         self.greedy_only)
-        return other, other.begin(ids, positions, valid, max_new_tokens, prefix)
+        live, (b_new, w) = self.target, ids.shape
+        held = int(live.valid[:, :live.length].sum(dim=1).max()) if live.batch else 0
+        offset = max(0, held - (w - 1))
+        # the running rows' new columns while the prompt is prefilled: a round adds 1 to MAX_DRAFT_TOKENS + 1, a
+        # piece feeds at least a few prompt columns (more would still merge, by a copy of both: `finish_join`)
+        slack = 2 * w + MAX_DRAFT_TOKENS + 2
+        merged = self.lean.new_cache(live.batch + b_new, offset + w + slack + max_new_tokens + MAX_DRAFT_TOKENS + 2)
+        last = other.begin(ids, positions, valid, max_new_tokens, prefix,
+                           cache=merged.view(live.batch, live.batch + b_new), offset=offset)
+        other._merged = (merged, live.batch)
+        return other, last
 
     @torch.inference_mode()
     def finish_join(self, other: Decoder, max_new_tokens: int) -> None:
-        """Merge `other` (from `begin_join`, its prefill finished here if it is not) after the running rows."""
+        """Merge `other` (from `begin_join`, its prefill finished here if it is not) after the running rows: each
+        running row's valid columns are copied, right-aligned, into the rows before `other`'s in the cache
+        `begin_join` made (`merge_caches`' layout: holes dropped); `other`'s stay where they were written."""
         while other.prefill_piece():
             pass
-        self.target = merge_caches([self.target, other.target], max_new_tokens + MAX_DRAFT_TOKENS + 2)
+        room = max_new_tokens + MAX_DRAFT_TOKENS + 2
+        live, new = self.target, other.target
+        counts = live.valid[:, :live.length].sum(dim=1)
+        m = max(new.length, int(counts.max()) if counts.numel() else 0)
+        merged, first_new = other._merged if other._merged is not None else (None, 0)
+        if (merged is not None and live.batch <= first_new and m + room <= merged.capacity
+                and new.keys.data_ptr() == merged.keys[:, first_new].data_ptr()):
+            top = first_new - live.batch  # fewer running rows than at `begin_join`: some left meanwhile
+            for r in range(live.batch):
+                gather_row(merged, top + r, live, r, m)
+            self.target = merged.view(top, first_new + new.batch)
+            self.target.length = m
+        else:  # the running rows outgrew the room `begin_join` left: both copied into a new cache
+            self.target = merge_caches([live, new], room)
+        other._merged = None
         self.capacity = self.target.capacity
         if self.draft_cache is not None:  # empty: the draft re-reads every column in its next forward
             self.draft_cache = self.draft.new_cache(self.target.batch, self.capacity)
@@ -759,13 +809,7 @@ def merge_caches(caches: list[StaticCache], room: int) -> StaticCache:
     row = 0
     for cache in caches:
         for r in range(cache.batch):
-            src = cache.valid[r, :cache.length].nonzero().squeeze(1)
-            dst = torch.arange(m - len(src), m, device=src.device)
-            out.keys[:, row, :, dst] = cache.keys[:, r, :, src]
-            out.values[:, row, :, dst] = cache.values[:, r, :, src]
-            out.positions[row, dst] = cache.positions[r, src]
-            out.tokens[row, dst] = cache.tokens[r, src]
-            out.valid[row, dst] = True
+            gather_row(out, row, cache, r, m)
             row += 1
     out.length = m
     return out

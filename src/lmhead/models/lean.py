@@ -25,6 +25,8 @@ models.
 from __future__ import annotations
 
 import ctypes
+import math
+import mmap
 import threading
 from dataclasses import dataclass
 
@@ -37,9 +39,23 @@ from lmhead.models.arch import ARCHS, STATIC_ROPE, arch_of, refusal
 from lmhead.models.coded_linear import CodedLinear, coded_available
 from lmhead.models.fast_linear import Int8Linear, onednn_available
 
-__all__ = ["LeanBody", "StaticCache", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["LeanBody", "StaticCache", "SUPPORTED_MODEL_TYPES", "LAZY_BYTES", "cache_zeros", "gather_row"]
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(ARCHS))
+
+
+LAZY_BYTES = 1 << 20  # cache tensors from this size on are anonymous mappings (`cache_zeros`)
+
+
+def cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
+    """A zeroed tensor of `shape` for a cache. On the CPU, from LAZY_BYTES on, an anonymous memory mapping: the
+    kernel gives each page, zeroed, when it is first touched, so the columns a row never writes cost neither the
+    time to clear them nor memory. A short row merged beside a long one holds mostly such columns (left of its
+    own): attention's spans skip them (lean_kernels.c) and the torch path reads them as zeros."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or nbytes < LAZY_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 class StaticCache:
@@ -51,16 +67,21 @@ class StaticCache:
     while another row accepted its own — does not narrow that row's window). `length` is the number of filled
     columns: speculative decoding rolls back by lowering it (`truncate`) or by `invalidate`-ing one row's
     columns; finished rows are dropped with `select`.
+
+    A cache may be rows [a, b) of a larger one (`view`): its tensors share that one's memory, each layer's keys
+    (values) one contiguous block `layer_stride` numbers from the next. A prompt joining a running batch is
+    prefilled so, straight into the rows it will have in the merged cache (`speculative.Decoder.begin_join`).
+    What a column holds where its row's `valid` is False is never read as a token's: masks drop it.
     """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         shape = (layers, batch, kv_heads, capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.valid = torch.zeros((batch, capacity), dtype=torch.bool, device=device)
-        self.positions = torch.zeros((batch, capacity), dtype=torch.long, device=device)
-        self.tokens = torch.zeros((batch, capacity), dtype=torch.long, device=device)
+        self.keys = cache_zeros(shape, dtype, device)
+        self.values = cache_zeros(shape, dtype, device)
+        self.valid = cache_zeros((batch, capacity), torch.bool, device)
+        self.positions = cache_zeros((batch, capacity), torch.long, device)
+        self.tokens = cache_zeros((batch, capacity), torch.long, device)
         self.length = 0
         # the LeanBody step descriptors whose weights were found unchanged when this cache first used them
         self.checked: object | None = None
@@ -73,8 +94,39 @@ class StaticCache:
     def batch(self) -> int:
         return self.keys.shape[1]
 
+    @property
+    def layer_stride(self) -> int:
+        """Numbers between one layer's keys (values) and the next's."""
+        return self.keys.stride(0)
+
+    def in_blocks(self) -> bool:
+        """Whether each layer's keys and values are one contiguous block, both at `layer_stride` (what the C step
+        reads: a whole cache, or a `view`'s rows)."""
+        k, v = self.keys, self.values
+        return k.stride(0) == v.stride(0) and k[0].is_contiguous() and v[0].is_contiguous()
+
     def get_seq_length(self) -> int:
         return self.length
+
+    def view(self, start: int, stop: int) -> StaticCache:
+        """Rows [start, stop) of this cache as a cache of their own, sharing its memory (and, for now, its
+        length): what one writes, the other reads."""
+        if not 0 <= start <= stop <= self.batch:
+            raise ValueError(f"rows must be within [0, {self.batch}], got [{start}, {stop})")
+        out = StaticCache.__new__(StaticCache)
+        out.keys, out.values = self.keys[:, start:stop], self.values[:, start:stop]
+        out.valid, out.positions, out.tokens = (t[start:stop] for t in (self.valid, self.positions, self.tokens))
+        out.length, out.checked = self.length, None
+        return out
+
+    def first_columns(self) -> Tensor:
+        """[B] each row's first valid column (`length` for a row without any): its columns are within
+        [first, length)."""
+        valid = self.valid[:, :self.length]
+        if self.length == 0:
+            return torch.zeros(self.batch, dtype=torch.long, device=valid.device)
+        first = valid.to(torch.uint8).argmax(dim=1)
+        return torch.where(valid.any(dim=1), first, self.length)
 
     def truncate(self, length: int) -> None:
         """Forget every column from `length` on (their contents are overwritten by the next writes)."""
@@ -92,29 +144,70 @@ class StaticCache:
         """Move each row's valid columns to the right end of the first `m` columns (m = the most any row
         holds), in order, and set `length = m`: the holes that rejected drafts leave are given back. Masks
         use validity, order and positions only, so attention is unchanged."""
-        length = self.length
-        counts = self.valid[:, :length].sum(dim=1)
+        counts = self.valid[:, :self.length].sum(dim=1)
         m = int(counts.max()) if counts.numel() else 0
-        keys, values = torch.zeros_like(self.keys), torch.zeros_like(self.values)
-        valid, positions, tokens = (torch.zeros_like(t) for t in (self.valid, self.positions, self.tokens))
-        for r in range(self.batch):
-            src = self.valid[r, :length].nonzero().squeeze(1)
-            dst = torch.arange(m - len(src), m, device=src.device)
-            keys[:, r, :, dst] = self.keys[:, r, :, src]
-            values[:, r, :, dst] = self.values[:, r, :, src]
-            positions[r, dst] = self.positions[r, src]
-            tokens[r, dst] = self.tokens[r, src]
-            valid[r, dst] = True
-        self.keys, self.values, self.valid, self.positions, self.tokens = keys, values, valid, positions, tokens
+        layers, batch, kv_heads, capacity, head_dim = self.keys.shape
+        out = StaticCache(layers, batch, kv_heads, head_dim, capacity, self.keys.dtype, self.keys.device)
+        for r in range(batch):
+            gather_row(out, r, self, r, m)
+        self.keys, self.values, self.valid, self.positions, self.tokens = (
+            out.keys, out.values, out.valid, out.positions, out.tokens)
         self.length = m
 
     def select(self, rows: Tensor) -> None:
-        """Keep only the batch rows `rows` [B'] (e.g. drop finished rows)."""
-        self.keys = self.keys.index_select(1, rows)
-        self.values = self.values.index_select(1, rows)
-        self.valid = self.valid.index_select(0, rows)
-        self.positions = self.positions.index_select(0, rows)
-        self.tokens = self.tokens.index_select(0, rows)
+        """Keep only the batch rows `rows` [B'] (e.g. drop finished rows). Rows kept in order stay in this
+        cache's memory: a run of rows is a narrower view of it, and otherwise the rows on the side that holds
+        fewer columns move next to the others (each its columns [first, length) only), so a row leaving costs
+        at most what the rows on one side of it hold — not a copy of every row's whole capacity."""
+        keep = [int(r) for r in rows.tolist()]
+        n = len(keep)
+        if n and any(b <= a for a, b in zip(keep, keep[1:], strict=False)):  # reordered: a copy of each row
+            for name in ("keys", "values"):
+                setattr(self, name, getattr(self, name).index_select(1, rows))
+            for name in ("valid", "positions", "tokens"):
+                setattr(self, name, getattr(self, name).index_select(0, rows))
+            return
+        if not n:
+            self._narrow(0, 0)
+            return
+        first = self.first_columns().tolist()
+        left = [(k, keep[0] + i) for i, k in enumerate(keep)]                  # (from, to), first row stays
+        right = [(k, keep[-1] - (n - 1 - i)) for i, k in enumerate(keep)]     # last row stays
+        cost = lambda moves: sum(self.length - first[a] for a, b in moves if a != b)  # noqa: E731
+        moves, start = (left, keep[0]) if cost(left) <= cost(right) else (right[::-1], keep[-1] - n + 1)
+        for a, b in moves:  # left: upwards in order, right: downwards from the last (never onto an unmoved row)
+            if a != b:
+                self._move_row(a, b, first[a])
+        self._narrow(start, start + n)
+
+    def _move_row(self, src: int, dst: int, first: int) -> None:
+        """Row `src`'s columns [first, length) and its whole validity, positions and ids into row `dst`."""
+        for t in (self.keys, self.values):
+            t[:, dst, :, first:self.length] = t[:, src, :, first:self.length]
+        for t in (self.valid, self.positions, self.tokens):
+            t[dst] = t[src]
+
+    def _narrow(self, start: int, stop: int) -> None:
+        self.keys, self.values = self.keys[:, start:stop], self.values[:, start:stop]
+        self.valid, self.positions, self.tokens = (t[start:stop] for t in (self.valid, self.positions, self.tokens))
+
+
+def gather_row(dst: StaticCache, i: int, src: StaticCache, r: int, end: int) -> int:
+    """Row r of `src`'s valid columns, in order, into row i of `dst` at its columns [end − n, end) → n (dst's row i
+    must hold nothing: zeros and not valid, as a new cache's rows). One slice where the columns are one run (a
+    prompt and the tokens after it), else a gather (holes of rejected drafts)."""
+    cols = src.valid[r, :src.length].nonzero().squeeze(1)
+    n = cols.numel()
+    if n == 0:
+        return 0
+    lo, hi = int(cols[0]), int(cols[-1]) + 1
+    pick = slice(lo, hi) if hi - lo == n else cols
+    dst.keys[:, i, :, end - n:end] = src.keys[:, r, :, pick]
+    dst.values[:, i, :, end - n:end] = src.values[:, r, :, pick]
+    dst.positions[i, end - n:end] = src.positions[r, pick]
+    dst.tokens[i, end - n:end] = src.tokens[r, pick]
+    dst.valid[i, end - n:end] = True
+    return n
 
 
 @dataclass
@@ -426,7 +519,7 @@ class LeanBody:
         activation it does not compute, more rows than it takes, a cache not in one piece, a matrix without codes,
         or codes that no longer give their weights back)."""
         if (self.act_code is None or rows > self.CODED_MAX_ROWS
-                or not (cache.keys.is_contiguous() and cache.values.is_contiguous())):
+                or not cache.in_blocks()):
             return None
         descs = self._step_descs()
         # the weights' versions are read once per cache (a generation), not every step: reading ~270 tensors'
@@ -467,7 +560,8 @@ class LeanBody:
         x = x.contiguous().clone()
         h = torch.empty_like(x)
         rc = lib.lmhead_step(descs[0], len(self.layers), self.final_norm.data_ptr(), x.data_ptr(), h.data_ptr(),
-                             cache.keys.data_ptr(), cache.values.data_ptr(), arr(cos), arr(sin), arr(mask_list),
+                             cache.keys.data_ptr(), cache.values.data_ptr(), cache.layer_stride, arr(cos), arr(sin),
+                             arr(mask_list),
                              scratch.data_ptr(), b, t, d, heads, kv, hd, f, cache.capacity, start, self.eps,
                              int(self.arch.unit_offset_norm), self.act_code, self.scaling, self.attn_softcap or 0.0,
                              torch.get_num_threads())
@@ -537,7 +631,8 @@ class LeanBody:
                                cache.valid.data_ptr(), cache.positions.data_ptr(), cache.tokens.data_ptr(),
                                made[1], made[2], len(self.layer_types), table_rows, made[3], self.window or 0,
                                x.data_ptr(), h.data_ptr(),
-                               cache.keys.data_ptr(), cache.values.data_ptr(), work.data_ptr(), scratch.data_ptr(),
+                               cache.keys.data_ptr(), cache.values.data_ptr(), cache.layer_stride, work.data_ptr(),
+                               scratch.data_ptr(),
                                b, t, d, heads, kv, hd, f, cap, start, self.eps, int(self.arch.unit_offset_norm),
                                self.act_code, self.scaling, self.attn_softcap or 0.0, torch.get_num_threads())
         if rc == -2:

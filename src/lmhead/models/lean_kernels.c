@@ -1029,15 +1029,16 @@ static int matmul(const float* x, int64_t rows, const lmhead_mat* m, float* y, i
 
 /* The blocks of models/lean.py's forward for `rows` = B·T new tokens whose embeddings are in x [rows, D]
  * (overwritten: the residual stream); h [rows, D] receives the hidden states after the final norm. The same
- * functions as the step-by-step path, composed here so that a step is one call. scratch: at least
+ * functions as the step-by-step path, composed here so that a step is one call. keys, values: layer i's cache
+ * [B,H_kv,cap,hd] in one piece at i·layer_stride floats (B·H_kv·cap·hd for a whole cache; more for B rows of a
+ * larger one: models/lean.py's StaticCache.view). scratch: at least
  * rows·(D + 2·(H + 2·H_kv)·hd + H·hd + 3·F) floats. Returns 0, or -1 (a kernel refused its arguments). */
 int lmhead_step(const lmhead_layer* layers, int64_t n_layers, const float* final_norm, float* x, float* h,
-                float* keys, float* values, const float* const* cos, const float* const* sin,
+                float* keys, float* values, int64_t layer_stride, const float* const* cos, const float* const* sin,
                 const float* const* masks, float* scratch, int64_t B, int64_t T, int64_t D, int64_t H,
                 int64_t Hkv, int64_t hd, int64_t F, int64_t cap, int64_t start, float eps, int plus_one, int act,
                 float scaling, float softcap, int threads) {
     const int64_t rows = B * T, width = (H + 2 * Hkv) * hd, qk_width = (H + Hkv) * hd;
-    const int64_t layer_cache = B * Hkv * cap * hd;
     float* qkv = scratch;
     float* qk = qkv + rows * width;
     float* att = qk + rows * qk_width;
@@ -1062,7 +1063,7 @@ int lmhead_step(const lmhead_layer* layers, int64_t n_layers, const float* final
             qk_stride = qk_width;
         }
         if (lmhead_attend(qk_in, qk_stride, qkv + qk_width, width, cos[L->rope], sin[L->rope],
-                          keys + i * layer_cache, values + i * layer_cache, masks[L->sliding], att, B, T, H, Hkv,
+                          keys + i * layer_stride, values + i * layer_stride, masks[L->sliding], att, B, T, H, Hkv,
                           hd, cap, start, scaling, softcap, threads))
             return -1;
         if (matmul(att, rows, &L->o, branch, threads)) return -1;
@@ -1090,7 +1091,8 @@ int lmhead_step(const lmhead_layer* layers, int64_t n_layers, const float* final
  * to gives numbers), and a kind whose every column is kept gets no mask. After a step has streamed the weights
  * through the caches, each torch operation of this bookkeeping cost 50–300 µs (its code and data evicted from
  * the shared L3): ~1 ms of a 10 ms step. x, h [B·T, D]; work: at least B·T·(2·n_kinds·hd + 2·(start+T)) floats
- * beside the step's scratch. Returns 0; −2 for an id outside [0, vocab) or a position outside [0, table_rows)
+ * beside the step's scratch; keys, values and layer_stride as lmhead_step's. Returns 0; −2 for an id outside
+ * [0, vocab) or a position outside [0, table_rows)
  * (nothing written: the caller's general path raises or grows its tables); −1 as lmhead_step. */
 int lmhead_decode(const lmhead_layer* layers, int64_t n_layers, const float* final_norm, const float* embed,
                   const lmhead_mat* embed_codes, int64_t vocab, float embed_scale, int has_scale, const int64_t* ids,
@@ -1098,9 +1100,9 @@ int lmhead_decode(const lmhead_layer* layers, int64_t n_layers, const float* fin
                   const uint8_t* new_valid, uint8_t* cache_valid, int64_t* cache_pos, int64_t* cache_tokens,
                   const float* const* cos_tables, const float* const* sin_tables, int64_t n_kinds,
                   int64_t table_rows, int sliding_kinds, int64_t window, float* x, float* h,
-                  float* keys, float* values, float* work, float* scratch, int64_t B, int64_t T, int64_t D,
-                  int64_t H, int64_t Hkv, int64_t hd, int64_t F, int64_t cap, int64_t start, float eps, int plus_one,
-                  int act, float scaling, float softcap, int threads) {
+                  float* keys, float* values, int64_t layer_stride, float* work, float* scratch, int64_t B, int64_t T,
+                  int64_t D, int64_t H, int64_t Hkv, int64_t hd, int64_t F, int64_t cap, int64_t start, float eps,
+                  int plus_one, int act, float scaling, float softcap, int threads) {
     const int64_t rows = B * T, L = start + T;
     if (n_kinds < 1 || n_kinds > 8 || L > cap) return -2;
     for (int64_t r = 0; r < rows; r++)
@@ -1160,6 +1162,6 @@ int lmhead_decode(const lmhead_layer* layers, int64_t n_layers, const float* fin
             w += rows * L;
         }
     }
-    return lmhead_step(layers, n_layers, final_norm, x, h, keys, values, cos, sin, masks, scratch, B, T, D, H, Hkv,
-                       hd, F, cap, start, eps, plus_one, act, scaling, softcap, threads);
+    return lmhead_step(layers, n_layers, final_norm, x, h, keys, values, layer_stride, cos, sin, masks, scratch, B, T,
+                       D, H, Hkv, hd, F, cap, start, eps, plus_one, act, scaling, softcap, threads);
 }

@@ -98,12 +98,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmhead_attend.argtypes = [p, i64, p, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, f32, i32]
     lib.lmhead_attend.restype = i32
     pp = ctypes.POINTER(ctypes.c_void_p)
-    lib.lmhead_step.argtypes = [ctypes.POINTER(LayerDesc), i64, p, p, p, p, p, pp, pp, pp, p, i64, i64, i64, i64,
-                                i64, i64, i64, i64, i64, f32, i32, i32, f32, f32, i32]
+    lib.lmhead_step.argtypes = [ctypes.POINTER(LayerDesc), i64, p, p, p, p, p, i64, pp, pp, pp, p, i64, i64, i64,
+                                i64, i64, i64, i64, i64, i64, f32, i32, i32, f32, f32, i32]
     lib.lmhead_step.restype = i32
     lib.lmhead_decode.argtypes = [ctypes.POINTER(LayerDesc), i64, p, p, ctypes.POINTER(MatDesc), i64, f32, i32, p, p,
-                                  p, p, p, p, pp, pp, i64, i64, i32, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64,
-                                  i64, i64, i64, i64, f32, i32, i32, f32, f32, i32]
+                                  p, p, p, p, pp, pp, i64, i64, i32, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64,
+                                  i64, i64, i64, i64, i64, f32, i32, i32, f32, f32, i32]
     lib.lmhead_decode.restype = i32
     lib.lmhead_coded_rows.argtypes = [ctypes.POINTER(MatDesc), p, i64, p]
     lib.lmhead_coded_rows.restype = i32
