@@ -32,7 +32,7 @@ the first's with the cache.
     .venv/bin/python benchmarks/bench_server.py --join-gap 4096 [--concurrent 8] [--tokens 64]
 
 --concurrent streams decode in one `Batch` while a --join-gap-token prompt joins (`Batch.begin_join`, one piece
-of `speculative.PREFILL_PIECE` columns between two rounds) and, for comparison, with the whole prompt prefilled
+sized by `generate.PrefillBudget` between two rounds) and, for comparison, with the whole prompt prefilled
 at once (the piece as long as the prompt): the longest gap between two rounds of the running streams against
 their median round; target ≤ 3× with chunked prefill.
 

@@ -7,7 +7,7 @@
         each generic stream (`stream`) gives one item
         waiting generations join the batch (a lone row's prompt starting from the longest prefix the
             prefix cache holds: `prefix_cache.PrefixCache`, `lmhead.generate.Batch.begin_join`: their prompts prefilled
-            together, one piece of `speculative.PREFILL_PIECE` columns per turn — chunked prefill, so a long
+            together, one piece per turn, sized by `generate.PrefillBudget` — chunked prefill, so a long
             prompt does not hold the running streams for its whole prefill — then merged into the running
             rows' caches); no other request joins while one does
         rows whose request went away are retired (`Batch.remove`)
