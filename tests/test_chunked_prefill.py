@@ -29,6 +29,17 @@ def _alone(model, prompt, n, config=GREEDY):
     return out
 
 
+def _finish_and_compare(batch, got: dict[int, list], want_short: list, want_long: list) -> None:
+    """Decode the merged batch to its end; the running row (index 0) and the joined one (index 1) give what each
+    gives alone."""
+    while batch.rows:
+        for _, step in batch.step():
+            got[step.index].append(step)
+    assert [s.token_id for s in got[0]] == [s.token_id for s in want_short]
+    assert [s.token_id for s in got[1]] == [s.token_id for s in want_long]
+    assert [s.raw_logprob for s in got[1]] == pytest.approx([s.raw_logprob for s in want_long], abs=1e-5)
+
+
 def test_a_prompt_prefilled_in_pieces_gives_the_tokens_of_one_forward(model, monkeypatch):
     whole = _alone(model, LONG, 12)
     monkeypatch.setattr(spec, "PREFILL_PIECE", 5)
@@ -62,12 +73,7 @@ def test_live_rows_decode_between_the_pieces_of_a_joining_prompt(model, monkeypa
             got[0].append(step)
     assert pieces >= len(long[0].prompt_ids) // 4 - 1
     assert batch.rows == [*short, *long] and not batch.joining
-    while batch.rows:
-        for _, step in batch.step():
-            got[step.index].append(step)
-    assert [s.token_id for s in got[0]] == [s.token_id for s in want_short]
-    assert [s.token_id for s in got[1]] == [s.token_id for s in want_long]
-    assert [s.raw_logprob for s in got[1]] == pytest.approx([s.raw_logprob for s in want_long], abs=1e-5)
+    _finish_and_compare(batch, got, want_short, want_long)
 
 
 def test_a_join_whose_running_rows_all_left_becomes_the_batch(model, monkeypatch):
@@ -107,12 +113,7 @@ def test_pieces_of_varying_sizes_give_the_tokens_and_logprobs_of_one_prefill(mod
         i += 1
         for _, step in batch.step():
             got[0].append(step)
-    while batch.rows:
-        for _, step in batch.step():
-            got[step.index].append(step)
-    assert [s.token_id for s in got[0]] == [s.token_id for s in want_short]
-    assert [s.token_id for s in got[1]] == [s.token_id for s in want_long]
-    assert [s.raw_logprob for s in got[1]] == pytest.approx([s.raw_logprob for s in want_long], abs=1e-5)
+    _finish_and_compare(batch, got, want_short, want_long)
 
 
 def test_the_budget_sizes_a_piece_from_the_measured_round_and_rate():
