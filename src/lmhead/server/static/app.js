@@ -312,9 +312,15 @@ function constraintFields(prompt) {
   const asked = constraintAsked();
   if (!asked) { state.answer = null; return {}; }
   const key = constraintKey(asked);
-  if (!state.answer || state.answer.key !== key || !prompt.startsWith(state.answer.prompt)) state.answer = { key, prompt };
+  let answer = state.answer;
+  if (!answer || answer.key !== key || !prompt.startsWith(answer.prompt)) {
+    answer = { key, prompt };
+    // Only the prompt in the box starts an answer: a requery of the shown data for an older prompt (the box
+    // edited since, its input event already seen) must not move the start back to that older prompt.
+    if (prompt === $("#prompt").value) state.answer = answer;
+  }
   // code points, as the server counts characters
-  return { constraint: asked, answer_from: Array.from(state.answer.prompt).length };
+  return { constraint: asked, answer_from: Array.from(answer.prompt).length };
 }
 
 function seed() {
