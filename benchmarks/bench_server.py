@@ -47,6 +47,14 @@ prompts), their aggregate tok/s, and each server's peak RSS (VmHWM) over its who
 
 Prefill throughput and time to the first token of a prompt of each length on the lean body in process (a
 `Batch` with one row of one new token: what a request's first token waits for), beside `llama-bench -p N -n 0`.
+
+    .venv/bin/python benchmarks/bench_server.py --full-context [--model smollm2-135m] [--concurrent 8] [--tokens 64]
+
+--concurrent requests at once, each at the model's whole context: a prompt of (context − --tokens) token ids and
+--tokens greedy tokens (`ignore_eos`), sent to `lmhead serve` (and, where it is built, to `llama-server -np
+--concurrent -c concurrent × context`): the server's resident memory before the requests and its peak (VmHWM)
+over them, beside the KV bytes the requests need (`server.limits.column_bytes` × context × requests), and the
+wall time; every answer's usage must add up to the context.
 """
 
 from __future__ import annotations
@@ -115,10 +123,10 @@ class Server:
             time.sleep(0.5)
         raise RuntimeError(f"{who} did not start in 600 s")
 
-    def peak_rss_mib(self) -> float:
-        """The server process's peak resident memory so far (VmHWM)."""
+    def peak_rss_mib(self, field: str = "VmHWM") -> float:
+        """The server process's peak resident memory so far (VmHWM; VmRSS: now)."""
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
         return float("nan")
 
@@ -434,6 +442,60 @@ def join_gap(args: argparse.Namespace, rec: Recorder) -> None:
               f"(target ≤ 3 chunked); load {os.getloadavg()[0]:.2f}", flush=True)
 
 
+def full_context(args: argparse.Namespace, rec: Recorder) -> None:
+    """--full-context: resident memory of the server with --concurrent requests at the whole context."""
+    import tempfile
+
+    from lmhead import load_model
+    from lmhead.server.limits import column_bytes
+
+    model = load_model(args.model, progress=False)
+    ctx, n, k = model.context_length, args.concurrent, args.tokens
+    base = model.encode(" " + " ".join(PROMPTS))
+    prompts = [((base * (ctx // len(base) + 2))[i:])[: ctx - k] for i in range(n)]  # token ids, a row each
+    kv_mib = column_bytes(model) * ctx * n / 2**20
+    table = rec.table(f"full_context_{args.model}", f"{args.model}: {n} requests at once at the whole context "
+                      f"({ctx:,} tokens: {ctx - k:,} prompt token ids + {k} greedy tokens each)",
+                      ["server", "RSS before (MiB)", "peak RSS (MiB)", "their KV (MiB)", "wall (s)",
+                       "usage = context", "load"])
+    del model
+
+    async def run(url: str) -> tuple[float, bool]:
+        limits = httpx.Limits(max_connections=n + 4)
+        async with httpx.AsyncClient(base_url=url, timeout=7200, limits=limits) as http:
+            async def one(ids: list[int]) -> int:
+                r = await http.post("/v1/completions", json={"prompt": ids, "max_tokens": k, "temperature": 0.0,
+                                                             "ignore_eos": True})
+                r.raise_for_status()
+                u = r.json()["usage"]
+                return u["prompt_tokens"] + u["completion_tokens"]
+
+            t = time.perf_counter()
+            totals = await asyncio.gather(*(one(ids) for ids in prompts))
+            return time.perf_counter() - t, all(x == ctx for x in totals)
+
+    servers = [("lmhead serve", lambda: Server(args.model, 32))]
+    if (LLAMA_BIN / "llama-server").exists():
+        servers.append((f"llama-server -np {n}", lambda: LlamaServer(gguf, n, ctx)))
+    with tempfile.TemporaryDirectory() as work:
+        gguf = _gguf(args.model, Path(work))
+        for name, start in servers:
+            server = start()
+            try:
+                before = server.peak_rss_mib("VmRSS")
+                wall, whole = asyncio.run(run(server.url))
+                peak = server.peak_rss_mib()
+            finally:
+                server.close()
+            load = f"{os.getloadavg()[0]:.2f}"
+            print(f"{name}: {n} requests at {ctx:,} tokens: RSS {before:.0f} MiB before, peak {peak:.0f} MiB; their "
+                  f"KV {kv_mib:.0f} MiB (lmhead's float32 cache); wall {wall:.1f} s; usage = context: {whole}; "
+                  f"load {load}", flush=True)
+            table.row([name, f"{before:.0f}", f"{peak:.0f}", f"{kv_mib:.0f}", f"{wall:.1f}",
+                       "yes" if whole else "no", load],
+                      [Figure(f"{name} peak RSS, {n} requests at the whole context", peak, "MiB")])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gemma-3-270m")
@@ -452,9 +514,16 @@ def main() -> None:
                     help="lmhead serve beside llama-server on the same file, RUNS alternating runs (see above)")
     ap.add_argument("--prompt-tokens", type=int, default=0, help="with --llama-server: each prompt's length")
     ap.add_argument("--prefill", default="", metavar="N,N", help="prefill of prompts of these lengths (see above)")
+    ap.add_argument("--full-context", action="store_true",
+                    help="memory of --concurrent requests at the model's whole context (see above)")
     args = ap.parse_args()
     rec = Recorder("server")
     print(rec.header())
+    if args.full_context:
+        full_context(args, rec)
+        print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        rec.write()
+        return
     if args.llama_server or args.prefill:
         if args.prefill:
             prefill(args, rec)
