@@ -282,6 +282,24 @@ def check_sharded_vocab_reduces_like_the_local_one(rank: int, world: int) -> Non
                        whole.columns(top_v, top_i, 0.0, V)[:, start:end])
 
 
+def check_sharded_loss_vocab_combines_like_the_local_one(rank: int, world: int) -> None:
+    """The loss's seam: each rank's row statistics of its columns, combined by ShardedLossVocab's all-reduces,
+    against loss.LossVocab on the full rows (lse, target logit, Σz)."""
+    from lmhead.loss import LossVocab, row_stats_
+
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(6, V, generator=g, dtype=torch.float64) * 3
+    targets = torch.randint(0, V, (6,), generator=g)
+    start, end = vp.vocab_range(V, rank, world)
+    whole, shard = LossVocab(V), vp.ShardedLossVocab(V, start, end - start)
+    want = whole.lse(row_stats_(logits.clone(), targets[:, None], None, True))
+    t, has_t = shard.local_targets(targets, torch.float64)
+    assert torch.equal(has_t, ((targets >= start) & (targets < end)).double())
+    got = shard.lse(row_stats_(logits[:, start:end].clone(), t, has_t, True))
+    for name, a, b in zip(want._fields, got, want, strict=True):
+        torch.testing.assert_close(a, b, **reference.tolerance(torch.float64), msg=name)
+
+
 def check_sharded_sampler_is_the_pipeline(rank: int, world: int) -> None:
     """vocab_parallel_sample / _probabilities are sampling.sample / probabilities, handed a ShardedVocab."""
     from lmhead import SamplingConfig, sampling

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lmhead import linear_cross_entropy
-from lmhead.loss import default_chunk_size
+from lmhead.loss import LossVocab, default_chunk_size, row_losses, row_stats_
 
 N, D, V = 1000, 72, 10007
 
@@ -336,3 +336,23 @@ def test_sum_over_a_large_vocabulary_with_outlier_hidden_states_stays_float32_ac
     exact = F.cross_entropy(hidden.double() @ weight.double().T, targets, reduction="sum")
     got = linear_cross_entropy(hidden, weight, targets, reduction="sum")
     torch.testing.assert_close(got.double(), exact, rtol=5e-7, atol=0)
+
+
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "z_loss": 1e-3}])
+def test_core_row_statistics_give_torch_cross_entropy_per_row(gen, options):
+    """The per-chunk core that the vocab-parallel loss shares: statistics of the whole vocabulary (combined
+    in-process by LossVocab) → torch's per-row loss, its logsumexp, and the chunk left holding log p."""
+    logits = torch.randn(37, 1009, generator=gen) * 3
+    targets = torch.randint(0, 1009, (37,), generator=gen)
+    eps, zl = options.get("label_smoothing", 0.0), options.get("z_loss", 0.0)
+    vocab = LossVocab(1009)
+    t, has_t = vocab.local_targets(targets, torch.float32)
+    assert has_t is None and torch.equal(t[:, 0], targets)
+    z = logits.clone()
+    lse, z_t, total = vocab.lse(row_stats_(z, t, has_t, bool(eps)))
+    expected = F.cross_entropy(logits, targets, reduction="none", label_smoothing=eps)
+    expected = expected + zl * torch.logsumexp(logits, -1) ** 2
+    tol = reference.tolerance(torch.float32)
+    torch.testing.assert_close(row_losses(lse, z_t, total, 1009, eps, zl), expected, **tol)
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1), **tol)
+    torch.testing.assert_close(z, torch.log_softmax(logits, -1), **tol)

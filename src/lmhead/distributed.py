@@ -5,7 +5,9 @@ The head's weight [V,D] is split by rows over the ranks of a process group: rank
 network:
 
     hidden [N,D] (replicated) ──local matmul──▶ local logits [N,V_r]
-    loss:     all-reduce MAX of the local row maxima [N]        ─┐ two small collectives per call,
+    loss:     lmhead.loss's per-chunk core on every rank's columns, handed a `ShardedLossVocab` that combines
+              the row statistics over the ranks:
+              all-reduce MAX of the shards' row lse [N]          ─┐ two small collectives per call,
               all-reduce SUM of [target logit ‖ sum-exp ‖ Σz]   ─┘ O(N) numbers each; backward is local,
               dHidden needs one all-reduce SUM (hidden is replicated: the column-parallel input gradient)
     sampling: lmhead.sampling's own pipeline on every rank, handed a `ShardedVocab` (its reductions across
@@ -40,9 +42,21 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lmhead import checks, sampling
-from lmhead.loss import default_chunk_size
+from lmhead.loss import (
+    ChunkScratch,
+    LossVocab,
+    RowStats,
+    accumulate_grads,
+    apply_softcap_,
+    compute_dtype,
+    default_chunk_size,
+    grad_logits_,
+    row_losses,
+    row_stats_,
+)
 
 __all__ = [
+    "ShardedLossVocab",
     "ShardedVocab",
     "VocabParallelEmbedding",
     "VocabParallelLMHead",
@@ -231,10 +245,11 @@ class _ReduceFromVocabParallel(torch.autograd.Function):
 
 
 # --- loss ---------------------------------------------------------------------------------------------------
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+#
+# lmhead.loss's per-chunk core (logits with bias and softcap, row statistics, the loss from them, the gradient of
+# the logits, the gradient matmuls) run over this rank's columns; `ShardedLossVocab` is the vocabulary axis of
+# loss.LossVocab split over the ranks, its `lse` the two all-reduces. Only the loops differ from loss.py's: the
+# global lse is known after every chunk's statistics, so the backward recomputes each chunk.
 
 
 def _check_targets(targets: Tensor, n: int, vocab_size: int | None, ignore_index: int) -> None:
@@ -253,52 +268,23 @@ def _softcapped(x: Tensor, softcap: float | None) -> Tensor:
     return x if softcap is None else torch.tanh(x / softcap) * softcap
 
 
-def _local_stats(z: Tensor, local_t: Tensor, has_t: Tensor, smoothing: bool,
-                 inplace: bool = False) -> tuple[Tensor, ...]:
-    """Per row of a local logits block z [n,V_r]: local max, Σexp(z - local max), target logit (0 where the
-    target lives on another rank) and Σz (for label smoothing). inplace: z is a scratch chunk (overwritten)."""
-    m = z.max(dim=-1).values
-    t = z.gather(1, local_t[:, None]).squeeze(1) * has_t
-    zs = z.sum(dim=-1) if smoothing else torch.zeros_like(m)
-    s = (z.sub_(m[:, None]) if inplace else z - m[:, None]).exp_().sum(dim=-1)
-    return m, s, t, zs
+class ShardedLossVocab(LossVocab):
+    """lmhead.loss.LossVocab for one vocabulary shard: this rank scores columns [start, start + width) of V, and
+    `lse` combines every rank's row statistics with two all-reduces (a collective: every rank calls it)."""
 
+    def __init__(self, size: int, start: int, width: int, group: Any = None) -> None:
+        super().__init__(size, start, width)
+        self.group = group
 
-def _global_lse(m: Tensor, s: Tensor, t: Tensor, zs: Tensor, group: Any) -> tuple[Tensor, Tensor, Tensor]:
-    """The two collectives: MAX of the local maxima, then one SUM of [target logit ‖ sum-exp ‖ Σz]."""
-    g_max = m.clone()
-    dist.all_reduce(g_max, op=dist.ReduceOp.MAX, group=group)
-    packed = torch.stack([t, s * torch.exp(m - g_max), zs])
-    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-    t, s, zs = packed
-    return g_max + torch.log(s), t, zs
-
-
-def _row_losses(lse: Tensor, t: Tensor, zs: Tensor, vocab_size: int, label_smoothing: float,
-                z_loss: float) -> Tensor:
-    """loss = lse - (1-ε)·z_target - ε·mean_V(z) + z_loss·lse², with the *global* V and mean (Megatron#737)."""
-    loss = lse - (1.0 - label_smoothing) * t
-    if label_smoothing:
-        loss = loss - (label_smoothing / vocab_size) * zs
-    if z_loss:
-        loss = loss + z_loss * lse * lse
-    return loss
-
-
-def _grad_logits(z: Tensor, lse: Tensor, g: Tensor, local_t: Tensor, has_t: Tensor, vocab_size: int,
-                 label_smoothing: float, z_loss: float, softcap: float | None, inplace: bool = False) -> Tensor:
-    """d loss / d raw local logits for a block: g·[p·(1 + 2·z_loss·lse) - (1-ε)·onehot - ε/V]·softcap'.
-    inplace: z is a scratch chunk and becomes dz (only without softcap, whose derivative needs z)."""
-    scale = g * (1.0 + 2.0 * z_loss * lse) if z_loss else g
-    scratch = inplace and softcap is None
-    dz = (z.sub_(lse[:, None]) if scratch else z - lse[:, None]).exp_().mul_(scale[:, None])
-    rows = torch.arange(z.shape[0], device=z.device)
-    dz[rows, local_t] -= (1.0 - label_smoothing) * g * has_t
-    if label_smoothing:
-        dz -= (label_smoothing / vocab_size) * g[:, None]
-    if softcap is not None:
-        dz *= 1.0 - (z / softcap) ** 2  # d/dx c·tanh(x/c) = 1 - tanh² = 1 - (z/c)²
-    return dz
+    def lse(self, stats: RowStats) -> RowStats:
+        """All-reduce MAX of the shards' row lse m, then one SUM of [target logit ‖ exp(lse_r − m) ‖ Σz]: O(n)
+        numbers; lse = m + log Σ."""
+        m = stats.lse.clone()
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
+        parts = [stats.target, torch.exp(stats.lse - m)]
+        packed = torch.stack(parts if stats.total is None else parts + [stats.total])
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=self.group)
+        return RowStats(m + torch.log(packed[1]), packed[0], None if stats.total is None else packed[2])
 
 
 def _reduce(per_row: Tensor, valid: Tensor | None, n_total: int, reduction: str) -> Tensor:
@@ -315,39 +301,40 @@ def _reduce(per_row: Tensor, valid: Tensor | None, n_total: int, reduction: str)
 
 
 class _VocabParallelCE(torch.autograd.Function):
-    """Cross-entropy on local logits [n,V_r] (valid rows only); returns per-row losses [n]."""
+    """Cross-entropy on local logits [n,V_r] (valid rows only, global target ids [n]); returns per-row losses
+    [n]. lmhead.loss's core on the whole block: one chunk of n rows."""
 
     @staticmethod
-    def forward(ctx: Any, logits: Tensor, local_t: Tensor, has_t: Tensor, vocab_size: int,
-                label_smoothing: float, z_loss: float, softcap: float | None, group: Any) -> Tensor:
-        cdt = _compute_dtype(logits.dtype)
-        z = _softcapped(logits.to(cdt), softcap)
-        m, s, t, zs = _local_stats(z, local_t, has_t.to(cdt), bool(label_smoothing))
-        lse, t, zs = _global_lse(m, s, t, zs, group)
-        ctx.save_for_backward(logits, local_t, has_t, lse)
-        ctx.opts = (vocab_size, label_smoothing, z_loss, softcap)
-        return _row_losses(lse, t, zs, vocab_size, label_smoothing, z_loss)
+    def forward(ctx: Any, logits: Tensor, targets: Tensor, columns: ShardedLossVocab, label_smoothing: float,
+                z_loss: float, softcap: float | None) -> Tensor:
+        cdt = compute_dtype(logits.dtype)
+        t, has_t = columns.local_targets(targets, cdt)
+        z = apply_softcap_(logits.to(cdt, copy=True), softcap)  # a scratch copy: the statistics overwrite it
+        lse, z_t, total = columns.lse(row_stats_(z, t, has_t, bool(label_smoothing)))
+        del z
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.opts = (columns, label_smoothing, z_loss, softcap)
+        return row_losses(lse, z_t, total, columns.size, label_smoothing, z_loss)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        logits, local_t, has_t, lse = ctx.saved_tensors
-        vocab_size, label_smoothing, z_loss, softcap = ctx.opts
-        z = _softcapped(logits.to(lse.dtype), softcap)
-        dz = _grad_logits(z, lse, grad.to(lse.dtype), local_t, has_t.to(lse.dtype), vocab_size,
-                          label_smoothing, z_loss, softcap)
-        return dz.to(logits.dtype), None, None, None, None, None, None, None
+        logits, targets, lse = ctx.saved_tensors
+        columns, label_smoothing, z_loss, softcap = ctx.opts
+        cdt = lse.dtype
+        t, has_t = columns.local_targets(targets, cdt)
+        z = logits.to(cdt, copy=True)
+        dcap = torch.empty_like(z) if softcap is not None else None
+        p = apply_softcap_(z, softcap, dcap).sub_(lse[:, None]).exp_()  # the softmax over all V, my columns
+        grad_logits_(p, t, grad.to(cdt), lse, columns.size, label_smoothing, z_loss, has_t=has_t, dcap=dcap)
+        return p.to(logits.dtype), None, None, None, None, None
 
 
-def _prepare_targets(targets: Tensor, ignore_index: int, start: int, end: int
-                     ) -> tuple[Tensor | None, Tensor, Tensor, Tensor]:
-    """(indices of non-ignored rows or None when all are kept, their local target index, 'target is mine')."""
+def _prepare_targets(targets: Tensor, ignore_index: int) -> tuple[Tensor | None, Tensor]:
+    """(indices of the non-ignored rows, None when all are kept; their global target ids)."""
     flat = targets.reshape(-1).to(torch.int64)
     keep = flat != ignore_index
     valid = None if bool(keep.all()) else keep.nonzero().squeeze(1)
-    kept = flat if valid is None else flat[valid]
-    has_t = (kept >= start) & (kept < end)
-    local_t = torch.where(has_t, kept - start, torch.zeros_like(kept))
-    return valid, kept, local_t, has_t
+    return valid, flat if valid is None else flat[valid]
 
 
 def vocab_parallel_cross_entropy(
@@ -367,7 +354,7 @@ def vocab_parallel_cross_entropy(
 
     local_logits [N,V_r] or [B,T,V_r]: this rank's columns [start, end) of the logits (any float dtype;
     computed in float32, float64 stays float64); targets [N] / [B,T] global ids (replicated on every rank).
-    Pipeline: softcap c·tanh(x/c) → all-reduce MAX of row maxima → all-reduce SUM of [target logit ‖
+    Pipeline: softcap c·tanh(x/c) → all-reduce MAX of the shards' row lse → all-reduce SUM of [target logit ‖
     sum-exp ‖ Σz] → loss = lse - (1-ε)·z_t - ε·Σz/V + z_loss·lse². Label smoothing uses the global V and the
     global mean of the logits. Rows with target == ignore_index count for nothing; `mean` divides by the
     number of other rows and is 0 (with zero gradients) when every row is ignored. Backward is local.
@@ -401,13 +388,13 @@ def vocab_parallel_cross_entropy(
         _check_targets(targets, shared["rows"], vocab, ignore_index)  # same result on every rank
 
     logits2d = local_logits.reshape(-1, width)
-    valid, _, local_t, has_t = _prepare_targets(targets, ignore_index, start, end)
+    valid, kept = _prepare_targets(targets, ignore_index)
     rows = logits2d if valid is None else logits2d.index_select(0, valid)
     if rows.shape[0] == 0:
-        per_row = rows.sum(dim=-1).to(_compute_dtype(rows.dtype))  # empty, still attached to the graph
+        per_row = rows.sum(dim=-1).to(compute_dtype(rows.dtype))  # empty, still attached to the graph
     else:
-        per_row = _VocabParallelCE.apply(rows, local_t, has_t, vocab, float(label_smoothing), float(z_loss),
-                                         softcap, group)
+        columns = ShardedLossVocab(vocab, start, end - start, group)
+        per_row = _VocabParallelCE.apply(rows, kept, columns, float(label_smoothing), float(z_loss), softcap)
     out = _reduce(per_row, valid, logits2d.shape[0], reduction)
     if reduction == "none":
         out = out.reshape(local_logits.shape[:-1])
@@ -425,73 +412,73 @@ def _chunk_rows(n: int, width: int, chunk_size: int | None) -> int:
 class _VocabParallelLinearCE(torch.autograd.Function):
     """Fused projection + cross-entropy on one vocabulary shard, chunked over rows: never [n,V_r] at once.
 
-    Forward keeps per row only (local max, sum-exp, target logit, Σz), then the two collectives; backward
-    recomputes each chunk's logits, forms dz, and accumulates dW_r / db_r locally (fp32 for half inputs);
-    dHidden is all-reduced (summed over the shards) because hidden is replicated.
+    lmhead.loss's core per chunk. Forward keeps per row only (this shard's lse, target logit, Σz), then the
+    two collectives (`ShardedLossVocab.lse`); backward recomputes each chunk's logits, forms G from
+    p = exp(z − lse), and accumulates dW_r / db_r locally (fp32 for 16-bit inputs); dHidden is all-reduced
+    (summed over the shards) because hidden is replicated.
     """
 
     @staticmethod
-    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, local_t: Tensor, has_t: Tensor,
-                vocab_size: int, label_smoothing: float, z_loss: float, softcap: float | None, chunk: int,
-                group: Any) -> Tensor:
-        cdt = _compute_dtype(weight.dtype)
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                columns: ShardedLossVocab, label_smoothing: float, z_loss: float, softcap: float | None,
+                chunk: int) -> Tensor:
+        dt = weight.dtype
+        cdt = compute_dtype(dt)
         n = hidden.shape[0]
-        has_f = has_t.to(cdt)
-        stats = [torch.empty(n, dtype=cdt, device=hidden.device) for _ in range(4)]
+        t, has_t = columns.local_targets(targets, cdt)
+        b = None if bias is None else bias.to(dt)
+        smoothing = bool(label_smoothing)
+        stats = RowStats(torch.empty(n, dtype=cdt, device=hidden.device),
+                         torch.empty(n, dtype=cdt, device=hidden.device),
+                         torch.empty(n, dtype=cdt, device=hidden.device) if smoothing else None)
+        scratch = ChunkScratch(min(chunk, n), weight.shape[0], dt, hidden.device)
+        w_t = weight.t()
         for a in range(0, n, chunk):
-            b = min(n, a + chunk)
-            z = _chunk_logits(hidden[a:b], weight, bias, softcap, cdt)
-            chunk_stats = _local_stats(z, local_t[a:b], has_f[a:b], bool(label_smoothing), inplace=True)
+            e = min(n, a + chunk)
+            z, _ = scratch.logits(hidden[a:e].to(dt), w_t, b, softcap)
+            chunk_stats = row_stats_(z, t[a:e], None if has_t is None else has_t[a:e], smoothing)
             for dst, src in zip(stats, chunk_stats, strict=True):
-                dst[a:b] = src
-            del z
-        lse, t, zs = _global_lse(*stats, group)
-        ctx.save_for_backward(hidden, weight, bias, local_t, has_t, lse)
-        ctx.opts = (vocab_size, label_smoothing, z_loss, softcap, chunk, group)
-        return _row_losses(lse, t, zs, vocab_size, label_smoothing, z_loss)
+                if dst is not None:
+                    dst[a:e] = src
+        del scratch
+        lse, z_t, total = columns.lse(stats)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.opts = (columns, label_smoothing, z_loss, softcap, chunk)
+        return row_losses(lse, z_t, total, columns.size, label_smoothing, z_loss)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        hidden, weight, bias, local_t, has_t, lse = ctx.saved_tensors
-        vocab_size, label_smoothing, z_loss, softcap, chunk, group = ctx.opts
-        cdt = lse.dtype
-        n = hidden.shape[0]
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        columns, label_smoothing, z_loss, softcap, chunk = ctx.opts
+        dt, cdt = weight.dtype, lse.dtype
+        n, dev = hidden.shape[0], hidden.device
+        t, has_t = columns.local_targets(targets, cdt)
+        b = None if bias is None else bias.to(dt)
         grad = grad.to(cdt)
-        has_f = has_t.to(cdt)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        d_hidden = torch.empty(n, hidden.shape[1], dtype=cdt, device=hidden.device) if need_h else None
-        d_weight = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if need_w else None
-        d_bias = torch.zeros(weight.shape[0], dtype=cdt, device=weight.device) if need_b and bias is not None \
-            else None
+        # dHidden in the compute dtype: the ranks' parts are summed before it is rounded to the input dtype
+        d_hidden = torch.empty(n, hidden.shape[1], dtype=cdt, device=dev) if need_h else None
+        d_weight = torch.empty(weight.shape, dtype=cdt, device=dev) if need_w else None  # chunk 0 writes it
+        d_bias = torch.zeros(weight.shape[0], dtype=cdt, device=dev) if need_b and bias is not None else None
+        scratch = ChunkScratch(min(chunk, n), weight.shape[0], dt, dev, softcap_grad=softcap is not None)
+        w_t = weight.t()
         for a in range(0, n, chunk):
-            b = min(n, a + chunk)
-            z = _chunk_logits(hidden[a:b], weight, bias, softcap, cdt)
-            dz = _grad_logits(z, lse[a:b], grad[a:b], local_t[a:b], has_f[a:b], vocab_size,
-                              label_smoothing, z_loss, softcap, inplace=True)
-            del z
-            if d_hidden is not None:  # the matmul in the weight's dtype, the result kept in cdt
-                d_hidden[a:b] = (dz.to(weight.dtype) @ weight).to(cdt)
-            if d_weight is not None:  # accumulated in place in cdt (fp32 for 16-bit weights): no [V_r,D] temporary
-                d_weight.addmm_(dz.t(), hidden[a:b].to(cdt))
-            if d_bias is not None:
-                d_bias += dz.sum(dim=0)
+            e = min(n, a + chunk)
+            x = hidden[a:e].to(dt)
+            z, dcap = scratch.logits(x, w_t, b, softcap)
+            p = z.sub_(lse[a:e, None]).exp_()  # the softmax over all V, this rank's columns
+            alpha = grad_logits_(p, t[a:e], grad[a:e], lse[a:e], columns.size, label_smoothing, z_loss,
+                                 has_t=None if has_t is None else has_t[a:e], dcap=dcap)
+            accumulate_grads(scratch, p, x, weight, None, a, e, alpha, d_hidden, d_weight, d_bias)
+        del scratch
         if d_hidden is not None:
-            dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=columns.group)
             d_hidden = d_hidden.to(hidden.dtype)
         if d_weight is not None:
             d_weight = d_weight.to(weight.dtype)
         if d_bias is not None:
             d_bias = d_bias.to(bias.dtype)
-        return (d_hidden, d_weight, d_bias) + (None,) * 8
-
-
-def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None,
-                  cdt: torch.dtype) -> Tensor:
-    """A fresh [c,V_r] block of logits in cdt (bias and softcap applied in place)."""
-    z = (h.to(weight.dtype) @ weight.t()).to(cdt)
-    if bias is not None:
-        z += bias.to(cdt)
-    return z if softcap is None else z.div_(softcap).tanh_().mul_(softcap)
+        return (d_hidden, d_weight, d_bias) + (None,) * 6
 
 
 def _check_fused_shapes(hidden: Any, local_weight: Any, local_bias: Any, shift: bool) -> None:
@@ -574,17 +561,18 @@ def vocab_parallel_linear_cross_entropy(
         _check_targets(targets, n, vocab, ignore_index)
 
     h2d = hidden.reshape(n, d_model)  # a copy only when shift made it non-contiguous
-    valid, _, local_t, has_t = _prepare_targets(targets, ignore_index, start, end)
+    valid, kept = _prepare_targets(targets, ignore_index)
     rows = h2d if valid is None else h2d.index_select(0, valid)
-    cdt = _compute_dtype(local_weight.dtype)
+    cdt = compute_dtype(local_weight.dtype)
     if rows.shape[0] == 0:
         # every target ignored: loss 0, and zero (not missing) gradients for hidden, weight and bias
         anchor = local_weight.sum() * 0 + (local_bias.sum() * 0 if local_bias is not None else 0)
         per_row = (rows.sum(dim=-1) + anchor).to(cdt)
     else:
         chunk = _chunk_rows(rows.shape[0], width, chunk_size)
-        per_row = _VocabParallelLinearCE.apply(rows, local_weight, local_bias, local_t, has_t, vocab,
-                                               float(label_smoothing), float(z_loss), softcap, chunk, group)
+        columns = ShardedLossVocab(vocab, start, end - start, group)
+        per_row = _VocabParallelLinearCE.apply(rows, local_weight, local_bias, kept, columns,
+                                               float(label_smoothing), float(z_loss), softcap, chunk)
     out = _reduce(per_row, valid, n, reduction)
     if reduction == "none":
         out = out.reshape(targets.shape)

@@ -2,9 +2,14 @@
 
     hidden [N,D] ─┐ drop ignored rows (and, with shift=True, pair position t with token t+1) ─▶ rows [n]
     weight [V,D] ─┤ for each chunk of c rows:
-    targets [N]  ─┘   z = x·Wᵀ (+ b) [c,V] ─softcap─▶ log_softmax in place ─▶ loss, lse [c]
+    targets [N]  ─┘   z = x·Wᵀ (+ b) [c,V] ─softcap─▶ z_t, Σz; log_softmax in place ─▶ lse = z_t − log p_t
+                      ─▶ loss = lse − (1−ε)·z_t − ε·Σz/V + z_loss·lse², lse [c]
                       z ─exp_ in place─▶ p ─▶ G = ∂loss/∂z = g·[p·(1+2·z_loss·lse) − (1−ε)·onehot − ε/V]·cap'
                       dHidden[rows] = G·W,   dW += Gᵀ·x (one fp32 buffer),   db += Σ_rows G
+
+The per-chunk steps are one core (`ChunkScratch.logits`, `row_stats_`, `LossVocab.lse`, `row_losses`,
+`grad_logits_`, `accumulate_grads`) that lmhead.distributed runs over a vocabulary shard, with the row
+statistics combined by all-reduces instead of in-process.
 
 Only one chunk of logits (`[c,V]`, reused for every chunk) exists at a time; the per-token statistics are
 O(n). Definitions are those of `F.cross_entropy` on the full logits (tests/reference.py), per token:
@@ -29,13 +34,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from lmhead import checks
 
-__all__ = ["linear_cross_entropy"]
+# linear_cross_entropy is the API (re-exported by lmhead); the rest is the per-chunk core that
+# lmhead.distributed shares (see "the per-chunk core" below), public to lmhead's modules but not re-exported.
+__all__ = [
+    "ChunkScratch",
+    "LossVocab",
+    "RowStats",
+    "accumulate_grads",
+    "apply_softcap_",
+    "compute_dtype",
+    "default_chunk_size",
+    "grad_logits_",
+    "linear_cross_entropy",
+    "row_losses",
+    "row_stats_",
+]
 
 _BUDGET_BYTES = 256 * 2**20  # absolute cap on one chunk's float32 logits
 _BUDGET_FRACTION = 16  # ... and at most 1/16 of the full [n,V] float32 logits
@@ -66,11 +86,6 @@ class _Rows:
     positions: Tensor | None
     out_shape: tuple[int, ...]
     n_total: int  # rows of hidden.reshape(-1, D)
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Softmax statistics, dW accumulation and the loss: float32 for 16-bit inputs, else the input dtype."""
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 def default_chunk_size(n: int, vocab_size: int) -> int:
@@ -147,7 +162,209 @@ def _select_rows(targets: Tensor, ignore_index: int, vocab: int, shift: bool) ->
     return _Rows(rows, flat.index_select(0, positions), positions, out_shape, n_total)
 
 
-# --- the chunked kernel -----------------------------------------------------------------------------------
+# --- the per-chunk core (lmhead.distributed runs it over a vocabulary shard) --------------------------------
+#
+# Public names, not re-exported by lmhead: the building blocks this module and lmhead.distributed share. One
+# chunk of rows x [c,D] against the columns [start, start + V_r) of the vocabulary this process holds (all of
+# it here, one shard there):
+#     ChunkScratch.logits   z = softcap(x·Wᵀ + b) [c,V_r] in the compute dtype (and softcap's derivative)
+#     row_stats_            z ← log p over these columns in place; per row: lse, target logit, Σz (RowStats)
+#     LossVocab.lse         the statistics over the whole vocabulary: these already, in-process; all-reduced
+#                           by lmhead.distributed.ShardedLossVocab                    → lse, z_t, Σz
+#     row_losses            loss = lse − (1−ε)·z_t − ε·Σz/V + z_loss·lse²
+#     grad_logits_          p [c,V_r] ← G = ∂out/∂z = g·[p·(1+2·z_loss·lse) − (1−ε)·onehot − ε/V]·cap'
+#     accumulate_grads      dHidden = G·W, dW (+)= Gᵀ·x, db += Σ_rows G
+# The single-process loop holds a chunk's log-softmax right after its statistics (p = exp(log p), as torch's
+# cross_entropy backward forms it) and forms the gradients in the same pass; the sharded one knows lse only
+# after its all-reduces and recomputes the chunk in the backward (p = exp(z − lse)).
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics, dW accumulation and the loss: float32 for 16-bit inputs, else the input dtype."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+class RowStats(NamedTuple):
+    """Per-row statistics [c] of a block of logits z [c,V_r] over the columns this process holds."""
+
+    lse: Tensor  # log Σ_v exp z_v
+    target: Tensor  # z_t (0 where the target is another shard's column)
+    total: Tensor | None  # Σ_v z_v (label smoothing), None without it
+
+
+class LossVocab:
+    """The vocabulary axis of the fused loss, as sampling.Vocab is the sampling pipeline's: the columns
+    [start, start + width) of V that this process scores, and how their row statistics combine into the whole
+    vocabulary's. This class is the whole vocabulary in one process; `lmhead.distributed.ShardedLossVocab` is
+    one shard of it, combining the ranks' statistics with two all-reduces."""
+
+    def __init__(self, size: int, start: int = 0, width: int | None = None) -> None:
+        self.size, self.start = size, start
+        self.width = size - start if width is None else width
+
+    def local_targets(self, targets: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+        """Global ids [n] → (their column in the local block [n,1] (0 where another process holds it), 1.0
+        where this process holds it [n] in `dtype` — None when every column is here)."""
+        if self.start == 0 and self.width == self.size:
+            return targets[:, None], None
+        mine = (targets >= self.start) & (targets < self.start + self.width)
+        local = torch.where(mine, targets - self.start, torch.zeros_like(targets))
+        return local[:, None], mine.to(dtype)
+
+    def lse(self, stats: RowStats) -> RowStats:
+        """This process's row statistics [n] → the whole vocabulary's (here: the same)."""
+        return stats
+
+
+def apply_softcap_(z: Tensor, softcap: float | None, dcap: Tensor | None = None) -> Tensor:
+    """z ← softcap·tanh(z/softcap) in place; dcap [same shape] ← its derivative 1 − tanh² when given."""
+    if softcap is None:
+        return z
+    z.div_(softcap).tanh_()
+    if dcap is not None:
+        torch.addcmul(torch.ones((), dtype=z.dtype, device=z.device), z, z, value=-1.0, out=dcap)
+    return z.mul_(softcap)
+
+
+class ChunkScratch:
+    """The [c,V_r] buffers a chunked pass reuses for every chunk: the logits in the compute dtype (→ p → G),
+    the 16-bit matmul's output for 16-bit inputs, softcap's derivative (softcap_grad) and, allocated when dW
+    is first accumulated, the 16-bit dW block."""
+
+    def __init__(self, rows: int, width: int, dtype: torch.dtype, device: torch.device,
+                 softcap_grad: bool = False) -> None:
+        self.dtype, self.cdt = dtype, compute_dtype(dtype)
+        self.z = torch.empty(rows, width, dtype=self.cdt, device=device)
+        self.low = torch.empty(rows, width, dtype=dtype, device=device) if self.cdt != dtype else None
+        self.dcap = torch.empty(rows, width, dtype=self.cdt, device=device) if softcap_grad else None
+        self.dw_block: Tensor | None = None
+
+    def logits(self, x: Tensor, w_t: Tensor, bias: Tensor | None,
+               softcap: float | None) -> tuple[Tensor, Tensor | None]:
+        """x [c,D] (the weight's dtype), w_t = Wᵀ [D,V_r] → (z [c,V_r] = softcap(x·Wᵀ + b) in the compute dtype,
+        softcap's derivative [c,V_r] or None). The matmul runs in the input dtype (as HF's 16-bit logits)."""
+        c = x.shape[0]
+        z = self.z[:c]
+        mm_out = self.low[:c] if self.low is not None else z
+        if bias is None:
+            torch.mm(x, w_t, out=mm_out)
+        else:
+            torch.addmm(bias, x, w_t, out=mm_out)
+        if self.low is not None:
+            z.copy_(mm_out)  # HF: logits computed in 16 bits, upcast to float32
+        dcap = self.dcap[:c] if self.dcap is not None else None
+        return apply_softcap_(z, softcap, dcap), dcap
+
+    def for_matmul(self, g: Tensor) -> Tensor:
+        """G [c,V_r] in the input dtype, for the gradient matmuls (a copy for 16-bit inputs)."""
+        if self.low is None:
+            return g
+        return self.low[: g.shape[0]].copy_(g)
+
+
+def row_stats_(z: Tensor, t: Tensor, has_t: Tensor | None, smoothing: bool) -> RowStats:
+    """Per row of z [c,V_r]: lse over these columns, the target logit z_t (t [c,1] its local column; × has_t [c],
+    1.0 where the target is one of these columns, None: always) and Σz when smoothing.
+
+    z ← log_softmax over these columns, in place (one fused pass, no [c,V_r] temporary); lse is read back from
+    it at a column whose logit is known: z_t − log p_t, or the row max − log p_max where the target may be
+    another process's."""
+    z_t = z.gather(1, t).squeeze(1)
+    m, at_max = z.max(dim=1, keepdim=True) if has_t is not None else (None, None)
+    total = z.sum(dim=1) if smoothing else None
+    torch.ops.aten._log_softmax.out(z, 1, False, out=z)  # in place, row-wise: z ← log p
+    if has_t is None:
+        lse = z_t - z.gather(1, t).squeeze(1)
+    else:
+        lse = (m - z.gather(1, at_max)).squeeze(1)
+        z_t = z_t * has_t
+    return RowStats(lse, z_t, total)
+
+
+def row_losses(lse: Tensor, target: Tensor, total: Tensor | None, vocab_size: int, label_smoothing: float,
+               z_loss: float) -> Tensor:
+    """Per-row loss [n] = lse − (1−ε)·z_t − ε·Σz/V + z_loss·lse², with the whole vocabulary's V and Σz
+    (torch's smoothing: ε·mean over V of −log p; Megatron#737 uses a shard's, which changes with the ranks)."""
+    loss = lse - (1.0 - label_smoothing) * target
+    if label_smoothing:
+        loss = loss - (label_smoothing / vocab_size) * total
+    if z_loss:
+        loss = loss + z_loss * lse * lse
+    return loss
+
+
+def grad_logits_(p: Tensor, t: Tensor, grad_rows: Tensor | float, lse: Tensor, vocab_size: int,
+                 label_smoothing: float, z_loss: float, has_t: Tensor | None = None,
+                 grad_lse: Tensor | None = None, dcap: Tensor | None = None) -> float:
+    """p [c,V_r] (the softmax over V of the chunk's columns) → G/alpha in place, G = ∂out/∂(raw logits);
+    returns alpha, the gradient matmuls' scale.
+
+    grad_rows: ∂out/∂loss_i (a float for every row, or [c]); grad_lse [c]: ∂out/∂lse_i; lse [c]; t [c,1] the
+    target's local column, has_t [c] 1.0 where it is this process's; dcap: softcap's derivative [c,V_r]."""
+    c = p.shape[0]
+    eps, zl = label_smoothing, z_loss
+    # One coefficient for every row (mean/sum without z-loss or an lse gradient): G = r·(P − (c1/r)·onehot
+    # − c2/r): only the target column changes and r rides on the matmuls' alpha — no extra pass over [c,V].
+    if isinstance(grad_rows, float) and grad_rows != 0.0 and not zl and grad_lse is None:
+        alpha = grad_rows
+        hit = p.new_full((c, 1), -(1.0 - eps)) if has_t is None else (-(1.0 - eps) * has_t)[:, None]
+        p.scatter_add_(1, t, hit)
+        if eps:
+            p.sub_(eps / vocab_size)
+    else:
+        g = torch.as_tensor(grad_rows, dtype=p.dtype, device=p.device).expand(c)
+        r = g * (1.0 + 2.0 * zl * lse) if zl else g  # coefficient of p
+        if grad_lse is not None:
+            r = r + grad_lse
+        alpha = 1.0
+        p.mul_(r[:, None])
+        hit = -(1.0 - eps) * g if has_t is None else -(1.0 - eps) * g * has_t
+        p.scatter_add_(1, t, hit[:, None])
+        if eps:
+            p.sub_((g * (eps / vocab_size))[:, None])
+    if dcap is not None:
+        p.mul_(dcap)
+    return alpha
+
+
+def accumulate_grads(scratch: ChunkScratch, g: Tensor, x: Tensor, weight: Tensor, rows: Tensor | None, s: int,
+                     e: int, alpha: float, dh: Tensor | None, dw: Tensor | None, db: Tensor | None) -> None:
+    """Chunk [s,e)'s share of the gradients: dHidden rows = alpha·G·W, dW (+)= alpha·Gᵀ·x, db += alpha·Σ_rows G.
+
+    g: G [c,V_r] in the compute dtype; x [c,D]; rows: the chunk's rows are dh[rows[s:e]] (None: dh[s:e]).
+    dh may be in the compute dtype (summed over ranks before it is rounded) or the input dtype; dW and db are
+    in the compute dtype: for 16-bit inputs dW is accumulated in float32 per vocabulary block of 16-bit
+    matmuls. The chunk at s = 0 writes dW (beta=0): no zero-fill pass over [V_r,D]."""
+    gz = scratch.for_matmul(g)
+    first = s == 0
+    if dh is not None:
+        if rows is None and dh.dtype == gz.dtype:
+            dst = dh[s:e]
+            torch.addmm(dst, gz, weight, beta=0, alpha=alpha, out=dst)  # beta=0: dst is not read
+        elif rows is None:
+            dh[s:e] = torch.mm(gz, weight) if alpha == 1.0 else torch.mm(gz, weight).mul_(alpha)
+        else:
+            dh.index_copy_(0, rows[s:e], torch.addmm(x, gz, weight, beta=0, alpha=alpha).to(dh.dtype))
+    if dw is not None:
+        if scratch.low is None:
+            torch.addmm(dw, gz.t(), x, beta=0 if first else 1, alpha=alpha, out=dw)
+        else:  # 16-bit matmul per vocabulary block, accumulated in float32 across chunks
+            vocab = dw.shape[0]
+            if scratch.dw_block is None:
+                scratch.dw_block = torch.empty(min(_DW_BLOCK, vocab), x.shape[1], dtype=x.dtype, device=x.device)
+            for v0 in range(0, vocab, _DW_BLOCK):
+                v1 = min(v0 + _DW_BLOCK, vocab)
+                tmp = scratch.dw_block[: v1 - v0]
+                torch.mm(gz[:, v0:v1].t(), x, out=tmp)
+                if first:
+                    torch.mul(tmp, alpha, out=dw[v0:v1])
+                else:
+                    dw[v0:v1].add_(tmp, alpha=alpha)
+    if db is not None:
+        db.add_(g.sum(0), alpha=alpha)
+
+
+# --- the single-process loop ------------------------------------------------------------------------------
 
 
 def _chunked(h2: Tensor, weight: Tensor, bias: Tensor | None, sel: _Rows, opt: _Options,
@@ -157,150 +374,53 @@ def _chunked(h2: Tensor, weight: Tensor, bias: Tensor | None, sel: _Rows, opt: _
 
     grad_rows: ∂out/∂loss_i (a float for all rows, or [n]); grad_lse: ∂out/∂lse_i [n] or None.
     need: which of (dHidden, dW, db) to compute. Returns (loss[n], lse[n], dh2 [N_total,D], dW [V,D], db [V])
-    with the gradients in the inputs' dtypes (None where not needed). Per chunk: `_chunk_loss` (logits → log p,
-    loss, lse), `_chunk_grad_logits` (log p → G = ∂out/∂logits), `_accumulate` (G → dHidden, dW, db)."""
+    with the gradients in the inputs' dtypes (None where not needed). Per chunk, the core above: logits →
+    statistics → loss and lse → (p → G → dHidden, dW, db)."""
     n = sel.targets.numel()
-    vocab, d_model = weight.shape
+    vocab_size, d_model = weight.shape
     dt = weight.dtype
-    cdt = _compute_dtype(dt)
-    low = cdt != dt  # 16-bit inputs: matmuls in 16 bits, everything else in float32
+    cdt = compute_dtype(dt)
     grads = grad_rows is not None and any(need)
     c_max = min(opt.chunk, n)
     dev = h2.device
+    eps, zl = opt.label_smoothing, opt.z_loss
+    vocab = LossVocab(vocab_size)
 
     loss = torch.empty(n, dtype=cdt, device=dev)
     lse = torch.empty(n, dtype=cdt, device=dev)
-    buf = torch.empty(c_max, vocab, dtype=cdt, device=dev)  # the chunk's logits -> log p -> p -> G
-    lbuf = torch.empty(c_max, vocab, dtype=dt, device=dev) if low else None  # 16-bit matmul in/out
-    dcap = torch.empty(c_max, vocab, dtype=cdt, device=dev) if (grads and opt.softcap is not None) else None
+    scratch = ChunkScratch(c_max, vocab_size, dt, dev, softcap_grad=grads and opt.softcap is not None)
     # Gradient buffers: the first chunk writes dW (beta=0), so no zero-fill pass over [V,D]; dHidden needs
     # zeros only where rows are skipped (ignored targets, the last position with shift).
     all_rows = sel.rows is None and n == sel.n_total
     dh2 = None
     if grads and need[0]:
         dh2 = (torch.empty if all_rows else torch.zeros)(sel.n_total, d_model, dtype=dt, device=dev)
-    dw = torch.empty(vocab, d_model, dtype=cdt, device=dev) if grads and need[1] else None
-    db = torch.zeros(vocab, dtype=cdt, device=dev) if grads and need[2] and bias is not None else None
-    dw_tmp = torch.empty(min(_DW_BLOCK, vocab), d_model, dtype=dt, device=dev) if (low and dw is not None) else None
-    # With one coefficient for every row (mean/sum without z-loss or an lse gradient), G = r·(P − (c1/r)·onehot
-    # − c2/r): only the target column changes in the chunk and r rides on the matmuls' alpha — no extra pass
-    # over [c,V] (and no extra parallel region per chunk).
-    uniform = isinstance(grad_rows, float) and grad_rows != 0.0 and not opt.z_loss and grad_lse is None
+    dw = torch.empty(vocab_size, d_model, dtype=cdt, device=dev) if grads and need[1] else None
+    db = torch.zeros(vocab_size, dtype=cdt, device=dev) if grads and need[2] and bias is not None else None
     w_t = weight.t()
 
     for s in range(0, n, c_max):
         e = min(s + c_max, n)
-        c = e - s
         x = h2[s:e] if sel.rows is None else h2.index_select(0, sel.rows[s:e])  # [c,D]
-        t = sel.targets[s:e, None]  # [c,1]
-        z = buf[:c]  # [c,V]
-        lb = lbuf[:c] if low else None
-        dc = dcap[:c] if dcap is not None else None
-        loss[s:e], lse[s:e] = _chunk_loss(x, w_t, bias, t, z, lb, dc, opt)
+        t, _ = vocab.local_targets(sel.targets[s:e], cdt)  # [c,1]
+        z, dcap = scratch.logits(x, w_t, bias, opt.softcap)  # [c,V]
+        lse_c, z_t, total = vocab.lse(row_stats_(z, t, None, bool(eps)))  # z ← log p
+        loss[s:e] = row_losses(lse_c, z_t, total, vocab_size, eps, zl)
+        lse[s:e] = lse_c
         if not grads:
             continue
+        p = z.exp_()  # the softmax: the whole vocabulary is in this chunk
         g_rows = grad_rows if isinstance(grad_rows, float) else grad_rows[s:e]
-        alpha = _chunk_grad_logits(z, t, opt, g_rows, None if grad_lse is None else grad_lse[s:e], lse[s:e],
-                                   uniform, dc)
-        gz = z  # [c,V] = ∂out/∂logits of the chunk, divided by alpha
-        if low:
-            lb.copy_(z)
-            gz = lb
-        _accumulate(gz, x, weight, sel.rows, s, e, alpha, dh2, dw, db, dw_tmp, z)
+        alpha = grad_logits_(p, t, g_rows, lse_c, vocab_size, eps, zl,
+                             grad_lse=None if grad_lse is None else grad_lse[s:e], dcap=dcap)
+        accumulate_grads(scratch, p, x, weight, sel.rows, s, e, alpha, dh2, dw, db)
 
-    del buf, lbuf, dcap
-    if dw is not None and low:
+    del scratch
+    if dw is not None and cdt != dt:
         dw = dw.to(dt)
-    if db is not None and low:
+    if db is not None and cdt != dt:
         db = db.to(dt)
     return loss, lse, dh2, dw, db
-
-
-def _chunk_loss(x: Tensor, w_t: Tensor, bias: Tensor | None, t: Tensor, z: Tensor, lbuf: Tensor | None,
-                dcap: Tensor | None, opt: _Options) -> tuple[Tensor, Tensor]:
-    """One chunk's forward: z [c,V] ← log p in place (through lbuf, in the input dtype, for 16-bit inputs);
-    dcap [c,V] ← the softcap's derivative when given. Returns the per-row loss and lse [c]."""
-    vocab = z.shape[1]
-    eps, zl, cap = opt.label_smoothing, opt.z_loss, opt.softcap
-    mm_out = lbuf if lbuf is not None else z
-    if bias is None:
-        torch.mm(x, w_t, out=mm_out)
-    else:
-        torch.addmm(bias, x, w_t, out=mm_out)
-    if lbuf is not None:
-        z.copy_(mm_out)  # HF: logits computed in 16 bits, upcast to float32
-    if cap is not None:
-        z.div_(cap).tanh_()
-        if dcap is not None:  # d(cap·tanh(u/cap))/du = 1 - tanh²
-            torch.addcmul(torch.ones((), dtype=z.dtype, device=z.device), z, z, value=-1.0, out=dcap)
-        z.mul_(cap)
-    z_t = z.gather(1, t).squeeze(1)
-    torch.ops.aten._log_softmax.out(z, 1, False, out=z)  # in place, row-wise: z <- log p
-    logp_t = z.gather(1, t).squeeze(1)
-    lse_c = z_t - logp_t
-    row = -logp_t
-    if eps:
-        row = (1.0 - eps) * row - (eps / vocab) * z.sum(1)  # −mean_v log p_v: torch's smoothing term
-    if zl:
-        row = row + zl * lse_c * lse_c
-    return row, lse_c
-
-
-def _chunk_grad_logits(z: Tensor, t: Tensor, opt: _Options, grad_rows: Tensor | float, grad_lse: Tensor | None,
-                       lse_c: Tensor, uniform: bool, dcap: Tensor | None) -> float:
-    """z [c,V]: log p → G/alpha in place, G = ∂out/∂logits of the chunk; returns alpha (the matmuls' scale)."""
-    c, vocab = z.shape
-    eps, zl = opt.label_smoothing, opt.z_loss
-    z.exp_()  # p, in place
-    if uniform:
-        alpha = grad_rows
-        z.scatter_add_(1, t, z.new_full((c, 1), -(1.0 - eps)))
-        if eps:
-            z.sub_(eps / vocab)
-    else:
-        g = torch.as_tensor(grad_rows, dtype=z.dtype, device=z.device).expand(c)
-        r = g * (1.0 + 2.0 * zl * lse_c) if zl else g  # coefficient of p
-        if grad_lse is not None:
-            r = r + grad_lse
-        alpha = 1.0
-        z.mul_(r[:, None])
-        z.scatter_add_(1, t, (-(1.0 - eps) * g)[:, None])
-        if eps:
-            z.sub_((g * (eps / vocab))[:, None])
-    if dcap is not None:
-        z.mul_(dcap)
-    return alpha
-
-
-def _accumulate(gz: Tensor, x: Tensor, weight: Tensor, rows: Tensor | None, s: int, e: int, alpha: float,
-                dh2: Tensor | None, dw: Tensor | None, db: Tensor | None, dw_tmp: Tensor | None,
-                g: Tensor) -> None:
-    """Chunk [s,e)'s share of the gradients: dHidden rows = alpha·G·W, dW (+)= alpha·Gᵀ·x, db += alpha·Σ_rows G.
-
-    gz: G in the matmul dtype (the input's); g: G in the compute dtype (for db). dw_tmp is given for 16-bit
-    inputs: dW is then accumulated in float32 per vocabulary block of 16-bit matmuls."""
-    first = s == 0
-    if dh2 is not None:
-        if rows is None:
-            dst = dh2[s:e]
-            torch.addmm(dst, gz, weight, beta=0, alpha=alpha, out=dst)  # beta=0: dst is not read
-        else:
-            dh2.index_copy_(0, rows[s:e], torch.addmm(x, gz, weight, beta=0, alpha=alpha))
-    if dw is not None:
-        if dw_tmp is None:
-            torch.addmm(dw, gz.t(), x, beta=0 if first else 1, alpha=alpha, out=dw)
-        else:  # 16-bit matmul per vocabulary block, accumulated in float32 across chunks
-            vocab = dw.shape[0]
-            for v0 in range(0, vocab, _DW_BLOCK):
-                v1 = min(v0 + _DW_BLOCK, vocab)
-                tmp = dw_tmp[: v1 - v0]
-                torch.mm(gz[:, v0:v1].t(), x, out=tmp)
-                if first:
-                    torch.mul(tmp, alpha, out=dw[v0:v1])
-                else:
-                    dw[v0:v1].add_(tmp, alpha=alpha)
-    if db is not None:
-        db.add_(g.sum(0), alpha=alpha)
 
 
 def _scatter_rows(values: Tensor, sel: _Rows) -> Tensor:
@@ -361,7 +481,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     if buf is not None:
                         buf.mul_(scale)
         else:
-            cdt = _compute_dtype(weight.dtype)
+            cdt = compute_dtype(weight.dtype)
             if grad_loss is None:
                 g: Tensor | float = torch.zeros(n, dtype=cdt, device=hidden.device)
             elif opt.reduction == "none":
@@ -433,7 +553,7 @@ def linear_cross_entropy(
     vocab = weight.shape[0]
     sel = _select_rows(targets, ignore_index, vocab, shift)
     n = sel.targets.numel()
-    cdt = _compute_dtype(weight.dtype)
+    cdt = compute_dtype(weight.dtype)
 
     if n == 0:  # every target ignored: 0, with zero (not missing) gradients, where torch's mean gives NaN
         anchor = hidden.sum() * 0 + weight.sum() * 0 + (bias.sum() * 0 if bias is not None else 0)
