@@ -1,4 +1,4 @@
-"""One layer's attention in C (`lmhead_attend`, models/lean_kernels.c) against plain softmax attention
+"""One layer's attention in C (`lmhead_attend`, models/body_kernels.c) against plain softmax attention
 (`reference.attention_step`): query heads taken together per key head and key block, and each query's span of
 kept columns, on contexts of several key blocks."""
 

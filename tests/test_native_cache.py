@@ -49,3 +49,10 @@ def test_a_build_begun_in_the_background_is_joined_by_the_first_load_and_not_rep
     assert native_build.intact(tmp_path / "kernels" / files[0])
     built = subprocess.run([sys.executable, "-c", _BACKGROUND], env=env, capture_output=True, text=True, timeout=600)
     assert built.returncode == 0 and built.stdout.split() == ["0", "0", "True"], built.stderr  # nothing to build
+
+
+def test_every_source_and_header_beside_the_builder_is_compiled_or_in_the_build_key():
+    # a header left out of the key would let a stale library of other structs or constants be mapped
+    folder = native_build.SOURCES[0].parent
+    assert sorted(folder.glob("*.c")) == sorted(native_build.SOURCES)
+    assert sorted(folder.glob("*.h")) == sorted(native_build.HEADERS)

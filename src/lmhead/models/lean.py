@@ -51,7 +51,7 @@ def cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     """A zeroed tensor of `shape` for a cache. On the CPU, from LAZY_BYTES on, an anonymous memory mapping: the
     kernel gives each page, zeroed, when it is first touched, so the columns a row never writes cost neither the
     time to clear them nor memory. A short row merged beside a long one holds mostly such columns (left of its
-    own): attention's spans skip them (lean_kernels.c) and the torch path reads them as zeros."""
+    own): attention's spans skip them (body_kernels.c) and the torch path reads them as zeros."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or nbytes < LAZY_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -324,7 +324,7 @@ class LeanBody:
         self.window = getattr(cfg, "sliding_window", None)
         self._types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
         self.layer_types = sorted(set(self._types))
-        # the activations lean_kernels.c computes (by the config's name; others run the model's own act_fn)
+        # the activations body_kernels.c computes (by the config's name; others run the model's own act_fn)
         act_name = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
         self.act_code = {"gelu_pytorch_tanh": 0, "silu": 1}.get(act_name)
         self.native = native.library()
@@ -576,7 +576,7 @@ class LeanBody:
         written and the general path runs): the step's own conditions, rope tables not made yet or too short
         for a position, an id outside the vocabulary, tensors of another dtype or layout. Why: after a step
         has streamed the weights through the caches, each torch operation around it costs 50–300 µs
-        (lean_kernels.c), ~1 ms of a 10 ms step."""
+        (decode_kernels.c), ~1 ms of a 10 ms step."""
         lib = self._native(self.final_norm)
         b, t = ids.shape
         if lib is None or (self.embed is not None and not self.embed.is_contiguous()):

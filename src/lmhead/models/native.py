@@ -1,15 +1,18 @@
 """lmhead's C kernels: built once per machine with the system C compiler, loaded with ctypes, self-tested.
 
     coded_kernel.c   the product over GGUF codes (models/coded_linear.py)
-    lean_kernels.c   the decode step's small work: RMSNorm, residual add + norms, gated activation, and
-                     rope + cache write + attention for the new tokens; and `lmhead_step`, every block of a
-                     decode step in one call over the coded matrices (models/lean.py); the decode loop's
-                     raw logprob and rank of each chosen token (`row_scores`, lmhead/generate.py); a greedy
-                     row's argmax and normaliser in one call (`greedy_rows`, lmhead/speculative.py); a row's
-                     exact top-p set (`top_p_row`, lmhead/sampling/top_p.py)
+    body_kernels.c   the decode step's small work: RMSNorm, residual add + norms, gated activation, and
+                     rope + cache write + attention for the new tokens (models/lean.py's step-by-step path)
+    decode_kernels.c `lmhead_step`, every block of a decode step in one call over the coded matrices, and
+                     `lmhead_decode`, the same from token ids with the step's bookkeeping (models/lean.py)
+    row_kernels.c    the decode loop's passes over whole rows: raw logprob and rank of each chosen token
+                     (`row_scores`, lmhead/generate.py); a greedy row's argmax and normaliser in one call
+                     (`greedy_rows`, lmhead/speculative.py); a row's exact top-p set (`top_p_row`,
+                     lmhead/sampling/top_p.py); an unseeded row's draw (`sample_row`); `topk`'s candidates
     step_kernels.c   the declared sampler steps' passes over a row, in float64 (lmhead/sampling/steps/moments.py):
                      a row's moments (`row_moments`), locally typical sampling's kept set (`typical_row`), a cut
                      at a threshold (`keep_ge`)
+    simd_math.h, body_kernels.h, decode_kernels.h   what the sources share (vector exp; declarations, structs)
       ──cc -O3 -march=native -fopenmp (models/native_build.py)──▶ <cache>/kernels/lmhead-<hash>.so (a temporary
       file renamed into place; begun in the background by `load_model` while it reads the file)
 
@@ -360,7 +363,7 @@ def _row_scores(lib: ctypes.CDLL, x: torch.Tensor, ids: torch.Tensor,
 def row_scores(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The decode loop's score of each row's token from logits x [B,V] (float32, CPU) and ids [B]: the
     log-softmax normaliser lse [B] float64 (raw logprob = x[b, id] − lse[b]) and greater [B] int64, the count
-    of logits > x[b, id] (rank − 1), in two passes over each row (lean_kernels.c). None without the library or
+    of logits > x[b, id] (rank − 1), in two passes over each row (row_kernels.c). None without the library or
     where a row is not all finite numbers (the caller's torch path then gives torch's answer: NaN, ±inf)."""
     lib = library()
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] == 0:

@@ -19,9 +19,11 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["FLAGS", "SOURCES", "build", "compiler", "intact", "library_path", "start", "wait"]
+__all__ = ["FLAGS", "HEADERS", "SOURCES", "build", "compiler", "intact", "library_path", "start", "wait"]
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("coded_kernel.c", "lean_kernels.c", "step_kernels.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("coded_kernel.c", "body_kernels.c", "row_kernels.c",
+                                                     "decode_kernels.c", "step_kernels.c"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd_math.h", "body_kernels.h", "decode_kernels.h"))
 FLAGS = ("-O3", "-march=native", "-fPIC", "-fopenmp")
 _TIMEOUT = 180  # seconds for one compiler run
 
@@ -40,11 +42,12 @@ def _cpu_flags() -> str:
 
 
 def library_path() -> Path:
-    """Where this machine's build lives: keyed by the sources, the flags and the CPU (-march=native)."""
+    """Where this machine's build lives: keyed by the sources and the headers they include, the flags and the CPU
+    (-march=native)."""
     from lmhead.models.cache import cache_root
 
     digest = hashlib.sha256()
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         digest.update(src.read_bytes())
     digest.update((" ".join(FLAGS) + " -shared" + _cpu_flags() + platform.machine()).encode())
     return cache_root() / "kernels" / f"lmhead-{digest.hexdigest()[:24]}.so"

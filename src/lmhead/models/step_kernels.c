@@ -16,6 +16,8 @@
 #include <immintrin.h>
 #endif
 
+#include "simd_math.h"
+
 /* e^d for d ≤ 0 in double: d = (32q + j)·ln2/32 + r (ln2/32 in two parts, so that n·hi is exact; |r| ≤ ln2/64),
  * e^d = 2^q · 2^(j/32) · e^r, 2^(j/32) from a table (correctly rounded), e^r − 1 by its Taylor polynomial to r^6/6!
  * (the next term is below 4e-18), 2^q into the exponent. Within two ulp of libm's exp. d below −708 (or −inf)
@@ -71,26 +73,10 @@ static inline double hsum4(__m256d v) {
     return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 }
 
-/* lean_kernels.c's float32 e^x for eight floats (Cephes' polynomial; x clamped to [−87, 88]), for the passes
+/* simd_math.h's float32 e^x for eight floats (Cephes' polynomial; x clamped to [−87, 88]), for the passes
  * whose error is bounded below: over every float32 x in [−87, 0] its result is within EXP8_ERROR of e^x
  * (relatively; checked against exp in double, input by input) */
 #define EXP8_ERROR 1.19e-7
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
 #endif
 
 /* how many pieces a pass over a row of V logits is cut into over the threads (a row of a small vocabulary: one) */
