@@ -1,4 +1,4 @@
-"""One layer's attention in C (`lmhead_attend`, models/body_kernels.c) against plain softmax attention
+"""One layer's attention in C (`lmhead_attend`, kernels/body_kernels.c) against plain softmax attention
 (`reference.attention_step`): query heads taken together per key head and key block, and each query's span of
 kept columns, on contexts of several key blocks."""
 
@@ -10,7 +10,7 @@ import pytest
 import reference as ref
 import torch
 
-from lmhead.models import native
+from lmhead.kernels import native
 
 MIN = torch.finfo(torch.float32).min  # transformers' masked columns
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lmhead.models import native
+from lmhead.kernels import native
 from lmhead.models.arch import ARCHS, STATIC_ROPE, arch_of, refusal
 from lmhead.models.coded_linear import CodedLinear, coded_available
 from lmhead.models.fast_linear import Int8Linear, onednn_available
@@ -432,7 +432,7 @@ class LeanBody:
         return w * (y if y.dtype == x.dtype else y.type_as(x))
 
     def _native(self, *tensors: Tensor):
-        """The C library for the element-wise work (`models/native.py`), or None: not built, autograd recording
+        """The C library for the element-wise work (`kernels/native.py`), or None: not built, autograd recording
         (callers may differentiate through the result), or tensors that are not float32 on the CPU."""
         if self.native is None or torch.is_grad_enabled():
             return None

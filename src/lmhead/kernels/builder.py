@@ -5,7 +5,7 @@
 
 This module imports no torch, so that `start()` can begin a build that the cache lacks before the slow imports
 and the first read of a new file's tokenizer: a fresh machine's first load compiles while it does the rest.
-`models/native.py` loads and binds the library (and waits for a build begun here).
+`kernels/native.py` loads and binds the library (and waits for a build begun here).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+
+from lmhead.cache_folder import cache_root
 
 __all__ = ["FLAGS", "HEADERS", "SOURCES", "build", "compiler", "intact", "library_path", "start", "wait"]
 
@@ -44,8 +46,6 @@ def _cpu_flags() -> str:
 def library_path() -> Path:
     """Where this machine's build lives: keyed by the sources and the headers they include, the flags and the CPU
     (-march=native)."""
-    from lmhead.models.cache import cache_root
-
     digest = hashlib.sha256()
     for src in (*SOURCES, *HEADERS):
         digest.update(src.read_bytes())

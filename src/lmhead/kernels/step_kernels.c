@@ -5,7 +5,7 @@
  * float64: so do these, with one exp of the row's own (below) instead of torch's float64 exp, so that a cut
  * decided here is the reference's cut up to float64 rounding — never a float32 approximation of it. Each pass
  * reads the float32 row once; a wide row is cut into pieces over the threads, the pieces' sums combined in order.
- * Built with the other kernels into one library by models/native.py, which tests every entry point on load.
+ * Built with the other kernels into one library by kernels/native.py, which tests every entry point on load.
  */
 #include <float.h>
 #include <math.h>
@@ -191,7 +191,7 @@ static int row_moments(const float* x, int64_t V, int exps, double* out, int thr
     return 0;
 }
 
-/* The row's moments (models/native.py `row_moments`): out[0] the maximum, out[1] the count of finite logits,
+/* The row's moments (kernels/native.py `row_moments`): out[0] the maximum, out[1] the count of finite logits,
  * out[2] S = Σ e^(x − max), out[3] A = Σ e^(x − max)·(x − max) (with `what` & 1; else NaN), out[4] the least
  * finite logit, out[5] the mean of the finite logits and, with `what` & 2, out[6] their population standard
  * deviation (a second pass about the mean, in double) → 0, or -2 for a NaN, +inf or a row without a finite
@@ -235,7 +235,7 @@ int lmhead_row_moments(const float* x, int64_t V, int what, double* out, int thr
     return 0;
 }
 
-/* The log-normaliser and the entropy at float32 cost, with bounds on their errors (models/native.py
+/* The log-normaliser and the entropy at float32 cost, with bounds on their errors (kernels/native.py
  * `row_lse_bounded`): out[0] the maximum m, out[1] log S' with S' = Σ exp8(fl32(x − m)) summed in double, out[2]
  * a bound on |log S − log S'| for the exact S = Σ e^(x − m), out[3] the entropy H' = log S' − A'/S' (A' = Σ e'·d'),
  * out[4] a bound on |H − H'| → 0, or -2 for a NaN, +inf, a row without a finite logit, or a CPU without AVX2 (the
@@ -339,7 +339,7 @@ void lmhead_keep_ge(const float* x, int64_t V, float t, float* out) {
     for (; i < V; i++) out[i] = x[i] >= t ? x[i] : -INFINITY;
 }
 
-/* Locally typical sampling's kept set (models/native.py `typical_row`; transformers' TypicalLogitsWarper, the
+/* Locally typical sampling's kept set (kernels/native.py `typical_row`; transformers' TypicalLogitsWarper, the
  * reference's `sampling_typical` in float64): with p = softmax(x) and H its entropy, a token's score is
  * |−log p − H| = |x − c|, c = max + A/S (the mean of x under p); in order of score the kept set ends at the first
  * token whose cumulative mass reaches `mass`, and every token scoring at most that token's is kept (ties whole).

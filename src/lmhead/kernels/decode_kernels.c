@@ -2,7 +2,7 @@
  * (`lmhead_step`), and from token ids with the step's bookkeeping around it (`lmhead_decode`: the cache's
  * columns, the embedding rows, the rope rows and the masks); a coded matrix's rows as float32
  * (`lmhead_coded_rows`). Composed from coded_kernel.c's product and body_kernels.c's norms, activation and
- * attention. Built with the other sources into one library by models/native.py.
+ * attention. Built with the other sources into one library by kernels/native.py.
  */
 #include <float.h>
 #include <stddef.h>

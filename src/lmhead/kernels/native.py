@@ -13,7 +13,7 @@
                      a row's moments (`row_moments`), locally typical sampling's kept set (`typical_row`), a cut
                      at a threshold (`keep_ge`)
     simd_math.h, body_kernels.h, decode_kernels.h   what the sources share (vector exp; declarations, structs)
-      ──cc -O3 -march=native -fopenmp (models/native_build.py)──▶ <cache>/kernels/lmhead-<hash>.so (a temporary
+      ──cc -O3 -march=native -fopenmp (kernels/builder.py)──▶ <cache>/kernels/lmhead-<hash>.so (a temporary
       file renamed into place; begun in the background by `load_model` while it reads the file)
 
 Why C: torch ships no kernel for grouped int8 codes × float32 activations (its int4/int8 weight-only ops
@@ -35,8 +35,8 @@ import sys
 
 import torch
 
-from lmhead.models import native_build
-from lmhead.models.native_build import SOURCES, library_path
+from lmhead.kernels import builder
+from lmhead.kernels.builder import SOURCES, library_path
 
 __all__ = ["BF16", "F16", "HALF", "HALF_MAX_GROUPS", "PACKED", "ROWS4", "SOURCES", "LayerDesc", "MatDesc", "block4",
            "keep_ge", "keep_ge_unsure", "library", "library_path", "pack4", "row_lse_bounded", "row_moments",
@@ -137,15 +137,15 @@ def library() -> ctypes.CDLL | None:
         path = library_path()
     except OSError:
         return None
-    native_build.wait()  # a build `native_build.start()` began
+    builder.wait()  # a build `builder.start()` began
     for attempt in range(2):
-        if path.exists() and not native_build.intact(path):
+        if path.exists() and not builder.intact(path):
             # a library cut short or damaged in the cache would crash the process when mapped (a bus error)
             print(f"lmhead: the compiled kernels {path} do not match their checksum; building them again",
                   file=sys.stderr, flush=True)
             with contextlib.suppress(OSError):
                 path.unlink()
-        if not path.exists() and not native_build.build(path):
+        if not path.exists() and not builder.build(path):
             return None
         try:
             lib = _bind(ctypes.CDLL(str(path)))

@@ -1,4 +1,4 @@
-/* The whole decode step's descriptions of the model (decode_kernels.c; models/native.py mirrors them as
+/* The whole decode step's descriptions of the model (decode_kernels.c; kernels/native.py mirrors them as
  * ctypes structures) and coded_kernel.c's entry points that it calls. */
 #ifndef LMHEAD_DECODE_KERNELS_H
 #define LMHEAD_DECODE_KERNELS_H

@@ -4,7 +4,7 @@
  * ops each costs tens of microseconds of dispatch (and OpenMP wake-ups for the reductions), here about one.
  * Same float32 math as transformers' modules (Gemma 3, Llama), summed in another order. Called one by one by
  * models/lean.py's step-by-step path and together by decode_kernels.c's whole step; built with the other
- * sources into one library by models/native.py.
+ * sources into one library by kernels/native.py.
  */
 #include <float.h>
 #include <math.h>

@@ -3,7 +3,7 @@
  * an unseeded row's draw after its cuts (`sample_row`) and the positions at or above a threshold (`select_ge`,
  * for `topk`). After a decode step has streamed the weights through the caches, the torch ops around a row
  * cost more than its arithmetic; here a row is one call, a wide one cut into pieces over the threads. Built
- * with the other sources into one library by models/native.py.
+ * with the other sources into one library by kernels/native.py.
  */
 #include <float.h>
 #include <math.h>
@@ -67,7 +67,7 @@ static double pieces_lse(const float* pmax, const double* psum, int64_t pieces, 
     return (double)m + log(s);
 }
 
-/* The decode loop's score of each row's token (models/native.py `row_scores`): per row b of logits x [B, V],
+/* The decode loop's score of each row's token (kernels/native.py `row_scores`): per row b of logits x [B, V],
  * lse[b] = log Σ_v e^x[b,v] (the raw log-probability of token t is x[b,t] − lse[b]) and greater[b] = the number
  * of logits > x[b, ids[b]] (its rank − 1). One pass for the maximum and the count, one for Σ e^(x − max); the
  * row is cut into pieces over the threads when there are fewer rows than threads (a 262,144-token row: one
@@ -133,7 +133,7 @@ void lmhead_row_scores(const float* x, int64_t B, int64_t V, const int64_t* ids,
     free(pmax), free(psum), free(pcnt), free(pnan);
 }
 
-/* A greedy row's choice and score (models/native.py `greedy_rows`): per row b of logits x [B, V], ids[b] = the
+/* A greedy row's choice and score (kernels/native.py `greedy_rows`): per row b of logits x [B, V], ids[b] = the
  * first position of the row's maximum (torch.argmax's tie rule) and lse[b] = log Σ_v e^x[b,v], so that its raw
  * log-probability is x[b, ids[b]] − lse[b] and its rank 1. One pass for the maximum, one for Σ e^(x − max); a
  * row is cut into pieces over the threads when there are fewer rows than threads, pieces combined in double.
@@ -184,7 +184,7 @@ void lmhead_row_greedy(const float* x, int64_t B, int64_t V, int64_t* ids, doubl
     if (heap) free(pmax), free(psum), free(parg), free(pnan);
 }
 
-/* An unseeded top-p-alone row's exact kept set (models/native.py `top_p_row`, for sampling/top_p.py's `top_p_parts`):
+/* An unseeded top-p-alone row's exact kept set (kernels/native.py `top_p_row`, for sampling/top_p.py's `top_p_parts`):
  * x [V] logits, temperature T, top_p p → the kept tokens' ids and x/T (float32 division, as x / T in torch),
  * sorted by x/T descending (ties by position) → their count, or -1 (more than `cap` candidates, or the mass is
  * too flat for the thresholds below: the caller's histogram path), -2 (a NaN, or a maximum that is not finite
@@ -366,7 +366,7 @@ int64_t lmhead_top_p_row(const float* x, int64_t V, float T, double p, int64_t* 
     return kept;
 }
 
-/* An unseeded sampled row's draw (models/native.py `sample_row`: the decode loop's plain sampled rows, whose
+/* An unseeded sampled row's draw (kernels/native.py `sample_row`: the decode loop's plain sampled rows, whose
  * ~20 torch ops around the cut cost more than the cut after a step has streamed the weights through the caches):
  * x [V] logits, temperature T, top_k k (0: none), top_p p (1: none), min_p (0: none), u uniform in [0, 1) → *id
  * drawn by inverse
@@ -612,7 +612,7 @@ found:
 }
 
 /* The positions i of x [n] with x[i] ≥ thr, ascending, into out (at most cap of them) → their count; -1 when
- * there are more than cap, -2 when x holds a NaN (models/native.py `topk`: the candidates of a top-k). */
+ * there are more than cap, -2 when x holds a NaN (kernels/native.py `topk`: the candidates of a top-k). */
 int64_t lmhead_select_ge(const float* x, int64_t n, float thr, int64_t* out, int64_t cap) {
     int64_t count = 0, i = 0;
     int nan = 0;
