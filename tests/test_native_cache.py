@@ -56,3 +56,21 @@ def test_every_source_and_header_beside_the_builder_is_compiled_or_in_the_build_
     folder = builder.SOURCES[0].parent
     assert sorted(folder.glob("*.c")) == sorted(builder.SOURCES)
     assert sorted(folder.glob("*.h")) == sorted(builder.HEADERS)
+
+
+_MISMATCH = """
+import ctypes
+sizeof = ctypes.sizeof
+ctypes.sizeof = lambda t: sizeof(t) + (8 if getattr(t, "__name__", "") == "StepArgs" else 0)  # a field too many
+from lmhead.kernels import native
+print("loaded" if native.library() is not None else "none")
+"""
+
+
+@pytest.mark.skipif(builder.compiler() is None or native.library() is None, reason="no C compiler")
+def test_an_argument_struct_of_another_size_than_its_mirror_turns_the_kernels_off_with_one_line():
+    # a call through a struct laid out otherwise would read and write the wrong memory: refused before any call
+    run = subprocess.run([sys.executable, "-c", _MISMATCH], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip() == "none", run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.startswith("lmhead:")]
+    assert len(lines) == 1 and "lmhead_step_args is" in lines[0] and "running without them" in lines[0], lines

@@ -89,13 +89,14 @@ void lmhead_gated(const float* gate_up, float* out, int64_t rows, int64_t f, int
  *   columns start..start+T; then per query head h (key head h / (H/H_kv)) and token t over the L = start+T
  *   filled columns: scores = q·k·scaling (softcap·tanh(scores/softcap) when softcap > 0) + mask[b,t,:],
  *   softmax, out = Σ p·v.
- * qk: [B,T] tokens of (H + H_kv)·hd numbers at `qk_stride` apart; v: H_kv·hd numbers at `v_stride` apart;
- * cos, signed sin: [B,T,hd]; keys, values: the layer's cache [B,H_kv,cap,hd]; mask: [B,T,L] additive or NULL;
- * out: [B,T,H·hd]. Returns 0, or -1 without memory. */
-int lmhead_attend(const float* qk, int64_t qk_stride, const float* v, int64_t v_stride, const float* cos,
-                  const float* sin, float* keys, float* values, const float* mask, float* out, int64_t B,
-                  int64_t T, int64_t H, int64_t Hkv, int64_t hd, int64_t cap, int64_t start, float scaling,
-                  float softcap, int threads) {
+ * The arguments are lmhead_attend_args' (body_kernels.h: shapes and layouts). Returns 0, or -1 without memory. */
+int lmhead_attend(const lmhead_attend_args* args) {
+    const float *qk = args->qk, *v = args->v, *cos = args->cos, *sin = args->sin, *mask = args->mask;
+    float *keys = args->keys, *values = args->values, *out = args->out;
+    const int64_t qk_stride = args->qk_stride, v_stride = args->v_stride, B = args->B, T = args->T, H = args->H;
+    const int64_t Hkv = args->Hkv, hd = args->hd, cap = args->cap, start = args->start;
+    const float scaling = args->scaling, softcap = args->softcap;
+    const int threads = args->threads;
     const int64_t half = hd / 2, L = start + T, group = H / Hkv;
     float* q = (float*)malloc(sizeof(float) * (size_t)(B * T * H * hd));
     if (q == NULL) return -1;
@@ -296,3 +297,6 @@ int lmhead_attend(const float* qk, int64_t qk_stride, const float* v, int64_t v_
     free(q);
     return failed ? -1 : 0;
 }
+
+/* sizeof(lmhead_attend_args), which the loader compares with its ctypes mirror before any call */
+size_t lmhead_attend_args_size(void) { return sizeof(lmhead_attend_args); }

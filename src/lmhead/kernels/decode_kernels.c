@@ -62,12 +62,18 @@ static int matmul(const float* x, int64_t rows, const lmhead_mat* m, float* y, i
  * functions as the step-by-step path, composed here so that a step is one call. keys, values: layer i's cache
  * [B,H_kv,cap,hd] in one piece at i·layer_stride floats (B·H_kv·cap·hd for a whole cache; more for B rows of a
  * larger one: models/lean.py's StaticCache.view). scratch: at least
- * rows·(D + 2·(H + 2·H_kv)·hd + H·hd + 3·F) floats. Returns 0, or -1 (a kernel refused its arguments). */
-int lmhead_step(const lmhead_layer* layers, int64_t n_layers, const float* final_norm, float* x, float* h,
-                float* keys, float* values, int64_t layer_stride, const float* const* cos, const float* const* sin,
-                const float* const* masks, float* scratch, int64_t B, int64_t T, int64_t D, int64_t H,
-                int64_t Hkv, int64_t hd, int64_t F, int64_t cap, int64_t start, float eps, int plus_one, int act,
-                float scaling, float softcap, int threads) {
+ * rows·(D + 2·(H + 2·H_kv)·hd + H·hd + 3·F) floats. The arguments are lmhead_step_args' (decode_kernels.h).
+ * Returns 0, or -1 (a kernel refused its arguments). */
+int lmhead_step(const lmhead_step_args* args) {
+    const lmhead_layer* layers = args->layers;
+    const float *final_norm = args->final_norm, *const *cos = args->cos, *const *sin = args->sin;
+    const float* const* masks = args->masks;
+    float *x = args->x, *h = args->h, *keys = args->keys, *values = args->values, *scratch = args->scratch;
+    const int64_t n_layers = args->n_layers, layer_stride = args->layer_stride, B = args->B, T = args->T;
+    const int64_t D = args->D, H = args->H, Hkv = args->Hkv, hd = args->hd, F = args->F, cap = args->cap;
+    const int64_t start = args->start;
+    const float eps = args->eps, scaling = args->scaling, softcap = args->softcap;
+    const int plus_one = args->plus_one, act = args->act, threads = args->threads;
     const int64_t rows = B * T, width = (H + 2 * Hkv) * hd, qk_width = (H + Hkv) * hd;
     float* qkv = scratch;
     float* qk = qkv + rows * width;
@@ -92,10 +98,12 @@ int lmhead_step(const lmhead_layer* layers, int64_t n_layers, const float* final
             qk_in = qk;
             qk_stride = qk_width;
         }
-        if (lmhead_attend(qk_in, qk_stride, qkv + qk_width, width, cos[L->rope], sin[L->rope],
-                          keys + i * layer_stride, values + i * layer_stride, masks[L->sliding], att, B, T, H, Hkv,
-                          hd, cap, start, scaling, softcap, threads))
-            return -1;
+        const lmhead_attend_args attend = {
+            .qk = qk_in, .v = qkv + qk_width, .cos = cos[L->rope], .sin = sin[L->rope],
+            .keys = keys + i * layer_stride, .values = values + i * layer_stride, .mask = masks[L->sliding],
+            .out = att, .qk_stride = qk_stride, .v_stride = width, .B = B, .T = T, .H = H, .Hkv = Hkv, .hd = hd,
+            .cap = cap, .start = start, .scaling = scaling, .softcap = softcap, .threads = threads};
+        if (lmhead_attend(&attend)) return -1;
         if (matmul(att, rows, &L->o, branch, threads)) return -1;
         lmhead_add_norm(x, branch, L->post_attn_norm, L->pre_mlp_norm, x2, h, rows, D, eps, plus_one);
         if (matmul(h, rows, &L->gate_up, gu, threads)) return -1;
@@ -123,16 +131,21 @@ int lmhead_step(const lmhead_layer* layers, int64_t n_layers, const float* final
  * the shared L3): ~1 ms of a 10 ms step. x, h [B·T, D]; work: at least B·T·(2·n_kinds·hd + 2·(start+T)) floats
  * beside the step's scratch; keys, values and layer_stride as lmhead_step's. Returns 0; −2 for an id outside
  * [0, vocab) or a position outside [0, table_rows)
- * (nothing written: the caller's general path raises or grows its tables); −1 as lmhead_step. */
-int lmhead_decode(const lmhead_layer* layers, int64_t n_layers, const float* final_norm, const float* embed,
-                  const lmhead_mat* embed_codes, int64_t vocab, float embed_scale, int has_scale, const int64_t* ids,
-                  const int64_t* positions,
-                  const uint8_t* new_valid, uint8_t* cache_valid, int64_t* cache_pos, int64_t* cache_tokens,
-                  const float* const* cos_tables, const float* const* sin_tables, int64_t n_kinds,
-                  int64_t table_rows, int sliding_kinds, int64_t window, float* x, float* h,
-                  float* keys, float* values, int64_t layer_stride, float* work, float* scratch, int64_t B, int64_t T,
-                  int64_t D, int64_t H, int64_t Hkv, int64_t hd, int64_t F, int64_t cap, int64_t start, float eps,
-                  int plus_one, int act, float scaling, float softcap, int threads) {
+ * (nothing written: the caller's general path raises or grows its tables); −1 as lmhead_step. The arguments are
+ * lmhead_decode_args' (decode_kernels.h); the step's cos, sin and masks are made here. */
+int lmhead_decode(const lmhead_decode_args* args) {
+    const lmhead_mat* embed_codes = args->embed_codes;
+    const float *embed = args->embed, *const *cos_tables = args->cos_tables, *const *sin_tables = args->sin_tables;
+    const int64_t *ids = args->ids, *positions = args->positions;
+    const uint8_t* new_valid = args->new_valid;
+    uint8_t* cache_valid = args->cache_valid;
+    int64_t *cache_pos = args->cache_pos, *cache_tokens = args->cache_tokens;
+    float *x = args->step.x, *work = args->work;
+    const int64_t vocab = args->vocab, n_kinds = args->n_kinds, table_rows = args->table_rows;
+    const int64_t window = args->window, B = args->step.B, T = args->step.T, D = args->step.D;
+    const int64_t hd = args->step.hd, cap = args->step.cap, start = args->step.start;
+    const float embed_scale = args->embed_scale;
+    const int has_scale = args->has_scale, sliding_kinds = args->sliding_kinds;
     const int64_t rows = B * T, L = start + T;
     if (n_kinds < 1 || n_kinds > 8 || L > cap) return -2;
     for (int64_t r = 0; r < rows; r++)
@@ -192,6 +205,11 @@ int lmhead_decode(const lmhead_layer* layers, int64_t n_layers, const float* fin
             w += rows * L;
         }
     }
-    return lmhead_step(layers, n_layers, final_norm, x, h, keys, values, layer_stride, cos, sin, masks, scratch, B, T,
-                       D, H, Hkv, hd, F, cap, start, eps, plus_one, act, scaling, softcap, threads);
+    lmhead_step_args step = args->step;
+    step.cos = cos, step.sin = sin, step.masks = masks;
+    return lmhead_step(&step);
 }
+
+/* sizeof each arguments' struct, which the loader compares with its ctypes mirrors before any call */
+size_t lmhead_step_args_size(void) { return sizeof(lmhead_step_args); }
+size_t lmhead_decode_args_size(void) { return sizeof(lmhead_decode_args); }
