@@ -2,14 +2,14 @@
 
     .venv/bin/python benchmarks/bench_kernels.py [--repeats 5] [--quick]
 
-1. The coded product (`CodedLinear`, models/coded_kernel.c) at 1-32 query rows on the packaged models' shapes
+1. The coded product (`CodedLinear`, kernels/coded_kernel.c) at 1-32 query rows on the packaged models' shapes
    (synthetic codes in the layouts the models load: Q8_0-like int8 with float16 scales for Gemma 3's head,
    packed 4-bit with offsets for the MLP matrices): ms per call and per row — one row waits on memory, several
    on arithmetic.
 2. Gemma 3's head shape at 8-512 rows: the codes against F.linear over the float32 matrix they encode (what
    `LMHead.PRODUCT_MAX_ROWS` chooses between).
-3. `Vocab.topk` on rows of 262,144 logits: the threshold pass (`models.native.topk`) against torch.topk.
-4. The decode loop's raw scores: `models.native.row_scores` against log_softmax + a count.
+3. `Vocab.topk` on rows of 262,144 logits: the threshold pass (`kernels.native.topk`) against torch.topk.
+4. The decode loop's raw scores: `kernels.native.row_scores` against log_softmax + a count.
 5. A server round's choice for 8 rows of 262,144 logits (half greedy, half seeded top-k 40, as bench_server.py
    sends them): `speculative.plain_choice` with and without the draws' logprobs, the rows interleaved (each
    read in place) and side by side (one view per group).
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from records import Figure, Recorder  # same folder: run as a script, it is on sys.path
 
-from lmhead.models import native
+from lmhead.kernels import native
 from lmhead.models.coded_linear import CodedLinear
 
 

@@ -1,4 +1,4 @@
-"""One layer's attention in C (`lmhead_attend`, models/lean_kernels.c) against plain softmax attention
+"""One layer's attention in C (`lmhead_attend`, kernels/body_kernels.c) against plain softmax attention
 (`reference.attention_step`): query heads taken together per key head and key block, and each query's span of
 kept columns, on contexts of several key blocks."""
 
@@ -10,7 +10,7 @@ import pytest
 import reference as ref
 import torch
 
-from lmhead.models import native
+from lmhead.kernels import native
 
 MIN = torch.finfo(torch.float32).min  # transformers' masked columns
 
@@ -60,10 +60,11 @@ def test_attention_in_c_equals_plain_softmax_attention(heads, kv_heads, hd, kind
     softcap = 30.0 if heads == 4 else 0.0
     want, want_k, want_v = ref.attention_step(qk, v, cos, sin, keys, values, mask, start, 0.3, softcap)
     out = torch.empty(b, t, heads * hd)
-    rc = native.library().lmhead_attend(
-        qk.data_ptr(), (heads + kv_heads) * hd, v.data_ptr(), kv_heads * hd, cos.data_ptr(), sin.data_ptr(),
-        keys.data_ptr(), values.data_ptr(), None if mask is None else mask.data_ptr(), out.data_ptr(), b, t, heads,
-        kv_heads, hd, cap, start, 0.3, softcap, threads)
+    rc = native.library().lmhead_attend(native.AttendArgs(
+        qk=qk.data_ptr(), v=v.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), keys=keys.data_ptr(),
+        values=values.data_ptr(), mask=None if mask is None else mask.data_ptr(), out=out.data_ptr(),
+        qk_stride=(heads + kv_heads) * hd, v_stride=kv_heads * hd, B=b, T=t, H=heads, Hkv=kv_heads, hd=hd, cap=cap,
+        start=start, scaling=0.3, softcap=softcap, threads=threads))
     assert rc == 0
     torch.testing.assert_close(keys, want_k, **ref.tolerance(torch.float32))
     torch.testing.assert_close(values, want_v, **ref.tolerance(torch.float32))

@@ -341,7 +341,7 @@ def test_float16_scales_are_kept_as_float16_and_give_the_same_product(rows, low,
 
 @pytest.mark.parametrize("act", [0, 1])  # 0: Gemma's tanh-approximated GELU, 1: Llama's SiLU
 def test_native_gated_activation_equals_torch_over_a_wide_range(act):
-    from lmhead.models import native
+    from lmhead.kernels import native
 
     fn = (lambda t: torch.nn.functional.gelu(t, approximate="tanh")) if act == 0 else torch.nn.functional.silu
     g = torch.Generator().manual_seed(4)

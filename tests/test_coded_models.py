@@ -59,7 +59,7 @@ def test_the_heads_screen_gives_the_exact_top_k_and_scoreless_greedy_tokens_equa
     # both tied heads are Q8_0 codes: screened, each row's top k exact and the rest below; the greedy tokens of
     # scoreless rows (screened rounds of 4) are the float32 model's
     from lmhead import SamplingConfig, load_model
-    from lmhead.models import native
+    from lmhead.kernels import native
 
     model = load_model(name, progress=False)
     product = model.exact_head.product

@@ -26,9 +26,9 @@ from lmhead.constrain import (
     compile_constraint,
 )
 from lmhead.generate import Batch, prepare
+from lmhead.kernels.native import greedy_rows
 from lmhead.models import Model
 from lmhead.models.fast_linear import int8_linear_available
-from lmhead.models.native import greedy_rows
 from lmhead.sampling import SamplingConfig
 from lmhead.speculative import SpeculativeStats
 

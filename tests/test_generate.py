@@ -360,7 +360,7 @@ def test_plain_greedy_rows_take_one_native_pass_with_the_pipelines_tokens_and_sc
     raw logprob and rank (1) as the general pipeline and scorer; a row with alternatives or a penalty in the
     batch keeps the general path for what it needs."""
     import lmhead.speculative as speculative
-    from lmhead.models import native
+    from lmhead.kernels import native
 
     if native.library() is None:
         pytest.skip("no C compiler")

@@ -1,4 +1,4 @@
-"""The decode loop's passes over whole rows of logits in C (models/native.py): the top-k by threshold and the
+"""The decode loop's passes over whole rows of logits in C (kernels/native.py): the top-k by threshold and the
 raw scores of chosen tokens, against torch."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import reference as ref
 import torch
 
-from lmhead.models import native
+from lmhead.kernels import native
 from lmhead.sampling import Vocab
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler")

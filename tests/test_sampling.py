@@ -929,7 +929,7 @@ def test_unseeded_top_p_rows_draw_from_the_set_c_finds_and_the_rest_by_rejection
     """`sample` (no logprobs) on a few unseeded top-p-alone rows: a language-model-like row's set is found in C and
     raced over, a flat row (a set wider than C takes) is drawn by rejection; both follow the reference."""
     import lmhead.sampling.top_p as sampling  # the module that holds the top-p paths and their constants
-    from lmhead.models import native
+    from lmhead.kernels import native
 
     if native.library() is None:
         pytest.skip("the C pass needs the native library")

@@ -132,7 +132,7 @@ _CUTS_AGAINST_REFERENCE = {
 @pytest.mark.parametrize("which", list(_CUTS_AGAINST_REFERENCE))
 def test_each_cut_keeps_the_plain_rules_set_on_wide_tied_masked_and_flat_rows(which, native, monkeypatch):
     # the steps decide in float64 from the row's moments (C passes, or torch's float64 without the library)
-    from lmhead.models import native as lib
+    from lmhead.kernels import native as lib
     from lmhead.sampling.steps import Context
 
     if native and lib.library() is None:
@@ -172,7 +172,7 @@ def test_a_logit_at_the_threshold_is_cut_as_the_float64_rule_cuts_it(which):
 
 
 def test_the_c_passes_cut_alike_on_one_thread_or_several():
-    from lmhead.models import native as lib
+    from lmhead.kernels import native as lib
     from lmhead.sampling.steps import Context
 
     if lib.library() is None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from lmhead.models import native
+from lmhead.kernels import native
 from lmhead.models.coded_linear import CodedLinear, coded_available
 from lmhead.sampling import SamplingConfig
 

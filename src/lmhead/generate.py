@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from lmhead import checks
-from lmhead.models.native import row_scores, token_scores
+from lmhead.kernels.native import row_scores, token_scores
 from lmhead.sampling import RowState, SamplingConfig, as_configs, chosen_logprobs, logprobs
 from lmhead.sampling.steps.masks import withhold_stops
 

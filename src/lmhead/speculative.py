@@ -40,9 +40,9 @@ import torch
 from torch import Tensor
 
 from lmhead import checks
+from lmhead.kernels.native import greedy_rows, sample_row
 from lmhead.models.fast_linear import Int8Linear, int8_linear_available
 from lmhead.models.lean import SUPPORTED_MODEL_TYPES, LeanBody, StaticCache, gather_row
-from lmhead.models.native import greedy_rows, sample_row
 from lmhead.sampling import seeded_generator
 
 __all__ = ["AdaptiveK", "Decoder", "Draft", "NgramDraft", "Round", "SpeculativeStats", "accept_greedy",

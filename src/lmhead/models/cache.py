@@ -29,19 +29,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from lmhead.cache_folder import cache_root
+
 MANIFEST = "manifest.json"
 FAST_CHECKSUM = "xxh3_64"  # the manifest's key for each file's fast checksum (xxhash.xxh3_64, hex)
 FORMAT = 2  # bump when the layout of a cached folder changes; older folders are rebuilt
-
-
-def cache_root() -> Path:
-    """The cache folder: $LMHEAD_CACHE, else $XDG_CACHE_HOME/lmhead, else ~/.cache/lmhead."""
-    env = os.environ.get("LMHEAD_CACHE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "lmhead"
 
 
 def _folder(name: str) -> Path:

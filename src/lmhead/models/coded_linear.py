@@ -10,7 +10,7 @@ are the same — the codes give back the float32 matrix weight for weight (`mode
 when it builds them) — so the product equals the float32 one up to the order of float32 additions.
 
 The kernel is C (`coded_kernel.c`: AVX2/FMA where the machine has it, else plain loops the compiler
-vectorises), built once per machine with the system C compiler (`models/native.py`) and called with ctypes;
+vectorises), built once per machine with the system C compiler (`kernels/native.py`) and called with ctypes;
 torch ships no kernel for grouped int8 codes × float32 activations (its int4/int8 weight-only ops
 quantise differently and measured slower than float32 on this machine: benchmarks/bench_body.py). Without a
 compiler `coded_available()` is False and the float32 weights are used — same numbers, slower.
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from lmhead import checks
-from lmhead.models import native
+from lmhead.kernels import native
 
 __all__ = ["SCREEN_CAP", "CodedLinear", "coded_available"]
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lmhead.models import native
+from lmhead.kernels import native
 from lmhead.models.arch import ARCHS, STATIC_ROPE, arch_of, refusal
 from lmhead.models.coded_linear import CodedLinear, coded_available
 from lmhead.models.fast_linear import Int8Linear, onednn_available
@@ -51,7 +51,7 @@ def cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     """A zeroed tensor of `shape` for a cache. On the CPU, from LAZY_BYTES on, an anonymous memory mapping: the
     kernel gives each page, zeroed, when it is first touched, so the columns a row never writes cost neither the
     time to clear them nor memory. A short row merged beside a long one holds mostly such columns (left of its
-    own): attention's spans skip them (lean_kernels.c) and the torch path reads them as zeros."""
+    own): attention's spans skip them (body_kernels.c) and the torch path reads them as zeros."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or nbytes < LAZY_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -324,7 +324,7 @@ class LeanBody:
         self.window = getattr(cfg, "sliding_window", None)
         self._types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
         self.layer_types = sorted(set(self._types))
-        # the activations lean_kernels.c computes (by the config's name; others run the model's own act_fn)
+        # the activations body_kernels.c computes (by the config's name; others run the model's own act_fn)
         act_name = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
         self.act_code = {"gelu_pytorch_tanh": 0, "silu": 1}.get(act_name)
         self.native = native.library()
@@ -432,7 +432,7 @@ class LeanBody:
         return w * (y if y.dtype == x.dtype else y.type_as(x))
 
     def _native(self, *tensors: Tensor):
-        """The C library for the element-wise work (`models/native.py`), or None: not built, autograd recording
+        """The C library for the element-wise work (`kernels/native.py`), or None: not built, autograd recording
         (callers may differentiate through the result), or tensors that are not float32 on the CPU."""
         if self.native is None or torch.is_grad_enabled():
             return None
@@ -542,10 +542,22 @@ class LeanBody:
         f, d = self.layers[0].coded["down"].in_features, self.width
         return rows * ((heads + 2 * kv) * hd + (heads + kv) * hd + heads * hd + 2 * d + 3 * f)
 
+    def _step_args(self, descs, cache: StaticCache, start: int, b: int, t: int, x: Tensor, h: Tensor,
+                   scratch: Tensor) -> native.StepArgs:
+        """`lmhead_step`'s arguments for b·t new tokens at column `start` of `cache` (x, h [b·t, D] and scratch
+        float32, contiguous), less its cos, sin and masks."""
+        return native.StepArgs(
+            layers=ctypes.addressof(descs[0]), final_norm=self.final_norm.data_ptr(), x=x.data_ptr(), h=h.data_ptr(),
+            keys=cache.keys.data_ptr(), values=cache.values.data_ptr(), scratch=scratch.data_ptr(),
+            n_layers=len(self.layers), layer_stride=cache.layer_stride, B=b, T=t, D=self.width, H=self.heads,
+            Hkv=self.kv_heads, hd=self.head_dim, F=self.layers[0].coded["down"].in_features, cap=cache.capacity,
+            start=start, eps=self.eps, scaling=self.scaling, softcap=self.attn_softcap or 0.0,
+            plus_one=int(self.arch.unit_offset_norm), act=self.act_code, threads=torch.get_num_threads())
+
     def _step_native(self, x: Tensor, rope: dict, masks: dict, cache: StaticCache, start: int) -> Tensor | None:
         """Every block in one C call (`lmhead_step`) when all matrices read codes → hidden [B,T,D], else None."""
         lib = self._native(x)
-        b, t, d = x.shape
+        b, t = x.shape[:2]
         descs = None if lib is None else self._checked_descs(cache, b * t)
         if descs is None:
             return None
@@ -554,17 +566,14 @@ class LeanBody:
         sin = [s.contiguous() for _, s in kinds]
         mask_list = [None if masks.get(flag) is None else masks[flag].contiguous() for flag in (False, True)]
         arr = lambda ts: (ctypes.c_void_p * len(ts))(*[None if v is None else v.data_ptr() for v in ts])  # noqa: E731
-        hd, heads, kv = self.head_dim, self.heads, self.kv_heads
-        f = self.layers[0].coded["down"].in_features
+        cos_ptrs, sin_ptrs, mask_ptrs = arr(cos), arr(sin), arr(mask_list)  # held: the call reads them
         scratch = x.new_empty(self._step_scratch(b * t))
         x = x.contiguous().clone()
         h = torch.empty_like(x)
-        rc = lib.lmhead_step(descs[0], len(self.layers), self.final_norm.data_ptr(), x.data_ptr(), h.data_ptr(),
-                             cache.keys.data_ptr(), cache.values.data_ptr(), cache.layer_stride, arr(cos), arr(sin),
-                             arr(mask_list),
-                             scratch.data_ptr(), b, t, d, heads, kv, hd, f, cache.capacity, start, self.eps,
-                             int(self.arch.unit_offset_norm), self.act_code, self.scaling, self.attn_softcap or 0.0,
-                             torch.get_num_threads())
+        args = self._step_args(descs, cache, start, b, t, x, h, scratch)
+        args.cos, args.sin = ctypes.addressof(cos_ptrs), ctypes.addressof(sin_ptrs)
+        args.masks = ctypes.addressof(mask_ptrs)
+        rc = lib.lmhead_step(args)
         if rc != 0:
             raise MemoryError("lmhead_step could not allocate its buffers")
         return h
@@ -576,7 +585,7 @@ class LeanBody:
         written and the general path runs): the step's own conditions, rope tables not made yet or too short
         for a position, an id outside the vocabulary, tensors of another dtype or layout. Why: after a step
         has streamed the weights through the caches, each torch operation around it costs 50–300 µs
-        (lean_kernels.c), ~1 ms of a 10 ms step."""
+        (decode_kernels.c), ~1 ms of a 10 ms step."""
         lib = self._native(self.final_norm)
         b, t = ids.shape
         if lib is None or (self.embed is not None and not self.embed.is_contiguous()):
@@ -598,8 +607,7 @@ class LeanBody:
         if descs is None:
             return None
         start, cap, d, rows = cache.length, cache.capacity, self.width, b * t
-        hd, heads, kv = self.head_dim, self.heads, self.kv_heads
-        f = self.layers[0].coded["down"].in_features
+        hd = self.head_dim
         key = (rows, cap, threading.get_ident())  # per thread: two generations at once must not share them
         buffers = self.__dict__.setdefault("_decode_buffers", {})
         if key not in buffers:  # reused: the residual stream, the step's scratch and the prelude's rows/masks
@@ -622,19 +630,18 @@ class LeanBody:
         coded = self.embed_codes
         embed_desc = None if coded is None else self.__dict__.get("_embed_desc")
         if coded is not None and embed_desc is None:
-            embed_desc = self._embed_desc = ctypes.byref(coded.desc())
-        rc = lib.lmhead_decode(descs[0], len(self.layers), self.final_norm.data_ptr(),
-                               None if coded is not None else self.embed.data_ptr(), embed_desc,
-                               coded.out_features if coded is not None else self.embed.shape[0], made[4],
-                               int(self.embed_scale is not None),
-                               ids.data_ptr(), positions.data_ptr(), None if valid is None else valid.data_ptr(),
-                               cache.valid.data_ptr(), cache.positions.data_ptr(), cache.tokens.data_ptr(),
-                               made[1], made[2], len(self.layer_types), table_rows, made[3], self.window or 0,
-                               x.data_ptr(), h.data_ptr(),
-                               cache.keys.data_ptr(), cache.values.data_ptr(), cache.layer_stride, work.data_ptr(),
-                               scratch.data_ptr(),
-                               b, t, d, heads, kv, hd, f, cap, start, self.eps, int(self.arch.unit_offset_norm),
-                               self.act_code, self.scaling, self.attn_softcap or 0.0, torch.get_num_threads())
+            embed_desc = self._embed_desc = coded.desc()  # held here: the calls read it
+        rc = lib.lmhead_decode(native.DecodeArgs(
+            step=self._step_args(descs, cache, start, b, t, x, h, scratch),
+            embed=None if coded is not None else self.embed.data_ptr(),
+            embed_codes=None if embed_desc is None else ctypes.addressof(embed_desc),
+            ids=ids.data_ptr(), positions=positions.data_ptr(), new_valid=None if valid is None else valid.data_ptr(),
+            cache_valid=cache.valid.data_ptr(), cache_pos=cache.positions.data_ptr(),
+            cache_tokens=cache.tokens.data_ptr(), cos_tables=ctypes.addressof(made[1]),
+            sin_tables=ctypes.addressof(made[2]), work=work.data_ptr(),
+            vocab=coded.out_features if coded is not None else self.embed.shape[0], n_kinds=len(self.layer_types),
+            table_rows=table_rows, window=self.window or 0, embed_scale=made[4],
+            has_scale=int(self.embed_scale is not None), sliding_kinds=made[3]))
         if rc == -2:
             return None
         if rc != 0:
@@ -661,10 +668,12 @@ class LeanBody:
         mask = None if mask is None else mask.contiguous()
         out = qkv.new_empty((b, t, self.heads * self.head_dim))
         v_offset = (self.heads + self.kv_heads) * self.head_dim * qkv.element_size()
-        rc = lib.lmhead_attend(qk_ptr, qk_stride, qkv.data_ptr() + v_offset, width, cos.data_ptr(), sin.data_ptr(),
-                               keys.data_ptr(), values.data_ptr(), None if mask is None else mask.data_ptr(),
-                               out.data_ptr(), b, t, self.heads, self.kv_heads, self.head_dim, cache.capacity,
-                               start, self.scaling, self.attn_softcap or 0.0, torch.get_num_threads())
+        rc = lib.lmhead_attend(native.AttendArgs(
+            qk=qk_ptr, v=qkv.data_ptr() + v_offset, cos=cos.data_ptr(), sin=sin.data_ptr(), keys=keys.data_ptr(),
+            values=values.data_ptr(), mask=None if mask is None else mask.data_ptr(), out=out.data_ptr(),
+            qk_stride=qk_stride, v_stride=width, B=b, T=t, H=self.heads, Hkv=self.kv_heads, hd=self.head_dim,
+            cap=cache.capacity, start=start, scaling=self.scaling, softcap=self.attn_softcap or 0.0,
+            threads=torch.get_num_threads()))
         if rc != 0:
             raise MemoryError("lmhead_attend could not allocate its buffers")
         return out

@@ -256,9 +256,9 @@ def load_model(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, verify: 
     oneDNN's kernel when torch has it — the same weights; docs/models.md has the timings), "onednn",
     "transformers" (transformers' own modules). `hf_model` is transformers' model either way.
     """
-    from lmhead.models import native_build
+    from lmhead.kernels import builder
 
-    native_build.start()  # a machine without the kernels compiles them while torch and the file are read
+    builder.start()  # a machine without the kernels compiles them while torch and the file are read
     from lmhead.models.heads import check_head_mode
     from lmhead.models.model import BODY_MODES, Model
 

@@ -109,7 +109,7 @@ def _drawn_logprob(vals: Tensor, tok: int) -> float:
     """The log-probability of the drawn `tok` in processed logits [1,V]: its logit less the row's log-normaliser,
     from one C call where the library is (two passes over the row, no [1,V] temporary), else a log-softmax."""
     if vals.device.type == "cpu" and vals.dtype == torch.float32:
-        from lmhead.models import native
+        from lmhead.kernels import native
 
         got = native.token_scores(vals, [tok])
         if got is not None:

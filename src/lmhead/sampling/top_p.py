@@ -63,7 +63,7 @@ def top_p_parts(x: Tensor, temperature: float, top_p: float, vocab: Vocab, nativ
     the rest of the row only enters through the normaliser. That settles language-model-like rows (their
     top-p sets hold tens of tokens). Rows with a wide top-p set go to `_top_p_bins`, which is exact too.
 
-    A few whole CPU rows are settled in C first (`models.native.top_p_row`: the same rule, three passes and a
+    A few whole CPU rows are settled in C first (`kernels.native.top_p_row`: the same rule, three passes and a
     sort of the candidates, one call per row instead of ~40 torch ops); the rows it declines take the path
     above. Not with ``native=False``: a seeded draw races noise over the candidates in id order, dropped ones
     included, so its id depends on the candidate list — it keeps the windows', which never depend on whether C
@@ -80,13 +80,13 @@ def top_p_parts(x: Tensor, temperature: float, top_p: float, vocab: Vocab, nativ
 
 
 def _top_p_native(x: Tensor, temperature: float, top_p: float, vocab: Vocab) -> tuple[list[Part], list[int]]:
-    """The rows of x [b,V] whose top-p set C settles (`models.native.top_p_row`: a few whole float32 CPU rows,
+    """The rows of x [b,V] whose top-p set C settles (`kernels.native.top_p_row`: a few whole float32 CPU rows,
     one call each; language-model rows, whose sets hold tens of tokens) as parts, and the rows it leaves (flat
     rows, more rows than NATIVE_TOP_P_ROWS, a sharded vocabulary, no library)."""
     if not (type(vocab) is Vocab and x.device.type == "cpu" and x.dtype == torch.float32
             and x.shape[1] == vocab.size and 0 < x.shape[0] <= NATIVE_TOP_P_ROWS):
         return [], list(range(x.shape[0]))
-    from lmhead.models.native import top_p_row
+    from lmhead.kernels.native import top_p_row
 
     found = [top_p_row(x[r], temperature, top_p) for r in range(x.shape[0])]
     if len(found) == 1:

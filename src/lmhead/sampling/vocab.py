@@ -70,7 +70,7 @@ class Vocab:
         """[b,V_r] → the k largest over V (k ≤ V): values [b,k] descending, ids [b,k] long (tied values in any
         order)."""
         if x.device.type == "cpu":  # a wide CPU row: a threshold pass in C, then a sort of the few above it
-            from lmhead.models import native
+            from lmhead.kernels import native
 
             got = native.topk(x, k)
             if got is not None:

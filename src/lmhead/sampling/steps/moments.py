@@ -10,7 +10,7 @@ the float64 moments are taken only when a logit lies within that bound of it (`k
 Locally typical sampling orders tokens by |−log q − H| = |x − c| with c = max + A/S, and only the tokens near the
 crossing of its mass need sorting.
 
-The passes run in C (models/native.py: step_kernels.c) for a CPU row where the library is built, in torch's float64
+The passes run in C (kernels/native.py: step_kernels.c) for a CPU row where the library is built, in torch's float64
 otherwise (``native=False``: the same numbers up to float64 rounding, slower; the tests compare the two). A row
 with a NaN, +inf or no finite logit has no moments (None): the steps leave it as it is and the pipeline's check of
 the row names the problem.
@@ -61,10 +61,10 @@ class Moments:
 
 
 def _library(x: Tensor, use: bool):
-    """models.native for a CPU float32 row when `use` (imported on first use, as the pipeline's other C paths)."""
+    """kernels.native for a CPU float32 row when `use` (imported on first use, as the pipeline's other C paths)."""
     if not (use and x.device.type == "cpu" and x.dtype == torch.float32):
         return None
-    from lmhead.models import native
+    from lmhead.kernels import native
 
     return native
 

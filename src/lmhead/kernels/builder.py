@@ -5,7 +5,7 @@
 
 This module imports no torch, so that `start()` can begin a build that the cache lacks before the slow imports
 and the first read of a new file's tokenizer: a fresh machine's first load compiles while it does the rest.
-`models/native.py` loads and binds the library (and waits for a build begun here).
+`kernels/native.py` loads and binds the library (and waits for a build begun here).
 """
 
 from __future__ import annotations
@@ -19,9 +19,13 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["FLAGS", "SOURCES", "build", "compiler", "intact", "library_path", "start", "wait"]
+from lmhead.cache_folder import cache_root
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("coded_kernel.c", "lean_kernels.c", "step_kernels.c"))
+__all__ = ["FLAGS", "HEADERS", "SOURCES", "build", "compiler", "intact", "library_path", "start", "wait"]
+
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("coded_kernel.c", "body_kernels.c", "row_kernels.c",
+                                                     "decode_kernels.c", "step_kernels.c"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd_math.h", "body_kernels.h", "decode_kernels.h"))
 FLAGS = ("-O3", "-march=native", "-fPIC", "-fopenmp")
 _TIMEOUT = 180  # seconds for one compiler run
 
@@ -40,11 +44,10 @@ def _cpu_flags() -> str:
 
 
 def library_path() -> Path:
-    """Where this machine's build lives: keyed by the sources, the flags and the CPU (-march=native)."""
-    from lmhead.models.cache import cache_root
-
+    """Where this machine's build lives: keyed by the sources and the headers they include, the flags and the CPU
+    (-march=native)."""
     digest = hashlib.sha256()
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         digest.update(src.read_bytes())
     digest.update((" ".join(FLAGS) + " -shared" + _cpu_flags() + platform.machine()).encode())
     return cache_root() / "kernels" / f"lmhead-{digest.hexdigest()[:24]}.so"

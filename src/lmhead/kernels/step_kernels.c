@@ -5,7 +5,7 @@
  * float64: so do these, with one exp of the row's own (below) instead of torch's float64 exp, so that a cut
  * decided here is the reference's cut up to float64 rounding — never a float32 approximation of it. Each pass
  * reads the float32 row once; a wide row is cut into pieces over the threads, the pieces' sums combined in order.
- * Built with the other kernels into one library by models/native.py, which tests every entry point on load.
+ * Built with the other kernels into one library by kernels/native.py, which tests every entry point on load.
  */
 #include <float.h>
 #include <math.h>
@@ -15,6 +15,8 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+
+#include "simd_math.h"
 
 /* e^d for d ≤ 0 in double: d = (32q + j)·ln2/32 + r (ln2/32 in two parts, so that n·hi is exact; |r| ≤ ln2/64),
  * e^d = 2^q · 2^(j/32) · e^r, 2^(j/32) from a table (correctly rounded), e^r − 1 by its Taylor polynomial to r^6/6!
@@ -71,26 +73,10 @@ static inline double hsum4(__m256d v) {
     return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 }
 
-/* lean_kernels.c's float32 e^x for eight floats (Cephes' polynomial; x clamped to [−87, 88]), for the passes
+/* simd_math.h's float32 e^x for eight floats (Cephes' polynomial; x clamped to [−87, 88]), for the passes
  * whose error is bounded below: over every float32 x in [−87, 0] its result is within EXP8_ERROR of e^x
  * (relatively; checked against exp in double, input by input) */
 #define EXP8_ERROR 1.19e-7
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
 #endif
 
 /* how many pieces a pass over a row of V logits is cut into over the threads (a row of a small vocabulary: one) */
@@ -205,7 +191,7 @@ static int row_moments(const float* x, int64_t V, int exps, double* out, int thr
     return 0;
 }
 
-/* The row's moments (models/native.py `row_moments`): out[0] the maximum, out[1] the count of finite logits,
+/* The row's moments (kernels/native.py `row_moments`): out[0] the maximum, out[1] the count of finite logits,
  * out[2] S = Σ e^(x − max), out[3] A = Σ e^(x − max)·(x − max) (with `what` & 1; else NaN), out[4] the least
  * finite logit, out[5] the mean of the finite logits and, with `what` & 2, out[6] their population standard
  * deviation (a second pass about the mean, in double) → 0, or -2 for a NaN, +inf or a row without a finite
@@ -249,7 +235,7 @@ int lmhead_row_moments(const float* x, int64_t V, int what, double* out, int thr
     return 0;
 }
 
-/* The log-normaliser and the entropy at float32 cost, with bounds on their errors (models/native.py
+/* The log-normaliser and the entropy at float32 cost, with bounds on their errors (kernels/native.py
  * `row_lse_bounded`): out[0] the maximum m, out[1] log S' with S' = Σ exp8(fl32(x − m)) summed in double, out[2]
  * a bound on |log S − log S'| for the exact S = Σ e^(x − m), out[3] the entropy H' = log S' − A'/S' (A' = Σ e'·d'),
  * out[4] a bound on |H − H'| → 0, or -2 for a NaN, +inf, a row without a finite logit, or a CPU without AVX2 (the
@@ -353,7 +339,7 @@ void lmhead_keep_ge(const float* x, int64_t V, float t, float* out) {
     for (; i < V; i++) out[i] = x[i] >= t ? x[i] : -INFINITY;
 }
 
-/* Locally typical sampling's kept set (models/native.py `typical_row`; transformers' TypicalLogitsWarper, the
+/* Locally typical sampling's kept set (kernels/native.py `typical_row`; transformers' TypicalLogitsWarper, the
  * reference's `sampling_typical` in float64): with p = softmax(x) and H its entropy, a token's score is
  * |−log p − H| = |x − c|, c = max + A/S (the mean of x under p); in order of score the kept set ends at the first
  * token whose cumulative mass reaches `mass`, and every token scoring at most that token's is kept (ties whole).

@@ -1,16 +1,19 @@
 """lmhead's C kernels: built once per machine with the system C compiler, loaded with ctypes, self-tested.
 
     coded_kernel.c   the product over GGUF codes (models/coded_linear.py)
-    lean_kernels.c   the decode step's small work: RMSNorm, residual add + norms, gated activation, and
-                     rope + cache write + attention for the new tokens; and `lmhead_step`, every block of a
-                     decode step in one call over the coded matrices (models/lean.py); the decode loop's
-                     raw logprob and rank of each chosen token (`row_scores`, lmhead/generate.py); a greedy
-                     row's argmax and normaliser in one call (`greedy_rows`, lmhead/speculative.py); a row's
-                     exact top-p set (`top_p_row`, lmhead/sampling/top_p.py)
+    body_kernels.c   the decode step's small work: RMSNorm, residual add + norms, gated activation, and
+                     rope + cache write + attention for the new tokens (models/lean.py's step-by-step path)
+    decode_kernels.c `lmhead_step`, every block of a decode step in one call over the coded matrices, and
+                     `lmhead_decode`, the same from token ids with the step's bookkeeping (models/lean.py)
+    row_kernels.c    the decode loop's passes over whole rows: raw logprob and rank of each chosen token
+                     (`row_scores`, lmhead/generate.py); a greedy row's argmax and normaliser in one call
+                     (`greedy_rows`, lmhead/speculative.py); a row's exact top-p set (`top_p_row`,
+                     lmhead/sampling/top_p.py); an unseeded row's draw (`sample_row`); `topk`'s candidates
     step_kernels.c   the declared sampler steps' passes over a row, in float64 (lmhead/sampling/steps/moments.py):
                      a row's moments (`row_moments`), locally typical sampling's kept set (`typical_row`), a cut
                      at a threshold (`keep_ge`)
-      ──cc -O3 -march=native -fopenmp (models/native_build.py)──▶ <cache>/kernels/lmhead-<hash>.so (a temporary
+    simd_math.h, body_kernels.h, decode_kernels.h   what the sources share (vector exp; declarations, structs)
+      ──cc -O3 -march=native -fopenmp (kernels/builder.py)──▶ <cache>/kernels/lmhead-<hash>.so (a temporary
       file renamed into place; begun in the background by `load_model` while it reads the file)
 
 Why C: torch ships no kernel for grouped int8 codes × float32 activations (its int4/int8 weight-only ops
@@ -32,10 +35,11 @@ import sys
 
 import torch
 
-from lmhead.models import native_build
-from lmhead.models.native_build import SOURCES, library_path
+from lmhead.kernels import builder
+from lmhead.kernels.builder import SOURCES, library_path
 
-__all__ = ["BF16", "F16", "HALF", "HALF_MAX_GROUPS", "PACKED", "ROWS4", "SOURCES", "LayerDesc", "MatDesc", "block4",
+__all__ = ["BF16", "F16", "HALF", "HALF_MAX_GROUPS", "PACKED", "ROWS4", "SOURCES", "AttendArgs", "DecodeArgs",
+           "LayerDesc", "MatDesc", "StepArgs", "block4",
            "keep_ge", "keep_ge_unsure", "library", "library_path", "pack4", "row_lse_bounded", "row_moments",
            "row_scores", "select_ge", "topk", "typical_row", "unblock4", "unpack4"]
 
@@ -60,6 +64,57 @@ class LayerDesc(ctypes.Structure):
                 ("qkv_bias", ctypes.c_void_p), ("input_norm", ctypes.c_void_p), ("post_attn_norm", ctypes.c_void_p),
                 ("pre_mlp_norm", ctypes.c_void_p), ("post_mlp_norm", ctypes.c_void_p), ("qk_norm", ctypes.c_void_p),
                 ("rope", ctypes.c_int64), ("sliding", ctypes.c_int64)]
+
+
+# The entry points of many arguments take one struct each (body_kernels.h, decode_kernels.h): fields by name, not
+# 20-42 positions. Pointers are addresses (ints; None for NULL) that the caller keeps alive through the call.
+_P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+class AttendArgs(ctypes.Structure):
+    """lmhead_attend_args: one layer's rope, cache write and attention (body_kernels.h for shapes)."""
+
+    _fields_ = [("qk", _P), ("v", _P), ("cos", _P), ("sin", _P), ("keys", _P), ("values", _P), ("mask", _P),
+                ("out", _P), *((n, _I64) for n in ("qk_stride", "v_stride", "B", "T", "H", "Hkv", "hd", "cap",
+                                                    "start")),
+                ("scaling", _F32), ("softcap", _F32), ("threads", _I32)]
+
+
+class StepArgs(ctypes.Structure):
+    """lmhead_step_args: every block of a decode step (decode_kernels.h for shapes); cos, sin and masks are
+    addresses of arrays of addresses (one per rope kind; full attention's and sliding layers' masks)."""
+
+    _fields_ = [*((n, _P) for n in ("layers", "final_norm", "x", "h", "keys", "values", "cos", "sin", "masks",
+                                    "scratch")),
+                *((n, _I64) for n in ("n_layers", "layer_stride", "B", "T", "D", "H", "Hkv", "hd", "F", "cap",
+                                      "start")),
+                ("eps", _F32), ("scaling", _F32), ("softcap", _F32),
+                ("plus_one", _I32), ("act", _I32), ("threads", _I32)]
+
+
+class DecodeArgs(ctypes.Structure):
+    """lmhead_decode_args: a step's arguments (its cos, sin and masks unused) and the bookkeeping's: ids,
+    positions, the cache's columns, the rope tables, the embedding (decode_kernels.h)."""
+
+    _fields_ = [("step", StepArgs),
+                *((n, _P) for n in ("embed", "embed_codes", "ids", "positions", "new_valid", "cache_valid",
+                                    "cache_pos", "cache_tokens", "cos_tables", "sin_tables", "work")),
+                *((n, _I64) for n in ("vocab", "n_kinds", "table_rows", "window")),
+                ("embed_scale", _F32), ("has_scale", _I32), ("sliding_kinds", _I32)]
+
+
+_ARGS = {"lmhead_attend_args": AttendArgs, "lmhead_step_args": StepArgs, "lmhead_decode_args": DecodeArgs}
+
+
+def _layout_mismatch(lib: ctypes.CDLL) -> str | None:
+    """Which argument struct the library and its ctypes mirror disagree on the size of (None: none): a call with
+    a wrong layout would read and write memory at the wrong places, so the library is not used at all."""
+    for name, mirror in _ARGS.items():
+        size = getattr(lib, f"{name}_size")
+        size.restype = ctypes.c_size_t
+        if size() != ctypes.sizeof(mirror):
+            return f"{name} is {size()} bytes in C and {ctypes.sizeof(mirror)} in kernels/native.py"
+    return None
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -95,15 +150,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmhead_row_lse_bounded.restype = i32
     lib.lmhead_keep_ge_unsure.argtypes = [p, i64, f32, f32, f32, f32, p]
     lib.lmhead_keep_ge_unsure.restype = i64
-    lib.lmhead_attend.argtypes = [p, i64, p, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, f32, i32]
+    lib.lmhead_attend.argtypes = [ctypes.POINTER(AttendArgs)]
     lib.lmhead_attend.restype = i32
-    pp = ctypes.POINTER(ctypes.c_void_p)
-    lib.lmhead_step.argtypes = [ctypes.POINTER(LayerDesc), i64, p, p, p, p, p, i64, pp, pp, pp, p, i64, i64, i64,
-                                i64, i64, i64, i64, i64, i64, f32, i32, i32, f32, f32, i32]
+    lib.lmhead_step.argtypes = [ctypes.POINTER(StepArgs)]
     lib.lmhead_step.restype = i32
-    lib.lmhead_decode.argtypes = [ctypes.POINTER(LayerDesc), i64, p, p, ctypes.POINTER(MatDesc), i64, f32, i32, p, p,
-                                  p, p, p, p, pp, pp, i64, i64, i32, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64,
-                                  i64, i64, i64, i64, i64, f32, i32, i32, f32, f32, i32]
+    lib.lmhead_decode.argtypes = [ctypes.POINTER(DecodeArgs)]
     lib.lmhead_decode.restype = i32
     lib.lmhead_coded_rows.argtypes = [ctypes.POINTER(MatDesc), p, i64, p]
     lib.lmhead_coded_rows.restype = i32
@@ -134,20 +185,26 @@ def library() -> ctypes.CDLL | None:
         path = library_path()
     except OSError:
         return None
-    native_build.wait()  # a build `native_build.start()` began
+    builder.wait()  # a build `builder.start()` began
     for attempt in range(2):
-        if path.exists() and not native_build.intact(path):
+        if path.exists() and not builder.intact(path):
             # a library cut short or damaged in the cache would crash the process when mapped (a bus error)
             print(f"lmhead: the compiled kernels {path} do not match their checksum; building them again",
                   file=sys.stderr, flush=True)
             with contextlib.suppress(OSError):
                 path.unlink()
-        if not path.exists() and not native_build.build(path):
+        if not path.exists() and not builder.build(path):
             return None
         try:
             lib = _bind(ctypes.CDLL(str(path)))
-            if lib.lmhead_coded_abi() == _ABI and _self_test(lib):
-                return lib
+            if lib.lmhead_coded_abi() == _ABI:
+                mismatch = _layout_mismatch(lib)
+                if mismatch is not None:  # the same sources build the same structs: rebuilding would not help
+                    print(f"lmhead: the compiled kernels {path} do not match their loader ({mismatch}); running "
+                          "without them", file=sys.stderr, flush=True)
+                    return None
+                if _self_test(lib):
+                    return lib
         except (OSError, AttributeError):
             pass
         if attempt == 0:  # a damaged or foreign file: build it again once
@@ -360,7 +417,7 @@ def _row_scores(lib: ctypes.CDLL, x: torch.Tensor, ids: torch.Tensor,
 def row_scores(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The decode loop's score of each row's token from logits x [B,V] (float32, CPU) and ids [B]: the
     log-softmax normaliser lse [B] float64 (raw logprob = x[b, id] − lse[b]) and greater [B] int64, the count
-    of logits > x[b, id] (rank − 1), in two passes over each row (lean_kernels.c). None without the library or
+    of logits > x[b, id] (rank − 1), in two passes over each row (row_kernels.c). None without the library or
     where a row is not all finite numbers (the caller's torch path then gives torch's answer: NaN, ±inf)."""
     lib = library()
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] == 0:
@@ -605,9 +662,10 @@ def _attend_test(lib: ctypes.CDLL, g: torch.Generator) -> bool:
     mask = torch.where(torch.rand(b, t, start + t, generator=g) < 0.3, -1e30, 0.0)
     out = torch.empty(b, t, h * hd)
     want_k, want_v = keys.clone(), values.clone()
-    rc = lib.lmhead_attend(qk.data_ptr(), (h + hkv) * hd, v.data_ptr(), hkv * hd, cos.data_ptr(), sin.data_ptr(),
-                           keys.data_ptr(), values.data_ptr(), mask.data_ptr(), out.data_ptr(), b, t, h, hkv, hd,
-                           cap, start, 0.5, 0.0, 2)
+    rc = lib.lmhead_attend(AttendArgs(
+        qk=qk.data_ptr(), v=v.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), keys=keys.data_ptr(),
+        values=values.data_ptr(), mask=mask.data_ptr(), out=out.data_ptr(), qk_stride=(h + hkv) * hd,
+        v_stride=hkv * hd, B=b, T=t, H=h, Hkv=hkv, hd=hd, cap=cap, start=start, scaling=0.5, softcap=0.0, threads=2))
     roped = qk * cos[:, :, None] + qk.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin[:, :, None]
     want_k[:, :, start:start + t] = roped[:, :, h:].transpose(1, 2)
     want_v[:, :, start:start + t] = v.transpose(1, 2)

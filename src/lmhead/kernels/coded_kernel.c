@@ -74,7 +74,7 @@ static void halves_to_floats(const uint16_t* h, float* f, int64_t n) {
 
 int lmhead_coded_abi(void) { return 19; }
 
-/* half_to_float for the other source file (lean_kernels.c's embedding rows) */
+/* half_to_float for the other source file (decode_kernels.c's embedding rows) */
 float lmhead_half(uint16_t h) { return half_to_float(h); }
 
 #ifdef __AVX2__

@@ -1,0 +1,21 @@
+"""Where lmhead keeps what it builds once per machine: one root folder for the model cache (models/cache.py, its
+only writer) and the compiled kernels (kernels/builder.py, `<root>/kernels/`). It imports nothing of ours, so the
+ground floor can ask it without importing the floors above.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["cache_root"]
+
+
+def cache_root() -> Path:
+    """The cache folder: $LMHEAD_CACHE, else $XDG_CACHE_HOME/lmhead, else ~/.cache/lmhead."""
+    env = os.environ.get("LMHEAD_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "lmhead"

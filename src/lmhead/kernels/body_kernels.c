@@ -1,0 +1,302 @@
+/* The lean decode step's element-wise work in one pass each — RMSNorm, the residual add with the norms around
+ * it, the gated activation — and one layer's attention (rope, the cache write, masked grouped attention). A
+ * decode step of a small model is ~90 norms and ~18 activations on vectors of a few hundred numbers; as torch
+ * ops each costs tens of microseconds of dispatch (and OpenMP wake-ups for the reductions), here about one.
+ * Same float32 math as transformers' modules (Gemma 3, Llama), summed in another order. Called one by one by
+ * models/lean.py's step-by-step path and together by decode_kernels.c's whole step; built with the other
+ * sources into one library by kernels/native.py.
+ */
+#include <float.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "body_kernels.h"
+#include "simd_math.h"
+
+/* rows of `dim` numbers; weight row r % wrows; Gemma scales by (1 + w), Llama by w */
+static inline void norm_row(const float* x, const float* w, float* y, int64_t dim, float eps, int plus_one) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < dim; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    if (plus_one)
+        for (int64_t i = 0; i < dim; i++) y[i] = (x[i] * inv) * (1.0f + w[i]);
+    else
+        for (int64_t i = 0; i < dim; i++) y[i] = w[i] * (x[i] * inv);
+}
+
+void lmhead_rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t dim, int64_t wrows,
+                     float eps, int plus_one) {
+    for (int64_t r = 0; r < rows; r++) norm_row(x + r * dim, w + (r % wrows) * dim, y + r * dim, dim, eps, plus_one);
+}
+
+/* x_out = x + norm(a, w_post) (or x + a when w_post is NULL); h = norm(x_out, w_pre) */
+void lmhead_add_norm(const float* x, const float* a, const float* w_post, const float* w_pre, float* x_out,
+                     float* h, int64_t rows, int64_t dim, float eps, int plus_one) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float* xr = x + r * dim;
+        const float* ar = a + r * dim;
+        float* xo = x_out + r * dim;
+        if (w_post != NULL) {
+            norm_row(ar, w_post, xo, dim, eps, plus_one);
+            for (int64_t i = 0; i < dim; i++) xo[i] = xr[i] + xo[i];
+        } else {
+            for (int64_t i = 0; i < dim; i++) xo[i] = xr[i] + ar[i];
+        }
+        norm_row(xo, w_pre, h + r * dim, dim, eps, plus_one);
+    }
+}
+
+/* out [rows, F] = act(gate) · up with gate_up [rows, 2F] = [gate | up]; act 0: tanh-approximated GELU
+ * (Gemma's gelu_pytorch_tanh, tanh(y) = 1 − 2/(e^{2y} + 1)), 1: SiLU (Llama, x/(1 + e^{−x})) */
+void lmhead_gated(const float* gate_up, float* out, int64_t rows, int64_t f, int act) {
+    const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+    for (int64_t r = 0; r < rows; r++) {
+        const float* g = gate_up + r * 2 * f;
+        const float* u = g + f;
+        float* o = out + r * f;
+        int64_t i = 0;
+#ifdef __AVX2__
+        const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f), half = _mm256_set1_ps(0.5f);
+        for (; i + 8 <= f; i += 8) {
+            const __m256 x = _mm256_loadu_ps(g + i), up = _mm256_loadu_ps(u + i);
+            __m256 a;
+            if (act == 0) {
+                const __m256 y = _mm256_mul_ps(_mm256_set1_ps(k0),
+                                               _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(k1), x),
+                                                               _mm256_mul_ps(x, x), x));
+                const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(exp8(_mm256_add_ps(y, y)), one)));
+                a = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, t));
+            } else {
+                a = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+            }
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(a, up));
+        }
+#endif
+        for (; i < f; i++) {
+            const float x = g[i];
+            o[i] = act == 0 ? 0.5f * x * (1.0f + tanhf(k0 * (x + k1 * x * x * x))) * u[i]
+                            : x / (1.0f + expf(-x)) * u[i];
+        }
+    }
+}
+
+/* One layer's attention for T new tokens of B rows, from the q/k heads (normed, before rope) and v:
+ *   rope (x·cos + rotate_half(x)·sin, rotate_half(x) = (−x₂, x₁), given as the swapped halves (x₂, x₁) times
+ *   the signed sin (−sin₁, sin₂)) on q and k; k and v written at the cache's
+ *   columns start..start+T; then per query head h (key head h / (H/H_kv)) and token t over the L = start+T
+ *   filled columns: scores = q·k·scaling (softcap·tanh(scores/softcap) when softcap > 0) + mask[b,t,:],
+ *   softmax, out = Σ p·v.
+ * The arguments are lmhead_attend_args' (body_kernels.h: shapes and layouts). Returns 0, or -1 without memory. */
+int lmhead_attend(const lmhead_attend_args* args) {
+    const float *qk = args->qk, *v = args->v, *cos = args->cos, *sin = args->sin, *mask = args->mask;
+    float *keys = args->keys, *values = args->values, *out = args->out;
+    const int64_t qk_stride = args->qk_stride, v_stride = args->v_stride, B = args->B, T = args->T, H = args->H;
+    const int64_t Hkv = args->Hkv, hd = args->hd, cap = args->cap, start = args->start;
+    const float scaling = args->scaling, softcap = args->softcap;
+    const int threads = args->threads;
+    const int64_t half = hd / 2, L = start + T, group = H / Hkv;
+    float* q = (float*)malloc(sizeof(float) * (size_t)(B * T * H * hd));
+    if (q == NULL) return -1;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++) {
+            const float* src = qk + (b * T + t) * qk_stride;
+            const float* c = cos + (b * T + t) * hd;
+            const float* s = sin + (b * T + t) * hd;
+            for (int64_t h = 0; h < H + Hkv; h++) {
+                const float* x = src + h * hd;
+                float* y = h < H ? q + ((b * T + t) * H + h) * hd
+                                 : keys + ((b * Hkv + (h - H)) * cap + start + t) * hd;
+                for (int64_t i = 0; i < half; i++) {
+                    y[i] = x[i] * c[i] + x[i + half] * s[i];
+                    y[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+                }
+            }
+            const float* vs = v + (b * T + t) * v_stride;
+            for (int64_t h = 0; h < Hkv; h++) {
+                float* dst = values + ((b * Hkv + h) * cap + start + t) * hd;
+                for (int64_t i = 0; i < hd; i++) dst[i] = vs[h * hd + i];
+            }
+        }
+    /* each query's span of columns: from the first to the last one its mask keeps (all L without a mask, or
+     * where it keeps none). A column outside is dropped (−FLT_MAX or −inf: torch.finfo's min, as transformers'
+     * masks). Its e^(s − max) had been at most e^−87 ≈ 1.7e−38 (exp8's clamp) beside the kept maximum's 1 and
+     * torch's softmax gives it exactly 0; the sum of the exponentials below keeps the whole row's lanes, so only
+     * an output within ~1e−30 of zero can change. What it saves is the reading: a sliding-window layer (Gemma 3:
+     * 15 of 18, window 512) attends over 512 columns instead of the whole context (its attention at 2,048
+     * columns 13.2 → 5.9 ms a token, interleaved), and a verification's queries skip the columns after them. */
+    int64_t span_stack[2 * 64];
+    int64_t* span = B * T <= 64 ? span_stack : (int64_t*)malloc(sizeof(int64_t) * 2 * (size_t)(B * T));
+    if (span == NULL) {
+        free(q);
+        return -1;
+    }
+    for (int64_t r = 0; r < B * T; r++) {
+        int64_t lo = 0, hi = L;
+        if (mask) {
+            const float* mrow = mask + r * L;
+            while (lo < L && mrow[lo] <= -FLT_MAX) lo++;
+            while (hi > lo && mrow[hi - 1] <= -FLT_MAX) hi--;
+            if (lo == L) lo = 0, hi = L; /* nothing kept: every column, as before (transformers' numbers) */
+        }
+        span[2 * r] = lo;
+        span[2 * r + 1] = hi;
+    }
+    /* Work items: (row, token, key head, a set of `sub` of its query heads). The query heads that share a key
+     * head are taken together, key block by key block: each block of keys and values (≤ 16 KB) is read from
+     * memory once for the set and again from L1 for each head, instead of once per head from L3 or memory
+     * (Gemma 3's 256-wide heads read each value row four times, once per 64 columns: its attention at 2,048
+     * columns 5.9 → 5.1 ms a token with the sets, interleaved; SmolLM2's unchanged). Each
+     * head's arithmetic is the same sequence as head by head (scores, maximum, exponentials and the value sums
+     * in column order; a partial sum waits in `out` between blocks), so the numbers are unchanged. The sets are
+     * as large as still share the threads evenly (items a multiple of the threads, or at least four per thread):
+     * a decode step of Gemma 3 (one key head, four query heads) gives two items of two heads; SmolLM2's three
+     * key heads of three give nine items of one (three items of three left one thread a third idle, 1.1x slower
+     * at 1,024 columns where a head's keys and values still fit L2). */
+    const int64_t per = B * T * Hkv, heads_work = B * H * T;
+    /* both threads from a few columns on: after the products the keys and values come cold from L3 or memory,
+     * and two threads read them at twice the rate (decode steps interleaved in one process measured both models'
+     * attention faster on two threads than with a one-thread threshold; docs/decode.md) */
+    int nt = (L * hd * heads_work > (int64_t)1 << 13) ? threads : 1;
+    int64_t sub = group;
+    while (sub > 1) {
+        const int64_t items = per * (group / sub);
+        if (sub <= 64 && (items % nt == 0 || items >= 4 * (int64_t)nt)) break; /* ≤ 64: the maxima below */
+        do sub--;
+        while (sub > 1 && group % sub != 0);
+    }
+    const int64_t sets = group / sub, work = per * sets;
+    const int64_t block = hd >= 1024 ? 4 : 4096 / hd; /* keys per block: ≤ 16 KB of keys, as many of values */
+    int failed = 0;
+#pragma omp parallel num_threads(nt)
+    {
+        /* each thread's scores for its set of heads, on the stack up to 4,096 numbers (a malloc per head was a
+         * third of the time) */
+        float stack_p[4096];
+        float* p = sub * L <= 4096 ? stack_p : (float*)malloc(sizeof(float) * (size_t)(sub * L));
+        if (p == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < work; w++) {
+            if (p == NULL) continue;
+            const int64_t b = w / (T * Hkv * sets), t = (w / (Hkv * sets)) % T, kh = (w / sets) % Hkv;
+            const int64_t h0 = kh * group + (w % sets) * sub;
+            const float* kb = keys + (b * Hkv + kh) * cap * hd;
+            const float* vb = values + (b * Hkv + kh) * cap * hd;
+            const float* mrow = mask ? mask + (b * T + t) * L : NULL;
+            const int64_t lo = span[2 * (b * T + t)], hi = span[2 * (b * T + t) + 1];
+            float mx[64], inv[64];
+            for (int64_t g = 0; g < sub; g++) mx[g] = -INFINITY;
+            for (int64_t j0 = lo; j0 < hi; j0 += block) {
+                const int64_t j1 = j0 + block < hi ? j0 + block : hi;
+                for (int64_t g = 0; g < sub; g++) {
+                    const float* qv = q + ((b * T + t) * H + h0 + g) * hd;
+                    float* pg = p + g * L;
+                    float m = mx[g];
+                    for (int64_t j = j0; j < j1; j++) {
+                        const float* kj = kb + j * hd;
+                        float sc = 0.f;
+#ifdef __AVX2__
+                        if (hd % 16 == 0) { /* two chains of multiply-adds, not one of hd/8: the dot's latency bound it */
+                            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                            for (int64_t i = 0; i < hd; i += 16) {
+                                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i), _mm256_loadu_ps(kj + i), a0);
+                                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i + 8), _mm256_loadu_ps(kj + i + 8), a1);
+                            }
+                            sc = sum8(_mm256_add_ps(a0, a1));
+                        } else
+#endif
+                        {
+                            /* a vectorised sum (8 lanes, then the lanes): one serial chain of hd adds took most of
+                             * the step */
+#pragma omp simd reduction(+ : sc)
+                            for (int64_t i = 0; i < hd; i++) sc += qv[i] * kj[i];
+                        }
+                        sc *= scaling;
+                        if (softcap > 0.f) sc = tanhf(sc / softcap) * softcap;
+                        if (mrow) sc += mrow[j];
+                        pg[j] = sc;
+                        if (sc > m) m = sc;
+                    }
+                    mx[g] = m;
+                }
+            }
+            for (int64_t g = 0; g < sub; g++) {
+                float* pg = p + g * L;
+                float total = 0.f;
+                int64_t j = lo, scalar_from = lo;
+#ifdef __AVX2__
+                /* e^(s − max) eight at a time (exp8: within 2 ulp of expf; one libm call per score was most of the
+                 * attention's time on 30-layer models); a masked score of −inf gives e^−87 clamped, so it is set
+                 * to 0 exactly. Column j goes to lane j mod 8 and the columns from L rounded down to 8 are added
+                 * one by one, as over the whole row: the span's ends are filled with −inf (0) up to the eight
+                 * around them, so that the sum's rounding is the whole row's */
+                if (mx[g] > -INFINITY) {
+                    const int64_t whole = L & ~(int64_t)7, up = (hi + 7) & ~(int64_t)7;
+                    const int64_t vend = up < whole ? up : whole;
+                    for (j = lo & ~(int64_t)7; j < lo; j++) pg[j] = -INFINITY;
+                    for (j = hi; j < vend; j++) pg[j] = -INFINITY;
+                    j = lo & ~(int64_t)7;
+                    scalar_from = vend > lo ? vend : lo;
+                    const __m256 mm = _mm256_set1_ps(mx[g]), ninf = _mm256_set1_ps(-INFINITY);
+                    __m256 tv = _mm256_setzero_ps();
+                    for (; j + 8 <= vend; j += 8) {
+                        const __m256 sv = _mm256_loadu_ps(pg + j);
+                        const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(sv, ninf, _CMP_EQ_OQ),
+                                                          exp8(_mm256_sub_ps(sv, mm)));
+                        _mm256_storeu_ps(pg + j, e);
+                        tv = _mm256_add_ps(tv, e);
+                    }
+                    float lanes[8];
+                    _mm256_storeu_ps(lanes, tv);
+                    for (int l = 0; l < 8; l++) total += lanes[l];
+                }
+#endif
+                for (j = scalar_from; j < hi; j++) {
+                    pg[j] = expf(pg[j] - mx[g]);
+                    total += pg[j];
+                }
+                inv[g] = 1.0f / total;
+                float* o = out + (b * T + t) * H * hd + (h0 + g) * hd;
+                for (int64_t i = 0; i < hd; i++) o[i] = 0.f;
+            }
+            for (int64_t j0 = lo; j0 < hi; j0 += block) {
+                const int64_t j1 = j0 + block < hi ? j0 + block : hi;
+                for (int64_t g = 0; g < sub; g++) {
+                    const float* pg = p + g * L;
+                    float* o = out + (b * T + t) * H * hd + (h0 + g) * hd;
+                    int64_t i0 = 0;
+#ifdef __AVX2__
+                    /* Σ_j p_j·v_j for 64 columns at a time in eight registers (summed in memory, each column's
+                     * chain went through a store and a load per key), carried in `o` from block to block */
+                    for (; i0 + 64 <= hd; i0 += 64) {
+                        __m256 acc[8];
+                        for (int k = 0; k < 8; k++) acc[k] = _mm256_loadu_ps(o + i0 + 8 * k);
+                        for (int64_t j = j0; j < j1; j++) {
+                            const __m256 pj = _mm256_set1_ps(pg[j] * inv[g]);
+                            const float* vj = vb + j * hd + i0;
+                            for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * k), acc[k]);
+                        }
+                        for (int k = 0; k < 8; k++) _mm256_storeu_ps(o + i0 + 8 * k, acc[k]);
+                    }
+#endif
+                    if (i0 < hd)
+                        for (int64_t j = j0; j < j1; j++) {
+                            const float pj = pg[j] * inv[g];
+                            const float* vj = vb + j * hd;
+#pragma omp simd
+                            for (int64_t i = i0; i < hd; i++) o[i] += pj * vj[i];
+                        }
+                }
+            }
+        }
+        if (p != NULL && p != stack_p) free(p);
+    }
+    if (span != span_stack) free(span);
+    free(q);
+    return failed ? -1 : 0;
+}
+
+/* sizeof(lmhead_attend_args), which the loader compares with its ctypes mirror before any call */
+size_t lmhead_attend_args_size(void) { return sizeof(lmhead_attend_args); }

@@ -1,0 +1,32 @@
+/* The body's element-wise work and attention (body_kernels.c), declared for the whole step (decode_kernels.c). */
+#ifndef LMHEAD_BODY_KERNELS_H
+#define LMHEAD_BODY_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+void lmhead_rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t dim, int64_t wrows,
+                     float eps, int plus_one);
+void lmhead_add_norm(const float* x, const float* a, const float* w_post, const float* w_pre, float* x_out,
+                     float* h, int64_t rows, int64_t dim, float eps, int plus_one);
+void lmhead_gated(const float* gate_up, float* out, int64_t rows, int64_t f, int act);
+
+/* lmhead_attend's arguments (kernels/native.py's AttendArgs mirrors them, field for field) */
+typedef struct {
+    const float* qk;     /* [B,T] tokens of (H + H_kv)·hd numbers at qk_stride apart: q and k, before rope */
+    const float* v;      /* [B,T] tokens of H_kv·hd numbers at v_stride apart */
+    const float* cos;    /* [B,T,hd] */
+    const float* sin;    /* [B,T,hd], signed: (−sin₁, sin₂) */
+    float* keys;         /* the layer's cache [B,H_kv,cap,hd] */
+    float* values;
+    const float* mask;   /* [B,T,start+T] additive, or NULL */
+    float* out;          /* [B,T,H·hd] */
+    int64_t qk_stride, v_stride, B, T, H, Hkv, hd, cap, start;
+    float scaling, softcap; /* softcap 0: none */
+    int threads;
+} lmhead_attend_args;
+
+int lmhead_attend(const lmhead_attend_args* args);
+size_t lmhead_attend_args_size(void);
+
+#endif
