@@ -83,6 +83,35 @@ def test_the_candidates_hold_every_token_a_rows_top_k_can_hold_with_their_exact_
         assert torch.equal(vals[r].topk(k).values, top.values)
 
 
+def test_a_rows_allowed_tokens_are_its_only_candidates_and_its_top_k_among_them_exact():
+    c = _q8(1024, 256, 3)
+    x = _rows(6, 256, 3)
+    g = torch.Generator().manual_seed(4)
+    allowed = [torch.rand(1024, generator=g) < 0.3, None, torch.zeros(1024, dtype=torch.bool),
+               torch.rand(1024, generator=g) < 0.01, torch.ones(1024, dtype=torch.bool), None]
+    allowed[2][[5, 700]] = True  # two tokens: fewer than the row's k
+    ks = [2, 41, 3, 65, 2, 1]
+    with torch.inference_mode():
+        y, (vals, ids) = c.screen_candidates(x, ks, allowed=allowed)
+        want = _one_row(c, x)
+        free_y = c.screen(x, ks)
+    for r, k in enumerate(ks):
+        keep = torch.ones(1024, dtype=torch.bool) if allowed[r] is None else allowed[r]
+        masked = want[r].masked_fill(~keep, float("-inf"))
+        top = masked.topk(min(k, int(keep.sum())))
+        got = ids[r][ids[r] < 1024]
+        assert bool(keep[got].all())  # only allowed tokens are candidates
+        assert set(top.indices.tolist()) <= set(got.tolist())
+        assert torch.equal(y[r, got], want[r, got])  # with their exact values
+        assert bool((y[r][~keep] == float("-inf")).all())
+        if allowed[r] is None:
+            assert torch.equal(y[r], free_y[r])  # a free row is screened as without masks
+    with pytest.raises(ValueError, match=r"allowed\[1\] keeps no token"):
+        c.screen_candidates(x[:2], [2, 2], allowed=[None, torch.zeros(1024, dtype=torch.bool)])
+    with pytest.raises(ValueError, match="allowed: one entry per row"):
+        c.screen_candidates(x[:2], [2, 2], allowed=[None])
+
+
 def test_rows_computed_whole_give_no_candidates():
     c = _q8(512, 64, 5)
     x = _rows(5, 64, 5)
@@ -196,9 +225,9 @@ def test_scoreless_rounds_are_screened_and_give_the_same_tokens(monkeypatch, dra
     calls, plain = [], []
     screen = model.exact_head.screen_candidates
 
-    def counting(hidden, ks):
+    def counting(hidden, ks, allowed=None):
         calls.append(len(ks))
-        return screen(hidden, ks)
+        return screen(hidden, ks, allowed)
 
     monkeypatch.setattr(model.exact_head, "screen_candidates", counting)
     plain_rounds = S.Decoder._plain
@@ -255,3 +284,42 @@ def test_drafted_screened_rounds_draw_from_the_candidates_and_give_the_same_toke
     seen.clear()
     assert run(False) == scored
     assert any(seen)
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram"])
+def test_constrained_greedy_rounds_are_screened_under_their_masks_and_give_the_same_tokens(monkeypatch, draft):
+    """Scoreless greedy rows with constraints take the screened head with each position's mask (their candidates
+    are allowed tokens only): the same tokens as scored rows, which read every logit and are never screened."""
+    from lmhead.constrain import Choice, JSONSchema, Regex
+    from lmhead.generate import Batch, prepare
+
+    model = _coded_head_model()
+    masked = []
+    screen = model.exact_head.screen_candidates
+
+    def counting(hidden, ks, allowed=None):
+        masked.append(allowed is not None and any(a is not None for a in allowed))
+        return screen(hidden, ks, allowed)
+
+    monkeypatch.setattr(model.exact_head, "screen_candidates", counting)
+    obj = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yz"]}},
+           "required": ["a", "b"], "additionalProperties": False}
+    prompts = ["a b c a b", "hello there", "x y z", "one two one two"]
+    constraints = [Choice(["abc", "abd", "b"]), Regex(r"[a-c]{2,6}"), JSONSchema(obj), None]
+    greedy = SamplingConfig(temperature=0)
+
+    def run(scores: bool):
+        rows = [r for p, c in zip(prompts, constraints, strict=True)
+                for r in prepare(model, p, 16, greedy, constraint=c, scores=scores)]
+        batch = Batch(model, draft=draft)
+        batch.add(rows)
+        ends = {}
+        while batch.rows:
+            for row, step in batch.step():
+                ends[id(row)] = step.finish_reason
+        return [(r.generated, ends[id(r)]) for r in rows]
+
+    scored = run(True)
+    assert not masked
+    assert run(False) == scored
+    assert any(masked)

@@ -477,16 +477,16 @@ class Decoder:
         elif k:
             drafts, q = self._propose(last, k, configs, history, prompt_len, steps, generator)
             self._lap("draft")
+        if matchers is not None and taken is None:  # no n-gram lookup: each constrained row judges position 0 only
+            taken = take_drafts(matchers, None, ks)
         ids = last[:, None] if drafts is None else torch.cat([last[:, None], drafts], dim=1)     # [B,k+1]
         start = self.target.length
         positions = self.next_pos[:, None] if k == 0 else self.next_pos[:, None] + torch.arange(k + 1)   # [B,k+1]
         hidden = self.lean(ids, positions, self.target)
         self._lap("body")
-        logits, cands = decode_head(self.head, hidden, configs, scored)                      # [B,k+1,V]
+        logits, cands = decode_head(self.head, hidden, configs, scored, taken)              # [B,k+1,V]
         self._lap("head")
         if matchers is not None:
-            if taken is None:  # no n-gram lookup this round: each constrained row judges position 0 only
-                taken = take_drafts(matchers, None, ks)
             apply_masks(logits, taken)
         chosen = raw = None
         if k == 0 and cands is not None:  # screened: every row's choice reads its candidates only
@@ -835,15 +835,20 @@ def decode_logits(head, hidden: Tensor, configs: list, scored: list[bool] | None
     return decode_head(head, hidden, configs, scored)[0]
 
 
-def decode_head(head, hidden: Tensor, configs: list, scored: list[bool] | None = None
+def decode_head(head, hidden: Tensor, configs: list, scored: list[bool] | None = None, masks: list | None = None
                 ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
     """`decode_logits`' logits [B,T,V] and, where the call was screened, the candidates each position's choice
     reads: values [B,T,c] and ids [B,T,c] (`CodedLinear.screen_candidates`; -inf past a position's own count)
-    — a choice over them is the choice over the whole row; None otherwise."""
+    — a choice over them is the choice over the whole row; None otherwise.
+
+    masks [B] (`take_drafts`' (bits [m+1, W], m) per constrained row, None for a free row; None: no row
+    constrained): a screened call forbids a constrained row's tokens at each position it judges before its
+    candidates are chosen, so they are its choice's among the allowed tokens; the masks are still applied to
+    the logits after (`apply_masks`)."""
     from lmhead.compressed import CompressedHead
 
     if not isinstance(head, CompressedHead):
-        screened = None if scored is None else _screened(head, hidden, configs, scored)
+        screened = None if scored is None else _screened(head, hidden, configs, scored, masks)
         if screened is not None:
             return screened
         logits = head(hidden)
@@ -871,7 +876,7 @@ def screen_k(config, scored: bool) -> int:
     return config.top_k + 1 if 1 <= config.top_k <= SCREEN_MAX_K else 0
 
 
-def _screened(head, hidden: Tensor, configs: list, scored: list[bool]
+def _screened(head, hidden: Tensor, configs: list, scored: list[bool], masks: list | None = None
               ) -> tuple[Tensor, tuple[Tensor, Tensor] | None] | None:
     """`decode_head`'s screened call, or None where it does not apply (a row that needs more than its top k, too
     few positions, a head without a screen)."""
@@ -882,13 +887,29 @@ def _screened(head, hidden: Tensor, configs: list, scored: list[bool]
     ks = [screen_k(c, s) for c, s in zip(configs, scored, strict=True)]
     if not all(ks):  # a scored or wide row needs its whole row: one exact call for all, as before
         return None
-    got = screen(hidden.reshape(b * t, d), [k for k in ks for _ in range(t)])
+    allowed = None if masks is None else _allowed_positions(masks, b, t, head.vocab_size)
+    got = screen(hidden.reshape(b * t, d), [k for k in ks for _ in range(t)], allowed)
     if got is None:
         return None
     logits, cands = got
     if cands is not None:
         cands = (cands[0].view(b, t, -1), cands[1].view(b, t, -1))
     return logits.view(b, t, -1), cands
+
+
+def _allowed_positions(masks: list, b: int, t: int, vocab: int) -> list[Tensor | None] | None:
+    """Per position of a [B,T] call (rows × positions, flattened): the bool [V] tokens a constrained row's mask
+    allows at a position it judges, None elsewhere (a free row, or a position after the drafts its matcher
+    took: never judged); None when no row is constrained."""
+    from lmhead.constrain import allowed
+
+    out: list[Tensor | None] = [None] * (b * t)
+    for r, got in enumerate(masks):
+        if got is not None:
+            keep = allowed(got[0], vocab)                                                     # [m+1,V]
+            for j in range(min(keep.shape[0], t)):
+                out[r * t + j] = keep[j]
+    return out if any(a is not None for a in out) else None
 
 
 def _plain(config) -> bool:
