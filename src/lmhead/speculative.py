@@ -486,7 +486,7 @@ class Decoder:
         self._lap("body")
         logits, cands = decode_head(self.head, hidden, configs, scored, taken)              # [B,k+1,V]
         self._lap("head")
-        if matchers is not None:
+        if matchers is not None and cands is None:  # a screened call forbade the masks' tokens already
             apply_masks(logits, taken)
         chosen = raw = None
         if k == 0 and cands is not None:  # screened: every row's choice reads its candidates only
