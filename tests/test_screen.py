@@ -323,3 +323,57 @@ def test_constrained_greedy_rounds_are_screened_under_their_masks_and_give_the_s
     assert not masked
     assert run(False) == scored
     assert any(masked)
+
+
+def test_values_at_gives_the_one_row_products_values_at_the_ids_and_minus_inf_elsewhere():
+    c = _q8(1024, 256, 9)
+    x = _rows(3, 256, 9)
+    ids = [torch.tensor([0, 5, 6, 1023]), torch.tensor([17]), torch.arange(0, 1024, 3)]
+    with torch.inference_mode():
+        y = c.values_at(x, ids)
+        want = _one_row(c, x)
+    for r, i in enumerate(ids):
+        assert torch.equal(y[r, i], want[r, i])
+        rest = torch.ones(1024, dtype=torch.bool)
+        rest[i] = False
+        assert bool((y[r][rest] == float("-inf")).all())
+    with pytest.raises(ValueError, match=r"ids\[1\]"):
+        c.values_at(x[:2], [torch.tensor([1]), torch.tensor([1024])])
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram"])
+def test_constrained_positions_allowing_few_tokens_read_only_their_rows_with_the_same_tokens_and_scores(
+        monkeypatch, draft):
+    """A call whose every position is a constrained row's, each allowing few tokens, computes those tokens' logits
+    alone (`LMHead.values_at`): the same tokens, logprobs, raw logprobs and alternatives as the whole head."""
+    import lmhead.speculative as S
+    from lmhead.constrain import Choice, JSONSchema, Regex
+
+    model = _coded_head_model()
+    few = []
+    values_at = model.exact_head.values_at
+    monkeypatch.setattr(model.exact_head, "values_at", lambda h, ids: few.append(len(ids)) or values_at(h, ids))
+    obj = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yz"]}},
+           "required": ["a", "b"], "additionalProperties": False}
+    prompts = ["a b c a b", "hello there", "x y z"]
+    constraints = [Choice(["abc", "abd", "b"]), Regex(r"[a-c]{2,6}"), JSONSchema(obj)]
+    configs = [SamplingConfig(temperature=0), SamplingConfig(temperature=0.8, top_p=0.9, seed=3),
+               SamplingConfig(temperature=0)]
+
+    def run():
+        steps = list(model.generate(prompts, 16, config=configs, constraint=constraints, draft=draft,
+                                    top_logprobs=3))
+        tokens = [(s.index, s.token_id, s.finish_reason, [a.token_id for a in s.top_logprobs]) for s in steps]
+        scores = torch.tensor([[s.logprob, s.raw_logprob, *(a.logprob for a in s.top_logprobs),
+                                *(a.raw_logprob for a in s.top_logprobs)] for s in steps], dtype=torch.float64)
+        return tokens, scores
+
+    monkeypatch.setattr(S, "FEW_ALLOWED_SHARE", 10**9)  # never: the whole head, masked
+    whole_tokens, whole_scores = run()
+    assert not few
+    monkeypatch.setattr(S, "FEW_ALLOWED_SHARE", 1)  # any mask: the allowed rows alone
+    tokens, scores = run()
+    assert few
+    assert tokens == whole_tokens
+    # the one-row product's values against the call's own (a product over several rows sums in another order)
+    torch.testing.assert_close(scores, whole_scores, rtol=1.3e-6, atol=1e-5)

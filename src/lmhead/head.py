@@ -182,6 +182,17 @@ class LMHead(nn.Module):
             return None
         return product.screen_candidates(hidden, ks, allowed=allowed)
 
+    def values_at(self, hidden: Tensor, ids: list[Tensor]) -> Tensor | None:
+        """hidden [N,D] → float32 logits [N,V]: each row's ids (int64, ascending) exact — the values `forward`
+        gives them — and -inf elsewhere (`CodedLinear.values_at`), or None where this head has no such product
+        (as `screen`)."""
+        product = getattr(self, "product", None)
+        if (product is None or not getattr(product, "screens", False) or self.bias is not None
+                or self.softcap is not None or hidden.dim() != 2 or hidden.dtype != torch.float32
+                or torch.is_grad_enabled() and (hidden.requires_grad or self._weight_trains())):
+            return None
+        return product.values_at(hidden, ids)
+
     def loss(self, hidden: Tensor, targets: Tensor, **kwargs: Any) -> Tensor | tuple[Tensor, Tensor]:
         """`linear_cross_entropy(hidden, self.weight, targets, bias=self.bias, softcap=self.softcap, **kwargs)`:
         the fused, chunked cross-entropy (kwargs: ignore_index, reduction, label_smoothing, z_loss, shift,

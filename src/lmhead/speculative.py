@@ -36,6 +36,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -58,6 +59,9 @@ NGRAM_MAX_POSITIONS = 8  # positions one n-gram verification may score (all rows
 # `decode_logits`' screened head: from 4 positions (Gemma 3's head, interleaved: 1.3-1.4x the exact product at 4,
 # 1.2-1.3x at 5, 1.15-1.25x at 8; ~1.0x at 2-3, where one pass over the codes is memory's time either way)
 SCREEN_MIN_ROWS = 4
+# a constrained position whose mask allows at most V / this many tokens gets their exact logits alone (the
+# head's rows read at random, one thread) instead of the whole head streamed
+FEW_ALLOWED_SHARE = 16
 SCREEN_MAX_K = 64  # the widest top-k a screened row may have (its candidates stay a few dozen more than k)
 # separate the streams of acceptance uniforms and replacement draws of one token (seeded `accept_sampled`)
 _ACCEPT_TAG, _RESIDUAL_TAG = 0x5A, 0xA5
@@ -848,6 +852,9 @@ def decode_head(head, hidden: Tensor, configs: list, scored: list[bool] | None =
     from lmhead.compressed import CompressedHead
 
     if not isinstance(head, CompressedHead):
+        few = None if masks is None else _allowed_only(head, hidden, masks)
+        if few is not None:
+            return few, None
         screened = None if scored is None else _screened(head, hidden, configs, scored, masks)
         if screened is not None:
             return screened
@@ -895,6 +902,31 @@ def _screened(head, hidden: Tensor, configs: list, scored: list[bool], masks: li
     if cands is not None:
         cands = (cands[0].view(b, t, -1), cands[1].view(b, t, -1))
     return logits.view(b, t, -1), cands
+
+
+def _allowed_only(head, hidden: Tensor, masks: list) -> Tensor | None:
+    """The logits [B,T,V] of a call whose every position is a constrained row's judged position allowing at most
+    V / FEW_ALLOWED_SHARE tokens: those tokens' exact values (`LMHead.values_at`: the head's own numbers for
+    them) and -inf elsewhere — the masked row itself, scores included, at the cost of the allowed rows of the
+    head; None otherwise (a free row, an unjudged position, a wide mask, a head without the kernel)."""
+    from lmhead.constrain import allowed
+
+    values_at = getattr(head, "values_at", None)
+    b, t, d = hidden.shape
+    if values_at is None or len(masks) != b:
+        return None
+    most = head.vocab_size // FEW_ALLOWED_SHARE
+    ids: list[Tensor] = []
+    for got in masks:
+        if got is None or got[0].shape[0] < t:
+            return None
+        for j in range(t):
+            keep = torch.from_numpy(np.flatnonzero(allowed(got[0][j], head.vocab_size).numpy()))
+            if not 1 <= len(keep) <= most:  # none allowed: the whole row, whose mask then names the failure
+                return None
+            ids.append(keep)
+    y = values_at(hidden.reshape(b * t, d), ids)
+    return None if y is None else y.view(b, t, -1)
 
 
 def _allowed_positions(masks: list, b: int, t: int, vocab: int) -> list[Tensor | None] | None:

@@ -284,6 +284,33 @@ class CodedLinear:
         vals = y.gather(1, ids.clamp(max=n - 1)).masked_fill_(pad, float("-inf"))
         return y, (vals, ids)
 
+    def values_at(self, x: Tensor, ids: list[Tensor]) -> Tensor | None:
+        """x [M,K] float32 → y [M,N] float32: -inf except at each row's ids (int64 [c_m], ascending, c_m ≥ 1),
+        which hold the one-row product's exact values (`self(x[m:m+1])`'s, from the screen's rescoring pass): a
+        constrained row's logits where its mask allows few tokens, at the cost of those rows of the matrix. None
+        where the screen's kernels do not serve this matrix (`screens` False, another dtype or device, a weight
+        changed in place); ValueError for ids out of range."""
+        if not self.screens or x.dtype != torch.float32 or x.device.type != "cpu" or not self.current():
+            return None
+        m, k = x.shape
+        n = self.out_features
+        if len(ids) != m:
+            raise ValueError(f"ids: one tensor per row of x ({m}), got {len(ids)}")
+        counts = torch.tensor([len(i) for i in ids], dtype=torch.int64)
+        cap = int(counts.max()) if m else 0
+        table = torch.zeros((m, max(cap, 1)), dtype=torch.int64)
+        for r, i in enumerate(ids):
+            if len(i) == 0 or int(i.min()) < 0 or int(i.max()) >= n:
+                raise ValueError(f"ids[{r}]: expected 1 or more ids in [0, {n}), got {len(i)} ids")
+            table[r, :len(i)] = i
+        x = x.contiguous()
+        y = torch.full((m, n), float("-inf"), dtype=torch.float32)
+        rc = native.library().lmhead_screen_rescore(x.data_ptr(), m, k, self.codes.data_ptr(),
+                                                    self.scale.data_ptr(), n, table.data_ptr(),
+                                                    counts.data_ptr(), table.shape[1], y.data_ptr(),
+                                                    torch.get_num_threads())
+        return y if rc == 0 else None
+
     def _allowed_counts(self, allowed: list[Tensor | None] | None, m: int) -> list[int | None]:
         """How many tokens each row of `allowed` keeps (None: every token); ValueError for a wrong shape or a row
         that keeps none."""
