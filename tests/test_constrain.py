@@ -397,7 +397,7 @@ def test_generate_refuses_what_is_not_a_constraint_and_a_wrong_count(model):
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma-3-270m"])
 def test_packaged_model_answers_valid_json_with_and_without_drafts(name):
     # the real tokenizers (49,152 and 262,144 ids), the coded heads and, on scoreless greedy rows, the screened
-    # head's round, which constrained rows decline (their mask may cut any top k)
+    # head's round, whose candidates are chosen under each position's mask
     import jsonschema
     from test_server_harness import real_model
 

@@ -83,6 +83,35 @@ def test_the_candidates_hold_every_token_a_rows_top_k_can_hold_with_their_exact_
         assert torch.equal(vals[r].topk(k).values, top.values)
 
 
+def test_a_rows_allowed_tokens_are_its_only_candidates_and_its_top_k_among_them_exact():
+    c = _q8(1024, 256, 3)
+    x = _rows(6, 256, 3)
+    g = torch.Generator().manual_seed(4)
+    allowed = [torch.rand(1024, generator=g) < 0.3, None, torch.zeros(1024, dtype=torch.bool),
+               torch.rand(1024, generator=g) < 0.01, torch.ones(1024, dtype=torch.bool), None]
+    allowed[2][[5, 700]] = True  # two tokens: fewer than the row's k
+    ks = [2, 41, 3, 65, 2, 1]
+    with torch.inference_mode():
+        y, (vals, ids) = c.screen_candidates(x, ks, allowed=allowed)
+        want = _one_row(c, x)
+        free_y = c.screen(x, ks)
+    for r, k in enumerate(ks):
+        keep = torch.ones(1024, dtype=torch.bool) if allowed[r] is None else allowed[r]
+        masked = want[r].masked_fill(~keep, float("-inf"))
+        top = masked.topk(min(k, int(keep.sum())))
+        got = ids[r][ids[r] < 1024]
+        assert bool(keep[got].all())  # only allowed tokens are candidates
+        assert set(top.indices.tolist()) <= set(got.tolist())
+        assert torch.equal(y[r, got], want[r, got])  # with their exact values
+        assert bool((y[r][~keep] == float("-inf")).all())
+        if allowed[r] is None:
+            assert torch.equal(y[r], free_y[r])  # a free row is screened as without masks
+    with pytest.raises(ValueError, match=r"allowed\[1\] keeps no token"):
+        c.screen_candidates(x[:2], [2, 2], allowed=[None, torch.zeros(1024, dtype=torch.bool)])
+    with pytest.raises(ValueError, match="allowed: one entry per row"):
+        c.screen_candidates(x[:2], [2, 2], allowed=[None])
+
+
 def test_rows_computed_whole_give_no_candidates():
     c = _q8(512, 64, 5)
     x = _rows(5, 64, 5)
@@ -196,9 +225,9 @@ def test_scoreless_rounds_are_screened_and_give_the_same_tokens(monkeypatch, dra
     calls, plain = [], []
     screen = model.exact_head.screen_candidates
 
-    def counting(hidden, ks):
+    def counting(hidden, ks, allowed=None):
         calls.append(len(ks))
-        return screen(hidden, ks)
+        return screen(hidden, ks, allowed)
 
     monkeypatch.setattr(model.exact_head, "screen_candidates", counting)
     plain_rounds = S.Decoder._plain
@@ -255,3 +284,96 @@ def test_drafted_screened_rounds_draw_from_the_candidates_and_give_the_same_toke
     seen.clear()
     assert run(False) == scored
     assert any(seen)
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram"])
+def test_constrained_greedy_rounds_are_screened_under_their_masks_and_give_the_same_tokens(monkeypatch, draft):
+    """Scoreless greedy rows with constraints take the screened head with each position's mask (their candidates
+    are allowed tokens only): the same tokens as scored rows, which read every logit and are never screened."""
+    from lmhead.constrain import Choice, JSONSchema, Regex
+    from lmhead.generate import Batch, prepare
+
+    model = _coded_head_model()
+    masked = []
+    screen = model.exact_head.screen_candidates
+
+    def counting(hidden, ks, allowed=None):
+        masked.append(allowed is not None and any(a is not None for a in allowed))
+        return screen(hidden, ks, allowed)
+
+    monkeypatch.setattr(model.exact_head, "screen_candidates", counting)
+    obj = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yz"]}},
+           "required": ["a", "b"], "additionalProperties": False}
+    prompts = ["a b c a b", "hello there", "x y z", "one two one two"]
+    constraints = [Choice(["abc", "abd", "b"]), Regex(r"[a-c]{2,6}"), JSONSchema(obj), None]
+    greedy = SamplingConfig(temperature=0)
+
+    def run(scores: bool):
+        rows = [r for p, c in zip(prompts, constraints, strict=True)
+                for r in prepare(model, p, 16, greedy, constraint=c, scores=scores)]
+        batch = Batch(model, draft=draft)
+        batch.add(rows)
+        ends = {}
+        while batch.rows:
+            for row, step in batch.step():
+                ends[id(row)] = step.finish_reason
+        return [(r.generated, ends[id(r)]) for r in rows]
+
+    scored = run(True)
+    assert not masked
+    assert run(False) == scored
+    assert any(masked)
+
+
+def test_values_at_gives_the_one_row_products_values_at_the_ids_and_minus_inf_elsewhere():
+    c = _q8(1024, 256, 9)
+    x = _rows(3, 256, 9)
+    ids = [torch.tensor([0, 5, 6, 1023]), torch.tensor([17]), torch.arange(0, 1024, 3)]
+    with torch.inference_mode():
+        y = c.values_at(x, ids)
+        want = _one_row(c, x)
+    for r, i in enumerate(ids):
+        assert torch.equal(y[r, i], want[r, i])
+        rest = torch.ones(1024, dtype=torch.bool)
+        rest[i] = False
+        assert bool((y[r][rest] == float("-inf")).all())
+    with pytest.raises(ValueError, match=r"ids\[1\]"):
+        c.values_at(x[:2], [torch.tensor([1]), torch.tensor([1024])])
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram"])
+def test_constrained_positions_allowing_few_tokens_read_only_their_rows_with_the_same_tokens_and_scores(
+        monkeypatch, draft):
+    """A call whose every position is a constrained row's, each allowing few tokens, computes those tokens' logits
+    alone (`LMHead.values_at`): the same tokens, logprobs, raw logprobs and alternatives as the whole head."""
+    import lmhead.speculative as S
+    from lmhead.constrain import Choice, JSONSchema, Regex
+
+    model = _coded_head_model()
+    few = []
+    values_at = model.exact_head.values_at
+    monkeypatch.setattr(model.exact_head, "values_at", lambda h, ids: few.append(len(ids)) or values_at(h, ids))
+    obj = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yz"]}},
+           "required": ["a", "b"], "additionalProperties": False}
+    prompts = ["a b c a b", "hello there", "x y z"]
+    constraints = [Choice(["abc", "abd", "b"]), Regex(r"[a-c]{2,6}"), JSONSchema(obj)]
+    configs = [SamplingConfig(temperature=0), SamplingConfig(temperature=0.8, top_p=0.9, seed=3),
+               SamplingConfig(temperature=0)]
+
+    def run():
+        steps = list(model.generate(prompts, 16, config=configs, constraint=constraints, draft=draft,
+                                    top_logprobs=3))
+        tokens = [(s.index, s.token_id, s.finish_reason, [a.token_id for a in s.top_logprobs]) for s in steps]
+        scores = torch.tensor([[s.logprob, s.raw_logprob, *(a.logprob for a in s.top_logprobs),
+                                *(a.raw_logprob for a in s.top_logprobs)] for s in steps], dtype=torch.float64)
+        return tokens, scores
+
+    monkeypatch.setattr(S, "FEW_ALLOWED_SHARE", 10**9)  # never: the whole head, masked
+    whole_tokens, whole_scores = run()
+    assert not few
+    monkeypatch.setattr(S, "FEW_ALLOWED_SHARE", 1)  # any mask: the allowed rows alone
+    tokens, scores = run()
+    assert few
+    assert tokens == whole_tokens
+    # the one-row product's values against the call's own (a product over several rows sums in another order)
+    torch.testing.assert_close(scores, whole_scores, rtol=1.3e-6, atol=1e-5)

@@ -837,8 +837,9 @@ class Batch:
         plen = [len(r.prompt_ids) for r in rows]
         states = {"states": [r.state for r in rows]} if any(r.stateful for r in rows) else {}
         matchers = [r.matcher for r in rows]
-        # a constrained row reads its whole row (its mask may cut any top k): it declines the screened head
-        scored = [r.scores or r.matcher is not None for r in rows]
+        # a constrained greedy row's mask enters the screened head (its candidates are the allowed tokens'); a
+        # constrained sampled row reads its whole row (its forced tokens are taken without a draw)
+        scored = [r.scores or r.matcher is not None and not r.config.is_greedy for r in rows]
         if any(m is not None for m in matchers):
             states["matchers"] = matchers
         began = time.perf_counter()

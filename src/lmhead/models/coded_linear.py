@@ -224,19 +224,26 @@ class CodedLinear:
         finite) every value is exact (`self(x)`). ValueError for ks out of range."""
         return self.screen_candidates(x, ks, cap)[0]
 
-    def screen_candidates(self, x: Tensor, ks: list[int], cap: int = SCREEN_CAP
+    def screen_candidates(self, x: Tensor, ks: list[int], cap: int = SCREEN_CAP,
+                          allowed: list[Tensor | None] | None = None
                           ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
         """`screen`'s y and its candidates: values [M,c] and ids [M,c] (ascending; c the most any row has, a
         shorter row padded with -inf and id N), the exact values of every token that can be in a row's top ks[m]
         — so a choice that reads only those reads the candidates alone. None where a row was computed whole or
-        the screen did not serve."""
+        the screen did not serve.
+
+        allowed [M] (bool [N] per row, or None: every token): a row's forbidden values are -inf in y before its
+        candidates are chosen, so they are its top ks[m] among the allowed tokens (fewer where fewer are
+        allowed) — a constrained row's choice, screened as a free row's. ValueError where a row allows none."""
         lib = native.library()
         m, k = x.shape
         n = self.out_features
         if len(ks) != m or any(not checks.is_int(v) or not 1 <= v <= min(256, n) for v in ks):
             raise ValueError(f"ks: one int in [1, {min(256, n)}] per row of x ({m}), got {ks!r}")
+        left = self._allowed_counts(allowed, m)
         if not self.screens or x.dtype != torch.float32 or x.device.type != "cpu" or not self.current():
-            return self(x), None  # every value exact (a weight changed in place: its own numbers, as `__call__`)
+            # every value exact (a weight changed in place: its own numbers, as `__call__`)
+            return _forbid(self(x), allowed), None
         x = x.contiguous()
         threads = torch.get_num_threads()
         if self._norms is None:
@@ -252,8 +259,12 @@ class CodedLinear:
         if rc == -2:
             raise MemoryError("the screen could not allocate its grid")
         if rc != 0:  # a row that is not all finite: no bound holds anywhere, every row exactly
-            return self(x), None
-        want = torch.tensor([int(v) for v in ks], dtype=torch.int64)
+            return _forbid(self(x), allowed), None
+        _forbid(y, allowed)
+        # a row allowing fewer than its k tokens wants them all: its k-th largest would be -inf, every token a
+        # candidate and the row computed whole
+        want = torch.tensor([int(v) if c is None else min(int(v), c) for v, c in zip(ks, left, strict=True)],
+                            dtype=torch.int64)
         ids = torch.empty((m, cap), dtype=torch.int64)
         counts = torch.empty(m, dtype=torch.int64)
         lib.lmhead_screen_select(y.data_ptr(), m, n, self._norms.data_ptr(), beta.data_ptr(), want.data_ptr(), cap,
@@ -263,6 +274,8 @@ class CodedLinear:
         whole = (counts < 0).nonzero().flatten().tolist()
         for r in whole:
             y[r] = self(x[r:r + 1])[0]
+            if allowed is not None and allowed[r] is not None:
+                y[r].masked_fill_(~allowed[r], float("-inf"))
         if whole:
             return y, None
         width = int(counts.max())
@@ -271,6 +284,55 @@ class CodedLinear:
         vals = y.gather(1, ids.clamp(max=n - 1)).masked_fill_(pad, float("-inf"))
         return y, (vals, ids)
 
+    def values_at(self, x: Tensor, ids: list[Tensor]) -> Tensor | None:
+        """x [M,K] float32 → y [M,N] float32: -inf except at each row's ids (int64 [c_m], ascending, c_m ≥ 1),
+        which hold the one-row product's exact values (`self(x[m:m+1])`'s, from the screen's rescoring pass): a
+        constrained row's logits where its mask allows few tokens, at the cost of those rows of the matrix. None
+        where the screen's kernels do not serve this matrix (`screens` False, another dtype or device, a weight
+        changed in place); ValueError for ids out of range."""
+        if not self.screens or x.dtype != torch.float32 or x.device.type != "cpu" or not self.current():
+            return None
+        m, k = x.shape
+        n = self.out_features
+        if len(ids) != m:
+            raise ValueError(f"ids: one tensor per row of x ({m}), got {len(ids)}")
+        counts = torch.tensor([len(i) for i in ids], dtype=torch.int64)
+        cap = int(counts.max()) if m else 0
+        table = torch.zeros((m, max(cap, 1)), dtype=torch.int64)
+        for r, i in enumerate(ids):
+            if len(i) == 0 or int(i.min()) < 0 or int(i.max()) >= n:
+                raise ValueError(f"ids[{r}]: expected 1 or more ids in [0, {n}), got {len(i)} ids")
+            table[r, :len(i)] = i
+        x = x.contiguous()
+        y = torch.full((m, n), float("-inf"), dtype=torch.float32)
+        rc = native.library().lmhead_screen_rescore(x.data_ptr(), m, k, self.codes.data_ptr(),
+                                                    self.scale.data_ptr(), n, table.data_ptr(),
+                                                    counts.data_ptr(), table.shape[1], y.data_ptr(),
+                                                    torch.get_num_threads())
+        return y if rc == 0 else None
+
+    def _allowed_counts(self, allowed: list[Tensor | None] | None, m: int) -> list[int | None]:
+        """How many tokens each row of `allowed` keeps (None: every token); ValueError for a wrong shape or a row
+        that keeps none."""
+        if allowed is None:
+            return [None] * m
+        n = self.out_features
+        if len(allowed) != m:
+            raise ValueError(f"allowed: one entry per row of x ({m}), got {len(allowed)}")
+        counts: list[int | None] = []
+        for r, a in enumerate(allowed):
+            if a is None:
+                counts.append(None)
+                continue
+            if not isinstance(a, Tensor) or a.dtype != torch.bool or a.shape != (n,):
+                raise ValueError(f"allowed[{r}]: expected a bool tensor of shape ({n},), got "
+                                 f"{getattr(a, 'dtype', type(a).__name__)} {tuple(getattr(a, 'shape', ()))}")
+            c = int(a.sum())
+            if c == 0:
+                raise ValueError(f"allowed[{r}] keeps no token")
+            counts.append(c)
+        return counts
+
     def __repr__(self) -> str:
         if self.dense:
             return (f"CodedLinear(in_features={self.in_features}, out_features={self.out_features}, "
@@ -278,3 +340,12 @@ class CodedLinear:
         return (f"CodedLinear(in_features={self.in_features}, out_features={self.out_features}, "
                 f"group={self.group}, offset={self.offset is not None}, packed={self.packed}, half={self.half}, "
                 f"rows4={self.rows4})")
+
+
+def _forbid(y: Tensor, allowed: list[Tensor | None] | None) -> Tensor:
+    """y [M,N], in place: -inf where a row's `allowed` [N] is False (rows with None untouched)."""
+    if allowed is not None:
+        for r, a in enumerate(allowed):
+            if a is not None:
+                y[r].masked_fill_(~a, float("-inf"))
+    return y
