@@ -189,7 +189,7 @@ def _coded_head_model():
 
 @pytest.mark.parametrize("draft", ["none", "ngram"])
 def test_scoreless_rounds_are_screened_and_give_the_same_tokens(monkeypatch, draft):
-    import lmhead.speculative as S
+    import lmhead.decode.engine as S
     from lmhead.generate import Batch, prepare
 
     model = _coded_head_model()
@@ -232,7 +232,7 @@ def test_drafted_screened_rounds_draw_from_the_candidates_and_give_the_same_toke
     """Two rows with n-gram drafts verify up to 8 positions: screened, each position's choice made from its
     candidates (a seeded top-k row beside a greedy one: the position-by-position draws), the same tokens as
     unscreened."""
-    import lmhead.speculative as S
+    import lmhead.decode.engine as S
     from lmhead.generate import Batch, prepare
 
     model = _coded_head_model()

@@ -238,10 +238,10 @@ def test_sampled_first_token_follows_the_target_distribution(draft, monkeypatch)
     """Goodness of fit on a tiny model, rows without a seed (the min(1, p/q) rule): the first emitted token
     over 1200 runs is distributed as the plain pipeline's probabilities (a drafted token or a residual draw).
     The prompt repeats itself, so the n-gram draft proposes a token every time."""
-    from lmhead import speculative
+    from lmhead.decode import engine
     from lmhead.sampling import SamplingConfig, probabilities
 
-    monkeypatch.setattr(speculative, "NGRAM_MAX_POSITIONS", 10_000)  # 200 rows still draft (a speed limit only)
+    monkeypatch.setattr(engine, "NGRAM_MAX_POSITIONS", 10_000)  # 200 rows still draft (a speed limit only)
     hf_model, tokenizer = _parts("gemma3", 0.15)[:2]
     prompt = tokenizer("The cat The cat The")["input_ids"]
     assert NgramDraft().propose(prompt, 2)
@@ -267,10 +267,10 @@ def test_sampled_token_after_an_accepted_ngram_draft_follows_the_target_distribu
     """The n-gram draft is judged by drawing from p and comparing (`NgramDraft`): when the first token equals the
     draft, the second one is the target's next draw given it — checked by goodness of fit against p_1 computed
     from the prompt followed by the drafted token (rows without a seed, top-p and min-p on the top-k survivors)."""
-    from lmhead import speculative
+    from lmhead.decode import engine
     from lmhead.sampling import SamplingConfig, probabilities
 
-    monkeypatch.setattr(speculative, "NGRAM_MAX_POSITIONS", 10_000)  # 400 rows still draft (a speed limit only)
+    monkeypatch.setattr(engine, "NGRAM_MAX_POSITIONS", 10_000)  # 400 rows still draft (a speed limit only)
     hf_model, tokenizer = _parts("gemma3", 0.15)[:2]
     prompt = tokenizer("The cat The cat The")["input_ids"]
     d = NgramDraft().propose(prompt, 2)

@@ -1,0 +1,1 @@
+"""The decode engine: rows, rounds, the KV cache's bookkeeping, rows joining and leaving a running batch."""

@@ -1,0 +1,37 @@
+"""Speculative decoding: the drafts and the exact acceptance rules (for now all in `lmhead.decode.engine`)."""
+
+from lmhead.decode.engine import (
+    DRAFT_MODES,
+    MAX_DRAFT_TOKENS,
+    NGRAM_MAX_POSITIONS,
+    PREFILL_PIECE,
+    SCREEN_MAX_K,
+    SCREEN_MIN_ROWS,
+    AdaptiveK,
+    Decoder,
+    Draft,
+    NgramDraft,
+    Round,
+    SpeculativeStats,
+    accept_greedy,
+    accept_sampled,
+    apply_masks,
+    check_draft_mode,
+    check_draft_tokens,
+    decode_logits,
+    frequent_tokens,
+    merge_caches,
+    plain_choice,
+    residual,
+    screen_k,
+    settle_round,
+    take_drafts,
+    token_generator,
+)
+
+__all__ = ["AdaptiveK", "Decoder", "Draft", "NgramDraft", "Round", "SpeculativeStats", "accept_greedy",
+           "accept_sampled", "check_draft_mode", "check_draft_tokens", "decode_logits", "frequent_tokens",
+           "apply_masks", "merge_caches", "plain_choice", "residual", "screen_k", "settle_round", "take_drafts",
+           "token_generator",
+           "DRAFT_MODES", "MAX_DRAFT_TOKENS", "NGRAM_MAX_POSITIONS", "PREFILL_PIECE", "SCREEN_MAX_K",
+           "SCREEN_MIN_ROWS"]
