@@ -145,7 +145,8 @@ def _prompt(model, what: str, schema: dict) -> str:
 
 def _run(model, prompt: str, config, constraint, max_tokens: int, masks: list[float] | None):
     """(text, finish reason, tokens, tok/s after the first token) of one generation."""
-    from lmhead.generate import Batch, prepare
+    from lmhead.decode.rows import prepare
+    from lmhead.generate import Batch
 
     rows = prepare(model, prompt, max_tokens, config, constraint=constraint, scores=False)
     if masks is not None and rows[0].matcher is not None:

@@ -1,4 +1,4 @@
-"""Chunked prefill: a prompt fed to the lean body in pieces (`speculative.Decoder.prefill_piece`) gives the tokens
+"""Chunked prefill: a prompt fed to the lean body in pieces (`decode.engine.Decoder.prefill_piece`) gives the tokens
 and logprobs of one forward, and a prompt joining a running batch in pieces (`Batch.begin_join` / `prefill`)
 lets the live rows decode between its pieces, then gives what it gives alone."""
 
@@ -8,7 +8,8 @@ import pytest
 from test_server_harness import tiny_served_model
 
 import lmhead.decode.engine as engine
-from lmhead.generate import Batch, prepare
+from lmhead.decode.rows import prepare
+from lmhead.generate import Batch
 from lmhead.sampling import SamplingConfig
 
 GREEDY = SamplingConfig(temperature=0)
@@ -117,7 +118,7 @@ def test_pieces_of_varying_sizes_give_the_tokens_and_logprobs_of_one_prefill(mod
 
 
 def test_the_budget_sizes_a_piece_from_the_measured_round_and_rate():
-    from lmhead.generate import PIECE_UNIT, PrefillBudget
+    from lmhead.decode.budget import PIECE_UNIT, PrefillBudget
     budget = PrefillBudget()
     assert budget.columns(1, 64) == PIECE_UNIT  # nothing measured yet: one unit
     for _ in range(5):

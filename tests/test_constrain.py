@@ -25,7 +25,8 @@ from lmhead.constrain import (
     apply_bitmask_,
     compile_constraint,
 )
-from lmhead.generate import Batch, prepare
+from lmhead.decode.rows import prepare
+from lmhead.generate import Batch
 from lmhead.kernels.native import greedy_rows
 from lmhead.models import Model
 from lmhead.models.fast_linear import int8_linear_available

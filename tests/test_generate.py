@@ -8,7 +8,8 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from lmhead.generate import Step, _Detokenizer, generate
+from lmhead.decode.rows import Step, _Detokenizer
+from lmhead.generate import generate
 from lmhead.models import Model
 from lmhead.sampling import SamplingConfig, logprobs
 

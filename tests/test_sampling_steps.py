@@ -444,9 +444,10 @@ def _lean_parts():
 
 
 def _decode(prompts, n, configs, draft, profile=None, stateful=False):
-    """Drive speculative.Decoder over a tiny lean body as generate does: n tokens per row (states: one RowState
+    """Drive decode.engine.Decoder over a tiny lean body as generate does: n tokens per row (states: one RowState
     per row when `stateful`)."""
-    from lmhead.speculative import Decoder, NgramDraft
+    from lmhead.decode.engine import Decoder
+    from lmhead.speculative import NgramDraft
 
     lean, head, int8 = _lean_parts()
     dec = Decoder(lean, head, NgramDraft() if draft == "ngram" else (int8 if draft else None), k=3, profile=profile)

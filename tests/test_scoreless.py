@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from tiny import tiny_model
 
-from lmhead.generate import Batch, Step, generate, prepare
+from lmhead.decode.rows import Step, prepare
+from lmhead.generate import Batch, generate
 from lmhead.models import Model
 from lmhead.sampling import SamplingConfig
 

@@ -34,7 +34,7 @@ _EXPORTS: dict[str, str] = {
     "load_model": "models",
     "Model": "models",
     "ModelError": "models",
-    "Step": "generate",
+    "Step": "decode.rows",
     "JSONSchema": "constrain",
     "JSONObject": "constrain",
     "Regex": "constrain",
