@@ -212,8 +212,8 @@ class LlamaServer:
 
 
 def bench(name: str, modes: list[str], suite: list[tuple[str, dict]], max_tokens: int, rec: Recorder) -> list[dict]:
+    from lmhead import load_model
     from lmhead.constrain import JSONSchema, compile_constraint, guidance_tokenizer
-    from lmhead.models import load_model
     from lmhead.sampling import SamplingConfig
 
     model = load_model(name, progress=False)

@@ -11,10 +11,10 @@ import pytest
 import torch
 from tiny import tiny_model
 
+from lmhead import Model
 from lmhead.decode.logits import decode_logits
 from lmhead.decode.rows import prepare
 from lmhead.generate import Batch, generate
-from lmhead.models import Model
 from lmhead.models.fast_linear import int8_linear_available
 from lmhead.models.heads import use_head
 from lmhead.sampling import SamplingConfig

@@ -8,9 +8,9 @@ import pytest
 import torch
 from tiny import tiny_model
 
+from lmhead import Model
 from lmhead.decode.rows import Step, _Detokenizer
 from lmhead.generate import generate
-from lmhead.models import Model
 from lmhead.sampling import SamplingConfig, logprobs
 
 GREEDY = SamplingConfig(temperature=0.0)

@@ -355,8 +355,8 @@ def test_every_step_declares_what_the_pipeline_derives_from_it():
 def test_generate_gives_the_plain_loops_tokens_with_state_and_history(settings):
     from tiny import tiny_model
 
+    from lmhead import Model
     from lmhead.generate import generate
-    from lmhead.models import Model
 
     hf_model, tokenizer = tiny_model("llama")
     model = Model(hf_model, tokenizer, name="tiny-llama")

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from tiny import tiny_model
 
+from lmhead import Model
 from lmhead.decode.rows import Step, prepare
 from lmhead.generate import Batch, generate
-from lmhead.models import Model
 from lmhead.sampling import SamplingConfig
 
 GREEDY = SamplingConfig(temperature=0)

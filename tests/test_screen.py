@@ -173,7 +173,7 @@ def test_which_rows_read_their_top_k_only():
 
 def _coded_head_model():
     """A tiny Llama whose tied head weight is Q8_0-like numbers and reads them through a CodedLinear."""
-    from lmhead.models.model import Model
+    from lmhead import Model
 
     hf_model, tokenizer = tiny_model("llama", vocab_size=320)
     model = Model(hf_model, tokenizer, name="tiny-coded-head")

@@ -319,8 +319,8 @@ def test_a_seeded_row_gives_the_plain_samplers_tokens(cfg, draft):
 
 
 def test_generate_rejects_a_draft_the_model_cannot_have():
+    from lmhead import Model
     from lmhead.generate import generate
-    from lmhead.models.model import Model
 
     hf_model, tokenizer = tiny_model("llama")
     plain = Model(hf_model, tokenizer, body="transformers")
@@ -334,8 +334,8 @@ def test_generate_rejects_a_draft_the_model_cannot_have():
 
 
 def test_generate_with_a_draft_streams_the_plain_tokens_and_counts():
+    from lmhead import Model
     from lmhead.generate import generate
-    from lmhead.models.model import Model
     from lmhead.sampling import SamplingConfig
 
     hf_model, tokenizer = tiny_model("gemma3")
@@ -353,7 +353,7 @@ def test_generate_with_a_draft_streams_the_plain_tokens_and_counts():
 
 
 def test_auto_draft_is_none_without_codes():
-    from lmhead.models.model import Model
+    from lmhead import Model
 
     hf_model, tokenizer = tiny_model("llama")
     model = Model(hf_model, tokenizer)  # built in memory: no GGUF file, no codes
@@ -363,8 +363,8 @@ def test_auto_draft_is_none_without_codes():
 
 def test_auto_drafts_for_greedy_rows_only_where_the_body_reads_codes(monkeypatch):
     # SmolLM2's case: auto_draft() "none", but n-gram drafts pay for greedy rows (and cost sampled ones)
+    from lmhead import Model
     from lmhead.generate import generate
-    from lmhead.models.model import Model
     from lmhead.sampling import SamplingConfig
 
     hf_model, tokenizer = tiny_model("llama")

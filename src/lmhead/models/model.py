@@ -12,7 +12,6 @@ copied.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,10 @@ BODY_MODES: tuple[str, ...] = ("auto", "lean", "onednn", "transformers")
 
 
 class Model:
-    """A loaded language model. Build it with `lmhead.load_model(...)`.
+    """A loaded language model: its body, both heads and its tokenizer. Build it with `lmhead.load_model(...)`,
+    whose `lmhead.Model` (`lmhead/api.py`) adds the calls that run the higher floors on it (generate, predict,
+    evaluate, perplexity); the library's own functions take either (`generate.generate(model, ...)`,
+    `explain.predict(model, ...)`).
 
     Attributes: `hf_model` (transformers, eval mode, float32), `body` (its embedding, blocks and final norm;
     by default a copy sharing every weight whose linear layers run oneDNN's kernel: `body` in BODY_MODES),
@@ -264,33 +266,6 @@ class Model:
         from transformers import DynamicCache
 
         return DynamicCache(config=self.config)
-
-    def generate(self, prompt_or_prompts: str | Sequence[str], max_new_tokens: int = 32, config=None,
-                 stop: str | Sequence[str] | None = None, top_logprobs: int = 0, **kwargs: Any) -> Iterator:
-        """Stream generated tokens as `Step`s; see `lmhead.generate.generate` (keyword options: generator,
-        profile, draft, draft_tokens, stats)."""
-        from lmhead.generate import generate
-
-        return generate(self, prompt_or_prompts, max_new_tokens, config=config, stop=stop,
-                        top_logprobs=top_logprobs, **kwargs)
-
-    def predict(self, prompt: str, top: int = 10, config=None, layers: bool = False, **kwargs):
-        """The next-token candidates for `prompt`; see `lmhead.explain.predict`."""
-        from lmhead import explain
-
-        return explain.predict(self, prompt, top=top, config=config, layers=layers, **kwargs)
-
-    def evaluate(self, text: str, **kwargs):
-        """Perplexity, loss and (tokens=True) per-token scores of `text`; see `lmhead.explain.evaluate`."""
-        from lmhead import explain
-
-        return explain.evaluate(self, text, **kwargs)
-
-    def perplexity(self, text: str, **kwargs):
-        """The model's perplexity on `text`; see `lmhead.explain.perplexity`."""
-        from lmhead import explain
-
-        return explain.perplexity(self, text, **kwargs)
 
 
 def _eos_ids(hf_model, tokenizer) -> list[int]:
