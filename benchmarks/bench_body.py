@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40, help="decode steps per body timing (default 40)")
     args = parser.parse_args(argv)
 
-    from lmhead.models import load_model
+    from lmhead import load_model
     from lmhead.models.fast_linear import onednn_available
 
     if not onednn_available():

@@ -103,7 +103,7 @@ def bench_types(args, rec: Recorder) -> None:
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         os.environ["LMHEAD_CACHE"] = str(work / "cache")  # each file's metadata cache, gone with the files
-        from lmhead.models import load_model
+        from lmhead import load_model
 
         source = MODELS[name].gguf(work)
         for kind in args.type or TYPES:
@@ -159,7 +159,7 @@ def _print_row(table: Table, cells: list[str], figures: list[Figure]) -> None:
 
 
 def bench_model(name: str, args, rec: Recorder) -> None:
-    from lmhead.models import load_model
+    from lmhead import load_model
     from lmhead.sampling import SamplingConfig
 
     model = load_model(name, head=args.head, body=args.body, progress=False)

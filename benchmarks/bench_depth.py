@@ -63,7 +63,7 @@ def decode_rate(model, prompt: str, n: int) -> tuple[float, list[int]]:
 
 
 def bench_model(name: str, args: argparse.Namespace, rec: Recorder) -> None:
-    from lmhead.models import load_model
+    from lmhead import load_model
 
     model = load_model(name, progress=False)
     prompts = {d: context(model.tokenizer, d, PROMPTS[0]) for d in args.depth}

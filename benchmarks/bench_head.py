@@ -296,7 +296,7 @@ DECODE_PROMPTS = ["Once upon a time, in a small village by the sea, there lived"
 def decode(rec: Recorder, name: str, new_tokens: int, n_prompts: int, modes: list[str]) -> None:
     """End to end greedy decode: transformers' generate() vs lmhead's loop with each head mode (and, for the
     first mode, also on transformers' own body modules instead of the oneDNN linears), same model."""
-    from lmhead.models import load_model
+    from lmhead import load_model
     from lmhead.models.heads import build_head
     from lmhead.sampling import SamplingConfig
 

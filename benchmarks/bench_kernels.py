@@ -11,7 +11,7 @@
 3. `Vocab.topk` on rows of 262,144 logits: the threshold pass (`kernels.native.topk`) against torch.topk.
 4. The decode loop's raw scores: `kernels.native.row_scores` against log_softmax + a count.
 5. A server round's choice for 8 rows of 262,144 logits (half greedy, half seeded top-k 40, as bench_server.py
-   sends them): `speculative.plain_choice` with and without the draws' logprobs, the rows interleaved (each
+   sends them): `decode.choice.plain_choice` with and without the draws' logprobs, the rows interleaved (each
    read in place) and side by side (one view per group).
 6. One decode row's choice in C against the torch pipeline it replaces, on language-model-like rows (40 tokens
    lifted over randn × 2) of 49,152 (SmolLM2) and 262,144 (Gemma 3) logits: a plain greedy row
@@ -19,7 +19,7 @@
    (`plain_choice` with `sampling.top_p.NATIVE_TOP_P_ROWS` 8 — `native.top_p_row` — and 0, the torch windows).
 7. The screened head (`CodedLinear.screen`: each row's top k exact, the rest below) against the exact product
    on Gemma 3's head shape (synthetic Q8_0-like codes, rows of randn × 2.5 with an outlier column, as final hidden
-   states have), 1-8 rows, k = 2 (greedy) and 41 (top-k 40): where `speculative.SCREEN_MIN_ROWS` comes from.
+   states have), 1-8 rows, k = 2 (greedy) and 41 (top-k 40): where `decode.logits.SCREEN_MIN_ROWS` comes from.
 Best of --repeats, each variant timed in turn.
 """
 
@@ -148,8 +148,8 @@ def sections(args: argparse.Namespace, g: torch.Generator, rec: Recorder) -> Non
     print("\n5. an 8-row server round's choice (plain_choice; greedy and seeded top-k 40 rows) (ms)")
     t5 = rec.table("server_round", "An 8-row server round's choice over 262,144 logits (greedy and seeded top-k 40 "
                    "rows), ms", ["rows", "ids", "ids + logprobs", "load"])
+    from lmhead.decode.choice import plain_choice
     from lmhead.sampling import SamplingConfig
-    from lmhead.speculative import plain_choice
 
     x = torch.randn(8, 1 << 18, generator=g) * 3
     greedy = SamplingConfig(temperature=0.0)

@@ -64,7 +64,8 @@ def vendored_llama_cpp() -> Path:
 
 def tokenizer_folder() -> Path:
     """SmolLM2's tokenizer files as lmhead caches them from its GGUF (read once here if not yet)."""
-    from lmhead.models import cache, load_model
+    from lmhead import load_model
+    from lmhead.models import cache
 
     folder = cache.meta_dir() / "smollm2-135m"
     if not (folder / "tokenizer.json").is_file():
@@ -142,7 +143,7 @@ def write_gguf(shape: str, work: Path, kinds: list[str]) -> dict[str, Path]:
 _CHILD = """
 import json, sys, time
 t = time.perf_counter()
-from lmhead.models import load_model
+from lmhead import load_model
 from lmhead.sampling import SamplingConfig
 model = load_model(sys.argv[1], progress=False)
 load = time.perf_counter() - t

@@ -32,7 +32,7 @@ the first's with the cache.
     .venv/bin/python benchmarks/bench_server.py --join-gap 4096 [--concurrent 8] [--tokens 64]
 
 --concurrent streams decode in one `Batch` while a --join-gap-token prompt joins (`Batch.begin_join`, one piece
-sized by `generate.PrefillBudget` between two rounds) and, for comparison, with the whole prompt prefilled
+sized by `decode.budget.PrefillBudget` between two rounds) and, for comparison, with the whole prompt prefilled
 at once (the piece as long as the prompt): the longest gap between two rounds of the running streams against
 their median round; target ≤ 3× with chunked prefill.
 
@@ -228,7 +228,8 @@ def prefill(args: argparse.Namespace, rec: Recorder) -> None:
     import tempfile
 
     from lmhead import load_model
-    from lmhead.generate import Batch, prepare
+    from lmhead.decode.rows import prepare
+    from lmhead.generate import Batch
     from lmhead.sampling import SamplingConfig
 
     model = load_model(args.model, progress=False)
@@ -316,7 +317,8 @@ async def measure(url: str, args: argparse.Namespace) -> dict:
 def in_process(args: argparse.Namespace, rec: Recorder) -> None:
     """--in-process: 8 at once against 8 one after another in one process, alternating (see the docstring)."""
     from lmhead import load_model
-    from lmhead.generate import Batch, prepare
+    from lmhead.decode.rows import prepare
+    from lmhead.generate import Batch
     from lmhead.sampling import SamplingConfig
 
     model = load_model(args.model)
@@ -411,7 +413,8 @@ def chat_turns(args: argparse.Namespace, rec: Recorder) -> None:
 def join_gap(args: argparse.Namespace, rec: Recorder) -> None:
     """--join-gap: the longest gap between two rounds of running streams while a long prompt joins."""
     from lmhead import load_model
-    from lmhead.generate import Batch, prepare
+    from lmhead.decode.rows import prepare
+    from lmhead.generate import Batch
     from lmhead.sampling import SamplingConfig
 
     model = load_model(args.model)

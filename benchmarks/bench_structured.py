@@ -145,7 +145,8 @@ def _prompt(model, what: str, schema: dict) -> str:
 
 def _run(model, prompt: str, config, constraint, max_tokens: int, masks: list[float] | None):
     """(text, finish reason, tokens, tok/s after the first token) of one generation."""
-    from lmhead.generate import Batch, prepare
+    from lmhead.decode.rows import prepare
+    from lmhead.generate import Batch
 
     rows = prepare(model, prompt, max_tokens, config, constraint=constraint, scores=False)
     if masks is not None and rows[0].matcher is not None:
@@ -211,8 +212,8 @@ class LlamaServer:
 
 
 def bench(name: str, modes: list[str], suite: list[tuple[str, dict]], max_tokens: int, rec: Recorder) -> list[dict]:
+    from lmhead import load_model
     from lmhead.constrain import JSONSchema, compile_constraint, guidance_tokenizer
-    from lmhead.models import load_model
     from lmhead.sampling import SamplingConfig
 
     model = load_model(name, progress=False)

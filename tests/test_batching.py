@@ -1,6 +1,6 @@
 """Continuous batching (`lmhead.generate.Batch`): rows that join a running batch, or leave it early, give what
 they give alone; exact logprobs come from the fp32 head; a reproducible row's head call does not depend on
-the rows beside it (`speculative.decode_logits`)."""
+the rows beside it (`decode.logits.decode_logits`)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from lmhead.generate import Batch, generate, prepare
-from lmhead.models import Model
+from lmhead import Model
+from lmhead.decode.logits import decode_logits
+from lmhead.decode.rows import prepare
+from lmhead.generate import Batch, generate
 from lmhead.models.fast_linear import int8_linear_available
 from lmhead.models.heads import use_head
 from lmhead.sampling import SamplingConfig
-from lmhead.speculative import decode_logits
 
 GREEDY = SamplingConfig(temperature=0)
 SEEDED = SamplingConfig(temperature=0.9, top_p=0.9, seed=11)

@@ -1,4 +1,4 @@
-"""Chunked prefill: a prompt fed to the lean body in pieces (`speculative.Decoder.prefill_piece`) gives the tokens
+"""Chunked prefill: a prompt fed to the lean body in pieces (`decode.engine.Decoder.prefill_piece`) gives the tokens
 and logprobs of one forward, and a prompt joining a running batch in pieces (`Batch.begin_join` / `prefill`)
 lets the live rows decode between its pieces, then gives what it gives alone."""
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 from test_server_harness import tiny_served_model
 
-import lmhead.speculative as spec
-from lmhead.generate import Batch, prepare
+import lmhead.decode.engine as engine
+from lmhead.decode.rows import prepare
+from lmhead.generate import Batch
 from lmhead.sampling import SamplingConfig
 
 GREEDY = SamplingConfig(temperature=0)
@@ -42,7 +43,7 @@ def _finish_and_compare(batch, got: dict[int, list], want_short: list, want_long
 
 def test_a_prompt_prefilled_in_pieces_gives_the_tokens_of_one_forward(model, monkeypatch):
     whole = _alone(model, LONG, 12)
-    monkeypatch.setattr(spec, "PREFILL_PIECE", 5)
+    monkeypatch.setattr(engine, "PREFILL_PIECE", 5)
     pieces = _alone(model, LONG, 12)
     assert [s.token_id for s in pieces] == [s.token_id for s in whole]
     assert [s.raw_logprob for s in pieces] == pytest.approx([s.raw_logprob for s in whole], abs=1e-5)
@@ -54,7 +55,7 @@ def test_a_prompt_prefilled_in_pieces_gives_the_tokens_of_one_forward(model, mon
 def test_live_rows_decode_between_the_pieces_of_a_joining_prompt(model, monkeypatch):
     want_long = _alone(model, LONG, 8)
     want_short = _alone(model, "Hello there", 30)
-    monkeypatch.setattr(spec, "PREFILL_PIECE", 4)
+    monkeypatch.setattr(engine, "PREFILL_PIECE", 4)
     batch = Batch(model)
     short = prepare(model, "Hello there", 30, GREEDY)
     batch.add(short)
@@ -78,7 +79,7 @@ def test_live_rows_decode_between_the_pieces_of_a_joining_prompt(model, monkeypa
 
 def test_a_join_whose_running_rows_all_left_becomes_the_batch(model, monkeypatch):
     want = _alone(model, LONG, 6)
-    monkeypatch.setattr(spec, "PREFILL_PIECE", 4)
+    monkeypatch.setattr(engine, "PREFILL_PIECE", 4)
     batch = Batch(model)
     short = prepare(model, "Hi", 30, GREEDY)
     batch.add(short)
@@ -117,7 +118,7 @@ def test_pieces_of_varying_sizes_give_the_tokens_and_logprobs_of_one_prefill(mod
 
 
 def test_the_budget_sizes_a_piece_from_the_measured_round_and_rate():
-    from lmhead.generate import PIECE_UNIT, PrefillBudget
+    from lmhead.decode.budget import PIECE_UNIT, PrefillBudget
     budget = PrefillBudget()
     assert budget.columns(1, 64) == PIECE_UNIT  # nothing measured yet: one unit
     for _ in range(5):

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from tiny import save_tiny, tiny_model
 
+from lmhead import load_model
 from lmhead.cli import main
 from lmhead.conversation import Conversation
-from lmhead.models import load_model
 from lmhead.sampling import SamplingConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")

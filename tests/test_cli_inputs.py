@@ -138,7 +138,7 @@ def test_serve_rejects_a_host_that_is_not_an_address(capsys, no_load):
 
 
 def test_generate_chat_applies_the_chat_template(capsys, chat_folder):
-    from lmhead.models import load_model
+    from lmhead import load_model
 
     argv = ["--model", chat_folder, "-n", "5", "--temperature", "0", "--json"]
     code, out, err = run(capsys, "generate", "Write a haiku", "--chat", "--system", "Be brief.", *argv)

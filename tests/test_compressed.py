@@ -535,7 +535,7 @@ def test_predictions_show_the_fp32_heads_candidates_beyond_exact_k():
     # shows: 120 > 64 (the default, head="exact", is the fp32 head itself)
     from tiny import tiny_model
 
-    from lmhead.models.model import Model
+    from lmhead import Model
 
     hf, tok = tiny_model("llama")
     model = use_head(Model(hf, tok), "exact-int8", cache=False)

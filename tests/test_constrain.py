@@ -14,6 +14,7 @@ import torch
 from reference import constrained_allowed, constrained_logprobs, forced_bytes
 from tiny import tiny_model
 
+from lmhead import Model
 from lmhead.constrain import (
     Choice,
     ConstraintError,
@@ -25,9 +26,9 @@ from lmhead.constrain import (
     apply_bitmask_,
     compile_constraint,
 )
-from lmhead.generate import Batch, prepare
+from lmhead.decode.rows import prepare
+from lmhead.generate import Batch
 from lmhead.kernels.native import greedy_rows
-from lmhead.models import Model
 from lmhead.models.fast_linear import int8_linear_available
 from lmhead.sampling import SamplingConfig
 from lmhead.speculative import SpeculativeStats

@@ -35,7 +35,7 @@ def model():
     # tools in a system turn (~240 of the tiny tokenizer's mostly one-character tokens) has room for the call
     from tiny import tiny_model
 
-    from lmhead.models.model import Model
+    from lmhead import Model
 
     hf_model, tokenizer = tiny_model("llama")
     hf_model.config.max_position_embeddings = 1024

@@ -10,8 +10,7 @@ import torch
 from reference import hf_sliding_window_nll
 from tiny import tiny_model
 
-from lmhead import explain
-from lmhead.models import Model
+from lmhead import Model, explain
 from lmhead.sampling import SamplingConfig, probabilities
 
 PROMPT = "The cat sat on the"

@@ -11,8 +11,8 @@ import pytest
 import torch
 from tiny import tiny_model
 
+from lmhead import Model
 from lmhead import explain_charts as C
-from lmhead.models.model import Model
 from lmhead.sampling import SamplingConfig, entropy, probabilities, process_logits, sample
 
 PROMPT = "The cat sat on the"

@@ -60,7 +60,7 @@ def test_logit_lens_last_layer_is_the_models_logits(model):
 def test_predict_on_the_real_model(model, body):
     """With transformers' own modules as the body the probabilities are transformers' to 1e-6; the default
     (lean) body sums in another order: 1e-5 (the explainer's promise against transformers)."""
-    from lmhead.models.model import Model
+    from lmhead import Model
     from lmhead.sampling import SamplingConfig, probabilities
 
     if body == "transformers":

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from tiny import tiny_model
 
-from lmhead.models import Model
+from lmhead import Model
 from lmhead.sampling import SamplingConfig
 from lmhead.server import create_app
 

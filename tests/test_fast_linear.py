@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from tiny import tiny_model
 from torch import nn
 
+from lmhead import Model
 from lmhead.models.fast_linear import OneDNNLinear, onednn_available, with_onednn_linears
-from lmhead.models.model import BODY_MODES, Model
+from lmhead.models.model import BODY_MODES
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
 
@@ -101,7 +102,7 @@ def test_an_unknown_body_mode_names_the_allowed_ones():
     with pytest.raises(ValueError, match="body must be one of auto, lean, onednn, transformers"):
         Model(hf, tok, body="fast")
     assert BODY_MODES == ("auto", "lean", "onednn", "transformers")  # lean: issue 13
-    from lmhead.models import load_model
+    from lmhead import load_model
 
     with pytest.raises(ValueError, match="body must be one of"):
         load_model("smollm2-135m", body="fast")  # checked before anything is loaded

@@ -8,8 +8,9 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from lmhead.generate import Step, _Detokenizer, generate
-from lmhead.models import Model
+from lmhead import Model
+from lmhead.decode.rows import Step, _Detokenizer
+from lmhead.generate import generate
 from lmhead.sampling import SamplingConfig, logprobs
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -359,7 +360,7 @@ def test_plain_greedy_rows_take_one_native_pass_with_the_pipelines_tokens_and_sc
     (with n-gram drafts: every position of the verification at once): the same tokens, processed logprob (0),
     raw logprob and rank (1) as the general pipeline and scorer; a row with alternatives or a penalty in the
     batch keeps the general path for what it needs."""
-    import lmhead.speculative as speculative
+    import lmhead.decode.engine as engine
     from lmhead.kernels import native
 
     if native.library() is None:
@@ -376,7 +377,7 @@ def test_plain_greedy_rows_take_one_native_pass_with_the_pipelines_tokens_and_sc
 
     penalised = SamplingConfig(temperature=0.0, repetition_penalty=1.3)
     cases = [dict(config=GREEDY), dict(config=GREEDY, top_logprobs=3), dict(config=[GREEDY, penalised, GREEDY] * 2)]
-    monkeypatch.setattr(speculative, "greedy_rows", counting)
+    monkeypatch.setattr(engine, "greedy_rows", counting)
     fast, used = [], []
     for kw in cases:
         calls.clear()
@@ -384,7 +385,7 @@ def test_plain_greedy_rows_take_one_native_pass_with_the_pipelines_tokens_and_sc
         used.append(list(calls))
     assert used[0] and used[0][0] >= 2 * len(PROMPTS) and used[1]  # every row at once, with or without alternatives
     assert used[2] == []  # a penalised row in the batch: the pipeline for all
-    monkeypatch.setattr(speculative, "greedy_rows", lambda x: None)  # the general pipeline and scorer
+    monkeypatch.setattr(engine, "greedy_rows", lambda x: None)  # the general pipeline and scorer
     slow = [steps(**kw) for kw in cases]
     assert fast == slow
     assert all(s[2] == 0.0 and s[4] == 1 for s in fast[0])
@@ -394,7 +395,7 @@ def test_plain_greedy_rows_take_one_native_pass_with_the_pipelines_tokens_and_sc
                                     SamplingConfig(temperature=0.9, top_k=20, top_p=0.95),
                                     SamplingConfig(temperature=1.2, min_p=0.05)])
 def test_unseeded_sampled_rows_drawn_in_c_report_their_processed_logprobs(model, config, monkeypatch):
-    from lmhead import speculative
+    from lmhead.decode import engine
 
     calls = []
 
@@ -402,8 +403,8 @@ def test_unseeded_sampled_rows_drawn_in_c_report_their_processed_logprobs(model,
         calls.append(args)
         return native_sample_row(*args)
 
-    native_sample_row = speculative.sample_row
-    monkeypatch.setattr(speculative, "sample_row", spy)
+    native_sample_row = engine.sample_row
+    monkeypatch.setattr(engine, "sample_row", spy)
     prompt_ids = model.tokenizer("The cat sat")["input_ids"]
     steps = _run(model, "The cat sat", 12, config=config, generator=torch.Generator().manual_seed(5))
     assert len(calls) == len(steps)  # the C draw served every step

@@ -45,12 +45,12 @@ def test_text_output_is_the_prompt_then_the_generated_text(folder, capsys):
 
 
 def test_text_output_computes_no_logprobs(folder, capsys, monkeypatch):
-    import lmhead.generate as G
+    import lmhead.decode.scores as S
 
     def scored(*args, **kwargs):
         raise AssertionError("text output scored its tokens")
 
-    monkeypatch.setattr(G, "_flat_scores", scored)
+    monkeypatch.setattr(S, "flat_scores", scored)
     assert main(["generate", "The cat sat", "--model", folder, "-n", "8", "--temperature", "0.9", "--seed", "5"]) == 0
     assert capsys.readouterr().out.startswith("The cat sat")
     with pytest.raises(AssertionError, match="scored"):  # JSON lines carry logprobs: they are computed

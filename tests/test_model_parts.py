@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from tiny import tiny_model
 
-from lmhead.models import Model, parts
+from lmhead import Model
+from lmhead.models import parts
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

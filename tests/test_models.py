@@ -10,7 +10,8 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from lmhead.models import MODELS, Model, ModelError, cache, load_model, resolve
+from lmhead import Model, load_model
+from lmhead.models import MODELS, ModelError, cache, resolve
 from lmhead.models.convert import check_gguf, save_state_dict
 from lmhead.models.loading import cached_folder
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from lmhead.generate import _Detokenizer, generate
-from lmhead.models import MODELS, ModelError, load_model
-from lmhead.models.model import Model
+from lmhead import Model, load_model
+from lmhead.decode.rows import _Detokenizer
+from lmhead.generate import generate
+from lmhead.models import MODELS, ModelError
 from lmhead.sampling import SamplingConfig
 
 pytestmark = pytest.mark.model

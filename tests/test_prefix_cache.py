@@ -10,7 +10,8 @@ from fastapi.testclient import TestClient
 from test_server_harness import tiny_served_model
 
 import lmhead.prefix_cache as P
-from lmhead.generate import Batch, prepare
+from lmhead.decode.rows import prepare
+from lmhead.generate import Batch
 from lmhead.prefix_cache import PrefixCache
 from lmhead.sampling import SamplingConfig
 from lmhead.server import create_app

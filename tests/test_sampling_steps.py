@@ -355,8 +355,8 @@ def test_every_step_declares_what_the_pipeline_derives_from_it():
 def test_generate_gives_the_plain_loops_tokens_with_state_and_history(settings):
     from tiny import tiny_model
 
+    from lmhead import Model
     from lmhead.generate import generate
-    from lmhead.models import Model
 
     hf_model, tokenizer = tiny_model("llama")
     model = Model(hf_model, tokenizer, name="tiny-llama")
@@ -444,9 +444,10 @@ def _lean_parts():
 
 
 def _decode(prompts, n, configs, draft, profile=None, stateful=False):
-    """Drive speculative.Decoder over a tiny lean body as generate does: n tokens per row (states: one RowState
+    """Drive decode.engine.Decoder over a tiny lean body as generate does: n tokens per row (states: one RowState
     per row when `stateful`)."""
-    from lmhead.speculative import Decoder, NgramDraft
+    from lmhead.decode.engine import Decoder
+    from lmhead.speculative import NgramDraft
 
     lean, head, int8 = _lean_parts()
     dec = Decoder(lean, head, NgramDraft() if draft == "ngram" else (int8 if draft else None), k=3, profile=profile)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 from tiny import tiny_model
 
-from lmhead.generate import Batch, Step, generate, prepare
-from lmhead.models import Model
+from lmhead import Model
+from lmhead.decode.rows import Step, prepare
+from lmhead.generate import Batch, generate
 from lmhead.sampling import SamplingConfig
 
 GREEDY = SamplingConfig(temperature=0)

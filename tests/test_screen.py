@@ -1,4 +1,4 @@
-"""The screened head (`CodedLinear.screen`, `LMHead.screen`, `speculative.decode_logits` with `scored`): each row's
+"""The screened head (`CodedLinear.screen`, `LMHead.screen`, `decode.logits.decode_logits` with `scored`): each row's
 top k exactly as the one-row product gives them and every other value below them; its bound against the exact
 product; its fallbacks; the decode loop's tokens unchanged where it screens."""
 
@@ -189,7 +189,7 @@ def test_a_weight_changed_in_place_is_read_from_its_own_numbers():
 
 
 def test_which_rows_read_their_top_k_only():
-    from lmhead.speculative import SCREEN_MAX_K, screen_k
+    from lmhead.decode.logits import SCREEN_MAX_K, screen_k
 
     assert screen_k(SamplingConfig(temperature=0), False) == 2
     assert screen_k(SamplingConfig(temperature=0.8, top_k=40, top_p=0.9, seed=1), False) == 41
@@ -202,7 +202,7 @@ def test_which_rows_read_their_top_k_only():
 
 def _coded_head_model():
     """A tiny Llama whose tied head weight is Q8_0-like numbers and reads them through a CodedLinear."""
-    from lmhead.models.model import Model
+    from lmhead import Model
 
     hf_model, tokenizer = tiny_model("llama", vocab_size=320)
     model = Model(hf_model, tokenizer, name="tiny-coded-head")
@@ -218,8 +218,10 @@ def _coded_head_model():
 
 @pytest.mark.parametrize("draft", ["none", "ngram"])
 def test_scoreless_rounds_are_screened_and_give_the_same_tokens(monkeypatch, draft):
-    import lmhead.speculative as S
-    from lmhead.generate import Batch, prepare
+    import lmhead.decode.logits as L
+    from lmhead.decode.engine import Decoder
+    from lmhead.decode.rows import prepare
+    from lmhead.generate import Batch
 
     model = _coded_head_model()
     calls, plain = [], []
@@ -230,8 +232,8 @@ def test_scoreless_rounds_are_screened_and_give_the_same_tokens(monkeypatch, dra
         return screen(hidden, ks, allowed)
 
     monkeypatch.setattr(model.exact_head, "screen_candidates", counting)
-    plain_rounds = S.Decoder._plain
-    monkeypatch.setattr(S.Decoder, "_plain", lambda self, logits, *a: plain.append(1) or plain_rounds(self, logits, *a))
+    plain_rounds = Decoder._plain
+    monkeypatch.setattr(Decoder, "_plain", lambda self, logits, *a: plain.append(1) or plain_rounds(self, logits, *a))
     prompts = ["a b c a b c a b", "hello there", "x y z", "one two one two one", "q", "the the the"]
     configs = [SamplingConfig(temperature=0) if i % 2 == 0 else SamplingConfig(temperature=0.9, top_k=12, seed=i)
                for i in range(len(prompts))]
@@ -248,11 +250,11 @@ def test_scoreless_rounds_are_screened_and_give_the_same_tokens(monkeypatch, dra
     assert calls == []
     plain.clear()
     screened = run(False)
-    assert calls and min(calls) >= S.SCREEN_MIN_ROWS
+    assert calls and min(calls) >= L.SCREEN_MIN_ROWS
     assert screened == scored
     if draft == "none":  # every round screened: the rows chose from their candidates, never from whole rows
         assert len(calls) >= 12 and not plain
-    monkeypatch.setattr(S, "SCREEN_MIN_ROWS", 10**9)
+    monkeypatch.setattr(L, "SCREEN_MIN_ROWS", 10**9)
     calls.clear()
     assert run(False) == scored and calls == []
 
@@ -261,13 +263,14 @@ def test_drafted_screened_rounds_draw_from_the_candidates_and_give_the_same_toke
     """Two rows with n-gram drafts verify up to 8 positions: screened, each position's choice made from its
     candidates (a seeded top-k row beside a greedy one: the position-by-position draws), the same tokens as
     unscreened."""
-    import lmhead.speculative as S
-    from lmhead.generate import Batch, prepare
+    from lmhead.decode.engine import Decoder
+    from lmhead.decode.rows import prepare
+    from lmhead.generate import Batch
 
     model = _coded_head_model()
     seen = []
-    draws = S.Decoder._draws
-    monkeypatch.setattr(S.Decoder, "_draws", lambda self, *a: seen.append(a[-1] is not None) or draws(self, *a))
+    draws = Decoder._draws
+    monkeypatch.setattr(Decoder, "_draws", lambda self, *a: seen.append(a[-1] is not None) or draws(self, *a))
     prompts = ["a b c a b c a b c a b c a b", "one two one two one two one two"]
     configs = [SamplingConfig(temperature=0.9, top_k=12, seed=5), SamplingConfig(temperature=0)]
 

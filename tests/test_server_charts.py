@@ -43,7 +43,7 @@ class TinyLoader:
                 raise ModelError("model 'broken' needs the package broken-gguf, which is not installed")
             from tiny import tiny_model
 
-            from lmhead.models.model import Model
+            from lmhead import Model
 
             hf, tok = tiny_model("llama", seed=5, vocab_size=280)
             return Model(hf, tok, name=name)

@@ -38,7 +38,8 @@ def _complete(client, **body):
 
 
 def _greedy(model, ids, n, **kwargs):
-    from lmhead.generate import _loop, prepare_ids
+    from lmhead.decode.rows import prepare_ids
+    from lmhead.generate import _loop
 
     rows = prepare_ids(model, [ids], n, SamplingConfig(temperature=0), **kwargs)
     return list(_loop(model, rows, None, None))
@@ -171,7 +172,8 @@ def test_min_tokens_bans_the_stop_ids_until_that_many_tokens(client, model):
 
 
 def test_ignore_eos_keeps_generating_past_the_models_end_of_sequence(model):
-    from lmhead.generate import _loop, prepare_ids
+    from lmhead.decode.rows import prepare_ids
+    from lmhead.generate import _loop
 
     ids = model.encode(PROMPT)
     eos = model.eos_token_ids[0]

@@ -13,10 +13,10 @@ import pytest
 
 
 def tiny_served_model(seed: int = 0):
-    """An `lmhead.models.Model` around tests/tiny.py's 2-layer random Llama (vocab ~300)."""
+    """An `lmhead.Model` around tests/tiny.py's 2-layer random Llama (vocab ~300)."""
     from tiny import tiny_model
 
-    from lmhead.models.model import Model
+    from lmhead import Model
 
     hf_model, tokenizer = tiny_model("llama", seed=seed)
     return Model(hf_model, tokenizer, name="tiny-llama")
@@ -24,7 +24,8 @@ def tiny_served_model(seed: int = 0):
 
 def real_model(name: str = "smollm2-135m"):
     """A packaged model from the shared cache, or skip (the models area converts it once)."""
-    from lmhead.models import ModelError, load_model
+    from lmhead import load_model
+    from lmhead.models import ModelError
 
     try:
         return load_model(name)

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from test_server_harness import tiny_served_model
 
-from lmhead.generate import prepare_ids
+from lmhead.decode.rows import prepare_ids
 from lmhead.sampling import SamplingConfig
 from lmhead.server import create_app
 from lmhead.server.limits import ServeLimits, column_bytes, serve_limits

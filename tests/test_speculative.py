@@ -18,6 +18,7 @@ from lmhead.speculative import (
     accept_greedy,
     accept_sampled,
     check_draft_tokens,
+    draft_for,
     frequent_tokens,
     residual,
 )
@@ -176,7 +177,7 @@ def _parts(arch: str, init: float = 0.3):
 def _decode(arch: str, prompts: list[list[int]], n: int, configs, draft: bool, k: int = 3,
             generator: torch.Generator | None = None, init: float = 0.3):
     """Drive `Decoder` like generate does (no stop conditions): n tokens per row."""
-    from lmhead.speculative import Decoder
+    from lmhead.decode.engine import Decoder
 
     _, _, lean, head, int8 = _parts(arch, init)
     dec = Decoder(lean, head, NgramDraft() if draft == "ngram" else (int8 if draft else None), k=k)
@@ -238,10 +239,10 @@ def test_sampled_first_token_follows_the_target_distribution(draft, monkeypatch)
     """Goodness of fit on a tiny model, rows without a seed (the min(1, p/q) rule): the first emitted token
     over 1200 runs is distributed as the plain pipeline's probabilities (a drafted token or a residual draw).
     The prompt repeats itself, so the n-gram draft proposes a token every time."""
-    from lmhead import speculative
     from lmhead.sampling import SamplingConfig, probabilities
+    from lmhead.speculative import drafts
 
-    monkeypatch.setattr(speculative, "NGRAM_MAX_POSITIONS", 10_000)  # 200 rows still draft (a speed limit only)
+    monkeypatch.setattr(drafts, "NGRAM_MAX_POSITIONS", 10_000)  # 200 rows still draft (a speed limit only)
     hf_model, tokenizer = _parts("gemma3", 0.15)[:2]
     prompt = tokenizer("The cat The cat The")["input_ids"]
     assert NgramDraft().propose(prompt, 2)
@@ -267,10 +268,10 @@ def test_sampled_token_after_an_accepted_ngram_draft_follows_the_target_distribu
     """The n-gram draft is judged by drawing from p and comparing (`NgramDraft`): when the first token equals the
     draft, the second one is the target's next draw given it — checked by goodness of fit against p_1 computed
     from the prompt followed by the drafted token (rows without a seed, top-p and min-p on the top-k survivors)."""
-    from lmhead import speculative
     from lmhead.sampling import SamplingConfig, probabilities
+    from lmhead.speculative import drafts
 
-    monkeypatch.setattr(speculative, "NGRAM_MAX_POSITIONS", 10_000)  # 400 rows still draft (a speed limit only)
+    monkeypatch.setattr(drafts, "NGRAM_MAX_POSITIONS", 10_000)  # 400 rows still draft (a speed limit only)
     hf_model, tokenizer = _parts("gemma3", 0.15)[:2]
     prompt = tokenizer("The cat The cat The")["input_ids"]
     d = NgramDraft().propose(prompt, 2)
@@ -318,8 +319,8 @@ def test_a_seeded_row_gives_the_plain_samplers_tokens(cfg, draft):
 
 
 def test_generate_rejects_a_draft_the_model_cannot_have():
+    from lmhead import Model
     from lmhead.generate import generate
-    from lmhead.models.model import Model
 
     hf_model, tokenizer = tiny_model("llama")
     plain = Model(hf_model, tokenizer, body="transformers")
@@ -333,8 +334,8 @@ def test_generate_rejects_a_draft_the_model_cannot_have():
 
 
 def test_generate_with_a_draft_streams_the_plain_tokens_and_counts():
+    from lmhead import Model
     from lmhead.generate import generate
-    from lmhead.models.model import Model
     from lmhead.sampling import SamplingConfig
 
     hf_model, tokenizer = tiny_model("gemma3")
@@ -352,18 +353,18 @@ def test_generate_with_a_draft_streams_the_plain_tokens_and_counts():
 
 
 def test_auto_draft_is_none_without_codes():
-    from lmhead.models.model import Model
+    from lmhead import Model
 
     hf_model, tokenizer = tiny_model("llama")
     model = Model(hf_model, tokenizer)  # built in memory: no GGUF file, no codes
-    assert model.auto_draft() == "none" and model.draft("auto") is None
+    assert model.auto_draft() == "none" and draft_for(model, "auto") is None
     assert not model.auto_greedy_drafts()  # nor n-grams for greedy rows: measured on the coded body only
 
 
 def test_auto_drafts_for_greedy_rows_only_where_the_body_reads_codes(monkeypatch):
     # SmolLM2's case: auto_draft() "none", but n-gram drafts pay for greedy rows (and cost sampled ones)
+    from lmhead import Model
     from lmhead.generate import generate
-    from lmhead.models.model import Model
     from lmhead.sampling import SamplingConfig
 
     hf_model, tokenizer = tiny_model("llama")

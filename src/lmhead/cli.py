@@ -281,8 +281,10 @@ def _run_predict(args: argparse.Namespace) -> None:
     model = _load(args, head="fp32")  # no compressed head to build unless --head asks to see one
     prompt = _prompt_text(model, args, messages)
     head = "exact" if args.head in (None, "fp32") else "decode"
-    pred = model.predict(prompt, top=args.top, config=config, layers=args.layers, model_name=model.name, head=head,
-                         constraint=constraint)
+    from lmhead import explain
+
+    pred = explain.predict(model, prompt, top=args.top, config=config, layers=args.layers, model_name=model.name,
+                           head=head, constraint=constraint)
     if args.json:
         _print_json(pred.to_dict())
         return
@@ -354,7 +356,9 @@ def _run_eval(args: argparse.Namespace) -> None:
     if not text.strip():
         raise ValueError(f"{args.file} is empty: nothing to evaluate")
     model = _load(args, head="fp32")  # eval scores with the full-precision head: no compressed head to build
-    ev = model.evaluate(text, window=args.window, stride=args.stride, tokens=args.tokens, progress=True)
+    from lmhead import explain
+
+    ev = explain.evaluate(model, text, window=args.window, stride=args.stride, tokens=args.tokens, progress=True)
     if args.json:
         _print_json(ev.to_dict())
         return
@@ -532,6 +536,7 @@ def _run_generate(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not 0 <= args.top_logprobs <= 20:
         raise ValueError(f"--top-logprobs must be in 0..20, got {args.top_logprobs}")
+    from lmhead import generate
     from lmhead.speculative import SpeculativeStats, check_draft_tokens
 
     check_draft_tokens(args.draft_tokens)
@@ -541,10 +546,10 @@ def _run_generate(args: argparse.Namespace) -> None:
     model = _load(args)
     prompt = _prompt_text(model, args, messages)
     stats = SpeculativeStats()
-    steps = model.generate(prompt, args.max_new_tokens, config=config, stop=args.stop,
-                           top_logprobs=args.top_logprobs, draft=args.draft, draft_tokens=args.draft_tokens,
-                           stats=stats, exact_logprobs=args.exact_logprobs, constraint=constraint,
-                           scores=args.json)  # text shows no logprobs: none computed (nor the normaliser's pass)
+    steps = generate.generate(model, prompt, args.max_new_tokens, config=config, stop=args.stop,
+                              top_logprobs=args.top_logprobs, draft=args.draft, draft_tokens=args.draft_tokens,
+                              stats=stats, exact_logprobs=args.exact_logprobs, constraint=constraint,
+                              scores=args.json)  # text shows no logprobs: none computed (nor the normaliser's pass)
     out, count, finish, t0 = sys.stdout, 0, None, time.perf_counter()
     if not args.json and messages is None:  # a chat prints the answer only, not the template around the prompt
         out.write(args.prompt)

@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from lmhead.generate import Batch, prepare
+from lmhead.decode.rows import prepare
+from lmhead.generate import Batch
 from lmhead.models.chat import chat_prompt
 from lmhead.prefix_cache import PrefixCache
 

@@ -6,7 +6,7 @@
                                            # longest common prefix with prompt_ids (m ≥ MIN_TOKENS), or None
 
 A chat's next turn begins with the previous turn's prompt and (mostly) its answer, so its prefill feeds only
-the tokens after the common prefix: `speculative.Decoder.begin(..., prefix=...)` copies the m columns in first.
+the tokens after the common prefix: `decode.engine.Decoder.begin(..., prefix=...)` copies the m columns in first.
 A column's keys and values depend only on the tokens up to it and their positions (0, 1, ... in every row:
 left padding counts no positions), so the reused columns are the ones a prefill would compute — up to float
 rounding where that prefill would have run the same tokens in another split. Bounded memory: the least recently

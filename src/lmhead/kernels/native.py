@@ -6,8 +6,8 @@
     decode_kernels.c `lmhead_step`, every block of a decode step in one call over the coded matrices, and
                      `lmhead_decode`, the same from token ids with the step's bookkeeping (models/lean.py)
     row_kernels.c    the decode loop's passes over whole rows: raw logprob and rank of each chosen token
-                     (`row_scores`, lmhead/generate.py); a greedy row's argmax and normaliser in one call
-                     (`greedy_rows`, lmhead/speculative.py); a row's exact top-p set (`top_p_row`,
+                     (`row_scores`, lmhead/decode/scores.py); a greedy row's argmax and normaliser in one call
+                     (`greedy_rows`, lmhead/decode/engine.py); a row's exact top-p set (`top_p_row`,
                      lmhead/sampling/top_p.py); an unseeded row's draw (`sample_row`); `topk`'s candidates
     step_kernels.c   the declared sampler steps' passes over a row, in float64 (lmhead/sampling/steps/moments.py):
                      a row's moments (`row_moments`), locally typical sampling's kept set (`typical_row`), a cut

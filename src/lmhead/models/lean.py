@@ -70,7 +70,7 @@ class StaticCache:
 
     A cache may be rows [a, b) of a larger one (`view`): its tensors share that one's memory, each layer's keys
     (values) one contiguous block `layer_stride` numbers from the next. A prompt joining a running batch is
-    prefilled so, straight into the rows it will have in the merged cache (`speculative.Decoder.begin_join`).
+    prefilled so, straight into the rows it will have in the merged cache (`decode.engine.Decoder.begin_join`).
     What a column holds where its row's `valid` is False is never read as a token's: masks drop it.
     """
 

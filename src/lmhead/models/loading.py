@@ -237,7 +237,7 @@ def load_folder(folder: Path, cached: bool = False):
 
 
 def load_model(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, verify: bool = False,
-               progress: bool = True, head: str = "auto", body: str = "auto"):
+               progress: bool = True, head: str = "auto", body: str = "auto", model_class: type | None = None):
     """Load a model by name ("gemma-3-270m", "smollm2-135m"), GGUF file path or HF folder path -> Model.
 
     GGUF models run straight from their file (`file_model.py`): the body and the exact head read the file's
@@ -255,6 +255,8 @@ def load_model(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, verify: 
     `body` picks how the body's linear layers run (`lmhead.models.model.BODY_MODES`): "auto" (default:
     oneDNN's kernel when torch has it — the same weights; docs/models.md has the timings), "onednn",
     "transformers" (transformers' own modules). `hf_model` is transformers' model either way.
+    `model_class`: the class built, `models.model.Model` or a subclass (None: `Model`; `lmhead.load_model`
+    builds `lmhead.api.Model`, which adds generate, predict, evaluate and perplexity).
     """
     from lmhead.kernels import builder
 
@@ -262,18 +264,19 @@ def load_model(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, verify: 
     from lmhead.models.heads import check_head_mode
     from lmhead.models.model import BODY_MODES, Model
 
+    cls = Model if model_class is None else model_class
     check_head_mode(head)  # both checked before the slow load
     if body not in BODY_MODES:
         raise ValueError(f"body must be one of {', '.join(BODY_MODES)}; got {body!r}")
 
     source = resolve(name_or_path)
     if source.kind != "folder" and os.environ.get("LMHEAD_CONVERT") != "1":
-        model = _load_file(source, head=head, body=body, progress=progress)
+        model = _load_file(source, head=head, body=body, progress=progress, cls=cls)
         if model is not None:
             return model
     if source.kind == "folder":
         hf_model, tokenizer = load_folder(source.path)
-        return Model(hf_model, tokenizer, name=source.name, path=source.path, body=body, head=head)
+        return cls(hf_model, tokenizer, name=source.name, path=source.path, body=body, head=head)
     folder = cached_folder(source, checksums=verify, progress=progress)
     try:
         hf_model, tokenizer = load_folder(folder, cached=True)
@@ -285,7 +288,7 @@ def load_model(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, verify: 
             hf_model, tokenizer = load_folder(folder, cached=True)
         except ModelError:
             raise exc from None
-    return Model(hf_model, tokenizer, name=source.name, path=folder, body=body, head=head, progress=progress)
+    return cls(hf_model, tokenizer, name=source.name, path=folder, body=body, head=head, progress=progress)
 
 
 def _gguf_path(source: Source, folder: Path | None, workdir: Path) -> Path:
@@ -298,7 +301,7 @@ def _gguf_path(source: Source, folder: Path | None, workdir: Path) -> Path:
     return source.spec.gguf(workdir)
 
 
-def _load_file(source: Source, head: str, body: str, progress: bool):
+def _load_file(source: Source, head: str, body: str, progress: bool, cls: type):
     """The model read straight from its GGUF file (`file_model.py`), or None where its architecture is not one the
     lean body runs from a file (said once on stderr; the caller converts it as before)."""
     import tempfile
@@ -317,7 +320,6 @@ def _load_file(source: Source, head: str, body: str, progress: bool):
     )
     from lmhead.models.gguf_file import GGUFFile
     from lmhead.models.heap import trim_heap
-    from lmhead.models.model import Model
 
     key = _key(source)
     facts = _source_facts(source)
@@ -373,8 +375,8 @@ def _load_file(source: Source, head: str, body: str, progress: bool):
         hf_model, _ = load_folder(cached_folder(source, progress=progress), cached=True)
         return hf_model.float().eval()
 
-    model = Model.from_file(lean, tokenizer, cfg, eos, exact, name=source.name, path=folder, build_hf=build_hf,
-                            head=head, body=body)
+    model = cls.from_file(lean, tokenizer, cfg, eos, exact, name=source.name, path=folder, build_hf=build_hf,
+                          head=head, body=body)
     model.gguf_path = Path(gguf)
     return model
 

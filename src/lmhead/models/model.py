@@ -12,7 +12,6 @@ copied.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,10 @@ BODY_MODES: tuple[str, ...] = ("auto", "lean", "onednn", "transformers")
 
 
 class Model:
-    """A loaded language model. Build it with `lmhead.load_model(...)`.
+    """A loaded language model: its body, both heads and its tokenizer. Build it with `lmhead.load_model(...)`,
+    whose `lmhead.Model` (`lmhead/api.py`) adds the calls that run the higher floors on it (generate, predict,
+    evaluate, perplexity); the library's own functions take either (`generate.generate(model, ...)`,
+    `explain.predict(model, ...)`).
 
     Attributes: `hf_model` (transformers, eval mode, float32), `body` (its embedding, blocks and final norm;
     by default a copy sharing every weight whose linear layers run oneDNN's kernel: `body` in BODY_MODES),
@@ -66,7 +68,6 @@ class Model:
         # the lean body (generate, predict, evaluate all run it when set); shares every weight with hf_model
         use_lean = body == "lean" or (body == "auto" and LeanBody.supports(hf_model))
         self.lean = LeanBody(hf_model) if use_lean else None
-        self._draft = None  # built by draft() on first use
         out = hf_model.get_output_embeddings()
         softcap = getattr(text_config, "final_logit_softcapping", None)
         self.exact_head = LMHead.from_weight(out.weight, bias=getattr(out, "bias", None), softcap=softcap or None)
@@ -113,7 +114,6 @@ class Model:
         self.tokenizer, self.name, self.path, self.config = tokenizer, name, path, config
         self.gguf_path: Path | None = None  # the file the weights are read from (set by the loader)
         self.lean = lean if body in ("auto", "lean") else None
-        self._draft = None
         self.exact_head = exact_head
         self.eos_token_ids = eos_token_ids
         self.context_length = parts.context_length(config)
@@ -175,26 +175,6 @@ class Model:
         vocab, width = self.exact_head.vocab_size, self.exact_head.d_model
         return (f"Model({self.name!r}, vocab={vocab}, width={width}, "
                 f"layers={getattr(self.config, 'num_hidden_layers', '?')}, context={self.context_length})")
-
-    def draft(self, mode: str = "auto"):
-        """The speculative draft of mode `mode` (`lmhead.speculative.DRAFT_MODES`), built on first use and
-        kept: "ngram" — drafts from the row's own text (prompt lookup; no model, no memory); "int8" — this
-        model's body with int8 weights and an int8 head over its most frequent tokens; "none" — None;
-        "auto" — the fastest exact setting measured (benchmarks/bench_decode.py, tables in docs/decode.md):
-        `auto_draft()` (a decode loop also drafts n-grams for greedy rows where `auto_greedy_drafts()`)."""
-        from lmhead.speculative import Draft, NgramDraft, check_draft_mode
-
-        check_draft_mode(self, mode)
-        if mode == "auto":
-            mode = self.auto_draft()
-        if mode == "none":
-            return None
-        if mode == "ngram":
-            return NgramDraft()
-        if self._draft is None:
-            self._draft = Draft(self.hf_model, self.tokenizer, head_weight=self.exact_head.weight,
-                                softcap=self.exact_head.softcap)
-        return self._draft
 
     def auto_draft(self) -> str:
         """What `draft="auto"` runs: "ngram" where a decode step reads at least as many bytes in its head as in
@@ -286,33 +266,6 @@ class Model:
         from transformers import DynamicCache
 
         return DynamicCache(config=self.config)
-
-    def generate(self, prompt_or_prompts: str | Sequence[str], max_new_tokens: int = 32, config=None,
-                 stop: str | Sequence[str] | None = None, top_logprobs: int = 0, **kwargs: Any) -> Iterator:
-        """Stream generated tokens as `Step`s; see `lmhead.generate.generate` (keyword options: generator,
-        profile, draft, draft_tokens, stats)."""
-        from lmhead.generate import generate
-
-        return generate(self, prompt_or_prompts, max_new_tokens, config=config, stop=stop,
-                        top_logprobs=top_logprobs, **kwargs)
-
-    def predict(self, prompt: str, top: int = 10, config=None, layers: bool = False, **kwargs):
-        """The next-token candidates for `prompt`; see `lmhead.explain.predict`."""
-        from lmhead import explain
-
-        return explain.predict(self, prompt, top=top, config=config, layers=layers, **kwargs)
-
-    def evaluate(self, text: str, **kwargs):
-        """Perplexity, loss and (tokens=True) per-token scores of `text`; see `lmhead.explain.evaluate`."""
-        from lmhead import explain
-
-        return explain.evaluate(self, text, **kwargs)
-
-    def perplexity(self, text: str, **kwargs):
-        """The model's perplexity on `text`; see `lmhead.explain.perplexity`."""
-        from lmhead import explain
-
-        return explain.perplexity(self, text, **kwargs)
 
 
 def _eos_ids(hf_model, tokenizer) -> list[int]:

@@ -10,8 +10,8 @@
     POST /api/layers      the logit lens at the last position
     POST /api/score       every token of a text with its probability and rank; the perplexity
 
-Each route checks the request (served.py), makes one call to the library (`Model.predict`, `Model.generate`,
-`Model.evaluate`, `params.module_parameters`) through the runner, and shapes the answer.
+Each route checks the request (served.py), makes one call to the library (`explain.predict`, `generate.generate`,
+`explain.evaluate`, `params.module_parameters`) through the runner, and shapes the answer.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from fastapi.responses import StreamingResponse
 
+from lmhead import explain
 from lmhead.checks import seed_for_step
+from lmhead.generate import generate
 from lmhead.sampling.steps import describe
 from lmhead.server import schemas as S
 from lmhead.server.served import Served, encode_checked, get_served, max_prompt_tokens, sampling_config
@@ -112,8 +114,8 @@ def _answer_checked(model: Any, req: S.PredictRequest | S.StepRequest) -> Any:
 def _predict(model: Any, req: S.PredictRequest) -> dict[str, Any]:
     encode_checked(model, req.prompt)
     constraint = _answer_checked(model, req)
-    return model.predict(req.prompt, top=req.top, config=sampling_config(req), constraint=constraint,
-                         constraint_from=req.answer_from if constraint else None).to_dict()
+    return explain.predict(model, req.prompt, top=req.top, config=sampling_config(req), constraint=constraint,
+                           constraint_from=req.answer_from if constraint else None).to_dict()
 
 
 def _step(model: Any, req: S.StepRequest) -> Any:
@@ -122,19 +124,19 @@ def _step(model: Any, req: S.StepRequest) -> Any:
     # A seeded run keys each click's draw on (seed + step): clicks differ, a rerun repeats them.
     cfg = sampling_config(req, seed_for_step(req.seed, req.step))
     # the page shows the model's own numbers: probability, raw probability and rank from the fp32 head
-    return next(iter(model.generate(req.prompt, 1, config=cfg, exact_logprobs=True, constraint=constraint,
-                                    constraint_from=req.answer_from if constraint else None)))
+    return next(iter(generate(model, req.prompt, 1, config=cfg, exact_logprobs=True, constraint=constraint,
+                              constraint_from=req.answer_from if constraint else None)))
 
 
 def _layers(model: Any, req: S.LayersRequest) -> dict[str, Any]:
     encode_checked(model, req.prompt)
-    pred = model.predict(req.prompt, top=1, layers=True, layer_top=req.top).to_dict()
+    pred = explain.predict(model, req.prompt, top=1, layers=True, layer_top=req.top).to_dict()
     return {"prompt_tokens": pred.get("prompt_tokens"), "layers": pred.get("layers")}
 
 
 def _score(model: Any, req: S.ScoreRequest, name: str) -> dict[str, Any]:
     encode_checked(model, req.text, "text")
-    return model.evaluate(req.text, tokens=True, model_name=name).to_dict()
+    return explain.evaluate(model, req.text, tokens=True, model_name=name).to_dict()
 
 
 def params_body(model: Any) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from lmhead.server import schemas as S
 CHARS_PER_TOKEN = 16  # the character bound per token of context (a token of text is rarely longer)
 MAX_QUEUE = 256  # requests waiting for room, by default
 RETRY_AFTER_S = 1  # what a 503's Retry-After says
-_COLUMN_SLACK = 18  # columns a row's cache holds beyond its tokens: one full draft and two (speculative.Decoder)
+_COLUMN_SLACK = 18  # columns a row's cache holds beyond its tokens: one full draft and two (decode.engine.Decoder)
 _ROW_BOOKKEEPING = 17  # bytes per column beside keys and values: valid (1), positions (8), tokens (8)
 
 

@@ -7,7 +7,7 @@
         each generic stream (`stream`) gives one item
         waiting generations join the batch (a lone row's prompt starting from the longest prefix the
             prefix cache holds: `prefix_cache.PrefixCache`, `lmhead.generate.Batch.begin_join`: their prompts prefilled
-            together, one piece per turn, sized by `generate.PrefillBudget` — chunked prefill, so a long
+            together, one piece per turn, sized by `decode.budget.PrefillBudget` — chunked prefill, so a long
             prompt does not hold the running streams for its whole prefill — then merged into the running
             rows' caches); no other request joins while one does
         rows whose request went away are retired (`Batch.remove`)
@@ -24,7 +24,7 @@ refused at once (`QueueFull`: the route's 503 with Retry-After).
 Continuous batching, as vLLM's and llama.cpp's servers do it: requests that arrive together, or while others
 decode, share decode steps, so 8 concurrent generations cost little more than one. Each answer is what its
 request gets alone: rows have their own configs and seeds (a seeded row draws from (seed, step) only), left
-padding and merged caches are invisible to attention, and `speculative.decode_logits` keeps a reproducible
+padding and merged caches are invisible to attention, and `decode.logits.decode_logits` keeps a reproducible
 row's head call its own wherever the compressed head's approximate tail could reach its choice.
 
 The event loop never runs model code: it hands jobs to the thread and awaits futures and queues, so it keeps
@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
-from lmhead.generate import Batch, Row, Step, prepare
+from lmhead.decode.rows import Row, Step, prepare
+from lmhead.generate import Batch
 from lmhead.prefix_cache import PrefixCache
 
 T = TypeVar("T")
@@ -163,7 +164,7 @@ class ModelRunner:
                  prepare_rows: Callable[..., list[Row]] = prepare, **kwargs: Any) -> AsyncIterator[Step]:
         """The Steps of `lmhead.generate.generate(model, prompt_or_prompts, max_new_tokens, **kwargs)` (config,
         stop, top_logprobs, exact_logprobs), decoded in the shared batch; `prepare_rows` makes the rows
-        (`generate.prepare`, or `generate.prepare_ids` for token ids). size: (rows, tokens of the longest row)
+        (`decode.rows.prepare`, or `decode.rows.prepare_ids` for token ids). size: (rows, tokens of the longest row)
         for admission (default: one row at the full `max_new_tokens` past an unknown prompt: admitted alone).
         The arguments are checked on the thread when the request is admitted: a ValueError/TypeError comes out
         of the first iteration. Past `limits.queue` waiting requests: QueueFull, at once."""

@@ -36,7 +36,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from lmhead.generate import prepare_ids
+from lmhead.decode.rows import prepare_ids
 from lmhead.prompt_scores import prompt_scores
 from lmhead.server import schemas as S
 from lmhead.server.errors import APIError
