@@ -349,7 +349,7 @@ def test_constrained_positions_allowing_few_tokens_read_only_their_rows_with_the
         monkeypatch, draft):
     """A call whose every position is a constrained row's, each allowing few tokens, computes those tokens' logits
     alone (`LMHead.values_at`): the same tokens, logprobs, raw logprobs and alternatives as the whole head."""
-    import lmhead.speculative as S
+    import lmhead.decode.logits as S
     from lmhead.constrain import Choice, JSONSchema, Regex
 
     model = _coded_head_model()

@@ -188,16 +188,16 @@ class Decoder:
         elif k:
             drafts, q = self._propose(last, k, configs, history, prompt_len, steps, generator)
             self._lap("draft")
+        if matchers is not None and taken is None:  # no n-gram lookup: each constrained row judges position 0 only
+            taken = take_drafts(matchers, None, ks)
         ids = last[:, None] if drafts is None else torch.cat([last[:, None], drafts], dim=1)     # [B,k+1]
         start = self.target.length
         positions = self.next_pos[:, None] if k == 0 else self.next_pos[:, None] + torch.arange(k + 1)   # [B,k+1]
         hidden = self.lean(ids, positions, self.target)
         self._lap("body")
-        logits, cands = decode_head(self.head, hidden, configs, scored)                      # [B,k+1,V]
+        logits, cands = decode_head(self.head, hidden, configs, scored, taken)              # [B,k+1,V]
         self._lap("head")
-        if matchers is not None:
-            if taken is None:  # no n-gram lookup this round: each constrained row judges position 0 only
-                taken = take_drafts(matchers, None, ks)
+        if matchers is not None and cands is None:  # a screened call forbade the masks' tokens already
             apply_masks(logits, taken)
         chosen = raw = None
         if k == 0 and cands is not None:  # screened: every row's choice reads its candidates only

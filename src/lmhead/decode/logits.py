@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -16,6 +17,9 @@ from lmhead.decode.choice import is_deterministic, is_plain
 # 1.2-1.3x at 5, 1.15-1.25x at 8; ~1.0x at 2-3, where one pass over the codes is memory's time either way)
 SCREEN_MIN_ROWS = 4
 SCREEN_MAX_K = 64  # the widest top-k a screened row may have (its candidates stay a few dozen more than k)
+# a constrained position whose mask allows at most V / this many tokens gets their exact logits alone (the
+# head's rows read at random, one thread) instead of the whole head streamed
+FEW_ALLOWED_SHARE = 16
 
 
 def decode_logits(head, hidden: Tensor, configs: list, scored: list[bool] | None = None) -> Tensor:
@@ -38,15 +42,24 @@ def decode_logits(head, hidden: Tensor, configs: list, scored: list[bool] | None
     return decode_head(head, hidden, configs, scored)[0]
 
 
-def decode_head(head, hidden: Tensor, configs: list, scored: list[bool] | None = None
+def decode_head(head, hidden: Tensor, configs: list, scored: list[bool] | None = None, masks: list | None = None
                 ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
     """`decode_logits`' logits [B,T,V] and, where the call was screened, the candidates each position's choice
     reads: values [B,T,c] and ids [B,T,c] (`CodedLinear.screen_candidates`; -inf past a position's own count)
-    — a choice over them is the choice over the whole row; None otherwise."""
+    — a choice over them is the choice over the whole row; None otherwise.
+
+    masks [B] (`rounds.take_drafts`' (bits [m+1, W], m) per constrained row, None for a free row; None: no row
+    constrained): a call whose every position is a constrained row's, each allowing few tokens, computes those
+    tokens' logits alone (`_allowed_only`); a screened call forbids a constrained row's tokens at each position it
+    judges before its candidates are chosen, so they are its choice's among the allowed tokens. The caller still
+    applies the masks where the call was not screened (`rounds.apply_masks`)."""
     from lmhead.compressed import CompressedHead
 
     if not isinstance(head, CompressedHead):
-        screened = None if scored is None else _screened(head, hidden, configs, scored)
+        few = None if masks is None else _allowed_only(head, hidden, masks)
+        if few is not None:
+            return few, None
+        screened = None if scored is None else _screened(head, hidden, configs, scored, masks)
         if screened is not None:
             return screened
         logits = head(hidden)
@@ -74,7 +87,7 @@ def screen_k(config, scored: bool) -> int:
     return config.top_k + 1 if 1 <= config.top_k <= SCREEN_MAX_K else 0
 
 
-def _screened(head, hidden: Tensor, configs: list, scored: list[bool]
+def _screened(head, hidden: Tensor, configs: list, scored: list[bool], masks: list | None = None
               ) -> tuple[Tensor, tuple[Tensor, Tensor] | None] | None:
     """`decode_head`'s screened call, or None where it does not apply (a row that needs more than its top k, too
     few positions, a head without a screen)."""
@@ -85,13 +98,54 @@ def _screened(head, hidden: Tensor, configs: list, scored: list[bool]
     ks = [screen_k(c, s) for c, s in zip(configs, scored, strict=True)]
     if not all(ks):  # a scored or wide row needs its whole row: one exact call for all, as before
         return None
-    got = screen(hidden.reshape(b * t, d), [k for k in ks for _ in range(t)])
+    allowed = None if masks is None else _allowed_positions(masks, b, t, head.vocab_size)
+    got = screen(hidden.reshape(b * t, d), [k for k in ks for _ in range(t)], allowed)
     if got is None:
         return None
     logits, cands = got
     if cands is not None:
         cands = (cands[0].view(b, t, -1), cands[1].view(b, t, -1))
     return logits.view(b, t, -1), cands
+
+
+def _allowed_only(head, hidden: Tensor, masks: list) -> Tensor | None:
+    """The logits [B,T,V] of a call whose every position is a constrained row's judged position allowing at most
+    V / FEW_ALLOWED_SHARE tokens: those tokens' exact values (`LMHead.values_at`: the one-row product's numbers
+    for them) and -inf elsewhere — the masked row itself, scores included, at the cost of the allowed rows of the
+    head; None otherwise (a free row, an unjudged position, a wide mask, a head without the kernel)."""
+    from lmhead.constrain import allowed
+
+    values_at = getattr(head, "values_at", None)
+    b, t, d = hidden.shape
+    if values_at is None or len(masks) != b:
+        return None
+    most = head.vocab_size // FEW_ALLOWED_SHARE
+    ids: list[Tensor] = []
+    for got in masks:
+        if got is None or got[0].shape[0] < t:
+            return None
+        for j in range(t):
+            keep = torch.from_numpy(np.flatnonzero(allowed(got[0][j], head.vocab_size).numpy()))
+            if not 1 <= len(keep) <= most:  # none allowed: the whole row, whose mask then names the failure
+                return None
+            ids.append(keep)
+    y = values_at(hidden.reshape(b * t, d), ids)
+    return None if y is None else y.view(b, t, -1)
+
+
+def _allowed_positions(masks: list, b: int, t: int, vocab: int) -> list[Tensor | None] | None:
+    """Per position of a [B,T] call (rows × positions, flattened): the bool [V] tokens a constrained row's mask
+    allows at a position it judges, None elsewhere (a free row, or a position after the drafts its matcher
+    took: never judged); None when no row is constrained."""
+    from lmhead.constrain import allowed
+
+    out: list[Tensor | None] = [None] * (b * t)
+    for r, got in enumerate(masks):
+        if got is not None:
+            keep = allowed(got[0], vocab)                                                     # [m+1,V]
+            for j in range(min(keep.shape[0], t)):
+                out[r * t + j] = keep[j]
+    return out if any(a is not None for a in out) else None
 
 
 def _reads_tail(config, exact_k: int) -> bool:
