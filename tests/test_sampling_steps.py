@@ -404,8 +404,8 @@ def test_the_server_answers_4xx_naming_a_bad_step_setting(client, route, name, v
 
 
 def test_the_server_and_the_cli_build_the_config_the_library_builds():
-    from lmhead.checks import sampling_config_from
     from lmhead.cli import build_parser
+    from lmhead.sampling.fields import sampling_config_from
     from lmhead.server.schemas import CompletionRequest
 
     want = SamplingConfig(typical_p=0.5, dry_multiplier=0.8, bad_words=((1, 2), (3,)), samplers="llama.cpp",

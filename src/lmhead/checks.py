@@ -3,17 +3,14 @@
 Each function validates one option, names it and its allowed range in the error, and returns the value
 normalised (an int stays an int, a real becomes a float). The API raises `ValueError` / `TypeError`; the CLI
 and the server turn those into exit code 2 / HTTP 4xx. Callers check once, at their boundary (a constructor,
-a public function), and never re-check inside. `sampling_config_from` turns an entry point's fields (CLI
-arguments, a request body) into a `SamplingConfig`; the CLI and the server both call it.
+a public function), and never re-check inside. (An entry point's fields become a `SamplingConfig` in
+`sampling.fields.sampling_config_from`, above this module.)
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from lmhead.sampling import SamplingConfig
+from typing import Any
 
 REDUCTIONS: tuple[str, ...] = ("mean", "sum", "none")
 
@@ -118,41 +115,6 @@ class OptionError(ValueError):
     def __init__(self, message: str, option: str | None = None) -> None:
         super().__init__(message)
         self.option = option
-
-
-SAMPLING_FIELDS: tuple[str, ...] = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                                    "presence_penalty", "frequency_penalty")  # and the steps' declared fields
-
-
-def sampling_config_from(fields: Any, seed: int | None = None) -> SamplingConfig:
-    """The `SamplingConfig` of an entry point's fields (CLI arguments, a request body): the one place where
-    the CLI and the server turn user input into a config, so the same input gets the same config or error.
-
-    fields: any object; its attributes named in `SAMPLING_FIELDS` and in the steps' declared fields
-    (`lmhead.sampling.steps.ENTRY_FIELDS`: typical_p, dry_*, mirostat*, ...) are used, missing ones (and None
-    for a declared field: not given) keep SamplingConfig's defaults. Its `logit_bias`, if any and not empty,
-    maps token ids written as strings (JSON object keys) to floats. `seed` is passed as given (see
-    `seed_for_step` for per-call seeds). Its `banned_tokens`, if any, are passed as given.
-    Raises ValueError / TypeError with SamplingConfig's messages; a key that is not an int is an
-    `OptionError` naming `logit_bias`.
-    """
-    from lmhead.sampling import SamplingConfig  # here, not at the top: sampling imports this module
-    from lmhead.sampling.steps import ENTRY_FIELDS
-
-    kwargs: dict[str, Any] = {name: getattr(fields, name) for name in SAMPLING_FIELDS if hasattr(fields, name)}
-    given = {p.name: getattr(fields, p.name, None) for p in ENTRY_FIELDS}
-    kwargs.update({name: value for name, value in given.items() if value is not None})
-    kwargs["seed"] = seed
-    banned = getattr(fields, "banned_tokens", None)
-    if banned:  # None or empty: not given
-        kwargs["banned_tokens"] = banned
-    bias = getattr(fields, "logit_bias", None)
-    if bias:
-        try:
-            kwargs["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
-        except ValueError as exc:
-            raise OptionError("logit_bias keys must be token ids", "logit_bias") from exc
-    return SamplingConfig(**kwargs)
 
 
 def seed_for_step(seed: int | None, step: int) -> int | None:

@@ -1,7 +1,7 @@
 """The `lmhead` command: argument parsing and printing only.
 
 Every command calls the library (params.py, the Model's predict / evaluate / generate, models/, server/,
-checks.sampling_config_from for the sampling options, as the server does); no logic lives here.
+sampling.fields.sampling_config_from for the sampling options, as the server does); no logic lives here.
 Bad input exits with code 2 and one line on stderr (`lmhead: error: ...`), never a traceback.
 """
 
@@ -112,7 +112,7 @@ def _constraint(args: argparse.Namespace):
 def _sampling_config(args: argparse.Namespace):
     """The SamplingConfig of `_add_sampling_args`' options (and --seed where the command has it), made by the
     function the server uses too: the same settings give the same config or the same error."""
-    from lmhead.checks import sampling_config_from
+    from lmhead.sampling.fields import sampling_config_from
 
     return sampling_config_from(args, seed=getattr(args, "seed", None))
 

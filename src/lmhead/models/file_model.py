@@ -116,7 +116,7 @@ def _write_meta(gguf: Path, out: Path) -> Any:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from lmhead.models.gguf_meta import header_reader
-    from lmhead.models.loading import fast_tokenizer, no_progress_bars
+    from lmhead.models.hf_tokenizer import fast_tokenizer, no_progress_bars
 
     try:
         with no_progress_bars(), header_reader():
@@ -143,7 +143,7 @@ def _write_meta(gguf: Path, out: Path) -> Any:
 
 def read_meta(folder: Path, tokenizer: Any = None) -> tuple[ModelConfig, Any, list[int]]:
     """(config, tokenizer, end-of-sequence ids) of a meta folder (`tokenizer`: the folder's, already read)."""
-    from lmhead.models.loading import fast_tokenizer
+    from lmhead.models.hf_tokenizer import fast_tokenizer
 
     cfg = ModelConfig.from_file(folder / "config.json")
     generation = json.loads((folder / "generation_config.json").read_text())

@@ -76,6 +76,7 @@ from __future__ import annotations
 
 from lmhead.sampling.config import GREEDY_TEMPERATURE, SamplingConfig, as_configs
 from lmhead.sampling.cuts import apply_min_p, apply_temperature, apply_top_k, apply_top_p
+from lmhead.sampling.fields import sampling_config_from
 from lmhead.sampling.inputs import as_prev_tokens, as_row_ints
 from lmhead.sampling.logprobs import LogProbs, entropy, logprobs
 from lmhead.sampling.pipeline import chosen_logprobs, probabilities, process_logits, sample, sample_with_logprobs
@@ -98,8 +99,8 @@ __all__ = [
     "apply_top_p",
     "as_configs",
     "as_prev_tokens",
-    "chosen_logprobs",
     "as_row_ints",
+    "chosen_logprobs",
     "entropy",
     "logprobs",
     "probabilities",
@@ -107,5 +108,6 @@ __all__ = [
     "race_draw",
     "sample",
     "sample_with_logprobs",
+    "sampling_config_from",
     "seeded_generator",
 ]

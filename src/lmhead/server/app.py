@@ -25,7 +25,7 @@ The package, one job per module:
     schemas.py   the request and response bodies (pydantic; 422 on invalid JSON or an unknown field)
 
 The routes hold no logic of their own: they call the `Model` (predict, generate, evaluate), `params.py`,
-`models/chat.py` and `checks.sampling_config_from` (which the CLI calls too), and shape the answers.
+`models/chat.py` and `sampling.fields.sampling_config_from` (which the CLI calls too), and shape the answers.
 """
 
 from __future__ import annotations

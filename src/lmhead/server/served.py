@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
-from lmhead.checks import sampling_config_from
 from lmhead.models.chat import chat_prompt
+from lmhead.sampling.fields import sampling_config_from
 from lmhead.server import schemas as S
 from lmhead.server.errors import APIError
 from lmhead.server.limits import RETRY_AFTER_S, ServeLimits
@@ -112,8 +112,8 @@ def chat_ids(model: Any, messages: list[dict[str, str]]) -> tuple[str, list[int]
 
 
 def sampling_config(req: Any, seed: int | None = None) -> SamplingConfig:
-    """`checks.sampling_config_from(req, seed)` (the CLI's function too); a bad setting is a 400. Pure and bounded
-    by the request's schema: routes call it on the event loop, not through the model's thread."""
+    """`sampling.fields.sampling_config_from(req, seed)` (the CLI's function too); a bad setting is a 400. Pure and
+    bounded by the request's schema: routes call it on the event loop, not through the model's thread."""
     try:
         return sampling_config_from(req, seed)
     except (ValueError, TypeError) as exc:

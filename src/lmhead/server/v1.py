@@ -9,7 +9,7 @@
 
 A request is checked (the model's name, characters and tokens against the served limits — prompt + max_tokens ≤
 the context, rows ≤ --parallel and within the KV memory: served.py —, the sampling config via
-`checks.sampling_config_from`),
+`sampling.fields.sampling_config_from`),
 generated in the runner's shared batch (`ModelRunner.generate`: continuous batching), and shaped as OpenAI's
 objects: `_Completion` and `_Chat` build the ids, chunks and bodies. Log-probabilities are the model's own
 (raw: temperature 1, nothing cut), as OpenAI and vLLM report them, from the decode head (`exact_logprobs: true`,
