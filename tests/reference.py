@@ -181,6 +181,13 @@ def sampling_xtc(row: torch.Tensor, threshold: float) -> torch.Tensor:
     return torch.tensor([-math.inf if i in above and i != stay else v for i, v in enumerate(row.tolist())])
 
 
+def sampling_top_a(row: torch.Tensor, a: float) -> torch.Tensor:
+    """Drop p < a · p_max² (text-generation-webui's TopALogitsWarper), p in float64 from the row as it comes."""
+    probs = torch.softmax(row.double(), dim=-1).tolist()
+    bound = a * max(probs) ** 2
+    return torch.tensor([v if q >= bound else -math.inf for v, q in zip(row.tolist(), probs, strict=True)])
+
+
 def sampling_epsilon(row: torch.Tensor, epsilon: float) -> torch.Tensor:
     """Drop p < ε, keep the most probable token (and its ties)."""
     probs = torch.softmax(row.double(), dim=-1)
@@ -290,6 +297,7 @@ def sampling_chain(row: torch.Tensor, cfg, history: list[int] | None = None, pro
         "typical_p": lambda r: sampling_typical(r, cfg.typical_p),
         "top_p": lambda r: sampling_top_p(r, cfg.top_p),
         "min_p": lambda r: sampling_min_p(r, cfg.min_p),
+        "top_a": lambda r: sampling_top_a(r, cfg.top_a) if cfg.top_a > 0 else r,
         "top_n_sigma": lambda r: sampling_top_n_sigma(r, cfg.top_n_sigma),
         "xtc": lambda r: sampling_xtc(r, cfg.xtc_threshold)
         if xtc and cfg.xtc_probability > 0 and cfg.xtc_threshold <= 0.5 else r,
@@ -300,7 +308,7 @@ def sampling_chain(row: torch.Tensor, cfg, history: list[int] | None = None, pro
         row = plain["temperature"](row)
         return sampling_mirostat(row, cfg.mirostat, 2 * cfg.mirostat_tau if mu is None else mu)
     order = cfg.samplers or ("penalties", "dry", "no_repeat_ngram", "temperature", "top_k", "typical_p", "top_p",
-                             "min_p", "top_n_sigma", "xtc", "epsilon", "eta")
+                             "min_p", "top_a", "top_n_sigma", "xtc", "epsilon", "eta")
     if cfg.temperature < 1e-5:
         for name in order:
             if name in ("penalties", "dry", "no_repeat_ngram"):

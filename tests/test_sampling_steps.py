@@ -48,6 +48,7 @@ NEW_SETTINGS = [
     dict(samplers="transformers", top_k=40, typical_p=0.9, epsilon_cutoff=1e-3, temperature=1.3),
     dict(samplers=["top_k", "temp", "typ_p"], top_k=20, typical_p=0.5, temperature=0.5),
     dict(temperature=0, dry_multiplier=3.0, typical_p=0.1),
+    dict(top_a=0.2), dict(top_a=0.9, temperature=0.6, min_p=0.02), dict(samplers=["top_a", "temp"], top_a=0.5),
 ]
 
 
@@ -121,6 +122,7 @@ _CUTS_AGAINST_REFERENCE = {
     "top_n_sigma": (dict(top_n_sigma=1.0), lambda r: ref.sampling_top_n_sigma(r, 1.0)),
     "xtc": (dict(xtc_probability=1.0, xtc_threshold=0.01), lambda r: ref.sampling_xtc(r, 0.01)),
     "epsilon": (dict(epsilon_cutoff=3e-4), lambda r: ref.sampling_epsilon(r, 3e-4)),
+    "top_a": (dict(top_a=0.3), lambda r: ref.sampling_top_a(r, 0.3)),
     "eta": (dict(eta_cutoff=3e-4), lambda r: ref.sampling_eta(r, 3e-4)),
     "mirostat v1": (dict(mirostat=1, mirostat_tau=4.0), lambda r: ref.sampling_mirostat(r, 1, 8.0)),
     "mirostat v2": (dict(mirostat=2, mirostat_tau=3.0), lambda r: ref.sampling_mirostat(r, 2, 6.0)),

@@ -12,7 +12,8 @@ with ``mirostat`` on the chain is the masks, the temperature and mirostat (llama
 other cut-offs are not applied). A greedy row (temperature 0) runs stages 1-2 and takes the argmax.
 
 lmhead's order: penalties → DRY → no-repeat n-grams → temperature (or dynamic temperature) → top-k → typical-p →
-top-p → min-p → top-nσ → XTC → epsilon → eta. For today's settings that is transformers' order (temperature →
+top-p → min-p → top-nσ → XTC → epsilon → eta, and each step a module adds placed after its `after` step (top-a
+after min-p). For today's settings that is transformers' order (temperature →
 top-k → top-p → min-p).
 """
 
