@@ -374,54 +374,49 @@ SPECIALISED void row_pass(const int R, const float* x, int64_t K, const int8_t* 
  * the Q rows. Several query rows read the block Q rows at a time (it stays in L1 between passes): row by row
  * over the interleaved layout, the products of 2–8 rows ran 1.3–1.5× slower than over plain rows.
  * out [Q, 4] (stride 4). */
-/* block4_rows stays one function per Q made by this macro: written as one always-inline function with a constant
- * Q (as the passes below), GCC schedules the int8 blocked layouts' 2- and 3-row products differently and they
- * ran slower (Q8_0, Q6_K, Q2_K at M = 2, 3; interleaved single-thread timing against the macro's copies). */
-#define BLOCK4_ROWS(Q) \
-    static inline void block4_rows##Q(const float* x, int64_t K, const int8_t* c, const float* s, const float* o,    \
-                                      int64_t ng, int packed, const char* pf, float* out) {                          \
-        __m256 acc[4][Q];                                                                                            \
-        for (int r = 0; r < 4; r++)                                                                                  \
-            for (int m = 0; m < Q; m++) acc[r][m] = _mm256_setzero_ps();                                             \
-        if (packed) {                                                                                                \
-            for (int64_t g = 0; g < ng; g += 2) {                                                                    \
-                fetch_unit(pf, g >> 1);                                                                              \
-                for (int r = 0; r < 4; r++) {                                                                        \
-                    const __m256i v = flip(_mm256_loadu_si256((const __m256i*)(c + ((g >> 1) * 4 + r) * 32)));       \
-                    for (int h = 0; h < 2; h++) {                                                                    \
-                        const __m256 sv = _mm256_set1_ps(s[r * ng + g + h]);                                         \
-                        const __m256 ov = o ? _mm256_set1_ps(o[r * ng + g + h]) : _mm256_setzero_ps();               \
-                        for (int j = 0; j < 4; j++) {                                                                \
-                            const __m256 w = rebuild8(nib(v, 4 * h + j), sv, ov, o != NULL);                         \
-                            for (int m = 0; m < Q; m++)                                                              \
-                                acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + (g + h) * 32 + 8 * j),    \
-                                                            acc[r][m]);                                              \
-                        }                                                                                            \
-                    }                                                                                                \
-                }                                                                                                    \
-            }                                                                                                        \
-        } else {                                                                                                     \
-            const int g16 = ng * 16 == K; /* Q6_K, Q3_K, Q2_K: two groups per 32-weight unit */                      \
-            for (int64_t g = 0; g < K / 32; g++) {                                                                   \
-                fetch_unit(pf, g);                                                                                   \
-                for (int r = 0; r < 4; r++) {                                                                        \
-                    const int64_t i0 = r * ng + (g16 ? 2 * g : g), i1 = i0 + g16;                                    \
-                    const __m256 s0 = _mm256_set1_ps(s[i0]), s1 = _mm256_set1_ps(s[i1]);                             \
-                    const __m256 o0 = o ? _mm256_set1_ps(o[i0]) : _mm256_setzero_ps();                               \
-                    const __m256 o1 = o ? _mm256_set1_ps(o[i1]) : _mm256_setzero_ps();                               \
-                    const int8_t* cg = c + (g * 4 + r) * 32;                                                         \
-                    for (int j = 0; j < 4; j++) {                                                                    \
-                        const __m256 w = rebuild8(bytes8(cg + 8 * j), j < 2 ? s0 : s1, j < 2 ? o0 : o1, o != NULL);  \
-                        for (int m = 0; m < Q; m++)                                                                  \
-                            acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + g * 32 + 8 * j), acc[r][m]);  \
-                    }                                                                                                \
-                }                                                                                                    \
-            }                                                                                                        \
-        }                                                                                                            \
-        for (int m = 0; m < Q; m++)                                                                                  \
-            for (int r = 0; r < 4; r++) out[m * 4 + r] = hsum8(acc[r][m]);                                           \
+SPECIALISED void block4_rows(const int Q, const float* x, int64_t K, const int8_t* c, const float* s,
+                             const float* o, int64_t ng, int packed, const char* pf, float* out) {
+    __m256 acc[4][3];
+    for (int r = 0; r < 4; r++)
+        for (int m = 0; m < Q; m++) acc[r][m] = _mm256_setzero_ps();
+    if (packed) {
+        for (int64_t g = 0; g < ng; g += 2) {
+            fetch_unit(pf, g >> 1);
+            for (int r = 0; r < 4; r++) {
+                const __m256i v = flip(_mm256_loadu_si256((const __m256i*)(c + ((g >> 1) * 4 + r) * 32)));
+                for (int h = 0; h < 2; h++) {
+                    const __m256 sv = _mm256_set1_ps(s[r * ng + g + h]);
+                    const __m256 ov = o ? _mm256_set1_ps(o[r * ng + g + h]) : _mm256_setzero_ps();
+                    for (int j = 0; j < 4; j++) {
+                        const __m256 w = rebuild8(nib(v, 4 * h + j), sv, ov, o != NULL);
+                        for (int m = 0; m < Q; m++)
+                            acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + (g + h) * 32 + 8 * j),
+                                                        acc[r][m]);
+                    }
+                }
+            }
+        }
+    } else {
+        const int g16 = ng * 16 == K; /* Q6_K, Q3_K, Q2_K: two groups per 32-weight unit */
+        for (int64_t g = 0; g < K / 32; g++) {
+            fetch_unit(pf, g);
+            for (int r = 0; r < 4; r++) {
+                const int64_t i0 = r * ng + (g16 ? 2 * g : g), i1 = i0 + g16;
+                const __m256 s0 = _mm256_set1_ps(s[i0]), s1 = _mm256_set1_ps(s[i1]);
+                const __m256 o0 = o ? _mm256_set1_ps(o[i0]) : _mm256_setzero_ps();
+                const __m256 o1 = o ? _mm256_set1_ps(o[i1]) : _mm256_setzero_ps();
+                const int8_t* cg = c + (g * 4 + r) * 32;
+                for (int j = 0; j < 4; j++) {
+                    const __m256 w = rebuild8(bytes8(cg + 8 * j), j < 2 ? s0 : s1, j < 2 ? o0 : o1, o != NULL);
+                    for (int m = 0; m < Q; m++)
+                        acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + g * 32 + 8 * j), acc[r][m]);
+                }
+            }
+        }
     }
-BLOCK4_ROWS(1) BLOCK4_ROWS(2) BLOCK4_ROWS(3)
+    for (int m = 0; m < Q; m++)
+        for (int r = 0; r < 4; r++) out[m * 4 + r] = hsum8(acc[r][m]);
+}
 
 /* a block of four weight rows against Q = 4..8 query rows (batched decode, longer verifications): one weight
  * row of the block at a time, each weight rebuilt once and used for the Q rows (Q accumulators). Measured
@@ -471,6 +466,18 @@ SPECIALISED void block4_each(const int Q, const float* x, int64_t K, const int8_
 /* the pass for q query rows of a block: ≤ 3 through its one stream, 4..8 row by row (one copy per count) */
 typedef void (*block_pass)(const float*, int64_t, const int8_t*, const float*, const float*, int64_t, int, const char*,
                            float*);
+static void block4_rows1(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
+                         int packed, const char* pf, float* out) {
+    block4_rows(1, x, K, c, s, o, ng, packed, pf, out);
+}
+static void block4_rows2(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
+                         int packed, const char* pf, float* out) {
+    block4_rows(2, x, K, c, s, o, ng, packed, pf, out);
+}
+static void block4_rows3(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
+                         int packed, const char* pf, float* out) {
+    block4_rows(3, x, K, c, s, o, ng, packed, pf, out);
+}
 static void block4_each4(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
                          int packed, const char* pf, float* out) {
     block4_each(4, x, K, c, s, o, ng, packed, pf, out);
