@@ -77,11 +77,6 @@ int lmhead_coded_abi(void) { return 19; }
 /* half_to_float for the other source file (decode_kernels.c's embedding rows) */
 float lmhead_half(uint16_t h) { return half_to_float(h); }
 
-/* a function inlined into every caller whatever its size, so that its count arguments (query rows, a nibble's
- * index, whether there are offsets) are constants there: each caller gets the copy specialised for it
- * (accumulators in registers, loops unrolled, no test inside a loop, shifts by immediates) */
-#define SPECIALISED static inline __attribute__((always_inline))
-
 #ifdef __AVX2__
 int lmhead_coded_avx2(void) { return 1; }
 
@@ -92,26 +87,20 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-/* Packed nibbles hold code ^ 8, i.e. code − 8 as a signed 4-bit number. nibc: codes 8·i .. 8·i+7 of a packed
+/* Packed nibbles hold code ^ 8, i.e. code − 8 as a signed 4-bit number. NIBC: codes 8·i .. 8·i+7 of a packed
  * pair of groups (v: its 32 bytes) minus 8, as floats (sign-extended by a shift pair: no more work than a mask);
- * nib: the codes themselves, from v already XORed back (flip). */
-SPECIALISED __m256 nibc(__m256i v, int i) {
-    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 28 - 4 * i), 28));
-}
-SPECIALISED __m256 nib(__m256i v, int i) {
-    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4 * i), _mm256_set1_epi32(15)));
-}
-static inline __m256i flip(__m256i v) { return _mm256_xor_si256(v, _mm256_set1_epi32((int)0x88888888u)); }
+ * NIB: the codes themselves, from v already XORed back (FLIP). */
+#define NIBC(v, i) _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32((v), 28 - 4 * (i)), 28))
+#define NIB(v, i) _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32((v), 4 * (i)), _mm256_set1_epi32(15)))
+#define FLIP(v) _mm256_xor_si256((v), _mm256_set1_epi32((int)0x88888888u))
 /* eight int8 codes from memory as floats */
-static inline __m256 bytes8(const int8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
+#define BYTES8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p))))
 #endif
 
 /* a row's codes: code k (unpacked) and the pair of groups holding group g (packed, g even), the row starting at
  * c and its 32-byte units `us` bytes apart (32 in a plain row, 128 in a block of four) */
-static inline const int8_t* code_ptr(const int8_t* c, int64_t us, int64_t k) { return c + (k >> 5) * us + (k & 31); }
-static inline const int8_t* pair_ptr(const int8_t* c, int64_t us, int64_t g) { return c + (g >> 1) * us; }
+#define CODE(c, us, k) ((c) + ((k) >> 5) * (us) + ((k) & 31))
+#define PAIR(c, us, g) ((c) + ((g) >> 1) * (us))
 
 #ifdef __AVX2__
 
@@ -136,16 +125,16 @@ static inline float row_dot1(const float* x, const int8_t* c, int64_t us, const 
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     if (packed) {
         for (int64_t g = 0; g < ng; g += 2) {
-            const __m256i v = _mm256_loadu_si256((const __m256i*)pair_ptr(c, us, g));
+            const __m256i v = _mm256_loadu_si256((const __m256i*)PAIR(c, us, g));
             const float* xg = x + g * 32;
-            __m256 d0 = _mm256_mul_ps(nibc(v, 0), _mm256_loadu_ps(xg));
-            __m256 d1 = _mm256_mul_ps(nibc(v, 1), _mm256_loadu_ps(xg + 8));
-            __m256 e0 = _mm256_mul_ps(nibc(v, 4), _mm256_loadu_ps(xg + 32));
-            __m256 e1 = _mm256_mul_ps(nibc(v, 5), _mm256_loadu_ps(xg + 40));
-            d0 = _mm256_fmadd_ps(nibc(v, 2), _mm256_loadu_ps(xg + 16), d0);
-            d1 = _mm256_fmadd_ps(nibc(v, 3), _mm256_loadu_ps(xg + 24), d1);
-            e0 = _mm256_fmadd_ps(nibc(v, 6), _mm256_loadu_ps(xg + 48), e0);
-            e1 = _mm256_fmadd_ps(nibc(v, 7), _mm256_loadu_ps(xg + 56), e1);
+            __m256 d0 = _mm256_mul_ps(NIBC(v, 0), _mm256_loadu_ps(xg));
+            __m256 d1 = _mm256_mul_ps(NIBC(v, 1), _mm256_loadu_ps(xg + 8));
+            __m256 e0 = _mm256_mul_ps(NIBC(v, 4), _mm256_loadu_ps(xg + 32));
+            __m256 e1 = _mm256_mul_ps(NIBC(v, 5), _mm256_loadu_ps(xg + 40));
+            d0 = _mm256_fmadd_ps(NIBC(v, 2), _mm256_loadu_ps(xg + 16), d0);
+            d1 = _mm256_fmadd_ps(NIBC(v, 3), _mm256_loadu_ps(xg + 24), d1);
+            e0 = _mm256_fmadd_ps(NIBC(v, 6), _mm256_loadu_ps(xg + 48), e0);
+            e1 = _mm256_fmadd_ps(NIBC(v, 7), _mm256_loadu_ps(xg + 56), e1);
             acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s[g]), _mm256_add_ps(d0, d1), acc0);
             acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s[g + 1]), _mm256_add_ps(e0, e1), acc1);
         }
@@ -153,10 +142,10 @@ static inline float row_dot1(const float* x, const int8_t* c, int64_t us, const 
         for (int64_t g = 0; g < ng; g++) {
             const float* xg = x + g * 32;
             const int8_t* cg = c + g * us;
-            __m256 d0 = _mm256_mul_ps(bytes8(cg), _mm256_loadu_ps(xg));
-            __m256 d1 = _mm256_mul_ps(bytes8(cg + 8), _mm256_loadu_ps(xg + 8));
-            d0 = _mm256_fmadd_ps(bytes8(cg + 16), _mm256_loadu_ps(xg + 16), d0);
-            d1 = _mm256_fmadd_ps(bytes8(cg + 24), _mm256_loadu_ps(xg + 24), d1);
+            __m256 d0 = _mm256_mul_ps(BYTES8(cg), _mm256_loadu_ps(xg));
+            __m256 d1 = _mm256_mul_ps(BYTES8(cg + 8), _mm256_loadu_ps(xg + 8));
+            d0 = _mm256_fmadd_ps(BYTES8(cg + 16), _mm256_loadu_ps(xg + 16), d0);
+            d1 = _mm256_fmadd_ps(BYTES8(cg + 24), _mm256_loadu_ps(xg + 24), d1);
             if (g & 1)
                 acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s[g]), _mm256_add_ps(d0, d1), acc1);
             else
@@ -166,8 +155,8 @@ static inline float row_dot1(const float* x, const int8_t* c, int64_t us, const 
         for (int64_t g = 0; g < ng; g++) {
             __m256 d0 = _mm256_setzero_ps(), d1 = _mm256_setzero_ps();
             for (int64_t j = 0; j < G; j += 16) {
-                d0 = _mm256_fmadd_ps(bytes8(code_ptr(c, us, g * G + j)), _mm256_loadu_ps(x + g * G + j), d0);
-                d1 = _mm256_fmadd_ps(bytes8(code_ptr(c, us, g * G + j + 8)), _mm256_loadu_ps(x + g * G + j + 8), d1);
+                d0 = _mm256_fmadd_ps(BYTES8(CODE(c, us, g * G + j)), _mm256_loadu_ps(x + g * G + j), d0);
+                d1 = _mm256_fmadd_ps(BYTES8(CODE(c, us, g * G + j + 8)), _mm256_loadu_ps(x + g * G + j + 8), d1);
             }
             if (g & 1)
                 acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s[g]), _mm256_add_ps(d0, d1), acc1);
@@ -180,48 +169,31 @@ static inline float row_dot1(const float* x, const int8_t* c, int64_t us, const 
     return hsum8(_mm256_add_ps(acc0, acc1)) + tail;
 }
 
-/* The products of a block of four weight rows (LMHEAD_ROWS4 layout) with one query row, one group (or unit) at
- * a time: x0..x3 (xa, xb) the query's x over the group, cg the group's codes in one row of the block (read in
- * the order they are used); each returns acc plus that row's share. */
+/* a block of four weight rows (LMHEAD_ROWS4 layout) against one query row (decode, G = 32): each x vector is
+ * loaded once for the four rows and the four sums are reduced together — with rows of a few hundred weights the
+ * per-row loop and reduction cost as much as the products. c: the block's codes; s, o: [4, ng] floats (o may be
+ * NULL); xs: the query's group sums (packed). Same arithmetic as row_dot1 (int8 codes without offsets, packed
+ * codes), or as the rebuilt weights of rows1 (int8 codes with offsets), row by row. */
 /* int8 codes with offsets: Σ (code·scale + offset)·x over a group, each weight rebuilt exactly */
-static inline __m256 dot4r(const int8_t* cg, __m256 x0, __m256 x1, __m256 x2, __m256 x3, __m256 acc, float sg,
-                           float og) {
-    const __m256 s = _mm256_set1_ps(sg), o = _mm256_set1_ps(og);
-    __m256 d = _mm256_mul_ps(_mm256_fmadd_ps(bytes8(cg), s, o), x0);
-    d = _mm256_fmadd_ps(_mm256_fmadd_ps(bytes8(cg + 8), s, o), x1, d);
-    d = _mm256_fmadd_ps(_mm256_fmadd_ps(bytes8(cg + 16), s, o), x2, d);
-    d = _mm256_fmadd_ps(_mm256_fmadd_ps(bytes8(cg + 24), s, o), x3, d);
-    return _mm256_add_ps(d, acc);
-}
-/* Σ scale·code·x: int8 codes without offsets; two chains of two products each, not one of four: the shorter
- * chains keep more groups in flight (1.05–1.1× a thread) */
-static inline __m256 dot4c(const int8_t* cg, __m256 x0, __m256 x1, __m256 x2, __m256 x3, __m256 acc, float sg) {
-    __m256 d = _mm256_mul_ps(bytes8(cg), x0);
-    __m256 e = _mm256_mul_ps(bytes8(cg + 8), x1);
-    d = _mm256_fmadd_ps(bytes8(cg + 16), x2, d);
-    e = _mm256_fmadd_ps(bytes8(cg + 24), x3, e);
-    return _mm256_fmadd_ps(_mm256_set1_ps(sg), _mm256_add_ps(d, e), acc);
-}
-/* the same for packed codes − 8, group h (0 or 1) of the pair in v (their offsets come after the loop) */
-SPECIALISED __m256 dot4n(__m256i v, int h, __m256 x0, __m256 x1, __m256 x2, __m256 x3, __m256 acc, float sg) {
-    __m256 d = _mm256_mul_ps(nibc(v, 4 * h), x0);
-    __m256 e = _mm256_mul_ps(nibc(v, 4 * h + 1), x1);
-    d = _mm256_fmadd_ps(nibc(v, 4 * h + 2), x2, d);
-    e = _mm256_fmadd_ps(nibc(v, 4 * h + 3), x3, e);
-    return _mm256_fmadd_ps(_mm256_set1_ps(sg), _mm256_add_ps(d, e), acc);
-}
-/* Q6_K's and Q3_K's groups of 16 (int8 codes, no offsets): a 32-byte unit holds two groups, each with its own
- * scale; cg: one group's 16 codes */
-static inline __m256 dot2c(const int8_t* cg, __m256 xa, __m256 xb, __m256 acc, float sg) {
-    const __m256 d = _mm256_mul_ps(bytes8(cg), xa), e = _mm256_mul_ps(bytes8(cg + 8), xb);
-    return _mm256_fmadd_ps(_mm256_set1_ps(sg), _mm256_add_ps(d, e), acc);
-}
-/* Q2_K's groups of 16 with offsets: each weight rebuilt exactly (code·scale + offset), as dot4r */
-static inline __m256 dot2r(const int8_t* cg, __m256 xa, __m256 xb, __m256 acc, float sg, float og) {
-    const __m256 s = _mm256_set1_ps(sg), o = _mm256_set1_ps(og);
-    const __m256 d = _mm256_mul_ps(_mm256_fmadd_ps(bytes8(cg), s, o), xa);
-    return _mm256_add_ps(_mm256_fmadd_ps(_mm256_fmadd_ps(bytes8(cg + 8), s, o), xb, d), acc);
-}
+#define DOT4R(c0, c1, c2, c3, acc, sg, og)                                                               \
+    do {                                                                                                 \
+        const __m256 s_ = _mm256_set1_ps(sg), o_ = _mm256_set1_ps(og);                                   \
+        __m256 d_ = _mm256_mul_ps(_mm256_fmadd_ps((c0), s_, o_), x0);                                    \
+        d_ = _mm256_fmadd_ps(_mm256_fmadd_ps((c1), s_, o_), x1, d_);                                     \
+        d_ = _mm256_fmadd_ps(_mm256_fmadd_ps((c2), s_, o_), x2, d_);                                     \
+        d_ = _mm256_fmadd_ps(_mm256_fmadd_ps((c3), s_, o_), x3, d_);                                     \
+        (acc) = _mm256_add_ps(d_, (acc));                                                                \
+    } while (0)
+/* Σ scale·code·x: codes without offsets, or packed codes − 8 (their offsets come after the loop); two chains
+ * of two products each, not one of four: the shorter chains keep more groups in flight (1.05–1.1× a thread) */
+#define DOT4C(c0, c1, c2, c3, acc, sg)                                                                   \
+    do {                                                                                                 \
+        __m256 d_ = _mm256_mul_ps((c0), x0);                                                             \
+        __m256 e_ = _mm256_mul_ps((c1), x1);                                                             \
+        d_ = _mm256_fmadd_ps((c2), x2, d_);                                                              \
+        e_ = _mm256_fmadd_ps((c3), x3, e_);                                                              \
+        (acc) = _mm256_fmadd_ps(_mm256_set1_ps(sg), _mm256_add_ps(d_, e_), (acc));                       \
+    } while (0)
 
 /* the 128 bytes of unit u (four rows' 32) of the block at pf, fetched while this block's unit u is computed: the
  * next block arrives spread over this one's loop (NULL: nothing) */
@@ -232,12 +204,35 @@ static inline void fetch_unit(const char* pf, int64_t u) {
     }
 }
 
-/* a block of four weight rows (LMHEAD_ROWS4 layout) against one query row (decode, G = 32): each x vector is
- * loaded once for the four rows and the four sums are reduced together — with rows of a few hundred weights the
- * per-row loop and reduction cost as much as the products. c: the block's codes; s, o: [4, ng] floats (o may be
- * NULL); xs: the query's group sums (packed). Same arithmetic as row_dot1 (int8 codes without offsets, packed
- * codes), or as the rebuilt weights of row_pass (int8 codes with offsets), row by row. Each layout's loop is
- * written out: one loop function for all four, inlined, gave GCC's scheduler a different decode loop. */
+/* int8 codes of a four-row block, group by group: x0..x3 the group's x, cg row r's 32 codes; STEP adds them
+ * (unit g of the next block, at the caller's pf, fetched meanwhile) */
+#define INT8_GROUPS(STEP)                                                                                \
+    for (int64_t g = 0; g < ng; g++) {                                                                   \
+        fetch_unit(pf, g);                                                                               \
+        const float* xg = x + g * 32;                                                                    \
+        const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);                             \
+        const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);                       \
+        for (int r = 0; r < 4; r++) {                                                                    \
+            const int8_t* cg = c + (g * 4 + r) * 32;                                                     \
+            STEP;                                                                                        \
+        }                                                                                                \
+    }
+
+/* Q6_K's and Q3_K's groups of 16 (int8 codes, no offsets): a 32-byte unit holds two groups, each with its own
+ * scale */
+#define DOT2C(c0, c1, xa, xb, acc, sg)                                                                   \
+    do {                                                                                                 \
+        const __m256 d_ = _mm256_mul_ps((c0), (xa)), e_ = _mm256_mul_ps((c1), (xb));                     \
+        (acc) = _mm256_fmadd_ps(_mm256_set1_ps(sg), _mm256_add_ps(d_, e_), (acc));                       \
+    } while (0)
+/* Q2_K's groups of 16 with offsets: each weight rebuilt exactly (code·scale + offset), as DOT4R */
+#define DOT2R(c0, c1, xa, xb, acc, sg, og)                                                               \
+    do {                                                                                                 \
+        const __m256 s_ = _mm256_set1_ps(sg), o_ = _mm256_set1_ps(og);                                   \
+        const __m256 d_ = _mm256_mul_ps(_mm256_fmadd_ps((c0), s_, o_), (xa));                            \
+        (acc) = _mm256_add_ps(_mm256_fmadd_ps(_mm256_fmadd_ps((c1), s_, o_), (xb), d_), (acc));          \
+    } while (0)
+
 static inline void rows4_dot1(const float* x, const int8_t* c, const float* s, const float* o, const float* xs,
                               int64_t ng, int packed, int g16, const char* pf, float* out) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -249,13 +244,13 @@ static inline void rows4_dot1(const float* x, const int8_t* c, const float* s, c
             __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
             for (int r = 0; r < 4; r++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (g * 2 + r) * 32));
-                acc[r] = dot4n(v, 0, x0, x1, x2, x3, acc[r], s[r * ng + g]);
+                DOT4C(NIBC(v, 0), NIBC(v, 1), NIBC(v, 2), NIBC(v, 3), acc[r], s[r * ng + g]);
             }
             x0 = _mm256_loadu_ps(xg + 32), x1 = _mm256_loadu_ps(xg + 40);
             x2 = _mm256_loadu_ps(xg + 48), x3 = _mm256_loadu_ps(xg + 56);
             for (int r = 0; r < 4; r++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (g * 2 + r) * 32));
-                acc[r] = dot4n(v, 1, x0, x1, x2, x3, acc[r], s[r * ng + g + 1]);
+                DOT4C(NIBC(v, 4), NIBC(v, 5), NIBC(v, 6), NIBC(v, 7), acc[r], s[r * ng + g + 1]);
             }
         }
     } else if (o && g16) { /* ng = K/16: unit u holds groups 2u and 2u + 1 */
@@ -267,22 +262,14 @@ static inline void rows4_dot1(const float* x, const int8_t* c, const float* s, c
             for (int r = 0; r < 4; r++) {
                 const int8_t* cg = c + (u * 4 + r) * 32;
                 const int64_t i = r * ng + 2 * u;
-                acc[r] = dot2r(cg, x0, x1, acc[r], s[i], o[i]);
-                acc[r] = dot2r(cg + 16, x2, x3, acc[r], s[i + 1], o[i + 1]);
+                DOT2R(BYTES8(cg), BYTES8(cg + 8), x0, x1, acc[r], s[i], o[i]);
+                DOT2R(BYTES8(cg + 16), BYTES8(cg + 24), x2, x3, acc[r], s[i + 1], o[i + 1]);
             }
         }
     } else if (o) {
-        for (int64_t g = 0; g < ng; g++) {
-            fetch_unit(pf, g);
-            const float* xg = x + g * 32;
-            const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
-            const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
-            for (int r = 0; r < 4; r++) {
-                const int8_t* cg = c + (g * 4 + r) * 32;
-                acc[r] = dot4r(cg, x0, x1, x2, x3, acc[r], s[r * ng + g], o[r * ng + g]);
-            }
-        }
-    } else if (g16) { /* as above, without offsets */
+        INT8_GROUPS(DOT4R(BYTES8(cg), BYTES8(cg + 8), BYTES8(cg + 16), BYTES8(cg + 24), acc[r], s[r * ng + g],
+                          o[r * ng + g]));
+    } else if (g16) { /* ng = K/16: unit u holds groups 2u and 2u + 1 */
         for (int64_t u = 0; u < ng / 2; u++) {
             fetch_unit(pf, u);
             const float* xg = x + u * 32;
@@ -290,22 +277,12 @@ static inline void rows4_dot1(const float* x, const int8_t* c, const float* s, c
             const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
             for (int r = 0; r < 4; r++) {
                 const int8_t* cg = c + (u * 4 + r) * 32;
-                const int64_t i = r * ng + 2 * u;
-                acc[r] = dot2c(cg, x0, x1, acc[r], s[i]);
-                acc[r] = dot2c(cg + 16, x2, x3, acc[r], s[i + 1]);
+                DOT2C(BYTES8(cg), BYTES8(cg + 8), x0, x1, acc[r], s[r * ng + 2 * u]);
+                DOT2C(BYTES8(cg + 16), BYTES8(cg + 24), x2, x3, acc[r], s[r * ng + 2 * u + 1]);
             }
         }
     } else { /* the common case (Q8_0, Q5_0): a loop of its own, no test of o inside */
-        for (int64_t g = 0; g < ng; g++) {
-            fetch_unit(pf, g);
-            const float* xg = x + g * 32;
-            const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
-            const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
-            for (int r = 0; r < 4; r++) {
-                const int8_t* cg = c + (g * 4 + r) * 32;
-                acc[r] = dot4c(cg, x0, x1, x2, x3, acc[r], s[r * ng + g]);
-            }
-        }
+        INT8_GROUPS(DOT4C(BYTES8(cg), BYTES8(cg + 8), BYTES8(cg + 16), BYTES8(cg + 24), acc[r], s[r * ng + g]));
     }
     float tail[4] = {0.f, 0.f, 0.f, 0.f};
     if (packed)
@@ -322,182 +299,155 @@ static inline __m256 rebuild8(__m256 cf, __m256 sv, __m256 ov, int has_offset) {
     return has_offset ? _mm256_fmadd_ps(cf, sv, ov) : _mm256_mul_ps(cf, sv);
 }
 
-/* one weight row against R ≤ MB query rows (R a constant in each caller: the accumulators stay in registers),
+/* one weight row against R ≤ MB query rows (R a constant in each copy: the accumulators stay in registers),
  * each weight rebuilt once for all R rows. Up to 4 rows, two accumulators per row so that successive products
  * do not wait on each other; from 5 rows one each (R independent chains already hide the FMA latency, and 2·R
  * would not fit the 16 registers). */
-SPECIALISED void row_pass(const int R, const float* x, int64_t K, const int8_t* c, int64_t us, const float* s,
-                          const float* o, int64_t ng, int64_t G, int packed, float* out) {
-    __m256 a[MB], b[MB];
-    for (int m = 0; m < R; m++) a[m] = b[m] = _mm256_setzero_ps();
-    const __m256 zero = _mm256_setzero_ps();
-    if (packed) {
-        for (int64_t g = 0; g < ng; g += 2) {
-            const __m256i v = flip(_mm256_loadu_si256((const __m256i*)pair_ptr(c, us, g)));
-            const __m256 s0 = _mm256_set1_ps(s[g]), s1 = _mm256_set1_ps(s[g + 1]);
-            const __m256 o0 = o ? _mm256_set1_ps(o[g]) : zero, o1 = o ? _mm256_set1_ps(o[g + 1]) : zero;
-#pragma GCC unroll 8
-            for (int i = 0; i < 8; i++) {
-                const __m256 w = rebuild8(nib(v, i), i < 4 ? s0 : s1, i < 4 ? o0 : o1, o != NULL);
-                for (int m = 0; m < R; m++) {
-                    const __m256 xv = _mm256_loadu_ps(x + m * K + g * 32 + 8 * i);
-                    if (R <= 4 && (i & 1))
-                        b[m] = _mm256_fmadd_ps(w, xv, b[m]);
-                    else
-                        a[m] = _mm256_fmadd_ps(w, xv, a[m]);
-                }
-            }
-        }
-    } else {
-        for (int64_t g = 0; g < ng; g++) {
-            const __m256 sv = _mm256_set1_ps(s[g]);
-            const __m256 ov = o ? _mm256_set1_ps(o[g]) : zero;
-            for (int64_t j = 0; j < G; j += 16) {
-                const __m256 w0 = rebuild8(bytes8(code_ptr(c, us, g * G + j)), sv, ov, o != NULL);
-                const __m256 w1 = rebuild8(bytes8(code_ptr(c, us, g * G + j + 8)), sv, ov, o != NULL);
-                for (int m = 0; m < R; m++) {
-                    const float* xm = x + m * K + g * G + j;
-                    a[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), a[m]);
-                    if (R <= 4)
-                        b[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), b[m]);
-                    else
-                        a[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), a[m]);
-                }
-            }
-        }
+#define ROWS(R)                                                                                              \
+    static inline void rows##R(const float* x, int64_t K, const int8_t* c, int64_t us, const float* s,     \
+                               const float* o, int64_t ng, int64_t G, int packed, float* out) {            \
+        __m256 a[R], b[R];                                                                                  \
+        for (int m = 0; m < R; m++) a[m] = b[m] = _mm256_setzero_ps();                                      \
+        const __m256 zero = _mm256_setzero_ps();                                                            \
+        if (packed) {                                                                                       \
+            for (int64_t g = 0; g < ng; g += 2) {                                                           \
+                const __m256i v = FLIP(_mm256_loadu_si256((const __m256i*)PAIR(c, us, g)));                 \
+                const __m256 s0 = _mm256_set1_ps(s[g]), s1 = _mm256_set1_ps(s[g + 1]);                      \
+                const __m256 o0 = o ? _mm256_set1_ps(o[g]) : zero, o1 = o ? _mm256_set1_ps(o[g + 1]) : zero; \
+                _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                                       \
+                    const __m256 w = rebuild8(NIB(v, i), i < 4 ? s0 : s1, i < 4 ? o0 : o1, o != NULL);      \
+                    for (int m = 0; m < R; m++) {                                                           \
+                        const __m256 xv = _mm256_loadu_ps(x + m * K + g * 32 + 8 * i);                      \
+                        if (R <= 4 && (i & 1))                                                              \
+                            b[m] = _mm256_fmadd_ps(w, xv, b[m]);                                            \
+                        else                                                                                \
+                            a[m] = _mm256_fmadd_ps(w, xv, a[m]);                                            \
+                    }                                                                                       \
+                }                                                                                           \
+            }                                                                                               \
+        } else {                                                                                            \
+            for (int64_t g = 0; g < ng; g++) {                                                              \
+                const __m256 sv = _mm256_set1_ps(s[g]);                                                     \
+                const __m256 ov = o ? _mm256_set1_ps(o[g]) : zero;                                          \
+                for (int64_t j = 0; j < G; j += 16) {                                                       \
+                    const __m256 w0 = rebuild8(BYTES8(CODE(c, us, g * G + j)), sv, ov, o != NULL);          \
+                    const __m256 w1 = rebuild8(BYTES8(CODE(c, us, g * G + j + 8)), sv, ov, o != NULL);      \
+                    for (int m = 0; m < R; m++) {                                                           \
+                        const float* xm = x + m * K + g * G + j;                                            \
+                        a[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), a[m]);                              \
+                        if (R <= 4)                                                                         \
+                            b[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), b[m]);                      \
+                        else                                                                                \
+                            a[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), a[m]);                      \
+                    }                                                                                       \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int m = 0; m < R; m++) out[m] = hsum8(_mm256_add_ps(a[m], b[m]));                              \
     }
-    for (int m = 0; m < R; m++) out[m] = hsum8(_mm256_add_ps(a[m], b[m]));
-}
+ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 
 /* a block of four weight rows (LMHEAD_ROWS4 layout) against Q ≤ 3 query rows (verification, batched decode):
  * group by group through the block's one stream, each weight rebuilt exactly (code·scale + offset) and used for
  * the Q rows. Several query rows read the block Q rows at a time (it stays in L1 between passes): row by row
  * over the interleaved layout, the products of 2–8 rows ran 1.3–1.5× slower than over plain rows.
  * out [Q, 4] (stride 4). */
-SPECIALISED void block4_rows(const int Q, const float* x, int64_t K, const int8_t* c, const float* s,
-                             const float* o, int64_t ng, int packed, const char* pf, float* out) {
-    __m256 acc[4][3];
-    for (int r = 0; r < 4; r++)
-        for (int m = 0; m < Q; m++) acc[r][m] = _mm256_setzero_ps();
-    if (packed) {
-        for (int64_t g = 0; g < ng; g += 2) {
-            fetch_unit(pf, g >> 1);
-            for (int r = 0; r < 4; r++) {
-                const __m256i v = flip(_mm256_loadu_si256((const __m256i*)(c + ((g >> 1) * 4 + r) * 32)));
-                for (int h = 0; h < 2; h++) {
-                    const __m256 sv = _mm256_set1_ps(s[r * ng + g + h]);
-                    const __m256 ov = o ? _mm256_set1_ps(o[r * ng + g + h]) : _mm256_setzero_ps();
-                    for (int j = 0; j < 4; j++) {
-                        const __m256 w = rebuild8(nib(v, 4 * h + j), sv, ov, o != NULL);
-                        for (int m = 0; m < Q; m++)
-                            acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + (g + h) * 32 + 8 * j),
-                                                        acc[r][m]);
-                    }
-                }
-            }
-        }
-    } else {
-        const int g16 = ng * 16 == K; /* Q6_K, Q3_K, Q2_K: two groups per 32-weight unit */
-        for (int64_t g = 0; g < K / 32; g++) {
-            fetch_unit(pf, g);
-            for (int r = 0; r < 4; r++) {
-                const int64_t i0 = r * ng + (g16 ? 2 * g : g), i1 = i0 + g16;
-                const __m256 s0 = _mm256_set1_ps(s[i0]), s1 = _mm256_set1_ps(s[i1]);
-                const __m256 o0 = o ? _mm256_set1_ps(o[i0]) : _mm256_setzero_ps();
-                const __m256 o1 = o ? _mm256_set1_ps(o[i1]) : _mm256_setzero_ps();
-                const int8_t* cg = c + (g * 4 + r) * 32;
-                for (int j = 0; j < 4; j++) {
-                    const __m256 w = rebuild8(bytes8(cg + 8 * j), j < 2 ? s0 : s1, j < 2 ? o0 : o1, o != NULL);
-                    for (int m = 0; m < Q; m++)
-                        acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + g * 32 + 8 * j), acc[r][m]);
-                }
-            }
-        }
+#define MULTI(Q)                                                                                             \
+    static inline void block4_rows##Q(const float* x, int64_t K, const int8_t* c, const float* s,           \
+                                      const float* o, int64_t ng, int packed, const char* pf, float* out) {  \
+        __m256 acc[4][Q];                                                                                    \
+        for (int r = 0; r < 4; r++)                                                                          \
+            for (int m = 0; m < Q; m++) acc[r][m] = _mm256_setzero_ps();                                     \
+        if (packed) {                                                                                        \
+            for (int64_t g = 0; g < ng; g += 2) {                                                            \
+                fetch_unit(pf, g >> 1);                                                                      \
+                for (int r = 0; r < 4; r++) {                                                                \
+                    const __m256i v = FLIP(_mm256_loadu_si256((const __m256i*)(c + ((g >> 1) * 4 + r) * 32))); \
+                    for (int h = 0; h < 2; h++) {                                                            \
+                        const __m256 sv = _mm256_set1_ps(s[r * ng + g + h]);                                 \
+                        const __m256 ov = o ? _mm256_set1_ps(o[r * ng + g + h]) : _mm256_setzero_ps();       \
+                        for (int j = 0; j < 4; j++) {                                                        \
+                            const __m256 w = rebuild8(NIB(v, 4 * h + j), sv, ov, o != NULL);                 \
+                            for (int m = 0; m < Q; m++)                                                      \
+                                acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + (g + h) * 32 + 8 * j), \
+                                                            acc[r][m]);                                      \
+                        }                                                                                    \
+                    }                                                                                        \
+                }                                                                                            \
+            }                                                                                                \
+        } else {                                                                                             \
+            const int g16 = ng * 16 == K; /* Q6_K, Q3_K, Q2_K: two groups per 32-weight unit */                          \
+            for (int64_t g = 0; g < K / 32; g++) {                                                           \
+                fetch_unit(pf, g);                                                                           \
+                for (int r = 0; r < 4; r++) {                                                                \
+                    const int64_t i0 = r * ng + (g16 ? 2 * g : g), i1 = i0 + g16;                            \
+                    const __m256 s0 = _mm256_set1_ps(s[i0]), s1 = _mm256_set1_ps(s[i1]);                     \
+                    const __m256 o0 = o ? _mm256_set1_ps(o[i0]) : _mm256_setzero_ps();                       \
+                    const __m256 o1 = o ? _mm256_set1_ps(o[i1]) : _mm256_setzero_ps();                       \
+                    const int8_t* cg = c + (g * 4 + r) * 32;                                                 \
+                    for (int j = 0; j < 4; j++) {                                                            \
+                        const __m256 w = rebuild8(BYTES8(cg + 8 * j), j < 2 ? s0 : s1, j < 2 ? o0 : o1, o != NULL); \
+                        for (int m = 0; m < Q; m++)                                                          \
+                            acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + g * 32 + 8 * j), acc[r][m]); \
+                    }                                                                                        \
+                }                                                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int m = 0; m < Q; m++)                                                                          \
+            for (int r = 0; r < 4; r++) out[m * 4 + r] = hsum8(acc[r][m]);                                   \
     }
-    for (int m = 0; m < Q; m++)
-        for (int r = 0; r < 4; r++) out[m * 4 + r] = hsum8(acc[r][m]);
-}
+MULTI(1) MULTI(2) MULTI(3)
 
 /* a block of four weight rows against Q = 4..8 query rows (batched decode, longer verifications): one weight
  * row of the block at a time, each weight rebuilt once and used for the Q rows (Q accumulators). Measured
  * against ≤ 3-row passes of block4_rows (each rebuilding every weight again): 8 rows 1.2–1.3× faster on
  * Gemma's head and on both models' MLP matrices. */
-SPECIALISED void block4_each(const int Q, const float* x, int64_t K, const int8_t* c, const float* s,
-                             const float* o, int64_t ng, int packed, const char* pf, float* out) {
-    for (int r = 0; r < 4; r++) {
-        __m256 acc[MB];
-        for (int m = 0; m < Q; m++) acc[m] = _mm256_setzero_ps();
-        if (packed) {
-            for (int64_t g = 0; g < ng; g += 2) {
-                fetch_unit(r == 0 ? pf : NULL, g >> 1);
-                const __m256i v = flip(_mm256_loadu_si256((const __m256i*)(c + ((g >> 1) * 4 + r) * 32)));
-                for (int h = 0; h < 2; h++) {
-                    const __m256 sv = _mm256_set1_ps(s[r * ng + g + h]);
-                    const __m256 ov = o ? _mm256_set1_ps(o[r * ng + g + h]) : _mm256_setzero_ps();
-#pragma GCC unroll 4
-                    for (int j = 0; j < 4; j++) {
-                        const __m256 w = rebuild8(nib(v, 4 * h + j), sv, ov, o != NULL);
-                        const float* xk = x + (g + h) * 32 + 8 * j;
-                        for (int m = 0; m < Q; m++) acc[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xk + m * K), acc[m]);
-                    }
-                }
-            }
-        } else {
-            const int g16 = ng * 16 == K; /* Q6_K, Q3_K, Q2_K: two groups per 32-weight unit */
-            for (int64_t g = 0; g < K / 32; g++) {
-                fetch_unit(r == 0 ? pf : NULL, g);
-                const int64_t i0 = r * ng + (g16 ? 2 * g : g), i1 = i0 + g16;
-                const __m256 s0 = _mm256_set1_ps(s[i0]), s1 = _mm256_set1_ps(s[i1]);
-                const __m256 o0 = o ? _mm256_set1_ps(o[i0]) : _mm256_setzero_ps();
-                const __m256 o1 = o ? _mm256_set1_ps(o[i1]) : _mm256_setzero_ps();
-                const int8_t* cg = c + (g * 4 + r) * 32;
-#pragma GCC unroll 4
-                for (int j = 0; j < 4; j++) {
-                    const __m256 w = rebuild8(bytes8(cg + 8 * j), j < 2 ? s0 : s1, j < 2 ? o0 : o1, o != NULL);
-                    const float* xk = x + g * 32 + 8 * j;
-                    for (int m = 0; m < Q; m++) acc[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xk + m * K), acc[m]);
-                }
-            }
-        }
-        for (int m = 0; m < Q; m++) out[m * 4 + r] = hsum8(acc[m]);
+#define EACH(Q)                                                                                              \
+    static inline void block4_each##Q(const float* x, int64_t K, const int8_t* c, const float* s,           \
+                                      const float* o, int64_t ng, int packed, const char* pf, float* out) {  \
+        for (int r = 0; r < 4; r++) {                                                                        \
+            __m256 acc[Q];                                                                                   \
+            for (int m = 0; m < Q; m++) acc[m] = _mm256_setzero_ps();                                        \
+            if (packed) {                                                                                    \
+                for (int64_t g = 0; g < ng; g += 2) {                                                        \
+                    fetch_unit(r == 0 ? pf : NULL, g >> 1);                                                  \
+                    const __m256i v = FLIP(_mm256_loadu_si256((const __m256i*)(c + ((g >> 1) * 4 + r) * 32))); \
+                    for (int h = 0; h < 2; h++) {                                                            \
+                        const __m256 sv = _mm256_set1_ps(s[r * ng + g + h]);                                 \
+                        const __m256 ov = o ? _mm256_set1_ps(o[r * ng + g + h]) : _mm256_setzero_ps();       \
+                        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                \
+                            const __m256 w = rebuild8(NIB(v, 4 * h + j), sv, ov, o != NULL);                 \
+                            const float* xk = x + (g + h) * 32 + 8 * j;                                      \
+                            for (int m = 0; m < Q; m++)                                                      \
+                                acc[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xk + m * K), acc[m]);            \
+                        }                                                                                    \
+                    }                                                                                        \
+                }                                                                                            \
+            } else {                                                                                         \
+                const int g16 = ng * 16 == K; /* Q6_K, Q3_K, Q2_K: two groups per 32-weight unit */                      \
+                for (int64_t g = 0; g < K / 32; g++) {                                                       \
+                    fetch_unit(r == 0 ? pf : NULL, g);                                                       \
+                    const int64_t i0 = r * ng + (g16 ? 2 * g : g), i1 = i0 + g16;                            \
+                    const __m256 s0 = _mm256_set1_ps(s[i0]), s1 = _mm256_set1_ps(s[i1]);                     \
+                    const __m256 o0 = o ? _mm256_set1_ps(o[i0]) : _mm256_setzero_ps();                       \
+                    const __m256 o1 = o ? _mm256_set1_ps(o[i1]) : _mm256_setzero_ps();                       \
+                    const int8_t* cg = c + (g * 4 + r) * 32;                                                 \
+                    _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                    \
+                        const __m256 w = rebuild8(BYTES8(cg + 8 * j), j < 2 ? s0 : s1, j < 2 ? o0 : o1, o != NULL); \
+                        const float* xk = x + g * 32 + 8 * j;                                                \
+                        for (int m = 0; m < Q; m++)                                                          \
+                            acc[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xk + m * K), acc[m]);                \
+                    }                                                                                        \
+                }                                                                                            \
+            }                                                                                                \
+            for (int m = 0; m < Q; m++) out[m * 4 + r] = hsum8(acc[m]);                                      \
+        }                                                                                                    \
     }
-}
+EACH(4) EACH(5) EACH(6) EACH(7) EACH(8)
 
-/* the pass for q query rows of a block: ≤ 3 through its one stream, 4..8 row by row (one copy per count) */
+/* the pass for q query rows of a block: ≤ 3 through its one stream, 4..8 row by row */
 typedef void (*block_pass)(const float*, int64_t, const int8_t*, const float*, const float*, int64_t, int, const char*,
                            float*);
-static void block4_rows1(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
-                         int packed, const char* pf, float* out) {
-    block4_rows(1, x, K, c, s, o, ng, packed, pf, out);
-}
-static void block4_rows2(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
-                         int packed, const char* pf, float* out) {
-    block4_rows(2, x, K, c, s, o, ng, packed, pf, out);
-}
-static void block4_rows3(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
-                         int packed, const char* pf, float* out) {
-    block4_rows(3, x, K, c, s, o, ng, packed, pf, out);
-}
-static void block4_each4(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
-                         int packed, const char* pf, float* out) {
-    block4_each(4, x, K, c, s, o, ng, packed, pf, out);
-}
-static void block4_each5(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
-                         int packed, const char* pf, float* out) {
-    block4_each(5, x, K, c, s, o, ng, packed, pf, out);
-}
-static void block4_each6(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
-                         int packed, const char* pf, float* out) {
-    block4_each(6, x, K, c, s, o, ng, packed, pf, out);
-}
-static void block4_each7(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
-                         int packed, const char* pf, float* out) {
-    block4_each(7, x, K, c, s, o, ng, packed, pf, out);
-}
-static void block4_each8(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
-                         int packed, const char* pf, float* out) {
-    block4_each(8, x, K, c, s, o, ng, packed, pf, out);
-}
 static const block_pass BLOCK_PASS[9] = {NULL, block4_rows1, block4_rows2, block4_rows3, block4_each4,
                                          block4_each5, block4_each6, block4_each7, block4_each8};
 
@@ -506,17 +456,17 @@ static inline void row_dot(const float* x, int64_t K, const int8_t* c, int64_t u
     switch (mb) {
         case 1:
             if (o && !packed)
-                row_pass(1, x, K, c, us, s, o, ng, G, packed, out);
+                rows1(x, K, c, us, s, o, ng, G, packed, out);
             else
                 out[0] = row_dot1(x, c, us, s, o, xs, ng, G, packed);
             break;
-        case 2: row_pass(2, x, K, c, us, s, o, ng, G, packed, out); break;
-        case 3: row_pass(3, x, K, c, us, s, o, ng, G, packed, out); break;
-        case 4: row_pass(4, x, K, c, us, s, o, ng, G, packed, out); break;
-        case 5: row_pass(5, x, K, c, us, s, o, ng, G, packed, out); break;
-        case 6: row_pass(6, x, K, c, us, s, o, ng, G, packed, out); break;
-        case 7: row_pass(7, x, K, c, us, s, o, ng, G, packed, out); break;
-        default: row_pass(8, x, K, c, us, s, o, ng, G, packed, out); break;
+        case 2: rows2(x, K, c, us, s, o, ng, G, packed, out); break;
+        case 3: rows3(x, K, c, us, s, o, ng, G, packed, out); break;
+        case 4: rows4(x, K, c, us, s, o, ng, G, packed, out); break;
+        case 5: rows5(x, K, c, us, s, o, ng, G, packed, out); break;
+        case 6: rows6(x, K, c, us, s, o, ng, G, packed, out); break;
+        case 7: rows7(x, K, c, us, s, o, ng, G, packed, out); break;
+        default: rows8(x, K, c, us, s, o, ng, G, packed, out); break;
     }
 }
 #else
@@ -524,7 +474,7 @@ int lmhead_coded_avx2(void) { return 0; }
 
 /* code k of a row (k = g·G + i): as stored, or from the packed layout described above */
 static inline int code_at(const int8_t* c, int64_t us, int64_t k, int packed) {
-    if (!packed) return *code_ptr(c, us, k);
+    if (!packed) return *CODE(c, us, k);
     const int64_t r = k % 64;
     const uint8_t* lane = (const uint8_t*)c + (k / 64) * us + (r % 8) * 4;
     const uint32_t word =
@@ -552,7 +502,7 @@ static inline void row_dot(const float* x, int64_t K, const int8_t* c, int64_t u
 /* ---- float16 and bfloat16 weights (F16 and BF16 files) -------------------------------------------------------
  * No scale to factor out: each weight is converted to the float32 number it is (exact, as gguf-py's dequantiser
  * converts it) and multiplied as float32 weights are, from half their bytes. Several query rows share each
- * conversion (R rows per pass over a weight row, as row_pass). */
+ * conversion (R rows per pass over a weight row, as ROWS). */
 static inline float bf16_to_float(uint16_t b) {
     union { uint32_t u; float f; } v;
     v.u = (uint32_t)b << 16;
@@ -563,50 +513,34 @@ static inline float w16(const uint16_t* w, int64_t k, int bf16) {
 }
 
 #if defined(__AVX2__) && defined(__F16C__)
-/* eight float16 (bfloat16) weights from memory as float32 */
-static inline __m256 load_half8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
-static inline __m256 load_bf16x8(const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-/* one weight row against R query rows, its weights bfloat16 (bf16) or float16 (R and bf16 constants in each
- * caller); two accumulators per row up to 4 rows (as row_pass) */
-SPECIALISED void dense_rows(const int R, const int bf16, const float* x, int64_t K, const uint16_t* w, float* out) {
-    __m256 a[MB], b[MB];
-    for (int m = 0; m < R; m++) a[m] = b[m] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        const __m256 w0 = bf16 ? load_bf16x8(w + k) : load_half8(w + k);
-        const __m256 w1 = bf16 ? load_bf16x8(w + k + 8) : load_half8(w + k + 8);
-        for (int m = 0; m < R; m++) {
-            a[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * K + k), a[m]);
-            if (R <= 4)
-                b[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), b[m]);
-            else
-                a[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), a[m]);
-        }
+#define LOADH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))
+#define LOADB(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p))), 16))
+/* one weight row against R query rows; two accumulators per row up to 4 rows (as ROWS) */
+#define DENSE(R, NAME, LOAD, BF)                                                                              \
+    static inline void NAME##R(const float* x, int64_t K, const uint16_t* w, float* out) {                  \
+        __m256 a[R], b[R];                                                                                   \
+        for (int m = 0; m < R; m++) a[m] = b[m] = _mm256_setzero_ps();                                       \
+        int64_t k = 0;                                                                                       \
+        for (; k + 16 <= K; k += 16) {                                                                       \
+            const __m256 w0 = LOAD(w + k), w1 = LOAD(w + k + 8);                                             \
+            for (int m = 0; m < R; m++) {                                                                    \
+                a[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * K + k), a[m]);                            \
+                if (R <= 4)                                                                                  \
+                    b[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), b[m]);                    \
+                else                                                                                         \
+                    a[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), a[m]);                    \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int m = 0; m < R; m++) {                                                                        \
+            float t = hsum8(_mm256_add_ps(a[m], b[m]));                                                      \
+            for (int64_t j = k; j < K; j++) t += w16(w, j, BF) * x[m * K + j];                               \
+            out[m] = t;                                                                                      \
+        }                                                                                                    \
     }
-    for (int m = 0; m < R; m++) {
-        float t = hsum8(_mm256_add_ps(a[m], b[m]));
-        for (int64_t j = k; j < K; j++) t += w16(w, j, bf16) * x[m * K + j];
-        out[m] = t;
-    }
-}
-static void f16_rows1(const float* x, int64_t K, const uint16_t* w, float* out) { dense_rows(1, 0, x, K, w, out); }
-static void f16_rows2(const float* x, int64_t K, const uint16_t* w, float* out) { dense_rows(2, 0, x, K, w, out); }
-static void f16_rows3(const float* x, int64_t K, const uint16_t* w, float* out) { dense_rows(3, 0, x, K, w, out); }
-static void f16_rows4(const float* x, int64_t K, const uint16_t* w, float* out) { dense_rows(4, 0, x, K, w, out); }
-static void f16_rows5(const float* x, int64_t K, const uint16_t* w, float* out) { dense_rows(5, 0, x, K, w, out); }
-static void f16_rows6(const float* x, int64_t K, const uint16_t* w, float* out) { dense_rows(6, 0, x, K, w, out); }
-static void f16_rows7(const float* x, int64_t K, const uint16_t* w, float* out) { dense_rows(7, 0, x, K, w, out); }
-static void f16_rows8(const float* x, int64_t K, const uint16_t* w, float* out) { dense_rows(8, 0, x, K, w, out); }
-static void bf16_rows1(const float* x, int64_t K, const uint16_t* w, float* out) { dense_rows(1, 1, x, K, w, out); }
-static void bf16_rows2(const float* x, int64_t K, const uint16_t* w, float* out) { dense_rows(2, 1, x, K, w, out); }
-static void bf16_rows3(const float* x, int64_t K, const uint16_t* w, float* out) { dense_rows(3, 1, x, K, w, out); }
-static void bf16_rows4(const float* x, int64_t K, const uint16_t* w, float* out) { dense_rows(4, 1, x, K, w, out); }
-static void bf16_rows5(const float* x, int64_t K, const uint16_t* w, float* out) { dense_rows(5, 1, x, K, w, out); }
-static void bf16_rows6(const float* x, int64_t K, const uint16_t* w, float* out) { dense_rows(6, 1, x, K, w, out); }
-static void bf16_rows7(const float* x, int64_t K, const uint16_t* w, float* out) { dense_rows(7, 1, x, K, w, out); }
-static void bf16_rows8(const float* x, int64_t K, const uint16_t* w, float* out) { dense_rows(8, 1, x, K, w, out); }
+DENSE(1, f16_rows, LOADH, 0) DENSE(2, f16_rows, LOADH, 0) DENSE(3, f16_rows, LOADH, 0) DENSE(4, f16_rows, LOADH, 0)
+DENSE(5, f16_rows, LOADH, 0) DENSE(6, f16_rows, LOADH, 0) DENSE(7, f16_rows, LOADH, 0) DENSE(8, f16_rows, LOADH, 0)
+DENSE(1, bf16_rows, LOADB, 1) DENSE(2, bf16_rows, LOADB, 1) DENSE(3, bf16_rows, LOADB, 1) DENSE(4, bf16_rows, LOADB, 1)
+DENSE(5, bf16_rows, LOADB, 1) DENSE(6, bf16_rows, LOADB, 1) DENSE(7, bf16_rows, LOADB, 1) DENSE(8, bf16_rows, LOADB, 1)
 typedef void (*dense_pass)(const float*, int64_t, const uint16_t*, float*);
 static const dense_pass DENSE_PASS[2][MB + 1] = {
     {NULL, f16_rows1, f16_rows2, f16_rows3, f16_rows4, f16_rows5, f16_rows6, f16_rows7, f16_rows8},
@@ -823,53 +757,31 @@ int lmhead_screen_norms(const int8_t* codes, const uint16_t* scale, int64_t N, i
 }
 
 #ifdef __AVX2__
-/* one block of four weight rows against Q ≤ SCREEN_ROWS query rows on their int16 grids (Q a constant in each
- * caller): out [Q, 4] (stride 4), without the grids' steps d */
-SPECIALISED void screen_block(const int Q, const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng,
-                              float* out) {
-    for (int r = 0; r < 4; r++) {
-        __m256 acc[SCREEN_ROWS];
-        for (int m = 0; m < Q; m++) acc[m] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < ng; g++) {
-            const int8_t* cg = c + (g * 4 + r) * 32;
-            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)cg));
-            const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(cg + 16)));
-            const __m256 sv = _mm256_set1_ps(s[r * ng + g]);
-            const int16_t* qg = q + g * 32;
-            for (int m = 0; m < Q; m++) {
-                const __m256i p = _mm256_add_epi32(
-                    _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)(qg + m * K))),
-                    _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(qg + m * K + 16))));
-                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sv, acc[m]);
-            }
-        }
-        for (int m = 0; m < Q; m++) out[m * 4 + r] = hsum8(acc[m]);
+/* one block of four weight rows against Q ≤ SCREEN_ROWS query rows on their int16 grids: out [Q, 4] (stride 4),
+ * without the grids' steps d */
+#define SCREEN(Q)                                                                                            \
+    static inline void screen_block##Q(const int16_t* q, int64_t K, const int8_t* c, const float* s,       \
+                                       int64_t ng, float* out) {                                           \
+        for (int r = 0; r < 4; r++) {                                                                      \
+            __m256 acc[Q];                                                                                 \
+            for (int m = 0; m < Q; m++) acc[m] = _mm256_setzero_ps();                                      \
+            for (int64_t g = 0; g < ng; g++) {                                                             \
+                const int8_t* cg = c + (g * 4 + r) * 32;                                                   \
+                const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)cg));             \
+                const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(cg + 16)));      \
+                const __m256 sv = _mm256_set1_ps(s[r * ng + g]);                                           \
+                const int16_t* qg = q + g * 32;                                                            \
+                for (int m = 0; m < Q; m++) {                                                              \
+                    const __m256i p = _mm256_add_epi32(                                                    \
+                        _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)(qg + m * K))),          \
+                        _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(qg + m * K + 16))));    \
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sv, acc[m]);                           \
+                }                                                                                          \
+            }                                                                                              \
+            for (int m = 0; m < Q; m++) out[m * 4 + r] = hsum8(acc[m]);                                    \
+        }                                                                                                  \
     }
-}
-static void screen_block1(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng, float* out) {
-    screen_block(1, q, K, c, s, ng, out);
-}
-static void screen_block2(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng, float* out) {
-    screen_block(2, q, K, c, s, ng, out);
-}
-static void screen_block3(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng, float* out) {
-    screen_block(3, q, K, c, s, ng, out);
-}
-static void screen_block4(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng, float* out) {
-    screen_block(4, q, K, c, s, ng, out);
-}
-static void screen_block5(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng, float* out) {
-    screen_block(5, q, K, c, s, ng, out);
-}
-static void screen_block6(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng, float* out) {
-    screen_block(6, q, K, c, s, ng, out);
-}
-static void screen_block7(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng, float* out) {
-    screen_block(7, q, K, c, s, ng, out);
-}
-static void screen_block8(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng, float* out) {
-    screen_block(8, q, K, c, s, ng, out);
-}
+SCREEN(1) SCREEN(2) SCREEN(3) SCREEN(4) SCREEN(5) SCREEN(6) SCREEN(7) SCREEN(8)
 typedef void (*screen_pass)(const int16_t*, int64_t, const int8_t*, const float*, int64_t, float*);
 static const screen_pass SCREEN_PASS[SCREEN_ROWS + 1] = {NULL, screen_block1, screen_block2, screen_block3,
                                                          screen_block4, screen_block5, screen_block6,
