@@ -175,23 +175,25 @@ class LMHead(nn.Module):
         """`screen`'s logits and the candidates they were made exact on (`CodedLinear.screen_candidates`: values
         [N,c], ids [N,c]; None where a row was computed whole), or None as `screen`. allowed [N] (bool [V] per
         row or None): a constrained row's tokens; the others are -inf and never candidates."""
-        product = getattr(self, "product", None)
-        if (product is None or not getattr(product, "screens", False) or self.bias is not None
-                or self.softcap is not None or hidden.dim() != 2 or hidden.dtype != torch.float32
-                or torch.is_grad_enabled() and (hidden.requires_grad or self._weight_trains())):
-            return None
-        return product.screen_candidates(hidden, ks, allowed=allowed)
+        product = self._screening_product(hidden)
+        return None if product is None else product.screen_candidates(hidden, ks, allowed=allowed)
 
     def values_at(self, hidden: Tensor, ids: list[Tensor]) -> Tensor | None:
         """hidden [N,D] → float32 logits [N,V]: each row's ids (int64, ascending) exact — the values `forward`
         gives them — and -inf elsewhere (`CodedLinear.values_at`), or None where this head has no such product
         (as `screen`)."""
+        product = self._screening_product(hidden)
+        return None if product is None else product.values_at(hidden, ids)
+
+    def _screening_product(self, hidden: Tensor):
+        """The coded product `screen_candidates` and `values_at` run on, or None where they do not serve: no GGUF
+        codes that screen, a bias, a softcap, hidden not [N,D] float32, autograd."""
         product = getattr(self, "product", None)
         if (product is None or not getattr(product, "screens", False) or self.bias is not None
                 or self.softcap is not None or hidden.dim() != 2 or hidden.dtype != torch.float32
                 or torch.is_grad_enabled() and (hidden.requires_grad or self._weight_trains())):
             return None
-        return product.values_at(hidden, ids)
+        return product
 
     def loss(self, hidden: Tensor, targets: Tensor, **kwargs: Any) -> Tensor | tuple[Tensor, Tensor]:
         """`linear_cross_entropy(hidden, self.weight, targets, bias=self.bias, softcap=self.softcap, **kwargs)`:

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -56,10 +55,12 @@ def decode_head(head, hidden: Tensor, configs: list, scored: list[bool] | None =
     from lmhead.compressed import CompressedHead
 
     if not isinstance(head, CompressedHead):
-        few = None if masks is None else _allowed_only(head, hidden, masks)
+        b, t, _ = hidden.shape
+        allowed = None if masks is None else _allowed_positions(masks, b, t, head.vocab_size)  # unpacked once
+        few = None if allowed is None else _allowed_only(head, hidden, allowed)
         if few is not None:
             return few, None
-        screened = None if scored is None else _screened(head, hidden, configs, scored, masks)
+        screened = None if scored is None else _screened(head, hidden, configs, scored, allowed)
         if screened is not None:
             return screened
         logits = head(hidden)
@@ -87,10 +88,10 @@ def screen_k(config, scored: bool) -> int:
     return config.top_k + 1 if 1 <= config.top_k <= SCREEN_MAX_K else 0
 
 
-def _screened(head, hidden: Tensor, configs: list, scored: list[bool], masks: list | None = None
+def _screened(head, hidden: Tensor, configs: list, scored: list[bool], allowed: list | None = None
               ) -> tuple[Tensor, tuple[Tensor, Tensor] | None] | None:
     """`decode_head`'s screened call, or None where it does not apply (a row that needs more than its top k, too
-    few positions, a head without a screen)."""
+    few positions, a head without a screen). allowed: `_allowed_positions`' tokens per position (None: free)."""
     screen = getattr(head, "screen_candidates", None)
     b, t, d = hidden.shape
     if screen is None or b * t < SCREEN_MIN_ROWS:
@@ -98,7 +99,6 @@ def _screened(head, hidden: Tensor, configs: list, scored: list[bool], masks: li
     ks = [screen_k(c, s) for c, s in zip(configs, scored, strict=True)]
     if not all(ks):  # a scored or wide row needs its whole row: one exact call for all, as before
         return None
-    allowed = None if masks is None else _allowed_positions(masks, b, t, head.vocab_size)
     got = screen(hidden.reshape(b * t, d), [k for k in ks for _ in range(t)], allowed)
     if got is None:
         return None
@@ -108,27 +108,22 @@ def _screened(head, hidden: Tensor, configs: list, scored: list[bool], masks: li
     return logits.view(b, t, -1), cands
 
 
-def _allowed_only(head, hidden: Tensor, masks: list) -> Tensor | None:
+def _allowed_only(head, hidden: Tensor, allowed: list[Tensor | None]) -> Tensor | None:
     """The logits [B,T,V] of a call whose every position is a constrained row's judged position allowing at most
-    V / FEW_ALLOWED_SHARE tokens: those tokens' exact values (`LMHead.values_at`: the one-row product's numbers
-    for them) and -inf elsewhere — the masked row itself, scores included, at the cost of the allowed rows of the
-    head; None otherwise (a free row, an unjudged position, a wide mask, a head without the kernel)."""
-    from lmhead.constrain import allowed
-
+    V / FEW_ALLOWED_SHARE tokens (`allowed`: `_allowed_positions`' bool [V] per position): those tokens' exact
+    values (`LMHead.values_at`: the one-row product's numbers for them) and -inf elsewhere — the masked row
+    itself, scores included, at the cost of the allowed rows of the head; None otherwise (a free row, an unjudged
+    position, a wide mask, a head without the kernel)."""
     values_at = getattr(head, "values_at", None)
-    b, t, d = hidden.shape
-    if values_at is None or len(masks) != b:
+    if values_at is None or any(a is None for a in allowed):
         return None
     most = head.vocab_size // FEW_ALLOWED_SHARE
     ids: list[Tensor] = []
-    for got in masks:
-        if got is None or got[0].shape[0] < t:
+    for a in allowed:
+        if not 1 <= int(a.sum()) <= most:  # none allowed: the whole row, whose mask then names the failure
             return None
-        for j in range(t):
-            keep = torch.from_numpy(np.flatnonzero(allowed(got[0][j], head.vocab_size).numpy()))
-            if not 1 <= len(keep) <= most:  # none allowed: the whole row, whose mask then names the failure
-                return None
-            ids.append(keep)
+        ids.append(a.nonzero().flatten())
+    b, t, d = hidden.shape
     y = values_at(hidden.reshape(b * t, d), ids)
     return None if y is None else y.view(b, t, -1)
 

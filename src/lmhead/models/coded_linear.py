@@ -274,8 +274,7 @@ class CodedLinear:
         whole = (counts < 0).nonzero().flatten().tolist()
         for r in whole:
             y[r] = self(x[r:r + 1])[0]
-            if allowed is not None and allowed[r] is not None:
-                y[r].masked_fill_(~allowed[r], float("-inf"))
+            _forbid(y[r:r + 1], None if allowed is None else allowed[r:r + 1])
         if whole:
             return y, None
         width = int(counts.max())
