@@ -7,8 +7,9 @@ interleaved in child processes (base, this, this, base, ...) so a busy machine s
 
 Each child imports lmhead from one `src` folder (PYTHONPATH) and measures with the public API only, so any two
 commits can be compared (make the base one with `git worktree add --detach DIR COMMIT`):
-- decode: `load_model(name).generate(prompt, N, config)` at batch 1, greedy and sampled (T=0.8, top-p 0.9,
-  seeded), tokens / wall time (prefill included), after a warm-up generation. The greedy tokens of the two
+- decode: `load_model(name).generate(prompt, N, config, profile=...)` at batch 1, greedy and sampled (T=0.8,
+  top-p 0.9, seeded), tokens / wall time (prefill included) after a warm-up generation, and the body's and the
+  head's milliseconds per token from the loop's own profile. The greedy tokens of the two
   commits must be equal (printed as a check); the sampled ones are compared too (seeded per (seed, step)).
 - sampling: `lmhead.sample` on one row [1, V] of random logits (std 5; V = 49,152 and 262,144) for the settings
   people use (greedy, temperature, top-k + top-p, min-p, repetition penalty over 256 tokens of history), median
@@ -58,13 +59,15 @@ configs = {"greedy": lmhead.SamplingConfig(temperature=0.0),
 list(model.generate(prompts[0], 8, config=configs["greedy"]))  # warm-up: kernels, caches, allocator
 out = {}
 for mode, cfg in configs.items():
-    rates, tokens = [], []
+    rates, tokens, profile, made = [], [], {}, 0
     for p in prompts:
         t = time.perf_counter()
-        ids = [s.token_id for s in model.generate(p, n, config=cfg)]
+        ids = [s.token_id for s in model.generate(p, n, config=cfg, profile=profile)]
         rates.append(len(ids) / (time.perf_counter() - t))
         tokens.append(ids)
-    out[mode] = {"rates": rates, "tokens": tokens}
+        made += len(ids)
+    phases = {k: v * 1e3 / made for k, v in profile.items()}  # ms per token
+    out[mode] = {"rates": rates, "tokens": tokens, "phases": phases}
 print("RESULT " + json.dumps(out))
 """
 
@@ -117,6 +120,12 @@ def _commit(src: Path) -> str:
     return r.stdout.strip() or "?"
 
 
+def _phase(runs: list[dict], mode: str, key: str) -> str:
+    """The median over runs of one phase's ms per token ("-" where a run's profile lacks it)."""
+    got = [run[mode]["phases"].get(key) for run in runs]
+    return "-" if None in got else f"{statistics.median(got):.2f}"
+
+
 def bench_decode(args, rec: Recorder, base: Path, base_name: str, here_name: str) -> None:
     prompts = json.dumps(PROMPTS[: args.prompts])
     for name in args.model or ["smollm2-135m", "gemma-3-270m"]:
@@ -127,12 +136,16 @@ def bench_decode(args, rec: Recorder, base: Path, base_name: str, here_name: str
             runs[who].append(_child(src, CHILD_DECODE, name, str(args.new_tokens), prompts))
             print(f"  {name}: {who} run {len(runs[who])} done", file=sys.stderr)
         t = rec.table(f"decode_{name}", f"{name}, batch 1, {args.new_tokens} new tokens × {args.prompts} prompts",
-                      ["mode", f"base {base_name} tok/s", f"this {here_name} tok/s", "this/base", "tokens equal"])
+                      ["mode", f"base {base_name} tok/s", f"this {here_name} tok/s", "this/base", "tokens equal",
+                       "body ms/token (base → this)", "head ms/token (base → this)"])
         for mode in ("greedy", "sampled"):
             b = statistics.median(r for run in runs["base"] for r in run[mode]["rates"])
             h = statistics.median(r for run in runs["this"] for r in run[mode]["rates"])
             same = all(rb[mode]["tokens"] == rh[mode]["tokens"] for rb in runs["base"] for rh in runs["this"])
-            t.row([mode, f"{b:.1f}", f"{h:.1f}", f"{h / b:.2f}×", "yes" if same else "no"],
+
+            t.row([mode, f"{b:.1f}", f"{h:.1f}", f"{h / b:.2f}×", "yes" if same else "no",
+                   f"{_phase(runs['base'], mode, 'body')} → {_phase(runs['this'], mode, 'body')}",
+                   f"{_phase(runs['base'], mode, 'head')} → {_phase(runs['this'], mode, 'head')}"],
                   [Figure(f"{name} {mode} decode, this commit", h, "tok/s", f"base commit {base_name}", b, h / b)])
         _show(t)
 
