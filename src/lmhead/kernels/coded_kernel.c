@@ -30,7 +30,9 @@
  * Q8_0 blocks are) — float16, converted to the same float32 values per row; offset may be NULL; G is 16 or 32;
  * x float32 [M, K]; y float32 [M, N]. Rows n are split over `threads` OpenMP threads (the same libgomp as
  * torch's, so the two share one pool). Built once per machine by models/coded_linear.py with the system C
- * compiler (-O3 -march=native); without AVX2 the plain loop below is what the compiler vectorises.
+ * compiler (-O3 -march=native); without AVX2 the plain loop below is what the compiler vectorises; with AVX-512
+ * the one-row (decode) products of every layout run in 512-bit lanes (rows4_*_512, dense16_row512): half the
+ * instructions per weight, the same products and scales summed in another order.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -233,9 +235,155 @@ static inline void fetch_unit(const char* pf, int64_t u) {
         (acc) = _mm256_add_ps(_mm256_fmadd_ps(_mm256_fmadd_ps((c1), s_, o_), (xb), d_), (acc));          \
     } while (0)
 
-static inline void rows4_dot1(const float* x, const int8_t* c, const float* s, const float* o, const float* xs,
-                              int64_t ng, int packed, int g16, const char* pf, float* out) {
+#ifdef __AVX512F__
+/* the common case of rows4_dot1 (int8 codes, no offsets, G = 32: Q8_0, Q5_0) in 512-bit lanes: a group's 32 codes
+ * are two conversions of sixteen, not four of eight — half the instructions per weight, which is what bounds a
+ * decode product on two cores once its rows come from memory at the prefetcher's rate. The same products and
+ * scales as DOT4C, summed in another order (float32 rounding; tests bound it against float64, and the screen's
+ * bound holds for any order of the sums). acc[r] receives row r's sixteen lanes folded to eight. */
+static inline __m256 fold512(__m512 v) { /* sixteen lanes added pairwise into eight */
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+static inline void rows4_int8_512(const float* x, const int8_t* c, const float* s, int64_t ng, const char* pf,
+                                  __m256* acc) {
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t g = 0; g < ng; g++) {
+        fetch_unit(pf, g);
+        const __m512 x0 = _mm512_loadu_ps(x + g * 32), x1 = _mm512_loadu_ps(x + g * 32 + 16);
+        for (int r = 0; r < 4; r++) {
+            const int8_t* cg = c + (g * 4 + r) * 32;
+            const __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)cg)));
+            const __m512 c1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(cg + 16))));
+            a[r] = _mm512_fmadd_ps(_mm512_set1_ps(s[r * ng + g]), _mm512_fmadd_ps(c1, x1, _mm512_mul_ps(c0, x0)),
+                                   a[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) acc[r] = fold512(a[r]);
+}
+
+/* Q6_K's and Q3_K's groups of 16 (int8 codes, no offsets; unit u holds groups 2u and 2u + 1): one conversion is
+ * one group, its scale one multiply; two sums per row (a, b) so that a row's two groups do not wait on each other */
+static inline void rows4_g16_512(const float* x, const int8_t* c, const float* s, int64_t ng, const char* pf,
+                                 __m256* acc) {
+    __m512 a[4], b[4];
+    for (int r = 0; r < 4; r++) a[r] = b[r] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < ng / 2; u++) {
+        fetch_unit(pf, u);
+        const __m512 x0 = _mm512_loadu_ps(x + u * 32), x1 = _mm512_loadu_ps(x + u * 32 + 16);
+        for (int r = 0; r < 4; r++) {
+            const int8_t* cg = c + (u * 4 + r) * 32;
+            const int64_t i = r * ng + 2 * u;
+            const __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)cg)));
+            const __m512 c1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(cg + 16))));
+            a[r] = _mm512_fmadd_ps(_mm512_set1_ps(s[i]), _mm512_mul_ps(c0, x0), a[r]);
+            b[r] = _mm512_fmadd_ps(_mm512_set1_ps(s[i + 1]), _mm512_mul_ps(c1, x1), b[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) acc[r] = fold512(_mm512_add_ps(a[r], b[r]));
+}
+
+/* int8 codes with offsets (Q5_1, Q5_K; G = 16: Q2_K, and q/k/v fused from Q3_K and Q4_K rows) in 512-bit lanes:
+ * each weight rebuilt exactly, code·scale + offset in one rounding (as DOT4R and DOT2R), sixteen at a time. G = 32:
+ * a group is two conversions with one scale and offset; G = 16 (unit u holds groups 2u and 2u + 1): one
+ * conversion is one group */
+static inline void rows4_offsets_512(const float* x, const int8_t* c, const float* s, const float* o, int64_t ng,
+                                     int g16, const char* pf, __m256* acc) {
+    __m512 a[4], b[4];
+    for (int r = 0; r < 4; r++) a[r] = b[r] = _mm512_setzero_ps();
+    const int64_t units = g16 ? ng / 2 : ng;
+    for (int64_t u = 0; u < units; u++) {
+        fetch_unit(pf, u);
+        const __m512 x0 = _mm512_loadu_ps(x + u * 32), x1 = _mm512_loadu_ps(x + u * 32 + 16);
+        for (int r = 0; r < 4; r++) {
+            const int8_t* cg = c + (u * 4 + r) * 32;
+            const int64_t i0 = r * ng + (g16 ? 2 * u : u), i1 = i0 + g16;
+            const __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)cg)));
+            const __m512 c1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(cg + 16))));
+            const __m512 w0 = _mm512_fmadd_ps(c0, _mm512_set1_ps(s[i0]), _mm512_set1_ps(o[i0]));
+            const __m512 w1 = _mm512_fmadd_ps(c1, _mm512_set1_ps(s[i1]), _mm512_set1_ps(o[i1]));
+            a[r] = _mm512_fmadd_ps(w0, x0, a[r]);
+            b[r] = _mm512_fmadd_ps(w1, x1, b[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) acc[r] = fold512(_mm512_add_ps(a[r], b[r]));
+}
+
+/* packed 4-bit codes (Q4_1, Q4_K) in 512-bit lanes: units 2q and 2q + 1 of a row (64 codes each, 32 bytes, 128
+ * apart in the block) side by side in one register, so that NIBC's two shifts and one conversion give sixteen codes
+ * − 8 — eight of each unit — for one multiply. xp: the query row laid out to match (xp_layout), once per product;
+ * the lanes' two halves belong to two groups, so the scale vector carries both (s of groups 4q and 4q + 2 for
+ * nibbles 0–3, 4q + 1 and 4q + 3 for 4–7). A row with an odd number of units adds its last one as rows4_dot1's
+ * 256-bit loop does. The same products and scales as DOT4C, summed in another order; the offsets follow in
+ * rows4_dot1 (centred_offsets) as for the 256-bit loop. */
+static inline __m512 nibc512(__m512i v, int i) {
+    return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 28 - 4 * i), 28));
+}
+static inline void rows4_packed_512(const float* x, const float* xp, const int8_t* c, const float* s, int64_t ng,
+                                    const char* pf, __m256* acc) {
+    const __m512i lo = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i hi = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const int64_t units = ng / 2, pairs = units / 2;
+    for (int64_t q = 0; q < pairs; q++) {
+        fetch_unit(pf, 2 * q);
+        fetch_unit(pf, 2 * q + 1);
+        const float* xq = xp + q * 128;
+        for (int r = 0; r < 4; r++) {
+            const int8_t* u0 = c + (2 * q * 4 + r) * 32;
+            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)u0)),
+                                                 _mm256_loadu_si256((const __m256i*)(u0 + 128)), 1);
+            const __m512 sv = _mm512_castps128_ps512(_mm_loadu_ps(s + r * ng + 4 * q));
+            __m512 d = _mm512_mul_ps(nibc512(v, 0), _mm512_loadu_ps(xq));
+            __m512 e = _mm512_mul_ps(nibc512(v, 1), _mm512_loadu_ps(xq + 16));
+            d = _mm512_fmadd_ps(nibc512(v, 2), _mm512_loadu_ps(xq + 32), d);
+            e = _mm512_fmadd_ps(nibc512(v, 3), _mm512_loadu_ps(xq + 48), e);
+            a[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(lo, sv), _mm512_add_ps(d, e), a[r]);
+            d = _mm512_mul_ps(nibc512(v, 4), _mm512_loadu_ps(xq + 64));
+            e = _mm512_mul_ps(nibc512(v, 5), _mm512_loadu_ps(xq + 80));
+            d = _mm512_fmadd_ps(nibc512(v, 6), _mm512_loadu_ps(xq + 96), d);
+            e = _mm512_fmadd_ps(nibc512(v, 7), _mm512_loadu_ps(xq + 112), e);
+            a[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(hi, sv), _mm512_add_ps(d, e), a[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) acc[r] = fold512(a[r]);
+    if (units % 2) { /* the last unit alone, as the 256-bit loop */
+        const int64_t g = 2 * (units - 1);
+        fetch_unit(pf, units - 1);
+        const float* xg = x + g * 32;
+        __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
+        __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
+        for (int r = 0; r < 4; r++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (g * 2 + r) * 32));
+            DOT4C(NIBC(v, 0), NIBC(v, 1), NIBC(v, 2), NIBC(v, 3), acc[r], s[r * ng + g]);
+        }
+        x0 = _mm256_loadu_ps(xg + 32), x1 = _mm256_loadu_ps(xg + 40);
+        x2 = _mm256_loadu_ps(xg + 48), x3 = _mm256_loadu_ps(xg + 56);
+        for (int r = 0; r < 4; r++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (g * 2 + r) * 32));
+            DOT4C(NIBC(v, 4), NIBC(v, 5), NIBC(v, 6), NIBC(v, 7), acc[r], s[r * ng + g + 1]);
+        }
+    }
+}
+
+/* x [K] (K a multiple of 64) → xp [(K/128)·128]: for units 2q and 2q + 1 and nibble i, sixteen floats — x of
+ * codes 8i..8i+7 of unit 2q, then of unit 2q + 1 (rows4_packed_512's lanes) */
+static void xp_layout(const float* x, int64_t K, float* xp) {
+    for (int64_t q = 0; q < K / 128; q++)
+        for (int i = 0; i < 8; i++)
+            for (int h = 0; h < 2; h++)
+                for (int l = 0; l < 8; l++) xp[q * 128 + i * 16 + h * 8 + l] = x[(2 * q + h) * 64 + 8 * i + l];
+}
+#endif
+
+static inline void rows4_dot1(const float* x, const float* xp, const int8_t* c, const float* s, const float* o,
+                              const float* xs, int64_t ng, int packed, int g16, const char* pf, float* out) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+#ifdef __AVX512F__
+    if (packed && xp) {
+        rows4_packed_512(x, xp, c, s, ng, pf, acc);
+    } else
+#endif
     if (packed) {
         for (int64_t g = 0; g < ng; g += 2) {
             fetch_unit(pf, g / 2);
@@ -253,6 +401,10 @@ static inline void rows4_dot1(const float* x, const int8_t* c, const float* s, c
                 DOT4C(NIBC(v, 4), NIBC(v, 5), NIBC(v, 6), NIBC(v, 7), acc[r], s[r * ng + g + 1]);
             }
         }
+#ifdef __AVX512F__
+    } else if (o) {
+        rows4_offsets_512(x, c, s, o, ng, g16, pf, acc);
+#endif
     } else if (o && g16) { /* ng = K/16: unit u holds groups 2u and 2u + 1 */
         for (int64_t u = 0; u < ng / 2; u++) {
             fetch_unit(pf, u);
@@ -270,6 +422,9 @@ static inline void rows4_dot1(const float* x, const int8_t* c, const float* s, c
         INT8_GROUPS(DOT4R(BYTES8(cg), BYTES8(cg + 8), BYTES8(cg + 16), BYTES8(cg + 24), acc[r], s[r * ng + g],
                           o[r * ng + g]));
     } else if (g16) { /* ng = K/16: unit u holds groups 2u and 2u + 1 */
+#ifdef __AVX512F__
+        rows4_g16_512(x, c, s, ng, pf, acc);
+#else
         for (int64_t u = 0; u < ng / 2; u++) {
             fetch_unit(pf, u);
             const float* xg = x + u * 32;
@@ -281,8 +436,13 @@ static inline void rows4_dot1(const float* x, const int8_t* c, const float* s, c
                 DOT2C(BYTES8(cg + 16), BYTES8(cg + 24), x2, x3, acc[r], s[r * ng + 2 * u + 1]);
             }
         }
+#endif
     } else { /* the common case (Q8_0, Q5_0): a loop of its own, no test of o inside */
+#ifdef __AVX512F__
+        rows4_int8_512(x, c, s, ng, pf, acc);
+#else
         INT8_GROUPS(DOT4C(BYTES8(cg), BYTES8(cg + 8), BYTES8(cg + 16), BYTES8(cg + 24), acc[r], s[r * ng + g]));
+#endif
     }
     float tail[4] = {0.f, 0.f, 0.f, 0.f};
     if (packed)
@@ -541,10 +701,37 @@ DENSE(1, f16_rows, LOADH, 0) DENSE(2, f16_rows, LOADH, 0) DENSE(3, f16_rows, LOA
 DENSE(5, f16_rows, LOADH, 0) DENSE(6, f16_rows, LOADH, 0) DENSE(7, f16_rows, LOADH, 0) DENSE(8, f16_rows, LOADH, 0)
 DENSE(1, bf16_rows, LOADB, 1) DENSE(2, bf16_rows, LOADB, 1) DENSE(3, bf16_rows, LOADB, 1) DENSE(4, bf16_rows, LOADB, 1)
 DENSE(5, bf16_rows, LOADB, 1) DENSE(6, bf16_rows, LOADB, 1) DENSE(7, bf16_rows, LOADB, 1) DENSE(8, bf16_rows, LOADB, 1)
+#ifdef __AVX512F__
+/* one query row (decode) in 512-bit lanes: sixteen weights a conversion, two sums */
+static inline void dense16_row512(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
+    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        const __m256i h0 = _mm256_loadu_si256((const __m256i*)(w + k));
+        const __m256i h1 = _mm256_loadu_si256((const __m256i*)(w + k + 16));
+        const __m512 w0 = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h0), 16))
+                               : _mm512_cvtph_ps(h0);
+        const __m512 w1 = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h1), 16))
+                               : _mm512_cvtph_ps(h1);
+        a = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + k), a);
+        b = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + k + 16), b);
+    }
+    float t = hsum8(fold512(_mm512_add_ps(a, b)));
+    for (; k < K; k++) t += w16(w, k, bf16) * x[k];
+    *out = t;
+}
+static void f16_row512(const float* x, int64_t K, const uint16_t* w, float* out) { dense16_row512(x, K, w, 0, out); }
+static void bf16_row512(const float* x, int64_t K, const uint16_t* w, float* out) { dense16_row512(x, K, w, 1, out); }
+#define F16_ROW1 f16_row512
+#define BF16_ROW1 bf16_row512
+#else
+#define F16_ROW1 f16_rows1
+#define BF16_ROW1 bf16_rows1
+#endif
 typedef void (*dense_pass)(const float*, int64_t, const uint16_t*, float*);
 static const dense_pass DENSE_PASS[2][MB + 1] = {
-    {NULL, f16_rows1, f16_rows2, f16_rows3, f16_rows4, f16_rows5, f16_rows6, f16_rows7, f16_rows8},
-    {NULL, bf16_rows1, bf16_rows2, bf16_rows3, bf16_rows4, bf16_rows5, bf16_rows6, bf16_rows7, bf16_rows8}};
+    {NULL, F16_ROW1, f16_rows2, f16_rows3, f16_rows4, f16_rows5, f16_rows6, f16_rows7, f16_rows8},
+    {NULL, BF16_ROW1, bf16_rows2, bf16_rows3, bf16_rows4, bf16_rows5, bf16_rows6, bf16_rows7, bf16_rows8}};
 #endif
 
 static int dense_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, int bf16, float* y,
@@ -618,6 +805,18 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
 #ifdef __AVX2__
     if (M == 1 && rows4) { /* decode: weight rows four at a time */
         const int64_t blocks = N / 4;
+        float xp_stack[4096];
+        float* xp = NULL;
+#ifdef __AVX512F__
+        if (packed && K >= 128) { /* rows4_packed_512's layout of the query row, once for all N rows */
+            xp = K <= 4096 ? xp_stack : (float*)malloc((size_t)K * sizeof(float));
+            if (!xp) {
+                if (xs && xs != xs_stack) free(xs);
+                return -1;
+            }
+            xp_layout(x, K, xp);
+        }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t n0 = b * 4, nr = 4;
@@ -650,9 +849,10 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
                     o = o32;
                 }
             }
-            rows4_dot1(x, codes + n0 * row_bytes, s, o, xs, ng, packed, G == 16, spread, y + n0);
+            rows4_dot1(x, xp, codes + n0 * row_bytes, s, o, xs, ng, packed, G == 16, spread, y + n0);
         }
         if (xs && xs != xs_stack) free(xs);
+        if (xp && xp != xp_stack) free(xp);
         return 0;
     }
     if (M > 1 && rows4) { /* verification and batched decode: ≤ 3 rows through the block's one stream, 4..8 row by row */
@@ -924,7 +1124,7 @@ int lmhead_screen_rescore(const float* x, int64_t M, int64_t K, const int8_t* co
             const int64_t n = ids[m * cap + j], b = n / 4;
             float s32[4 * HALF_MAX_GROUPS], out[4];
             halves_to_floats(scale + b * 4 * ng, s32, 4 * ng);
-            rows4_dot1(x + m * K, codes + b * 4 * K, s32, NULL, NULL, ng, 0, 0, NULL, out);
+            rows4_dot1(x + m * K, NULL, codes + b * 4 * K, s32, NULL, NULL, ng, 0, 0, NULL, out);
             y[m * N + n] = out[n % 4];
         }
     }
