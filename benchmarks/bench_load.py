@@ -7,7 +7,8 @@ beside llama.cpp's `llama-bench` on the same GGUF file when it is built (`make l
 cold: a fresh, empty LMHEAD_CACHE (the file's config and tokenizer are read once, nothing is converted);
 warm: the same cache again. Each run is its own process: `lmhead generate -n N` (greedy), the first token's time
 read from its streamed output, peak RSS from the child's rusage. llama.cpp: `llama-bench -p 16 -n N -r 1` wall
-time and peak RSS (it maps the file). Run it alone on a quiet machine: the load average is printed.
+time and peak RSS (it maps the file; `-p 0`, marked so, where its prompt pass crashes). Run it alone on a quiet
+machine: the load average is printed.
 """
 
 from __future__ import annotations
@@ -74,13 +75,20 @@ def lmhead_run(model: str, n: int, cache: Path) -> dict[str, float]:
 
 
 def llama_run(gguf: Path, n: int) -> dict[str, float] | None:
+    """llama-bench's wall time and peak RSS for a 16-token prompt and n tokens — or, where its prompt pass fails
+    (some builds crash on batches of 8 or more on some CPUs), for n tokens alone, marked `prompt: 0`; None
+    where it is not built or fails both ways (said on stdout)."""
     if not LLAMA_BENCH.exists():
         return None
-    t0 = time.perf_counter()
-    proc, rss_file = _spawn([str(LLAMA_BENCH), "-m", str(gguf), "-t", "2", "-p", "16", "-n", str(n), "-r", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    code, rss = _wait(proc, rss_file)
-    return None if code else {"total": time.perf_counter() - t0, "rss": rss}
+    for prompt in (16, 0):
+        t0 = time.perf_counter()
+        proc, rss_file = _spawn([str(LLAMA_BENCH), "-m", str(gguf), "-t", "2", "-p", str(prompt), "-n", str(n),
+                                 "-r", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        code, rss = _wait(proc, rss_file)
+        if code == 0:
+            return {"total": time.perf_counter() - t0, "rss": rss, "prompt": prompt}
+        print(f"llama-bench -p {prompt} -n {n} on {gguf.name} exited with {code}", flush=True)
+    return None
 
 
 def gguf_of(model: str, cache: Path) -> Path | None:
@@ -133,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             llama = llama_run(gguf, args.new_tokens) if gguf is not None else None
             for name, run in (("cold", cold), ("warm", warm)):
                 cells = [model, name, f"{run['first']:.2f}", f"{run['total']:.2f}", f"{run['rss']:.0f}",
-                         f"{kept / 1e6:.1f}", f"{llama['total']:.2f}" if llama else "-",
+                         f"{kept / 1e6:.1f}",
+                         (f"{llama['total']:.2f}" + ("" if llama["prompt"] else " (-p 0)")) if llama else "-",
                          f"{llama['rss']:.0f}" if llama else "-"]
                 print("| " + " | ".join(cells) + " |")
                 table.row(cells, [Figure(f"{model} {name} run, whole", run["total"], "s",
