@@ -805,9 +805,9 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
 #ifdef __AVX2__
     if (M == 1 && rows4) { /* decode: weight rows four at a time */
         const int64_t blocks = N / 4;
+#ifdef __AVX512F__
         float xp_stack[4096];
         float* xp = NULL;
-#ifdef __AVX512F__
         if (packed && K >= 128) { /* rows4_packed_512's layout of the query row, once for all N rows */
             xp = K <= 4096 ? xp_stack : (float*)malloc((size_t)K * sizeof(float));
             if (!xp) {
@@ -816,6 +816,8 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
             }
             xp_layout(x, K, xp);
         }
+#else
+        const float* const xp = NULL;
 #endif
 #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
         for (int64_t b = 0; b < blocks; b++) {
@@ -852,7 +854,9 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
             rows4_dot1(x, xp, codes + n0 * row_bytes, s, o, xs, ng, packed, G == 16, spread, y + n0);
         }
         if (xs && xs != xs_stack) free(xs);
+#ifdef __AVX512F__
         if (xp && xp != xp_stack) free(xp);
+#endif
         return 0;
     }
     if (M > 1 && rows4) { /* verification and batched decode: ≤ 3 rows through the block's one stream, 4..8 row by row */
