@@ -313,14 +313,14 @@ static inline void rows4_offsets_512(const float* x, const int8_t* c, const floa
  * apart in the block) side by side in one register, so that NIBC's two shifts and one conversion give sixteen codes
  * − 8 — eight of each unit — for one multiply. xp: the query row laid out to match (xp_layout), once per product;
  * the lanes' two halves belong to two groups, so the scale vector carries both (s of groups 4q and 4q + 2 for
- * nibbles 0–3, 4q + 1 and 4q + 3 for 4–7). A row with an odd number of units adds its last one as rows4_dot1's
- * 256-bit loop does. The same products and scales as DOT4C, summed in another order; the offsets follow in
- * rows4_dot1 (centred_offsets) as for the 256-bit loop. */
+ * nibbles 0–3, 4q + 1 and 4q + 3 for 4–7). Returns the first group it left: a row with an odd number of units
+ * leaves its last one to rows4_dot1's 256-bit loop. The same products and scales as DOT4C, summed in another
+ * order; the offsets follow in rows4_dot1 (centred_offsets) as for the 256-bit loop. */
 static inline __m512 nibc512(__m512i v, int i) {
     return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 28 - 4 * i), 28));
 }
-static inline void rows4_packed_512(const float* x, const float* xp, const int8_t* c, const float* s, int64_t ng,
-                                    const char* pf, __m256* acc) {
+static inline int64_t rows4_packed_512(const float* xp, const int8_t* c, const float* s, int64_t ng, const char* pf,
+                                       __m256* acc) {
     const __m512i lo = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m512i hi = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
     __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -347,23 +347,7 @@ static inline void rows4_packed_512(const float* x, const float* xp, const int8_
         }
     }
     for (int r = 0; r < 4; r++) acc[r] = fold512(a[r]);
-    if (units % 2) { /* the last unit alone, as the 256-bit loop */
-        const int64_t g = 2 * (units - 1);
-        fetch_unit(pf, units - 1);
-        const float* xg = x + g * 32;
-        __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
-        __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
-        for (int r = 0; r < 4; r++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (g * 2 + r) * 32));
-            DOT4C(NIBC(v, 0), NIBC(v, 1), NIBC(v, 2), NIBC(v, 3), acc[r], s[r * ng + g]);
-        }
-        x0 = _mm256_loadu_ps(xg + 32), x1 = _mm256_loadu_ps(xg + 40);
-        x2 = _mm256_loadu_ps(xg + 48), x3 = _mm256_loadu_ps(xg + 56);
-        for (int r = 0; r < 4; r++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (g * 2 + r) * 32));
-            DOT4C(NIBC(v, 4), NIBC(v, 5), NIBC(v, 6), NIBC(v, 7), acc[r], s[r * ng + g + 1]);
-        }
-    }
+    return 4 * pairs;
 }
 
 /* x [K] (K a multiple of 64) → xp [(K/128)·128]: for units 2q and 2q + 1 and nibble i, sixteen floats — x of
@@ -379,13 +363,14 @@ static void xp_layout(const float* x, int64_t K, float* xp) {
 static inline void rows4_dot1(const float* x, const float* xp, const int8_t* c, const float* s, const float* o,
                               const float* xs, int64_t ng, int packed, int g16, const char* pf, float* out) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-#ifdef __AVX512F__
-    if (packed && xp) {
-        rows4_packed_512(x, xp, c, s, ng, pf, acc);
-    } else
-#endif
     if (packed) {
-        for (int64_t g = 0; g < ng; g += 2) {
+        int64_t g0 = 0; /* groups before g0 done in 512-bit lanes (xp: the query row in their layout) */
+#ifdef __AVX512F__
+        if (xp) g0 = rows4_packed_512(xp, c, s, ng, pf, acc);
+#else
+        (void)xp;
+#endif
+        for (int64_t g = g0; g < ng; g += 2) {
             fetch_unit(pf, g / 2);
             const float* xg = x + g * 32;
             __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
