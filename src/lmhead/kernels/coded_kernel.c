@@ -236,15 +236,15 @@ static inline void fetch_unit(const char* pf, int64_t u) {
     } while (0)
 
 #ifdef __AVX512F__
+static inline __m256 fold512(__m512 v) { /* sixteen lanes added pairwise into eight */
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
 /* the common case of rows4_dot1 (int8 codes, no offsets, G = 32: Q8_0, Q5_0) in 512-bit lanes: a group's 32 codes
  * are two conversions of sixteen, not four of eight — half the instructions per weight, which is what bounds a
  * decode product on two cores once its rows come from memory at the prefetcher's rate. The same products and
  * scales as DOT4C, summed in another order (float32 rounding; tests bound it against float64, and the screen's
  * bound holds for any order of the sums). acc[r] receives row r's sixteen lanes folded to eight. */
-static inline __m256 fold512(__m512 v) { /* sixteen lanes added pairwise into eight */
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
-
 static inline void rows4_int8_512(const float* x, const int8_t* c, const float* s, int64_t ng, const char* pf,
                                   __m256* acc) {
     __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
