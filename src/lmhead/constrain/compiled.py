@@ -55,6 +55,7 @@ def guidance_tokenizer(tokenizer, vocab_size: int, eos: tuple[int, ...]) -> _Tok
     size and eos ids: ~1 s for a 262k vocabulary)."""
     import llguidance.hf
 
+    tokenizer = getattr(tokenizer, "full", tokenizer)  # a LazyTokenizer: llguidance reads transformers' own
     with _lock:
         per = _tokenizers.setdefault(tokenizer, {})
         got = per.get((vocab_size, eos))

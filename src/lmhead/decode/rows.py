@@ -222,7 +222,7 @@ def prepare(model, prompt_or_prompts: str | Sequence[str], max_new_tokens: int =
     starts = []
     for i, p in enumerate(prompts):
         if constraint_from is None:
-            ids = list(model.tokenizer(p)["input_ids"])
+            ids = list(model.tokenizer.encode(p))
         else:
             from lmhead.constrain import split_answer
 

@@ -144,10 +144,11 @@ def _write_meta(gguf: Path, out: Path) -> Any:
 def read_meta(folder: Path, tokenizer: Any = None) -> tuple[ModelConfig, Any, list[int]]:
     """(config, tokenizer, end-of-sequence ids) of a meta folder (`tokenizer`: the folder's, already read)."""
     from lmhead.models.hf_tokenizer import fast_tokenizer
+    from lmhead.models.start_tokenizer import start_tokenizer
 
     cfg = ModelConfig.from_file(folder / "config.json")
     generation = json.loads((folder / "generation_config.json").read_text())
-    tokenizer = fast_tokenizer(folder) if tokenizer is None else tokenizer
+    tokenizer = start_tokenizer(folder, lambda: fast_tokenizer(folder), tokenizer)
     return cfg, tokenizer, _ids(generation.get("eos_token_id"), cfg.eos_token_id)
 
 

@@ -205,7 +205,7 @@ class Model:
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         if not prompt:
             raise ValueError("prompt must not be empty")
-        return list(self.tokenizer(prompt)["input_ids"])
+        return list(self.tokenizer.encode(prompt))
 
     @torch.no_grad()  # not inference_mode: callers may feed the result to autograd code
     def hidden_states(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -1,0 +1,313 @@
+"""A large BPE tokenizer that starts without parsing its vocabulary: the prompt is encoded by `tokenizers` over
+the part of the vocabulary the prompt can reach, ids are decoded from the vocabulary's table, and transformers'
+tokenizer is built (from tokenizer.json, as before) only when anything else is asked of it.
+
+    tokenizer (transformers', once per cached model) ──tables_of──▶ pieces [V], merges as ids [M] × (left, right,
+        result) in rank order, the pipeline without its vocabulary, the tokenizer's special ids
+        ──▶ <cache>/tokenizer/<model sha>-<suffix>.safetensors (with its checksum; rebuilt when it does not match)
+    prompt ──normalizer──▶ every substring (up to the longest piece) that is a piece ──▶ those pieces + the
+        merges whose result is one of them, in their order ──tokenizers' BPE on the pipeline──▶ ids
+    ids ──added tokens first, then pieces (special tokens skipped when asked)──▶ tokenizers' decoder ──▶ text
+
+Why the ids are the full tokenizer's: BPE starts a word from its characters' pieces (or their byte-fallback
+pieces) and repeatedly merges the adjacent pair of lowest rank that has a merge. Every merge that can apply
+to a word makes a substring of it, so the merges kept (those whose result is a substring of the normalized
+prompt) are all it can use, and keeping their order keeps every choice. That holds where a word is a substring
+of the normalized prompt: a normalizer that replaces single characters, a pre-tokenizer that splits on literal
+strings (Gemma's) — `tables_of` builds no tables for any other tokenizer, nor for one whose encodings and
+decodings of a test text differ from transformers' (then transformers' tokenizer is used as before).
+
+Why: tokenizers rebuilds a vocabulary and its merges on every start (Gemma 3's 262,144 pieces and 514,906
+merges are most of its start), and transformers' import is needed only for the tokenizer's other methods.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["LazyTokenizer", "TokenizerTables", "read_tables", "start_tokenizer", "tables_of", "tables_path",
+           "write_tables"]
+
+_SUFFIX = "start-tables-v1"
+_MIN_PIECES = 100_000  # smaller vocabularies parse quickly: they keep transformers' tokenizer
+_MAX_PROMPT_CHARS = 50_000  # past this the substring scan costs more than the full parse
+_CHECK_TEXTS = ("The cat sat on the mat. 12345 ünïcödé — \n\t  spaces; <b>tags</b> and emoji 🙂",
+                "  leading spaces\n\n\nnew lines\r\n日本語のテキスト、중국어, العربية ",)
+_FACTS = ("pad_token_id", "eos_token_id", "bos_token_id", "unk_token_id", "all_special_ids", "chat_template",
+          "vocab_size", "clean_up_tokenization_spaces")
+
+
+class TokenizerTables:
+    """What encoding a prompt and decoding ids need of a BPE tokenizer, without its vocabulary's hash maps.
+
+    pieces: the model's vocabulary by id [V]; merges: int32 [M, 3] (left id, right id, result id) in rank order;
+    skeleton: the tokenizer's JSON with only its added tokens as vocabulary and no merges; facts: the
+    transformers tokenizer's special ids, chat template and flags (`_FACTS`), taken when the tables were made.
+    """
+
+    def __init__(self, pieces: list[str], merges: np.ndarray, skeleton: str, facts: dict[str, Any]) -> None:
+        from tokenizers import Tokenizer
+
+        self.pieces, self.merges, self.skeleton, self.facts = pieces, merges, skeleton, facts
+        spec = json.loads(skeleton)
+        self._pipeline = Tokenizer.from_str(skeleton)
+        self._options = {k: v for k, v in spec["model"].items()
+                         if k not in ("type", "vocab", "merges") and v is not None}
+        self._index: dict[str, int] | None = None
+        self._added = {int(a["id"]): a["content"] for a in spec.get("added_tokens", [])}
+        self._special = {int(a["id"]) for a in spec.get("added_tokens", []) if a.get("special")}
+        self._always = [i for i in (self._id(f"<0x{b:02X}>") for b in range(256)) if i is not None]
+        unk = spec["model"].get("unk_token")
+        if unk is not None and self._id(unk) is not None:
+            self._always.append(self._id(unk))
+        self._longest = max(map(len, pieces))
+
+    def _id(self, piece: str) -> int | None:
+        return self.index.get(piece)
+
+    @property
+    def index(self) -> dict[str, int]:
+        if self._index is None:
+            self._index = dict(zip(self.pieces, range(len(self.pieces)), strict=True))
+        return self._index
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int] | None:
+        """The ids of `text` as the full tokenizer encodes it; None when the text is too long for the scan."""
+        norm = self._pipeline.normalizer.normalize_str(text) if self._pipeline.normalizer is not None else text
+        if len(norm) > _MAX_PROMPT_CHARS:
+            return None
+        get, n, longest = self.index.get, len(norm), self._longest
+        reached = set(self._always)
+        for i in range(n):
+            for j in range(i + 1, min(n, i + longest) + 1):
+                k = get(norm[i:j])
+                if k is not None:
+                    reached.add(k)
+        keep = np.flatnonzero(np.isin(self.merges[:, 2], np.fromiter(reached, np.int64, len(reached))))
+        pieces = self.pieces
+        merges = [(pieces[a], pieces[b]) for a, b in self.merges[keep, :2].tolist()]
+        vocab = {pieces[k]: k for k in reached}
+        vocab.update({content: i for i, content in self._added.items()})
+        from tokenizers.models import BPE
+
+        self._pipeline.model = BPE(vocab, merges, **self._options)
+        return list(self._pipeline.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str | None:
+        """`ids` as text, as `tokenizers.Tokenizer.decode` gives it (the ids' pieces, special tokens left out when
+        asked, through the decoder); None for an id outside the vocabulary."""
+        tokens = []
+        n = len(self.pieces)
+        for i in ids:
+            if type(i) is not int or not 0 <= i < n:
+                return None
+            if skip_special_tokens and i in self._special:
+                continue
+            tokens.append(self.pieces[i])  # an added token is the piece of its id (`tables_of` checks it)
+        decoder = self._pipeline.decoder
+        return decoder.decode(tokens) if decoder is not None else " ".join(tokens)
+
+
+def tables_of(tokenizer: Any) -> TokenizerTables | None:
+    """The tables of a transformers fast tokenizer, or None where they would not give its ids and texts (see the
+    module's docstring) or its vocabulary is small enough to parse quickly."""
+    backend = tokenizer.backend_tokenizer
+    if backend.get_vocab_size(with_added_tokens=False) < _MIN_PIECES or type(backend.model).__name__ != "BPE":
+        return None
+    parts = {"normalizer": _state(backend.normalizer), "pre_tokenizer": _state(backend.pre_tokenizer)}
+    if not _literal(parts):  # checked before the whole tokenizer is written out: most tokenizers stop here
+        return None
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    if model.get("dropout") is not None or not _literal(spec):
+        return None
+    vocab: dict[str, int] = model.get("vocab") or {}
+    if len(vocab) < _MIN_PIECES or sorted(vocab.values()) != list(range(len(vocab))):
+        return None
+    pieces = [""] * len(vocab)
+    for piece, i in vocab.items():
+        pieces[i] = piece
+    added = spec.get("added_tokens") or []
+    if any(vocab.get(a["content"]) != a["id"] for a in added):
+        return None  # an added token outside the model's vocabulary would be found as a piece here
+    try:
+        pairs = [m.split(" ", 1) if isinstance(m, str) else m for m in model.get("merges") or []]
+        merges = np.array([(vocab[a], vocab[b], vocab[a + b]) for a, b in pairs], dtype=np.int32).reshape(-1, 3)
+    except KeyError:
+        return None
+    skeleton = dict(spec, model=dict(model, vocab={a["content"]: a["id"] for a in added}, merges=[]))
+    facts = {k: getattr(tokenizer, k, None) for k in _FACTS} | {"len": len(tokenizer)}
+    tables = TokenizerTables(pieces, merges, json.dumps(skeleton, ensure_ascii=False), facts)
+    return tables if _agrees(tables, tokenizer) else None
+
+
+def _state(part: Any) -> Any:
+    return None if part is None else json.loads(part.__getstate__())
+
+
+def _literal(spec: dict[str, Any]) -> bool:
+    """Whether every word the pre-tokenizer makes is a substring of the normalized text."""
+    def steps(part: Any, key: str) -> list[Any]:
+        if part is None:
+            return []
+        return [s for p in part[key] for s in steps(p, key)] if part.get("type") == "Sequence" else [part]
+
+    def single_char(p: dict[str, Any]) -> bool:
+        pattern = p.get("pattern") or {}
+        return p.get("type") == "Replace" and len(pattern.get("String", "")) == 1
+    normalizers = steps(spec.get("normalizer"), "normalizers")
+    pre = steps(spec.get("pre_tokenizer"), "pretokenizers")
+    return (all(single_char(p) for p in normalizers)
+            and all(p.get("type") == "Split" and "String" in (p.get("pattern") or {}) and not p.get("invert")
+                    for p in pre))
+
+
+def _agrees(tables: TokenizerTables, tokenizer: Any) -> bool:
+    for text in _CHECK_TEXTS:
+        ids = tokenizer.encode(text)
+        if tables.encode(text) != ids or tables.encode(text, False) != tokenizer.encode(text,
+                                                                                       add_special_tokens=False):
+            return False
+        for skip in (False, True):
+            if tables.decode(ids, skip) != tokenizer.decode(ids, skip_special_tokens=skip,
+                                                             clean_up_tokenization_spaces=False):
+                return False
+    return True
+
+
+def write_tables(path: Path, tables: TokenizerTables) -> bool:
+    """Write the tables to `path` (safetensors with its checksum, renamed into place); False when not writable."""
+    import torch
+
+    from lmhead.models import cache
+
+    blob = "\0".join(tables.pieces)
+    if blob.count("\0") != len(tables.pieces) - 1:
+        return False  # a piece holding NUL would split: keep transformers' tokenizer
+    state = {"pieces": _bytes(blob), "merges": torch.from_numpy(np.ascontiguousarray(tables.merges)),
+             "skeleton": _bytes(tables.skeleton), "facts": _bytes(json.dumps(tables.facts))}
+    return cache.write_tensors(path, state)
+
+
+def read_tables(path: Path) -> TokenizerTables | None:
+    """The tables at `path`, or None when missing, damaged (checksum) or unreadable."""
+    from lmhead.models import cache
+
+    got = cache.read_tensors(path)
+    if got is None:
+        return None
+    state, _ = got
+    try:
+        text = {k: state[k].numpy().tobytes().decode("utf-8") for k in ("pieces", "skeleton", "facts")}
+        return TokenizerTables(text["pieces"].split("\0"), state["merges"].numpy(), text["skeleton"],
+                               json.loads(text["facts"]))
+    except (KeyError, ValueError):
+        return None
+
+
+def tables_path(folder: Path) -> Path | None:
+    """Where the tables of a cached model folder live (None for a folder outside the cache)."""
+    from lmhead.models import cache
+
+    return cache.derived_path(folder, "tokenizer", _SUFFIX)
+
+
+def start_tokenizer(folder: Path, build: Callable[[], Any], built: Any = None) -> Any:
+    """The tokenizer of a cached model folder: a `LazyTokenizer` over its tables when they are there and
+    intact; else transformers' (`built`, or `build()`), whose tables are written for the next start."""
+    path = tables_path(folder)
+    if built is None and path is not None and (tables := read_tables(path)) is not None:
+        return LazyTokenizer(tables, build)
+    tokenizer = build() if built is None else built
+    if path is not None and (tables := tables_of(tokenizer)) is not None:
+        write_tables(path, tables)
+    return tokenizer
+
+
+def _bytes(text: str):
+    import torch
+
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+
+
+class LazyTokenizer:
+    """A transformers tokenizer that is built on first need: `encode`, `decode` and the special ids answer from
+    the tables; anything else (calling it, chat templates, `convert_ids_to_tokens`, ...) builds transformers'
+    tokenizer once and asks it (`full`). Setting `pad_token_id` is kept and passed on when it is built.
+    """
+
+    def __init__(self, tables: TokenizerTables, build: Callable[[], Any]) -> None:
+        object.__setattr__(self, "_tables", tables)
+        object.__setattr__(self, "_build", build)
+        object.__setattr__(self, "_full", None)
+        object.__setattr__(self, "_pad", None)
+
+    @property
+    def full(self) -> Any:
+        """transformers' tokenizer (built now if it was not yet)."""
+        if self._full is None:
+            full = self._build()
+            if self._pad is not None:
+                full.pad_token_id = self._pad
+            object.__setattr__(self, "_full", full)
+        return self._full
+
+    def encode(self, text: Any, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
+        if not kwargs and isinstance(text, str) and isinstance(add_special_tokens, bool):
+            ids = self._tables.encode(text, add_special_tokens)
+            if ids is not None:
+                return ids
+        return self.full.encode(text, add_special_tokens=add_special_tokens, **kwargs)
+
+    def decode(self, token_ids: Any, skip_special_tokens: bool = False,
+               clean_up_tokenization_spaces: bool | None = None, **kwargs: Any) -> str:
+        clean = clean_up_tokenization_spaces
+        clean = self._tables.facts.get("clean_up_tokenization_spaces") if clean is None else clean
+        if not kwargs and clean is False and isinstance(skip_special_tokens, bool):
+            ids = [token_ids] if type(token_ids) is int else token_ids
+            if isinstance(ids, (list, tuple)):
+                text = self._tables.decode(list(ids), skip_special_tokens)
+                if text is not None:
+                    return text
+        return self.full.decode(token_ids, skip_special_tokens=skip_special_tokens,
+                                clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        if self._full is not None:
+            return self._full.pad_token_id
+        return self._pad if self._pad is not None else self._tables.facts.get("pad_token_id")
+
+    @pad_token_id.setter
+    def pad_token_id(self, value: int | None) -> None:
+        if self._full is not None:
+            self._full.pad_token_id = value
+        else:
+            object.__setattr__(self, "_pad", value)
+
+    def __getattr__(self, name: str) -> Any:
+        facts = self._tables.facts
+        # a pad token set here becomes one of transformers' special tokens: from then on, transformers answers
+        if self._full is None and self._pad is None and name in facts and name != "clean_up_tokenization_spaces":
+            return facts[name]
+        return getattr(self.full, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "pad_token_id":
+            LazyTokenizer.pad_token_id.fset(self, value)
+        else:
+            setattr(self.full, name, value)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.full(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return int(self._tables.facts["len"]) if self._full is None else len(self._full)
+
+    def __repr__(self) -> str:
+        return f"LazyTokenizer({'built' if self._full is not None else 'not built'}: {len(self._tables.pieces)} pieces)"

@@ -1,0 +1,153 @@
+"""The start tables of a large BPE tokenizer (models/start_tokenizer.py) against transformers' tokenizer of the
+same cached folder: every encoding and decoding equal, the tables checked on load, transformers' tokenizer built
+only when something else is asked of it. Marked `model`: Gemma 3's real 262,144-piece tokenizer."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmhead import load_model
+from lmhead.generate import generate
+from lmhead.models.hf_tokenizer import fast_tokenizer
+from lmhead.models.start_tokenizer import (
+    LazyTokenizer,
+    read_tables,
+    start_tokenizer,
+    tables_of,
+    tables_path,
+    write_tables,
+)
+from lmhead.sampling import SamplingConfig
+
+pytestmark = pytest.mark.model
+
+TEXTS = ["", " ", "a", "The cat sat on the", "  two  spaces   three\t\ttabs\n\n\nlines\r\n",
+         "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n", "<bos><bos>text<eos>",
+         "<b>bold</b> <h1>title</h1>", "ünïcödé — “quotes” 日本語のテキスト 중국어 العربية 🙂🙃👍🏽",
+         "\x00\x01\x7f\u200b\ufeff control characters", "▁already▁a▁piece", "12345 3.14159 0xDEADBEEF",
+         "def f(x):\n    return x ** 2  # comment\n", "https://example.org/path?q=1&r=two#frag",
+         "a" * 300, "🙂" * 40, "Pneumonoultramicroscopicsilicovolcanoconiosis"]
+PIECES = ["the", " ", "  ", "\n", "\t", "ü", "日本", "🙂", "<start_of_turn>", "<b>", "</b>", "<eos>", "1", "23",
+          "é", "\u200b", "\x01", "▁", "ing", "Ġ", "<0x41>", "<unused5>", ".", "'s"]
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    model = load_model("gemma-3-270m")
+    full = fast_tokenizer(model.path)
+    tables = tables_of(full)
+    assert tables is not None
+    return model, full, tables
+
+
+def test_the_tables_encode_every_text_as_transformers_tokenizer_does(gemma):
+    _, full, tables = gemma
+    for text in TEXTS:
+        for special in (True, False):
+            assert tables.encode(text, special) == full.encode(text, add_special_tokens=special), text
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(st.one_of(st.sampled_from(PIECES), st.text(max_size=8)), max_size=30))
+def test_the_tables_encode_random_text_as_transformers_tokenizer_does(gemma, parts):
+    _, full, tables = gemma
+    text = "".join(parts)
+    assert tables.encode(text) == full.encode(text)
+
+
+def test_the_tables_decode_ids_as_transformers_tokenizer_does(gemma):
+    _, full, tables = gemma
+    rng = random.Random(0)
+    specials = list(full.all_special_ids) + [105, 106, 255968]
+    for _ in range(300):
+        ids = [rng.choice(specials) if rng.random() < 0.2 else rng.randrange(len(tables.pieces))
+               for _ in range(rng.randrange(1, 30))]
+        for skip in (False, True):
+            assert tables.decode(ids, skip) == full.decode(ids, skip_special_tokens=skip,
+                                                            clean_up_tokenization_spaces=False), ids
+    assert tables.decode([len(tables.pieces)]) is None and tables.decode([-1]) is None
+
+
+def test_a_lazy_tokenizer_encodes_decodes_and_names_its_special_ids_without_building(gemma):
+    model, full, tables = gemma
+    builds = []
+    lazy = LazyTokenizer(tables, lambda: builds.append(1) or fast_tokenizer(model.path))
+    ids = lazy.encode("The cat sat on the mat")
+    assert ids == full.encode("The cat sat on the mat")
+    assert lazy.decode(ids, skip_special_tokens=True) == full.decode(ids, skip_special_tokens=True)
+    assert lazy.decode(ids[1]) == full.decode(ids[1])
+    for name in ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id", "all_special_ids", "vocab_size",
+                 "chat_template"):
+        assert getattr(lazy, name) == getattr(full, name), name
+    assert len(lazy) == len(full)
+    assert not builds
+    # anything else: transformers' tokenizer, built once
+    assert lazy("The cat")["input_ids"] == full("The cat")["input_ids"]
+    assert lazy.convert_ids_to_tokens(ids) == full.convert_ids_to_tokens(ids)
+    assert lazy.encode("x", return_tensors="pt").tolist() == [full.encode("x")]
+    assert builds == [1]
+
+
+def test_a_pad_token_set_before_the_build_is_passed_on(gemma):
+    model, _, tables = gemma
+    lazy = LazyTokenizer(tables, lambda: fast_tokenizer(model.path))
+    lazy.pad_token_id = 1
+    assert lazy.pad_token_id == 1 and lazy._full is None
+    assert lazy.full.pad_token_id == 1
+    assert lazy.all_special_ids == lazy.full.all_special_ids
+
+
+def test_the_tables_are_checked_on_load_and_rebuilt_when_damaged(gemma, tmp_path):
+    model, full, tables = gemma
+    folder = tmp_path / "meta" / "m"
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text(json.dumps({"weights_sha256": "ab" * 16}))
+    built = []
+    build = lambda: built.append(1) or full  # noqa: E731
+    assert start_tokenizer(folder, build) is full and built == [1]  # none yet: transformers', tables written
+    path = tables_path(folder)
+    again = read_tables(path)
+    assert again.pieces == tables.pieces and (again.merges == tables.merges).all() and again.facts == tables.facts
+    lazy = start_tokenizer(folder, build)
+    assert isinstance(lazy, LazyTokenizer) and built == [1]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert read_tables(path) is None
+    assert start_tokenizer(folder, build) is full and built == [1, 1]  # rebuilt, and written again
+    assert read_tables(path) is not None
+    path.write_bytes(path.read_bytes()[:4096])
+    assert read_tables(path) is None
+    assert write_tables(path, tables) and read_tables(path) is not None
+
+
+def test_byte_level_and_small_vocabularies_keep_transformers_tokenizer():
+    model = load_model("smollm2-135m")
+    assert not isinstance(model.tokenizer, LazyTokenizer)
+    assert tables_of(model.tokenizer) is None
+
+
+def test_a_cached_gemma_generates_the_same_tokens_without_building_transformers_tokenizer(gemma):
+    model, full, _ = gemma
+    again = load_model("gemma-3-270m")  # the tables were written by the first load
+    assert isinstance(again.tokenizer, LazyTokenizer)
+    greedy = SamplingConfig(temperature=0.0)
+    ours = [(s.token_id, s.text) for s in generate(again, "The cat sat on the", 12, config=greedy)]
+    theirs = [(s.token_id, s.text) for s in generate(model, "The cat sat on the", 12, config=greedy)]
+    assert ours == theirs
+    assert again.tokenizer._full is None
+
+
+def test_the_cli_generates_on_a_cached_gemma_without_importing_transformers(gemma):
+    code = ("import sys; from lmhead.cli import main; rc = main(['generate', 'The cat sat on the', '-n', '4', "
+            "'-t', '0']); print('transformers' in sys.modules, rc)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False 0"
