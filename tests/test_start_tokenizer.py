@@ -43,12 +43,21 @@ def gemma():
     model = load_model("gemma-3-270m")
     full = fast_tokenizer(model.path)
     tables = tables_of(full)
-    assert tables is not None
+    assert tables is not None and tables.kind == "reach"
     return model, full, tables
 
 
-def test_the_tables_encode_every_text_as_transformers_tokenizer_does(gemma):
-    _, full, tables = gemma
+@pytest.fixture(scope="module", params=["gemma-3-270m", "smollm2-135m"])
+def both(request):
+    model = load_model(request.param)
+    full = fast_tokenizer(model.path)
+    tables = tables_of(full)
+    assert tables is not None and tables.kind == ("reach" if request.param == "gemma-3-270m" else "whole")
+    return model, full, tables
+
+
+def test_the_tables_encode_every_text_as_transformers_tokenizer_does(both):
+    _, full, tables = both
     for text in TEXTS:
         for special in (True, False):
             assert tables.encode(text, special) == full.encode(text, add_special_tokens=special), text
@@ -56,27 +65,27 @@ def test_the_tables_encode_every_text_as_transformers_tokenizer_does(gemma):
 
 @settings(max_examples=300, deadline=None)
 @given(parts=st.lists(st.one_of(st.sampled_from(PIECES), st.text(max_size=8)), max_size=30))
-def test_the_tables_encode_random_text_as_transformers_tokenizer_does(gemma, parts):
-    _, full, tables = gemma
+def test_the_tables_encode_random_text_as_transformers_tokenizer_does(both, parts):
+    _, full, tables = both
     text = "".join(parts)
     assert tables.encode(text) == full.encode(text)
 
 
-def test_the_tables_decode_ids_as_transformers_tokenizer_does(gemma):
-    _, full, tables = gemma
+def test_the_tables_decode_ids_as_transformers_tokenizer_does(both):
+    _, full, tables = both
     rng = random.Random(0)
-    specials = list(full.all_special_ids) + [105, 106, 255968]
+    specials = list(full.all_special_ids) + [1, 2, 105, 106]
     for _ in range(300):
-        ids = [rng.choice(specials) if rng.random() < 0.2 else rng.randrange(len(tables.pieces))
+        ids = [rng.choice(specials) if rng.random() < 0.2 else rng.randrange(len(full))
                for _ in range(rng.randrange(1, 30))]
         for skip in (False, True):
             assert tables.decode(ids, skip) == full.decode(ids, skip_special_tokens=skip,
                                                             clean_up_tokenization_spaces=False), ids
-    assert tables.decode([len(tables.pieces)]) is None and tables.decode([-1]) is None
+    assert tables.decode([len(full)]) is None and tables.decode([-1]) is None
 
 
-def test_a_lazy_tokenizer_encodes_decodes_and_names_its_special_ids_without_building(gemma):
-    model, full, tables = gemma
+def test_a_lazy_tokenizer_encodes_decodes_and_names_its_special_ids_without_building(both):
+    model, full, tables = both
     builds = []
     lazy = LazyTokenizer(tables, lambda: builds.append(1) or fast_tokenizer(model.path))
     ids = lazy.encode("The cat sat on the mat")
@@ -111,8 +120,12 @@ def test_the_tables_are_checked_on_load_and_rebuilt_when_damaged(gemma, tmp_path
     (folder / "manifest.json").write_text(json.dumps({"weights_sha256": "ab" * 16}))
     built = []
     build = lambda: built.append(1) or full  # noqa: E731
-    assert start_tokenizer(folder, build) is full and built == [1]  # none yet: transformers', tables written
     path = tables_path(folder)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    earlier = path.with_name(path.name.replace("start-tables-v2", "start-tables-v1"))
+    earlier.write_bytes(b"an earlier format")
+    assert start_tokenizer(folder, build) is full and built == [1]  # none yet: transformers', tables written
+    assert not earlier.exists()
     again = read_tables(path)
     assert again.pieces == tables.pieces and (again.merges == tables.merges).all() and again.facts == tables.facts
     lazy = start_tokenizer(folder, build)
@@ -128,26 +141,32 @@ def test_the_tables_are_checked_on_load_and_rebuilt_when_damaged(gemma, tmp_path
     assert write_tables(path, tables) and read_tables(path) is not None
 
 
-def test_byte_level_and_small_vocabularies_keep_transformers_tokenizer():
-    model = load_model("smollm2-135m")
-    assert not isinstance(model.tokenizer, LazyTokenizer)
-    assert tables_of(model.tokenizer) is None
+def test_a_tokenizer_without_a_backend_gets_no_tables():
+    class Slow:
+        pass
+
+    assert tables_of(Slow()) is None
 
 
-def test_a_cached_gemma_generates_the_same_tokens_without_building_transformers_tokenizer(gemma):
-    model, full, _ = gemma
-    again = load_model("gemma-3-270m")  # the tables were written by the first load
+@pytest.mark.parametrize("name", ["gemma-3-270m", "smollm2-135m"])
+def test_a_cached_model_generates_the_same_tokens_without_building_transformers_tokenizer(name):
+    first = load_model(name)
+    again = load_model(name)  # the tables were written by the first load at the latest
     assert isinstance(again.tokenizer, LazyTokenizer)
     greedy = SamplingConfig(temperature=0.0)
     ours = [(s.token_id, s.text) for s in generate(again, "The cat sat on the", 12, config=greedy)]
-    theirs = [(s.token_id, s.text) for s in generate(model, "The cat sat on the", 12, config=greedy)]
+    plain = first.tokenizer.full if isinstance(first.tokenizer, LazyTokenizer) else first.tokenizer
+    first.tokenizer = plain
+    theirs = [(s.token_id, s.text) for s in generate(first, "The cat sat on the", 12, config=greedy)]
     assert ours == theirs
     assert again.tokenizer._full is None
 
 
-def test_the_cli_generates_on_a_cached_gemma_without_importing_transformers(gemma):
-    code = ("import sys; from lmhead.cli import main; rc = main(['generate', 'The cat sat on the', '-n', '4', "
-            "'-t', '0']); print('transformers' in sys.modules, rc)")
+@pytest.mark.parametrize("name", ["gemma-3-270m", "smollm2-135m"])
+def test_the_cli_generates_on_a_cached_model_without_importing_transformers(name):
+    load_model(name)  # the cache and its tables exist
+    code = (f"import sys; from lmhead.cli import main; rc = main(['generate', 'The cat sat on the', '-m', '{name}', "
+            "'-n', '4', '-t', '0']); print('transformers' in sys.modules, rc)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False 0"

@@ -1,21 +1,26 @@
-"""A large BPE tokenizer that starts without parsing its vocabulary: the prompt is encoded by `tokenizers` over
-the part of the vocabulary the prompt can reach, ids are decoded from the vocabulary's table, and transformers'
-tokenizer is built (from tokenizer.json, as before) only when anything else is asked of it.
+"""A transformers fast tokenizer's encode and decode without transformers, and for a large BPE vocabulary
+without parsing it: the prompt is encoded by `tokenizers` over the part of the vocabulary the prompt can reach,
+ids are decoded from the vocabulary's table, and transformers' tokenizer is built (from tokenizer.json, as
+before) only when anything else is asked of it.
 
-    tokenizer (transformers', once per cached model) ──tables_of──▶ pieces [V], merges as ids [M] × (left, right,
-        result) in rank order, the pipeline without its vocabulary, the tokenizer's special ids
-        ──▶ <cache>/tokenizer/<model sha>-<suffix>.safetensors (with its checksum; rebuilt when it does not match)
-    prompt ──normalizer──▶ every substring (up to the longest piece) that is a piece ──▶ those pieces + the
-        merges whose result is one of them, in their order ──tokenizers' BPE on the pipeline──▶ ids
-    ids ──added tokens first, then pieces (special tokens skipped when asked)──▶ tokenizers' decoder ──▶ text
+    tokenizer (transformers', once per cached model) ──tables_of──▶ the start tables, with the special ids,
+        chat template and flags transformers gives ──▶ <cache>/tokenizer/<model sha>-<suffix>.safetensors (with
+        its checksum; rebuilt when it does not match)
+    "reach" (Gemma 3's 262,144 pieces): pieces [V], merges as ids [M] × (left, right, result) in rank order, the
+        pipeline without its vocabulary
+        prompt ──normalizer──▶ every substring (up to the longest piece) that is a piece ──▶ those pieces + the
+            merges whose result is one of them, in their order ──tokenizers' BPE on the pipeline──▶ ids
+        ids ──pieces (special tokens skipped when asked)──▶ tokenizers' decoder ──▶ text
+    "whole" (any other: SmolLM2's and Llama 3's byte-level BPE): the tokenizer JSON transformers runs, read by
+        `tokenizers` alone (what transformers' fast tokenizer calls to encode and decode)
 
-Why the ids are the full tokenizer's: BPE starts a word from its characters' pieces (or their byte-fallback
-pieces) and repeatedly merges the adjacent pair of lowest rank that has a merge. Every merge that can apply
-to a word makes a substring of it, so the merges kept (those whose result is a substring of the normalized
-prompt) are all it can use, and keeping their order keeps every choice. That holds where a word is a substring
-of the normalized prompt: a normalizer that replaces single characters, a pre-tokenizer that splits on literal
-strings (Gemma's) — `tables_of` builds no tables for any other tokenizer, nor for one whose encodings and
-decodings of a test text differ from transformers' (then transformers' tokenizer is used as before).
+Why "reach" gives the full tokenizer's ids: BPE starts a word from its characters' pieces (or their
+byte-fallback pieces) and repeatedly merges the adjacent pair of lowest rank that has a merge. Every merge that
+can apply to a word makes a substring of it, so the merges kept (those whose result is a substring of the
+normalized prompt) are all it can use, and keeping their order keeps every choice. That holds where a word is a
+substring of the normalized prompt: a normalizer that replaces single characters, a pre-tokenizer that splits
+on literal strings (Gemma's). `tables_of` makes no tables whose encodings and decodings of test texts differ
+from transformers' (transformers' tokenizer is used then, as before).
 
 Why: tokenizers rebuilds a vocabulary and its merges on every start (Gemma 3's 262,144 pieces and 514,906
 merges are most of its start), and transformers' import is needed only for the tokenizer's other methods.
@@ -33,8 +38,8 @@ import numpy as np
 __all__ = ["LazyTokenizer", "TokenizerTables", "read_tables", "start_tokenizer", "tables_of", "tables_path",
            "write_tables"]
 
-_SUFFIX = "start-tables-v1"
-_MIN_PIECES = 100_000  # smaller vocabularies parse quickly: they keep transformers' tokenizer
+_SUFFIX = "start-tables-v2"
+_MIN_PIECES = 100_000  # smaller vocabularies parse quickly: their tables are "whole"
 _MAX_PROMPT_CHARS = 50_000  # past this the substring scan costs more than the full parse
 _CHECK_TEXTS = ("The cat sat on the mat. 12345 ünïcödé — \n\t  spaces; <b>tags</b> and emoji 🙂",
                 "  leading spaces\n\n\nnew lines\r\n日本語のテキスト、중국어, العربية ",)
@@ -43,19 +48,26 @@ _FACTS = ("pad_token_id", "eos_token_id", "bos_token_id", "unk_token_id", "all_s
 
 
 class TokenizerTables:
-    """What encoding a prompt and decoding ids need of a BPE tokenizer, without its vocabulary's hash maps.
+    """What encoding a prompt and decoding ids need of a transformers fast tokenizer, without transformers.
 
-    pieces: the model's vocabulary by id [V]; merges: int32 [M, 3] (left id, right id, result id) in rank order;
-    skeleton: the tokenizer's JSON with only its added tokens as vocabulary and no merges; facts: the
-    transformers tokenizer's special ids, chat template and flags (`_FACTS`), taken when the tables were made.
+    Two kinds. "reach" (a large BPE vocabulary whose words are substrings of the normalized text): pieces, the
+    model's vocabulary by id [V]; merges, int32 [M, 3] (left id, right id, result id) in rank order; skeleton, the
+    tokenizer's JSON with only its added tokens as vocabulary and no merges. "whole" (any other): pieces and
+    merges None, skeleton the whole tokenizer JSON transformers' tokenizer runs (`backend_tokenizer`), which
+    `tokenizers` encodes and decodes as transformers would. facts: transformers' special ids, chat template and
+    flags (`_FACTS`), taken when the tables were made.
     """
 
-    def __init__(self, pieces: list[str], merges: np.ndarray, skeleton: str, facts: dict[str, Any]) -> None:
+    def __init__(self, pieces: list[str] | None, merges: np.ndarray | None, skeleton: str,
+                 facts: dict[str, Any]) -> None:
         from tokenizers import Tokenizer
 
         self.pieces, self.merges, self.skeleton, self.facts = pieces, merges, skeleton, facts
-        spec = json.loads(skeleton)
         self._pipeline = Tokenizer.from_str(skeleton)
+        self._ids = self._pipeline.get_vocab_size(with_added_tokens=True)
+        if pieces is None:
+            return
+        spec = json.loads(skeleton)
         self._options = {k: v for k, v in spec["model"].items()
                          if k not in ("type", "vocab", "merges") and v is not None}
         self._index: dict[str, int] | None = None
@@ -66,6 +78,11 @@ class TokenizerTables:
         if unk is not None and self._id(unk) is not None:
             self._always.append(self._id(unk))
         self._longest = max(map(len, pieces))
+        self._ids = len(pieces)
+
+    @property
+    def kind(self) -> str:
+        return "whole" if self.pieces is None else "reach"
 
     def _id(self, piece: str) -> int | None:
         return self.index.get(piece)
@@ -78,6 +95,8 @@ class TokenizerTables:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int] | None:
         """The ids of `text` as the full tokenizer encodes it; None when the text is too long for the scan."""
+        if self.pieces is None:
+            return list(self._pipeline.encode(text, add_special_tokens=add_special_tokens).ids)
         norm = self._pipeline.normalizer.normalize_str(text) if self._pipeline.normalizer is not None else text
         if len(norm) > _MAX_PROMPT_CHARS:
             return None
@@ -101,11 +120,12 @@ class TokenizerTables:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str | None:
         """`ids` as text, as `tokenizers.Tokenizer.decode` gives it (the ids' pieces, special tokens left out when
         asked, through the decoder); None for an id outside the vocabulary."""
+        if any(type(i) is not int or not 0 <= i < self._ids for i in ids):
+            return None
+        if self.pieces is None:
+            return self._pipeline.decode(ids, skip_special_tokens=skip_special_tokens)
         tokens = []
-        n = len(self.pieces)
         for i in ids:
-            if type(i) is not int or not 0 <= i < n:
-                return None
             if skip_special_tokens and i in self._special:
                 continue
             tokens.append(self.pieces[i])  # an added token is the piece of its id (`tables_of` checks it)
@@ -114,24 +134,40 @@ class TokenizerTables:
 
 
 def tables_of(tokenizer: Any) -> TokenizerTables | None:
-    """The tables of a transformers fast tokenizer, or None where they would not give its ids and texts (see the
-    module's docstring) or its vocabulary is small enough to parse quickly."""
-    backend = tokenizer.backend_tokenizer
+    """The tables of a transformers fast tokenizer ("reach" where the module's docstring says it is exact and
+    the vocabulary is large, else "whole"), or None where they do not encode and decode test texts as it does."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None  # a slow (Python) tokenizer
+    from tokenizers import Tokenizer
+
+    facts = {k: getattr(tokenizer, k, None) for k in _FACTS} | {"len": len(tokenizer)}
+    plain = Tokenizer.from_str(backend.to_str())
+    plain.no_truncation()  # transformers turns both off for a call that asks for neither
+    plain.no_padding()
+    text = plain.to_str()
+    tables = _reach(backend, text, facts) or TokenizerTables(None, None, text, facts)
+    return tables if _agrees(tables, tokenizer) else None
+
+
+def _reach(backend: Any, text: str, facts: dict[str, Any]) -> TokenizerTables | None:
     if backend.get_vocab_size(with_added_tokens=False) < _MIN_PIECES or type(backend.model).__name__ != "BPE":
         return None
     parts = {"normalizer": _state(backend.normalizer), "pre_tokenizer": _state(backend.pre_tokenizer)}
-    if not _literal(parts):  # checked before the whole tokenizer is written out: most tokenizers stop here
+    if not _literal(parts):  # checked before the whole tokenizer is parsed in Python
         return None
-    spec = json.loads(backend.to_str())
+    spec = json.loads(text)
     model = spec.get("model") or {}
     if model.get("dropout") is not None or not _literal(spec):
         return None
     vocab: dict[str, int] = model.get("vocab") or {}
-    if len(vocab) < _MIN_PIECES or sorted(vocab.values()) != list(range(len(vocab))):
+    if sorted(vocab.values()) != list(range(len(vocab))):
         return None
     pieces = [""] * len(vocab)
     for piece, i in vocab.items():
         pieces[i] = piece
+    if any("\0" in piece for piece in pieces):
+        return None  # the pieces are stored NUL-separated
     added = spec.get("added_tokens") or []
     if any(vocab.get(a["content"]) != a["id"] for a in added):
         return None  # an added token outside the model's vocabulary would be found as a piece here
@@ -141,9 +177,7 @@ def tables_of(tokenizer: Any) -> TokenizerTables | None:
     except KeyError:
         return None
     skeleton = dict(spec, model=dict(model, vocab={a["content"]: a["id"] for a in added}, merges=[]))
-    facts = {k: getattr(tokenizer, k, None) for k in _FACTS} | {"len": len(tokenizer)}
-    tables = TokenizerTables(pieces, merges, json.dumps(skeleton, ensure_ascii=False), facts)
-    return tables if _agrees(tables, tokenizer) else None
+    return TokenizerTables(pieces, merges, json.dumps(skeleton, ensure_ascii=False), facts)
 
 
 def _state(part: Any) -> Any:
@@ -186,11 +220,10 @@ def write_tables(path: Path, tables: TokenizerTables) -> bool:
 
     from lmhead.models import cache
 
-    blob = "\0".join(tables.pieces)
-    if blob.count("\0") != len(tables.pieces) - 1:
-        return False  # a piece holding NUL would split: keep transformers' tokenizer
-    state = {"pieces": _bytes(blob), "merges": torch.from_numpy(np.ascontiguousarray(tables.merges)),
-             "skeleton": _bytes(tables.skeleton), "facts": _bytes(json.dumps(tables.facts))}
+    state = {"skeleton": _bytes(tables.skeleton), "facts": _bytes(json.dumps(tables.facts))}
+    if tables.pieces is not None:
+        state["pieces"] = _bytes("\0".join(tables.pieces))
+        state["merges"] = torch.from_numpy(np.ascontiguousarray(tables.merges))
     return cache.write_tensors(path, state)
 
 
@@ -203,10 +236,11 @@ def read_tables(path: Path) -> TokenizerTables | None:
         return None
     state, _ = got
     try:
-        text = {k: state[k].numpy().tobytes().decode("utf-8") for k in ("pieces", "skeleton", "facts")}
-        return TokenizerTables(text["pieces"].split("\0"), state["merges"].numpy(), text["skeleton"],
-                               json.loads(text["facts"]))
-    except (KeyError, ValueError):
+        text = {k: state[k].numpy().tobytes().decode("utf-8") for k in ("pieces", "skeleton", "facts") if k in state}
+        pieces = text["pieces"].split("\0") if "pieces" in text else None
+        merges = state["merges"].numpy() if pieces is not None else None
+        return TokenizerTables(pieces, merges, text["skeleton"], json.loads(text["facts"]))
+    except Exception:  # a missing entry, bad UTF-8 or JSON, or a pipeline tokenizers cannot read
         return None
 
 
@@ -224,8 +258,10 @@ def start_tokenizer(folder: Path, build: Callable[[], Any], built: Any = None) -
     if built is None and path is not None and (tables := read_tables(path)) is not None:
         return LazyTokenizer(tables, build)
     tokenizer = build() if built is None else built
-    if path is not None and (tables := tables_of(tokenizer)) is not None:
-        write_tables(path, tables)
+    if path is not None and (tables := tables_of(tokenizer)) is not None and write_tables(path, tables):
+        for old in path.parent.glob(path.name.replace(_SUFFIX, "start-tables-*")):
+            if old != path:  # an earlier format's tables of the same model
+                old.unlink(missing_ok=True)
     return tokenizer
 
 
