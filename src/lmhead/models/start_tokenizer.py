@@ -139,24 +139,16 @@ def tables_of(tokenizer: Any) -> TokenizerTables | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None  # a slow (Python) tokenizer
-    from tokenizers import Tokenizer
-
     facts = {k: getattr(tokenizer, k, None) for k in _FACTS} | {"len": len(tokenizer)}
-    plain = Tokenizer.from_str(backend.to_str())
-    plain.no_truncation()  # transformers turns both off for a call that asks for neither
-    plain.no_padding()
-    text = plain.to_str()
-    tables = _reach(backend, text, facts) or TokenizerTables(None, None, text, facts)
+    spec = json.loads(backend.to_str())
+    spec["truncation"] = spec["padding"] = None  # transformers turns both off for a call that asks for neither
+    tables = _reach(backend, spec, facts) or TokenizerTables(None, None, json.dumps(spec, ensure_ascii=False), facts)
     return tables if _agrees(tables, tokenizer) else None
 
 
-def _reach(backend: Any, text: str, facts: dict[str, Any]) -> TokenizerTables | None:
+def _reach(backend: Any, spec: dict[str, Any], facts: dict[str, Any]) -> TokenizerTables | None:
     if backend.get_vocab_size(with_added_tokens=False) < _MIN_PIECES or type(backend.model).__name__ != "BPE":
         return None
-    parts = {"normalizer": _state(backend.normalizer), "pre_tokenizer": _state(backend.pre_tokenizer)}
-    if not _literal(parts):  # checked before the whole tokenizer is parsed in Python
-        return None
-    spec = json.loads(text)
     model = spec.get("model") or {}
     if model.get("dropout") is not None or not _literal(spec):
         return None
@@ -178,10 +170,6 @@ def _reach(backend: Any, text: str, facts: dict[str, Any]) -> TokenizerTables | 
         return None
     skeleton = dict(spec, model=dict(model, vocab={a["content"]: a["id"] for a in added}, merges=[]))
     return TokenizerTables(pieces, merges, json.dumps(skeleton, ensure_ascii=False), facts)
-
-
-def _state(part: Any) -> Any:
-    return None if part is None else json.loads(part.__getstate__())
 
 
 def _literal(spec: dict[str, Any]) -> bool:
