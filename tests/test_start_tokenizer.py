@@ -170,3 +170,12 @@ def test_the_cli_generates_on_a_cached_model_without_importing_transformers(name
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False 0"
+
+
+def test_the_server_builds_transformers_tokenizer_when_it_starts(gemma):
+    from lmhead.server.app import create_app
+
+    model = load_model("gemma-3-270m")
+    assert isinstance(model.tokenizer, LazyTokenizer) and model.tokenizer._full is None
+    create_app(model)
+    assert model.tokenizer._full is not None  # a first chat or /tokenize request does not wait for it

@@ -19,6 +19,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from lmhead.constrain.constraints import Constraint, ConstraintError
+from lmhead.models.start_tokenizer import transformers_tokenizer
 
 __all__ = ["CACHE_SIZE", "Compiled", "compile_constraint", "guidance_tokenizer", "limits"]
 
@@ -55,7 +56,7 @@ def guidance_tokenizer(tokenizer, vocab_size: int, eos: tuple[int, ...]) -> _Tok
     size and eos ids: ~1 s for a 262k vocabulary)."""
     import llguidance.hf
 
-    tokenizer = getattr(tokenizer, "full", tokenizer)  # a LazyTokenizer: llguidance reads transformers' own
+    tokenizer = transformers_tokenizer(tokenizer)  # llguidance reads transformers' own
     with _lock:
         per = _tokenizers.setdefault(tokenizer, {})
         got = per.get((vocab_size, eos))

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["LazyTokenizer", "TokenizerTables", "read_tables", "start_tokenizer", "tables_of", "tables_path",
-           "write_tables"]
+           "transformers_tokenizer", "write_tables"]
 
 _SUFFIX = "start-tables-v2"
 _MIN_PIECES = 100_000  # smaller vocabularies parse quickly: their tables are "whole"
@@ -335,3 +335,8 @@ class LazyTokenizer:
 
     def __repr__(self) -> str:
         return f"LazyTokenizer({'built' if self._full is not None else 'not built'}: {len(self._tables.pieces)} pieces)"
+
+
+def transformers_tokenizer(tokenizer: Any) -> Any:
+    """transformers' tokenizer behind `tokenizer` (a LazyTokenizer builds it now, once), or `tokenizer` itself."""
+    return tokenizer.full if isinstance(tokenizer, LazyTokenizer) else tokenizer

@@ -38,6 +38,7 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
+from lmhead.models.start_tokenizer import transformers_tokenizer
 from lmhead.server import api, charts, tokens, v1
 from lmhead.server.docs import add_docs
 from lmhead.server.errors import APIError, add_error_handlers
@@ -62,6 +63,7 @@ def create_app(model: Any, *, allowed_hosts: Iterable[str] = (), max_body_bytes:
     (`limits.serve_limits(model)` by default: the model's whole context).
     """
     serve = serve if serve is not None else serve_limits(model)
+    transformers_tokenizer(getattr(model, "tokenizer", None))  # built now, not in the first chat request
     body = serve.body_bytes if max_body_bytes is None else max_body_bytes
     limits = Limits(allowed_hosts, body, body_timeout)  # a bad setting fails here, not later
     runner = ModelRunner(model, limits=serve)

@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio.to_thread
 
+from lmhead.models.start_tokenizer import transformers_tokenizer
 from lmhead.server.errors import APIError
 from lmhead.server.runner import ModelRunner
 from lmhead.server.served import Served
@@ -29,7 +30,9 @@ def load_packaged(name: str) -> Any:
     """A packaged model by name (`lmhead.load_model`, default head and body, no progress display)."""
     from lmhead.models import load_model
 
-    return load_model(name, progress=False)
+    model = load_model(name, progress=False)
+    transformers_tokenizer(model.tokenizer)  # as create_app: built now, not in the first chat request
+    return model
 
 
 class ModelRegistry:
