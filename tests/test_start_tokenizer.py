@@ -84,6 +84,18 @@ def test_the_tables_decode_ids_as_transformers_tokenizer_does(both):
     assert tables.decode([len(full)]) is None and tables.decode([-1]) is None
 
 
+def test_a_lazy_tokenizer_names_tokens_as_transformers_tokenizer_does(both):
+    model, full, tables = both
+    lazy = LazyTokenizer(tables, lambda: fast_tokenizer(model.path))
+    rng = random.Random(1)
+    ids = [rng.randrange(len(full)) for _ in range(200)] + list(full.all_special_ids) + [len(full) + 5]
+    for skip in (False, True):
+        assert lazy.convert_ids_to_tokens(ids, skip_special_tokens=skip) == full.convert_ids_to_tokens(
+            ids, skip_special_tokens=skip)
+    assert [lazy.convert_ids_to_tokens(i) for i in ids] == [full.convert_ids_to_tokens(i) for i in ids]
+    assert lazy._full is None
+
+
 def test_a_lazy_tokenizer_encodes_decodes_and_names_its_special_ids_without_building(both):
     model, full, tables = both
     builds = []
@@ -162,11 +174,13 @@ def test_a_cached_model_generates_the_same_tokens_without_building_transformers_
     assert again.tokenizer._full is None
 
 
+@pytest.mark.parametrize("command", ["generate", "predict"])
 @pytest.mark.parametrize("name", ["gemma-3-270m", "smollm2-135m"])
-def test_the_cli_generates_on_a_cached_model_without_importing_transformers(name):
+def test_the_cli_generates_and_predicts_on_a_cached_model_without_importing_transformers(name, command):
     load_model(name)  # the cache and its tables exist
-    code = (f"import sys; from lmhead.cli import main; rc = main(['generate', 'The cat sat on the', '-m', '{name}', "
-            "'-n', '4', '-t', '0']); print('transformers' in sys.modules, rc)")
+    more = "'-n', '4', '-t', '0'" if command == "generate" else "'--top', '5'"
+    code = (f"import sys; from lmhead.cli import main; rc = main(['{command}', 'The cat sat on the', '-m', '{name}', "
+            f"{more}]); print('transformers' in sys.modules, rc)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False 0"

@@ -275,7 +275,7 @@ def _encode(tokenizer, text: str, what: str) -> list[int]:
         raise TypeError(f"{what}: expected a string, got {type(text).__name__}")
     if not text:
         raise ValueError(f"{what}: must be a non-empty string")
-    ids = tokenizer(text)["input_ids"]
+    ids = tokenizer.encode(text)  # transformers' tokenizer(text)["input_ids"]
     if not ids:
         raise ValueError(f"{what}: encodes to no tokens")
     return [int(i) for i in ids]

@@ -117,6 +117,12 @@ class TokenizerTables:
         self._pipeline.model = BPE(vocab, merges, **self._options)
         return list(self._pipeline.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def token(self, i: int) -> str | None:
+        """The piece of id `i` (as `tokenizers.Tokenizer.id_to_token`: None past the vocabulary)."""
+        if self.pieces is None:
+            return self._pipeline.id_to_token(i)
+        return self.pieces[i] if i < len(self.pieces) else None
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str | None:
         """`ids` as text, as `tokenizers.Tokenizer.decode` gives it (the ids' pieces, special tokens left out when
         asked, through the decoder); None for an id outside the vocabulary."""
@@ -260,9 +266,10 @@ def _bytes(text: str):
 
 
 class LazyTokenizer:
-    """A transformers tokenizer that is built on first need: `encode`, `decode` and the special ids answer from
-    the tables; anything else (calling it, chat templates, `convert_ids_to_tokens`, ...) builds transformers'
-    tokenizer once and asks it (`full`). Setting `pad_token_id` is kept and passed on when it is built.
+    """A transformers tokenizer that is built on first need: `encode`, `decode`, `convert_ids_to_tokens` and the
+    special ids answer from the tables; anything else (calling it, chat templates, offsets, ...) builds
+    transformers' tokenizer once and asks it (`full`). Setting `pad_token_id` is kept and passed on when it is
+    built.
     """
 
     def __init__(self, tables: TokenizerTables, build: Callable[[], Any]) -> None:
@@ -300,6 +307,16 @@ class LazyTokenizer:
                     return text
         return self.full.decode(token_ids, skip_special_tokens=skip_special_tokens,
                                 clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
+
+    def convert_ids_to_tokens(self, ids: Any, skip_special_tokens: bool = False) -> Any:
+        one = type(ids) is int
+        seq = [ids] if one else ids
+        settled = self._full is None and (self._pad is None or not skip_special_tokens)
+        if settled and isinstance(seq, (list, tuple)) and all(type(i) is int and i >= 0 for i in seq):
+            skip = set(self._tables.facts.get("all_special_ids") or []) if skip_special_tokens and not one else set()
+            tokens = [self._tables.token(i) for i in seq if i not in skip]
+            return tokens[0] if one else tokens
+        return self.full.convert_ids_to_tokens(ids, skip_special_tokens=skip_special_tokens)
 
     @property
     def pad_token_id(self) -> int | None:
