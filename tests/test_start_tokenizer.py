@@ -8,6 +8,8 @@ import json
 import random
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hypothesis import given, settings
@@ -18,6 +20,7 @@ from lmhead.generate import generate
 from lmhead.models.hf_tokenizer import fast_tokenizer
 from lmhead.models.start_tokenizer import (
     LazyTokenizer,
+    TokenizerTables,
     read_tables,
     start_tokenizer,
     tables_of,
@@ -193,3 +196,32 @@ def test_the_server_builds_transformers_tokenizer_when_it_starts(gemma):
     assert isinstance(model.tokenizer, LazyTokenizer) and model.tokenizer._full is None
     create_app(model)
     assert model.tokenizer._full is not None  # a first chat or /tokenize request does not wait for it
+
+
+class _SlowSetter:
+    """A pipeline that lets other threads run after its model is set (where a thread switch would break an
+    unguarded encode)."""
+
+    def __init__(self, inner):
+        object.__setattr__(self, "inner", inner)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.inner, name, value)
+        time.sleep(0.002)
+
+
+def test_a_lazy_tokenizer_encodes_from_several_threads_and_long_texts_as_transformers_does(gemma):
+    model, full, tables = gemma
+    tables = TokenizerTables(tables.pieces, tables.merges, tables.skeleton, tables.facts)
+    tables._pipeline = _SlowSetter(tables._pipeline)
+    lazy = LazyTokenizer(tables, lambda: fast_tokenizer(model.path))
+    texts = [t * 3 for t in TEXTS] * 4
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lazy.encode, texts))
+    assert got == [full.encode(t) for t in texts]
+    assert lazy._full is None
+    long = "The cat sat on the mat. " * 3000  # past the substring scan: transformers' tokenizer encodes it
+    assert lazy.encode(long) == full.encode(long) and lazy._full is not None

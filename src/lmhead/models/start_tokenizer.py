@@ -29,6 +29,7 @@ merges are most of its start), and transformers' import is needed only for the t
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ class TokenizerTables:
 
         self.pieces, self.merges, self.skeleton, self.facts = pieces, merges, skeleton, facts
         self._pipeline = Tokenizer.from_str(skeleton)
+        self._lock = threading.Lock()  # encode swaps the pipeline's model: one call at a time
         self._ids = self._pipeline.get_vocab_size(with_added_tokens=True)
         if pieces is None:
             return
@@ -114,8 +116,10 @@ class TokenizerTables:
         vocab.update({content: i for i, content in self._added.items()})
         from tokenizers.models import BPE
 
-        self._pipeline.model = BPE(vocab, merges, **self._options)
-        return list(self._pipeline.encode(text, add_special_tokens=add_special_tokens).ids)
+        model = BPE(vocab, merges, **self._options)
+        with self._lock:
+            self._pipeline.model = model
+            return list(self._pipeline.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def token(self, i: int) -> str | None:
         """The piece of id `i` (as `tokenizers.Tokenizer.id_to_token`: None past the vocabulary)."""
@@ -289,7 +293,7 @@ class LazyTokenizer:
         return self._full
 
     def encode(self, text: Any, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
-        if not kwargs and isinstance(text, str) and isinstance(add_special_tokens, bool):
+        if self._full is None and not kwargs and isinstance(text, str) and isinstance(add_special_tokens, bool):
             ids = self._tables.encode(text, add_special_tokens)
             if ids is not None:
                 return ids
