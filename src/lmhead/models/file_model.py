@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from lmhead.models.gguf_codes import Codes, coded_nbytes, fuse_codes
 from lmhead.models.gguf_file import CODE_TYPES, DENSE_TYPES, GGUFFile
 
 __all__ = ["FILE_ARCHITECTURES", "file_body", "file_refusal", "meta_folder", "supports_file"]
+_LOAD_WORKERS = max(1, min(2, os.cpu_count() or 1))  # threads that repack a file's layers
 _TOKENIZER_CHECK = "The cat sat on the mat. 12345 ünïcödé — \n\t  spaces; <b>tags</b> and emoji 🙂"
 
 
@@ -272,8 +274,9 @@ def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None):
     r = _Reader(f, cfg)
     arch = r.arch
     types = list(cfg.layer_types or ["full_attention"] * cfg.num_hidden_layers)
-    layers = []
-    for i, kind in enumerate(types):
+
+    def layer(i: int, kind: str) -> Layer:
+        torch.set_num_threads(1)  # per thread under OpenMP: this worker's passes stay on it, as file_body's do
         p = f"blk.{i}."
         mats, coded = {}, {}
         for key, parts in _linears(arch):
@@ -282,16 +285,26 @@ def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None):
             if c is not None:
                 coded[key] = c
         sandwich = arch.sandwich_norms
-        layers.append(Layer(
+        return Layer(
             qkv=mats["qkv"], qkv_bias=_qkv_bias(r, p, arch), o=mats["o"], gate_up=mats["gate_up"],
             down=mats["down"], input_norm=r.vector(p + "attn_norm.weight"),
             post_attn_norm=r.vector(p + "post_attention_norm.weight") if sandwich else None,
             pre_mlp_norm=r.vector(p + "ffn_norm.weight"),
             post_mlp_norm=r.vector(p + "post_ffw_norm.weight") if sandwich else None,
             q_norm=r.vector(p + "attn_q_norm.weight"), k_norm=r.vector(p + "attn_k_norm.weight"),
-            kind=kind, sliding=arch.sliding(kind, cfg.sliding_window), coded=coded or None))
+            kind=kind, sliding=arch.sliding(kind, cfg.sliding_window), coded=coded or None)
+
+    def embedding() -> CodedLinear | None:
+        torch.set_num_threads(1)
+        return r.coded("token_embd.weight")
+
+    # the embedding (often the largest matrix) and the layers repacked side by side, one per core: numpy's and
+    # torch's passes release the GIL
+    with ThreadPoolExecutor(max_workers=_LOAD_WORKERS) as pool:
+        coded_embed = pool.submit(embedding)
+        layers = list(pool.map(layer, range(len(types)), types))
+        embed: Any = coded_embed.result()
     tied = not r.has("output.weight")
-    embed: Any = r.coded("token_embd.weight")
     if embed is None:
         embed = r.matrix("token_embd.weight")
     head = embed if tied else (r.coded("output.weight") or r.matrix("output.weight"))
