@@ -35,6 +35,7 @@ from lmhead.models.convert import eos_ids
 from lmhead.models.errors import ModelError
 from lmhead.models.gguf_codes import Codes, coded_nbytes, fuse_codes
 from lmhead.models.gguf_file import CODE_TYPES, DENSE_TYPES, GGUFFile
+from lmhead.models.heap import one_arena
 
 __all__ = ["FILE_ARCHITECTURES", "file_body", "file_refusal", "meta_folder", "supports_file"]
 _LOAD_WORKERS = max(1, min(2, os.cpu_count() or 1))  # threads that repack a file's layers
@@ -250,8 +251,8 @@ class _Reader:
 def file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None = None):
     """(LeanBody, head codes or float32 head weight, head bias, tied) for the GGUF file `f` with config `cfg`.
 
-    The repacking is many small element-wise passes: on one thread, which on a busy machine is several times
-    faster than torch's pool waking for each of them (and no slower on a quiet one: the passes are memory-bound).
+    The repacking is many small element-wise passes: each on one thread (on a busy machine torch's pool waking
+    for each of them is several times slower), the embedding and the layers two at a time (one per core).
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -300,7 +301,7 @@ def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None):
 
     # the embedding (often the largest matrix) and the layers repacked side by side, one per core: numpy's and
     # torch's passes release the GIL
-    with ThreadPoolExecutor(max_workers=_LOAD_WORKERS) as pool:
+    with one_arena(), ThreadPoolExecutor(max_workers=_LOAD_WORKERS) as pool:
         coded_embed = pool.submit(embedding)
         layers = list(pool.map(layer, range(len(types)), types))
         embed: Any = coded_embed.result()
