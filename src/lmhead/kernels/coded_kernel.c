@@ -389,7 +389,7 @@ static inline void rows4_dot1(const float* x, const float* xp, const int8_t* c, 
 #ifdef __AVX512F__
     } else if (o) {
         rows4_offsets_512(x, c, s, o, ng, g16, pf, acc);
-#endif
+#else
     } else if (o && g16) { /* ng = K/16: unit u holds groups 2u and 2u + 1 */
         for (int64_t u = 0; u < ng / 2; u++) {
             fetch_unit(pf, u);
@@ -406,6 +406,7 @@ static inline void rows4_dot1(const float* x, const float* xp, const int8_t* c, 
     } else if (o) {
         INT8_GROUPS(DOT4R(BYTES8(cg), BYTES8(cg + 8), BYTES8(cg + 16), BYTES8(cg + 24), acc[r], s[r * ng + g],
                           o[r * ng + g]));
+#endif
     } else if (g16) { /* ng = K/16: unit u holds groups 2u and 2u + 1 */
 #ifdef __AVX512F__
         rows4_g16_512(x, c, s, ng, pf, acc);

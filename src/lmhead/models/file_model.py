@@ -36,10 +36,10 @@ from lmhead.models.errors import ModelError
 from lmhead.models.gguf_codes import Codes, coded_nbytes, fuse_codes
 from lmhead.models.gguf_file import CODE_TYPES, DENSE_TYPES, GGUFFile
 from lmhead.models.heap import one_arena
+from lmhead.models.start_tokenizer import CHECK_TEXTS, start_tokenizer
 
 __all__ = ["FILE_ARCHITECTURES", "file_body", "file_refusal", "meta_folder", "supports_file"]
-_LOAD_WORKERS = max(1, min(2, os.cpu_count() or 1))  # threads that repack a file's layers
-_TOKENIZER_CHECK = "The cat sat on the mat. 12345 ünïcödé — \n\t  spaces; <b>tags</b> and emoji 🙂"
+_TOKENIZER_CHECK = CHECK_TEXTS[0]
 
 
 def supports_file(architecture: str) -> bool:
@@ -147,7 +147,6 @@ def _write_meta(gguf: Path, out: Path) -> Any:
 def read_meta(folder: Path, tokenizer: Any = None) -> tuple[ModelConfig, Any, list[int]]:
     """(config, tokenizer, end-of-sequence ids) of a meta folder (`tokenizer`: the folder's, already read)."""
     from lmhead.models.hf_tokenizer import fast_tokenizer
-    from lmhead.models.start_tokenizer import start_tokenizer
 
     cfg = ModelConfig.from_file(folder / "config.json")
     generation = json.loads((folder / "generation_config.json").read_text())
@@ -257,7 +256,7 @@ def file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None = None):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _file_body(f, cfg, onednn)
+        return _file_body(f, cfg, onednn, workers=min(2, threads))
     except KeyError as exc:
         raise ModelError(f"{f.path}: the file has no tensor {exc} that a {f.architecture} model of "
                          f"{cfg.num_hidden_layers} layers needs (a damaged or incomplete file)") from None
@@ -265,7 +264,7 @@ def file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None = None):
         torch.set_num_threads(threads)
 
 
-def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None):
+def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None, workers: int):
     from lmhead.models.lean import Layer, LeanBody
     from lmhead.models.rope import Rotary
 
@@ -277,7 +276,6 @@ def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None):
     types = list(cfg.layer_types or ["full_attention"] * cfg.num_hidden_layers)
 
     def layer(i: int, kind: str) -> Layer:
-        torch.set_num_threads(1)  # per thread under OpenMP: this worker's passes stay on it, as file_body's do
         p = f"blk.{i}."
         mats, coded = {}, {}
         for key, parts in _linears(arch):
@@ -295,14 +293,12 @@ def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None):
             q_norm=r.vector(p + "attn_q_norm.weight"), k_norm=r.vector(p + "attn_k_norm.weight"),
             kind=kind, sliding=arch.sliding(kind, cfg.sliding_window), coded=coded or None)
 
-    def embedding() -> CodedLinear | None:
-        torch.set_num_threads(1)
-        return r.coded("token_embd.weight")
-
-    # the embedding (often the largest matrix) and the layers repacked side by side, one per core: numpy's and
-    # torch's passes release the GIL
-    with one_arena(), ThreadPoolExecutor(max_workers=_LOAD_WORKERS) as pool:
-        coded_embed = pool.submit(embedding)
+    # the embedding (often the largest matrix) and the layers repacked side by side, on `workers` threads (at most
+    # torch's): numpy's and torch's passes release the GIL; torch's thread count is per thread under OpenMP, so
+    # each worker keeps its passes on itself, as file_body does
+    pool = ThreadPoolExecutor(max_workers=workers, initializer=torch.set_num_threads, initargs=(1,))
+    with one_arena(), pool:
+        coded_embed = pool.submit(r.coded, "token_embd.weight")
         layers = list(pool.map(layer, range(len(types)), types))
         embed: Any = coded_embed.result()
     tied = not r.has("output.weight")

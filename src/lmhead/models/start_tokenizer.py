@@ -36,14 +36,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LazyTokenizer", "TokenizerTables", "read_tables", "start_tokenizer", "tables_of", "tables_path",
-           "transformers_tokenizer", "write_tables"]
+__all__ = ["CHECK_TEXTS", "LazyTokenizer", "TokenizerTables", "read_tables", "start_tokenizer", "tables_of",
+           "tables_path", "transformers_tokenizer", "write_tables"]
 
 _SUFFIX = "start-tables-v2"
 _MIN_PIECES = 100_000  # smaller vocabularies parse quickly: their tables are "whole"
 _MAX_PROMPT_CHARS = 50_000  # past this the substring scan costs more than the full parse
-_CHECK_TEXTS = ("The cat sat on the mat. 12345 ünïcödé — \n\t  spaces; <b>tags</b> and emoji 🙂",
-                "  leading spaces\n\n\nnew lines\r\n日本語のテキスト、중국어, العربية ",)
+# texts a tokenizer read back from the cache must encode as the one it was made from (file_model uses the first)
+CHECK_TEXTS = ("The cat sat on the mat. 12345 ünïcödé — \n\t  spaces; <b>tags</b> and emoji 🙂",
+               "  leading spaces\n\n\nnew lines\r\n日本語のテキスト、중국어, العربية ",)
 _FACTS = ("pad_token_id", "eos_token_id", "bos_token_id", "unk_token_id", "all_special_ids", "chat_template",
           "vocab_size", "clean_up_tokenization_spaces")
 
@@ -73,9 +74,10 @@ class TokenizerTables:
         self._options = {k: v for k, v in spec["model"].items()
                          if k not in ("type", "vocab", "merges") and v is not None}
         self._index: dict[str, int] | None = None
-        self._added = {int(a["id"]): a["content"] for a in spec.get("added_tokens", [])}
         self._special = {int(a["id"]) for a in spec.get("added_tokens", []) if a.get("special")}
-        self._always = [i for i in (self._id(f"<0x{b:02X}>") for b in range(256)) if i is not None]
+        # pieces every encode keeps: the added tokens (the pipeline found their ids), the byte-fallback pieces
+        self._always = [int(a["id"]) for a in spec.get("added_tokens", [])]
+        self._always += [i for i in (self._id(f"<0x{b:02X}>") for b in range(256)) if i is not None]
         unk = spec["model"].get("unk_token")
         if unk is not None and self._id(unk) is not None:
             self._always.append(self._id(unk))
@@ -113,7 +115,6 @@ class TokenizerTables:
         pieces = self.pieces
         merges = [(pieces[a], pieces[b]) for a, b in self.merges[keep, :2].tolist()]
         vocab = {pieces[k]: k for k in reached}
-        vocab.update({content: i for i, content in self._added.items()})
         from tokenizers.models import BPE
 
         model = BPE(vocab, merges, **self._options)
@@ -200,7 +201,7 @@ def _literal(spec: dict[str, Any]) -> bool:
 
 
 def _agrees(tables: TokenizerTables, tokenizer: Any) -> bool:
-    for text in _CHECK_TEXTS:
+    for text in CHECK_TEXTS:
         ids = tokenizer.encode(text)
         if tables.encode(text) != ids or tables.encode(text, False) != tokenizer.encode(text,
                                                                                        add_special_tokens=False):
