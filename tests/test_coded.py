@@ -318,8 +318,48 @@ def test_unsigned_4bit_codes_are_packed_two_per_byte_and_give_the_same_product(r
     w = coded_weight(c.codes, c.scale, c.offset)
     bound = 2e-6 * (x.double().abs() @ w.abs().T) + 1e-7
     assert bool(((lin(x).double() - x.double() @ w.T).abs() <= bound).all())
-    signed = _codes(4, 64, 32, False, low=-8, high=8)
-    assert not CodedLinear(signed.codes, signed.scale).packed  # signed codes stay one per byte
+    wide = _codes(4, 64, 32, False, low=-9, high=8)
+    assert not CodedLinear(wide.codes, wide.scale).packed  # past 4 bits: one per byte
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 9])  # decode, the several-row passes, 8 + the rest
+@pytest.mark.parametrize("n, k", [(45, 128), (48, 128), (48, 192)])  # plain rows; blocks of four (192: an odd unit)
+def test_signed_4bit_codes_without_offsets_are_packed_two_per_byte_and_give_the_same_product(rows, n, k):
+    c = _codes(n, k, 32, False, seed=rows, low=-8, high=8)
+    scale = torch.where(torch.arange(n)[:, None] % 2 == 0, -c.scale, c.scale)  # negative d: code 0 is −0
+    lin = CodedLinear(c.codes, scale)
+    assert lin.four_bit == "signed" and lin.codes.numel() == c.codes.numel() // 2
+    want = Codes(c.codes, scale, None, "test").dequantize()
+    assert torch.equal(lin.dequantize().view(torch.int32), want.view(torch.int32))  # −0 stays −0
+    assert torch.equal(lin.rows(torch.arange(n)).view(torch.int32), want.view(torch.int32))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2))
+    bound = 2e-6 * (x.double().abs() @ want.double().abs().T) + 1e-7
+    assert bool(((lin(x).double() - x.double() @ want.double().T).abs() <= bound).all())
+    with_offset = _codes(8, 64, 32, True, low=-8, high=8)
+    assert not CodedLinear(with_offset.codes, with_offset.scale, with_offset.offset).packed
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 9])
+@pytest.mark.parametrize("n, k", [(45, 128), (48, 128), (48, 192)])
+def test_iq4_levels_are_packed_as_their_indices_and_give_the_same_product(rows, n, k):
+    from lmhead.models.gguf_codes import IQ4_VALUES
+
+    g = torch.Generator().manual_seed(rows)
+    codes = torch.from_numpy(IQ4_VALUES)[torch.randint(0, 16, (n, k), generator=g)]
+    scale = _codes(n, k, 32, False, seed=rows).scale * torch.where(torch.arange(n)[:, None] % 2 == 0, -1.0, 1.0)
+    lin = CodedLinear(codes, scale, four_bit="iq4")
+    assert lin.four_bit == "iq4" and lin.codes.numel() == codes.numel() // 2
+    assert CodedLinear(codes, scale).four_bit is None  # "auto" reads ranges only: levels stay one byte per code
+    want = Codes(codes, scale, None, "IQ4_NL").dequantize()
+    assert torch.equal(lin.dequantize().view(torch.int32), want.view(torch.int32))
+    assert torch.equal(lin.rows(torch.arange(n)).view(torch.int32), want.view(torch.int32))
+    x = torch.randn(rows, k, generator=g)
+    bound = 2e-6 * (x.double().abs() @ want.double().abs().T) + 1e-7
+    assert bool(((lin(x).double() - x.double() @ want.double().T).abs() <= bound).all())
+    with pytest.raises(ValueError, match="not IQ4_NL levels"):
+        CodedLinear(codes.clone().fill_(2), scale, four_bit="iq4")
+    with pytest.raises(ValueError, match="four_bit must be"):
+        CodedLinear(codes, scale, four_bit="nibbles")
 
 
 @pytest.mark.parametrize("rows", [1, 4, 9])

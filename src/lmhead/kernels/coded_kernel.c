@@ -20,7 +20,10 @@
  * two per byte [N, K/2]: each pair of groups (64 codes) is 32 bytes read as eight uint32 lanes, nibble i of
  * lane l holding code 8·i + l XOR 8 (code − 8 as a signed nibble), so that two shifts give eight consecutive
  * codes − 8 in the eight lanes
- * (no byte shuffles: unpacking was what bounded the product, not memory). Either way a row is a run of 32-byte
+ * (no byte shuffles: unpacking was what bounded the product, not memory); `flags & LMHEAD_SIGNED4` — signed 4-bit
+ * codes −8..7 (Q4_0) — the nibble holds the code itself, the same two shifts give it, and there is nothing to
+ * centre; `flags & LMHEAD_IQ4` — IQ4_NL's sixteen levels (IQ4_NL, IQ4_XS) — it holds the level's index XOR 8, and a
+ * permute from the levels gives the code. Either way a row is a run of 32-byte
  * units (32 int8 codes, or 64 packed ones); `flags & LMHEAD_ROWS4` (G = 32, or G = 16 for int8 codes — Q6_K,
  * Q3_K, Q2_K: two groups to a unit —, N a multiple of 4) stores each
  * block of four rows unit by unit — unit u of rows 4b..4b+3 side by side — so that the decode product reads
@@ -51,7 +54,14 @@
 #define LMHEAD_ROWS4 4
 #define LMHEAD_F16 8  /* codes: the file's float16 weights [N, K] (no scales): see dense_matmul */
 #define LMHEAD_BF16 16 /* codes: bfloat16 weights [N, K] */
+#define LMHEAD_SIGNED4 32 /* with PACKED: the nibbles are signed 4-bit codes themselves (Q4_0), no offsets */
+#define LMHEAD_IQ4 64     /* with PACKED: the nibbles index IQ4_NL's sixteen levels (IQ4_NL, IQ4_XS), no offsets */
 #define HALF_MAX_GROUPS 1024 /* float16 scales: a row's groups converted on the stack */
+
+/* the sixteen numbers a packed nibble n stands for, in nibble order: n as a signed 4-bit number (code − 8 of
+ * unsigned codes, the code of signed ones), and IQ4_NL's levels (LMHEAD_IQ4: n = level index ^ 8) */
+static const float SIGNED_NIBBLES[16] = {0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1};
+static const float IQ4_NIBBLES[16] = {1, 13, 25, 38, 53, 69, 89, 113, -127, -104, -83, -65, -49, -35, -22, -10};
 
 /* float16 bits → float32 (exact: every float16 is a float32) */
 static inline float half_to_float(uint16_t h) {
@@ -74,7 +84,7 @@ static void halves_to_floats(const uint16_t* h, float* f, int64_t n) {
     for (; i < n; i++) f[i] = half_to_float(h[i]);
 }
 
-int lmhead_coded_abi(void) { return 19; }
+int lmhead_coded_abi(void) { return 20; }
 
 /* half_to_float for the other source file (decode_kernels.c's embedding rows) */
 float lmhead_half(uint16_t h) { return half_to_float(h); }
@@ -95,6 +105,26 @@ static inline float hsum8(__m256 v) {
 #define NIBC(v, i) _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32((v), 28 - 4 * (i)), 28))
 #define NIB(v, i) _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32((v), 4 * (i)), _mm256_set1_epi32(15)))
 #define FLIP(v) _mm256_xor_si256((v), _mm256_set1_epi32((int)0x88888888u))
+/* IQ4 levels of nibbles 8·i .. 8·i+7 of v as stored (lo, hi: IQ4_NIBBLES' two halves): one two-table permute
+ * (AVX-512VL), or two permutes and a blend on nibble bit 3 */
+#ifdef __AVX512VL__
+#define TAB8(v, i, lo, hi) _mm256_permutex2var_ps((lo), _mm256_srli_epi32((v), 4 * (i)), (hi))
+#else
+#define TAB8(v, i, lo, hi)                                                                               \
+    _mm256_blendv_ps(_mm256_permutevar8x32_ps((lo), _mm256_srli_epi32((v), 4 * (i))),                    \
+                     _mm256_permutevar8x32_ps((hi), _mm256_srli_epi32((v), 4 * (i))),                    \
+                     _mm256_castsi256_ps(_mm256_slli_epi32((v), 28 - 4 * (i))))
+#endif
+/* `packed` is 1 for unsigned codes, 2 for signed ones (LMHEAD_SIGNED4), 3 for IQ4 levels (LMHEAD_IQ4; the
+ * functions that read them hold the table as tlo, thi). CODEC: codes 8·i .. 8·i+7 of a unit as stored, as the
+ * one-row products use them (unsigned: code − 8). UNIT4: a packed unit at p made ready for CODES8, which gives
+ * the codes themselves: XORed back and masked (unsigned), as CODEC (signed, IQ4) */
+#define CODEC(v, i, packed) ((packed) == 3 ? TAB8(v, i, tlo, thi) : NIBC(v, i))
+#define UNIT4(p, packed) ((packed) >= 2 ? _mm256_loadu_si256((const __m256i*)(p)) : FLIP(_mm256_loadu_si256((const __m256i*)(p))))
+#define CODES8(v, i, packed) ((packed) == 1 ? NIB(v, i) : CODEC(v, i, packed))
+#define IQ4_TABLE                                                                                        \
+    const __m256 tlo __attribute__((unused)) = _mm256_loadu_ps(IQ4_NIBBLES);                             \
+    const __m256 thi __attribute__((unused)) = _mm256_loadu_ps(IQ4_NIBBLES + 8)
 /* eight int8 codes from memory as floats */
 #define BYTES8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p))))
 #endif
@@ -120,23 +150,24 @@ static inline __m256 centred_offsets(const float* s, const float* o, const float
     return acc;
 }
 
-/* one query row: Σ_g scale_g·(Σ_i code_i·x_i) — int8 codes without offsets — or, packed, the centred form above
- * (xs [ng]: the query's group sums) */
+/* one query row: Σ_g scale_g·(Σ_i code_i·x_i) — int8 codes without offsets, signed packed codes — or, unsigned
+ * packed, the centred form above (xs [ng]: the query's group sums) */
 static inline float row_dot1(const float* x, const int8_t* c, int64_t us, const float* s, const float* o,
                              const float* xs, int64_t ng, int64_t G, int packed) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    IQ4_TABLE;
     if (packed) {
         for (int64_t g = 0; g < ng; g += 2) {
             const __m256i v = _mm256_loadu_si256((const __m256i*)PAIR(c, us, g));
             const float* xg = x + g * 32;
-            __m256 d0 = _mm256_mul_ps(NIBC(v, 0), _mm256_loadu_ps(xg));
-            __m256 d1 = _mm256_mul_ps(NIBC(v, 1), _mm256_loadu_ps(xg + 8));
-            __m256 e0 = _mm256_mul_ps(NIBC(v, 4), _mm256_loadu_ps(xg + 32));
-            __m256 e1 = _mm256_mul_ps(NIBC(v, 5), _mm256_loadu_ps(xg + 40));
-            d0 = _mm256_fmadd_ps(NIBC(v, 2), _mm256_loadu_ps(xg + 16), d0);
-            d1 = _mm256_fmadd_ps(NIBC(v, 3), _mm256_loadu_ps(xg + 24), d1);
-            e0 = _mm256_fmadd_ps(NIBC(v, 6), _mm256_loadu_ps(xg + 48), e0);
-            e1 = _mm256_fmadd_ps(NIBC(v, 7), _mm256_loadu_ps(xg + 56), e1);
+            __m256 d0 = _mm256_mul_ps(CODEC(v, 0, packed), _mm256_loadu_ps(xg));
+            __m256 d1 = _mm256_mul_ps(CODEC(v, 1, packed), _mm256_loadu_ps(xg + 8));
+            __m256 e0 = _mm256_mul_ps(CODEC(v, 4, packed), _mm256_loadu_ps(xg + 32));
+            __m256 e1 = _mm256_mul_ps(CODEC(v, 5, packed), _mm256_loadu_ps(xg + 40));
+            d0 = _mm256_fmadd_ps(CODEC(v, 2, packed), _mm256_loadu_ps(xg + 16), d0);
+            d1 = _mm256_fmadd_ps(CODEC(v, 3, packed), _mm256_loadu_ps(xg + 24), d1);
+            e0 = _mm256_fmadd_ps(CODEC(v, 6, packed), _mm256_loadu_ps(xg + 48), e0);
+            e1 = _mm256_fmadd_ps(CODEC(v, 7, packed), _mm256_loadu_ps(xg + 56), e1);
             acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s[g]), _mm256_add_ps(d0, d1), acc0);
             acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s[g + 1]), _mm256_add_ps(e0, e1), acc1);
         }
@@ -167,14 +198,14 @@ static inline float row_dot1(const float* x, const int8_t* c, int64_t us, const 
         }
     }
     float tail = 0.f;
-    if (packed) acc0 = centred_offsets(s, o, xs, ng, acc0, &tail);
+    if (packed == 1) acc0 = centred_offsets(s, o, xs, ng, acc0, &tail);
     return hsum8(_mm256_add_ps(acc0, acc1)) + tail;
 }
 
 /* a block of four weight rows (LMHEAD_ROWS4 layout) against one query row (decode, G = 32): each x vector is
  * loaded once for the four rows and the four sums are reduced together — with rows of a few hundred weights the
  * per-row loop and reduction cost as much as the products. c: the block's codes; s, o: [4, ng] floats (o may be
- * NULL); xs: the query's group sums (packed). Same arithmetic as row_dot1 (int8 codes without offsets, packed
+ * NULL); xs: the query's group sums (unsigned packed codes). Same arithmetic as row_dot1 (int8 codes without offsets, packed
  * codes), or as the rebuilt weights of rows1 (int8 codes with offsets), row by row. */
 /* int8 codes with offsets: Σ (code·scale + offset)·x over a group, each weight rebuilt exactly */
 #define DOT4R(c0, c1, c2, c3, acc, sg, og)                                                               \
@@ -309,20 +340,24 @@ static inline void rows4_offsets_512(const float* x, const int8_t* c, const floa
     for (int r = 0; r < 4; r++) acc[r] = fold512(_mm512_add_ps(a[r], b[r]));
 }
 
-/* packed 4-bit codes (Q4_1, Q4_K) in 512-bit lanes: units 2q and 2q + 1 of a row (64 codes each, 32 bytes, 128
- * apart in the block) side by side in one register, so that NIBC's two shifts and one conversion give sixteen codes
- * − 8 — eight of each unit — for one multiply. xp: the query row laid out to match (xp_layout), once per product;
+/* packed 4-bit codes (Q4_1, Q4_K; Q4_0; IQ4_NL, IQ4_XS) in 512-bit lanes: units 2q and 2q + 1 of a row (64 codes
+ * each, 32 bytes, 128 apart in the block) side by side in one register, so that one shift and one permute from the
+ * sixteen values a nibble stands for (`values`: SIGNED_NIBBLES — code − 8 of unsigned codes, the code of signed
+ * ones — or IQ4_NIBBLES) give sixteen codes — eight of each unit — for one multiply (the permute reads a lane's
+ * low four bits: no mask; NIBC's shift pair and conversion took one more operation). xp: the query row laid out
+ * to match (xp_layout), once per product;
  * the lanes' two halves belong to two groups, so the scale vector carries both (s of groups 4q and 4q + 2 for
  * nibbles 0–3, 4q + 1 and 4q + 3 for 4–7). Returns the first group it left: a row with an odd number of units
  * leaves its last one to rows4_dot1's 256-bit loop. The same products and scales as DOT4C, summed in another
  * order; the offsets follow in rows4_dot1 (centred_offsets) as for the 256-bit loop. */
-static inline __m512 nibc512(__m512i v, int i) {
-    return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 28 - 4 * i), 28));
+static inline __m512 nibble512(__m512i v, int i, __m512 values) {
+    return _mm512_permutexvar_ps(i ? _mm512_srli_epi32(v, 4 * i) : v, values);
 }
 static inline int64_t rows4_packed_512(const float* xp, const int8_t* c, const float* s, int64_t ng, const char* pf,
-                                       __m256* acc) {
+                                       int packed, __m256* acc) {
     const __m512i lo = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m512i hi = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512 values = _mm512_loadu_ps(packed == 3 ? IQ4_NIBBLES : SIGNED_NIBBLES);
     __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     const int64_t units = ng / 2, pairs = units / 2;
     for (int64_t q = 0; q < pairs; q++) {
@@ -334,15 +369,15 @@ static inline int64_t rows4_packed_512(const float* xp, const int8_t* c, const f
             const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)u0)),
                                                  _mm256_loadu_si256((const __m256i*)(u0 + 128)), 1);
             const __m512 sv = _mm512_castps128_ps512(_mm_loadu_ps(s + r * ng + 4 * q));
-            __m512 d = _mm512_mul_ps(nibc512(v, 0), _mm512_loadu_ps(xq));
-            __m512 e = _mm512_mul_ps(nibc512(v, 1), _mm512_loadu_ps(xq + 16));
-            d = _mm512_fmadd_ps(nibc512(v, 2), _mm512_loadu_ps(xq + 32), d);
-            e = _mm512_fmadd_ps(nibc512(v, 3), _mm512_loadu_ps(xq + 48), e);
+            __m512 d = _mm512_mul_ps(nibble512(v, 0, values), _mm512_loadu_ps(xq));
+            __m512 e = _mm512_mul_ps(nibble512(v, 1, values), _mm512_loadu_ps(xq + 16));
+            d = _mm512_fmadd_ps(nibble512(v, 2, values), _mm512_loadu_ps(xq + 32), d);
+            e = _mm512_fmadd_ps(nibble512(v, 3, values), _mm512_loadu_ps(xq + 48), e);
             a[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(lo, sv), _mm512_add_ps(d, e), a[r]);
-            d = _mm512_mul_ps(nibc512(v, 4), _mm512_loadu_ps(xq + 64));
-            e = _mm512_mul_ps(nibc512(v, 5), _mm512_loadu_ps(xq + 80));
-            d = _mm512_fmadd_ps(nibc512(v, 6), _mm512_loadu_ps(xq + 96), d);
-            e = _mm512_fmadd_ps(nibc512(v, 7), _mm512_loadu_ps(xq + 112), e);
+            d = _mm512_mul_ps(nibble512(v, 4, values), _mm512_loadu_ps(xq + 64));
+            e = _mm512_mul_ps(nibble512(v, 5, values), _mm512_loadu_ps(xq + 80));
+            d = _mm512_fmadd_ps(nibble512(v, 6, values), _mm512_loadu_ps(xq + 96), d);
+            e = _mm512_fmadd_ps(nibble512(v, 7, values), _mm512_loadu_ps(xq + 112), e);
             a[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(hi, sv), _mm512_add_ps(d, e), a[r]);
         }
     }
@@ -364,9 +399,10 @@ static inline void rows4_dot1(const float* x, const float* xp, const int8_t* c, 
                               const float* xs, int64_t ng, int packed, int g16, const char* pf, float* out) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     if (packed) {
+        IQ4_TABLE;
         int64_t g0 = 0; /* groups before g0 done in 512-bit lanes (xp: the query row in their layout) */
 #ifdef __AVX512F__
-        if (xp) g0 = rows4_packed_512(xp, c, s, ng, pf, acc);
+        if (xp) g0 = rows4_packed_512(xp, c, s, ng, pf, packed, acc);
 #else
         (void)xp;
 #endif
@@ -377,13 +413,15 @@ static inline void rows4_dot1(const float* x, const float* xp, const int8_t* c, 
             __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
             for (int r = 0; r < 4; r++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (g * 2 + r) * 32));
-                DOT4C(NIBC(v, 0), NIBC(v, 1), NIBC(v, 2), NIBC(v, 3), acc[r], s[r * ng + g]);
+                DOT4C(CODEC(v, 0, packed), CODEC(v, 1, packed), CODEC(v, 2, packed), CODEC(v, 3, packed), acc[r],
+                      s[r * ng + g]);
             }
             x0 = _mm256_loadu_ps(xg + 32), x1 = _mm256_loadu_ps(xg + 40);
             x2 = _mm256_loadu_ps(xg + 48), x3 = _mm256_loadu_ps(xg + 56);
             for (int r = 0; r < 4; r++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (g * 2 + r) * 32));
-                DOT4C(NIBC(v, 4), NIBC(v, 5), NIBC(v, 6), NIBC(v, 7), acc[r], s[r * ng + g + 1]);
+                DOT4C(CODEC(v, 4, packed), CODEC(v, 5, packed), CODEC(v, 6, packed), CODEC(v, 7, packed), acc[r],
+                      s[r * ng + g + 1]);
             }
         }
 #ifdef __AVX512F__
@@ -431,7 +469,7 @@ static inline void rows4_dot1(const float* x, const float* xp, const int8_t* c, 
 #endif
     }
     float tail[4] = {0.f, 0.f, 0.f, 0.f};
-    if (packed)
+    if (packed == 1)
         for (int r = 0; r < 4; r++)
             acc[r] = centred_offsets(s + r * ng, o ? o + r * ng : NULL, xs, ng, acc[r], tail + r);
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
@@ -455,13 +493,14 @@ static inline __m256 rebuild8(__m256 cf, __m256 sv, __m256 ov, int has_offset) {
         __m256 a[R], b[R];                                                                                  \
         for (int m = 0; m < R; m++) a[m] = b[m] = _mm256_setzero_ps();                                      \
         const __m256 zero = _mm256_setzero_ps();                                                            \
+        IQ4_TABLE;                                                                                          \
         if (packed) {                                                                                       \
             for (int64_t g = 0; g < ng; g += 2) {                                                           \
-                const __m256i v = FLIP(_mm256_loadu_si256((const __m256i*)PAIR(c, us, g)));                 \
+                const __m256i v = UNIT4(PAIR(c, us, g), packed);                                            \
                 const __m256 s0 = _mm256_set1_ps(s[g]), s1 = _mm256_set1_ps(s[g + 1]);                      \
                 const __m256 o0 = o ? _mm256_set1_ps(o[g]) : zero, o1 = o ? _mm256_set1_ps(o[g + 1]) : zero; \
                 _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                                       \
-                    const __m256 w = rebuild8(NIB(v, i), i < 4 ? s0 : s1, i < 4 ? o0 : o1, o != NULL);      \
+                    const __m256 w = rebuild8(CODES8(v, i, packed), i < 4 ? s0 : s1, i < 4 ? o0 : o1, o != NULL); \
                     for (int m = 0; m < R; m++) {                                                           \
                         const __m256 xv = _mm256_loadu_ps(x + m * K + g * 32 + 8 * i);                      \
                         if (R <= 4 && (i & 1))                                                              \
@@ -504,16 +543,17 @@ ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
         __m256 acc[4][Q];                                                                                    \
         for (int r = 0; r < 4; r++)                                                                          \
             for (int m = 0; m < Q; m++) acc[r][m] = _mm256_setzero_ps();                                     \
+        IQ4_TABLE;                                                                                           \
         if (packed) {                                                                                        \
             for (int64_t g = 0; g < ng; g += 2) {                                                            \
                 fetch_unit(pf, g >> 1);                                                                      \
                 for (int r = 0; r < 4; r++) {                                                                \
-                    const __m256i v = FLIP(_mm256_loadu_si256((const __m256i*)(c + ((g >> 1) * 4 + r) * 32))); \
+                    const __m256i v = UNIT4(c + ((g >> 1) * 4 + r) * 32, packed);                            \
                     for (int h = 0; h < 2; h++) {                                                            \
                         const __m256 sv = _mm256_set1_ps(s[r * ng + g + h]);                                 \
                         const __m256 ov = o ? _mm256_set1_ps(o[r * ng + g + h]) : _mm256_setzero_ps();       \
                         for (int j = 0; j < 4; j++) {                                                        \
-                            const __m256 w = rebuild8(NIB(v, 4 * h + j), sv, ov, o != NULL);                 \
+                            const __m256 w = rebuild8(CODES8(v, 4 * h + j, packed), sv, ov, o != NULL);      \
                             for (int m = 0; m < Q; m++)                                                      \
                                 acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + (g + h) * 32 + 8 * j), \
                                                             acc[r][m]);                                      \
@@ -551,18 +591,19 @@ MULTI(1) MULTI(2) MULTI(3)
 #define EACH(Q)                                                                                              \
     static inline void block4_each##Q(const float* x, int64_t K, const int8_t* c, const float* s,           \
                                       const float* o, int64_t ng, int packed, const char* pf, float* out) {  \
+        IQ4_TABLE;                                                                                           \
         for (int r = 0; r < 4; r++) {                                                                        \
             __m256 acc[Q];                                                                                   \
             for (int m = 0; m < Q; m++) acc[m] = _mm256_setzero_ps();                                        \
             if (packed) {                                                                                    \
                 for (int64_t g = 0; g < ng; g += 2) {                                                        \
                     fetch_unit(r == 0 ? pf : NULL, g >> 1);                                                  \
-                    const __m256i v = FLIP(_mm256_loadu_si256((const __m256i*)(c + ((g >> 1) * 4 + r) * 32))); \
+                    const __m256i v = UNIT4(c + ((g >> 1) * 4 + r) * 32, packed);                            \
                     for (int h = 0; h < 2; h++) {                                                            \
                         const __m256 sv = _mm256_set1_ps(s[r * ng + g + h]);                                 \
                         const __m256 ov = o ? _mm256_set1_ps(o[r * ng + g + h]) : _mm256_setzero_ps();       \
                         _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                \
-                            const __m256 w = rebuild8(NIB(v, 4 * h + j), sv, ov, o != NULL);                 \
+                            const __m256 w = rebuild8(CODES8(v, 4 * h + j, packed), sv, ov, o != NULL);      \
                             const float* xk = x + (g + h) * 32 + 8 * j;                                      \
                             for (int m = 0; m < Q; m++)                                                      \
                                 acc[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xk + m * K), acc[m]);            \
@@ -625,7 +666,8 @@ static inline int code_at(const int8_t* c, int64_t us, int64_t k, int packed) {
     const uint8_t* lane = (const uint8_t*)c + (k / 64) * us + (r % 8) * 4;
     const uint32_t word =
         (uint32_t)lane[0] | (uint32_t)lane[1] << 8 | (uint32_t)lane[2] << 16 | (uint32_t)lane[3] << 24;
-    return (int)(((word >> (4 * (r / 8))) & 15) ^ 8);
+    const int nib = (int)((word >> (4 * (r / 8))) & 15); /* as stored */
+    return packed == 3 ? (int)IQ4_NIBBLES[nib] : packed == 2 ? (int)SIGNED_NIBBLES[nib] : nib ^ 8;
 }
 
 static inline void row_dot(const float* x, int64_t K, const int8_t* c, int64_t us, const float* s, const float* o,
@@ -748,7 +790,8 @@ static int dense_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w,
 
 /* y [M, N] = x [M, K] · Wᵀ, W given by codes/scale/offset as above (or, LMHEAD_F16 / LMHEAD_BF16, by 16-bit
  * weights: dense_matmul). Returns 0, or -1 for arguments it cannot
- * take (G not a multiple of 16, K not a multiple of G; packed: G ≠ 32 or K not a multiple of 64; rows4: N or K/32
+ * take (G not a multiple of 16, K not a multiple of G; packed: G ≠ 32 or K not a multiple of 64; SIGNED4 or IQ4
+ * without PACKED, with offsets, or both; rows4: N or K/32
  * not whole, or G neither 32 nor 16 unpacked (Q6_K, Q3_K, Q2_K: two groups per unit); float16
  * scales: more than HALF_MAX_GROUPS groups per row). */
 int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const void* scale,
@@ -758,7 +801,10 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
             return -1;
         return dense_matmul(x, M, K, (const uint16_t*)codes, N, (flags & LMHEAD_BF16) != 0, y, threads);
     }
-    const int packed = flags & LMHEAD_PACKED, half = (flags & LMHEAD_HALF) != 0, rows4 = (flags & LMHEAD_ROWS4) != 0;
+    const int packed = !(flags & LMHEAD_PACKED) ? 0 : (flags & LMHEAD_IQ4) ? 3 : (flags & LMHEAD_SIGNED4) ? 2 : 1;
+    const int half = (flags & LMHEAD_HALF) != 0, rows4 = (flags & LMHEAD_ROWS4) != 0;
+    const int levels = flags & (LMHEAD_SIGNED4 | LMHEAD_IQ4);
+    if (levels && (!packed || offset || levels == (LMHEAD_SIGNED4 | LMHEAD_IQ4))) return -1;
     if (G <= 0 || G % 16 != 0 || K % G != 0 || M < 0 || N < 0 || (packed && (G != 32 || K % 64 != 0)) ||
         (rows4 && (N % 4 != 0 || K % 32 != 0 || !(G == 32 || (G == 16 && !packed)))))
         return -1;
@@ -778,7 +824,7 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
      * for all N weight rows */
     float xs_stack[256];
     float* xs = NULL;
-    if (packed && M > 0 && (M - 1) % MB == 0) {
+    if (packed == 1 && M > 0 && (M - 1) % MB == 0) {
         const float* last = x + (M - 1) * K;
         xs = ng <= 256 ? xs_stack : (float*)malloc((size_t)ng * sizeof(float));
         if (!xs) return -1;

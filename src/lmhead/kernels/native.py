@@ -38,16 +38,17 @@ import torch
 from lmhead.kernels import builder
 from lmhead.kernels.builder import SOURCES, library_path
 
-__all__ = ["BF16", "F16", "HALF", "HALF_MAX_GROUPS", "PACKED", "ROWS4", "SOURCES", "AttendArgs", "DecodeArgs",
-           "LayerDesc", "MatDesc", "StepArgs", "block4",
+__all__ = ["BF16", "F16", "HALF", "HALF_MAX_GROUPS", "IQ4", "PACKED", "ROWS4", "SIGNED4", "SOURCES", "AttendArgs",
+           "DecodeArgs", "LayerDesc", "MatDesc", "StepArgs", "block4",
            "keep_ge", "keep_ge_unsure", "library", "library_path", "pack4", "row_lse_bounded", "row_moments",
            "row_scores", "select_ge", "topk", "typical_row", "unblock4", "unpack4"]
 
 # coded_kernel.c's flags: 4-bit codes two per byte; float16 scales and offsets; rows stored in blocks of four;
-# the file's float16 or bfloat16 weights themselves (no codes, no scales)
-PACKED, HALF, ROWS4, F16, BF16 = 1, 2, 4, 8, 16
+# the file's float16 or bfloat16 weights themselves (no codes, no scales); with PACKED, signed 4-bit codes (Q4_0) or
+# indices of IQ4_NL's levels (IQ4_NL, IQ4_XS)
+PACKED, HALF, ROWS4, F16, BF16, SIGNED4, IQ4 = 1, 2, 4, 8, 16, 32, 64
 HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
-_ABI = 19  # lmhead_coded_abi() of the sources above
+_ABI = 20  # lmhead_coded_abi() of the sources above
 
 
 class MatDesc(ctypes.Structure):
@@ -215,12 +216,15 @@ def library() -> ctypes.CDLL | None:
     return None
 
 
-def pack4(codes: torch.Tensor) -> torch.Tensor:
+def pack4(codes: torch.Tensor, signed: bool = False) -> torch.Tensor:
     """Unsigned 4-bit codes [N,K] (groups of 32, K a multiple of 64) → [N,K/2] int8, the kernel's packed layout:
     each 64 codes are 32 bytes read as eight little-endian uint32 lanes, nibble i of lane l holding code 8·i + l
     XOR 8 — code − 8 as a signed nibble (so that two shifts put eight consecutive codes − 8, or one shift and one
-    mask after an XOR the codes, in the eight lanes of a vector)."""
+    mask after an XOR the codes, in the eight lanes of a vector). `signed`: codes in [-8, 7] (the SIGNED4 layout),
+    each nibble the code itself as a signed 4-bit number — the unsigned layout of code + 8."""
     n, k = codes.shape
+    if signed:
+        codes = codes + 8
     c = codes.view(n, k // 64, 4, 2, 8).to(torch.uint8) ^ 8    # [.., byte b, low/high nibble, lane l]
     return (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).transpose(2, 3).reshape(n, k // 2).view(torch.int8)
 
@@ -238,11 +242,12 @@ def unblock4(blocked: torch.Tensor) -> torch.Tensor:
     return blocked.reshape(n // 4, r // 32, 4, 32).transpose(1, 2).reshape(n, r).contiguous()
 
 
-def unpack4(packed: torch.Tensor) -> torch.Tensor:
+def unpack4(packed: torch.Tensor, signed: bool = False) -> torch.Tensor:
     """The inverse of `pack4`: [N,K/2] → int8 codes [N,K]."""
     n, half = packed.shape
     b = packed.view(torch.uint8).view(n, half // 32, 8, 4).transpose(2, 3)   # [.., byte b, lane l]
-    return (torch.stack([b & 15, b >> 4], dim=3).reshape(n, half * 2) ^ 8).to(torch.int8)
+    codes = (torch.stack([b & 15, b >> 4], dim=3).reshape(n, half * 2) ^ 8).to(torch.int8)
+    return codes - 8 if signed else codes
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -308,6 +313,24 @@ def _self_test(lib: ctypes.CDLL) -> bool:
             wo = (codes[:rows].float().view(rows, 4, 32) * scale[:rows].float()[..., None]).view(rows, 128)
             if rc != 0 or not _close(y, x.double() @ wo.double().T):
                 return False
+    # signed packed 4-bit codes (Q4_0) and IQ4_NL's levels, without offsets: K = 192 leaves a unit past the 512-bit
+    # pairs
+    levels = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
+    for k, iq4 in ((128, False), (192, False), (128, True), (192, True)):
+        index = torch.randint(0, 16, (20, k), generator=g, dtype=torch.int8)
+        codes = levels[index.long()] if iq4 else index - 8
+        scale = (torch.randn(20, k // 32, generator=g) * 0.01).half()
+        w = (codes.float().view(20, -1, 32) * scale.float()[..., None]).view(20, k)
+        packed = pack4(index) if iq4 else pack4(codes, signed=True)
+        level = IQ4 if iq4 else SIGNED4
+        for flags in (PACKED | level | HALF, ROWS4 | PACKED | level | HALF):
+            c = block4(packed) if flags & ROWS4 else packed
+            for m in (1, 2, 5, 9):
+                x, y = torch.randn(m, k, generator=g), torch.empty(m, 20)
+                rc = lib.lmhead_coded_matmul(x.data_ptr(), m, k, c.data_ptr(), scale.data_ptr(), None, 20, 32, flags,
+                                             y.data_ptr(), 2)
+                if rc != 0 or not _close(y, x.double() @ w.double().T):
+                    return False
     # float16 and bfloat16 weights, K not a multiple of the vector width
     for flags, dtype in ((F16, torch.float16), (BF16, torch.bfloat16)):
         w16 = torch.randn(7, 75, generator=g).to(dtype)

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lmhead import checks
 from lmhead.kernels import native
+from lmhead.models.gguf_codes import IQ4_VALUES
 
 __all__ = ["SCREEN_CAP", "CodedLinear", "coded_available"]
 
@@ -57,7 +59,7 @@ class CodedLinear:
     """y = x·Wᵀ for W [N,K] given as int8 `codes` [N,K], float32 `scale` [N,K/G] and optional `offset`
     [N,K/G] (W = scale·code + offset per group of G). x [..., K] float32 → [..., N] float32.
 
-    Holds its own tensors (the codes are 1 byte per weight, half a byte where they are unsigned 4-bit; `dense16`
+    Holds its own tensors (the codes are 1 byte per weight, half a byte where they are 4-bit; `dense16`
     holds a file's float16 or bfloat16 weights instead, 2 bytes per weight, with no scales).
     `weight`, when given, is the float32 matrix they encode (the model's, shared) and `sources` the model's
     tensors it is made of (default: `weight`): once
@@ -66,7 +68,11 @@ class CodedLinear:
     """
 
     def __init__(self, codes: Tensor, scale: Tensor, offset: Tensor | None = None, weight: Tensor | None = None,
-                 sources: tuple[Tensor, ...] | None = None):
+                 sources: tuple[Tensor, ...] | None = None, four_bit: str | None = "auto"):
+        """`four_bit`: how 4-bit codes are stored two per byte (half the bytes to read again) — "unsigned" (codes
+        0..15: Q4_1, Q4_K), "signed" (−8..7 without offsets: Q4_0), "iq4" (IQ4_NL's levels, `gguf_codes.IQ4_VALUES`,
+        without offsets: IQ4_NL, IQ4_XS), None (one byte per code), or "auto": unsigned or signed by the codes'
+        range. Where the shape does not allow it (groups of 32, K a multiple of 64) the codes stay one per byte."""
         if codes.dtype != torch.int8 or codes.dim() != 2:
             raise TypeError(f"codes must be a 2-D int8 tensor, got {codes.dtype} {tuple(codes.shape)}")
         n, k = codes.shape
@@ -79,12 +85,24 @@ class CodedLinear:
             raise ValueError(f"offset must have scale's shape {tuple(scale.shape)}, got {tuple(offset.shape)}")
         if weight is not None and tuple(weight.shape) != (n, k):
             raise ValueError(f"weight must be [{n}, {k}] like the codes, got {tuple(weight.shape)}")
-        # unsigned 4-bit codes (Q4_K, Q4_1) are stored two per byte: half the bytes to read again
-        packed = bool(self.group == 32 and k % 64 == 0 and codes.numel()
-                      and int(codes.min()) >= 0 and int(codes.max()) <= 15)
-        codes = native.pack4(codes) if packed else codes.contiguous()
-        rows4 = self._rows4(n, k, self.group, packed)
-        self._finish(native.block4(codes) if rows4 else codes, packed, rows4, n, k, scale, offset, weight, sources)
+        if four_bit == "auto":
+            low, high = (int(codes.min()), int(codes.max())) if codes.numel() else (0, 255)
+            four_bit = ("unsigned" if low >= 0 and high <= 15 else
+                        "signed" if offset is None and low >= -8 and high <= 7 else None)
+        four_bit = self._four_bit(k, offset, four_bit)
+        codes = _pack(codes, four_bit) if four_bit else codes.contiguous()
+        rows4 = self._rows4(n, k, self.group, four_bit is not None)
+        self._finish(native.block4(codes) if rows4 else codes, four_bit, rows4, n, k, scale, offset, weight,
+                     sources)
+
+    def _four_bit(self, k: int, offset: Tensor | None, four_bit: str | None) -> str | None:
+        """`four_bit` where this matrix can be stored so (groups of 32, K a multiple of 64; signed and IQ4 codes
+        without offsets), else None; ValueError for a name that is none of them."""
+        if four_bit not in (None, "unsigned", "signed", "iq4"):
+            raise ValueError(f"four_bit must be None, 'auto', 'unsigned', 'signed' or 'iq4', got {four_bit!r}")
+        if self.group != 32 or k % 64 or (four_bit in ("signed", "iq4") and offset is not None):
+            return None
+        return four_bit
 
     @staticmethod
     def _rows4(n: int, k: int, group: int, packed: bool) -> bool:
@@ -104,30 +122,31 @@ class CodedLinear:
         self = cls.__new__(cls)
         n, k = weights.shape
         self.group = k
-        self._finish(weights.contiguous(), False, False, n, k, None, None, None, None)
+        self._finish(weights.contiguous(), None, False, n, k, None, None, None, None)
         return self
 
     @classmethod
-    def from_chunks(cls, n: int, k: int, scale: Tensor, offset: Tensor | None, chunks, unsigned4: bool
+    def from_chunks(cls, n: int, k: int, scale: Tensor, offset: Tensor | None, chunks, four_bit: str | None
                     ) -> CodedLinear:
-        """The same object as `CodedLinear(codes, scale, offset)` for codes [N,K] given as `chunks` — (first row,
-        int8 codes [r,K]) in order, r a multiple of 4 but for the last — laid out piece by piece into the kernel's
-        layout, so that the whole int8 matrix never exists beside it (a large head read from its file).
-        `unsigned4`: the codes are in [0, 15] (Q4_1, Q4_K), which the constructor would find by reading them."""
+        """The same object as `CodedLinear(codes, scale, offset, four_bit=four_bit)` for codes [N,K] given as
+        `chunks` — (first row, int8 codes [r,K]) in order, r a multiple of 4 but for the last — laid out piece by
+        piece into the kernel's layout, so that the whole int8 matrix never exists beside it (a large head read
+        from its file). `four_bit` as the constructor's, but never "auto" (the codes come later): the type's
+        (`gguf_codes.FOUR_BIT`)."""
         self = cls.__new__(cls)
         self.group = k // scale.shape[1]
-        packed = bool(self.group == 32 and k % 64 == 0 and unsigned4)
-        rows4 = cls._rows4(n, k, self.group, packed)
-        out = torch.empty((n, k // 2 if packed else k), dtype=torch.int8)
+        four_bit = self._four_bit(k, offset, four_bit)
+        rows4 = cls._rows4(n, k, self.group, four_bit is not None)
+        out = torch.empty((n, k // 2 if four_bit else k), dtype=torch.int8)
         for start, codes in chunks:
-            codes = native.pack4(codes) if packed else codes
+            codes = _pack(codes, four_bit) if four_bit else codes
             out[start:start + codes.shape[0]] = native.block4(codes) if rows4 else codes
-        self._finish(out, packed, rows4, n, k, scale, offset, None, None)
+        self._finish(out, four_bit, rows4, n, k, scale, offset, None, None)
         return self
 
-    def _finish(self, codes: Tensor, packed: bool, rows4: bool, n: int, k: int, scale: Tensor,
+    def _finish(self, codes: Tensor, four_bit: str | None, rows4: bool, n: int, k: int, scale: Tensor,
                 offset: Tensor | None, weight: Tensor | None, sources: tuple[Tensor, ...] | None) -> None:
-        self.packed, self.rows4, self.codes = packed, rows4, codes
+        self.four_bit, self.packed, self.rows4, self.codes = four_bit, four_bit is not None, rows4, codes
         self.dense = codes.dtype in (torch.float16, torch.bfloat16)  # `dense16`: weights, no scales
         self.weight = weight
         self.sources = tuple(sources) if sources is not None else (() if weight is None else (weight,))
@@ -148,11 +167,12 @@ class CodedLinear:
 
     @property
     def flags(self) -> int:
-        """The kernel's layout flags (`native.PACKED`, `native.HALF`, `native.ROWS4`; `native.F16` or `native.BF16`
-        for `dense16`'s weights)."""
+        """The kernel's layout flags (`native.PACKED` with `native.SIGNED4` or `native.IQ4`, `native.HALF`,
+        `native.ROWS4`; `native.F16` or `native.BF16` for `dense16`'s weights)."""
         if self.dense:
             return native.F16 if self.codes.dtype == torch.float16 else native.BF16
-        return ((native.PACKED if self.packed else 0) | (native.HALF if self.half else 0)
+        levels = {"signed": native.SIGNED4, "iq4": native.IQ4}.get(self.four_bit, 0)
+        return ((native.PACKED | levels if self.packed else 0) | (native.HALF if self.half else 0)
                 | (native.ROWS4 if self.rows4 else 0))
 
     @property
@@ -168,7 +188,10 @@ class CodedLinear:
         if self.dense:
             return self.codes.float()
         codes = native.unblock4(self.codes) if self.rows4 else self.codes
-        codes = native.unpack4(codes) if self.packed else codes
+        if self.packed:
+            codes = native.unpack4(codes, self.four_bit == "signed")
+            if self.four_bit == "iq4":
+                codes = torch.from_numpy(IQ4_VALUES)[codes.long()]
         n, k = codes.shape
         w = codes.float().view(n, -1, self.group) * self.scale.float()[..., None]
         if self.offset is not None:
@@ -337,8 +360,23 @@ class CodedLinear:
             return (f"CodedLinear(in_features={self.in_features}, out_features={self.out_features}, "
                     f"weights={self.codes.dtype})")
         return (f"CodedLinear(in_features={self.in_features}, out_features={self.out_features}, "
-                f"group={self.group}, offset={self.offset is not None}, packed={self.packed}, half={self.half}, "
+                f"group={self.group}, offset={self.offset is not None}, four_bit={self.four_bit}, half={self.half}, "
                 f"rows4={self.rows4})")
+
+
+# IQ4_VALUES' index of each int8 value (as a byte), 255 for a value that is not one of them
+_IQ4_INDEX = np.full(256, 255, dtype=np.uint8)
+_IQ4_INDEX[IQ4_VALUES.view(np.uint8)] = np.arange(16, dtype=np.uint8)
+
+
+def _pack(codes: Tensor, four_bit: str) -> Tensor:
+    """int8 codes [N,K] → `native.pack4`'s layout of them (IQ4 levels: of their indices)."""
+    if four_bit == "iq4":
+        index = _IQ4_INDEX[codes.contiguous().numpy().view(np.uint8)]
+        if index.size and int(index.max()) == 255:
+            raise ValueError("four_bit='iq4': the codes hold values that are not IQ4_NL levels")
+        return native.pack4(torch.from_numpy(index).view(torch.int8))
+    return native.pack4(codes, four_bit == "signed")
 
 
 def _forbid(y: Tensor, allowed: list[Tensor | None] | None) -> Tensor:

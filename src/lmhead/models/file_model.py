@@ -33,7 +33,7 @@ from lmhead.models.coded_linear import CodedLinear, coded_available
 from lmhead.models.config import ModelConfig
 from lmhead.models.convert import eos_ids
 from lmhead.models.errors import ModelError
-from lmhead.models.gguf_codes import Codes, coded_nbytes, fuse_codes
+from lmhead.models.gguf_codes import FOUR_BIT, Codes, coded_nbytes, fuse_codes
 from lmhead.models.gguf_file import CODE_TYPES, DENSE_TYPES, GGUFFile
 from lmhead.models.heap import one_arena
 from lmhead.models.start_tokenizer import CHECK_TEXTS, start_tokenizer
@@ -240,7 +240,9 @@ class _Reader:
         found = [self.codes(n) for n in names]
         if all(c is not None for c in found):
             fused = fuse_codes(found)
-            coded = CodedLinear(fused.codes, fused.scale, fused.offset)
+            kinds = {c.kind for c in found}  # one type: its layout, without reading the codes for their range
+            coded = CodedLinear(fused.codes, fused.scale, fused.offset,
+                                four_bit=FOUR_BIT.get(kinds.pop()) if len(kinds) == 1 else "auto")
             for n in names:
                 self.f.release(n)
             return coded, None

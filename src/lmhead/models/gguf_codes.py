@@ -29,7 +29,7 @@ from torch import Tensor
 
 from lmhead.models import cache
 
-__all__ = ["BLOCKS", "FORMAT", "PACKED_TYPES", "Codes", "block_scales", "coded_nbytes", "codes_for_model",
+__all__ = ["BLOCKS", "FORMAT", "FOUR_BIT", "IQ4_VALUES", "Codes", "block_scales", "coded_nbytes", "codes_for_model",
            "codes_from_weight", "fuse_codes", "gguf_codes", "module_codes"]
 
 FORMAT = 1  # bump when the stored layout changes: older files are rebuilt
@@ -39,9 +39,13 @@ BLOCKS = {"Q4_0": (32, 18, 32), "Q4_1": (32, 20, 32), "Q5_0": (32, 22, 32), "Q5_
           "Q8_0": (32, 34, 32), "Q2_K": (256, 84, 16), "Q3_K": (256, 110, 16), "Q4_K": (256, 144, 32),
           "Q5_K": (256, 176, 32), "Q6_K": (256, 210, 16), "IQ4_NL": (32, 18, 32), "IQ4_XS": (256, 136, 32)}
 
-# how the coded kernel holds each type (CodedLinear): codes two to a byte (unsigned 4-bit, groups of 32), float16
+# IQ4_NL's and IQ4_XS's 16 levels: a weight is d·IQ4_VALUES[q], so the table's integer is the weight's code
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+# how the coded kernel holds each type (CodedLinear): codes two to a byte where a block's codes take 4 bits
+# (`CodedLinear`'s `four_bit`: unsigned 0..15, signed −8..7 without offsets, or indices of IQ4_VALUES), float16
 # scales (the blocks' d and m are float16 numbers), an offset per group
-PACKED_TYPES = frozenset({"Q4_1", "Q4_K"})
+FOUR_BIT = {"Q4_0": "signed", "Q4_1": "unsigned", "Q4_K": "unsigned", "IQ4_NL": "iq4", "IQ4_XS": "iq4"}
 _HALF_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"})
 _OFFSET_TYPES = frozenset({"Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"})
 
@@ -50,7 +54,7 @@ def coded_nbytes(kind: str, count: int) -> int:
     """Bytes the kernel's layout of `count` weights of type `kind` takes: codes, scales and offsets."""
     groups = count // BLOCKS[kind][2]
     per_group = (2 if kind in _HALF_TYPES else 4) * (2 if kind in _OFFSET_TYPES else 1)
-    return (count // 2 if kind in PACKED_TYPES else count) + groups * per_group
+    return (count // 2 if kind in FOUR_BIT else count) + groups * per_group
 
 
 # GGUF tensor name (per block i) -> the transformers module path under the base model

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from lmhead.models.errors import ModelError
-from lmhead.models.gguf_codes import BLOCKS, PACKED_TYPES, Codes, block_scales
+from lmhead.models.gguf_codes import BLOCKS, FOUR_BIT, IQ4_VALUES, Codes, block_scales
 from lmhead.models.heap import trim_heap
 
 __all__ = ["CODE_TYPES", "DENSE_TYPES", "IQ4_VALUES", "GGUFFile", "Header", "block_codes", "read_header"]
@@ -40,8 +40,6 @@ __all__ = ["CODE_TYPES", "DENSE_TYPES", "IQ4_VALUES", "GGUFFile", "Header", "blo
 CODE_TYPES: frozenset[str] = frozenset(BLOCKS)  # the block types whose codes the coded kernel multiplies
 # 16-bit float types the kernel multiplies as they are (`CodedLinear.dense16`): each weight converted exactly
 DENSE_TYPES: dict[str, torch.dtype] = {"F16": torch.float16, "BF16": torch.bfloat16}
-# IQ4_NL's and IQ4_XS's 16 levels: a weight is d·IQ4_VALUES[q], so the table's integer is the weight's code
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
 
 def _nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:
@@ -338,7 +336,7 @@ class GGUFFile:
                 self._release_range(t.data_offset + start * per_row * nbytes, part.size)
                 trim_heap()  # each chunk's transient arrays, before the next one's (models/heap.py)
 
-        return CodedLinear.from_chunks(n, k, scale, offset, chunks(), unsigned4=kind in PACKED_TYPES)
+        return CodedLinear.from_chunks(n, k, scale, offset, chunks(), FOUR_BIT.get(kind))
 
     def weights16(self, name: str) -> torch.Tensor:
         """The F16 or BF16 matrix `name` [N,K] as a float16 or bfloat16 tensor (a copy of its bytes, its pages of
