@@ -333,8 +333,9 @@ def test_signed_4bit_codes_without_offsets_are_packed_two_per_byte_and_give_the_
     assert torch.equal(lin.dequantize().view(torch.int32), want.view(torch.int32))  # −0 stays −0
     assert torch.equal(lin.rows(torch.arange(n)).view(torch.int32), want.view(torch.int32))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2))
-    bound = 2e-6 * (x.double().abs() @ want.double().abs().T) + 1e-7
-    assert bool(((lin(x).double() - x.double() @ want.double().T).abs() <= bound).all())
+    w = coded_weight(c.codes, scale)
+    bound = 2e-6 * (x.double().abs() @ w.abs().T) + 1e-7
+    assert bool(((lin(x).double() - x.double() @ w.T).abs() <= bound).all())
     with_offset = _codes(8, 64, 32, True, low=-8, high=8)
     assert not CodedLinear(with_offset.codes, with_offset.scale, with_offset.offset).packed
 
@@ -354,12 +355,22 @@ def test_iq4_levels_are_packed_as_their_indices_and_give_the_same_product(rows, 
     assert torch.equal(lin.dequantize().view(torch.int32), want.view(torch.int32))
     assert torch.equal(lin.rows(torch.arange(n)).view(torch.int32), want.view(torch.int32))
     x = torch.randn(rows, k, generator=g)
-    bound = 2e-6 * (x.double().abs() @ want.double().abs().T) + 1e-7
-    assert bool(((lin(x).double() - x.double() @ want.double().T).abs() <= bound).all())
+    w = coded_weight(codes, scale)
+    bound = 2e-6 * (x.double().abs() @ w.abs().T) + 1e-7
+    assert bool(((lin(x).double() - x.double() @ w.T).abs() <= bound).all())
     with pytest.raises(ValueError, match="not IQ4_NL levels"):
         CodedLinear(codes.clone().fill_(2), scale, four_bit="iq4")
     with pytest.raises(ValueError, match="four_bit must be"):
         CodedLinear(codes, scale, four_bit="nibbles")
+
+
+@pytest.mark.parametrize("four_bit, low, high", [("unsigned", -1, 15), ("signed", -8, 8)])
+def test_codes_outside_a_chosen_4bit_layout_are_refused_not_packed_into_other_numbers(four_bit, low, high):
+    c = _codes(4, 64, 32, False, low=low, high=high + 1)
+    with pytest.raises(ValueError, match=f"four_bit='{four_bit}': codes must be in"):
+        CodedLinear(c.codes, c.scale, four_bit=four_bit)
+    with pytest.raises(ValueError, match="codes must be in"):
+        CodedLinear.from_chunks(4, 64, c.scale, None, [(0, c.codes)], four_bit)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 9])

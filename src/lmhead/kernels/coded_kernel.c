@@ -89,6 +89,12 @@ int lmhead_coded_abi(void) { return 20; }
 /* half_to_float for the other source file (decode_kernels.c's embedding rows) */
 float lmhead_half(uint16_t h) { return half_to_float(h); }
 
+/* the code a packed nibble stands for, as stored (`packed` 1: unsigned codes, 2: signed, 3: IQ4 levels) — for the
+ * scalar paths here and decode_kernels.c's embedding rows */
+float lmhead_nibble_code(int nib, int packed) {
+    return packed == 3 ? IQ4_NIBBLES[nib] : packed == 2 ? SIGNED_NIBBLES[nib] : (float)(nib ^ 8);
+}
+
 #ifdef __AVX2__
 int lmhead_coded_avx2(void) { return 1; }
 
@@ -120,7 +126,8 @@ static inline float hsum8(__m256 v) {
  * one-row products use them (unsigned: code − 8). UNIT4: a packed unit at p made ready for CODES8, which gives
  * the codes themselves: XORed back and masked (unsigned), as CODEC (signed, IQ4) */
 #define CODEC(v, i, packed) ((packed) == 3 ? TAB8(v, i, tlo, thi) : NIBC(v, i))
-#define UNIT4(p, packed) ((packed) >= 2 ? _mm256_loadu_si256((const __m256i*)(p)) : FLIP(_mm256_loadu_si256((const __m256i*)(p))))
+#define UNIT4(p, packed) \
+    ((packed) >= 2 ? _mm256_loadu_si256((const __m256i*)(p)) : FLIP(_mm256_loadu_si256((const __m256i*)(p))))
 #define CODES8(v, i, packed) ((packed) == 1 ? NIB(v, i) : CODEC(v, i, packed))
 #define IQ4_TABLE                                                                                        \
     const __m256 tlo __attribute__((unused)) = _mm256_loadu_ps(IQ4_NIBBLES);                             \
@@ -205,8 +212,8 @@ static inline float row_dot1(const float* x, const int8_t* c, int64_t us, const 
 /* a block of four weight rows (LMHEAD_ROWS4 layout) against one query row (decode, G = 32): each x vector is
  * loaded once for the four rows and the four sums are reduced together — with rows of a few hundred weights the
  * per-row loop and reduction cost as much as the products. c: the block's codes; s, o: [4, ng] floats (o may be
- * NULL); xs: the query's group sums (unsigned packed codes). Same arithmetic as row_dot1 (int8 codes without offsets, packed
- * codes), or as the rebuilt weights of rows1 (int8 codes with offsets), row by row. */
+ * NULL); xs: the query's group sums (unsigned packed codes). Same arithmetic as row_dot1 (int8 codes without
+ * offsets, packed codes), or as the rebuilt weights of rows1 (int8 codes with offsets), row by row. */
 /* int8 codes with offsets: Σ (code·scale + offset)·x over a group, each weight rebuilt exactly */
 #define DOT4R(c0, c1, c2, c3, acc, sg, og)                                                               \
     do {                                                                                                 \
@@ -666,8 +673,7 @@ static inline int code_at(const int8_t* c, int64_t us, int64_t k, int packed) {
     const uint8_t* lane = (const uint8_t*)c + (k / 64) * us + (r % 8) * 4;
     const uint32_t word =
         (uint32_t)lane[0] | (uint32_t)lane[1] << 8 | (uint32_t)lane[2] << 16 | (uint32_t)lane[3] << 24;
-    const int nib = (int)((word >> (4 * (r / 8))) & 15); /* as stored */
-    return packed == 3 ? (int)IQ4_NIBBLES[nib] : packed == 2 ? (int)SIGNED_NIBBLES[nib] : nib ^ 8;
+    return (int)lmhead_nibble_code((int)((word >> (4 * (r / 8))) & 15), packed);
 }
 
 static inline void row_dot(const float* x, int64_t K, const int8_t* c, int64_t us, const float* s, const float* o,

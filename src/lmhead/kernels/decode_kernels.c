@@ -18,8 +18,6 @@
  * nibbles: SIGNED4, or IQ4_NL level indices: IQ4), rows stored
  * in blocks of four (ROWS4: the block's rows 32 bytes each, unit by unit), float32 or float16 (HALF) scales; or
  * a row of the file's own float16 or bfloat16 weights (F16, BF16: flags 8, 16). */
-static const float IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-
 __attribute__((optimize("fp-contract=off")))
 static void coded_row(const lmhead_mat* m, int64_t n, float* out) {
     if (m->flags & (8 | 16)) { /* LMHEAD_F16 / LMHEAD_BF16: the row's 16-bit weights, converted exactly */
@@ -38,11 +36,11 @@ static void coded_row(const lmhead_mat* m, int64_t n, float* out) {
         int64_t p = packed ? (k / 64) * 32 + ((k % 16) % 8) * 4 + (k % 64) / 16 : k;
         const uint8_t* byte = rows4 ? base + (n / 4) * 4 * R + (p / 32) * 128 + (n % 4) * 32 + p % 32
                                     : base + n * R + p;
-        /* the nibble holds code ^ 8; SIGNED4 (flags 32): the code as a signed 4-bit number; IQ4 (flags 64): the
-         * index of its IQ4_NL level ^ 8 */
-        const int nib = (((*byte) >> (4 * ((k % 16) / 8))) & 15) ^ 8;
-        float code = !packed ? (float)(int8_t)(*byte)
-                     : (m->flags & 64) ? IQ4_LEVELS[nib] : (float)((m->flags & 32) ? nib - 8 : nib);
+        /* unsigned codes, signed ones (SIGNED4: flags 32) or IQ4 levels (IQ4: flags 64), read as coded_kernel.c
+         * reads them */
+        const int kind = (m->flags & 64) ? 3 : (m->flags & 32) ? 2 : 1;
+        const float code = packed ? lmhead_nibble_code(((*byte) >> (4 * ((k % 16) / 8))) & 15, kind)
+                                  : (float)(int8_t)(*byte);
         const int64_t g = n * ng + k / m->group;
         float s = half ? lmhead_half(((const uint16_t*)m->scale)[g]) : ((const float*)m->scale)[g];
         float w = code * s;

@@ -9,6 +9,7 @@
 int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const void* scale,
                         const void* offset, int64_t N, int64_t G, int flags, float* y, int threads);
 float lmhead_half(uint16_t h);
+float lmhead_nibble_code(int nib, int packed);
 
 typedef struct {
     const int8_t* codes;

@@ -38,8 +38,8 @@ import torch
 from lmhead.kernels import builder
 from lmhead.kernels.builder import SOURCES, library_path
 
-__all__ = ["BF16", "F16", "HALF", "HALF_MAX_GROUPS", "IQ4", "PACKED", "ROWS4", "SIGNED4", "SOURCES", "AttendArgs",
-           "DecodeArgs", "LayerDesc", "MatDesc", "StepArgs", "block4",
+__all__ = ["BF16", "F16", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4_LEVELS", "PACKED", "ROWS4", "SIGNED4", "SOURCES",
+           "AttendArgs", "DecodeArgs", "LayerDesc", "MatDesc", "StepArgs", "block4",
            "keep_ge", "keep_ge_unsure", "library", "library_path", "pack4", "row_lse_bounded", "row_moments",
            "row_scores", "select_ge", "topk", "typical_row", "unblock4", "unpack4"]
 
@@ -47,6 +47,8 @@ __all__ = ["BF16", "F16", "HALF", "HALF_MAX_GROUPS", "IQ4", "PACKED", "ROWS4", "
 # the file's float16 or bfloat16 weights themselves (no codes, no scales); with PACKED, signed 4-bit codes (Q4_0) or
 # indices of IQ4_NL's levels (IQ4_NL, IQ4_XS)
 PACKED, HALF, ROWS4, F16, BF16, SIGNED4, IQ4 = 1, 2, 4, 8, 16, 32, 64
+# IQ4_NL's sixteen levels, in index order (coded_kernel.c's IQ4_NIBBLES holds them in stored-nibble order, index ^ 8)
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
 _ABI = 20  # lmhead_coded_abi() of the sources above
 
@@ -315,7 +317,7 @@ def _self_test(lib: ctypes.CDLL) -> bool:
                 return False
     # signed packed 4-bit codes (Q4_0) and IQ4_NL's levels, without offsets: K = 192 leaves a unit past the 512-bit
     # pairs
-    levels = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
+    levels = torch.tensor(IQ4_LEVELS)
     for k, iq4 in ((128, False), (192, False), (128, True), (192, True)):
         index = torch.randint(0, 16, (20, k), generator=g, dtype=torch.int8)
         codes = levels[index.long()] if iq4 else index - 8

@@ -369,13 +369,21 @@ _IQ4_INDEX = np.full(256, 255, dtype=np.uint8)
 _IQ4_INDEX[IQ4_VALUES.view(np.uint8)] = np.arange(16, dtype=np.uint8)
 
 
+_RANGES = {"unsigned": (0, 15), "signed": (-8, 7)}  # the codes each 4-bit layout holds
+
+
 def _pack(codes: Tensor, four_bit: str) -> Tensor:
-    """int8 codes [N,K] → `native.pack4`'s layout of them (IQ4 levels: of their indices)."""
+    """int8 codes [N,K] → `native.pack4`'s layout of them (IQ4 levels: of their indices); ValueError for codes the
+    layout does not hold (packed, they would be other numbers)."""
     if four_bit == "iq4":
         index = _IQ4_INDEX[codes.contiguous().numpy().view(np.uint8)]
         if index.size and int(index.max()) == 255:
             raise ValueError("four_bit='iq4': the codes hold values that are not IQ4_NL levels")
         return native.pack4(torch.from_numpy(index).view(torch.int8))
+    low, high = _RANGES[four_bit]
+    if codes.numel() and not (low <= int(codes.min()) and int(codes.max()) <= high):
+        raise ValueError(f"four_bit={four_bit!r}: codes must be in [{low}, {high}], got "
+                         f"{int(codes.min())}..{int(codes.max())}")
     return native.pack4(codes, four_bit == "signed")
 
 

@@ -240,7 +240,7 @@ class _Reader:
         found = [self.codes(n) for n in names]
         if all(c is not None for c in found):
             fused = fuse_codes(found)
-            kinds = {c.kind for c in found}  # one type: its layout, without reading the codes for their range
+            kinds = {c.kind for c in found}  # one type: its layout (IQ4 levels are not told by a range)
             coded = CodedLinear(fused.codes, fused.scale, fused.offset,
                                 four_bit=FOUR_BIT.get(kinds.pop()) if len(kinds) == 1 else "auto")
             for n in names:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lmhead.kernels import native
 from lmhead.models import cache
 
 __all__ = ["BLOCKS", "FORMAT", "FOUR_BIT", "IQ4_VALUES", "Codes", "block_scales", "coded_nbytes", "codes_for_model",
@@ -40,7 +41,7 @@ BLOCKS = {"Q4_0": (32, 18, 32), "Q4_1": (32, 20, 32), "Q5_0": (32, 22, 32), "Q5_
           "Q5_K": (256, 176, 32), "Q6_K": (256, 210, 16), "IQ4_NL": (32, 18, 32), "IQ4_XS": (256, 136, 32)}
 
 # IQ4_NL's and IQ4_XS's 16 levels: a weight is d·IQ4_VALUES[q], so the table's integer is the weight's code
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+IQ4_VALUES = np.array(native.IQ4_LEVELS, dtype=np.int8)
 
 # how the coded kernel holds each type (CodedLinear): codes two to a byte where a block's codes take 4 bits
 # (`CodedLinear`'s `four_bit`: unsigned 0..15, signed −8..7 without offsets, or indices of IQ4_VALUES), float16
