@@ -3,6 +3,8 @@ tiny models written as GGUF loaded without conversion, equal to transformers' fo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -293,3 +295,22 @@ def test_transformers_reads_the_same_config_and_tokenizer_through_the_header_rea
     import gguf
 
     assert gguf.GGUFReader.__module__.startswith("gguf")  # restored after the block
+    reader = pytest.importorskip("transformers.integrations.gguf.reader")
+    original = reader.read_gguf_metadata
+    for arrays in ((), ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")):
+        with header_reader():
+            ours = reader.read_gguf_metadata(path, arrays)
+            ours[0]["tokenizer.ggml.token_type"].append(-1)  # a caller's change stays its own
+            again = reader.read_gguf_metadata(path, arrays)
+        assert reader.read_gguf_metadata is original  # restored after the block
+        theirs = original(path, arrays)
+        ours[0]["tokenizer.ggml.token_type"].pop()
+        assert ours == theirs == again
+        assert {k: type(v) for k, v in ours[0].items()} == {k: type(v) for k, v in theirs[0].items()}
+    from transformers import AutoTokenizer
+
+    folder, name = str(Path(path).parent), Path(path).name
+    with header_reader():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    assert tokenizer.backend_tokenizer.to_str() == \
+        AutoTokenizer.from_pretrained(folder, gguf_file=name).backend_tokenizer.to_str()

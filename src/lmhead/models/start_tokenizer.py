@@ -29,8 +29,10 @@ merges are most of its start), and transformers' import is needed only for the t
 from __future__ import annotations
 
 import json
+import operator
 import threading
 from collections.abc import Callable
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -174,9 +176,14 @@ def _reach(backend: Any, spec: dict[str, Any], facts: dict[str, Any]) -> Tokeniz
     added = spec.get("added_tokens") or []
     if any(vocab.get(a["content"]) != a["id"] for a in added):
         return None  # an added token outside the model's vocabulary would be found as a piece here
-    try:
-        pairs = [m.split(" ", 1) if isinstance(m, str) else m for m in model.get("merges") or []]
-        merges = np.array([(vocab[a], vocab[b], vocab[a + b]) for a, b in pairs], dtype=np.int32).reshape(-1, 3)
+    pairs = model.get("merges") or []
+    if any(isinstance(m, str) for m in pairs):  # tokenizers' older format: "left right"
+        pairs = [m.split(" ", 1) if isinstance(m, str) else m for m in pairs]
+    lefts, rights = list(map(itemgetter(0), pairs)), list(map(itemgetter(1), pairs))
+    merges = np.empty((len(pairs), 3), dtype=np.int32)
+    try:  # a piece's id by C-level maps over the [M] merges (a Python loop over Gemma's is most of this step)
+        for column, strings in enumerate((lefts, rights, map(operator.add, lefts, rights))):
+            merges[:, column] = np.fromiter(map(vocab.__getitem__, strings), dtype=np.int32, count=len(pairs))
     except KeyError:
         return None
     skeleton = dict(spec, model=dict(model, vocab={a["content"]: a["id"] for a in added}, merges=[]))
