@@ -49,6 +49,9 @@
 #define PREFETCH_AHEAD 2 /* blocks of four rows: see the decode product below */
 #endif
 #define MB 8 /* query rows per pass over a weight row (the row stays in L1 between passes) */
+/* a product's body written once with its row count as a parameter, inlined where each caller passes a constant:
+ * the copy's loops over rows unroll and its accumulators stay in registers */
+#define KERNEL_INLINE static inline __attribute__((always_inline))
 #define LMHEAD_PACKED 1
 #define LMHEAD_HALF 2
 #define LMHEAD_ROWS4 4
@@ -213,27 +216,28 @@ static inline float row_dot1(const float* x, const int8_t* c, int64_t us, const 
  * loaded once for the four rows and the four sums are reduced together — with rows of a few hundred weights the
  * per-row loop and reduction cost as much as the products. c: the block's codes; s, o: [4, ng] floats (o may be
  * NULL); xs: the query's group sums (unsigned packed codes). Same arithmetic as row_dot1 (int8 codes without
- * offsets, packed codes), or as the rebuilt weights of rows1 (int8 codes with offsets), row by row. */
-/* int8 codes with offsets: Σ (code·scale + offset)·x over a group, each weight rebuilt exactly */
-#define DOT4R(c0, c1, c2, c3, acc, sg, og)                                                               \
-    do {                                                                                                 \
-        const __m256 s_ = _mm256_set1_ps(sg), o_ = _mm256_set1_ps(og);                                   \
-        __m256 d_ = _mm256_mul_ps(_mm256_fmadd_ps((c0), s_, o_), x0);                                    \
-        d_ = _mm256_fmadd_ps(_mm256_fmadd_ps((c1), s_, o_), x1, d_);                                     \
-        d_ = _mm256_fmadd_ps(_mm256_fmadd_ps((c2), s_, o_), x2, d_);                                     \
-        d_ = _mm256_fmadd_ps(_mm256_fmadd_ps((c3), s_, o_), x3, d_);                                     \
-        (acc) = _mm256_add_ps(d_, (acc));                                                                \
-    } while (0)
-/* Σ scale·code·x: codes without offsets, or packed codes − 8 (their offsets come after the loop); two chains
- * of two products each, not one of four: the shorter chains keep more groups in flight (1.05–1.1× a thread) */
-#define DOT4C(c0, c1, c2, c3, acc, sg)                                                                   \
-    do {                                                                                                 \
-        __m256 d_ = _mm256_mul_ps((c0), x0);                                                             \
-        __m256 e_ = _mm256_mul_ps((c1), x1);                                                             \
-        d_ = _mm256_fmadd_ps((c2), x2, d_);                                                              \
-        e_ = _mm256_fmadd_ps((c3), x3, e_);                                                              \
-        (acc) = _mm256_fmadd_ps(_mm256_set1_ps(sg), _mm256_add_ps(d_, e_), (acc));                       \
-    } while (0)
+ * offsets, packed codes), or as the rebuilt weights of rows_n for one row (int8 codes with offsets), row by row. */
+/* int8 codes with offsets: acc + Σ (code·scale + offset)·x over a group, each weight rebuilt exactly */
+static inline __m256 dot4r(__m256 c0, __m256 c1, __m256 c2, __m256 c3, __m256 x0, __m256 x1, __m256 x2, __m256 x3,
+                           __m256 acc, float sg, float og) {
+    const __m256 sv = _mm256_set1_ps(sg), ov = _mm256_set1_ps(og);
+    __m256 d = _mm256_mul_ps(_mm256_fmadd_ps(c0, sv, ov), x0);
+    d = _mm256_fmadd_ps(_mm256_fmadd_ps(c1, sv, ov), x1, d);
+    d = _mm256_fmadd_ps(_mm256_fmadd_ps(c2, sv, ov), x2, d);
+    d = _mm256_fmadd_ps(_mm256_fmadd_ps(c3, sv, ov), x3, d);
+    return _mm256_add_ps(d, acc);
+}
+/* acc + Σ scale·code·x: codes without offsets, or packed codes − 8 (their offsets come after the loop); two
+ * chains of two products each, not one of four: the shorter chains keep more groups in flight (1.05–1.1× a
+ * thread) */
+static inline __m256 dot4c(__m256 c0, __m256 c1, __m256 c2, __m256 c3, __m256 x0, __m256 x1, __m256 x2, __m256 x3,
+                           __m256 acc, float sg) {
+    __m256 d = _mm256_mul_ps(c0, x0);
+    __m256 e = _mm256_mul_ps(c1, x1);
+    d = _mm256_fmadd_ps(c2, x2, d);
+    e = _mm256_fmadd_ps(c3, x3, e);
+    return _mm256_fmadd_ps(_mm256_set1_ps(sg), _mm256_add_ps(d, e), acc);
+}
 
 /* the 128 bytes of unit u (four rows' 32) of the block at pf, fetched while this block's unit u is computed: the
  * next block arrives spread over this one's loop (NULL: nothing) */
@@ -244,34 +248,36 @@ static inline void fetch_unit(const char* pf, int64_t u) {
     }
 }
 
-/* int8 codes of a four-row block, group by group: x0..x3 the group's x, cg row r's 32 codes; STEP adds them
- * (unit g of the next block, at the caller's pf, fetched meanwhile) */
-#define INT8_GROUPS(STEP)                                                                                \
-    for (int64_t g = 0; g < ng; g++) {                                                                   \
-        fetch_unit(pf, g);                                                                               \
-        const float* xg = x + g * 32;                                                                    \
-        const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);                             \
-        const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);                       \
-        for (int r = 0; r < 4; r++) {                                                                    \
-            const int8_t* cg = c + (g * 4 + r) * 32;                                                     \
-            STEP;                                                                                        \
-        }                                                                                                \
+/* int8 codes of a four-row block (G = 32), group by group, into acc[4]: with offsets (o) each weight rebuilt
+ * (dot4r), else scale·Σ code·x (dot4c); unit g of the next block, at pf, fetched meanwhile */
+KERNEL_INLINE void rows4_int8_256(const float* x, const int8_t* c, const float* s, const float* o, int64_t ng,
+                                  const char* pf, __m256* acc) {
+    for (int64_t g = 0; g < ng; g++) {
+        fetch_unit(pf, g);
+        const float* xg = x + g * 32;
+        const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
+        const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
+        for (int r = 0; r < 4; r++) {
+            const int8_t* cg = c + (g * 4 + r) * 32;
+            const __m256 c0 = BYTES8(cg), c1 = BYTES8(cg + 8), c2 = BYTES8(cg + 16), c3 = BYTES8(cg + 24);
+            acc[r] = o ? dot4r(c0, c1, c2, c3, x0, x1, x2, x3, acc[r], s[r * ng + g], o[r * ng + g])
+                       : dot4c(c0, c1, c2, c3, x0, x1, x2, x3, acc[r], s[r * ng + g]);
+        }
     }
+}
 
 /* Q6_K's and Q3_K's groups of 16 (int8 codes, no offsets): a 32-byte unit holds two groups, each with its own
- * scale */
-#define DOT2C(c0, c1, xa, xb, acc, sg)                                                                   \
-    do {                                                                                                 \
-        const __m256 d_ = _mm256_mul_ps((c0), (xa)), e_ = _mm256_mul_ps((c1), (xb));                     \
-        (acc) = _mm256_fmadd_ps(_mm256_set1_ps(sg), _mm256_add_ps(d_, e_), (acc));                       \
-    } while (0)
-/* Q2_K's groups of 16 with offsets: each weight rebuilt exactly (code·scale + offset), as DOT4R */
-#define DOT2R(c0, c1, xa, xb, acc, sg, og)                                                               \
-    do {                                                                                                 \
-        const __m256 s_ = _mm256_set1_ps(sg), o_ = _mm256_set1_ps(og);                                   \
-        const __m256 d_ = _mm256_mul_ps(_mm256_fmadd_ps((c0), s_, o_), (xa));                            \
-        (acc) = _mm256_add_ps(_mm256_fmadd_ps(_mm256_fmadd_ps((c1), s_, o_), (xb), d_), (acc));          \
-    } while (0)
+ * scale: acc + sg·Σ code·x */
+static inline __m256 dot2c(__m256 c0, __m256 c1, __m256 xa, __m256 xb, __m256 acc, float sg) {
+    const __m256 d = _mm256_mul_ps(c0, xa), e = _mm256_mul_ps(c1, xb);
+    return _mm256_fmadd_ps(_mm256_set1_ps(sg), _mm256_add_ps(d, e), acc);
+}
+/* Q2_K's groups of 16 with offsets: each weight rebuilt exactly (code·scale + offset), as dot4r */
+static inline __m256 dot2r(__m256 c0, __m256 c1, __m256 xa, __m256 xb, __m256 acc, float sg, float og) {
+    const __m256 sv = _mm256_set1_ps(sg), ov = _mm256_set1_ps(og);
+    const __m256 d = _mm256_mul_ps(_mm256_fmadd_ps(c0, sv, ov), xa);
+    return _mm256_add_ps(_mm256_fmadd_ps(_mm256_fmadd_ps(c1, sv, ov), xb, d), acc);
+}
 
 #ifdef __AVX512F__
 static inline __m256 fold512(__m512 v) { /* sixteen lanes added pairwise into eight */
@@ -281,7 +287,7 @@ static inline __m256 fold512(__m512 v) { /* sixteen lanes added pairwise into ei
 /* the common case of rows4_dot1 (int8 codes, no offsets, G = 32: Q8_0, Q5_0) in 512-bit lanes: a group's 32 codes
  * are two conversions of sixteen, not four of eight — half the instructions per weight, which is what bounds a
  * decode product on two cores once its rows come from memory at the prefetcher's rate. The same products and
- * scales as DOT4C, summed in another order (float32 rounding; tests bound it against float64, and the screen's
+ * scales as dot4c, summed in another order (float32 rounding; tests bound it against float64, and the screen's
  * bound holds for any order of the sums). acc[r] receives row r's sixteen lanes folded to eight. */
 static inline void rows4_int8_512(const float* x, const int8_t* c, const float* s, int64_t ng, const char* pf,
                                   __m256* acc) {
@@ -322,7 +328,7 @@ static inline void rows4_g16_512(const float* x, const int8_t* c, const float* s
 }
 
 /* int8 codes with offsets (Q5_1, Q5_K; G = 16: Q2_K, and q/k/v fused from Q3_K and Q4_K rows) in 512-bit lanes:
- * each weight rebuilt exactly, code·scale + offset in one rounding (as DOT4R and DOT2R), sixteen at a time. G = 32:
+ * each weight rebuilt exactly, code·scale + offset in one rounding (as dot4r and dot2r), sixteen at a time. G = 32:
  * a group is two conversions with one scale and offset; G = 16 (unit u holds groups 2u and 2u + 1): one
  * conversion is one group */
 static inline void rows4_offsets_512(const float* x, const int8_t* c, const float* s, const float* o, int64_t ng,
@@ -355,7 +361,7 @@ static inline void rows4_offsets_512(const float* x, const int8_t* c, const floa
  * to match (xp_layout), once per product;
  * the lanes' two halves belong to two groups, so the scale vector carries both (s of groups 4q and 4q + 2 for
  * nibbles 0–3, 4q + 1 and 4q + 3 for 4–7). Returns the first group it left: a row with an odd number of units
- * leaves its last one to rows4_dot1's 256-bit loop. The same products and scales as DOT4C, summed in another
+ * leaves its last one to rows4_dot1's 256-bit loop. The same products and scales as dot4c, summed in another
  * order; the offsets follow in rows4_dot1 (centred_offsets) as for the 256-bit loop. */
 static inline __m512 nibble512(__m512i v, int i, __m512 values) {
     return _mm512_permutexvar_ps(i ? _mm512_srli_epi32(v, 4 * i) : v, values);
@@ -420,15 +426,15 @@ static inline void rows4_dot1(const float* x, const float* xp, const int8_t* c, 
             __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
             for (int r = 0; r < 4; r++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (g * 2 + r) * 32));
-                DOT4C(CODEC(v, 0, packed), CODEC(v, 1, packed), CODEC(v, 2, packed), CODEC(v, 3, packed), acc[r],
-                      s[r * ng + g]);
+                acc[r] = dot4c(CODEC(v, 0, packed), CODEC(v, 1, packed), CODEC(v, 2, packed), CODEC(v, 3, packed),
+                               x0, x1, x2, x3, acc[r], s[r * ng + g]);
             }
             x0 = _mm256_loadu_ps(xg + 32), x1 = _mm256_loadu_ps(xg + 40);
             x2 = _mm256_loadu_ps(xg + 48), x3 = _mm256_loadu_ps(xg + 56);
             for (int r = 0; r < 4; r++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (g * 2 + r) * 32));
-                DOT4C(CODEC(v, 4, packed), CODEC(v, 5, packed), CODEC(v, 6, packed), CODEC(v, 7, packed), acc[r],
-                      s[r * ng + g + 1]);
+                acc[r] = dot4c(CODEC(v, 4, packed), CODEC(v, 5, packed), CODEC(v, 6, packed), CODEC(v, 7, packed),
+                               x0, x1, x2, x3, acc[r], s[r * ng + g + 1]);
             }
         }
 #ifdef __AVX512F__
@@ -444,13 +450,12 @@ static inline void rows4_dot1(const float* x, const float* xp, const int8_t* c, 
             for (int r = 0; r < 4; r++) {
                 const int8_t* cg = c + (u * 4 + r) * 32;
                 const int64_t i = r * ng + 2 * u;
-                DOT2R(BYTES8(cg), BYTES8(cg + 8), x0, x1, acc[r], s[i], o[i]);
-                DOT2R(BYTES8(cg + 16), BYTES8(cg + 24), x2, x3, acc[r], s[i + 1], o[i + 1]);
+                acc[r] = dot2r(BYTES8(cg), BYTES8(cg + 8), x0, x1, acc[r], s[i], o[i]);
+                acc[r] = dot2r(BYTES8(cg + 16), BYTES8(cg + 24), x2, x3, acc[r], s[i + 1], o[i + 1]);
             }
         }
     } else if (o) {
-        INT8_GROUPS(DOT4R(BYTES8(cg), BYTES8(cg + 8), BYTES8(cg + 16), BYTES8(cg + 24), acc[r], s[r * ng + g],
-                          o[r * ng + g]));
+        rows4_int8_256(x, c, s, o, ng, pf, acc);
 #endif
     } else if (g16) { /* ng = K/16: unit u holds groups 2u and 2u + 1 */
 #ifdef __AVX512F__
@@ -463,8 +468,8 @@ static inline void rows4_dot1(const float* x, const float* xp, const int8_t* c, 
             const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
             for (int r = 0; r < 4; r++) {
                 const int8_t* cg = c + (u * 4 + r) * 32;
-                DOT2C(BYTES8(cg), BYTES8(cg + 8), x0, x1, acc[r], s[r * ng + 2 * u]);
-                DOT2C(BYTES8(cg + 16), BYTES8(cg + 24), x2, x3, acc[r], s[r * ng + 2 * u + 1]);
+                acc[r] = dot2c(BYTES8(cg), BYTES8(cg + 8), x0, x1, acc[r], s[r * ng + 2 * u]);
+                acc[r] = dot2c(BYTES8(cg + 16), BYTES8(cg + 24), x2, x3, acc[r], s[r * ng + 2 * u + 1]);
             }
         }
 #endif
@@ -472,7 +477,7 @@ static inline void rows4_dot1(const float* x, const float* xp, const int8_t* c, 
 #ifdef __AVX512F__
         rows4_int8_512(x, c, s, ng, pf, acc);
 #else
-        INT8_GROUPS(DOT4C(BYTES8(cg), BYTES8(cg + 8), BYTES8(cg + 16), BYTES8(cg + 24), acc[r], s[r * ng + g]));
+        rows4_int8_256(x, c, s, NULL, ng, pf, acc);
 #endif
     }
     float tail[4] = {0.f, 0.f, 0.f, 0.f};
@@ -494,173 +499,207 @@ static inline __m256 rebuild8(__m256 cf, __m256 sv, __m256 ov, int has_offset) {
  * each weight rebuilt once for all R rows. Up to 4 rows, two accumulators per row so that successive products
  * do not wait on each other; from 5 rows one each (R independent chains already hide the FMA latency, and 2·R
  * would not fit the 16 registers). */
-#define ROWS(R)                                                                                              \
-    static inline void rows##R(const float* x, int64_t K, const int8_t* c, int64_t us, const float* s,     \
-                               const float* o, int64_t ng, int64_t G, int packed, float* out) {            \
-        __m256 a[R], b[R];                                                                                  \
-        for (int m = 0; m < R; m++) a[m] = b[m] = _mm256_setzero_ps();                                      \
-        const __m256 zero = _mm256_setzero_ps();                                                            \
-        IQ4_TABLE;                                                                                          \
-        if (packed) {                                                                                       \
-            for (int64_t g = 0; g < ng; g += 2) {                                                           \
-                const __m256i v = UNIT4(PAIR(c, us, g), packed);                                            \
-                const __m256 s0 = _mm256_set1_ps(s[g]), s1 = _mm256_set1_ps(s[g + 1]);                      \
-                const __m256 o0 = o ? _mm256_set1_ps(o[g]) : zero, o1 = o ? _mm256_set1_ps(o[g + 1]) : zero; \
-                _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                                       \
-                    const __m256 w = rebuild8(CODES8(v, i, packed), i < 4 ? s0 : s1, i < 4 ? o0 : o1, o != NULL); \
-                    for (int m = 0; m < R; m++) {                                                           \
-                        const __m256 xv = _mm256_loadu_ps(x + m * K + g * 32 + 8 * i);                      \
-                        if (R <= 4 && (i & 1))                                                              \
-                            b[m] = _mm256_fmadd_ps(w, xv, b[m]);                                            \
-                        else                                                                                \
-                            a[m] = _mm256_fmadd_ps(w, xv, a[m]);                                            \
-                    }                                                                                       \
-                }                                                                                           \
-            }                                                                                               \
-        } else {                                                                                            \
-            for (int64_t g = 0; g < ng; g++) {                                                              \
-                const __m256 sv = _mm256_set1_ps(s[g]);                                                     \
-                const __m256 ov = o ? _mm256_set1_ps(o[g]) : zero;                                          \
-                for (int64_t j = 0; j < G; j += 16) {                                                       \
-                    const __m256 w0 = rebuild8(BYTES8(CODE(c, us, g * G + j)), sv, ov, o != NULL);          \
-                    const __m256 w1 = rebuild8(BYTES8(CODE(c, us, g * G + j + 8)), sv, ov, o != NULL);      \
-                    for (int m = 0; m < R; m++) {                                                           \
-                        const float* xm = x + m * K + g * G + j;                                            \
-                        a[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), a[m]);                              \
-                        if (R <= 4)                                                                         \
-                            b[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), b[m]);                      \
-                        else                                                                                \
-                            a[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), a[m]);                      \
-                    }                                                                                       \
-                }                                                                                           \
-            }                                                                                               \
-        }                                                                                                   \
-        for (int m = 0; m < R; m++) out[m] = hsum8(_mm256_add_ps(a[m], b[m]));                              \
+KERNEL_INLINE void rows_n(const int R, const float* x, int64_t K, const int8_t* c, int64_t us, const float* s,
+                           const float* o, int64_t ng, int64_t G, int packed, float* out) {
+    __m256 a[MB], b[4]; /* b: the second accumulators of R ≤ 4 rows */
+    const __m256 zero = _mm256_setzero_ps();
+    for (int m = 0; m < R; m++) a[m] = zero;
+    for (int m = 0; m < R && m < 4; m++) b[m] = zero;
+    IQ4_TABLE;
+    if (packed) {
+        for (int64_t g = 0; g < ng; g += 2) {
+            const __m256i v = UNIT4(PAIR(c, us, g), packed);
+            const __m256 s0 = _mm256_set1_ps(s[g]), s1 = _mm256_set1_ps(s[g + 1]);
+            const __m256 o0 = o ? _mm256_set1_ps(o[g]) : zero, o1 = o ? _mm256_set1_ps(o[g + 1]) : zero;
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) {
+                const __m256 w = rebuild8(CODES8(v, i, packed), i < 4 ? s0 : s1, i < 4 ? o0 : o1, o != NULL);
+                for (int m = 0; m < R; m++) {
+                    const __m256 xv = _mm256_loadu_ps(x + m * K + g * 32 + 8 * i);
+                    if (R <= 4 && (i & 1))
+                        b[m] = _mm256_fmadd_ps(w, xv, b[m]);
+                    else
+                        a[m] = _mm256_fmadd_ps(w, xv, a[m]);
+                }
+            }
+        }
+    } else {
+        for (int64_t g = 0; g < ng; g++) {
+            const __m256 sv = _mm256_set1_ps(s[g]);
+            const __m256 ov = o ? _mm256_set1_ps(o[g]) : zero;
+            for (int64_t j = 0; j < G; j += 16) {
+                const __m256 w0 = rebuild8(BYTES8(CODE(c, us, g * G + j)), sv, ov, o != NULL);
+                const __m256 w1 = rebuild8(BYTES8(CODE(c, us, g * G + j + 8)), sv, ov, o != NULL);
+                for (int m = 0; m < R; m++) {
+                    const float* xm = x + m * K + g * G + j;
+                    a[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), a[m]);
+                    if (R <= 4)
+                        b[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), b[m]);
+                    else
+                        a[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), a[m]);
+                }
+            }
+        }
     }
-ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+    for (int m = 0; m < R; m++) out[m] = hsum8(_mm256_add_ps(a[m], R <= 4 ? b[m] : zero));
+}
+
 
 /* a block of four weight rows (LMHEAD_ROWS4 layout) against Q ≤ 3 query rows (verification, batched decode):
  * group by group through the block's one stream, each weight rebuilt exactly (code·scale + offset) and used for
  * the Q rows. Several query rows read the block Q rows at a time (it stays in L1 between passes): row by row
  * over the interleaved layout, the products of 2–8 rows ran 1.3–1.5× slower than over plain rows.
  * out [Q, 4] (stride 4). */
-#define MULTI(Q)                                                                                             \
-    static inline void block4_rows##Q(const float* x, int64_t K, const int8_t* c, const float* s,           \
-                                      const float* o, int64_t ng, int packed, const char* pf, float* out) {  \
-        __m256 acc[4][Q];                                                                                    \
-        for (int r = 0; r < 4; r++)                                                                          \
-            for (int m = 0; m < Q; m++) acc[r][m] = _mm256_setzero_ps();                                     \
-        IQ4_TABLE;                                                                                           \
-        if (packed) {                                                                                        \
-            for (int64_t g = 0; g < ng; g += 2) {                                                            \
-                fetch_unit(pf, g >> 1);                                                                      \
-                for (int r = 0; r < 4; r++) {                                                                \
-                    const __m256i v = UNIT4(c + ((g >> 1) * 4 + r) * 32, packed);                            \
-                    for (int h = 0; h < 2; h++) {                                                            \
-                        const __m256 sv = _mm256_set1_ps(s[r * ng + g + h]);                                 \
-                        const __m256 ov = o ? _mm256_set1_ps(o[r * ng + g + h]) : _mm256_setzero_ps();       \
-                        for (int j = 0; j < 4; j++) {                                                        \
-                            const __m256 w = rebuild8(CODES8(v, 4 * h + j, packed), sv, ov, o != NULL);      \
-                            for (int m = 0; m < Q; m++)                                                      \
-                                acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + (g + h) * 32 + 8 * j), \
-                                                            acc[r][m]);                                      \
-                        }                                                                                    \
-                    }                                                                                        \
-                }                                                                                            \
-            }                                                                                                \
-        } else {                                                                                             \
-            const int g16 = ng * 16 == K; /* Q6_K, Q3_K, Q2_K: two groups per 32-weight unit */                          \
-            for (int64_t g = 0; g < K / 32; g++) {                                                           \
-                fetch_unit(pf, g);                                                                           \
-                for (int r = 0; r < 4; r++) {                                                                \
-                    const int64_t i0 = r * ng + (g16 ? 2 * g : g), i1 = i0 + g16;                            \
-                    const __m256 s0 = _mm256_set1_ps(s[i0]), s1 = _mm256_set1_ps(s[i1]);                     \
-                    const __m256 o0 = o ? _mm256_set1_ps(o[i0]) : _mm256_setzero_ps();                       \
-                    const __m256 o1 = o ? _mm256_set1_ps(o[i1]) : _mm256_setzero_ps();                       \
-                    const int8_t* cg = c + (g * 4 + r) * 32;                                                 \
-                    for (int j = 0; j < 4; j++) {                                                            \
-                        const __m256 w = rebuild8(BYTES8(cg + 8 * j), j < 2 ? s0 : s1, j < 2 ? o0 : o1, o != NULL); \
-                        for (int m = 0; m < Q; m++)                                                          \
-                            acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + g * 32 + 8 * j), acc[r][m]); \
-                    }                                                                                        \
-                }                                                                                            \
-            }                                                                                                \
-        }                                                                                                    \
-        for (int m = 0; m < Q; m++)                                                                          \
-            for (int r = 0; r < 4; r++) out[m * 4 + r] = hsum8(acc[r][m]);                                   \
+KERNEL_INLINE void block4_rows_n(const int Q, const float* x, int64_t K, const int8_t* c, const float* s,
+                                  const float* o, int64_t ng, int packed, const char* pf, float* out) {
+    __m256 acc[4][3];
+    for (int r = 0; r < 4; r++)
+        for (int m = 0; m < Q; m++) acc[r][m] = _mm256_setzero_ps();
+    IQ4_TABLE;
+    if (packed) {
+        for (int64_t g = 0; g < ng; g += 2) {
+            fetch_unit(pf, g >> 1);
+            for (int r = 0; r < 4; r++) {
+                const __m256i v = UNIT4(c + ((g >> 1) * 4 + r) * 32, packed);
+                for (int h = 0; h < 2; h++) {
+                    const __m256 sv = _mm256_set1_ps(s[r * ng + g + h]);
+                    const __m256 ov = o ? _mm256_set1_ps(o[r * ng + g + h]) : _mm256_setzero_ps();
+                    for (int j = 0; j < 4; j++) {
+                        const __m256 w = rebuild8(CODES8(v, 4 * h + j, packed), sv, ov, o != NULL);
+                        for (int m = 0; m < Q; m++)
+                            acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + (g + h) * 32 + 8 * j),
+                                                        acc[r][m]);
+                    }
+                }
+            }
+        }
+    } else {
+        const int g16 = ng * 16 == K; /* Q6_K, Q3_K, Q2_K: two groups per 32-weight unit */
+        for (int64_t g = 0; g < K / 32; g++) {
+            fetch_unit(pf, g);
+            for (int r = 0; r < 4; r++) {
+                const int64_t i0 = r * ng + (g16 ? 2 * g : g), i1 = i0 + g16;
+                const __m256 s0 = _mm256_set1_ps(s[i0]), s1 = _mm256_set1_ps(s[i1]);
+                const __m256 o0 = o ? _mm256_set1_ps(o[i0]) : _mm256_setzero_ps();
+                const __m256 o1 = o ? _mm256_set1_ps(o[i1]) : _mm256_setzero_ps();
+                const int8_t* cg = c + (g * 4 + r) * 32;
+                for (int j = 0; j < 4; j++) {
+                    const __m256 w = rebuild8(BYTES8(cg + 8 * j), j < 2 ? s0 : s1, j < 2 ? o0 : o1, o != NULL);
+                    for (int m = 0; m < Q; m++)
+                        acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + g * 32 + 8 * j), acc[r][m]);
+                }
+            }
+        }
     }
-MULTI(1) MULTI(2) MULTI(3)
+    for (int m = 0; m < Q; m++)
+        for (int r = 0; r < 4; r++) out[m * 4 + r] = hsum8(acc[r][m]);
+}
+
 
 /* a block of four weight rows against Q = 4..8 query rows (batched decode, longer verifications): one weight
  * row of the block at a time, each weight rebuilt once and used for the Q rows (Q accumulators). Measured
  * against ≤ 3-row passes of block4_rows (each rebuilding every weight again): 8 rows 1.2–1.3× faster on
  * Gemma's head and on both models' MLP matrices. */
-#define EACH(Q)                                                                                              \
-    static inline void block4_each##Q(const float* x, int64_t K, const int8_t* c, const float* s,           \
-                                      const float* o, int64_t ng, int packed, const char* pf, float* out) {  \
-        IQ4_TABLE;                                                                                           \
-        for (int r = 0; r < 4; r++) {                                                                        \
-            __m256 acc[Q];                                                                                   \
-            for (int m = 0; m < Q; m++) acc[m] = _mm256_setzero_ps();                                        \
-            if (packed) {                                                                                    \
-                for (int64_t g = 0; g < ng; g += 2) {                                                        \
-                    fetch_unit(r == 0 ? pf : NULL, g >> 1);                                                  \
-                    const __m256i v = UNIT4(c + ((g >> 1) * 4 + r) * 32, packed);                            \
-                    for (int h = 0; h < 2; h++) {                                                            \
-                        const __m256 sv = _mm256_set1_ps(s[r * ng + g + h]);                                 \
-                        const __m256 ov = o ? _mm256_set1_ps(o[r * ng + g + h]) : _mm256_setzero_ps();       \
-                        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                \
-                            const __m256 w = rebuild8(CODES8(v, 4 * h + j, packed), sv, ov, o != NULL);      \
-                            const float* xk = x + (g + h) * 32 + 8 * j;                                      \
-                            for (int m = 0; m < Q; m++)                                                      \
-                                acc[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xk + m * K), acc[m]);            \
-                        }                                                                                    \
-                    }                                                                                        \
-                }                                                                                            \
-            } else {                                                                                         \
-                const int g16 = ng * 16 == K; /* Q6_K, Q3_K, Q2_K: two groups per 32-weight unit */                      \
-                for (int64_t g = 0; g < K / 32; g++) {                                                       \
-                    fetch_unit(r == 0 ? pf : NULL, g);                                                       \
-                    const int64_t i0 = r * ng + (g16 ? 2 * g : g), i1 = i0 + g16;                            \
-                    const __m256 s0 = _mm256_set1_ps(s[i0]), s1 = _mm256_set1_ps(s[i1]);                     \
-                    const __m256 o0 = o ? _mm256_set1_ps(o[i0]) : _mm256_setzero_ps();                       \
-                    const __m256 o1 = o ? _mm256_set1_ps(o[i1]) : _mm256_setzero_ps();                       \
-                    const int8_t* cg = c + (g * 4 + r) * 32;                                                 \
-                    _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                    \
-                        const __m256 w = rebuild8(BYTES8(cg + 8 * j), j < 2 ? s0 : s1, j < 2 ? o0 : o1, o != NULL); \
-                        const float* xk = x + g * 32 + 8 * j;                                                \
-                        for (int m = 0; m < Q; m++)                                                          \
-                            acc[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xk + m * K), acc[m]);                \
-                    }                                                                                        \
-                }                                                                                            \
-            }                                                                                                \
-            for (int m = 0; m < Q; m++) out[m * 4 + r] = hsum8(acc[m]);                                      \
-        }                                                                                                    \
+KERNEL_INLINE void block4_each_n(const int Q, const float* x, int64_t K, const int8_t* c, const float* s,
+                                  const float* o, int64_t ng, int packed, const char* pf, float* out) {
+    IQ4_TABLE;
+    for (int r = 0; r < 4; r++) {
+        __m256 acc[MB];
+        for (int m = 0; m < Q; m++) acc[m] = _mm256_setzero_ps();
+        if (packed) {
+            for (int64_t g = 0; g < ng; g += 2) {
+                fetch_unit(r == 0 ? pf : NULL, g >> 1);
+                const __m256i v = UNIT4(c + ((g >> 1) * 4 + r) * 32, packed);
+                for (int h = 0; h < 2; h++) {
+                    const __m256 sv = _mm256_set1_ps(s[r * ng + g + h]);
+                    const __m256 ov = o ? _mm256_set1_ps(o[r * ng + g + h]) : _mm256_setzero_ps();
+#pragma GCC unroll 4
+                    for (int j = 0; j < 4; j++) {
+                        const __m256 w = rebuild8(CODES8(v, 4 * h + j, packed), sv, ov, o != NULL);
+                        const float* xk = x + (g + h) * 32 + 8 * j;
+                        for (int m = 0; m < Q; m++)
+                            acc[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xk + m * K), acc[m]);
+                    }
+                }
+            }
+        } else {
+            const int g16 = ng * 16 == K; /* Q6_K, Q3_K, Q2_K: two groups per 32-weight unit */
+            for (int64_t g = 0; g < K / 32; g++) {
+                fetch_unit(r == 0 ? pf : NULL, g);
+                const int64_t i0 = r * ng + (g16 ? 2 * g : g), i1 = i0 + g16;
+                const __m256 s0 = _mm256_set1_ps(s[i0]), s1 = _mm256_set1_ps(s[i1]);
+                const __m256 o0 = o ? _mm256_set1_ps(o[i0]) : _mm256_setzero_ps();
+                const __m256 o1 = o ? _mm256_set1_ps(o[i1]) : _mm256_setzero_ps();
+                const int8_t* cg = c + (g * 4 + r) * 32;
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    const __m256 w = rebuild8(BYTES8(cg + 8 * j), j < 2 ? s0 : s1, j < 2 ? o0 : o1, o != NULL);
+                    const float* xk = x + g * 32 + 8 * j;
+                    for (int m = 0; m < Q; m++)
+                        acc[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xk + m * K), acc[m]);
+                }
+            }
+        }
+        for (int m = 0; m < Q; m++) out[m * 4 + r] = hsum8(acc[m]);
     }
-EACH(4) EACH(5) EACH(6) EACH(7) EACH(8)
+}
 
-/* the pass for q query rows of a block: ≤ 3 through its one stream, 4..8 row by row */
+
+/* the pass for q query rows of a block: ≤ 3 through its one stream, 4..8 row by row; one function per q, the copy
+ * with q a constant (its accumulators in registers) */
+static void block_pass1(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
+                        int packed, const char* pf, float* out) {
+    block4_rows_n(1, x, K, c, s, o, ng, packed, pf, out);
+}
+static void block_pass2(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
+                        int packed, const char* pf, float* out) {
+    block4_rows_n(2, x, K, c, s, o, ng, packed, pf, out);
+}
+static void block_pass3(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
+                        int packed, const char* pf, float* out) {
+    block4_rows_n(3, x, K, c, s, o, ng, packed, pf, out);
+}
+static void block_pass4(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
+                        int packed, const char* pf, float* out) {
+    block4_each_n(4, x, K, c, s, o, ng, packed, pf, out);
+}
+static void block_pass5(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
+                        int packed, const char* pf, float* out) {
+    block4_each_n(5, x, K, c, s, o, ng, packed, pf, out);
+}
+static void block_pass6(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
+                        int packed, const char* pf, float* out) {
+    block4_each_n(6, x, K, c, s, o, ng, packed, pf, out);
+}
+static void block_pass7(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
+                        int packed, const char* pf, float* out) {
+    block4_each_n(7, x, K, c, s, o, ng, packed, pf, out);
+}
+static void block_pass8(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
+                        int packed, const char* pf, float* out) {
+    block4_each_n(8, x, K, c, s, o, ng, packed, pf, out);
+}
 typedef void (*block_pass)(const float*, int64_t, const int8_t*, const float*, const float*, int64_t, int, const char*,
                            float*);
-static const block_pass BLOCK_PASS[9] = {NULL, block4_rows1, block4_rows2, block4_rows3, block4_each4,
-                                         block4_each5, block4_each6, block4_each7, block4_each8};
+static const block_pass BLOCK_PASS[9] = {NULL, block_pass1, block_pass2, block_pass3, block_pass4,
+                                         block_pass5, block_pass6, block_pass7, block_pass8};
 
 static inline void row_dot(const float* x, int64_t K, const int8_t* c, int64_t us, const float* s, const float* o,
                            const float* xs, int64_t ng, int64_t G, int packed, int mb, float* out) {
     switch (mb) {
         case 1:
             if (o && !packed)
-                rows1(x, K, c, us, s, o, ng, G, packed, out);
+                rows_n(1, x, K, c, us, s, o, ng, G, packed, out);
             else
                 out[0] = row_dot1(x, c, us, s, o, xs, ng, G, packed);
             break;
-        case 2: rows2(x, K, c, us, s, o, ng, G, packed, out); break;
-        case 3: rows3(x, K, c, us, s, o, ng, G, packed, out); break;
-        case 4: rows4(x, K, c, us, s, o, ng, G, packed, out); break;
-        case 5: rows5(x, K, c, us, s, o, ng, G, packed, out); break;
-        case 6: rows6(x, K, c, us, s, o, ng, G, packed, out); break;
-        case 7: rows7(x, K, c, us, s, o, ng, G, packed, out); break;
-        default: rows8(x, K, c, us, s, o, ng, G, packed, out); break;
+        case 2: rows_n(2, x, K, c, us, s, o, ng, G, packed, out); break;
+        case 3: rows_n(3, x, K, c, us, s, o, ng, G, packed, out); break;
+        case 4: rows_n(4, x, K, c, us, s, o, ng, G, packed, out); break;
+        case 5: rows_n(5, x, K, c, us, s, o, ng, G, packed, out); break;
+        case 6: rows_n(6, x, K, c, us, s, o, ng, G, packed, out); break;
+        case 7: rows_n(7, x, K, c, us, s, o, ng, G, packed, out); break;
+        default: rows_n(8, x, K, c, us, s, o, ng, G, packed, out); break;
     }
 }
 #else
@@ -696,7 +735,7 @@ static inline void row_dot(const float* x, int64_t K, const int8_t* c, int64_t u
 /* ---- float16 and bfloat16 weights (F16 and BF16 files) -------------------------------------------------------
  * No scale to factor out: each weight is converted to the float32 number it is (exact, as gguf-py's dequantiser
  * converts it) and multiplied as float32 weights are, from half their bytes. Several query rows share each
- * conversion (R rows per pass over a weight row, as ROWS). */
+ * conversion (R rows per pass over a weight row, as rows_n). */
 static inline float bf16_to_float(uint16_t b) {
     union { uint32_t u; float f; } v;
     v.u = (uint32_t)b << 16;
@@ -709,35 +748,33 @@ static inline float w16(const uint16_t* w, int64_t k, int bf16) {
 #if defined(__AVX2__) && defined(__F16C__)
 #define LOADH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))
 #define LOADB(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p))), 16))
-/* one weight row against R query rows; two accumulators per row up to 4 rows (as ROWS) */
-#define DENSE(R, NAME, LOAD, BF)                                                                              \
-    static inline void NAME##R(const float* x, int64_t K, const uint16_t* w, float* out) {                  \
-        __m256 a[R], b[R];                                                                                   \
-        for (int m = 0; m < R; m++) a[m] = b[m] = _mm256_setzero_ps();                                       \
-        int64_t k = 0;                                                                                       \
-        for (; k + 16 <= K; k += 16) {                                                                       \
-            const __m256 w0 = LOAD(w + k), w1 = LOAD(w + k + 8);                                             \
-            for (int m = 0; m < R; m++) {                                                                    \
-                a[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * K + k), a[m]);                            \
-                if (R <= 4)                                                                                  \
-                    b[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), b[m]);                    \
-                else                                                                                         \
-                    a[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), a[m]);                    \
-            }                                                                                                \
-        }                                                                                                    \
-        for (int m = 0; m < R; m++) {                                                                        \
-            float t = hsum8(_mm256_add_ps(a[m], b[m]));                                                      \
-            for (int64_t j = k; j < K; j++) t += w16(w, j, BF) * x[m * K + j];                               \
-            out[m] = t;                                                                                      \
-        }                                                                                                    \
+/* one weight row against R query rows; two accumulators per row up to 4 rows (as rows_n) */
+KERNEL_INLINE void dense_rows_n(const int R, const int bf16, const float* x, int64_t K, const uint16_t* w, float* out) {
+    __m256 a[MB], b[4]; /* b: the second accumulators of R ≤ 4 rows */
+    const __m256 zero = _mm256_setzero_ps();
+    for (int m = 0; m < R; m++) a[m] = zero;
+    for (int m = 0; m < R && m < 4; m++) b[m] = zero;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        const __m256 w0 = bf16 ? LOADB(w + k) : LOADH(w + k), w1 = bf16 ? LOADB(w + k + 8) : LOADH(w + k + 8);
+        for (int m = 0; m < R; m++) {
+            a[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * K + k), a[m]);
+            if (R <= 4)
+                b[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), b[m]);
+            else
+                a[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), a[m]);
+        }
     }
-DENSE(1, f16_rows, LOADH, 0) DENSE(2, f16_rows, LOADH, 0) DENSE(3, f16_rows, LOADH, 0) DENSE(4, f16_rows, LOADH, 0)
-DENSE(5, f16_rows, LOADH, 0) DENSE(6, f16_rows, LOADH, 0) DENSE(7, f16_rows, LOADH, 0) DENSE(8, f16_rows, LOADH, 0)
-DENSE(1, bf16_rows, LOADB, 1) DENSE(2, bf16_rows, LOADB, 1) DENSE(3, bf16_rows, LOADB, 1) DENSE(4, bf16_rows, LOADB, 1)
-DENSE(5, bf16_rows, LOADB, 1) DENSE(6, bf16_rows, LOADB, 1) DENSE(7, bf16_rows, LOADB, 1) DENSE(8, bf16_rows, LOADB, 1)
+    for (int m = 0; m < R; m++) {
+        float t = hsum8(_mm256_add_ps(a[m], R <= 4 ? b[m] : zero));
+        for (int64_t j = k; j < K; j++) t += w16(w, j, bf16) * x[m * K + j];
+        out[m] = t;
+    }
+}
+
 #ifdef __AVX512F__
 /* one query row (decode) in 512-bit lanes: sixteen weights a conversion, two sums */
-static inline void dense16_row512(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
+KERNEL_INLINE void dense16_row512(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
     __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
@@ -754,18 +791,73 @@ static inline void dense16_row512(const float* x, int64_t K, const uint16_t* w, 
     for (; k < K; k++) t += w16(w, k, bf16) * x[k];
     *out = t;
 }
-static void f16_row512(const float* x, int64_t K, const uint16_t* w, float* out) { dense16_row512(x, K, w, 0, out); }
-static void bf16_row512(const float* x, int64_t K, const uint16_t* w, float* out) { dense16_row512(x, K, w, 1, out); }
-#define F16_ROW1 f16_row512
-#define BF16_ROW1 bf16_row512
-#else
-#define F16_ROW1 f16_rows1
-#define BF16_ROW1 bf16_rows1
 #endif
+
+/* the pass for mb query rows of a weight row: one function per mb and type, the copy with both constants */
+#ifdef __AVX512F__
+static void f16_pass1(const float* x, int64_t K, const uint16_t* w, float* out) {
+    dense16_row512(x, K, w, 0, out);
+}
+#else
+static void f16_pass1(const float* x, int64_t K, const uint16_t* w, float* out) {
+    dense_rows_n(1, 0, x, K, w, out);
+}
+#endif
+static void f16_pass2(const float* x, int64_t K, const uint16_t* w, float* out) {
+    dense_rows_n(2, 0, x, K, w, out);
+}
+static void f16_pass3(const float* x, int64_t K, const uint16_t* w, float* out) {
+    dense_rows_n(3, 0, x, K, w, out);
+}
+static void f16_pass4(const float* x, int64_t K, const uint16_t* w, float* out) {
+    dense_rows_n(4, 0, x, K, w, out);
+}
+static void f16_pass5(const float* x, int64_t K, const uint16_t* w, float* out) {
+    dense_rows_n(5, 0, x, K, w, out);
+}
+static void f16_pass6(const float* x, int64_t K, const uint16_t* w, float* out) {
+    dense_rows_n(6, 0, x, K, w, out);
+}
+static void f16_pass7(const float* x, int64_t K, const uint16_t* w, float* out) {
+    dense_rows_n(7, 0, x, K, w, out);
+}
+static void f16_pass8(const float* x, int64_t K, const uint16_t* w, float* out) {
+    dense_rows_n(8, 0, x, K, w, out);
+}
+#ifdef __AVX512F__
+static void bf16_pass1(const float* x, int64_t K, const uint16_t* w, float* out) {
+    dense16_row512(x, K, w, 1, out);
+}
+#else
+static void bf16_pass1(const float* x, int64_t K, const uint16_t* w, float* out) {
+    dense_rows_n(1, 1, x, K, w, out);
+}
+#endif
+static void bf16_pass2(const float* x, int64_t K, const uint16_t* w, float* out) {
+    dense_rows_n(2, 1, x, K, w, out);
+}
+static void bf16_pass3(const float* x, int64_t K, const uint16_t* w, float* out) {
+    dense_rows_n(3, 1, x, K, w, out);
+}
+static void bf16_pass4(const float* x, int64_t K, const uint16_t* w, float* out) {
+    dense_rows_n(4, 1, x, K, w, out);
+}
+static void bf16_pass5(const float* x, int64_t K, const uint16_t* w, float* out) {
+    dense_rows_n(5, 1, x, K, w, out);
+}
+static void bf16_pass6(const float* x, int64_t K, const uint16_t* w, float* out) {
+    dense_rows_n(6, 1, x, K, w, out);
+}
+static void bf16_pass7(const float* x, int64_t K, const uint16_t* w, float* out) {
+    dense_rows_n(7, 1, x, K, w, out);
+}
+static void bf16_pass8(const float* x, int64_t K, const uint16_t* w, float* out) {
+    dense_rows_n(8, 1, x, K, w, out);
+}
 typedef void (*dense_pass)(const float*, int64_t, const uint16_t*, float*);
 static const dense_pass DENSE_PASS[2][MB + 1] = {
-    {NULL, F16_ROW1, f16_rows2, f16_rows3, f16_rows4, f16_rows5, f16_rows6, f16_rows7, f16_rows8},
-    {NULL, BF16_ROW1, bf16_rows2, bf16_rows3, bf16_rows4, bf16_rows5, bf16_rows6, bf16_rows7, bf16_rows8}};
+    {NULL, f16_pass1, f16_pass2, f16_pass3, f16_pass4, f16_pass5, f16_pass6, f16_pass7, f16_pass8},
+    {NULL, bf16_pass1, bf16_pass2, bf16_pass3, bf16_pass4, bf16_pass5, bf16_pass6, bf16_pass7, bf16_pass8}};
 #endif
 
 static int dense_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, int bf16, float* y,
@@ -1001,33 +1093,64 @@ int lmhead_screen_norms(const int8_t* codes, const uint16_t* scale, int64_t N, i
 #ifdef __AVX2__
 /* one block of four weight rows against Q ≤ SCREEN_ROWS query rows on their int16 grids: out [Q, 4] (stride 4),
  * without the grids' steps d */
-#define SCREEN(Q)                                                                                            \
-    static inline void screen_block##Q(const int16_t* q, int64_t K, const int8_t* c, const float* s,       \
-                                       int64_t ng, float* out) {                                           \
-        for (int r = 0; r < 4; r++) {                                                                      \
-            __m256 acc[Q];                                                                                 \
-            for (int m = 0; m < Q; m++) acc[m] = _mm256_setzero_ps();                                      \
-            for (int64_t g = 0; g < ng; g++) {                                                             \
-                const int8_t* cg = c + (g * 4 + r) * 32;                                                   \
-                const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)cg));             \
-                const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(cg + 16)));      \
-                const __m256 sv = _mm256_set1_ps(s[r * ng + g]);                                           \
-                const int16_t* qg = q + g * 32;                                                            \
-                for (int m = 0; m < Q; m++) {                                                              \
-                    const __m256i p = _mm256_add_epi32(                                                    \
-                        _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)(qg + m * K))),          \
-                        _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(qg + m * K + 16))));    \
-                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sv, acc[m]);                           \
-                }                                                                                          \
-            }                                                                                              \
-            for (int m = 0; m < Q; m++) out[m * 4 + r] = hsum8(acc[m]);                                    \
-        }                                                                                                  \
+KERNEL_INLINE void screen_block_n(const int Q, const int16_t* q, int64_t K, const int8_t* c, const float* s,
+                                   int64_t ng, float* out) {
+    for (int r = 0; r < 4; r++) {
+        __m256 acc[SCREEN_ROWS];
+        for (int m = 0; m < Q; m++) acc[m] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < ng; g++) {
+            const int8_t* cg = c + (g * 4 + r) * 32;
+            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)cg));
+            const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(cg + 16)));
+            const __m256 sv = _mm256_set1_ps(s[r * ng + g]);
+            const int16_t* qg = q + g * 32;
+            for (int m = 0; m < Q; m++) {
+                const __m256i p = _mm256_add_epi32(
+                    _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)(qg + m * K))),
+                    _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(qg + m * K + 16))));
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sv, acc[m]);
+            }
+        }
+        for (int m = 0; m < Q; m++) out[m * 4 + r] = hsum8(acc[m]);
     }
-SCREEN(1) SCREEN(2) SCREEN(3) SCREEN(4) SCREEN(5) SCREEN(6) SCREEN(7) SCREEN(8)
+}
+
+/* the pass for Q query rows of a block: one function per Q, the copy with Q a constant */
+static void screen_pass1(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng,
+                         float* out) {
+    screen_block_n(1, q, K, c, s, ng, out);
+}
+static void screen_pass2(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng,
+                         float* out) {
+    screen_block_n(2, q, K, c, s, ng, out);
+}
+static void screen_pass3(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng,
+                         float* out) {
+    screen_block_n(3, q, K, c, s, ng, out);
+}
+static void screen_pass4(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng,
+                         float* out) {
+    screen_block_n(4, q, K, c, s, ng, out);
+}
+static void screen_pass5(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng,
+                         float* out) {
+    screen_block_n(5, q, K, c, s, ng, out);
+}
+static void screen_pass6(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng,
+                         float* out) {
+    screen_block_n(6, q, K, c, s, ng, out);
+}
+static void screen_pass7(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng,
+                         float* out) {
+    screen_block_n(7, q, K, c, s, ng, out);
+}
+static void screen_pass8(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng,
+                         float* out) {
+    screen_block_n(8, q, K, c, s, ng, out);
+}
 typedef void (*screen_pass)(const int16_t*, int64_t, const int8_t*, const float*, int64_t, float*);
-static const screen_pass SCREEN_PASS[SCREEN_ROWS + 1] = {NULL, screen_block1, screen_block2, screen_block3,
-                                                         screen_block4, screen_block5, screen_block6,
-                                                         screen_block7, screen_block8};
+static const screen_pass SCREEN_PASS[SCREEN_ROWS + 1] = {NULL, screen_pass1, screen_pass2, screen_pass3, screen_pass4,
+                                                         screen_pass5, screen_pass6, screen_pass7, screen_pass8};
 
 /* ŷ [M, N] and β [M] (see above) for x [M, K]; codes, scale as lmhead_coded_matmul's with flags HALF | ROWS4
  * (int8 codes, no offsets). Returns 0; -1 for shapes it does not take or a row of x that is not all finite
