@@ -132,3 +132,33 @@ def test_an_unknown_head_mode_is_one_line_and_exit_2(folder, capsys):
     assert main(["generate", "The cat sat", "--model", folder, "--head", "int3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--head" in err[0] and "exact-int8" in err[0]
+
+
+def _command(args, env_extra=None, code=""):
+    """`lmhead <args>` as the console script runs it (`entry`), in a child process; `code` runs first."""
+    import os
+    import subprocess
+    import sys
+
+    script = f"import sys; {code}\nfrom lmhead.cli import entry\nsys.argv = ['lmhead', *{list(args)!r}]\nentry()"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_the_command_ends_with_its_output_whole_and_its_exit_code(folder, capsys):
+    assert main(["generate", "The cat sat", "--model", folder, "-n", "8", "--seed", "5", "--json"]) == 0
+    want = capsys.readouterr().out
+    done = _command(["generate", "The cat sat", "--model", folder, "-n", "8", "--seed", "5", "--json"],
+                    code="import atexit; atexit.register(lambda: print('atexit ran', file=sys.stderr))")
+    assert done.returncode == 0 and done.stdout == want  # every line out before the process ends
+    assert "atexit ran" in done.stderr
+    bad = _command(["generate", "The cat sat", "--model", folder, "--temperature", "-1"])
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "temperature" in bad.stderr
+
+
+def test_the_command_waits_for_a_thread_still_working(folder):
+    code = ("import threading, time\n"
+            "def late():\n    time.sleep(1.0)\n    print('thread done', file=sys.stderr, flush=True)\n"
+            "threading.Thread(target=late).start()")
+    done = _command(["generate", "The cat sat", "--model", folder, "-n", "2", "--seed", "5"], code=code)
+    assert done.returncode == 0 and "thread done" in done.stderr

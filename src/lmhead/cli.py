@@ -702,5 +702,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def entry() -> None:
+    """The `lmhead` command: `main`, then the process ends without the interpreter's teardown, which frees the
+    loaded model object by object after the answer is out. The atexit handlers run first, and where a thread
+    other than daemons is still working the interpreter ends as usual (joining it)."""
+    import atexit
+    import os
+    import threading
+
+    code = main()
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
