@@ -35,7 +35,7 @@ from lmhead.models.convert import eos_ids
 from lmhead.models.errors import ModelError
 from lmhead.models.gguf_codes import FOUR_BIT, Codes, coded_nbytes, fuse_codes
 from lmhead.models.gguf_file import CODE_TYPES, DENSE_TYPES, GGUFFile
-from lmhead.models.heap import one_arena
+from lmhead.models.heap import one_arena, trim_heap
 from lmhead.models.start_tokenizer import CHECK_TEXTS, start_tokenizer
 
 __all__ = ["FILE_ARCHITECTURES", "file_body", "file_refusal", "meta_folder", "supports_file"]
@@ -137,8 +137,11 @@ def _write_meta(gguf: Path, out: Path) -> Any:
     tokenizer.save_pretrained(out)
     for extra in ("special_tokens_map.json",):  # not read back: fast_tokenizer takes tokenizer_config.json
         (out / extra).unlink(missing_ok=True)
+    want = tokenizer(_TOKENIZER_CHECK)["input_ids"]
+    del tokenizer  # released before the saved one is read: a large vocabulary's tokenizer is hundreds of MB
+    trim_heap()
     saved = fast_tokenizer(out)
-    if saved(_TOKENIZER_CHECK)["input_ids"] != tokenizer(_TOKENIZER_CHECK)["input_ids"]:
+    if saved(_TOKENIZER_CHECK)["input_ids"] != want:
         raise ModelError(f"the tokenizer saved from {gguf} does not encode a test text as transformers' GGUF "
                          "tokenizer does")
     return saved

@@ -308,6 +308,7 @@ def _load_file(source: Source, head: str, body: str, progress: bool, cls: type):
         if assembled:  # moved into the folder (one file system: the map stays valid)
             f.path = folder / "model.gguf"
     cfg, tokenizer, eos = read_meta(folder, fresh)
+    del fresh  # transformers' tokenizer made now: the tables answer for it (start_tokenizer)
     trim_heap()
     gguf = f.path
     if not supports_file(f.architecture):  # asked only now: the kernels compiled while the above was read

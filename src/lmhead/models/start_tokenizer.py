@@ -259,15 +259,20 @@ def tables_path(folder: Path) -> Path | None:
 
 def start_tokenizer(folder: Path, build: Callable[[], Any], built: Any = None) -> Any:
     """The tokenizer of a cached model folder: a `LazyTokenizer` over its tables when they are there and
-    intact; else transformers' (`built`, or `build()`), whose tables are written for the next start."""
+    intact; else the tables are made from transformers' tokenizer (`built`, or `build()`) and written, and the
+    `LazyTokenizer` over them is returned as a later start's would be (transformers' tokenizer — a large
+    vocabulary's hundreds of MB — not held meanwhile; `full` builds it again where asked); transformers' own
+    where no tables could be made or written."""
     path = tables_path(folder)
     if built is None and path is not None and (tables := read_tables(path)) is not None:
         return LazyTokenizer(tables, build)
     tokenizer = build() if built is None else built
+    del built
     if path is not None and (tables := tables_of(tokenizer)) is not None and write_tables(path, tables):
         for old in path.parent.glob(path.name.replace(_SUFFIX, "start-tables-*")):
             if old != path:  # an earlier format's tables of the same model
                 old.unlink(missing_ok=True)
+        return LazyTokenizer(tables, build)
     return tokenizer
 
 
