@@ -55,6 +55,18 @@ def coded_available() -> bool:
     return native.library() is not None
 
 
+def _as_half(t: Tensor | None, rows: int = 4096) -> Tensor | None:
+    """`t` as float16 where each of its float32 numbers is a float16 number, else None; checked a few rows at a
+    time (a large embedding's scales: no whole float32 copy beside them)."""
+    if t is None:
+        return None
+    h = t.to(torch.float16).contiguous()
+    for start in range(0, t.shape[0], rows):
+        if not torch.equal(h[start:start + rows].float(), t[start:start + rows]):
+            return None
+    return h
+
+
 class CodedLinear:
     """y = x·Wᵀ for W [N,K] given as int8 `codes` [N,K], float32 `scale` [N,K/G] and optional `offset`
     [N,K/G] (W = scale·code + offset per group of G). x [..., K] float32 → [..., N] float32.
@@ -159,11 +171,13 @@ class CodedLinear:
         scale, offset = scale.float(), None if offset is None else offset.float()
         # scales and offsets that are float16 numbers (the d and m of Q4_0/Q4_1/Q5_0/Q8_0 blocks) are kept as
         # float16: the same values, and 1/16 of a byte less per weight to read
-        self.half = scale.shape[1] <= native.HALF_MAX_GROUPS and all(
-            torch.equal(t.half().float(), t) for t in (scale, offset) if t is not None)
-        dtype = torch.float16 if self.half else torch.float32
-        self.scale = scale.to(dtype).contiguous()
-        self.offset = None if offset is None else offset.to(dtype).contiguous()
+        halves = [_as_half(t) for t in (scale, offset)] if scale.shape[1] <= native.HALF_MAX_GROUPS else [None]
+        self.half = all(h is not None for h, t in zip(halves, (scale, offset)) if t is not None)
+        if self.half:
+            self.scale, self.offset = halves[0], halves[1] if offset is not None else None
+        else:
+            self.scale = scale.contiguous()
+            self.offset = None if offset is None else offset.contiguous()
 
     @property
     def flags(self) -> int:
