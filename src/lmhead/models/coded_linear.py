@@ -171,10 +171,11 @@ class CodedLinear:
         scale, offset = scale.float(), None if offset is None else offset.float()
         # scales and offsets that are float16 numbers (the d and m of Q4_0/Q4_1/Q5_0/Q8_0 blocks) are kept as
         # float16: the same values, and 1/16 of a byte less per weight to read
-        halves = [_as_half(t) for t in (scale, offset)] if scale.shape[1] <= native.HALF_MAX_GROUPS else [None]
-        self.half = all(h is not None for h, t in zip(halves, (scale, offset)) if t is not None)
+        half_scale = _as_half(scale) if scale.shape[1] <= native.HALF_MAX_GROUPS else None
+        half_offset = _as_half(offset) if half_scale is not None else None
+        self.half = half_scale is not None and (offset is None or half_offset is not None)
         if self.half:
-            self.scale, self.offset = halves[0], halves[1] if offset is not None else None
+            self.scale, self.offset = half_scale, half_offset
         else:
             self.scale = scale.contiguous()
             self.offset = None if offset is None else offset.contiguous()
