@@ -217,67 +217,65 @@ static inline float row_dot1(const float* x, const int8_t* c, int64_t us, const 
  * per-row loop and reduction cost as much as the products. c: the block's codes; s, o: [4, ng] floats (o may be
  * NULL); xs: the query's group sums (unsigned packed codes). Same arithmetic as row_dot1 (int8 codes without
  * offsets, packed codes), or as the rebuilt weights of rows_n for one row (int8 codes with offsets), row by row. */
-/* int8 codes with offsets: acc + Σ (code·scale + offset)·x over a group, each weight rebuilt exactly */
-static inline __m256 dot4r(__m256 c0, __m256 c1, __m256 c2, __m256 c3, __m256 x0, __m256 x1, __m256 x2, __m256 x3,
-                           __m256 acc, float sg, float og) {
-    const __m256 sv = _mm256_set1_ps(sg), ov = _mm256_set1_ps(og);
-    __m256 d = _mm256_mul_ps(_mm256_fmadd_ps(c0, sv, ov), x0);
-    d = _mm256_fmadd_ps(_mm256_fmadd_ps(c1, sv, ov), x1, d);
-    d = _mm256_fmadd_ps(_mm256_fmadd_ps(c2, sv, ov), x2, d);
-    d = _mm256_fmadd_ps(_mm256_fmadd_ps(c3, sv, ov), x3, d);
-    return _mm256_add_ps(d, acc);
-}
-/* acc + Σ scale·code·x: codes without offsets, or packed codes − 8 (their offsets come after the loop); two
- * chains of two products each, not one of four: the shorter chains keep more groups in flight (1.05–1.1× a
- * thread) */
-static inline __m256 dot4c(__m256 c0, __m256 c1, __m256 c2, __m256 c3, __m256 x0, __m256 x1, __m256 x2, __m256 x3,
-                           __m256 acc, float sg) {
-    __m256 d = _mm256_mul_ps(c0, x0);
-    __m256 e = _mm256_mul_ps(c1, x1);
-    d = _mm256_fmadd_ps(c2, x2, d);
-    e = _mm256_fmadd_ps(c3, x3, e);
-    return _mm256_fmadd_ps(_mm256_set1_ps(sg), _mm256_add_ps(d, e), acc);
-}
+/* int8 codes with offsets: Σ (code·scale + offset)·x over a group, each weight rebuilt exactly */
+#define DOT4R(c0, c1, c2, c3, acc, sg, og)                                                               \
+    do {                                                                                                 \
+        const __m256 s_ = _mm256_set1_ps(sg), o_ = _mm256_set1_ps(og);                                   \
+        __m256 d_ = _mm256_mul_ps(_mm256_fmadd_ps((c0), s_, o_), x0);                                    \
+        d_ = _mm256_fmadd_ps(_mm256_fmadd_ps((c1), s_, o_), x1, d_);                                     \
+        d_ = _mm256_fmadd_ps(_mm256_fmadd_ps((c2), s_, o_), x2, d_);                                     \
+        d_ = _mm256_fmadd_ps(_mm256_fmadd_ps((c3), s_, o_), x3, d_);                                     \
+        (acc) = _mm256_add_ps(d_, (acc));                                                                \
+    } while (0)
+/* Σ scale·code·x: codes without offsets, or packed codes − 8 (their offsets come after the loop); two chains
+ * of two products each, not one of four: the shorter chains keep more groups in flight (1.05–1.1× a thread) */
+#define DOT4C(c0, c1, c2, c3, acc, sg)                                                                   \
+    do {                                                                                                 \
+        __m256 d_ = _mm256_mul_ps((c0), x0);                                                             \
+        __m256 e_ = _mm256_mul_ps((c1), x1);                                                             \
+        d_ = _mm256_fmadd_ps((c2), x2, d_);                                                              \
+        e_ = _mm256_fmadd_ps((c3), x3, e_);                                                              \
+        (acc) = _mm256_fmadd_ps(_mm256_set1_ps(sg), _mm256_add_ps(d_, e_), (acc));                       \
+    } while (0)
 
 /* the 128 bytes of unit u (four rows' 32) of the block at pf, fetched while this block's unit u is computed: the
- * next block arrives spread over this one's loop (NULL: nothing) */
-static inline void fetch_unit(const char* pf, int64_t u) {
+ * next block arrives spread over this one's loop (NULL: nothing). Always inlined: a call left to a function that
+ * only prefetches is one GCC may judge to do nothing (it writes no memory) and delete. */
+KERNEL_INLINE void fetch_unit(const char* pf, int64_t u) {
     if (pf) {
         _mm_prefetch(pf + u * 128, _MM_HINT_T0);
         _mm_prefetch(pf + u * 128 + 64, _MM_HINT_T0);
     }
 }
 
-/* int8 codes of a four-row block (G = 32), group by group, into acc[4]: with offsets (o) each weight rebuilt
- * (dot4r), else scale·Σ code·x (dot4c); unit g of the next block, at pf, fetched meanwhile */
-KERNEL_INLINE void rows4_int8_256(const float* x, const int8_t* c, const float* s, const float* o, int64_t ng,
-                                  const char* pf, __m256* acc) {
-    for (int64_t g = 0; g < ng; g++) {
-        fetch_unit(pf, g);
-        const float* xg = x + g * 32;
-        const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
-        const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
-        for (int r = 0; r < 4; r++) {
-            const int8_t* cg = c + (g * 4 + r) * 32;
-            const __m256 c0 = BYTES8(cg), c1 = BYTES8(cg + 8), c2 = BYTES8(cg + 16), c3 = BYTES8(cg + 24);
-            acc[r] = o ? dot4r(c0, c1, c2, c3, x0, x1, x2, x3, acc[r], s[r * ng + g], o[r * ng + g])
-                       : dot4c(c0, c1, c2, c3, x0, x1, x2, x3, acc[r], s[r * ng + g]);
-        }
+/* int8 codes of a four-row block, group by group: x0..x3 the group's x, cg row r's 32 codes; STEP adds them
+ * (unit g of the next block, at the caller's pf, fetched meanwhile) */
+#define INT8_GROUPS(STEP)                                                                                \
+    for (int64_t g = 0; g < ng; g++) {                                                                   \
+        fetch_unit(pf, g);                                                                               \
+        const float* xg = x + g * 32;                                                                    \
+        const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);                             \
+        const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);                       \
+        for (int r = 0; r < 4; r++) {                                                                    \
+            const int8_t* cg = c + (g * 4 + r) * 32;                                                     \
+            STEP;                                                                                        \
+        }                                                                                                \
     }
-}
 
 /* Q6_K's and Q3_K's groups of 16 (int8 codes, no offsets): a 32-byte unit holds two groups, each with its own
- * scale: acc + sg·Σ code·x */
-static inline __m256 dot2c(__m256 c0, __m256 c1, __m256 xa, __m256 xb, __m256 acc, float sg) {
-    const __m256 d = _mm256_mul_ps(c0, xa), e = _mm256_mul_ps(c1, xb);
-    return _mm256_fmadd_ps(_mm256_set1_ps(sg), _mm256_add_ps(d, e), acc);
-}
-/* Q2_K's groups of 16 with offsets: each weight rebuilt exactly (code·scale + offset), as dot4r */
-static inline __m256 dot2r(__m256 c0, __m256 c1, __m256 xa, __m256 xb, __m256 acc, float sg, float og) {
-    const __m256 sv = _mm256_set1_ps(sg), ov = _mm256_set1_ps(og);
-    const __m256 d = _mm256_mul_ps(_mm256_fmadd_ps(c0, sv, ov), xa);
-    return _mm256_add_ps(_mm256_fmadd_ps(_mm256_fmadd_ps(c1, sv, ov), xb, d), acc);
-}
+ * scale */
+#define DOT2C(c0, c1, xa, xb, acc, sg)                                                                   \
+    do {                                                                                                 \
+        const __m256 d_ = _mm256_mul_ps((c0), (xa)), e_ = _mm256_mul_ps((c1), (xb));                     \
+        (acc) = _mm256_fmadd_ps(_mm256_set1_ps(sg), _mm256_add_ps(d_, e_), (acc));                       \
+    } while (0)
+/* Q2_K's groups of 16 with offsets: each weight rebuilt exactly (code·scale + offset), as DOT4R */
+#define DOT2R(c0, c1, xa, xb, acc, sg, og)                                                               \
+    do {                                                                                                 \
+        const __m256 s_ = _mm256_set1_ps(sg), o_ = _mm256_set1_ps(og);                                   \
+        const __m256 d_ = _mm256_mul_ps(_mm256_fmadd_ps((c0), s_, o_), (xa));                            \
+        (acc) = _mm256_add_ps(_mm256_fmadd_ps(_mm256_fmadd_ps((c1), s_, o_), (xb), d_), (acc));          \
+    } while (0)
 
 #ifdef __AVX512F__
 static inline __m256 fold512(__m512 v) { /* sixteen lanes added pairwise into eight */
@@ -287,7 +285,7 @@ static inline __m256 fold512(__m512 v) { /* sixteen lanes added pairwise into ei
 /* the common case of rows4_dot1 (int8 codes, no offsets, G = 32: Q8_0, Q5_0) in 512-bit lanes: a group's 32 codes
  * are two conversions of sixteen, not four of eight — half the instructions per weight, which is what bounds a
  * decode product on two cores once its rows come from memory at the prefetcher's rate. The same products and
- * scales as dot4c, summed in another order (float32 rounding; tests bound it against float64, and the screen's
+ * scales as DOT4C, summed in another order (float32 rounding; tests bound it against float64, and the screen's
  * bound holds for any order of the sums). acc[r] receives row r's sixteen lanes folded to eight. */
 static inline void rows4_int8_512(const float* x, const int8_t* c, const float* s, int64_t ng, const char* pf,
                                   __m256* acc) {
@@ -328,7 +326,7 @@ static inline void rows4_g16_512(const float* x, const int8_t* c, const float* s
 }
 
 /* int8 codes with offsets (Q5_1, Q5_K; G = 16: Q2_K, and q/k/v fused from Q3_K and Q4_K rows) in 512-bit lanes:
- * each weight rebuilt exactly, code·scale + offset in one rounding (as dot4r and dot2r), sixteen at a time. G = 32:
+ * each weight rebuilt exactly, code·scale + offset in one rounding (as DOT4R and DOT2R), sixteen at a time. G = 32:
  * a group is two conversions with one scale and offset; G = 16 (unit u holds groups 2u and 2u + 1): one
  * conversion is one group */
 static inline void rows4_offsets_512(const float* x, const int8_t* c, const float* s, const float* o, int64_t ng,
@@ -361,7 +359,7 @@ static inline void rows4_offsets_512(const float* x, const int8_t* c, const floa
  * to match (xp_layout), once per product;
  * the lanes' two halves belong to two groups, so the scale vector carries both (s of groups 4q and 4q + 2 for
  * nibbles 0–3, 4q + 1 and 4q + 3 for 4–7). Returns the first group it left: a row with an odd number of units
- * leaves its last one to rows4_dot1's 256-bit loop. The same products and scales as dot4c, summed in another
+ * leaves its last one to rows4_dot1's 256-bit loop. The same products and scales as DOT4C, summed in another
  * order; the offsets follow in rows4_dot1 (centred_offsets) as for the 256-bit loop. */
 static inline __m512 nibble512(__m512i v, int i, __m512 values) {
     return _mm512_permutexvar_ps(i ? _mm512_srli_epi32(v, 4 * i) : v, values);
@@ -426,15 +424,15 @@ static inline void rows4_dot1(const float* x, const float* xp, const int8_t* c, 
             __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
             for (int r = 0; r < 4; r++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (g * 2 + r) * 32));
-                acc[r] = dot4c(CODEC(v, 0, packed), CODEC(v, 1, packed), CODEC(v, 2, packed), CODEC(v, 3, packed),
-                               x0, x1, x2, x3, acc[r], s[r * ng + g]);
+                DOT4C(CODEC(v, 0, packed), CODEC(v, 1, packed), CODEC(v, 2, packed), CODEC(v, 3, packed), acc[r],
+                      s[r * ng + g]);
             }
             x0 = _mm256_loadu_ps(xg + 32), x1 = _mm256_loadu_ps(xg + 40);
             x2 = _mm256_loadu_ps(xg + 48), x3 = _mm256_loadu_ps(xg + 56);
             for (int r = 0; r < 4; r++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (g * 2 + r) * 32));
-                acc[r] = dot4c(CODEC(v, 4, packed), CODEC(v, 5, packed), CODEC(v, 6, packed), CODEC(v, 7, packed),
-                               x0, x1, x2, x3, acc[r], s[r * ng + g + 1]);
+                DOT4C(CODEC(v, 4, packed), CODEC(v, 5, packed), CODEC(v, 6, packed), CODEC(v, 7, packed), acc[r],
+                      s[r * ng + g + 1]);
             }
         }
 #ifdef __AVX512F__
@@ -450,12 +448,13 @@ static inline void rows4_dot1(const float* x, const float* xp, const int8_t* c, 
             for (int r = 0; r < 4; r++) {
                 const int8_t* cg = c + (u * 4 + r) * 32;
                 const int64_t i = r * ng + 2 * u;
-                acc[r] = dot2r(BYTES8(cg), BYTES8(cg + 8), x0, x1, acc[r], s[i], o[i]);
-                acc[r] = dot2r(BYTES8(cg + 16), BYTES8(cg + 24), x2, x3, acc[r], s[i + 1], o[i + 1]);
+                DOT2R(BYTES8(cg), BYTES8(cg + 8), x0, x1, acc[r], s[i], o[i]);
+                DOT2R(BYTES8(cg + 16), BYTES8(cg + 24), x2, x3, acc[r], s[i + 1], o[i + 1]);
             }
         }
     } else if (o) {
-        rows4_int8_256(x, c, s, o, ng, pf, acc);
+        INT8_GROUPS(DOT4R(BYTES8(cg), BYTES8(cg + 8), BYTES8(cg + 16), BYTES8(cg + 24), acc[r], s[r * ng + g],
+                          o[r * ng + g]));
 #endif
     } else if (g16) { /* ng = K/16: unit u holds groups 2u and 2u + 1 */
 #ifdef __AVX512F__
@@ -468,8 +467,8 @@ static inline void rows4_dot1(const float* x, const float* xp, const int8_t* c, 
             const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
             for (int r = 0; r < 4; r++) {
                 const int8_t* cg = c + (u * 4 + r) * 32;
-                acc[r] = dot2c(BYTES8(cg), BYTES8(cg + 8), x0, x1, acc[r], s[r * ng + 2 * u]);
-                acc[r] = dot2c(BYTES8(cg + 16), BYTES8(cg + 24), x2, x3, acc[r], s[r * ng + 2 * u + 1]);
+                DOT2C(BYTES8(cg), BYTES8(cg + 8), x0, x1, acc[r], s[r * ng + 2 * u]);
+                DOT2C(BYTES8(cg + 16), BYTES8(cg + 24), x2, x3, acc[r], s[r * ng + 2 * u + 1]);
             }
         }
 #endif
@@ -477,7 +476,7 @@ static inline void rows4_dot1(const float* x, const float* xp, const int8_t* c, 
 #ifdef __AVX512F__
         rows4_int8_512(x, c, s, ng, pf, acc);
 #else
-        rows4_int8_256(x, c, s, NULL, ng, pf, acc);
+        INT8_GROUPS(DOT4C(BYTES8(cg), BYTES8(cg + 8), BYTES8(cg + 16), BYTES8(cg + 24), acc[r], s[r * ng + g]));
 #endif
     }
     float tail[4] = {0.f, 0.f, 0.f, 0.f};
