@@ -48,6 +48,8 @@
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 2 /* blocks of four rows: see the decode product below */
 #endif
+#define DENSE_AHEAD 512 /* bytes: see f16_fetch1 */
+#define DENSE_FETCH_BYTES (8 << 20)
 #define MB 8 /* query rows per pass over a weight row (the row stays in L1 between passes) */
 /* a product's body written once with its row count as a parameter, inlined where each caller passes a constant:
  * the copy's loops over rows unroll and its accumulators stay in registers */
@@ -773,10 +775,11 @@ KERNEL_INLINE void dense_rows_n(const int R, const int bf16, const float* x, int
 
 #ifdef __AVX512F__
 /* one query row (decode) in 512-bit lanes: sixteen weights a conversion, two sums */
-KERNEL_INLINE void dense16_row512(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
+KERNEL_INLINE void dense16_row512(const float* x, int64_t K, const uint16_t* w, int bf16, int ahead, float* out) {
     __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
+        if (ahead) _mm_prefetch((const char*)(w + k) + DENSE_AHEAD, _MM_HINT_T0);
         const __m256i h0 = _mm256_loadu_si256((const __m256i*)(w + k));
         const __m256i h1 = _mm256_loadu_si256((const __m256i*)(w + k + 16));
         const __m512 w0 = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h0), 16))
@@ -795,7 +798,7 @@ KERNEL_INLINE void dense16_row512(const float* x, int64_t K, const uint16_t* w, 
 /* the pass for mb query rows of a weight row: one function per mb and type, the copy with both constants */
 #ifdef __AVX512F__
 static void f16_pass1(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense16_row512(x, K, w, 0, out);
+    dense16_row512(x, K, w, 0, 0, out);
 }
 #else
 static void f16_pass1(const float* x, int64_t K, const uint16_t* w, float* out) {
@@ -825,7 +828,7 @@ static void f16_pass8(const float* x, int64_t K, const uint16_t* w, float* out) 
 }
 #ifdef __AVX512F__
 static void bf16_pass1(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense16_row512(x, K, w, 1, out);
+    dense16_row512(x, K, w, 1, 0, out);
 }
 #else
 static void bf16_pass1(const float* x, int64_t K, const uint16_t* w, float* out) {
@@ -853,6 +856,17 @@ static void bf16_pass7(const float* x, int64_t K, const uint16_t* w, float* out)
 static void bf16_pass8(const float* x, int64_t K, const uint16_t* w, float* out) {
     dense_rows_n(8, 1, x, K, w, out);
 }
+#ifdef __AVX512F__
+/* one query row with the stream's bytes DENSE_AHEAD ahead fetched: for a matrix whose share per thread is short
+ * (DENSE_FETCH_BYTES), which the hardware's prefetcher has hardly begun to follow when it ends (a small body's
+ * products, each read from memory once a token); a long one it follows better alone */
+static void f16_fetch1(const float* x, int64_t K, const uint16_t* w, float* out) {
+    dense16_row512(x, K, w, 0, 1, out);
+}
+static void bf16_fetch1(const float* x, int64_t K, const uint16_t* w, float* out) {
+    dense16_row512(x, K, w, 1, 1, out);
+}
+#endif
 typedef void (*dense_pass)(const float*, int64_t, const uint16_t*, float*);
 static const dense_pass DENSE_PASS[2][MB + 1] = {
     {NULL, f16_pass1, f16_pass2, f16_pass3, f16_pass4, f16_pass5, f16_pass6, f16_pass7, f16_pass8},
@@ -864,6 +878,12 @@ static int dense_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w,
     if (threads < 1) threads = 1;
     /* shares of rows as lmhead_coded_matmul's: one contiguous stream per thread for one query row, else chunks */
     const int64_t chunk = M == 1 ? (N + threads - 1) / threads : (N / (8 * threads) > 1 ? N / (8 * threads) : 1);
+#if defined(__AVX2__) && defined(__F16C__)
+    dense_pass one = DENSE_PASS[bf16][1];
+#ifdef __AVX512F__
+    if (M == 1 && chunk * K * 2 < DENSE_FETCH_BYTES) one = bf16 ? bf16_fetch1 : f16_fetch1;
+#endif
+#endif
 #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
     for (int64_t n = 0; n < N; n++) {
         const uint16_t* wn = w + n * K;
@@ -871,7 +891,7 @@ static int dense_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w,
             const int mb = (int)(M - m0 < MB ? M - m0 : MB);
             float out[MB];
 #if defined(__AVX2__) && defined(__F16C__)
-            DENSE_PASS[bf16][mb](x + m0 * K, K, wn, out);
+            (mb == 1 ? one : DENSE_PASS[bf16][mb])(x + m0 * K, K, wn, out);
 #else
             for (int m = 0; m < mb; m++) {
                 float t = 0.f;
