@@ -48,7 +48,7 @@
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 2 /* blocks of four rows: see the decode product below */
 #endif
-#define DENSE_AHEAD 512 /* bytes: see f16_fetch1 */
+#define DENSE_AHEAD 512 /* bytes: see dense_fetch1 */
 #define DENSE_FETCH_BYTES (8 << 20)
 #define MB 8 /* query rows per pass over a weight row (the row stays in L1 between passes) */
 /* a product's body written once with its row count as a parameter, inlined where each caller passes a constant:
@@ -795,82 +795,76 @@ KERNEL_INLINE void dense16_row512(const float* x, int64_t K, const uint16_t* w, 
 }
 #endif
 
-/* the pass for mb query rows of a weight row: one function per mb and type, the copy with both constants */
+/* the pass for mb query rows of a weight row: one function per mb, each type a copy with mb and the type constants */
 #ifdef __AVX512F__
-static void f16_pass1(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense16_row512(x, K, w, 0, 0, out);
+static void dense_pass1(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
+    if (bf16)
+        dense16_row512(x, K, w, 1, 0, out);
+    else
+        dense16_row512(x, K, w, 0, 0, out);
 }
-#else
-static void f16_pass1(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense_rows_n(1, 0, x, K, w, out);
-}
-#endif
-static void f16_pass2(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense_rows_n(2, 0, x, K, w, out);
-}
-static void f16_pass3(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense_rows_n(3, 0, x, K, w, out);
-}
-static void f16_pass4(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense_rows_n(4, 0, x, K, w, out);
-}
-static void f16_pass5(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense_rows_n(5, 0, x, K, w, out);
-}
-static void f16_pass6(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense_rows_n(6, 0, x, K, w, out);
-}
-static void f16_pass7(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense_rows_n(7, 0, x, K, w, out);
-}
-static void f16_pass8(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense_rows_n(8, 0, x, K, w, out);
-}
-#ifdef __AVX512F__
-static void bf16_pass1(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense16_row512(x, K, w, 1, 0, out);
-}
-#else
-static void bf16_pass1(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense_rows_n(1, 1, x, K, w, out);
-}
-#endif
-static void bf16_pass2(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense_rows_n(2, 1, x, K, w, out);
-}
-static void bf16_pass3(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense_rows_n(3, 1, x, K, w, out);
-}
-static void bf16_pass4(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense_rows_n(4, 1, x, K, w, out);
-}
-static void bf16_pass5(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense_rows_n(5, 1, x, K, w, out);
-}
-static void bf16_pass6(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense_rows_n(6, 1, x, K, w, out);
-}
-static void bf16_pass7(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense_rows_n(7, 1, x, K, w, out);
-}
-static void bf16_pass8(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense_rows_n(8, 1, x, K, w, out);
-}
-#ifdef __AVX512F__
 /* one query row with the stream's bytes DENSE_AHEAD ahead fetched: for a matrix whose share per thread is short
  * (DENSE_FETCH_BYTES), which the hardware's prefetcher has hardly begun to follow when it ends (a small body's
  * products, each read from memory once a token); a long one it follows better alone */
-static void f16_fetch1(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense16_row512(x, K, w, 0, 1, out);
+static void dense_fetch1(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
+    if (bf16)
+        dense16_row512(x, K, w, 1, 1, out);
+    else
+        dense16_row512(x, K, w, 0, 1, out);
 }
-static void bf16_fetch1(const float* x, int64_t K, const uint16_t* w, float* out) {
-    dense16_row512(x, K, w, 1, 1, out);
+#else
+static void dense_pass1(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
+    if (bf16)
+        dense_rows_n(1, 1, x, K, w, out);
+    else
+        dense_rows_n(1, 0, x, K, w, out);
 }
 #endif
-typedef void (*dense_pass)(const float*, int64_t, const uint16_t*, float*);
-static const dense_pass DENSE_PASS[2][MB + 1] = {
-    {NULL, f16_pass1, f16_pass2, f16_pass3, f16_pass4, f16_pass5, f16_pass6, f16_pass7, f16_pass8},
-    {NULL, bf16_pass1, bf16_pass2, bf16_pass3, bf16_pass4, bf16_pass5, bf16_pass6, bf16_pass7, bf16_pass8}};
+static void dense_pass2(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
+    if (bf16)
+        dense_rows_n(2, 1, x, K, w, out);
+    else
+        dense_rows_n(2, 0, x, K, w, out);
+}
+static void dense_pass3(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
+    if (bf16)
+        dense_rows_n(3, 1, x, K, w, out);
+    else
+        dense_rows_n(3, 0, x, K, w, out);
+}
+static void dense_pass4(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
+    if (bf16)
+        dense_rows_n(4, 1, x, K, w, out);
+    else
+        dense_rows_n(4, 0, x, K, w, out);
+}
+static void dense_pass5(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
+    if (bf16)
+        dense_rows_n(5, 1, x, K, w, out);
+    else
+        dense_rows_n(5, 0, x, K, w, out);
+}
+static void dense_pass6(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
+    if (bf16)
+        dense_rows_n(6, 1, x, K, w, out);
+    else
+        dense_rows_n(6, 0, x, K, w, out);
+}
+static void dense_pass7(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
+    if (bf16)
+        dense_rows_n(7, 1, x, K, w, out);
+    else
+        dense_rows_n(7, 0, x, K, w, out);
+}
+static void dense_pass8(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
+    if (bf16)
+        dense_rows_n(8, 1, x, K, w, out);
+    else
+        dense_rows_n(8, 0, x, K, w, out);
+}
+typedef void (*dense_pass)(const float*, int64_t, const uint16_t*, int, float*);
+static const dense_pass DENSE_PASS[MB + 1] = {NULL, dense_pass1, dense_pass2, dense_pass3, dense_pass4, dense_pass5,
+                                            dense_pass6, dense_pass7, dense_pass8};
 #endif
 
 static int dense_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, int bf16, float* y,
@@ -879,9 +873,9 @@ static int dense_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w,
     /* shares of rows as lmhead_coded_matmul's: one contiguous stream per thread for one query row, else chunks */
     const int64_t chunk = M == 1 ? (N + threads - 1) / threads : (N / (8 * threads) > 1 ? N / (8 * threads) : 1);
 #if defined(__AVX2__) && defined(__F16C__)
-    dense_pass one = DENSE_PASS[bf16][1];
+    dense_pass one = DENSE_PASS[1];
 #ifdef __AVX512F__
-    if (M == 1 && chunk * K * 2 < DENSE_FETCH_BYTES) one = bf16 ? bf16_fetch1 : f16_fetch1;
+    if (M == 1 && chunk * K * 2 < DENSE_FETCH_BYTES) one = dense_fetch1;
 #endif
 #endif
 #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
@@ -891,7 +885,7 @@ static int dense_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w,
             const int mb = (int)(M - m0 < MB ? M - m0 : MB);
             float out[MB];
 #if defined(__AVX2__) && defined(__F16C__)
-            (mb == 1 ? one : DENSE_PASS[bf16][mb])(x + m0 * K, K, wn, out);
+            (mb == 1 ? one : DENSE_PASS[mb])(x + m0 * K, K, wn, bf16, out);
 #else
             for (int m = 0; m < mb; m++) {
                 float t = 0.f;
