@@ -86,6 +86,67 @@ def test_a_matrix_of_every_code_type_read_from_a_file_multiplies_as_its_dequanti
     f.close()
 
 
+def _resident_mib(f, names) -> float:
+    """MiB of the tensors `names` of the GGUFFile `f` resident in this process (/proc/self/pagemap's present
+    bit for each page of the map; pages shared with the file's header or another tensor included)."""
+    base = np.frombuffer(f._map, dtype=np.uint8).__array_interface__["data"][0]
+    page = 4096
+    present = 0
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        for name in names:
+            t = f.tensors[name]
+            first, last = (base + t.data_offset) // page, (base + t.data_offset + t.n_bytes - 1) // page
+            pagemap.seek(first * 8)
+            entries = np.frombuffer(pagemap.read((last - first + 1) * 8), dtype=np.uint64)
+            present += int(((entries >> np.uint64(63)) & np.uint64(1)).sum())
+    return present * page / 2**20
+
+
+@pytest.mark.skipif(not coded_available() or not Path("/proc/self/pagemap").exists(),
+                    reason="no C compiler for the coded kernel, or no /proc/self/pagemap")
+def test_a_matrix_converted_in_pieces_leaves_none_of_its_file_pages_resident(tmp_path):
+    import gguf
+
+    from lmhead.models.gguf_file import GGUFFile
+
+    n, k = 4096, 512  # Q8_0: 2.2 MB, converted 64 rows (36 KB) at a time
+    blocks = _random_blocks("Q8_0", n * k // 32, seed=3)
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_tensor("m.weight", blocks.reshape(n, -1), raw_dtype=GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = GGUFFile(tmp_path / "m.gguf")
+    coded = f.coded("m.weight", chunk_rows=64)
+    # each piece's read maps the pages around it again (the kernel's fault-around), the end of the piece before
+    # among them: all of them are dropped, not only the piece just read
+    assert _resident_mib(f, ["m.weight"]) < 0.05
+    want = torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q8_0).reshape(n, k).astype(np.float32))
+    assert torch.equal(coded.dequantize(), want)
+    del coded
+    f.close()
+
+
+@pytest.mark.skipif(not coded_available() or not Path("/proc/self/pagemap").exists(),
+                    reason="no C compiler for the coded kernel, or no /proc/self/pagemap")
+def test_a_body_read_from_its_file_leaves_none_of_the_file_pages_resident(tmp_path, monkeypatch):
+    from tiny_gguf import write_tiny_gguf
+
+    from lmhead.models.file_model import file_body, meta_folder, read_meta
+    from lmhead.models.gguf_file import GGUFFile
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", kind="IQ4_XS")  # the wide tiny llama: 256-weight rows
+    folder, _ = meta_folder("tiny", path, {}, progress=False)
+    cfg, _, _ = read_meta(folder)
+    f = GGUFFile(path)
+    body = file_body(f, cfg)  # two workers: each tensor released while its neighbours are still being read
+    assert _resident_mib(f, list(f.tensors)) < 0.05
+    del body
+    f.close()
+
+
 @pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
 @pytest.mark.parametrize("lo,hi,group,n,k,offset", [(-128, 128, 32, 12, 64, False), (0, 16, 32, 8, 128, True),
                                                     (-32, 32, 16, 6, 64, False), (-16, 16, 32, 5, 96, True)])

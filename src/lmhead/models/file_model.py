@@ -141,6 +141,7 @@ def _write_meta(gguf: Path, out: Path) -> Any:
     del tokenizer  # released before the saved one is read: a large vocabulary's tokenizer is hundreds of MB
     trim_heap()
     saved = fast_tokenizer(out)
+    trim_heap()  # building it held about three times what it keeps; returned before the start tables parse its JSON
     if saved(_TOKENIZER_CHECK)["input_ids"] != want:
         raise ModelError(f"the tokenizer saved from {gguf} does not encode a test text as transformers' GGUF "
                          "tokenizer does")
@@ -298,13 +299,18 @@ def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None, workers: int)
             q_norm=r.vector(p + "attn_q_norm.weight"), k_norm=r.vector(p + "attn_k_norm.weight"),
             kind=kind, sliding=arch.sliding(kind, cfg.sliding_window), coded=coded or None)
 
+    def swept(i: int, kind: str) -> Layer:
+        out = layer(i, kind)
+        f.sweep()  # this layer's pages mapped again by its neighbours' reads (GGUFFile.sweep)
+        return out
+
     # the embedding (often the largest matrix) and the layers repacked side by side, on `workers` threads (at most
     # torch's): numpy's and torch's passes release the GIL; torch's thread count is per thread under OpenMP, so
     # each worker keeps its passes on itself, as file_body does
     pool = ThreadPoolExecutor(max_workers=workers, initializer=torch.set_num_threads, initargs=(1,))
     with one_arena(), pool:
         coded_embed = pool.submit(r.coded, "token_embd.weight")
-        layers = list(pool.map(layer, range(len(types)), types))
+        layers = list(pool.map(swept, range(len(types)), types))
         embed: Any = coded_embed.result()
     tied = not r.has("output.weight")
     if embed is None:
@@ -314,6 +320,7 @@ def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None, workers: int)
     scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32) if arch.scaled_embedding else None
     body = LeanBody.from_parts(cfg, embed, layers, r.vector("output_norm.weight"), Rotary(cfg), act,
                                embed_scale=scale, onednn=onednn)
+    f.sweep()  # the pages the last reads mapped around them
     factors = sorted(n for n in f.tensors if n.startswith("rope_factors"))
     if factors:  # llama.cpp's longrope (Phi-3 128k): llama.cpp's numbers differ from transformers' here
         print(f"lmhead: {f.path.name}: its rope factors ({', '.join(factors)}) are not applied, as transformers' "

@@ -279,6 +279,7 @@ class GGUFFile:
         self.architecture, tensors, _ = read_header(self.path)
         with open(self.path, "rb") as fh:
             self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        self._released: list[tuple[int, int]] = []  # (offset, size) given to release, for `sweep`
         for t in tensors:
             t._mapped = self._map
         self.tensors: dict[str, Any] = {t.name: t for t in tensors}
@@ -323,18 +324,28 @@ class GGUFFile:
         if k % per_block or data.size != n * (k // per_block) * nbytes:
             raise ModelError(f"{self.path}: tensor {name} ({kind}, {n}x{k}) does not hold whole blocks")
         blocks = data.reshape(n * (k // per_block), nbytes)
-        s, o = block_scales(kind, blocks)
-        scale = torch.from_numpy(np.ascontiguousarray(s).reshape(n, k // group))
-        offset = None if o is None else torch.from_numpy(np.ascontiguousarray(o).reshape(n, k // group))
-        per_row = k // per_block
+        per_row, ng = k // per_block, k // group
+        # the scales are filled chunk by chunk with the codes: computed for the whole matrix first, they read a
+        # scale from every block, i.e. every page of the tensor, all resident at once (Gemma 3's embedding:
+        # its whole 178 MB beside the kernel's layout being built)
+        scale = torch.empty(n, ng)
+        offset = torch.empty(n, ng) if n and block_scales(kind, blocks[:1])[1] is not None else None
         step = max(4, chunk_rows // 4 * 4)
 
         def chunks():
             for start in range(0, n, step):
-                part = blocks[start * per_row:min(n, start + step) * per_row]
+                stop = min(n, start + step)
+                part = blocks[start * per_row:stop * per_row]
+                s, o = block_scales(kind, part)
+                scale[start:stop] = torch.from_numpy(s.reshape(stop - start, ng))
+                if offset is not None:
+                    offset[start:stop] = torch.from_numpy(o.reshape(stop - start, ng))
                 yield start, torch.from_numpy(block_codes(kind, part).reshape(-1, k))
-                self._release_range(t.data_offset + start * per_row * nbytes, part.size)
+                # everything read so far, not only this chunk: a fault in the next chunk maps the pages around it
+                # again (the kernel's fault-around), the end of this one among them
+                self._release_range(t.data_offset, stop * per_row * nbytes, record=False)
                 trim_heap()  # each chunk's transient arrays, before the next one's (models/heap.py)
+            self.release(name)
 
         return CodedLinear.from_chunks(n, k, scale, offset, chunks(), FOUR_BIT.get(kind))
 
@@ -370,7 +381,16 @@ class GGUFFile:
         t = self.tensors[name]
         self._release_range(t.data_offset, t.n_bytes)
 
-    def _release_range(self, offset: int, size: int) -> None:
+    def sweep(self) -> None:
+        """Drop again the pages of every tensor released so far: reading a neighbouring tensor maps the pages
+        around the one it faults on (the kernel's fault-around, up to a few hundred KB), and a small tensor
+        released before its neighbour was read is then resident again until the map is closed."""
+        for offset, size in list(self._released):
+            self._release_range(offset, size, record=False)
+
+    def _release_range(self, offset: int, size: int, record: bool = True) -> None:
+        if record:
+            self._released.append((offset, size))
         page = mmap.PAGESIZE
         start = offset // page * page
         try:
