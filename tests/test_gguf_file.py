@@ -315,6 +315,25 @@ def test_a_second_load_of_a_gguf_reads_only_its_cached_config_and_tokenizer(tmp_
     assert not list((tmp_path / "cache" / "models").glob("*/model.safetensors"))  # no float32 copy on disk
 
 
+def test_the_first_read_of_a_file_makes_its_start_tables_after_its_tokenizer_is_released(tmp_path, monkeypatch):
+    from tiny_gguf import write_tiny_gguf
+    from transformers import AutoTokenizer
+
+    from lmhead.models.file_model import meta_folder, read_meta
+    from lmhead.models.start_tokenizer import CHECK_TEXTS, LazyTokenizer, TokenizerTables, read_tables, tables_path
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
+    folder, made = meta_folder("tiny", path, {}, progress=False)
+    assert isinstance(made, TokenizerTables)  # not transformers' tokenizer: it was released before they were made
+    _, tokenizer, _ = read_meta(folder, made)
+    assert isinstance(tokenizer, LazyTokenizer) and tokenizer._full is None
+    assert read_tables(tables_path(folder)) is not None  # written for the next start
+    want = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in CHECK_TEXTS:
+        assert tokenizer.encode(text) == want.encode(text)
+
+
 def test_a_gguf_without_a_tensor_its_architecture_needs_is_a_clear_error(tmp_path, monkeypatch):
     from tiny_gguf import write_tiny_gguf
 

@@ -23,8 +23,10 @@ from lmhead.models.start_tokenizer import (
     TokenizerTables,
     read_tables,
     start_tokenizer,
+    tables_from,
     tables_of,
     tables_path,
+    tables_plan,
     write_tables,
 )
 from lmhead.sampling import SamplingConfig
@@ -155,6 +157,16 @@ def test_the_tables_are_checked_on_load_and_rebuilt_when_damaged(gemma, tmp_path
     path.write_bytes(path.read_bytes()[:4096])
     assert read_tables(path) is None
     assert write_tables(path, tables) and read_tables(path) is not None
+
+
+def test_tables_made_from_a_plan_after_the_tokenizer_is_gone_are_its_tables(both):
+    _, full, tables = both
+    plan = tables_plan(full)
+    made = tables_from(plan)
+    assert made is not None and made.kind == tables.kind and made.facts == tables.facts
+    assert made.pieces == tables.pieces and made.skeleton == tables.skeleton
+    plan.answers[0] = (plan.answers[0][0][:-1], *plan.answers[0][1:])  # a tokenizer they would not agree with
+    assert tables_from(plan) is None
 
 
 def test_a_tokenizer_without_a_backend_gets_no_tables():

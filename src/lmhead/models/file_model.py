@@ -36,7 +36,7 @@ from lmhead.models.errors import ModelError
 from lmhead.models.gguf_codes import FOUR_BIT, Codes, coded_nbytes, fuse_codes
 from lmhead.models.gguf_file import CODE_TYPES, DENSE_TYPES, GGUFFile
 from lmhead.models.heap import one_arena, trim_heap
-from lmhead.models.start_tokenizer import CHECK_TEXTS, start_tokenizer
+from lmhead.models.start_tokenizer import CHECK_TEXTS, start_tokenizer, tables_from, tables_plan
 
 __all__ = ["FILE_ARCHITECTURES", "file_body", "file_refusal", "meta_folder", "supports_file"]
 _TOKENIZER_CHECK = CHECK_TEXTS[0]
@@ -65,7 +65,8 @@ def file_refusal(cfg: ModelConfig) -> str | None:
 
 def meta_folder(key: str, gguf: Path, facts: dict[str, Any], progress: bool = True, keep: Path | None = None
                 ) -> tuple[Path, Any]:
-    """(`<cache>/meta/<key>`, the tokenizer read back from it when it was built now, else None): the config,
+    """(`<cache>/meta/<key>`, the tokenizer's start tables — or, where it has none, the tokenizer read back — when
+    it was built now, else None): the config,
     generation config and tokenizer transformers reads from `gguf`, built once (checked against its manifest on
     every load; rebuilt when `facts` — where the file came from — changed).
     `keep`: a GGUF file made for this load (a packaged model assembled from its chunks), moved into the folder
@@ -115,7 +116,8 @@ def _usable(folder: Path, facts: dict[str, Any]) -> str | None:
 
 def _write_meta(gguf: Path, out: Path) -> Any:
     """Write `gguf`'s config, generation config and tokenizer into `out`; the tokenizer as read back from `out`
-    (checked to encode a test text as transformers' GGUF tokenizer does), which the load then uses."""
+    (checked to encode a test text as transformers' GGUF tokenizer does) as its start tables, which the load then
+    uses (`start_tokenizer`), or itself where it has none."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from lmhead.models.gguf_meta import header_reader
@@ -141,15 +143,24 @@ def _write_meta(gguf: Path, out: Path) -> Any:
     del tokenizer  # released before the saved one is read: a large vocabulary's tokenizer is hundreds of MB
     trim_heap()
     saved = fast_tokenizer(out)
-    trim_heap()  # building it held about three times what it keeps; returned before the start tables parse its JSON
     if saved(_TOKENIZER_CHECK)["input_ids"] != want:
         raise ModelError(f"the tokenizer saved from {gguf} does not encode a test text as transformers' GGUF "
                          "tokenizer does")
-    return saved
+    # the start tables made from a plan taken of it, after it is released: the parsed JSON they are made from
+    # (hundreds of MB for a large vocabulary) not beside the tokenizer (hundreds more while it is built)
+    plan = tables_plan(saved)
+    if plan is None:
+        return saved
+    del saved
+    trim_heap()
+    tables = tables_from(plan)
+    del plan
+    return tables if tables is not None else fast_tokenizer(out)
 
 
 def read_meta(folder: Path, tokenizer: Any = None) -> tuple[ModelConfig, Any, list[int]]:
-    """(config, tokenizer, end-of-sequence ids) of a meta folder (`tokenizer`: the folder's, already read)."""
+    """(config, tokenizer, end-of-sequence ids) of a meta folder (`tokenizer`: the folder's, or its start tables,
+    already made by `meta_folder`)."""
     from lmhead.models.hf_tokenizer import fast_tokenizer
 
     cfg = ModelConfig.from_file(folder / "config.json")

@@ -32,14 +32,15 @@ import json
 import operator
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["CHECK_TEXTS", "LazyTokenizer", "TokenizerTables", "read_tables", "start_tokenizer", "tables_of",
-           "tables_path", "transformers_tokenizer", "write_tables"]
+__all__ = ["CHECK_TEXTS", "LazyTokenizer", "TablesPlan", "TokenizerTables", "read_tables", "start_tokenizer",
+           "tables_from", "tables_of", "tables_path", "tables_plan", "transformers_tokenizer", "write_tables"]
 
 _SUFFIX = "start-tables-v2"
 _MIN_PIECES = 100_000  # smaller vocabularies parse quickly: their tables are "whole"
@@ -146,26 +147,59 @@ class TokenizerTables:
         return decoder.decode(tokens) if decoder is not None else " ".join(tokens)
 
 
-def tables_of(tokenizer: Any) -> TokenizerTables | None:
-    """The tables of a transformers fast tokenizer ("reach" where the module's docstring says it is exact and
-    the vocabulary is large, else "whole"), or None where they do not encode and decode test texts as it does."""
+@dataclass
+class TablesPlan:
+    """What the tables need of a transformers fast tokenizer, taken while it is alive, so that the tables can be
+    made after it is released (`tables_from`): its facts (`_FACTS`), its pipeline's JSON, and its encodings and
+    decodings of CHECK_TEXTS, which the tables must give back."""
+
+    facts: dict[str, Any]
+    spec: str
+    answers: list[Any]
+
+
+def tables_plan(tokenizer: Any) -> TablesPlan | None:
+    """The plan of `tokenizer`'s tables, or None for a slow (Python) tokenizer."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        return None  # a slow (Python) tokenizer
-    facts = {k: getattr(tokenizer, k, None) for k in _FACTS} | {"len": len(tokenizer)}
-    spec = json.loads(backend.to_str())
-    spec["truncation"] = spec["padding"] = None  # transformers turns both off for a call that asks for neither
-    tables = _reach(backend, spec, facts) or TokenizerTables(None, None, json.dumps(spec, ensure_ascii=False), facts)
-    return tables if _agrees(tables, tokenizer) else None
-
-
-def _reach(backend: Any, spec: dict[str, Any], facts: dict[str, Any]) -> TokenizerTables | None:
-    if backend.get_vocab_size(with_added_tokens=False) < _MIN_PIECES or type(backend.model).__name__ != "BPE":
         return None
+    facts = {k: getattr(tokenizer, k, None) for k in _FACTS} | {"len": len(tokenizer)}
+    answers = []
+    for text in CHECK_TEXTS:
+        ids = tokenizer.encode(text)
+        answers.append((ids, tokenizer.encode(text, add_special_tokens=False),
+                        *(tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+                          for skip in (False, True))))
+    return TablesPlan(facts, backend.to_str(), answers)
+
+
+def tables_from(plan: TablesPlan) -> TokenizerTables | None:
+    """The tables of a plan ("reach" where the module's docstring says it is exact and the vocabulary is large,
+    else "whole"), or None where they do not encode and decode the test texts as the tokenizer did. A large
+    vocabulary's parsed JSON is a few hundred MB of objects: made from a plan, they are not held beside the
+    tokenizer."""
+    spec = json.loads(plan.spec)
+    spec["truncation"] = spec["padding"] = None  # transformers turns both off for a call that asks for neither
+    tables = _reach(spec, plan.facts) or TokenizerTables(None, None, json.dumps(spec, ensure_ascii=False),
+                                                         plan.facts)
+    del spec
+    return tables if _answers(tables) == plan.answers else None
+
+
+def tables_of(tokenizer: Any) -> TokenizerTables | None:
+    """The tables of a transformers fast tokenizer (`tables_from` its plan), or None (a slow tokenizer, or tables
+    that do not encode and decode the test texts as it does)."""
+    plan = tables_plan(tokenizer)
+    return None if plan is None else tables_from(plan)
+
+
+def _reach(spec: dict[str, Any], facts: dict[str, Any]) -> TokenizerTables | None:
     model = spec.get("model") or {}
+    vocab: dict[str, int] = model.get("vocab") or {}
+    if model.get("type") != "BPE" or len(vocab) < _MIN_PIECES:
+        return None
     if model.get("dropout") is not None or not _literal(spec):
         return None
-    vocab: dict[str, int] = model.get("vocab") or {}
     if sorted(vocab.values()) != list(range(len(vocab))):
         return None
     pieces = [""] * len(vocab)
@@ -207,17 +241,13 @@ def _literal(spec: dict[str, Any]) -> bool:
                     for p in pre))
 
 
-def _agrees(tables: TokenizerTables, tokenizer: Any) -> bool:
+def _answers(tables: TokenizerTables) -> list[Any]:
+    """The tables' encodings and decodings of CHECK_TEXTS, as `tables_plan` takes them of the tokenizer."""
+    out = []
     for text in CHECK_TEXTS:
-        ids = tokenizer.encode(text)
-        if tables.encode(text) != ids or tables.encode(text, False) != tokenizer.encode(text,
-                                                                                       add_special_tokens=False):
-            return False
-        for skip in (False, True):
-            if tables.decode(ids, skip) != tokenizer.decode(ids, skip_special_tokens=skip,
-                                                             clean_up_tokenization_spaces=False):
-                return False
-    return True
+        ids = tables.encode(text)
+        out.append((ids, tables.encode(text, False), *(tables.decode(ids or [], skip) for skip in (False, True))))
+    return out
 
 
 def write_tables(path: Path, tables: TokenizerTables) -> bool:
@@ -262,18 +292,27 @@ def start_tokenizer(folder: Path, build: Callable[[], Any], built: Any = None) -
     intact; else the tables are made from transformers' tokenizer (`built`, or `build()`) and written, and the
     `LazyTokenizer` over them is returned as a later start's would be (transformers' tokenizer — a large
     vocabulary's hundreds of MB — not held meanwhile; `full` builds it again where asked); transformers' own
-    where no tables could be made or written."""
+    where no tables could be made or written. `built` may also be tables already made and checked (the first
+    read of a GGUF file makes them before its tokenizer is released: `file_model`), which are written."""
     path = tables_path(folder)
     if built is None and path is not None and (tables := read_tables(path)) is not None:
         return LazyTokenizer(tables, build)
+    if isinstance(built, TokenizerTables):  # made by the first read of a file (file_model), checked there
+        if path is not None and write_tables(path, built):
+            _remove_earlier(path)
+        return LazyTokenizer(built, build)
     tokenizer = build() if built is None else built
     del built
     if path is not None and (tables := tables_of(tokenizer)) is not None and write_tables(path, tables):
-        for old in path.parent.glob(path.name.replace(_SUFFIX, "start-tables-*")):
-            if old != path:  # an earlier format's tables of the same model
-                old.unlink(missing_ok=True)
+        _remove_earlier(path)
         return LazyTokenizer(tables, build)
     return tokenizer
+
+
+def _remove_earlier(path: Path) -> None:
+    for old in path.parent.glob(path.name.replace(_SUFFIX, "start-tables-*")):
+        if old != path:  # an earlier format's tables of the same model
+            old.unlink(missing_ok=True)
 
 
 def _bytes(text: str):
