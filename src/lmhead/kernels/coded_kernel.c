@@ -67,6 +67,7 @@
  * unsigned codes, the code of signed ones), and IQ4_NL's levels (LMHEAD_IQ4: n = level index ^ 8) */
 static const float SIGNED_NIBBLES[16] = {0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1};
 static const float IQ4_NIBBLES[16] = {1, 13, 25, 38, 53, 69, 89, 113, -127, -104, -83, -65, -49, -35, -22, -10};
+static const int8_t IQ4_NIBBLE_BYTES[16] = {1, 13, 25, 38, 53, 69, 89, 113, -127, -104, -83, -65, -49, -35, -22, -10};
 
 /* float16 bits → float32 (exact: every float16 is a float32) */
 static inline float half_to_float(uint16_t h) {
@@ -116,15 +117,22 @@ static inline float hsum8(__m256 v) {
 #define NIBC(v, i) _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32((v), 28 - 4 * (i)), 28))
 #define NIB(v, i) _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32((v), 4 * (i)), _mm256_set1_epi32(15)))
 #define FLIP(v) _mm256_xor_si256((v), _mm256_set1_epi32((int)0x88888888u))
-/* IQ4 levels of nibbles 8·i .. 8·i+7 of v as stored (lo, hi: IQ4_NIBBLES' two halves): one two-table permute
- * (AVX-512VL), or two permutes and a blend on nibble bit 3 */
+/* IQ4 levels of nibbles 8·i .. 8·i+7 of v as stored (lo, hi: IQ4_NIBBLES' two halves as floats; tb: the same
+ * sixteen as bytes in both 128-bit halves): one two-table permute (AVX-512VL); or, with AVX2 alone, a byte
+ * shuffle of the unit's low or high nibbles through tb — nibble i of a lane is the low (i even) or high half of
+ * its byte i/2, so one shuffle gives the levels of four nibbles of every lane, shared by their four calls — and
+ * the byte's level sign-extended in its lane by a shift pair, as NIBC does the code: the same integer levels as
+ * two permutes and a blend, with fewer operations */
 #ifdef __AVX512VL__
 #define TAB8(v, i, lo, hi) _mm256_permutex2var_ps((lo), _mm256_srli_epi32((v), 4 * (i)), (hi))
 #else
-#define TAB8(v, i, lo, hi)                                                                               \
-    _mm256_blendv_ps(_mm256_permutevar8x32_ps((lo), _mm256_srli_epi32((v), 4 * (i))),                    \
-                     _mm256_permutevar8x32_ps((hi), _mm256_srli_epi32((v), 4 * (i))),                    \
-                     _mm256_castsi256_ps(_mm256_slli_epi32((v), 28 - 4 * (i))))
+static inline __m256 tab8_bytes(__m256i v, int i, __m256i tb) {
+    const __m256i low = _mm256_set1_epi8(15);
+    const __m256i nib = (i & 1) ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low) : _mm256_and_si256(v, low);
+    const __m256i level = _mm256_shuffle_epi8(tb, nib);
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(level, 24 - 8 * (i >> 1)), 24));
+}
+#define TAB8(v, i, lo, hi) tab8_bytes((v), (i), tb)
 #endif
 /* `packed` is 1 for unsigned codes, 2 for signed ones (LMHEAD_SIGNED4), 3 for IQ4 levels (LMHEAD_IQ4; the
  * functions that read them hold the table as tlo, thi). CODEC: codes 8·i .. 8·i+7 of a unit as stored, as the
@@ -136,7 +144,9 @@ static inline float hsum8(__m256 v) {
 #define CODES8(v, i, packed) ((packed) == 1 ? NIB(v, i) : CODEC(v, i, packed))
 #define IQ4_TABLE                                                                                        \
     const __m256 tlo __attribute__((unused)) = _mm256_loadu_ps(IQ4_NIBBLES);                             \
-    const __m256 thi __attribute__((unused)) = _mm256_loadu_ps(IQ4_NIBBLES + 8)
+    const __m256 thi __attribute__((unused)) = _mm256_loadu_ps(IQ4_NIBBLES + 8);                         \
+    const __m256i tb __attribute__((unused)) =                                                           \
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)IQ4_NIBBLE_BYTES))
 /* eight int8 codes from memory as floats */
 #define BYTES8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p))))
 #endif
