@@ -114,12 +114,30 @@ def test_adaptive_k_grows_on_full_acceptance_and_shrinks_on_early_rejection():
     k = AdaptiveK(4)
     k.update([4], 4)
     assert k.k == 5
-    k.update([0], 5)
+    k.update([1], 5)
     k.update([1], 4)
-    assert k.k == 3
+    assert k.k == 3 and k.next_k() == 3  # some of each draft accepted: no rest
     fixed = AdaptiveK(4, adaptive=False)
     fixed.update([4], 4)
-    assert fixed.k == 4
+    fixed.update([0], 4)
+    assert fixed.k == 4 and fixed.next_k() == 4
+
+
+def test_a_row_whose_drafts_keep_missing_rests_longer_each_time_until_one_is_accepted():
+    k = AdaptiveK(4)
+    pauses = []
+    for _ in range(7):
+        k.update([0], k.next_k())  # drafted, nothing accepted
+        rest = 0
+        while k.next_k() == 0:
+            rest += 1
+        pauses.append(rest)
+        assert k.k == 1  # it comes back drafting one token: the cheapest verification
+    assert pauses == [1, 2, 4, 8, 16, 32, 32]  # doubling, at most AdaptiveK.MAX_REST
+    k.update([1], 1)  # accepted: no rest, and k grows again
+    assert k.next_k() == 2 and k.misses == 0
+    k.update([0], 0)  # a round that drafted nothing (no n-gram found) teaches nothing
+    assert k.next_k() == 2
 
 
 def test_stats_report_rates():

@@ -162,7 +162,7 @@ class Decoder:
         position's mask is the one the plain loop would compute there and the tokens are the plain loop's; the
         rejected drafts are rolled back (`settle_round`). The int8 draft proposes from unmasked logits, so a
         constrained row judges none of its drafts (its round is a plain step)."""
-        ks = [a.k for a in self.k]
+        ks = [a.next_k() for a in self.k]
         if self.greedy_only and ks:
             ks = [kr if c.is_greedy else 0 for kr, c in zip(ks, configs, strict=True)]
         if states is not None and any(is_stateful(c) for c in configs):
