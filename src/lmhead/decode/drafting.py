@@ -60,9 +60,9 @@ class AdaptiveK:
     And a row whose drafts keep missing rests: after a round that drafted and had none accepted it takes plain
     steps for 1, 2, 4, … (at most MAX_REST) rounds before it drafts again, the pause doubling with each miss in a
     row and gone with the first accepted token. A verification of k + 1 positions costs more than a step (the
-    several-row products rebuild each weight: Gemma 3's head 1.8× a step's at 5 positions, on AuthenticAMD family
-    25 model 1), so drafts that miss — prose, where a lookup often finds a short match that the model does not
-    follow — made the n-gram draft 0.76–0.84× the plain loop, while on text that repeats (a list) it gave 1.7×."""
+    several-row products rebuild each weight), so drafts that miss — prose, where a lookup often finds a short
+    match that the model does not follow — cost more than they save, while text that repeats keeps drafting
+    (docs/decode.md)."""
 
     MAX_REST = 32
 
