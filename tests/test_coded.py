@@ -336,8 +336,24 @@ def test_signed_4bit_codes_without_offsets_are_packed_two_per_byte_and_give_the_
     w = coded_weight(c.codes, scale)
     bound = 2e-6 * (x.double().abs() @ w.abs().T) + 1e-7
     assert bool(((lin(x).double() - x.double() @ w.T).abs() <= bound).all())
-    with_offset = _codes(8, 64, 32, True, low=-8, high=8)
-    assert not CodedLinear(with_offset.codes, with_offset.scale, with_offset.offset).packed
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 9])
+@pytest.mark.parametrize("n, k", [(45, 128), (48, 128), (48, 192)])
+@pytest.mark.parametrize("low, high, offset", [(-4, 3, False), (0, 3, True), (-8, 7, True)])  # Q3_K, Q2_K, any
+def test_signed_4bit_codes_in_groups_of_16_are_packed_two_per_byte_and_give_the_same_product(rows, n, k, low,
+                                                                                             high, offset):
+    c = _codes(n, k, 16, offset, seed=rows, low=low, high=high + 1)
+    lin = CodedLinear(c.codes, c.scale, c.offset)
+    assert lin.four_bit == "signed" and lin.group == 16 and lin.codes.numel() == c.codes.numel() // 2
+    assert lin.rows4 == (n % 4 == 0)
+    want = c.dequantize()
+    assert torch.equal(lin.dequantize(), want)
+    assert torch.equal(lin.rows(torch.arange(n)), want)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2))
+    w = coded_weight(c.codes, c.scale, c.offset)
+    bound = 2e-6 * (x.double().abs() @ w.abs().T) + 1e-7
+    assert bool(((lin(x).double() - x.double() @ w.T).abs() <= bound).all())
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 9])

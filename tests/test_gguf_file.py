@@ -13,7 +13,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from lmhead.models.coded_linear import CodedLinear, coded_available
-from lmhead.models.gguf_codes import block_scales
+from lmhead.models.gguf_codes import FOUR_BIT, block_scales
 from lmhead.models.gguf_file import CODE_TYPES, block_codes
 
 _F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
@@ -71,6 +71,7 @@ def test_a_matrix_of_every_code_type_read_from_a_file_multiplies_as_its_dequanti
     else:
         coded = f.coded("m.weight", chunk_rows=4)  # converted in pieces, as a large matrix is
         assert coded.rows4 == (n % 4 == 0)
+        assert coded.packed == (kind in FOUR_BIT)  # codes of at most 4 bits (Q2_K, Q3_K too): two to a byte
         torch.testing.assert_close(f.codes("m.weight").dequantize(), want, rtol=0, atol=0)
     bits = lambda t: t.view(torch.int32)  # noqa: E731  (bit for bit: −0 is not +0)
     assert torch.equal(bits(coded.dequantize()), bits(want))

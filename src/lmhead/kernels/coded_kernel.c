@@ -90,7 +90,7 @@ static void halves_to_floats(const uint16_t* h, float* f, int64_t n) {
     for (; i < n; i++) f[i] = half_to_float(h[i]);
 }
 
-int lmhead_coded_abi(void) { return 20; }
+int lmhead_coded_abi(void) { return 21; }
 
 /* half_to_float for the other source file (decode_kernels.c's embedding rows) */
 float lmhead_half(uint16_t h) { return half_to_float(h); }
@@ -156,21 +156,36 @@ static inline __m256 tab8_bytes(__m256i v, int i, __m256i tb) {
 #define CODE(c, us, k) ((c) + ((k) >> 5) * (us) + ((k) & 31))
 #define PAIR(c, us, g) ((c) + ((g) >> 1) * (us))
 
+/* whether a product sums its offsets after the loop over the codes (from the query's group sums xs): packed
+ * codes that are unsigned, or signed with offsets */
+#define SPLIT_OFFSETS(packed, o) ((packed) == 1 || ((packed) == 2 && (o) != NULL))
+#define CENTRE(packed) ((packed) == 1 ? 8.0f : 0.0f)
+
 #ifdef __AVX2__
 
-/* Σ_g (offset_g + 8·scale_g)·xs_g for a row (offset may be NULL), added to acc's lanes; scalar leftovers into
- * *tail */
-static inline __m256 centred_offsets(const float* s, const float* o, const float* xs, int64_t ng, __m256 acc,
-                                     float* tail) {
+/* groups of 16 without offsets (int8 codes: Q6_K, Q3_K, a 32-byte unit holding two groups; packed codes: Q3_K, Q2_K,
+ * four to a unit), each with its own scale */
+#define DOT2C(c0, c1, xa, xb, acc, sg)                                                                   \
+    do {                                                                                                 \
+        const __m256 d_ = _mm256_mul_ps((c0), (xa)), e_ = _mm256_mul_ps((c1), (xb));                     \
+        (acc) = _mm256_fmadd_ps(_mm256_set1_ps(sg), _mm256_add_ps(d_, e_), (acc));                       \
+    } while (0)
+
+/* Σ_g (offset_g + centre·scale_g)·xs_g for a row (offset may be NULL), added to acc's lanes; scalar leftovers
+ * into *tail. The centre is 8 for unsigned packed codes (the loop summed code − 8), 0 for signed ones with
+ * offsets (Q2_K's codes 0..3, Q3_K's fused with offsets: the loop summed the codes themselves) */
+static inline __m256 centred_offsets(const float* s, const float* o, const float* xs, int64_t ng, float centre,
+                                     __m256 acc, float* tail) {
     int64_t g = 0;
-    const __m256 eight = _mm256_set1_ps(8.0f);
+    const __m256 c8 = _mm256_set1_ps(centre);
     for (; g + 8 <= ng; g += 8) {
         const __m256 ov = o ? _mm256_loadu_ps(o + g) : _mm256_setzero_ps();
-        acc = _mm256_fmadd_ps(_mm256_fmadd_ps(eight, _mm256_loadu_ps(s + g), ov), _mm256_loadu_ps(xs + g), acc);
+        acc = _mm256_fmadd_ps(_mm256_fmadd_ps(c8, _mm256_loadu_ps(s + g), ov), _mm256_loadu_ps(xs + g), acc);
     }
-    for (; g < ng; g++) *tail += ((o ? o[g] : 0.0f) + 8.0f * s[g]) * xs[g];
+    for (; g < ng; g++) *tail += ((o ? o[g] : 0.0f) + centre * s[g]) * xs[g];
     return acc;
 }
+
 
 /* one query row: Σ_g scale_g·(Σ_i code_i·x_i) — int8 codes without offsets, signed packed codes — or, unsigned
  * packed, the centred form above (xs [ng]: the query's group sums) */
@@ -178,7 +193,20 @@ static inline float row_dot1(const float* x, const int8_t* c, int64_t us, const 
                              const float* xs, int64_t ng, int64_t G, int packed) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     IQ4_TABLE;
-    if (packed) {
+    if (packed && G == 16) { /* four groups to a unit: codes 16j .. 16j + 15 of it (nibbles 2j, 2j + 1) group j */
+        for (int64_t u = 0; u < ng / 4; u++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(c + u * us));
+            const float* xg = x + u * 64;
+            DOT2C(CODEC(v, 0, packed), CODEC(v, 1, packed), _mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8), acc0,
+                  s[4 * u]);
+            DOT2C(CODEC(v, 2, packed), CODEC(v, 3, packed), _mm256_loadu_ps(xg + 16), _mm256_loadu_ps(xg + 24),
+                  acc1, s[4 * u + 1]);
+            DOT2C(CODEC(v, 4, packed), CODEC(v, 5, packed), _mm256_loadu_ps(xg + 32), _mm256_loadu_ps(xg + 40),
+                  acc0, s[4 * u + 2]);
+            DOT2C(CODEC(v, 6, packed), CODEC(v, 7, packed), _mm256_loadu_ps(xg + 48), _mm256_loadu_ps(xg + 56),
+                  acc1, s[4 * u + 3]);
+        }
+    } else if (packed) {
         for (int64_t g = 0; g < ng; g += 2) {
             const __m256i v = _mm256_loadu_si256((const __m256i*)PAIR(c, us, g));
             const float* xg = x + g * 32;
@@ -220,7 +248,7 @@ static inline float row_dot1(const float* x, const int8_t* c, int64_t us, const 
         }
     }
     float tail = 0.f;
-    if (packed == 1) acc0 = centred_offsets(s, o, xs, ng, acc0, &tail);
+    if (SPLIT_OFFSETS(packed, o)) acc0 = centred_offsets(s, o, xs, ng, CENTRE(packed), acc0, &tail);
     return hsum8(_mm256_add_ps(acc0, acc1)) + tail;
 }
 
@@ -274,13 +302,6 @@ KERNEL_INLINE void fetch_unit(const char* pf, int64_t u) {
         }                                                                                                \
     }
 
-/* Q6_K's and Q3_K's groups of 16 (int8 codes, no offsets): a 32-byte unit holds two groups, each with its own
- * scale */
-#define DOT2C(c0, c1, xa, xb, acc, sg)                                                                   \
-    do {                                                                                                 \
-        const __m256 d_ = _mm256_mul_ps((c0), (xa)), e_ = _mm256_mul_ps((c1), (xb));                     \
-        (acc) = _mm256_fmadd_ps(_mm256_set1_ps(sg), _mm256_add_ps(d_, e_), (acc));                       \
-    } while (0)
 /* Q2_K's groups of 16 with offsets: each weight rebuilt exactly (code·scale + offset), as DOT4R */
 #define DOT2R(c0, c1, xa, xb, acc, sg, og)                                                               \
     do {                                                                                                 \
@@ -418,34 +439,55 @@ static void xp_layout(const float* x, int64_t K, float* xp) {
 }
 #endif
 
+/* rows4_dot1's 256-bit loop over packed codes from group g0 on, with `packed` and g16 constants in each copy: the
+ * nibbles' decoding is chosen when it is compiled, not tested per unit, and a copy that reads no IQ4 table holds
+ * none in its registers; each row's products read x from L1 rather than holding it for the four rows (the
+ * shared loop held x and the table, tested `packed` in the loop and spilled the rows' sums to the stack: IQ4
+ * 1.18x, Q4_0 and Q4_1 1.03-1.06x a thread). G = 32: unit u holds groups 2u, 2u + 1 (four nibbles each); G = 16
+ * (g16): groups 4u .. 4u + 3 (two each). */
+KERNEL_INLINE void rows4_packed_n(const int packed, const int g16, const float* x, const int8_t* c, const float* s,
+                                  int64_t ng, int64_t g0, const char* pf, __m256* acc) {
+    IQ4_TABLE;
+    const int64_t gpu = g16 ? 4 : 2;
+    for (int64_t u = g0 / gpu; u < ng / gpu; u++) {
+        fetch_unit(pf, u);
+        for (int half = 0; half < 2; half++) { /* nibbles 0–3, then 4–7 */
+            const float* xh = x + u * 64 + 32 * half;
+            const int i = 4 * half;
+            for (int r = 0; r < 4; r++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (u * 4 + r) * 32));
+                const float* sr = s + r * ng + u * gpu;
+                const __m256 x0 = _mm256_loadu_ps(xh), x1 = _mm256_loadu_ps(xh + 8);
+                const __m256 x2 = _mm256_loadu_ps(xh + 16), x3 = _mm256_loadu_ps(xh + 24);
+                if (g16) {
+                    DOT2C(CODEC(v, i, packed), CODEC(v, i + 1, packed), x0, x1, acc[r], sr[2 * half]);
+                    DOT2C(CODEC(v, i + 2, packed), CODEC(v, i + 3, packed), x2, x3, acc[r], sr[2 * half + 1]);
+                } else {
+                    DOT4C(CODEC(v, i, packed), CODEC(v, i + 1, packed), CODEC(v, i + 2, packed),
+                          CODEC(v, i + 3, packed), acc[r], sr[half]);
+                }
+            }
+        }
+    }
+}
+
 static inline void rows4_dot1(const float* x, const float* xp, const int8_t* c, const float* s, const float* o,
                               const float* xs, int64_t ng, int packed, int g16, const char* pf, float* out) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     if (packed) {
-        IQ4_TABLE;
         int64_t g0 = 0; /* groups before g0 done in 512-bit lanes (xp: the query row in their layout) */
 #ifdef __AVX512F__
-        if (xp) g0 = rows4_packed_512(xp, c, s, ng, pf, packed, acc);
+        if (xp && !g16) g0 = rows4_packed_512(xp, c, s, ng, pf, packed, acc);
 #else
         (void)xp;
 #endif
-        for (int64_t g = g0; g < ng; g += 2) {
-            fetch_unit(pf, g / 2);
-            const float* xg = x + g * 32;
-            __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
-            __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
-            for (int r = 0; r < 4; r++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (g * 2 + r) * 32));
-                DOT4C(CODEC(v, 0, packed), CODEC(v, 1, packed), CODEC(v, 2, packed), CODEC(v, 3, packed), acc[r],
-                      s[r * ng + g]);
-            }
-            x0 = _mm256_loadu_ps(xg + 32), x1 = _mm256_loadu_ps(xg + 40);
-            x2 = _mm256_loadu_ps(xg + 48), x3 = _mm256_loadu_ps(xg + 56);
-            for (int r = 0; r < 4; r++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (g * 2 + r) * 32));
-                DOT4C(CODEC(v, 4, packed), CODEC(v, 5, packed), CODEC(v, 6, packed), CODEC(v, 7, packed), acc[r],
-                      s[r * ng + g + 1]);
-            }
+        switch (2 * packed + g16) {
+            case 2: rows4_packed_n(1, 0, x, c, s, ng, g0, pf, acc); break;
+            case 3: rows4_packed_n(1, 1, x, c, s, ng, g0, pf, acc); break;
+            case 4: rows4_packed_n(2, 0, x, c, s, ng, g0, pf, acc); break;
+            case 5: rows4_packed_n(2, 1, x, c, s, ng, g0, pf, acc); break;
+            case 6: rows4_packed_n(3, 0, x, c, s, ng, g0, pf, acc); break;
+            default: rows4_packed_n(3, 1, x, c, s, ng, g0, pf, acc); break;
         }
 #ifdef __AVX512F__
     } else if (o) {
@@ -492,9 +534,9 @@ static inline void rows4_dot1(const float* x, const float* xp, const int8_t* c, 
 #endif
     }
     float tail[4] = {0.f, 0.f, 0.f, 0.f};
-    if (packed == 1)
+    if (SPLIT_OFFSETS(packed, o))
         for (int r = 0; r < 4; r++)
-            acc[r] = centred_offsets(s + r * ng, o ? o + r * ng : NULL, xs, ng, acc[r], tail + r);
+            acc[r] = centred_offsets(s + r * ng, o ? o + r * ng : NULL, xs, ng, CENTRE(packed), acc[r], tail + r);
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
     const __m128 four = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
     _mm_storeu_ps(out, _mm_add_ps(four, _mm_loadu_ps(tail)));
@@ -517,16 +559,17 @@ KERNEL_INLINE void rows_n(const int R, const float* x, int64_t K, const int8_t* 
     for (int m = 0; m < R; m++) a[m] = zero;
     for (int m = 0; m < R && m < 4; m++) b[m] = zero;
     IQ4_TABLE;
-    if (packed) {
-        for (int64_t g = 0; g < ng; g += 2) {
-            const __m256i v = UNIT4(PAIR(c, us, g), packed);
-            const __m256 s0 = _mm256_set1_ps(s[g]), s1 = _mm256_set1_ps(s[g + 1]);
-            const __m256 o0 = o ? _mm256_set1_ps(o[g]) : zero, o1 = o ? _mm256_set1_ps(o[g + 1]) : zero;
+    if (packed) { /* unit u: groups u·gpu .. u·gpu + gpu − 1 (two of 32, or four of 16), eight codes per nibble i */
+        const int64_t gpu = 64 / G;
+        for (int64_t u = 0; u < K / 64; u++) {
+            const __m256i v = UNIT4(c + u * us, packed);
 #pragma GCC unroll 8
             for (int i = 0; i < 8; i++) {
-                const __m256 w = rebuild8(CODES8(v, i, packed), i < 4 ? s0 : s1, i < 4 ? o0 : o1, o != NULL);
+                const int64_t gi = u * gpu + i * gpu / 8;
+                const __m256 w = rebuild8(CODES8(v, i, packed), _mm256_set1_ps(s[gi]),
+                                          o ? _mm256_set1_ps(o[gi]) : zero, o != NULL);
                 for (int m = 0; m < R; m++) {
-                    const __m256 xv = _mm256_loadu_ps(x + m * K + g * 32 + 8 * i);
+                    const __m256 xv = _mm256_loadu_ps(x + m * K + u * 64 + 8 * i);
                     if (R <= 4 && (i & 1))
                         b[m] = _mm256_fmadd_ps(w, xv, b[m]);
                     else
@@ -567,7 +610,24 @@ KERNEL_INLINE void block4_rows_n(const int Q, const float* x, int64_t K, const i
     for (int r = 0; r < 4; r++)
         for (int m = 0; m < Q; m++) acc[r][m] = _mm256_setzero_ps();
     IQ4_TABLE;
-    if (packed) {
+    if (packed && ng * 16 == K) { /* Q3_K, Q2_K: unit u holds groups 4u .. 4u + 3, two nibbles each */
+        for (int64_t u = 0; u < K / 64; u++) {
+            fetch_unit(pf, u);
+            for (int r = 0; r < 4; r++) {
+                const __m256i v = UNIT4(c + (u * 4 + r) * 32, packed);
+                for (int h = 0; h < 4; h++) {
+                    const __m256 sv = _mm256_set1_ps(s[r * ng + 4 * u + h]);
+                    const __m256 ov = o ? _mm256_set1_ps(o[r * ng + 4 * u + h]) : _mm256_setzero_ps();
+                    for (int j = 0; j < 2; j++) {
+                        const __m256 w = rebuild8(CODES8(v, 2 * h + j, packed), sv, ov, o != NULL);
+                        for (int m = 0; m < Q; m++)
+                            acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + u * 64 + 16 * h + 8 * j),
+                                                        acc[r][m]);
+                    }
+                }
+            }
+        }
+    } else if (packed) {
         for (int64_t g = 0; g < ng; g += 2) {
             fetch_unit(pf, g >> 1);
             for (int r = 0; r < 4; r++) {
@@ -617,7 +677,23 @@ KERNEL_INLINE void block4_each_n(const int Q, const float* x, int64_t K, const i
     for (int r = 0; r < 4; r++) {
         __m256 acc[MB];
         for (int m = 0; m < Q; m++) acc[m] = _mm256_setzero_ps();
-        if (packed) {
+        if (packed && ng * 16 == K) { /* Q3_K, Q2_K: unit u holds groups 4u .. 4u + 3, two nibbles each */
+            for (int64_t u = 0; u < K / 64; u++) {
+                fetch_unit(r == 0 ? pf : NULL, u);
+                const __m256i v = UNIT4(c + (u * 4 + r) * 32, packed);
+#pragma GCC unroll 4
+                for (int h = 0; h < 4; h++) {
+                    const __m256 sv = _mm256_set1_ps(s[r * ng + 4 * u + h]);
+                    const __m256 ov = o ? _mm256_set1_ps(o[r * ng + 4 * u + h]) : _mm256_setzero_ps();
+                    for (int j = 0; j < 2; j++) {
+                        const __m256 w = rebuild8(CODES8(v, 2 * h + j, packed), sv, ov, o != NULL);
+                        const float* xk = x + u * 64 + 16 * h + 8 * j;
+                        for (int m = 0; m < Q; m++)
+                            acc[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xk + m * K), acc[m]);
+                    }
+                }
+            }
+        } else if (packed) {
             for (int64_t g = 0; g < ng; g += 2) {
                 fetch_unit(r == 0 ? pf : NULL, g >> 1);
                 const __m256i v = UNIT4(c + ((g >> 1) * 4 + r) * 32, packed);
@@ -925,9 +1001,10 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
     const int packed = !(flags & LMHEAD_PACKED) ? 0 : (flags & LMHEAD_IQ4) ? 3 : (flags & LMHEAD_SIGNED4) ? 2 : 1;
     const int half = (flags & LMHEAD_HALF) != 0, rows4 = (flags & LMHEAD_ROWS4) != 0;
     const int levels = flags & (LMHEAD_SIGNED4 | LMHEAD_IQ4);
-    if (levels && (!packed || offset || levels == (LMHEAD_SIGNED4 | LMHEAD_IQ4))) return -1;
-    if (G <= 0 || G % 16 != 0 || K % G != 0 || M < 0 || N < 0 || (packed && (G != 32 || K % 64 != 0)) ||
-        (rows4 && (N % 4 != 0 || K % 32 != 0 || !(G == 32 || (G == 16 && !packed)))))
+    if (levels && (!packed || (offset && levels != LMHEAD_SIGNED4) || levels == (LMHEAD_SIGNED4 | LMHEAD_IQ4)))
+        return -1;
+    if (G <= 0 || G % 16 != 0 || K % G != 0 || M < 0 || N < 0 || (packed && ((G != 32 && G != 16) || K % 64 != 0)) ||
+        (rows4 && (N % 4 != 0 || K % 32 != 0 || !(G == 32 || G == 16))))
         return -1;
     const int64_t row_bytes = packed ? K / 2 : K, us = rows4 ? 128 : 32;
     const int64_t ng = K / G;
@@ -945,7 +1022,7 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
      * for all N weight rows */
     float xs_stack[256];
     float* xs = NULL;
-    if (packed == 1 && M > 0 && (M - 1) % MB == 0) {
+    if (SPLIT_OFFSETS(packed, offset) && M > 0 && (M - 1) % MB == 0) {
         const float* last = x + (M - 1) * K;
         xs = ng <= 256 ? xs_stack : (float*)malloc((size_t)ng * sizeof(float));
         if (!xs) return -1;
@@ -961,7 +1038,7 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
 #ifdef __AVX512F__
         float xp_stack[4096];
         float* xp = NULL;
-        if (packed && K >= 128) { /* rows4_packed_512's layout of the query row, once for all N rows */
+        if (packed && G == 32 && K >= 128) { /* rows4_packed_512's layout of the query row, once for all N rows */
             xp = K <= 4096 ? xp_stack : (float*)malloc((size_t)K * sizeof(float));
             if (!xp) {
                 if (xs && xs != xs_stack) free(xs);

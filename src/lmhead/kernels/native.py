@@ -50,7 +50,7 @@ PACKED, HALF, ROWS4, F16, BF16, SIGNED4, IQ4 = 1, 2, 4, 8, 16, 32, 64
 # IQ4_NL's sixteen levels, in index order (coded_kernel.c's IQ4_NIBBLES holds them in stored-nibble order, index ^ 8)
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
-_ABI = 20  # lmhead_coded_abi() of the sources above
+_ABI = 21  # lmhead_coded_abi() of the sources above
 
 
 class MatDesc(ctypes.Structure):
@@ -316,21 +316,26 @@ def _self_test(lib: ctypes.CDLL) -> bool:
             if rc != 0 or not _close(y, x.double() @ wo.double().T):
                 return False
     # signed packed 4-bit codes (Q4_0) and IQ4_NL's levels, without offsets: K = 192 leaves a unit past the 512-bit
-    # pairs
+    # pairs; signed codes in groups of 16 (Q3_K without offsets, Q2_K with them), float32 scales
     levels = torch.tensor(IQ4_LEVELS)
-    for k, iq4 in ((128, False), (192, False), (128, True), (192, True)):
+    for k, iq4, group, offsets in ((128, False, 32, False), (192, False, 32, False), (128, True, 32, False),
+                                   (192, True, 32, False), (192, False, 16, False), (192, False, 16, True)):
         index = torch.randint(0, 16, (20, k), generator=g, dtype=torch.int8)
         codes = levels[index.long()] if iq4 else index - 8
-        scale = (torch.randn(20, k // 32, generator=g) * 0.01).half()
-        w = (codes.float().view(20, -1, 32) * scale.float()[..., None]).view(20, k)
+        scale = (torch.randn(20, k // group, generator=g) * 0.01).half()
+        off = (torch.randn(20, k // group, generator=g) * 0.01).float() if offsets else None
+        w = (codes.float().view(20, -1, group) * scale.float()[..., None]).view(20, k)
+        w = w if off is None else w + off.repeat_interleave(group, dim=1)
         packed = pack4(index) if iq4 else pack4(codes, signed=True)
         level = IQ4 if iq4 else SIGNED4
-        for flags in (PACKED | level | HALF, ROWS4 | PACKED | level | HALF):
+        s = scale if group == 32 else scale.float()
+        for flags in (PACKED | level, ROWS4 | PACKED | level):
+            flags |= HALF if group == 32 else 0
             c = block4(packed) if flags & ROWS4 else packed
             for m in (1, 2, 5, 9):
                 x, y = torch.randn(m, k, generator=g), torch.empty(m, 20)
-                rc = lib.lmhead_coded_matmul(x.data_ptr(), m, k, c.data_ptr(), scale.data_ptr(), None, 20, 32, flags,
-                                             y.data_ptr(), 2)
+                rc = lib.lmhead_coded_matmul(x.data_ptr(), m, k, c.data_ptr(), s.data_ptr(),
+                                             None if off is None else off.data_ptr(), 20, group, flags, y.data_ptr(), 2)
                 if rc != 0 or not _close(y, x.double() @ w.double().T):
                     return False
     # float16 and bfloat16 weights, K not a multiple of the vector width

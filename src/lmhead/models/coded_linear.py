@@ -82,9 +82,10 @@ class CodedLinear:
     def __init__(self, codes: Tensor, scale: Tensor, offset: Tensor | None = None, weight: Tensor | None = None,
                  sources: tuple[Tensor, ...] | None = None, four_bit: str | None = "auto"):
         """`four_bit`: how 4-bit codes are stored two per byte (half the bytes to read again) — "unsigned" (codes
-        0..15: Q4_1, Q4_K), "signed" (−8..7 without offsets: Q4_0), "iq4" (IQ4_NL's levels, `gguf_codes.IQ4_VALUES`,
-        without offsets: IQ4_NL, IQ4_XS), None (one byte per code), or "auto": unsigned or signed by the codes'
-        range. Where the shape does not allow it (groups of 32, K a multiple of 64) the codes stay one per byte."""
+        0..15: Q4_1, Q4_K), "signed" (−8..7: Q4_0; Q3_K's −4..3 and Q2_K's 0..3 in groups of 16, Q2_K's with
+        offsets), "iq4" (IQ4_NL's levels, `gguf_codes.IQ4_VALUES`, without offsets: IQ4_NL, IQ4_XS), None (one byte
+        per code), or "auto": signed where the codes are in −8..7, else unsigned where they are in 0..15. Where the
+        shape does not allow it (groups of 16 or 32, K a multiple of 64) the codes stay one per byte."""
         if codes.dtype != torch.int8 or codes.dim() != 2:
             raise TypeError(f"codes must be a 2-D int8 tensor, got {codes.dtype} {tuple(codes.shape)}")
         n, k = codes.shape
@@ -99,8 +100,7 @@ class CodedLinear:
             raise ValueError(f"weight must be [{n}, {k}] like the codes, got {tuple(weight.shape)}")
         if four_bit == "auto":
             low, high = (int(codes.min()), int(codes.max())) if codes.numel() else (0, 255)
-            four_bit = ("unsigned" if low >= 0 and high <= 15 else
-                        "signed" if offset is None and low >= -8 and high <= 7 else None)
+            four_bit = ("signed" if low >= -8 and high <= 7 else "unsigned" if low >= 0 and high <= 15 else None)
         four_bit = self._four_bit(k, offset, four_bit)
         codes = _pack(codes, four_bit) if four_bit else codes.contiguous()
         rows4 = self._rows4(n, k, self.group, four_bit is not None)
@@ -108,20 +108,20 @@ class CodedLinear:
                      sources)
 
     def _four_bit(self, k: int, offset: Tensor | None, four_bit: str | None) -> str | None:
-        """`four_bit` where this matrix can be stored so (groups of 32, K a multiple of 64; signed and IQ4 codes
-        without offsets), else None; ValueError for a name that is none of them."""
+        """`four_bit` where this matrix can be stored so (groups of 16 or 32, K a multiple of 64; IQ4 codes without
+        offsets), else None; ValueError for a name that is none of them."""
         if four_bit not in (None, "unsigned", "signed", "iq4"):
             raise ValueError(f"four_bit must be None, 'auto', 'unsigned', 'signed' or 'iq4', got {four_bit!r}")
-        if self.group != 32 or k % 64 or (four_bit in ("signed", "iq4") and offset is not None):
+        if self.group not in (16, 32) or k % 64 or (four_bit == "iq4" and offset is not None):
             return None
         return four_bit
 
     @staticmethod
     def _rows4(n: int, k: int, group: int, packed: bool) -> bool:
-        # groups of 32 in whole blocks of four rows: stored block by block, so that decode reads four rows from
-        # one forward stream (coded_kernel.c)
-        # (Q6_K's, Q3_K's and Q2_K's groups of 16 too, two to a 32-byte unit: int8 codes)
-        return bool(n and n % 4 == 0 and (group == 32 or (group == 16 and k % 32 == 0 and not packed)))
+        # groups of 32 or 16 in whole blocks of four rows: stored block by block, so that decode reads four rows
+        # from one forward stream (coded_kernel.c); a 32-byte unit holds one or two groups of int8 codes, two or
+        # four of packed ones
+        return bool(n and n % 4 == 0 and group in (16, 32) and k % 32 == 0)
 
     @classmethod
     def dense16(cls, weights: Tensor) -> CodedLinear:

@@ -43,10 +43,12 @@ BLOCKS = {"Q4_0": (32, 18, 32), "Q4_1": (32, 20, 32), "Q5_0": (32, 22, 32), "Q5_
 # IQ4_NL's and IQ4_XS's 16 levels: a weight is d·IQ4_VALUES[q], so the table's integer is the weight's code
 IQ4_VALUES = np.array(native.IQ4_LEVELS, dtype=np.int8)
 
-# how the coded kernel holds each type (CodedLinear): codes two to a byte where a block's codes take 4 bits
-# (`CodedLinear`'s `four_bit`: unsigned 0..15, signed −8..7 without offsets, or indices of IQ4_VALUES), float16
+# how the coded kernel holds each type (CodedLinear): codes two to a byte where a block's codes take at most 4 bits
+# (`CodedLinear`'s `four_bit`: unsigned 0..15, signed −8..7 — Q3_K's −4..3 and Q2_K's 0..3 too, the code itself,
+# so that a decode product sums Q2_K's offsets against its codes' own zero —, or indices of IQ4_VALUES), float16
 # scales (the blocks' d and m are float16 numbers), an offset per group
-FOUR_BIT = {"Q4_0": "signed", "Q4_1": "unsigned", "Q4_K": "unsigned", "IQ4_NL": "iq4", "IQ4_XS": "iq4"}
+FOUR_BIT = {"Q4_0": "signed", "Q4_1": "unsigned", "Q4_K": "unsigned", "IQ4_NL": "iq4", "IQ4_XS": "iq4",
+            "Q3_K": "signed", "Q2_K": "signed"}
 _HALF_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"})
 _OFFSET_TYPES = frozenset({"Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"})
 
