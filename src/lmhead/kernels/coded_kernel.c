@@ -733,38 +733,60 @@ KERNEL_INLINE void block4_each_n(const int Q, const float* x, int64_t K, const i
 
 
 /* the pass for q query rows of a block: ≤ 3 through its one stream, 4..8 row by row; one function per q, the copy
- * with q a constant (its accumulators in registers) */
+ * with q and the codes' layout constants (its accumulators in registers, the nibbles' decoding chosen when it is
+ * compiled, as rows4_packed_n's) */
+KERNEL_INLINE void block_pass_n(const int Q, const float* x, int64_t K, const int8_t* c, const float* s,
+                                const float* o, int64_t ng, int packed, const char* pf, float* out) {
+    switch (packed) {
+        case 0:
+            if (Q <= 3) block4_rows_n(Q, x, K, c, s, o, ng, 0, pf, out);
+            else block4_each_n(Q, x, K, c, s, o, ng, 0, pf, out);
+            break;
+        case 1:
+            if (Q <= 3) block4_rows_n(Q, x, K, c, s, o, ng, 1, pf, out);
+            else block4_each_n(Q, x, K, c, s, o, ng, 1, pf, out);
+            break;
+        case 2:
+            if (Q <= 3) block4_rows_n(Q, x, K, c, s, o, ng, 2, pf, out);
+            else block4_each_n(Q, x, K, c, s, o, ng, 2, pf, out);
+            break;
+        default:
+            if (Q <= 3) block4_rows_n(Q, x, K, c, s, o, ng, 3, pf, out);
+            else block4_each_n(Q, x, K, c, s, o, ng, 3, pf, out);
+            break;
+    }
+}
 static void block_pass1(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
                         int packed, const char* pf, float* out) {
-    block4_rows_n(1, x, K, c, s, o, ng, packed, pf, out);
+    block_pass_n(1, x, K, c, s, o, ng, packed, pf, out);
 }
 static void block_pass2(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
                         int packed, const char* pf, float* out) {
-    block4_rows_n(2, x, K, c, s, o, ng, packed, pf, out);
+    block_pass_n(2, x, K, c, s, o, ng, packed, pf, out);
 }
 static void block_pass3(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
                         int packed, const char* pf, float* out) {
-    block4_rows_n(3, x, K, c, s, o, ng, packed, pf, out);
+    block_pass_n(3, x, K, c, s, o, ng, packed, pf, out);
 }
 static void block_pass4(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
                         int packed, const char* pf, float* out) {
-    block4_each_n(4, x, K, c, s, o, ng, packed, pf, out);
+    block_pass_n(4, x, K, c, s, o, ng, packed, pf, out);
 }
 static void block_pass5(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
                         int packed, const char* pf, float* out) {
-    block4_each_n(5, x, K, c, s, o, ng, packed, pf, out);
+    block_pass_n(5, x, K, c, s, o, ng, packed, pf, out);
 }
 static void block_pass6(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
                         int packed, const char* pf, float* out) {
-    block4_each_n(6, x, K, c, s, o, ng, packed, pf, out);
+    block_pass_n(6, x, K, c, s, o, ng, packed, pf, out);
 }
 static void block_pass7(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
                         int packed, const char* pf, float* out) {
-    block4_each_n(7, x, K, c, s, o, ng, packed, pf, out);
+    block_pass_n(7, x, K, c, s, o, ng, packed, pf, out);
 }
 static void block_pass8(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
                         int packed, const char* pf, float* out) {
-    block4_each_n(8, x, K, c, s, o, ng, packed, pf, out);
+    block_pass_n(8, x, K, c, s, o, ng, packed, pf, out);
 }
 typedef void (*block_pass)(const float*, int64_t, const int8_t*, const float*, const float*, int64_t, int, const char*,
                            float*);
