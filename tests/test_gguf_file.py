@@ -13,7 +13,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from lmhead.models.coded_linear import CodedLinear, coded_available
-from lmhead.models.gguf_codes import FOUR_BIT, block_scales
+from lmhead.models.gguf_codes import FOUR_BIT, SUB_TYPES, block_scales, block_subscales, coded_nbytes
 from lmhead.models.gguf_file import CODE_TYPES, block_codes
 
 _F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
@@ -41,6 +41,20 @@ def test_block_codes_times_their_scales_are_gguf_dequantize_bit_for_bit(kind):
         w = w + offset[..., None]
     expected = dequantize(blocks, GGMLQuantizationType[kind]).reshape(w.shape)
     np.testing.assert_array_equal(w.view(np.uint32), expected.astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("kind", sorted(SUB_TYPES))
+def test_k_quant_sub_scales_times_their_d_are_the_block_scales_bit_for_bit(kind):
+    blocks = _random_blocks(kind, 64, seed=len(kind) + 1)
+    scale, offset = block_scales(kind, blocks)
+    d, sub, dmin, sub_min = block_subscales(kind, blocks)
+    assert sub.dtype == np.int8 and d.dtype == np.float32
+    bits = lambda a: np.asarray(a, dtype=np.float32).view(np.uint32)  # noqa: E731
+    np.testing.assert_array_equal(bits(d[:, None] * sub.astype(np.float32)), bits(scale))
+    if offset is None:
+        assert dmin is None and sub_min is None
+    else:
+        np.testing.assert_array_equal(bits(dmin[:, None] * sub_min.astype(np.float32)), bits(offset))
 
 
 @pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
@@ -72,6 +86,8 @@ def test_a_matrix_of_every_code_type_read_from_a_file_multiplies_as_its_dequanti
         coded = f.coded("m.weight", chunk_rows=4)  # converted in pieces, as a large matrix is
         assert coded.rows4 == (n % 4 == 0)
         assert coded.packed == (kind in FOUR_BIT)  # codes of at most 4 bits (Q2_K, Q3_K too): two to a byte
+        assert coded.sub == (kind in SUB_TYPES)  # a K-quant's scales as its blocks hold them
+        assert coded.nbytes == coded_nbytes(kind, n * k)  # what the memory estimate counts
         torch.testing.assert_close(f.codes("m.weight").dequantize(), want, rtol=0, atol=0)
     bits = lambda t: t.view(torch.int32)  # noqa: E731  (bit for bit: −0 is not +0)
     assert torch.equal(bits(coded.dequantize()), bits(want))

@@ -61,6 +61,7 @@
 #define LMHEAD_BF16 16 /* codes: bfloat16 weights [N, K] */
 #define LMHEAD_SIGNED4 32 /* with PACKED: the nibbles are signed 4-bit codes themselves (Q4_0), no offsets */
 #define LMHEAD_IQ4 64     /* with PACKED: the nibbles index IQ4_NL's sixteen levels (IQ4_NL, IQ4_XS), no offsets */
+#define LMHEAD_SUB 128    /* scales (and offsets) as a K-quant file holds them: see sub_floats */
 #define HALF_MAX_GROUPS 1024 /* float16 scales: a row's groups converted on the stack */
 
 /* the sixteen numbers a packed nibble n stands for, in nibble order: n as a signed 4-bit number (code − 8 of
@@ -90,7 +91,67 @@ static void halves_to_floats(const uint16_t* h, float* f, int64_t n) {
     for (; i < n; i++) f[i] = half_to_float(h[i]);
 }
 
-int lmhead_coded_abi(void) { return 21; }
+/* LMHEAD_SUB: a scale (or offset) buffer holds float32 d [N, K/256] — a K-quant block's d (or −dmin) — followed
+ * by int8 sub [N, ng], the block's small integer per group, and the group's scale is d·sub, the float32 product
+ * gguf's dequantiser makes (exact: an 11-bit float16 d times an integer of at most 8 bits). A matrix's scales
+ * then take one byte per group and four per 256 weights instead of four per group. sub_floats: rows n0 ..
+ * n0 + nr − 1's scales as float32 [nr, ng] into f. */
+static void sub_floats(const void* buf, int64_t N, int64_t K, int64_t ng, int64_t n0, int64_t nr, float* f) {
+    const int64_t nsup = K / 256, per = ng / nsup;
+    const float* d = (const float*)buf + n0 * nsup;
+    const int8_t* sub = (const int8_t*)((const float*)buf + N * nsup) + n0 * ng;
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t j = 0; j < nsup; j++) {
+            const float dj = d[r * nsup + j];
+            const int8_t* sj = sub + r * ng + j * per;
+            float* fj = f + r * ng + j * per;
+            int64_t i = 0;
+#ifdef __AVX2__
+            const __m256 dv = _mm256_set1_ps(dj);
+            for (; i + 8 <= per; i += 8)
+                _mm256_storeu_ps(fj + i, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                               _mm_loadl_epi64((const __m128i*)(sj + i))))));
+#endif
+            for (; i < per; i++) fj[i] = dj * (float)sj[i];
+        }
+}
+
+/* rows n0 .. n0 + nr − 1's scales (or offsets) as float32 [nr, ng]: the stored floats themselves, or converted
+ * into tmp (float16: HALF; d·sub: SUB) */
+static inline const float* rows_scales(const void* base, int64_t N, int64_t K, int64_t ng, int64_t n0, int64_t nr,
+                                       int half, int sub, float* tmp) {
+    if (sub) {
+        sub_floats(base, N, K, ng, n0, nr, tmp);
+        return tmp;
+    }
+    if (half) {
+        halves_to_floats((const uint16_t*)base + n0 * ng, tmp, nr * ng);
+        return tmp;
+    }
+    return (const float*)base + n0 * ng;
+}
+
+/* a cache-line fetch of rows n0 .. n0 + nr − 1's stored scales (or offsets), as rows_scales reads them */
+static inline void fetch_scales(const void* base, int64_t N, int64_t K, int64_t ng, int64_t n0, int64_t nr, int half,
+                                int sub) {
+#ifdef __AVX2__
+    if (sub) {
+        const int64_t nsup = K / 256;
+        const char* d = (const char*)((const float*)base + n0 * nsup);
+        const char* sb = (const char*)((const float*)base + N * nsup) + n0 * ng;
+        for (int64_t p = 0; p < nr * nsup * 4; p += 64) _mm_prefetch(d + p, _MM_HINT_T0);
+        for (int64_t p = 0; p < nr * ng; p += 64) _mm_prefetch(sb + p, _MM_HINT_T0);
+        return;
+    }
+    const size_t bytes = half ? 2 : 4;
+    const char* b = (const char*)base + (size_t)n0 * ng * bytes;
+    for (int64_t p = 0; p < nr * ng * (int64_t)bytes; p += 64) _mm_prefetch(b + p, _MM_HINT_T0);
+#else
+    (void)base, (void)N, (void)K, (void)ng, (void)n0, (void)nr, (void)half, (void)sub;
+#endif
+}
+
+int lmhead_coded_abi(void) { return 22; }
 
 /* half_to_float for the other source file (decode_kernels.c's embedding rows) */
 float lmhead_half(uint16_t h) { return half_to_float(h); }
@@ -1030,8 +1091,9 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
         return -1;
     const int64_t row_bytes = packed ? K / 2 : K, us = rows4 ? 128 : 32;
     const int64_t ng = K / G;
-    if (half && ng > HALF_MAX_GROUPS) return -1;
-    const size_t scale_bytes = half ? 2 : 4;
+    const int sub = (flags & LMHEAD_SUB) != 0;
+    if (sub && (half || K % 256 != 0 || (G != 16 && G != 32))) return -1;
+    if ((half || sub) && ng > HALF_MAX_GROUPS) return -1;
     if (threads < 1) threads = 1;
     /* several query rows (compute-bound): rows (or blocks of four) handed out in chunks of ~1/8 of a thread's share
      * as threads come for them, so that on a shared machine a thread that loses its core for a moment no longer
@@ -1074,8 +1136,6 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
 #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t n0 = b * 4, nr = 4;
-            const float* s = (const float*)((const char*)scale + (size_t)n0 * ng * scale_bytes);
-            const float* o = offset ? (const float*)((const char*)offset + (size_t)n0 * ng * scale_bytes) : NULL;
             float s32[4 * HALF_MAX_GROUPS], o32[4 * HALF_MAX_GROUPS];
             /* the block PREFETCH_AHEAD blocks on, fetched while this one is computed: with the unpacking's
              * arithmetic between its loads, the hardware prefetcher alone left one thread at ~60% of the rate it
@@ -1088,21 +1148,11 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
             const char* spread = NULL;
             if (b + PREFETCH_AHEAD < blocks) {
                 spread = (const char*)(codes + (n0 + 4 * PREFETCH_AHEAD) * row_bytes);
-                const char* ns = (const char*)scale + (size_t)(n0 + 4 * PREFETCH_AHEAD) * ng * scale_bytes;
-                for (int64_t p = 0; p < 4 * ng * (int64_t)scale_bytes; p += 64) _mm_prefetch(ns + p, _MM_HINT_T0);
-                if (offset) {
-                    const char* no = (const char*)offset + (size_t)(n0 + 4 * PREFETCH_AHEAD) * ng * scale_bytes;
-                    for (int64_t p = 0; p < 4 * ng * (int64_t)scale_bytes; p += 64) _mm_prefetch(no + p, _MM_HINT_T0);
-                }
+                fetch_scales(scale, N, K, ng, n0 + 4 * PREFETCH_AHEAD, nr, half, sub);
+                if (offset) fetch_scales(offset, N, K, ng, n0 + 4 * PREFETCH_AHEAD, nr, half, sub);
             }
-            if (half) {
-                halves_to_floats((const uint16_t*)s, s32, nr * ng);
-                s = s32;
-                if (o) {
-                    halves_to_floats((const uint16_t*)o, o32, nr * ng);
-                    o = o32;
-                }
-            }
+            const float* s = rows_scales(scale, N, K, ng, n0, nr, half, sub, s32);
+            const float* o = offset ? rows_scales(offset, N, K, ng, n0, nr, half, sub, o32) : NULL;
             rows4_dot1(x, xp, codes + n0 * row_bytes, s, o, xs, ng, packed, G == 16, spread, y + n0);
         }
         if (xs && xs != xs_stack) free(xs);
@@ -1116,17 +1166,9 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
 #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t n0 = b * 4;
-            const float* s = (const float*)((const char*)scale + (size_t)n0 * ng * scale_bytes);
-            const float* o = offset ? (const float*)((const char*)offset + (size_t)n0 * ng * scale_bytes) : NULL;
             float s32[4 * HALF_MAX_GROUPS], o32[4 * HALF_MAX_GROUPS];
-            if (half) {
-                halves_to_floats((const uint16_t*)s, s32, 4 * ng);
-                s = s32;
-                if (o) {
-                    halves_to_floats((const uint16_t*)o, o32, 4 * ng);
-                    o = o32;
-                }
-            }
+            const float* s = rows_scales(scale, N, K, ng, n0, 4, half, sub, s32);
+            const float* o = offset ? rows_scales(offset, N, K, ng, n0, 4, half, sub, o32) : NULL;
             const int8_t* c = codes + n0 * row_bytes;
             /* the next block, fetched over this block's first pass (fetch_unit): the block4_each passes read
              * the block row by row, not as one stream (head-sized matrices 1.2× faster than without a fetch);
@@ -1149,17 +1191,9 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
 #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
     for (int64_t n = 0; n < N; n++) {
         const int8_t* c = rows4 ? codes + (n / 4) * 4 * row_bytes + (n % 4) * 32 : codes + n * row_bytes;
-        const float* s = (const float*)((const char*)scale + (size_t)n * ng * scale_bytes);
-        const float* o = offset ? (const float*)((const char*)offset + (size_t)n * ng * scale_bytes) : NULL;
         float s32[HALF_MAX_GROUPS], o32[HALF_MAX_GROUPS];
-        if (half) {
-            halves_to_floats((const uint16_t*)s, s32, ng);
-            s = s32;
-            if (o) {
-                halves_to_floats((const uint16_t*)o, o32, ng);
-                o = o32;
-            }
-        }
+        const float* s = rows_scales(scale, N, K, ng, n, 1, half, sub, s32);
+        const float* o = offset ? rows_scales(offset, N, K, ng, n, 1, half, sub, o32) : NULL;
         for (int64_t m0 = 0; m0 < M; m0 += MB) {
             const int mb = (int)(M - m0 < MB ? M - m0 : MB);
             float out[MB];

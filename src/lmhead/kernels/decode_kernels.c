@@ -16,8 +16,17 @@
  * model's weight bit for bit. Reads every layout of coded_kernel.c: int8 or packed 4-bit codes (PACKED: each 64
  * codes 32 bytes, byte 4·l + b holding codes 16·b + l (low nibble) and 16·b + 8 + l (high), XOR 8, or as signed
  * nibbles: SIGNED4, or IQ4_NL level indices: IQ4), rows stored
- * in blocks of four (ROWS4: the block's rows 32 bytes each, unit by unit), float32 or float16 (HALF) scales; or
+ * in blocks of four (ROWS4: the block's rows 32 bytes each, unit by unit), float32, float16 (HALF) or K-quant
+ * (SUB: d·sub) scales; or
  * a row of the file's own float16 or bfloat16 weights (F16, BF16: flags 8, 16). */
+/* group g of row n's scale (or offset) held as a K-quant's d [N, K/256] and int8 sub [N, ng] (SUB: flags 128,
+ * coded_kernel.c's sub_floats): d·sub, the same float32 product */
+static float sub_value(const void* buf, int64_t N, int64_t K, int64_t ng, int64_t n, int64_t g) {
+    const int64_t nsup = K / 256;
+    const float d = ((const float*)buf)[n * nsup + g / (ng / nsup)];
+    return d * (float)((const int8_t*)((const float*)buf + N * nsup))[n * ng + g];
+}
+
 __attribute__((optimize("fp-contract=off")))
 static void coded_row(const lmhead_mat* m, int64_t n, float* out) {
     if (m->flags & (8 | 16)) { /* LMHEAD_F16 / LMHEAD_BF16: the row's 16-bit weights, converted exactly */
@@ -30,6 +39,7 @@ static void coded_row(const lmhead_mat* m, int64_t n, float* out) {
         return;
     }
     const int packed = (m->flags & 1) != 0, half = (m->flags & 2) != 0, rows4 = (m->flags & 4) != 0;
+    const int sub = (m->flags & 128) != 0;
     const int64_t K = m->k, R = packed ? K / 2 : K, ng = K / m->group;
     const uint8_t* base = (const uint8_t*)m->codes;
     for (int64_t k = 0; k < K; k++) {
@@ -42,9 +52,12 @@ static void coded_row(const lmhead_mat* m, int64_t n, float* out) {
         const float code = packed ? lmhead_nibble_code(((*byte) >> (4 * ((k % 16) / 8))) & 15, kind)
                                   : (float)(int8_t)(*byte);
         const int64_t g = n * ng + k / m->group;
-        float s = half ? lmhead_half(((const uint16_t*)m->scale)[g]) : ((const float*)m->scale)[g];
+        float s = sub ? sub_value(m->scale, m->n, K, ng, n, k / m->group)
+                      : half ? lmhead_half(((const uint16_t*)m->scale)[g]) : ((const float*)m->scale)[g];
         float w = code * s;
-        if (m->offset) w = w + (half ? lmhead_half(((const uint16_t*)m->offset)[g]) : ((const float*)m->offset)[g]);
+        if (m->offset)
+            w = w + (sub ? sub_value(m->offset, m->n, K, ng, n, k / m->group)
+                         : half ? lmhead_half(((const uint16_t*)m->offset)[g]) : ((const float*)m->offset)[g]);
         out[k] = w;
     }
 }

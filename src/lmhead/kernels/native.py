@@ -39,18 +39,19 @@ from lmhead.kernels import builder
 from lmhead.kernels.builder import SOURCES, library_path
 
 __all__ = ["BF16", "F16", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4_LEVELS", "PACKED", "ROWS4", "SIGNED4", "SOURCES",
-           "AttendArgs", "DecodeArgs", "LayerDesc", "MatDesc", "StepArgs", "block4",
+           "SUB", "AttendArgs", "DecodeArgs", "LayerDesc", "MatDesc", "StepArgs", "block4",
            "keep_ge", "keep_ge_unsure", "library", "library_path", "pack4", "row_lse_bounded", "row_moments",
            "row_scores", "select_ge", "topk", "typical_row", "unblock4", "unpack4"]
 
 # coded_kernel.c's flags: 4-bit codes two per byte; float16 scales and offsets; rows stored in blocks of four;
 # the file's float16 or bfloat16 weights themselves (no codes, no scales); with PACKED, signed 4-bit codes (Q4_0) or
-# indices of IQ4_NL's levels (IQ4_NL, IQ4_XS)
-PACKED, HALF, ROWS4, F16, BF16, SIGNED4, IQ4 = 1, 2, 4, 8, 16, 32, 64
+# indices of IQ4_NL's levels (IQ4_NL, IQ4_XS); scales and offsets as K-quant blocks hold them (d per 256 weights
+# times an int8 per group: `models.coded_linear.SubScales`)
+PACKED, HALF, ROWS4, F16, BF16, SIGNED4, IQ4, SUB = 1, 2, 4, 8, 16, 32, 64, 128
 # IQ4_NL's sixteen levels, in index order (coded_kernel.c's IQ4_NIBBLES holds them in stored-nibble order, index ^ 8)
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
-_ABI = 21  # lmhead_coded_abi() of the sources above
+_ABI = 22  # lmhead_coded_abi() of the sources above
 
 
 class MatDesc(ctypes.Structure):
@@ -336,6 +337,26 @@ def _self_test(lib: ctypes.CDLL) -> bool:
                 x, y = torch.randn(m, k, generator=g), torch.empty(m, 20)
                 rc = lib.lmhead_coded_matmul(x.data_ptr(), m, k, c.data_ptr(), s.data_ptr(),
                                              None if off is None else off.data_ptr(), 20, group, flags, y.data_ptr(), 2)
+                if rc != 0 or not _close(y, x.double() @ w.double().T):
+                    return False
+    # K-quant sub-scales (SUB): d per 256 weights times an int8 per group, scales and offsets, int8 and packed codes
+    for group, packed in ((16, False), (32, False), (16, True)):
+        k, ng, nsup = 512, 512 // group, 2
+        codes = torch.randint(-8 if packed else -32, 8 if packed else 32, (20, k), generator=g, dtype=torch.int8)
+        bufs, floats = [], []
+        for _ in range(2):  # scale, offset
+            d = (torch.randn(20, nsup, generator=g) * 1e-3).half().float()
+            sub = torch.randint(-8, 8, (20, ng), generator=g, dtype=torch.int8)
+            bufs.append(torch.cat([d.contiguous().view(torch.uint8).flatten(), sub.view(torch.uint8).flatten()]))
+            floats.append(d.repeat_interleave(ng // nsup, dim=1) * sub.float())
+        w = (codes.float().view(20, ng, group) * floats[0][..., None] + floats[1][..., None]).view(20, k)
+        c = pack4(codes, signed=True) if packed else codes
+        for flags in (SUB | (PACKED | SIGNED4 if packed else 0), SUB | ROWS4 | (PACKED | SIGNED4 if packed else 0)):
+            cc = block4(c) if flags & ROWS4 else c
+            for m in (1, 2, 5, 9):
+                x, y = torch.randn(m, k, generator=g), torch.empty(m, 20)
+                rc = lib.lmhead_coded_matmul(x.data_ptr(), m, k, cc.data_ptr(), bufs[0].data_ptr(), bufs[1].data_ptr(),
+                                             20, group, flags, y.data_ptr(), 2)
                 if rc != 0 or not _close(y, x.double() @ w.double().T):
                     return False
     # float16 and bfloat16 weights, K not a multiple of the vector width

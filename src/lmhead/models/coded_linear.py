@@ -28,7 +28,7 @@ from lmhead import checks
 from lmhead.kernels import native
 from lmhead.models.gguf_codes import IQ4_VALUES
 
-__all__ = ["SCREEN_CAP", "CodedLinear", "coded_available"]
+__all__ = ["SCREEN_CAP", "CodedLinear", "SubScales", "coded_available"]
 
 SCREEN_CAP = 4096  # `CodedLinear.screen`: a row with more candidates than this is computed exactly whole
 
@@ -53,6 +53,26 @@ def _call(lib: ctypes.CDLL, x: Tensor, codes: Tensor, scale: Tensor, offset: Ten
 def coded_available() -> bool:
     """True when the kernel is built (or builds now) for this machine and passes its self-test."""
     return native.library() is not None
+
+
+class SubScales:
+    """Group scales (or offsets) [N, K/G] as a K-quant file holds them (the kernel's SUB layout): float32 `d`
+    [N, K/256] — a block's d, or −dmin — and int8 `sub` [N, K/G], each group's value the float32 product
+    d·sub (`gguf_codes.block_subscales`). One byte per group and four per 256 weights, where float32 numbers
+    take four per group. `buffer` holds both, d first, as the kernel reads them; filled by the caller."""
+
+    def __init__(self, n: int, k: int, group: int) -> None:
+        if k % 256 or group not in (16, 32):
+            raise ValueError(f"sub-scales need K a multiple of 256 and groups of 16 or 32, got K={k}, G={group}")
+        nsup, ng = k // 256, k // group
+        self.buffer = torch.empty(n * nsup * 4 + n * ng, dtype=torch.uint8)
+        self.d = self.buffer[:n * nsup * 4].view(torch.float32).view(n, nsup)
+        self.sub = self.buffer[n * nsup * 4:].view(torch.int8).view(n, ng)
+        self.shape = (n, ng)
+
+    def floats(self) -> Tensor:
+        """The float32 numbers [N, K/G] they stand for."""
+        return self.d.repeat_interleave(self.shape[1] // self.d.shape[1], dim=1) * self.sub.float()
 
 
 def _as_half(t: Tensor | None, rows: int = 4096) -> Tensor | None:
@@ -138,13 +158,14 @@ class CodedLinear:
         return self
 
     @classmethod
-    def from_chunks(cls, n: int, k: int, scale: Tensor, offset: Tensor | None, chunks, four_bit: str | None
-                    ) -> CodedLinear:
+    def from_chunks(cls, n: int, k: int, scale: Tensor | SubScales, offset: Tensor | SubScales | None, chunks,
+                    four_bit: str | None) -> CodedLinear:
         """The same object as `CodedLinear(codes, scale, offset, four_bit=four_bit)` for codes [N,K] given as
         `chunks` — (first row, int8 codes [r,K]) in order, r a multiple of 4 but for the last — laid out piece by
         piece into the kernel's layout, so that the whole int8 matrix never exists beside it (a large head read
         from its file). `four_bit` as the constructor's, but never "auto" (the codes come later): the type's
-        (`gguf_codes.FOUR_BIT`)."""
+        (`gguf_codes.FOUR_BIT`). scale and offset may be `SubScales` (a K-quant's, held as the file holds them;
+        both or neither), filled by the time the chunks end."""
         self = cls.__new__(cls)
         self.group = k // scale.shape[1]
         four_bit = self._four_bit(k, offset, four_bit)
@@ -160,6 +181,8 @@ class CodedLinear:
                 offset: Tensor | None, weight: Tensor | None, sources: tuple[Tensor, ...] | None) -> None:
         self.four_bit, self.packed, self.rows4, self.codes = four_bit, four_bit is not None, rows4, codes
         self.dense = codes.dtype in (torch.float16, torch.bfloat16)  # `dense16`: weights, no scales
+        self.sub = isinstance(scale, SubScales)
+        self._subs = (scale, offset) if self.sub else None
         self.weight = weight
         self.sources = tuple(sources) if sources is not None else (() if weight is None else (weight,))
         self.versions = tuple(t._version for t in self.sources)
@@ -167,6 +190,12 @@ class CodedLinear:
         self._norms: Tensor | None = None  # ‖w_n‖₂ per row for `screen`, made on its first call
         if self.dense:
             self.half, self.scale, self.offset = False, None, None
+            return
+        if self.sub:
+            if offset is not None and not isinstance(offset, SubScales):
+                raise TypeError("offset must be SubScales like scale")
+            self.half, self.scale = False, scale.buffer
+            self.offset = None if offset is None else offset.buffer
             return
         scale, offset = scale.float(), None if offset is None else offset.float()
         # scales and offsets that are float16 numbers (the d and m of Q4_0/Q4_1/Q5_0/Q8_0 blocks) are kept as
@@ -188,7 +217,7 @@ class CodedLinear:
             return native.F16 if self.codes.dtype == torch.float16 else native.BF16
         levels = {"signed": native.SIGNED4, "iq4": native.IQ4}.get(self.four_bit, 0)
         return ((native.PACKED | levels if self.packed else 0) | (native.HALF if self.half else 0)
-                | (native.ROWS4 if self.rows4 else 0))
+                | (native.ROWS4 if self.rows4 else 0) | (native.SUB if self.sub else 0))
 
     @property
     def nbytes(self) -> int:
@@ -208,9 +237,11 @@ class CodedLinear:
             if self.four_bit == "iq4":
                 codes = torch.from_numpy(IQ4_VALUES)[codes.long()]
         n, k = codes.shape
-        w = codes.float().view(n, -1, self.group) * self.scale.float()[..., None]
-        if self.offset is not None:
-            w = w + self.offset.float()[..., None]
+        scale, offset = ((self._subs[0].floats(), None if self._subs[1] is None else self._subs[1].floats())
+                         if self.sub else (self.scale.float(), None if self.offset is None else self.offset.float()))
+        w = codes.float().view(n, -1, self.group) * scale[..., None]
+        if offset is not None:
+            w = w + offset[..., None]
         return w.view(n, k)
 
     def desc(self) -> native.MatDesc:
@@ -376,6 +407,7 @@ class CodedLinear:
                     f"weights={self.codes.dtype})")
         return (f"CodedLinear(in_features={self.in_features}, out_features={self.out_features}, "
                 f"group={self.group}, offset={self.offset is not None}, four_bit={self.four_bit}, half={self.half}, "
+                f"sub={self.sub}, "
                 f"rows4={self.rows4})")
 
 

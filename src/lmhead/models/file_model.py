@@ -236,9 +236,7 @@ class _Reader:
     def coded(self, name: str) -> CodedLinear | None:
         """One matrix as the coded kernel's (converted piece by piece), or None for a type without codes."""
         kind = self.f.type_of(name)
-        if kind in DENSE_TYPES or (kind in CODE_TYPES and self._perm(name, 4) is not None):
-            return self.linear([name])[0]
-        return self.f.coded(name) if kind in CODE_TYPES else None
+        return self.linear([name])[0] if kind in DENSE_TYPES or kind in CODE_TYPES else None
 
     def weights16(self, name: str) -> torch.Tensor:
         w = self.f.weights16(name)
@@ -247,9 +245,13 @@ class _Reader:
 
     def linear(self, names: list[str]) -> tuple[CodedLinear | None, torch.Tensor | None]:
         """(codes, None) for matrices the coded kernel takes, else (None, the float32 rows concatenated)."""
-        if len(names) == 1 and self._perm(names[0], 4) is None and self.f.type_of(names[0]) in CODE_TYPES:
-            return self.f.coded(names[0]), None
         kinds = {self.f.type_of(n) for n in names}
+        sizes = [self.f.shape(n) for n in names]
+        if (len(kinds) == 1 and kinds <= CODE_TYPES and len({k for _, k in sizes}) == 1
+                and all(rows % 4 == 0 for rows, _ in sizes[:-1])):
+            # one type: the parts' rows read into one layout piece by piece (q/k rows in transformers' order)
+            return self.f.coded_rows(names, [self._perm(n, rows) for n, (rows, _) in zip(names, sizes,
+                                                                                         strict=True)]), None
         if len(kinds) == 1 and kinds <= DENSE_TYPES.keys():  # F16 or BF16 rows, as they are
             return CodedLinear.dense16(torch.cat([self.weights16(n) for n in names])), None
         found = [self.codes(n) for n in names]

@@ -30,7 +30,8 @@ from torch import Tensor
 from lmhead.kernels import native
 from lmhead.models import cache
 
-__all__ = ["BLOCKS", "FORMAT", "FOUR_BIT", "IQ4_VALUES", "Codes", "block_scales", "coded_nbytes", "codes_for_model",
+__all__ = ["BLOCKS", "FORMAT", "FOUR_BIT", "IQ4_VALUES", "SUB_TYPES", "Codes", "block_scales", "block_subscales",
+           "coded_nbytes", "codes_for_model",
            "codes_from_weight", "fuse_codes", "gguf_codes", "module_codes"]
 
 FORMAT = 1  # bump when the stored layout changes: older files are rebuilt
@@ -51,13 +52,23 @@ FOUR_BIT = {"Q4_0": "signed", "Q4_1": "unsigned", "Q4_K": "unsigned", "IQ4_NL": 
             "Q3_K": "signed", "Q2_K": "signed"}
 _HALF_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"})
 _OFFSET_TYPES = frozenset({"Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"})
+# types whose group scales (and offsets) are held as their blocks hold them — a float16 d (dmin) per 256 weights
+# times a small integer per group (`block_subscales`, `CodedLinear`'s SubScales): one byte per group and four per
+# 256 weights instead of four per group. The K-quants of groups of 16, where the float32 numbers took a third to
+# a half of the bytes; Q4_K, Q5_K and IQ4_XS (groups of 32) keep float32 numbers: there the per-block conversion
+# cost more arithmetic than their fewer bytes saved (measured in the commit that made this)
+SUB_TYPES = frozenset({"Q2_K", "Q3_K", "Q6_K"})
 
 
 def coded_nbytes(kind: str, count: int) -> int:
     """Bytes the kernel's layout of `count` weights of type `kind` takes: codes, scales and offsets."""
     groups = count // BLOCKS[kind][2]
-    per_group = (2 if kind in _HALF_TYPES else 4) * (2 if kind in _OFFSET_TYPES else 1)
-    return (count // 2 if kind in FOUR_BIT else count) + groups * per_group
+    if kind in SUB_TYPES:
+        per_group, per_block = 1, 4
+    else:
+        per_group, per_block = (2 if kind in _HALF_TYPES else 4), 0
+    parts = 2 if kind in _OFFSET_TYPES else 1
+    return (count // 2 if kind in FOUR_BIT else count) + parts * (groups * per_group + count // 256 * per_block)
 
 
 # GGUF tensor name (per block i) -> the transformers module path under the base model
@@ -115,6 +126,23 @@ def block_scales(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray 
     if kind == "IQ4_XS":
         return f16(blocks[:, 0:2]) * _iq4xs_scales(blocks[:, 2:8]), None
     raise ValueError(f"no codes for GGUF type {kind}")
+
+
+def block_subscales(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None,
+                                                             np.ndarray | None]:
+    """A K-quant's (SUB_TYPES) scales and offsets as its blocks hold them: d float32 [n_blocks], sub int8
+    [n_blocks, groups per block], and for the types with offsets −dmin [n_blocks] and its sub; d·sub and
+    −dmin·sub in float32 are `block_scales`' numbers bit for bit."""
+    f16 = lambda a: a.copy().view(np.float16).astype(np.float32)[:, 0]  # noqa: E731
+    i8 = lambda a: np.ascontiguousarray(a).astype(np.int8)  # noqa: E731
+    if kind == "Q6_K":
+        return f16(blocks[:, 208:210]), i8(blocks[:, 192:208].view(np.int8)), None, None
+    if kind == "Q2_K":
+        sc = blocks[:, 0:16]
+        return f16(blocks[:, 80:82]), i8(sc & np.uint8(15)), -f16(blocks[:, 82:84]), i8(sc >> np.uint8(4))
+    if kind == "Q3_K":
+        return f16(blocks[:, 108:110]), i8(_q3k_scales(blocks[:, 96:108])), None, None
+    raise ValueError(f"no sub-scales for GGUF type {kind}")
 
 
 def _q3k_scales(packed: np.ndarray) -> np.ndarray:

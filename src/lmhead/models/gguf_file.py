@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from lmhead.models.errors import ModelError
-from lmhead.models.gguf_codes import BLOCKS, FOUR_BIT, IQ4_VALUES, Codes, block_scales
+from lmhead.models.gguf_codes import BLOCKS, FOUR_BIT, IQ4_VALUES, SUB_TYPES, Codes, block_scales, block_subscales
 from lmhead.models.heap import trim_heap
 
 __all__ = ["CODE_TYPES", "DENSE_TYPES", "IQ4_VALUES", "GGUFFile", "Header", "block_codes", "read_header"]
@@ -314,38 +314,77 @@ class GGUFFile:
         """The matrix `name` [N,K] as a `CodedLinear`, converted `chunk_rows` rows at a time (each piece's pages of
         the map released after it): neither the file's bytes nor an int8 copy of the whole matrix stay beside the
         kernel's layout (`CodedLinear.from_chunks`)."""
-        from lmhead.models.coded_linear import CodedLinear
+        return self.coded_rows([name], None, chunk_rows)
 
-        t = self.tensors[name]
-        kind = t.tensor_type.name
+    def coded_rows(self, names: list[str], perms: list[np.ndarray | None] | None = None, chunk_rows: int = 8192):
+        """The row-wise concatenation of the matrices `names` (one type, one K; q, k and v → qkv) as one
+        `CodedLinear`, made as `coded` makes one matrix; perms: each part's rows in the order it is wanted (None:
+        as stored). The parts' row counts must be multiples of 4 but for the last (the chunks of
+        `CodedLinear.from_chunks`)."""
+        from lmhead.kernels import native
+        from lmhead.models.coded_linear import CodedLinear, SubScales
+
+        perms = perms if perms is not None else [None] * len(names)
+        kinds = {self.tensors[nm].tensor_type.name for nm in names}
+        ks = {self.shape(nm)[1] for nm in names}
+        if len(kinds) != 1 or len(ks) != 1:
+            raise ValueError(f"coded_rows: {names} are not of one type and width")
+        kind, k = kinds.pop(), ks.pop()
         per_block, nbytes, group = BLOCKS[kind]
-        n, k = self.shape(name)
-        data = np.asarray(t.data)
-        if k % per_block or data.size != n * (k // per_block) * nbytes:
-            raise ModelError(f"{self.path}: tensor {name} ({kind}, {n}x{k}) does not hold whole blocks")
-        blocks = data.reshape(n * (k // per_block), nbytes)
-        per_row, ng = k // per_block, k // group
-        # the scales are filled chunk by chunk with the codes: computed for the whole matrix first, they read a
-        # scale from every block, i.e. every page of the tensor, all resident at once (Gemma 3's embedding:
-        # its whole 178 MB beside the kernel's layout being built)
-        scale = torch.empty(n, ng)
-        offset = torch.empty(n, ng) if n and block_scales(kind, blocks[:1])[1] is not None else None
+        sizes = [self.shape(nm)[0] for nm in names]
+        if any(r % 4 for r in sizes[:-1]):
+            raise ValueError(f"coded_rows: row counts {sizes} are not multiples of 4 but for the last")
+        parts = []
+        for nm, rows in zip(names, sizes, strict=True):
+            t = self.tensors[nm]
+            data = np.asarray(t.data)
+            if k % per_block or data.size != rows * (k // per_block) * nbytes:
+                raise ModelError(f"{self.path}: tensor {nm} ({kind}, {rows}x{k}) does not hold whole blocks")
+            parts.append(data.reshape(rows, (k // per_block) * nbytes))
+        n, per_row, ng = sum(sizes), k // per_block, k // group
+        has_offset = bool(n) and block_scales(kind, parts[0][:1].reshape(-1, nbytes))[1] is not None
+        # a K-quant's scales as its blocks hold them (d per 256 weights times an int8 per group): a quarter of
+        # the bytes of float32 numbers per group (the kernel takes up to HALF_MAX_GROUPS groups a row so)
+        sub = kind in SUB_TYPES and ng <= native.HALF_MAX_GROUPS
+        if sub:
+            scale = SubScales(n, k, group)
+            offset = SubScales(n, k, group) if has_offset else None
+        else:
+            # the scales are filled chunk by chunk with the codes: computed for the whole matrix first, they read
+            # a scale from every block, i.e. every page of the tensor, all resident at once (Gemma 3's embedding:
+            # its whole 178 MB beside the kernel's layout being built)
+            scale = torch.empty(n, ng)
+            offset = torch.empty(n, ng) if has_offset else None
         step = max(4, chunk_rows // 4 * 4)
 
         def chunks():
-            for start in range(0, n, step):
-                stop = min(n, start + step)
-                part = blocks[start * per_row:stop * per_row]
-                s, o = block_scales(kind, part)
-                scale[start:stop] = torch.from_numpy(s.reshape(stop - start, ng))
-                if offset is not None:
-                    offset[start:stop] = torch.from_numpy(o.reshape(stop - start, ng))
-                yield start, torch.from_numpy(block_codes(kind, part).reshape(-1, k))
-                # everything read so far, not only this chunk: a fault in the next chunk maps the pages around it
-                # again (the kernel's fault-around), the end of this one among them
-                self._release_range(t.data_offset, stop * per_row * nbytes, record=False)
-                trim_heap()  # each chunk's transient arrays, before the next one's (models/heap.py)
-            self.release(name)
+            row0 = 0
+            for nm, rows, perm, data in zip(names, sizes, perms, parts, strict=True):
+                t = self.tensors[nm]
+                for start in range(0, rows, step):
+                    stop = min(rows, start + step)
+                    a, b = row0 + start, row0 + stop
+                    part = (data[start:stop] if perm is None else data[perm[start:stop]]).reshape(-1, nbytes)
+                    if sub:
+                        d, sc, dmin, mn = block_subscales(kind, part)
+                        scale.d[a:b] = torch.from_numpy(d.reshape(stop - start, -1))
+                        scale.sub[a:b] = torch.from_numpy(sc.reshape(stop - start, ng))
+                        if offset is not None:
+                            offset.d[a:b] = torch.from_numpy(dmin.reshape(stop - start, -1))
+                            offset.sub[a:b] = torch.from_numpy(mn.reshape(stop - start, ng))
+                    else:
+                        s, o = block_scales(kind, part)
+                        scale[a:b] = torch.from_numpy(s.reshape(stop - start, ng))
+                        if offset is not None:
+                            offset[a:b] = torch.from_numpy(o.reshape(stop - start, ng))
+                    yield a, torch.from_numpy(block_codes(kind, part).reshape(-1, k))
+                    if perm is None:
+                        # everything read so far, not only this chunk: a fault in the next chunk maps the pages
+                        # around it again (the kernel's fault-around), the end of this one among them
+                        self._release_range(t.data_offset, stop * per_row * nbytes, record=False)
+                    trim_heap()  # each chunk's transient arrays, before the next one's (models/heap.py)
+                self.release(nm)
+                row0 += rows
 
         return CodedLinear.from_chunks(n, k, scale, offset, chunks(), FOUR_BIT.get(kind))
 
