@@ -114,7 +114,12 @@ class TokenizerTables:
                 k = get(norm[i:j])
                 if k is not None:
                     reached.add(k)
-        keep = np.flatnonzero(np.isin(self.merges[:, 2], np.fromiter(reached, np.int64, len(reached))))
+        # the merges whose result was reached, by a mask over the ids: np.isin would sort a copy of every merge's
+        # result (megabytes for a large vocabulary, left resident on the heap for the rest of the run)
+        ids = np.fromiter(reached, np.int64, len(reached))
+        mask = np.zeros(max(self._ids, int(ids.max()) + 1 if ids.size else 0), dtype=bool)
+        mask[ids] = True
+        keep = np.flatnonzero(mask[self.merges[:, 2]])
         pieces = self.pieces
         merges = [(pieces[a], pieces[b]) for a, b in self.merges[keep, :2].tolist()]
         vocab = {pieces[k]: k for k in reached}
