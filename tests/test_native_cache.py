@@ -74,3 +74,55 @@ def test_an_argument_struct_of_another_size_than_its_mirror_turns_the_kernels_of
     assert run.returncode == 0 and run.stdout.strip() == "none", run.stderr
     lines = [line for line in run.stderr.splitlines() if line.startswith("lmhead:")]
     assert len(lines) == 1 and "lmhead_step_args is" in lines[0] and "running without them" in lines[0], lines
+
+
+_ABANDON = """
+import sys, time
+from lmhead.kernels import builder
+builder.start()
+time.sleep(1.0)  # the compilers are running
+sys.exit(3)  # the process ends with an error before it needs the kernels
+"""
+
+
+def _fake_compiler(tmp_path, body: str) -> dict[str, str]:
+    cc = tmp_path / "cc"
+    cc.write_text(f"#!/bin/sh\necho $$ >> {tmp_path / 'pids'}\n{body}\n")
+    cc.chmod(0o755)
+    return {**os.environ, "LMHEAD_CACHE": str(tmp_path / "cache"), "CC": str(cc), "LMHEAD_NATIVE": "1"}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_process_ending_mid_build_stops_its_compilers_and_leaves_no_temporary_files(tmp_path):
+    env = _fake_compiler(tmp_path, "exec sleep 120")  # a compiler that takes minutes
+    run = subprocess.run([sys.executable, "-c", _ABANDON], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 3, run.stderr
+    pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+    assert len(pids) == len(builder.SOURCES)  # every source's compiler had started
+    assert not any(_alive(pid) for pid in pids)  # killed, not left running after the process
+    assert sorted(p.name for p in (tmp_path / "cache" / "kernels").iterdir()) == []  # no half-written library
+
+
+def test_the_temporary_files_of_a_build_killed_outright_are_removed_by_the_next_build(tmp_path):
+    env = _fake_compiler(tmp_path, "exit 1")  # the next build fails at once: only its sweep is looked at
+    folder = tmp_path / "cache" / "kernels"
+    folder.mkdir(parents=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (folder / f".tmp-{dead.pid}-abc.so").write_bytes(b"\0" * 4096)
+    (folder / f".tmp-{dead.pid}-objects-xyz").mkdir()
+    (folder / f".tmp-{dead.pid}-objects-xyz" / "coded_kernel.o").write_bytes(b"\0")
+    live = folder / f".tmp-{os.getpid()}-other.so"  # a build of a process still running: kept
+    live.write_bytes(b"")
+    probe = ("from lmhead.kernels import builder; "
+             "print(builder.build(builder.library_path()))")
+    run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "False", run.stderr
+    assert sorted(p.name for p in folder.iterdir()) == [live.name]

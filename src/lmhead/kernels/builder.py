@@ -5,15 +5,20 @@
 
 This module imports no torch, so that `start()` can begin a build that the cache lacks before the slow imports
 and the first read of a new file's tokenizer: a fresh machine's first load compiles while it does the rest.
-`kernels/native.py` loads and binds the library (and waits for a build begun here).
+`kernels/native.py` loads and binds the library (and waits for a build begun here). A process that ends while
+its build still runs (an error before it needed the kernels) stops the compilers and removes the build's temporary
+files at exit; those of a process killed outright (their names carry its pid) are removed by the next build.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import hashlib
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -31,6 +36,9 @@ _TIMEOUT = 180  # seconds for one compiler run
 
 _pending: threading.Thread | None = None
 _pending_lock = threading.Lock()
+_procs: set[subprocess.Popen] = set()  # the compilers a build runs now (`_abandon` stops them at exit)
+_procs_lock = threading.Lock()
+_stopping = threading.Event()
 
 
 def _cpu_flags() -> str:
@@ -60,25 +68,69 @@ def compiler() -> str | None:
     return None
 
 
+def _start(cmd: list[str]) -> subprocess.Popen | None:
+    """A compiler started (None when the process is ending: `_abandon`)."""
+    with _procs_lock:
+        if _stopping.is_set():
+            return None
+        # a process group of its own: the driver's children (cc1, as) are stopped with it (`_kill`)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        _procs.add(proc)
+        return proc
+
+
+def _finish(proc: subprocess.Popen | None) -> bool:
+    """Whether a compiler `_start` started succeeded (killed after _TIMEOUT, or by `_abandon`: failed)."""
+    if proc is None:
+        return False
+    try:
+        return proc.wait(timeout=_TIMEOUT) == 0 and not _stopping.is_set()
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        proc.wait()
+        return False
+    finally:
+        with _procs_lock:
+            _procs.discard(proc)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """A compiler `_start` started, with everything it started (its process group)."""
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def _compile(cc: str, flags: tuple[str, ...], folder: Path, out: str) -> bool:
     """Each source to an object in `folder`, every compiler started at once (the sources are independent, and
     the largest alone sets the time), then linked into `out`."""
     objects = [folder / f"{src.stem}.o" for src in SOURCES]
-    procs = [subprocess.Popen([cc, *flags, "-c", str(src), "-o", str(obj)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL) for src, obj in zip(SOURCES, objects, strict=True)]
-    ok = True
-    for proc in procs:
-        try:
-            ok = proc.wait(timeout=_TIMEOUT) == 0 and ok
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            ok = False
-    if not ok:
+    procs = [_start([cc, *flags, "-c", str(src), "-o", str(obj)]) for src, obj in zip(SOURCES, objects, strict=True)]
+    if not all([_finish(proc) for proc in procs]):  # every one waited for
         return False
-    done = subprocess.run([cc, *flags, "-shared", *map(str, objects), "-lm", "-o", out], capture_output=True,
-                          timeout=_TIMEOUT)
-    return done.returncode == 0
+    return _finish(_start([cc, *flags, "-shared", *map(str, objects), "-lm", "-o", out]))
+
+
+def _sweep(folder: Path) -> None:
+    """Remove the temporary files of builds whose process is gone (`.tmp-<pid>-…`: killed mid-build)."""
+    for path in folder.glob(".tmp-*"):
+        pid = path.name.split("-")[1]
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def build(target: Path) -> bool:
@@ -88,11 +140,15 @@ def build(target: Path) -> bool:
     if cc is None:
         return False
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".so")
+    _sweep(target.parent)
+    prefix = f".tmp-{os.getpid()}-"
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=prefix, suffix=".so")
     os.close(fd)
     try:
-        with tempfile.TemporaryDirectory(prefix=".tmp-objects-", dir=target.parent) as objects:
+        with tempfile.TemporaryDirectory(prefix=prefix + "objects-", dir=target.parent) as objects:
             for flags in (FLAGS, FLAGS[:-1]):  # without OpenMP if the compiler has none: one thread
+                if _stopping.is_set():
+                    return False
                 if _compile(cc, flags, Path(objects), tmp):
                     os.chmod(tmp, 0o755)
                     checksum_path(target).write_text(checksum(Path(tmp)))
@@ -141,6 +197,21 @@ def start() -> None:
             return
         _pending = threading.Thread(target=build, args=(path,), name="lmhead-kernels", daemon=True)
         _pending.start()
+        atexit.register(_abandon)
+
+
+def _abandon() -> None:
+    """At exit, a build still running (the process ends before it needed the kernels): its compilers killed and
+    its temporary files removed (the build's own cleanup, waited for) — no half-written library, no orphan
+    compiler left behind."""
+    thread = _pending
+    if thread is None or not thread.is_alive():
+        return
+    with _procs_lock:
+        _stopping.set()
+        for proc in _procs:
+            _kill(proc)
+    thread.join(timeout=30)
 
 
 def wait() -> None:
