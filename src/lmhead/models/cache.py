@@ -49,6 +49,15 @@ def _folder(name: str) -> Path:
     return path
 
 
+def disk_error(exc: OSError, folder: Path, need: int):
+    """The ModelError for a cache write that failed (a full disk, a quota, a read-only folder): one line naming
+    `folder` and about how many bytes it needs (`need`), to be raised instead of the OSError."""
+    from lmhead.models.errors import ModelError
+
+    return ModelError(f"cannot write the model cache in {folder}: {exc.strerror or exc}; it needs about "
+                      f"{need / 1e6:.0f} MB there: free some space or set LMHEAD_CACHE to another folder")
+
+
 def models_dir() -> Path:
     return _folder("models")
 

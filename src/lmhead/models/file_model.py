@@ -94,15 +94,10 @@ def meta_folder(key: str, gguf: Path, facts: dict[str, Any], progress: bool = Tr
             cache.publish(out, folder)
         except OSError as exc:
             need = (keep.stat().st_size if keep is not None and keep.exists() else 0) + 64 * 2**20
-            raise _disk_error(exc, folder, need) from None
+            raise cache.disk_error(exc, folder.parent, need) from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return folder, tokenizer
-
-
-def _disk_error(exc: OSError, folder: Path, need: int) -> ModelError:
-    return ModelError(f"cannot write the model cache in {folder.parent}: {exc.strerror or exc}; it needs about "
-                      f"{need / 1e6:.0f} MB there: free some space or set LMHEAD_CACHE to another folder")
 
 
 def _usable(folder: Path, facts: dict[str, Any]) -> str | None:

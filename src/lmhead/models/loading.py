@@ -9,7 +9,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
+import math
 import os
 import re
 import shutil
@@ -145,6 +147,7 @@ def _add_fast_checksums(folder: Path, key: str) -> None:
 
 def _build(source: Source, folder: Path, key: str, stale_reason: str | None, progress: bool) -> None:
     import transformers
+    from safetensors import SafetensorError
 
     import lmhead
 
@@ -166,19 +169,43 @@ def _build(source: Source, folder: Path, key: str, stale_reason: str | None, pro
                      architecture=info["architecture"], gguf_file=gguf.name)
         out = tmp / "out"
         out.mkdir()
-        with contextlib.nullcontext() if progress else no_progress_bars():  # transformers' own tqdm bars
-            extra = convert_gguf(gguf, out, steps)
-        cache.write_manifest(out, {
-            "name": source.name, "source": facts, **extra,
-            "versions": {"lmhead": lmhead.__version__, "transformers": transformers.__version__,
-                         "torch": __import__("torch").__version__},
-        })
+        try:
+            with contextlib.nullcontext() if progress else no_progress_bars():  # transformers' own tqdm bars
+                extra = convert_gguf(gguf, out, steps)
+            cache.write_manifest(out, {
+                "name": source.name, "source": facts, **extra,
+                "versions": {"lmhead": lmhead.__version__, "transformers": transformers.__version__,
+                             "torch": __import__("torch").__version__},
+            })
+        except (OSError, SafetensorError) as exc:
+            code = _no_space(exc)
+            if not code:
+                raise
+            # the float32 weights (4 bytes a weight, as the file's tensor table counts them) and the rest
+            raise cache.disk_error(OSError(code, os.strerror(code)), folder.parent,
+                                   4 * _weights(gguf) + 64 * 2**20) from None
         steps.finish()
         cache.publish(out, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if stream is not None:
             stream.close()
+
+
+def _no_space(exc: BaseException) -> int:
+    """The errno of a write that failed for want of space (ENOSPC, EDQUOT) — an OSError's, or the one
+    safetensors' error names in its text —, else 0."""
+    for code in (errno.ENOSPC, errno.EDQUOT):
+        if (exc.errno == code) if isinstance(exc, OSError) else f"(os error {code})" in str(exc):
+            return code
+    return 0
+
+
+def _weights(gguf: Path) -> int:
+    """The number of weights in a GGUF file's tensors (its header's tensor table)."""
+    from lmhead.models.gguf_file import read_header
+
+    return sum(math.prod(t.shape) for t in read_header(gguf)[1])
 
 
 def load_folder(folder: Path, cached: bool = False):
