@@ -14,7 +14,7 @@ head's bytes take at the read bandwidth measured in the same run. Greedy tokens 
 (the full-precision model's) on every prompt. The load average is printed with each table.
 
 --types: the packaged file requantised by llama.cpp's `llama-quantize --allow-requantize` into each GGUF type
-(Q8_0 … Q2_K, IQ4_NL, IQ4_XS, F16, BF16), each loaded from the file by lmhead and decoded greedily beside
+(Q8_0 … Q2_K, IQ4_NL, IQ4_XS, F16, BF16, F32), each loaded from the file by lmhead and decoded greedily beside
 `llama-bench` on the same file (tests/test_gguf_file.py holds each type's exactness).
 """
 
@@ -83,7 +83,9 @@ def llama_bench_rate(gguf: Path, n: int, repeats: int, depth: int = 0) -> float:
     return float(row["avg_ts"])
 
 
-TYPES = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K", "IQ4_NL", "IQ4_XS", "F16", "BF16"]
+# llama-quantize's presets, one for each GGUF type a file may hold (Q4_1: the packaged file's type, requantised)
+TYPES = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_1", "Q5_0", "Q4_K_M", "Q4_1", "Q4_0", "Q3_K_M", "Q2_K", "IQ4_NL", "IQ4_XS",
+         "F16", "BF16", "F32"]
 
 
 def bench_types(args, rec: Recorder) -> None:

@@ -58,7 +58,7 @@ def test_k_quant_sub_scales_times_their_d_are_the_block_scales_bit_for_bit(kind)
 
 
 @pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
-@pytest.mark.parametrize("kind", sorted(CODE_TYPES) + ["F16", "BF16"])
+@pytest.mark.parametrize("kind", sorted(CODE_TYPES) + ["F16", "BF16", "F32"])
 @pytest.mark.parametrize("n", [12, 10])  # 12: blocks of four rows (the decode layout); 10: plain rows
 def test_a_matrix_of_every_code_type_read_from_a_file_multiplies_as_its_dequantized_weights(tmp_path, kind, n):
     import gguf
@@ -66,10 +66,11 @@ def test_a_matrix_of_every_code_type_read_from_a_file_multiplies_as_its_dequanti
     from lmhead.models.gguf_file import GGUFFile
 
     per_block, _ = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
-    k = 2 * max(per_block, 64) + (19 if per_block == 1 else 0)  # 16-bit weights: rows not whole vectors too
+    k = 2 * max(per_block, 64) + (19 if per_block == 1 else 0)  # float weights: rows not whole vectors too
     if per_block == 1:
         values = torch.randn(n, k, generator=torch.Generator().manual_seed(n)) * 3
-        blocks = values.to(torch.float16 if kind == "F16" else torch.bfloat16).view(torch.uint8).numpy()
+        dtype = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}[kind]
+        blocks = values.to(dtype).view(torch.uint8).numpy()
     else:
         blocks = _random_blocks(kind, n * k // per_block, seed=n)
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
@@ -201,7 +202,8 @@ def _load_both(tmp_path, monkeypatch, arch: str, kind: str):
 @pytest.mark.parametrize("arch,kind", [("llama", "Q8_0"), ("llama", "Q4_1"), ("gemma3", "Q8_0"), ("qwen2", "Q5_0"),
                                        ("qwen3", "Q4_0"), ("llama", "F16"), ("llama", "Q2_K"), ("llama", "Q3_K"),
                                        ("qwen2", "IQ4_NL"), ("llama", "IQ4_XS"), ("gemma3", "BF16"),
-                                       ("gemma2", "Q8_0"), ("gemma2", "Q5_1"), ("phi3", "Q8_0"), ("phi3", "F16")])
+                                       ("gemma2", "Q8_0"), ("gemma2", "Q5_1"), ("phi3", "Q8_0"), ("phi3", "F16"),
+                                       ("llama", "F32"), ("qwen3", "F32")])
 def test_a_tiny_gguf_runs_from_its_file_with_transformers_numbers(tmp_path, monkeypatch, arch, kind):
     model, ref = _load_both(tmp_path, monkeypatch, arch, kind)
     assert model.lean is not None and model.lean.embed is None  # the embedding's rows read from the file's codes
@@ -228,6 +230,10 @@ def test_a_tiny_gguf_runs_from_its_file_with_transformers_numbers(tmp_path, monk
 
 @pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
 def test_a_type_without_a_code_kernel_is_dequantized_at_load_and_said_once_on_stderr(tmp_path, monkeypatch, capsys):
+    from lmhead.models import file_model
+
+    # every type the files are written in has a kernel: F32's taken away stands for one that has none
+    monkeypatch.setattr(file_model, "DENSE_TYPES", {k: v for k, v in file_model.DENSE_TYPES.items() if k != "F32"})
     model, ref = _load_both(tmp_path, monkeypatch, "llama", "F32")
     said = [line for line in capsys.readouterr().err.splitlines() if "no code kernel" in line]
     assert len(said) == 1 and "(F32): dequantized to float32 at load" in said[0], said

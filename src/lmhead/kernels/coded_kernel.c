@@ -62,6 +62,7 @@
 #define LMHEAD_SIGNED4 32 /* with PACKED: the nibbles are signed 4-bit codes themselves (Q4_0), no offsets */
 #define LMHEAD_IQ4 64     /* with PACKED: the nibbles index IQ4_NL's sixteen levels (IQ4_NL, IQ4_XS), no offsets */
 #define LMHEAD_SUB 128    /* scales (and offsets) as a K-quant file holds them: see sub_floats */
+#define LMHEAD_F32 256    /* codes: the file's float32 weights [N, K] (no scales): see dense32_matmul */
 #define HALF_MAX_GROUPS 1024 /* float16 scales: a row's groups converted on the stack */
 
 /* the sixteen numbers a packed nibble n stands for, in nibble order: n as a signed 4-bit number (code − 8 of
@@ -151,7 +152,7 @@ static inline void fetch_scales(const void* base, int64_t N, int64_t K, int64_t 
 #endif
 }
 
-int lmhead_coded_abi(void) { return 22; }
+int lmhead_coded_abi(void) { return 23; }
 
 /* half_to_float for the other source file (decode_kernels.c's embedding rows) */
 float lmhead_half(uint16_t h) { return half_to_float(h); }
@@ -1068,14 +1069,59 @@ static int dense_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w,
     return 0;
 }
 
+/* ---- float32 weights (F32 files) ------------------------------------------------------------------------------
+ * The weights are the model's numbers as they are: each query row's dot product with a weight row, in float32,
+ * from four sums (sixteen lanes each with AVX-512, eight with AVX2) added at the end. */
+static float dot32(const float* x, const float* w, int64_t K) {
+    int64_t k = 0;
+    float t = 0.f;
+#ifdef __AVX512F__
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; k + 64 <= K; k += 64) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);
+    }
+    for (; k + 16 <= K; k += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
+    t = hsum8(fold512(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3))));
+#elif defined(__AVX2__)
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; k + 32 <= K; k += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+    }
+    for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
+    t = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#endif
+    for (; k < K; k++) t += w[k] * x[k];
+    return t;
+}
+
+static int dense32_matmul(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int threads) {
+    if (threads < 1) threads = 1;
+    /* shares of rows as lmhead_coded_matmul's: one contiguous stream per thread for one query row, else chunks */
+    const int64_t chunk = M == 1 ? (N + threads - 1) / threads : (N / (8 * threads) > 1 ? N / (8 * threads) : 1);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = dot32(x + m * K, w + n * K, K);
+    return 0;
+}
+
 /* y [M, N] = x [M, K] · Wᵀ, W given by codes/scale/offset as above (or, LMHEAD_F16 / LMHEAD_BF16, by 16-bit
- * weights: dense_matmul). Returns 0, or -1 for arguments it cannot
+ * weights: dense_matmul; LMHEAD_F32, by float32 weights: dense32_matmul). Returns 0, or -1 for arguments it cannot
  * take (G not a multiple of 16, K not a multiple of G; packed: G ≠ 32 or K not a multiple of 64; SIGNED4 or IQ4
  * without PACKED, with offsets, or both; rows4: N or K/32
  * not whole, or G neither 32 nor 16 unpacked (Q6_K, Q3_K, Q2_K: two groups per unit); float16
  * scales: more than HALF_MAX_GROUPS groups per row). */
 int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const void* scale,
                         const void* offset, int64_t N, int64_t G, int flags, float* y, int threads) {
+    if (flags & LMHEAD_F32) {
+        if (M < 0 || N < 0 || K < 0 || flags != LMHEAD_F32) return -1;
+        return dense32_matmul(x, M, K, (const float*)codes, N, y, threads);
+    }
     if (flags & (LMHEAD_F16 | LMHEAD_BF16)) {
         if (M < 0 || N < 0 || K < 0 || (flags & ~(LMHEAD_F16 | LMHEAD_BF16)) || flags == (LMHEAD_F16 | LMHEAD_BF16))
             return -1;

@@ -18,7 +18,7 @@
  * nibbles: SIGNED4, or IQ4_NL level indices: IQ4), rows stored
  * in blocks of four (ROWS4: the block's rows 32 bytes each, unit by unit), float32, float16 (HALF) or K-quant
  * (SUB: d·sub) scales; or
- * a row of the file's own float16 or bfloat16 weights (F16, BF16: flags 8, 16). */
+ * a row of the file's own float16, bfloat16 or float32 weights (F16, BF16, F32: flags 8, 16, 256). */
 /* group g of row n's scale (or offset) held as a K-quant's d [N, K/256] and int8 sub [N, ng] (SUB: flags 128,
  * coded_kernel.c's sub_floats): d·sub, the same float32 product */
 static float sub_value(const void* buf, int64_t N, int64_t K, int64_t ng, int64_t n, int64_t g) {
@@ -29,6 +29,11 @@ static float sub_value(const void* buf, int64_t N, int64_t K, int64_t ng, int64_
 
 __attribute__((optimize("fp-contract=off")))
 static void coded_row(const lmhead_mat* m, int64_t n, float* out) {
+    if (m->flags & 256) { /* LMHEAD_F32: the row's float32 weights as they are */
+        const float* w = (const float*)m->codes + n * m->k;
+        for (int64_t k = 0; k < m->k; k++) out[k] = w[k];
+        return;
+    }
     if (m->flags & (8 | 16)) { /* LMHEAD_F16 / LMHEAD_BF16: the row's 16-bit weights, converted exactly */
         const uint16_t* w = (const uint16_t*)m->codes + n * m->k;
         for (int64_t k = 0; k < m->k; k++) {

@@ -15,7 +15,7 @@ typedef struct {
     const int8_t* codes;
     const void* scale;  /* float32, or float16 (flags) */
     const void* offset; /* NULL when the format has none */
-    int64_t group, n, k, flags; /* flags: coded_kernel.c's LMHEAD_* (PACKED, HALF, ROWS4, F16, BF16, SIGNED4, IQ4, SUB) */
+    int64_t group, n, k, flags; /* flags: coded_kernel.c's LMHEAD_* (PACKED, HALF, ROWS4, F16, BF16, SIGNED4, IQ4, SUB, F32) */
 } lmhead_mat;
 
 typedef struct {

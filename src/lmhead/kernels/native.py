@@ -38,8 +38,8 @@ import torch
 from lmhead.kernels import builder
 from lmhead.kernels.builder import SOURCES, library_path
 
-__all__ = ["BF16", "F16", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4_LEVELS", "PACKED", "ROWS4", "SIGNED4", "SOURCES",
-           "SUB", "AttendArgs", "DecodeArgs", "LayerDesc", "MatDesc", "StepArgs", "block4",
+__all__ = ["BF16", "F16", "F32", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4_LEVELS", "PACKED", "ROWS4", "SIGNED4",
+           "SOURCES", "SUB", "AttendArgs", "DecodeArgs", "LayerDesc", "MatDesc", "StepArgs", "block4",
            "keep_ge", "keep_ge_unsure", "library", "library_path", "pack4", "row_lse_bounded", "row_moments",
            "row_scores", "select_ge", "topk", "typical_row", "unblock4", "unpack4"]
 
@@ -47,11 +47,11 @@ __all__ = ["BF16", "F16", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4_LEVELS", "PACKE
 # the file's float16 or bfloat16 weights themselves (no codes, no scales); with PACKED, signed 4-bit codes (Q4_0) or
 # indices of IQ4_NL's levels (IQ4_NL, IQ4_XS); scales and offsets as K-quant blocks hold them (d per 256 weights
 # times an int8 per group: `models.coded_linear.SubScales`)
-PACKED, HALF, ROWS4, F16, BF16, SIGNED4, IQ4, SUB = 1, 2, 4, 8, 16, 32, 64, 128
+PACKED, HALF, ROWS4, F16, BF16, SIGNED4, IQ4, SUB, F32 = 1, 2, 4, 8, 16, 32, 64, 128, 256
 # IQ4_NL's sixteen levels, in index order (coded_kernel.c's IQ4_NIBBLES holds them in stored-nibble order, index ^ 8)
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
-_ABI = 22  # lmhead_coded_abi() of the sources above
+_ABI = 23  # lmhead_coded_abi() of the sources above
 
 
 class MatDesc(ctypes.Structure):
@@ -359,8 +359,8 @@ def _self_test(lib: ctypes.CDLL) -> bool:
                                              20, group, flags, y.data_ptr(), 2)
                 if rc != 0 or not _close(y, x.double() @ w.double().T):
                     return False
-    # float16 and bfloat16 weights, K not a multiple of the vector width
-    for flags, dtype in ((F16, torch.float16), (BF16, torch.bfloat16)):
+    # float16, bfloat16 and float32 weights, K not a multiple of the vector width
+    for flags, dtype in ((F16, torch.float16), (BF16, torch.bfloat16), (F32, torch.float32)):
         w16 = torch.randn(7, 75, generator=g).to(dtype)
         for m in (1, 4, 9):
             x, y = torch.randn(m, 75, generator=g), torch.empty(m, 7)

@@ -92,7 +92,7 @@ class CodedLinear:
     [N,K/G] (W = scale·code + offset per group of G). x [..., K] float32 → [..., N] float32.
 
     Holds its own tensors (the codes are 1 byte per weight, half a byte where they are 4-bit; `dense16`
-    holds a file's float16 or bfloat16 weights instead, 2 bytes per weight, with no scales).
+    holds a file's float16, bfloat16 or float32 weights instead, with no scales).
     `weight`, when given, is the float32 matrix they encode (the model's, shared) and `sources` the model's
     tensors it is made of (default: `weight`): once
     any of them changes in place (an optimizer step: autograd's version counter), or autograd records, or the
@@ -145,11 +145,11 @@ class CodedLinear:
 
     @classmethod
     def dense16(cls, weights: Tensor) -> CodedLinear:
-        """The matrix of a file's float16 or bfloat16 weights [N,K] (F16, BF16), held as they are: the kernel
-        converts each to the float32 number it is (exact) in the product, so the float32 matrix is never made
-        and half its bytes are read."""
-        if weights.dtype not in (torch.float16, torch.bfloat16) or weights.dim() != 2:
-            raise TypeError(f"weights must be a 2-D float16 or bfloat16 tensor, got {weights.dtype} "
+        """The matrix of a file's float16, bfloat16 or float32 weights [N,K] (F16, BF16, F32), held as they are:
+        the kernel converts each 16-bit weight to the float32 number it is (exact) in the product, so the float32
+        matrix is never made and half its bytes are read; float32 weights are multiplied as they are."""
+        if weights.dtype not in (torch.float16, torch.bfloat16, torch.float32) or weights.dim() != 2:
+            raise TypeError(f"weights must be a 2-D float16, bfloat16 or float32 tensor, got {weights.dtype} "
                             f"{tuple(weights.shape)}")
         self = cls.__new__(cls)
         n, k = weights.shape
@@ -180,7 +180,7 @@ class CodedLinear:
     def _finish(self, codes: Tensor, four_bit: str | None, rows4: bool, n: int, k: int, scale: Tensor,
                 offset: Tensor | None, weight: Tensor | None, sources: tuple[Tensor, ...] | None) -> None:
         self.four_bit, self.packed, self.rows4, self.codes = four_bit, four_bit is not None, rows4, codes
-        self.dense = codes.dtype in (torch.float16, torch.bfloat16)  # `dense16`: weights, no scales
+        self.dense = codes.dtype in (torch.float16, torch.bfloat16, torch.float32)  # `dense16`: no scales
         self.sub = isinstance(scale, SubScales)
         self._subs = (scale, offset) if self.sub else None
         self.weight = weight
@@ -212,9 +212,9 @@ class CodedLinear:
     @property
     def flags(self) -> int:
         """The kernel's layout flags (`native.PACKED` with `native.SIGNED4` or `native.IQ4`, `native.HALF`,
-        `native.ROWS4`; `native.F16` or `native.BF16` for `dense16`'s weights)."""
+        `native.ROWS4`; `native.F16`, `native.BF16` or `native.F32` for `dense16`'s weights)."""
         if self.dense:
-            return native.F16 if self.codes.dtype == torch.float16 else native.BF16
+            return {torch.float16: native.F16, torch.bfloat16: native.BF16}.get(self.codes.dtype, native.F32)
         levels = {"signed": native.SIGNED4, "iq4": native.IQ4}.get(self.four_bit, 0)
         return ((native.PACKED | levels if self.packed else 0) | (native.HALF if self.half else 0)
                 | (native.ROWS4 if self.rows4 else 0) | (native.SUB if self.sub else 0))

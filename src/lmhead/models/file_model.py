@@ -4,7 +4,7 @@
         generation_config.json, tokenizer files, manifest; a few MB) ──every load──▶ ModelConfig + tokenizer
     GGUF file ──memory map──▶ each matrix's blocks ──integer codes + group scales (gguf_file.py)──▶ CodedLinear
         ──▶ LeanBody.from_parts (embedding rows read from the codes) + CodedHead (the exact head)
-    F16, BF16 matrices ──their 16-bit weights as they are──▶ CodedLinear.dense16 (converted exactly in the product)
+    F16, BF16, F32 matrices ──their weights as they are──▶ CodedLinear.dense16 (converted exactly in the product)
     other types (F32, IQ* but IQ4_NL/IQ4_XS) ──gguf-py's dequantize, once at load──▶ float32
 
 The numbers are the dequantised file (gguf-py's `dequantize`, what transformers' loader uses): every code is
@@ -247,7 +247,7 @@ class _Reader:
             # one type: the parts' rows read into one layout piece by piece (q/k rows in transformers' order)
             return self.f.coded_rows(names, [self._perm(n, rows) for n, (rows, _) in zip(names, sizes,
                                                                                          strict=True)]), None
-        if len(kinds) == 1 and kinds <= DENSE_TYPES.keys():  # F16 or BF16 rows, as they are
+        if len(kinds) == 1 and kinds <= DENSE_TYPES.keys():  # F16, BF16 or F32 rows, as they are
             return CodedLinear.dense16(torch.cat([self.weights16(n) for n in names])), None
         found = [self.codes(n) for n in names]
         if all(c is not None for c in found):
@@ -356,11 +356,14 @@ def _qkv_bias(r: _Reader, p: str, arch: ArchSpec) -> torch.Tensor | None:
 
 def memory_needed(f: GGUFFile) -> int:
     """Bytes a load holds: each matrix in the kernel's layout (`coded_nbytes`; 2 bytes a weight for F16 and BF16,
-    4 for the types dequantized)."""
+    4 for F32 and the types dequantized)."""
     total = 0
     for name in f.tensors:
         kind, count = f.type_of(name), int(np.prod(f.shape(name)))
-        total += coded_nbytes(kind, count) if kind in CODE_TYPES else (2 if kind in DENSE_TYPES else 4) * count
+        if kind in CODE_TYPES:
+            total += coded_nbytes(kind, count)
+        else:  # a float type held as it is, or a type dequantized (4 bytes a weight)
+            total += (DENSE_TYPES[kind].itemsize if kind in DENSE_TYPES else 4) * count
     return total
 
 

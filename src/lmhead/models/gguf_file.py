@@ -3,7 +3,7 @@
     file ──GGUFReader (numpy memmap)──▶ tensors {name: type, shape, bytes}
     a block tensor (Q4_0 … Q8_0, Q2_K … Q6_K, IQ4_NL, IQ4_XS) [N, K] ──bits of its blocks──▶ codes int8 [N,K]
         + scale, offset [N, K/G]  (W = scale·code + offset, the numbers gguf-py's `dequantize` gives, bit for bit)
-    F16, BF16 [N, K] ──its 16-bit weights as they are──▶ float16 / bfloat16 [N,K] (the kernel converts each exactly)
+    F16, BF16, F32 [N, K] ──its weights as they are──▶ float16 / bfloat16 / float32 [N,K] (the kernel converts exactly)
     any other type (F32, the other IQ*, ...) ──gguf-py's `dequantize`──▶ float32 [N,K]
 
 Every type above is an integer per weight times a per-group float32 product of the block's parts, plus a
@@ -38,8 +38,8 @@ from lmhead.models.heap import trim_heap
 __all__ = ["CODE_TYPES", "DENSE_TYPES", "IQ4_VALUES", "GGUFFile", "Header", "block_codes", "read_header"]
 
 CODE_TYPES: frozenset[str] = frozenset(BLOCKS)  # the block types whose codes the coded kernel multiplies
-# 16-bit float types the kernel multiplies as they are (`CodedLinear.dense16`): each weight converted exactly
-DENSE_TYPES: dict[str, torch.dtype] = {"F16": torch.float16, "BF16": torch.bfloat16}
+# float types the kernel multiplies as they are (`CodedLinear.dense16`): each 16-bit weight converted exactly
+DENSE_TYPES: dict[str, torch.dtype] = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
 
 def _nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:
@@ -389,15 +389,17 @@ class GGUFFile:
         return CodedLinear.from_chunks(n, k, scale, offset, chunks(), FOUR_BIT.get(kind))
 
     def weights16(self, name: str) -> torch.Tensor:
-        """The F16 or BF16 matrix `name` [N,K] as a float16 or bfloat16 tensor (a copy of its bytes, its pages of
-        the map released)."""
+        """The F16, BF16 or F32 matrix `name` [N,K] as a float16, bfloat16 or float32 tensor (a copy of its bytes,
+        its pages of the map released)."""
         t = self.tensors[name]
         n, k = self.shape(name)
         data = np.asarray(t.data)
-        if data.size != n * k * 2:
+        dtype = DENSE_TYPES[t.tensor_type.name]
+        size = dtype.itemsize
+        if data.size != n * k * size:
             raise ModelError(f"{self.path}: tensor {name} ({t.tensor_type.name}, {n}x{k}) does not hold {n * k} "
-                             "16-bit weights")
-        out = torch.from_numpy(data.reshape(n, 2 * k).view(np.int16).copy()).view(DENSE_TYPES[t.tensor_type.name])
+                             f"{8 * size}-bit weights")
+        out = torch.from_numpy(data.reshape(n, size * k).view(np.int16 if size == 2 else np.int32).copy()).view(dtype)
         self.release(name)
         return out
 
