@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_root"]
+__all__ = ["cache_root", "writer_alive"]
 
 
 def cache_root() -> Path:
@@ -19,3 +19,15 @@ def cache_root() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "lmhead"
+
+
+def writer_alive(pid: int) -> bool:
+    """Whether the process `pid` that named a temporary file or folder in the cache after itself still runs (what
+    a dead one left half-written may be removed)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

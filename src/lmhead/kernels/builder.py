@@ -24,7 +24,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from lmhead.cache_folder import cache_root
+from lmhead.cache_folder import cache_root, writer_alive
 
 __all__ = ["FLAGS", "HEADERS", "SOURCES", "build", "compiler", "intact", "library_path", "start", "wait"]
 
@@ -114,23 +114,13 @@ def _sweep(folder: Path) -> None:
     """Remove the temporary files of builds whose process is gone (`.tmp-<pid>-…`: killed mid-build)."""
     for path in folder.glob(".tmp-*"):
         pid = path.name.split("-")[1]
-        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+        if not pid.isdigit() or int(pid) == os.getpid() or writer_alive(int(pid)):
             continue
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         else:
             with contextlib.suppress(OSError):
                 path.unlink()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def build(target: Path) -> bool:

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from lmhead.cache_folder import cache_root
+from lmhead.cache_folder import cache_root, writer_alive
 
 MANIFEST = "manifest.json"
 FAST_CHECKSUM = "xxh3_64"  # the manifest's key for each file's fast checksum (xxhash.xxh3_64, hex)
@@ -214,18 +214,8 @@ def remove_stale_tmp(key: str) -> None:
             pid = int(path.name[len(f".tmp-{key}-"):].split("-", 1)[0])
         except ValueError:
             continue
-        if pid != os.getpid() and not _alive(pid):
+        if pid != os.getpid() and not writer_alive(pid):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # --- derived tensor files (compressed heads, GGUF codes): one safetensors file with its own checksum ----------
