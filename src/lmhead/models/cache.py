@@ -19,6 +19,7 @@ checked with sha256 once and then given the fast checksums (`add_fast_checksums`
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -47,6 +48,15 @@ def _folder(name: str) -> Path:
         raise ModelError(f"cannot create the model cache folder {path}: {exc.strerror}; "
                          "set LMHEAD_CACHE to a writable folder") from exc
     return path
+
+
+def no_space(exc: BaseException) -> int:
+    """The errno of a write that failed for want of space (ENOSPC, EDQUOT) — an OSError's, or the one another
+    library's error names in its text (safetensors': "(os error 28)") —, else 0."""
+    for code in (errno.ENOSPC, errno.EDQUOT):
+        if (exc.errno == code) if isinstance(exc, OSError) else f"(os error {code})" in str(exc):
+            return code
+    return 0
 
 
 def disk_error(exc: OSError, folder: Path, need: int):

@@ -5,7 +5,7 @@
     GGUF file ──memory map──▶ each matrix's blocks ──integer codes + group scales (gguf_file.py)──▶ CodedLinear
         ──▶ LeanBody.from_parts (embedding rows read from the codes) + CodedHead (the exact head)
     F16, BF16, F32 matrices ──their weights as they are──▶ CodedLinear.dense16 (converted exactly in the product)
-    other types (F32, IQ* but IQ4_NL/IQ4_XS) ──gguf-py's dequantize, once at load──▶ float32
+    other types (IQ* but IQ4_NL/IQ4_XS) ──gguf-py's dequantize, once at load──▶ float32
 
 The numbers are the dequantised file (gguf-py's `dequantize`, what transformers' loader uses): every code is
 read from the blocks' bits and gives that value back exactly; tensor layouts follow transformers' GGUF loader

