@@ -158,6 +158,12 @@ class Batch:
         self.rows = [*self.rows, *rows]
 
     @property
+    def kv_bytes(self) -> int:
+        """Bytes of the KV caches the batch holds: the live rows' and the joining rows' (the server's metrics)."""
+        caches = [getattr(self.rounds, "target", None), self._joining and getattr(self._joining[1], "target", None)]
+        return sum(2 * c.keys.numel() * c.keys.element_size() for c in caches if c is not None)
+
+    @property
     def joining(self) -> list[Row]:
         """The rows whose prompts `begin_join` is prefilling (not live yet)."""
         return self._joining[0] if self._joining is not None else []

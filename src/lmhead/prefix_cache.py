@@ -32,7 +32,7 @@ class PrefixCache:
             raise ValueError(f"max_bytes must be an integer ≥ 0, got {max_bytes!r}")
         self.max_bytes, self.max_entries = max_bytes, max_entries
         self._entries: OrderedDict[tuple[int, ...], tuple[np.ndarray, torch.Tensor, torch.Tensor]] = OrderedDict()
-        self.bytes = self.hits = self.reused = self.stored = 0
+        self.bytes = self.hits = self.reused = self.stored = self.query_tokens = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -63,6 +63,7 @@ class PrefixCache:
         """The entry sharing the longest common prefix with `ids` (at least MIN_TOKENS): (m, its keys and values,
         all its columns — the first m are the ones to reuse), marked recently used; None if there is none."""
         want = np.asarray(ids, dtype=np.int64)
+        self.query_tokens += len(want)
         best, best_m = None, MIN_TOKENS - 1
         for key, (arr, _, _) in self._entries.items():
             n = min(len(arr), len(want))

@@ -9,6 +9,7 @@ Routes
                                  and its pictures and model list (charts.py; ?model=NAME: registry.py)
     /v1/*                        OpenAI-compatible: models, completions, chat/completions (v1.py)
     /tokenize, /detokenize, /tokenizer_info   vLLM's tokenizer routes (tokens.py)
+    /health, /metrics            200 / 503 for a load balancer (health.py); Prometheus' text format (metrics.py)
 
 The package, one job per module:
     app.py       create_app: wires the routers, the error handlers, the guard and the static files
@@ -39,7 +40,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from lmhead.models.start_tokenizer import transformers_tokenizer
-from lmhead.server import api, charts, tokens, v1
+from lmhead.server import api, charts, health, metrics, tokens, v1
 from lmhead.server.docs import add_docs
 from lmhead.server.errors import APIError, add_error_handlers
 from lmhead.server.guard import BODY_TIMEOUT, Limits, RequestGuard
@@ -75,6 +76,7 @@ def create_app(model: Any, *, allowed_hosts: Iterable[str] = (), max_body_bytes:
     )
     app.add_middleware(RequestGuard, limits=limits)
     app.state.runner = runner
+    app.state.metrics = metrics.ServerMetrics(runner, getattr(model, "name", "model"))
     app.state.model = model
     app.state.served = Served(model, runner, getattr(model, "name", "model"), serve)
     app.state.limits = serve
@@ -87,6 +89,8 @@ def create_app(model: Any, *, allowed_hosts: Iterable[str] = (), max_body_bytes:
     app.include_router(charts.router)
     app.include_router(v1.router)
     app.include_router(tokens.router)
+    app.include_router(health.router)
+    app.include_router(metrics.router)
     return app
 
 

@@ -103,6 +103,8 @@ class _Generation(_Job):
     rows: list[Row] = field(default_factory=list)
     left: int = 0
     size: tuple[int, int] = (1, 0)  # (rows, tokens of its longest row: prompt + max_tokens), for admission
+    submitted: float = field(default_factory=time.perf_counter)  # when it arrived: its time to first token
+    last: float | None = None  # when its latest token was handed out (None: none yet)
 
 
 @dataclass(eq=False)
@@ -134,12 +136,35 @@ class ModelRunner:
         self._live: list[_Generation] = []  # the generations with rows in the batch (the thread's own)
         self._round_s = 0.0  # how long the last decode round took
         self.calls = self.rounds = self.tokens = self.retired = self.max_live = 0
+        self.prompt_tokens = self.finished = 0  # prompt tokens of the rows admitted; requests that finished
+        self.metrics: Any = None  # `metrics.ServerMetrics` (the app's): told each token's latency
+        self.failed: BaseException | None = None  # what ended the thread's loop, if a bug did (health: 503)
+        self._batch: Batch | None = None  # the thread's batch (read by the metrics: its KV memory)
         # finished rows' keys and values, reused by prompts that begin with their tokens (a chat's next turn);
         # kept across the thread's restarts, bounded apart from the live rows' KV memory
         prefix_bytes = PREFIX_CACHE_BYTES if limits is None else min(PREFIX_CACHE_BYTES, limits.kv_bytes // 4)
         self.prefix_cache = PrefixCache(prefix_bytes)
 
     # --- the event loop's side -------------------------------------------------------------------------------
+
+    def problem(self) -> str | None:
+        """Why the runner cannot answer (health's 503), or None: its loop ended on an error, or its thread died."""
+        if self.failed is not None:
+            return f"the scheduler stopped on an error: {type(self.failed).__name__}: {self.failed}"
+        thread = self._thread
+        if thread is not None and not thread.is_alive() and self._thread is thread:
+            return "the scheduler thread is not running"
+        return None
+
+    def load(self) -> tuple[int, int]:
+        """(requests with rows in the batch, requests waiting for room)."""
+        with self._cond:
+            return len(self._live), sum(not job.cancelled for job in self._waiting)
+
+    def kv_bytes(self) -> int:
+        """Bytes of the batch's KV caches (`Batch.kv_bytes`): the live rows' and those of rows joining."""
+        batch = self._batch
+        return 0 if batch is None else batch.kv_bytes
 
     def _submit(self, add: Callable[[], None]) -> None:
         with self._cond:
@@ -216,11 +241,12 @@ class ModelRunner:
 
     def _run(self) -> None:
         batch = Batch(self.model, draft="auto", prefix_cache=self.prefix_cache)
-        self._live = []
+        self._live, self._batch = [], batch
         try:
             while self._turn(batch):
                 pass
         except BaseException as exc:  # a bug in the loop itself: no request may wait forever
+            self.failed = exc
             with self._cond:
                 jobs = [*self._live, *self._waiting, *self._streams]
                 calls = list(self._calls)
@@ -333,6 +359,7 @@ class ModelRunner:
             for row in job.rows:
                 row.owner = job
             job.left = len(job.rows)
+            self.prompt_tokens += sum(len(row.prompt_ids) for row in job.rows)
             ready.append(job)
             rows.extend(job.rows)
         if not rows:
@@ -381,6 +408,7 @@ class ModelRunner:
             batch.remove(list(batch.rows))
             return []
         self.rounds += 1
+        self._time_tokens(pairs)
         for row, step in pairs:
             job = row.owner
             job.put(step)
@@ -389,4 +417,19 @@ class ModelRunner:
                 job.left -= 1
                 if job.left == 0:
                     job.put(_END)
+                    self.finished += 1
         return [job for job in live if not job.done]
+
+    def _time_tokens(self, pairs: list) -> None:
+        """Tell the metrics each request's time to first token, and the time per output token of the others (a
+        request given k tokens this round: k intervals of (now - its previous token) / k)."""
+        now, given = time.perf_counter(), {}
+        for row, _ in pairs:
+            given[row.owner] = given.get(row.owner, 0) + 1
+        for job, k in given.items():
+            if self.metrics is not None:
+                if job.last is None:
+                    self.metrics.first_token(now - job.submitted)
+                else:
+                    self.metrics.output_tokens((now - job.last) / k, k)
+            job.last = now
