@@ -58,7 +58,8 @@ def _declared(param: Any) -> tuple[Any, Any]:
         bounds["gt" if param.low_open else "ge"] = param.low
         if param.high is not None:
             bounds["lt" if param.high_open else "le"] = param.high
-    kind = {"float": float, "int": int, "ids": list[int] | None, "sequences": list[list[int]] | None,
+    # sequences (bad_words): token-id sequences, or words as vLLM's clients send them (server/words.py tokenises them)
+    kind = {"float": float, "int": int, "ids": list[int] | None, "sequences": list[str | list[int]] | None,
             "names": str | list[str] | None}[param.kind]
     default = param.default if param.kind in ("float", "int") else None
     return kind, Field(default, description=f"{param.allowed}. {param.doc}", **bounds)

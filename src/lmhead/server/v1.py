@@ -53,6 +53,7 @@ from lmhead.server.served import (
 )
 from lmhead.server.sse import DONE, primed, sse
 from lmhead.server.structured import ToolCalls, chat_turns, compile_for, constraint_for, tool_prompt
+from lmhead.server.words import with_word_ids
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -92,7 +93,8 @@ async def v1_completions(req: S.CompletionRequest, request: Request, served: Ser
         if req.stream:
             return StreamingResponse(answer.events(None), media_type="text/event-stream")
         return answer.body([])
-    cfg = sampling_config(req, req.seed)  # pure and bounded: no trip to the model's thread
+    # pure and bounded: no trip to the model's thread (but to tokenise bad_words given as words)
+    cfg = sampling_config(await with_word_ids(served, req), req.seed)
     configs = [cfg if req.seed is None or j == 0 else dataclasses.replace(cfg, seed=(req.seed + j) % 2**63)
                for _ in ids for j in range(req.n)]
     flat = [x for x in ids for _ in range(req.n)]
@@ -143,7 +145,7 @@ async def v1_chat(req: S.ChatRequest, request: Request, served: Served = Depends
     if req.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
     check_rows(served, req.n, len(ids) + max_tokens)
-    cfg = sampling_config(req, req.seed)
+    cfg = sampling_config(await with_word_ids(served, req), req.seed)
     configs = [cfg if req.seed is None or j == 0 else dataclasses.replace(cfg, seed=(req.seed + j) % 2**63)
                for j in range(req.n)]
     top_n = (req.top_logprobs or 0) if req.logprobs else 0

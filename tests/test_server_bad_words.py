@@ -1,0 +1,69 @@
+"""vLLM's `bad_words` as its clients send them: words are tokenised as vLLM tokenises them (with and without a
+leading space) and never completed; token-id sequences still work; a word that tokenises to nothing is a 400
+naming it."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+from test_server_harness import tiny_served_model
+
+from lmhead.server import create_app
+from lmhead.server.words import word_sequences
+
+PROMPT = "the cat and the dog went to the market and the"
+
+
+@pytest.fixture(scope="module")
+def client():
+    with TestClient(create_app(tiny_served_model())) as c:
+        yield c
+
+
+def _greedy(client, **extra) -> list[int]:
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, **extra}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return client.app.state.model.tokenizer.encode(r.json()["choices"][0]["text"], add_special_tokens=False)
+
+
+def test_a_word_is_tokenised_with_and_without_a_leading_space_as_vllm_does():
+    tok = tiny_served_model().tokenizer
+    bare = tok.encode("the", add_special_tokens=False)
+    spaced = tok.encode(" the", add_special_tokens=False)
+    want = [bare] + ([spaced] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
+    assert word_sequences(tok, ["  the"]) == want
+    assert word_sequences(tok, [[3, 4], "the"]) == [[3, 4], *want]
+
+
+def test_bad_words_as_words_ban_what_the_greedy_answer_would_say(client):
+    tok = client.app.state.model.tokenizer
+    free = _greedy(client)
+    word = next((w for w in (tok.decode([t]) for t in free) if w.strip() and [tok.encode(w.lstrip(),
+                 add_special_tokens=False)] == word_sequences(tok, [w])[:1] and len(word_sequences(tok, [w])[0]) == 1),
+                None)
+    if word is None:
+        pytest.skip("no generated token is a one-token word of this tokenizer")
+    banned = {s[0] for s in word_sequences(tok, [word])}
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    got = client.post("/v1/completions", json={**body, "bad_words": [word]})
+    assert got.status_code == 200, got.text
+    by_ids = client.post("/v1/completions", json={**body, "bad_words": [[t] for t in sorted(banned)]})
+    assert got.json()["choices"][0]["text"] == by_ids.json()["choices"][0]["text"]
+    chosen = got.json()["choices"][0]["logprobs"]["tokens"]
+    assert not banned & {tok.convert_tokens_to_ids(t) for t in chosen if t in tok.get_vocab()}
+    assert got.json()["choices"][0]["text"] != tok.decode(free)
+
+
+def test_bad_words_in_a_chat_request_are_accepted_as_words(client):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                  "max_tokens": 3, "temperature": 0, "bad_words": ["the", [5]]})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("word", ["", "   "])
+def test_a_word_that_tokenises_to_nothing_is_a_400_naming_it(client, word):
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "bad_words": ["dog", word]})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "bad_words" and "bad_words[1]" in err["message"]
