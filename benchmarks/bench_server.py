@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -91,7 +92,24 @@ uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
 
 
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA_BIN = ROOT / "build" / "llama.cpp" / "bin"
+LLAMA_BIN = ROOT / "build" / "llama.cpp" / "bin"  # --llama-bin
+BASELINE_ERRORS = (RuntimeError, OSError, ValueError, KeyError, httpx.HTTPError, subprocess.SubprocessError)
+
+
+def failure(exc: BaseException | None = None, code: int | None = None) -> str:
+    """A baseline that failed, as its table says it: "not built", "crashed (SIGSEGV)", "exit 1", or the error."""
+    if code is None and isinstance(exc, subprocess.CalledProcessError):
+        code = exc.returncode
+    if code is None and exc is not None and getattr(exc, "exit_code", None) is not None:
+        code = exc.exit_code
+    if code is not None:
+        if code < 0:
+            try:
+                return f"failed: crashed ({signal.Signals(-code).name})"
+            except ValueError:
+                return f"failed: killed by signal {-code}"
+        return f"failed: exit {code}"
+    return f"failed: {exc}" if exc is not None else "failed"
 
 
 def free_port() -> int:
@@ -114,7 +132,9 @@ class Server:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{who} exited with {self.proc.returncode}")
+                exc = RuntimeError(f"{who} exited with {self.proc.returncode}")
+                exc.exit_code = self.proc.returncode  # the table's reason (`failure`)
+                raise exc
             try:
                 if httpx.get(f"{self.url}{route}", timeout=2).status_code == 200:
                     return
@@ -131,20 +151,25 @@ class Server:
         return float("nan")
 
     def close(self) -> None:
-        self.proc.terminate()
+        if self.proc.poll() is None:
+            self.proc.terminate()
         self.proc.wait(timeout=30)
 
 
 class LlamaServer(Server):
     """llama.cpp's `llama-server` on `gguf` with `parallel` slots of `slot_tokens` each, 2 threads (loopback)."""
 
-    def __init__(self, gguf: Path, parallel: int, slot_tokens: int) -> None:
+    def __init__(self, gguf: Path, parallel: int, slot_tokens: int, extra: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([str(LLAMA_BIN / "llama-server"), "-m", str(gguf), "-t", "2", "--port",
-                                      str(self.port), "-np", str(parallel), "-c", str(parallel * slot_tokens)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.wait_ready("/health", "llama-server")
+                                      str(self.port), "-np", str(parallel), "-c", str(parallel * slot_tokens),
+                                      *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            self.wait_ready("/health", "llama-server")
+        except BaseException:
+            self.close()
+            raise
 
 
 def _gguf(model: str, work: Path) -> Path:
@@ -184,8 +209,6 @@ def versus_llama_server(args: argparse.Namespace, rec: Recorder) -> None:
 
     from lmhead import load_model
 
-    if not (LLAMA_BIN / "llama-server").exists():
-        raise SystemExit("--llama-server: build/llama.cpp/bin/llama-server is not built (make llama-bench)")
     model = load_model(args.model, progress=False)
     n, k = args.concurrent, args.tokens
     prompts = ([_long_prompt(model, args.prompt_tokens)] * n if args.prompt_tokens
@@ -203,18 +226,39 @@ def versus_llama_server(args: argparse.Namespace, rec: Recorder) -> None:
         for run in range(args.llama_server):
             got = {}
             for who in ("lmhead", "llama"):
-                server = Server(args.model, 32) if who == "lmhead" else LlamaServer(gguf, n, slot)
+                if who == "llama" and not (LLAMA_BIN / "llama-server").exists():
+                    got[who] = "failed: not built"
+                    continue
+                code = None  # the baseline's exit status where it died during the run
                 try:
-                    wall, made = asyncio.run(_aggregate(server.url, prompts, k))
-                    got[who] = (made / wall, server.peak_rss_mib())
-                finally:
-                    server.close()
+                    server = Server(args.model, 32) if who == "lmhead" else LlamaServer(gguf, n, slot)
+                    try:
+                        wall, made = asyncio.run(_aggregate(server.url, prompts, k))
+                        got[who] = (made / wall, server.peak_rss_mib())
+                    finally:
+                        code = server.proc.poll()
+                        server.close()
+                except BASELINE_ERRORS as exc:
+                    if who == "lmhead":
+                        raise
+                    got[who] = failure(exc, code)
+                    continue
                 rates[who].append(got[who][0])
-            (a, ra), (b, rb) = got["lmhead"], got["llama"]
             load = f"{os.getloadavg()[0]:.2f}"
+            if isinstance(got["llama"], str):  # the baseline failed: the row says how; the benchmark goes on
+                (a, ra), why = got["lmhead"], got["llama"]
+                print(f"run {run}: lmhead {a:.1f} tok/s ({ra:.0f} MiB), llama-server {why}, load {load}", flush=True)
+                table.row([run, f"{a:.1f}", why, "—", f"{ra:.0f}", "—", load])
+                continue
+            (a, ra), (b, rb) = got["lmhead"], got["llama"]
             print(f"run {run}: lmhead {a:.1f} tok/s ({ra:.0f} MiB), llama-server {b:.1f} tok/s ({rb:.0f} MiB), "
                   f"ratio {a / b:.2f}, load {load}", flush=True)
             table.row([run, f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}", f"{ra:.0f}", f"{rb:.0f}", load])
+    if not rates["llama"]:
+        a = statistics.median(rates["lmhead"])
+        print(f"median: lmhead {a:.1f} tok/s, llama-server failed in every run")
+        table.row(["median", f"{a:.1f}", "failed", "—", "—", "—", "—"])
+        return
     a, b = statistics.median(rates["lmhead"]), statistics.median(rates["llama"])
     print(f"median: lmhead {a:.1f} tok/s, llama-server {b:.1f} tok/s, ratio {a / b:.2f} (goal ≥ 1.0)")
     table.row(["median", f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}", "—", "—", "—"],
@@ -237,13 +281,18 @@ def prefill(args: argparse.Namespace, rec: Recorder) -> None:
     table = rec.table("prefill", f"{args.model}: a prompt's prefill in process (its first token) beside "
                       "llama-bench -p N -n 0 -t 2 on the same GGUF file",
                       ["prompt tokens", "lmhead TTFT (s)", "lmhead tok/s", "llama-bench tok/s", "ratio"])
-    llama = {}
+    llama, failed = {}, "failed: not built"
     if (LLAMA_BIN / "llama-bench").exists():
-        with tempfile.TemporaryDirectory() as work:
-            out = subprocess.run([str(LLAMA_BIN / "llama-bench"), "-m", str(_gguf(args.model, Path(work))), "-t", "2",
-                                  "-p", args.prefill, "-n", "0", "-r", "3", "-o", "csv"],
-                                 capture_output=True, text=True, check=True).stdout
-        llama = {int(r["n_prompt"]): float(r["avg_ts"]) for r in csv.DictReader(io.StringIO(out))}
+        try:
+            with tempfile.TemporaryDirectory() as work:
+                out = subprocess.run([str(LLAMA_BIN / "llama-bench"), "-m", str(_gguf(args.model, Path(work))), "-t",
+                                      "2", "-p", args.prefill, "-n", "0", "-r", "3", "-o", "csv"],
+                                     capture_output=True, text=True, check=True).stdout
+            llama = {int(r["n_prompt"]): float(r["avg_ts"]) for r in csv.DictReader(io.StringIO(out))}
+            failed = "—"
+        except BASELINE_ERRORS as exc:  # a crashing baseline is a row of the table, not the end of the benchmark
+            failed = failure(exc)
+        print(f"llama-bench: {failed}" if not llama else "llama-bench: done", flush=True)
     config = SamplingConfig(temperature=0)
     for n in lengths:
         rows = prepare(model, _long_prompt(model, n), 1, config, scores=False)
@@ -262,7 +311,7 @@ def prefill(args: argparse.Namespace, rec: Recorder) -> None:
         print(f"{tokens} tokens: TTFT {ttft:.2f} s, {ours:.0f} tok/s, llama-bench "
               f"{f'{theirs:.0f} tok/s, ratio {ours / theirs:.2f}' if theirs else '-'}; load {os.getloadavg()[0]:.2f}",
               flush=True)
-        table.row([tokens, f"{ttft:.2f}", f"{ours:.0f}", f"{theirs:.0f}" if theirs else "-",
+        table.row([tokens, f"{ttft:.2f}", f"{ours:.0f}", f"{theirs:.0f}" if theirs else failed,
                    f"{ours / theirs:.2f}" if theirs else "-"],
                   [Figure(f"prefill of {n} tokens", ours, "tok/s", "llama-bench -p", theirs, ours / theirs)]
                   if theirs else [])
@@ -500,6 +549,7 @@ def full_context(args: argparse.Namespace, rec: Recorder) -> None:
 
 
 def main() -> None:
+    global LLAMA_BIN
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gemma-3-270m")
     ap.add_argument("--concurrent", type=int, default=8)
@@ -517,15 +567,20 @@ def main() -> None:
                     help="lmhead serve beside llama-server on the same file, RUNS alternating runs (see above)")
     ap.add_argument("--prompt-tokens", type=int, default=0, help="with --llama-server: each prompt's length")
     ap.add_argument("--prefill", default="", metavar="N,N", help="prefill of prompts of these lengths (see above)")
+    ap.add_argument("--llama-bin", type=Path, default=LLAMA_BIN, metavar="DIR",
+                    help="llama.cpp's binaries (llama-bench, llama-server; default build/llama.cpp/bin)")
+    ap.add_argument("--results", type=Path, default=None, metavar="DIR",
+                    help="the records' folder (default benchmarks/results)")
     ap.add_argument("--full-context", action="store_true",
                     help="memory of --concurrent requests at the model's whole context (see above)")
     args = ap.parse_args()
+    LLAMA_BIN = args.llama_bin
     rec = Recorder("server")
     print(rec.header())
     if args.full_context:
         full_context(args, rec)
         print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-        rec.write()
+        rec.write(args.results)
         return
     if args.llama_server or args.prefill:
         if args.prefill:
@@ -533,7 +588,7 @@ def main() -> None:
         if args.llama_server:
             versus_llama_server(args, rec)
         print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-        rec.write()
+        rec.write(args.results)
         return
     if args.chat_turns or args.join_gap:
         if args.chat_turns:
@@ -541,12 +596,12 @@ def main() -> None:
         if args.join_gap:
             join_gap(args, rec)
         print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-        rec.write()
+        rec.write(args.results)
         return
     if args.in_process:
         in_process(args, rec)
         print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-        rec.write()
+        rec.write(args.results)
         return
     results = {}
     for name, max_batch in (("batched", 32), ("serial", 1)):
@@ -582,7 +637,7 @@ def main() -> None:
                f"under load, serial / batched: {halved:.2f}× (target ≥ 2); answers equal on both servers: {same} of "
                f"{len(b['texts'])}")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    rec.write()
+    rec.write(args.results)
 
 
 if __name__ == "__main__":
