@@ -21,15 +21,17 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 
 # lowest first; a module may import its own floor and the ones below it
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
-    ("ground", ("lmhead", "lmhead.checks", "lmhead.params", "lmhead.models.errors", "lmhead.models.cache")),
+    ("ground", ("lmhead", "lmhead.checks", "lmhead.params", "lmhead.models.errors", "lmhead.models.cache",
+                "lmhead.data")),
     ("kernels", ("lmhead.kernels",)),
     ("head", ("lmhead.head", "lmhead.loss", "lmhead.compressed")),
     ("models", ("lmhead.models",)),
     ("sampling/decode", ("lmhead.sampling", "lmhead.constrain", "lmhead.decode", "lmhead.prefix_cache",
-                         "lmhead.distributed")),
+                         "lmhead.distributed", "lmhead.heads")),
     ("speculative", ("lmhead.speculative",)),
     ("explain/generate", ("lmhead.explain", "lmhead.explain_charts", "lmhead._explain_display", "lmhead.generate",
-                          "lmhead.conversation", "lmhead.prompt_scores", "lmhead.integrations", "lmhead.api")),
+                          "lmhead.conversation", "lmhead.prompt_scores", "lmhead.integrations", "lmhead.api",
+                          "lmhead.explain_swap")),
     ("server/cli", ("lmhead.server", "lmhead.cli")),
 ]
 

@@ -67,6 +67,8 @@ _EXPORTS: dict[str, str] = {
     "undo_fused_loss": "integrations.transformers",
     "fused_loss": "integrations.transformers",
     "SamplingLogitsProcessor": "integrations.generation",
+    "train_head": "heads.train",
+    "ClassificationHead": "heads.classifier",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -49,6 +49,33 @@ class Model(LoadedModel):
         """The model's perplexity on `text`; see `lmhead.explain.perplexity`."""
         return explain.perplexity(self, text, **kwargs)
 
+    def embed(self, inputs, pooling: str | None = None, normalize: bool = True,
+              truncate_prompt_tokens: int | None = None):
+        """The body alone: [B,D] float32 embeddings of texts (or token id lists), the final hidden state pooled
+        ("last" | "mean" | "cls"; None: the file's pooling_type, else "last") and L2-normalised; pooling="none"
+        gives a list of [T_i, D]. See `lmhead.heads.pooling.embed`."""
+        from lmhead.heads.pooling import embed
+
+        return embed(self, inputs, pooling=pooling, normalize=normalize,
+                     truncate_prompt_tokens=truncate_prompt_tokens)
+
+    def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None, **kwargs: Any):
+        """The documents ranked by relevance to `query`: [{"index", "relevance_score", "document"}], best first
+        (the LM head's yes/no rows, or the file's `cls.output` head); see `lmhead.heads.reranker.rerank`."""
+        from lmhead.heads.reranker import rerank
+
+        return rerank(self, query, documents, top_n=top_n, **kwargs)
+
+    def classify(self, texts: Sequence[str], head):
+        """Class probabilities [B,K] of `texts` under a `ClassificationHead` (or a path to a saved one), the
+        features pooled as the head was trained."""
+        from lmhead.heads.classifier import ClassificationHead, features
+
+        if not isinstance(head, ClassificationHead):
+            head = ClassificationHead.load(head)
+        head.check_model(self)
+        return head.predict(features(self, texts, pooling=head.pooling, template=head.template))
+
 
 def load_model(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, verify: bool = False, progress: bool = True,
                head: str = "auto", body: str = "auto") -> Model:
