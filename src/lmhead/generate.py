@@ -21,6 +21,7 @@ rows `decode.rows.prepare` makes; the rows' text, scores and prefill pieces are 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -116,7 +117,10 @@ class Batch:
                  profile: dict[str, float] | None = None, draft: str = "none", draft_tokens: int = 4,
                  stats=None, prefix_cache=None) -> None:
         self.model, self.generator, self.profile = model, generator, profile
-        self.prefix_cache = prefix_cache  # a prefix_cache.PrefixCache: finished rows' columns, reused by prompts
+        # a prefix_cache.PrefixCache: prompts' blocks as they are computed and the blocks of rows that leave,
+        # reused by every row whose prompt begins with them
+        self.prefix_cache = prefix_cache
+        self.prefilled = 0  # prompt positions computed (not found in the prefix cache)
         self.draft, self.draft_tokens, self.stats = draft, draft_tokens, stats
         self.device = model.device
         self.eos = set(model.eos_token_ids)
@@ -127,6 +131,7 @@ class Batch:
         self.last: torch.Tensor | None = None  # [B] each live row's newest token (not yet in the caches)
         self.clock = Clock(profile)
         self._joining: tuple | None = None  # (rows, their Decoder, their last, room) while `begin_join` prefills
+        self._leads: list[Decoder] = []  # a join's shared prompt beginnings, prefilled once before its rows (`_lead`)
         self.budget = PrefillBudget()  # the pieces of a joining prompt while rows decode
 
     @property
@@ -142,6 +147,10 @@ class Batch:
             return
         if not self.can_join:
             raise RuntimeError("rows join a running batch only on the lean body; wait until `rows` is empty")
+        for lead in self._lead(rows):
+            while lead.prefill_piece():
+                pass
+            self.prefilled += lead.prefilled
         ids, positions, attention = left_pad([r.prompt_ids for r in rows], self.pad, self.device)
         valid = None if attention is None else attention.bool()
         if not self.rows:
@@ -151,10 +160,14 @@ class Batch:
             self.rounds = _rounds(self.model, draft, self.draft_tokens, self.profile)
             if self.stats is not None and hasattr(self.rounds, "stats"):
                 self.rounds.stats = self.stats
-            self.last = self.rounds.start(ids, positions, valid, max(r.budget for r in rows), **self._prefix(rows))
+            self.last = self.rounds.start(ids, positions, valid, max(r.budget for r in rows), **self._prefixes(rows))
+            self.prefilled += getattr(self.rounds, "prefilled", 0)
         else:
             room = max(r.budget - len(r.generated) for r in [*self.rows, *rows])
-            self.last = torch.cat([self.last, self.rounds.join(ids, positions, valid, room)])
+            other, last = self.rounds.begin_join(ids, positions, valid, room, **self._prefixes(rows))
+            self.rounds.finish_join(other, room)
+            self.prefilled += other.prefilled
+            self.last = torch.cat([self.last, last])
         self.rows = [*self.rows, *rows]
 
     @property
@@ -179,12 +192,19 @@ class Batch:
             return
         if self._joining is not None:
             raise RuntimeError("a join is under way: call prefill() until it returns False")
+        self._leads = self._lead(rows)
+        self._joining = (rows, None, None, 0)
+        if not self._leads:
+            self._begin_rows(rows)
+        self.budget.start()
+
+    def _begin_rows(self, rows: list[Row]) -> None:
+        """The joining rows' Decoder (`Decoder.begin_join`), each row starting from its prompt's stored blocks."""
         ids, positions, attention = left_pad([r.prompt_ids for r in rows], self.pad, self.device)
         room = max(r.budget - len(r.generated) for r in [*self.rows, *rows])
         other, last = self.rounds.begin_join(ids, positions, None if attention is None else attention.bool(), room,
-                                             **self._prefix(rows))
+                                             **self._prefixes(rows))
         self._joining = (rows, other, last, room)
-        self.budget.start()
 
     @torch.inference_mode()
     def prefill(self, columns: int | None = None) -> bool:
@@ -196,16 +216,21 @@ class Batch:
         if self._joining is None:
             return False
         rows, other, last, room = self._joining
+        if columns is not None:
+            columns = checks.positive_int("columns", columns)
+        if self._leads:  # a shared beginning first, one row: the joining rows then find it stored
+            lead = self._leads[0]
+            self._piece(lead, 1, columns if columns is not None or not self.rows
+                        else self.budget.columns(1, self.model.lean.CODED_MAX_ROWS))
+            if not lead.prefilling:
+                self._leads.pop(0)
+                if not self._leads:
+                    self._begin_rows(rows)
+            return True
         if other.prefilling:
-            if columns is not None:
-                columns = checks.positive_int("columns", columns)
-            elif self.rows:
+            if columns is None and self.rows:
                 columns = self.budget.columns(len(rows), self.model.lean.CODED_MAX_ROWS)
-            t = time.perf_counter()
-            before = other.target.length
-            other.prefill_piece(columns)
-            self.budget.note_piece(time.perf_counter() - t, len(rows) * (other.target.length - before),
-                                   other.target.length - before)
+            self._piece(other, len(rows), columns)
             return True
         self._joining = None
         if not self.rows:  # every running row left meanwhile: the joining rows are the batch
@@ -216,28 +241,71 @@ class Batch:
         self.rows = [*self.rows, *rows]
         return False
 
-    def _prefix(self, rows: list[Row]) -> dict[str, Any]:
-        """The `prefix` keyword for a Decoder's start of `rows`: the prefix cache's match for a lone row's prompt
-        (none for several rows, whose left padding the cached columns do not have)."""
-        if self.prefix_cache is None or len(rows) != 1 or self.model.lean is None:
-            return {}
-        found = self.prefix_cache.match(rows[0].prompt_ids[:-1])
-        return {} if found is None else {"prefix": found}
+    def _piece(self, decoder: Decoder, rows: int, columns: int | None) -> None:
+        """One prefill piece of `decoder` (`rows` rows), timed for the budget and counted in `prefilled`."""
+        t = time.perf_counter()
+        before, fed = decoder.target.length, decoder.prefilled
+        decoder.prefill_piece(columns)
+        self.prefilled += decoder.prefilled - fed
+        self.budget.note_piece(time.perf_counter() - t, rows * (decoder.target.length - before),
+                               decoder.target.length - before)
 
-    def _keep_prefixes(self, finished: list[Row]) -> None:
-        """Store the columns of finished rows (their prompt and the tokens they fed) in the prefix cache."""
+    def _prefixes(self, rows: list[Row]) -> dict[str, Any]:
+        """The prefix cache's keywords for a Decoder's start of `rows`: each row's longest run of stored blocks
+        (`prefixes`) and the store that receives the blocks its prefill computes (`store`)."""
+        if self.prefix_cache is None or self.model.lean is None:
+            return {}
+        return {"prefixes": [self.prefix_cache.match(r.prompt_ids[:-1]) for r in rows], "store": self.prefix_cache}
+
+    def _lead(self, rows: list[Row]) -> list[Decoder]:
+        """One-row Decoders (not started rounds: prefill only) for the beginnings that several of `rows` share and
+        the prefix cache lacks (whole blocks), longest first: prefilled before the rows start, they store those
+        blocks once, and every row then copies them in — concurrent requests with a common prefix compute it
+        once (and n > 1 rows their prompt)."""
+        cache = self.prefix_cache
+        if cache is None or self.model.lean is None or len(rows) < 2:
+            return []
+        chains = [cache.chain(r.prompt_ids[:-1]) for r in rows]
+        count = Counter(key for chain in chains for key in chain)
+        shared: dict[bytes, list[int]] = {}
+        for row, chain in zip(rows, chains, strict=True):
+            n = 0
+            while n < len(chain) and count[chain[n]] > 1:
+                n += 1
+            if n:
+                shared[chain[n - 1]] = row.prompt_ids[:n * cache.block + 1]  # + the token after: `begin`'s last
+        inner = {key for ids in shared.values() for key in cache.chain(ids[:-1])[:-1]}
+        leads = []
+        for key, ids in sorted(shared.items(), key=lambda kv: -len(kv[1])):
+            if key in inner or cache.cached(ids[:-1]) == len(ids) - 1:
+                continue  # another lead computes it on its way, or it is stored already
+            lead = Decoder(self.model.lean, self.model.head)
+            t = torch.tensor([ids], device=self.device)
+            lead.begin(t, torch.arange(len(ids), device=self.device)[None], None, 0,
+                       [cache.match(ids[:-1])], cache)
+            leads.append(lead)
+        return leads
+
+    def _keep_blocks(self, indices: list[int]) -> None:
+        """Store the blocks of the live rows `indices` (their prompt and the tokens they fed) in the prefix cache:
+        rows that leave, finished or retired (a client that hung up), leave their blocks."""
         target = getattr(self.rounds, "target", None)
         if self.prefix_cache is None or target is None:
             return
-        for b, row in enumerate(self.rows):
-            if row in finished:
-                src = target.valid[b, :target.length].nonzero().squeeze(1)
-                self.prefix_cache.put(target.tokens[b, src].tolist(), target.keys[:, b, :, src],
-                                      target.values[:, b, :, src])
+        block = self.prefix_cache.block
+        for b in indices:
+            src = target.valid[b, :target.length].nonzero().squeeze(1)
+            tokens = target.tokens[b, src].tolist()
+            skip = self.prefix_cache.cached(tokens) // block  # copy only the columns of blocks not stored
+            if skip < len(tokens) // block:
+                src = src[skip * block:]
+                self.prefix_cache.put(tokens, target.keys[:, b].index_select(2, src),
+                                      target.values[:, b].index_select(2, src), skip=skip)
 
     def drop_join(self) -> None:
         """Abandon the join under way (its prefill failed); the live rows go on."""
         self._joining = None
+        self._leads = []
         if not self.rows:
             self.rounds, self.last = None, None
 
@@ -248,6 +316,7 @@ class Batch:
         keep = [b for b, r in enumerate(self.rows) if id(r) not in gone]
         if len(keep) == len(self.rows):
             return
+        self._keep_blocks([b for b, r in enumerate(self.rows) if id(r) in gone])
         if not keep:
             self.rows, self.last = [], None
             if self._joining is None:
@@ -327,8 +396,6 @@ class Batch:
             if finish is not None:
                 finished.append(row)
         self.clock.lap("text")
-        if finished:
-            self._keep_prefixes(finished)
         self.remove(finished)
         if self.rows:
             self.last = torch.tensor([r.generated[-1] for r in self.rows], device=self.device)

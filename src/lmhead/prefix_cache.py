@@ -1,80 +1,126 @@
-"""Keys and values of recent rows' tokens, reused by a prompt that begins with the same tokens (prefix caching).
+"""Keys and values of prompts' blocks, reused by every prompt that begins with the same tokens (prefix caching).
 
-    cache = PrefixCache(max_bytes=512 << 20)
-    cache.put(tokens, keys, values)        # tokens [L] a row fed, keys/values [layers, H_kv, L, hd] (copies kept)
-    found = cache.match(prompt_ids)        # (m, keys, values): the m first columns of the entry sharing the
-                                           # longest common prefix with prompt_ids (m ≥ MIN_TOKENS), or None
+    cache = PrefixCache(max_bytes=512 << 20)          # blocks of BLOCK positions
+    cache.put(tokens, keys, values)   # tokens [L] a row's columns hold, keys/values [layers, H_kv, L, hd]: each
+                                      # full block not yet stored is copied in (a stored one is marked used)
+    found = cache.match(prompt_ids)   # (m, keys, values [layers, H_kv, m, hd]): the longest run of stored blocks
+                                      # at the start of prompt_ids (m a multiple of BLOCK), or None
 
-A chat's next turn begins with the previous turn's prompt and (mostly) its answer, so its prefill feeds only
-the tokens after the common prefix: `decode.engine.Decoder.begin(..., prefix=...)` copies the m columns in first.
-A column's keys and values depend only on the tokens up to it and their positions (0, 1, ... in every row:
-left padding counts no positions), so the reused columns are the ones a prefill would compute — up to float
-rounding where that prefill would have run the same tokens in another split. Bounded memory: the least recently
-used entries leave first.
+As vLLM's automatic prefix caching: a block is keyed by a hash of every token up to its end (`chain`), so a block
+matches only where everything before it matches too, and two prompts that share a system prompt share its blocks
+whatever follows. The engine stores a prompt's blocks as its prefill pieces are computed
+(`decode.engine.Decoder.prefill_piece`), and a row's generated tokens' blocks when it leaves the batch (finished
+or retired: a client that hung up leaves its blocks); every row that starts (lone, joining a running batch, each
+row of n > 1 or of a prompt list) copies in its prompt's longest run of stored blocks and prefills the rest.
+
+A column's keys and values depend only on the tokens up to it and their positions (0, 1, ... in every row: left
+padding counts no positions), so the reused columns are the ones a prefill would compute — up to float rounding
+where that prefill would have run the same tokens in another split. Bounded memory: the least recently used
+blocks leave first, a run's last blocks before its first (a later block is of no use without those before it).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 
 import numpy as np
 import torch
 
-MIN_TOKENS = 16  # a shorter common prefix is not worth the copy
+__all__ = ["BLOCK", "MIN_TOKENS", "PrefixCache"]
+
+BLOCK = 32  # positions per block: a multiple of the kernels' row passes, a divisor of the prefill piece
+MIN_TOKENS = BLOCK  # the shortest prefix reused: one block
 
 
 class PrefixCache:
-    """An LRU store of token prefixes' keys and values, at most `max_bytes` in all. Counters: `hits`,
-    `reused` (columns reused in all), `stored`."""
+    """An LRU store of BLOCK-position blocks of keys and values, at most `max_bytes` in all.
 
-    def __init__(self, max_bytes: int = 512 << 20, max_entries: int = 64) -> None:
+    Counters: `queries` (lookups), `hits` (lookups that found a block), `query_tokens` (tokens looked up),
+    `reused` (tokens found), `stored` (blocks stored), `evicted` (blocks that left for room)."""
+
+    def __init__(self, max_bytes: int = 512 << 20, block: int = BLOCK) -> None:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"max_bytes must be an integer ≥ 0, got {max_bytes!r}")
-        self.max_bytes, self.max_entries = max_bytes, max_entries
-        self._entries: OrderedDict[tuple[int, ...], tuple[np.ndarray, torch.Tensor, torch.Tensor]] = OrderedDict()
-        self.bytes = self.hits = self.reused = self.stored = self.query_tokens = 0
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise ValueError(f"block must be an integer ≥ 1, got {block!r}")
+        self.max_bytes, self.block = max_bytes, block
+        self._blocks: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.bytes = self.queries = self.hits = self.query_tokens = self.reused = self.stored = self.evicted = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._blocks)
 
-    @staticmethod
-    def _size(keys: torch.Tensor, values: torch.Tensor) -> int:
-        return keys.numel() * keys.element_size() + values.numel() * values.element_size()
+    def chain(self, tokens: list[int]) -> list[bytes]:
+        """The key of each full block of `tokens`: a hash of every token up to the block's end."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        keys, prev = [], b""
+        for end in range(self.block, len(ids) + 1, self.block):
+            prev = hashlib.blake2b(prev + ids[end - self.block:end].tobytes(), digest_size=16).digest()
+            keys.append(prev)
+        return keys
 
-    def put(self, tokens: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store the columns of `tokens` (keys, values [layers, H_kv, L, hd]); an entry another one begins with
-        is replaced by the longer one; the least recently used leave while the store is over its bounds."""
-        key = tuple(tokens)
-        if len(key) < MIN_TOKENS or self._size(keys, values) > self.max_bytes:
-            return
-        for old in [k for k in self._entries if len(k) <= len(key) and key[:len(k)] == k]:
-            self._drop(old)
-        self._entries[key] = (np.asarray(key, dtype=np.int64), keys.clone(), values.clone())
-        self.bytes += self._size(keys, values)
-        self.stored += 1
-        while self._entries and (self.bytes > self.max_bytes or len(self._entries) > self.max_entries):
-            self._drop(next(iter(self._entries)))
+    def cached(self, tokens: list[int]) -> int:
+        """How many of `tokens`' first tokens the stored blocks cover (no counter moves, no block is marked used)."""
+        n = 0
+        for key in self.chain(tokens):
+            if key not in self._blocks:
+                break
+            n += self.block
+        return n
 
-    def _drop(self, key: tuple[int, ...]) -> None:
-        _, k, v = self._entries.pop(key)
-        self.bytes -= self._size(k, v)
+    def put(self, tokens: list[int], keys: torch.Tensor, values: torch.Tensor, skip: int = 0) -> int:
+        """Store the full blocks of `tokens` after the first `skip` blocks (their keys and values [layers, H_kv,
+        ≥len(tokens) - skip·block, hd], column j holding token skip·block + j) that are not stored yet, copies; the
+        run is marked used; the least recently used blocks leave while the store is over its bound. → blocks
+        added."""
+        chain = self.chain(tokens)
+        added = 0
+        for i, key in enumerate(chain[skip:]):
+            if key in self._blocks:
+                continue
+            cols = slice(i * self.block, (i + 1) * self.block)
+            k, v = keys[:, :, cols].clone(), values[:, :, cols].clone()
+            size = _size(k, v)
+            if size > self.max_bytes:
+                break
+            self._blocks[key] = (k, v)
+            self.bytes += size
+            self.stored += 1
+            added += 1
+        self._touch(chain)
+        while self.bytes > self.max_bytes:
+            _, (k, v) = self._blocks.popitem(last=False)
+            self.bytes -= _size(k, v)
+            self.evicted += 1
+        return added
+
+    def _touch(self, chain: list[bytes]) -> None:
+        """Mark a run used: its first block becomes the most recent, so its last ones leave first."""
+        for key in reversed(chain):
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
 
     def match(self, ids: list[int]) -> tuple[int, torch.Tensor, torch.Tensor] | None:
-        """The entry sharing the longest common prefix with `ids` (at least MIN_TOKENS): (m, its keys and values,
-        all its columns — the first m are the ones to reuse), marked recently used; None if there is none."""
-        want = np.asarray(ids, dtype=np.int64)
-        self.query_tokens += len(want)
-        best, best_m = None, MIN_TOKENS - 1
-        for key, (arr, _, _) in self._entries.items():
-            n = min(len(arr), len(want))
-            differ = np.flatnonzero(arr[:n] != want[:n])
-            m = int(differ[0]) if differ.size else n
-            if m > best_m:
-                best, best_m = key, m
-        if best is None:
+        """The longest run of stored blocks at the start of `ids`: (m tokens, their keys and values [layers, H_kv,
+        m, hd], a copy), the run marked used; None where the first block is not stored."""
+        self.queries += 1
+        self.query_tokens += len(ids)
+        run = []
+        for key in self.chain(ids):
+            if key not in self._blocks:
+                break
+            run.append(key)
+        if not run:
             return None
-        self._entries.move_to_end(best)
-        _, keys, values = self._entries[best]
+        self._touch(run)
+        m = len(run) * self.block
         self.hits += 1
-        self.reused += best_m
-        return best_m, keys, values
+        self.reused += m
+        keys = torch.cat([self._blocks[k][0] for k in run], dim=2)
+        values = torch.cat([self._blocks[k][1] for k in run], dim=2)
+        return m, keys, values
+
+
+def _size(keys: torch.Tensor, values: torch.Tensor) -> int:
+    return keys.numel() * keys.element_size() + values.numel() * values.element_size()

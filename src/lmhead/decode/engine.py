@@ -26,7 +26,7 @@ from lmhead.decode.rounds import Round, apply_masks, settle_round, take_drafts
 from lmhead.kernels.native import greedy_rows, sample_row
 from lmhead.models.lean import LeanBody, StaticCache, gather_row
 
-__all__ = ["PREFILL_PIECE", "Decoder", "merge_caches"]
+__all__ = ["PREFILL_PIECE", "Decoder", "merge_caches", "prefix_layout"]
 
 PREFILL_PIECE = 512  # prompt columns per prefill forward (`Decoder.prefill_piece`)
 
@@ -61,6 +61,8 @@ class Decoder:
         self.profile = profile
         self._t = time.perf_counter()
         self._prefill: tuple | None = None  # prompt columns not yet fed: (ids, positions, valid, next column)
+        self._store: tuple | None = None  # (prefix cache, rows' prompt tokens, their columns, blocks stored)
+        self.prefilled = 0  # prompt positions fed (padding not counted): what the prefix cache did not give
         self._merged: tuple[StaticCache, int] | None = None  # `begin_join`'s merged cache and its first new row
 
     def _lap(self, phase: str) -> None:
@@ -72,25 +74,33 @@ class Decoder:
 
     @torch.inference_mode()
     def start(self, ids: Tensor, positions: Tensor, valid: Tensor | None, max_new_tokens: int,
-              prefix: tuple[int, Tensor, Tensor] | None = None) -> Tensor:
+              prefixes: list | None = None, store=None) -> Tensor:
         """ids, positions [B,W] (left-padded; valid [B,W] marks real tokens) → last [B] (the prompts' last
         tokens). The caches hold the prompt, the new tokens and one full draft. The prompt is prefilled in
         pieces of PREFILL_PIECE columns (`begin`, then `prefill_piece` until none is left)."""
-        last = self.begin(ids, positions, valid, max_new_tokens, prefix)
+        last = self.begin(ids, positions, valid, max_new_tokens, prefixes, store)
         while self.prefill_piece():
             pass
         return last
 
     def begin(self, ids: Tensor, positions: Tensor, valid: Tensor | None, max_new_tokens: int,
-              prefix: tuple[int, Tensor, Tensor] | None = None, *, cache: StaticCache | None = None,
+              prefixes: list | None = None, store=None, *, cache: StaticCache | None = None,
               offset: int = 0) -> Tensor:
         """`start` without its prefill: the caches made, the prompt columns (all but `last`) left to
-        `prefill_piece`. prefix (one row, no padding): (m, keys, values [layers, H_kv, ≥m, hd]) — the keys and
-        values of the prompt's first m tokens (`prefix_cache.PrefixCache.match`), copied in instead of fed.
-        cache: the target's cache, B rows of capacity ≥ offset + W + max_new_tokens + MAX_DRAFT_TOKENS + 2
-        (`begin_join`: rows of the merged cache), its prompt columns from column `offset` on (the ones before
-        it left empty); None: a new one, from column 0."""
-        b, w = ids.shape
+        `prefill_piece`. prefixes [B]: per row None or (m, keys, values [layers, H_kv, ≥m, hd]) — the keys and
+        values of the row's first m prompt tokens (`prefix_cache.PrefixCache.match`), copied in instead of fed
+        (the prompts laid out by `prefix_layout`: each row's copied columns first, its other tokens fed after
+        them). store: a `prefix_cache.PrefixCache` that receives each row's full blocks as the pieces compute
+        them. cache: the target's cache, B rows of capacity ≥ offset + W + max_new_tokens + MAX_DRAFT_TOKENS + 2
+        (W: the laid-out width; `begin_join`: rows of the merged cache), its prompt columns from column `offset`
+        on (the ones before it left empty); None: a new one, from column 0."""
+        b = ids.shape[0]
+        if prefixes is not None and len(prefixes) != b:
+            raise ValueError(f"prefixes: one per row ({b}), got {len(prefixes)}")
+        last = ids[:, -1].clone()
+        self.next_pos = positions[:, -1].clone()  # the position of `last`
+        ids, positions, valid, heads = prefix_layout(ids, positions, valid, prefixes)
+        w = ids.shape[1]
         self.capacity = offset + w + max_new_tokens + MAX_DRAFT_TOKENS + 2
         if cache is None:
             self.target = self.lean.new_cache(b, self.capacity)
@@ -102,23 +112,37 @@ class Decoder:
             cache.length = offset
         model_draft = self.draft is not None and not self.draft.point_mass  # a point-mass draft has no cache
         self.draft_cache = self.draft.new_cache(b, self.capacity) if model_draft else None
-        self.next_pos = positions[:, -1].clone()  # the position of `last`
         self.k = [AdaptiveK(self.k0, self.adaptive) for _ in range(b)] if self.draft is not None else []
-        self._prefill = (ids[:, :-1], positions[:, :-1], None if valid is None else valid[:, :-1], 0) \
-            if w > 1 else None
-        if prefix is not None and w > 1:
-            m = min(prefix[0], w - 1)  # `last` is always fed by the first round
-            if b != 1 or valid is not None:
-                raise ValueError("prefix: only for one row without padding")
-            cols = slice(offset, offset + m)
-            self.target.keys[:, 0, :, cols] = prefix[1][:, :, :m]
-            self.target.values[:, 0, :, cols] = prefix[2][:, :, :m]
-            self.target.valid[0, cols] = True
-            self.target.positions[0, cols] = positions[0, :m]
-            self.target.tokens[0, cols] = ids[0, :m]
-            self.target.length = offset + m
-            self._prefill = (ids[:, :-1], positions[:, :-1], None, m) if m < w - 1 else None
-        return ids[:, -1].clone()
+        at = max(heads, default=0)
+        real = torch.ones_like(ids, dtype=torch.bool) if valid is None else valid  # the prompt tokens' columns
+        if at:
+            self._copy_prefixes(ids, positions, valid, prefixes, heads, offset)
+            if bool(valid[:, at:].all()):
+                valid = None  # the fed part has no padding
+        self._prefill = (ids[:, :-1], positions[:, :-1], None if valid is None else valid[:, :-1], at) \
+            if at < w - 1 else None
+        self._store = None
+        if store is not None:  # each row's prompt tokens (but `last`), their columns, its blocks stored so far
+            where = [real[r, :-1].nonzero().squeeze(1) for r in range(b)]
+            self._store = (store, [ids[r, c].tolist() for r, c in enumerate(where)], [c + offset for c in where],
+                           [m // store.block for m in heads])
+        return last
+
+    def _copy_prefixes(self, ids: Tensor, positions: Tensor, valid: Tensor, prefixes: list, heads: list[int],
+                       offset: int) -> None:
+        """Copy each row's prefix (`begin`) into its first `heads[r]` columns (from `offset`); the columns up to
+        the fed part's start are marked as `valid` (laid out by `prefix_layout`) says; the target's length is
+        where the prefill starts."""
+        at, target = max(heads), self.target
+        cols = slice(offset, offset + at)
+        target.valid[:, cols] = valid[:, :at]
+        target.positions[:, cols] = positions[:, :at]
+        target.tokens[:, cols] = ids[:, :at]
+        for r, (m, found) in enumerate(zip(heads, prefixes, strict=True)):
+            if m:
+                target.keys[:, r, :, offset:offset + m] = found[1][:, :, :m]
+                target.values[:, r, :, offset:offset + m] = found[2][:, :, :m]
+        target.length = offset + at
 
     @property
     def prefilling(self) -> bool:
@@ -135,8 +159,24 @@ class Decoder:
         ids, positions, valid, at = self._prefill
         end = min(at + (size or PREFILL_PIECE), ids.shape[1])
         self.lean(ids[:, at:end], positions[:, at:end], self.target, None if valid is None else valid[:, at:end])
+        self.prefilled += ids.shape[0] * (end - at) if valid is None else int(valid[:, at:end].sum())
         self._prefill = None if end == ids.shape[1] else (ids, positions, valid, end)
+        self._keep_blocks(self.target.length)
         return self._prefill is not None
+
+    def _keep_blocks(self, end: int) -> None:
+        """Store each row's full blocks of prompt columns computed so far (before column `end`) in the prefix
+        cache (`begin`'s store): a block a later request needs is there as soon as a piece has computed it."""
+        if self._store is None:
+            return
+        store, prompts, cols, done = self._store
+        for r, (tokens, where) in enumerate(zip(prompts, cols, strict=True)):
+            n = int((where < end).sum()) // store.block  # full blocks computed (or copied in)
+            if n > done[r]:
+                new = where[done[r] * store.block:n * store.block]
+                store.put(tokens[:n * store.block], self.target.keys[:, r].index_select(2, new),
+                          self.target.values[:, r].index_select(2, new), skip=done[r])
+                done[r] = n
 
     def select(self, rows: Tensor) -> None:
         self.target.select(rows)
@@ -233,7 +273,7 @@ class Decoder:
         return last
 
     def begin_join(self, ids: Tensor, positions: Tensor, valid: Tensor | None,
-                   max_new_tokens: int, prefix: tuple[int, Tensor, Tensor] | None = None) -> tuple[Decoder, Tensor]:
+                   max_new_tokens: int, prefixes: list | None = None, store=None) -> tuple[Decoder, Tensor]:
         """`join` in steps (chunked prefill): a Decoder for the new rows, its prompt not yet fed (→ it and the
         rows' `last` [B']); `other.prefill_piece()` feeds it a piece at a time, between this decoder's rounds;
         `finish_join(other, ...)` feeds what is left and merges it.
@@ -245,14 +285,15 @@ class Decoder:
         `lean.cache_zeros`' untouched pages: they cost no time and no memory."""
         other = Decoder(self.lean, self.head, self.draft, self.k0, self.adaptive, self.stats, self.profile,
                         self.greedy_only)
-        live, (b_new, w) = self.target, ids.shape
+        live, b_new = self.target, ids.shape[0]
+        w = prefix_layout(ids, positions, valid, prefixes)[0].shape[1]  # the width `begin` lays the prompts out in
         held = int(live.valid[:, :live.length].sum(dim=1).max()) if live.batch else 0
         offset = max(0, held - (w - 1))
         # the running rows' new columns while the prompt is prefilled: a round adds 1 to MAX_DRAFT_TOKENS + 1, a
         # piece feeds at least a few prompt columns (more would still merge, by a copy of both: `finish_join`)
         slack = 2 * w + MAX_DRAFT_TOKENS + 2
         merged = self.lean.new_cache(live.batch + b_new, offset + w + slack + max_new_tokens + MAX_DRAFT_TOKENS + 2)
-        last = other.begin(ids, positions, valid, max_new_tokens, prefix,
+        last = other.begin(ids, positions, valid, max_new_tokens, prefixes, store,
                            cache=merged.view(live.batch, live.batch + b_new), offset=offset)
         other._merged = (merged, live.batch)
         return other, last
@@ -466,6 +507,36 @@ class Decoder:
         for r, nr in enumerate(n):
             if start + nr + 1 < cache.length:
                 cache.invalidate(r, start + nr + 1)
+
+
+def prefix_layout(ids: Tensor, positions: Tensor, valid: Tensor | None, prefixes: list | None
+                  ) -> tuple[Tensor, Tensor, Tensor | None, list[int]]:
+    """Left-padded prompts ids, positions [B,W] (valid [B,W] or None) and each row's prefix (None or (m, keys,
+    values): `Decoder.begin`) → the prompts laid out for a prefill from the first column no row has copied:
+    row r's first heads[r] tokens (its prefix, at most all but `last`) in columns 0..heads[r], then holes up to
+    A = max(heads), then its other tokens right-aligned after A (left-padded, as `left_pad` pads). → (ids,
+    positions, valid [B, A + W'] (W' the longest rest), heads). Masks use validity, order and positions only:
+    the holes are invisible to attention, so each row's columns are the ones it would have alone, and no row
+    feeds a column it copied. Unchanged (heads all 0) where no row has a prefix."""
+    b, w = ids.shape
+    lens = [w] * b if valid is None else valid.sum(dim=1).tolist()
+    heads = [0 if prefixes is None or found is None else min(found[0], n - 1) for n, found in
+             zip(lens, prefixes or [None] * b, strict=True)]
+    at = max(heads, default=0)
+    if at == 0:
+        return ids, positions, valid, heads
+    rest = max(n - m for n, m in zip(lens, heads, strict=True))
+    width = at + rest
+    out_ids = ids.new_zeros((b, width))
+    out_pos = positions.new_zeros((b, width))
+    out_valid = torch.zeros((b, width), dtype=torch.bool, device=ids.device)
+    for r, (n, m) in enumerate(zip(lens, heads, strict=True)):
+        first = w - n  # the row's left padding
+        out_ids[r, :m], out_pos[r, :m] = ids[r, first:first + m], positions[r, first:first + m]
+        out_ids[r, width - (n - m):], out_pos[r, width - (n - m):] = ids[r, first + m:], positions[r, first + m:]
+        out_valid[r, :m] = True
+        out_valid[r, width - (n - m):] = True
+    return out_ids, out_pos, out_valid, heads
 
 
 def merge_caches(caches: list[StaticCache], room: int) -> StaticCache:
