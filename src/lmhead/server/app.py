@@ -7,7 +7,8 @@ Routes
     GET  /                       the page (static/index.html, app.js, style.css — served locally, no CDN)
     /api/*                       the page's own API: model, params, predict, step, generate, layers, score (api.py)
                                  and its pictures and model list (charts.py; ?model=NAME: registry.py)
-    /v1/*                        OpenAI-compatible: models, completions, chat/completions (v1.py)
+    /v1/*                        OpenAI-compatible: models, completions, chat/completions (v1.py); embeddings,
+                                 rerank, classify, score (pooling.py: the body alone and the heads on it)
     /tokenize, /detokenize, /tokenizer_info   vLLM's tokenizer routes (tokens.py)
     /health, /metrics            200 / 503 for a load balancer (health.py); Prometheus' text format (metrics.py)
 
@@ -40,7 +41,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from lmhead.models.start_tokenizer import transformers_tokenizer
-from lmhead.server import api, charts, health, metrics, tokens, v1
+from lmhead.server import api, charts, health, metrics, pooling, tokens, v1
 from lmhead.server.docs import add_docs
 from lmhead.server.errors import APIError, add_error_handlers
 from lmhead.server.guard import BODY_TIMEOUT, Limits, RequestGuard
@@ -55,13 +56,15 @@ STATIC = Path(__file__).parent / "static"
 
 
 def create_app(model: Any, *, allowed_hosts: Iterable[str] = (), max_body_bytes: int | None = None,
-               body_timeout: float = BODY_TIMEOUT, serve: ServeLimits | None = None) -> FastAPI:
+               body_timeout: float = BODY_TIMEOUT, serve: ServeLimits | None = None,
+               classifier: Any = None) -> FastAPI:
     """A FastAPI app serving `model` (an `lmhead.models.Model`): the explainer page and the JSON API.
 
     Every request passes guard.RequestGuard first: a Host of this server (loopback names, `allowed_hosts`, "*"
     for any), a body of at most `max_body_bytes` (default `serve.body_bytes`: 1 MiB, more for a long context)
     that arrives within `body_timeout` seconds, strict JSON. serve: what a request may use
-    (`limits.serve_limits(model)` by default: the model's whole context).
+    (`limits.serve_limits(model)` by default: the model's whole context). classifier: the
+    `heads.ClassificationHead` /v1/classify answers with (default: the model file's own, if any).
     """
     serve = serve if serve is not None else serve_limits(model)
     transformers_tokenizer(getattr(model, "tokenizer", None))  # built now, not in the first chat request
@@ -80,6 +83,7 @@ def create_app(model: Any, *, allowed_hosts: Iterable[str] = (), max_body_bytes:
     app.state.model = model
     app.state.served = Served(model, runner, getattr(model, "name", "model"), serve)
     app.state.limits = serve
+    app.state.classifier = classifier
     app.state.registry = ModelRegistry(app.state.served)  # ?model=NAME: the page's model selector
     add_error_handlers(app)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
@@ -88,6 +92,7 @@ def create_app(model: Any, *, allowed_hosts: Iterable[str] = (), max_body_bytes:
     app.include_router(api.router)
     app.include_router(charts.router)
     app.include_router(v1.router)
+    app.include_router(pooling.router)
     app.include_router(tokens.router)
     app.include_router(health.router)
     app.include_router(metrics.router)
