@@ -69,12 +69,9 @@ class Model(LoadedModel):
     def classify(self, texts: Sequence[str], head):
         """Class probabilities [B,K] of `texts` under a `ClassificationHead` (or a path to a saved one), the
         features pooled as the head was trained."""
-        from lmhead.heads.classifier import ClassificationHead, features
+        from lmhead.heads.classifier import classify
 
-        if not isinstance(head, ClassificationHead):
-            head = ClassificationHead.load(head)
-        head.check_model(self)
-        return head.predict(features(self, texts, pooling=head.pooling, template=head.template))
+        return classify(self, texts, head)
 
 
 def load_model(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, verify: bool = False, progress: bool = True,

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from lmhead.heads.pooling import POOLINGS, check_pooling, embed
 
-__all__ = ["DEFAULT_TEMPLATE", "ClassificationHead", "features", "from_file", "head_rows", "label_token",
+__all__ = ["DEFAULT_TEMPLATE", "ClassificationHead", "classify", "features", "from_file", "head_rows", "label_token",
            "verbaliser"]
 
 # what a classification prompt looks like when the caller gives none: the label word is the next token
@@ -128,6 +128,16 @@ def features(model: Any, texts: Sequence[str], pooling: str = "last", template: 
         if not isinstance(t, str) or not t:
             raise ValueError(f"texts[{i}] must be a non-empty string")
     return embed(model, [template.format(text=t) for t in texts], pooling=pooling, normalize=False)
+
+
+def classify(model: Any, texts: Sequence[str], head: ClassificationHead | str | os.PathLike[str]) -> Tensor:
+    """Class probabilities [B,K] of `texts` under `head` (a ClassificationHead or the path of a saved one),
+    the features made as the head was trained (its template and pooling); ValueError where its width is not the
+    model's."""
+    if not isinstance(head, ClassificationHead):
+        head = ClassificationHead.load(head)
+    head.check_model(model)
+    return head.predict(features(model, texts, pooling=head.pooling, template=head.template))
 
 
 def label_token(model: Any, label: str) -> int:

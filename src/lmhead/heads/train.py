@@ -19,6 +19,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from lmhead.heads.classifier import DEFAULT_TEMPLATE, ClassificationHead, featur
 from lmhead.loss import linear_cross_entropy
 from lmhead.models import cache
 
-__all__ = ["TrainReport", "cached_features", "head_loss", "split", "train_head"]
+__all__ = ["TrainReport", "baselines", "cached_features", "head_loss", "read_labelled", "split", "train_head"]
 
 
 @dataclass
@@ -195,3 +196,56 @@ def _bar(total: int, progress: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="training the head", unit="step", leave=False)
+
+
+def read_labelled(path: str | Path) -> tuple[list[str], list[str]]:
+    """(texts, labels) of a JSONL file, one {"text": ..., "label": ...} a line (blank lines skipped); ValueError
+    naming the file and line where a line is not JSON, or lacks a non-empty text or a label."""
+    texts, labels = [], []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text (a JSONL file of {{\"text\", \"label\"}} lines)") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} line {n}: not JSON ({exc.msg}); each line must be "
+                             f"{{\"text\": ..., \"label\": ...}}") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path} line {n}: a JSON object {{\"text\": ..., \"label\": ...}} is needed")
+        if not isinstance(row.get("text"), str) or not row["text"]:
+            raise ValueError(f"{path} line {n}: \"text\" is missing or not a non-empty string")
+        if row.get("label") is None or isinstance(row["label"], (dict, list)):
+            raise ValueError(f"{path} line {n}: \"label\" is missing (a string or a number)")
+        texts.append(row["text"])
+        labels.append(str(row["label"]))
+    if len(set(labels)) < 2:
+        raise ValueError(f"{path}: {len(texts)} labelled lines of {len(set(labels))} class(es); at least 2 "
+                         "classes are needed")
+    return texts, labels
+
+
+def baselines(model: Any, head: ClassificationHead, x: Tensor, labels: Sequence[Any], val_fraction: float = 0.2,
+              seed: int = 0, words: Sequence[str] | None = None) -> dict[str, float | None]:
+    """Held-out accuracies on the split `train_head` made (same `val_fraction`, `seed`): the trained head's,
+    the zero-shot verbaliser's (the LM head's rows of the label words), and scikit-learn's LogisticRegression
+    fitted on the same training features (None where scikit-learn is not installed)."""
+    names, y = _check_labels([""] * len(labels), labels, head.labels)
+    tr, va = split(len(y), val_fraction, seed)
+    idx = va if len(va) else tr
+    zero = verbaliser(model, names, words=words, pooling=head.pooling, template=head.template)
+    out: dict[str, float | None] = {
+        "head": _accuracy(head.weight.detach(), None if head.bias is None else head.bias.detach(), x[idx], y[idx]),
+        "zero_shot": _accuracy(zero.weight.detach(), None if zero.bias is None else zero.bias.detach(), x[idx],
+                               y[idx]),
+        "logistic_regression": None}
+    try:
+        from sklearn.linear_model import LogisticRegression
+    except ImportError:
+        return out
+    fit = LogisticRegression(max_iter=2000).fit(x[tr].numpy(), y[tr].numpy())
+    out["logistic_regression"] = float(fit.score(x[idx].numpy(), y[idx].numpy()))
+    return out
