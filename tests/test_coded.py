@@ -11,6 +11,7 @@ from tiny import tiny_model
 
 from lmhead.models.coded_linear import CodedLinear, coded_available
 from lmhead.models.gguf_codes import Codes, fuse_codes, module_codes
+from lmhead.models.quant_types import LEVELS
 
 pytestmark = pytest.mark.skipif(not coded_available(), reason="no C compiler: the coded kernel is not built")
 
@@ -358,24 +359,23 @@ def test_signed_4bit_codes_in_groups_of_16_are_packed_two_per_byte_and_give_the_
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 9])
 @pytest.mark.parametrize("n, k", [(45, 128), (48, 128), (48, 192)])
-def test_iq4_levels_are_packed_as_their_indices_and_give_the_same_product(rows, n, k):
-    from lmhead.models.gguf_codes import IQ4_VALUES
-
+@pytest.mark.parametrize("table", sorted(LEVELS))
+def test_level_tables_are_packed_as_their_indices_and_give_the_same_product(rows, n, k, table):
     g = torch.Generator().manual_seed(rows)
-    codes = torch.from_numpy(IQ4_VALUES)[torch.randint(0, 16, (n, k), generator=g)]
+    codes = torch.from_numpy(LEVELS[table])[torch.randint(0, 16, (n, k), generator=g)]
     scale = _codes(n, k, 32, False, seed=rows).scale * torch.where(torch.arange(n)[:, None] % 2 == 0, -1.0, 1.0)
-    lin = CodedLinear(codes, scale, four_bit="iq4")
-    assert lin.four_bit == "iq4" and lin.codes.numel() == codes.numel() // 2
+    lin = CodedLinear(codes, scale, four_bit=table)
+    assert lin.four_bit == table and lin.codes.numel() == codes.numel() // 2
     assert CodedLinear(codes, scale).four_bit is None  # "auto" reads ranges only: levels stay one byte per code
-    want = Codes(codes, scale, None, "IQ4_NL").dequantize()
+    want = Codes(codes, scale, None, table).dequantize()
     assert torch.equal(lin.dequantize().view(torch.int32), want.view(torch.int32))
     assert torch.equal(lin.rows(torch.arange(n)).view(torch.int32), want.view(torch.int32))
     x = torch.randn(rows, k, generator=g)
     w = coded_weight(codes, scale)
     bound = 2e-6 * (x.double().abs() @ w.abs().T) + 1e-7
     assert bool(((lin(x).double() - x.double() @ w.T).abs() <= bound).all())
-    with pytest.raises(ValueError, match="not IQ4_NL levels"):
-        CodedLinear(codes.clone().fill_(2), scale, four_bit="iq4")
+    with pytest.raises(ValueError, match="not its levels"):
+        CodedLinear(codes.clone().fill_(5), scale, four_bit=table)  # 5 is a level of no table
     with pytest.raises(ValueError, match="four_bit must be"):
         CodedLinear(codes, scale, four_bit="nibbles")
 

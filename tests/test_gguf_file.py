@@ -15,17 +15,17 @@ from gguf.quants import dequantize
 from lmhead.models.coded_linear import CodedLinear, coded_available
 from lmhead.models.gguf_codes import FOUR_BIT, SUB_TYPES, block_scales, block_subscales, coded_nbytes
 from lmhead.models.gguf_file import CODE_TYPES, block_codes
-
-_F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
-               "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108], "IQ4_NL": [0], "IQ4_XS": [0]}
+from lmhead.models.quant_types import TYPES
 
 
 def _random_blocks(kind: str, n: int, seed: int) -> np.ndarray:
-    """Random bytes for every field, with finite float16 scales (a NaN scale is no weight anyone stores)."""
+    """Random bytes for every field, with finite float16 scales (a NaN scale is no weight anyone stores; the
+    declaration's `f16_at`)."""
     rng = np.random.default_rng(seed)
     _, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    assert size == TYPES[kind].nbytes
     blocks = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
-    for at in _F16_FIELDS[kind]:
+    for at in TYPES[kind].f16_at:
         blocks[:, at:at + 2] = rng.uniform(-2, 2, n).astype(np.float16).view(np.uint8).reshape(n, 2)
     return blocks
 

@@ -76,6 +76,23 @@ def test_an_argument_struct_of_another_size_than_its_mirror_turns_the_kernels_of
     assert len(lines) == 1 and "lmhead_step_args is" in lines[0] and "running without them" in lines[0], lines
 
 
+_OTHER_LEVELS = """
+from lmhead.kernels import native
+native.LEVELS[native.IQ4] = native.LEVELS[native.IQ4][::-1]  # a mirror that disagrees with quant_types.h
+print("loaded" if native.library() is not None else "none")
+"""
+
+
+@pytest.mark.skipif(builder.compiler() is None or native.library() is None, reason="no C compiler")
+def test_a_level_table_or_flag_other_than_the_headers_turns_the_kernels_off_with_one_line():
+    # codes packed as indices of one table and multiplied as another's would be other numbers: refused at load
+    run = subprocess.run([sys.executable, "-c", _OTHER_LEVELS], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip() == "none", run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.startswith("lmhead:")]
+    assert len(lines) == 1 and f"level table of flag {native.IQ4}" in lines[0], lines
+    assert native._facts_mismatch(native.library()) is None  # the mirror as it is matches
+
+
 _ABANDON = """
 import sys, time
 from lmhead.kernels import builder

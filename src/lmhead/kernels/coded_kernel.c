@@ -45,6 +45,8 @@
 #include <immintrin.h>
 #endif
 
+#include "quant_types.h"
+
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 2 /* blocks of four rows: see the decode product below */
 #endif
@@ -54,22 +56,17 @@
 /* a product's body written once with its row count as a parameter, inlined where each caller passes a constant:
  * the copy's loops over rows unroll and its accumulators stay in registers */
 #define KERNEL_INLINE static inline __attribute__((always_inline))
-#define LMHEAD_PACKED 1
-#define LMHEAD_HALF 2
-#define LMHEAD_ROWS4 4
-#define LMHEAD_F16 8  /* codes: the file's float16 weights [N, K] (no scales): see dense_matmul */
-#define LMHEAD_BF16 16 /* codes: bfloat16 weights [N, K] */
-#define LMHEAD_SIGNED4 32 /* with PACKED: the nibbles are signed 4-bit codes themselves (Q4_0), no offsets */
-#define LMHEAD_IQ4 64     /* with PACKED: the nibbles index IQ4_NL's sixteen levels (IQ4_NL, IQ4_XS), no offsets */
-#define LMHEAD_SUB 128    /* scales (and offsets) as a K-quant file holds them: see sub_floats */
-#define LMHEAD_F32 256    /* codes: the file's float32 weights [N, K] (no scales): see dense32_matmul */
 #define HALF_MAX_GROUPS 1024 /* float16 scales: a row's groups converted on the stack */
 
 /* the sixteen numbers a packed nibble n stands for, in nibble order: n as a signed 4-bit number (code − 8 of
- * unsigned codes, the code of signed ones), and IQ4_NL's levels (LMHEAD_IQ4: n = level index ^ 8) */
+ * unsigned codes, the code of signed ones), and each level table's levels (quant_types.h: n = level index ^ 8),
+ * as floats and as bytes. `packed` names a layout: 1 unsigned codes, 2 signed ones, 3 + t table t */
 static const float SIGNED_NIBBLES[16] = {0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1};
-static const float IQ4_NIBBLES[16] = {1, 13, 25, 38, 53, 69, 89, 113, -127, -104, -83, -65, -49, -35, -22, -10};
-static const int8_t IQ4_NIBBLE_BYTES[16] = {1, 13, 25, 38, 53, 69, 89, 113, -127, -104, -83, -65, -49, -35, -22, -10};
+#define NIBBLE_ROW_(flag, ...) {LMHEAD_NIBBLE_ORDER(__VA_ARGS__)},
+static const float NIBBLE_LEVELS[LMHEAD_N_TABLES][16] = {LMHEAD_LEVEL_TABLES(NIBBLE_ROW_)};
+static const int8_t NIBBLE_LEVEL_BYTES[LMHEAD_N_TABLES][16] = {LMHEAD_LEVEL_TABLES(NIBBLE_ROW_)};
+#undef NIBBLE_ROW_
+#define TABLE_OF(packed) ((packed) >= 3 ? (packed) - 3 : 0)
 
 /* float16 bits → float32 (exact: every float16 is a float32) */
 static inline float half_to_float(uint16_t h) {
@@ -152,15 +149,28 @@ static inline void fetch_scales(const void* base, int64_t N, int64_t K, int64_t 
 #endif
 }
 
-int lmhead_coded_abi(void) { return 23; }
+int lmhead_coded_abi(void) { return 24; }
+
+/* the flags and level tables this library was built with, for kernels/native.py's check against its mirror */
+int lmhead_flag_values(int64_t* out, int cap) {
+    static const int64_t values[LMHEAD_N_FLAGS] = {LMHEAD_FLAG_VALUES};
+    for (int i = 0; i < LMHEAD_N_FLAGS && i < cap; i++) out[i] = values[i];
+    return LMHEAD_N_FLAGS;
+}
+int lmhead_level_table(int flag, int8_t* out) {
+    const int t = lmhead_table_of(flag);
+    if (t < 0 || (flag & (flag - 1))) return -1;
+    for (int i = 0; i < 16; i++) out[i] = NIBBLE_LEVEL_BYTES[t][i ^ 8];
+    return 0;
+}
 
 /* half_to_float for the other source file (decode_kernels.c's embedding rows) */
 float lmhead_half(uint16_t h) { return half_to_float(h); }
 
-/* the code a packed nibble stands for, as stored (`packed` 1: unsigned codes, 2: signed, 3: IQ4 levels) — for the
+/* the code a packed nibble stands for, as stored (`packed` 1: unsigned codes, 2: signed, 3 + t: table t) — for the
  * scalar paths here and decode_kernels.c's embedding rows */
 float lmhead_nibble_code(int nib, int packed) {
-    return packed == 3 ? IQ4_NIBBLES[nib] : packed == 2 ? SIGNED_NIBBLES[nib] : (float)(nib ^ 8);
+    return packed >= 3 ? NIBBLE_LEVELS[packed - 3][nib] : packed == 2 ? SIGNED_NIBBLES[nib] : (float)(nib ^ 8);
 }
 
 #ifdef __AVX2__
@@ -179,7 +189,7 @@ static inline float hsum8(__m256 v) {
 #define NIBC(v, i) _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32((v), 28 - 4 * (i)), 28))
 #define NIB(v, i) _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32((v), 4 * (i)), _mm256_set1_epi32(15)))
 #define FLIP(v) _mm256_xor_si256((v), _mm256_set1_epi32((int)0x88888888u))
-/* IQ4 levels of nibbles 8·i .. 8·i+7 of v as stored (lo, hi: IQ4_NIBBLES' two halves as floats; tb: the same
+/* a table's levels of nibbles 8·i .. 8·i+7 of v as stored (lo, hi: its NIBBLE_LEVELS' two halves; tb: the same
  * sixteen as bytes in both 128-bit halves): one two-table permute (AVX-512VL); or, with AVX2 alone, a byte
  * shuffle of the unit's low or high nibbles through tb — nibble i of a lane is the low (i even) or high half of
  * its byte i/2, so one shuffle gives the levels of four nibbles of every lane, shared by their four calls — and
@@ -196,19 +206,19 @@ static inline __m256 tab8_bytes(__m256i v, int i, __m256i tb) {
 }
 #define TAB8(v, i, lo, hi) tab8_bytes((v), (i), tb)
 #endif
-/* `packed` is 1 for unsigned codes, 2 for signed ones (LMHEAD_SIGNED4), 3 for IQ4 levels (LMHEAD_IQ4; the
+/* `packed` is 1 for unsigned codes, 2 for signed ones (LMHEAD_SIGNED4), 3 + t for level table t (the
  * functions that read them hold the table as tlo, thi). CODEC: codes 8·i .. 8·i+7 of a unit as stored, as the
  * one-row products use them (unsigned: code − 8). UNIT4: a packed unit at p made ready for CODES8, which gives
  * the codes themselves: XORed back and masked (unsigned), as CODEC (signed, IQ4) */
-#define CODEC(v, i, packed) ((packed) == 3 ? TAB8(v, i, tlo, thi) : NIBC(v, i))
+#define CODEC(v, i, packed) ((packed) >= 3 ? TAB8(v, i, tlo, thi) : NIBC(v, i))
 #define UNIT4(p, packed) \
     ((packed) >= 2 ? _mm256_loadu_si256((const __m256i*)(p)) : FLIP(_mm256_loadu_si256((const __m256i*)(p))))
 #define CODES8(v, i, packed) ((packed) == 1 ? NIB(v, i) : CODEC(v, i, packed))
-#define IQ4_TABLE                                                                                        \
-    const __m256 tlo __attribute__((unused)) = _mm256_loadu_ps(IQ4_NIBBLES);                             \
-    const __m256 thi __attribute__((unused)) = _mm256_loadu_ps(IQ4_NIBBLES + 8);                         \
+#define LEVEL_TABLE(packed)                                                                              \
+    const __m256 tlo __attribute__((unused)) = _mm256_loadu_ps(NIBBLE_LEVELS[TABLE_OF(packed)]);         \
+    const __m256 thi __attribute__((unused)) = _mm256_loadu_ps(NIBBLE_LEVELS[TABLE_OF(packed)] + 8);     \
     const __m256i tb __attribute__((unused)) =                                                           \
-        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)IQ4_NIBBLE_BYTES))
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)NIBBLE_LEVEL_BYTES[TABLE_OF(packed)]))
 /* eight int8 codes from memory as floats */
 #define BYTES8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p))))
 #endif
@@ -254,7 +264,7 @@ static inline __m256 centred_offsets(const float* s, const float* o, const float
 static inline float row_dot1(const float* x, const int8_t* c, int64_t us, const float* s, const float* o,
                              const float* xs, int64_t ng, int64_t G, int packed) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    IQ4_TABLE;
+    LEVEL_TABLE(packed);
     if (packed && G == 16) { /* four groups to a unit: codes 16j .. 16j + 15 of it (nibbles 2j, 2j + 1) group j */
         for (int64_t u = 0; u < ng / 4; u++) {
             const __m256i v = _mm256_loadu_si256((const __m256i*)(c + u * us));
@@ -449,7 +459,7 @@ static inline void rows4_offsets_512(const float* x, const int8_t* c, const floa
 /* packed 4-bit codes (Q4_1, Q4_K; Q4_0; IQ4_NL, IQ4_XS) in 512-bit lanes: units 2q and 2q + 1 of a row (64 codes
  * each, 32 bytes, 128 apart in the block) side by side in one register, so that one shift and one permute from the
  * sixteen values a nibble stands for (`values`: SIGNED_NIBBLES — code − 8 of unsigned codes, the code of signed
- * ones — or IQ4_NIBBLES) give sixteen codes — eight of each unit — for one multiply (the permute reads a lane's
+ * ones — or a level table's NIBBLE_LEVELS) give sixteen codes — eight of each unit — for one multiply (the permute reads a lane's
  * low four bits: no mask; NIBC's shift pair and conversion took one more operation). xp: the query row laid out
  * to match (xp_layout), once per product;
  * the lanes' two halves belong to two groups, so the scale vector carries both (s of groups 4q and 4q + 2 for
@@ -463,7 +473,7 @@ static inline int64_t rows4_packed_512(const float* xp, const int8_t* c, const f
                                        int packed, __m256* acc) {
     const __m512i lo = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m512i hi = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
-    const __m512 values = _mm512_loadu_ps(packed == 3 ? IQ4_NIBBLES : SIGNED_NIBBLES);
+    const __m512 values = _mm512_loadu_ps(packed >= 3 ? NIBBLE_LEVELS[packed - 3] : SIGNED_NIBBLES);
     __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     const int64_t units = ng / 2, pairs = units / 2;
     for (int64_t q = 0; q < pairs; q++) {
@@ -507,9 +517,11 @@ static void xp_layout(const float* x, int64_t K, float* xp) {
  * shared loop held x and the table, tested `packed` in the loop and spilled the rows' sums to the stack: IQ4
  * 1.18x, Q4_0 and Q4_1 1.03-1.06x a thread). G = 32: unit u holds groups 2u, 2u + 1 (four nibbles each); G = 16
  * (g16): groups 4u .. 4u + 3 (two each). */
-KERNEL_INLINE void rows4_packed_n(const int packed, const int g16, const float* x, const int8_t* c, const float* s,
-                                  int64_t ng, int64_t g0, const char* pf, __m256* acc) {
-    IQ4_TABLE;
+KERNEL_INLINE void rows4_packed_n(const int kind, const int g16, const int table, const float* x, const int8_t* c,
+                                  const float* s, int64_t ng, int64_t g0, const char* pf, __m256* acc) {
+    /* kind: 1 unsigned, 2 signed, 3 a level table (`table`: the layout's `packed`, 3 + t) */
+    const int packed = kind;
+    LEVEL_TABLE(table);
     const int64_t gpu = g16 ? 4 : 2;
     for (int64_t u = g0 / gpu; u < ng / gpu; u++) {
         fetch_unit(pf, u);
@@ -543,13 +555,13 @@ static inline void rows4_dot1(const float* x, const float* xp, const int8_t* c, 
 #else
         (void)xp;
 #endif
-        switch (2 * packed + g16) {
-            case 2: rows4_packed_n(1, 0, x, c, s, ng, g0, pf, acc); break;
-            case 3: rows4_packed_n(1, 1, x, c, s, ng, g0, pf, acc); break;
-            case 4: rows4_packed_n(2, 0, x, c, s, ng, g0, pf, acc); break;
-            case 5: rows4_packed_n(2, 1, x, c, s, ng, g0, pf, acc); break;
-            case 6: rows4_packed_n(3, 0, x, c, s, ng, g0, pf, acc); break;
-            default: rows4_packed_n(3, 1, x, c, s, ng, g0, pf, acc); break;
+        switch (2 * (packed >= 3 ? 3 : packed) + g16) {
+            case 2: rows4_packed_n(1, 0, packed, x, c, s, ng, g0, pf, acc); break;
+            case 3: rows4_packed_n(1, 1, packed, x, c, s, ng, g0, pf, acc); break;
+            case 4: rows4_packed_n(2, 0, packed, x, c, s, ng, g0, pf, acc); break;
+            case 5: rows4_packed_n(2, 1, packed, x, c, s, ng, g0, pf, acc); break;
+            case 6: rows4_packed_n(3, 0, packed, x, c, s, ng, g0, pf, acc); break;
+            default: rows4_packed_n(3, 1, packed, x, c, s, ng, g0, pf, acc); break;
         }
 #ifdef __AVX512F__
     } else if (o) {
@@ -620,7 +632,7 @@ KERNEL_INLINE void rows_n(const int R, const float* x, int64_t K, const int8_t* 
     const __m256 zero = _mm256_setzero_ps();
     for (int m = 0; m < R; m++) a[m] = zero;
     for (int m = 0; m < R && m < 4; m++) b[m] = zero;
-    IQ4_TABLE;
+    LEVEL_TABLE(packed);
     if (packed) { /* unit u: groups u·gpu .. u·gpu + gpu − 1 (two of 32, or four of 16), eight codes per nibble i */
         const int64_t gpu = 64 / G;
         for (int64_t u = 0; u < K / 64; u++) {
@@ -667,11 +679,11 @@ KERNEL_INLINE void rows_n(const int R, const float* x, int64_t K, const int8_t* 
  * over the interleaved layout, the products of 2–8 rows ran 1.3–1.5× slower than over plain rows.
  * out [Q, 4] (stride 4). */
 KERNEL_INLINE void block4_rows_n(const int Q, const float* x, int64_t K, const int8_t* c, const float* s,
-                                  const float* o, int64_t ng, int packed, const char* pf, float* out) {
+                                  const float* o, int64_t ng, int packed, int table, const char* pf, float* out) {
     __m256 acc[4][3];
     for (int r = 0; r < 4; r++)
         for (int m = 0; m < Q; m++) acc[r][m] = _mm256_setzero_ps();
-    IQ4_TABLE;
+    LEVEL_TABLE(table);
     if (packed && ng * 16 == K) { /* Q3_K, Q2_K: unit u holds groups 4u .. 4u + 3, two nibbles each */
         for (int64_t u = 0; u < K / 64; u++) {
             fetch_unit(pf, u);
@@ -734,8 +746,8 @@ KERNEL_INLINE void block4_rows_n(const int Q, const float* x, int64_t K, const i
  * against ≤ 3-row passes of block4_rows (each rebuilding every weight again): 8 rows 1.2–1.3× faster on
  * Gemma's head and on both models' MLP matrices. */
 KERNEL_INLINE void block4_each_n(const int Q, const float* x, int64_t K, const int8_t* c, const float* s,
-                                  const float* o, int64_t ng, int packed, const char* pf, float* out) {
-    IQ4_TABLE;
+                                  const float* o, int64_t ng, int packed, int table, const char* pf, float* out) {
+    LEVEL_TABLE(table);
     for (int r = 0; r < 4; r++) {
         __m256 acc[MB];
         for (int m = 0; m < Q; m++) acc[m] = _mm256_setzero_ps();
@@ -801,20 +813,20 @@ KERNEL_INLINE void block_pass_n(const int Q, const float* x, int64_t K, const in
                                 const float* o, int64_t ng, int packed, const char* pf, float* out) {
     switch (packed) {
         case 0:
-            if (Q <= 3) block4_rows_n(Q, x, K, c, s, o, ng, 0, pf, out);
-            else block4_each_n(Q, x, K, c, s, o, ng, 0, pf, out);
+            if (Q <= 3) block4_rows_n(Q, x, K, c, s, o, ng, 0, 0, pf, out);
+            else block4_each_n(Q, x, K, c, s, o, ng, 0, 0, pf, out);
             break;
         case 1:
-            if (Q <= 3) block4_rows_n(Q, x, K, c, s, o, ng, 1, pf, out);
-            else block4_each_n(Q, x, K, c, s, o, ng, 1, pf, out);
+            if (Q <= 3) block4_rows_n(Q, x, K, c, s, o, ng, 1, 1, pf, out);
+            else block4_each_n(Q, x, K, c, s, o, ng, 1, 1, pf, out);
             break;
         case 2:
-            if (Q <= 3) block4_rows_n(Q, x, K, c, s, o, ng, 2, pf, out);
-            else block4_each_n(Q, x, K, c, s, o, ng, 2, pf, out);
+            if (Q <= 3) block4_rows_n(Q, x, K, c, s, o, ng, 2, 2, pf, out);
+            else block4_each_n(Q, x, K, c, s, o, ng, 2, 2, pf, out);
             break;
         default:
-            if (Q <= 3) block4_rows_n(Q, x, K, c, s, o, ng, 3, pf, out);
-            else block4_each_n(Q, x, K, c, s, o, ng, 3, pf, out);
+            if (Q <= 3) block4_rows_n(Q, x, K, c, s, o, ng, 3, packed, pf, out); /* a level table: packed's */
+            else block4_each_n(Q, x, K, c, s, o, ng, 3, packed, pf, out);
             break;
     }
 }
@@ -1127,11 +1139,12 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
             return -1;
         return dense_matmul(x, M, K, (const uint16_t*)codes, N, (flags & LMHEAD_BF16) != 0, y, threads);
     }
-    const int packed = !(flags & LMHEAD_PACKED) ? 0 : (flags & LMHEAD_IQ4) ? 3 : (flags & LMHEAD_SIGNED4) ? 2 : 1;
+    const int table = lmhead_table_of(flags);
+    const int packed = !(flags & LMHEAD_PACKED) ? 0 : table >= 0 ? 3 + table : (flags & LMHEAD_SIGNED4) ? 2 : 1;
     const int half = (flags & LMHEAD_HALF) != 0, rows4 = (flags & LMHEAD_ROWS4) != 0;
-    const int levels = flags & (LMHEAD_SIGNED4 | LMHEAD_IQ4);
-    if (levels && (!packed || (offset && levels != LMHEAD_SIGNED4) || levels == (LMHEAD_SIGNED4 | LMHEAD_IQ4)))
-        return -1;
+    /* the nibbles' meaning: at most one of SIGNED4 and the tables, only with PACKED; a table without offsets */
+    const int levels = flags & (LMHEAD_SIGNED4 | LMHEAD_TABLE_FLAGS);
+    if (levels && (!packed || (offset && levels != LMHEAD_SIGNED4) || (levels & (levels - 1)))) return -1;
     if (G <= 0 || G % 16 != 0 || K % G != 0 || M < 0 || N < 0 || (packed && ((G != 32 && G != 16) || K % 64 != 0)) ||
         (rows4 && (N % 4 != 0 || K % 32 != 0 || !(G == 32 || G == 16))))
         return -1;

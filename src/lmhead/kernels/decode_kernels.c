@@ -10,16 +10,17 @@
 
 #include "body_kernels.h"
 #include "decode_kernels.h"
+#include "quant_types.h"
 
 /* Row `n` of a coded matrix as float32: w[k] = code·scale + offset of its group, the same two float32 operations
  * (never fused into one: the function is built without contraction) as CodedLinear.dequantize, so the row is the
  * model's weight bit for bit. Reads every layout of coded_kernel.c: int8 or packed 4-bit codes (PACKED: each 64
  * codes 32 bytes, byte 4·l + b holding codes 16·b + l (low nibble) and 16·b + 8 + l (high), XOR 8, or as signed
- * nibbles: SIGNED4, or IQ4_NL level indices: IQ4), rows stored
+ * nibbles: SIGNED4, or a level table's indices: quant_types.h), rows stored
  * in blocks of four (ROWS4: the block's rows 32 bytes each, unit by unit), float32, float16 (HALF) or K-quant
  * (SUB: d·sub) scales; or
- * a row of the file's own float16, bfloat16 or float32 weights (F16, BF16, F32: flags 8, 16, 256). */
-/* group g of row n's scale (or offset) held as a K-quant's d [N, K/256] and int8 sub [N, ng] (SUB: flags 128,
+ * a row of the file's own float16, bfloat16 or float32 weights (F16, BF16, F32). */
+/* group g of row n's scale (or offset) held as a K-quant's d [N, K/256] and int8 sub [N, ng] (SUB,
  * coded_kernel.c's sub_floats): d·sub, the same float32 product */
 static float sub_value(const void* buf, int64_t N, int64_t K, int64_t ng, int64_t n, int64_t g) {
     const int64_t nsup = K / 256;
@@ -29,31 +30,31 @@ static float sub_value(const void* buf, int64_t N, int64_t K, int64_t ng, int64_
 
 __attribute__((optimize("fp-contract=off")))
 static void coded_row(const lmhead_mat* m, int64_t n, float* out) {
-    if (m->flags & 256) { /* LMHEAD_F32: the row's float32 weights as they are */
+    if (m->flags & LMHEAD_F32) { /* the row's float32 weights as they are */
         const float* w = (const float*)m->codes + n * m->k;
         for (int64_t k = 0; k < m->k; k++) out[k] = w[k];
         return;
     }
-    if (m->flags & (8 | 16)) { /* LMHEAD_F16 / LMHEAD_BF16: the row's 16-bit weights, converted exactly */
+    if (m->flags & (LMHEAD_F16 | LMHEAD_BF16)) { /* the row's 16-bit weights, converted exactly */
         const uint16_t* w = (const uint16_t*)m->codes + n * m->k;
         for (int64_t k = 0; k < m->k; k++) {
             union { uint32_t u; float f; } v;
             v.u = (uint32_t)w[k] << 16;
-            out[k] = (m->flags & 16) ? v.f : lmhead_half(w[k]);
+            out[k] = (m->flags & LMHEAD_BF16) ? v.f : lmhead_half(w[k]);
         }
         return;
     }
-    const int packed = (m->flags & 1) != 0, half = (m->flags & 2) != 0, rows4 = (m->flags & 4) != 0;
-    const int sub = (m->flags & 128) != 0;
+    const int packed = (m->flags & LMHEAD_PACKED) != 0, half = (m->flags & LMHEAD_HALF) != 0;
+    const int rows4 = (m->flags & LMHEAD_ROWS4) != 0, sub = (m->flags & LMHEAD_SUB) != 0;
+    /* unsigned codes, signed ones (SIGNED4) or a table's levels, read as coded_kernel.c reads them */
+    const int table = lmhead_table_of((int)m->flags);
+    const int kind = table >= 0 ? 3 + table : (m->flags & LMHEAD_SIGNED4) ? 2 : 1;
     const int64_t K = m->k, R = packed ? K / 2 : K, ng = K / m->group;
     const uint8_t* base = (const uint8_t*)m->codes;
     for (int64_t k = 0; k < K; k++) {
         int64_t p = packed ? (k / 64) * 32 + ((k % 16) % 8) * 4 + (k % 64) / 16 : k;
         const uint8_t* byte = rows4 ? base + (n / 4) * 4 * R + (p / 32) * 128 + (n % 4) * 32 + p % 32
                                     : base + n * R + p;
-        /* unsigned codes, signed ones (SIGNED4: flags 32) or IQ4 levels (IQ4: flags 64), read as coded_kernel.c
-         * reads them */
-        const int kind = (m->flags & 64) ? 3 : (m->flags & 32) ? 2 : 1;
         const float code = packed ? lmhead_nibble_code(((*byte) >> (4 * ((k % 16) / 8))) & 15, kind)
                                   : (float)(int8_t)(*byte);
         const int64_t g = n * ng + k / m->group;

@@ -12,7 +12,8 @@
     step_kernels.c   the declared sampler steps' passes over a row, in float64 (lmhead/sampling/steps/moments.py):
                      a row's moments (`row_moments`), locally typical sampling's kept set (`typical_row`), a cut
                      at a threshold (`keep_ge`)
-    simd_math.h, body_kernels.h, decode_kernels.h   what the sources share (vector exp; declarations, structs)
+    simd_math.h, body_kernels.h, decode_kernels.h, quant_types.h   what the sources share (vector exp;
+                     declarations, structs; the coded layouts' flags and level tables)
       ──cc -O3 -march=native -fopenmp (kernels/builder.py)──▶ <cache>/kernels/lmhead-<hash>.so (a temporary
       file renamed into place; begun in the background by `load_model` while it reads the file)
 
@@ -38,20 +39,23 @@ import torch
 from lmhead.kernels import builder
 from lmhead.kernels.builder import SOURCES, library_path
 
-__all__ = ["BF16", "F16", "F32", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4_LEVELS", "PACKED", "ROWS4", "SIGNED4",
-           "SOURCES", "SUB", "AttendArgs", "DecodeArgs", "LayerDesc", "MatDesc", "StepArgs", "block4",
-           "keep_ge", "keep_ge_unsure", "library", "library_path", "pack4", "row_lse_bounded", "row_moments",
-           "row_scores", "select_ge", "topk", "typical_row", "unblock4", "unpack4"]
+__all__ = ["BF16", "F16", "F32", "FLAGS", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4_LEVELS", "LEVELS",
+           "PACKED", "ROWS4", "SIGNED4", "SOURCES", "SUB", "AttendArgs", "DecodeArgs", "LayerDesc", "MatDesc",
+           "StepArgs", "block4", "keep_ge", "keep_ge_unsure", "library", "library_path", "pack4", "row_lse_bounded",
+           "row_moments", "row_scores", "select_ge", "topk", "typical_row", "unblock4", "unpack4"]
 
-# coded_kernel.c's flags: 4-bit codes two per byte; float16 scales and offsets; rows stored in blocks of four;
-# the file's float16 or bfloat16 weights themselves (no codes, no scales); with PACKED, signed 4-bit codes (Q4_0) or
-# indices of IQ4_NL's levels (IQ4_NL, IQ4_XS); scales and offsets as K-quant blocks hold them (d per 256 weights
-# times an int8 per group: `models.coded_linear.SubScales`)
-PACKED, HALF, ROWS4, F16, BF16, SIGNED4, IQ4, SUB, F32 = 1, 2, 4, 8, 16, 32, 64, 128, 256
-# IQ4_NL's sixteen levels, in index order (coded_kernel.c's IQ4_NIBBLES holds them in stored-nibble order, index ^ 8)
-IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# The coded kernel's layout flags and level tables, a mirror of quant_types.h (checked against the library when
+# it loads: `_facts_mismatch`); which GGUF type takes which is models/quant_types.py's. 4-bit codes two per byte;
+# float16 scales and offsets; rows stored in blocks of four; the file's float16, bfloat16 or float32 weights
+# themselves (no codes, no scales); with PACKED, signed 4-bit codes (Q4_0, Q3_K, Q2_K) or indices of a level
+# table (IQ4: IQ4_NL, IQ4_XS); scales and offsets as K-quant blocks hold them (d per 256 weights times an
+# int8 per group: `models.coded_linear.SubScales`)
+FLAGS = (PACKED, HALF, ROWS4, F16, BF16, SIGNED4, IQ4, SUB, F32) = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# each table's sixteen levels in index order (the kernels hold them in stored-nibble order, index ^ 8)
+LEVELS = {IQ4: (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)}
+IQ4_LEVELS = LEVELS[IQ4]
 HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
-_ABI = 23  # lmhead_coded_abi() of the sources above
+_ABI = 24  # lmhead_coded_abi() of the sources above
 
 
 class MatDesc(ctypes.Structure):
@@ -121,10 +125,28 @@ def _layout_mismatch(lib: ctypes.CDLL) -> str | None:
     return None
 
 
+def _facts_mismatch(lib: ctypes.CDLL) -> str | None:
+    """Where the library's flags or level tables (quant_types.h) differ from this module's mirror (None: nowhere):
+    codes laid out for other flags or levels would be multiplied as other numbers."""
+    values = (ctypes.c_int64 * 64)()
+    count = lib.lmhead_flag_values(values, 64)
+    if tuple(values[:count]) != FLAGS:
+        return f"its flags are {tuple(values[:count])}, kernels/native.py's {FLAGS}"
+    table = (ctypes.c_int8 * 16)()
+    for flag, levels in LEVELS.items():
+        if lib.lmhead_level_table(flag, table) != 0 or tuple(table) != levels:
+            return f"its level table of flag {flag} is not kernels/native.py's {levels}"
+    return None
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     lib.lmhead_coded_abi.restype = i32
     lib.lmhead_coded_avx2.restype = i32
+    lib.lmhead_flag_values.argtypes = [p, i32]
+    lib.lmhead_flag_values.restype = i32
+    lib.lmhead_level_table.argtypes = [i32, p]
+    lib.lmhead_level_table.restype = i32
     lib.lmhead_coded_matmul.argtypes = [p, i64, i64, p, p, p, i64, i64, i32, p, i32]
     lib.lmhead_coded_matmul.restype = i32
     lib.lmhead_rms_norm.argtypes = [p, p, p, i64, i64, i64, f32, i32]
@@ -202,7 +224,7 @@ def library() -> ctypes.CDLL | None:
         try:
             lib = _bind(ctypes.CDLL(str(path)))
             if lib.lmhead_coded_abi() == _ABI:
-                mismatch = _layout_mismatch(lib)
+                mismatch = _layout_mismatch(lib) or _facts_mismatch(lib)
                 if mismatch is not None:  # the same sources build the same structs: rebuilding would not help
                     print(f"lmhead: the compiled kernels {path} do not match their loader ({mismatch}); running "
                           "without them", file=sys.stderr, flush=True)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from lmhead import checks
 from lmhead.kernels import native
-from lmhead.models.gguf_codes import IQ4_VALUES
+from lmhead.models.quant_types import LAYOUT_FLAGS, LEVELS
 
 __all__ = ["SCREEN_CAP", "CodedLinear", "SubScales", "coded_available"]
 
@@ -103,9 +103,10 @@ class CodedLinear:
                  sources: tuple[Tensor, ...] | None = None, four_bit: str | None = "auto"):
         """`four_bit`: how 4-bit codes are stored two per byte (half the bytes to read again) — "unsigned" (codes
         0..15: Q4_1, Q4_K), "signed" (−8..7: Q4_0; Q3_K's −4..3 and Q2_K's 0..3 in groups of 16, Q2_K's with
-        offsets), "iq4" (IQ4_NL's levels, `gguf_codes.IQ4_VALUES`, without offsets: IQ4_NL, IQ4_XS), None (one byte
-        per code), or "auto": signed where the codes are in −8..7, else unsigned where they are in 0..15. Where the
-        shape does not allow it (groups of 16 or 32, K a multiple of 64) the codes stay one per byte."""
+        offsets), the name of a level table (`quant_types.LEVELS`: "iq4", IQ4_NL's levels — IQ4_NL, IQ4_XS —,
+        "mxfp4"; without offsets), None (one byte per code), or "auto": signed where the codes are in −8..7, else
+        unsigned where they are in 0..15. Where the shape does not allow it (groups of 16 or 32, K a multiple of
+        64) the codes stay one per byte."""
         if codes.dtype != torch.int8 or codes.dim() != 2:
             raise TypeError(f"codes must be a 2-D int8 tensor, got {codes.dtype} {tuple(codes.shape)}")
         n, k = codes.shape
@@ -128,11 +129,11 @@ class CodedLinear:
                      sources)
 
     def _four_bit(self, k: int, offset: Tensor | None, four_bit: str | None) -> str | None:
-        """`four_bit` where this matrix can be stored so (groups of 16 or 32, K a multiple of 64; IQ4 codes without
-        offsets), else None; ValueError for a name that is none of them."""
-        if four_bit not in (None, "unsigned", "signed", "iq4"):
-            raise ValueError(f"four_bit must be None, 'auto', 'unsigned', 'signed' or 'iq4', got {four_bit!r}")
-        if self.group not in (16, 32) or k % 64 or (four_bit == "iq4" and offset is not None):
+        """`four_bit` where this matrix can be stored so (groups of 16 or 32, K a multiple of 64; a level table's
+        codes without offsets), else None; ValueError for a name that is none of them."""
+        if four_bit is not None and four_bit not in LAYOUT_FLAGS:
+            raise ValueError(f"four_bit must be None, 'auto' or one of {sorted(LAYOUT_FLAGS)}, got {four_bit!r}")
+        if self.group not in (16, 32) or k % 64 or (four_bit in LEVELS and offset is not None):
             return None
         return four_bit
 
@@ -211,11 +212,12 @@ class CodedLinear:
 
     @property
     def flags(self) -> int:
-        """The kernel's layout flags (`native.PACKED` with `native.SIGNED4` or `native.IQ4`, `native.HALF`,
-        `native.ROWS4`; `native.F16`, `native.BF16` or `native.F32` for `dense16`'s weights)."""
+        """The kernel's layout flags (`native.PACKED` with its layout's flag — `quant_types.LAYOUT_FLAGS`:
+        `native.SIGNED4` or a level table's —, `native.HALF`, `native.ROWS4`, `native.SUB`; `native.F16`,
+        `native.BF16` or `native.F32` for `dense16`'s weights)."""
         if self.dense:
             return {torch.float16: native.F16, torch.bfloat16: native.BF16}.get(self.codes.dtype, native.F32)
-        levels = {"signed": native.SIGNED4, "iq4": native.IQ4}.get(self.four_bit, 0)
+        levels = LAYOUT_FLAGS[self.four_bit] if self.packed else 0
         return ((native.PACKED | levels if self.packed else 0) | (native.HALF if self.half else 0)
                 | (native.ROWS4 if self.rows4 else 0) | (native.SUB if self.sub else 0))
 
@@ -234,8 +236,8 @@ class CodedLinear:
         codes = native.unblock4(self.codes) if self.rows4 else self.codes
         if self.packed:
             codes = native.unpack4(codes, self.four_bit == "signed")
-            if self.four_bit == "iq4":
-                codes = torch.from_numpy(IQ4_VALUES)[codes.long()]
+            if self.four_bit in LEVELS:
+                codes = torch.from_numpy(LEVELS[self.four_bit])[codes.long()]
         n, k = codes.shape
         scale, offset = ((self._subs[0].floats(), None if self._subs[1] is None else self._subs[1].floats())
                          if self.sub else (self.scale.float(), None if self.offset is None else self.offset.float()))
@@ -411,21 +413,27 @@ class CodedLinear:
                 f"rows4={self.rows4})")
 
 
-# IQ4_VALUES' index of each int8 value (as a byte), 255 for a value that is not one of them
-_IQ4_INDEX = np.full(256, 255, dtype=np.uint8)
-_IQ4_INDEX[IQ4_VALUES.view(np.uint8)] = np.arange(16, dtype=np.uint8)
+def _index_of(levels: np.ndarray) -> np.ndarray:
+    """A level table's index of each int8 value (as a byte; the first of equal levels), 255 for a value that is
+    not one of them."""
+    index = np.full(256, 255, dtype=np.uint8)
+    index[levels[::-1].view(np.uint8)] = np.arange(15, -1, -1, dtype=np.uint8)
+    return index
+
+
+_INDEX = {name: _index_of(levels) for name, levels in LEVELS.items()}
 
 
 _RANGES = {"unsigned": (0, 15), "signed": (-8, 7)}  # the codes each 4-bit layout holds
 
 
 def _pack(codes: Tensor, four_bit: str) -> Tensor:
-    """int8 codes [N,K] → `native.pack4`'s layout of them (IQ4 levels: of their indices); ValueError for codes the
-    layout does not hold (packed, they would be other numbers)."""
-    if four_bit == "iq4":
-        index = _IQ4_INDEX[codes.contiguous().numpy().view(np.uint8)]
+    """int8 codes [N,K] → `native.pack4`'s layout of them (a level table's: of their indices); ValueError for codes
+    the layout does not hold (packed, they would be other numbers)."""
+    if four_bit in LEVELS:
+        index = _INDEX[four_bit][codes.contiguous().numpy().view(np.uint8)]
         if index.size and int(index.max()) == 255:
-            raise ValueError("four_bit='iq4': the codes hold values that are not IQ4_NL levels")
+            raise ValueError(f"four_bit={four_bit!r}: the codes hold values that are not its levels")
         return native.pack4(torch.from_numpy(index).view(torch.int8))
     low, high = _RANGES[four_bit]
     if codes.numel() and not (low <= int(codes.min()) and int(codes.max()) <= high):

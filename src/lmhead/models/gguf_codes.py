@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lmhead.kernels import native
 from lmhead.models import cache
+from lmhead.models.quant_types import LEVELS, TYPES
 
 __all__ = ["BLOCKS", "FORMAT", "FOUR_BIT", "IQ4_VALUES", "SUB_TYPES", "Codes", "block_scales", "block_subscales",
            "coded_nbytes", "codes_for_model",
@@ -36,39 +36,20 @@ __all__ = ["BLOCKS", "FORMAT", "FOUR_BIT", "IQ4_VALUES", "SUB_TYPES", "Codes", "
 
 FORMAT = 1  # bump when the stored layout changes: older files are rebuilt
 
-# GGUF block layouts: name -> (weights per block, bytes per block, weights per scale group)
-BLOCKS = {"Q4_0": (32, 18, 32), "Q4_1": (32, 20, 32), "Q5_0": (32, 22, 32), "Q5_1": (32, 24, 32),
-          "Q8_0": (32, 34, 32), "Q2_K": (256, 84, 16), "Q3_K": (256, 110, 16), "Q4_K": (256, 144, 32),
-          "Q5_K": (256, 176, 32), "Q6_K": (256, 210, 16), "IQ4_NL": (32, 18, 32), "IQ4_XS": (256, 136, 32)}
-
+# views of models/quant_types.py's declarations, by the names the loader and the tests use:
+# name -> (weights per block, bytes per block, weights per scale group)
+BLOCKS = {t.name: (t.block, t.nbytes, t.group) for t in TYPES.values()}
 # IQ4_NL's and IQ4_XS's 16 levels: a weight is d·IQ4_VALUES[q], so the table's integer is the weight's code
-IQ4_VALUES = np.array(native.IQ4_LEVELS, dtype=np.int8)
-
-# how the coded kernel holds each type (CodedLinear): codes two to a byte where a block's codes take at most 4 bits
-# (`CodedLinear`'s `four_bit`: unsigned 0..15, signed −8..7 — Q3_K's −4..3 and Q2_K's 0..3 too, the code itself,
-# so that a decode product sums Q2_K's offsets against its codes' own zero —, or indices of IQ4_VALUES), float16
-# scales (the blocks' d and m are float16 numbers), an offset per group
-FOUR_BIT = {"Q4_0": "signed", "Q4_1": "unsigned", "Q4_K": "unsigned", "IQ4_NL": "iq4", "IQ4_XS": "iq4",
-            "Q3_K": "signed", "Q2_K": "signed"}
-_HALF_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"})
-_OFFSET_TYPES = frozenset({"Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"})
-# types whose group scales (and offsets) are held as their blocks hold them — a float16 d (dmin) per 256 weights
-# times a small integer per group (`block_subscales`, `CodedLinear`'s SubScales): one byte per group and four per
-# 256 weights instead of four per group. The K-quants of groups of 16, where the float32 numbers took a third to
-# a half of the bytes; Q4_K, Q5_K and IQ4_XS (groups of 32) keep float32 numbers: there the per-block conversion
-# cost more arithmetic than their fewer bytes saved (measured in the commit that made this)
-SUB_TYPES = frozenset({"Q2_K", "Q3_K", "Q6_K"})
+IQ4_VALUES = LEVELS["iq4"]
+# how the coded kernel holds each type's codes two to a byte (`CodedLinear`'s `four_bit`)
+FOUR_BIT = {t.name: t.four_bit for t in TYPES.values() if t.four_bit}
+# types whose group scales (and offsets) are held as their blocks hold them (`block_subscales`, SubScales)
+SUB_TYPES = frozenset(t.name for t in TYPES.values() if t.sub)
 
 
 def coded_nbytes(kind: str, count: int) -> int:
     """Bytes the kernel's layout of `count` weights of type `kind` takes: codes, scales and offsets."""
-    groups = count // BLOCKS[kind][2]
-    if kind in SUB_TYPES:
-        per_group, per_block = 1, 4
-    else:
-        per_group, per_block = (2 if kind in _HALF_TYPES else 4), 0
-    parts = 2 if kind in _OFFSET_TYPES else 1
-    return (count // 2 if kind in FOUR_BIT else count) + parts * (groups * per_group + count // 256 * per_block)
+    return TYPES[kind].coded_nbytes(count)
 
 
 # GGUF tensor name (per block i) -> the transformers module path under the base model
@@ -101,31 +82,9 @@ class Codes:
 def block_scales(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """Per-group (scale, offset) float32 [n_blocks, groups per block] of raw blocks [n_blocks, bytes], computed
     as gguf's dequantiser computes them (float32 products of the stored half-precision and integer parts)."""
-    f16 = lambda a: a.copy().view(np.float16).astype(np.float32)  # noqa: E731
-    if kind in ("Q4_0", "Q5_0", "Q8_0"):
-        return f16(blocks[:, 0:2]), None
-    if kind in ("Q4_1", "Q5_1"):
-        return f16(blocks[:, 0:2]), f16(blocks[:, 2:4])
-    if kind in ("Q4_K", "Q5_K"):
-        from gguf.quants import Q4_K
-
-        d, dmin = f16(blocks[:, 0:2]), f16(blocks[:, 2:4])
-        sc, mn = Q4_K.get_scale_min(blocks[:, 4:16].copy())
-        return d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
-    if kind == "Q6_K":
-        sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
-        return f16(blocks[:, 208:210]) * sc, None
-    if kind == "IQ4_NL":  # the code is the table's integer value (kvalues[q]), the scale the block's d
-        return f16(blocks[:, 0:2]), None
-    if kind == "Q2_K":  # d·sc per 16 weights and −(dmin·m): gguf-py's dl·q − ml, the product exact in float32
-        sc = blocks[:, 0:16]
-        d, dmin = f16(blocks[:, 80:82]), f16(blocks[:, 82:84])
-        return d * (sc & np.uint8(15)).astype(np.float32), -(dmin * (sc >> np.uint8(4)).astype(np.float32))
-    if kind == "Q3_K":
-        return f16(blocks[:, 108:110]) * _q3k_scales(blocks[:, 96:108]), None
-    if kind == "IQ4_XS":
-        return f16(blocks[:, 0:2]) * _iq4xs_scales(blocks[:, 2:8]), None
-    raise ValueError(f"no codes for GGUF type {kind}")
+    if kind not in TYPES:
+        raise ValueError(f"no codes for GGUF type {kind}")
+    return TYPES[kind].scales(blocks)
 
 
 def block_subscales(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None,
@@ -133,35 +92,9 @@ def block_subscales(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarr
     """A K-quant's (SUB_TYPES) scales and offsets as its blocks hold them: d float32 [n_blocks], sub int8
     [n_blocks, groups per block], and for the types with offsets −dmin [n_blocks] and its sub; d·sub and
     −dmin·sub in float32 are `block_scales`' numbers bit for bit."""
-    f16 = lambda a: a.copy().view(np.float16).astype(np.float32)[:, 0]  # noqa: E731
-    i8 = lambda a: np.ascontiguousarray(a).astype(np.int8)  # noqa: E731
-    if kind == "Q6_K":
-        return f16(blocks[:, 208:210]), i8(blocks[:, 192:208].view(np.int8)), None, None
-    if kind == "Q2_K":
-        sc = blocks[:, 0:16]
-        return f16(blocks[:, 80:82]), i8(sc & np.uint8(15)), -f16(blocks[:, 82:84]), i8(sc >> np.uint8(4))
-    if kind == "Q3_K":
-        return f16(blocks[:, 108:110]), i8(_q3k_scales(blocks[:, 96:108])), None, None
-    raise ValueError(f"no sub-scales for GGUF type {kind}")
-
-
-def _q3k_scales(packed: np.ndarray) -> np.ndarray:
-    """Q3_K's 16 six-bit scales − 32 as float32 [nb, 16]: low 4 bits in bytes 0–7 (low nibbles for scales 0–7,
-    high for 8–15), the top 2 bits in bytes 8–11 (scale j: byte 8 + j % 4, bits 2·(j // 4))."""
-    nb = packed.shape[0]
-    j = np.arange(16)
-    low = (packed[:, j % 8] >> (4 * (j // 8)).astype(np.uint8)) & np.uint8(15)
-    high = (packed[:, 8 + j % 4] >> (2 * (j // 4)).astype(np.uint8)) & np.uint8(3)
-    return ((low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)).astype(np.float32).reshape(nb, 16)
-
-
-def _iq4xs_scales(packed: np.ndarray) -> np.ndarray:
-    """IQ4_XS's 8 six-bit scales − 32 as float32 [nb, 8]: bytes 0–1 the top 2 bits (a little-endian uint16, scale
-    j at bits 2·j), bytes 2–5 the low 4 bits (scale j: byte 2 + j // 2, low nibble for even j)."""
-    j = np.arange(8)
-    high = (packed[:, 0:2].copy().view(np.uint16) >> (2 * j).astype(np.uint16)) & np.uint16(3)
-    low = (packed[:, 2 + j // 2] >> (4 * (j % 2)).astype(np.uint8)) & np.uint8(15)
-    return ((low | (high.astype(np.uint8) << np.uint8(4))).astype(np.int8) - np.int8(32)).astype(np.float32)
+    if kind not in TYPES or TYPES[kind].subscales is None:
+        raise ValueError(f"no sub-scales for GGUF type {kind}")
+    return TYPES[kind].subscales(blocks)
 
 
 def codes_from_weight(weight: Tensor, scale: Tensor, offset: Tensor | None, kind: str) -> Codes | None:

@@ -32,67 +32,24 @@ import numpy as np
 import torch
 
 from lmhead.models.errors import ModelError
-from lmhead.models.gguf_codes import BLOCKS, FOUR_BIT, IQ4_VALUES, SUB_TYPES, Codes, block_scales, block_subscales
+from lmhead.models.gguf_codes import BLOCKS, IQ4_VALUES, Codes, block_scales, block_subscales
 from lmhead.models.heap import trim_heap
+from lmhead.models.quant_types import TYPES
 
 __all__ = ["CODE_TYPES", "DENSE_TYPES", "IQ4_VALUES", "GGUFFile", "Header", "block_codes", "read_header"]
 
-CODE_TYPES: frozenset[str] = frozenset(BLOCKS)  # the block types whose codes the coded kernel multiplies
+CODE_TYPES: frozenset[str] = frozenset(TYPES)  # the block types whose codes the coded kernel multiplies
 # float types the kernel multiplies as they are (`CodedLinear.dense16`): each 16-bit weight converted exactly
 DENSE_TYPES: dict[str, torch.dtype] = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
 
-def _nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:
-    """Bytes [nb, c·chunk/2] holding `chunk` 4-bit values per run (low nibbles first, then high) → [nb, c·chunk]."""
-    nb = qs.shape[0]
-    q = qs.reshape(nb, -1, 1, chunk // 2) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    return (q & np.uint8(15)).reshape(nb, -1)
-
-
-def _pairs(qs: np.ndarray) -> np.ndarray:
-    """Bytes [nb, 32·r] of 2-bit values, four per byte (bits 0–1 of byte i the first run of 32, 2–3 the second,
-    ...) → [nb, 128·r], each run of 32 bytes giving 128 values in order."""
-    nb = qs.shape[0]
-    q = qs.reshape(nb, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
-    return (q & np.uint8(3)).reshape(nb, -1)
-
-
 def block_codes(kind: str, blocks: np.ndarray) -> np.ndarray:
     """The integer code of every weight of raw `blocks` [nb, bytes] of type `kind` → int8 [nb, weights per block],
-    the numbers gguf-py's dequantiser multiplies by the group's scale (and adds the group's offset to)."""
-    nb = blocks.shape[0]
-    if kind == "Q8_0":
-        return blocks[:, 2:].copy().view(np.int8)
-    if kind in ("Q4_0", "Q4_1"):
-        q = _nibbles(blocks[:, 2 if kind == "Q4_0" else 4:], 32)
-        return (q.astype(np.int8) - np.int8(8)) if kind == "Q4_0" else q.astype(np.int8)
-    if kind in ("Q5_0", "Q5_1"):
-        start = 2 if kind == "Q5_0" else 4
-        qh = blocks[:, start:start + 4].copy().view(np.uint32).reshape(nb, 1)
-        high = ((qh >> np.arange(32, dtype=np.uint32).reshape(1, 32)) & np.uint32(1)).astype(np.uint8)
-        q = (_nibbles(blocks[:, start + 4:], 32) | (high << np.uint8(4))).astype(np.int8)
-        return q - np.int8(16) if kind == "Q5_0" else q
-    if kind == "Q4_K":
-        return _nibbles(blocks[:, 16:], 64).astype(np.int8)
-    if kind == "Q5_K":
-        low = _nibbles(blocks[:, 48:], 64).reshape(nb, 8, 32)
-        qh = blocks[:, 16:48].reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-        return (low | ((qh & np.uint8(1)) << np.uint8(4))).reshape(nb, 256).astype(np.int8)
-    if kind in ("IQ4_NL", "IQ4_XS"):
-        return IQ4_VALUES[_nibbles(blocks[:, 2 if kind == "IQ4_NL" else 8:], 32)]
-    if kind in ("Q2_K", "Q3_K"):  # 2-bit fields: byte i of each 32-byte run holds weights i, i+32, i+64, i+96
-        low = _pairs(blocks[:, 16:80] if kind == "Q2_K" else blocks[:, 32:96])
-        if kind == "Q2_K":
-            return low.astype(np.int8)
-        hmask = blocks[:, 0:32].reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-        # a clear bit of hmask subtracts 4: codes −4 … 3
-        return low.astype(np.int8) - ((~hmask & np.uint8(1)) << np.uint8(2)).reshape(nb, 256).astype(np.int8)
-    if kind == "Q6_K":
-        low = _nibbles(blocks[:, :128], 128).reshape(nb, 8, 32)
-        qh = blocks[:, 128:192].reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
-        high = (qh & np.uint8(3)).reshape(nb, 8, 32)
-        return ((low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)).reshape(nb, 256)
-    raise ValueError(f"no codes for GGUF type {kind}")
+    the numbers gguf-py's dequantiser multiplies by the group's scale (and adds the group's offset to): the type's
+    declaration (models/quant_types.py)."""
+    if kind not in TYPES:
+        raise ValueError(f"no codes for GGUF type {kind}")
+    return TYPES[kind].codes(blocks)
 
 
 _FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -342,10 +299,10 @@ class GGUFFile:
                 raise ModelError(f"{self.path}: tensor {nm} ({kind}, {rows}x{k}) does not hold whole blocks")
             parts.append(data.reshape(rows, (k // per_block) * nbytes))
         n, per_row, ng = sum(sizes), k // per_block, k // group
-        has_offset = bool(n) and block_scales(kind, parts[0][:1].reshape(-1, nbytes))[1] is not None
+        has_offset = TYPES[kind].offset
         # a K-quant's scales as its blocks hold them (d per 256 weights times an int8 per group): a quarter of
         # the bytes of float32 numbers per group (the kernel takes up to HALF_MAX_GROUPS groups a row so)
-        sub = kind in SUB_TYPES and ng <= native.HALF_MAX_GROUPS
+        sub = TYPES[kind].sub and ng <= native.HALF_MAX_GROUPS
         if sub:
             scale = SubScales(n, k, group)
             offset = SubScales(n, k, group) if has_offset else None
@@ -386,7 +343,7 @@ class GGUFFile:
                 self.release(nm)
                 row0 += rows
 
-        return CodedLinear.from_chunks(n, k, scale, offset, chunks(), FOUR_BIT.get(kind))
+        return CodedLinear.from_chunks(n, k, scale, offset, chunks(), TYPES[kind].four_bit)
 
     def weights16(self, name: str) -> torch.Tensor:
         """The F16, BF16 or F32 matrix `name` [N,K] as a float16, bfloat16 or float32 tensor (a copy of its bytes,
