@@ -1,7 +1,9 @@
 """The architectures the lean body runs, as one table: what differs between them, in one row each.
 
-    config.model_type ──ARCHS──▶ ArchSpec: norms, embedding scale, attention scaling and softcap, sliding layers,
-        rotary per layer type, which linears are fused, the GGUF file's names for them
+    config.model_type ──ARCHS──▶ ArchSpec: norms, embedding scale, attention scaling and softcap, rotary per
+        layer type, and the layer as blocks — `Attention` (q/k/v fused, biases, q/k norms, sinks, sliding window)
+        then an MLP: `DenseMLP` (gate/up fused, down) or `MoEMLP` (router, top-k, routing rule, shared expert),
+        each block with the GGUF file's names for its tensors
 
 The lean body (`lean.py`) reads its step from the row, the GGUF reader (`file_model.py`) its tensors, and the
 numbers come from the model's config (transformers' field names and values): the row says which fields apply.
@@ -14,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ARCHS", "ArchSpec", "FILE_ARCHITECTURES", "arch_of", "refusal"]
+__all__ = ["ARCHS", "ArchSpec", "Attention", "DenseMLP", "FILE_ARCHITECTURES", "MoEMLP", "arch_of", "refusal"]
 
 # rope types whose frequencies do not depend on the sequence (`Rotary` computes them; the others change with
 # the longest position of a call, as transformers' `dynamic_rope_update` does)
@@ -22,8 +24,53 @@ STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn", "proportional"})
 
 
 @dataclass(frozen=True)
+class Attention:
+    """A layer's attention block: norm → q, k, v (one fused product) → q/k norms → rope → attention → o."""
+
+    qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")   # transformers' attention linears, fused in this order
+    gguf_qkv: tuple[str, ...] = ("attn_q", "attn_k", "attn_v")  # the same matrices in a GGUF file
+    bias: bool = False                # q/k/v biases (Qwen2): read where the file has them
+    qk_norm: bool = False             # an RMSNorm on each q and k head (Qwen3, Gemma 3)
+    sinks: bool = False               # a learned logit per head that takes part in the softmax (gpt-oss): not run
+    slide_every_layer: bool = False   # sliding_window, when set, narrows every layer (Mistral, Phi-3), not only
+                                      # the layer_types' "sliding_attention" ones
+    permute_qk: bool = False          # the GGUF's q/k rows in llama.cpp's rope order (transformers un-permutes)
+
+
+@dataclass(frozen=True)
+class DenseMLP:
+    """A layer's dense MLP: gate, up (one fused product, gate rows first) → act(gate)·up → down."""
+
+    gate_up: tuple[str, ...] = ("gate_proj", "up_proj")     # transformers' MLP linears (gate rows first)
+    gguf_gate_up: tuple[str, ...] = ("ffn_gate", "ffn_up")
+    act: str = "act_fn"               # the MLP module's activation attribute
+
+
+@dataclass(frozen=True)
+class MoEMLP:
+    """A layer's mixture of experts: router logits x·Rᵀ [E] → softmax (float32) → the top k experts → their
+    weights (renormalised to sum to 1, or not) → Σ weight · down(act(gate(x))·up(x)) over the chosen experts,
+    plus, where the row has one, a shared expert scaled by sigmoid(x·g). A layer of such a model whose file
+    holds no router is a dense MLP (`DenseMLP`, Qwen's `mlp_only_layers`)."""
+
+    renormalise: bool = True          # the top k's weights divided by their sum (llama.cpp's rule for the family)
+    renormalise_key: str | None = None  # the config field that decides it instead, where the config sets it
+    shared_expert: bool = False       # Qwen2-MoE: one more MLP on every token, gated by sigmoid(x·g)
+    experts_key: str = "num_experts"  # the config's expert count (Mixtral: num_local_experts)
+    router: str = "ffn_gate_inp"      # the GGUF's names: router [E, D]; experts' gate, up [E, F, D], down [E, D, F]
+    gguf_experts: tuple[str, str, str] = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    gguf_shared: tuple[str, str, str] = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+    shared_gate: str = "ffn_gate_inp_shexp"  # [D]: the shared expert's gate
+
+    def renormalises(self, cfg: Any) -> bool:
+        """Whether the top k weights are renormalised for this config."""
+        value = getattr(cfg, self.renormalise_key, None) if self.renormalise_key else None
+        return self.renormalise if value is None else bool(value)
+
+
+@dataclass(frozen=True)
 class ArchSpec:
-    """One architecture of the lean body. Defaults are Llama's."""
+    """One architecture of the lean body: its model-wide options and its layer's blocks. Defaults are Llama's."""
 
     model_type: str
     gguf: str | None = None           # llama.cpp's general.architecture for it (None: not read from a file)
@@ -33,14 +80,43 @@ class ArchSpec:
     query_pre_attn_scalar: bool = False  # scores scaled by query_pre_attn_scalar^-½, not head_dim^-½
     attn_softcap: bool = False        # attn_logit_softcapping applies: tanh(s / c) · c before the mask
     rope_per_layer_type: bool = False  # one set of rope frequencies per layer type (Gemma 3)
-    slide_every_layer: bool = False   # sliding_window, when set, narrows every layer (Mistral, Phi-3), not only
-                                      # the layer_types' "sliding_attention" ones
-    permute_qk: bool = False          # the GGUF's q/k rows in llama.cpp's rope order (transformers un-permutes)
-    qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")   # transformers' attention linears, fused in this order
-    gate_up: tuple[str, ...] = ("gate_proj", "up_proj")     # and the MLP's (gate rows first)
-    gguf_qkv: tuple[str, ...] = ("attn_q", "attn_k", "attn_v")  # the same matrices in a GGUF file
-    gguf_gate_up: tuple[str, ...] = ("ffn_gate", "ffn_up")
-    act: str = "act_fn"               # the MLP module's activation attribute
+    attention: Attention = Attention()
+    mlp: DenseMLP | MoEMLP = DenseMLP()
+    dense: DenseMLP = DenseMLP()      # the MLP of a layer without experts (the MoE rows' dense layers)
+
+    # the blocks' fields the step and the reader ask for by name
+    @property
+    def qkv(self) -> tuple[str, ...]:
+        return self.attention.qkv
+
+    @property
+    def gguf_qkv(self) -> tuple[str, ...]:
+        return self.attention.gguf_qkv
+
+    @property
+    def permute_qk(self) -> bool:
+        return self.attention.permute_qk
+
+    @property
+    def slide_every_layer(self) -> bool:
+        return self.attention.slide_every_layer
+
+    @property
+    def gate_up(self) -> tuple[str, ...]:
+        return self.dense.gate_up
+
+    @property
+    def gguf_gate_up(self) -> tuple[str, ...]:
+        return self.dense.gguf_gate_up
+
+    @property
+    def act(self) -> str:
+        return self.dense.act
+
+    @property
+    def moe(self) -> MoEMLP | None:
+        """The row's mixture of experts, or None for a dense model."""
+        return self.mlp if isinstance(self.mlp, MoEMLP) else None
 
     def sliding(self, kind: str, window: int | None) -> bool:
         """Whether a layer of type `kind` attends within the sliding window."""
@@ -55,21 +131,36 @@ class ArchSpec:
 
 _GEMMA = dict(unit_offset_norm=True, sandwich_norms=True, scaled_embedding=True, query_pre_attn_scalar=True,
               attn_softcap=True)
+_LLAMA_ATTENTION = Attention(permute_qk=True)
+_QWEN2_ATTENTION = Attention(bias=True)
+_QWEN3_ATTENTION = Attention(qk_norm=True)
 
 ARCHS: dict[str, ArchSpec] = {spec.model_type: spec for spec in (
-    ArchSpec("llama", gguf="llama", permute_qk=True),
+    ArchSpec("llama", gguf="llama", attention=_LLAMA_ATTENTION),
     # transformers' GGUF reader names a llama file whose general.name is "mistral" a Mistral model
-    ArchSpec("mistral", permute_qk=True, slide_every_layer=True),
-    ArchSpec("qwen2", gguf="qwen2"),
-    ArchSpec("qwen3", gguf="qwen3"),
+    ArchSpec("mistral", attention=Attention(permute_qk=True, slide_every_layer=True)),
+    ArchSpec("qwen2", gguf="qwen2", attention=_QWEN2_ATTENTION),
+    ArchSpec("qwen3", gguf="qwen3", attention=_QWEN3_ATTENTION),
     # Phi-3: q/k/v one linear (attn_qkv in the file), gate/up one (ffn_up in the file, gate rows first); a Phi-3
     # file's long-context rope factors and sliding window are not read by transformers' loader
-    ArchSpec("phi3", gguf="phi3", slide_every_layer=True, qkv=("qkv_proj",), gate_up=("gate_up_proj",),
-             gguf_qkv=("attn_qkv",), gguf_gate_up=("ffn_up",), act="activation_fn"),
+    ArchSpec("phi3", gguf="phi3",
+             attention=Attention(qkv=("qkv_proj",), gguf_qkv=("attn_qkv",), slide_every_layer=True),
+             dense=DenseMLP(gate_up=("gate_up_proj",), gguf_gate_up=("ffn_up",), act="activation_fn")),
     # Gemma 2: Gemma 3 without q/k norms and with one rope; its softcaps and query scalar are the config's (a
     # GGUF's own softcap keys are not read by transformers' loader: its Gemma2Config defaults, 50 and 30, apply)
     ArchSpec("gemma2", gguf="gemma2", **_GEMMA),
-    ArchSpec("gemma3_text", gguf="gemma3", rope_per_layer_type=True, **_GEMMA),
+    ArchSpec("gemma3_text", gguf="gemma3", rope_per_layer_type=True, attention=Attention(qk_norm=True), **_GEMMA),
+    # mixtures of experts. Qwen3-MoE: Qwen3's attention, softmax → top k → renormalised (llama.cpp's rule;
+    # transformers' norm_topk_prob, which its GGUF reader sets so)
+    ArchSpec("qwen3_moe", gguf="qwen3moe", attention=_QWEN3_ATTENTION,
+             mlp=MoEMLP(renormalise=True, renormalise_key="norm_topk_prob")),
+    # Qwen2-MoE: Qwen2's attention, the top k of the softmax as they are, and a shared expert with a sigmoid gate
+    ArchSpec("qwen2_moe", gguf="qwen2moe", attention=_QWEN2_ATTENTION,
+             mlp=MoEMLP(renormalise=False, renormalise_key="norm_topk_prob", shared_expert=True)),
+    # Mixtral: Llama's attention (and sliding window where the config sets one), the top k renormalised; its GGUF
+    # files say general.architecture "llama" and hold ffn_*_exps tensors (`file_model.moe_config`)
+    ArchSpec("mixtral", attention=Attention(permute_qk=True, slide_every_layer=True),
+             mlp=MoEMLP(renormalise=True, experts_key="num_local_experts")),
 )}
 
 # GGUF architectures whose body lmhead runs from the file → transformers' model type

@@ -1,34 +1,33 @@
 """The lean body: the transformer's forward written out over transformers' own (shared) weights, with a static
-KV cache — what a decode step needs and nothing else.
+KV cache — what a decode step needs and nothing else. This module's torch forward is the specification of the step;
+the C paths (`lean_native.py`) compute the same numbers in fewer calls and are tested against it.
 
     ids [B,T], positions [B,T] ──embedding──▶ x [B,T,D]
-        ──per layer: norm → q,k,v (one fused product) → q/k norm → rope → write k,v at the cache's columns
-          → attention over the filled columns (causal, padding, sliding window) → o → (norm) → + residual
-          → norm → gate,up (one fused product) → act(gate)·up → down → (norm) → + residual──▶
+        ──per layer: the attention block: norm → q,k,v (one fused product) → q/k norm → rope → write k,v at the
+          cache's columns → attention over the filled columns (causal, padding, sliding window) → o → (norm)
+          → + residual
+          → the MLP block: norm → gate,up (one fused product) → act(gate)·up → down, or a mixture of experts
+          (`moe.py`: router → top k → each chosen expert over the rows that chose it) → (norm) → + residual──▶
         ──final norm──▶ hidden [B,T,D]
 
 Why: transformers' forward spends most of a one-token step in per-module Python (hooks, its cache classes,
 mask builders) rather than in the products. This module makes one pass over plain tensors: a preallocated
-cache (`StaticCache`), masks built once per step and shared by every layer of a kind, and q/k/v and gate/up
-each fused into one matrix-vector product. The fused matrices are the model's own weights: q, k and v (and gate,
-up) are re-pointed to row slices of one buffer (`Parameter.data`), so `hf_model`, `Model.body` and this module
+cache (`kv_cache.StaticCache`), masks built once per step and shared by every layer of a kind, and q/k/v and
+gate/up each fused into one matrix-vector product. The fused matrices are the model's own weights: q, k and v (and
+gate, up) are re-pointed to row slices of one buffer (`Parameter.data`), so `hf_model`, `Model.body` and this module
 read the same memory and nothing is copied. Products run through oneDNN's inner product when torch has it
 (`fast_linear`), else `F.linear`.
 
 Supported: the architectures of `models/arch.py`'s table (Llama-style models — Llama, SmolLM2, Mistral, Qwen2 with
-q/k/v bias, Qwen3 with q/k norms —, Phi-3, Gemma 2 and Gemma 3 text); what differs between them is the table's row
-(`self.arch`), not a check here. `LeanBody.supports(hf_model)` says whether a model is one of them; tests compare
-the hidden states with transformers' forward on tiny models of each family, and greedy tokens on the packaged
-models.
+q/k/v bias, Qwen3 with q/k norms —, Phi-3, Gemma 2 and Gemma 3 text, and the mixtures of experts Qwen3-MoE,
+Qwen2-MoE and Mixtral); what differs between them is the table's row (`self.arch`: its attention and MLP blocks),
+not a check here. A layer's tensors are a `layer.Layer`. `LeanBody.supports(hf_model)` says whether a model is
+one of them; tests compare the hidden states with transformers' forward on tiny models of each family, and greedy
+tokens on the packaged models. Layers with experts take this torch forward (the one-call C step has no descriptor
+for them yet); their attention still runs in C (`lmhead_attend`).
 """
 
 from __future__ import annotations
-
-import ctypes
-import math
-import mmap
-import threading
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -38,198 +37,14 @@ from lmhead.kernels import native
 from lmhead.models.arch import ARCHS, STATIC_ROPE, arch_of, refusal
 from lmhead.models.coded_linear import CodedLinear, coded_available
 from lmhead.models.fast_linear import Int8Linear, onednn_available
+from lmhead.models.kv_cache import LAZY_BYTES, StaticCache, cache_zeros, gather_row
+from lmhead.models.layer import Layer
+from lmhead.models.lean_native import NativeStep
+from lmhead.models.moe import MoE
 
-__all__ = ["LeanBody", "StaticCache", "SUPPORTED_MODEL_TYPES", "LAZY_BYTES", "cache_zeros", "gather_row"]
+__all__ = ["LeanBody", "Layer", "StaticCache", "SUPPORTED_MODEL_TYPES", "LAZY_BYTES", "cache_zeros", "gather_row"]
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(ARCHS))
-
-
-LAZY_BYTES = 1 << 20  # cache tensors from this size on are anonymous mappings (`cache_zeros`)
-
-
-def cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
-    """A zeroed tensor of `shape` for a cache. On the CPU, from LAZY_BYTES on, an anonymous memory mapping: the
-    kernel gives each page, zeroed, when it is first touched, so the columns a row never writes cost neither the
-    time to clear them nor memory. A short row merged beside a long one holds mostly such columns (left of its
-    own): attention's spans skip them (body_kernels.c) and the torch path reads them as zeros."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if torch.device(device).type != "cpu" or nbytes < LAZY_BYTES:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
-
-
-class StaticCache:
-    """A preallocated KV cache: keys and values [layers, B, H_kv, capacity, head_dim], filled left to right.
-
-    Every row writes the same columns (left padding keeps rows aligned); `valid` [B, capacity] marks the
-    columns holding a real token of that row and `positions` [B, capacity] its rope position (the sliding
-    window is measured in positions, so a column left invalid in one row — a draft token that row rejected
-    while another row accepted its own — does not narrow that row's window). `length` is the number of filled
-    columns: speculative decoding rolls back by lowering it (`truncate`) or by `invalidate`-ing one row's
-    columns; finished rows are dropped with `select`.
-
-    A cache may be rows [a, b) of a larger one (`view`): its tensors share that one's memory, each layer's keys
-    (values) one contiguous block `layer_stride` numbers from the next. A prompt joining a running batch is
-    prefilled so, straight into the rows it will have in the merged cache (`decode.engine.Decoder.begin_join`).
-    What a column holds where its row's `valid` is False is never read as a token's: masks drop it.
-    """
-
-    def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        shape = (layers, batch, kv_heads, capacity, head_dim)
-        self.keys = cache_zeros(shape, dtype, device)
-        self.values = cache_zeros(shape, dtype, device)
-        self.valid = cache_zeros((batch, capacity), torch.bool, device)
-        self.positions = cache_zeros((batch, capacity), torch.long, device)
-        self.tokens = cache_zeros((batch, capacity), torch.long, device)
-        self.length = 0
-        # the LeanBody step descriptors whose weights were found unchanged when this cache first used them
-        self.checked: object | None = None
-
-    @property
-    def capacity(self) -> int:
-        return self.keys.shape[3]
-
-    @property
-    def batch(self) -> int:
-        return self.keys.shape[1]
-
-    @property
-    def layer_stride(self) -> int:
-        """Numbers between one layer's keys (values) and the next's."""
-        return self.keys.stride(0)
-
-    def in_blocks(self) -> bool:
-        """Whether each layer's keys and values are one contiguous block, both at `layer_stride` (what the C step
-        reads: a whole cache, or a `view`'s rows)."""
-        k, v = self.keys, self.values
-        return k.stride(0) == v.stride(0) and k[0].is_contiguous() and v[0].is_contiguous()
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def view(self, start: int, stop: int) -> StaticCache:
-        """Rows [start, stop) of this cache as a cache of their own, sharing its memory (and, for now, its
-        length): what one writes, the other reads."""
-        if not 0 <= start <= stop <= self.batch:
-            raise ValueError(f"rows must be within [0, {self.batch}], got [{start}, {stop})")
-        out = StaticCache.__new__(StaticCache)
-        out.keys, out.values = self.keys[:, start:stop], self.values[:, start:stop]
-        out.valid, out.positions, out.tokens = (t[start:stop] for t in (self.valid, self.positions, self.tokens))
-        out.length, out.checked = self.length, None
-        return out
-
-    def first_columns(self) -> Tensor:
-        """[B] each row's first valid column (`length` for a row without any): its columns are within
-        [first, length)."""
-        valid = self.valid[:, :self.length]
-        if self.length == 0:
-            return torch.zeros(self.batch, dtype=torch.long, device=valid.device)
-        first = valid.to(torch.uint8).argmax(dim=1)
-        return torch.where(valid.any(dim=1), first, self.length)
-
-    def truncate(self, length: int) -> None:
-        """Forget every column from `length` on (their contents are overwritten by the next writes)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"length must be in [0, {self.length}], got {length}")
-        if length < self.length:
-            self.valid[:, length:self.length] = False
-        self.length = length
-
-    def invalidate(self, row: int, start: int) -> None:
-        """Row `row` forgets its columns from `start` to `length` (another row still uses them)."""
-        self.valid[row, start:self.length] = False
-
-    def compact(self) -> None:
-        """Move each row's valid columns to the right end of the first `m` columns (m = the most any row
-        holds), in order, and set `length = m`: the holes that rejected drafts leave are given back. Masks
-        use validity, order and positions only, so attention is unchanged."""
-        counts = self.valid[:, :self.length].sum(dim=1)
-        m = int(counts.max()) if counts.numel() else 0
-        layers, batch, kv_heads, capacity, head_dim = self.keys.shape
-        out = StaticCache(layers, batch, kv_heads, head_dim, capacity, self.keys.dtype, self.keys.device)
-        for r in range(batch):
-            gather_row(out, r, self, r, m)
-        self.keys, self.values, self.valid, self.positions, self.tokens = (
-            out.keys, out.values, out.valid, out.positions, out.tokens)
-        self.length = m
-
-    def select(self, rows: Tensor) -> None:
-        """Keep only the batch rows `rows` [B'] (e.g. drop finished rows). Rows kept in order stay in this
-        cache's memory: a run of rows is a narrower view of it, and otherwise the rows on the side that holds
-        fewer columns move next to the others (each its columns [first, length) only), so a row leaving costs
-        at most what the rows on one side of it hold — not a copy of every row's whole capacity."""
-        keep = [int(r) for r in rows.tolist()]
-        n = len(keep)
-        if n and any(b <= a for a, b in zip(keep, keep[1:], strict=False)):  # reordered: a copy of each row
-            for name in ("keys", "values"):
-                setattr(self, name, getattr(self, name).index_select(1, rows))
-            for name in ("valid", "positions", "tokens"):
-                setattr(self, name, getattr(self, name).index_select(0, rows))
-            return
-        if not n:
-            self._narrow(0, 0)
-            return
-        first = self.first_columns().tolist()
-        left = [(k, keep[0] + i) for i, k in enumerate(keep)]                  # (from, to), first row stays
-        right = [(k, keep[-1] - (n - 1 - i)) for i, k in enumerate(keep)]     # last row stays
-        cost = lambda moves: sum(self.length - first[a] for a, b in moves if a != b)  # noqa: E731
-        moves, start = (left, keep[0]) if cost(left) <= cost(right) else (right[::-1], keep[-1] - n + 1)
-        for a, b in moves:  # left: upwards in order, right: downwards from the last (never onto an unmoved row)
-            if a != b:
-                self._move_row(a, b, first[a])
-        self._narrow(start, start + n)
-
-    def _move_row(self, src: int, dst: int, first: int) -> None:
-        """Row `src`'s columns [first, length) and its whole validity, positions and ids into row `dst`."""
-        for t in (self.keys, self.values):
-            t[:, dst, :, first:self.length] = t[:, src, :, first:self.length]
-        for t in (self.valid, self.positions, self.tokens):
-            t[dst] = t[src]
-
-    def _narrow(self, start: int, stop: int) -> None:
-        self.keys, self.values = self.keys[:, start:stop], self.values[:, start:stop]
-        self.valid, self.positions, self.tokens = (t[start:stop] for t in (self.valid, self.positions, self.tokens))
-
-
-def gather_row(dst: StaticCache, i: int, src: StaticCache, r: int, end: int) -> int:
-    """Row r of `src`'s valid columns, in order, into row i of `dst` at its columns [end − n, end) → n (dst's row i
-    must hold nothing: zeros and not valid, as a new cache's rows). One slice where the columns are one run (a
-    prompt and the tokens after it), else a gather (holes of rejected drafts)."""
-    cols = src.valid[r, :src.length].nonzero().squeeze(1)
-    n = cols.numel()
-    if n == 0:
-        return 0
-    lo, hi = int(cols[0]), int(cols[-1]) + 1
-    pick = slice(lo, hi) if hi - lo == n else cols
-    dst.keys[:, i, :, end - n:end] = src.keys[:, r, :, pick]
-    dst.values[:, i, :, end - n:end] = src.values[:, r, :, pick]
-    dst.positions[i, end - n:end] = src.positions[r, pick]
-    dst.tokens[i, end - n:end] = src.tokens[r, pick]
-    dst.valid[i, end - n:end] = True
-    return n
-
-
-@dataclass
-class Layer:
-    """One block's tensors (the model's own; norms' weights as the model stores them)."""
-
-    qkv: Tensor | Int8Linear      # [(H + 2·H_kv)·hd, D]: q, k and v rows of one buffer
-    qkv_bias: Tensor | None
-    o: Tensor | Int8Linear        # [D, H·hd]
-    gate_up: Tensor | Int8Linear  # [2·F, D]
-    down: Tensor | Int8Linear     # [D, F]
-    input_norm: Tensor
-    post_attn_norm: Tensor | None   # sandwich norms (Gemma): after attention; else None
-    pre_mlp_norm: Tensor            # Gemma: pre_feedforward_layernorm; Llama: post_attention_layernorm
-    post_mlp_norm: Tensor | None    # sandwich norms only
-    q_norm: Tensor | None
-    k_norm: Tensor | None
-    kind: str              # the layer type its rope frequencies are kept under ("full_attention", ...)
-    sliding: bool
-    qk_norm: Tensor | None = None   # q_norm and k_norm as one table (`LeanBody._qk_norm`), and the weights'
-    qk_norm_version: tuple[int, int] | None = None  # versions it was made from
-    coded: dict[str, CodedLinear] | None = None  # "qkv", "o", ... -> the same matrix as GGUF codes (`use_codes`)
 
 
 
@@ -258,6 +73,30 @@ def _fuse(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
     return fused, _fuse_bias(linears)
 
 
+def _activation(mlp: nn.Module, name: str):
+    """The MLP's activation: its own attribute, or a mixture of experts' (its experts' or shared expert's)."""
+    for owner in (mlp, getattr(mlp, "experts", None), getattr(mlp, "shared_expert", None)):
+        act = getattr(owner, name, None) if owner is not None else None
+        if act is not None:
+            return act
+    raise TypeError(f"cannot find the activation of {type(mlp).__name__} (expected .{name})")
+
+
+def _hf_moe(mlp: nn.Module, arch, cfg) -> MoE | None:
+    """A transformers MoE block's weights as `MoE` (the experts' [E,2F,D] and [E,D,F] tensors sliced per expert,
+    shared), or None for a dense MLP."""
+    spec = arch.moe
+    if spec is None or not hasattr(mlp, "experts"):
+        return None
+    experts, router = mlp.experts, mlp.gate
+    shared = getattr(mlp, "shared_expert", None) if spec.shared_expert else None
+    shared_gate_up = None if shared is None else _fuse([getattr(shared, n) for n in arch.gate_up])[0]
+    return MoE(router=router.weight.detach(), gate_up=[w for w in experts.gate_up_proj.detach()],
+               down=[w for w in experts.down_proj.detach()], top_k=router.top_k, renormalise=spec.renormalises(cfg),
+               shared_gate_up=shared_gate_up, shared_down=None if shared is None else shared.down_proj.weight.detach(),
+               shared_gate=None if shared is None else mlp.shared_expert_gate.weight.detach())
+
+
 def _fuse_bias(linears: list[nn.Linear]) -> Tensor | None:
     # biases are small ([out] vectors): a concatenated copy costs nothing worth sharing
     if all(lin.bias is None for lin in linears):
@@ -266,7 +105,7 @@ def _fuse_bias(linears: list[nn.Linear]) -> Tensor | None:
                       for lin in linears])
 
 
-class LeanBody:
+class LeanBody(NativeStep):
     """The body's forward over a `StaticCache`: ids [B,T] → hidden [B,T,D] after the final norm.
 
     Build it from a transformers causal LM (`LeanBody(hf_model)`); `new_cache(batch, capacity)` makes a
@@ -299,14 +138,15 @@ class LeanBody:
                             if self.arch.scaled_embedding else None)
         self.rotary = base.rotary_emb
         self.final_norm = base.norm.weight
-        self.act = getattr(base.layers[0].mlp, self.arch.act)
+        self.act = _activation(base.layers[0].mlp, self.arch.act)
         self.hf_blocks = list(base.layers)
         self.layers = [self._layer(block, t) for block, t in zip(base.layers, self._types, strict=True)]
         self.dtype, self.device = self.embed.dtype, self.embed.device
         if int8:
             for layer in self.layers:
                 for name in ("qkv", "o", "gate_up", "down"):
-                    setattr(layer, name, Int8Linear(getattr(layer, name)))
+                    if getattr(layer, name) is not None:  # a mixture of experts keeps its experts' weights
+                        setattr(layer, name, Int8Linear(getattr(layer, name)))
 
     def _configure(self, cfg, onednn: bool | None) -> None:
         """What the step reads from the model's config (a transformers config or `models.config.ModelConfig`)."""
@@ -368,7 +208,8 @@ class LeanBody:
         weights."""
         owned = sum(w.nbytes for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
                     if isinstance(w, Int8Linear))
-        return owned + sum(c.nbytes for layer in self.layers for c in (layer.coded or {}).values())
+        experts = sum(layer.moe.nbytes for layer in self.layers if layer.moe is not None and self.hf_blocks is None)
+        return owned + experts + sum(c.nbytes for layer in self.layers for c in (layer.coded or {}).values())
 
     def use_codes(self, codes: dict) -> int:
         """Run the block matrices that have GGUF codes (`lmhead.models.gguf_codes`: the float32 weights exactly,
@@ -383,8 +224,10 @@ class LeanBody:
         for i, (layer, block) in enumerate(zip(self.layers, self.hf_blocks, strict=True)):
             attn, mlp = block.self_attn, block.mlp
             groups = {"qkv": [(f"self_attn.{n}", getattr(attn, n)) for n in self.arch.qkv],
-                      "o": [("self_attn.o_proj", attn.o_proj)], "down": [("mlp.down_proj", mlp.down_proj)],
-                      "gate_up": [(f"mlp.{n}", getattr(mlp, n)) for n in self.arch.gate_up]}
+                      "o": [("self_attn.o_proj", attn.o_proj)]}
+            if layer.moe is None:  # a mixture of experts keeps its experts' float32 weights
+                groups.update({"down": [("mlp.down_proj", mlp.down_proj)],
+                               "gate_up": [(f"mlp.{n}", getattr(mlp, n)) for n in self.arch.gate_up]})
             layer.coded = {}
             for name, parts in groups.items():
                 found = [module_codes(codes, f"layers.{i}.{path}", lin.weight) for path, lin in parts]
@@ -400,11 +243,13 @@ class LeanBody:
         attn, mlp = block.self_attn, block.mlp
         arch = self.arch
         qkv, qkv_bias = _fuse([getattr(attn, n) for n in arch.qkv])
-        gate_up, _ = _fuse([getattr(mlp, n) for n in arch.gate_up])
+        moe = _hf_moe(mlp, arch, self.config)
+        gate_up, down = (None, None) if moe is not None else (_fuse([getattr(mlp, n) for n in arch.gate_up])[0],
+                                                              mlp.down_proj.weight)
         sandwich = arch.sandwich_norms
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3, Gemma 3
         return Layer(
-            qkv=qkv, qkv_bias=qkv_bias, o=attn.o_proj.weight, gate_up=gate_up, down=mlp.down_proj.weight,
+            qkv=qkv, qkv_bias=qkv_bias, o=attn.o_proj.weight, gate_up=gate_up, down=down, moe=moe,
             input_norm=block.input_layernorm.weight,
             post_attn_norm=block.post_attention_layernorm.weight if sandwich else None,
             pre_mlp_norm=(block.pre_feedforward_layernorm if sandwich else block.post_attention_layernorm).weight,
@@ -431,16 +276,6 @@ class LeanBody:
             return y if y.dtype == x.dtype else y.type_as(x)
         return w * (y if y.dtype == x.dtype else y.type_as(x))
 
-    def _native(self, *tensors: Tensor):
-        """The C library for the element-wise work (`kernels/native.py`), or None: not built, autograd recording
-        (callers may differentiate through the result), or tensors that are not float32 on the CPU."""
-        if self.native is None or torch.is_grad_enabled():
-            return None
-        for t in tensors:
-            if t.dtype != torch.float32 or t.device.type != "cpu":
-                return None
-        return self.native
-
     def _add_norm(self, x: Tensor, a: Tensor, w_post: Tensor | None, w_pre: Tensor) -> tuple[Tensor, Tensor]:
         """The residual step around a block's branch: x' = x + norm(a, w_post) (x + a without a post-norm), and
         the next norm h = norm(x', w_pre) → (x', h), both [B,T,D]."""
@@ -465,217 +300,6 @@ class LeanBody:
         f = gate_up.shape[-1] // 2
         out = gate_up.new_empty((*gate_up.shape[:-1], f))
         lib.lmhead_gated(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1], f, self.act_code)
-        return out
-
-    def _step_descs(self):
-        """The layers as `native.LayerDesc`s for `lmhead_step` (built once; None when a block matrix has no
-        codes), and the tensors they point into (kept alive with them)."""
-        if getattr(self, "_descs", None) is None:
-            if not all(layer.coded and len(layer.coded) == 4 for layer in self.layers):
-                return None
-            keep: list[Tensor] = []
-
-            def ptr(t: Tensor | None) -> int | None:
-                if t is None:
-                    return None
-                t = t.detach().contiguous()
-                keep.append(t)
-                return t.data_ptr()
-
-            def mat(c: CodedLinear) -> native.MatDesc:
-                return native.MatDesc(ptr(c.codes), ptr(c.scale), ptr(c.offset), c.group, c.out_features,
-                                      c.in_features, c.flags)
-
-            descs = (native.LayerDesc * len(self.layers))()
-            for d, layer in zip(descs, self.layers, strict=True):
-                d.qkv, d.o = mat(layer.coded["qkv"]), mat(layer.coded["o"])
-                d.gate_up, d.down = mat(layer.coded["gate_up"]), mat(layer.coded["down"])
-                d.qkv_bias, d.input_norm = ptr(layer.qkv_bias), ptr(layer.input_norm)
-                d.post_attn_norm, d.pre_mlp_norm = ptr(layer.post_attn_norm), ptr(layer.pre_mlp_norm)
-                d.post_mlp_norm = ptr(layer.post_mlp_norm)
-                d.qk_norm = ptr(self._qk_norm(layer)) if layer.q_norm is not None else None
-                d.rope, d.sliding = self.layer_types.index(layer.kind), int(layer.sliding)
-            keep.append(self.final_norm.detach())
-            self._descs = (descs, keep, self._weight_versions())
-        return self._descs
-
-    def _weight_versions(self) -> tuple[int, ...]:
-        """The versions of every tensor `lmhead_step` reads (norms and codes' sources): a change in place
-        rebuilds its descriptors, or — for the coded matrices — sends the step down the torch path."""
-        tensors = self.__dict__.get("_versioned")
-        if tensors is None:  # the list is fixed once the layers are built; their versions are read every step
-            tensors = [self.final_norm]
-            for layer in self.layers:
-                tensors += [t for t in (layer.input_norm, layer.post_attn_norm, layer.pre_mlp_norm,
-                                        layer.post_mlp_norm, layer.q_norm, layer.k_norm, layer.qkv_bias)
-                            if t is not None]
-                for c in (layer.coded or {}).values():
-                    tensors += list(c.sources)
-            self._versioned = tensors
-        return tuple([t._version for t in tensors])
-
-    def _checked_descs(self, cache: StaticCache, rows: int):
-        """`_step_descs()` for a step of `rows` new tokens on `cache`, or None where the coded step must not run (an
-        activation it does not compute, more rows than it takes, a cache not in one piece, a matrix without codes,
-        or codes that no longer give their weights back)."""
-        if (self.act_code is None or rows > self.CODED_MAX_ROWS
-                or not cache.in_blocks()):
-            return None
-        descs = self._step_descs()
-        # the weights' versions are read once per cache (a generation), not every step: reading ~270 tensors'
-        # versions after a step has streamed the weights through the caches cost ~0.3 ms per token; a weight
-        # changed in place during a generation is seen by the next one
-        if descs is not None and cache.checked is not descs:
-            if descs[2] != self._weight_versions():
-                self._descs = None  # norms changed in place: rebuild
-                descs = self._step_descs()
-            # codes that no longer give their weights back: the torch path, at every step of this cache (the
-            # rebuilt descriptors record the new versions, so their check alone would pass from the next step)
-            if descs is not None and not all(c.current() for layer in self.layers for c in layer.coded.values()):
-                return None
-            cache.checked = descs
-        return descs
-
-    def _step_scratch(self, rows: int) -> int:
-        """Floats of `lmhead_step`'s scratch for `rows` new tokens."""
-        hd, heads, kv = self.head_dim, self.heads, self.kv_heads
-        f, d = self.layers[0].coded["down"].in_features, self.width
-        return rows * ((heads + 2 * kv) * hd + (heads + kv) * hd + heads * hd + 2 * d + 3 * f)
-
-    def _step_args(self, descs, cache: StaticCache, start: int, b: int, t: int, x: Tensor, h: Tensor,
-                   scratch: Tensor) -> native.StepArgs:
-        """`lmhead_step`'s arguments for b·t new tokens at column `start` of `cache` (x, h [b·t, D] and scratch
-        float32, contiguous), less its cos, sin and masks."""
-        return native.StepArgs(
-            layers=ctypes.addressof(descs[0]), final_norm=self.final_norm.data_ptr(), x=x.data_ptr(), h=h.data_ptr(),
-            keys=cache.keys.data_ptr(), values=cache.values.data_ptr(), scratch=scratch.data_ptr(),
-            n_layers=len(self.layers), layer_stride=cache.layer_stride, B=b, T=t, D=self.width, H=self.heads,
-            Hkv=self.kv_heads, hd=self.head_dim, F=self.layers[0].coded["down"].in_features, cap=cache.capacity,
-            start=start, eps=self.eps, scaling=self.scaling, softcap=self.attn_softcap or 0.0,
-            plus_one=int(self.arch.unit_offset_norm), act=self.act_code, threads=torch.get_num_threads())
-
-    def _step_native(self, x: Tensor, rope: dict, masks: dict, cache: StaticCache, start: int) -> Tensor | None:
-        """Every block in one C call (`lmhead_step`) when all matrices read codes → hidden [B,T,D], else None."""
-        lib = self._native(x)
-        b, t = x.shape[:2]
-        descs = None if lib is None else self._checked_descs(cache, b * t)
-        if descs is None:
-            return None
-        kinds = [rope[kind] for kind in self.layer_types]
-        cos = [c.contiguous() for c, _ in kinds]
-        sin = [s.contiguous() for _, s in kinds]
-        mask_list = [None if masks.get(flag) is None else masks[flag].contiguous() for flag in (False, True)]
-        arr = lambda ts: (ctypes.c_void_p * len(ts))(*[None if v is None else v.data_ptr() for v in ts])  # noqa: E731
-        cos_ptrs, sin_ptrs, mask_ptrs = arr(cos), arr(sin), arr(mask_list)  # held: the call reads them
-        scratch = x.new_empty(self._step_scratch(b * t))
-        x = x.contiguous().clone()
-        h = torch.empty_like(x)
-        args = self._step_args(descs, cache, start, b, t, x, h, scratch)
-        args.cos, args.sin = ctypes.addressof(cos_ptrs), ctypes.addressof(sin_ptrs)
-        args.masks = ctypes.addressof(mask_ptrs)
-        rc = lib.lmhead_step(args)
-        if rc != 0:
-            raise MemoryError("lmhead_step could not allocate its buffers")
-        return h
-
-    def _decode_native(self, ids: Tensor, positions: Tensor, cache: StaticCache, valid: Tensor | None
-                       ) -> Tensor | None:
-        """`forward`'s whole call in C (`lmhead_decode`: the cache's bookkeeping, the embedding, the rope rows
-        and the masks, then `lmhead_step`) → hidden [B,T,D]; None where it does not serve (then nothing has been
-        written and the general path runs): the step's own conditions, rope tables not made yet or too short
-        for a position, an id outside the vocabulary, tensors of another dtype or layout. Why: after a step
-        has streamed the weights through the caches, each torch operation around it costs 50–300 µs
-        (decode_kernels.c), ~1 ms of a 10 ms step."""
-        lib = self._native(self.final_norm)
-        b, t = ids.shape
-        if lib is None or (self.embed is not None and not self.embed.is_contiguous()):
-            return None
-        tables = self.__dict__.get("_rope_tables", {})
-        rows_tables = [tables.get((kind, self.dtype, self.device)) for kind in self.layer_types]
-        if any(tb is None for tb in rows_tables):
-            return None  # made by the general path's first call (`_rotary`), which checks the rope type
-        table_rows = min(tb[0].shape[0] for tb in rows_tables)
-        for tensor, dtype in ((ids, torch.long), (positions, torch.long), (cache.valid, torch.bool),
-                              (cache.positions, torch.long), (cache.tokens, torch.long)):
-            if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
-                return None
-        if valid is not None and (valid.dtype != torch.bool or valid.shape != ids.shape or not valid.is_contiguous()):
-            return None
-        if positions.shape != ids.shape:
-            return None
-        descs = self._checked_descs(cache, b * t)
-        if descs is None:
-            return None
-        start, cap, d, rows = cache.length, cache.capacity, self.width, b * t
-        hd = self.head_dim
-        key = (rows, cap, threading.get_ident())  # per thread: two generations at once must not share them
-        buffers = self.__dict__.setdefault("_decode_buffers", {})
-        if key not in buffers:  # reused: the residual stream, the step's scratch and the prelude's rows/masks
-            if len(buffers) > 16:
-                buffers.clear()
-            work = rows * (2 * len(self.layer_types) * hd + 2 * cap)
-            new = self.final_norm.new_empty
-            buffers[key] = (new(rows * d), new(self._step_scratch(rows)), new(work))
-        x, scratch, work = buffers[key]
-        made = self.__dict__.get("_table_ptrs")
-        if made is None or any(a is not b for a, b in zip(made[0], rows_tables, strict=True)):
-            if not all(c.is_contiguous() and sn.is_contiguous() for c, sn in rows_tables):
-                return None
-            ptrs = lambda ts: (ctypes.c_void_p * len(ts))(*[tb.data_ptr() for tb in ts])  # noqa: E731
-            scale = self.embed_scale  # a constant of the model (Gemma: √D); read once, not at every step
-            made = (rows_tables, ptrs([c for c, _ in rows_tables]), ptrs([sn for _, sn in rows_tables]),
-                    sum({1 << int(layer.sliding) for layer in self.layers}), 0.0 if scale is None else float(scale))
-            self._table_ptrs = made
-        h = self.final_norm.new_empty((b, t, d))
-        coded = self.embed_codes
-        embed_desc = None if coded is None else self.__dict__.get("_embed_desc")
-        if coded is not None and embed_desc is None:
-            embed_desc = self._embed_desc = coded.desc()  # held here: the calls read it
-        rc = lib.lmhead_decode(native.DecodeArgs(
-            step=self._step_args(descs, cache, start, b, t, x, h, scratch),
-            embed=None if coded is not None else self.embed.data_ptr(),
-            embed_codes=None if embed_desc is None else ctypes.addressof(embed_desc),
-            ids=ids.data_ptr(), positions=positions.data_ptr(), new_valid=None if valid is None else valid.data_ptr(),
-            cache_valid=cache.valid.data_ptr(), cache_pos=cache.positions.data_ptr(),
-            cache_tokens=cache.tokens.data_ptr(), cos_tables=ctypes.addressof(made[1]),
-            sin_tables=ctypes.addressof(made[2]), work=work.data_ptr(),
-            vocab=coded.out_features if coded is not None else self.embed.shape[0], n_kinds=len(self.layer_types),
-            table_rows=table_rows, window=self.window or 0, embed_scale=made[4],
-            has_scale=int(self.embed_scale is not None), sliding_kinds=made[3]))
-        if rc == -2:
-            return None
-        if rc != 0:
-            raise MemoryError("lmhead_step could not allocate its buffers")
-        cache.length = start + t
-        return h
-
-    def _attention_native(self, qk: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, cache: StaticCache, i: int,
-                          start: int, mask: Tensor | None) -> Tensor | None:
-        """Rope, the cache write and attention of layer i in one C call (`lmhead_attend`) → [B,T,H·hd], or None
-        where the torch path must run (no library, a layout it does not take)."""
-        keys, values = cache.keys[i], cache.values[i]
-        lib = self._native(qk, qkv, cos, sin, keys)
-        if lib is None or not (qkv.is_contiguous() and keys.is_contiguous() and values.is_contiguous()):
-            return None
-        b, t = qkv.shape[:2]
-        width = qkv.shape[-1]
-        if qk.data_ptr() == qkv.data_ptr():  # no q/k norm: the heads are read in place from qkv
-            qk_ptr, qk_stride = qkv.data_ptr(), width
-        else:
-            qk = qk.contiguous()
-            qk_ptr, qk_stride = qk.data_ptr(), qk.shape[-1] * qk.shape[-2]
-        cos, sin = cos.contiguous(), sin.contiguous()
-        mask = None if mask is None else mask.contiguous()
-        out = qkv.new_empty((b, t, self.heads * self.head_dim))
-        v_offset = (self.heads + self.kv_heads) * self.head_dim * qkv.element_size()
-        rc = lib.lmhead_attend(native.AttendArgs(
-            qk=qk_ptr, v=qkv.data_ptr() + v_offset, cos=cos.data_ptr(), sin=sin.data_ptr(), keys=keys.data_ptr(),
-            values=values.data_ptr(), mask=None if mask is None else mask.data_ptr(), out=out.data_ptr(),
-            qk_stride=qk_stride, v_stride=width, B=b, T=t, H=self.heads, Hkv=self.kv_heads, hd=self.head_dim,
-            cap=cache.capacity, start=start, scaling=self.scaling, softcap=self.attn_softcap or 0.0,
-            threads=torch.get_num_threads()))
-        if rc != 0:
-            raise MemoryError("lmhead_attend could not allocate its buffers")
         return out
 
     def _qk_norm(self, layer: Layer) -> Tensor:
@@ -704,6 +328,12 @@ class LeanBody:
             y = coded(x)
             return y if b is None else y + b
         return self._linear(x, weight, b)
+
+    def _mlp(self, h: Tensor, layer: Layer) -> Tensor:
+        """The layer's MLP on h [B,T,D]: down(act(gate)·up), or its mixture of experts (`models/moe.py`)."""
+        if layer.moe is not None:
+            return layer.moe(h, self._gated)
+        return self._product(self._gated(self._product(h, layer, "gate_up")), layer, "down")
 
     def _linear(self, x: Tensor, w: Tensor | Int8Linear, b: Tensor | None = None) -> Tensor:
         if isinstance(w, Int8Linear):
@@ -832,7 +462,7 @@ class LeanBody:
                                  masks[layer.sliding])
             a = self._product(a, layer, "o")
             x, h = self._add_norm(x, a, layer.post_attn_norm, layer.pre_mlp_norm)
-            m = self._product(self._gated(self._product(h, layer, "gate_up")), layer, "down")
+            m = self._mlp(h, layer)
             # the next block's input norm (the final norm after the last block) in the same pass
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
             x, h = self._add_norm(x, m, layer.post_mlp_norm, following)
