@@ -32,9 +32,9 @@ def _hf_model(arch: str, seed: int, width: int = 32):
     from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     tokenizer = tiny_tokenizer()
-    if width != 32:  # rows of whole 256-weight blocks (the K-quants and IQ4_XS): a wider llama
-        if arch != "llama":
-            raise ValueError(f"width {width}: only the llama tiny model comes wider")
+    if width != 32 and arch not in MOE_ARCHS:  # rows of whole 256-weight blocks (the K-quants and IQ4_XS): a wider
+        if arch != "llama":                      # llama (or mixture of experts)
+            raise ValueError(f"width {width}: only the llama and the MoE tiny models come wider")
         config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width,
                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                              head_dim=width // 2, max_position_embeddings=256, tie_word_embeddings=True,
@@ -43,10 +43,10 @@ def _hf_model(arch: str, seed: int, width: int = 32):
     elif arch in ("llama", "gemma3"):
         config = tiny_config(arch, len(tokenizer))
     else:
-        common = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
-                      tie_word_embeddings=True, initializer_range=0.3, pad_token_id=0, eos_token_id=1,
-                      bos_token_id=2)
+        common = dict(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=width // 2, max_position_embeddings=256,
+                      tie_word_embeddings=True, initializer_range=0.3 * (32 / width) ** 0.5, pad_token_id=0,
+                      eos_token_id=1, bos_token_id=2)
         if arch == "qwen3":  # transformers reads no head_dim from a qwen3 file: its default, 128
             common["head_dim"] = 128
         if arch == "gemma2":
@@ -58,6 +58,8 @@ def _hf_model(arch: str, seed: int, width: int = 32):
             config = Phi3Config(**{**common, "tie_word_embeddings": False})
         elif arch in ("qwen2", "qwen3"):
             config = Qwen2Config(**common) if arch == "qwen2" else Qwen3Config(**common)
+        elif arch in MOE_ARCHS:
+            config = _moe_config(arch, common)
         else:
             raise ValueError(f"no tiny {arch} model")
     with torch.random.fork_rng(devices=[]):
@@ -68,6 +70,45 @@ def _hf_model(arch: str, seed: int, width: int = 32):
                 if "norm" in name or name.endswith(".bias"):
                     param.add_(0.5 * torch.randn_like(param))
     return model.eval(), tokenizer
+
+
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")  # the mixtures of experts: 8 experts, 2 a token
+_MOE_FILE_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}  # general.architecture
+
+
+def _moe_config(arch: str, common: dict):
+    """A tiny mixture of experts: 8 experts as wide as the model (Mixtral's intermediate_size), 2 chosen a token;
+    Qwen2-MoE with a shared expert twice as wide; Qwen3-MoE renormalising the top 2, Qwen2-MoE not (their GGUF
+    rules). Widths are whole blocks of the file's type (32, or 256 for the K-quants)."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    width = common["hidden_size"]
+    common = {**common, "num_experts_per_tok": 2}
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**common, moe_intermediate_size=width, num_experts=8, norm_topk_prob=True)
+    if arch == "qwen2_moe":
+        common.pop("head_dim")
+        return Qwen2MoeConfig(**common, moe_intermediate_size=width, shared_expert_intermediate_size=2 * width,
+                              num_experts=8, norm_topk_prob=False)
+    common.pop("head_dim")
+    return MixtralConfig(**{**common, "intermediate_size": width}, num_local_experts=8)
+
+
+def _moe_tensors(name: str, a: np.ndarray, moe_ffn: int) -> list[tuple[str, np.ndarray]]:
+    """A transformers MoE tensor as llama.cpp's converter writes it: the experts' [E, 2F, D] gate_up split into
+    ffn_gate_exps and ffn_up_exps [E, F, D], down [E, D, F] as ffn_down_exps, the router as ffn_gate_inp, the
+    shared expert's as ffn_*_shexp and its gate [1, D] as ffn_gate_inp_shexp (GGUF lists the dims reversed)."""
+    parts = name.split(".")
+    p = f"blk.{parts[2]}."
+    module = ".".join(parts[3:-1]) if parts[-1] in ("weight", "bias") else ".".join(parts[3:])
+    if module == "mlp.experts.gate_up_proj":
+        return [(p + "ffn_gate_exps.weight", a[:, :moe_ffn]), (p + "ffn_up_exps.weight", a[:, moe_ffn:])]
+    if module == "mlp.experts.down_proj":
+        return [(p + "ffn_down_exps.weight", a)]
+    shared = {"mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+              "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+              "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+    return [(p + shared[module] + "." + parts[-1], a)]
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -147,27 +188,58 @@ def _blocks(a: np.ndarray, kind: str) -> np.ndarray:
         step = d[:, None] * sc
         q = np.clip(np.rint((g + (dmin[:, None] * m)[..., None]) / np.where(step == 0, 1, step)[..., None]), 0, 3)
         return np.concatenate([sc | (m << 4), _pack2(q.reshape(nb, 256)), _f16(d), _f16(dmin)], 1).reshape(n, -1)
+    if kind == "Q4_K":  # d·sc·q − dmin·m per 32, sc and m 6-bit, q 4-bit
+        g = x.reshape(nb, 8, 32)
+        lo = np.minimum(g.min(2), 0)
+        dl, ml = (g.max(2) - lo) / 15, -lo
+        d = (dl.max(1) / 63).astype(np.float16).astype(np.float32)
+        dmin = (ml.max(1) / 63).astype(np.float16).astype(np.float32)
+        sc = np.clip(np.rint(dl / np.where(d == 0, 1, d)[:, None]), 0, 63).astype(np.uint8)
+        m = np.clip(np.rint(ml / np.where(dmin == 0, 1, dmin)[:, None]), 0, 63).astype(np.uint8)
+        step = d[:, None] * sc
+        q = np.clip(np.rint((g + (dmin[:, None] * m)[..., None]) / np.where(step == 0, 1, step)[..., None]), 0, 15)
+        packed = np.zeros((nb, 12), dtype=np.uint8)  # llama.cpp's get_scale_min_k4, written
+        packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+        packed[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+        packed[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+        q = q.astype(np.uint8).reshape(nb, 4, 2, 32)                  # per 64: low nibbles 32, high nibbles 32
+        qs = (q[:, :, 0] | q[:, :, 1] << 4).reshape(nb, 128)
+        return np.concatenate([_f16(d), _f16(dmin), packed, qs], 1).reshape(n, -1)
     raise ValueError(f"no writer for GGUF type {kind}")
 
 
-_OWN_WRITER = ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")  # types gguf-py's `quantize` does not write
+_OWN_WRITER = ("Q2_K", "Q3_K", "Q4_K", "IQ4_NL", "IQ4_XS")  # types gguf-py's `quantize` does not write
 
 
 def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", seed: int = 0, drop: str | None = None,
-                    rope_factors: bool = False) -> Path:
+                    rope_factors: bool = False, moe_header: dict | None = None) -> Path:
     """Write tiny.py's `arch` model to `path` as a GGUF file with its matrices in `kind` (without the tensor `drop`:
     an incomplete file; `rope_factors`: with the long/short rope factor tensors llama.cpp writes for a longrope
-    Phi-3); returns the path. Types of 256-weight blocks (Q2_K, Q3_K, IQ4_XS) get a wider
-    llama (width 256), whose rows are whole blocks."""
+    Phi-3; `moe_header`: expert_count / expert_used_count written instead of the model's — a header that
+    contradicts the tensors); returns the path. Types of 256-weight blocks (Q2_K, Q3_K, Q4_K, IQ4_XS) get a wider
+    llama or mixture of experts (width 256), whose rows are whole blocks. `arch` may also be a mixture of experts
+    (`MOE_ARCHS`: experts stacked [E, F, D] per layer, as llama.cpp's converter writes them)."""
     import gguf
     from gguf.constants import GGML_QUANT_SIZES
-    from gguf.quants import quantize
 
     qtype = gguf.GGMLQuantizationType[kind]
     model, tokenizer = _hf_model(arch, seed, width=256 if GGML_QUANT_SIZES[qtype][0] == 256 else 32)
+    write_model_gguf(path, arch, model, tokenizer, kind, drop=drop, rope_factors=rope_factors,
+                     moe_header=moe_header)
+    return Path(path)
+
+
+def write_model_gguf(path: Path, arch: str, model, tokenizer, kind: str = "Q8_0", drop: str | None = None,
+                     rope_factors: bool = False, moe_header: dict | None = None) -> Path:
+    """Write a transformers model of tiny.py's `arch` family (with `tokenizer`, tiny.py's) to `path` as
+    `write_tiny_gguf` does; returns the path."""
+    import gguf
+    from gguf.quants import quantize
+
+    qtype = gguf.GGMLQuantizationType[kind]
     cfg = model.config
     gemma = arch in ("gemma2", "gemma3")
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), _MOE_FILE_ARCH.get(arch, arch))
     w.add_name(f"tiny-{arch}")
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -182,8 +254,18 @@ def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", seed: i
     theta = (cfg.rope_parameters or {}).get("rope_theta") if arch != "gemma3" else \
         cfg.rope_parameters["full_attention"]["rope_theta"]
     w.add_rope_freq_base(float(theta or 10000.0))
-    if arch in ("llama", "phi3"):
+    if arch in ("llama", "phi3", "mixtral"):
         w.add_rope_dimension_count(head_dim)
+    moe_ffn = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    if arch in MOE_ARCHS:  # as llama.cpp's converter writes them
+        header = {"expert_count": getattr(cfg, "num_experts", None) or cfg.num_local_experts,
+                  "expert_used_count": cfg.num_experts_per_tok, **(moe_header or {})}
+        w.add_expert_count(header["expert_count"])
+        w.add_expert_used_count(header["expert_used_count"])
+        if arch != "mixtral":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if arch == "qwen2_moe":
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if gemma:
         w.add_sliding_window(cfg.sliding_window)
     if arch == "gemma2":  # as llama.cpp's converter writes them (transformers' reader takes neither)
@@ -211,6 +293,17 @@ def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", seed: i
             if cfg.tie_word_embeddings:
                 continue
             out = "output.weight"
+        elif ".mlp." in name and arch in MOE_ARCHS:
+            for out, part in _moe_tensors(name, a, moe_ffn):
+                if out == drop:
+                    continue
+                part = np.ascontiguousarray(part)
+                if out.endswith("_exps.weight") or "_shexp." in out and "gate_inp" not in out:
+                    w.add_tensor(out, _blocks(part.reshape(-1, part.shape[-1]), kind).reshape(*part.shape[:-1], -1)
+                                 if kind in _OWN_WRITER else quantize(part, qtype), raw_dtype=qtype)
+                else:  # the routers: float32, as llama.cpp keeps them
+                    w.add_tensor(out, part.astype(np.float32))
+            continue
         else:
             parts = name.split(".")  # model.layers.{i}.{module...}.{weight|bias}
             module = ".".join(parts[3:-1])
@@ -222,7 +315,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", seed: i
             else:
                 gg = _NAMES[module]
             out = f"blk.{parts[2]}.{gg}.{suffix}"
-            if arch == "llama" and gg in ("attn_q", "attn_k"):
+            if arch in ("llama", "mixtral") and gg in ("attn_q", "attn_k"):
                 a = _permute(a, cfg.num_attention_heads if gg == "attn_q" else cfg.num_key_value_heads)
         if out == drop:
             continue
@@ -242,3 +335,46 @@ def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", seed: i
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """transformers' reverse of llama.cpp's q/k row order (`_permute`'s inverse)."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def reference_from_gguf(path: Path, arch: str, seed: int = 0):
+    """The transformers model of tiny `arch` (its config) holding the file's own numbers: every tensor of `path`
+    dequantized by gguf-py and put back under transformers' name (the experts' gate and up stacked into
+    gate_up_proj, llama's q/k rows un-permuted) — the reference for families whose files transformers' GGUF
+    reader does not load whole. Nothing of lmhead's is used."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    file = {t.name: np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
+        tuple(int(d) for d in reversed(t.shape))) for t in reader.tensors}
+    width = next(int(t.shape[0]) for t in reader.tensors if t.name == "token_embd.weight")
+    model, _ = _hf_model(arch, seed, width=width)
+    cfg = model.config
+    moe_ffn = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    state = {}
+    for name, t in model.state_dict().items():
+        if name == "model.embed_tokens.weight":
+            a = file["token_embd.weight"]
+        elif name == "model.norm.weight":
+            a = file["output_norm.weight"]
+        elif name == "lm_head.weight":
+            a = file.get("output.weight", file["token_embd.weight"])
+        elif ".mlp." in name and arch in MOE_ARCHS:
+            got = [file[out] for out, _ in _moe_tensors(name, t.numpy(), moe_ffn)]
+            a = np.concatenate(got, axis=1) if len(got) == 2 else got[0]
+        else:
+            parts = name.split(".")
+            module = ".".join(parts[3:-1])
+            gg = "ffn_norm" if module == "post_attention_layernorm" else _NAMES[module]
+            a = file[f"blk.{parts[2]}.{gg}.{parts[-1]}"]
+            if arch in ("llama", "mixtral") and gg in ("attn_q", "attn_k"):
+                a = _unpermute(a, cfg.num_attention_heads if gg == "attn_q" else cfg.num_key_value_heads)
+        state[name] = torch.from_numpy(np.array(a, dtype=np.float32).reshape(t.shape))
+    model.load_state_dict(state)
+    return model.eval()

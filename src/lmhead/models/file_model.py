@@ -33,6 +33,7 @@ from lmhead.models.coded_linear import CodedLinear, coded_available
 from lmhead.models.config import ModelConfig
 from lmhead.models.convert import eos_ids
 from lmhead.models.errors import ModelError
+from lmhead.models.file_experts import moe_config, read_moe
 from lmhead.models.gguf_codes import FOUR_BIT, Codes, coded_nbytes, fuse_codes
 from lmhead.models.gguf_file import CODE_TYPES, DENSE_TYPES, GGUFFile
 from lmhead.models.heap import one_arena, trim_heap
@@ -282,6 +283,7 @@ def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None, workers: int)
     from lmhead.models.lean import Layer, LeanBody
     from lmhead.models.rope import Rotary
 
+    moe_config(f, cfg)
     why = file_refusal(cfg)
     if why is not None:
         raise ModelError(f"{f.path}: the lean body does not run {why}")
@@ -289,10 +291,17 @@ def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None, workers: int)
     arch = r.arch
     types = list(cfg.layer_types or ["full_attention"] * cfg.num_hidden_layers)
 
+    def shared_linear(names: list[str]):
+        c, w = r.linear(names)
+        return c if c is not None else w
+
     def layer(i: int, kind: str) -> Layer:
         p = f"blk.{i}."
-        mats, coded = {}, {}
+        moe = read_moe(f, i, arch, cfg, r.vector, shared_linear)
+        mats, coded = {"gate_up": None, "down": None}, {}
         for key, parts in _linears(arch):
+            if moe is not None and key in ("gate_up", "down"):
+                continue  # the layer's MLP is its experts
             c, w = r.linear([p + part + ".weight" for part in parts])
             mats[key] = w
             if c is not None:
@@ -300,7 +309,7 @@ def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None, workers: int)
         sandwich = arch.sandwich_norms
         return Layer(
             qkv=mats["qkv"], qkv_bias=_qkv_bias(r, p, arch), o=mats["o"], gate_up=mats["gate_up"],
-            down=mats["down"], input_norm=r.vector(p + "attn_norm.weight"),
+            down=mats["down"], moe=moe, input_norm=r.vector(p + "attn_norm.weight"),
             post_attn_norm=r.vector(p + "post_attention_norm.weight") if sandwich else None,
             pre_mlp_norm=r.vector(p + "ffn_norm.weight"),
             post_mlp_norm=r.vector(p + "post_ffw_norm.weight") if sandwich else None,

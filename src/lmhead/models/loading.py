@@ -270,6 +270,28 @@ def load_model(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, verify: 
     return cls(hf_model, tokenizer, name=source.name, path=folder, body=body, head=head, progress=progress)
 
 
+def _convertible(f) -> None:
+    """ModelError where a GGUF file's architecture is none the lean body runs from a file and transformers' GGUF
+    reader does not read either (one line naming it and the ones lmhead runs), or where its float32 conversion
+    (4 bytes a weight, from the tensor table) cannot fit in the memory available now."""
+    import numpy as np
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    from lmhead.models.file_model import FILE_ARCHITECTURES, available_memory
+
+    runs = ", ".join(sorted({*FILE_ARCHITECTURES, "llama with ffn_*_exps (Mixtral)"}))
+    arch = f.architecture
+    if not {arch, arch.replace("-", "_"), arch.replace("moe", "_moe")} & set(GGUF_SUPPORTED_ARCHITECTURES):
+        raise ModelError(f"{f.path}: the architecture {arch!r} is not one lmhead runs ({runs}) and transformers "
+                         "cannot read it")
+    need = 4 * sum(int(np.prod(f.shape(name))) for name in f.tensors)
+    have = available_memory()
+    if have is not None and need > have and not os.environ.get("LMHEAD_IGNORE_MEMORY"):
+        raise ModelError(f"{f.path}: the architecture {arch!r} is not one lmhead runs from its file ({runs}); "
+                         f"transformers' float32 model of it needs about {need / 2**30:.1f} GiB of memory and "
+                         f"{have / 2**30:.1f} GiB is available (LMHEAD_IGNORE_MEMORY=1 tries anyway)")
+
+
 def _gguf_path(source: Source, folder: Path | None, workdir: Path) -> Path:
     """The GGUF file of a GGUF source: the user's file, the package's, or the one assembled into `folder`."""
     if source.kind == "gguf":
@@ -288,6 +310,7 @@ def _load_file(source: Source, head: str, body: str, progress: bool, cls: type):
     from lmhead.head import LMHead
     from lmhead.models.coded_head import CodedHead
     from lmhead.models.coded_linear import CodedLinear
+    from lmhead.models.file_experts import moe_config
     from lmhead.models.file_model import (
         FILE_ARCHITECTURES,
         check_fits,
@@ -311,7 +334,10 @@ def _load_file(source: Source, head: str, body: str, progress: bool, cls: type):
         f = GGUFFile(gguf)  # a damaged file: its error (naming it) before anything is written
         if f.architecture not in FILE_ARCHITECTURES:
             arch = f.architecture
-            f.close()
+            try:
+                _convertible(f)  # ModelError: neither lmhead nor transformers runs it, or it cannot fit
+            finally:
+                f.close()
             print(f"lmhead: {gguf.name}: the architecture {arch!r} (read from the file: "
                   f"{', '.join(FILE_ARCHITECTURES)}); running transformers' body on a float32 conversion",
                   file=sys.stderr, flush=True)
@@ -325,6 +351,11 @@ def _load_file(source: Source, head: str, body: str, progress: bool, cls: type):
         if assembled:  # moved into the folder (one file system: the map stays valid)
             f.path = folder / "model.gguf"
     cfg, tokenizer, eos = read_meta(folder, fresh)
+    try:
+        moe_config(f, cfg)  # the experts transformers' GGUF reader leaves out of the config, checked
+    except BaseException:
+        f.close()
+        raise
     del fresh  # transformers' tokenizer made now: the tables answer for it (start_tokenizer)
     trim_heap()
     gguf = f.path

@@ -1,0 +1,189 @@
+"""A GGUF file's mixture-of-experts layers read from its own codes: the header's expert counts checked against the
+tensors, each expert's matrices a slice of the file's 3-D tensors.
+
+    header: <arch>.expert_count E, .expert_used_count k (.expert_feed_forward_length F)
+    blk.i.ffn_gate_inp.weight [E, D] (the router, float32 in llama.cpp's files)
+    blk.i.ffn_gate_exps / ffn_up_exps [E, F, D], ffn_down_exps [E, D, F] ──expert e: rows [e·F, (e+1)·F) of the
+        tensor's blocks──▶ codes + group scales ──▶ CodedLinear gate_up [2F, D] (gate rows first), down [D, F]
+    blk.i.ffn_{gate,up,down}_shexp, ffn_gate_inp_shexp [1, D] (Qwen2-MoE's shared expert and its gate)
+
+`moe_config` completes the config transformers read from the file with what its GGUF reader leaves out (the
+experts' width, Qwen2-MoE's shared expert's; a llama file with experts is Mixtral) and refuses a file whose
+header and tensors disagree, naming the tensor. `read_moe` builds one layer's `MoE` (`models/moe.py`); nothing
+is converted to float32 but the router and the types without a code kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from lmhead.models.arch import ArchSpec, arch_of
+from lmhead.models.coded_linear import CodedLinear
+from lmhead.models.errors import ModelError
+from lmhead.models.gguf_codes import BLOCKS, FOUR_BIT, Codes, block_scales, fuse_codes
+from lmhead.models.gguf_file import CODE_TYPES, DENSE_TYPES, GGUFFile, Header, block_codes
+from lmhead.models.moe import MoE
+
+__all__ = ["moe_config", "read_moe"]
+
+
+def _layers_with_experts(f: GGUFFile, names: tuple[str, ...]) -> list[int]:
+    return sorted({int(n.split(".")[1]) for n in f.tensors
+                   if n.startswith("blk.") and any(n.endswith(f".{part}.weight") for part in names)})
+
+
+def moe_config(f: GGUFFile, cfg: Any) -> ArchSpec | None:
+    """Complete `cfg` (a ModelConfig, changed in place) with the file's experts and check them; → the row of its
+    architecture where it is a mixture of experts, else None. ModelError naming the tensor or header key that
+    contradicts the others."""
+    spec = arch_of(cfg)
+    probe = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    layers = _layers_with_experts(f, probe)
+    if not layers:
+        if spec is not None and spec.moe is not None:
+            raise ModelError(f"{f.path}: a {f.architecture} model needs its experts' tensors (blk.N.ffn_gate_inp, "
+                             "ffn_gate_exps, ffn_up_exps, ffn_down_exps); the file has none")
+        return None
+    if spec is not None and spec.model_type == "llama":  # Mixtral's files say "llama" and hold experts
+        cfg.model_type = "mixtral"
+        spec = arch_of(cfg)
+    if spec is None or spec.moe is None:
+        return None  # refused by the caller for its model type
+    moe = spec.moe
+    fields = Header(f.path).fields
+    key = f"{f.architecture}.expert_count"
+    used_key = f"{f.architecture}.expert_used_count"
+    experts, used = fields.get(key), fields.get(used_key)
+    if not isinstance(experts, int) or experts < 1:
+        raise ModelError(f"{f.path}: the header's {key} is {experts!r}; a mixture of experts needs a count ≥ 1")
+    if not isinstance(used, int) or not 1 <= used <= experts:
+        raise ModelError(f"{f.path}: the header's {used_key} is {used!r}; it must be in [1, {experts}] "
+                         f"({key} {experts})")
+    d = cfg.hidden_size
+    width = None
+    for i in layers:
+        p = f"blk.{i}."
+        for part in (moe.router, *moe.gguf_experts):
+            if p + part + ".weight" not in f.tensors:
+                raise ModelError(f"{f.path}: layer {i} has experts but no tensor {p}{part}.weight")
+        router = f.shape(p + moe.router + ".weight")
+        if router != (experts, d):
+            raise ModelError(f"{f.path}: tensor {p}{moe.router}.weight is {_dims(router)}; the header's {key} "
+                             f"({experts}) and the width ({d}) say {experts}x{d}")
+        gate, up, down = (f.shape(p + part + ".weight") for part in moe.gguf_experts)
+        ffn = gate[1] if len(gate) == 3 else None
+        want = {moe.gguf_experts[0]: (experts, ffn, d), moe.gguf_experts[1]: (experts, ffn, d),
+                moe.gguf_experts[2]: (experts, d, ffn)}
+        for part, shape in zip(moe.gguf_experts, (gate, up, down), strict=True):
+            if shape != want[part] or ffn is None:
+                raise ModelError(f"{f.path}: tensor {p}{part}.weight is {_dims(shape)}; {len(moe.gguf_experts)} "
+                                 f"expert tensors of [{key} {experts}, F, {d}] (down: [{experts}, {d}, F]) expected")
+        if width is not None and ffn != width:
+            raise ModelError(f"{f.path}: tensor {p}{moe.gguf_experts[0]}.weight has experts {ffn} wide; "
+                             f"layer {layers[0]}'s are {width}")
+        width = ffn
+    header_ffn = fields.get(f"{f.architecture}.expert_feed_forward_length")
+    if isinstance(header_ffn, int) and header_ffn != width:
+        raise ModelError(f"{f.path}: the header's {f.architecture}.expert_feed_forward_length is {header_ffn}; "
+                         f"tensor blk.{layers[0]}.{moe.gguf_experts[0]}.weight holds experts {width} wide")
+    said = getattr(cfg, moe.experts_key, None)
+    if isinstance(said, int) and said != experts and spec.model_type != "mixtral":
+        raise ModelError(f"{f.path}: the config read from the file says {moe.experts_key} {said}; the header's "
+                         f"{key} and tensor blk.{layers[0]}.{moe.router}.weight say {experts}")
+    setattr(cfg, moe.experts_key, experts)
+    cfg.num_experts_per_tok = used
+    if spec.model_type == "mixtral":
+        cfg.intermediate_size = width
+    else:
+        cfg.moe_intermediate_size = width
+    if moe.shared_expert:
+        shared = p + moe.gguf_shared[0] + ".weight"
+        if shared in f.tensors:
+            cfg.shared_expert_intermediate_size = f.shape(shared)[0]
+    return spec
+
+
+def _dims(shape: tuple[int, ...]) -> str:
+    return "x".join(str(n) for n in shape)
+
+
+class _Experts:
+    """One 3-D tensor [E, N, K] of the file, expert by expert."""
+
+    def __init__(self, f: GGUFFile, name: str) -> None:
+        self.f, self.name = f, name
+        self.kind = f.type_of(name)
+        self.experts, self.n, self.k = f.shape(name)
+        self._dense: torch.Tensor | None = None
+
+    def rows(self, e: int) -> np.ndarray:
+        """Expert e's bytes [N, bytes per row] (a view of the map)."""
+        data = np.asarray(self.f.tensors[self.name].data)
+        if data.shape[0] != self.experts * self.n:
+            raise ModelError(f"{self.f.path}: tensor {self.name} ({self.kind}) does not hold "
+                             f"{self.experts}x{self.n} rows of {self.k}")
+        return data[e * self.n:(e + 1) * self.n]
+
+    def codes(self, e: int) -> Codes:
+        per_block, nbytes, group = BLOCKS[self.kind]
+        rows = self.rows(e)
+        if self.k % per_block or rows.shape[1] != self.k // per_block * nbytes:
+            raise ModelError(f"{self.f.path}: tensor {self.name} ({self.kind}, {self.experts}x{self.n}x{self.k}) "
+                             "does not hold whole blocks")
+        blocks = rows.reshape(-1, nbytes)
+        s, o = block_scales(self.kind, blocks)
+        codes = torch.from_numpy(block_codes(self.kind, blocks).reshape(self.n, self.k))
+        scale = torch.from_numpy(np.ascontiguousarray(s).reshape(self.n, self.k // group))
+        offset = None if o is None else torch.from_numpy(np.ascontiguousarray(o).reshape(self.n, self.k // group))
+        return Codes(codes, scale, offset, self.kind)
+
+    def weights(self, e: int) -> torch.Tensor:
+        """Expert e of an F16, BF16 or F32 tensor, as it is ([N, K] of that dtype, a copy)."""
+        dtype = DENSE_TYPES[self.kind]
+        ints = {torch.float32: np.int32}.get(dtype, np.int16)
+        return torch.from_numpy(np.ascontiguousarray(self.rows(e)).view(ints).copy()).view(dtype)
+
+    def dequantized(self, e: int) -> torch.Tensor:
+        """Expert e as float32 [N, K] (gguf-py's dequantisation of the whole tensor, made once)."""
+        if self._dense is None:
+            self._dense = self.f.dequantize(self.name)
+        return self._dense[e]
+
+
+def _matrix(parts: list[_Experts], e: int) -> CodedLinear | torch.Tensor:
+    """Expert e of `parts` (gate and up, or down alone) as one matrix, rows concatenated: codes where the parts are
+    of one code type, a file's float weights as they are, else float32."""
+    kinds = {p.kind for p in parts}
+    if len(kinds) == 1 and kinds <= CODE_TYPES:
+        fused = fuse_codes([p.codes(e) for p in parts])
+        return CodedLinear(fused.codes, fused.scale, fused.offset, four_bit=FOUR_BIT.get(kinds.pop()))
+    if len(kinds) == 1 and kinds <= DENSE_TYPES.keys():
+        return CodedLinear.dense16(torch.cat([p.weights(e) for p in parts]))
+    return torch.cat([p.dequantized(e) for p in parts])
+
+
+def read_moe(f: GGUFFile, layer: int, spec: ArchSpec, cfg: Any, vector, shared_linear) -> MoE | None:
+    """Layer `layer`'s mixture of experts (None where the file holds no router for it: a dense layer).
+    `vector(name)` reads a float32 tensor, `shared_linear(names)` a 2-D matrix (the shared expert's) as the body's
+    other matrices are read."""
+    moe = spec.moe
+    p = f"blk.{layer}."
+    if moe is None or p + moe.router + ".weight" not in f.tensors:
+        return None
+    router = vector(p + moe.router + ".weight")
+    gate, up, down = (_Experts(f, p + part + ".weight") for part in moe.gguf_experts)
+    gate_up = [_matrix([gate, up], e) for e in range(gate.experts)]
+    downs = [_matrix([down], e) for e in range(down.experts)]
+    for part in (gate, up, down):
+        f.release(part.name)
+    shared_gate_up = shared_down = shared_gate = None
+    if moe.shared_expert and p + moe.gguf_shared[0] + ".weight" in f.tensors:
+        shared_gate_up = shared_linear([p + moe.gguf_shared[0] + ".weight", p + moe.gguf_shared[1] + ".weight"])
+        shared_down = shared_linear([p + moe.gguf_shared[2] + ".weight"])
+        shared_gate = vector(p + moe.shared_gate + ".weight").reshape(1, -1)
+    return MoE(router=router, gate_up=gate_up, down=downs, top_k=cfg.num_experts_per_tok,
+               renormalise=moe.renormalises(cfg), shared_gate_up=shared_gate_up, shared_down=shared_down,
+               shared_gate=shared_gate)

@@ -1,0 +1,205 @@
+"""Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral-style llama files) run from their GGUF files' own codes:
+logits equal to transformers' float32 forward on the file's dequantised weights, greedy tokens equal to its
+generate(), the router's choice equal to transformers' on near-ties, rows picking different experts in one batch
+equal to each alone, and the files lmhead cannot run refused in one line naming the tensor or architecture."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lmhead.models.coded_linear import coded_available
+
+pytestmark = pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
+
+FILES = [("qwen3_moe", "F32"), ("qwen3_moe", "Q8_0"), ("qwen3_moe", "Q4_K"), ("qwen2_moe", "F32"),
+         ("qwen2_moe", "Q8_0"), ("qwen2_moe", "Q4_K"), ("mixtral", "F32"), ("mixtral", "Q8_0"), ("mixtral", "Q4_K")]
+
+
+def _load(tmp_path, monkeypatch, arch: str, kind: str, **kw):
+    from tiny_gguf import write_tiny_gguf
+
+    from lmhead import load_model
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / f"tiny-{arch}.gguf", arch, kind=kind, **kw)
+    return path, load_model(str(path), progress=False)
+
+
+@pytest.mark.parametrize("arch,kind", FILES)
+def test_a_tiny_moe_gguf_runs_from_its_codes_with_transformers_numbers(tmp_path, monkeypatch, arch, kind):
+    from tiny_gguf import reference_from_gguf
+
+    from lmhead import SamplingConfig
+    from lmhead.models.coded_linear import CodedLinear
+
+    path, model = _load(tmp_path, monkeypatch, arch, kind)
+    moe = model.lean.layers[0].moe
+    assert moe is not None and model.config.model_type == arch
+    # the experts are the file's codes (no float32 copy), the router float32 as the file holds it
+    assert all(isinstance(m, CodedLinear) for m in moe.gate_up + moe.down)
+    assert "_hf_model" not in model.__dict__ or model.__dict__["_hf_model"] is None  # nothing converted
+    ref = reference_from_gguf(path, arch)
+    ids = torch.tensor([model.encode("The cat sat on the mat. The dog ran after a ball")])
+    with torch.no_grad():
+        want = ref(ids).logits
+    got = model.logits(ids)
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * scale)
+    # decode-sized calls (each expert's coded product over the rows that chose it) give the same numbers
+    cache = model.lean.new_cache(1, ids.shape[1])
+    steps = torch.cat([model.exact_head(model.lean(ids[:, t:t + 1], torch.tensor([[t]]), cache))[0]
+                       for t in range(ids.shape[1])])
+    torch.testing.assert_close(steps, want[0], rtol=0, atol=1e-5 * scale)
+    greedy = [s.token_id for s in model.generate("The cat sat", max_new_tokens=10,
+                                                 config=SamplingConfig(temperature=0))]
+    start = torch.tensor([model.encode("The cat sat")])
+    expect = ref.generate(start, max_new_tokens=10, do_sample=False, eos_token_id=None)[0, start.shape[1]:].tolist()
+    assert greedy == expect[:len(greedy)] and len(greedy) >= 1
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_the_lean_body_of_a_transformers_moe_model_gives_its_hidden_states(arch):
+    from tiny_gguf import _hf_model
+
+    from lmhead.models.lean import LeanBody
+
+    model, _ = _hf_model(arch, seed=3)
+    lean = LeanBody(model)
+    assert all(layer.moe is not None for layer in lean.layers)
+    ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model.model(ids).last_hidden_state
+    got = lean(ids, torch.arange(9).expand(2, 9), lean.new_cache(2, 9))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+def test_rows_that_pick_different_experts_in_one_batch_get_what_each_gets_alone(tmp_path, monkeypatch):
+    _, model = _load(tmp_path, monkeypatch, "qwen3_moe", "Q8_0")
+    lean = model.lean
+    prompts = [model.encode(t) for t in ("The cat sat on the mat", "A dog", "Numbers: 1, 2, 3, 4, 5, 6")]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((3, width), dtype=torch.long)
+    valid = torch.zeros((3, width), dtype=torch.bool)
+    positions = torch.zeros((3, width), dtype=torch.long)
+    for r, p in enumerate(prompts):  # left padding, as the engine batches rows
+        ids[r, width - len(p):] = torch.tensor(p)
+        valid[r, width - len(p):] = True
+        positions[r, width - len(p):] = torch.arange(len(p))
+    moe = lean.layers[0].moe
+    chosen = []  # the first layer's routing of each call (the method read per call: an instance attribute wins)
+    moe.route = lambda h, route=moe.route: chosen.append(route(h)) or chosen[-1]
+    cache = lean.new_cache(3, width + 4)
+    batched = [lean(ids, positions, cache, valid)[:, -1]]
+    last = ids[:, -1:]
+    for step in range(3):  # decode steps: one row each, grouped by expert across the batch
+        h = lean(last, positions[:, -1:] + step + 1, cache)
+        batched.append(h[:, -1])
+        last = model.exact_head(h).argmax(-1)
+    # in each decode step the rows chose different experts in the first layer (a batch of several experts' rows)
+    assert len(chosen) == 4 and all(len({tuple(sorted(e)) for e in c.experts.tolist()}) > 1 for c in chosen[1:])
+    del moe.route
+    for r, p in enumerate(prompts):
+        alone = lean.new_cache(1, len(p) + 4)
+        want = [lean(torch.tensor([p]), torch.arange(len(p))[None], alone)[:, -1]]
+        tok = ids[r:r + 1, -1:]
+        for step in range(3):
+            h = lean(tok, torch.tensor([[len(p) + step]]), alone)
+            want.append(h[:, -1])
+            tok = model.exact_head(h).argmax(-1)
+        for got, expect in zip(batched, want, strict=True):
+            torch.testing.assert_close(got[r:r + 1], expect, rtol=0, atol=1e-5 * float(expect.abs().max()))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_the_router_chooses_as_transformers_router_on_near_ties(arch):
+    from tiny_gguf import _hf_model
+
+    from lmhead.models.lean import LeanBody
+
+    model, _ = _hf_model(arch, seed=1)
+    router = model.model.layers[0].mlp.gate
+    lean = LeanBody(model)
+    d = model.config.hidden_size
+    # logits x·Rᵀ with x = e₀ are column 0 of R: exact ties and neighbours one float32 step apart
+    col = np.full(8, 0.25, dtype=np.float32)
+    col[[1, 6]] = 0.5                                    # an exact tie for first place
+    col[4] = np.nextafter(np.float32(0.5), np.float32(0))  # one step below it
+    col[2] = np.nextafter(np.float32(0.25), np.float32(1))
+    cases = [col, col[::-1].copy(), np.where(np.arange(8) % 2 == 0, np.float32(0.125), np.nextafter(
+        np.float32(0.125), np.float32(1))).astype(np.float32)]
+    for c in cases:
+        with torch.no_grad():
+            router.weight.zero_()
+            router.weight[:, 0] = torch.from_numpy(c)
+        lean_moe = lean.layers[0].moe  # shares the router's weight
+        x = torch.zeros(3, d)
+        x[:, 0] = torch.tensor([1.0, 3.0, -2.0])
+        with torch.no_grad():
+            _, want_w, want_e = router(x)
+        got = lean_moe.route(x)
+        assert torch.equal(got.experts, want_e), (c, got.experts, want_e)
+        assert torch.equal(got.weights, want_w)
+
+
+def test_lmhead_generate_runs_a_moe_file_from_the_command_line(tmp_path, monkeypatch, capsys):
+    from tiny_gguf import write_tiny_gguf
+
+    from lmhead.cli import main
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "tiny_moe.gguf", "qwen3_moe", kind="Q8_0")
+    assert main(["generate", "The cat sat", "--model", str(path), "-n", "6", "--temperature", "0", "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) >= 1 and all(line.startswith("{") for line in out)
+
+
+@pytest.mark.parametrize("drop,match", [
+    ("blk.1.ffn_up_exps.weight", r"layer 1 has experts but no tensor blk\.1\.ffn_up_exps\.weight"),
+    ("blk.0.ffn_gate_inp.weight", r"layer 0 has experts but no tensor blk\.0\.ffn_gate_inp\.weight"),
+])
+def test_a_moe_file_without_an_expert_tensor_is_refused_naming_it(tmp_path, monkeypatch, drop, match):
+    from lmhead.models import ModelError
+
+    with pytest.raises(ModelError, match=match):
+        _load(tmp_path, monkeypatch, "qwen3_moe", "Q8_0", drop=drop)
+
+
+@pytest.mark.parametrize("header,match", [
+    ({"expert_count": 6}, r"tensor blk\.0\.ffn_gate_inp\.weight is 8x32; the header's qwen3moe\.expert_count \(6\)"),
+    ({"expert_used_count": 9}, r"the header's qwen3moe\.expert_used_count is 9; it must be in \[1, 8\]"),
+    ({"expert_used_count": 0}, r"the header's qwen3moe\.expert_used_count is 0"),
+])
+def test_a_moe_header_that_contradicts_its_tensors_is_refused_naming_them(tmp_path, monkeypatch, header, match):
+    from lmhead.models import ModelError
+
+    with pytest.raises(ModelError, match=match):
+        _load(tmp_path, monkeypatch, "qwen3_moe", "Q8_0", moe_header=header)
+
+
+def test_an_architecture_neither_lmhead_nor_transformers_runs_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    import gguf
+
+    from lmhead.cli import main
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "odd.gguf"
+    w = gguf.GGUFWriter(str(path), "rwkv7")
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert main(["generate", "hi", "--model", str(path), "-n", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the architecture 'rwkv7' is not one lmhead runs" in err[0] and "qwen3moe" in err[0]
+
+
+def test_a_moe_file_larger_than_the_memory_available_is_refused_before_it_loads(tmp_path, monkeypatch):
+    from lmhead.models import ModelError, file_model
+
+    monkeypatch.delenv("LMHEAD_IGNORE_MEMORY", raising=False)
+    monkeypatch.setattr(file_model, "available_memory", lambda: 1024)
+    with pytest.raises(ModelError, match=r"loading it needs about .* GiB of memory and 0\.0 GiB is available"):
+        _load(tmp_path, monkeypatch, "mixtral", "Q8_0")
