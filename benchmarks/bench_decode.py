@@ -14,7 +14,7 @@ head's bytes take at the read bandwidth measured in the same run. Greedy tokens 
 (the full-precision model's) on every prompt. The load average is printed with each table.
 
 --types: the packaged file requantised by llama.cpp's `llama-quantize --allow-requantize` into each GGUF type
-(Q8_0 … Q2_K, IQ4_NL, IQ4_XS, F16, BF16, F32), each loaded from the file by lmhead and decoded greedily beside
+(Q8_0 … Q2_K, IQ4_NL, IQ4_XS, MXFP4, F16, BF16, F32), each loaded from the file by lmhead and decoded greedily beside
 `llama-bench` on the same file (tests/test_gguf_file.py holds each type's exactness).
 """
 
@@ -85,7 +85,13 @@ def llama_bench_rate(gguf: Path, n: int, repeats: int, depth: int = 0) -> float:
 
 # llama-quantize's presets, one for each GGUF type a file may hold (Q4_1: the packaged file's type, requantised)
 TYPES = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_1", "Q5_0", "Q4_K_M", "Q4_1", "Q4_0", "Q3_K_M", "Q2_K", "IQ4_NL", "IQ4_XS",
-         "F16", "BF16", "F32"]
+         "MXFP4", "F16", "BF16", "F32"]
+# types with no preset of their own: llama-quantize's arguments that write every matrix so. MXFP4_MOE makes a
+# dense model's matrices Q8_0 (only MoE experts MXFP4): each matrix's type given by name instead (a regex search
+# over the tensor names), the embedding and the output too
+_ARGS = {"MXFP4": ["--tensor-type", "attn=mxfp4", "--tensor-type", "ffn=mxfp4", "--token-embedding-type", "mxfp4",
+                   "--output-tensor-type", "mxfp4"]}
+_PRESET = {"MXFP4": "MXFP4_MOE"}
 
 
 def bench_types(args, rec: Recorder) -> None:
@@ -111,8 +117,8 @@ def bench_types(args, rec: Recorder) -> None:
         source = MODELS[name].gguf(work)
         for kind in args.type or TYPES:
             out = work / f"{name}-{kind}.gguf"
-            done = subprocess.run([str(quantize), "--allow-requantize", str(source), str(out), kind, "2"],
-                                  capture_output=True, text=True)
+            done = subprocess.run([str(quantize), "--allow-requantize", *_ARGS.get(kind, []), str(source), str(out),
+                                   _PRESET.get(kind, kind), "2"], capture_output=True, text=True)
             if done.returncode != 0:
                 print(f"{kind}: llama-quantize failed ({done.stderr.strip().splitlines()[-1:]})", flush=True)
                 continue

@@ -27,6 +27,9 @@ def _random_blocks(kind: str, n: int, seed: int) -> np.ndarray:
     blocks = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
     for at in TYPES[kind].f16_at:
         blocks[:, at:at + 2] = rng.uniform(-2, 2, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    for at in TYPES[kind].e8m0_at:  # scales 2^-10 .. 2^7, and the two subnormal ones (2^-128, 2^-127) too
+        blocks[:, at] = rng.integers(118, 136, n, dtype=np.uint8)
+        blocks[:2, at] = (0, 1)
     return blocks
 
 
@@ -203,7 +206,7 @@ def _load_both(tmp_path, monkeypatch, arch: str, kind: str):
                                        ("qwen3", "Q4_0"), ("llama", "F16"), ("llama", "Q2_K"), ("llama", "Q3_K"),
                                        ("qwen2", "IQ4_NL"), ("llama", "IQ4_XS"), ("gemma3", "BF16"),
                                        ("gemma2", "Q8_0"), ("gemma2", "Q5_1"), ("phi3", "Q8_0"), ("phi3", "F16"),
-                                       ("llama", "F32"), ("qwen3", "F32")])
+                                       ("llama", "F32"), ("qwen3", "F32"), ("llama", "MXFP4")])
 def test_a_tiny_gguf_runs_from_its_file_with_transformers_numbers(tmp_path, monkeypatch, arch, kind):
     model, ref = _load_both(tmp_path, monkeypatch, arch, kind)
     assert model.lean is not None and model.lean.embed is None  # the embedding's rows read from the file's codes

@@ -39,7 +39,7 @@ import torch
 from lmhead.kernels import builder
 from lmhead.kernels.builder import SOURCES, library_path
 
-__all__ = ["BF16", "F16", "F32", "FLAGS", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4_LEVELS", "LEVELS",
+__all__ = ["BF16", "F16", "F32", "FLAGS", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4_LEVELS", "LEVELS", "MXFP4",
            "PACKED", "ROWS4", "SIGNED4", "SOURCES", "SUB", "AttendArgs", "DecodeArgs", "LayerDesc", "MatDesc",
            "StepArgs", "block4", "keep_ge", "keep_ge_unsure", "library", "library_path", "pack4", "row_lse_bounded",
            "row_moments", "row_scores", "select_ge", "topk", "typical_row", "unblock4", "unpack4"]
@@ -48,11 +48,12 @@ __all__ = ["BF16", "F16", "F32", "FLAGS", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4
 # it loads: `_facts_mismatch`); which GGUF type takes which is models/quant_types.py's. 4-bit codes two per byte;
 # float16 scales and offsets; rows stored in blocks of four; the file's float16, bfloat16 or float32 weights
 # themselves (no codes, no scales); with PACKED, signed 4-bit codes (Q4_0, Q3_K, Q2_K) or indices of a level
-# table (IQ4: IQ4_NL, IQ4_XS); scales and offsets as K-quant blocks hold them (d per 256 weights times an
+# table (IQ4: IQ4_NL, IQ4_XS; MXFP4); scales and offsets as K-quant blocks hold them (d per 256 weights times an
 # int8 per group: `models.coded_linear.SubScales`)
-FLAGS = (PACKED, HALF, ROWS4, F16, BF16, SIGNED4, IQ4, SUB, F32) = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+FLAGS = (PACKED, HALF, ROWS4, F16, BF16, SIGNED4, IQ4, SUB, F32, MXFP4) = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # each table's sixteen levels in index order (the kernels hold them in stored-nibble order, index ^ 8)
-LEVELS = {IQ4: (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)}
+LEVELS = {IQ4: (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113),
+          MXFP4: (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)}  # e2m1's values doubled
 IQ4_LEVELS = LEVELS[IQ4]
 HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
 _ABI = 24  # lmhead_coded_abi() of the sources above

@@ -16,19 +16,21 @@
 #define LMHEAD_IQ4 64     /* with PACKED: the nibbles index IQ4_NL's sixteen levels (IQ4_NL, IQ4_XS), no offsets */
 #define LMHEAD_SUB 128    /* scales (and offsets) as a K-quant file holds them: see coded_kernel.c's sub_floats */
 #define LMHEAD_F32 256    /* codes: the file's float32 weights [N, K] (no scales): see dense32_matmul */
+#define LMHEAD_MXFP4 512  /* with PACKED: the nibbles index MXFP4's sixteen levels (e2m1 doubled), no offsets */
 
 /* every flag, in native.py's order */
 #define LMHEAD_FLAG_VALUES                                                                                    \
     LMHEAD_PACKED, LMHEAD_HALF, LMHEAD_ROWS4, LMHEAD_F16, LMHEAD_BF16, LMHEAD_SIGNED4, LMHEAD_IQ4, LMHEAD_SUB, \
-        LMHEAD_F32
-#define LMHEAD_N_FLAGS 9
+        LMHEAD_F32, LMHEAD_MXFP4
+#define LMHEAD_N_FLAGS 10
 
 /* the level tables (X(flag, sixteen integer levels in index order)): the code of a weight whose nibble holds
  * index i is the table's i-th integer, its number code·scale. Table t of the kernels is the t-th entry; packed
  * nibbles hold index ^ 8, so the kernels' tables are stored in nibble order (NIBBLE_ORDER) */
 #define LMHEAD_LEVEL_TABLES(X)                                                                          \
-    X(LMHEAD_IQ4, -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-#define LMHEAD_N_TABLES 1
+    X(LMHEAD_IQ4, -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)              \
+    X(LMHEAD_MXFP4, 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+#define LMHEAD_N_TABLES 2
 #define LMHEAD_TABLE_FLAG_(flag, ...) | (flag)
 #define LMHEAD_TABLE_FLAGS (0 LMHEAD_LEVEL_TABLES(LMHEAD_TABLE_FLAG_)) /* every table's flag */
 

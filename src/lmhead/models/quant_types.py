@@ -31,9 +31,10 @@ from lmhead.kernels import native
 __all__ = ["LAYOUT_FLAGS", "LEVELS", "TYPES", "QuantType"]
 
 # the level tables a packed nibble indexes (native.LEVELS, the header's), by CodedLinear's `four_bit` name
-LEVELS: dict[str, np.ndarray] = {"iq4": np.array(native.LEVELS[native.IQ4], dtype=np.int8)}
+LEVELS: dict[str, np.ndarray] = {"iq4": np.array(native.LEVELS[native.IQ4], dtype=np.int8),
+                                 "mxfp4": np.array(native.LEVELS[native.MXFP4], dtype=np.int8)}
 # the kernel's flags of each `four_bit` layout (with native.PACKED)
-LAYOUT_FLAGS: dict[str, int] = {"unsigned": 0, "signed": native.SIGNED4, "iq4": native.IQ4}
+LAYOUT_FLAGS: dict[str, int] = {"unsigned": 0, "signed": native.SIGNED4, "iq4": native.IQ4, "mxfp4": native.MXFP4}
 
 
 @dataclass(frozen=True)
@@ -209,5 +210,9 @@ TYPES: dict[str, QuantType] = {t.name: t for t in (
        lambda b: LEVELS["iq4"][_nibbles(b[:, 2:], 32)], lambda b: (_f16(b[:, 0:2]), None)),
     _T("IQ4_XS", 256, 136, 32, "iq4", False, False, False, (0,),
        lambda b: LEVELS["iq4"][_nibbles(b[:, 8:], 32)], lambda b: (_f16(b[:, 0:2]) * _iq4xs_scales(b[:, 2:8]), None)),
+    # gpt-oss's experts: an E8M0 exponent byte and 32 e2m1 nibbles (low nibbles the first 16 weights); the code is
+    # the doubled level, the scale 2^(e − 128) (a float32 number, not a float16 one for most e)
+    _T("MXFP4", 32, 17, 32, "mxfp4", False, False, False, (),
+       lambda b: LEVELS["mxfp4"][_nibbles(b[:, 1:], 32)], lambda b: (_e8m0_half(b[:, 0:1]), None), e8m0_at=(0,)),
 )}
 del _T
