@@ -80,6 +80,9 @@ def test_train_head_saves_a_head_that_classify_uses(capsys, tmp_path, folder, mo
     probs = model.classify(TEXTS, str(out_path))
     assert [r["label"] for r in rows] == [["cat", "dog", "fox"][i] for i in probs.argmax(-1).tolist()]
     assert list(rows[0]["probs"]) == ["cat", "dog", "fox"]
+    code, out, err = run(capsys, "classify", "--model", folder, "--classifier", str(out_path), "--explain", TEXTS[0])
+    assert code == 0, err
+    assert "LM head: " in out and f"classification head: 3 × {model.exact_head.d_model} = " in out
 
 
 @pytest.mark.parametrize("content,words", [

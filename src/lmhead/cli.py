@@ -771,6 +771,10 @@ def _add_classify(sub: argparse._SubParsersAction) -> None:
     _add_texts_args(p)
     p.add_argument("--classifier", default=None, metavar="FILE",
                    help="the head (.safetensors from train-head); default: the model file's cls.output head")
+    p.add_argument("--explain", action="store_true",
+                   help="show the swap instead: each text's final hidden state through the LM head (its top "
+                        "tokens of the whole vocabulary) and through the classification head, with each head's "
+                        "size and share of the model")
     p.set_defaults(run=_run_classify)
 
 
@@ -797,6 +801,11 @@ def _run_classify(args: argparse.Namespace) -> None:
     from lmhead.heads.classifier import classify
 
     head = _classifier_head(args.classifier, model)
+    if args.explain:
+        from lmhead.explain_swap import render_swap, swap
+
+        print("\n\n".join(render_swap(swap(model, t, head)) for t in texts))
+        return
     for i, p in enumerate(classify(model, texts, head)):
         _print_json({"index": i, "label": head.labels[int(p.argmax())],
                      "probs": dict(zip(head.labels, [round(v, 6) for v in p.tolist()], strict=True))})
