@@ -402,6 +402,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "a request that does not fit waits")
     g.add_argument("--queue", type=int, default=None, metavar="N",
                    help="requests that may wait for room (default 256); one more gets 503 with Retry-After")
+    g.add_argument("--prefix-cache-memory", type=float, default=None, metavar="GIB",
+                   help="GiB of prompts' keys and values kept for reuse by prompts that begin the same way "
+                        "(default: 1, at most a quarter of --kv-memory; 0 = none)")
     p.set_defaults(run=_run_serve)
 
 
@@ -443,6 +446,8 @@ def _run_serve(args: argparse.Namespace) -> None:
             raise ValueError(f"{option} must be an integer ≥ {least}, got {value}")
     if args.kv_memory is not None and not 0 < args.kv_memory < float("inf"):
         raise ValueError(f"--kv-memory must be a positive number of GiB, got {args.kv_memory}")
+    if args.prefix_cache_memory is not None and not 0 <= args.prefix_cache_memory < float("inf"):
+        raise ValueError(f"--prefix-cache-memory must be a number of GiB ≥ 0, got {args.prefix_cache_memory}")
     sockets = _listen(args.host, args.port)
     try:
         import uvicorn
@@ -465,7 +470,8 @@ def _run_serve(args: argparse.Namespace) -> None:
     print(f"lmhead: serving {model.name} at http://{host}:{port}/ (Ctrl-C stops)", file=sys.stderr)
     print(f"lmhead: context {limits.context:,} tokens, max_tokens {limits.max_tokens:,}, {limits.parallel} rows "
           f"at once, {limits.kv_bytes / 2**30:.1f} GiB of KV memory", file=sys.stderr)
-    app = create_app(model, allowed_hosts=[args.host, *args.allowed_host], serve=limits)
+    prefix = None if args.prefix_cache_memory is None else int(args.prefix_cache_memory * 2**30)
+    app = create_app(model, allowed_hosts=[args.host, *args.allowed_host], serve=limits, prefix_cache_bytes=prefix)
     if args.classifier is not None:  # /v1/classify's head, checked against the model's width
         app.state.classifier = _classifier_head(args.classifier, model)
     from lmhead.server.protocol import HeaderTimeoutProtocol  # uvicorn's h11, with a deadline for headers

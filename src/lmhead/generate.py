@@ -263,8 +263,8 @@ class Batch:
         blocks once, and every row then copies them in — concurrent requests with a common prefix compute it
         once (and n > 1 rows their prompt)."""
         cache = self.prefix_cache
-        if cache is None or self.model.lean is None or len(rows) < 2:
-            return []
+        if cache is None or cache.max_bytes == 0 or self.model.lean is None or len(rows) < 2:
+            return []  # (a store that keeps nothing: a lead would compute its blocks for no one)
         chains = [cache.chain(r.prompt_ids[:-1]) for r in rows]
         count = Counter(key for chain in chains for key in chain)
         shared: dict[bytes, list[int]] = {}

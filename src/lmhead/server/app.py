@@ -57,20 +57,22 @@ STATIC = Path(__file__).parent / "static"
 
 def create_app(model: Any, *, allowed_hosts: Iterable[str] = (), max_body_bytes: int | None = None,
                body_timeout: float = BODY_TIMEOUT, serve: ServeLimits | None = None,
-               classifier: Any = None) -> FastAPI:
+               prefix_cache_bytes: int | None = None, classifier: Any = None) -> FastAPI:
     """A FastAPI app serving `model` (an `lmhead.models.Model`): the explainer page and the JSON API.
 
     Every request passes guard.RequestGuard first: a Host of this server (loopback names, `allowed_hosts`, "*"
     for any), a body of at most `max_body_bytes` (default `serve.body_bytes`: 1 MiB, more for a long context)
     that arrives within `body_timeout` seconds, strict JSON. serve: what a request may use
-    (`limits.serve_limits(model)` by default: the model's whole context). classifier: the
-    `heads.ClassificationHead` /v1/classify answers with (default: the model file's own, if any).
+    (`limits.serve_limits(model)` by default: the model's whole context). prefix_cache_bytes: the prefix cache's
+    bound (`--prefix-cache-memory`; 0: none kept; default `runner.PREFIX_CACHE_BYTES`, at most a quarter of the
+    KV memory). classifier: the `heads.ClassificationHead` /v1/classify answers with (default: the model
+    file's own, if any).
     """
     serve = serve if serve is not None else serve_limits(model)
     transformers_tokenizer(getattr(model, "tokenizer", None))  # built now, not in the first chat request
     body = serve.body_bytes if max_body_bytes is None else max_body_bytes
     limits = Limits(allowed_hosts, body, body_timeout)  # a bad setting fails here, not later
-    runner = ModelRunner(model, limits=serve)
+    runner = ModelRunner(model, limits=serve, prefix_cache_bytes=prefix_cache_bytes)
     app = FastAPI(
         title="lmhead explainer",
         version="0.1.0",

@@ -3,6 +3,7 @@
     lmhead:num_requests_running             requests with rows in the batch (gauge)
     lmhead:num_requests_waiting             requests waiting for room (gauge)
     lmhead:prompt_tokens_total              prompt tokens of the rows admitted (counter)
+    lmhead:prefill_tokens_total             of those, positions computed: not found in the prefix cache (counter)
     lmhead:generation_tokens_total          tokens generated (counter)
     lmhead:request_success_total            requests whose rows all finished (counter)
     lmhead:time_to_first_token_seconds      from a request's arrival to its first token (histogram)
@@ -11,6 +12,7 @@
     lmhead:prefix_cache_bytes / _blocks     the prefix cache's blocks (gauges)
     lmhead:prefix_cache_queries_total       prompt tokens looked up in the prefix cache (counter)
     lmhead:prefix_cache_hits_total          of those, tokens found (their prefill skipped) (counter)
+    lmhead:prefix_cache_stored_total / _evicted_total   blocks that entered / left for room (counters)
 
 Each app has a registry of its own (`ServerMetrics.registry`): the counters and gauges are read from the runner
 and its prefix cache when scraped; the histograms are filled by the runner as tokens are handed out.
@@ -57,6 +59,8 @@ class _RunnerCollector(Collector):
         yield self._gauge("lmhead:num_requests_running", "Requests with rows in the batch.", running)
         yield self._gauge("lmhead:num_requests_waiting", "Requests waiting for room in the batch.", waiting)
         yield self._counter("lmhead:prompt_tokens", "Prompt tokens of the rows admitted.", r.prompt_tokens)
+        yield self._counter("lmhead:prefill_tokens", "Prompt positions computed (not found in the prefix cache).",
+                            r.prefilled)
         yield self._counter("lmhead:generation_tokens", "Tokens generated.", r.tokens)
         yield self._counter("lmhead:request_success", "Requests whose rows all finished.", r.finished)
         yield self._counter("lmhead:requests_retired", "Rows retired because their client went away.", r.retired)
@@ -67,6 +71,9 @@ class _RunnerCollector(Collector):
         yield self._counter("lmhead:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                             cache.query_tokens)
         yield self._counter("lmhead:prefix_cache_hits", "Prompt tokens found in the prefix cache.", cache.reused)
+        yield self._counter("lmhead:prefix_cache_stored", "Blocks stored in the prefix cache.", cache.stored)
+        yield self._counter("lmhead:prefix_cache_evicted", "Blocks that left the prefix cache for room.",
+                            cache.evicted)
 
 
 class ServerMetrics:

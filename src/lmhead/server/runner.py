@@ -124,7 +124,8 @@ class ModelRunner:
     to requests), `retired` (rows retired because their request went away), `max_live` (the largest batch).
     """
 
-    def __init__(self, model: Any, max_batch: int = MAX_BATCH, limits: Any = None) -> None:
+    def __init__(self, model: Any, max_batch: int = MAX_BATCH, limits: Any = None,
+                 prefix_cache_bytes: int | None = None) -> None:
         self.model = model
         self.limits = limits  # limits.ServeLimits or None (no KV bound, no queue bound)
         self.max_batch = max_batch if limits is None else limits.parallel
@@ -140,10 +141,13 @@ class ModelRunner:
         self.metrics: Any = None  # `metrics.ServerMetrics` (the app's): told each token's latency
         self.failed: BaseException | None = None  # what ended the thread's loop, if a bug did (health: 503)
         self._batch: Batch | None = None  # the thread's batch (read by the metrics: its KV memory)
-        # finished rows' keys and values, reused by prompts that begin with their tokens (a chat's next turn);
-        # kept across the thread's restarts, bounded apart from the live rows' KV memory
-        prefix_bytes = PREFIX_CACHE_BYTES if limits is None else min(PREFIX_CACHE_BYTES, limits.kv_bytes // 4)
-        self.prefix_cache = PrefixCache(prefix_bytes)
+        # prompts' blocks of keys and values (stored as they are computed, and rows' blocks as they leave), reused
+        # by every prompt that begins with them; kept across the thread's restarts, bounded apart from the live
+        # rows' KV memory (prefix_cache_bytes: `--prefix-cache-memory`; default at most a quarter of it)
+        if prefix_cache_bytes is None:
+            prefix_cache_bytes = PREFIX_CACHE_BYTES if limits is None else min(PREFIX_CACHE_BYTES, limits.kv_bytes // 4)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self._prefilled = 0  # prompt positions computed by the batches of the thread's earlier runs
 
     # --- the event loop's side -------------------------------------------------------------------------------
 
@@ -160,6 +164,12 @@ class ModelRunner:
         """(requests with rows in the batch, requests waiting for room)."""
         with self._cond:
             return len(self._live), sum(not job.cancelled for job in self._waiting)
+
+    @property
+    def prefilled(self) -> int:
+        """Prompt positions computed so far (those the prefix cache gave are not)."""
+        with self._cond:
+            return self._prefilled + (self._batch.prefilled if self._batch is not None else 0)
 
     def kv_bytes(self) -> int:
         """Bytes of the batch's KV caches (`Batch.kv_bytes`): the live rows' and those of rows joining."""
@@ -266,6 +276,8 @@ class ModelRunner:
         with self._cond:
             while not (self._calls or self._waiting or self._streams or self._live):
                 if not self._cond.wait(timeout=1.0) and not (self._calls or self._waiting or self._streams):
+                    self._prefilled += batch.prefilled
+                    self._batch = None
                     self._thread = None  # idle: the next request starts a new thread
                     return False
             streams = list(self._streams)
