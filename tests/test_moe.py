@@ -203,3 +203,22 @@ def test_a_moe_file_larger_than_the_memory_available_is_refused_before_it_loads(
     monkeypatch.setattr(file_model, "available_memory", lambda: 1024)
     with pytest.raises(ModelError, match=r"loading it needs about .* GiB of memory and 0\.0 GiB is available"):
         _load(tmp_path, monkeypatch, "mixtral", "Q8_0")
+
+
+def test_transformers_model_of_a_qwen_moe_file_is_built_with_the_experts_widths_from_its_tensors(tmp_path,
+                                                                                                 monkeypatch):
+    from tiny_gguf import reference_from_gguf
+
+    path, model = _load(tmp_path, monkeypatch, "qwen2_moe", "Q8_0")
+    ids = torch.tensor([model.encode("The cat sat on the mat")])
+    with torch.no_grad():  # transformers' GGUF reader left moe_intermediate_size at its default (1408)
+        got, want = model.hf_model(ids).logits, reference_from_gguf(path, "qwen2_moe")(ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+def test_transformers_model_of_a_mixtral_style_llama_file_is_refused_in_one_line(tmp_path, monkeypatch):
+    from lmhead.models import ModelError
+
+    _, model = _load(tmp_path, monkeypatch, "mixtral", "Q8_0")
+    with pytest.raises(ModelError, match=r"does not read a Mixtral-style llama file's experts"):
+        model.hf_model  # noqa: B018

@@ -97,7 +97,7 @@ def _moe_config(arch: str, common: dict):
 def _moe_tensors(name: str, a: np.ndarray, moe_ffn: int) -> list[tuple[str, np.ndarray]]:
     """A transformers MoE tensor as llama.cpp's converter writes it: the experts' [E, 2F, D] gate_up split into
     ffn_gate_exps and ffn_up_exps [E, F, D], down [E, D, F] as ffn_down_exps, the router as ffn_gate_inp, the
-    shared expert's as ffn_*_shexp and its gate [1, D] as ffn_gate_inp_shexp (GGUF lists the dims reversed)."""
+    shared expert's as ffn_*_shexp and its gate as ffn_gate_inp_shexp (GGUF lists the dims reversed)."""
     parts = name.split(".")
     p = f"blk.{parts[2]}."
     module = ".".join(parts[3:-1]) if parts[-1] in ("weight", "bias") else ".".join(parts[3:])
@@ -301,8 +301,9 @@ def write_model_gguf(path: Path, arch: str, model, tokenizer, kind: str = "Q8_0"
                 if out.endswith("_exps.weight") or "_shexp." in out and "gate_inp" not in out:
                     w.add_tensor(out, _blocks(part.reshape(-1, part.shape[-1]), kind).reshape(*part.shape[:-1], -1)
                                  if kind in _OWN_WRITER else quantize(part, qtype), raw_dtype=qtype)
-                else:  # the routers: float32, as llama.cpp keeps them
-                    w.add_tensor(out, part.astype(np.float32))
+                else:  # the routers: float32, as llama.cpp keeps them; the shared expert's gate [D] (as
+                    part = part.astype(np.float32)  # transformers' GGUF reader expects it)
+                    w.add_tensor(out, part.squeeze(0) if "shexp" in out else part)
             continue
         else:
             parts = name.split(".")  # model.layers.{i}.{module...}.{weight|bias}

@@ -86,8 +86,10 @@ def save_state_dict(model, path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def convert_gguf(gguf: Path, out: Path, steps: Steps) -> dict[str, object]:
-    """Convert `gguf` into an HF folder at `out` (which exists and is empty). Returns facts for the manifest."""
+def convert_gguf(gguf: Path, out: Path, steps: Steps, config=None) -> dict[str, object]:
+    """Convert `gguf` into an HF folder at `out` (which exists and is empty). Returns facts for the manifest.
+    `config`: the model's config where transformers' reading of the file's header leaves something out (a
+    mixture of experts' widths: `loading.moe_hf_config`); None: transformers' own."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -99,7 +101,8 @@ def convert_gguf(gguf: Path, out: Path, steps: Steps) -> dict[str, object]:
             from exc
     steps.step("de-quantizing the weights to float32")
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                     **({} if config is None else {"config": config}))
     except Exception as exc:
         raise ModelError(f"transformers could not load the weights of {gguf}: {type(exc).__name__}: {exc}") \
             from exc

@@ -170,7 +170,7 @@ def _build(source: Source, folder: Path, key: str, stale_reason: str | None, pro
         out.mkdir()
         try:
             with contextlib.nullcontext() if progress else no_progress_bars():  # transformers' own tqdm bars
-                extra = convert_gguf(gguf, out, steps)
+                extra = convert_gguf(gguf, out, steps, config=moe_hf_config(gguf))
             cache.write_manifest(out, {
                 "name": source.name, "source": facts, **extra,
                 "versions": {"lmhead": lmhead.__version__, "transformers": transformers.__version__,
@@ -189,6 +189,31 @@ def _build(source: Source, folder: Path, key: str, stale_reason: str | None, pro
         shutil.rmtree(tmp, ignore_errors=True)
         if stream is not None:
             stream.close()
+
+
+def moe_hf_config(gguf: Path):
+    """transformers' config of a mixture-of-experts GGUF file completed with what its GGUF reader leaves out (the
+    experts' widths, `file_experts.moe_config`), or None for a file without experts; ModelError for a Mixtral-style
+    llama file, whose experts transformers' GGUF reader does not read."""
+    from lmhead.models.file_experts import moe_config
+    from lmhead.models.gguf_file import GGUFFile
+
+    f = GGUFFile(gguf)
+    try:
+        if not any(name.endswith("_exps.weight") for name in f.tensors):
+            return None
+        from transformers import AutoConfig
+
+        with no_progress_bars():
+            config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        if config.model_type == "llama":
+            raise ModelError(f"{gguf}: transformers' GGUF reader does not read a Mixtral-style llama file's experts: "
+                             "lmhead runs it from the file, but transformers' float32 model of it (hf_model: "
+                             "training, the transformers integration) cannot be built")
+        moe_config(f, config)
+        return config
+    finally:
+        f.close()
 
 
 def _weights(gguf: Path) -> int:
