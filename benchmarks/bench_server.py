@@ -43,10 +43,29 @@ GGUF file (built by `make llama-bench`), one after the other, --llama-server run
 completions of exactly --tokens tokens (`ignore_eos`) at once, each prompt --prompt-tokens long (0: the short
 prompts), their aggregate tok/s, and each server's peak RSS (VmHWM) over its whole run.
 
+    .venv/bin/python benchmarks/bench_server.py --shared-prefix 2000 [--model smollm2-135m] [--concurrent 8]
+        [--tokens 16]
+
+The prefix cache under a shared system prompt: --concurrent streamed requests at once, each a --shared-prefix
+token prefix and its own ~20-token question, mean time to first token (TTFT) and aggregate tok/s — with the
+prefix cached (a request before them used it), cold (nothing stored: computed once, the others wait for its
+blocks) and on a server without a prefix cache — beside one request whose prefix is cached (goals: cached ≤ 1.5×
+the one request, ≤ 0.25× the cache-less server's); and a prompt extending one whose client hung up after its
+first token against the same prompt cold (goal ≤ 0.1×). llama-server (`--cache-reuse 256 -np --concurrent`, where
+built) runs the cached case beside it.
+
     .venv/bin/python benchmarks/bench_server.py --prefill 512,4096 [--model smollm2-135m]
 
 Prefill throughput and time to the first token of a prompt of each length on the lean body in process (a
 `Batch` with one row of one new token: what a request's first token waits for), beside `llama-bench -p N -n 0`.
+
+    .venv/bin/python benchmarks/bench_server.py --embeddings 3 [--model smollm2-135m] [--embed-texts 256]
+        [--embed-tokens 64] [--embed-batch 32]
+
+--embed-texts texts of about --embed-tokens tokens (windows of lmhead.data's topic sentences) through
+/v1/embeddings, --embed-batch a request and 4 requests in flight, on `lmhead serve` and on `llama-server
+--embedding --pooling last -np 4 -t 2` (where it is built) on the same GGUF file, --embeddings alternating runs:
+texts/s of each, their ratio (goal ≥ 1.0) and the mean cosine between the two servers' vectors.
 
     .venv/bin/python benchmarks/bench_server.py --full-context [--model smollm2-135m] [--concurrent 8] [--tokens 64]
 
@@ -61,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -85,7 +105,7 @@ import sys, uvicorn
 from lmhead import load_model
 from lmhead.server import create_app
 model = load_model(sys.argv[1])
-app = create_app(model)
+app = create_app(model, prefix_cache_bytes=int(sys.argv[4]) if len(sys.argv) > 4 else None)
 app.state.runner.max_batch = int(sys.argv[3])
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
 """
@@ -121,10 +141,11 @@ def free_port() -> int:
 class Server:
     """`python -c SERVER model port max_batch` in a subprocess; waits until /v1/models answers."""
 
-    def __init__(self, model: str, max_batch: int) -> None:
+    def __init__(self, model: str, max_batch: int, prefix_cache_bytes: int | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, model, str(self.port), str(max_batch)])
+        extra = [] if prefix_cache_bytes is None else [str(prefix_cache_bytes)]
+        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, model, str(self.port), str(max_batch), *extra])
         self.wait_ready("/v1/models", "the server")
 
     def wait_ready(self, route: str, who: str) -> None:
@@ -263,6 +284,117 @@ def versus_llama_server(args: argparse.Namespace, rec: Recorder) -> None:
     print(f"median: lmhead {a:.1f} tok/s, llama-server {b:.1f} tok/s, ratio {a / b:.2f} (goal ≥ 1.0)")
     table.row(["median", f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}", "—", "—", "—"],
               [Figure(f"{n} × {k} tokens at once, aggregate", a, "tok/s", "llama-server", b, a / b)])
+
+
+QUESTIONS = ["What did the cat buy at the market, and how much did it cost in the end?",
+             "Where is the nearest market from the river, and which road leads there?",
+             "Who went home first after the storm, and why did they leave so early?",
+             "How many birds were sitting on the old fence near the barn that morning?",
+             "Why did the baker close the shop before noon on the last day of the week?",
+             "When does the train to the city leave, and where does it stop on the way?",
+             "Which of the three brothers wrote the letter that arrived on Tuesday evening?",
+             "What colour was the boat that the fisherman painted during the long winter?"]
+
+
+async def _first_token(http: httpx.AsyncClient, body: dict, hang_up: bool = False) -> tuple[float, int]:
+    """A streamed completion: (seconds to its first token, chunks with a token); hang_up: leave after the first."""
+    t, first, count = time.perf_counter(), float("nan"), 0
+    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            if json.loads(line[5:]).get("choices"):
+                count += 1
+                if count == 1:
+                    first = time.perf_counter() - t
+                    if hang_up:
+                        break
+    return first, count
+
+
+async def _shared_prefix_run(url: str, prefix: str, args: argparse.Namespace, cached_too: bool = True
+                             ) -> dict[str, float]:
+    """On one server: one request whose prefix is cached, the --concurrent requests with their prefix cached and
+    with a fresh one (cold), and the hung-up client's case (see the module docstring). TTFTs in seconds."""
+    n, k = args.concurrent, args.tokens
+    limits = httpx.Limits(max_connections=n + 4)
+    out: dict[str, float] = {}
+
+    def body(p: str, q: str) -> dict:
+        return {"prompt": p + " " + q, "max_tokens": k, "temperature": 0.0, "ignore_eos": True}
+
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
+        await _first_token(http, {"prompt": "Hello", "max_tokens": 2})  # warm-up
+        for case, p in (("cold", "Second draft. " + prefix), ("cached", prefix)):
+            if case == "cached" and cached_too:
+                await _first_token(http, body(p, "Tell me a story."))  # the prefix is used once: stored
+                out["one cached"] = (await _first_token(http, body(p, QUESTIONS[0])))[0]
+            t = time.perf_counter()
+            got = await asyncio.gather(*(_first_token(http, body(p, QUESTIONS[i % len(QUESTIONS)]))
+                                         for i in range(n)))
+            wall = time.perf_counter() - t
+            out[f"{n} {case}: mean TTFT"] = statistics.mean(f for f, _ in got)
+            out[f"{n} {case}: tok/s"] = sum(c for _, c in got) / wall
+        if cached_too:
+            p = "Third draft. " + prefix + " " + QUESTIONS[1]
+            await _first_token(http, {"prompt": p, "max_tokens": 64, "temperature": 0.0}, hang_up=True)
+            await asyncio.sleep(1.0)  # the server retires the row
+            out["after a hang-up"] = (await _first_token(http, body(p, "And then?")))[0]
+            out["same prompt, cold"] = (await _first_token(http, body("Fourth draft. " + prefix + " " + QUESTIONS[1],
+                                                                      "And then?")))[0]
+    return out
+
+
+def shared_prefix(args: argparse.Namespace, rec: Recorder) -> None:
+    """--shared-prefix: the prefix cache under a shared system prompt (see the module docstring)."""
+    import tempfile
+
+    from lmhead import load_model
+
+    model = load_model(args.model, progress=False)
+    prefix = _long_prompt(model, args.shared_prefix)
+    n = args.concurrent
+    results: dict[str, dict[str, float]] = {}
+    for who in ("lmhead", "lmhead, no prefix cache"):
+        server = Server(args.model, 32, None if who == "lmhead" else 0)
+        try:
+            results[who] = asyncio.run(_shared_prefix_run(server.url, prefix, args, who == "lmhead"))
+        finally:
+            server.close()
+    why = "failed: not built"
+    if (LLAMA_BIN / "llama-server").exists():
+        slot = args.shared_prefix + 64 + args.tokens + 64
+        with tempfile.TemporaryDirectory() as work:
+            try:
+                server = LlamaServer(_gguf(args.model, Path(work)), n, slot, ("--cache-reuse", "256"))
+                try:
+                    results["llama-server"] = asyncio.run(_shared_prefix_run(server.url, prefix, args, False))
+                finally:
+                    server.close()
+            except BASELINE_ERRORS as exc:  # the baseline's failure is a row; the benchmark goes on
+                why = failure(exc)
+    ours, off = results["lmhead"], results["lmhead, no prefix cache"]
+    llama = results.get("llama-server")
+    table = rec.table("shared_prefix", f"{args.model}, loopback: {n} streamed greedy completions of {args.tokens} "
+                      f"tokens at once, each a {args.shared_prefix}-token prefix and its own question; TTFT in s",
+                      ["case", "lmhead", "no prefix cache", "llama-server --cache-reuse"])
+    for case in (f"{n} cached: mean TTFT", f"{n} cached: tok/s", f"{n} cold: mean TTFT", f"{n} cold: tok/s",
+                 "one cached", "after a hang-up", "same prompt, cold"):
+        cells = [f"{r[case]:.3f}" if r is not None and case in r else "—" for r in (ours, off)]
+        cells.append(f"{llama[case]:.3f}" if llama is not None and case in llama else (why if llama is None else "—"))
+        print(f"{case:28}" + "".join(f"{c:>16}" for c in cells), flush=True)
+        table.row([case, *cells])
+    shared, alone = ours[f"{n} cached: mean TTFT"], ours["one cached"]
+    notes = [f"{n} cached / one cached: {shared / alone:.2f} (goal ≤ 1.5)",
+             f"{n} cached / no prefix cache: {shared / off[f'{n} cached: mean TTFT']:.2f} (goal ≤ 0.25)",
+             f"after a hang-up / cold: {ours['after a hang-up'] / ours['same prompt, cold']:.2f} (goal ≤ 0.1)"]
+    if llama is not None:
+        notes.append(f"TTFT / llama-server's: {shared / llama[f'{n} cached: mean TTFT']:.2f} (goal ≤ 1.0); tok/s "
+                     f"ratio {ours[f'{n} cached: tok/s'] / llama[f'{n} cached: tok/s']:.2f} (goal ≥ 1.0)")
+    notes.append(f"load {os.getloadavg()[0]:.2f}")
+    print("; ".join(notes))
+    table.note("; ".join(notes))
 
 
 def prefill(args: argparse.Namespace, rec: Recorder) -> None:
@@ -548,6 +680,97 @@ def full_context(args: argparse.Namespace, rec: Recorder) -> None:
                       [Figure(f"{name} peak RSS, {n} requests at the whole context", peak, "MiB")])
 
 
+def _embedding_texts(model, n: int, tokens: int) -> list[str]:
+    """`n` different texts of about `tokens` tokens each: windows of the shipped topic sentences, run together."""
+    from lmhead.data import topics
+
+    ids = model.encode(" ".join(topics()[0]))
+    step = max(1, (len(ids) - tokens) // max(1, n))
+    return [model.tokenizer.decode(ids[i * step:i * step + tokens - 1]) for i in range(n)]
+
+
+async def _embed_all(url: str, texts: list[str], batch: int, at_once: int) -> tuple[float, list[list[float]]]:
+    """All `texts` through /v1/embeddings, `batch` inputs a request, `at_once` requests in flight: (wall s,
+    the vectors in order)."""
+    chunks = [texts[i:i + batch] for i in range(0, len(texts), batch)]
+    gate = asyncio.Semaphore(at_once)
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
+        async def one(chunk: list[str]) -> list[list[float]]:
+            async with gate:
+                r = await http.post("/v1/embeddings", json={"input": chunk, "encoding_format": "float"})
+                r.raise_for_status()
+                return [d["embedding"] for d in sorted(r.json()["data"], key=lambda d: d["index"])]
+
+        await one(texts[:1])  # warm-up
+        t = time.perf_counter()
+        parts = await asyncio.gather(*(one(c) for c in chunks))
+        return time.perf_counter() - t, [v for p in parts for v in p]
+
+
+def embeddings(args: argparse.Namespace, rec: Recorder) -> None:
+    """--embeddings: texts/s through /v1/embeddings, lmhead serve beside llama-server --embedding --pooling last
+    on the same GGUF file, alternating runs; the mean cosine of the two servers' vectors (the same numbers up to
+    float32 arithmetic: both pool the last token's final hidden state and normalise it)."""
+    import tempfile
+
+    from lmhead import load_model
+
+    model = load_model(args.model, progress=False)
+    n, k, batch = args.embed_texts, args.embed_tokens, args.embed_batch
+    texts = _embedding_texts(model, n, k)
+    table = rec.table("embeddings", f"{args.model}, loopback: {n} texts of about {k} tokens through /v1/embeddings, "
+                      f"{batch} a request, 4 requests in flight; lmhead serve beside llama-server --embedding "
+                      f"--pooling last -np 4 -t 2 on the same GGUF file",
+                      ["run", "lmhead texts/s", "llama-server texts/s", "ratio", "mean cosine", "load"])
+    rates: dict[str, list[float]] = {"lmhead": [], "llama": []}
+    with tempfile.TemporaryDirectory() as work:
+        gguf = _gguf(args.model, Path(work))
+        for run in range(args.embeddings):
+            got: dict[str, object] = {}
+            for who in ("lmhead", "llama"):
+                if who == "llama" and not (LLAMA_BIN / "llama-server").exists():
+                    got[who] = "failed: not built"
+                    continue
+                code = None
+                try:
+                    server = Server(args.model, 32) if who == "lmhead" else LlamaServer(
+                        gguf, 4, batch * (k + 16), ("--embedding", "--pooling", "last", "-ub", str(batch * (k + 16)),
+                                                    "-b", str(batch * (k + 16))))
+                    try:
+                        wall, vectors = asyncio.run(_embed_all(server.url, texts, batch, 4))
+                        got[who] = (n / wall, vectors)
+                    finally:
+                        code = server.proc.poll()
+                        server.close()
+                except BASELINE_ERRORS as exc:
+                    if who == "lmhead":
+                        raise
+                    got[who] = failure(exc, code)
+                    continue
+                rates[who].append(got[who][0])
+            load = f"{os.getloadavg()[0]:.2f}"
+            a, mine = got["lmhead"]
+            if isinstance(got["llama"], str):
+                print(f"run {run}: lmhead {a:.1f} texts/s, llama-server {got['llama']}, load {load}", flush=True)
+                table.row([run, f"{a:.1f}", got["llama"], "—", "—", load])
+                continue
+            b, theirs = got["llama"]
+            cos = statistics.fmean(sum(x * y for x, y in zip(u, v, strict=True)) for u, v in zip(mine, theirs,
+                                                                                                    strict=True))
+            print(f"run {run}: lmhead {a:.1f} texts/s, llama-server {b:.1f} texts/s, ratio {a / b:.2f}, mean cosine "
+                  f"{cos:.5f}, load {load}", flush=True)
+            table.row([run, f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}", f"{cos:.5f}", load])
+    a = statistics.median(rates["lmhead"])
+    if not rates["llama"]:
+        print(f"median: lmhead {a:.1f} texts/s, llama-server failed in every run")
+        table.row(["median", f"{a:.1f}", "failed", "—", "—", "—"])
+        return
+    b = statistics.median(rates["llama"])
+    print(f"median: lmhead {a:.1f} texts/s, llama-server {b:.1f} texts/s, ratio {a / b:.2f} (goal ≥ 1.0)")
+    table.row(["median", f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}", "—", "—"],
+              [Figure(f"{n} embeddings of {k} tokens", a, "texts/s", "llama-server --embedding", b, a / b)])
+
+
 def main() -> None:
     global LLAMA_BIN
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -567,18 +790,35 @@ def main() -> None:
                     help="lmhead serve beside llama-server on the same file, RUNS alternating runs (see above)")
     ap.add_argument("--prompt-tokens", type=int, default=0, help="with --llama-server: each prompt's length")
     ap.add_argument("--prefill", default="", metavar="N,N", help="prefill of prompts of these lengths (see above)")
+    ap.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+                    help="--concurrent requests sharing a TOKENS-token prefix, with and without the prefix cache")
     ap.add_argument("--llama-bin", type=Path, default=LLAMA_BIN, metavar="DIR",
                     help="llama.cpp's binaries (llama-bench, llama-server; default build/llama.cpp/bin)")
     ap.add_argument("--results", type=Path, default=None, metavar="DIR",
                     help="the records' folder (default benchmarks/results)")
     ap.add_argument("--full-context", action="store_true",
                     help="memory of --concurrent requests at the model's whole context (see above)")
+    ap.add_argument("--embeddings", type=int, default=0, metavar="RUNS",
+                    help="/v1/embeddings beside llama-server --embedding, RUNS alternating runs (see above)")
+    ap.add_argument("--embed-texts", type=int, default=256, metavar="N", help="with --embeddings: texts (256)")
+    ap.add_argument("--embed-tokens", type=int, default=64, metavar="N", help="with --embeddings: tokens a text")
+    ap.add_argument("--embed-batch", type=int, default=32, metavar="N", help="with --embeddings: texts a request")
     args = ap.parse_args()
     LLAMA_BIN = args.llama_bin
     rec = Recorder("server")
     print(rec.header())
+    if args.embeddings:
+        embeddings(args, rec)
+        print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        rec.write(args.results)
+        return
     if args.full_context:
         full_context(args, rec)
+        print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        rec.write(args.results)
+        return
+    if args.shared_prefix:
+        shared_prefix(args, rec)
         print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         rec.write(args.results)
         return
