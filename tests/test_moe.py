@@ -222,3 +222,29 @@ def test_transformers_model_of_a_mixtral_style_llama_file_is_refused_in_one_line
     _, model = _load(tmp_path, monkeypatch, "mixtral", "Q8_0")
     with pytest.raises(ModelError, match=r"does not read a Mixtral-style llama file's experts"):
         model.hf_model  # noqa: B018
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_the_router_view_of_the_last_token_is_transformers_routing(tmp_path, monkeypatch, arch):
+    from tiny_gguf import reference_from_gguf
+
+    from lmhead.models.routing import router_choices
+
+    path, model = _load(tmp_path, monkeypatch, arch, "Q8_0")
+    ids = model.encode("The cat sat on the mat")
+    choices = router_choices(model.lean, ids)
+    assert [c.layer for c in choices] == [0, 1]
+    ref = reference_from_gguf(path, arch)
+    with torch.no_grad():
+        logits = ref(torch.tensor([ids]), output_router_logits=True).router_logits
+    for choice, layer in zip(choices, logits, strict=True):
+        probs = torch.softmax(layer[-1].float(), dim=-1)
+        weights, experts = torch.topk(probs, 2)
+        if arch == "qwen3_moe":  # renormalised; Qwen2-MoE's are the probabilities themselves
+            weights = weights / weights.sum()
+        assert choice.experts == experts.tolist()
+        torch.testing.assert_close(torch.tensor(choice.weights), weights, rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(choice.probabilities), probs, rtol=0, atol=1e-5)
+    assert router_choices(model.lean, ids) == choices  # nothing of the model changed by looking
+    with pytest.raises(ValueError, match="ids must be a non-empty"):
+        router_choices(model.lean, [])
