@@ -65,14 +65,15 @@ def test_pooled_embeddings_equal_transformers_hidden_states_pooled_alike(tmp_pat
     torch.testing.assert_close(model.embed(TEXTS), model.embed(TEXTS, pooling="last"), rtol=0, atol=0)
 
 
-def test_batches_and_chunked_prefill_give_each_text_alone(monkeypatch, one_thread):
+@pytest.mark.parametrize("body", ["lean", "transformers"])
+def test_batches_and_chunked_prefill_give_each_text_alone(monkeypatch, one_thread, body):
     from tiny import tiny_model
 
     from lmhead import Model
 
     hf_model, tokenizer = tiny_model("llama", seed=3)
-    model = Model(hf_model, tokenizer)
-    assert model.lean is not None
+    model = Model(hf_model, tokenizer, body=body)
+    assert (model.lean is not None) == (body == "lean")  # else transformers' body with its attention mask
     alone = [model.embed([t], pooling="mean", normalize=False)[0] for t in TEXTS]
     monkeypatch.setattr(pooling_mod, "CHUNK", 3)          # pieces of 3 columns through one cache
     monkeypatch.setattr(pooling_mod, "BATCH_TOKENS", 40)  # several batches of left-padded rows

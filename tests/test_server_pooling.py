@@ -127,3 +127,28 @@ def test_classify_without_a_head_is_a_400_that_says_how_to_give_one(model):
     with TestClient(create_app(model)) as c:
         r = c.post("/v1/classify", json={"input": "some text"})
     assert r.status_code == 400 and "--classifier" in r.json()["error"]["message"]
+
+
+def test_large_requests_go_in_pieces_and_the_served_context_bounds_an_input(model, monkeypatch):
+    from lmhead.server import pooling
+    from lmhead.server.limits import serve_limits
+    from lmhead.server.pooling import pieces
+
+    calls = []
+    real = pooling.pooled
+    monkeypatch.setattr(pooling, "pooled", lambda m, ids, *a: calls.append(len(ids)) or real(m, ids, *a))
+    monkeypatch.setattr(pooling, "BATCH_TOKENS", 100)
+
+    assert pieces([3, 3, 3, 3], budget=6) == [slice(0, 2), slice(2, 4)]
+    assert pieces([9, 2], budget=6) == [slice(0, 1), slice(1, 2)]  # an input over the budget is a piece alone
+    many = [f"{t} {i}" for i in range(200) for t in TEXTS[:1]]
+    with TestClient(create_app(model, serve=serve_limits(model, 16))) as c:
+        r = c.post("/v1/embeddings", json={"input": many, "normalize": False})
+        assert r.status_code == 200, r.text
+        got = torch.tensor([d["embedding"] for d in r.json()["data"]])
+        torch.testing.assert_close(got, model.embed(many, normalize=False), rtol=1e-5, atol=1e-5)
+        assert len(calls) > 5 and sum(calls) == 200  # one call on the model's thread per piece
+        r = c.post("/v1/embeddings", json={"input": ["word " * 40]})
+        assert r.status_code == 400 and "input[0] has" in r.text and "served context of 16" in r.text
+        r = c.post("/v1/embeddings", json={"input": ["word " * 40], "truncate_prompt_tokens": 8})
+        assert r.status_code == 200

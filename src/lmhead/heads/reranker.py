@@ -21,7 +21,7 @@ import torch
 from lmhead.heads.classifier import from_file, head_rows
 from lmhead.heads.pooling import default_pooling, final_states, token_ids
 
-__all__ = ["INSTRUCTION", "QWEN3_TEMPLATE", "rerank", "rerank_prompts", "score_pairs"]
+__all__ = ["INSTRUCTION", "QWEN3_TEMPLATE", "rank_head", "rerank", "rerank_prompts", "score_ids", "score_pairs"]
 
 INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 QWEN3_TEMPLATE = (
@@ -64,30 +64,41 @@ def _check(query: Any, documents: Any, top_n: Any) -> None:
         raise ValueError(f"top_n must be an integer >= 1; got {top_n!r}")
 
 
+def rank_head(model: Any, head: str = "auto") -> Any:
+    """The scoring head `head` names: the file's ClassificationHead ("file", or "auto" where the file's pooling is
+    "rank"), else None — the LM head's yes/no rows ("lm")."""
+    if head not in ("auto", "lm", "file"):
+        raise ValueError(f"head must be one of auto, lm, file; got {head!r}")
+    stored = from_file(model) if head in ("auto", "file") else None
+    if head == "file" and stored is None:
+        raise ValueError("head='file': the model's file holds no classification head (cls.output)")
+    return None if head == "auto" and default_pooling(model) != "rank" else stored
+
+
 @torch.no_grad()
+def score_ids(model: Any, ids: list[list[int]], stored: Any = None) -> torch.Tensor:
+    """Scores [N] of reranker prompts given as checked token ids: the last position's final hidden state through
+    `stored` (a ClassificationHead: softmax, its first row; a single row's raw logit) or, where None, the LM
+    head's yes/no rows (sigmoid of their difference)."""
+    last = torch.stack([s[-1] for s in final_states(model, ids)])   # [N,D]
+    if stored is not None:
+        logits = stored(last)                                            # [N,K]
+        return logits[:, 0] if logits.shape[1] == 1 else torch.softmax(logits, dim=-1)[:, 0]
+    weight, bias = head_rows(model, [_first_token(model, w) for w in ("yes", "no")])
+    logits = last @ weight.T + (0 if bias is None else bias)            # [N,2]: yes, no
+    return torch.sigmoid(logits[:, 0] - logits[:, 1])
+
+
 def score_pairs(model: Any, query: str, documents: Sequence[str], head: str = "auto",
                 instruction: str = INSTRUCTION, truncate_prompt_tokens: int | None = None) -> torch.Tensor:
     """Relevance scores [N] of each document to `query`, in the documents' order. `head`: "lm" (the LM head's
     yes/no rows), "file" (the file's `cls.output` head), "auto" (the file's head where its pooling is "rank",
     else "lm")."""
     _check(query, documents, None)
-    if head not in ("auto", "lm", "file"):
-        raise ValueError(f"head must be one of auto, lm, file; got {head!r}")
-    stored = from_file(model) if head in ("auto", "file") else None
-    if head == "file" and stored is None:
-        raise ValueError("head='file': the model's file holds no classification head (cls.output)")
-    if head == "auto" and default_pooling(model) != "rank":
-        stored = None
+    stored = rank_head(model, head)
     ids = token_ids(model, rerank_prompts(model, query, documents, instruction), truncate_prompt_tokens,
                     name="documents")
-    last = torch.stack([s[-1] for s in final_states(model, ids)])   # [N,D]
-    if stored is not None:
-        logits = stored(last)                                            # [N,K]
-        return logits[:, 0] if logits.shape[1] == 1 else torch.softmax(logits, dim=-1)[:, 0]
-    yes_no = [_first_token(model, w) for w in ("yes", "no")]
-    weight, bias = head_rows(model, yes_no)
-    logits = last @ weight.T + (0 if bias is None else bias)            # [N,2]: yes, no
-    return torch.sigmoid(logits[:, 0] - logits[:, 1])
+    return score_ids(model, ids, stored)
 
 
 def _first_token(model: Any, word: str) -> int:

@@ -14,7 +14,9 @@
                                  score}]: the reranker's relevance of text_2 to text_1
 
 Every call runs on the model's scheduler thread (`Served.call`, the runner that serves generation), so these
-requests queue with the explain calls and never run beside a decode round. The library does the work
+requests queue with the explain calls and never run beside a decode round; a large request is several calls
+(`pieces`: at most BATCH_TOKENS tokens each), so running generations decode between them. Inputs are checked
+against the served context (`--ctx-size`). The library does the work
 (`lmhead.heads`); a ValueError of it is a 400 naming the field.
 """
 
@@ -30,11 +32,11 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from lmhead.heads.classifier import ClassificationHead, from_file
-from lmhead.heads.pooling import POOLINGS, final_states, normalized, pool, token_ids
-from lmhead.heads.reranker import rerank, score_pairs
+from lmhead.heads.pooling import BATCH_TOKENS, POOLINGS, default_pooling, final_states, normalized, pool, token_ids
+from lmhead.heads.reranker import rank_head, rerank_prompts, score_ids
 from lmhead.server import schemas as S
 from lmhead.server.errors import APIError
-from lmhead.server.served import Served, check_chars, get_served
+from lmhead.server.served import Served, check_chars, context_of, get_served
 
 router = APIRouter(tags=["pooling"])
 
@@ -101,22 +103,48 @@ def _usage(tokens: int) -> dict[str, int]:
     return {"prompt_tokens": tokens, "total_tokens": tokens}
 
 
-def embeddings(model: Any, inputs: list[Any], pooling: str | None, normalize: bool, dimensions: int | None,
-               truncate: int | None) -> tuple[torch.Tensor, int]:
-    """(embeddings [B,D'] float32, prompt tokens) for the route: pooled, cut to `dimensions` and renormalised."""
-    from lmhead.heads.pooling import default_pooling
+def pieces(lengths: list[int], budget: int | None = None) -> list[slice]:
+    """Consecutive slices of the inputs, each at most `budget` tokens (default BATCH_TOKENS; one input at least):
+    each is one call on the model's thread, so decode rounds of running generations go on between them."""
+    budget = BATCH_TOKENS if budget is None else budget
+    out, start, used = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and used + n > budget:
+            out.append(slice(start, i))
+            start, used = i, 0
+        used += n
+    out.append(slice(start, len(lengths)))
+    return out
 
-    width = int(model.exact_head.d_model)
-    if dimensions is not None and dimensions > width:
-        raise ValueError(f"dimensions: {dimensions} is more than the model's width {width}")
-    ids = token_ids(model, inputs, truncate)
+
+def pooled(model: Any, ids: list[list[int]], pooling: str | None, normalize: bool, dimensions: int | None
+           ) -> torch.Tensor:
+    """Embeddings [B,D'] of checked id lists: pooled (None: the file's pooling_type, else last), cut to
+    `dimensions` and renormalised."""
     if pooling is None:
         pooling = default_pooling(model)
         pooling = "last" if pooling in ("rank", "none") else pooling
     out = pool(final_states(model, ids), pooling)
     if dimensions is not None:
         out = out[:, :dimensions]
-    return (normalized(out) if normalize else out), sum(len(x) for x in ids)
+    return normalized(out) if normalize else out
+
+
+async def _checked_ids(served: Served, inputs: list[Any], truncate: int | None, name: str) -> list[list[int]]:
+    """The inputs' token ids (one call on the model's thread), each within the served context."""
+    ids = await served.call(token_ids, served.model, inputs, truncate, name)
+    context = context_of(served)
+    for i, x in enumerate(ids):
+        if len(x) > context:
+            raise APIError(400, f"{name}[{i}] has {len(x)} tokens, more than the served context of {context} "
+                                "(truncate_prompt_tokens keeps the last n)", name)
+    return ids
+
+
+async def _in_pieces(served: Served, fn: Any, ids: list[list[int]], *args: Any) -> torch.Tensor:
+    """fn(model, ids[piece], *args) for each piece of `pieces`, each one call on the model's thread, joined."""
+    return torch.cat([await served.call(fn, served.model, ids[part], *args)
+                      for part in pieces([len(x) for x in ids])])
 
 
 @router.post("/v1/embeddings", summary="OpenAI-compatible embeddings: the body alone, pooled")
@@ -124,23 +152,29 @@ async def v1_embeddings(req: EmbeddingRequest, served: Served = Depends(get_serv
     _check_model(served, req.model)
     inputs = _as_list(req.input)
     check_chars(served.limits, [x for x in inputs if isinstance(x, str)], "input")
-    vectors, tokens = await served.call(embeddings, served.model, inputs, req.pooling, req.normalize,
-                                        req.dimensions, req.truncate_prompt_tokens)
+    width = int(served.model.exact_head.d_model)
+    if req.dimensions is not None and req.dimensions > width:
+        raise APIError(400, f"dimensions: {req.dimensions} is more than the model's width {width}", "dimensions")
+    ids = await _checked_ids(served, inputs, req.truncate_prompt_tokens, "input")
+    vectors = await _in_pieces(served, pooled, ids, req.pooling, req.normalize, req.dimensions)
     data = []
     for i, v in enumerate(vectors):
         value: Any = (base64.b64encode(v.contiguous().numpy().astype("<f4").tobytes()).decode()
                       if req.encoding_format == "base64" else v.tolist())
         data.append({"object": "embedding", "index": i, "embedding": value})
-    return {"object": "list", "data": data, "model": served.name, "usage": _usage(tokens)}
+    return {"object": "list", "data": data, "model": served.name, "usage": _usage(sum(len(x) for x in ids))}
 
 
-def _rerank_job(model: Any, query: str, docs: list[str], top_n: int | None, truncate: int | None
-                ) -> tuple[list[dict[str, Any]], int]:
-    results = rerank(model, query, docs, top_n=top_n, truncate_prompt_tokens=truncate)
-    from lmhead.heads.reranker import rerank_prompts
+def _rank_inputs(model: Any, query: str, docs: list[str]) -> tuple[list[str], Any]:
+    """(the reranker's prompts, its scoring head) for a query's documents."""
+    return rerank_prompts(model, query, docs), rank_head(model)
 
-    tokens = sum(len(x) for x in token_ids(model, rerank_prompts(model, query, docs), truncate, "documents"))
-    return results, tokens
+
+async def _scores(served: Served, query: str, docs: list[str], truncate: int | None) -> tuple[list[float], int]:
+    """(each document's relevance to `query`, the prompts' tokens), scored in pieces on the model's thread."""
+    prompts, stored = await served.call(_rank_inputs, served.model, query, docs)
+    ids = await _checked_ids(served, prompts, truncate, "documents")
+    return (await _in_pieces(served, score_ids, ids, stored)).tolist(), sum(len(x) for x in ids)
 
 
 @router.post("/v1/rerank", summary="Rerank documents against a query (llama-server, Jina, Cohere)")
@@ -149,13 +183,12 @@ async def v1_rerank(req: RerankRequest, served: Served = Depends(get_served)) ->
     _check_model(served, req.model)
     docs = [d if isinstance(d, str) else d.text for d in req.documents]
     check_chars(served.limits, [req.query, *docs], "documents")
-    results, tokens = await served.call(_rerank_job, served.model, req.query, docs, req.top_n,
-                                        req.truncate_prompt_tokens)
+    scores, tokens = await _scores(served, req.query, docs, req.truncate_prompt_tokens)
     out = []
-    for r in results:
-        item: dict[str, Any] = {"index": r["index"], "relevance_score": r["relevance_score"]}
+    for i in sorted(range(len(docs)), key=lambda i: -scores[i])[:req.top_n]:
+        item: dict[str, Any] = {"index": i, "relevance_score": scores[i]}
         if req.return_documents:
-            item["document"] = {"text": r["document"]}
+            item["document"] = {"text": docs[i]}
         out.append(item)
     return {"id": f"rerank-{uuid.uuid4().hex}", "object": "list", "model": served.name, "results": out,
             "usage": _usage(tokens)}
@@ -172,11 +205,8 @@ def _classifier(request: Request, served: Served) -> ClassificationHead:
     return head
 
 
-def _classify_job(model: Any, head: ClassificationHead, texts: list[str], truncate: int | None
-                  ) -> tuple[torch.Tensor, int]:
-    head.check_model(model)
-    ids = token_ids(model, [head.template.format(text=t) for t in texts], truncate)
-    return head.predict(pool(final_states(model, ids), head.pooling)), sum(map(len, ids))
+def _class_probs(model: Any, ids: list[list[int]], head: ClassificationHead) -> torch.Tensor:
+    return head.predict(pool(final_states(model, ids), head.pooling))
 
 
 @router.post("/v1/classify", summary="Classify texts with the served classification head (vLLM)")
@@ -187,18 +217,14 @@ async def v1_classify(req: ClassifyRequest, request: Request, served: Served = D
     texts = _as_list(req.input)
     check_chars(served.limits, texts, "input")
     head = _classifier(request, served)
-    probs, tokens = await served.call(_classify_job, served.model, head, texts, req.truncate_prompt_tokens)
+    await served.call(head.check_model, served.model)
+    ids = await _checked_ids(served, [head.template.format(text=t) for t in texts], req.truncate_prompt_tokens,
+                             "input")
+    probs, tokens = await _in_pieces(served, _class_probs, ids, head), sum(len(x) for x in ids)
     data = [{"index": i, "label": head.labels[int(p.argmax())], "probs": p.tolist(),
              "num_classes": len(head.labels)} for i, p in enumerate(probs)]
     return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": served.name, "data": data, "usage": _usage(tokens)}
-
-
-def _score_job(model: Any, firsts: list[str], seconds: list[str], truncate: int | None) -> list[float]:
-    if len(firsts) == 1:
-        return score_pairs(model, firsts[0], seconds, truncate_prompt_tokens=truncate).tolist()
-    return [float(score_pairs(model, a, [b], truncate_prompt_tokens=truncate)[0])
-            for a, b in zip(firsts, seconds, strict=True)]
 
 
 @router.post("/v1/score", summary="Score text_2 against text_1 with the reranker (vLLM)")
@@ -210,7 +236,11 @@ async def v1_score(req: ScoreRequest, served: Served = Depends(get_served)) -> d
         raise APIError(400, f"text_1 holds {len(firsts)} texts and text_2 {len(seconds)}: give one text_1, or "
                             "as many as text_2", "text_1")
     check_chars(served.limits, firsts + seconds, "text_2")
-    scores = await served.call(_score_job, served.model, firsts, seconds, req.truncate_prompt_tokens)
+    if len(firsts) == 1:
+        scores, _ = await _scores(served, firsts[0], seconds, req.truncate_prompt_tokens)
+    else:
+        scores = [(await _scores(served, a, [b], req.truncate_prompt_tokens))[0][0]
+                  for a, b in zip(firsts, seconds, strict=True)]
     return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": served.name, "data": [{"index": i, "object": "score", "score": s}
                                            for i, s in enumerate(scores)]}
