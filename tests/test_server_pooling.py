@@ -152,3 +152,23 @@ def test_large_requests_go_in_pieces_and_the_served_context_bounds_an_input(mode
         assert r.status_code == 400 and "input[0] has" in r.text and "served context of 16" in r.text
         r = c.post("/v1/embeddings", json={"input": ["word " * 40], "truncate_prompt_tokens": 8})
         assert r.status_code == 200
+
+
+def test_the_page_api_shows_one_hidden_state_through_both_heads(client, model, head):
+    from lmhead.explain_swap import swap
+
+    r = client.post("/api/swap", json={"prompt": "The cat sat on the", "labels": ["cat", "dog"], "top": 5})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    from lmhead.heads.classifier import verbaliser
+
+    want = swap(model, "The cat sat on the", verbaliser(model, ["cat", "dog"], template="{text}"), top=5).to_dict()
+    assert [x["index"] for x in body["lm"]["top"]] == [x["index"] for x in want["lm"]["top"]]
+    assert [x["label"] for x in body["swapped"]["top"]] == [x["label"] for x in want["swapped"]["top"]]
+    assert body["swapped"]["rows"] == 2 and body["lm"]["rows"] == model.vocab_size
+    r = client.post("/api/swap", json={"prompt": "The cat"})  # the served head (the fixture's)
+    assert r.status_code == 200 and r.json()["swapped"]["parameters"] == head.num_parameters
+    assert client.post("/api/swap", json={"prompt": "x", "labels": ["one"]}).status_code == 422
+    page = client.get("/").text
+    assert 'id="swap-section"' in page and "/static/swap.js" in page
+    assert client.get("/static/swap.js").status_code == 200

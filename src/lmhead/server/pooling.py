@@ -12,6 +12,9 @@
                                  the model file's own `cls.output` head)
     POST /v1/score, /score       vLLM's: text_1 against text_2 (one against many, or pairwise) → data [{index,
                                  score}]: the reranker's relevance of text_2 to text_1
+    POST /api/swap               the page's view of the swap (`explain_swap.swap`): the prompt's last hidden state
+                                 through the LM head and through a head of `labels` (their words' LM-head rows:
+                                 the zero-shot classifier) or the served classification head
 
 Every call runs on the model's scheduler thread (`Served.call`, the runner that serves generation), so these
 requests queue with the explain calls and never run beside a decode round; a large request is several calls
@@ -31,7 +34,8 @@ import torch
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from lmhead.heads.classifier import ClassificationHead, from_file
+from lmhead.explain_swap import swap
+from lmhead.heads.classifier import ClassificationHead, from_file, verbaliser
 from lmhead.heads.pooling import BATCH_TOKENS, POOLINGS, default_pooling, final_states, normalized, pool, token_ids
 from lmhead.heads.reranker import rank_head, rerank_prompts, score_ids
 from lmhead.server import schemas as S
@@ -79,6 +83,16 @@ class RerankRequest(_Request):
 class ClassifyRequest(_Request):
     input: S.Prompt | Annotated[list[S.Prompt], Field(min_length=1, max_length=MAX_INPUTS)]
     truncate_prompt_tokens: int | None = Field(None, ge=1)
+
+
+class SwapRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: S.Prompt
+    labels: Annotated[list[Annotated[str, Field(min_length=1, max_length=64)]],
+                      Field(min_length=2, max_length=64)] | None = Field(
+        None, description="class words (the LM head's rows of them); none: the served classification head")
+    top: int = Field(10, ge=1, le=100, description="the LM head's candidates shown")
 
 
 class ScoreRequest(_Request):
@@ -194,14 +208,14 @@ async def v1_rerank(req: RerankRequest, served: Served = Depends(get_served)) ->
             "usage": _usage(tokens)}
 
 
-def _classifier(request: Request, served: Served) -> ClassificationHead:
+def _classifier(request: Request, served: Served, other: str = "") -> ClassificationHead:
     head = getattr(request.app.state, "classifier", None)
     if head is None:
         head = from_file(served.model)
     if head is None:
-        raise APIError(400, "this server has no classification head: start it with --classifier FILE (a head "
-                            "saved by `lmhead train-head`), or serve a model whose file holds one (cls.output)",
-                       "model")
+        raise APIError(400, f"this server has no classification head: {other}start it with --classifier FILE (a "
+                            "head saved by `lmhead train-head`), or serve a model whose file holds one (cls.output)",
+                       "labels" if other else "model")
     return head
 
 
@@ -244,3 +258,19 @@ async def v1_score(req: ScoreRequest, served: Served = Depends(get_served)) -> d
     return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": served.name, "data": [{"index": i, "object": "score", "score": s}
                                            for i, s in enumerate(scores)]}
+
+
+def _swap_job(model: Any, prompt: str, labels: list[str] | None, head: ClassificationHead | None, top: int
+              ) -> dict[str, Any]:
+    if labels is not None:
+        head = verbaliser(model, labels, template="{text}")
+    return swap(model, prompt, head, top=top).to_dict()
+
+
+@router.post("/api/swap", summary="One hidden state through the LM head and through a classification head")
+async def api_swap(req: SwapRequest, request: Request, served: Served = Depends(get_served)) -> dict[str, Any]:
+    if not req.prompt:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    check_chars(served.limits, [req.prompt], "prompt")
+    head = None if req.labels is not None else _classifier(request, served, "give labels, or ")
+    return await served.call(_swap_job, served.model, req.prompt, req.labels, head, req.top)
