@@ -178,3 +178,18 @@ def test_packaged_models_embeddings_equal_transformers_hidden_states(name):
     for pooling in ("last", "mean"):
         ref = torch.nn.functional.normalize(torch.stack([_pool(h, pooling) for h in want]), dim=-1)
         torch.testing.assert_close(model.embed(texts, pooling=pooling), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", ["gemma-3-270m", "smollm2-135m"])
+def test_packaged_models_rerank_scores_equal_transformers_yes_against_no(name):
+    from lmhead import load_model
+
+    model = load_model(name, progress=False)
+    query, docs = "Where did the cat sit?", ["The cat sat on the mat.", "Stocks fell sharply on Monday."]
+    yes, no = (model.tokenizer.encode(w, add_special_tokens=False)[0] for w in ("yes", "no"))
+    with torch.no_grad():
+        logits = torch.stack([model.hf_model(torch.tensor([model.encode(p)])).logits[0, -1]
+                              for p in rerank_prompts(model, query, docs)])
+    want = torch.softmax(logits[:, [no, yes]], dim=-1)[:, 1]
+    torch.testing.assert_close(score_pairs(model, query, docs), want, rtol=1e-5, atol=1e-5)
