@@ -189,3 +189,68 @@ def test_a_chats_next_turn_reuses_the_previous_turns_columns(model):
         want = fresh.post("/v1/chat/completions", json={"messages": turn2, **body}).json()
         assert fresh.app.state.runner.prefix_cache.hits == 0
     assert b["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+
+
+# --- the file -----------------------------------------------------------------------------------------------
+
+IDENT = {"lmhead": "0.1.0", "model": "tiny", "layers": 2}
+
+
+def _filled() -> PrefixCache:
+    cache = PrefixCache(block=4)
+    keys = torch.arange(2 * 1 * 12 * 4, dtype=torch.float32).reshape(2, 1, 12, 4)
+    cache.put(list(range(10, 22)), keys, -keys)
+    cache.put(list(range(50, 58)), keys[:, :, :8] + 1, keys[:, :, :8] - 1)
+    return cache
+
+
+def test_a_saved_store_loads_with_its_blocks_and_their_order(tmp_path):
+    cache = _filled()
+    cache.match(list(range(10, 22)))  # the first run is now the most recently used
+    path = tmp_path / "prefix.pt"
+    cache.save(path, IDENT)
+    assert [p.name for p in tmp_path.iterdir()] == ["prefix.pt"]  # no temporary file left
+    back = PrefixCache(block=4)
+    assert back.load(path, IDENT) is None
+    assert len(back) == len(cache) and back.bytes == cache.bytes
+    m, k, v = back.match(list(range(10, 22)))
+    want = cache.match(list(range(10, 22)))
+    assert m == 12 and torch.equal(k, want[1]) and torch.equal(v, want[2])
+    small = PrefixCache(max_bytes=3 * 2 * 2 * 4 * 4 * 4, block=4)  # room for three blocks: the most recent run
+    assert small.load(path, IDENT) is None and small.cached(list(range(10, 22))) == 12 and len(small) == 3
+    assert PrefixCache(block=4).load(tmp_path / "none.pt", IDENT) is None  # no file yet: an empty start
+
+
+def test_a_file_of_another_model_or_version_or_a_damaged_one_is_refused_and_never_used(tmp_path):
+    path = tmp_path / "prefix.pt"
+    _filled().save(path, IDENT)
+    other = PrefixCache(block=4)
+    assert other.load(path, {**IDENT, "model": "another"}) == "written for another model"
+    assert other.load(path, {**IDENT, "lmhead": "9.9"}) == "written for another lmhead"
+    assert len(other) == 0
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a flipped byte inside a block
+    path.write_bytes(bytes(data))
+    why = other.load(path, IDENT)
+    assert why is not None and "damaged" in why and len(other) == 0
+    path.write_bytes(b"not a file of ours")
+    assert "damaged" in other.load(path, IDENT) and len(other) == 0
+
+
+def test_the_server_keeps_its_prefix_cache_across_a_restart(model, tmp_path):
+    from lmhead.server.prefix_file import keep_prefix_cache
+
+    path = tmp_path / "prefix.pt"
+    body = {"prompt": FIRST, "max_tokens": 2, "temperature": 0}
+    app = create_app(model)
+    assert keep_prefix_cache(app, path) is None
+    with TestClient(app) as client:
+        assert client.post("/v1/completions", json=body).status_code == 200
+    assert path.exists()  # written at shutdown
+    again = create_app(model)
+    assert keep_prefix_cache(again, path) is None and len(again.state.runner.prefix_cache) > 0
+    with TestClient(again) as client:
+        assert client.post("/v1/completions", json=body).status_code == 200
+        assert again.state.runner.prefix_cache.hits == 1
+    path.write_bytes(b"damaged")
+    assert "damaged" in keep_prefix_cache(create_app(model), path)

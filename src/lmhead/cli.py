@@ -405,6 +405,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--prefix-cache-memory", type=float, default=None, metavar="GIB",
                    help="GiB of prompts' keys and values kept for reuse by prompts that begin the same way "
                         "(default: 1, at most a quarter of --kv-memory; 0 = none)")
+    g.add_argument("--prefix-cache-file", default=None, metavar="PATH",
+                   help="keep the prefix cache in this file across restarts: read at start (a file of another "
+                        "model or version, or a damaged one, is refused and rewritten), written at shutdown")
     p.set_defaults(run=_run_serve)
 
 
@@ -472,6 +475,13 @@ def _run_serve(args: argparse.Namespace) -> None:
           f"at once, {limits.kv_bytes / 2**30:.1f} GiB of KV memory", file=sys.stderr)
     prefix = None if args.prefix_cache_memory is None else int(args.prefix_cache_memory * 2**30)
     app = create_app(model, allowed_hosts=[args.host, *args.allowed_host], serve=limits, prefix_cache_bytes=prefix)
+    if args.prefix_cache_file is not None:
+        from lmhead.server.prefix_file import keep_prefix_cache
+
+        why = keep_prefix_cache(app, args.prefix_cache_file)
+        if why is not None:
+            print(f"lmhead: --prefix-cache-file {args.prefix_cache_file}: {why}; starting with an empty prefix cache",
+                  file=sys.stderr)
     if args.classifier is not None:  # /v1/classify's head, checked against the model's width
         app.state.classifier = _classifier_head(args.classifier, model)
     from lmhead.server.protocol import HeaderTimeoutProtocol  # uvicorn's h11, with a deadline for headers

@@ -17,12 +17,18 @@ A column's keys and values depend only on the tokens up to it and their position
 padding counts no positions), so the reused columns are the ones a prefill would compute — up to float rounding
 where that prefill would have run the same tokens in another split. Bounded memory: the least recently used
 blocks leave first, a run's last blocks before its first (a later block is of no use without those before it).
+
+    cache.save(path, identity)        # the blocks and what they belong to (model, file, shapes, lmhead's version)
+    why = cache.load(path, identity)  # None, or why the file was refused (the store then stays empty)
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections import OrderedDict
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +37,7 @@ __all__ = ["BLOCK", "MIN_TOKENS", "PrefixCache"]
 
 BLOCK = 32  # positions per block: a multiple of the kernels' row passes, a divisor of the prefill piece
 MIN_TOKENS = BLOCK  # the shortest prefix reused: one block
+FILE_FORMAT = "lmhead prefix cache 1"
 
 
 class PrefixCache:
@@ -120,6 +127,66 @@ class PrefixCache:
         keys = torch.cat([self._blocks[k][0] for k in run], dim=2)
         values = torch.cat([self._blocks[k][1] for k in run], dim=2)
         return m, keys, values
+
+
+    def save(self, path: str | Path, identity: dict[str, Any]) -> None:
+        """Write the blocks (least recently used first) and `identity` (what they belong to: the model, its file,
+        the cache's shapes, lmhead's version) to `path`, with a digest of everything: into a temporary file
+        beside it, renamed over it, so that a reader never sees half a file."""
+        path = Path(path)
+        keys = [k.hex() for k in self._blocks]
+        ks = [kv[0] for kv in self._blocks.values()]
+        vs = [kv[1] for kv in self._blocks.values()]
+        data = {"format": FILE_FORMAT, "identity": identity, "block": self.block, "keys": keys, "k": ks, "v": vs,
+                "digest": _digest(keys, ks, vs)}
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            torch.save(data, tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def load(self, path: str | Path, identity: dict[str, Any]) -> str | None:
+        """Read the blocks `save` wrote to `path` into this (empty) store, the most recently used kept within its
+        bound. → None (read, or no file yet), or why the file was refused — another model or file, another version
+        of lmhead, other shapes, a damaged file —, in which case nothing of it is used."""
+        try:
+            data = torch.load(Path(path), weights_only=True)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # a damaged file is any error its reader meets: refused, never used
+            return f"damaged or not a prefix cache file ({type(exc).__name__})"
+        if not isinstance(data, dict) or data.get("format") != FILE_FORMAT:
+            return "not a prefix cache file of this version of lmhead"
+        theirs = data.get("identity")
+        if theirs != identity:
+            differ = sorted(k for k in {**identity, **(theirs or {})} if (theirs or {}).get(k) != identity.get(k))
+            return f"written for another {', '.join(differ)}"
+        keys, ks, vs = data.get("keys"), data.get("k"), data.get("v")
+        if (data.get("block") != self.block or not isinstance(keys, list) or not isinstance(ks, list)
+                or not isinstance(vs, list) or not len(keys) == len(ks) == len(vs)
+                or data.get("digest") != _digest(keys, ks, vs)
+                or any(k.shape != ks[0].shape or v.shape != ks[0].shape for k, v in zip(ks, vs, strict=True))):
+            return "damaged (its digest or its blocks' shapes do not match)"
+        self._blocks.clear()
+        self.bytes = 0
+        for key, k, v in zip(reversed(keys), reversed(ks), reversed(vs), strict=True):  # the most recent first
+            if self.bytes + _size(k, v) > self.max_bytes:
+                break
+            self._blocks[bytes.fromhex(key)] = (k, v)
+            self._blocks.move_to_end(bytes.fromhex(key), last=False)
+            self.bytes += _size(k, v)
+        return None
+
+
+def _digest(keys: list[str], ks: list[torch.Tensor], vs: list[torch.Tensor]) -> str:
+    """A hash of a saved store's keys and every block's bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    for key, k, v in zip(keys, ks, vs, strict=True):
+        h.update(key.encode())
+        h.update(k.contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(v.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _size(keys: torch.Tensor, values: torch.Tensor) -> int:
