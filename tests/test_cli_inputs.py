@@ -189,7 +189,8 @@ def test_help_says_which_packaged_model_is_base_and_which_instruction_tuned(caps
 
 @pytest.mark.parametrize("argv,option", [(["--parallel", "0"], "--parallel"), (["--ctx-size", "1"], "--ctx-size"),
                                          (["--max-tokens", "0"], "--max-tokens"), (["--queue", "-1"], "--queue"),
-                                         (["--kv-memory", "0"], "--kv-memory")])
+                                         (["--kv-memory", "0"], "--kv-memory"),
+                                         (["--prefix-cache-memory", "-1"], "--prefix-cache-memory")])
 def test_serve_rejects_a_bad_limit_before_loading_the_model(capsys, no_load, argv, option):
     code, _, err = run(capsys, "serve", "--port", "0", *argv)
     one_line_error(code, err, option)
