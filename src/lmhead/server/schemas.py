@@ -223,9 +223,14 @@ class _OpenAIRequest(StepFields):
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     user: Name | None = None
     # extensions (vLLM, llama.cpp server)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=-1, description="0 = off; -1 = off, as vLLM's clients send it")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off(cls, v: int) -> int:
+        return 0 if v == -1 else v  # vLLM's and llama.cpp's "off"
     # lmhead's extension: logprobs from the fp32 head (by default: the decode head's, see lmhead.generate)
     exact_logprobs: StrictBool = Field(False, description="compute the returned logprobs with the full-precision head")
     # vLLM's extensions (stop_token_ids and min_tokens are the declared steps': StepFields; stop_token_ids

@@ -1,6 +1,6 @@
-"""vLLM's `bad_words` as its clients send them: words are tokenised as vLLM tokenises them (with and without a
-leading space) and never completed; token-id sequences still work; a word that tokenises to nothing is a 400
-naming it."""
+"""vLLM's fields as its clients send them: `bad_words` as words, tokenised as vLLM tokenises them (with and without
+a leading space) and never completed, token-id sequences as before, a word that tokenises to nothing a 400 naming
+it; `top_k: -1` is off, as 0."""
 
 from __future__ import annotations
 
@@ -67,3 +67,11 @@ def test_a_word_that_tokenises_to_nothing_is_a_400_naming_it(client, word):
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "bad_words" and "bad_words[1]" in err["message"]
+
+
+def test_top_k_minus_one_is_off_as_vllm_clients_send_it(client):
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0.8, "seed": 5, "ignore_eos": True}
+    off = client.post("/v1/completions", json={**body, "top_k": -1})
+    assert off.status_code == 200, off.text
+    assert off.json()["choices"][0]["text"] == client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert client.post("/v1/completions", json={**body, "top_k": -2}).status_code == 422
