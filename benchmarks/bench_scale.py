@@ -1,8 +1,16 @@
 """Real model sizes from their files: Llama 3.2 1B, Llama 3.2 3B and Llama 3.1 8B shapes with random weights,
-written as GGUF and quantised by llama.cpp's own tools, loaded and decoded by lmhead beside llama-bench.
+written as GGUF and quantised by llama.cpp's own tools, loaded and decoded by lmhead beside llama-bench; and the
+mixture of experts Qwen3-30B-A3B (48 layers, 128 experts, 8 a token), written as quantised blocks directly.
 
     .venv/bin/python benchmarks/bench_scale.py [--shape llama-3.2-1b ...] [--type Q4_K_M --type Q8_0]
-        [--new-tokens 32] [--work DIR] [--keep] [--prepare]
+        [--new-tokens 32] [--work DIR] [--keep] [--prepare] [--layers N]
+
+The MoE shape (`--shape qwen3-30b-a3b`, types Q4_K or Q8_0; default Q4_K, about 17 GB) is never a float model:
+each matrix's blocks are written with random codes and a fixed scale (weights of σ about 0.02; the router float32,
+normal σ 0.02) straight into the GGUF file, tensor by tensor (`write_moe_gguf`), so nothing larger than one
+layer's experts of one kind is in memory. `--layers N` cuts any shape to its first N layers: a 2-layer cut of
+Qwen3-30B-A3B is what transformers' float32 forward can hold for the exactness check (greedy tokens compared,
+transformers reading the file with the experts' widths from its tensors: `loading.moe_hf_config`).
 
 Per shape (the architecture's sizes; SmolLM2's tokenizer and its 49,152-token vocabulary): random bfloat16
 weights (normal, σ 0.02; norms 1) written as a Hugging Face folder, shard by shard, then llama.cpp's
@@ -52,6 +60,13 @@ SHAPES: dict[str, dict] = {
                          num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
 }
 VOCAB = 49152
+
+# mixtures of experts: written as quantised blocks directly (`write_moe_gguf`), general.architecture qwen3moe
+MOE_SHAPES: dict[str, dict] = {
+    "qwen3-30b-a3b": dict(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                          num_experts_per_tok=8, rope_theta=1e6, rms_norm_eps=1e-6),
+}
 
 
 def vendored_llama_cpp() -> Path:
@@ -117,9 +132,116 @@ def write_hf(shape: str, out: Path) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
 
 
-def write_gguf(shape: str, work: Path, kinds: list[str]) -> dict[str, Path]:
+def _random_blocks(kind: str, rows: int, k: int, rng):
+    """rows x k weights of `kind` as random blocks [rows, bytes]: random codes, a fixed float16 scale giving
+    weights of σ about 0.02 (Q8_0: d·q, q uniform in [−127, 127]; Q4_K: d·8·q − d·60, q uniform in [0, 15])."""
+    import numpy as np
+
+    if kind == "Q8_0":
+        nb = rows * k // 32
+        blocks = rng.integers(-127, 128, size=(nb, 34), dtype=np.int8).view(np.uint8)
+        blocks[:, 0:2] = np.frombuffer(np.float16(0.02 / 73).tobytes(), dtype=np.uint8)
+    elif kind == "Q4_K":
+        nb = rows * k // 256
+        blocks = rng.integers(0, 256, size=(nb, 144), dtype=np.uint8)
+        d = np.frombuffer(np.float16(0.02 / 37).tobytes(), dtype=np.uint8)
+        blocks[:, 0:2], blocks[:, 2:4] = d, d                            # d and dmin
+        # six-bit scales 8 and mins 60 for all eight groups, packed as llama.cpp's get_scale_min_k4 reads them
+        blocks[:, 4:16] = np.array([8] * 4 + [60 | (3 << 6)] * 4 + [8 | (12 << 4)] * 4, dtype=np.uint8)
+    else:
+        raise SystemExit(f"the MoE shapes are written as Q4_K or Q8_0, not {kind}")
+    return blocks.reshape(rows, -1)
+
+
+def write_moe_gguf(shape: str, path: Path, kind: str, layers: int | None = None) -> Path:
+    """`shape` (MOE_SHAPES) as a qwen3moe GGUF of random `kind` blocks (norms 1, routers float32), SmolLM2's
+    tokenizer, written tensor by tensor (GGUFWriter's streamed tensor data); `layers`: only the first N."""
+    import gguf
+    import numpy as np
+
+    dims = MOE_SHAPES[shape]
+    n_layers = layers or dims["num_hidden_layers"]
+    d, f, heads, kv, hd, e = (dims[k] for k in ("hidden_size", "moe_intermediate_size", "num_attention_heads",
+                                               "num_key_value_heads", "head_dim", "num_experts"))
+    qtype = gguf.GGMLQuantizationType[kind]
+    tok = json.loads((tokenizer_folder() / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in tok.get("added_tokens", []) if t.get("special")}
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_name(f"synthetic-{shape}")
+    w.add_context_length(32768)
+    w.add_embedding_length(d)
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(dims["intermediate_size"])
+    w.add_expert_feed_forward_length(f)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_layer_norm_rms_eps(dims["rms_norm_eps"])
+    w.add_rope_freq_base(dims["rope_theta"])
+    w.add_expert_count(e)
+    w.add_expert_used_count(dims["num_experts_per_tok"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    rng = np.random.default_rng(0)
+    # (name, torch-order shape, kind or None for float32; float32 tensors: "ones" or "normal")
+    table: list[tuple[str, tuple[int, ...], str]] = [
+        ("token_embd.weight", (VOCAB, d), kind), ("output_norm.weight", (d,), "ones"),
+        ("output.weight", (VOCAB, d), kind)]
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        table += [(p + "attn_norm.weight", (d,), "ones"), (p + "attn_q.weight", (heads * hd, d), kind),
+                  (p + "attn_k.weight", (kv * hd, d), kind), (p + "attn_v.weight", (kv * hd, d), kind),
+                  (p + "attn_output.weight", (d, heads * hd), kind), (p + "attn_q_norm.weight", (hd,), "ones"),
+                  (p + "attn_k_norm.weight", (hd,), "ones"), (p + "ffn_norm.weight", (d,), "ones"),
+                  (p + "ffn_gate_inp.weight", (e, d), "normal"), (p + "ffn_gate_exps.weight", (e, f, d), kind),
+                  (p + "ffn_up_exps.weight", (e, f, d), kind), (p + "ffn_down_exps.weight", (e, d, f), kind)]
+    block, size = gguf.constants.GGML_QUANT_SIZES[qtype]
+    for name, dims_, how in table:
+        if how in ("ones", "normal"):
+            w.add_tensor_info(name, dims_, np.dtype(np.float32), 4 * int(np.prod(dims_)))
+        else:
+            byte_shape = (*dims_[:-1], dims_[-1] // block * size)
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for _name, dims_, how in table:
+        if how == "ones":
+            w.write_tensor_data(np.ones(dims_, dtype=np.float32))
+        elif how == "normal":
+            w.write_tensor_data((rng.standard_normal(dims_, dtype=np.float32) * 0.02).astype(np.float32))
+        else:
+            rows = int(np.prod(dims_[:-1]))
+            w.write_tensor_data(_random_blocks(kind, rows, dims_[-1], rng))
+    w.close()
+    return path
+
+
+def write_gguf(shape: str, work: Path, kinds: list[str], layers: int | None = None) -> dict[str, Path]:
     """`shape` as BF16 GGUF (convert_hf_to_gguf.py) and each of `kinds` (llama-quantize); the BF16 file and the
-    Hugging Face folder removed afterwards."""
+    Hugging Face folder removed afterwards. A MoE shape: each of `kinds` written directly (`write_moe_gguf`).
+    `layers`: the shape cut to its first N layers."""
+    cut = f"-{layers}l" if layers else ""
+    if shape in MOE_SHAPES:
+        files = {kind: work / f"{shape}{cut}-{kind}.gguf" for kind in kinds}
+        t = time.perf_counter()
+        for kind, path in files.items():
+            if not path.is_file():
+                work.mkdir(parents=True, exist_ok=True)
+                write_moe_gguf(shape, path, kind, layers)
+        print(f"{shape}{cut}: {', '.join(f'{k} {p.stat().st_size / 2**30:.2f} GiB' for k, p in files.items())} "
+              f"({time.perf_counter() - t:.0f} s)", flush=True)
+        return files
+    if layers:
+        raise SystemExit("--layers cuts the MoE shapes only")
     src = vendored_llama_cpp()
     hf, bf16 = work / f"{shape}-hf", work / f"{shape}-BF16.gguf"
     files = {kind: work / f"{shape}-{kind}.gguf" for kind in kinds}
@@ -153,6 +275,21 @@ list(model.generate(sys.argv[3], 4, config=greedy, draft="none"))  # warm-up
 t = time.perf_counter()
 ids = [s.token_id for s in model.generate(sys.argv[3], n, config=greedy, draft="none")]
 print(json.dumps({"load": load, "rate": len(ids) / (time.perf_counter() - t), "ids": ids}))
+"""
+
+_HF_MOE_CHILD = """
+import json, sys, torch
+from pathlib import Path
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from lmhead.models.loading import moe_hf_config
+path = Path(sys.argv[1])
+tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                             config=moe_hf_config(path)).eval()
+enc = tok(sys.argv[3], return_tensors="pt")
+with torch.inference_mode():
+    out = model.generate(**enc, max_new_tokens=int(sys.argv[2]), do_sample=False, pad_token_id=tok.eos_token_id)
+print(json.dumps({"ids": out[0, enc["input_ids"].shape[1]:].tolist()}))
 """
 
 _HF_CHILD = """
@@ -194,8 +331,12 @@ def llama_bench(gguf: Path, n: int) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", action="append", choices=list(SHAPES), help="repeatable (default: all three)")
-    parser.add_argument("--type", action="append", help="llama-quantize types (default Q4_K_M and Q8_0)")
+    parser.add_argument("--shape", action="append", choices=[*SHAPES, *MOE_SHAPES],
+                        help="repeatable (default: the three Llama shapes)")
+    parser.add_argument("--type", action="append", help="llama-quantize types (default Q4_K_M and Q8_0; the MoE "
+                        "shapes: Q4_K or Q8_0, default Q4_K)")
+    parser.add_argument("--layers", type=int, default=None, help="the MoE shapes cut to their first N layers "
+                        "(2: transformers' float32 forward checks the greedy tokens)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--work", type=Path, default=None, help="folder for the files (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the GGUF files in --work")
@@ -203,13 +344,26 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.new_tokens < 1:
         parser.error("--new-tokens must be >= 1")
+    if args.layers is not None and args.layers < 1:
+        parser.error("--layers must be >= 1")
     vendored_llama_cpp()
-    shapes, kinds = args.shape or list(SHAPES), args.type or ["Q4_K_M", "Q8_0"]
+    shapes = args.shape or list(SHAPES)
+    if args.layers is not None and any(s not in MOE_SHAPES for s in shapes):
+        parser.error(f"--layers cuts the MoE shapes only ({', '.join(MOE_SHAPES)})")
+
+    def kinds_of(shape: str) -> list[str]:
+        if shape in MOE_SHAPES:
+            kinds = args.type or ["Q4_K"]
+            if any(k not in ("Q4_K", "Q8_0") for k in kinds):
+                parser.error(f"--type: the MoE shapes are written as Q4_K or Q8_0, got {', '.join(kinds)}")
+            return kinds
+        return args.type or ["Q4_K_M", "Q8_0"]
+
     if args.prepare:
         if args.work is None:
             parser.error("--prepare needs --work (the folder a later run measures)")
         for shape in shapes:
-            write_gguf(shape, args.work, kinds)
+            write_gguf(shape, args.work, kinds_of(shape), args.layers)
         return 0
     rec = Recorder("scale")
     print(rec.header(), flush=True)
@@ -222,22 +376,24 @@ def main(argv: list[str] | None = None) -> int:
     tok = tokenizer_folder()
     try:
         for shape in shapes:
-            files = write_gguf(shape, work, kinds)
+            files = write_gguf(shape, work, kinds_of(shape), args.layers)
             for kind, path in files.items():
                 ours, rss = _child(_CHILD, str(path), str(args.new_tokens), PROMPT)
                 theirs, their_rss = llama_bench(path, args.new_tokens)
                 same = "-"
-                if shape == "llama-3.2-1b":
-                    hf, _ = _child(_HF_CHILD, str(path), str(args.new_tokens), PROMPT, str(tok))
+                if shape == "llama-3.2-1b" or (shape in MOE_SHAPES and args.layers is not None and args.layers <= 2):
+                    code = _HF_MOE_CHILD if shape in MOE_SHAPES else _HF_CHILD
+                    hf, _ = _child(code, str(path), str(args.new_tokens), PROMPT, str(tok))
                     same = "yes" if hf["ids"] == ours["ids"] else f"no ({ours['ids'][:8]} vs {hf['ids'][:8]})"
                 load = f"{os.getloadavg()[0]:.2f}"
-                cells = [shape, kind, f"{path.stat().st_size / 2**30:.2f}", f"{ours['rate']:.2f}", f"{theirs:.2f}",
+                label = shape + (f" ({args.layers} layers)" if args.layers else "")
+                cells = [label, kind, f"{path.stat().st_size / 2**30:.2f}", f"{ours['rate']:.2f}", f"{theirs:.2f}",
                          f"{ours['rate'] / theirs:.2f}", f"{rss:.0f}", f"{their_rss:.0f}", f"{ours['load']:.1f}",
                          same, load]
                 print("| " + " | ".join(cells) + " |", flush=True)
-                table.row(cells, [Figure(f"{shape} {kind} decode", ours["rate"], "tok/s", "llama-bench", theirs,
+                table.row(cells, [Figure(f"{label} {kind} decode", ours["rate"], "tok/s", "llama-bench", theirs,
                                          ours["rate"] / theirs),
-                                  Figure(f"{shape} {kind} peak RSS", rss, "MiB", "llama-bench", their_rss,
+                                  Figure(f"{label} {kind} peak RSS", rss, "MiB", "llama-bench", their_rss,
                                          rss / their_rss)])
                 if not args.keep:
                     path.unlink()

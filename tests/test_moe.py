@@ -33,12 +33,16 @@ def test_a_tiny_moe_gguf_runs_from_its_codes_with_transformers_numbers(tmp_path,
 
     from lmhead import SamplingConfig
     from lmhead.models.coded_linear import CodedLinear
+    from lmhead.models.gguf_codes import coded_nbytes
 
     path, model = _load(tmp_path, monkeypatch, arch, kind)
     moe = model.lean.layers[0].moe
     assert moe is not None and model.config.model_type == arch
     # the experts are the file's codes (no float32 copy), the router float32 as the file holds it
     assert all(isinstance(m, CodedLinear) for m in moe.gate_up + moe.down)
+    if kind != "F32":  # the experts take what the memory check counted for them before loading
+        weights = sum(m.out_features * m.in_features for m in moe.gate_up + moe.down)
+        assert sum(m.nbytes for m in moe.gate_up + moe.down) == coded_nbytes(kind, weights)
     assert "_hf_model" not in model.__dict__ or model.__dict__["_hf_model"] is None  # nothing converted
     ref = reference_from_gguf(path, arch)
     ids = torch.tensor([model.encode("The cat sat on the mat. The dog ran after a ball")])

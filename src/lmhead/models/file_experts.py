@@ -20,11 +20,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from lmhead.kernels import native
 from lmhead.models.arch import ArchSpec, arch_of
-from lmhead.models.coded_linear import CodedLinear
+from lmhead.models.coded_linear import CodedLinear, SubScales
 from lmhead.models.errors import ModelError
-from lmhead.models.gguf_codes import BLOCKS, FOUR_BIT, Codes, block_scales, fuse_codes
+from lmhead.models.gguf_codes import BLOCKS, FOUR_BIT, SUB_TYPES, Codes, block_scales, block_subscales, fuse_codes
 from lmhead.models.gguf_file import CODE_TYPES, DENSE_TYPES, GGUFFile, Header, block_codes
+from lmhead.models.heap import trim_heap
 from lmhead.models.moe import MoE
 
 __all__ = ["moe_config", "read_moe"]
@@ -127,13 +129,18 @@ class _Experts:
                              f"{self.experts}x{self.n} rows of {self.k}")
         return data[e * self.n:(e + 1) * self.n]
 
-    def codes(self, e: int) -> Codes:
-        per_block, nbytes, group = BLOCKS[self.kind]
+    def blocks(self, e: int) -> np.ndarray:
+        """Expert e's blocks [N·K/block, bytes] (a view of the map)."""
+        per_block, nbytes, _ = BLOCKS[self.kind]
         rows = self.rows(e)
         if self.k % per_block or rows.shape[1] != self.k // per_block * nbytes:
             raise ModelError(f"{self.f.path}: tensor {self.name} ({self.kind}, {self.experts}x{self.n}x{self.k}) "
                              "does not hold whole blocks")
-        blocks = rows.reshape(-1, nbytes)
+        return rows.reshape(-1, nbytes)
+
+    def codes(self, e: int) -> Codes:
+        group = BLOCKS[self.kind][2]
+        blocks = self.blocks(e)
         s, o = block_scales(self.kind, blocks)
         codes = torch.from_numpy(block_codes(self.kind, blocks).reshape(self.n, self.k))
         scale = torch.from_numpy(np.ascontiguousarray(s).reshape(self.n, self.k // group))
@@ -157,12 +164,53 @@ def _matrix(parts: list[_Experts], e: int) -> CodedLinear | torch.Tensor:
     """Expert e of `parts` (gate and up, or down alone) as one matrix, rows concatenated: codes where the parts are
     of one code type, a file's float weights as they are, else float32."""
     kinds = {p.kind for p in parts}
+    if len(kinds) == 1 and kinds <= CODE_TYPES and all(p.n % 4 == 0 for p in parts[:-1]):
+        return _coded(parts, e)
     if len(kinds) == 1 and kinds <= CODE_TYPES:
         fused = fuse_codes([p.codes(e) for p in parts])
         return CodedLinear(fused.codes, fused.scale, fused.offset, four_bit=FOUR_BIT.get(kinds.pop()))
     if len(kinds) == 1 and kinds <= DENSE_TYPES.keys():
         return CodedLinear.dense16(torch.cat([p.weights(e) for p in parts]))
     return torch.cat([p.dequantized(e) for p in parts])
+
+
+def _coded(parts: list[_Experts], e: int) -> CodedLinear:
+    """Expert e of `parts` (one code type) as one CodedLinear laid out part by part (`CodedLinear.from_chunks`, as
+    `GGUFFile.coded_rows` lays out q, k and v): a K-quant's scales held as its blocks hold them (`SubScales`: a
+    float32 d per 256 weights and an int8 per group), so an expert takes about its bytes in the file."""
+    kind, k = parts[0].kind, parts[0].k
+    group = BLOCKS[kind][2]
+    n, ng = sum(p.n for p in parts), k // group
+    blocks = [p.blocks(e) for p in parts]
+    has_offset = block_scales(kind, blocks[0][:1])[1] is not None
+    sub = kind in SUB_TYPES and ng <= native.HALF_MAX_GROUPS
+    if sub:
+        scale: torch.Tensor | SubScales = SubScales(n, k, group)
+        offset: torch.Tensor | SubScales | None = SubScales(n, k, group) if has_offset else None
+    else:
+        scale = torch.empty(n, ng)
+        offset = torch.empty(n, ng) if has_offset else None
+
+    def chunks():
+        a = 0
+        for part, b in zip(parts, blocks, strict=True):
+            z = a + part.n
+            if sub:
+                d, sc, dmin, mn = block_subscales(kind, b)
+                scale.d[a:z], scale.sub[a:z] = torch.from_numpy(d.reshape(part.n, -1)), torch.from_numpy(
+                    sc.reshape(part.n, ng))
+                if offset is not None:
+                    offset.d[a:z], offset.sub[a:z] = torch.from_numpy(dmin.reshape(part.n, -1)), torch.from_numpy(
+                        mn.reshape(part.n, ng))
+            else:
+                s, o = block_scales(kind, b)
+                scale[a:z] = torch.from_numpy(s.reshape(part.n, ng))
+                if offset is not None:
+                    offset[a:z] = torch.from_numpy(o.reshape(part.n, ng))
+            yield a, torch.from_numpy(block_codes(kind, b).reshape(part.n, k))
+            a = z
+
+    return CodedLinear.from_chunks(n, k, scale, offset, chunks(), FOUR_BIT.get(kind))
 
 
 def read_moe(f: GGUFFile, layer: int, spec: ArchSpec, cfg: Any, vector, shared_linear) -> MoE | None:
@@ -179,6 +227,7 @@ def read_moe(f: GGUFFile, layer: int, spec: ArchSpec, cfg: Any, vector, shared_l
     downs = [_matrix([down], e) for e in range(down.experts)]
     for part in (gate, up, down):
         f.release(part.name)
+    trim_heap()  # the experts' transient arrays, before the next layer's
     shared_gate_up = shared_down = shared_gate = None
     if moe.shared_expert and p + moe.gguf_shared[0] + ".weight" in f.tensors:
         shared_gate_up = shared_linear([p + moe.gguf_shared[0] + ".weight", p + moe.gguf_shared[1] + ".weight"])

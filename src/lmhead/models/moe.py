@@ -4,7 +4,7 @@ once over all the rows that picked it.
     h [B,T,D] ──as rows x [N,D]──▶ router logits x·Rᵀ [N,E] (float32, F.linear: transformers' own op)
         ──softmax (float32)──▶ top k experts per row, weights w [N,k] (÷ their sum where the rule renormalises)
         ──per chosen expert e, ascending: rows r that picked it──▶ down_e(act(gate_e·x_r)·(up_e·x_r)) · w
-          ──index_add into out [N,D]──▶ (+ sigmoid(x·g) · shared(x), the shared expert) ──▶ [B,T,D]
+          ──added into out [N,D]──▶ (+ sigmoid(x·g) · shared(x), the shared expert) ──▶ [B,T,D]
 
 The rows are grouped by expert as llama.cpp's `mul_mat_id` groups them: a chosen expert's gate/up and down are one
 product each over every row that chose it (a decode batch, a prefill chunk), never one row at a time. Experts are
@@ -107,7 +107,8 @@ class MoE:
             start += n
             rows = pairs // self.top_k
             y = _product(gated(_product(x[rows], self.gate_up[e])), self.down[e])     # [n,D]
-            out.index_add_(0, rows, y * r.weights.reshape(-1)[pairs, None])
+            # a row is in an expert's group once: out[rows] + y is index_add's sum without its per-call cost
+            out[rows] += y * r.weights.reshape(-1)[pairs, None]
         if self.shared_gate_up is not None:
             shared = _product(gated(_product(x, self.shared_gate_up)), self.shared_down)
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
