@@ -150,3 +150,23 @@ def test_a_trained_head_beats_zero_shot_and_matches_logistic_regression(name, tm
     head.save(tmp_path / "head.safetensors")
     probs = model.classify(texts[:8], tmp_path / "head.safetensors")
     assert probs.shape == (8, 4)
+
+
+def test_features_are_computed_once_and_read_back_from_the_cache(tmp_path, monkeypatch):
+    from tiny_gguf import write_tiny_gguf
+
+    from lmhead import load_model
+    from lmhead.heads import train
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    model = load_model(str(write_tiny_gguf(tmp_path / "tiny.gguf", "llama")), progress=False)
+    calls = []
+    real = train.features
+    monkeypatch.setattr(train, "features", lambda *a, **k: calls.append(1) or real(*a, **k))
+    texts = ["The cat sat", "A dog", "Numbers: 1 2 3"]
+    first = train.cached_features(model, texts, "last", "{text}")
+    again = train.cached_features(model, texts, "last", "{text}")
+    assert len(calls) == 1 and torch.equal(first, again)
+    assert len(list((tmp_path / "cache" / "features").glob("*.safetensors"))) == 1
+    train.cached_features(model, texts, "mean", "{text}")  # another pooling: another entry
+    assert len(calls) == 2 and len(list((tmp_path / "cache" / "features").glob("*.safetensors"))) == 2
