@@ -282,7 +282,7 @@ class Batch:
             lead = Decoder(self.model.lean, self.model.head)
             t = torch.tensor([ids], device=self.device)
             lead.begin(t, torch.arange(len(ids), device=self.device)[None], None, 0,
-                       [cache.match(ids[:-1])], cache)
+                       [cache.match(ids[:-1], count=False)], cache)
             leads.append(lead)
         return leads
 

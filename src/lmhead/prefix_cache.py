@@ -108,11 +108,13 @@ class PrefixCache:
             if key in self._blocks:
                 self._blocks.move_to_end(key)
 
-    def match(self, ids: list[int]) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    def match(self, ids: list[int], count: bool = True) -> tuple[int, torch.Tensor, torch.Tensor] | None:
         """The longest run of stored blocks at the start of `ids`: (m tokens, their keys and values [layers, H_kv,
-        m, hd], a copy), the run marked used; None where the first block is not stored."""
-        self.queries += 1
-        self.query_tokens += len(ids)
+        m, hd], a copy), the run marked used; None where the first block is not stored. count: whether the
+        counters see the lookup (a request's own, not the engine's for its own work)."""
+        if count:
+            self.queries += 1
+            self.query_tokens += len(ids)
         run = []
         for key in self.chain(ids):
             if key not in self._blocks:
@@ -122,8 +124,9 @@ class PrefixCache:
             return None
         self._touch(run)
         m = len(run) * self.block
-        self.hits += 1
-        self.reused += m
+        if count:
+            self.hits += 1
+            self.reused += m
         keys = torch.cat([self._blocks[k][0] for k in run], dim=2)
         values = torch.cat([self._blocks[k][1] for k in run], dim=2)
         return m, keys, values

@@ -5,7 +5,7 @@
         pending calls (explain endpoints: predict, step, layers, score; the routes' checks) run, alone, in
             order, for about as long as one decode round takes (all of them when nothing decodes)
         each generic stream (`stream`) gives one item
-        waiting generations join the batch (a lone row's prompt starting from the longest prefix the
+        waiting generations join the batch (each row's prompt starting from the longest run of blocks the
             prefix cache holds: `prefix_cache.PrefixCache`, `lmhead.generate.Batch.begin_join`: their prompts prefilled
             together, one piece per turn, sized by `decode.budget.PrefillBudget` — chunked prefill, so a long
             prompt does not hold the running streams for its whole prefill — then merged into the running
