@@ -252,3 +252,30 @@ def test_the_router_view_of_the_last_token_is_transformers_routing(tmp_path, mon
     assert router_choices(model.lean, ids) == choices  # nothing of the model changed by looking
     with pytest.raises(ValueError, match="ids must be a non-empty"):
         router_choices(model.lean, [])
+
+
+def test_a_dense_layer_of_a_qwen3_moe_file_runs_its_own_mlp(tmp_path, monkeypatch):
+    from tiny import tiny_tokenizer
+    from tiny_gguf import reference_from_gguf, write_model_gguf
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from lmhead import load_model
+
+    tokenizer = tiny_tokenizer()
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                            max_position_embeddings=256, tie_word_embeddings=True, initializer_range=0.3,
+                            pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    path = write_model_gguf(tmp_path / "mixed.gguf", "qwen3_moe", model, tokenizer, kind="Q8_0")
+    loaded = load_model(str(path), progress=False)
+    assert loaded.lean.layers[0].moe is not None and loaded.lean.layers[1].moe is None
+    assert set(loaded.lean.layers[1].coded) == {"qkv", "o", "gate_up", "down"}
+    ref = reference_from_gguf(path, "qwen3_moe", model=model)
+    ids = torch.tensor([loaded.encode("The cat sat on the mat")])
+    with torch.no_grad():
+        want = ref(ids).logits
+    torch.testing.assert_close(loaded.logits(ids), want, rtol=0, atol=1e-5 * float(want.abs().max()))

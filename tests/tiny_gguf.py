@@ -107,7 +107,9 @@ def _moe_tensors(name: str, a: np.ndarray, moe_ffn: int) -> list[tuple[str, np.n
         return [(p + "ffn_down_exps.weight", a)]
     shared = {"mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
               "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
-              "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+              "mlp.shared_expert.down_proj": "ffn_down_shexp",
+              # a dense layer of a mixture of experts (Qwen's mlp_only_layers)
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
     return [(p + shared[module] + "." + parts[-1], a)]
 
 
@@ -298,7 +300,7 @@ def write_model_gguf(path: Path, arch: str, model, tokenizer, kind: str = "Q8_0"
                 if out == drop:
                     continue
                 part = np.ascontiguousarray(part)
-                if out.endswith("_exps.weight") or "_shexp." in out and "gate_inp" not in out:
+                if "gate_inp" not in out:  # the experts', the shared expert's and a dense layer's matrices
                     w.add_tensor(out, _blocks(part.reshape(-1, part.shape[-1]), kind).reshape(*part.shape[:-1], -1)
                                  if kind in _OWN_WRITER else quantize(part, qtype), raw_dtype=qtype)
                 else:  # the routers: float32, as llama.cpp keeps them; the shared expert's gate [D] (as
@@ -343,11 +345,12 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def reference_from_gguf(path: Path, arch: str, seed: int = 0):
+def reference_from_gguf(path: Path, arch: str, seed: int = 0, model=None):
     """The transformers model of tiny `arch` (its config) holding the file's own numbers: every tensor of `path`
     dequantized by gguf-py and put back under transformers' name (the experts' gate and up stacked into
     gate_up_proj, llama's q/k rows un-permuted) — the reference for families whose files transformers' GGUF
-    reader does not load whole. Nothing of lmhead's is used."""
+    reader does not load whole. `model`: the transformers model to fill (default: tiny `arch`'s). Nothing of
+    lmhead's is used."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -355,7 +358,8 @@ def reference_from_gguf(path: Path, arch: str, seed: int = 0):
     file = {t.name: np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
         tuple(int(d) for d in reversed(t.shape))) for t in reader.tensors}
     width = next(int(t.shape[0]) for t in reader.tensors if t.name == "token_embd.weight")
-    model, _ = _hf_model(arch, seed, width=width)
+    if model is None:
+        model, _ = _hf_model(arch, seed, width=width)
     cfg = model.config
     moe_ffn = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
     state = {}
