@@ -91,9 +91,15 @@ def test_rows_that_pick_different_experts_in_one_batch_get_what_each_gets_alone(
         ids[r, width - len(p):] = torch.tensor(p)
         valid[r, width - len(p):] = True
         positions[r, width - len(p):] = torch.arange(len(p))
+    from lmhead.models import moe as moe_module
+
     moe = lean.layers[0].moe
     chosen = []  # the first layer's routing of each call (the method read per call: an instance attribute wins)
     moe.route = lambda h, route=moe.route: chosen.append(route(h)) or chosen[-1]
+    products: list[tuple[int, int]] = []  # (id of the matrix, rows) of every expert product
+    real_product = moe_module._product
+    monkeypatch.setattr(moe_module, "_product", lambda x, w: products.append((id(w), x.shape[0])) or real_product(x, w))
+    gate_ups = {id(w): e for e, w in enumerate(moe.gate_up)}
     cache = lean.new_cache(3, width + 4)
     batched = [lean(ids, positions, cache, valid)[:, -1]]
     last = ids[:, -1:]
@@ -103,7 +109,18 @@ def test_rows_that_pick_different_experts_in_one_batch_get_what_each_gets_alone(
         last = model.exact_head(h).argmax(-1)
     # in each decode step the rows chose different experts in the first layer (a batch of several experts' rows)
     assert len(chosen) == 4 and all(len({tuple(sorted(e)) for e in c.experts.tolist()}) > 1 for c in chosen[1:])
+    # grouped by expert, as mul_mat_id: the first layer's gate/up products are one per chosen expert and call, each
+    # over every row that chose it
+    first = [(gate_ups[w], rows) for w, rows in products if w in gate_ups]
+    want_groups = [sorted(torch.unique(c.experts, return_counts=True)[1].tolist()) for c in chosen]
+    got_groups, at = [], 0
+    for c in chosen:
+        n = len(torch.unique(c.experts))
+        got_groups.append(sorted(rows for _, rows in first[at:at + n]))
+        at += n
+    assert at == len(first) and got_groups == want_groups
     del moe.route
+    monkeypatch.setattr(moe_module, "_product", real_product)
     for r, p in enumerate(prompts):
         alone = lean.new_cache(1, len(p) + 4)
         want = [lean(torch.tensor([p]), torch.arange(len(p))[None], alone)[:, -1]]
