@@ -79,6 +79,9 @@ def test_batches_and_chunked_prefill_give_each_text_alone(monkeypatch, one_threa
     monkeypatch.setattr(pooling_mod, "BATCH_TOKENS", 40)  # several batches of left-padded rows
     together = model.embed(TEXTS * 3, pooling="mean", normalize=False)
     torch.testing.assert_close(together, torch.stack(alone * 3), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(pooling_mod, "SCORES_BYTES", 1)   # pieces of one column: the scores' bound decides
+    torch.testing.assert_close(model.embed(TEXTS, pooling="mean", normalize=False), torch.stack(alone), rtol=1e-5,
+                               atol=1e-5)
     with torch.no_grad():  # and transformers' forward of each text alone
         ref = torch.stack([hf_model.model(torch.tensor([tokenizer.encode(t)])).last_hidden_state[0].mean(0)
                            for t in TEXTS])

@@ -171,7 +171,8 @@ def verbaliser(model: Any, labels: Sequence[str], words: Sequence[str] | None = 
         raise ValueError(f"words: {len(words)} words for {len(labels)} labels")
     ids = [label_token(model, w) for w in words]
     if len(set(ids)) != len(ids):
-        raise ValueError(f"two label words start with the same token ({ids}); give distinct `words`")
+        raise ValueError(f"two label words start with the same token ({ids}): the verbaliser needs distinct first "
+                         "tokens; give other `words`, or start the head at random (start='random', --start random)")
     weight, bias = head_rows(model, ids)
     return ClassificationHead(weight, bias, labels, pooling=pooling, template=template)
 

@@ -26,8 +26,10 @@ POOLINGS: tuple[str, ...] = ("last", "mean", "cls", "none")
 GGUF_POOLING: dict[int, str] = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
 # padded tokens per prefill: a batch's attention scores stay a few MB and the products get many rows
 BATCH_TOKENS = 8192
-# columns per piece of one prefill: a long input's [T, L] attention scores stay bounded (one cache for the row)
+# columns per piece of one prefill (one cache for the batch), fewer where a piece's attention scores
+# [B, heads, piece, T] would pass SCORES_BYTES: a long input's prefill stays bounded in memory
 CHUNK = 512
+SCORES_BYTES = 256 * 2**20
 
 
 def check_pooling(pooling: Any, allowed: Sequence[str] = POOLINGS) -> str:
@@ -128,8 +130,9 @@ def _batch_states(model: Any, rows: list[list[int]]) -> torch.Tensor:
     if lean is None:
         return model.hidden_states(ids, attention_mask=mask.long(), position_ids=positions)
     cache = lean.new_cache(b, t)
-    pieces = [lean(ids[:, s:s + CHUNK], positions[:, s:s + CHUNK], cache, mask[:, s:s + CHUNK].contiguous())
-              for s in range(0, t, CHUNK)]
+    piece = max(1, min(CHUNK, SCORES_BYTES // (4 * b * lean.heads * t)))
+    pieces = [lean(ids[:, s:s + piece], positions[:, s:s + piece], cache, mask[:, s:s + piece].contiguous())
+              for s in range(0, t, piece)]
     return torch.cat(pieces, dim=1)
 
 
