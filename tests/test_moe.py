@@ -296,3 +296,17 @@ def test_a_dense_layer_of_a_qwen3_moe_file_runs_its_own_mlp(tmp_path, monkeypatc
     with torch.no_grad():
         want = ref(ids).logits
     torch.testing.assert_close(loaded.logits(ids), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+def test_a_file_with_the_experts_gate_and_up_fused_in_one_tensor_runs_as_the_split_one(tmp_path, monkeypatch):
+    from tiny_gguf import reference_from_gguf
+
+    path, model = _load(tmp_path, monkeypatch, "qwen3_moe", "Q8_0", fuse_gate_up=True)
+    from lmhead.models.gguf_file import GGUFFile
+
+    names = set(GGUFFile(path).tensors)
+    assert "blk.0.ffn_gate_up_exps.weight" in names and "blk.0.ffn_gate_exps.weight" not in names
+    ids = torch.tensor([model.encode("The cat sat on the mat")])
+    with torch.no_grad():
+        want = reference_from_gguf(path, "qwen3_moe")(ids).logits
+    torch.testing.assert_close(model.logits(ids), want, rtol=0, atol=1e-5 * float(want.abs().max()))

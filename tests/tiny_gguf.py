@@ -94,14 +94,17 @@ def _moe_config(arch: str, common: dict):
     return MixtralConfig(**{**common, "intermediate_size": width}, num_local_experts=8)
 
 
-def _moe_tensors(name: str, a: np.ndarray, moe_ffn: int) -> list[tuple[str, np.ndarray]]:
+def _moe_tensors(name: str, a: np.ndarray, moe_ffn: int, fuse: bool = False) -> list[tuple[str, np.ndarray]]:
     """A transformers MoE tensor as llama.cpp's converter writes it: the experts' [E, 2F, D] gate_up split into
     ffn_gate_exps and ffn_up_exps [E, F, D], down [E, D, F] as ffn_down_exps, the router as ffn_gate_inp, the
-    shared expert's as ffn_*_shexp and its gate as ffn_gate_inp_shexp (GGUF lists the dims reversed)."""
+    shared expert's as ffn_*_shexp and its gate as ffn_gate_inp_shexp (GGUF lists the dims reversed); `fuse`:
+    gate_up as one ffn_gate_up_exps [E, 2F, D] (the converter's --fuse-gate-up-exps)."""
     parts = name.split(".")
     p = f"blk.{parts[2]}."
     module = ".".join(parts[3:-1]) if parts[-1] in ("weight", "bias") else ".".join(parts[3:])
     if module == "mlp.experts.gate_up_proj":
+        if fuse:
+            return [(p + "ffn_gate_up_exps.weight", a)]
         return [(p + "ffn_gate_exps.weight", a[:, :moe_ffn]), (p + "ffn_up_exps.weight", a[:, moe_ffn:])]
     if module == "mlp.experts.down_proj":
         return [(p + "ffn_down_exps.weight", a)]
@@ -214,12 +217,13 @@ _OWN_WRITER = ("Q2_K", "Q3_K", "Q4_K", "IQ4_NL", "IQ4_XS")  # types gguf-py's `q
 
 
 def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", seed: int = 0, drop: str | None = None,
-                    rope_factors: bool = False, moe_header: dict | None = None) -> Path:
+                    rope_factors: bool = False, moe_header: dict | None = None, fuse_gate_up: bool = False) -> Path:
     """Write tiny.py's `arch` model to `path` as a GGUF file with its matrices in `kind` (without the tensor `drop`:
     an incomplete file; `rope_factors`: with the long/short rope factor tensors llama.cpp writes for a longrope
     Phi-3; `moe_header`: expert_count / expert_used_count written instead of the model's — a header that
-    contradicts the tensors); returns the path. Types of 256-weight blocks (Q2_K, Q3_K, Q4_K, IQ4_XS) get a wider
-    llama or mixture of experts (width 256), whose rows are whole blocks. `arch` may also be a mixture of experts
+    contradicts the tensors; `fuse_gate_up`: the experts' gate and up as one tensor); returns the path. Types of
+    256-weight blocks (Q2_K, Q3_K, Q4_K, IQ4_XS) get a wider llama or mixture of experts (width 256), whose rows
+    are whole blocks. `arch` may also be a mixture of experts
     (`MOE_ARCHS`: experts stacked [E, F, D] per layer, as llama.cpp's converter writes them)."""
     import gguf
     from gguf.constants import GGML_QUANT_SIZES
@@ -227,12 +231,12 @@ def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", seed: i
     qtype = gguf.GGMLQuantizationType[kind]
     model, tokenizer = _hf_model(arch, seed, width=256 if GGML_QUANT_SIZES[qtype][0] == 256 else 32)
     write_model_gguf(path, arch, model, tokenizer, kind, drop=drop, rope_factors=rope_factors,
-                     moe_header=moe_header)
+                     moe_header=moe_header, fuse_gate_up=fuse_gate_up)
     return Path(path)
 
 
 def write_model_gguf(path: Path, arch: str, model, tokenizer, kind: str = "Q8_0", drop: str | None = None,
-                     rope_factors: bool = False, moe_header: dict | None = None) -> Path:
+                     rope_factors: bool = False, moe_header: dict | None = None, fuse_gate_up: bool = False) -> Path:
     """Write a transformers model of tiny.py's `arch` family (with `tokenizer`, tiny.py's) to `path` as
     `write_tiny_gguf` does; returns the path."""
     import gguf
@@ -296,7 +300,7 @@ def write_model_gguf(path: Path, arch: str, model, tokenizer, kind: str = "Q8_0"
                 continue
             out = "output.weight"
         elif ".mlp." in name and arch in MOE_ARCHS:
-            for out, part in _moe_tensors(name, a, moe_ffn):
+            for out, part in _moe_tensors(name, a, moe_ffn, fuse_gate_up):
                 if out == drop:
                     continue
                 part = np.ascontiguousarray(part)
@@ -371,7 +375,8 @@ def reference_from_gguf(path: Path, arch: str, seed: int = 0, model=None):
         elif name == "lm_head.weight":
             a = file.get("output.weight", file["token_embd.weight"])
         elif ".mlp." in name and arch in MOE_ARCHS:
-            got = [file[out] for out, _ in _moe_tensors(name, t.numpy(), moe_ffn)]
+            fused = any(n.endswith("ffn_gate_up_exps.weight") for n in file)
+            got = [file[out] for out, _ in _moe_tensors(name, t.numpy(), moe_ffn, fused)]
             a = np.concatenate(got, axis=1) if len(got) == 2 else got[0]
         else:
             parts = name.split(".")

@@ -59,6 +59,7 @@ class MoEMLP:
     experts_key: str = "num_experts"  # the config's expert count (Mixtral: num_local_experts)
     router: str = "ffn_gate_inp"      # the GGUF's names: router [E, D]; experts' gate, up [E, F, D], down [E, D, F]
     gguf_experts: tuple[str, str, str] = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    gguf_gate_up_experts: str = "ffn_gate_up_exps"  # gate and up in one [E, 2F, D] (--fuse-gate-up-exps)
     gguf_shared: tuple[str, str, str] = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
     shared_gate: str = "ffn_gate_inp_shexp"  # [D]: the shared expert's gate
 

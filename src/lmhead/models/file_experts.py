@@ -42,7 +42,7 @@ def moe_config(f: GGUFFile, cfg: Any) -> ArchSpec | None:
     architecture where it is a mixture of experts, else None. ModelError naming the tensor or header key that
     contradicts the others."""
     spec = arch_of(cfg)
-    probe = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    probe = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps", "ffn_down_exps")
     layers = _layers_with_experts(f, probe)
     if not layers:
         if spec is not None and spec.moe is not None:
@@ -68,29 +68,30 @@ def moe_config(f: GGUFFile, cfg: Any) -> ArchSpec | None:
     width = None
     for i in layers:
         p = f"blk.{i}."
-        for part in (moe.router, *moe.gguf_experts):
-            if p + part + ".weight" not in f.tensors:
-                raise ModelError(f"{f.path}: layer {i} has experts but no tensor {p}{part}.weight")
+        gate_up, down = _expert_names(f, i, spec)
+        for name in (p + moe.router + ".weight", *gate_up, down):
+            if name not in f.tensors:
+                raise ModelError(f"{f.path}: layer {i} has experts but no tensor {name}")
         router = f.shape(p + moe.router + ".weight")
         if router != (experts, d):
             raise ModelError(f"{f.path}: tensor {p}{moe.router}.weight is {_dims(router)}; the header's {key} "
                              f"({experts}) and the width ({d}) say {experts}x{d}")
-        gate, up, down = (f.shape(p + part + ".weight") for part in moe.gguf_experts)
-        ffn = gate[1] if len(gate) == 3 else None
-        want = {moe.gguf_experts[0]: (experts, ffn, d), moe.gguf_experts[1]: (experts, ffn, d),
-                moe.gguf_experts[2]: (experts, d, ffn)}
-        for part, shape in zip(moe.gguf_experts, (gate, up, down), strict=True):
-            if shape != want[part] or ffn is None:
-                raise ModelError(f"{f.path}: tensor {p}{part}.weight is {_dims(shape)}; {len(moe.gguf_experts)} "
-                                 f"expert tensors of [{key} {experts}, F, {d}] (down: [{experts}, {d}, F]) expected")
+        down_shape = f.shape(down)
+        ffn = down_shape[2] if len(down_shape) == 3 else None
+        want = {down: (experts, d, ffn), **{name: (experts, ffn * (2 // len(gate_up)) if ffn else None, d)
+                                            for name in gate_up}}
+        for name, shape in want.items():
+            if f.shape(name) != shape or ffn is None:
+                raise ModelError(f"{f.path}: tensor {name} is {_dims(f.shape(name))}; the experts' tensors "
+                                 f"[{key} {experts}, F, {d}] (gate and up, or [{experts}, 2F, {d}] fused) and "
+                                 f"[{experts}, {d}, F] (down) expected")
         if width is not None and ffn != width:
-            raise ModelError(f"{f.path}: tensor {p}{moe.gguf_experts[0]}.weight has experts {ffn} wide; "
-                             f"layer {layers[0]}'s are {width}")
+            raise ModelError(f"{f.path}: tensor {down} has experts {ffn} wide; layer {layers[0]}'s are {width}")
         width = ffn
     header_ffn = fields.get(f"{f.architecture}.expert_feed_forward_length")
     if isinstance(header_ffn, int) and header_ffn != width:
         raise ModelError(f"{f.path}: the header's {f.architecture}.expert_feed_forward_length is {header_ffn}; "
-                         f"tensor blk.{layers[0]}.{moe.gguf_experts[0]}.weight holds experts {width} wide")
+                         f"tensor {_expert_names(f, layers[0], spec)[1]} holds experts {width} wide")
     said = getattr(cfg, moe.experts_key, None)
     if isinstance(said, int) and said != experts and spec.model_type != "mixtral":
         raise ModelError(f"{f.path}: the config read from the file says {moe.experts_key} {said}; the header's "
@@ -106,6 +107,15 @@ def moe_config(f: GGUFFile, cfg: Any) -> ArchSpec | None:
         if shared in f.tensors:
             cfg.shared_expert_intermediate_size = f.shape(shared)[0]
     return spec
+
+
+def _expert_names(f: GGUFFile, layer: int, spec: ArchSpec) -> tuple[list[str], str]:
+    """(the experts' gate and up tensors — or the one llama.cpp's converter writes with --fuse-gate-up-exps,
+    [E, 2F, D] gate rows first —, the down tensor) of `layer`."""
+    moe, p = spec.moe, f"blk.{layer}."
+    fused = p + moe.gguf_gate_up_experts + ".weight"
+    gate_up = [fused] if fused in f.tensors else [p + part + ".weight" for part in moe.gguf_experts[:2]]
+    return gate_up, p + moe.gguf_experts[2] + ".weight"
 
 
 def _dims(shape: tuple[int, ...]) -> str:
@@ -222,10 +232,11 @@ def read_moe(f: GGUFFile, layer: int, spec: ArchSpec, cfg: Any, vector, shared_l
     if moe is None or p + moe.router + ".weight" not in f.tensors:
         return None
     router = vector(p + moe.router + ".weight")
-    gate, up, down = (_Experts(f, p + part + ".weight") for part in moe.gguf_experts)
-    gate_up = [_matrix([gate, up], e) for e in range(gate.experts)]
+    names, down_name = _expert_names(f, layer, spec)
+    parts, down = [_Experts(f, name) for name in names], _Experts(f, down_name)
+    gate_up = [_matrix(parts, e) for e in range(down.experts)]
     downs = [_matrix([down], e) for e in range(down.experts)]
-    for part in (gate, up, down):
+    for part in (*parts, down):
         f.release(part.name)
     trim_heap()  # the experts' transient arrays, before the next layer's
     shared_gate_up = shared_down = shared_gate = None
