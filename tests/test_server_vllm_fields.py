@@ -1,6 +1,6 @@
 """vLLM's fields as its clients send them: `bad_words` as words, tokenised as vLLM tokenises them (with and without
 a leading space) and never completed, token-id sequences as before, a word that tokenises to nothing a 400 naming
-it; `top_k: -1` is off, as 0."""
+it; `top_k: -1` is off, as 0; llama.cpp's `dry_sequence_breakers` as strings are the tokens that hold them."""
 
 from __future__ import annotations
 
@@ -75,3 +75,22 @@ def test_top_k_minus_one_is_off_as_vllm_clients_send_it(client):
     assert off.status_code == 200, off.text
     assert off.json()["choices"][0]["text"] == client.post("/v1/completions", json=body).json()["choices"][0]["text"]
     assert client.post("/v1/completions", json={**body, "top_k": -2}).status_code == 422
+
+
+def test_dry_sequence_breakers_as_strings_are_the_tokens_that_hold_them(client):
+    from lmhead.server.words import breaker_ids
+
+    tok = client.app.state.model.tokenizer
+    texts = [tok.decode([i]) for i in range(len(tok))]
+    want = sorted({i for i, t in enumerate(texts) if "e" in t} | {3})
+    assert breaker_ids(tok, ["e", 3]) == want
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "dry_multiplier": 0.8,
+            "dry_allowed_length": 1}
+    by_text = client.post("/v1/completions", json={**body, "dry_sequence_breakers": ["e", 3]})
+    by_ids = client.post("/v1/completions", json={**body, "dry_sequence_breakers": want})
+    assert by_text.status_code == 200, by_text.text
+    assert by_text.json()["choices"][0]["text"] == by_ids.json()["choices"][0]["text"]
+    for bad in ("", "\u2603\u2603\u2603 no token holds this"):
+        r = client.post("/v1/completions", json={**body, "dry_sequence_breakers": ["e", bad]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "dry_sequence_breakers"
+        assert "dry_sequence_breakers[1]" in r.json()["error"]["message"]

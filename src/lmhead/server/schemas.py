@@ -59,7 +59,10 @@ def _declared(param: Any) -> tuple[Any, Any]:
         if param.high is not None:
             bounds["lt" if param.high_open else "le"] = param.high
     # sequences (bad_words): token-id sequences, or words as vLLM's clients send them (server/words.py tokenises them)
-    kind = {"float": float, "int": int, "ids": list[int] | None, "sequences": list[str | list[int]] | None,
+    # dry_sequence_breakers: token ids, or strings as llama.cpp's clients send them (server/words.py: the tokens
+    # that hold them)
+    ids = list[str | int] | None if param.name == "dry_sequence_breakers" else list[int] | None
+    kind = {"float": float, "int": int, "ids": ids, "sequences": list[str | list[int]] | None,
             "names": str | list[str] | None}[param.kind]
     default = param.default if param.kind in ("float", "int") else None
     return kind, Field(default, description=f"{param.allowed}. {param.doc}", **bounds)
