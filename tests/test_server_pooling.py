@@ -172,3 +172,20 @@ def test_the_page_api_shows_one_hidden_state_through_both_heads(client, model, h
     page = client.get("/").text
     assert 'id="swap-section"' in page and "/static/swap.js" in page
     assert client.get("/static/swap.js").status_code == 200
+
+
+def test_ollamas_embed_route_answers_in_its_shape(model):
+    from lmhead.server.limits import serve_limits
+
+    with TestClient(create_app(model, serve=serve_limits(model, 16))) as c:
+        r = c.post("/api/embed", json={"model": "tiny-llama", "input": TEXTS[:2]})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        torch.testing.assert_close(torch.tensor(body["embeddings"]), model.embed(TEXTS[:2]), rtol=1e-6, atol=1e-6)
+        assert body["prompt_eval_count"] == sum(len(model.tokenizer.encode(t)) for t in TEXTS[:2])
+        long = "word " * 40
+        r = c.post("/api/embed", json={"input": long})  # truncate (default): the end is cut to the context
+        ids = model.tokenizer.encode(long)[:16]
+        torch.testing.assert_close(torch.tensor(r.json()["embeddings"]), model.embed([ids]), rtol=1e-6, atol=1e-6)
+        r = c.post("/api/embed", json={"input": long, "truncate": False})
+        assert r.status_code == 400 and "served context of 16" in r.text

@@ -58,10 +58,11 @@ def default_pooling(model: Any) -> str:
 
 
 def token_ids(model: Any, inputs: str | Sequence[str] | Sequence[Sequence[int]],
-              truncate_prompt_tokens: int | None = None, name: str = "input") -> list[list[int]]:
+              truncate_prompt_tokens: int | None = None, name: str = "input", limit: int | None = None
+              ) -> list[list[int]]:
     """Each input's token ids (a text encoded with the tokenizer's special tokens, or ids as given), checked:
-    not empty, every id in the vocabulary, at most the model's context — or its last `truncate_prompt_tokens`
-    ids where that is given (vLLM's rule). Errors name `name` and the item's index."""
+    not empty, every id in the vocabulary, at most `limit` tokens (default: the model's context) — or its last
+    `truncate_prompt_tokens` ids where that is given (vLLM's rule). Errors name `name` and the item's index."""
     if isinstance(inputs, str):
         inputs = [inputs]
     if not isinstance(inputs, Sequence) or len(inputs) == 0:
@@ -70,7 +71,7 @@ def token_ids(model: Any, inputs: str | Sequence[str] | Sequence[Sequence[int]],
                                                or not isinstance(truncate_prompt_tokens, int)
                                                or truncate_prompt_tokens < 1):
         raise ValueError(f"truncate_prompt_tokens must be an integer >= 1; got {truncate_prompt_tokens!r}")
-    vocab, limit = model.vocab_size, model.context_length
+    vocab, limit = model.vocab_size, model.context_length if limit is None else limit
     out = []
     for i, item in enumerate(inputs):
         if isinstance(item, str):

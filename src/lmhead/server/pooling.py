@@ -12,6 +12,8 @@
                                  the model file's own `cls.output` head)
     POST /v1/score, /score       vLLM's: text_1 against text_2 (one against many, or pairwise) → data [{index,
                                  score}]: the reranker's relevance of text_2 to text_1
+    POST /api/embed              Ollama's: input (a string or a list) → embeddings (L2-normalised), with truncate
+                                 (default true: each input's end cut to the served context; false: a 400)
     POST /api/swap               the page's view of the swap (`explain_swap.swap`): the prompt's last hidden state
                                  through the LM head and through a head of `labels` (their words' LM-head rows:
                                  the zero-shot classifier) or the served classification head
@@ -93,6 +95,17 @@ class SwapRequest(BaseModel):
                       Field(min_length=2, max_length=64)] | None = Field(
         None, description="class words (the LM head's rows of them); none: the served classification head")
     top: int = Field(10, ge=1, le=100, description="the LM head's candidates shown")
+
+
+class OllamaEmbedRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Annotated[str, Field(max_length=S.MAX_NAME_CHARS)] | None = None
+    input: S.Prompt | Annotated[list[S.Prompt], Field(min_length=1, max_length=MAX_INPUTS)]
+    truncate: StrictBool = True
+    dimensions: int | None = Field(None, ge=1)
+    options: dict[str, Any] | None = None      # Ollama's runtime options: accepted, not used here
+    keep_alive: str | int | None = None         # the model stays loaded: accepted, not used
 
 
 class ScoreRequest(_Request):
@@ -274,3 +287,30 @@ async def api_swap(req: SwapRequest, request: Request, served: Served = Depends(
     check_chars(served.limits, [req.prompt], "prompt")
     head = None if req.labels is not None else _classifier(request, served, "give labels, or ")
     return await served.call(_swap_job, served.model, req.prompt, req.labels, head, req.top)
+
+
+def _ollama_ids(model: Any, texts: list[str], context: int, truncate: bool) -> list[list[int]]:
+    """Each text's ids; past `context` its end is cut (Ollama's truncate) or it is a ValueError naming it."""
+    ids = token_ids(model, texts, None, "input", limit=None if not truncate else 1 << 62)
+    if truncate:
+        ids = [x[:context] for x in ids]
+    for i, x in enumerate(ids):
+        if len(x) > context:
+            raise ValueError(f"input[{i}] has {len(x)} tokens, more than the served context of {context} "
+                             "(truncate: true cuts its end)")
+    return ids
+
+
+@router.post("/api/embed", summary="Ollama's embeddings")
+async def ollama_embed(req: OllamaEmbedRequest, served: Served = Depends(get_served)) -> dict[str, Any]:
+    _check_model(served, req.model)
+    start = time.perf_counter_ns()
+    texts = _as_list(req.input)
+    check_chars(served.limits, texts, "input")
+    width = int(served.model.exact_head.d_model)
+    if req.dimensions is not None and req.dimensions > width:
+        raise APIError(400, f"dimensions: {req.dimensions} is more than the model's width {width}", "dimensions")
+    ids = await served.call(_ollama_ids, served.model, texts, context_of(served), req.truncate)
+    vectors = await _in_pieces(served, pooled, ids, None, True, req.dimensions)
+    return {"model": served.name, "embeddings": vectors.tolist(), "total_duration": time.perf_counter_ns() - start,
+            "load_duration": 0, "prompt_eval_count": sum(len(x) for x in ids)}
