@@ -30,7 +30,7 @@ import torch
 from lmhead import checks
 from lmhead.decode import scores
 from lmhead.decode.budget import PrefillBudget
-from lmhead.decode.engine import Decoder
+from lmhead.decode.engine import Decoder, columns
 from lmhead.decode.hf_rounds import TransformersRounds
 from lmhead.decode.rounds import Round
 from lmhead.decode.rows import Row, Step, TopLogprob, advance, left_pad, prepare
@@ -298,9 +298,7 @@ class Batch:
             tokens = target.tokens[b, src].tolist()
             skip = self.prefix_cache.cached(tokens) // block  # copy only the columns of blocks not stored
             if skip < len(tokens) // block:
-                src = src[skip * block:]
-                self.prefix_cache.put(tokens, target.keys[:, b].index_select(2, src),
-                                      target.values[:, b].index_select(2, src), skip=skip)
+                self.prefix_cache.put(tokens, *columns(target, b, src[skip * block:]), skip=skip)
 
     def drop_join(self) -> None:
         """Abandon the join under way (its prefill failed); the live rows go on."""

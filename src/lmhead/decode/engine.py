@@ -26,7 +26,7 @@ from lmhead.decode.rounds import Round, apply_masks, settle_round, take_drafts
 from lmhead.kernels.native import greedy_rows, sample_row
 from lmhead.models.lean import LeanBody, StaticCache, gather_row
 
-__all__ = ["PREFILL_PIECE", "Decoder", "merge_caches", "prefix_layout"]
+__all__ = ["PREFILL_PIECE", "Decoder", "columns", "merge_caches", "prefix_layout"]
 
 PREFILL_PIECE = 512  # prompt columns per prefill forward (`Decoder.prefill_piece`)
 
@@ -174,8 +174,7 @@ class Decoder:
             n = int((where < end).sum()) // store.block  # full blocks computed (or copied in)
             if n > done[r]:
                 new = where[done[r] * store.block:n * store.block]
-                store.put(tokens[:n * store.block], self.target.keys[:, r].index_select(2, new),
-                          self.target.values[:, r].index_select(2, new), skip=done[r])
+                store.put(tokens[:n * store.block], *columns(self.target, r, new), skip=done[r])
                 done[r] = n
 
     def select(self, rows: Tensor) -> None:
@@ -507,6 +506,15 @@ class Decoder:
         for r, nr in enumerate(n):
             if start + nr + 1 < cache.length:
                 cache.invalidate(r, start + nr + 1)
+
+
+def columns(cache: StaticCache, row: int, cols: Tensor) -> tuple[Tensor, Tensor]:
+    """The keys and values [layers, H_kv, len(cols), hd] of `row`'s columns `cols` (ascending): a view where they
+    are one run (a lone row's prompt), else a copy."""
+    if len(cols) and int(cols[-1]) - int(cols[0]) + 1 == len(cols):
+        run = slice(int(cols[0]), int(cols[-1]) + 1)
+        return cache.keys[:, row, :, run], cache.values[:, row, :, run]
+    return cache.keys[:, row].index_select(2, cols), cache.values[:, row].index_select(2, cols)
 
 
 def prefix_layout(ids: Tensor, positions: Tensor, valid: Tensor | None, prefixes: list | None
