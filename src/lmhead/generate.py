@@ -255,7 +255,8 @@ class Batch:
         (`prefixes`) and the store that receives the blocks its prefill computes (`store`)."""
         if self.prefix_cache is None or self.model.lean is None:
             return {}
-        return {"prefixes": [self.prefix_cache.match(r.prompt_ids[:-1]) for r in rows], "store": self.prefix_cache}
+        return {"prefixes": [self.prefix_cache.match(r.prompt_ids[:-1], joined=False) for r in rows],
+                "store": self.prefix_cache}
 
     def _lead(self, rows: list[Row]) -> list[Decoder]:
         """One-row Decoders (not started rounds: prefill only) for the beginnings that several of `rows` share and
@@ -282,7 +283,7 @@ class Batch:
             lead = Decoder(self.model.lean, self.model.head)
             t = torch.tensor([ids], device=self.device)
             lead.begin(t, torch.arange(len(ids), device=self.device)[None], None, 0,
-                       [cache.match(ids[:-1], count=False)], cache)
+                       [cache.match(ids[:-1], count=False, joined=False)], cache)
             leads.append(lead)
         return leads
 

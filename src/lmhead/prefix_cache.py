@@ -108,10 +108,12 @@ class PrefixCache:
             if key in self._blocks:
                 self._blocks.move_to_end(key)
 
-    def match(self, ids: list[int], count: bool = True) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    def match(self, ids: list[int], count: bool = True, joined: bool = True) -> tuple[int, Any, Any] | None:
         """The longest run of stored blocks at the start of `ids`: (m tokens, their keys and values [layers, H_kv,
         m, hd], a copy), the run marked used; None where the first block is not stored. count: whether the
-        counters see the lookup (a request's own, not the engine's for its own work)."""
+        counters see the lookup (a request's own, not the engine's for its own work). joined=False: the keys and
+        values as lists of the stored blocks' [layers, H_kv, block, hd] (read only: the engine copies them into
+        its cache, once)."""
         if count:
             self.queries += 1
             self.query_tokens += len(ids)
@@ -127,9 +129,8 @@ class PrefixCache:
         if count:
             self.hits += 1
             self.reused += m
-        keys = torch.cat([self._blocks[k][0] for k in run], dim=2)
-        values = torch.cat([self._blocks[k][1] for k in run], dim=2)
-        return m, keys, values
+        keys, values = [self._blocks[k][0] for k in run], [self._blocks[k][1] for k in run]
+        return (m, torch.cat(keys, dim=2), torch.cat(values, dim=2)) if joined else (m, keys, values)
 
 
     def save(self, path: str | Path, identity: dict[str, Any]) -> None:

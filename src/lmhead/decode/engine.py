@@ -87,8 +87,9 @@ class Decoder:
               prefixes: list | None = None, store=None, *, cache: StaticCache | None = None,
               offset: int = 0) -> Tensor:
         """`start` without its prefill: the caches made, the prompt columns (all but `last`) left to
-        `prefill_piece`. prefixes [B]: per row None or (m, keys, values [layers, H_kv, ≥m, hd]) — the keys and
-        values of the row's first m prompt tokens (`prefix_cache.PrefixCache.match`), copied in instead of fed
+        `prefill_piece`. prefixes [B]: per row None or (m, keys, values [layers, H_kv, ≥m, hd], or lists of blocks
+        of them) — the keys and values of the row's first m prompt tokens (`prefix_cache.PrefixCache.match`), copied
+        in instead of fed
         (the prompts laid out by `prefix_layout`: each row's copied columns first, its other tokens fed after
         them). store: a `prefix_cache.PrefixCache` that receives each row's full blocks as the pieces compute
         them. cache: the target's cache, B rows of capacity ≥ offset + W + max_new_tokens + MAX_DRAFT_TOKENS + 2
@@ -139,9 +140,20 @@ class Decoder:
         target.positions[:, cols] = positions[:, :at]
         target.tokens[:, cols] = ids[:, :at]
         for r, (m, found) in enumerate(zip(heads, prefixes, strict=True)):
-            if m:
+            if not m:
+                continue
+            if isinstance(found[1], Tensor):
                 target.keys[:, r, :, offset:offset + m] = found[1][:, :, :m]
                 target.values[:, r, :, offset:offset + m] = found[2][:, :, :m]
+                continue
+            at_col = offset  # the store's blocks, each copied once into place (`PrefixCache.match(joined=False)`)
+            for k, v in zip(found[1], found[2], strict=True):
+                n = min(k.shape[2], offset + m - at_col)
+                if n <= 0:
+                    break
+                target.keys[:, r, :, at_col:at_col + n] = k[:, :, :n]
+                target.values[:, r, :, at_col:at_col + n] = v[:, :, :n]
+                at_col += n
         target.length = offset + at
 
     @property
