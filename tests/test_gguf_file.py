@@ -107,6 +107,65 @@ def test_a_matrix_of_every_code_type_read_from_a_file_multiplies_as_its_dequanti
     f.close()
 
 
+def _file_matrix(tmp_path, kind: str, n: int, k: int):
+    """A matrix [n, k] of random blocks of `kind` (random float16, bfloat16 or float32 weights for those) written as
+    a GGUF file and read back as the decode step holds it (`CodedLinear`)."""
+    import gguf
+
+    from lmhead.models.gguf_file import GGUFFile
+
+    per_block, _ = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    if per_block == 1:
+        values = torch.randn(n, k, generator=torch.Generator().manual_seed(n)) * 3
+        dtype = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}[kind]
+        blocks = values.to(dtype).view(torch.uint8).numpy()
+    else:
+        blocks = _random_blocks(kind, n * k // per_block, seed=n)
+    path = tmp_path / f"{kind}-{n}x{k}.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("m.weight", blocks.reshape(n, -1), raw_dtype=GGMLQuantizationType[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = GGUFFile(path)
+    coded = CodedLinear.dense16(f.weights16("m.weight")) if per_block == 1 else f.coded("m.weight", chunk_rows=4)
+    f.close()
+    return coded
+
+
+@pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
+@pytest.mark.parametrize("kind", sorted(CODE_TYPES) + ["F16", "BF16", "F32"])
+@pytest.mark.parametrize("n, k", [(12, 512), (10, 512), (8, 1024 + 256), (4, 8192)])  # blocks of four rows; plain
+def test_a_rows_product_is_the_same_bits_alone_in_any_batch_and_over_any_threads(tmp_path, kind, n, k):
+    # batch invariance: a request's logits do not depend on what else a server round, a draft's verification or a
+    # prefill chunk multiplies beside it, nor on how the threads share the rows — every row summed in one order
+    from lmhead.kernels import native
+
+    per_block, _ = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    if k % max(per_block, 1):
+        pytest.skip(f"{kind}'s blocks do not divide K = {k}")
+    k = k + (19 if per_block == 1 and n == 10 else 0)  # float weights: rows not whole vectors too
+    coded = _file_matrix(tmp_path, kind, n, k)
+    lib = native.library()
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+
+    def product(x: torch.Tensor, threads: int) -> torch.Tensor:
+        y = torch.empty(x.shape[0], n)
+        rc = lib.lmhead_coded_matmul(x.data_ptr(), x.shape[0], k, coded.codes.data_ptr(), ptr(coded.scale),
+                                     ptr(coded.offset), n, coded.group, coded.flags, y.data_ptr(), threads)
+        assert rc == 0
+        return y
+
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([product(x[i:i + 1].clone(), 1) for i in range(9)])
+    for m in range(1, 10):
+        for threads in (1, 2):
+            assert torch.equal(product(x[:m].contiguous(), threads).view(torch.int32), alone[:m].view(torch.int32)), \
+                (kind, n, k, m, threads)
+    assert torch.equal(product(x[3:8].contiguous(), 2).view(torch.int32), alone[3:8].view(torch.int32))
+
+
 def _resident_mib(f, names) -> float:
     """MiB of the tensors `names` of the GGUFFile `f` resident in this process (/proc/self/pagemap's present
     bit for each page of the map; pages shared with the file's header or another tensor included)."""

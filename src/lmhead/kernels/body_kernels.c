@@ -229,16 +229,15 @@ int lmhead_attend(const lmhead_attend_args* args) {
 #ifdef __AVX2__
                 /* e^(s − max) eight at a time (exp8: within 2 ulp of expf; one libm call per score was most of the
                  * attention's time on 30-layer models); a masked score of −inf gives e^−87 clamped, so it is set
-                 * to 0 exactly. Column j goes to lane j mod 8 and the columns from L rounded down to 8 are added
-                 * one by one, as over the whole row: the span's ends are filled with −inf (0) up to the eight
-                 * around them, so that the sum's rounding is the whole row's */
+                 * to 0 exactly. Column lo + i goes to lane i mod 8 and the span's last (hi − lo) mod 8 columns are
+                 * added one by one: the sum's order is the query's own kept columns', whatever the cache's width
+                 * L, the other queries of the chunk or the rows of the batch (the same bits alone, in a prefill
+                 * chunk, a draft's verification or a server round; a decode step over every column, lo = 0 and hi = L, sums
+                 * as before) */
                 if (mx[g] > -INFINITY) {
-                    const int64_t whole = L & ~(int64_t)7, up = (hi + 7) & ~(int64_t)7;
-                    const int64_t vend = up < whole ? up : whole;
-                    for (j = lo & ~(int64_t)7; j < lo; j++) pg[j] = -INFINITY;
-                    for (j = hi; j < vend; j++) pg[j] = -INFINITY;
-                    j = lo & ~(int64_t)7;
-                    scalar_from = vend > lo ? vend : lo;
+                    const int64_t vend = lo + ((hi - lo) & ~(int64_t)7);
+                    j = lo;
+                    scalar_from = vend;
                     const __m256 mm = _mm256_set1_ps(mx[g]), ninf = _mm256_set1_ps(-INFINITY);
                     __m256 tv = _mm256_setzero_ps();
                     for (; j + 8 <= vend; j += 8) {

@@ -6,9 +6,11 @@
  *     y[m, n] = Σ_k W[n, k] · x[m, k]
  *
  * in float32 from the weights' own codes and scales (models/gguf_codes.py checks, weight by weight, that they
- * give back the float32 matrix). Several query rows: each weight is rebuilt in registers exactly as the float32
- * model holds it (code·scale + offset, one rounding) and used for every row. One query row (decode): the group's
- * scale is factored out, Σ_g scale_g·Σ_i code_i·x_i, one multiply per weight instead of two. Offsets of 4-bit
+ * give back the float32 matrix). The group's scale is factored out, Σ_g scale_g·Σ_i code_i·x_i, one multiply per
+ * weight instead of two. Every query row is summed in one fixed order, the one-row (decode) product's, whatever
+ * the number of rows or threads: a row's value is the same bits alone, as one of a server round's rows, a
+ * position of a draft's verification or of a prefill chunk (batch invariance; float32 additions in another
+ * order would change the 6th digit of a request's logprobs with what else is in the batch). Offsets of 4-bit
  * codes are factored out around the codes' middle, Σ_g scale_g·Σ_i (code_i − 8)·x_i + Σ_g (offset_g +
  * 8·scale_g)·Σ_i x_i: the plain split, offset_g·Σ_i x_i, cancels against the codes' sum (for the usual
  * zero-centred weights offset ≈ −8·scale) and doubled the error against float64 on Gemma's logits; int8 codes
@@ -235,12 +237,15 @@ static inline __m256 tab8_bytes(__m256i v, int i, __m256i tb) {
 
 #ifdef __AVX2__
 
+/* No product here is left for the compiler to fuse with an addition (-O3 contracts a multiply feeding an add into
+ * one FMA where it sees one, and may choose differently in two copies of the same source): every fused
+ * multiply-add is written, so the one-row product and its several-row copies do the same operations. */
 /* groups of 16 without offsets (int8 codes: Q6_K, Q3_K, a 32-byte unit holding two groups; packed codes: Q3_K, Q2_K,
  * four to a unit), each with its own scale */
 #define DOT2C(c0, c1, xa, xb, acc, sg)                                                                   \
     do {                                                                                                 \
-        const __m256 d_ = _mm256_mul_ps((c0), (xa)), e_ = _mm256_mul_ps((c1), (xb));                     \
-        (acc) = _mm256_fmadd_ps(_mm256_set1_ps(sg), _mm256_add_ps(d_, e_), (acc));                       \
+        const __m256 d_ = _mm256_fmadd_ps((c1), (xb), _mm256_mul_ps((c0), (xa)));                        \
+        (acc) = _mm256_fmadd_ps(_mm256_set1_ps(sg), d_, (acc));                                          \
     } while (0)
 
 /* Σ_g (offset_g + centre·scale_g)·xs_g for a row (offset may be NULL), added to acc's lanes; scalar leftovers
@@ -545,7 +550,19 @@ KERNEL_INLINE void rows4_packed_n(const int kind, const int g16, const int table
     }
 }
 
-static inline void rows4_dot1(const float* x, const float* xp, const int8_t* c, const float* s, const float* o,
+/* a block's four sums acc[r] to out[4]: the offsets that follow the loop (packed codes), then the lanes */
+KERNEL_INLINE void rows4_finish(__m256* acc, const float* s, const float* o, const float* xs, int64_t ng, int packed,
+                                float* out) {
+    float tail[4] = {0.f, 0.f, 0.f, 0.f};
+    if (SPLIT_OFFSETS(packed, o))
+        for (int r = 0; r < 4; r++)
+            acc[r] = centred_offsets(s + r * ng, o ? o + r * ng : NULL, xs, ng, CENTRE(packed), acc[r], tail + r);
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(out, _mm_add_ps(four, _mm_loadu_ps(tail)));
+}
+
+KERNEL_INLINE void rows4_dot1(const float* x, const float* xp, const int8_t* c, const float* s, const float* o,
                               const float* xs, int64_t ng, int packed, int g16, const char* pf, float* out) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     if (packed) {
@@ -607,13 +624,161 @@ static inline void rows4_dot1(const float* x, const float* xp, const int8_t* c, 
         INT8_GROUPS(DOT4C(BYTES8(cg), BYTES8(cg + 8), BYTES8(cg + 16), BYTES8(cg + 24), acc[r], s[r * ng + g]));
 #endif
     }
-    float tail[4] = {0.f, 0.f, 0.f, 0.f};
-    if (SPLIT_OFFSETS(packed, o))
-        for (int r = 0; r < 4; r++)
-            acc[r] = centred_offsets(s + r * ng, o ? o + r * ng : NULL, xs, ng, CENTRE(packed), acc[r], tail + r);
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    _mm_storeu_ps(out, _mm_add_ps(four, _mm_loadu_ps(tail)));
+    rows4_finish(acc, s, o, xs, ng, packed, out);
+}
+
+#ifdef __AVX512F__
+/* ---- several query rows of a block, each summed as rows4_dot1 sums it alone ------------------------------------
+ * Q query rows (x, xp: Q rows K apart; xs: Q rows ng apart) against a block of four weight rows, one weight row at
+ * a time: each unit's codes are converted once and used for the Q rows, and every row's sums take the one-row
+ * product's operations in its order (row r of the block and query m: the same products, scales and additions
+ * over the groups as rows4_dot1 makes for m alone — the block's rows are independent sums there too), so a row's
+ * value is the same bits alone or among others. acc [Q][4] receives what rows4_dot1's acc holds before
+ * rows4_finish. */
+KERNEL_INLINE void rows4_int8_q(const int Q, const float* x, int64_t K, const int8_t* c, const float* s, int64_t ng,
+                                __m256 (*acc)[4]) {
+    for (int r = 0; r < 4; r++) {
+        __m512 a[8];
+        for (int m = 0; m < Q; m++) a[m] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < ng; g++) {
+            const int8_t* cg = c + (g * 4 + r) * 32;
+            const __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)cg)));
+            const __m512 c1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(cg + 16))));
+            const __m512 sv = _mm512_set1_ps(s[r * ng + g]);
+            for (int m = 0; m < Q; m++) {
+                const __m512 x0 = _mm512_loadu_ps(x + m * K + g * 32), x1 = _mm512_loadu_ps(x + m * K + g * 32 + 16);
+                a[m] = _mm512_fmadd_ps(sv, _mm512_fmadd_ps(c1, x1, _mm512_mul_ps(c0, x0)), a[m]);
+            }
+        }
+        for (int m = 0; m < Q; m++) acc[m][r] = fold512(a[m]);
+    }
+}
+
+/* rows4_g16_512's and rows4_offsets_512's sums (groups of 16 without offsets; int8 codes with offsets) */
+KERNEL_INLINE void rows4_pair_q(const int Q, const float* x, int64_t K, const int8_t* c, const float* s,
+                                const float* o, int64_t ng, int g16, __m256 (*acc)[4]) {
+    const int64_t units = g16 ? ng / 2 : ng;
+    for (int r = 0; r < 4; r++) {
+        __m512 a[8], b[8];
+        for (int m = 0; m < Q; m++) a[m] = b[m] = _mm512_setzero_ps();
+        for (int64_t u = 0; u < units; u++) {
+            const int8_t* cg = c + (u * 4 + r) * 32;
+            const int64_t i0 = r * ng + (g16 ? 2 * u : u), i1 = i0 + g16;
+            const __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)cg)));
+            const __m512 c1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(cg + 16))));
+            if (o) {
+                const __m512 w0 = _mm512_fmadd_ps(c0, _mm512_set1_ps(s[i0]), _mm512_set1_ps(o[i0]));
+                const __m512 w1 = _mm512_fmadd_ps(c1, _mm512_set1_ps(s[i1]), _mm512_set1_ps(o[i1]));
+                for (int m = 0; m < Q; m++) {
+                    a[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * K + u * 32), a[m]);
+                    b[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * K + u * 32 + 16), b[m]);
+                }
+            } else {
+                const __m512 s0 = _mm512_set1_ps(s[i0]), s1 = _mm512_set1_ps(s[i1]);
+                for (int m = 0; m < Q; m++) {
+                    a[m] = _mm512_fmadd_ps(s0, _mm512_mul_ps(c0, _mm512_loadu_ps(x + m * K + u * 32)), a[m]);
+                    b[m] = _mm512_fmadd_ps(s1, _mm512_mul_ps(c1, _mm512_loadu_ps(x + m * K + u * 32 + 16)), b[m]);
+                }
+            }
+        }
+        for (int m = 0; m < Q; m++) acc[m][r] = fold512(_mm512_add_ps(a[m], b[m]));
+    }
+}
+
+/* rows4_packed_512's sums (packed codes, G = 32) and then rows4_packed_n's 256-bit ones from the group it left
+ * (g16: all of them) */
+KERNEL_INLINE void rows4_packed_q(const int Q, const float* x, const float* xp, int64_t K, const int8_t* c,
+                                  const float* s, int64_t ng, int packed, int g16, __m256 (*acc)[4]) {
+    const int kind = packed >= 3 ? 3 : packed;
+    LEVEL_TABLE(packed);
+    const __m512i lo = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i hi = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512 values = _mm512_loadu_ps(packed >= 3 ? NIBBLE_LEVELS[packed - 3] : SIGNED_NIBBLES);
+    const int64_t pairs = (xp && !g16) ? ng / 4 : 0, gpu = g16 ? 4 : 2;
+    for (int r = 0; r < 4; r++) {
+        __m512 a[8];
+        for (int m = 0; m < Q; m++) a[m] = _mm512_setzero_ps();
+        for (int64_t q = 0; q < pairs; q++) {
+            const int8_t* u0 = c + (2 * q * 4 + r) * 32;
+            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)u0)),
+                                                 _mm256_loadu_si256((const __m256i*)(u0 + 128)), 1);
+            const __m512 sv = _mm512_castps128_ps512(_mm_loadu_ps(s + r * ng + 4 * q));
+            const __m512 slo = _mm512_permutexvar_ps(lo, sv), shi = _mm512_permutexvar_ps(hi, sv);
+            __m512 n[8];
+            for (int i = 0; i < 8; i++) n[i] = nibble512(v, i, values);
+            for (int m = 0; m < Q; m++) {
+                const float* xq = xp + m * K + q * 128;
+                __m512 d = _mm512_mul_ps(n[0], _mm512_loadu_ps(xq));
+                __m512 e = _mm512_mul_ps(n[1], _mm512_loadu_ps(xq + 16));
+                d = _mm512_fmadd_ps(n[2], _mm512_loadu_ps(xq + 32), d);
+                e = _mm512_fmadd_ps(n[3], _mm512_loadu_ps(xq + 48), e);
+                a[m] = _mm512_fmadd_ps(slo, _mm512_add_ps(d, e), a[m]);
+                d = _mm512_mul_ps(n[4], _mm512_loadu_ps(xq + 64));
+                e = _mm512_mul_ps(n[5], _mm512_loadu_ps(xq + 80));
+                d = _mm512_fmadd_ps(n[6], _mm512_loadu_ps(xq + 96), d);
+                e = _mm512_fmadd_ps(n[7], _mm512_loadu_ps(xq + 112), e);
+                a[m] = _mm512_fmadd_ps(shi, _mm512_add_ps(d, e), a[m]);
+            }
+        }
+        __m256 t[8];
+        for (int m = 0; m < Q; m++) t[m] = pairs ? fold512(a[m]) : _mm256_setzero_ps();
+        for (int64_t u = (4 * pairs) / gpu; u < ng / gpu; u++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (u * 4 + r) * 32));
+            const float* sr = s + r * ng + u * gpu;
+            for (int half = 0; half < 2; half++) { /* nibbles 0–3, then 4–7 */
+                const int i = 4 * half;
+                const __m256 n0 = CODEC(v, i, kind), n1 = CODEC(v, i + 1, kind);
+                const __m256 n2 = CODEC(v, i + 2, kind), n3 = CODEC(v, i + 3, kind);
+                for (int m = 0; m < Q; m++) {
+                    const float* xh = x + m * K + u * 64 + 32 * half;
+                    const __m256 x0 = _mm256_loadu_ps(xh), x1 = _mm256_loadu_ps(xh + 8);
+                    const __m256 x2 = _mm256_loadu_ps(xh + 16), x3 = _mm256_loadu_ps(xh + 24);
+                    if (g16) {
+                        DOT2C(n0, n1, x0, x1, t[m], sr[2 * half]);
+                        DOT2C(n2, n3, x2, x3, t[m], sr[2 * half + 1]);
+                    } else {
+                        DOT4C(n0, n1, n2, n3, t[m], sr[half]);
+                    }
+                }
+            }
+        }
+        for (int m = 0; m < Q; m++) acc[m][r] = t[m];
+    }
+}
+
+/* Q query rows of a block (Q a constant in each copy): out [Q][4] (stride 4) */
+KERNEL_INLINE void rows4_q(const int Q, const float* x, const float* xp, int64_t K, const int8_t* c, const float* s,
+                           const float* o, const float* xs, int64_t ng, int packed, int g16, float* out) {
+    __m256 acc[8][4];
+    if (packed)
+        rows4_packed_q(Q, x, xp, K, c, s, ng, packed, g16, acc);
+    else if (o || g16)
+        rows4_pair_q(Q, x, K, c, s, o, ng, g16, acc);
+    else
+        rows4_int8_q(Q, x, K, c, s, ng, acc);
+    for (int m = 0; m < Q; m++) rows4_finish(acc[m], s, o, xs ? xs + m * ng : NULL, ng, packed, out + 4 * m);
+}
+static void rows4_q8(const float* x, const float* xp, int64_t K, const int8_t* c, const float* s, const float* o,
+                     const float* xs, int64_t ng, int packed, int g16, float* out) {
+    rows4_q(8, x, xp, K, c, s, o, xs, ng, packed, g16, out);
+}
+static void rows4_q4(const float* x, const float* xp, int64_t K, const int8_t* c, const float* s, const float* o,
+                     const float* xs, int64_t ng, int packed, int g16, float* out) {
+    rows4_q(4, x, xp, K, c, s, o, xs, ng, packed, g16, out);
+}
+static void rows4_q2(const float* x, const float* xp, int64_t K, const int8_t* c, const float* s, const float* o,
+                     const float* xs, int64_t ng, int packed, int g16, float* out) {
+    rows4_q(2, x, xp, K, c, s, o, xs, ng, packed, g16, out);
+}
+#endif
+
+/* rows4_dot1 as a function of its own, for the callers that run it once per query row of a block (several rows,
+ * the screen's rescoring): the decode loop keeps its inlined copy. The same source, so the same operations: a
+ * row's value is the same bits from either (tests/test_gguf_file.py compares them) */
+__attribute__((noinline)) static void rows4_dot1_call(const float* x, const float* xp, const int8_t* c,
+                                                      const float* s, const float* o, const float* xs, int64_t ng,
+                                                      int packed, int g16, const char* pf, float* out) {
+    rows4_dot1(x, xp, c, s, o, xs, ng, packed, g16, pf, out);
 }
 
 /* eight weights rebuilt exactly: code·scale (+ offset) in one rounding, as gguf's dequantiser computes them
@@ -673,217 +838,15 @@ KERNEL_INLINE void rows_n(const int R, const float* x, int64_t K, const int8_t* 
 }
 
 
-/* a block of four weight rows (LMHEAD_ROWS4 layout) against Q ≤ 3 query rows (verification, batched decode):
- * group by group through the block's one stream, each weight rebuilt exactly (code·scale + offset) and used for
- * the Q rows. Several query rows read the block Q rows at a time (it stays in L1 between passes): row by row
- * over the interleaved layout, the products of 2–8 rows ran 1.3–1.5× slower than over plain rows.
- * out [Q, 4] (stride 4). */
-KERNEL_INLINE void block4_rows_n(const int Q, const float* x, int64_t K, const int8_t* c, const float* s,
-                                  const float* o, int64_t ng, int packed, int table, const char* pf, float* out) {
-    __m256 acc[4][3];
-    for (int r = 0; r < 4; r++)
-        for (int m = 0; m < Q; m++) acc[r][m] = _mm256_setzero_ps();
-    LEVEL_TABLE(table);
-    if (packed && ng * 16 == K) { /* Q3_K, Q2_K: unit u holds groups 4u .. 4u + 3, two nibbles each */
-        for (int64_t u = 0; u < K / 64; u++) {
-            fetch_unit(pf, u);
-            for (int r = 0; r < 4; r++) {
-                const __m256i v = UNIT4(c + (u * 4 + r) * 32, packed);
-                for (int h = 0; h < 4; h++) {
-                    const __m256 sv = _mm256_set1_ps(s[r * ng + 4 * u + h]);
-                    const __m256 ov = o ? _mm256_set1_ps(o[r * ng + 4 * u + h]) : _mm256_setzero_ps();
-                    for (int j = 0; j < 2; j++) {
-                        const __m256 w = rebuild8(CODES8(v, 2 * h + j, packed), sv, ov, o != NULL);
-                        for (int m = 0; m < Q; m++)
-                            acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + u * 64 + 16 * h + 8 * j),
-                                                        acc[r][m]);
-                    }
-                }
-            }
-        }
-    } else if (packed) {
-        for (int64_t g = 0; g < ng; g += 2) {
-            fetch_unit(pf, g >> 1);
-            for (int r = 0; r < 4; r++) {
-                const __m256i v = UNIT4(c + ((g >> 1) * 4 + r) * 32, packed);
-                for (int h = 0; h < 2; h++) {
-                    const __m256 sv = _mm256_set1_ps(s[r * ng + g + h]);
-                    const __m256 ov = o ? _mm256_set1_ps(o[r * ng + g + h]) : _mm256_setzero_ps();
-                    for (int j = 0; j < 4; j++) {
-                        const __m256 w = rebuild8(CODES8(v, 4 * h + j, packed), sv, ov, o != NULL);
-                        for (int m = 0; m < Q; m++)
-                            acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + (g + h) * 32 + 8 * j),
-                                                        acc[r][m]);
-                    }
-                }
-            }
-        }
-    } else {
-        const int g16 = ng * 16 == K; /* Q6_K, Q3_K, Q2_K: two groups per 32-weight unit */
-        for (int64_t g = 0; g < K / 32; g++) {
-            fetch_unit(pf, g);
-            for (int r = 0; r < 4; r++) {
-                const int64_t i0 = r * ng + (g16 ? 2 * g : g), i1 = i0 + g16;
-                const __m256 s0 = _mm256_set1_ps(s[i0]), s1 = _mm256_set1_ps(s[i1]);
-                const __m256 o0 = o ? _mm256_set1_ps(o[i0]) : _mm256_setzero_ps();
-                const __m256 o1 = o ? _mm256_set1_ps(o[i1]) : _mm256_setzero_ps();
-                const int8_t* cg = c + (g * 4 + r) * 32;
-                for (int j = 0; j < 4; j++) {
-                    const __m256 w = rebuild8(BYTES8(cg + 8 * j), j < 2 ? s0 : s1, j < 2 ? o0 : o1, o != NULL);
-                    for (int m = 0; m < Q; m++)
-                        acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + g * 32 + 8 * j), acc[r][m]);
-                }
-            }
-        }
+/* one query row against one weight row: int8 codes with offsets rebuilt (rows_n), the rest factored (row_dot1) */
+static inline float row_dot(const float* x, int64_t K, const int8_t* c, int64_t us, const float* s, const float* o,
+                            const float* xs, int64_t ng, int64_t G, int packed) {
+    if (o && !packed) {
+        float out;
+        rows_n(1, x, K, c, us, s, o, ng, G, packed, &out);
+        return out;
     }
-    for (int m = 0; m < Q; m++)
-        for (int r = 0; r < 4; r++) out[m * 4 + r] = hsum8(acc[r][m]);
-}
-
-
-/* a block of four weight rows against Q = 4..8 query rows (batched decode, longer verifications): one weight
- * row of the block at a time, each weight rebuilt once and used for the Q rows (Q accumulators). Measured
- * against ≤ 3-row passes of block4_rows (each rebuilding every weight again): 8 rows 1.2–1.3× faster on
- * Gemma's head and on both models' MLP matrices. */
-KERNEL_INLINE void block4_each_n(const int Q, const float* x, int64_t K, const int8_t* c, const float* s,
-                                  const float* o, int64_t ng, int packed, int table, const char* pf, float* out) {
-    LEVEL_TABLE(table);
-    for (int r = 0; r < 4; r++) {
-        __m256 acc[MB];
-        for (int m = 0; m < Q; m++) acc[m] = _mm256_setzero_ps();
-        if (packed && ng * 16 == K) { /* Q3_K, Q2_K: unit u holds groups 4u .. 4u + 3, two nibbles each */
-            for (int64_t u = 0; u < K / 64; u++) {
-                fetch_unit(r == 0 ? pf : NULL, u);
-                const __m256i v = UNIT4(c + (u * 4 + r) * 32, packed);
-#pragma GCC unroll 4
-                for (int h = 0; h < 4; h++) {
-                    const __m256 sv = _mm256_set1_ps(s[r * ng + 4 * u + h]);
-                    const __m256 ov = o ? _mm256_set1_ps(o[r * ng + 4 * u + h]) : _mm256_setzero_ps();
-                    for (int j = 0; j < 2; j++) {
-                        const __m256 w = rebuild8(CODES8(v, 2 * h + j, packed), sv, ov, o != NULL);
-                        const float* xk = x + u * 64 + 16 * h + 8 * j;
-                        for (int m = 0; m < Q; m++)
-                            acc[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xk + m * K), acc[m]);
-                    }
-                }
-            }
-        } else if (packed) {
-            for (int64_t g = 0; g < ng; g += 2) {
-                fetch_unit(r == 0 ? pf : NULL, g >> 1);
-                const __m256i v = UNIT4(c + ((g >> 1) * 4 + r) * 32, packed);
-                for (int h = 0; h < 2; h++) {
-                    const __m256 sv = _mm256_set1_ps(s[r * ng + g + h]);
-                    const __m256 ov = o ? _mm256_set1_ps(o[r * ng + g + h]) : _mm256_setzero_ps();
-#pragma GCC unroll 4
-                    for (int j = 0; j < 4; j++) {
-                        const __m256 w = rebuild8(CODES8(v, 4 * h + j, packed), sv, ov, o != NULL);
-                        const float* xk = x + (g + h) * 32 + 8 * j;
-                        for (int m = 0; m < Q; m++)
-                            acc[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xk + m * K), acc[m]);
-                    }
-                }
-            }
-        } else {
-            const int g16 = ng * 16 == K; /* Q6_K, Q3_K, Q2_K: two groups per 32-weight unit */
-            for (int64_t g = 0; g < K / 32; g++) {
-                fetch_unit(r == 0 ? pf : NULL, g);
-                const int64_t i0 = r * ng + (g16 ? 2 * g : g), i1 = i0 + g16;
-                const __m256 s0 = _mm256_set1_ps(s[i0]), s1 = _mm256_set1_ps(s[i1]);
-                const __m256 o0 = o ? _mm256_set1_ps(o[i0]) : _mm256_setzero_ps();
-                const __m256 o1 = o ? _mm256_set1_ps(o[i1]) : _mm256_setzero_ps();
-                const int8_t* cg = c + (g * 4 + r) * 32;
-#pragma GCC unroll 4
-                for (int j = 0; j < 4; j++) {
-                    const __m256 w = rebuild8(BYTES8(cg + 8 * j), j < 2 ? s0 : s1, j < 2 ? o0 : o1, o != NULL);
-                    const float* xk = x + g * 32 + 8 * j;
-                    for (int m = 0; m < Q; m++)
-                        acc[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xk + m * K), acc[m]);
-                }
-            }
-        }
-        for (int m = 0; m < Q; m++) out[m * 4 + r] = hsum8(acc[m]);
-    }
-}
-
-
-/* the pass for q query rows of a block: ≤ 3 through its one stream, 4..8 row by row; one function per q, the copy
- * with q and the codes' layout constants (its accumulators in registers, the nibbles' decoding chosen when it is
- * compiled, as rows4_packed_n's) */
-KERNEL_INLINE void block_pass_n(const int Q, const float* x, int64_t K, const int8_t* c, const float* s,
-                                const float* o, int64_t ng, int packed, const char* pf, float* out) {
-    switch (packed) {
-        case 0:
-            if (Q <= 3) block4_rows_n(Q, x, K, c, s, o, ng, 0, 0, pf, out);
-            else block4_each_n(Q, x, K, c, s, o, ng, 0, 0, pf, out);
-            break;
-        case 1:
-            if (Q <= 3) block4_rows_n(Q, x, K, c, s, o, ng, 1, 1, pf, out);
-            else block4_each_n(Q, x, K, c, s, o, ng, 1, 1, pf, out);
-            break;
-        case 2:
-            if (Q <= 3) block4_rows_n(Q, x, K, c, s, o, ng, 2, 2, pf, out);
-            else block4_each_n(Q, x, K, c, s, o, ng, 2, 2, pf, out);
-            break;
-        default:
-            if (Q <= 3) block4_rows_n(Q, x, K, c, s, o, ng, 3, packed, pf, out); /* a level table: packed's */
-            else block4_each_n(Q, x, K, c, s, o, ng, 3, packed, pf, out);
-            break;
-    }
-}
-static void block_pass1(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
-                        int packed, const char* pf, float* out) {
-    block_pass_n(1, x, K, c, s, o, ng, packed, pf, out);
-}
-static void block_pass2(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
-                        int packed, const char* pf, float* out) {
-    block_pass_n(2, x, K, c, s, o, ng, packed, pf, out);
-}
-static void block_pass3(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
-                        int packed, const char* pf, float* out) {
-    block_pass_n(3, x, K, c, s, o, ng, packed, pf, out);
-}
-static void block_pass4(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
-                        int packed, const char* pf, float* out) {
-    block_pass_n(4, x, K, c, s, o, ng, packed, pf, out);
-}
-static void block_pass5(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
-                        int packed, const char* pf, float* out) {
-    block_pass_n(5, x, K, c, s, o, ng, packed, pf, out);
-}
-static void block_pass6(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
-                        int packed, const char* pf, float* out) {
-    block_pass_n(6, x, K, c, s, o, ng, packed, pf, out);
-}
-static void block_pass7(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
-                        int packed, const char* pf, float* out) {
-    block_pass_n(7, x, K, c, s, o, ng, packed, pf, out);
-}
-static void block_pass8(const float* x, int64_t K, const int8_t* c, const float* s, const float* o, int64_t ng,
-                        int packed, const char* pf, float* out) {
-    block_pass_n(8, x, K, c, s, o, ng, packed, pf, out);
-}
-typedef void (*block_pass)(const float*, int64_t, const int8_t*, const float*, const float*, int64_t, int, const char*,
-                           float*);
-static const block_pass BLOCK_PASS[9] = {NULL, block_pass1, block_pass2, block_pass3, block_pass4,
-                                         block_pass5, block_pass6, block_pass7, block_pass8};
-
-static inline void row_dot(const float* x, int64_t K, const int8_t* c, int64_t us, const float* s, const float* o,
-                           const float* xs, int64_t ng, int64_t G, int packed, int mb, float* out) {
-    switch (mb) {
-        case 1:
-            if (o && !packed)
-                rows_n(1, x, K, c, us, s, o, ng, G, packed, out);
-            else
-                out[0] = row_dot1(x, c, us, s, o, xs, ng, G, packed);
-            break;
-        case 2: rows_n(2, x, K, c, us, s, o, ng, G, packed, out); break;
-        case 3: rows_n(3, x, K, c, us, s, o, ng, G, packed, out); break;
-        case 4: rows_n(4, x, K, c, us, s, o, ng, G, packed, out); break;
-        case 5: rows_n(5, x, K, c, us, s, o, ng, G, packed, out); break;
-        case 6: rows_n(6, x, K, c, us, s, o, ng, G, packed, out); break;
-        case 7: rows_n(7, x, K, c, us, s, o, ng, G, packed, out); break;
-        default: rows_n(8, x, K, c, us, s, o, ng, G, packed, out); break;
-    }
+    return row_dot1(x, c, us, s, o, xs, ng, G, packed);
 }
 #else
 int lmhead_coded_avx2(void) { return 0; }
@@ -898,20 +861,17 @@ static inline int code_at(const int8_t* c, int64_t us, int64_t k, int packed) {
     return (int)lmhead_nibble_code((int)((word >> (4 * (r / 8))) & 15), packed);
 }
 
-static inline void row_dot(const float* x, int64_t K, const int8_t* c, int64_t us, const float* s, const float* o,
-                           const float* xs, int64_t ng, int64_t G, int packed, int mb, float* out) {
-    (void)xs;
-    for (int m = 0; m < mb; m++) {
-        const float* xm = x + m * K;
-        float r = 0.f;
-        for (int64_t g = 0; g < ng; g++)
-            for (int64_t i = 0; i < G; i++) {
-                const float code = (float)code_at(c, us, g * G + i, packed);
-                const float w = o ? fmaf(code, s[g], o[g]) : code * s[g];
-                r += w * xm[g * G + i];
-            }
-        out[m] = r;
-    }
+static inline float row_dot(const float* x, int64_t K, const int8_t* c, int64_t us, const float* s, const float* o,
+                            const float* xs, int64_t ng, int64_t G, int packed) {
+    (void)xs, (void)K;
+    float r = 0.f;
+    for (int64_t g = 0; g < ng; g++)
+        for (int64_t i = 0; i < G; i++) {
+            const float code = (float)code_at(c, us, g * G + i, packed);
+            const float w = o ? fmaf(code, s[g], o[g]) : code * s[g];
+            r += w * x[g * G + i];
+        }
+    return r;
 }
 #endif
 
@@ -977,7 +937,7 @@ KERNEL_INLINE void dense16_row512(const float* x, int64_t K, const uint16_t* w, 
 }
 #endif
 
-/* the pass for mb query rows of a weight row: one function per mb, each type a copy with mb and the type constants */
+/* one query row against a weight row: each type a copy with its constants */
 #ifdef __AVX512F__
 static void dense_pass1(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
     if (bf16)
@@ -1002,51 +962,7 @@ static void dense_pass1(const float* x, int64_t K, const uint16_t* w, int bf16, 
         dense_rows_n(1, 0, x, K, w, out);
 }
 #endif
-static void dense_pass2(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
-    if (bf16)
-        dense_rows_n(2, 1, x, K, w, out);
-    else
-        dense_rows_n(2, 0, x, K, w, out);
-}
-static void dense_pass3(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
-    if (bf16)
-        dense_rows_n(3, 1, x, K, w, out);
-    else
-        dense_rows_n(3, 0, x, K, w, out);
-}
-static void dense_pass4(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
-    if (bf16)
-        dense_rows_n(4, 1, x, K, w, out);
-    else
-        dense_rows_n(4, 0, x, K, w, out);
-}
-static void dense_pass5(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
-    if (bf16)
-        dense_rows_n(5, 1, x, K, w, out);
-    else
-        dense_rows_n(5, 0, x, K, w, out);
-}
-static void dense_pass6(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
-    if (bf16)
-        dense_rows_n(6, 1, x, K, w, out);
-    else
-        dense_rows_n(6, 0, x, K, w, out);
-}
-static void dense_pass7(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
-    if (bf16)
-        dense_rows_n(7, 1, x, K, w, out);
-    else
-        dense_rows_n(7, 0, x, K, w, out);
-}
-static void dense_pass8(const float* x, int64_t K, const uint16_t* w, int bf16, float* out) {
-    if (bf16)
-        dense_rows_n(8, 1, x, K, w, out);
-    else
-        dense_rows_n(8, 0, x, K, w, out);
-}
 typedef void (*dense_pass)(const float*, int64_t, const uint16_t*, int, float*);
-static const dense_pass DENSE_PASS[MB + 1] = {NULL, dense_pass1, dense_pass2, dense_pass3, dense_pass4, dense_pass5,
-                                            dense_pass6, dense_pass7, dense_pass8};
 #endif
 
 static int dense_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, int bf16, float* y,
@@ -1055,27 +971,24 @@ static int dense_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w,
     /* shares of rows as lmhead_coded_matmul's: one contiguous stream per thread for one query row, else chunks */
     const int64_t chunk = M == 1 ? (N + threads - 1) / threads : (N / (8 * threads) > 1 ? N / (8 * threads) : 1);
 #if defined(__AVX2__) && defined(__F16C__)
-    dense_pass one = DENSE_PASS[1];
+    dense_pass one = dense_pass1;
 #ifdef __AVX512F__
-    if (M == 1 && chunk * K * 2 < DENSE_FETCH_BYTES) one = dense_fetch1;
+    if (M == 1 && chunk * K * 2 < DENSE_FETCH_BYTES) one = dense_fetch1; /* the same sums, the stream fetched ahead */
 #endif
 #endif
+    /* each query row as the one-row pass computes it (the weight row from L1 after the first): a row's product is
+     * the same bits whatever else is in the batch */
 #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
     for (int64_t n = 0; n < N; n++) {
         const uint16_t* wn = w + n * K;
-        for (int64_t m0 = 0; m0 < M; m0 += MB) {
-            const int mb = (int)(M - m0 < MB ? M - m0 : MB);
-            float out[MB];
+        for (int64_t m = 0; m < M; m++) {
 #if defined(__AVX2__) && defined(__F16C__)
-            (mb == 1 ? one : DENSE_PASS[mb])(x + m0 * K, K, wn, bf16, out);
+            one(x + m * K, K, wn, bf16, y + m * N + n);
 #else
-            for (int m = 0; m < mb; m++) {
-                float t = 0.f;
-                for (int64_t k = 0; k < K; k++) t += w16(wn, k, bf16) * x[(m0 + m) * K + k];
-                out[m] = t;
-            }
+            float t = 0.f;
+            for (int64_t k = 0; k < K; k++) t += w16(wn, k, bf16) * x[m * K + k];
+            y[m * N + n] = t;
 #endif
-            for (int m = 0; m < mb; m++) y[(m0 + m) * N + n] = out[m];
         }
     }
     return 0;
@@ -1161,33 +1074,33 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
     const int64_t units = rows4 ? N / 4 : N;
     const int64_t chunk = M == 1 ? (units + threads - 1) / threads
                                  : (units / (8 * threads) > 1 ? units / (8 * threads) : 1);
-    /* packed codes, one query row at a time (M = 1, or the last of M = 9, 17, …): that row's group sums, once
-     * for all N weight rows */
+    /* packed codes whose offsets follow the loop: each query row's group sums xs [M, ng], once for all N weight
+     * rows */
     float xs_stack[256];
     float* xs = NULL;
-    if (SPLIT_OFFSETS(packed, offset) && M > 0 && (M - 1) % MB == 0) {
-        const float* last = x + (M - 1) * K;
-        xs = ng <= 256 ? xs_stack : (float*)malloc((size_t)ng * sizeof(float));
+    if (SPLIT_OFFSETS(packed, offset) && M > 0) {
+        xs = M * ng <= 256 ? xs_stack : (float*)malloc((size_t)(M * ng) * sizeof(float));
         if (!xs) return -1;
-        for (int64_t g = 0; g < ng; g++) {
-            float t = 0.f;
-            for (int64_t i = 0; i < G; i++) t += last[g * G + i];
-            xs[g] = t;
-        }
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t g = 0; g < ng; g++) {
+                float t = 0.f;
+                for (int64_t i = 0; i < G; i++) t += x[m * K + g * G + i];
+                xs[m * ng + g] = t;
+            }
     }
 #ifdef __AVX2__
-    if (M == 1 && rows4) { /* decode: weight rows four at a time */
+    if (rows4 && M > 0) { /* weight rows four at a time */
         const int64_t blocks = N / 4;
 #ifdef __AVX512F__
         float xp_stack[4096];
         float* xp = NULL;
-        if (packed && G == 32 && K >= 128) { /* rows4_packed_512's layout of the query row, once for all N rows */
-            xp = K <= 4096 ? xp_stack : (float*)malloc((size_t)K * sizeof(float));
+        if (packed && G == 32 && K >= 128) { /* rows4_packed_512's layout of each query row, once for all N rows */
+            xp = M * K <= 4096 ? xp_stack : (float*)malloc((size_t)(M * K) * sizeof(float));
             if (!xp) {
                 if (xs && xs != xs_stack) free(xs);
                 return -1;
             }
-            xp_layout(x, K, xp);
+            for (int64_t m = 0; m < M; m++) xp_layout(x + m * K, K, xp + m * K);
         }
 #else
         const float* const xp = NULL;
@@ -1212,38 +1125,39 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
             }
             const float* s = rows_scales(scale, N, K, ng, n0, nr, half, sub, s32);
             const float* o = offset ? rows_scales(offset, N, K, ng, n0, nr, half, sub, o32) : NULL;
-            rows4_dot1(x, xp, codes + n0 * row_bytes, s, o, xs, ng, packed, G == 16, spread, y + n0);
+            if (M == 1) {
+                rows4_dot1(x, xp, codes + n0 * row_bytes, s, o, xs, ng, packed, G == 16, spread, y + n0);
+                continue;
+            }
+            /* several query rows (verification, batched decode, prefill): each row's product is the one-row
+             * product's, the same operations in the same order (bit for bit what the row gets alone, whatever else
+             * is in the batch and however the threads share it); the block is read from L1 after the first row */
+            for (int64_t m = 0; m < M;) {
+                float out[32];
+                int64_t q = 1;
+                const float* xm = x + m * K;
+                const float* xpm = xp ? xp + m * K : NULL;
+                const float* xsm = xs ? xs + m * ng : NULL;
+#ifdef __AVX512F__
+                /* 8, 4 or 2 rows at a time, each weight converted once for them: which rows go together changes
+                 * no row's sums */
+                q = M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+                if (q == 8) rows4_q8(xm, xpm, K, codes + n0 * row_bytes, s, o, xsm, ng, packed, G == 16, out);
+                else if (q == 4) rows4_q4(xm, xpm, K, codes + n0 * row_bytes, s, o, xsm, ng, packed, G == 16, out);
+                else if (q == 2) rows4_q2(xm, xpm, K, codes + n0 * row_bytes, s, o, xsm, ng, packed, G == 16, out);
+                else
+#endif
+                    rows4_dot1_call(xm, xpm, codes + n0 * row_bytes, s, o, xsm, ng, packed, G == 16,
+                                    m == 0 ? spread : NULL, out);
+                for (int64_t j = 0; j < q; j++)
+                    for (int r = 0; r < 4; r++) y[(m + j) * N + n0 + r] = out[4 * j + r];
+                m += q;
+            }
         }
         if (xs && xs != xs_stack) free(xs);
 #ifdef __AVX512F__
         if (xp && xp != xp_stack) free(xp);
 #endif
-        return 0;
-    }
-    if (M > 1 && rows4) { /* verification and batched decode: ≤ 3 rows through the block's one stream, 4..8 row by row */
-        const int64_t blocks = N / 4;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t n0 = b * 4;
-            float s32[4 * HALF_MAX_GROUPS], o32[4 * HALF_MAX_GROUPS];
-            const float* s = rows_scales(scale, N, K, ng, n0, 4, half, sub, s32);
-            const float* o = offset ? rows_scales(offset, N, K, ng, n0, 4, half, sub, o32) : NULL;
-            const int8_t* c = codes + n0 * row_bytes;
-            /* the next block, fetched over this block's first pass (fetch_unit): the block4_each passes read
-             * the block row by row, not as one stream (head-sized matrices 1.2× faster than without a fetch);
-             * with 2–3 rows (drafts' verification) spread fetches made Gemma's body 1.15–1.2× faster, where a
-             * fetch of the whole block at once had been slower than none */
-            const char* pf = b + 1 < blocks ? (const char*)c + 4 * row_bytes : NULL;
-            for (int64_t m0 = 0; m0 < M;) {
-                const int64_t left = M - m0, q = left > 8 ? 8 : left;
-                float out[32];
-                BLOCK_PASS[q](x + m0 * K, K, c, s, o, ng, packed, m0 == 0 ? pf : NULL, out);
-                for (int64_t m = 0; m < q; m++)
-                    for (int r = 0; r < 4; r++) y[(m0 + m) * N + n0 + r] = out[m * 4 + r];
-                m0 += q;
-            }
-        }
-        if (xs && xs != xs_stack) free(xs);
         return 0;
     }
 #endif
@@ -1253,12 +1167,9 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
         float s32[HALF_MAX_GROUPS], o32[HALF_MAX_GROUPS];
         const float* s = rows_scales(scale, N, K, ng, n, 1, half, sub, s32);
         const float* o = offset ? rows_scales(offset, N, K, ng, n, 1, half, sub, o32) : NULL;
-        for (int64_t m0 = 0; m0 < M; m0 += MB) {
-            const int mb = (int)(M - m0 < MB ? M - m0 : MB);
-            float out[MB];
-            row_dot(x + m0 * K, K, c, us, s, o, xs, ng, G, packed, mb, out);
-            for (int m = 0; m < mb; m++) y[(m0 + m) * N + n] = out[m];
-        }
+        /* each query row as the one-row product computes it (the weight row from L1 after the first) */
+        for (int64_t m = 0; m < M; m++)
+            y[m * N + n] = row_dot(x + m * K, K, c, us, s, o, xs ? xs + m * ng : NULL, ng, G, packed);
     }
     if (xs && xs != xs_stack) free(xs);
     return 0;
@@ -1504,7 +1415,7 @@ int lmhead_screen_rescore(const float* x, int64_t M, int64_t K, const int8_t* co
             const int64_t n = ids[m * cap + j], b = n / 4;
             float s32[4 * HALF_MAX_GROUPS], out[4];
             halves_to_floats(scale + b * 4 * ng, s32, 4 * ng);
-            rows4_dot1(x + m * K, NULL, codes + b * 4 * K, s32, NULL, NULL, ng, 0, 0, NULL, out);
+            rows4_dot1_call(x + m * K, NULL, codes + b * 4 * K, s32, NULL, NULL, ng, 0, 0, NULL, out);
             y[m * N + n] = out[n % 4];
         }
     }

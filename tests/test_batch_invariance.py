@@ -1,0 +1,105 @@
+"""Bitwise batch invariance of the kernels: a row's numbers are the same bits computed alone, as one of a batch's
+rows, as a position of a prefill chunk or a draft's verification, and over one or two threads (the products over
+every type: tests/test_gguf_file.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmhead.kernels import native
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler")
+
+H, HKV, HD, P = 4, 2, 64, 27  # query heads, key heads, head width, positions
+
+
+def _attend(qk, v, cos, sin, keys, values, mask, start, threads):
+    """lmhead_attend over qk [B,T,H+Hkv,hd], v [B,T,Hkv,hd] into the caches keys, values [B,Hkv,cap,hd] (written at
+    start..start+T) → out [B,T,H·hd]."""
+    b, t = qk.shape[:2]
+    out = torch.empty(b, t, H * HD)
+    rc = native.library().lmhead_attend(native.AttendArgs(
+        qk=qk.data_ptr(), v=v.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), keys=keys.data_ptr(),
+        values=values.data_ptr(), mask=None if mask is None else mask.data_ptr(), out=out.data_ptr(),
+        qk_stride=(H + HKV) * HD, v_stride=HKV * HD, B=b, T=t, H=H, Hkv=HKV, hd=HD, cap=keys.shape[2], start=start,
+        scaling=0.125, softcap=0.0, threads=threads))
+    assert rc == 0
+    return out
+
+
+def _causal(start: int, t: int, pad: int = 0) -> torch.Tensor:
+    """[1, t, start + t]: query i keeps the columns pad .. start + i (−inf elsewhere)."""
+    cols = torch.arange(start + t)
+    keep = (cols[None] <= start + torch.arange(t)[:, None]) & (cols[None] >= pad)
+    return torch.where(keep, 0.0, float("-inf"))[None].contiguous()
+
+
+def _sequence(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    qk = torch.randn(1, P, H + HKV, HD, generator=g)
+    v = torch.randn(1, P, HKV, HD, generator=g)
+    angle = torch.arange(P)[:, None] * torch.rand(HD // 2, generator=g)[None]
+    cos = torch.cat([angle.cos(), angle.cos()], -1)[None].contiguous()
+    sin = torch.cat([-angle.sin(), angle.sin()], -1)[None].contiguous()
+    return qk, v, cos, sin
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_of_a_position_is_the_same_bits_alone_in_a_chunk_in_a_batch_and_after_padding(threads):
+    qk, v, cos, sin = _sequence(seed=threads)
+    cap = P + 8
+    # the prefill: every position in one chunk, causal
+    keys, values = torch.zeros(1, HKV, cap, HD), torch.zeros(1, HKV, cap, HD)
+    whole = _attend(qk, v, cos, sin, keys, values, _causal(0, P), 0, threads)
+    bits = lambda t: t.view(torch.int32)  # noqa: E731
+    for p in range(P):
+        # the decode step of position p over the prefill's cache, one thread or two
+        k1, v1 = keys.clone(), values.clone()
+        alone = _attend(qk[:, p:p + 1].contiguous(), v[:, p:p + 1].contiguous(), cos[:, p:p + 1].contiguous(),
+                        sin[:, p:p + 1].contiguous(), k1, v1, None, p, 3 - threads)
+        assert torch.equal(bits(alone[0, 0]), bits(whole[0, p])), p
+    # a chunk from position 11 on (a draft's verification), and the same rows as one of a batch of two
+    for start in (11, 20):
+        t = P - start
+        k2, v2 = keys.clone(), values.clone()
+        chunk = _attend(qk[:, start:].contiguous(), v[:, start:].contiguous(), cos[:, start:].contiguous(),
+                        sin[:, start:].contiguous(), k2, v2, _causal(start, t), start, threads)
+        assert torch.equal(bits(chunk[0]), bits(whole[0, start:]))
+        other = torch.randn(1, t, H + HKV, HD, generator=torch.Generator().manual_seed(start))
+        kb, vb = torch.cat([keys, torch.randn_like(keys)]), torch.cat([values, torch.randn_like(values)])
+        batch = _attend(torch.cat([qk[:, start:], other]).contiguous(),
+                        torch.cat([v[:, start:], torch.randn(1, t, HKV, HD)]).contiguous(),
+                        torch.cat([cos[:, start:]] * 2).contiguous(), torch.cat([sin[:, start:]] * 2).contiguous(),
+                        kb, vb, torch.cat([_causal(start, t)] * 2).contiguous(), start, threads)
+        assert torch.equal(bits(batch[0]), bits(whole[0, start:]))
+    # the row's keys three columns on, behind masked padding (a row of a batch whose others are longer)
+    pad = 3
+    kp, vp = torch.zeros(1, HKV, cap, HD), torch.zeros(1, HKV, cap, HD)
+    qp = torch.cat([torch.zeros(1, pad, H + HKV, HD), qk], 1).contiguous()
+    padded = _attend(qp, torch.cat([torch.zeros(1, pad, HKV, HD), v], 1).contiguous(),
+                     torch.cat([torch.ones(1, pad, HD), cos], 1).contiguous(),
+                     torch.cat([torch.zeros(1, pad, HD), sin], 1).contiguous(), kp, vp, _causal(0, P + pad, pad), 0,
+                     threads)
+    assert torch.equal(bits(padded[0, pad:]), bits(whole[0]))
+
+
+def test_norms_of_a_row_are_the_same_bits_alone_and_among_rows():
+    g = torch.Generator().manual_seed(0)
+    x, a = torch.randn(7, 576, generator=g), torch.randn(7, 576, generator=g)
+    w1, w2 = torch.randn(576, generator=g), torch.randn(576, generator=g)
+    lib = native.library()
+    y_all, y_one = torch.empty(7, 576), torch.empty(1, 576)
+    lib.lmhead_rms_norm(x.data_ptr(), w1.data_ptr(), y_all.data_ptr(), 7, 576, 1, 1e-6, 1)
+    xo_all, h_all = torch.empty(7, 576), torch.empty(7, 576)
+    lib.lmhead_add_norm(x.data_ptr(), a.data_ptr(), w1.data_ptr(), w2.data_ptr(), xo_all.data_ptr(), h_all.data_ptr(),
+                        7, 576, 1e-6, 0)
+    for r in range(7):
+        xr, ar = x[r:r + 1].clone(), a[r:r + 1].clone()
+        lib.lmhead_rms_norm(xr.data_ptr(), w1.data_ptr(), y_one.data_ptr(), 1, 576, 1, 1e-6, 1)
+        assert torch.equal(y_one[0].view(torch.int32), y_all[r].view(torch.int32))
+        xo, h = torch.empty(1, 576), torch.empty(1, 576)
+        lib.lmhead_add_norm(xr.data_ptr(), ar.data_ptr(), w1.data_ptr(), w2.data_ptr(), xo.data_ptr(), h.data_ptr(),
+                            1, 576, 1e-6, 0)
+        assert torch.equal(xo[0].view(torch.int32), xo_all[r].view(torch.int32))
+        assert torch.equal(h[0].view(torch.int32), h_all[r].view(torch.int32))
