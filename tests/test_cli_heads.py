@@ -108,3 +108,32 @@ def test_other_bad_input_is_exit_2_with_one_line(capsys, tmp_path, folder):
                         (["rerank", "--model", folder, "q", "a", "--top-n", "0"], "top_n must be an integer >= 1")):
         code, out, err = run(capsys, *argv)
         assert code == 2 and len(err.strip().splitlines()) == 1 and words in err, (argv, err)
+
+
+def test_serve_gives_classify_its_head_and_refuses_one_of_another_width(capsys, tmp_path, folder, model,
+                                                                        monkeypatch):
+    import uvicorn
+
+    from lmhead.heads.classifier import ClassificationHead
+
+    width = model.exact_head.d_model
+    ClassificationHead(torch.randn(2, width), None, ["x", "y"]).save(tmp_path / "ok.safetensors")
+    ClassificationHead(torch.randn(2, width + 1), None, ["x", "y"]).save(tmp_path / "wide.safetensors")
+    served = []
+
+    def run_server(self, sockets=None):  # in place of serving: what the app was given
+        served.append(self.config.app.state.classifier)
+        self.started = True
+        for sock in sockets or []:
+            sock.close()
+
+    monkeypatch.setattr(uvicorn.Server, "run", run_server)
+    code, _, err = run(capsys, "serve", "--model", folder, "--port", "0", "--classifier",
+                       str(tmp_path / "ok.safetensors"))
+    assert code == 0, err
+    assert served[0].labels == ["x", "y"] and served[0].width == width
+    code, _, err = run(capsys, "serve", "--model", folder, "--port", "0", "--classifier",
+                       str(tmp_path / "wide.safetensors"))
+    assert code == 2 and len(err.strip().splitlines()) == 1  # before the server says it serves
+    assert f"the head is {width + 1} wide but the model's hidden state is {width}" in err
+    assert len(served) == 1

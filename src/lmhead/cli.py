@@ -461,6 +461,8 @@ def _run_serve(args: argparse.Namespace) -> None:
         model = _load(args)
         kv = None if args.kv_memory is None else int(args.kv_memory * 2**30)
         limits = serve_limits(model, args.ctx_size, args.max_tokens, args.parallel, kv, args.queue)
+        # /v1/classify's head, checked against the model's width before anything is served
+        classifier = None if args.classifier is None else _classifier_head(args.classifier, model)
     except BaseException:
         for sock in sockets:
             sock.close()
@@ -482,8 +484,7 @@ def _run_serve(args: argparse.Namespace) -> None:
         if why is not None:
             print(f"lmhead: --prefix-cache-file {args.prefix_cache_file}: {why}; starting with an empty prefix cache",
                   file=sys.stderr)
-    if args.classifier is not None:  # /v1/classify's head, checked against the model's width
-        app.state.classifier = _classifier_head(args.classifier, model)
+    app.state.classifier = classifier
     from lmhead.server.protocol import HeaderTimeoutProtocol  # uvicorn's h11, with a deadline for headers
 
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level="warning",
