@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["BLOCK", "MIN_TOKENS", "PrefixCache"]
+__all__ = ["BLOCK", "MIN_TOKENS", "PrefixCache", "copy_into"]
 
 BLOCK = 32  # positions per block: a multiple of the kernels' row passes, a divisor of the prefill piece
 MIN_TOKENS = BLOCK  # the shortest prefix reused: one block
@@ -87,7 +87,7 @@ class PrefixCache:
             if key in self._blocks:
                 continue
             cols = slice(i * self.block, (i + 1) * self.block)
-            k, v = keys[:, :, cols].clone(), values[:, :, cols].clone()
+            k, v = _copy(keys[:, :, cols]), _copy(values[:, :, cols])
             size = _size(k, v)
             if size > self.max_bytes:
                 break
@@ -181,6 +181,24 @@ class PrefixCache:
             self._blocks.move_to_end(bytes.fromhex(key), last=False)
             self.bytes += _size(k, v)
         return None
+
+
+_NUMPY = (torch.float32, torch.float16, torch.float64)  # the cache types numpy copies
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[...] = src for the blocks' strided copies (many small runs): by numpy, in this thread, where torch's
+    copy hands the runs to its thread pool, whose handshake on a busy machine costs more than the copy."""
+    if dst.dtype in _NUMPY and dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == src.dtype:
+        dst.numpy()[...] = src.numpy()
+    else:
+        dst.copy_(src)
+
+
+def _copy(src: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(src.shape, dtype=src.dtype, device=src.device)
+    copy_into(out, src)
+    return out
 
 
 def _digest(keys: list[str], ks: list[torch.Tensor], vs: list[torch.Tensor]) -> str:

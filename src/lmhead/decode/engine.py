@@ -25,6 +25,7 @@ from lmhead.decode.logits import decode_head
 from lmhead.decode.rounds import Round, apply_masks, settle_round, take_drafts
 from lmhead.kernels.native import greedy_rows, sample_row
 from lmhead.models.lean import LeanBody, StaticCache, gather_row
+from lmhead.prefix_cache import copy_into
 
 __all__ = ["PREFILL_PIECE", "Decoder", "columns", "merge_caches", "prefix_layout"]
 
@@ -143,16 +144,16 @@ class Decoder:
             if not m:
                 continue
             if isinstance(found[1], Tensor):
-                target.keys[:, r, :, offset:offset + m] = found[1][:, :, :m]
-                target.values[:, r, :, offset:offset + m] = found[2][:, :, :m]
+                copy_into(target.keys[:, r, :, offset:offset + m], found[1][:, :, :m])
+                copy_into(target.values[:, r, :, offset:offset + m], found[2][:, :, :m])
                 continue
             at_col = offset  # the store's blocks, each copied once into place (`PrefixCache.match(joined=False)`)
             for k, v in zip(found[1], found[2], strict=True):
                 n = min(k.shape[2], offset + m - at_col)
                 if n <= 0:
                     break
-                target.keys[:, r, :, at_col:at_col + n] = k[:, :, :n]
-                target.values[:, r, :, at_col:at_col + n] = v[:, :, :n]
+                copy_into(target.keys[:, r, :, at_col:at_col + n], k[:, :, :n])
+                copy_into(target.values[:, r, :, at_col:at_col + n], v[:, :, :n])
                 at_col += n
         target.length = offset + at
 
