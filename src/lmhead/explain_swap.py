@@ -19,7 +19,7 @@ import torch
 
 from lmhead.explain import JSONReady, token_texts
 from lmhead.heads.classifier import ClassificationHead
-from lmhead.heads.pooling import final_states, pool, token_ids
+from lmhead.heads.pooling import pooled_states, token_ids
 
 __all__ = ["HeadRow", "HeadView", "Swap", "model_parameters", "render_swap", "swap"]
 
@@ -92,7 +92,7 @@ def swap(model: Any, text: str, head: ClassificationHead, top: int = 10) -> Swap
         raise ValueError(f"top must be an integer >= 1; got {top!r}")
     head.check_model(model)
     prompt = head.template.format(text=text)
-    h = pool(final_states(model, token_ids(model, [prompt])), head.pooling)    # [1,D]
+    h = pooled_states(model, token_ids(model, [prompt]), head.pooling)         # [1,D]
     lm_logits = model.exact_head(h[:, None, :], logits_to_keep=1)[0, -1]      # [V], softcap included
     cls_logits = head(h)[0]                                                    # [K]
     total, tied = model_parameters(model)

@@ -13,13 +13,13 @@ llama.cpp's converter writes it (0 none, 1 mean, 2 cls, 3 last, 4 rank), else "l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 __all__ = ["BATCH_TOKENS", "CHUNK", "POOLINGS", "check_pooling", "default_pooling", "embed", "final_states",
-           "pool", "token_ids"]
+           "pool", "pooled_states", "pooler", "token_ids"]
 
 POOLINGS: tuple[str, ...] = ("last", "mean", "cls", "none")
 # llama.cpp's enum llama_pooling_type, as its converter writes `{arch}.pooling_type` (4 = rank: a reranker)
@@ -97,10 +97,12 @@ def token_ids(model: Any, inputs: str | Sequence[str] | Sequence[Sequence[int]],
 
 
 @torch.no_grad()
-def final_states(model: Any, ids: list[list[int]]) -> list[torch.Tensor]:
-    """The final hidden state [T_i, D] (after the final norm) of each id list, in the order given: rows sorted by
-    length into left-padded batches of at most BATCH_TOKENS padded tokens, each batch one prefill (the lean body
-    in pieces of CHUNK columns through one KV cache; else transformers' body)."""
+def final_states(model: Any, ids: list[list[int]], keep: Callable[[torch.Tensor], torch.Tensor] | None = None
+                 ) -> list[torch.Tensor]:
+    """The final hidden state [T_i, D] (after the final norm) of each id list — or `keep(state)` of it, so that
+    a pooled batch holds one vector a text, not its every position — in the order given: rows sorted by length
+    into left-padded batches of at most BATCH_TOKENS padded tokens, each batch one prefill (the lean body in
+    pieces of at most CHUNK columns through one KV cache; else transformers' body)."""
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     out: list[torch.Tensor | None] = [None] * len(ids)
     start = 0
@@ -112,7 +114,8 @@ def final_states(model: Any, ids: list[list[int]]) -> list[torch.Tensor]:
         rows = [ids[i] for i in order[start:stop]]
         hidden = _batch_states(model, rows)
         for j, i in enumerate(order[start:stop]):
-            out[i] = hidden[j, hidden.shape[1] - len(rows[j]):].clone()
+            state = hidden[j, hidden.shape[1] - len(rows[j]):]
+            out[i] = state.clone() if keep is None else keep(state).clone()
         start = stop
     return out  # type: ignore[return-value]
 
@@ -137,17 +140,24 @@ def _batch_states(model: Any, rows: list[list[int]]) -> torch.Tensor:
     return torch.cat(pieces, dim=1)
 
 
-def pool(states: list[torch.Tensor], pooling: str) -> torch.Tensor | list[torch.Tensor]:
-    """Each text's states [T_i, D] → [B,D]: "last" the last token's, "mean" the mean over the text's tokens,
-    "cls" the first token's; "none" returns the list unchanged."""
+def pooler(pooling: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """One text's states [T, D] → [D] for `pooling`: "last" the last token's, "mean" the mean over the text's
+    tokens, "cls" the first token's; None for "none" (every position kept)."""
     check_pooling(pooling)
-    if pooling == "none":
-        return states
-    if pooling == "last":
-        return torch.stack([s[-1] for s in states])
-    if pooling == "cls":
-        return torch.stack([s[0] for s in states])
-    return torch.stack([s.mean(dim=0) for s in states])
+    return {"last": lambda s: s[-1], "cls": lambda s: s[0], "mean": lambda s: s.mean(dim=0), "none": None}[pooling]
+
+
+def pool(states: list[torch.Tensor], pooling: str) -> torch.Tensor | list[torch.Tensor]:
+    """Each text's states [T_i, D] → [B,D] by `pooler(pooling)`; "none" returns the list unchanged."""
+    one = pooler(pooling)
+    return states if one is None else torch.stack([one(s) for s in states])
+
+
+def pooled_states(model: Any, ids: list[list[int]], pooling: str) -> torch.Tensor | list[torch.Tensor]:
+    """`final_states` pooled by `pooling` as each batch comes out: [B,D] (a list of [T_i, D] for "none")."""
+    one = pooler(pooling)
+    states = final_states(model, ids, keep=one)
+    return states if one is None else torch.stack(states)
 
 
 def normalized(x: torch.Tensor) -> torch.Tensor:
@@ -167,7 +177,7 @@ def embed(model: Any, inputs: str | Sequence[str] | Sequence[Sequence[int]], poo
     check_pooling(pooling)
     if not isinstance(normalize, bool):
         raise TypeError(f"normalize must be a bool; got {type(normalize).__name__}")
-    pooled = pool(final_states(model, token_ids(model, inputs, truncate_prompt_tokens)), pooling)
+    pooled = pooled_states(model, token_ids(model, inputs, truncate_prompt_tokens), pooling)
     if not normalize:
         return pooled
     return [normalized(s) for s in pooled] if isinstance(pooled, list) else normalized(pooled)

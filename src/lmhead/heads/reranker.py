@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from lmhead.heads.classifier import from_file, head_rows
-from lmhead.heads.pooling import default_pooling, final_states, token_ids
+from lmhead.heads.pooling import default_pooling, pooled_states, token_ids
 
 __all__ = ["INSTRUCTION", "QWEN3_TEMPLATE", "rank_head", "rerank", "rerank_prompts", "score_ids", "score_pairs"]
 
@@ -80,7 +80,7 @@ def score_ids(model: Any, ids: list[list[int]], stored: Any = None) -> torch.Ten
     """Scores [N] of reranker prompts given as checked token ids: the last position's final hidden state through
     `stored` (a ClassificationHead: softmax, its first row; a single row's raw logit) or, where None, the LM
     head's yes/no rows (sigmoid of their difference)."""
-    last = torch.stack([s[-1] for s in final_states(model, ids)])   # [N,D]
+    last = pooled_states(model, ids, "last")                          # [N,D]
     if stored is not None:
         logits = stored(last)                                            # [N,K]
         return logits[:, 0] if logits.shape[1] == 1 else torch.softmax(logits, dim=-1)[:, 0]

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from lmhead.explain_swap import swap
 from lmhead.heads.classifier import ClassificationHead, from_file, verbaliser
-from lmhead.heads.pooling import BATCH_TOKENS, POOLINGS, default_pooling, final_states, normalized, pool, token_ids
+from lmhead.heads.pooling import BATCH_TOKENS, POOLINGS, default_pooling, normalized, pooled_states, token_ids
 from lmhead.heads.reranker import rank_head, rerank_prompts, score_ids
 from lmhead.server import schemas as S
 from lmhead.server.errors import APIError
@@ -151,7 +151,7 @@ def pooled(model: Any, ids: list[list[int]], pooling: str | None, normalize: boo
     if pooling is None:
         pooling = default_pooling(model)
         pooling = "last" if pooling in ("rank", "none") else pooling
-    out = pool(final_states(model, ids), pooling)
+    out = pooled_states(model, ids, pooling)
     if dimensions is not None:
         out = out[:, :dimensions]
     return normalized(out) if normalize else out
@@ -233,7 +233,7 @@ def _classifier(request: Request, served: Served, other: str = "") -> Classifica
 
 
 def _class_probs(model: Any, ids: list[list[int]], head: ClassificationHead) -> torch.Tensor:
-    return head.predict(pool(final_states(model, ids), head.pooling))
+    return head.predict(pooled_states(model, ids, head.pooling))
 
 
 @router.post("/v1/classify", summary="Classify texts with the served classification head (vLLM)")
