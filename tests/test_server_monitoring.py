@@ -53,6 +53,7 @@ def test_metrics_count_requests_tokens_latencies_and_prefix_cache_queries(model)
         assert after["lmhead:time_to_first_token_seconds_sum"] > 0
         assert after["lmhead:prefix_cache_queries_total"] > 0
         assert 0 < after["lmhead:prefill_tokens_total"] <= usage["prompt_tokens"]
+        assert 0 <= after["lmhead:kv_cache_usage_perc"] <= 1
         for name in ("lmhead:num_requests_waiting", "lmhead:kv_cache_bytes", "lmhead:prefix_cache_bytes",
                      "lmhead:prefix_cache_hits_total"):
             assert name in after

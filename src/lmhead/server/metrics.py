@@ -9,6 +9,7 @@
     lmhead:time_to_first_token_seconds      from a request's arrival to its first token (histogram)
     lmhead:time_per_output_token_seconds    between a request's later tokens (histogram)
     lmhead:kv_cache_bytes                   the live rows' KV cache (gauge)
+    lmhead:kv_cache_usage_perc              that, as a fraction of the served KV memory (`--kv-memory`) (gauge)
     lmhead:prefix_cache_bytes / _blocks     the prefix cache's blocks (gauges)
     lmhead:prefix_cache_queries_total       prompt tokens looked up in the prefix cache (counter)
     lmhead:prefix_cache_hits_total          of those, tokens found (their prefill skipped) (counter)
@@ -64,7 +65,11 @@ class _RunnerCollector(Collector):
         yield self._counter("lmhead:generation_tokens", "Tokens generated.", r.tokens)
         yield self._counter("lmhead:request_success", "Requests whose rows all finished.", r.finished)
         yield self._counter("lmhead:requests_retired", "Rows retired because their client went away.", r.retired)
-        yield self._gauge("lmhead:kv_cache_bytes", "Bytes of the live rows' KV cache.", r.kv_bytes())
+        kv = r.kv_bytes()
+        yield self._gauge("lmhead:kv_cache_bytes", "Bytes of the live rows' KV cache.", kv)
+        if r.limits is not None:
+            yield self._gauge("lmhead:kv_cache_usage_perc", "The live rows' KV cache as a fraction of --kv-memory.",
+                              kv / r.limits.kv_bytes)
         cache = r.prefix_cache
         yield self._gauge("lmhead:prefix_cache_bytes", "Bytes of the prefix cache's blocks.", cache.bytes)
         yield self._gauge("lmhead:prefix_cache_blocks", "Blocks in the prefix cache.", len(cache))
