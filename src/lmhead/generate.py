@@ -291,7 +291,7 @@ class Batch:
         """Store the blocks of the live rows `indices` (their prompt and the tokens they fed) in the prefix cache:
         rows that leave, finished or retired (a client that hung up), leave their blocks."""
         target = getattr(self.rounds, "target", None)
-        if self.prefix_cache is None or target is None:
+        if self.prefix_cache is None or target is None or self.model.lean is None:
             return
         block = self.prefix_cache.block
         for b in indices:
