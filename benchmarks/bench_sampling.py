@@ -16,9 +16,12 @@ mirostat, ...), with the example setting its declaration gives, alone at T=0.8 o
 262,144 (std 5) with a 256-token history: the step's own cost per token and a whole token with it, beside a bare
 `torch.topk(row, 50)` on that row (the goal: no step above it) and a token at T=0.8 alone (the path today's
 settings take); `--only-steps` prints only that table.
+The mixed-batch table: a server round of 16 rows whose 16 clients each sent other settings (temperature, top-k,
+top-p, min-p, a few seeded) against 16 rows sharing the first row's settings, same logits (std 5), V = 49,152 and
+262,144 (the goal: mixed ≤ 1.5× shared); `--only-mixed` prints only that table.
 
     .venv/bin/python benchmarks/bench_sampling.py [--quick] [--repeats N] [--threads N (default 1)]
-                                                  [--only-top-p] [--only-steps] [--sizes 64,262144]
+                                                  [--only-top-p] [--only-steps] [--only-mixed] [--sizes 64,262144]
 """
 
 from __future__ import annotations
@@ -172,6 +175,45 @@ def steps_table(rec: Recorder, repeats: int) -> None:
                                       t["plain"] * 1e3, t["token"] / t["plain"])])
 
 
+MIXED_ROWS = 16
+
+
+def mixed_configs(rows: int = MIXED_ROWS) -> list[SamplingConfig]:
+    """`rows` settings, each other than the rest: temperatures 0.5-1.25, top-k off or 20-90, top-p 0.8-0.95 or
+    off, min-p off or 0.02-0.1, every fourth row seeded (the kinds of settings a server round's clients send)."""
+    out = []
+    for r in range(rows):
+        out.append(SamplingConfig(temperature=0.5 + 0.05 * r, top_k=0 if r % 3 == 0 else 20 + 5 * r,
+                                  top_p=1.0 if r % 5 == 4 else 0.8 + 0.01 * r,
+                                  min_p=0.0 if r % 2 else 0.02 + 0.005 * r, seed=r if r % 4 == 3 else None))
+    return out
+
+
+def mixed_table(rec: Recorder, repeats: int) -> None:
+    """16 rows with 16 different settings against 16 rows sharing one setting (the first mixed row's, unseeded),
+    same logits, interleaved."""
+    mixed = mixed_configs()
+    shared = mixed[0]
+    title = (f"A round of {MIXED_ROWS} rows: {MIXED_ROWS} different settings vs one shared setting "
+             f"({shared.temperature:g}, top-p {shared.top_p:g}, min-p {shared.min_p:g}; logits std 5)")
+    print(f"\n{title}")
+    columns = ["B", "V", "mixed ms", "shared ms", "mixed/shared"]
+    print(" ".join(f"{c:>12}" for c in columns))
+    record = rec.table("mixed_batch", title, columns)
+    for vocab in VOCABS:
+        logits = torch.randn(MIXED_ROWS, vocab, generator=torch.Generator().manual_seed(0)) * 5
+        gen_a, gen_b = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+        fns = {"mixed": lambda x=logits, g=gen_a: sample(x, mixed, generator=g, step=0),
+               "shared": lambda x=logits, g=gen_b: sample(x, shared, generator=g)}
+        t = median_times(fns, repeats, budget_s=2.0 if repeats > 5 else 0.5)
+        cells = [MIXED_ROWS, vocab, f"{t['mixed'] * 1e3:.2f}", f"{t['shared'] * 1e3:.2f}",
+                 f"{t['mixed'] / t['shared']:.2f}×"]
+        print(" ".join(f"{c:>12}" for c in cells), flush=True)
+        record.row(cells, [Figure(f"sample, {MIXED_ROWS} rows of {MIXED_ROWS} settings, V={vocab}", t["mixed"] * 1e3,
+                                  "ms", f"{MIXED_ROWS} rows of one setting", t["shared"] * 1e3,
+                                  t["mixed"] / t["shared"])])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="5 repeats instead of 21")
@@ -180,6 +222,8 @@ def main() -> None:
                     help="torch threads (default 1: on a shared machine one thread gives stable medians)")
     ap.add_argument("--only-top-p", action="store_true", help="only the top-p-alone tables")
     ap.add_argument("--only-steps", action="store_true", help="only the table of the declared steps' costs")
+    ap.add_argument("--only-mixed", action="store_true",
+                    help="only the table of a batch of 16 different settings vs one shared setting")
     ap.add_argument("--sizes", default=None, help="one size B,V (default: B in 1, 8, 64 × V in 49152, 262144)")
     args = ap.parse_args()
     if args.sizes:
@@ -192,8 +236,8 @@ def main() -> None:
     rec = Recorder("sampling")
     print(f"{rec.header()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"median of ≥ {repeats} interleaved repeats")
-    if args.only_steps:
-        steps_table(rec, repeats)
+    if args.only_steps or args.only_mixed:
+        (steps_table if args.only_steps else mixed_table)(rec, repeats)
         rec.write()
         return
     if not args.only_top_p:
@@ -206,6 +250,7 @@ def main() -> None:
               scale, False, sizes)
     if not args.only_top_p:
         steps_table(rec, repeats)
+        mixed_table(rec, repeats)
     rec.write()
 
 
