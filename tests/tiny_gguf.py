@@ -388,3 +388,158 @@ def reference_from_gguf(path: Path, arch: str, seed: int = 0, model=None):
         state[name] = torch.from_numpy(np.array(a, dtype=np.float32).reshape(t.shape))
     model.load_state_dict(state)
     return model.eval()
+
+
+# --- gpt-oss ----------------------------------------------------------------------------------------------------
+
+def tiny_gpt_oss(seed: int = 0, layers: int = 2):
+    """A tiny random gpt-oss (transformers' GptOssForCausalLM, eager attention) and tiny.py's tokenizer: width 32,
+    8 experts of 32, 2 a token, sliding (window 4) and full layers alternating, gpt-oss's YaRN rope, random
+    biases, sinks and norms."""
+    from tiny import tiny_tokenizer
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    tokenizer = tiny_tokenizer()
+    config = GptOssConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                          num_experts_per_tok=2, sliding_window=4, max_position_embeddings=256,
+                          rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                           "truncate": False, "original_max_position_embeddings": 8,
+                                           "rope_theta": 150000.0},
+                          tie_word_embeddings=False, initializer_range=0.3, pad_token_id=0, eos_token_id=1,
+                          bos_token_id=2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name or "bias" in name or "sinks" in name:
+                    param.copy_(0.5 * torch.randn_like(param) + (1.0 if "norm" in name else 0.0))
+    return model.eval(), tokenizer
+
+
+def _gpt_oss_tensors(name: str, a: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """A transformers GptOss tensor as llama.cpp's converter (conversion/gpt_oss.py) writes it: the experts'
+    interleaved gate_up_proj [E, D, 2F] transposed and split (even columns gate, odd up) into ffn_gate_exps and
+    ffn_up_exps [E, F, D] with their biases [E, F]; down_proj [E, F, D] as ffn_down_exps [E, D, F]; the router as
+    ffn_gate_inp (weight and bias); sinks as attn_sinks.weight; post_attention_layernorm as post_attention_norm."""
+    if name == "model.embed_tokens.weight":
+        return [("token_embd.weight", a)]
+    if name == "model.norm.weight":
+        return [("output_norm.weight", a)]
+    if name == "lm_head.weight":
+        return [("output.weight", a)]
+    parts = name.split(".")
+    p = f"blk.{parts[2]}."
+    module = ".".join(parts[3:])
+    if module == "mlp.experts.gate_up_proj":
+        t = a.swapaxes(1, 2)
+        return [(p + "ffn_gate_exps.weight", t[:, ::2]), (p + "ffn_up_exps.weight", t[:, 1::2])]
+    if module == "mlp.experts.gate_up_proj_bias":
+        return [(p + "ffn_gate_exps.bias", a[:, ::2]), (p + "ffn_up_exps.bias", a[:, 1::2])]
+    if module == "mlp.experts.down_proj":
+        return [(p + "ffn_down_exps.weight", a.swapaxes(1, 2))]
+    if module == "mlp.experts.down_proj_bias":
+        return [(p + "ffn_down_exps.bias", a)]
+    names = {"mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
+             "self_attn.sinks": "attn_sinks.weight", "input_layernorm.weight": "attn_norm.weight",
+             "post_attention_layernorm.weight": "post_attention_norm.weight"}
+    if module in names:
+        return [(p + names[module], a)]
+    gg, suffix = _NAMES[".".join(parts[3:-1])], parts[-1]
+    return [(f"{p}{gg}.{suffix}", a)]
+
+
+def write_tiny_gpt_oss(path: Path, kind: str = "MXFP4", seed: int = 0, model=None, tokenizer=None,
+                       attention_kind: str = "F32", template: str | None = None, drop: str | None = None) -> Path:
+    """Write a tiny gpt-oss (`tiny_gpt_oss`, or `model` with `tokenizer`) as llama.cpp's converter lays it out:
+    the experts' matrices in `kind` (F32, Q8_0, MXFP4: gguf-py's quantisers), attention's and the head's in
+    `attention_kind`, norms, biases, sinks and routers F32; the header's gpt-oss keys (sliding window, experts,
+    YaRN rope) and a "gpt-4o" pre-tokenizer; `template`: a chat template in the file; `drop`: a tensor left out.
+    Returns the path."""
+    import gguf
+    from gguf.quants import quantize
+
+    if model is None:
+        model, tokenizer = tiny_gpt_oss(seed)
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_name("tiny-gpt-oss")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = cfg.rope_parameters
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    vocab = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-4o")
+    w.add_token_list(tokens)
+    special = {"<pad>", "<eos>", "<bos>", "<unk>"}
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in vocab["merges"]])
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_pad_token_id(0)
+    if template is not None:
+        w.add_chat_template(template)
+    for name, t in model.state_dict().items():
+        for out, a in _gpt_oss_tensors(name, t.detach().float().numpy()):
+            if out == drop:
+                continue
+            a = np.ascontiguousarray(a, dtype=np.float32)
+            matrix = out.endswith(".weight") and a.ndim >= 2 and "gate_inp" not in out
+            qtype = gguf.GGMLQuantizationType[kind if "_exps" in out else attention_kind]
+            if matrix and qtype != gguf.GGMLQuantizationType.F32:
+                w.add_tensor(out, quantize(a, qtype), raw_dtype=qtype)
+            else:
+                w.add_tensor(out, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+def gpt_oss_reference(path: Path, model):
+    """`model` (a transformers GptOss) holding `path`'s numbers: every tensor dequantized by gguf-py and put back
+    under transformers' name (gate and up interleaved into gate_up_proj again) — the reference; nothing of
+    lmhead's is used."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    file = {t.name: np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
+        tuple(int(d) for d in reversed(t.shape))) for t in reader.tensors}
+    state = {}
+    for name, t in model.state_dict().items():
+        got = [file[out] for out, _ in _gpt_oss_tensors(name, t.numpy())]
+        if name.endswith("gate_up_proj"):
+            a = np.empty((got[0].shape[0], got[0].shape[1] * 2, got[0].shape[2]), dtype=np.float32)
+            a[:, ::2], a[:, 1::2] = got
+            a = a.swapaxes(1, 2)
+        elif name.endswith("gate_up_proj_bias"):
+            a = np.empty((got[0].shape[0], got[0].shape[1] * 2), dtype=np.float32)
+            a[:, ::2], a[:, 1::2] = got
+        elif name.endswith("down_proj"):
+            a = got[0].swapaxes(1, 2)
+        else:
+            a = got[0]
+        state[name] = torch.from_numpy(np.array(a, dtype=np.float32).reshape(t.shape))
+    model.load_state_dict(state)
+    return model.eval()

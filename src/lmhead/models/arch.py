@@ -30,8 +30,10 @@ class Attention:
     qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")   # transformers' attention linears, fused in this order
     gguf_qkv: tuple[str, ...] = ("attn_q", "attn_k", "attn_v")  # the same matrices in a GGUF file
     bias: bool = False                # q/k/v biases (Qwen2): read where the file has them
+    o_bias: bool = False              # a bias on o (gpt-oss)
     qk_norm: bool = False             # an RMSNorm on each q and k head (Qwen3, Gemma 3)
-    sinks: bool = False               # a learned logit per head that takes part in the softmax (gpt-oss): not run
+    sinks: bool = False               # a learned logit per head in the softmax's denominator (gpt-oss: attn_sinks;
+                                      # its layers' attention runs in the torch path, `LeanBody._attend`)
     slide_every_layer: bool = False   # sliding_window, when set, narrows every layer (Mistral, Phi-3), not only
                                       # the layer_types' "sliding_attention" ones
     permute_qk: bool = False          # the GGUF's q/k rows in llama.cpp's rope order (transformers un-permutes)
@@ -62,6 +64,10 @@ class MoEMLP:
     gguf_gate_up_experts: str = "ffn_gate_up_exps"  # gate and up in one [E, 2F, D] (--fuse-gate-up-exps)
     gguf_shared: tuple[str, str, str] = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
     shared_gate: str = "ffn_gate_inp_shexp"  # [D]: the shared expert's gate
+    softmax_after_topk: bool = False  # gpt-oss: the top k of the router's logits, then a softmax over those k
+    biases: bool = False              # gpt-oss: the router and every expert's gate, up and down have biases
+    act: str | None = None            # the experts' own gated activation ("swiglu_oai": gpt-oss's clamped SwiGLU,
+                                      # gate and up clamped, (up + 1)·gate·σ(α·gate)); None: the body's act(gate)·up
 
     def renormalises(self, cfg: Any) -> bool:
         """Whether the top k weights are renormalised for this config."""
@@ -81,6 +87,7 @@ class ArchSpec:
     query_pre_attn_scalar: bool = False  # scores scaled by query_pre_attn_scalar^-½, not head_dim^-½
     attn_softcap: bool = False        # attn_logit_softcapping applies: tanh(s / c) · c before the mask
     rope_per_layer_type: bool = False  # one set of rope frequencies per layer type (Gemma 3)
+    gguf_pre_mlp_norm: str = "ffn_norm"  # the GGUF's name of the norm before the MLP (gpt-oss: post_attention_norm)
     attention: Attention = Attention()
     mlp: DenseMLP | MoEMLP = DenseMLP()
     dense: DenseMLP = DenseMLP()      # the MLP of a layer without experts (the MoE rows' dense layers)
@@ -162,6 +169,13 @@ ARCHS: dict[str, ArchSpec] = {spec.model_type: spec for spec in (
     # files say general.architecture "llama" and hold ffn_*_exps tensors (`file_model.moe_config`)
     ArchSpec("mixtral", attention=Attention(permute_qk=True, slide_every_layer=True),
              mlp=MoEMLP(renormalise=True, experts_key="num_local_experts")),
+    # gpt-oss: q/k/v/o biases, a sink logit per head, sliding and full layers alternating (layer_types), YaRN
+    # rope; the router with a bias, top k of its logits then a softmax over them, experts with biases and the
+    # clamped SwiGLU (the file's gate and up are split from transformers' interleaved gate_up_proj)
+    ArchSpec("gpt_oss", gguf="gpt-oss", gguf_pre_mlp_norm="post_attention_norm",
+             attention=Attention(bias=True, o_bias=True, sinks=True),
+             mlp=MoEMLP(renormalise=False, softmax_after_topk=True, biases=True, act="swiglu_oai",
+                        experts_key="num_local_experts")),
 )}
 
 # GGUF architectures whose body lmhead runs from the file → transformers' model type

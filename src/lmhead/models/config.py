@@ -37,6 +37,10 @@ class ModelConfig:
     def get_text_config(self, *args: Any, **kwargs: Any) -> ModelConfig:
         return self
 
+    def standardize_rope_params(self) -> None:
+        """Nothing: transformers' rope functions (YaRN's) call it on their config, and a config transformers saved
+        holds its rope_parameters in the standard form already."""
+
     def to_dict(self) -> dict[str, Any]:
         return dict(self._values)
 

@@ -15,6 +15,7 @@ is converted to float32 but the router and the types without a code kernel.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ from lmhead.models.errors import ModelError
 from lmhead.models.gguf_codes import BLOCKS, FOUR_BIT, SUB_TYPES, Codes, block_scales, block_subscales, fuse_codes
 from lmhead.models.gguf_file import CODE_TYPES, DENSE_TYPES, GGUFFile, Header, block_codes
 from lmhead.models.heap import trim_heap
-from lmhead.models.moe import MoE
+from lmhead.models.moe import MoE, swiglu_oai
 
 __all__ = ["moe_config", "read_moe"]
 
@@ -98,7 +99,7 @@ def moe_config(f: GGUFFile, cfg: Any) -> ArchSpec | None:
                          f"{key} and tensor blk.{layers[0]}.{moe.router}.weight say {experts}")
     setattr(cfg, moe.experts_key, experts)
     cfg.num_experts_per_tok = used
-    if spec.model_type == "mixtral":
+    if moe.experts_key == "num_local_experts":  # Mixtral's and gpt-oss's configs: the experts' width
         cfg.intermediate_size = width
     else:
         cfg.moe_intermediate_size = width
@@ -239,6 +240,20 @@ def read_moe(f: GGUFFile, layer: int, spec: ArchSpec, cfg: Any, vector, shared_l
     for part in (*parts, down):
         f.release(part.name)
     trim_heap()  # the experts' transient arrays, before the next layer's
+    gate_up_bias = down_bias = router_bias = act = None
+    if moe.biases:  # gpt-oss: [E, F] per gate and up (gate first, as the weights' rows), [E, D] for down
+        router_bias = vector(p + moe.router + ".bias")
+        gb, ub, db = (vector(n.replace(".weight", ".bias")) for n in (*_split_names(p, moe), down_name))
+        for name, b, n in ((moe.gguf_experts[0], gb, parts[0].n if len(parts) == 2 else parts[0].n // 2),
+                           (moe.gguf_experts[1], ub, parts[0].n if len(parts) == 2 else parts[0].n // 2),
+                           (moe.gguf_experts[2], db, down.n)):
+            if router_bias is None or b is None or tuple(b.shape) != (down.experts, n):
+                raise ModelError(f"{f.path}: layer {layer}'s experts need the biases {p}{moe.router}.bias "
+                                 f"[{down.experts}] and {p}{name}.bias [{down.experts}, {n}]")
+        gate_up_bias = list(torch.cat([gb, ub], dim=1))
+        down_bias = list(db)
+    if moe.act == "swiglu_oai":
+        act = partial(swiglu_oai, alpha=float(cfg.swiglu_alpha or 1.702), limit=float(cfg.swiglu_limit or 7.0))
     shared_gate_up = shared_down = shared_gate = None
     if moe.shared_expert and p + moe.gguf_shared[0] + ".weight" in f.tensors:
         shared_gate_up = shared_linear([p + moe.gguf_shared[0] + ".weight", p + moe.gguf_shared[1] + ".weight"])
@@ -246,4 +261,10 @@ def read_moe(f: GGUFFile, layer: int, spec: ArchSpec, cfg: Any, vector, shared_l
         shared_gate = vector(p + moe.shared_gate + ".weight").reshape(1, -1)
     return MoE(router=router, gate_up=gate_up, down=downs, top_k=cfg.num_experts_per_tok,
                renormalise=moe.renormalises(cfg), shared_gate_up=shared_gate_up, shared_down=shared_down,
-               shared_gate=shared_gate)
+               shared_gate=shared_gate, router_bias=router_bias, gate_up_bias=gate_up_bias, down_bias=down_bias,
+               softmax_after_topk=moe.softmax_after_topk, act=act)
+
+
+def _split_names(p: str, moe) -> tuple[str, str]:
+    """The experts' gate and up weights' names (their biases are two tensors even where the weights are one)."""
+    return p + moe.gguf_experts[0] + ".weight", p + moe.gguf_experts[1] + ".weight"

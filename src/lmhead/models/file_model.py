@@ -116,7 +116,7 @@ def _write_meta(gguf: Path, out: Path) -> Any:
     uses (`start_tokenizer`), or itself where it has none."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from lmhead.models.gguf_meta import header_reader
+    from lmhead.models.gguf_meta import gpt_oss_config, header_reader
     from lmhead.models.hf_tokenizer import fast_tokenizer, no_progress_bars
 
     try:
@@ -128,6 +128,7 @@ def _write_meta(gguf: Path, out: Path) -> Any:
                          f"{type(exc).__name__}: {exc}") from exc
     if getattr(config, "quantization_config", None) is not None:
         delattr(config, "quantization_config")
+    gpt_oss_config(gguf, config)
     config.save_pretrained(out)
     generation = GenerationConfig.from_model_config(config)
     generation.eos_token_id = eos_ids(generation.eos_token_id, tokenizer)
@@ -311,10 +312,12 @@ def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None, workers: int)
             qkv=mats["qkv"], qkv_bias=_qkv_bias(r, p, arch), o=mats["o"], gate_up=mats["gate_up"],
             down=mats["down"], moe=moe, input_norm=r.vector(p + "attn_norm.weight"),
             post_attn_norm=r.vector(p + "post_attention_norm.weight") if sandwich else None,
-            pre_mlp_norm=r.vector(p + "ffn_norm.weight"),
+            pre_mlp_norm=r.vector(p + arch.gguf_pre_mlp_norm + ".weight"),
             post_mlp_norm=r.vector(p + "post_ffw_norm.weight") if sandwich else None,
             q_norm=r.vector(p + "attn_q_norm.weight"), k_norm=r.vector(p + "attn_k_norm.weight"),
-            kind=kind, sliding=arch.sliding(kind, cfg.sliding_window), coded=coded or None)
+            kind=kind, sliding=arch.sliding(kind, cfg.sliding_window), coded=coded or None,
+            o_bias=r.vector(p + "attn_output.bias") if arch.attention.o_bias else None,
+            sinks=r.vector(p + "attn_sinks.weight") if arch.attention.sinks else None)
 
     def swept(i: int, kind: str) -> Layer:
         out = layer(i, kind)

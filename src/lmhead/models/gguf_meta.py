@@ -28,7 +28,7 @@ from typing import Any
 
 from lmhead.models.gguf_file import Header
 
-__all__ = ["MetadataReader", "header_reader", "read_metadata"]
+__all__ = ["MetadataReader", "header_reader", "read_metadata", "gpt_oss_config"]
 
 
 class _Parsed:
@@ -99,12 +99,57 @@ def _parsed(path: str | Path) -> _ParsedFile:
     return _cache[key]
 
 
+# fields transformers' reader misreads: its gpt-oss branch takes `field.parts[0]` (in gguf-py's reader the key's
+# length, not the value: float() of it is the TypeError "only 0-dimensional arrays can be converted to Python
+# scalars"). Hidden from it; `gpt_oss_config` reads them instead.
+_MISREAD = ("gpt-oss.rope.scaling.",)
+
+
 class MetadataReader:
-    """The fields and tensor names of a GGUF file, as transformers reads them from gguf-py's `GGUFReader`."""
+    """The fields and tensor names of a GGUF file, as transformers reads them from gguf-py's `GGUFReader` (less
+    the fields it misreads, `_MISREAD`)."""
 
     def __init__(self, path: str | Path, mode: str = "r") -> None:
         parsed = _parsed(path)
-        self.fields, self.tensors = parsed.fields, parsed.tensors
+        self.fields = {k: v for k, v in parsed.fields.items() if not k.startswith(_MISREAD)}
+        self.tensors = parsed.tensors
+
+
+# llama.cpp's rope scaling keys ({arch}.rope.scaling.*) → transformers' rope_parameters
+_ROPE_KEYS = {"type": "rope_type", "factor": "factor", "original_context_length": "original_max_position_embeddings",
+              "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "yarn_attn_factor": "attention_factor"}
+
+
+def gpt_oss_config(path: str | Path, config: Any) -> None:
+    """Complete a gpt-oss config with what transformers' GGUF reader leaves out, from the file's header: its
+    `head_dim` (gpt-oss.attention.key_length; the reader keeps GptOssConfig's 64), `sliding_window`
+    (gpt-oss.attention.sliding_window; the reader looks for gpt-oss.sliding_window and keeps 128) and
+    `rope_parameters`
+    (transformers' names) — the YaRN keys llama.cpp's converter writes (type, factor, original context, β fast
+    and slow), the rope base, and `truncate` False (gpt-oss's own config: its correction range is not rounded).
+    Other models: unchanged."""
+    if getattr(config, "model_type", None) != "gpt_oss":
+        return
+    fields = Header(Path(path)).fields
+    for key, name in (("gpt-oss.attention.key_length", "head_dim"), ("gpt-oss.attention.sliding_window",
+                                                                     "sliding_window")):
+        if isinstance(fields.get(key), int):
+            setattr(config, name, fields[key])
+    prefix = "gpt-oss.rope.scaling."
+    params: dict[str, Any] = {"rope_theta": float(fields.get("gpt-oss.rope.freq_base", 150000.0))}
+    for key, value in fields.items():
+        if key.startswith(prefix) and key[len(prefix):] in _ROPE_KEYS:
+            name = _ROPE_KEYS[key[len(prefix):]]
+            params[name] = value.decode() if isinstance(value, bytes) else value
+    if params.get("rope_type", "none") in ("none", None):
+        params["rope_type"] = "default"
+    elif params["rope_type"] == "yarn":
+        params["truncate"] = False
+        params["original_max_position_embeddings"] = int(params.get("original_max_position_embeddings", 4096))
+        for name in ("factor", "beta_fast", "beta_slow", "attention_factor"):
+            if name in params:
+                params[name] = float(params[name])
+    config.rope_parameters = params
 
 
 def read_metadata(path: str | Path, string_arrays: Container[str] = ()) -> tuple[dict[str, Any], tuple[str, ...]]:

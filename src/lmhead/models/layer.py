@@ -1,6 +1,7 @@
 """One block of the lean body as the tensors its step reads: attention's, then its MLP's (dense or experts).
 
-    Layer: norms, qkv [(H + 2·H_kv)·hd, D] (+ bias), o [D, H·hd], q/k norms — the attention block;
+    Layer: norms, qkv [(H + 2·H_kv)·hd, D] (+ bias), o [D, H·hd] (+ bias), q/k norms, sinks [H] — the attention
+           block;
            gate_up [2·F, D] and down [D, F] — a dense MLP; or `moe` (`models/moe.py`) — a mixture of experts
 
 Which blocks a layer has and their options are the architecture's row (`models/arch.py`); the tensors are the
@@ -44,3 +45,5 @@ class Layer:
     qk_norm_version: tuple[int, int] | None = None  # versions it was made from
     coded: dict[str, CodedLinear] | None = None  # "qkv", "o", ... -> the same matrix as GGUF codes (`use_codes`)
     moe: MoE | None = None         # a mixture-of-experts MLP in place of gate_up and down
+    o_bias: Tensor | None = None   # [D]: o's bias (gpt-oss)
+    sinks: Tensor | None = None    # [H]: one logit per query head in the softmax's denominator (gpt-oss)

@@ -20,11 +20,12 @@ read the same memory and nothing is copied. Products run through oneDNN's inner 
 
 Supported: the architectures of `models/arch.py`'s table (Llama-style models — Llama, SmolLM2, Mistral, Qwen2 with
 q/k/v bias, Qwen3 with q/k norms —, Phi-3, Gemma 2 and Gemma 3 text, and the mixtures of experts Qwen3-MoE,
-Qwen2-MoE and Mixtral); what differs between them is the table's row (`self.arch`: its attention and MLP blocks),
-not a check here. A layer's tensors are a `layer.Layer`. `LeanBody.supports(hf_model)` says whether a model is
-one of them; tests compare the hidden states with transformers' forward on tiny models of each family, and greedy
-tokens on the packaged models. Layers with experts take this torch forward (the one-call C step has no descriptor
-for them yet); their attention still runs in C (`lmhead_attend`).
+Qwen2-MoE, Mixtral and gpt-oss); what differs between them is the table's row (`self.arch`: its attention and
+MLP blocks), not a check here. A layer's tensors are a `layer.Layer`. `LeanBody.supports(hf_model)` says whether
+a model is one of them; tests compare the hidden states with transformers' forward on tiny models of each family,
+and greedy tokens on the packaged models. Layers with experts take this torch forward (the one-call C step has no
+descriptor for them yet); their attention still runs in C (`lmhead_attend`), but for gpt-oss's, whose sinks the C
+attention lacks: its attention (sinks, sliding window) runs in `_attend`.
 """
 
 from __future__ import annotations
@@ -118,7 +119,9 @@ class LeanBody(NativeStep):
     def supports(hf_model) -> bool:
         cfg = getattr(hf_model, "config", None)
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        return cfg is not None and refusal(cfg, own_rotary=True) is None
+        # gpt-oss runs from its GGUF file (`file_body`); transformers' GptOss keeps its experts' gate and up
+        # interleaved in one [E, D, 2F] parameter and its rope rows half as wide, which this body does not read
+        return cfg is not None and refusal(cfg, own_rotary=True) is None and cfg.model_type != "gpt_oss"
 
     def __init__(self, hf_model, onednn: bool | None = None, int8: bool = False) -> None:
         """`int8=True`: the four matrices of each block become int8 copies (`Int8Linear`, activations quantised
@@ -392,9 +395,12 @@ class LeanBody(NativeStep):
             out[sliding] = mask.masked_fill_(~keep, torch.finfo(torch.float32).min)[:, None, None, None]
         return out
 
-    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None,
+                sinks: Tensor | None = None) -> Tensor:
         """q [B,H,T,hd] against keys/values [B,H_kv,L,hd] → [B,T,H·hd]; the H/H_kv query heads that share a
-        key head are one batched product (no repeat of the cache)."""
+        key head are one batched product (no repeat of the cache). `sinks` [H] (gpt-oss): one more logit per head
+        in the softmax, dropped after it (its probability goes to no value), as transformers' GptOss computes it
+        (the row's maximum subtracted first)."""
         b, h, t, hd = q.shape
         g = h // self.kv_heads
         qg = q.reshape(b, self.kv_heads, g * t, hd)
@@ -403,7 +409,13 @@ class LeanBody(NativeStep):
             scores = torch.tanh(scores / self.attn_softcap) * self.attn_softcap
         if mask is not None:
             scores = (scores.view(b, self.kv_heads, g, t, -1) + mask).view(b, self.kv_heads, g * t, -1)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        else:
+            sink = sinks.to(scores.dtype).view(1, self.kv_heads, g, 1, 1).expand(b, -1, -1, t, 1)
+            combined = torch.cat([scores, sink.reshape(b, self.kv_heads, g * t, 1)], dim=-1)
+            combined = combined - combined.max(dim=-1, keepdim=True).values
+            probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(q.dtype)
         out = torch.matmul(probs, values)                                    # [B,H_kv,g·T,hd]
         return out.view(b, h, t, hd).transpose(1, 2).reshape(b, t, h * hd)
 
@@ -451,7 +463,8 @@ class LeanBody(NativeStep):
             qk = qkv[..., :nq + nkv].unflatten(-1, (self.heads + self.kv_heads, self.head_dim))
             if layer.q_norm is not None:
                 qk = self.norm(qk, self._qk_norm(layer))
-            a = self._attention_native(qk, qkv, cos, sin, cache, i, start, masks[layer.sliding])
+            a = None if layer.sinks is not None else \
+                self._attention_native(qk, qkv, cos, sin, cache, i, start, masks[layer.sliding])
             if a is None:
                 qk = self._rope(qk, cos, sin).transpose(1, 2)
                 q, k = qk[:, :self.heads], qk[:, self.heads:]
@@ -459,8 +472,8 @@ class LeanBody(NativeStep):
                 cache.keys[i, :, :, start:start + t] = k
                 cache.values[i, :, :, start:start + t] = v
                 a = self._attend(q, cache.keys[i, :, :, :start + t], cache.values[i, :, :, :start + t],
-                                 masks[layer.sliding])
-            a = self._product(a, layer, "o")
+                                 masks[layer.sliding], layer.sinks)
+            a = self._product(a, layer, "o", layer.o_bias)
             x, h = self._add_norm(x, a, layer.post_attn_norm, layer.pre_mlp_norm)
             m = self._mlp(h, layer)
             # the next block's input norm (the final norm after the last block) in the same pass

@@ -41,7 +41,9 @@ class NativeStep:
         """The layers as `native.LayerDesc`s for `lmhead_step` (built once; None when a block matrix has no
         codes), and the tensors they point into (kept alive with them)."""
         if getattr(self, "_descs", None) is None:
-            if not all(layer.coded and len(layer.coded) == 4 for layer in self.layers):
+            # the C step has neither o's bias nor sinks (gpt-oss's layers take the torch forward)
+            if not all(layer.coded and len(layer.coded) == 4 and layer.o_bias is None and layer.sinks is None
+                       for layer in self.layers):
                 return None
             keep: list[Tensor] = []
 

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lmhead.models.coded_linear import CodedLinear
 
-__all__ = ["MoE", "Routing", "route"]
+__all__ = ["MoE", "Routing", "route", "swiglu_oai"]
 
 Matrix = CodedLinear | Tensor
 
@@ -39,11 +39,16 @@ class Routing:
     weights: Tensor
 
 
-def route(x: Tensor, router: Tensor, top_k: int, renormalise: bool) -> Routing:
-    """The router on rows x [N,D] with weight `router` [E,D], as transformers' Qwen2/Qwen3-MoE and Mixtral routers
-    compute it: logits by F.linear, softmax in float32, torch.topk (ties to the lower index), and, where the
-    rule renormalises, the k probabilities divided by their sum."""
-    logits = F.linear(x, router)                                        # [N,E]
+def route(x: Tensor, router: Tensor, top_k: int, renormalise: bool, bias: Tensor | None = None,
+          softmax_after_topk: bool = False) -> Routing:
+    """The router on rows x [N,D] with weight `router` [E,D] (and `bias` [E]), as transformers' Qwen2/Qwen3-MoE
+    and Mixtral routers compute it: logits by F.linear, softmax in float32, torch.topk (ties to the lower index),
+    and, where the rule renormalises, the k probabilities divided by their sum; `softmax_after_topk` (gpt-oss's
+    router): torch.topk of the logits, then the softmax over those k."""
+    logits = F.linear(x, router, bias)                                  # [N,E]
+    if softmax_after_topk:
+        top, experts = torch.topk(logits, top_k, dim=-1)                # [N,k]
+        return Routing(logits, experts, torch.softmax(top, dim=1, dtype=top.dtype))
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)                 # [N,k]
     if renormalise:
@@ -51,15 +56,29 @@ def route(x: Tensor, router: Tensor, top_k: int, renormalise: bool) -> Routing:
     return Routing(logits, experts, weights.to(logits.dtype))
 
 
-def _product(x: Tensor, w: Matrix) -> Tensor:
-    return w(x) if isinstance(w, CodedLinear) else F.linear(x, w)
+def _product(x: Tensor, w: Matrix, b: Tensor | None = None) -> Tensor:
+    if isinstance(w, CodedLinear):
+        y = w(x)
+        return y if b is None else y + b
+    return F.linear(x, w, b)
+
+
+def swiglu_oai(gate_up: Tensor, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
+    """gpt-oss's clamped SwiGLU on gate_up [.., 2F] = [gate | up] → [.., F], as transformers' GptOssExperts:
+    gate clamped above at `limit`, up to [−limit, limit], (up + 1) · gate · σ(α · gate)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 @dataclass
 class MoE:
     """One layer's experts: `router` [E,D] float32, per expert `gate_up` [2F,D] (gate rows first) and `down`
     [D,F]; `top_k`, `renormalise` (the routing rule); optionally the shared expert (`shared_gate_up`,
-    `shared_down`) and its gate `shared_gate` [1,D]."""
+    `shared_down`) and its gate `shared_gate` [1,D]. gpt-oss: `router_bias` [E], each expert's `gate_up_bias`
+    [2F] and `down_bias` [D], `softmax_after_topk`, and `act` — the experts' own gated activation
+    (`swiglu_oai`) in place of the body's."""
 
     router: Tensor
     gate_up: list[Matrix]
@@ -69,6 +88,11 @@ class MoE:
     shared_gate_up: Matrix | None = None
     shared_down: Matrix | None = None
     shared_gate: Tensor | None = None
+    router_bias: Tensor | None = None
+    gate_up_bias: list[Tensor] | None = None
+    down_bias: list[Tensor] | None = None
+    softmax_after_topk: bool = False
+    act: Callable[[Tensor], Tensor] | None = None
 
     def __post_init__(self) -> None:
         experts = self.router.shape[0]
@@ -85,15 +109,19 @@ class MoE:
     @property
     def nbytes(self) -> int:
         """Bytes of the experts' codes (and float32 matrices) and the router."""
-        mats = [*self.gate_up, *self.down, self.shared_gate_up, self.shared_down, self.shared_gate, self.router]
+        mats = [*self.gate_up, *self.down, self.shared_gate_up, self.shared_down, self.shared_gate, self.router,
+                self.router_bias, *(self.gate_up_bias or ()), *(self.down_bias or ())]
         return sum(m.nbytes for m in mats if m is not None)
 
     def route(self, h: Tensor) -> Routing:
         """The router's decision for h [..., D] (its rows flattened to [N,D])."""
-        return route(h.reshape(-1, h.shape[-1]), self.router, self.top_k, self.renormalise)
+        return route(h.reshape(-1, h.shape[-1]), self.router, self.top_k, self.renormalise, self.router_bias,
+                     self.softmax_after_topk)
 
     def __call__(self, h: Tensor, gated: Callable[[Tensor], Tensor]) -> Tensor:
-        """h [B,T,D] → [B,T,D]; `gated` computes act(gate)·up of [.., 2F] = [gate | up] (the body's)."""
+        """h [B,T,D] → [B,T,D]; `gated` computes act(gate)·up of [.., 2F] = [gate | up] (the body's; the experts'
+        own `act` where they have one)."""
+        experts_gated = self.act or gated
         shape = h.shape
         x = h.reshape(-1, shape[-1])                                        # [N,D]
         r = self.route(x)
@@ -106,7 +134,11 @@ class MoE:
             pairs = order[start:start + n]
             start += n
             rows = pairs // self.top_k
-            y = _product(gated(_product(x[rows], self.gate_up[e])), self.down[e])     # [n,D]
+            if self.gate_up_bias is None:
+                y = _product(experts_gated(_product(x[rows], self.gate_up[e])), self.down[e])      # [n,D]
+            else:  # gpt-oss: each product plus the expert's bias
+                gate_up = _product(x[rows], self.gate_up[e], self.gate_up_bias[e])
+                y = _product(experts_gated(gate_up), self.down[e], self.down_bias[e])
             # a row is in an expert's group once: out[rows] + y is index_add's sum without its per-call cost
             out[rows] += y * r.weights.reshape(-1)[pairs, None]
         if self.shared_gate_up is not None:

@@ -1,0 +1,135 @@
+"""gpt-oss run from its GGUF file's own codes: the router with its bias (top k of the logits, then a softmax over
+them), experts with biases and the clamped SwiGLU, attention sinks, sliding and full layers alternating, YaRN
+rope, q/k/v/o biases — logits equal to transformers' float32 GptOss holding the file's dequantised weights
+(gguf-py), greedy tokens equal to its generate(), rows of one batch choosing different experts equal to each
+alone, the file's config, tokenizer (a "gpt-4o" pre-tokenizer) and chat template read from the file, and
+`lmhead generate` on the file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmhead.models.coded_linear import coded_available
+
+pytestmark = pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
+
+TEXT = "The cat sat on the mat. The dog ran after a ball"
+
+
+def _load(tmp_path, monkeypatch, kind: str, **kw):
+    from tiny_gguf import write_tiny_gpt_oss
+
+    from lmhead import load_model
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gpt_oss(tmp_path / "tiny_gpt_oss.gguf", kind, **kw)
+    return path, load_model(str(path), progress=False)
+
+
+def _reference(path):
+    from tiny_gguf import gpt_oss_reference, tiny_gpt_oss
+
+    return gpt_oss_reference(path, tiny_gpt_oss()[0])
+
+
+@pytest.mark.parametrize("kind", ["F32", "Q8_0", "MXFP4"])
+def test_a_tiny_gpt_oss_gguf_runs_from_its_codes_with_transformers_numbers(tmp_path, monkeypatch, kind):
+    from lmhead import SamplingConfig
+    from lmhead.models.coded_linear import CodedLinear
+
+    path, model = _load(tmp_path, monkeypatch, kind)
+    moe = model.lean.layers[0].moe
+    assert model.config.model_type == "gpt_oss" and moe is not None
+    assert all(isinstance(m, CodedLinear) for m in moe.gate_up + moe.down)  # the file's codes, no float32 copy
+    assert [layer.sliding for layer in model.lean.layers] == [True, False]
+    ref = _reference(path)
+    ids = torch.tensor([model.encode(TEXT)])
+    assert ids.shape[1] > 2 * model.config.sliding_window  # the sliding layer's window cuts
+    with torch.no_grad():
+        want = ref(ids).logits
+    scale = float(want.abs().max())
+    torch.testing.assert_close(model.logits(ids), want, rtol=0, atol=1e-5 * scale)
+    cache = model.lean.new_cache(1, ids.shape[1])  # one position at a time: the decode-sized products
+    steps = torch.cat([model.exact_head(model.lean(ids[:, t:t + 1], torch.tensor([[t]]), cache))[0]
+                       for t in range(ids.shape[1])])
+    torch.testing.assert_close(steps, want[0], rtol=0, atol=1e-5 * scale)
+    greedy = [s.token_id for s in model.generate("The cat sat", max_new_tokens=10,
+                                                 config=SamplingConfig(temperature=0))]
+    start = torch.tensor([model.encode("The cat sat")])
+    expect = ref.generate(start, max_new_tokens=10, do_sample=False, eos_token_id=None)[0, start.shape[1]:].tolist()
+    assert greedy == expect[:len(greedy)] and len(greedy) >= 1
+
+
+def test_gpt_oss_rows_that_pick_different_experts_in_one_batch_get_what_each_gets_alone(tmp_path, monkeypatch):
+    path, model = _load(tmp_path, monkeypatch, "MXFP4")
+    lean = model.lean
+    prompts = [model.encode("The cat sat on the mat."), model.encode("Numbers: 1 2 3"),
+               model.encode("Hello world!")]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])           # left-padded
+    valid = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts])
+    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+    moe = lean.layers[0].moe
+    seen = []
+    moe.route = lambda h, route=moe.route: seen.append(route(h)) or seen[-1]
+    try:
+        cache = lean.new_cache(3, width + 1)
+        last = lean(ids, positions, cache, valid)[:, -1]
+    finally:
+        del moe.route
+    chosen = {tuple(sorted(e)) for e in seen[0].experts.reshape(3, width, -1)[:, -1].tolist()}
+    assert len(chosen) > 1  # the rows' last tokens chose different experts
+    for r, p in enumerate(prompts):
+        alone = lean(torch.tensor([p]), torch.arange(len(p))[None], lean.new_cache(1, len(p)))[:, -1]
+        torch.testing.assert_close(last[r:r + 1], alone, rtol=0, atol=1e-5 * float(alone.abs().max()))
+
+
+def test_gpt_oss_router_takes_the_top_k_of_its_biased_logits_then_a_softmax_over_them():
+    from tiny_gguf import tiny_gpt_oss
+
+    from lmhead.models.moe import route
+
+    router = tiny_gpt_oss()[0].model.layers[0].mlp.router
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    x[1] = x[0]  # a row twice
+    with torch.no_grad():
+        logits, weights, experts = router(x)
+    got = route(x, router.weight.detach(), router.top_k, False, router.bias.detach(), softmax_after_topk=True)
+    assert torch.equal(got.experts, experts) and torch.equal(got.weights, weights) and torch.equal(got.logits, logits)
+
+
+def test_gpt_oss_config_tokenizer_and_chat_template_are_read_from_the_file(tmp_path, monkeypatch):
+    from tiny import tiny_tokenizer
+    from tiny_gguf import tiny_gpt_oss
+
+    template = "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+    model, tokenizer = tiny_gpt_oss()
+    path, lm = _load(tmp_path, monkeypatch, "Q8_0", model=model, tokenizer=tokenizer, template=template)
+    cfg = lm.config
+    # what transformers' GGUF reader leaves out or misreads, read from the header
+    assert (cfg.head_dim, cfg.sliding_window) == (16, 4)
+    assert cfg.rope_parameters == {**model.config.rope_parameters}
+    assert lm.encode(TEXT) == tiny_tokenizer()(TEXT)["input_ids"][1:] or \
+        lm.encode(TEXT)[-5:] == tiny_tokenizer()(TEXT)["input_ids"][-5:]
+    assert "<|start|>user<|message|>hi<|end|>" in lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False)
+
+
+def test_lmhead_generate_runs_a_gpt_oss_file_from_the_command_line(tmp_path, monkeypatch, capsys):
+    from tiny_gguf import write_tiny_gpt_oss
+
+    from lmhead.cli import main
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gpt_oss(tmp_path / "tiny_gpt_oss.gguf", "MXFP4")
+    assert main(["generate", "The cat sat", "-m", str(path), "-n", "6", "--temperature", "0", "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) >= 1 and all(line.startswith("{") for line in out)
+
+
+def test_a_gpt_oss_file_without_its_experts_biases_is_refused_naming_them(tmp_path, monkeypatch):
+    from lmhead.models import ModelError
+
+    with pytest.raises(ModelError, match=r"blk\.1\.ffn_up_exps\.bias"):
+        _load(tmp_path, monkeypatch, "Q8_0", drop="blk.1.ffn_up_exps.bias")
