@@ -146,12 +146,13 @@ def test_thirty_two_concurrent_clients_of_mixed_kinds_get_what_each_request_gets
                 apart.append((i, ca["index"], max(abs(x - y) for x, y in zip(la["token_logprobs"], lb["token_logprobs"],
                                                                                strict=True))))
     if apart:
-        # what is left is the products' own: a decode step's matrix products over B rows do not sum in the order
-        # of one row's (the several-row passes), so a batched row's logits move in their last bits; the prefix
-        # cache's columns (a lone request from stored blocks equals a cold one bit for bit) and attention are not it
+        # what is left is the products' own: this model has no codes, so its products are torch's matrix
+        # products, whose sums depend on the number of rows (a batched row's logits move in their last bits); the
+        # prefix cache's columns (a lone request from stored blocks equals a cold one bit for bit, the next test)
+        # and attention are not it
         assert max(d for *_, d in apart) < 1e-4, apart
         pytest.xfail(f"{len(apart)} choices' logprobs differ in their last bits (at most "
-                     f"{max(d for *_, d in apart):.1e}): the products' several-row passes")
+                     f"{max(d for *_, d in apart):.1e}): torch's products over several rows")
 
 
 def test_requests_sent_alone_get_bit_for_bit_the_answers_of_a_server_without_a_prefix_cache(model):
