@@ -1,6 +1,7 @@
 """Real model sizes from their files: Llama 3.2 1B, Llama 3.2 3B and Llama 3.1 8B shapes with random weights,
 written as GGUF and quantised by llama.cpp's own tools, loaded and decoded by lmhead beside llama-bench; and the
-mixture of experts Qwen3-30B-A3B (48 layers, 128 experts, 8 a token), written as quantised blocks directly.
+mixtures of experts Qwen3-30B-A3B (48 layers, 128 experts, 8 a token) and gpt-oss-20b (24 layers, 32 experts of
+2880, 4 a token, MXFP4 experts), written as quantised blocks directly.
 
     .venv/bin/python benchmarks/bench_scale.py [--shape llama-3.2-1b ...] [--type Q4_K_M --type Q8_0]
         [--new-tokens 32] [--work DIR] [--keep] [--prepare] [--layers N]
@@ -66,6 +67,12 @@ MOE_SHAPES: dict[str, dict] = {
     "qwen3-30b-a3b": dict(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_hidden_layers=48,
                           num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
                           num_experts_per_tok=8, rope_theta=1e6, rms_norm_eps=1e-6),
+    # gpt-oss-20b: experts MXFP4, every other matrix Q8_0 (llama.cpp's MXFP4_MOE preset); its widths (2880) are
+    # no whole 256-weight blocks, so Q8_0 is its only other type. Biases, sinks and the router's bias normal σ 0.02
+    "gpt-oss-20b": dict(arch="gpt-oss", hidden_size=2880, moe_intermediate_size=2880, intermediate_size=2880,
+                        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                        num_experts=32, num_experts_per_tok=4, rope_theta=150000.0, rms_norm_eps=1e-5,
+                        sliding_window=128),
 }
 
 
@@ -148,14 +155,21 @@ def _random_blocks(kind: str, rows: int, k: int, rng):
         blocks[:, 0:2], blocks[:, 2:4] = d, d                            # d and dmin
         # six-bit scales 8 and mins 60 for all eight groups, packed as llama.cpp's get_scale_min_k4 reads them
         blocks[:, 4:16] = np.array([8] * 4 + [60 | (3 << 6)] * 4 + [8 | (12 << 4)] * 4, dtype=np.uint8)
+    elif kind == "MXFP4":  # an E8M0 exponent 2^(e − 128) times the doubled e2m1 levels (σ about 6): e = 120
+        nb = rows * k // 32
+        blocks = rng.integers(0, 256, size=(nb, 17), dtype=np.uint8)
+        blocks[:, 0] = 120
     else:
-        raise SystemExit(f"the MoE shapes are written as Q4_K or Q8_0, not {kind}")
+        raise SystemExit(f"the MoE shapes are written as Q4_K, Q8_0 or MXFP4 (gpt-oss's experts), not {kind}")
     return blocks.reshape(rows, -1)
 
 
 def write_moe_gguf(shape: str, path: Path, kind: str, layers: int | None = None) -> Path:
     """`shape` (MOE_SHAPES) as a qwen3moe GGUF of random `kind` blocks (norms 1, routers float32), SmolLM2's
-    tokenizer, written tensor by tensor (GGUFWriter's streamed tensor data); `layers`: only the first N."""
+    tokenizer, written tensor by tensor (GGUFWriter's streamed tensor data); `layers`: only the first N. The
+    gpt-oss shape: a gpt-oss GGUF laid out as llama.cpp's converter writes one (q/k/v/o and the experts' biases,
+    sinks, the router's bias, post_attention_norm, sliding window, YaRN rope), its experts `kind` (MXFP4) and its
+    other matrices Q8_0."""
     import gguf
     import numpy as np
 
@@ -163,12 +177,14 @@ def write_moe_gguf(shape: str, path: Path, kind: str, layers: int | None = None)
     n_layers = layers or dims["num_hidden_layers"]
     d, f, heads, kv, hd, e = (dims[k] for k in ("hidden_size", "moe_intermediate_size", "num_attention_heads",
                                                "num_key_value_heads", "head_dim", "num_experts"))
+    arch = dims.get("arch", "qwen3moe")
     qtype = gguf.GGMLQuantizationType[kind]
+    dense = kind if arch == "qwen3moe" else "Q8_0"  # the matrices outside the experts
     tok = json.loads((tokenizer_folder() / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
     special = {t["content"] for t in tok.get("added_tokens", []) if t.get("special")}
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"synthetic-{shape}")
     w.add_context_length(32768)
     w.add_embedding_length(d)
@@ -183,6 +199,13 @@ def write_moe_gguf(shape: str, path: Path, kind: str, layers: int | None = None)
     w.add_rope_freq_base(dims["rope_theta"])
     w.add_expert_count(e)
     w.add_expert_used_count(dims["num_experts_per_tok"])
+    if arch == "gpt-oss":
+        w.add_sliding_window(dims["sliding_window"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(32.0)
+        w.add_rope_scaling_orig_ctx_len(4096)
+        w.add_rope_scaling_yarn_beta_fast(32.0)
+        w.add_rope_scaling_yarn_beta_slow(1.0)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     w.add_token_list(tokens)
@@ -193,21 +216,34 @@ def write_moe_gguf(shape: str, path: Path, kind: str, layers: int | None = None)
     rng = np.random.default_rng(0)
     # (name, torch-order shape, kind or None for float32; float32 tensors: "ones" or "normal")
     table: list[tuple[str, tuple[int, ...], str]] = [
-        ("token_embd.weight", (VOCAB, d), kind), ("output_norm.weight", (d,), "ones"),
-        ("output.weight", (VOCAB, d), kind)]
+        ("token_embd.weight", (VOCAB, d), dense), ("output_norm.weight", (d,), "ones"),
+        ("output.weight", (VOCAB, d), dense)]
     for i in range(n_layers):
         p = f"blk.{i}."
+        if arch == "gpt-oss":
+            table += [(p + "attn_norm.weight", (d,), "ones"), (p + "attn_q.weight", (heads * hd, d), dense),
+                      (p + "attn_q.bias", (heads * hd,), "normal"), (p + "attn_k.weight", (kv * hd, d), dense),
+                      (p + "attn_k.bias", (kv * hd,), "normal"), (p + "attn_v.weight", (kv * hd, d), dense),
+                      (p + "attn_v.bias", (kv * hd,), "normal"), (p + "attn_output.weight", (d, heads * hd), dense),
+                      (p + "attn_output.bias", (d,), "normal"), (p + "attn_sinks.weight", (heads,), "normal"),
+                      (p + "post_attention_norm.weight", (d,), "ones"),
+                      (p + "ffn_gate_inp.weight", (e, d), "normal"), (p + "ffn_gate_inp.bias", (e,), "normal"),
+                      (p + "ffn_gate_exps.weight", (e, f, d), kind), (p + "ffn_gate_exps.bias", (e, f), "normal"),
+                      (p + "ffn_up_exps.weight", (e, f, d), kind), (p + "ffn_up_exps.bias", (e, f), "normal"),
+                      (p + "ffn_down_exps.weight", (e, d, f), kind), (p + "ffn_down_exps.bias", (e, d), "normal")]
+            continue
         table += [(p + "attn_norm.weight", (d,), "ones"), (p + "attn_q.weight", (heads * hd, d), kind),
                   (p + "attn_k.weight", (kv * hd, d), kind), (p + "attn_v.weight", (kv * hd, d), kind),
                   (p + "attn_output.weight", (d, heads * hd), kind), (p + "attn_q_norm.weight", (hd,), "ones"),
                   (p + "attn_k_norm.weight", (hd,), "ones"), (p + "ffn_norm.weight", (d,), "ones"),
                   (p + "ffn_gate_inp.weight", (e, d), "normal"), (p + "ffn_gate_exps.weight", (e, f, d), kind),
                   (p + "ffn_up_exps.weight", (e, f, d), kind), (p + "ffn_down_exps.weight", (e, d, f), kind)]
-    block, size = gguf.constants.GGML_QUANT_SIZES[qtype]
     for name, dims_, how in table:
         if how in ("ones", "normal"):
             w.add_tensor_info(name, dims_, np.dtype(np.float32), 4 * int(np.prod(dims_)))
         else:
+            qtype = gguf.GGMLQuantizationType[how]
+            block, size = gguf.constants.GGML_QUANT_SIZES[qtype]
             byte_shape = (*dims_[:-1], dims_[-1] // block * size)
             w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
     w.write_header_to_file()
@@ -220,7 +256,7 @@ def write_moe_gguf(shape: str, path: Path, kind: str, layers: int | None = None)
             w.write_tensor_data((rng.standard_normal(dims_, dtype=np.float32) * 0.02).astype(np.float32))
         else:
             rows = int(np.prod(dims_[:-1]))
-            w.write_tensor_data(_random_blocks(kind, rows, dims_[-1], rng))
+            w.write_tensor_data(_random_blocks(how, rows, dims_[-1], rng))
     w.close()
     return path
 
@@ -352,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--layers cuts the MoE shapes only ({', '.join(MOE_SHAPES)})")
 
     def kinds_of(shape: str) -> list[str]:
+        if MOE_SHAPES.get(shape, {}).get("arch") == "gpt-oss":
+            if args.type and args.type != ["MXFP4"]:
+                parser.error(f"--type: the gpt-oss shape's experts are MXFP4, got {', '.join(args.type)}")
+            return ["MXFP4"]
         if shape in MOE_SHAPES:
             kinds = args.type or ["Q4_K"]
             if any(k not in ("Q4_K", "Q8_0") for k in kinds):
@@ -381,7 +421,11 @@ def main(argv: list[str] | None = None) -> int:
                 ours, rss = _child(_CHILD, str(path), str(args.new_tokens), PROMPT)
                 theirs, their_rss = llama_bench(path, args.new_tokens)
                 same = "-"
-                if shape == "llama-3.2-1b" or (shape in MOE_SHAPES and args.layers is not None and args.layers <= 2):
+                # transformers' GGUF loader reads no gpt-oss file whole (its rope keys: gguf_meta.gpt_oss_config);
+                # gpt-oss's exactness is tests/test_gpt_oss.py's, on tiny files
+                gpt_oss = MOE_SHAPES.get(shape, {}).get("arch") == "gpt-oss"
+                if shape == "llama-3.2-1b" or (shape in MOE_SHAPES and not gpt_oss and args.layers is not None
+                                               and args.layers <= 2):
                     code = _HF_MOE_CHILD if shape in MOE_SHAPES else _HF_CHILD
                     hf, _ = _child(code, str(path), str(args.new_tokens), PROMPT, str(tok))
                     same = "yes" if hf["ids"] == ours["ids"] else f"no ({ours['ids'][:8]} vs {hf['ids'][:8]})"
