@@ -935,6 +935,51 @@ KERNEL_INLINE void dense16_row512(const float* x, int64_t K, const uint16_t* w, 
     for (; k < K; k++) t += w16(w, k, bf16) * x[k];
     *out = t;
 }
+
+/* Q query rows (x: Q rows K apart; out: Q values `stride` apart) against a weight row, each summed as
+ * dense16_row512 sums it alone (the same two sums of the same products, the same tail), each conversion used for
+ * the Q rows */
+KERNEL_INLINE void dense16_q512(const int Q, const float* x, int64_t K, const uint16_t* w, int bf16, float* out,
+                                int64_t stride) {
+    __m512 a[8], b[8];
+    for (int m = 0; m < Q; m++) a[m] = b[m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        const __m256i h0 = _mm256_loadu_si256((const __m256i*)(w + k));
+        const __m256i h1 = _mm256_loadu_si256((const __m256i*)(w + k + 16));
+        const __m512 w0 = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h0), 16))
+                               : _mm512_cvtph_ps(h0);
+        const __m512 w1 = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h1), 16))
+                               : _mm512_cvtph_ps(h1);
+        for (int m = 0; m < Q; m++) {
+            a[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * K + k), a[m]);
+            b[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * K + k + 16), b[m]);
+        }
+    }
+    for (int m = 0; m < Q; m++) {
+        float t = hsum8(fold512(_mm512_add_ps(a[m], b[m])));
+        for (int64_t j = k; j < K; j++) t += w16(w, j, bf16) * x[m * K + j];
+        out[m * stride] = t;
+    }
+}
+static void dense_q8(const float* x, int64_t K, const uint16_t* w, int bf16, float* out, int64_t stride) {
+    if (bf16)
+        dense16_q512(8, x, K, w, 1, out, stride);
+    else
+        dense16_q512(8, x, K, w, 0, out, stride);
+}
+static void dense_q4(const float* x, int64_t K, const uint16_t* w, int bf16, float* out, int64_t stride) {
+    if (bf16)
+        dense16_q512(4, x, K, w, 1, out, stride);
+    else
+        dense16_q512(4, x, K, w, 0, out, stride);
+}
+static void dense_q2(const float* x, int64_t K, const uint16_t* w, int bf16, float* out, int64_t stride) {
+    if (bf16)
+        dense16_q512(2, x, K, w, 1, out, stride);
+    else
+        dense16_q512(2, x, K, w, 0, out, stride);
+}
 #endif
 
 /* one query row against a weight row: each type a copy with its constants */
@@ -983,6 +1028,24 @@ static int dense_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w,
         const uint16_t* wn = w + n * K;
         for (int64_t m = 0; m < M; m++) {
 #if defined(__AVX2__) && defined(__F16C__)
+#ifdef __AVX512F__
+            /* 8, 4 or 2 rows sharing each conversion: which rows go together changes no row's sums */
+            if (M - m >= 8) {
+                dense_q8(x + m * K, K, wn, bf16, y + m * N + n, N);
+                m += 7;
+                continue;
+            }
+            if (M - m >= 4) {
+                dense_q4(x + m * K, K, wn, bf16, y + m * N + n, N);
+                m += 3;
+                continue;
+            }
+            if (M - m >= 2) {
+                dense_q2(x + m * K, K, wn, bf16, y + m * N + n, N);
+                m += 1;
+                continue;
+            }
+#endif
             one(x + m * K, K, wn, bf16, y + m * N + n);
 #else
             float t = 0.f;
