@@ -110,8 +110,18 @@ def test_gpt_oss_config_tokenizer_and_chat_template_are_read_from_the_file(tmp_p
     # what transformers' GGUF reader leaves out or misreads, read from the header
     assert (cfg.head_dim, cfg.sliding_window) == (16, 4)
     assert cfg.rope_parameters == {**model.config.rope_parameters}
-    assert lm.encode(TEXT) == tiny_tokenizer()(TEXT)["input_ids"][1:] or \
-        lm.encode(TEXT)[-5:] == tiny_tokenizer()(TEXT)["input_ids"][-5:]
+    # the file's "gpt-4o" pre-tokenizer (o200k's split: a number apart from the space before it), as transformers'
+    # GGUF tokenizer builds it from the file
+    from transformers import AutoTokenizer
+
+    from lmhead.models.gguf_meta import header_reader
+
+    with header_reader():
+        theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    text = TEXT + " 1234"
+    assert "Split" in str(theirs.backend_tokenizer.pre_tokenizer)
+    assert lm.encode(text) == theirs(text)["input_ids"]
+    assert lm.encode(text)[-5:] != tiny_tokenizer()(text)["input_ids"][-5:]  # not tiny.py's byte-level split
     assert "<|start|>user<|message|>hi<|end|>" in lm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False)
 
@@ -133,3 +143,11 @@ def test_a_gpt_oss_file_without_its_experts_biases_is_refused_naming_them(tmp_pa
 
     with pytest.raises(ModelError, match=r"blk\.1\.ffn_up_exps\.bias"):
         _load(tmp_path, monkeypatch, "Q8_0", drop="blk.1.ffn_up_exps.bias")
+
+
+def test_transformers_model_of_a_gpt_oss_file_is_refused_in_one_line(tmp_path, monkeypatch):
+    from lmhead.models import ModelError
+
+    _, model = _load(tmp_path, monkeypatch, "Q8_0")
+    with pytest.raises(ModelError, match="does not read a gpt-oss file's sinks, biases and experts"):
+        _ = model.hf_model

@@ -194,7 +194,7 @@ def _build(source: Source, folder: Path, key: str, stale_reason: str | None, pro
 def moe_hf_config(gguf: Path):
     """transformers' config of a mixture-of-experts GGUF file completed with what its GGUF reader leaves out (the
     experts' widths, `file_experts.moe_config`), or None for a file without experts; ModelError for a Mixtral-style
-    llama file, whose experts transformers' GGUF reader does not read."""
+    llama file or a gpt-oss file, whose experts transformers' GGUF reader does not read."""
     from lmhead.models.file_experts import moe_config
     from lmhead.models.gguf_file import GGUFFile
 
@@ -202,6 +202,10 @@ def moe_hf_config(gguf: Path):
     try:
         if not any(name.endswith("_exps.weight") for name in f.tensors):
             return None
+        if f.architecture == "gpt-oss":  # its loader takes none of the sinks, biases or experts by their names
+            raise ModelError(f"{gguf}: transformers' GGUF reader does not read a gpt-oss file's sinks, biases and "
+                             "experts (ffn_*_exps): lmhead runs it from the file, but transformers' float32 model "
+                             "of it (hf_model: training, the transformers integration) cannot be built")
         from transformers import AutoConfig
 
         with no_progress_bars():
