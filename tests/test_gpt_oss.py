@@ -151,3 +151,33 @@ def test_transformers_model_of_a_gpt_oss_file_is_refused_in_one_line(tmp_path, m
     _, model = _load(tmp_path, monkeypatch, "Q8_0")
     with pytest.raises(ModelError, match="does not read a gpt-oss file's sinks, biases and experts"):
         _ = model.hf_model
+
+
+def test_the_router_view_of_a_gpt_oss_token_is_transformers_routing(tmp_path, monkeypatch):
+    from lmhead.models.routing import router_choices
+
+    path, model = _load(tmp_path, monkeypatch, "MXFP4")
+    ids = model.encode(TEXT)
+    choices = router_choices(model.lean, ids)
+    assert [c.layer for c in choices] == [0, 1]
+    with torch.no_grad():
+        logits = _reference(path)(torch.tensor([ids]), output_router_logits=True).router_logits
+    for choice, layer in zip(choices, logits, strict=True):
+        top, experts = torch.topk(layer[-1].float(), 2)  # gpt-oss's rule: the top k logits, then their softmax
+        assert choice.experts == experts.tolist()
+        torch.testing.assert_close(torch.tensor(choice.weights), torch.softmax(top, -1), rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(choice.probabilities), torch.softmax(layer[-1].float(), -1),
+                                   rtol=0, atol=1e-5)
+
+
+def test_a_gpt_oss_prompt_prefilled_in_chunks_gives_the_whole_prompts_states(tmp_path, monkeypatch):
+    _, model = _load(tmp_path, monkeypatch, "MXFP4")
+    lean = model.lean
+    ids = torch.tensor([model.encode(TEXT)])
+    t = ids.shape[1]
+    whole = lean(ids, torch.arange(t)[None], lean.new_cache(1, t))
+    cache = lean.new_cache(1, t)
+    cut = [0, 3, 9, t]  # chunks longer and shorter than the sliding window (4)
+    chunks = torch.cat([lean(ids[:, a:b], torch.arange(a, b)[None], cache)
+                        for a, b in zip(cut, cut[1:], strict=False)], dim=1)
+    torch.testing.assert_close(chunks, whole, rtol=0, atol=1e-5 * float(whole.abs().max()))
