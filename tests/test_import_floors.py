@@ -1,5 +1,5 @@
-"""The package's floors (DESIGN.md): no module of src/lmhead imports a module of a higher floor, and no two modules
-import each other, read from the source with `ast` (imports inside functions count: they run too).
+"""The package's floors (FLOORS below): no module of src/lmhead imports a module of a higher floor, and no two
+modules import each other, read from the source with `ast` (imports inside functions count: they run too).
 
     ground → kernels → head → models → sampling/decode → speculative → explain/generate → server/cli
 

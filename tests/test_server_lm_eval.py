@@ -22,6 +22,7 @@ from test_server_harness import ServerThread, real_model
 from lmhead.server import create_app
 
 pytest.importorskip("lm_eval")
+pytestmark = pytest.mark.model  # lm-eval twice over a real model: minutes, not for `make test-fast`
 
 TASKS = Path(__file__).parent / "data" / "lmeval"
 TASK = "lmhead_tiny_mc"

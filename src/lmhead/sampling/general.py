@@ -11,7 +11,6 @@ draw; ``process_logits`` / ``probabilities`` give the distribution the draw foll
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -115,9 +114,3 @@ def _drawn_logprob(vals: Tensor, tok: int) -> float:
         if got is not None:
             return got[0][0]
     return float(torch.log_softmax(vals, dim=-1)[0, tok])
-
-
-def logprob_of(vals: Tensor, tok: int) -> float:
-    """The processed log-probability of `tok` in processed logits [1,V] (-inf where cut)."""
-    v = float(torch.log_softmax(vals, dim=-1)[0, tok])
-    return v if not math.isnan(v) else NEG_INF
