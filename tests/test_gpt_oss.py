@@ -181,3 +181,18 @@ def test_a_gpt_oss_prompt_prefilled_in_chunks_gives_the_whole_prompts_states(tmp
     chunks = torch.cat([lean(ids[:, a:b], torch.arange(a, b)[None], cache)
                         for a, b in zip(cut, cut[1:], strict=False)], dim=1)
     torch.testing.assert_close(chunks, whole, rtol=0, atol=1e-5 * float(whole.abs().max()))
+
+
+def test_the_lean_body_of_a_transformers_gpt_oss_model_gives_its_hidden_states():
+    from tiny_gguf import tiny_gpt_oss
+
+    from lmhead.models.lean import LeanBody
+
+    model, _ = tiny_gpt_oss(seed=3)
+    lean = LeanBody(model)
+    assert all(layer.moe is not None and layer.sinks is not None for layer in lean.layers)
+    ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(0))  # past the window (4)
+    with torch.no_grad():
+        want = model.model(ids).last_hidden_state
+    got = lean(ids, torch.arange(9).expand(2, 9), lean.new_cache(2, 9))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))

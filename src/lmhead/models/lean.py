@@ -89,6 +89,8 @@ def _hf_moe(mlp: nn.Module, arch, cfg) -> MoE | None:
     spec = arch.moe
     if spec is None or not hasattr(mlp, "experts"):
         return None
+    if spec.biases:
+        return _hf_gpt_oss_moe(mlp, spec, cfg)
     experts, router = mlp.experts, mlp.gate
     shared = getattr(mlp, "shared_expert", None) if spec.shared_expert else None
     shared_gate_up = None if shared is None else _fuse([getattr(shared, n) for n in arch.gate_up])[0]
@@ -96,6 +98,26 @@ def _hf_moe(mlp: nn.Module, arch, cfg) -> MoE | None:
                down=[w for w in experts.down_proj.detach()], top_k=router.top_k, renormalise=spec.renormalises(cfg),
                shared_gate_up=shared_gate_up, shared_down=None if shared is None else shared.down_proj.weight.detach(),
                shared_gate=None if shared is None else mlp.shared_expert_gate.weight.detach())
+
+
+def _hf_gpt_oss_moe(mlp: nn.Module, spec, cfg) -> MoE:
+    """transformers' GptOss experts as `MoE`: its gate_up_proj [E, D, 2F] holds gate and up interleaved (columns
+    0, 2, … gate), so each expert's [2F, D] gate rows then up rows is a copy (as are their biases), made once;
+    down_proj [E, F, D] is read transposed in place. A change of the model's expert weights after this is not
+    seen by the body."""
+    from functools import partial
+
+    from lmhead.models.moe import swiglu_oai
+
+    experts, router = mlp.experts, mlp.router
+    gate_up = experts.gate_up_proj.detach().transpose(1, 2)                     # [E, 2F, D]
+    bias = experts.gate_up_proj_bias.detach()                                  # [E, 2F]
+    return MoE(router=router.weight.detach(), router_bias=router.bias.detach(),
+               gate_up=[torch.cat([w[0::2], w[1::2]]) for w in gate_up],
+               gate_up_bias=[torch.cat([b[0::2], b[1::2]]) for b in bias],
+               down=[w.t() for w in experts.down_proj.detach()], down_bias=list(experts.down_proj_bias.detach()),
+               top_k=router.top_k, renormalise=False, softmax_after_topk=spec.softmax_after_topk,
+               act=partial(swiglu_oai, alpha=float(cfg.swiglu_alpha), limit=float(cfg.swiglu_limit)))
 
 
 def _fuse_bias(linears: list[nn.Linear]) -> Tensor | None:
@@ -119,9 +141,7 @@ class LeanBody(NativeStep):
     def supports(hf_model) -> bool:
         cfg = getattr(hf_model, "config", None)
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        # gpt-oss runs from its GGUF file (`file_body`); transformers' GptOss keeps its experts' gate and up
-        # interleaved in one [E, D, 2F] parameter and its rope rows half as wide, which this body does not read
-        return cfg is not None and refusal(cfg, own_rotary=True) is None and cfg.model_type != "gpt_oss"
+        return cfg is not None and refusal(cfg, own_rotary=True) is None
 
     def __init__(self, hf_model, onednn: bool | None = None, int8: bool = False) -> None:
         """`int8=True`: the four matrices of each block become int8 copies (`Int8Linear`, activations quantised
@@ -140,8 +160,16 @@ class LeanBody(NativeStep):
         self.embed_scale = (base.embed_tokens.embed_scale.to(base.embed_tokens.weight.dtype)
                             if self.arch.scaled_embedding else None)
         self.rotary = base.rotary_emb
+        if self.arch.moe is not None and self.arch.moe.biases:
+            # gpt-oss's rotary module gives rows half a head wide (its rope rotates halves): the same
+            # frequencies as whole rows, as the other families' modules give them
+            from lmhead.models.rope import Rotary
+
+            self.rotary = Rotary(cfg)
         self.final_norm = base.norm.weight
-        self.act = _activation(base.layers[0].mlp, self.arch.act)
+        # gpt-oss's experts have their own activation (`MoE.act`); the body's is the config's for the torch path
+        self.act = F.silu if self.arch.moe is not None and self.arch.moe.act else \
+            _activation(base.layers[0].mlp, self.arch.act)
         self.hf_blocks = list(base.layers)
         self.layers = [self._layer(block, t) for block, t in zip(base.layers, self._types, strict=True)]
         self.dtype, self.device = self.embed.dtype, self.embed.device
@@ -258,7 +286,9 @@ class LeanBody(NativeStep):
             pre_mlp_norm=(block.pre_feedforward_layernorm if sandwich else block.post_attention_layernorm).weight,
             post_mlp_norm=block.post_feedforward_layernorm.weight if sandwich else None,
             q_norm=None if q_norm is None else q_norm.weight, k_norm=None if k_norm is None else k_norm.weight,
-            kind=kind, sliding=arch.sliding(kind, self.window))
+            kind=kind, sliding=arch.sliding(kind, self.window),
+            o_bias=attn.o_proj.bias if arch.attention.o_bias else None,
+            sinks=getattr(attn, "sinks", None) if arch.attention.sinks else None)
 
     # --- pieces ---------------------------------------------------------------------------------------------
 
