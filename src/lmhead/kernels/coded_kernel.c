@@ -627,7 +627,6 @@ KERNEL_INLINE void rows4_dot1(const float* x, const float* xp, const int8_t* c, 
     rows4_finish(acc, s, o, xs, ng, packed, out);
 }
 
-#ifdef __AVX512F__
 /* ---- several query rows of a block, each summed as rows4_dot1 sums it alone ------------------------------------
  * Q query rows (x, xp: Q rows K apart; xs: Q rows ng apart) against a block of four weight rows, one weight row at
  * a time: each unit's codes are converted once and used for the Q rows, and every row's sums take the one-row
@@ -635,6 +634,7 @@ KERNEL_INLINE void rows4_dot1(const float* x, const float* xp, const int8_t* c, 
  * over the groups as rows4_dot1 makes for m alone — the block's rows are independent sums there too), so a row's
  * value is the same bits alone or among others. acc [Q][4] receives what rows4_dot1's acc holds before
  * rows4_finish. */
+#ifdef __AVX512F__
 KERNEL_INLINE void rows4_int8_q(const int Q, const float* x, int64_t K, const int8_t* c, const float* s, int64_t ng,
                                 __m256 (*acc)[4]) {
     for (int r = 0; r < 4; r++) {
@@ -685,17 +685,58 @@ KERNEL_INLINE void rows4_pair_q(const int Q, const float* x, int64_t K, const in
     }
 }
 
-/* rows4_packed_512's sums (packed codes, G = 32) and then rows4_packed_n's 256-bit ones from the group it left
- * (g16: all of them) */
+#else
+/* the 256-bit loops of rows4_dot1 over int8 codes (INT8_GROUPS with DOT4C or DOT4R; groups of 16: DOT2C or DOT2R) */
+KERNEL_INLINE void rows4_int8_q(const int Q, const float* x, int64_t K, const int8_t* c, const float* s,
+                                const float* o, int64_t ng, int g16, __m256 (*acc)[4]) {
+    for (int r = 0; r < 4; r++) {
+        __m256 t[8];
+        for (int m = 0; m < Q; m++) t[m] = _mm256_setzero_ps();
+        for (int64_t u = 0; u < (g16 ? ng / 2 : ng); u++) {
+            const int8_t* cg = c + (u * 4 + r) * 32;
+            const __m256 c0 = BYTES8(cg), c1 = BYTES8(cg + 8), c2 = BYTES8(cg + 16), c3 = BYTES8(cg + 24);
+            const int64_t i = r * ng + (g16 ? 2 * u : u);
+            for (int m = 0; m < Q; m++) {
+                const float* xg = x + m * K + u * 32;
+                const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
+                const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
+                if (g16 && o) {
+                    DOT2R(c0, c1, x0, x1, t[m], s[i], o[i]);
+                    DOT2R(c2, c3, x2, x3, t[m], s[i + 1], o[i + 1]);
+                } else if (g16) {
+                    DOT2C(c0, c1, x0, x1, t[m], s[i]);
+                    DOT2C(c2, c3, x2, x3, t[m], s[i + 1]);
+                } else if (o) {
+                    DOT4R(c0, c1, c2, c3, t[m], s[i], o[i]);
+                } else {
+                    DOT4C(c0, c1, c2, c3, t[m], s[i]);
+                }
+            }
+        }
+        for (int m = 0; m < Q; m++) acc[m][r] = t[m];
+    }
+}
+#endif
+
+/* rows4_packed_512's sums (packed codes, G = 32; with AVX-512) and then rows4_packed_n's 256-bit ones from the
+ * group it left (g16, or AVX2 alone: all of them) */
 KERNEL_INLINE void rows4_packed_q(const int Q, const float* x, const float* xp, int64_t K, const int8_t* c,
                                   const float* s, int64_t ng, int packed, int g16, __m256 (*acc)[4]) {
     const int kind = packed >= 3 ? 3 : packed;
     LEVEL_TABLE(packed);
+    const int64_t gpu = g16 ? 4 : 2;
+#ifdef __AVX512F__
     const __m512i lo = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m512i hi = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
     const __m512 values = _mm512_loadu_ps(packed >= 3 ? NIBBLE_LEVELS[packed - 3] : SIGNED_NIBBLES);
-    const int64_t pairs = (xp && !g16) ? ng / 4 : 0, gpu = g16 ? 4 : 2;
+    const int64_t pairs = (xp && !g16) ? ng / 4 : 0;
+#else
+    const int64_t pairs = 0;
+    (void)xp;
+#endif
     for (int r = 0; r < 4; r++) {
+        __m256 t[8];
+#ifdef __AVX512F__
         __m512 a[8];
         for (int m = 0; m < Q; m++) a[m] = _mm512_setzero_ps();
         for (int64_t q = 0; q < pairs; q++) {
@@ -720,8 +761,10 @@ KERNEL_INLINE void rows4_packed_q(const int Q, const float* x, const float* xp, 
                 a[m] = _mm512_fmadd_ps(shi, _mm512_add_ps(d, e), a[m]);
             }
         }
-        __m256 t[8];
         for (int m = 0; m < Q; m++) t[m] = pairs ? fold512(a[m]) : _mm256_setzero_ps();
+#else
+        for (int m = 0; m < Q; m++) t[m] = _mm256_setzero_ps();
+#endif
         for (int64_t u = (4 * pairs) / gpu; u < ng / gpu; u++) {
             const __m256i v = _mm256_loadu_si256((const __m256i*)(c + (u * 4 + r) * 32));
             const float* sr = s + r * ng + u * gpu;
@@ -752,10 +795,15 @@ KERNEL_INLINE void rows4_q(const int Q, const float* x, const float* xp, int64_t
     __m256 acc[8][4];
     if (packed)
         rows4_packed_q(Q, x, xp, K, c, s, ng, packed, g16, acc);
+#ifdef __AVX512F__
     else if (o || g16)
         rows4_pair_q(Q, x, K, c, s, o, ng, g16, acc);
     else
         rows4_int8_q(Q, x, K, c, s, ng, acc);
+#else
+    else
+        rows4_int8_q(Q, x, K, c, s, o, ng, g16, acc);
+#endif
     for (int m = 0; m < Q; m++) rows4_finish(acc[m], s, o, xs ? xs + m * ng : NULL, ng, packed, out + 4 * m);
 }
 static void rows4_q8(const float* x, const float* xp, int64_t K, const int8_t* c, const float* s, const float* o,
@@ -770,7 +818,6 @@ static void rows4_q2(const float* x, const float* xp, int64_t K, const int8_t* c
                      const float* xs, int64_t ng, int packed, int g16, float* out) {
     rows4_q(2, x, xp, K, c, s, o, xs, ng, packed, g16, out);
 }
-#endif
 
 /* rows4_dot1 as a function of its own, for the callers that run it once per query row of a block (several rows,
  * the screen's rescoring): the decode loop keeps its inlined copy. The same source, so the same operations: a
@@ -1201,7 +1248,6 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
                 const float* xm = x + m * K;
                 const float* xpm = xp ? xp + m * K : NULL;
                 const float* xsm = xs ? xs + m * ng : NULL;
-#ifdef __AVX512F__
                 /* 8, 4 or 2 rows at a time, each weight converted once for them: which rows go together changes
                  * no row's sums */
                 q = M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
@@ -1209,7 +1255,6 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
                 else if (q == 4) rows4_q4(xm, xpm, K, codes + n0 * row_bytes, s, o, xsm, ng, packed, G == 16, out);
                 else if (q == 2) rows4_q2(xm, xpm, K, codes + n0 * row_bytes, s, o, xsm, ng, packed, G == 16, out);
                 else
-#endif
                     rows4_dot1_call(xm, xpm, codes + n0 * row_bytes, s, o, xsm, ng, packed, G == 16,
                                     m == 0 ? spread : NULL, out);
                 for (int64_t j = 0; j < q; j++)
