@@ -420,6 +420,36 @@ def test_the_server_and_the_cli_build_the_config_the_library_builds():
     assert sampling_config_from(body) == sampling_config_from(args) == want
 
 
+def test_every_cli_flag_of_the_sampler_comes_from_a_declared_parameter_and_the_help_names_the_whole_order(
+        capsys):
+    from lmhead.cli import build_parser
+    from lmhead.sampling.fields import SAMPLING_FIELDS
+    from lmhead.sampling.steps import ENTRY_FIELDS, ORDER
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.choices and "generate" in a.choices).choices["generate"]
+    group = next(g for g in sub._action_groups if g.title.startswith("sampling"))
+    flags = {a.dest for a in group._group_actions}
+    assert flags == {*SAMPLING_FIELDS, *(p.name for p in ENTRY_FIELDS)}
+    for name in ORDER:  # top-a too: the title is made from the order, never written by hand
+        assert name.replace("_", "-") in group.title
+    args = parser.parse_args(["generate", "x", "-t", "0", "--top-k", "5", "--min-p", "0.1", "--top-a", "0.2"])
+    assert sampling_config_from_args(args) == SamplingConfig(temperature=0, top_k=5, min_p=0.1, top_a=0.2)
+    assert sampling_config_from_args(parser.parse_args(["generate", "x"])) == SamplingConfig()
+    from lmhead.cli import main
+
+    for flag, value in (("--top-k", "1.5"), ("--top-p", "0"), ("-t", "-1")):  # exit 2 naming the setting
+        code = main(["generate", "x", "--model", "/nonexistent", flag, value])
+        err = capsys.readouterr().err
+        assert code == 2 and ("top" in err or "temperature" in err) and "Traceback" not in err, err
+
+
+def sampling_config_from_args(args):
+    from lmhead.sampling.fields import sampling_config_from
+
+    return sampling_config_from(args)
+
+
 def test_the_server_serves_the_new_steps(client):
     r = client.post("/api/predict", json={"prompt": "The cat", "typical_p": 0.5, "samplers": "llama.cpp"})
     assert r.status_code == 200, r.text

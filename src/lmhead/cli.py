@@ -30,21 +30,19 @@ def _print_json(obj: object) -> None:
 # --- shared options: the sampling pipeline (predict, generate, serve) ------------------------------------
 
 
+_SHORT_FLAGS = {"temperature": ("-t",)}  # the CLI's own short spellings of declared parameters
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """The logits pipeline's settings, in pipeline order; defaults are SamplingConfig's (everything off, T=1)."""
-    g = p.add_argument_group("sampling (applied in this order: penalties, temperature, top-k, top-p, min-p)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="CTRL penalty on tokens already in the prompt or output (1 = off)")
-    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty (0 = off)")
-    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty (0 = off)")
-    g.add_argument("--temperature", "-t", type=float, default=1.0, help="temperature (0 = greedy; default 1)")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    g.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with mass >= p (1 = off)")
-    g.add_argument("--min-p", type=float, default=0.0,
-                   help="keep tokens with probability >= min_p x the top probability (0 = off)")
+    """The logits pipeline's settings: one flag per declared parameter (`lmhead.sampling.steps`), the group's title
+    naming lmhead's order of the steps; not given = SamplingConfig's default (everything off, T=1)."""
+    from lmhead.sampling.fields import SAMPLING_FIELDS
+    from lmhead.sampling.steps import ENTRY_FIELDS, ORDER, PARAMS
+
+    order = ", ".join(n.replace("_", "-") for n in ORDER)
     _add_step_args(p.add_argument_group(
-        "more steps (lmhead.sampling.steps; default order: penalties, DRY, n-grams, temperature, top-k, typical-p, "
-        "top-p, min-p, top-n-sigma, XTC, epsilon, eta; --samplers llama.cpp / transformers / a;b;c)"))
+        f"sampling (lmhead.sampling.steps; in this order: {order}; --samplers llama.cpp / transformers / a;b;c)"),
+        (*(PARAMS[n] for n in SAMPLING_FIELDS), *ENTRY_FIELDS))
 
 
 def _id_list(text: str) -> list[int]:
@@ -55,23 +53,21 @@ def _id_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected token ids separated by commas, got {text!r}") from None
 
 
-def _add_step_args(g) -> None:
-    """One flag per declared step parameter (`lmhead.sampling.steps.ENTRY_FIELDS`): --typical-p, --dry-multiplier,
-    ...; an id list is "1,2,3", a sequence flag is given once per sequence (--bad-words 5,6 --bad-words 7). Not
-    given = SamplingConfig's default; SamplingConfig checks the values (exit 2 naming the field and its range)."""
-    from lmhead.sampling.steps import ENTRY_FIELDS
-
-    for param in ENTRY_FIELDS:
-        flag = "--" + param.name.replace("_", "-")
+def _add_step_args(g, params) -> None:
+    """One flag per declared parameter in `params`: --temperature (also -t), --top-k, --typical-p, ...; an id list
+    is "1,2,3", a sequence flag is given once per sequence (--bad-words 5,6 --bad-words 7). Not given =
+    SamplingConfig's default; SamplingConfig checks the values (exit 2 naming the field and its range)."""
+    for param in params:
+        flag = ("--" + param.name.replace("_", "-"), *_SHORT_FLAGS.get(param.name, ()))
         text = f"{param.allowed}; {param.doc}".replace("%", "%%")
         if param.kind in ("float", "int"):
-            g.add_argument(flag, type=float if param.kind == "float" else int, default=None, help=text)
+            g.add_argument(*flag, type=float if param.kind == "float" else int, default=None, help=text)
         elif param.kind == "ids":
-            g.add_argument(flag, type=_id_list, default=None, help=text)
+            g.add_argument(*flag, type=_id_list, default=None, help=text)
         elif param.kind == "sequences":
-            g.add_argument(flag, type=_id_list, action="append", default=None, help=text)
+            g.add_argument(*flag, type=_id_list, action="append", default=None, help=text)
         else:  # names: a preset or a;b;c
-            g.add_argument(flag, default=None, help=text)
+            g.add_argument(*flag, default=None, help=text)
 
 
 def _add_constraint_args(p: argparse.ArgumentParser) -> None:

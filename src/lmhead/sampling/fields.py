@@ -20,16 +20,15 @@ def sampling_config_from(fields: Any, seed: int | None = None) -> SamplingConfig
     the CLI and the server turn user input into a config, so the same input gets the same config or error.
 
     fields: any object; its attributes named in `SAMPLING_FIELDS` and in the steps' declared fields
-    (`lmhead.sampling.steps.ENTRY_FIELDS`: typical_p, dry_*, mirostat*, ...) are used, missing ones (and None
-    for a declared field: not given) keep SamplingConfig's defaults. Its `logit_bias`, if any and not empty,
+    (`lmhead.sampling.steps.ENTRY_FIELDS`: typical_p, dry_*, mirostat*, ...) are used, missing ones (and None:
+    not given) keep SamplingConfig's defaults. Its `logit_bias`, if any and not empty,
     maps token ids written as strings (JSON object keys) to floats. `seed` is passed as given (see
     `seed_for_step` for per-call seeds). Its `banned_tokens`, if any, are passed as given.
     Raises ValueError / TypeError with SamplingConfig's messages; a key that is not an int is an
     `OptionError` naming `logit_bias`.
     """
-    kwargs: dict[str, Any] = {name: getattr(fields, name) for name in SAMPLING_FIELDS if hasattr(fields, name)}
-    given = {p.name: getattr(fields, p.name, None) for p in ENTRY_FIELDS}
-    kwargs.update({name: value for name, value in given.items() if value is not None})
+    given = {name: getattr(fields, name, None) for name in (*SAMPLING_FIELDS, *(p.name for p in ENTRY_FIELDS))}
+    kwargs: dict[str, Any] = {name: value for name, value in given.items() if value is not None}
     kwargs["seed"] = seed
     banned = getattr(fields, "banned_tokens", None)
     if banned:  # None or empty: not given
