@@ -37,11 +37,16 @@ def _reference(path):
 def test_a_tiny_gpt_oss_gguf_runs_from_its_codes_with_transformers_numbers(tmp_path, monkeypatch, kind):
     from lmhead import SamplingConfig
     from lmhead.models.coded_linear import CodedLinear
+    from lmhead.models.gguf_codes import coded_nbytes
 
     path, model = _load(tmp_path, monkeypatch, kind)
     moe = model.lean.layers[0].moe
     assert model.config.model_type == "gpt_oss" and moe is not None
     assert all(isinstance(m, CodedLinear) for m in moe.gate_up + moe.down)  # the file's codes, no float32 copy
+    if kind != "F32":  # the experts take no more than the memory check counted for them before loading
+        weights = sum(m.out_features * m.in_features for m in moe.gate_up + moe.down)
+        assert sum(m.nbytes for m in moe.gate_up + moe.down) <= coded_nbytes(kind, weights)
+        assert moe.gate_up[0].packed == (kind == "MXFP4")  # two codes a byte
     assert [layer.sliding for layer in model.lean.layers] == [True, False]
     ref = _reference(path)
     ids = torch.tensor([model.encode(TEXT)])
@@ -91,7 +96,7 @@ def test_gpt_oss_router_takes_the_top_k_of_its_biased_logits_then_a_softmax_over
     from lmhead.models.moe import route
 
     router = tiny_gpt_oss()[0].model.layers[0].mlp.router
-    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
     x[1] = x[0]  # a row twice
     with torch.no_grad():
         logits, weights, experts = router(x)

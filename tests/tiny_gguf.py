@@ -393,20 +393,22 @@ def reference_from_gguf(path: Path, arch: str, seed: int = 0, model=None):
 # --- gpt-oss ----------------------------------------------------------------------------------------------------
 
 def tiny_gpt_oss(seed: int = 0, layers: int = 2):
-    """A tiny random gpt-oss (transformers' GptOssForCausalLM, eager attention) and tiny.py's tokenizer: width 32,
-    8 experts of 32, 2 a token, sliding (window 4) and full layers alternating, gpt-oss's YaRN rope, random
+    """A tiny random gpt-oss (transformers' GptOssForCausalLM, eager attention) and tiny.py's tokenizer: width 64
+    (rows of whole 64-weight pairs of blocks: MXFP4's codes packed two to a byte, as a real file's), 8 experts of
+    64, 2 a token, sliding (window 4) and full layers alternating, gpt-oss's YaRN rope, random
     biases, sinks and norms."""
     from tiny import tiny_tokenizer
     from transformers import AutoModelForCausalLM, GptOssConfig
 
     tokenizer = tiny_tokenizer()
-    config = GptOssConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_hidden_layers=layers,
+    config = GptOssConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
                           num_experts_per_tok=2, sliding_window=4, max_position_embeddings=256,
                           rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                            "truncate": False, "original_max_position_embeddings": 8,
                                            "rope_theta": 150000.0},
-                          tie_word_embeddings=False, initializer_range=0.3, pad_token_id=0, eos_token_id=1,
+                          tie_word_embeddings=False, initializer_range=0.3 * (32 / 64) ** 0.5, pad_token_id=0,
+                          eos_token_id=1,
                           bos_token_id=2)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
