@@ -836,8 +836,8 @@ static inline __m256 rebuild8(__m256 cf, __m256 sv, __m256 ov, int has_offset) {
 
 /* one weight row against R ≤ MB query rows (R a constant in each copy: the accumulators stay in registers),
  * each weight rebuilt once for all R rows. Up to 4 rows, two accumulators per row so that successive products
- * do not wait on each other; from 5 rows one each (R independent chains already hide the FMA latency, and 2·R
- * would not fit the 16 registers). */
+ * do not wait on each other; from 5 rows one each. Called with R = 1 only (row_dot: plain rows of int8 codes with
+ * offsets, every query row alone, so that a row sums in one order whatever the batch). */
 KERNEL_INLINE void rows_n(const int R, const float* x, int64_t K, const int8_t* c, int64_t us, const float* s,
                            const float* o, int64_t ng, int64_t G, int packed, float* out) {
     __m256 a[MB], b[4]; /* b: the second accumulators of R ≤ 4 rows */
