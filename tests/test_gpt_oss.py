@@ -201,3 +201,21 @@ def test_the_lean_body_of_a_transformers_gpt_oss_model_gives_its_hidden_states()
         want = model.model(ids).last_hidden_state
     got = lean(ids, torch.arange(9).expand(2, 9), lean.new_cache(2, 9))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+def test_lmhead_chat_runs_a_gpt_oss_file_with_the_files_chat_template(tmp_path, monkeypatch, capsys):
+    import io
+    import sys
+
+    from lmhead.cli import main
+    from lmhead.conversation import Conversation
+    from lmhead.sampling import SamplingConfig
+
+    template = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|start|>assistant<|message|>{% endif %}")
+    path, model = _load(tmp_path, monkeypatch, "MXFP4", template=template)
+    want = "".join(s.text for s in Conversation(model, config=SamplingConfig(temperature=0),
+                                                max_new_tokens=6).reply("Hi there"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi there\n/exit\n"))
+    assert main(["chat", "--model", str(path), "-t", "0", "-n", "6"]) == 0
+    assert capsys.readouterr().out.split("\n")[0] == want
