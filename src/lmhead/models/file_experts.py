@@ -6,6 +6,7 @@ tensors, each expert's matrices a slice of the file's 3-D tensors.
     blk.i.ffn_gate_exps / ffn_up_exps [E, F, D], ffn_down_exps [E, D, F] ──expert e: rows [e·F, (e+1)·F) of the
         tensor's blocks──▶ codes + group scales ──▶ CodedLinear gate_up [2F, D] (gate rows first), down [D, F]
     blk.i.ffn_{gate,up,down}_shexp, ffn_gate_inp_shexp [1, D] (Qwen2-MoE's shared expert and its gate)
+    blk.i.ffn_gate_inp.bias [E], ffn_{gate,up}_exps.bias [E, F], ffn_down_exps.bias [E, D] (gpt-oss's biases)
 
 `moe_config` completes the config transformers read from the file with what its GGUF reader leaves out (the
 experts' width, Qwen2-MoE's shared expert's; a llama file with experts is Mixtral) and refuses a file whose

@@ -2,7 +2,8 @@
 once over all the rows that picked it.
 
     h [B,T,D] ──as rows x [N,D]──▶ router logits x·Rᵀ [N,E] (float32, F.linear: transformers' own op)
-        ──softmax (float32)──▶ top k experts per row, weights w [N,k] (÷ their sum where the rule renormalises)
+        ──softmax (float32)──▶ top k experts per row, weights w [N,k] (÷ their sum where the rule renormalises;
+          gpt-oss: + the router's bias, the top k of the logits, then a softmax over those k)
         ──per chosen expert e, ascending: rows r that picked it──▶ down_e(act(gate_e·x_r)·(up_e·x_r)) · w
           ──added into out [N,D]──▶ (+ sigmoid(x·g) · shared(x), the shared expert) ──▶ [B,T,D]
 
