@@ -219,3 +219,21 @@ def test_lmhead_chat_runs_a_gpt_oss_file_with_the_files_chat_template(tmp_path, 
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi there\n/exit\n"))
     assert main(["chat", "--model", str(path), "-t", "0", "-n", "6"]) == 0
     assert capsys.readouterr().out.split("\n")[0] == want
+
+
+def test_gpt_oss_prompts_decoded_together_with_drafts_verified_get_transformers_greedy_tokens(tmp_path,
+                                                                                                  monkeypatch):
+    from lmhead import SamplingConfig
+
+    path, model = _load(tmp_path, monkeypatch, "MXFP4")
+    ref = _reference(path)
+    prompts = ["The cat sat on the mat. The cat sat", "Numbers: 1 2 3", "Hello world!"]
+    greedy = SamplingConfig(temperature=0)
+    for draft in ("none", "ngram"):  # rows of one batch; n-gram drafts verified several positions a call
+        got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+        for step in model.generate(prompts, max_new_tokens=8, config=greedy, draft=draft):
+            got[step.index].append(step.token_id)
+        for i, prompt in enumerate(prompts):
+            start = torch.tensor([model.encode(prompt)])
+            want = ref.generate(start, max_new_tokens=8, do_sample=False, eos_token_id=None)[0, start.shape[1]:]
+            assert got[i] == want.tolist()[:len(got[i])] and got[i], (draft, i)
