@@ -369,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", action="append", choices=[*SHAPES, *MOE_SHAPES],
                         help="repeatable (default: the three Llama shapes)")
-    parser.add_argument("--type", action="append", help="llama-quantize types (default Q4_K_M and Q8_0; the MoE "
-                        "shapes: Q4_K or Q8_0, default Q4_K)")
+    parser.add_argument("--type", action="append", help="llama-quantize types (default Q4_K_M and Q8_0; "
+                        "qwen3-30b-a3b: Q4_K or Q8_0, default Q4_K; gpt-oss-20b: MXFP4 experts)")
     parser.add_argument("--layers", type=int, default=None, help="the MoE shapes cut to their first N layers "
                         "(2: transformers' float32 forward checks the greedy tokens)")
     parser.add_argument("--new-tokens", type=int, default=32)
