@@ -103,3 +103,28 @@ def test_norms_of_a_row_are_the_same_bits_alone_and_among_rows():
                             1, 576, 1e-6, 0)
         assert torch.equal(xo[0].view(torch.int32), xo_all[r].view(torch.int32))
         assert torch.equal(h[0].view(torch.int32), h_all[r].view(torch.int32))
+
+
+@pytest.mark.parametrize("width", [1003, 49_152, 262_144])
+def test_a_rows_normaliser_and_greedy_choice_are_the_same_bits_alone_among_rows_and_over_threads(width):
+    # the decode loop's scores of chosen tokens (raw logprob = x − lse): the same numbers for a request in a
+    # server round of any size as alone
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(5, width, generator=g) * 4
+    ids = torch.randint(0, width, (5,), generator=g)
+    lib = native.library()
+    alone = [native._row_scores(lib, x[r:r + 1].contiguous(), ids[r:r + 1], 1) for r in range(5)]
+    for rows in (2, 5):
+        for threads in (1, 2):
+            lse, greater = native._row_scores(lib, x[:rows].contiguous(), ids[:rows], threads)
+            for r in range(rows):
+                assert torch.equal(lse[r:r + 1].view(torch.int64), alone[r][0].view(torch.int64)), (rows, threads, r)
+                assert int(greater[r]) == int(alone[r][1][0])
+            got_ids, got_lse = torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.float64)
+            lib.lmhead_row_greedy(x.data_ptr(), rows, width, got_ids.data_ptr(), got_lse.data_ptr(), threads)
+            one_id, one_lse = torch.empty(1, dtype=torch.int64), torch.empty(1, dtype=torch.float64)
+            for r in range(rows):
+                xr = x[r:r + 1].contiguous()
+                lib.lmhead_row_greedy(xr.data_ptr(), 1, width, one_id.data_ptr(), one_lse.data_ptr(), 3 - threads)
+                assert int(got_ids[r]) == int(one_id[0]) == int(x[r].argmax())
+                assert torch.equal(got_lse[r:r + 1].view(torch.int64), one_lse.view(torch.int64))

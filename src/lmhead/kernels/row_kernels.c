@@ -67,16 +67,24 @@ static double pieces_lse(const float* pmax, const double* psum, int64_t pieces, 
     return (double)m + log(s);
 }
 
+/* the pieces a row of V logits is cut into for row_scores and row_greedy: a function of V alone (pieces of at least
+ * 16,384 logits, at most 16), so that a row's normaliser is the same bits whatever the number of rows beside it or
+ * of threads (the pieces go to the threads; a piece's sums and the pieces' combination are fixed) */
+static inline int64_t score_pieces(int64_t V) {
+    const int64_t p = V / 16384;
+    return p < 1 ? 1 : p > 16 ? 16 : p;
+}
+
 /* The decode loop's score of each row's token (kernels/native.py `row_scores`): per row b of logits x [B, V],
  * lse[b] = log Σ_v e^x[b,v] (the raw log-probability of token t is x[b,t] − lse[b]) and greater[b] = the number
  * of logits > x[b, ids[b]] (its rank − 1). One pass for the maximum and the count, one for Σ e^(x − max); the
- * row is cut into pieces over the threads when there are fewer rows than threads (a 262,144-token row: one
- * pass of a log-softmax was 0.33 ms per row). Pieces are combined in double. A NaN anywhere makes lse NaN, an
+ * row is cut into pieces (score_pieces) that go to the threads (a 262,144-token row: one pass of a log-softmax was
+ * 0.33 ms per row). Pieces are combined in double, in order. A NaN anywhere makes lse NaN, an
  * infinite maximum makes it that maximum (the caller then takes torch's path). */
 void lmhead_row_scores(const float* x, int64_t B, int64_t V, const int64_t* ids, double* lse, int64_t* greater,
                        int threads) {
     if (threads < 1) threads = 1;
-    const int64_t pieces = B >= threads ? 1 : threads, n = B * pieces;
+    const int64_t pieces = score_pieces(V), n = B * pieces;
     float* pmax = (float*)malloc((size_t)n * sizeof(float));
     double* psum = (double*)malloc((size_t)n * sizeof(double));
     int64_t* pcnt = (int64_t*)malloc((size_t)n * sizeof(int64_t));
@@ -136,11 +144,11 @@ void lmhead_row_scores(const float* x, int64_t B, int64_t V, const int64_t* ids,
 /* A greedy row's choice and score (kernels/native.py `greedy_rows`): per row b of logits x [B, V], ids[b] = the
  * first position of the row's maximum (torch.argmax's tie rule) and lse[b] = log Σ_v e^x[b,v], so that its raw
  * log-probability is x[b, ids[b]] − lse[b] and its rank 1. One pass for the maximum, one for Σ e^(x − max); a
- * row is cut into pieces over the threads when there are fewer rows than threads, pieces combined in double.
+ * row is cut into pieces (score_pieces) that go to the threads, pieces combined in double, in order.
  * A NaN anywhere makes lse NaN, an infinite maximum makes it that maximum (the caller then takes torch's path). */
 void lmhead_row_greedy(const float* x, int64_t B, int64_t V, int64_t* ids, double* lse, int threads) {
     if (threads < 1) threads = 1;
-    const int64_t pieces = B >= threads ? 1 : threads, n = B * pieces;
+    const int64_t pieces = score_pieces(V), n = B * pieces;
     float pmax_stack[64];
     double psum_stack[64];
     int64_t parg_stack[64];
