@@ -128,3 +128,26 @@ def test_a_rows_normaliser_and_greedy_choice_are_the_same_bits_alone_among_rows_
                 lib.lmhead_row_greedy(xr.data_ptr(), 1, width, one_id.data_ptr(), one_lse.data_ptr(), 3 - threads)
                 assert int(got_ids[r]) == int(one_id[0]) == int(x[r].argmax())
                 assert torch.equal(got_lse[r:r + 1].view(torch.int64), one_lse.view(torch.int64))
+
+
+def test_a_greedy_requests_tokens_and_logprobs_are_the_same_bits_alone_and_in_a_batch(tmp_path, monkeypatch):
+    # end to end over a GGUF file run by the kernels: a prompt's steps beside two prompts of other lengths (a
+    # padded prefill, then batched decode steps) equal the prompt's steps alone, bit for bit
+    from tiny_gguf import write_tiny_gguf
+
+    from lmhead import SamplingConfig, load_model
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    model = load_model(str(write_tiny_gguf(tmp_path / "m.gguf", "llama", kind="Q8_0")), progress=False)
+    prompts = ["The cat sat on the mat. The dog", "Once upon a time there", "A B C D E F G H"]
+
+    def steps(ps):
+        out: dict[int, list] = {}
+        for s in model.generate(ps, max_new_tokens=12, config=SamplingConfig(temperature=0), draft="none"):
+            out.setdefault(s.index, []).append((s.token_id, s.logprob, s.raw_logprob, s.rank))
+        return out
+
+    alone = steps(prompts[0])[0]
+    batch = steps(prompts)
+    assert len(alone) == 12 and batch[0] == alone
+    assert steps(prompts[1:2])[0] == batch[1]
