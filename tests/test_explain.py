@@ -469,3 +469,35 @@ def test_the_explainer_shows_every_step_with_its_parameters_and_cuts(llama, conf
     if not config.is_greedy and not config.xtc_probability:
         assert sum(s["cut"] for s in pred.steps) == len(tokenizer) - pred.kept_count
     json.dumps(pred.to_dict())
+
+
+@pytest.mark.parametrize("config", [
+    SamplingConfig(temperature=0.7, top_k=40), SamplingConfig(top_p=0.8), SamplingConfig(min_p=0.1, temperature=1.3),
+    SamplingConfig(top_k=30, top_p=0.9, min_p=0.05, repetition_penalty=1.3, presence_penalty=0.5,
+                   banned_tokens=(1, 2)),
+    SamplingConfig(temperature=0.5, top_p=0.5, logit_bias={5: 10.0}), SamplingConfig(temperature=0),
+], ids=["top_k", "top_p", "min_p", "all", "bias", "greedy"])
+def test_the_stages_of_the_original_settings_are_the_declared_steps_rows_equal_to_the_pure_functions(config):
+    from lmhead.explain import pipeline_stages
+    from lmhead.sampling import apply_min_p, apply_temperature, apply_top_k, apply_top_p, process_logits
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 3000, generator=g) * 4
+    prev = torch.randint(0, 3000, (1, 20), generator=g)
+    stages = pipeline_stages(x, config, prev, 10)
+    # the reference: the pipeline's public per-step functions, one after the other
+    plain = SamplingConfig(logit_bias=config.logit_bias, banned_tokens=config.banned_tokens,
+                           repetition_penalty=config.repetition_penalty, presence_penalty=config.presence_penalty)
+    adjusted = process_logits(x, plain, prev_tokens=prev, prompt_len=10)
+    assert torch.equal(stages["adjusted"], adjusted)
+    if config.is_greedy:
+        keep = process_logits(x, config, prev_tokens=prev, prompt_len=10)
+        assert all(torch.equal(stages[f"after_{k}"], keep) for k in ("greedy", "top_k", "top_p", "min_p"))
+        return
+    scaled = apply_temperature(adjusted, config.temperature)
+    k = apply_top_k(scaled, config.top_k)
+    p = apply_top_p(k, config.top_p)
+    m = apply_min_p(p, config.min_p)
+    for key, want in (("scaled", scaled), ("after_top_k", k), ("after_top_p", p), ("after_min_p", m)):
+        assert torch.equal(stages[key], want), key
+    assert torch.equal(torch.isfinite(stages["after_bias"]), torch.isfinite(adjusted))

@@ -3,7 +3,6 @@ token (`pipeline_stages`, `step_rows`), the entropies and the logit lens."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -124,18 +123,13 @@ def _constrained(model, logits: torch.Tensor, constraint, ids: list[int], start:
     return apply_bitmask_(logits.clone(), bits[None])
 
 
-_CUTS = ("bias", "greedy", "top_k", "top_p", "min_p")  # the batch path's cuts, in its order
-
-
 def _stage_name(step) -> str:
     return "bias" if step.name == "logit_bias" else step.name
 
 
 def _cut_names(config) -> tuple[str, ...]:
-    """The names `cut_by` can take for this config, in pipeline order: the batch path's, or every declared step
-    the config runs (``SamplingConfig.steps()``; its masks' first as "bias"), then "greedy"."""
-    if config.runs_on("batch"):
-        return _CUTS
+    """The names `cut_by` can take for this config, in pipeline order: every declared step the config runs
+    (``SamplingConfig.steps()``; its masks' first as "bias"), then "greedy" for a greedy config."""
     names = [_stage_name(s) for s in config.steps()]
     return (*names, "greedy") if config.is_greedy else tuple(names)
 
@@ -167,7 +161,7 @@ def _json_value(v: Any) -> Any:
 
 
 def _candidates(tokenizer, logits: torch.Tensor, stages: dict[str, torch.Tensor], processed: torch.Tensor,
-                probs: torch.Tensor, top: int, cuts: tuple[str, ...] = _CUTS) -> list[Candidate]:
+                probs: torch.Tensor, top: int, cuts: tuple[str, ...]) -> list[Candidate]:
     """The `top` best candidates of one row: `logits` [V] (raw), `stages` from `pipeline_stages`, `processed` [V]
     and `probs` [V] (the pipeline's logits and probabilities).
 
@@ -205,54 +199,42 @@ def _sort_desc(primary: torch.Tensor, secondary: torch.Tensor) -> torch.Tensor:
 
 
 def pipeline_stages(logits: torch.Tensor, config, prev: torch.Tensor, prompt_len: int) -> dict[str, torch.Tensor]:
-    """The pipeline's intermediate [1,V] logits, from sampling's own per-step functions; `prev` [1,L] the sequence
-    so far, its first `prompt_len` tokens the prompt.
+    """The pipeline's intermediate [1,V] logits: each declared step's own implementation in the config's order
+    (``SamplingConfig.steps()``); `prev` [1,L] the sequence so far, its first `prompt_len` tokens the prompt.
 
-    adjusted: after bias/penalties (steps 1-2); scaled: after temperature (T=0: = adjusted);
-    after_<step>: -inf where the step (or an earlier one) removed the token.
+    adjusted: after the masks and penalties (stages 1-2); scaled: after the temperature (T=0: = adjusted);
+    after_<step>: the row after that step, -inf where it (or an earlier one) removed the token; after_greedy: a
+    greedy config's argmax (a sampled config's: the scaled row). XTC is shown with its coin on (its cut visible; the
+    processed distribution is the mixture). The keys the candidates report (after_bias, after_top_k, after_top_p,
+    after_min_p) that no step produced hold the row as the steps before that place in the order left it.
     """
-    from lmhead.sampling import apply_min_p, apply_temperature, apply_top_k, apply_top_p, process_logits
-
-    if not config.runs_on("batch"):
-        return _declared_stages(logits, config, prev, prompt_len)
-    plain = dataclasses.replace(config, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
-    adjusted = process_logits(logits, plain, prev_tokens=prev, prompt_len=prompt_len)
-    stages = {"raw": logits, "adjusted": adjusted, "after_bias": adjusted}
-    if config.is_greedy:  # the argmax of the adjusted logits, nothing else (the pipeline's own greedy path)
-        keep = process_logits(logits, config, prev_tokens=prev, prompt_len=prompt_len)
-        stages.update(scaled=adjusted, after_greedy=keep, after_top_k=keep, after_top_p=keep, after_min_p=keep)
-        return stages
-    scaled = apply_temperature(adjusted, config.temperature)
-    k = apply_top_k(scaled, config.top_k)
-    p = apply_top_p(k, config.top_p)
-    m = apply_min_p(p, config.min_p)
-    stages.update(scaled=scaled, after_greedy=scaled, after_top_k=k, after_top_p=p, after_min_p=m)
-    return stages
-
-
-def _declared_stages(logits: torch.Tensor, config, prev: torch.Tensor, prompt_len: int) -> dict[str, torch.Tensor]:
-    """`pipeline_stages` for a config the batch path does not run: each declared step's exact torch implementation
-    in the config's order (``SamplingConfig.steps()``), after_<step> the row after it; XTC shown with its coin on (its
-    cut visible; the processed distribution is the mixture). The batch path's keys (after_bias, after_top_k, ...)
-    a step does not produce hold the row as the chain left it."""
     from lmhead.sampling import process_logits
-    from lmhead.sampling.steps import Context
+    from lmhead.sampling.steps import ORDER, STEPS, Context
 
     ctx = Context(history=[t for t in prev[0].tolist() if t >= 0], prompt_len=prompt_len, xtc=True)
     x = logits.float()
-    stages: dict[str, torch.Tensor] = {"raw": x}
+    stages: dict[str, torch.Tensor] = {"raw": x, "after_bias": x}  # the bias is the first mask
     adjusted = scaled = x
+    ran = []  # (step name, the row after it)
     for s in config.steps():
         x = s.apply(x, config, ctx)
         stages[f"after_{_stage_name(s)}"] = x
+        ran.append((s.name, x))
         if s.stage <= 2:
             adjusted = scaled = x
         elif s.stage == 3:
             scaled = x
     stages.update(adjusted=adjusted, scaled=scaled)
-    if config.is_greedy:
+    if config.is_greedy:  # the argmax of the adjusted row; no cut-off runs, each keeps the argmax alone
         stages["after_greedy"] = process_logits(logits, config, prev_tokens=prev, prompt_len=prompt_len)
-        x = stages["after_greedy"]
-    for key in ("after_bias", "after_greedy", "after_top_k", "after_top_p", "after_min_p"):
-        stages.setdefault(key, x)
+        for key in ("after_top_k", "after_top_p", "after_min_p"):
+            stages[key] = stages["after_greedy"]
+        return stages
+    stages["after_greedy"] = scaled  # a sampled config: the argmax is no cut
+    order = list(config.samplers or ORDER)
+    for name in ("top_k", "top_p", "min_p"):  # a cut-off that did not run: the row as the steps before it left it
+        if f"after_{name}" not in stages:
+            place = order.index(name) if name in order else len(order)
+            before = [row for n, row in ran if n in order[:place] or STEPS[n].stage <= 1]
+            stages[f"after_{name}"] = before[-1] if before else stages["raw"]
     return stages
