@@ -444,6 +444,32 @@ def test_every_cli_flag_of_the_sampler_comes_from_a_declared_parameter_and_the_h
         assert code == 2 and ("top" in err or "temperature" in err) and "Traceback" not in err, err
 
 
+def test_the_servers_fields_of_the_original_settings_are_the_declarations_with_each_interfaces_bounds():
+    from lmhead.sampling.steps import PARAMS
+    from lmhead.server import schemas
+
+    def bounds(model, name):
+        meta = {type(m).__name__: m for m in model.model_fields[name].metadata}
+        low = meta.get("Ge", meta.get("Gt"))
+        high = meta.get("Le", meta.get("Lt"))
+        return (None if low is None else getattr(low, "ge", getattr(low, "gt", None)),
+                None if high is None else getattr(high, "le", getattr(high, "lt", None)))
+
+    for model, overrides in ((schemas.SamplingFields, schemas.PAGE_OVERRIDES),
+                             (schemas.CompletionRequest, schemas.OPENAI_OVERRIDES)):
+        for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            p = PARAMS[name]
+            want = overrides.get(name, {})
+            assert bounds(model, name) == (want.get("low", p.low), want.get("high", p.high)), (model, name)
+            assert model.model_fields[name].default == p.default
+    assert schemas.CompletionRequest(prompt="x", top_k=-1).top_k == 0  # vLLM's "off"
+    with pytest.raises(ValueError):
+        schemas.CompletionRequest(prompt="x", presence_penalty=2.5)  # OpenAI's bound, inside the declared one
+    with pytest.raises(ValueError):
+        schemas.PredictRequest(prompt="x", temperature=2.5)  # the page's slider
+
+
 def sampling_config_from_args(args):
     from lmhead.sampling.fields import sampling_config_from
 

@@ -18,6 +18,7 @@ Two families:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model, field_validator
@@ -49,10 +50,13 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-def _declared(param: Any) -> tuple[Any, Any]:
+def _declared(param: Any, **override: Any) -> tuple[Any, Any]:
     """A declared step parameter (lmhead.sampling.steps.Param) as a pydantic field: its type, default and range
     as declared (a range with single values beside it, such as top_n_sigma's -1, is left to SamplingConfig's
-    check: a 400 naming the field)."""
+    check: a 400 naming the field). `override`: an interface's own bounds of it (low, high, low_open, high_open;
+    max_length: how many entries a bias or an id list may hold)."""
+    max_length = override.pop("max_length", None)
+    param = dataclasses.replace(param, **override)
     bounds: dict[str, float] = {}
     if param.kind in ("float", "int") and not param.also:
         bounds["gt" if param.low_open else "ge"] = param.low
@@ -61,11 +65,20 @@ def _declared(param: Any) -> tuple[Any, Any]:
     # sequences (bad_words): token-id sequences, or words as vLLM's clients send them (server/words.py tokenises them)
     # dry_sequence_breakers: token ids, or strings as llama.cpp's clients send them (server/words.py: the tokens
     # that hold them)
-    ids = list[str | int] | None if param.name == "dry_sequence_breakers" else list[int] | None
-    kind = {"float": float, "int": int, "ids": ids, "sequences": list[str | list[int]] | None,
-            "names": str | list[str] | None}[param.kind]
+    ids = list[str | int] if param.name == "dry_sequence_breakers" else list[int]
+    kind = {"float": float, "int": int, "ids": ids, "sequences": list[str | list[int]], "names": str | list[str],
+            "bias": dict[str, float]}[param.kind]
+    if max_length is not None:
+        kind = Annotated[kind, Field(max_length=max_length)]
+    if param.kind not in ("float", "int"):
+        kind = kind | None
     default = param.default if param.kind in ("float", "int") else None
     return kind, Field(default, description=f"{param.allowed}. {param.doc}", **bounds)
+
+
+def _fields(names: tuple[str, ...], overrides: dict[str, dict[str, Any]]) -> dict[str, tuple[Any, Any]]:
+    """The pydantic fields of the declared parameters `names`, each with its interface's overrides."""
+    return {n: _declared(PARAMS[n], **overrides.get(n, {})) for n in names}
 
 
 # the steps' own fields (typical_p, top_n_sigma, xtc_*, dry_*, mirostat*, dynatemp_*, epsilon/eta cut-offs,
@@ -74,25 +87,34 @@ def _declared(param: Any) -> tuple[Any, Any]:
 StepFields = create_model("StepFields", __base__=_Request, __doc__="The declared steps' settings (see "
                           "lmhead.sampling.steps).", **{p.name: _declared(p) for p in ENTRY_FIELDS})
 
+# what each interface bounds otherwise than the declaration (everything else is as declared): the page's temperature
+# slider stops at 2; OpenAI's API bounds temperature to [0, 2] and the presence / frequency penalties to [-2, 2],
+# vLLM's clients send top_k -1 for off and any repetition_penalty > 0; a bias or a ban list holds at most
+# MAX_LOGIT_BIAS entries
+_LISTS = {"logit_bias": {"max_length": MAX_LOGIT_BIAS}, "banned_tokens": {"max_length": MAX_LOGIT_BIAS}}
+PAGE_OVERRIDES: dict[str, dict[str, Any]] = {"temperature": {"high": 2.0}, **_LISTS}
+OPENAI_OVERRIDES: dict[str, dict[str, Any]] = {
+    "temperature": {"high": 2.0}, "presence_penalty": {"low": -2.0, "high": 2.0},
+    "frequency_penalty": {"low": -2.0, "high": 2.0}, "top_k": {"low": -1},
+    "repetition_penalty": {"low": 0.0, "low_open": True, "high": None}, **_LISTS}
+# the settings every entry point took before the other steps declared themselves (lmhead.sampling.steps.LEGACY_FIELDS
+# less the seed, which each interface takes on its own terms); /v1 takes no banned_tokens (OpenAI's clients ban by
+# logit_bias -100)
+_PAGE_SETTINGS = ("temperature", "top_k", "top_p", "min_p", "logit_bias", "banned_tokens", "repetition_penalty",
+                  "presence_penalty", "frequency_penalty")
+_OPENAI_SETTINGS = tuple(n for n in _PAGE_SETTINGS if n != "banned_tokens")
 
-class _PageFields(StepFields):
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy (argmax)")
-    top_k: int = Field(0, ge=0, description="0 = off")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="1 = off")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="0 = off")
-    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
-        None, description="token id (as a string) → a bias in [-1e4, 1e4] added to its logit")
-    banned_tokens: Annotated[list[int], Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
-        None, description="token ids that can never be chosen")
-
-
-# the page's settings: every step's, so that the page can show each one (the penalties from their declarations)
+# the page's settings: every step's, so that the page can show each one
 SamplingFields = create_model(
-    "SamplingFields", __base__=_PageFields,
-    __doc__="The logits pipeline's settings as the page sets them: temperature → top-k → top-p → min-p (the "
-            "temperature bounded for the page's slider), the logit bias and bans, the penalties and every declared "
-            "step's (StepFields).",
-    **{n: _declared(PARAMS[n]) for n in ("repetition_penalty", "presence_penalty", "frequency_penalty")})
+    "SamplingFields", __base__=StepFields,
+    __doc__="The logits pipeline's settings as the page sets them: every declared step's parameters (the temperature "
+            "bounded for the page's slider).",
+    **_fields(_PAGE_SETTINGS, PAGE_OVERRIDES))
+# /v1's: the same declarations, with OpenAI's bounds
+OpenAISamplingFields = create_model(
+    "OpenAISamplingFields", __base__=StepFields,
+    __doc__="The logits pipeline's settings as /v1 takes them: every declared step's parameters, OpenAI's bounds.",
+    **_fields(_OPENAI_SETTINGS, OPENAI_OVERRIDES))
 
 
 # --- /api ---------------------------------------------------------------------------------------------------
@@ -210,25 +232,16 @@ class StructuredOutputs(_Request):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
-class _OpenAIRequest(StepFields):
+class _OpenAIRequest(OpenAISamplingFields):
     model: Name | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_CONTEXT_TOKENS,
                                   description="prompt + max_tokens ≤ the served context (default: the rest of it)")
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N, description="choices per prompt, each its own draw (with a seed: seed + i)")
     stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     user: Name | None = None
-    # extensions (vLLM, llama.cpp server)
-    top_k: int = Field(0, ge=-1, description="0 = off; -1 = off, as vLLM's clients send it")
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
 
     @field_validator("top_k")
     @classmethod
