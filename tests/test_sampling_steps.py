@@ -230,6 +230,30 @@ def test_mirostat_update_is_minus_eta_times_the_surprise_error():
     assert state.mu == pytest.approx(8.0 - 0.1 * (-float(lp[0]) / math.log(2) - 4.0), rel=1e-6)
 
 
+def test_a_rows_state_is_moved_by_accept_and_can_be_reset_and_cloned_as_llama_cpp_samplers_are():
+    from lmhead.sampling.steps import accept
+
+    x = rows(400, seed=6)[0:1]
+    cfg = SamplingConfig(mirostat=2, mirostat_tau=4.0, mirostat_eta=0.1, seed=3)
+    state = RowState()
+    tok, lp = sample_with_logprobs(x, cfg, step=0, state=[state])
+    by_hand = RowState()
+    accept(cfg, by_hand, int(tok[0]), float(lp[0]))  # what the draw did: the stateful steps' accept
+    assert by_hand == state and state.mu is not None
+    fork = state.clone()
+    sample_with_logprobs(x, cfg, step=1, state=[fork])
+    assert fork.mu != state.mu and state == by_hand  # the fork moves on its own
+    again = RowState()
+    sample_with_logprobs(x, cfg, step=1, state=[again])
+    state.reset()
+    assert state == RowState()
+    sample_with_logprobs(x, cfg, step=1, state=[state])
+    assert state == again  # a reset state is a first token's
+    plain = RowState()
+    accept(SamplingConfig(top_k=5), plain, 3, -1.0)  # no stateful step: nothing moves
+    assert plain == RowState()
+
+
 @pytest.mark.parametrize("settings", [dict(typical_p=0.5), dict(xtc_probability=0.5, xtc_threshold=0.02),
                                       dict(dry_multiplier=1.0), dict(mirostat=2)], ids=lambda s: ",".join(s))
 def test_a_seeded_row_draws_the_same_token_alone_or_in_any_batch(settings):

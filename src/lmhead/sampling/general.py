@@ -19,8 +19,7 @@ from torch import Tensor
 from lmhead.sampling.inputs import check_top
 from lmhead.sampling.race import seeded_generator
 from lmhead.sampling.rows import draw_whole_rows
-from lmhead.sampling.steps import STEPS, Context, RowState, chain
-from lmhead.sampling.steps.mirostat import mirostat_update
+from lmhead.sampling.steps import STEPS, Context, RowState, accept, chain
 from lmhead.sampling.vocab import NEG_INF, Vocab
 
 _XTC = STEPS["xtc"]
@@ -83,7 +82,7 @@ def process_rows(x: Tensor, cfgs: list, ctxs: list[Context], name: str = "logits
 def draw_rows(x: Tensor, cfgs: list, ctxs: list[Context], steps: list[int] | None,
               generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
     """Rows x [n,V] → (ids [n], their processed logprobs [n]), each row alone: its XTC coin, its chain, its draw
-    (seeded rows from seeded_generator(seed, step)); mirostat's μ moves after the draw."""
+    (seeded rows from seeded_generator(seed, step)); the stateful steps accept the drawn token (mirostat's μ moves)."""
     ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     lp = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     for r, (cfg, ctx) in enumerate(zip(cfgs, ctxs, strict=True)):
@@ -99,8 +98,7 @@ def draw_rows(x: Tensor, cfgs: list, ctxs: list[Context], steps: list[int] | Non
         tok = int(draw_whole_rows(vals, gen, Vocab(x.shape[1]))[0])
         ids[r] = tok
         lp[r] = _drawn_logprob(vals, tok)
-        if cfg.mirostat:
-            mirostat_update(cfg, ctx.state, float(lp[r]))
+        accept(cfg, ctx.state, tok, float(lp[r]))  # the stateful steps move (mirostat's μ)
     return ids, lp
 
 

@@ -27,7 +27,7 @@ from typing import Any
 from lmhead.sampling.steps.base import Context, Param, RowState, Step
 
 __all__ = ["ENTRY_FIELDS", "LEGACY_FIELDS", "ORDER", "PARAMS", "PRESETS", "STEPS", "Context", "Param", "RowState",
-           "Step", "canonical", "chain", "describe", "runs_on", "step"]
+           "Step", "accept", "canonical", "chain", "describe", "runs_on", "step"]
 
 # every module of this package that declares STEPS and PARAMS: a new step is one new module here
 _MODULES = tuple(importlib.import_module(f"{__name__}.{m.name}") for m in pkgutil.iter_modules(__path__)
@@ -146,6 +146,14 @@ def chain(cfg: Any) -> list[Step]:
     if cfg.is_greedy:
         steps = [s for s in steps if s.stage <= 2]
     return [s for s in steps if s.active(cfg)]
+
+
+def accept(cfg: Any, state: RowState, token: int, logprob: float) -> None:
+    """After a drawn `token` (its processed log-probability `logprob`, natural log): each step of cfg's chain that
+    keeps state moves it (``Step.accept``; llama.cpp's ``llama_sampler_accept``), in chain order."""
+    for s in chain(cfg):
+        if s.accept is not None:
+            s.accept(cfg, state, token, logprob)
 
 
 def runs_on(cfg: Any, backend: str) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -119,11 +119,23 @@ def sequences_param(name: str, doc: str) -> Param:
 
 @dataclass
 class RowState:
-    """The state a row's stateful steps keep from one token to the next (one object per generated sequence).
+    """The state a row's stateful steps keep from one token to the next (one object per generated sequence), as
+    llama.cpp's ``llama_sampler_i`` keeps it in each sampler: a step reads it in ``apply``, moves it in ``accept``
+    (``steps.accept``, after each drawn token), and the row's owner ``reset``s it (a new sequence) or ``clone``s it
+    (a sequence that forks, such as the n choices of one prompt).
 
     mu: mirostat's target surprise bound μ (None until the first mirostat step: then 2·τ, as llama.cpp)."""
 
     mu: float | None = None
+
+    def reset(self) -> None:
+        """Back to the state of a sequence's first token."""
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
+    def clone(self) -> RowState:
+        """An independent copy: the fork moves on its own from here."""
+        return replace(self)
 
 
 @dataclass
@@ -160,6 +172,8 @@ class Step:
     apply       (x [1,V] float32, cfg, Context) → x [1,V], the exact implementation on a whole row (torch ops, and
                 the float64 passes over the row of ``moments``, in C where the library is built)
     origin      the definition it follows (the reference implementation)
+    accept      (cfg, RowState, token id, its processed log-probability) → None: what the step keeps moves after a
+                drawn token (stateful steps: mirostat's μ); None for a step without state
     after       where lmhead's order runs it: after this step (a step of stage 2-4 the order does not name yet)
     example     settings that turn it on (benchmarks/bench_sampling.py measures each step with them)"""
 
@@ -177,3 +191,4 @@ class Step:
     aliases: tuple[str, ...] = ()
     after: str | None = None
     example: tuple[tuple[str, Any], ...] = ()
+    accept: Callable[[Any, RowState, int, float], None] | None = None

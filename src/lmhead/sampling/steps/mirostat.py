@@ -83,9 +83,13 @@ def mirostat_update(cfg: Any, state: RowState, logprob: float) -> None:
     state.mu = mu_of(cfg, state) - cfg.mirostat_eta * (-logprob / math.log(2.0) - cfg.mirostat_tau)
 
 
+def _accept(cfg: Any, state: RowState, token: int, logprob: float) -> None:
+    mirostat_update(cfg, state, logprob)  # the surprise of the drawn token is all μ needs
+
+
 STEPS = (
     Step("mirostat", ("mirostat", "mirostat_tau", "mirostat_eta"), 4, lambda c: c.mirostat > 0, True,
          "above mirostat's surprise bound μ", _mirostat_apply,
          "llama.cpp llama_sampler_mirostat / llama_sampler_mirostat_v2", state=True,
-         example=(("mirostat", 2),)),
+         example=(("mirostat", 2),), accept=_accept),
 )
