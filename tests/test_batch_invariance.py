@@ -130,7 +130,8 @@ def test_a_rows_normaliser_and_greedy_choice_are_the_same_bits_alone_among_rows_
                 assert torch.equal(got_lse[r:r + 1].view(torch.int64), one_lse.view(torch.int64))
 
 
-def test_a_greedy_requests_tokens_and_logprobs_are_the_same_bits_alone_and_in_a_batch(tmp_path, monkeypatch):
+def test_a_greedy_requests_tokens_and_logprobs_are_the_same_bits_alone_in_a_batch_and_with_drafts(tmp_path,
+                                                                                                   monkeypatch):
     # end to end over a GGUF file run by the kernels: a prompt's steps beside two prompts of other lengths (a
     # padded prefill, then batched decode steps) equal the prompt's steps alone, bit for bit
     from tiny_gguf import write_tiny_gguf
@@ -141,9 +142,9 @@ def test_a_greedy_requests_tokens_and_logprobs_are_the_same_bits_alone_and_in_a_
     model = load_model(str(write_tiny_gguf(tmp_path / "m.gguf", "llama", kind="Q8_0")), progress=False)
     prompts = ["The cat sat on the mat. The dog", "Once upon a time there", "A B C D E F G H"]
 
-    def steps(ps):
+    def steps(ps, draft="none"):
         out: dict[int, list] = {}
-        for s in model.generate(ps, max_new_tokens=12, config=SamplingConfig(temperature=0), draft="none"):
+        for s in model.generate(ps, max_new_tokens=12, config=SamplingConfig(temperature=0), draft=draft):
             out.setdefault(s.index, []).append((s.token_id, s.logprob, s.raw_logprob, s.rank))
         return out
 
@@ -151,3 +152,7 @@ def test_a_greedy_requests_tokens_and_logprobs_are_the_same_bits_alone_and_in_a_
     batch = steps(prompts)
     assert len(alone) == 12 and batch[0] == alone
     assert steps(prompts[1:2])[0] == batch[1]
+    # with n-gram drafts: verifications of several positions, rows whose rejected drafts leave masked columns
+    # beside rows that kept theirs
+    drafted = steps(prompts, "ngram")
+    assert drafted[0] == alone and drafted[1] == batch[1] and drafted[2] == batch[2]

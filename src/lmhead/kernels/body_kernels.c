@@ -174,12 +174,14 @@ int lmhead_attend(const lmhead_attend_args* args) {
     {
         /* each thread's scores for its set of heads, on the stack up to 4,096 numbers (a malloc per head was a
          * third of the time) */
-        float stack_p[4096];
+        float stack_p[4096], stack_c[4096];
         float* p = sub * L <= 4096 ? stack_p : (float*)malloc(sizeof(float) * (size_t)(sub * L));
-        if (p == NULL) failed = 1;
+        /* a query's kept scores side by side, where its mask drops columns inside its span */
+        float* kept = L <= 4096 ? stack_c : (float*)malloc(sizeof(float) * (size_t)L);
+        if (p == NULL || kept == NULL) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work; w++) {
-            if (p == NULL) continue;
+            if (p == NULL || kept == NULL) continue;
             const int64_t b = w / (T * Hkv * sets), t = (w / (Hkv * sets)) % T, kh = (w / sets) % Hkv;
             const int64_t h0 = kh * group + (w % sets) * sub;
             const float* kb = keys + (b * Hkv + kh) * cap * hd;
@@ -224,27 +226,38 @@ int lmhead_attend(const lmhead_attend_args* args) {
             }
             for (int64_t g = 0; g < sub; g++) {
                 float* pg = p + g * L;
+                /* the scores summed: the span's, or where the mask drops columns inside it (a row of a batch
+                 * whose drafts were rejected, beside rows that kept theirs) its kept columns' side by side, so
+                 * that the sum is the one the query makes without the dropped columns (alone) */
+                float* es = pg + lo;
+                int64_t nk = hi - lo;
+                if (mrow) {
+                    nk = 0;
+                    for (int64_t j = lo; j < hi; j++)
+                        if (mrow[j] > -FLT_MAX) kept[nk++] = pg[j];
+                    if (nk > 0 && nk < hi - lo) es = kept;
+                    else nk = hi - lo; /* none dropped, or none kept (every column: transformers' uniform row) */
+                }
                 float total = 0.f;
-                int64_t j = lo, scalar_from = lo;
+                int64_t j = 0, scalar_from = 0;
 #ifdef __AVX2__
                 /* e^(s − max) eight at a time (exp8: within 2 ulp of expf; one libm call per score was most of the
                  * attention's time on 30-layer models); a masked score of −inf gives e^−87 clamped, so it is set
-                 * to 0 exactly. Column lo + i goes to lane i mod 8 and the span's last (hi − lo) mod 8 columns are
-                 * added one by one: the sum's order is the query's own kept columns', whatever the cache's width
-                 * L, the other queries of the chunk or the rows of the batch (the same bits alone, in a prefill
-                 * chunk, a draft's verification or a server round; a decode step over every column, lo = 0 and hi = L, sums
-                 * as before) */
+                 * to 0 exactly. Kept column i goes to lane i mod 8 and the last nk mod 8 are added one by one: the
+                 * sum's order is the query's own kept columns', whatever the cache's width L, the other queries
+                 * of the chunk or the rows of the batch (the same bits alone, in a prefill chunk, a draft's
+                 * verification or a server round; a decode step over every column, lo = 0 and hi = L, sums as
+                 * before) */
                 if (mx[g] > -INFINITY) {
-                    const int64_t vend = lo + ((hi - lo) & ~(int64_t)7);
-                    j = lo;
+                    const int64_t vend = nk & ~(int64_t)7;
                     scalar_from = vend;
                     const __m256 mm = _mm256_set1_ps(mx[g]), ninf = _mm256_set1_ps(-INFINITY);
                     __m256 tv = _mm256_setzero_ps();
                     for (; j + 8 <= vend; j += 8) {
-                        const __m256 sv = _mm256_loadu_ps(pg + j);
+                        const __m256 sv = _mm256_loadu_ps(es + j);
                         const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(sv, ninf, _CMP_EQ_OQ),
                                                           exp8(_mm256_sub_ps(sv, mm)));
-                        _mm256_storeu_ps(pg + j, e);
+                        _mm256_storeu_ps(es + j, e);
                         tv = _mm256_add_ps(tv, e);
                     }
                     float lanes[8];
@@ -252,10 +265,12 @@ int lmhead_attend(const lmhead_attend_args* args) {
                     for (int l = 0; l < 8; l++) total += lanes[l];
                 }
 #endif
-                for (j = scalar_from; j < hi; j++) {
-                    pg[j] = expf(pg[j] - mx[g]);
-                    total += pg[j];
+                for (j = scalar_from; j < nk; j++) {
+                    es[j] = expf(es[j] - mx[g]);
+                    total += es[j];
                 }
+                if (es == kept) /* back to their columns; a dropped column's weight is 0 */
+                    for (int64_t c = lo, i = 0; c < hi; c++) pg[c] = mrow[c] > -FLT_MAX ? kept[i++] : 0.f;
                 inv[g] = 1.0f / total;
                 float* o = out + (b * T + t) * H * hd + (h0 + g) * hd;
                 for (int64_t i = 0; i < hd; i++) o[i] = 0.f;
@@ -291,6 +306,7 @@ int lmhead_attend(const lmhead_attend_args* args) {
             }
         }
         if (p != NULL && p != stack_p) free(p);
+        if (kept != NULL && kept != stack_c) free(kept);
     }
     if (span != span_stack) free(span);
     free(q);
