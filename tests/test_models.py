@@ -373,7 +373,7 @@ def test_cached_folder_converts_once_and_then_reuses(tmp_path, monkeypatch):
     gguf_path = _tiny_gguf(tmp_path / "tiny.gguf")
     calls = []
 
-    def fake_convert(gguf, out, steps):  # writes a real HF folder of a tiny model
+    def fake_convert(gguf, out, steps, config=None):  # writes a real HF folder of a tiny model
         calls.append(gguf)
         _save_tiny_folder(out)
         return {"model_class": "LlamaForCausalLM"}
@@ -414,7 +414,7 @@ def test_a_full_disk_while_converting_is_one_error_naming_the_folder_and_the_byt
     monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
     gguf_path = _tiny_gguf(tmp_path / "tiny.gguf")
 
-    def full_disk(gguf, out, steps):
+    def full_disk(gguf, out, steps, config=None):
         (out / "model.safetensors").write_bytes(b"\0" * 100)  # a partial file, as the failed write leaves it
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
@@ -428,7 +428,7 @@ def test_a_full_disk_while_converting_is_one_error_naming_the_folder_and_the_byt
                                  "to another folder")
     assert [p.name for p in models.iterdir() if not p.name.endswith(".lock")] == []
 
-    def other_error(gguf, out, steps):  # any other failure is not called a full disk
+    def other_error(gguf, out, steps, config=None):  # any other failure is not called a full disk
         raise SafetensorError("Error while serializing: something else")
 
     monkeypatch.setattr(loading, "convert_gguf", other_error)
@@ -460,7 +460,7 @@ def test_an_unloadable_cache_with_the_right_sizes_is_rebuilt(tmp_path, monkeypat
     gguf_path = _tiny_gguf(tmp_path / "tiny.gguf")
     calls = []
 
-    def fake_convert(gguf, out, steps):
+    def fake_convert(gguf, out, steps, config=None):
         calls.append(1)
         _save_tiny_folder(out)
         return {}
@@ -482,7 +482,7 @@ def test_weights_damaged_in_place_are_detected_on_load_and_rebuilt(tmp_path, mon
     gguf_path = _tiny_gguf(tmp_path / "tiny.gguf")
     calls = []
 
-    def fake_convert(gguf, out, steps):
+    def fake_convert(gguf, out, steps, config=None):
         calls.append(1)
         _save_tiny_folder(out)
         return {}
@@ -548,7 +548,7 @@ def test_conversion_progress_goes_to_stderr(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
     gguf_path = _tiny_gguf(tmp_path / "tiny.gguf")
 
-    def fake_convert(gguf, out, steps):
+    def fake_convert(gguf, out, steps, config=None):
         steps.step("converting")
         _save_tiny_folder(out)
         return {}
@@ -567,7 +567,7 @@ sys.path.insert(0, {tests!r})
 from tiny import tiny_model
 from lmhead.models import loading
 
-def slow_convert(gguf, out, steps):
+def slow_convert(gguf, out, steps, config=None):
     open(os.path.join({marks!r}, str(os.getpid())), "w").close()
     time.sleep(1.0)
     hf_model, tokenizer = tiny_model("llama")
