@@ -35,7 +35,8 @@ def _reference(path):
 
 @pytest.mark.parametrize("kind", ["F32", "Q8_0", "MXFP4"])
 def test_a_tiny_gpt_oss_gguf_runs_from_its_codes_with_transformers_numbers(tmp_path, monkeypatch, kind):
-    from lmhead import SamplingConfig
+    from tiny_gguf import assert_matches_reference
+
     from lmhead.models.coded_linear import CodedLinear
     from lmhead.models.gguf_codes import coded_nbytes
 
@@ -53,17 +54,7 @@ def test_a_tiny_gpt_oss_gguf_runs_from_its_codes_with_transformers_numbers(tmp_p
     assert ids.shape[1] > 2 * model.config.sliding_window  # the sliding layer's window cuts
     with torch.no_grad():
         want = ref(ids).logits
-    scale = float(want.abs().max())
-    torch.testing.assert_close(model.logits(ids), want, rtol=0, atol=1e-5 * scale)
-    cache = model.lean.new_cache(1, ids.shape[1])  # one position at a time: the decode-sized products
-    steps = torch.cat([model.exact_head(model.lean(ids[:, t:t + 1], torch.tensor([[t]]), cache))[0]
-                       for t in range(ids.shape[1])])
-    torch.testing.assert_close(steps, want[0], rtol=0, atol=1e-5 * scale)
-    greedy = [s.token_id for s in model.generate("The cat sat", max_new_tokens=10,
-                                                 config=SamplingConfig(temperature=0))]
-    start = torch.tensor([model.encode("The cat sat")])
-    expect = ref.generate(start, max_new_tokens=10, do_sample=False, eos_token_id=None)[0, start.shape[1]:].tolist()
-    assert greedy == expect[:len(greedy)] and len(greedy) >= 1
+    assert_matches_reference(model, ref, ids, want)
 
 
 def test_gpt_oss_rows_that_pick_different_experts_in_one_batch_get_what_each_gets_alone(tmp_path, monkeypatch):

@@ -29,9 +29,8 @@ def _load(tmp_path, monkeypatch, arch: str, kind: str, **kw):
 
 @pytest.mark.parametrize("arch,kind", FILES)
 def test_a_tiny_moe_gguf_runs_from_its_codes_with_transformers_numbers(tmp_path, monkeypatch, arch, kind):
-    from tiny_gguf import reference_from_gguf
+    from tiny_gguf import assert_matches_reference, reference_from_gguf
 
-    from lmhead import SamplingConfig
     from lmhead.models.coded_linear import CodedLinear
     from lmhead.models.gguf_codes import coded_nbytes
 
@@ -48,19 +47,8 @@ def test_a_tiny_moe_gguf_runs_from_its_codes_with_transformers_numbers(tmp_path,
     ids = torch.tensor([model.encode("The cat sat on the mat. The dog ran after a ball")])
     with torch.no_grad():
         want = ref(ids).logits
-    got = model.logits(ids)
-    scale = float(want.abs().max())
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * scale)
-    # decode-sized calls (each expert's coded product over the rows that chose it) give the same numbers
-    cache = model.lean.new_cache(1, ids.shape[1])
-    steps = torch.cat([model.exact_head(model.lean(ids[:, t:t + 1], torch.tensor([[t]]), cache))[0]
-                       for t in range(ids.shape[1])])
-    torch.testing.assert_close(steps, want[0], rtol=0, atol=1e-5 * scale)
-    greedy = [s.token_id for s in model.generate("The cat sat", max_new_tokens=10,
-                                                 config=SamplingConfig(temperature=0))]
-    start = torch.tensor([model.encode("The cat sat")])
-    expect = ref.generate(start, max_new_tokens=10, do_sample=False, eos_token_id=None)[0, start.shape[1]:].tolist()
-    assert greedy == expect[:len(greedy)] and len(greedy) >= 1
+    # the whole prompt, then decode-sized calls (each expert's coded product over the rows that chose it)
+    assert_matches_reference(model, ref, ids, want)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])

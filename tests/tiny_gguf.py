@@ -27,6 +27,42 @@ _GEMMA_NORMS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforw
                 "post_feedforward_layernorm": "post_ffw_norm"}
 
 
+
+def add_tokenizer(w, tokenizer, pre: str) -> None:
+    """tiny.py's byte-level BPE as a "gpt2" GGUF tokenizer with pre-tokenizer `pre`: tokens, types, merges, ids."""
+    vocab = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    special = {"<pad>", "<eos>", "<bos>", "<unk>"}
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in vocab["merges"]])
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_pad_token_id(0)
+
+
+def assert_matches_reference(model, ref, ids, want) -> None:
+    """A loaded lmhead model against its reference `ref` (transformers, `want` = ref(ids).logits): the whole prompt
+    and one position at a time (the decode-sized products) within 1e-5 of the logits' scale, and 10 greedy tokens
+    equal to ref.generate()'s."""
+    import torch
+
+    from lmhead import SamplingConfig
+
+    scale = float(want.abs().max())
+    torch.testing.assert_close(model.logits(ids), want, rtol=0, atol=1e-5 * scale)
+    cache = model.lean.new_cache(1, ids.shape[1])
+    steps = torch.cat([model.exact_head(model.lean(ids[:, t:t + 1], torch.tensor([[t]]), cache))[0]
+                       for t in range(ids.shape[1])])
+    torch.testing.assert_close(steps, want[0], rtol=0, atol=1e-5 * scale)
+    greedy = [s.token_id for s in model.generate("The cat sat", max_new_tokens=10,
+                                                 config=SamplingConfig(temperature=0))]
+    start = torch.tensor([model.encode("The cat sat")])
+    expect = ref.generate(start, max_new_tokens=10, do_sample=False, eos_token_id=None)[0, start.shape[1]:].tolist()
+    assert greedy == expect[:len(greedy)] and len(greedy) >= 1
+
 def _hf_model(arch: str, seed: int, width: int = 32):
     from tiny import tiny_config, tiny_tokenizer
     from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
@@ -277,17 +313,7 @@ def write_model_gguf(path: Path, arch: str, model, tokenizer, kind: str = "Q8_0"
     if arch == "gemma2":  # as llama.cpp's converter writes them (transformers' reader takes neither)
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    vocab = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
-    tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    special = {"<pad>", "<eos>", "<bos>", "<unk>"}
-    w.add_token_types([3 if t in special else 1 for t in tokens])
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in vocab["merges"]])
-    w.add_bos_token_id(2)
-    w.add_eos_token_id(1)
-    w.add_pad_token_id(0)
+    add_tokenizer(w, tokenizer, "default")
     w.add_add_bos_token(True)
     for name, t in model.state_dict().items():
         a = t.detach().float().numpy()
@@ -487,17 +513,7 @@ def write_tiny_gpt_oss(path: Path, kind: str = "MXFP4", seed: int = 0, model=Non
     w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_sliding_window(cfg.sliding_window)
     w.add_expert_feed_forward_length(cfg.intermediate_size)
-    vocab = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
-    tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-4o")
-    w.add_token_list(tokens)
-    special = {"<pad>", "<eos>", "<bos>", "<unk>"}
-    w.add_token_types([3 if t in special else 1 for t in tokens])
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in vocab["merges"]])
-    w.add_bos_token_id(2)
-    w.add_eos_token_id(1)
-    w.add_pad_token_id(0)
+    add_tokenizer(w, tokenizer, "gpt-4o")
     if template is not None:
         w.add_chat_template(template)
     for name, t in model.state_dict().items():
