@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lmhead import checks
-from lmhead.distributed.protocol import _agree, _check_group, _layout, _targets_checksum
+from lmhead.distributed.protocol import agree, check_group, shard_layout, targets_checksum
 from lmhead.loss import (
     ChunkScratch,
     LossVocab,
@@ -42,7 +42,7 @@ def _check_targets(targets: Tensor, n: int, vocab_size: int | None, ignore_index
                              f"got values in [{int(valid.min())}, {int(valid.max())}]")
 
 
-def _softcapped(x: Tensor, softcap: float | None) -> Tensor:
+def softcapped(x: Tensor, softcap: float | None) -> Tensor:
     return x if softcap is None else torch.tanh(x / softcap) * softcap
 
 
@@ -139,7 +139,7 @@ def vocab_parallel_cross_entropy(
     vocab_size, if given, must equal the sum of the shards and match `vocab_range`. Collective: every rank
     of the group must call it with the same targets and options.
     """
-    rank, _ = _check_group(group)
+    rank, _ = check_group(group)
     error = None
     try:
         if not isinstance(local_logits, Tensor) or not local_logits.is_floating_point():
@@ -158,10 +158,10 @@ def vocab_parallel_cross_entropy(
     width = local_logits.shape[-1] if isinstance(local_logits, Tensor) else 0
     shared = {"rows": local_logits.numel() // max(width, 1), "ignore_index": ignore_index,
               "reduction": reduction, "label_smoothing": float(label_smoothing), "z_loss": float(z_loss),
-              "softcap": softcap, "targets": _targets_checksum(targets) if error is None else 0,
+              "softcap": softcap, "targets": targets_checksum(targets) if error is None else 0,
               "dtype": str(local_logits.dtype)}
-    widths = _agree(group, "vocab_parallel_cross_entropy", shared, width, error, local_logits.device)
-    start, end, vocab = _layout("vocab_parallel_cross_entropy", widths, vocab_size, rank)
+    widths = agree(group, "vocab_parallel_cross_entropy", shared, width, error, local_logits.device)
+    start, end, vocab = shard_layout("vocab_parallel_cross_entropy", widths, vocab_size, rank)
     if vocab_size is None:
         _check_targets(targets, shared["rows"], vocab, ignore_index)  # same result on every rank
 
@@ -307,7 +307,7 @@ def vocab_parallel_linear_cross_entropy(
     column-parallel input gradient). dW and db stay local. bf16/fp16: matmuls in the weight's dtype,
     statistics, dW and the loss in float32. shift=True predicts token t+1 from position t ([B,T] inputs).
     """
-    rank, _ = _check_group(group)
+    rank, _ = check_group(group)
     error = None
     try:
         _check_fused_shapes(hidden, local_weight, local_bias, shift)
@@ -331,10 +331,10 @@ def vocab_parallel_linear_cross_entropy(
     shared = {"rows": n, "d_model": d_model, "ignore_index": ignore_index, "reduction": reduction,
               "label_smoothing": float(label_smoothing), "z_loss": float(z_loss), "softcap": softcap,
               "bias": local_bias is not None, "shift": bool(shift), "dtype": str(local_weight.dtype),
-              "targets": _targets_checksum(targets) if error is None else 0}
+              "targets": targets_checksum(targets) if error is None else 0}
     op = "vocab_parallel_linear_cross_entropy"
-    widths = _agree(group, op, shared, width, error, hidden.device)
-    start, end, vocab = _layout(op, widths, vocab_size, rank)
+    widths = agree(group, op, shared, width, error, hidden.device)
+    start, end, vocab = shard_layout(op, widths, vocab_size, rank)
     if vocab_size is None:
         _check_targets(targets, n, vocab, ignore_index)
 

@@ -10,9 +10,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lmhead import checks
-from lmhead.distributed.loss import _softcapped, vocab_parallel_linear_cross_entropy
-from lmhead.distributed.ops import _CopyToVocabParallel, _ReduceFromVocabParallel
-from lmhead.distributed.protocol import _agree, _check_group, _comm_device, vocab_range
+from lmhead.distributed.loss import softcapped, vocab_parallel_linear_cross_entropy
+from lmhead.distributed.ops import CopyToVocabParallel, ReduceFromVocabParallel
+from lmhead.distributed.protocol import agree, check_group, comm_device, vocab_range
 from lmhead.distributed.sampling import vocab_parallel_sample
 
 
@@ -27,7 +27,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, group: Any = None,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
-        rank, world = _check_group(group)
+        rank, world = check_group(group)
         if not isinstance(embedding_dim, int) or embedding_dim < 1:
             raise ValueError(f"embedding_dim must be an int >= 1, got {embedding_dim!r}")
         self.group = group
@@ -37,8 +37,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, embedding_dim,
                                                dtype=dtype, device=device))
         nn.init.normal_(self.weight)
-        _agree(group, "VocabParallelEmbedding", {"vocab_size": num_embeddings, "d_model": embedding_dim},
-               self.weight.shape[0], None, _comm_device(group, self.weight.device))
+        agree(group, "VocabParallelEmbedding", {"vocab_size": num_embeddings, "d_model": embedding_dim},
+               self.weight.shape[0], None, comm_device(group, self.weight.device))
 
     @classmethod
     def from_weight(cls, weight: Tensor, group: Any = None) -> VocabParallelEmbedding:
@@ -60,14 +60,14 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = torch.where(outside, torch.zeros_like(ids), ids - self.vocab_start)
         out = nn.functional.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
-        return _ReduceFromVocabParallel.apply(out, self.group)
+        return ReduceFromVocabParallel.apply(out, self.group)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, rows=[{self.vocab_start}, {self.vocab_end})")
 
 
 def _head_error(d_model: Any, vocab_size: Any, world: int, softcap: Any, tie_to: Any) -> str | None:
-    """This rank's complaint about VocabParallelLMHead's arguments, or None (raised by `_agree` on every rank)."""
+    """This rank's complaint about VocabParallelLMHead's arguments, or None (raised by `agree` on every rank)."""
     if not isinstance(d_model, int) or d_model < 1:
         return f"d_model must be an int >= 1, got {d_model!r}"
     if not isinstance(vocab_size, int) or vocab_size < world:
@@ -97,7 +97,7 @@ class VocabParallelLMHead(nn.Module):
                  group: Any = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
-        rank, world = _check_group(group)
+        rank, world = check_group(group)
         error = _head_error(d_model, vocab_size, world, softcap, tie_to)
         softcap = softcap if error is not None else checks.softcap(softcap)
         self.group = group
@@ -114,9 +114,9 @@ class VocabParallelLMHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(width, dtype=dtype, device=device)) if bias and error is None \
             else None
         fallback = self.weight.device if error is None else torch.device(device or "cpu")
-        _agree(group, "VocabParallelLMHead", {"vocab_size": vocab_size, "d_model": d_model, "bias": bool(bias),
+        agree(group, "VocabParallelLMHead", {"vocab_size": vocab_size, "d_model": d_model, "bias": bool(bias),
                                               "softcap": softcap, "tied": tie_to is not None},
-               width, error, _comm_device(group, fallback))
+               width, error, comm_device(group, fallback))
 
     @classmethod
     def from_weight(cls, weight: Tensor, bias: Tensor | None = None, softcap: float | None = None,
@@ -144,9 +144,9 @@ class VocabParallelLMHead(nn.Module):
             raise ValueError(f"logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
         if logits_to_keep and hidden.dim() == 3:
             hidden = hidden[:, -logits_to_keep:]
-        hidden = _CopyToVocabParallel.apply(hidden, self.group)
+        hidden = CopyToVocabParallel.apply(hidden, self.group)
         logits = nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias).float()
-        return _softcapped(logits, self.softcap)
+        return softcapped(logits, self.softcap)
 
     def loss(self, hidden: Tensor, targets: Tensor, **kwargs: Any) -> Tensor:
         """`vocab_parallel_linear_cross_entropy` with this head's weight shard, bias and softcap."""
@@ -171,9 +171,9 @@ class VocabParallelLMHead(nn.Module):
 def gather_vocab_parallel_logits(local_logits: Tensor, group: Any = None) -> Tensor:
     """All-gather the shards [..., V_r] into the full logits [..., V] on every rank (O(V) traffic: for
     checks and display, not for the loss or sampling). Not differentiable."""
-    rank, world = _check_group(group)
+    rank, world = check_group(group)
     width = local_logits.shape[-1]
-    widths = _agree(group, "gather_vocab_parallel_logits", {"shape": str(tuple(local_logits.shape[:-1])),
+    widths = agree(group, "gather_vocab_parallel_logits", {"shape": str(tuple(local_logits.shape[:-1])),
                                                             "dtype": str(local_logits.dtype)},
                     width, None, local_logits.device)
     biggest = max(widths)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 
-class _CopyToVocabParallel(torch.autograd.Function):
+class CopyToVocabParallel(torch.autograd.Function):
     """Identity forward; all-reduce SUM of the gradient in backward (hidden is replicated, each rank's
     slice of the logits contributes its part of dHidden)."""
 
@@ -26,7 +26,7 @@ class _CopyToVocabParallel(torch.autograd.Function):
         return grad, None
 
 
-class _ReduceFromVocabParallel(torch.autograd.Function):
+class ReduceFromVocabParallel(torch.autograd.Function):
     """All-reduce SUM forward (each rank looked up only its own rows); identity backward, because everything
     after it is replicated and every rank back-propagates the same gradient."""
 

@@ -1,6 +1,6 @@
 """The process group's agreement and the vocabulary's layout over it: every public function of
-``lmhead.distributed`` starts with `_agree` (one small all_gather of metadata, so that ranks that disagree raise on
-every rank before the first real collective) and `_layout` (this rank's columns of the vocabulary)."""
+``lmhead.distributed`` starts with `agree` (one small all_gather of metadata, so that ranks that disagree raise on
+every rank before the first real collective) and `shard_layout` (this rank's columns of the vocabulary)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def init_distributed(backend: str | None = None, timeout: float = 60.0) -> tuple
     return dist.get_rank(), dist.get_world_size()
 
 
-def _check_group(group: Any) -> tuple[int, int]:
+def check_group(group: Any) -> tuple[int, int]:
     """(rank in group, group size); a clear error when torch.distributed is not set up."""
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this build of torch")
@@ -60,7 +60,7 @@ def vocab_range(vocab_size: int, rank: int | None = None, world_size: int | None
     world_size default to this process's place in `group` (the default group when None).
     """
     if rank is None or world_size is None:
-        g_rank, g_world = _check_group(group)
+        g_rank, g_world = check_group(group)
         rank = g_rank if rank is None else rank
         world_size = g_world if world_size is None else world_size
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
@@ -77,14 +77,14 @@ def vocab_range(vocab_size: int, rank: int | None = None, world_size: int | None
     return start, start + base + (1 if rank < extra else 0)
 
 
-def _comm_device(group: Any, fallback: torch.device) -> torch.device:
+def comm_device(group: Any, fallback: torch.device) -> torch.device:
     """NCCL moves CUDA tensors only; gloo takes the inputs' device (CPU)."""
     if "nccl" in str(dist.get_backend(group)).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return fallback
 
 
-def _encode(value: Any) -> int:
+def encode_prompt(value: Any) -> int:
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, int):
@@ -94,7 +94,7 @@ def _encode(value: Any) -> int:
     return zlib.crc32(repr(value).encode())
 
 
-def _targets_checksum(targets: Tensor) -> int:
+def targets_checksum(targets: Tensor) -> int:
     """Cheap fingerprint of replicated targets: ranks fed different batches disagree here."""
     t = targets.reshape(-1).to(torch.int64)
     if t.numel() == 0:
@@ -103,7 +103,7 @@ def _targets_checksum(targets: Tensor) -> int:
     return int(((t % 1_000_003) * weights).sum().item() % (2**61 - 1))
 
 
-def _agree(group: Any, op: str, shared: dict[str, Any], width: int, error: str | None,
+def agree(group: Any, op: str, shared: dict[str, Any], width: int, error: str | None,
            device: torch.device) -> list[int]:
     """One small all_gather of metadata before any real collective; return every rank's local row count.
 
@@ -111,9 +111,9 @@ def _agree(group: Any, op: str, shared: dict[str, Any], width: int, error: str |
     number of vocabulary rows; `error` is this rank's own input error, if any. Every rank sees the same
     gathered table, so every rank raises (the same kind of error) or none does — never a hang.
     """
-    rank, world = _check_group(group)
+    rank, world = check_group(group)
     keys = sorted(shared)
-    row = [zlib.crc32(op.encode()), 0 if error is None else 1, width] + [_encode(shared[k]) for k in keys]
+    row = [zlib.crc32(op.encode()), 0 if error is None else 1, width] + [encode_prompt(shared[k]) for k in keys]
     row = row + [0] * (32 - len(row))
     if len(row) > 32:
         raise AssertionError("too many metadata fields")
@@ -138,7 +138,7 @@ def _agree(group: Any, op: str, shared: dict[str, Any], width: int, error: str |
     return [r[2] for r in rows]
 
 
-def _layout(op: str, widths: list[int], vocab_size: int | None, rank: int) -> tuple[int, int, int]:
+def shard_layout(op: str, widths: list[int], vocab_size: int | None, rank: int) -> tuple[int, int, int]:
     """(start, end, V) for this rank from the gathered widths; checks them against `vocab_range`."""
     total = sum(widths)
     if vocab_size is not None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lmhead import sampling
-from lmhead.distributed.protocol import _agree, _check_group, _layout, _targets_checksum
+from lmhead.distributed.protocol import agree, check_group, shard_layout, targets_checksum
 
 # lmhead.sampling's pipeline itself, run on every rank over its columns: `ShardedVocab` is the vocabulary axis
 # of sampling.Vocab split over the ranks. Steps 1-2 are per token (each rank its own columns); every reduction
@@ -28,7 +28,7 @@ class ShardedVocab(sampling.Vocab):
     def __init__(self, size: int, start: int, group: Any = None, name: str = "local_logits") -> None:
         super().__init__(size, start, name)
         self.group = group
-        self.world = _check_group(group)[1]
+        self.world = check_group(group)[1]
 
     def _gather(self, t: Tensor) -> Tensor:
         """all_gather of equal-shaped tensors → [W, *t.shape], in rank (= id) order."""
@@ -96,7 +96,7 @@ def _sharded_vocab(op: str, local_logits: Tensor, config: Any, generator: torch.
                    group: Any) -> ShardedVocab:
     """Check the arguments on every rank (one metadata all_gather: batch, configs, prev_tokens, prompt_len,
     step and the generator's state must agree) and return this rank's ShardedVocab."""
-    rank, _ = _check_group(group)
+    rank, _ = check_group(group)
     error = None
     batch, cfgs, prev, plen, steps = 0, [], None, None, [0]
     try:
@@ -121,10 +121,10 @@ def _sharded_vocab(op: str, local_logits: Tensor, config: Any, generator: torch.
         error = str(exc)
     unseeded = any(c.seed is None and not c.is_greedy for c in cfgs)
     shared = {"batch": batch, "config": repr(cfgs), "prompt_len": repr(plen.tolist() if plen is not None else 0),
-              "prev": _targets_checksum(prev) if prev is not None else -1, "step": repr(steps),
+              "prev": targets_checksum(prev) if prev is not None else -1, "step": repr(steps),
               "generator": _generator_fingerprint(generator) if unseeded and error is None else 0}
-    widths = _agree(group, op, shared, local_logits.shape[-1], error, local_logits.device)
-    start, _, vocab = _layout(op, widths, vocab_size, rank)
+    widths = agree(group, op, shared, local_logits.shape[-1], error, local_logits.device)
+    start, _, vocab = shard_layout(op, widths, vocab_size, rank)
     return ShardedVocab(vocab, start, group)
 
 

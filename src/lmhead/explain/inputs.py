@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 
-def _accepts_parts(fn):
+def accepts_parts(fn):
     """Also accept the older call form fn(hf_model, tokenizer, head, text, ...): the three are wrapped in a
     `Model` that runs transformers' own modules with that head (`Model.from_parts`), as that form did."""
 
@@ -25,15 +25,15 @@ def _accepts_parts(fn):
     return call
 
 
-def _model_name(model, name: str | None) -> str:
+def model_name_of(model, name: str | None) -> str:
     return name or model.name
 
 
-def _device(model) -> torch.device:
+def model_device(model) -> torch.device:
     return model.device
 
 
-def _encode(tokenizer, text: str, what: str) -> list[int]:
+def encode_prompt(tokenizer, text: str, what: str) -> list[int]:
     if not isinstance(text, str):
         raise TypeError(f"{what}: expected a string, got {type(text).__name__}")
     if not text:
@@ -44,7 +44,7 @@ def _encode(tokenizer, text: str, what: str) -> list[int]:
     return [int(i) for i in ids]
 
 
-def _config_dict(config) -> dict[str, Any]:
+def config_dict(config) -> dict[str, Any]:
     """The config as JSON-ready data (logit_bias keys as strings, -inf bans as None via to_dict)."""
     d = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     if d.get("logit_bias") is not None:

@@ -10,19 +10,19 @@ from lmhead.explain.records import LensCandidate, LensLayer
 from lmhead.explain.tokens import token_texts
 
 
-def _entropies(logits: torch.Tensor) -> torch.Tensor:
+def entropies(logits: torch.Tensor) -> torch.Tensor:
     """Entropy in nats of the softmax of each row of `logits` [..., V] -> [...], in float64 (see `predict`);
     -inf logits are tokens of probability 0 and add nothing."""
     logp = torch.log_softmax(logits.double(), dim=-1)
     return -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
 
 
-def _logit_lens(logits: torch.Tensor, tokenizer, top: int) -> list[LensLayer]:
-    """One `LensLayer` per row of the lens logits [L+1, V] (from `_lens_rows`), `top` candidates each."""
+def logit_lens(logits: torch.Tensor, tokenizer, top: int) -> list[LensLayer]:
+    """One `LensLayer` per row of the lens logits [L+1, V] (from `lens_rows`), `top` candidates each."""
     rows = range(logits.shape[0])
     logp = torch.log_softmax(logits.double(), dim=-1)  # float64: see `predict`
     p = logp.exp()
-    ent = _entropies(logits)
+    ent = entropies(logits)
     final_logp = logp[-1]
     kl = (final_logp.exp() * (final_logp - logp).nan_to_num(nan=0.0, neginf=0.0, posinf=0.0)).sum(-1)
     final_tok = int(logits[-1].argmax())
@@ -38,7 +38,7 @@ def _logit_lens(logits: torch.Tensor, tokenizer, top: int) -> list[LensLayer]:
     return out
 
 
-def _lens_rows(norm, head, hidden_states, last_hidden) -> torch.Tensor:
+def lens_rows(norm, head, hidden_states, last_hidden) -> torch.Tensor:
     """[L+1, V] logits: final norm (where not applied yet) + head on each entry of hidden_states, last position.
 
     transformers' `hidden_states` holds L+1 entries: the embeddings, the residual stream after blocks
@@ -66,4 +66,4 @@ def lens_logits(model, input_ids: torch.Tensor, head: str = "exact") -> torch.Te
     `explain_head(model, head)` (default: the full-precision `exact_head`).
     """
     states, last = model.layer_states(input_ids)
-    return _lens_rows(model.final_norm, explain_head(model, head)[0], states, last)
+    return lens_rows(model.final_norm, explain_head(model, head)[0], states, last)

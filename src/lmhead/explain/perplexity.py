@@ -9,9 +9,9 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from lmhead import checks
-from lmhead.explain.inputs import _accepts_parts, _device, _encode, _model_name
+from lmhead.explain.inputs import accepts_parts, encode_prompt, model_device, model_name_of
 from lmhead.explain.records import Evaluation, TokenScore
-from lmhead.explain.tokens import _special_ids, token_texts
+from lmhead.explain.tokens import special_ids, token_texts
 
 DEFAULT_WINDOW = 1024  # tokens per window at most (capped by the model's context length)
 
@@ -62,7 +62,7 @@ def _progress(total: int, enabled: bool, description: str):
 
 
 @torch.inference_mode()
-@_accepts_parts
+@accepts_parts
 def evaluate(model, text: str, window: int | None = None, stride: int | None = None, tokens: bool = False,
              progress: bool = False, model_name: str | None = None, chunk: int = 256) -> Evaluation:
     """Perplexity of `text` (and, with tokens=True, each token's log-probability and rank).
@@ -80,11 +80,11 @@ def evaluate(model, text: str, window: int | None = None, stride: int | None = N
     from the head's logits in chunks of `chunk` positions.
     """
     tokenizer, head = model.tokenizer, model.exact_head
-    ids = _encode(tokenizer, text, "text")
+    ids = encode_prompt(tokenizer, text, "text")
     window, stride = _window_defaults(model, window, stride)
     if len(ids) < 2:
         raise ValueError("text: needs at least 2 tokens to predict one (got 1)")
-    all_ids = torch.tensor([ids], device=_device(model))
+    all_ids = torch.tensor([ids], device=model_device(model))
     spans = list(windows(len(ids), window, stride))
     logprob: list[float | None] = [None] * len(ids)
     rank: list[int | None] = [None] * len(ids)
@@ -118,7 +118,7 @@ def evaluate(model, text: str, window: int | None = None, stride: int | None = N
         segments = text_segments(tokenizer, text, ids)
         scores = [TokenScore(position=i, token_id=t, text=s, decoded=d, segment=g, logprob=logprob[i], rank=rank[i])
                   for i, (t, (s, d), g) in enumerate(zip(ids, texts, segments, strict=True))]
-    return Evaluation(model=_model_name(model, model_name), perplexity=math.exp(mean), loss=mean,
+    return Evaluation(model=model_name_of(model, model_name), perplexity=math.exp(mean), loss=mean,
                       token_count=len(ids), scored_count=count, window=window, stride=stride,
                       windows=len(spans), tokens=scores)
 
@@ -150,7 +150,7 @@ def text_segments(tokenizer, text: str, ids: Sequence[int]) -> list[str]:
         if pieces:
             pieces[-1] += text[cursor:]
         return pieces
-    specials = _special_ids(tokenizer)
+    specials = special_ids(tokenizer)
     kept = [t for t in ids if t not in specials]
     prev = ""
     for i in range(len(ids)):  # quadratic, but only for tokenizers without offsets
@@ -180,7 +180,7 @@ def _score_window(head, hidden: torch.Tensor, ids: torch.Tensor, first: int, off
             rank[offset + s + j] = int(rk[j])
 
 
-@_accepts_parts
+@accepts_parts
 def perplexity(model, text: str, window: int | None = None, stride: int | None = None,
                progress: bool = False) -> float:
     """exp(mean next-token loss) of `text` under `model` (an `lmhead.Model`); see `evaluate` for
@@ -188,7 +188,7 @@ def perplexity(model, text: str, window: int | None = None, stride: int | None =
     return evaluate(model, text, window=window, stride=stride, progress=progress).perplexity
 
 
-@_accepts_parts
+@accepts_parts
 def score_tokens(model, text: str, window: int | None = None, stride: int | None = None,
                  progress: bool = False) -> list[TokenScore]:
     """Per token {position, token_id, text, logprob, rank} (the GLTR view); the first token has None."""

@@ -8,14 +8,14 @@ from typing import Any
 import torch
 
 from lmhead import checks
-from lmhead.explain.inputs import _accepts_parts, _config_dict, _device, _encode, _model_name, explain_head
-from lmhead.explain.lens import _entropies, _lens_rows, _logit_lens
+from lmhead.explain.inputs import accepts_parts, config_dict, encode_prompt, explain_head, model_device, model_name_of
+from lmhead.explain.lens import entropies, lens_rows, logit_lens
 from lmhead.explain.records import Candidate, Prediction, PromptToken
 from lmhead.explain.tokens import token_texts
 
 
 @torch.inference_mode()
-@_accepts_parts
+@accepts_parts
 def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False, layer_top: int = 5,
             model_name: str | None = None, head: str = "exact", constraint=None,
             constraint_from: int | None = None) -> Prediction:
@@ -58,7 +58,7 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
     checks.positive_int("layer_top", layer_top)
 
     ids, start = _prompt_ids(model, prompt, constraint, constraint_from)
-    input_ids = torch.tensor([ids], device=_device(model))
+    input_ids = torch.tensor([ids], device=model_device(model))
     if layers:
         states, last = model.layer_states(input_ids)
     else:
@@ -76,20 +76,20 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
     cuts = _cut_names(config) if constraint is None else ("constraint", *_cut_names(config))
     candidates = _candidates(model.tokenizer, logits[0], stages, processed[0], probs, top, cuts)
     scaled = stages["scaled"][0]
-    ent = _entropies(torch.stack([logits[0], scaled, processed[0]]))
+    ent = entropies(torch.stack([logits[0], scaled, processed[0]]))
     prompt_tokens = [PromptToken(token_id=i, text=s, decoded=d)
                      for i, (s, d) in zip(ids, token_texts(model.tokenizer, ids), strict=True)]
     lens = None
     if layers:
-        rows = _lens_rows(model.final_norm, head, states, last)
-        lens = _logit_lens(rows, model.tokenizer, layer_top)
+        rows = lens_rows(model.final_norm, head, states, last)
+        lens = logit_lens(rows, model.tokenizer, layer_top)
     return Prediction(
-        model=_model_name(model, model_name), prompt=prompt, prompt_tokens=prompt_tokens,
+        model=model_name_of(model, model_name), prompt=prompt, prompt_tokens=prompt_tokens,
         candidates=candidates,
         entropy={"raw": float(ent[0]), "scaled": float(ent[1]), "processed": float(ent[2])},
         kept_count=int(torch.isfinite(processed[0]).sum()), vocab_size=vocab,
         logsumexp=float(torch.logsumexp(logits[0], dim=-1)), scaled_logsumexp=float(torch.logsumexp(scaled, dim=-1)),
-        config=_config_dict(config), layers=lens, head=head_name, steps=step_rows(config, stages),
+        config=config_dict(config), layers=lens, head=head_name, steps=step_rows(config, stages),
         constraint=None if constraint is None else constraint.describe(),
     )
 
@@ -97,7 +97,7 @@ def predict(model, prompt: str, top: int = 10, config=None, layers: bool = False
 def _prompt_ids(model, prompt: str, constraint, constraint_from: int | None) -> tuple[list[int], int | None]:
     """The prompt's ids and, with a constraint that starts inside the prompt, where its answer starts
     (`lmhead.constrain.split_answer`); a prompt longer than the model's context is a ValueError."""
-    ids = _encode(model.tokenizer, prompt, "prompt")
+    ids = encode_prompt(model.tokenizer, prompt, "prompt")
     start = None
     if constraint is not None and constraint_from is not None:
         from lmhead.constrain import split_answer

@@ -52,7 +52,7 @@ def _piece_text(piece: str, decoded: str) -> str:
     return piece or visible(decoded)  # e.g. SentencePiece byte fallback: the piece is already "<0xE2>"
 
 
-def _special_ids(tokenizer) -> set[int]:
+def special_ids(tokenizer) -> set[int]:
     return {int(i) for i in (getattr(tokenizer, "all_special_ids", None) or [])}
 
 
@@ -63,7 +63,7 @@ def token_texts(tokenizer, token_ids: Sequence[int]) -> list[tuple[str, str]]:
     their name (e.g. "<bos>"), whitespace made visible (`visible`), and tokens that are only part of a
     UTF-8 character (they decode to "�") as their bytes, e.g. "<0xE2><0x80>" (or the vocabulary piece).
     """
-    specials = _special_ids(tokenizer)
+    specials = special_ids(tokenizer)
     out = []
     for tid in token_ids:
         tid = int(tid)
