@@ -8,8 +8,8 @@ import socket
 import pytest
 from tiny import save_tiny
 
-from lmhead import cli
 from lmhead.cli import main
+from lmhead.cli.args import read_text
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -92,13 +92,13 @@ def test_eval_of_a_folder_or_a_missing_file_is_an_error(capsys, no_load, tmp_pat
 def test_read_text_keeps_what_fits_and_reads_newlines_as_text_mode_does(tmp_path):
     path = tmp_path / "t.txt"
     path.write_bytes("naïve\r\nline".encode())
-    assert cli._read_text(str(path)) == "naïve\nline"
-    assert cli._read_text(str(path), limit=len(path.read_bytes())) == "naïve\nline"
+    assert read_text(str(path)) == "naïve\nline"
+    assert read_text(str(path), limit=len(path.read_bytes())) == "naïve\nline"
     with pytest.raises(ValueError, match="larger than 11 bytes"):
-        cli._read_text(str(path), limit=11)
+        read_text(str(path), limit=11)
     path.write_bytes(b"\xff\xfe bad")
     with pytest.raises(ValueError, match="not UTF-8"):
-        cli._read_text(str(path))
+        read_text(str(path))
 
 
 def test_serve_on_a_busy_port_fails_before_loading_the_model(capsys, no_load):

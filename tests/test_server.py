@@ -344,7 +344,7 @@ def fake_serve(monkeypatch, request, model) -> tuple[list, list]:
 
     import uvicorn
 
-    from lmhead import cli
+    from lmhead.cli import serve as cli_serve
 
     bound, apps = [], []
 
@@ -359,8 +359,8 @@ def fake_serve(monkeypatch, request, model) -> tuple[list, list]:
         self.started = True
         apps.append(self.config.app)
 
-    monkeypatch.setattr(cli, "_load", lambda args: model)
-    monkeypatch.setattr(cli, "_listen", listen)
+    monkeypatch.setattr(cli_serve, "load_model_of", lambda args: model)
+    monkeypatch.setattr(cli_serve, "_listen", listen)
     monkeypatch.setattr(uvicorn.Server, "run", run)
     return bound, apps
 

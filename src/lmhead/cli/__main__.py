@@ -1,0 +1,5 @@
+"""`python -m lmhead.cli`: the `lmhead` command."""
+
+from lmhead.cli import entry
+
+entry()
