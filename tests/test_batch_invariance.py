@@ -113,10 +113,10 @@ def test_a_rows_normaliser_and_greedy_choice_are_the_same_bits_alone_among_rows_
     x = torch.randn(5, width, generator=g) * 4
     ids = torch.randint(0, width, (5,), generator=g)
     lib = native.library()
-    alone = [native._row_scores(lib, x[r:r + 1].contiguous(), ids[r:r + 1], 1) for r in range(5)]
+    alone = [native.row_scores_in(lib, x[r:r + 1].contiguous(), ids[r:r + 1], 1) for r in range(5)]
     for rows in (2, 5):
         for threads in (1, 2):
-            lse, greater = native._row_scores(lib, x[:rows].contiguous(), ids[:rows], threads)
+            lse, greater = native.row_scores_in(lib, x[:rows].contiguous(), ids[:rows], threads)
             for r in range(rows):
                 assert torch.equal(lse[r:r + 1].view(torch.int64), alone[r][0].view(torch.int64)), (rows, threads, r)
                 assert int(greater[r]) == int(alone[r][1][0])

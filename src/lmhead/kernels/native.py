@@ -38,6 +38,7 @@ import torch
 
 from lmhead.kernels import builder
 from lmhead.kernels.builder import SOURCES, library_path
+from lmhead.kernels.layout4 import block4, pack4, unblock4, unpack4
 
 __all__ = ["BF16", "F16", "F32", "FLAGS", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4_LEVELS", "LEVELS", "MXFP4",
            "PACKED", "ROWS4", "SIGNED4", "SOURCES", "SUB", "AttendArgs", "DecodeArgs", "LayerDesc", "MatDesc",
@@ -230,7 +231,9 @@ def library() -> ctypes.CDLL | None:
                     print(f"lmhead: the compiled kernels {path} do not match their loader ({mismatch}); running "
                           "without them", file=sys.stderr, flush=True)
                     return None
-                if _self_test(lib):
+                from lmhead.kernels.self_test import self_test  # it calls this module's bindings
+
+                if self_test(lib):
                     return lib
         except (OSError, AttributeError):
             pass
@@ -240,205 +243,6 @@ def library() -> ctypes.CDLL | None:
             except OSError:
                 return None
     return None
-
-
-def pack4(codes: torch.Tensor, signed: bool = False) -> torch.Tensor:
-    """Unsigned 4-bit codes [N,K] (groups of 32, K a multiple of 64) → [N,K/2] int8, the kernel's packed layout:
-    each 64 codes are 32 bytes read as eight little-endian uint32 lanes, nibble i of lane l holding code 8·i + l
-    XOR 8 — code − 8 as a signed nibble (so that two shifts put eight consecutive codes − 8, or one shift and one
-    mask after an XOR the codes, in the eight lanes of a vector). `signed`: codes in [-8, 7] (the SIGNED4 layout),
-    each nibble the code itself as a signed 4-bit number — the unsigned layout of code + 8."""
-    n, k = codes.shape
-    if signed:
-        codes = codes + 8
-    c = codes.view(n, k // 64, 4, 2, 8).to(torch.uint8) ^ 8    # [.., byte b, low/high nibble, lane l]
-    return (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).transpose(2, 3).reshape(n, k // 2).view(torch.int8)
-
-
-def block4(rows: torch.Tensor) -> torch.Tensor:
-    """Code rows [N,R] (N a multiple of 4, R of 32 bytes: int8 codes or `pack4`'s) → the kernel's ROWS4 layout,
-    same shape: each block of four rows stored 32-byte unit by unit (unit u of its rows 0..3 side by side)."""
-    n, r = rows.shape
-    return rows.reshape(n // 4, 4, r // 32, 32).transpose(1, 2).reshape(n, r).contiguous()
-
-
-def unblock4(blocked: torch.Tensor) -> torch.Tensor:
-    """The inverse of `block4`."""
-    n, r = blocked.shape
-    return blocked.reshape(n // 4, r // 32, 4, 32).transpose(1, 2).reshape(n, r).contiguous()
-
-
-def unpack4(packed: torch.Tensor, signed: bool = False) -> torch.Tensor:
-    """The inverse of `pack4`: [N,K/2] → int8 codes [N,K]."""
-    n, half = packed.shape
-    b = packed.view(torch.uint8).view(n, half // 32, 8, 4).transpose(2, 3)   # [.., byte b, lane l]
-    codes = (torch.stack([b & 15, b >> 4], dim=3).reshape(n, half * 2) ^ 8).to(torch.int8)
-    return codes - 8 if signed else codes
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bool(torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-5))
-
-
-def _self_test(lib: ctypes.CDLL) -> bool:
-    """Every entry point against plain torch math on small random inputs (every path of the coded product:
-    1 and several rows, groups 16 and 32, with and without offsets): built with an unknown compiler on an
-    unknown machine, it is checked, not assumed."""
-    g = torch.Generator().manual_seed(0)
-    for group, offset in ((32, False), (32, True), (16, False), (16, True)):
-        codes = torch.randint(-32, 32, (37, 4 * group), generator=g, dtype=torch.int8)
-        scale = torch.rand(37, 4, generator=g) * 0.01
-        off = torch.randn(37, 4, generator=g) * 0.01 if offset else None
-        w = codes.float().view(37, 4, group) * scale[..., None]
-        if off is not None:
-            w = w + off[..., None]
-        w = w.view(37, -1)
-        for m in (1, 3, 6, 9):
-            x = torch.randn(m, 4 * group, generator=g)
-            y = torch.empty(m, 37)
-            rc = lib.lmhead_coded_matmul(x.data_ptr(), m, 4 * group, codes.data_ptr(), scale.data_ptr(),
-                                         None if off is None else off.data_ptr(), 37, group, 0, y.data_ptr(), 2)
-            if rc != 0 or not _close(y, x.double() @ w.double().T):
-                return False
-    # Q6_K's and Q3_K's layout: groups of 16 in blocks of four rows (two groups to a 32-byte unit); Q2_K's: with
-    # offsets
-    codes = torch.randint(-32, 32, (16, 128), generator=g, dtype=torch.int8)
-    scale = torch.rand(16, 8, generator=g) * 0.01
-    off = torch.randn(16, 8, generator=g) * 0.01
-    blocked = block4(codes)
-    for o in (None, off):
-        w = (codes.float().view(16, 8, 16) * scale[..., None] + (0 if o is None else o[..., None])).view(16, 128)
-        for m in (1, 3, 6, 9):
-            x, y = torch.randn(m, 128, generator=g), torch.empty(m, 16)
-            rc = lib.lmhead_coded_matmul(x.data_ptr(), m, 128, blocked.data_ptr(), scale.data_ptr(),
-                                         None if o is None else o.data_ptr(), 16, 16, ROWS4, y.data_ptr(), 2)
-            if rc != 0 or not _close(y, x.double() @ w.double().T):
-                return False
-    # packed 4-bit codes (the same product from half the bytes), float16 scales, both
-    codes = torch.randint(0, 16, (19, 128), generator=g, dtype=torch.int8)
-    scale = (torch.rand(19, 4, generator=g) * 0.01).half()
-    off = (torch.randn(19, 4, generator=g) * 0.01).half()
-    w = (codes.float().view(19, 4, 32) * scale.float()[..., None] + off.float()[..., None]).view(19, 128)
-    packed = pack4(codes)  # held: the kernel reads its memory
-    for flags in (PACKED, HALF, PACKED | HALF, ROWS4, ROWS4 | PACKED, ROWS4 | PACKED | HALF):
-        rows = 16 if flags & ROWS4 else 19  # ROWS4: whole blocks of four rows
-        c = packed[:rows] if flags & PACKED else codes[:rows]
-        c = block4(c) if flags & ROWS4 else c
-        s, o = (scale, off) if flags & HALF else (scale.float(), off.float())
-        s, o = s[:rows].contiguous(), o[:rows].contiguous()
-        for m in (1, 5, 9):
-            x, y = torch.randn(m, 128, generator=g), torch.empty(m, rows)
-            rc = lib.lmhead_coded_matmul(x.data_ptr(), m, 128, c.data_ptr(), s.data_ptr(), o.data_ptr(),
-                                         rows, 32, flags, y.data_ptr(), 2)
-            if rc != 0 or not _close(y, x.double() @ w[:rows].double().T):
-                return False
-        if flags & ROWS4:  # without offsets too (Q8_0, Q5_0)
-            x, y = torch.randn(1, 128, generator=g), torch.empty(1, rows)
-            rc = lib.lmhead_coded_matmul(x.data_ptr(), 1, 128, c.data_ptr(), s.data_ptr(), None, rows, 32, flags,
-                                         y.data_ptr(), 2)
-            wo = (codes[:rows].float().view(rows, 4, 32) * scale[:rows].float()[..., None]).view(rows, 128)
-            if rc != 0 or not _close(y, x.double() @ wo.double().T):
-                return False
-    # signed packed 4-bit codes (Q4_0) and IQ4_NL's levels, without offsets: K = 192 leaves a unit past the 512-bit
-    # pairs; signed codes in groups of 16 (Q3_K without offsets, Q2_K with them), float32 scales
-    levels = torch.tensor(IQ4_LEVELS)
-    for k, iq4, group, offsets in ((128, False, 32, False), (192, False, 32, False), (128, True, 32, False),
-                                   (192, True, 32, False), (192, False, 16, False), (192, False, 16, True)):
-        index = torch.randint(0, 16, (20, k), generator=g, dtype=torch.int8)
-        codes = levels[index.long()] if iq4 else index - 8
-        scale = (torch.randn(20, k // group, generator=g) * 0.01).half()
-        off = (torch.randn(20, k // group, generator=g) * 0.01).float() if offsets else None
-        w = (codes.float().view(20, -1, group) * scale.float()[..., None]).view(20, k)
-        w = w if off is None else w + off.repeat_interleave(group, dim=1)
-        packed = pack4(index) if iq4 else pack4(codes, signed=True)
-        level = IQ4 if iq4 else SIGNED4
-        s = scale if group == 32 else scale.float()
-        for flags in (PACKED | level, ROWS4 | PACKED | level):
-            flags |= HALF if group == 32 else 0
-            c = block4(packed) if flags & ROWS4 else packed
-            for m in (1, 2, 5, 9):
-                x, y = torch.randn(m, k, generator=g), torch.empty(m, 20)
-                rc = lib.lmhead_coded_matmul(x.data_ptr(), m, k, c.data_ptr(), s.data_ptr(),
-                                             None if off is None else off.data_ptr(), 20, group, flags, y.data_ptr(), 2)
-                if rc != 0 or not _close(y, x.double() @ w.double().T):
-                    return False
-    # K-quant sub-scales (SUB): d per 256 weights times an int8 per group, scales and offsets, int8 and packed codes
-    for group, packed in ((16, False), (32, False), (16, True)):
-        k, ng, nsup = 512, 512 // group, 2
-        codes = torch.randint(-8 if packed else -32, 8 if packed else 32, (20, k), generator=g, dtype=torch.int8)
-        bufs, floats = [], []
-        for _ in range(2):  # scale, offset
-            d = (torch.randn(20, nsup, generator=g) * 1e-3).half().float()
-            sub = torch.randint(-8, 8, (20, ng), generator=g, dtype=torch.int8)
-            bufs.append(torch.cat([d.contiguous().view(torch.uint8).flatten(), sub.view(torch.uint8).flatten()]))
-            floats.append(d.repeat_interleave(ng // nsup, dim=1) * sub.float())
-        w = (codes.float().view(20, ng, group) * floats[0][..., None] + floats[1][..., None]).view(20, k)
-        c = pack4(codes, signed=True) if packed else codes
-        for flags in (SUB | (PACKED | SIGNED4 if packed else 0), SUB | ROWS4 | (PACKED | SIGNED4 if packed else 0)):
-            cc = block4(c) if flags & ROWS4 else c
-            for m in (1, 2, 5, 9):
-                x, y = torch.randn(m, k, generator=g), torch.empty(m, 20)
-                rc = lib.lmhead_coded_matmul(x.data_ptr(), m, k, cc.data_ptr(), bufs[0].data_ptr(), bufs[1].data_ptr(),
-                                             20, group, flags, y.data_ptr(), 2)
-                if rc != 0 or not _close(y, x.double() @ w.double().T):
-                    return False
-    # float16, bfloat16 and float32 weights, K not a multiple of the vector width
-    for flags, dtype in ((F16, torch.float16), (BF16, torch.bfloat16), (F32, torch.float32)):
-        w16 = torch.randn(7, 75, generator=g).to(dtype)
-        for m in (1, 4, 9):
-            x, y = torch.randn(m, 75, generator=g), torch.empty(m, 7)
-            rc = lib.lmhead_coded_matmul(x.data_ptr(), m, 75, w16.data_ptr(), None, None, 7, 75, flags,
-                                         y.data_ptr(), 2)
-            if rc != 0 or not _close(y, x.double() @ w16.double().T):
-                return False
-    x, a = torch.randn(3, 40, generator=g), torch.randn(3, 40, generator=g)
-    w1, w2 = torch.randn(40, generator=g), torch.randn(40, generator=g)
-    eps = 1e-6
-    for plus_one in (0, 1):
-        def norm(v, w, plus_one=plus_one):
-            y = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
-            return y * (1 + w) if plus_one else w * y
-        y = torch.empty(3, 40)
-        lib.lmhead_rms_norm(x.data_ptr(), w1.data_ptr(), y.data_ptr(), 3, 40, 1, eps, plus_one)
-        if not _close(y, norm(x, w1)):
-            return False
-        xo, h = torch.empty(3, 40), torch.empty(3, 40)
-        lib.lmhead_add_norm(x.data_ptr(), a.data_ptr(), w1.data_ptr(), w2.data_ptr(), xo.data_ptr(), h.data_ptr(),
-                            3, 40, eps, plus_one)
-        if not (_close(xo, x + norm(a, w1)) and _close(h, norm(x + norm(a, w1), w2))):
-            return False
-    gu, out = torch.randn(2, 80, generator=g), torch.empty(2, 40)
-    for act, fn in ((0, lambda t: torch.nn.functional.gelu(t, approximate="tanh")), (1, torch.nn.functional.silu)):
-        lib.lmhead_gated(gu.data_ptr(), out.data_ptr(), 2, 40, act)
-        if not _close(out, fn(gu[:, :40]) * gu[:, 40:]):
-            return False
-    rows = torch.randn(3, 1003, generator=g) * 4
-    rows[1, 17] = float("-inf")
-    lse, greater = _row_scores(lib, rows, torch.tensor([5, 17, 1002]), threads=2)
-    if not _close(lse, torch.logsumexp(rows.double(), -1)) or greater.tolist() != [
-            int((rows[b] > rows[b, t]).sum()) for b, t in enumerate((5, 17, 1002))]:
-        return False
-    rows[2, 3] = rows[2, 900] = rows[2].max() + 1  # a tie: the first position
-    ids, lse = torch.empty(3, dtype=torch.int64), torch.empty(3, dtype=torch.float64)
-    lib.lmhead_row_greedy(rows.data_ptr(), 3, 1003, ids.data_ptr(), lse.data_ptr(), 2)
-    if ids.tolist() != rows.argmax(-1).tolist() or not _close(lse, torch.logsumexp(rows.double(), -1)):
-        return False
-    row = torch.randn(1003, generator=g) * 3
-    kept = _top_p_row_in(lib, row, 0.7, 0.9)
-    xt = row / 0.7
-    v, i = torch.sort(xt, descending=True, stable=True)
-    probs = torch.softmax(v.double(), -1)
-    keep = probs.flip(-1).cumsum(-1).flip(-1) > 1 - 0.9
-    keep[0] = True
-    if kept is None or not (torch.equal(kept[1][0], i[keep]) and torch.equal(kept[0][0], v[keep])):
-        return False
-    row = torch.randn(100, generator=g)
-    out = torch.empty(100, dtype=torch.int64)
-    if lib.lmhead_select_ge(row.data_ptr(), 100, 0.5, out.data_ptr(), 100) != int((row >= 0.5).sum()):
-        return False
-    if out[:int((row >= 0.5).sum())].tolist() != (row >= 0.5).nonzero().squeeze(1).tolist():
-        return False
-    return _steps_test(lib, g) and _attend_test(lib, g)
 
 
 _TOPK_STRIDE = 16  # `topk`: every 16th logit sets the threshold
@@ -479,7 +283,7 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     return values, indices
 
 
-def _row_scores(lib: ctypes.CDLL, x: torch.Tensor, ids: torch.Tensor,
+def row_scores_in(lib: ctypes.CDLL, x: torch.Tensor, ids: torch.Tensor,
                 threads: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = ids.to(torch.int64).contiguous()
     lse, greater = torch.empty(x.shape[0], dtype=torch.float64), torch.empty(x.shape[0], dtype=torch.int64)
@@ -501,7 +305,7 @@ def row_scores(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.
         raise ValueError(f"ids must be [{x.shape[0]}] integer token ids, got {ids.dtype} {tuple(ids.shape)}")
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= x.shape[1]):
         raise ValueError(f"ids must be in [0, {x.shape[1]}), got {ids.tolist()}")
-    lse, greater = _row_scores(lib, x.contiguous(), ids, torch.get_num_threads())
+    lse, greater = row_scores_in(lib, x.contiguous(), ids, torch.get_num_threads())
     if not bool(torch.isfinite(lse).all()):
         return None
     return lse, greater
@@ -563,10 +367,10 @@ def top_p_row(x: torch.Tensor, temperature: float, top_p: float) -> tuple[torch.
     lib = library()
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 1 or x.shape[0] == 0:
         return None
-    return _top_p_row_in(lib, x, temperature, top_p)
+    return top_p_row_in(lib, x, temperature, top_p)
 
 
-def _top_p_row_in(lib: ctypes.CDLL, x: torch.Tensor, temperature: float,
+def top_p_row_in(lib: ctypes.CDLL, x: torch.Tensor, temperature: float,
                  top_p: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     x = x.contiguous()
     ids, vals = torch.empty(TOP_P_CAP, dtype=torch.int64), torch.empty(TOP_P_CAP, dtype=torch.float32)
@@ -597,7 +401,7 @@ def sample_row(x: torch.Tensor, temperature: float, top_k: int, top_p: float, mi
     return (out_id.value, out_lp.value) if rc == 0 else None
 
 
-def _row_moments_in(lib: ctypes.CDLL, x: torch.Tensor, sigma: bool, threads: int,
+def row_moments_in(lib: ctypes.CDLL, x: torch.Tensor, sigma: bool, threads: int,
                     exps: bool = True) -> tuple[float, ...] | None:
     out = (ctypes.c_double * 7)()
     if lib.lmhead_row_moments(x.data_ptr(), x.shape[0], int(exps) | 2 * int(sigma), ctypes.addressof(out), threads):
@@ -614,7 +418,7 @@ def row_moments(x: torch.Tensor, sigma: bool = False, exps: bool = True) -> tupl
     lib = library()
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 1 or x.shape[0] == 0:
         return None
-    return _row_moments_in(lib, x if x.is_contiguous() else x.contiguous(), sigma, torch.get_num_threads(), exps)
+    return row_moments_in(lib, x if x.is_contiguous() else x.contiguous(), sigma, torch.get_num_threads(), exps)
 
 
 def row_lse_bounded(x: torch.Tensor) -> tuple[float, float, float, float, float] | None:
@@ -669,7 +473,7 @@ def select_ge(x: torch.Tensor, threshold: float, cap: int) -> torch.Tensor | Non
     return out[:n] if n >= 0 else None
 
 
-def _typical_row_in(lib: ctypes.CDLL, x: torch.Tensor, mass: float, threads: int) -> torch.Tensor | None:
+def typical_row_in(lib: ctypes.CDLL, x: torch.Tensor, mass: float, threads: int) -> torch.Tensor | None:
     out = torch.empty_like(x)
     return out if lib.lmhead_typical_row(x.data_ptr(), x.shape[0], float(mass), out.data_ptr(), threads) >= 0 else None
 
@@ -681,71 +485,4 @@ def typical_row(x: torch.Tensor, mass: float) -> torch.Tensor | None:
     lib = library()
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 1 or x.shape[0] == 0:
         return None
-    return _typical_row_in(lib, x if x.is_contiguous() else x.contiguous(), mass, torch.get_num_threads())
-
-
-def _steps_test(lib: ctypes.CDLL, g: torch.Generator) -> bool:
-    """step_kernels.c against torch's float64: the moments, a threshold cut, and the typical set by sorting, on a
-    row wide enough to be cut into pieces over two threads."""
-    row = torch.randn(40_003, generator=g) * 4
-    row[7] = float("-inf")
-    for threads in (1, 2):
-        got = _row_moments_in(lib, row, True, threads)
-        d = row.double()
-        fin = d[torch.isfinite(d)]
-        e = torch.exp(d - d.max())
-        want = (float(d.max()), fin.numel(), float(e.sum()), float((e[torch.isfinite(d)] * (fin - d.max())).sum()),
-                float(fin.min()), float(fin.mean()), float(((fin - fin.mean()) ** 2).mean().sqrt()))
-        if got is None or not all(math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-12)
-                                  for a, b in zip(got, want, strict=True)):
-            return False
-        mass = 0.7
-        p = torch.softmax(d, -1)
-        score = (d - (d.max() + got[3] / got[2])).abs()
-        order = torch.sort(score, stable=True).indices
-        last = int((p[order].cumsum(0) < mass).sum())
-        keep = score <= score[order[last]]
-        typ = _typical_row_in(lib, row, mass, threads)
-        if typ is None or not torch.equal(typ, torch.where(keep, row, float("-inf"))):
-            return False
-    out, d = (ctypes.c_double * 5)(), row.double()
-    if lib.lmhead_coded_avx2():  # the bounded log-normaliser has no path without AVX2
-        if lib.lmhead_row_lse_bounded(row.data_ptr(), row.shape[0], ctypes.addressof(out), 2):
-            return False
-        logp = torch.log_softmax(d, 0)
-        exact, entropy = float(torch.logsumexp(d - d.max(), 0)), float(-(logp.exp() * logp).nansum())
-        if not (out[0] == float(d.max()) and abs(out[1] - exact) <= out[2] < 1e-4
-                and abs(out[3] - entropy) <= out[4] < 1e-4):
-            return False
-    kept = torch.empty_like(row)
-    lib.lmhead_keep_ge(row.data_ptr(), row.shape[0], 0.5, kept.data_ptr())
-    if not torch.equal(kept, torch.where(row >= 0.5, row, float("-inf"))):
-        return False
-    unsure = lib.lmhead_keep_ge_unsure(row.data_ptr(), row.shape[0], 0.5, 0.25, 0.75, float(row.max()), kept.data_ptr())
-    return torch.equal(kept, torch.where(row >= 0.5, row, float("-inf"))) and unsure == int(
-        ((row >= 0.25) & (row <= 0.75)).sum())
-
-
-def _attend_test(lib: ctypes.CDLL, g: torch.Generator) -> bool:
-    """lmhead_attend against torch: rope, cache write, masked grouped attention (2 query heads per key head)."""
-    b, t, h, hkv, hd, cap, start = 2, 3, 4, 2, 8, 10, 4
-    qk = torch.randn(b, t, h + hkv, hd, generator=g)
-    v = torch.randn(b, t, hkv, hd, generator=g)
-    cos, sin = torch.randn(b, t, hd, generator=g), torch.randn(b, t, hd, generator=g)
-    keys, values = torch.randn(b, hkv, cap, hd, generator=g), torch.randn(b, hkv, cap, hd, generator=g)
-    mask = torch.where(torch.rand(b, t, start + t, generator=g) < 0.3, -1e30, 0.0)
-    out = torch.empty(b, t, h * hd)
-    want_k, want_v = keys.clone(), values.clone()
-    rc = lib.lmhead_attend(AttendArgs(
-        qk=qk.data_ptr(), v=v.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), keys=keys.data_ptr(),
-        values=values.data_ptr(), mask=mask.data_ptr(), out=out.data_ptr(), qk_stride=(h + hkv) * hd,
-        v_stride=hkv * hd, B=b, T=t, H=h, Hkv=hkv, hd=hd, cap=cap, start=start, scaling=0.5, softcap=0.0, threads=2))
-    roped = qk * cos[:, :, None] + qk.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin[:, :, None]
-    want_k[:, :, start:start + t] = roped[:, :, h:].transpose(1, 2)
-    want_v[:, :, start:start + t] = v.transpose(1, 2)
-    q = roped[:, :, :h].transpose(1, 2)                                           # [B,H,T,hd]
-    kk = want_k[:, :, :start + t].repeat_interleave(h // hkv, dim=1)
-    vv = want_v[:, :, :start + t].repeat_interleave(h // hkv, dim=1)
-    scores = q @ kk.transpose(-1, -2) * 0.5 + mask[:, None]
-    want = (torch.softmax(scores, -1) @ vv).transpose(1, 2).reshape(b, t, h * hd)
-    return rc == 0 and _close(out, want) and _close(keys, want_k) and _close(values, want_v)
+    return typical_row_in(lib, x if x.is_contiguous() else x.contiguous(), mass, torch.get_num_threads())
