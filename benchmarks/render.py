@@ -13,6 +13,9 @@ than the current one says so in that line. It is an error — nothing is written
 does not exist, when a record's row lacks a cell, or when a line outside the marked blocks quotes a timing
 (tokens/s, ms, µs, GB/s, or a speed-up such as 1.08×): every such figure must be one a benchmark printed.
 
+A block opened as `<!-- results:sampling:top_k_top_p:current -->` keeps the table's newest record alone (the
+README's one current table per area).
+
     python benchmarks/render.py            # rewrite the blocks in place
     python benchmarks/render.py --check    # exit 1 if a block is stale or a figure is unbacked; write nothing
 """
@@ -29,8 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from records import RESULTS, ROOT, machine, machine_kind  # noqa: E402
 
-BLOCK = re.compile(r"(<!-- results:(?P<area>[\w-]+):(?P<table>[\w-]+) -->\n)(?P<body>.*?)(<!-- /results -->)",
-                   re.S)
+BLOCK = re.compile(r"(<!-- results:(?P<area>[\w-]+):(?P<table>[\w-]+)(?::(?P<current>current))? -->\n)(?P<body>.*?)"
+                   r"(?P<end><!-- /results -->)", re.S)
 OPEN = re.compile(r"<!-- results:")
 # What a benchmark measures (rates, times, bandwidth, speed-ups): such a figure may only appear inside a block.
 TIMING = re.compile(r"\d(?:[\d,]*\.?\d*)\s*(?:tok/s|tokens/s|ms\b|µs\b|GB/s)|\d\.\d+\s*[×x](?![\w\d])")
@@ -87,12 +90,14 @@ def table_markdown(name: str, record: dict) -> list[str]:
     return lines
 
 
-def render_block(area: str, table: str, folder: Path, now_kind: str) -> str:
+def render_block(area: str, table: str, folder: Path, now_kind: str, current: bool = False) -> str:
     data = load_records(folder, area)
     kinds = data.get("tables", {}).get(table)
     if not kinds:
         raise RenderError(f"no record for table {area}:{table} in {area}.json")
     order = sorted(kinds, key=lambda k: (k != now_kind, k))  # the current kind first, then the others
+    if current:  # a `:current` block: the newest record of the table alone
+        order = [max(kinds, key=lambda k: kinds[k]["date"])]
     out: list[str] = []
     for kind in order:
         record = kinds[kind]
@@ -122,7 +127,7 @@ def render_text(text: str, folder: Path, now_kind: str, where: str = "") -> str:
 
     def replace(m: re.Match) -> str:
         try:
-            return m.group(1) + render_block(m["area"], m["table"], folder, now_kind) + m.group(5)
+            return m.group(1) + render_block(m["area"], m["table"], folder, now_kind, bool(m["current"])) + m["end"]
         except RenderError as e:
             raise RenderError(f"{where}: {e}") from None
 

@@ -77,6 +77,14 @@ def test_a_new_run_replaces_its_machine_kinds_record_and_keeps_the_others(tmp_pa
     assert "another machine kind" not in zen1_caption
 
 
+def test_a_current_block_shows_the_tables_newest_record_alone(tmp_path):
+    write_record(tmp_path, ZEN3, [["1", "49152", "0.30", "5.10", "17.0×"]], date="2026-12-01T11:00:00+00:00")
+    write_record(tmp_path, ZEN1, [["1", "49152", "0.44", "6.20", "14.1×"]], date="2026-12-02T09:00:00+00:00")
+    page = PAGE.replace("<!-- results:sampling:top_k -->", "<!-- results:sampling:top_k:current -->")
+    out = render.render_text(page, tmp_path, render.current_kind(tmp_path))
+    assert "0.44" in out and "0.30" not in out and "AMD EPYC 7B13" not in out
+    assert render.render_text(out, tmp_path, render.current_kind(tmp_path)) == out
+
 def test_a_table_without_its_record_is_an_error(tmp_path):
     with pytest.raises(render.RenderError, match="no record for area 'sampling'"):
         render.render_text(PAGE, tmp_path, "any")
