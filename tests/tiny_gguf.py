@@ -28,6 +28,20 @@ _GEMMA_NORMS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforw
 
 
 
+
+def _affine_k(g: np.ndarray, top: int, scale_top: int):
+    """A K-quant's d·sc·q − dmin·m over groups g [blocks, groups, weights]: q in [0, top], the integer sub-scales
+    sc and m in [0, scale_top] of the float16 d and dmin. Returns (d, dmin, sc, m, q)."""
+    lo = np.minimum(g.min(2), 0)
+    dl, ml = (g.max(2) - lo) / top, -lo
+    d = (dl.max(1) / scale_top).astype(np.float16).astype(np.float32)
+    dmin = (ml.max(1) / scale_top).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(dl / np.where(d == 0, 1, d)[:, None]), 0, scale_top).astype(np.uint8)
+    m = np.clip(np.rint(ml / np.where(dmin == 0, 1, dmin)[:, None]), 0, scale_top).astype(np.uint8)
+    step = d[:, None] * sc
+    q = np.clip(np.rint((g + (dmin[:, None] * m)[..., None]) / np.where(step == 0, 1, step)[..., None]), 0, top)
+    return d, dmin, sc, m, q
+
 def add_tokenizer(w, tokenizer, pre: str) -> None:
     """tiny.py's byte-level BPE as a "gpt2" GGUF tokenizer with pre-tokenizer `pre`: tokens, types, merges, ids."""
     vocab = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
@@ -220,25 +234,11 @@ def _blocks(a: np.ndarray, kind: str) -> np.ndarray:
         high = top[:, 0] | top[:, 1] << 2 | top[:, 2] << 4 | top[:, 3] << 6
         return np.concatenate([hmask, _pack2(np.where(q >= 0, q, q + 4)), low, high, _f16(d)], 1).reshape(n, -1)
     if kind == "Q2_K":
-        lo = np.minimum(g.min(2), 0)
-        dl, ml = (g.max(2) - lo) / 3, -lo
-        d = (dl.max(1) / 15).astype(np.float16).astype(np.float32)
-        dmin = (ml.max(1) / 15).astype(np.float16).astype(np.float32)
-        sc = np.clip(np.rint(dl / np.where(d == 0, 1, d)[:, None]), 0, 15).astype(np.uint8)
-        m = np.clip(np.rint(ml / np.where(dmin == 0, 1, dmin)[:, None]), 0, 15).astype(np.uint8)
-        step = d[:, None] * sc
-        q = np.clip(np.rint((g + (dmin[:, None] * m)[..., None]) / np.where(step == 0, 1, step)[..., None]), 0, 3)
+        d, dmin, sc, m, q = _affine_k(g, 3, 15)
         return np.concatenate([sc | (m << 4), _pack2(q.reshape(nb, 256)), _f16(d), _f16(dmin)], 1).reshape(n, -1)
     if kind == "Q4_K":  # d·sc·q − dmin·m per 32, sc and m 6-bit, q 4-bit
         g = x.reshape(nb, 8, 32)
-        lo = np.minimum(g.min(2), 0)
-        dl, ml = (g.max(2) - lo) / 15, -lo
-        d = (dl.max(1) / 63).astype(np.float16).astype(np.float32)
-        dmin = (ml.max(1) / 63).astype(np.float16).astype(np.float32)
-        sc = np.clip(np.rint(dl / np.where(d == 0, 1, d)[:, None]), 0, 63).astype(np.uint8)
-        m = np.clip(np.rint(ml / np.where(dmin == 0, 1, dmin)[:, None]), 0, 63).astype(np.uint8)
-        step = d[:, None] * sc
-        q = np.clip(np.rint((g + (dmin[:, None] * m)[..., None]) / np.where(step == 0, 1, step)[..., None]), 0, 15)
+        d, dmin, sc, m, q = _affine_k(g, 15, 63)
         packed = np.zeros((nb, 12), dtype=np.uint8)  # llama.cpp's get_scale_min_k4, written
         packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
         packed[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
