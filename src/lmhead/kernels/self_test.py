@@ -36,7 +36,14 @@ def self_test(lib: ctypes.CDLL) -> bool:
     """Every entry point against plain torch math on small random inputs (every path of the coded product:
     1 and several rows, groups 16 and 32, with and without offsets): built with an unknown compiler on an
     unknown machine, it is checked, not assumed."""
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(0)  # one stream of draws through every check, in this order
+    checks = (grouped_products, four_row_blocks, packed_and_half, signed_and_levels, sub_scales, dense_weights,
+              norms_and_gates, row_entry_points, steps_test, attend_test)
+    return all(check(lib, g) for check in checks)
+
+
+def grouped_products(lib: ctypes.CDLL, g: torch.Generator) -> bool:
+    """The coded product with groups of 32 and 16, with and without offsets, over 1 to 9 rows."""
     for group, offset in ((32, False), (32, True), (16, False), (16, True)):
         codes = torch.randint(-32, 32, (37, 4 * group), generator=g, dtype=torch.int8)
         scale = torch.rand(37, 4, generator=g) * 0.01
@@ -52,6 +59,11 @@ def self_test(lib: ctypes.CDLL) -> bool:
                                          None if off is None else off.data_ptr(), 37, group, 0, y.data_ptr(), 2)
             if rc != 0 or not close(y, x.double() @ w.double().T):
                 return False
+    return True
+
+
+def four_row_blocks(lib: ctypes.CDLL, g: torch.Generator) -> bool:
+    """Q6_K's and Q3_K's layout (groups of 16 in blocks of four rows) and Q2_K's (with offsets)."""
     # Q6_K's and Q3_K's layout: groups of 16 in blocks of four rows (two groups to a 32-byte unit); Q2_K's: with
     # offsets
     codes = torch.randint(-32, 32, (16, 128), generator=g, dtype=torch.int8)
@@ -66,6 +78,11 @@ def self_test(lib: ctypes.CDLL) -> bool:
                                          None if o is None else o.data_ptr(), 16, 16, ROWS4, y.data_ptr(), 2)
             if rc != 0 or not close(y, x.double() @ w.double().T):
                 return False
+    return True
+
+
+def packed_and_half(lib: ctypes.CDLL, g: torch.Generator) -> bool:
+    """Packed 4-bit codes, float16 scales and offsets, and both, in plain rows and blocks of four."""
     # packed 4-bit codes (the same product from half the bytes), float16 scales, both
     codes = torch.randint(0, 16, (19, 128), generator=g, dtype=torch.int8)
     scale = (torch.rand(19, 4, generator=g) * 0.01).half()
@@ -91,6 +108,11 @@ def self_test(lib: ctypes.CDLL) -> bool:
             wo = (codes[:rows].float().view(rows, 4, 32) * scale[:rows].float()[..., None]).view(rows, 128)
             if rc != 0 or not close(y, x.double() @ wo.double().T):
                 return False
+    return True
+
+
+def signed_and_levels(lib: ctypes.CDLL, g: torch.Generator) -> bool:
+    """Signed packed codes (Q4_0), IQ4_NL's levels, and signed codes in groups of 16."""
     # signed packed 4-bit codes (Q4_0) and IQ4_NL's levels, without offsets: K = 192 leaves a unit past the 512-bit
     # pairs; signed codes in groups of 16 (Q3_K without offsets, Q2_K with them), float32 scales
     levels = torch.tensor(IQ4_LEVELS)
@@ -114,6 +136,11 @@ def self_test(lib: ctypes.CDLL) -> bool:
                                              None if off is None else off.data_ptr(), 20, group, flags, y.data_ptr(), 2)
                 if rc != 0 or not close(y, x.double() @ w.double().T):
                     return False
+    return True
+
+
+def sub_scales(lib: ctypes.CDLL, g: torch.Generator) -> bool:
+    """The K-quants' sub-scales: d per 256 weights times an int8 per group."""
     # K-quant sub-scales (SUB): d per 256 weights times an int8 per group, scales and offsets, int8 and packed codes
     for group, packed in ((16, False), (32, False), (16, True)):
         k, ng, nsup = 512, 512 // group, 2
@@ -134,6 +161,11 @@ def self_test(lib: ctypes.CDLL) -> bool:
                                              20, group, flags, y.data_ptr(), 2)
                 if rc != 0 or not close(y, x.double() @ w.double().T):
                     return False
+    return True
+
+
+def dense_weights(lib: ctypes.CDLL, g: torch.Generator) -> bool:
+    """Float16, bfloat16 and float32 weights."""
     # float16, bfloat16 and float32 weights, K not a multiple of the vector width
     for flags, dtype in ((F16, torch.float16), (BF16, torch.bfloat16), (F32, torch.float32)):
         w16 = torch.randn(7, 75, generator=g).to(dtype)
@@ -143,6 +175,11 @@ def self_test(lib: ctypes.CDLL) -> bool:
                                          y.data_ptr(), 2)
             if rc != 0 or not close(y, x.double() @ w16.double().T):
                 return False
+    return True
+
+
+def norms_and_gates(lib: ctypes.CDLL, g: torch.Generator) -> bool:
+    """The RMS norms (w or 1 + w), the residual add-and-norm, and the gated activations."""
     x, a = torch.randn(3, 40, generator=g), torch.randn(3, 40, generator=g)
     w1, w2 = torch.randn(40, generator=g), torch.randn(40, generator=g)
     eps = 1e-6
@@ -164,6 +201,11 @@ def self_test(lib: ctypes.CDLL) -> bool:
         lib.lmhead_gated(gu.data_ptr(), out.data_ptr(), 2, 40, act)
         if not close(out, fn(gu[:, :40]) * gu[:, 40:]):
             return False
+    return True
+
+
+def row_entry_points(lib: ctypes.CDLL, g: torch.Generator) -> bool:
+    """The sampler rows' entry points: scores, greedy, top-p and a threshold selection."""
     rows = torch.randn(3, 1003, generator=g) * 4
     rows[1, 17] = float("-inf")
     lse, greater = row_scores_in(lib, rows, torch.tensor([5, 17, 1002]), threads=2)
@@ -190,7 +232,8 @@ def self_test(lib: ctypes.CDLL) -> bool:
         return False
     if out[:int((row >= 0.5).sum())].tolist() != (row >= 0.5).nonzero().squeeze(1).tolist():
         return False
-    return steps_test(lib, g) and attend_test(lib, g)
+    return True
+
 
 
 def steps_test(lib: ctypes.CDLL, g: torch.Generator) -> bool:
