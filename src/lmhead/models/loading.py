@@ -331,26 +331,13 @@ def _gguf_path(source: Source, folder: Path | None, workdir: Path) -> Path:
     return source.spec.gguf(workdir)
 
 
-def _load_file(source: Source, head: str, body: str, progress: bool, cls: type):
-    """The model read straight from its GGUF file (`file_model.py`), or None where its architecture is not one the
-    lean body runs from a file (said once on stderr; the caller converts it as before)."""
+def _open_gguf(source: Source, progress: bool):
+    """The source's GGUF file opened and its meta folder made or found: (file, folder, fresh), or None where its
+    architecture is not one the lean body reads from a file (said once on stderr)."""
     import tempfile
 
-    from lmhead.head import LMHead
-    from lmhead.models.coded_head import CodedHead
-    from lmhead.models.coded_linear import CodedLinear
-    from lmhead.models.file_experts import moe_config
-    from lmhead.models.file_model import (
-        FILE_ARCHITECTURES,
-        check_fits,
-        file_body,
-        file_refusal,
-        meta_folder,
-        read_meta,
-        supports_file,
-    )
+    from lmhead.models.file_model import FILE_ARCHITECTURES, meta_folder
     from lmhead.models.gguf_file import GGUFFile
-    from lmhead.models.heap import trim_heap
 
     key = _key(source)
     facts = _source_facts(source)
@@ -379,6 +366,29 @@ def _load_file(source: Source, head: str, body: str, progress: bool, cls: type):
             raise
         if assembled:  # moved into the folder (one file system: the map stays valid)
             f.path = folder / "model.gguf"
+    return f, folder, fresh
+
+
+def _load_file(source: Source, head: str, body: str, progress: bool, cls: type):
+    """The model read straight from its GGUF file (`file_model.py`), or None where its architecture is not one the
+    lean body runs from a file (said once on stderr; the caller converts it as before)."""
+    from lmhead.head import LMHead
+    from lmhead.models.coded_head import CodedHead
+    from lmhead.models.coded_linear import CodedLinear
+    from lmhead.models.file_experts import moe_config
+    from lmhead.models.file_model import (
+        check_fits,
+        file_body,
+        file_refusal,
+        read_meta,
+        supports_file,
+    )
+    from lmhead.models.heap import trim_heap
+
+    opened = _open_gguf(source, progress)
+    if opened is None:
+        return None
+    f, folder, fresh = opened
     cfg, tokenizer, eos = read_meta(folder, fresh)
     try:
         moe_config(f, cfg)  # the experts transformers' GGUF reader leaves out of the config, checked
