@@ -37,6 +37,32 @@ import sys
 import torch
 
 from lmhead.kernels import builder
+from lmhead.kernels.abi import (
+    ARGS,
+    BF16,
+    F16,
+    F32,
+    FLAGS,
+    HALF,
+    HALF_MAX_GROUPS,
+    IQ4,
+    IQ4_LEVELS,
+    LEVELS,
+    MXFP4,
+    PACKED,
+    ROWS4,
+    SIGNED4,
+    SUB,
+    AttendArgs,
+    DecodeArgs,
+    LayerDesc,
+    MatDesc,
+    StepArgs,
+    row_moments_in,
+    row_scores_in,
+    top_p_row_in,
+    typical_row_in,
+)
 from lmhead.kernels.builder import SOURCES, library_path
 from lmhead.kernels.layout4 import block4, pack4, unblock4, unpack4
 
@@ -45,81 +71,13 @@ __all__ = ["BF16", "F16", "F32", "FLAGS", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4
            "StepArgs", "block4", "keep_ge", "keep_ge_unsure", "library", "library_path", "pack4", "row_lse_bounded",
            "row_moments", "row_scores", "select_ge", "topk", "typical_row", "unblock4", "unpack4"]
 
-# The coded kernel's layout flags and level tables, a mirror of quant_types.h (checked against the library when
-# it loads: `_facts_mismatch`); which GGUF type takes which is models/quant_types.py's. 4-bit codes two per byte;
-# float16 scales and offsets; rows stored in blocks of four; the file's float16, bfloat16 or float32 weights
-# themselves (no codes, no scales); with PACKED, signed 4-bit codes (Q4_0, Q3_K, Q2_K) or indices of a level
-# table (IQ4: IQ4_NL, IQ4_XS; MXFP4); scales and offsets as K-quant blocks hold them (d per 256 weights times an
-# int8 per group: `models.coded_linear.SubScales`)
-FLAGS = (PACKED, HALF, ROWS4, F16, BF16, SIGNED4, IQ4, SUB, F32, MXFP4) = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-# each table's sixteen levels in index order (the kernels hold them in stored-nibble order, index ^ 8)
-LEVELS = {IQ4: (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113),
-          MXFP4: (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)}  # e2m1's values doubled
-IQ4_LEVELS = LEVELS[IQ4]
-HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
 _ABI = 24  # lmhead_coded_abi() of the sources above
-
-
-class MatDesc(ctypes.Structure):
-    """lmhead_mat: a coded matrix (codes, scale, offset or NULL, group, n, k, flags: PACKED | HALF)."""
-
-    _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("offset", ctypes.c_void_p),
-                ("group", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("flags", ctypes.c_int64)]
-
-
-class LayerDesc(ctypes.Structure):
-    """lmhead_layer: one block's coded matrices, bias, norms and which rope/mask it uses."""
-
-    _fields_ = [("qkv", MatDesc), ("o", MatDesc), ("gate_up", MatDesc), ("down", MatDesc),
-                ("qkv_bias", ctypes.c_void_p), ("input_norm", ctypes.c_void_p), ("post_attn_norm", ctypes.c_void_p),
-                ("pre_mlp_norm", ctypes.c_void_p), ("post_mlp_norm", ctypes.c_void_p), ("qk_norm", ctypes.c_void_p),
-                ("rope", ctypes.c_int64), ("sliding", ctypes.c_int64)]
-
-
-# The entry points of many arguments take one struct each (body_kernels.h, decode_kernels.h): fields by name, not
-# 20-42 positions. Pointers are addresses (ints; None for NULL) that the caller keeps alive through the call.
-_P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-
-
-class AttendArgs(ctypes.Structure):
-    """lmhead_attend_args: one layer's rope, cache write and attention (body_kernels.h for shapes)."""
-
-    _fields_ = [("qk", _P), ("v", _P), ("cos", _P), ("sin", _P), ("keys", _P), ("values", _P), ("mask", _P),
-                ("out", _P), *((n, _I64) for n in ("qk_stride", "v_stride", "B", "T", "H", "Hkv", "hd", "cap",
-                                                    "start")),
-                ("scaling", _F32), ("softcap", _F32), ("threads", _I32)]
-
-
-class StepArgs(ctypes.Structure):
-    """lmhead_step_args: every block of a decode step (decode_kernels.h for shapes); cos, sin and masks are
-    addresses of arrays of addresses (one per rope kind; full attention's and sliding layers' masks)."""
-
-    _fields_ = [*((n, _P) for n in ("layers", "final_norm", "x", "h", "keys", "values", "cos", "sin", "masks",
-                                    "scratch")),
-                *((n, _I64) for n in ("n_layers", "layer_stride", "B", "T", "D", "H", "Hkv", "hd", "F", "cap",
-                                      "start")),
-                ("eps", _F32), ("scaling", _F32), ("softcap", _F32),
-                ("plus_one", _I32), ("act", _I32), ("threads", _I32)]
-
-
-class DecodeArgs(ctypes.Structure):
-    """lmhead_decode_args: a step's arguments (its cos, sin and masks unused) and the bookkeeping's: ids,
-    positions, the cache's columns, the rope tables, the embedding (decode_kernels.h)."""
-
-    _fields_ = [("step", StepArgs),
-                *((n, _P) for n in ("embed", "embed_codes", "ids", "positions", "new_valid", "cache_valid",
-                                    "cache_pos", "cache_tokens", "cos_tables", "sin_tables", "work")),
-                *((n, _I64) for n in ("vocab", "n_kinds", "table_rows", "window")),
-                ("embed_scale", _F32), ("has_scale", _I32), ("sliding_kinds", _I32)]
-
-
-_ARGS = {"lmhead_attend_args": AttendArgs, "lmhead_step_args": StepArgs, "lmhead_decode_args": DecodeArgs}
 
 
 def _layout_mismatch(lib: ctypes.CDLL) -> str | None:
     """Which argument struct the library and its ctypes mirror disagree on the size of (None: none): a call with
     a wrong layout would read and write memory at the wrong places, so the library is not used at all."""
-    for name, mirror in _ARGS.items():
+    for name, mirror in ARGS.items():
         size = getattr(lib, f"{name}_size")
         size.restype = ctypes.c_size_t
         if size() != ctypes.sizeof(mirror):
@@ -283,15 +241,6 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     return values, indices
 
 
-def row_scores_in(lib: ctypes.CDLL, x: torch.Tensor, ids: torch.Tensor,
-                threads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = ids.to(torch.int64).contiguous()
-    lse, greater = torch.empty(x.shape[0], dtype=torch.float64), torch.empty(x.shape[0], dtype=torch.int64)
-    lib.lmhead_row_scores(x.data_ptr(), x.shape[0], x.shape[1], ids.data_ptr(), lse.data_ptr(), greater.data_ptr(),
-                          threads)
-    return lse, greater
-
-
 def row_scores(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The decode loop's score of each row's token from logits x [B,V] (float32, CPU) and ids [B]: the
     log-softmax normaliser lse [B] float64 (raw logprob = x[b, id] − lse[b]) and greater [B] int64, the count
@@ -354,9 +303,6 @@ def greedy_rows(x: torch.Tensor) -> tuple[list[int], list[float]] | None:
     return chosen, [ctypes.c_float.from_address(base + 4 * (r * v + t)).value - lse[r] for r, t in enumerate(chosen)]
 
 
-TOP_P_CAP = 8192  # `top_p_row`: more candidates than this, the caller's histogram path
-
-
 def top_p_row(x: torch.Tensor, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The exact top-p set of one row of logits x [V] (float32, CPU) at `temperature`, by sampling/top_p.py's rule
     (`top_p_sorted`): (vals [1,m] float32, the kept tokens' x / temperature sorted descending, ties by id;
@@ -368,17 +314,6 @@ def top_p_row(x: torch.Tensor, temperature: float, top_p: float) -> tuple[torch.
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 1 or x.shape[0] == 0:
         return None
     return top_p_row_in(lib, x, temperature, top_p)
-
-
-def top_p_row_in(lib: ctypes.CDLL, x: torch.Tensor, temperature: float,
-                 top_p: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    x = x.contiguous()
-    ids, vals = torch.empty(TOP_P_CAP, dtype=torch.int64), torch.empty(TOP_P_CAP, dtype=torch.float32)
-    n = lib.lmhead_top_p_row(x.data_ptr(), x.shape[0], float(temperature), float(top_p), ids.data_ptr(),
-                             vals.data_ptr(), TOP_P_CAP, torch.get_num_threads())
-    if n < 1:
-        return None
-    return vals[:n].unsqueeze(0), ids[:n].unsqueeze(0)
 
 
 def sample_row(x: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
@@ -399,14 +334,6 @@ def sample_row(x: torch.Tensor, temperature: float, top_k: int, top_p: float, mi
     rc = lib.lmhead_sample_row(x.data_ptr(), x.shape[0], float(temperature), int(top_k), float(top_p), float(min_p),
                                float(u), ctypes.byref(out_id), ctypes.byref(out_lp), torch.get_num_threads())
     return (out_id.value, out_lp.value) if rc == 0 else None
-
-
-def row_moments_in(lib: ctypes.CDLL, x: torch.Tensor, sigma: bool, threads: int,
-                    exps: bool = True) -> tuple[float, ...] | None:
-    out = (ctypes.c_double * 7)()
-    if lib.lmhead_row_moments(x.data_ptr(), x.shape[0], int(exps) | 2 * int(sigma), ctypes.addressof(out), threads):
-        return None
-    return tuple(out)
 
 
 def row_moments(x: torch.Tensor, sigma: bool = False, exps: bool = True) -> tuple[float, ...] | None:
@@ -471,11 +398,6 @@ def select_ge(x: torch.Tensor, threshold: float, cap: int) -> torch.Tensor | Non
     out = torch.empty(max(cap, 1), dtype=torch.int64)
     n = lib.lmhead_select_ge(x.data_ptr(), x.shape[0], threshold, out.data_ptr(), max(cap, 1))
     return out[:n] if n >= 0 else None
-
-
-def typical_row_in(lib: ctypes.CDLL, x: torch.Tensor, mass: float, threads: int) -> torch.Tensor | None:
-    out = torch.empty_like(x)
-    return out if lib.lmhead_typical_row(x.data_ptr(), x.shape[0], float(mass), out.data_ptr(), threads) >= 0 else None
 
 
 def typical_row(x: torch.Tensor, mass: float) -> torch.Tensor | None:

@@ -8,8 +8,7 @@ import math
 
 import torch
 
-from lmhead.kernels.layout4 import block4, pack4
-from lmhead.kernels.native import (
+from lmhead.kernels.abi import (
     BF16,
     F16,
     F32,
@@ -26,6 +25,7 @@ from lmhead.kernels.native import (
     top_p_row_in,
     typical_row_in,
 )
+from lmhead.kernels.layout4 import block4, pack4
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
