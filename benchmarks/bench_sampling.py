@@ -18,11 +18,14 @@ mirostat, ...), with the example setting its declaration gives, alone at T=0.8 o
 settings take); `--only-steps` prints only that table.
 The mixed-batch table: a server round of 16 rows whose 16 clients each sent other settings (temperature, top-k,
 top-p, min-p, a few seeded) against 16 rows sharing one setting (the mean over the 16 settings of each one's own
-batch), same logits (std 5), V = 49,152 and 262,144 (the goal: mixed ≤ 1.5× shared); `--only-mixed` prints only
-that table.
+batch), same logits (std 5), V = 49,152 and 262,144 (the goal: mixed ≤ 1.5× shared); the same for 16 settings of
+the declared steps beyond them (typical-p, top-nσ, epsilon, eta, DRY, n-grams, top-a, dynamic temperature, with a
+256-token history: each step runs once over the rows that run it); `--only-mixed [mixed_batch|mixed_steps]` prints
+only those tables (or the one named).
 
     .venv/bin/python benchmarks/bench_sampling.py [--quick] [--repeats N] [--threads N (default 1)]
-                                                  [--only-top-p] [--only-steps] [--only-mixed] [--sizes 64,262144]
+                                                  [--only-top-p] [--only-steps] [--only-mixed [NAME]]
+                                                  [--sizes 64,262144]
 """
 
 from __future__ import annotations
@@ -190,30 +193,61 @@ def mixed_configs(rows: int = MIXED_ROWS) -> list[SamplingConfig]:
     return out
 
 
-def mixed_table(rec: Recorder, repeats: int) -> None:
-    """16 rows with 16 different settings against 16 rows sharing one setting, same logits, interleaved. The
-    shared time is the mean over the 16 settings of 16 rows sharing that one (each setting's own cost, so the
-    ratio measures what mixing them costs, not which settings are cheap)."""
-    mixed = mixed_configs()
-    title = (f"A round of {MIXED_ROWS} rows: {MIXED_ROWS} different settings vs {MIXED_ROWS} rows sharing one "
-             f"setting (the mean over the {MIXED_ROWS} settings; logits std 5)")
-    print(f"\n{title}")
-    columns = ["B", "V", "mixed ms", "shared ms", "mixed/shared"]
-    print(" ".join(f"{c:>12}" for c in columns))
-    record = rec.table("mixed_batch", title, columns)
-    for vocab in VOCABS:
-        logits = torch.randn(MIXED_ROWS, vocab, generator=torch.Generator().manual_seed(0)) * 5
-        gen = torch.Generator().manual_seed(1)
-        fns = {"mixed": lambda x=logits, g=gen: sample(x, mixed, generator=g, step=0)}
-        for r, cfg in enumerate(mixed):
-            fns[f"shared{r}"] = lambda x=logits, g=gen, c=cfg: sample(x, c, generator=g, step=0)
-        t = median_times(fns, repeats, budget_s=4.0 if repeats > 5 else 1.0)
-        shared = statistics.fmean(t[f"shared{r}"] for r in range(len(mixed)))
-        cells = [MIXED_ROWS, vocab, f"{t['mixed'] * 1e3:.2f}", f"{shared * 1e3:.2f}", f"{t['mixed'] / shared:.2f}×"]
-        print(" ".join(f"{c:>12}" for c in cells), flush=True)
-        record.row(cells, [Figure(f"sample, {MIXED_ROWS} rows of {MIXED_ROWS} settings, V={vocab}", t["mixed"] * 1e3,
-                                  "ms", f"{MIXED_ROWS} rows of one setting (mean over the settings)", shared * 1e3,
-                                  t["mixed"] / shared)])
+def mixed_step_configs(rows: int = MIXED_ROWS) -> list[SamplingConfig]:
+    """`rows` settings of the declared steps the batch path does not run, each other than the rest: one or two of
+    typical-p, top-nσ, epsilon, eta, DRY, no repeated n-grams, top-a, dynamic temperature and XTC per row, with
+    temperatures 0.6-1.35, top-k off or 40-75 and min-p off or 0.02-0.05, every fourth row seeded."""
+    kinds = [lambda r: dict(typical_p=0.8 + 0.01 * r), lambda r: dict(top_n_sigma=0.8 + 0.1 * r),
+             lambda r: dict(epsilon_cutoff=1e-4 * (r + 1)), lambda r: dict(eta_cutoff=1e-4 * (r + 1)),
+             lambda r: dict(dry_multiplier=0.5 + 0.1 * r), lambda r: dict(no_repeat_ngram_size=2 + r % 3),
+             lambda r: dict(top_a=0.05 + 0.02 * r), lambda r: dict(dynatemp_range=0.2 + 0.05 * r)]
+    out = []
+    for r in range(rows):
+        extra = {**kinds[r % len(kinds)](r), **(kinds[(r + 3) % len(kinds)](r) if r % 2 else {})}
+        out.append(SamplingConfig(temperature=0.6 + 0.05 * r, top_k=0 if r % 3 else 40 + 5 * (r // 3),
+                                  min_p=0.0 if r % 4 != 1 else 0.02 + 0.01 * (r // 4),
+                                  seed=r if r % 4 == 3 else None, **extra))
+    return out
+
+
+# the mixed-batch cases: (record name, what the rows' settings are, their settings, whether the rows read a history)
+MIXED_CASES = (("mixed_batch", "today's settings (temperature, top-k, top-p, min-p)", mixed_configs, False),
+               ("mixed_steps", "the declared steps beyond them (typical-p, top-nσ, epsilon, eta, DRY, n-grams, "
+                "top-a, dynamic temperature; a 256-token history)", mixed_step_configs, True))
+
+
+def mixed_table(rec: Recorder, repeats: int, which: str | None = None) -> None:
+    """16 rows with 16 different settings against 16 rows sharing one setting, same logits, interleaved, for each
+    mixed case (`which`: one of them). The shared time is the mean over the 16 settings of 16 rows sharing that one
+    (each setting's own cost, so the ratio measures what mixing them costs, not which settings are cheap)."""
+    for name, what, build, history in MIXED_CASES:
+        if which is not None and name != which:
+            continue
+        mixed = build()
+        title = (f"A round of {MIXED_ROWS} rows: {MIXED_ROWS} different settings of {what} vs {MIXED_ROWS} rows "
+                 f"sharing one setting (the mean over the {MIXED_ROWS} settings; logits std 5)")
+        print(f"\n{title}")
+        columns = ["B", "V", "mixed ms", "shared ms", "mixed/shared"]
+        print(" ".join(f"{c:>12}" for c in columns))
+        record = rec.table(name, title, columns)
+        for vocab in VOCABS:
+            logits = torch.randn(MIXED_ROWS, vocab, generator=torch.Generator().manual_seed(0)) * 5
+            hist = torch.randint(0, vocab, (MIXED_ROWS, 256), generator=torch.Generator().manual_seed(3))
+            hist[:, -8:] = hist[:, 100:108]  # a repeat for DRY and the n-grams to find
+            prev = dict(prev_tokens=hist, prompt_len=0) if history else {}
+            gen = torch.Generator().manual_seed(1)
+            fns = {"mixed": lambda x=logits, g=gen, m=mixed, p=prev: sample(x, m, generator=g, step=0, **p)}
+            for r, cfg in enumerate(mixed):
+                fns[f"shared{r}"] = lambda x=logits, g=gen, c=cfg, p=prev: sample(x, c, generator=g, step=0, **p)
+            t = median_times(fns, repeats, budget_s=4.0 if repeats > 5 else 1.0)
+            shared = statistics.fmean(t[f"shared{r}"] for r in range(len(mixed)))
+            cells = [MIXED_ROWS, vocab, f"{t['mixed'] * 1e3:.2f}", f"{shared * 1e3:.2f}",
+                     f"{t['mixed'] / shared:.2f}×"]
+            print(" ".join(f"{c:>12}" for c in cells), flush=True)
+            record.row(cells, [Figure(f"sample, {MIXED_ROWS} rows of {MIXED_ROWS} settings ({name}), V={vocab}",
+                                      t["mixed"] * 1e3, "ms",
+                                      f"{MIXED_ROWS} rows of one setting (mean over the settings)", shared * 1e3,
+                                      t["mixed"] / shared)])
 
 
 def main() -> None:
@@ -224,8 +258,9 @@ def main() -> None:
                     help="torch threads (default 1: on a shared machine one thread gives stable medians)")
     ap.add_argument("--only-top-p", action="store_true", help="only the top-p-alone tables")
     ap.add_argument("--only-steps", action="store_true", help="only the table of the declared steps' costs")
-    ap.add_argument("--only-mixed", action="store_true",
-                    help="only the table of a batch of 16 different settings vs one shared setting")
+    ap.add_argument("--only-mixed", nargs="?", const="all", default=None, choices=["all", "mixed_batch", "mixed_steps"],
+                    help="only the tables of a batch of 16 different settings vs one shared setting (or the one "
+                    "named: mixed_batch, today's settings; mixed_steps, the declared steps beyond them)")
     ap.add_argument("--sizes", default=None, help="one size B,V (default: B in 1, 8, 64 × V in 49152, 262144)")
     args = ap.parse_args()
     if args.sizes:
@@ -239,7 +274,10 @@ def main() -> None:
     print(f"{rec.header()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"median of ≥ {repeats} interleaved repeats")
     if args.only_steps or args.only_mixed:
-        (steps_table if args.only_steps else mixed_table)(rec, repeats)
+        if args.only_steps:
+            steps_table(rec, repeats)
+        else:
+            mixed_table(rec, repeats, None if args.only_mixed == "all" else args.only_mixed)
         rec.write()
         return
     if not args.only_top_p:

@@ -100,11 +100,13 @@ def draw_in_blocks(x: Tensor, temperature: float, top: Tensor, floor: Tensor | N
     return cols.gather(1, pick).squeeze(1), xt.gather(1, pick)
 
 
-def draw_whole_rows(vals: Tensor, generator: torch.Generator | None, vocab: Vocab) -> Tensor:
+def draw_whole_rows(vals: Tensor, generator: torch.Generator | None, vocab: Vocab, u: Tensor | None = None) -> Tensor:
     """Draw from whole rows of scaled logits [b,V_r] (-inf = cut) → [b] ids, by inverse CDF with one uniform
     per row (`draw_in_blocks`): two light passes over V and no [B,V] temporary (V exponentials or a full
-    cumsum cost several times more)."""
+    cumsum cost several times more). ``u``: the rows' uniforms [b,1] (float64, in [0, 1)) already drawn (rows whose
+    generators differ), else drawn here from ``generator``."""
     top = vocab.amax(vals)
     sums = grid_sums(vals, top, 1.0, None, vocab)
-    u = torch.rand(vals.shape[0], 1, dtype=torch.float64, device=vals.device, generator=generator)
+    if u is None:
+        u = torch.rand(vals.shape[0], 1, dtype=torch.float64, device=vals.device, generator=generator)
     return draw_in_blocks(vals, 1.0, top, None, sums, u, vocab)[0]

@@ -27,7 +27,7 @@ from typing import Any
 from lmhead.sampling.steps.base import Context, Param, RowState, Step
 
 __all__ = ["ENTRY_FIELDS", "LEGACY_FIELDS", "ORDER", "PARAMS", "PRESETS", "STEPS", "Context", "Param", "RowState",
-           "Step", "accept", "canonical", "chain", "describe", "runs_on", "step"]
+           "Step", "accept", "canonical", "chain", "describe", "order_of", "runs_on", "step"]
 
 # every module of this package that declares STEPS and PARAMS: a new step is one new module here
 _MODULES = tuple(importlib.import_module(f"{__name__}.{m.name}") for m in pkgutil.iter_modules(__path__)
@@ -135,14 +135,19 @@ def step(name: str) -> Step:
     return STEPS[name]
 
 
-def chain(cfg: Any) -> list[Step]:
-    """The steps that run for cfg, in order, active ones only (a disabled step costs nothing)."""
+def order_of(cfg: Any) -> tuple[str, ...]:
+    """The names of the steps cfg's order holds, the masks first, whether cfg runs them or not: rows of one order
+    run each of its steps in turn over the batch (``lmhead.sampling.general``)."""
     if cfg.mirostat:
         order: Sequence[str] = ("temperature", "mirostat")
     else:
         order = ORDER if cfg.samplers is None else cfg.samplers
-    names = [*MASKS, *(n for o in order for n in _GROUPS.get(o, (o,)))]
-    steps = [STEPS[n] for n in names]
+    return (*MASKS, *(n for o in order for n in _GROUPS.get(o, (o,))))
+
+
+def chain(cfg: Any) -> list[Step]:
+    """The steps that run for cfg, in order, active ones only (a disabled step costs nothing)."""
+    steps = [STEPS[n] for n in order_of(cfg)]
     if cfg.is_greedy:
         steps = [s for s in steps if s.stage <= 2]
     return [s for s in steps if s.active(cfg)]

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lmhead.checks import is_int, is_real
+from lmhead.sampling.vocab import NEG_INF
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,11 @@ class Step:
     accept      (cfg, RowState, token id, its processed log-probability) → None: what the step keeps moves after a
                 drawn token (stateful steps: mirostat's μ); None for a step without state
     after       where lmhead's order runs it: after this step (a step of stage 2-4 the order does not name yet)
-    example     settings that turn it on (benchmarks/bench_sampling.py measures each step with them)"""
+    example     settings that turn it on (benchmarks/bench_sampling.py measures each step with them)
+    rows        (x [n,V] float32, cfgs [n], Contexts [n]) → x [n,V]: the step once over rows that all run it, its
+                parameters read as per-row tensors (``param_rows``), each row's values the bits ``apply`` gives it
+                alone; None: ``apply`` row by row (a step whose backend is a pass per row, such as the moments' C
+                passes)"""
 
     name: str
     params: tuple[str, ...]
@@ -192,3 +197,40 @@ class Step:
     after: str | None = None
     example: tuple[tuple[str, Any], ...] = ()
     accept: Callable[[Any, RowState, int, float], None] | None = None
+    rows: Callable[[Tensor, Sequence[Any], Sequence[Context]], Tensor] | None = None
+
+
+def param_rows(cfgs: Sequence[Any], name: str, like: Tensor) -> Tensor:
+    """One parameter of each row's config as a column [n,1] float32 on `like`'s device: what a step's ``rows`` reads
+    in place of a number (a float32 column divides, multiplies and compares as the number itself does)."""
+    return torch.tensor([[float(getattr(c, name))] for c in cfgs], dtype=torch.float32, device=like.device)
+
+
+def rows_apply(step: Step, x: Tensor, cfgs: Sequence[Any], ctxs: Sequence[Context]) -> Tensor:
+    """`step` on rows x [n,V] that all run it: its ``rows`` once, or ``apply`` on each row."""
+    if step.rows is not None:
+        return step.rows(x, cfgs, ctxs)
+    return torch.cat([step.apply(x[r:r + 1], cfgs[r], ctxs[r]) for r in range(x.shape[0])])
+
+
+def subtract_at(x: Tensor, per_row: list[tuple[list[int], list[float]]]) -> Tensor:
+    """x [n,V] less each row's values at its ids (row r: (ids, values)), in one indexed write; x itself where none."""
+    rows = [r for r, (ids, _) in enumerate(per_row) for _ in ids]
+    if not rows:
+        return x
+    cols = [i for ids, _ in per_row for i in ids]
+    vals = torch.tensor([v for _, vs in per_row for v in vs], dtype=torch.float32, device=x.device)
+    x = x.clone()
+    index = (torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device))
+    x[index] = x[index] - vals
+    return x
+
+
+def ban_at(x: Tensor, per_row: list[list[int]]) -> Tensor:
+    """x [n,V] with each row's ids at -inf, in one indexed write; x itself where none."""
+    rows = [r for r, ids in enumerate(per_row) for _ in ids]
+    if not rows:
+        return x
+    x = x.clone()
+    x[torch.tensor(rows, device=x.device), torch.tensor([i for ids in per_row for i in ids], device=x.device)] = NEG_INF
+    return x

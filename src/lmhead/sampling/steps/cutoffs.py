@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lmhead.sampling.steps.base import Context, Step, int_param, real_param
+from lmhead.sampling.steps.base import Context, Step, int_param, param_rows, real_param
 from lmhead.sampling.steps.moments import keep_at_least, keep_probable, moments, probable_ids, typical
 from lmhead.sampling.top_p import top_p_parts
 from lmhead.sampling.vocab import NEG_INF, Vocab
@@ -43,6 +43,19 @@ def _top_k_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     return x.masked_fill(x < kth, NEG_INF)
 
 
+def _top_k_rows(x: Tensor, cfgs: Any, ctxs: Any) -> Tensor:
+    """Top-k on rows [n,V] with a k per row: one partial sort of the largest k, each row's k-th value its threshold
+    (a row whose k ≥ V keeps everything)."""
+    width = x.shape[-1]
+    ks = [c.top_k if c.top_k < width else 0 for c in cfgs]
+    if not any(ks):
+        return x
+    vals = torch.topk(x, max(ks), dim=-1).values
+    kth = vals.gather(1, torch.tensor([[max(k, 1) - 1] for k in ks], device=x.device))
+    kth = kth.masked_fill(torch.tensor([[k == 0] for k in ks], device=x.device), NEG_INF)
+    return x.masked_fill(x < kth, NEG_INF)
+
+
 def _top_p_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     """The pipeline's top-p rule (`top_p.top_p_parts` at T = 1, its torch path: the same cut as the batch's)."""
     out = torch.full_like(x, NEG_INF)
@@ -52,7 +65,7 @@ def _top_p_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     return out
 
 
-def min_p_rows(x: Tensor, min_p: float, vocab: Vocab) -> Tensor:
+def min_p_rows(x: Tensor, min_p: float | Tensor, vocab: Vocab) -> Tensor:
     """Min-p on whole rows [b,V_r], exactly HF's MinPLogitsWarper. The argmax is always kept without a
     special case: its p is the maximum itself, and min_p · p_max ≤ p_max for min_p ≤ 1."""
     probs = vocab.softmax(x)
@@ -62,6 +75,10 @@ def min_p_rows(x: Tensor, min_p: float, vocab: Vocab) -> Tensor:
 
 def _min_p_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     return min_p_rows(x, cfg.min_p, Vocab(x.shape[1]))
+
+
+def _min_p_rows(x: Tensor, cfgs: Any, ctxs: Any) -> Tensor:
+    return min_p_rows(x, param_rows(cfgs, "min_p", x), Vocab(x.shape[1]))
 
 
 def _typical_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
@@ -131,7 +148,7 @@ def _eta_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
 _CUTS = frozenset({"torch", "c", "sharded", "batch"})
 STEPS = (
     Step("top_k", ("top_k",), 4, lambda c: c.top_k > 0, True, "outside the top k", _top_k_apply,
-         "transformers TopKLogitsWarper (ties with the k-th kept)", _CUTS, aliases=("top-k", "k")),
+         "transformers TopKLogitsWarper (ties with the k-th kept)", _CUTS, aliases=("top-k", "k"), rows=_top_k_rows),
     Step("typical_p", ("typical_p",), 4, lambda c: c.typical_p < 1.0, True, "outside the typical set",
          _typical_apply, "transformers TypicalLogitsWarper; llama.cpp llama_sampler_typical",
          aliases=("typ_p", "typical", "typ", "typical-p", "typ-p", "locally_typical"),
@@ -139,7 +156,7 @@ STEPS = (
     Step("top_p", ("top_p",), 4, lambda c: c.top_p < 1.0, True, "outside the top-p mass", _top_p_apply,
          "transformers TopPLogitsWarper (a tie at the cut kept whole)", _CUTS, aliases=("top-p", "nucleus")),
     Step("min_p", ("min_p",), 4, lambda c: c.min_p > 0.0, True, "below min_p · p_max", _min_p_apply,
-         "transformers MinPLogitsWarper", _CUTS, aliases=("min-p",)),
+         "transformers MinPLogitsWarper", _CUTS, aliases=("min-p",), rows=_min_p_rows),
     Step("top_n_sigma", ("top_n_sigma",), 4, lambda c: c.top_n_sigma > 0.0, True, "below max − n·σ",
          _top_n_sigma_apply, "llama.cpp llama_sampler_top_n_sigma (Tang et al., top-nσ)",
          aliases=("top-n-sigma", "top_nsigma"),

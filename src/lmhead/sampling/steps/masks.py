@@ -18,7 +18,7 @@ from torch import Tensor
 
 from lmhead.checks import is_int, is_real
 from lmhead.sampling.inputs import once_per
-from lmhead.sampling.steps.base import Context, Param, Step, ids_param, int_param, sequences_param
+from lmhead.sampling.steps.base import Context, Param, Step, ban_at, ids_param, int_param, sequences_param
 from lmhead.sampling.vocab import NEG_INF
 
 LOGIT_BIAS_LIMIT = 1e4  # |logit_bias| of a finite bias; -inf bans
@@ -65,6 +65,12 @@ def _bias_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     return x
 
 
+def _bias_rows(x: Tensor, cfgs: Any, ctxs: Any) -> Tensor:
+    x = x.clone()
+    apply_bias_(x, *bias_index(list(cfgs), x.shape[0], x.shape[1], x.device))
+    return x
+
+
 def _allowed_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     """vLLM's allowed_token_ids (``vllm/v1/sample/logits_processor``: a mask of -inf off the allowed ids)."""
     # built once per setting: turning a tuple of 37,000 ids into a tensor costs more than the step
@@ -103,33 +109,40 @@ def banned_by_bad_words(bad_words: tuple[tuple[int, ...], ...], history: list[in
 
 
 def _bad_words_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
-    banned = banned_by_bad_words(cfg.bad_words, ctx.history)
-    if not banned:
-        return x
-    return x.index_fill(1, torch.tensor(banned, dtype=torch.long, device=x.device), NEG_INF)
+    return ban_at(x, [banned_by_bad_words(cfg.bad_words, ctx.history)])
+
+
+def _bad_words_rows(x: Tensor, cfgs: Any, ctxs: Any) -> Tensor:
+    return ban_at(x, [banned_by_bad_words(c.bad_words, ctx.history) for c, ctx in zip(cfgs, ctxs, strict=True)])
+
+
+def _withheld(cfg: Any, ctx: Context) -> list[int]:
+    """vLLM's min_tokens (transformers' MinNewTokensLengthLogitsProcessor): the stop tokens, while fewer than
+    min_tokens tokens have been generated."""
+    return list(cfg.stop_token_ids) if ctx.generated < cfg.min_tokens else []
 
 
 def _min_tokens_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
-    """vLLM's min_tokens (transformers' MinNewTokensLengthLogitsProcessor): the stop tokens at -inf while fewer
-    than min_tokens tokens have been generated."""
-    if ctx.generated >= cfg.min_tokens or not cfg.stop_token_ids:
-        return x
-    return x.index_fill(1, torch.tensor(cfg.stop_token_ids, dtype=torch.long, device=x.device), NEG_INF)
+    return ban_at(x, [_withheld(cfg, ctx)])
+
+
+def _min_tokens_rows(x: Tensor, cfgs: Any, ctxs: Any) -> Tensor:
+    return ban_at(x, [_withheld(c, ctx) for c, ctx in zip(cfgs, ctxs, strict=True)])
 
 
 STEPS = (
     Step("logit_bias", ("logit_bias", "banned_tokens"), 1, lambda c: bool(c.logit_bias or c.banned_tokens), False,
          "banned (logit_bias -inf / banned_tokens)", _bias_apply, "OpenAI's logit_bias; llama.cpp's logit_bias sampler",
-         frozenset({"torch", "sharded", "batch"}), aliases=("bias",)),
+         frozenset({"torch", "sharded", "batch"}), aliases=("bias",), rows=_bias_rows),
     Step("allowed_token_ids", ("allowed_token_ids",), 1, lambda c: c.allowed_token_ids is not None, False,
          "not in allowed_token_ids", _allowed_apply, "vLLM SamplingParams.allowed_token_ids",
          example=(("allowed_token_ids", tuple(range(0, 262_144, 7))),)),
     Step("bad_words", ("bad_words",), 1, lambda c: bool(c.bad_words), False, "would complete a bad word",
-         _bad_words_apply, "transformers NoBadWordsLogitsProcessor (bad_words_ids)", history=True,
+         _bad_words_apply, "transformers NoBadWordsLogitsProcessor (bad_words_ids)", history=True, rows=_bad_words_rows,
          example=(("bad_words", tuple((i, i + 1) for i in range(0, 2000, 2))),)),
     Step("min_tokens", ("min_tokens", "stop_token_ids"), 1, lambda c: c.min_tokens > 0 and bool(c.stop_token_ids),
          False, "a stop token before min_tokens", _min_tokens_apply,
-         "vLLM min_tokens; transformers MinNewTokensLengthLogitsProcessor", history=True,
+         "vLLM min_tokens; transformers MinNewTokensLengthLogitsProcessor", history=True, rows=_min_tokens_rows,
          example=(("min_tokens", 1000), ("stop_token_ids", (0, 1, 2)))),
 )
 

@@ -12,8 +12,17 @@ import torch
 from torch import Tensor
 
 from lmhead.sampling.inputs import check_overflow
-from lmhead.sampling.steps.base import Context, Param, Step, id_tuple, int_param, real_param
-from lmhead.sampling.vocab import NEG_INF
+from lmhead.sampling.steps.base import (
+    Context,
+    Param,
+    Step,
+    ban_at,
+    id_tuple,
+    int_param,
+    param_rows,
+    real_param,
+    subtract_at,
+)
 
 REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 PENALTY_LIMIT = 1e4  # |presence_penalty|, |frequency_penalty|
@@ -57,6 +66,19 @@ def _penalties_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     return x
 
 
+def _penalties_rows(x: Tensor, cfgs: Any, ctxs: Any) -> Tensor:
+    """The penalties on rows [n,V], each row's three settings a column: one pass over the rows' histories padded
+    with -1."""
+    x = x.clone()
+    prev = torch.full((x.shape[0], max(len(c.history) for c in ctxs)), -1, dtype=torch.long)
+    for r, c in enumerate(ctxs):
+        prev[r, :len(c.history)] = torch.tensor(c.history, dtype=torch.long)
+    column = lambda name: param_rows(cfgs, name, x)[:, 0]
+    penalize_(x, prev.to(x.device), torch.tensor([c.prompt_len for c in ctxs], device=x.device),
+              column("repetition_penalty"), column("presence_penalty"), column("frequency_penalty"))
+    return x
+
+
 def dry_repeat_lengths(history: list[int], breakers: tuple[int, ...], allowed_length: int,
                        last_n: int) -> dict[int, int]:
     """llama.cpp's DRY (``src/llama-sampling.cpp`` ``llama_sampler_dry_apply``, after koboldcpp's): token → the
@@ -96,21 +118,25 @@ def dry_repeat_lengths(history: list[int], breakers: tuple[int, ...], allowed_le
     return out
 
 
-def _dry_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
-    """logit − dry_multiplier · dry_base^(n − dry_allowed_length) for each token with a repeat length n ≥
-    dry_allowed_length (`dry_repeat_lengths`); the exponent capped as llama.cpp caps it."""
+def dry_penalties(cfg: Any, ctx: Context, width: int) -> tuple[list[int], list[float]]:
+    """(ids, penalties): dry_multiplier · dry_base^(n − dry_allowed_length) for each token id < width with a repeat
+    length n ≥ dry_allowed_length (`dry_repeat_lengths`); the exponent capped as llama.cpp caps it."""
     lengths = dry_repeat_lengths(ctx.history, cfg.dry_sequence_breakers, cfg.dry_allowed_length,
                                  cfg.dry_penalty_last_n)
-    lengths = {t: n for t, n in lengths.items() if t < x.shape[-1]}
-    if not lengths:
-        return x
+    lengths = {t: n for t, n in lengths.items() if t < width}
     # llama.cpp: the exponent at most log(FLT_MAX) / log(base) (int), where base > 1.000001
     cap = int(_FLOAT_MAX_LOG / math.log(cfg.dry_base)) if cfg.dry_base > 1.000001 else math.inf
-    ids = list(lengths)
-    pen = [cfg.dry_multiplier * cfg.dry_base ** min(n - cfg.dry_allowed_length, cap) for n in lengths.values()]
-    x = x.clone()
-    x[0, ids] -= torch.tensor(pen, dtype=torch.float32, device=x.device)
-    return x
+    return list(lengths), [cfg.dry_multiplier * cfg.dry_base ** min(n - cfg.dry_allowed_length, cap)
+                           for n in lengths.values()]
+
+
+def _dry_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
+    """logit − the row's DRY penalty of each token (`dry_penalties`)."""
+    return subtract_at(x, [dry_penalties(cfg, ctx, x.shape[-1])])
+
+
+def _dry_rows(x: Tensor, cfgs: Any, ctxs: Any) -> Tensor:
+    return subtract_at(x, [dry_penalties(c, ctx, x.shape[-1]) for c, ctx in zip(cfgs, ctxs, strict=True)])
 
 
 def banned_by_ngrams(history: list[int], size: int) -> list[int]:
@@ -124,12 +150,11 @@ def banned_by_ngrams(history: list[int], size: int) -> list[int]:
 
 
 def _ngram_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
-    banned = banned_by_ngrams(ctx.history, cfg.no_repeat_ngram_size)
-    if not banned:
-        return x
-    x = x.clone()
-    x[0, banned] = NEG_INF
-    return x
+    return ban_at(x, [banned_by_ngrams(ctx.history, cfg.no_repeat_ngram_size)])
+
+
+def _ngram_rows(x: Tensor, cfgs: Any, ctxs: Any) -> Tensor:
+    return ban_at(x, [banned_by_ngrams(ctx.history, c.no_repeat_ngram_size) for c, ctx in zip(cfgs, ctxs, strict=True)])
 
 
 def _has_penalties(c: Any) -> bool:
@@ -139,15 +164,16 @@ def _has_penalties(c: Any) -> bool:
 STEPS = (
     Step("penalties", ("repetition_penalty", "presence_penalty", "frequency_penalty"), 2, _has_penalties, False,
          "", _penalties_apply, "CTRL / transformers RepetitionPenaltyLogitsProcessor; OpenAI presence / frequency",
-         frozenset({"torch", "sharded", "batch"}), history=True, aliases=("repetition_penalty", "penalty")),
+         frozenset({"torch", "sharded", "batch"}), history=True, aliases=("repetition_penalty", "penalty"),
+         rows=_penalties_rows),
     Step("dry", ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers"),
          2, lambda c: c.dry_multiplier > 0 and c.dry_penalty_last_n != 0, False, "", _dry_apply,
          "llama.cpp llama_sampler_dry (src/llama-sampling.cpp)", history=True,
-         example=(("dry_multiplier", 0.8),)),
+         example=(("dry_multiplier", 0.8),), rows=_dry_rows),
     Step("no_repeat_ngram", ("no_repeat_ngram_size",), 2, lambda c: c.no_repeat_ngram_size > 0, False,
          "would repeat an n-gram", _ngram_apply, "transformers NoRepeatNGramLogitsProcessor", history=True,
          aliases=("no_repeat_ngram_size",),
-         example=(("no_repeat_ngram_size", 3),)),
+         example=(("no_repeat_ngram_size", 3),), rows=_ngram_rows),
 )
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lmhead.sampling.steps.base import Context, Step, real_param
+from lmhead.sampling.steps.base import Context, Step, param_rows, real_param
 from lmhead.sampling.steps.moments import moments
 from lmhead.sampling.vocab import NEG_INF
 
@@ -45,6 +45,10 @@ def _temperature_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     return x / cfg.temperature
 
 
+def _temperature_rows(x: Tensor, cfgs: Any, ctxs: Any) -> Tensor:
+    return x / param_rows(cfgs, "temperature", x)
+
+
 def _dynatemp_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     t = dynamic_temperature(x, cfg.temperature, cfg.dynatemp_range, cfg.dynatemp_exponent)
     if t < GREEDY_TEMPERATURE:  # a dynamic temperature of ~0: the argmax alone, as a division by ~0 would give
@@ -57,7 +61,7 @@ def _dynatemp_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
 STEPS = (
     Step("temperature", ("temperature",), 3, lambda c: c.temperature != 1.0 and c.dynatemp_range == 0, True, "",
          _temperature_apply, "logits / T (transformers TemperatureLogitsWarper)",
-         frozenset({"torch", "c", "sharded", "batch"}), aliases=("temp",)),
+         frozenset({"torch", "c", "sharded", "batch"}), aliases=("temp",), rows=_temperature_rows),
     Step("dynatemp", ("temperature", "dynatemp_range", "dynatemp_exponent"), 3, lambda c: c.dynatemp_range > 0,
          True, "", _dynatemp_apply, "llama.cpp llama_sampler_temp_ext (src/llama-sampling.cpp)",
          example=(("dynatemp_range", 0.5),)),

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lmhead.sampling.steps.base import Context, Step, real_param
+from lmhead.sampling.steps.base import Context, Step, param_rows, real_param
 from lmhead.sampling.vocab import NEG_INF, Vocab
 
 PARAMS = (
@@ -22,7 +22,7 @@ PARAMS = (
 )
 
 
-def top_a_rows(x: Tensor, top_a: float, vocab: Vocab) -> Tensor:
+def top_a_rows(x: Tensor, top_a: float | Tensor, vocab: Vocab) -> Tensor:
     """Top-a on whole rows [b,V_r]: p = softmax(x) (float32, as min-p's), tokens below top_a · p_max² at -inf."""
     probs = vocab.softmax(x)
     top = vocab.amax(probs)
@@ -33,8 +33,12 @@ def _apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
     return top_a_rows(x, cfg.top_a, Vocab(x.shape[1]))
 
 
+def _rows(x: Tensor, cfgs: Any, ctxs: Any) -> Tensor:
+    return top_a_rows(x, param_rows(cfgs, "top_a", x), Vocab(x.shape[1]))
+
+
 STEPS = (
     Step("top_a", ("top_a",), 4, lambda c: c.top_a > 0.0, True, "below top_a · p_max²", _apply,
          "text-generation-webui TopALogitsWarper; koboldcpp top-a", aliases=("top-a",), after="min_p",
-         example=(("top_a", 0.2),)),
+         example=(("top_a", 0.2),), rows=_rows),
 )

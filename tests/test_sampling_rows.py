@@ -1,0 +1,114 @@
+"""A batch of rows with different settings runs each declared step once over the rows that run it, with the rows'
+parameters as tensors (Step.rows): every row's values are the bits it gets alone, and its draws the ids it draws
+alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmhead.sampling import SamplingConfig, probabilities, process_logits, sample, sample_with_logprobs
+from lmhead.sampling.steps import STEPS, Context, RowState
+from lmhead.sampling.steps.base import rows_apply
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+HISTORIES = [[3, 7, 9, 3, 7, 9, 3, 7], [1, 2, 1, 2, 1], [4, 4, 4, 4], [], [5, 6, 7, 5, 6], [9, 9, 1, 9, 9, 1]]
+PROMPT_LENS = [2, 1, 0, 0, 2, 3]
+
+
+def rows(n: int = 6, vocab: int = 400, seed: int = 0) -> torch.Tensor:
+    """Language-model-like rows: a few high logits over a Gaussian tail; a flat one; a tie at the top."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, vocab, generator=g) * 3
+    x[1] *= 0.3
+    x[2, :6] += 8.0
+    x[3, 10] = x[3, 11] = float(x[3].max()) + 1.0
+    return x
+
+
+# one step's settings per row (row 5 leaves it off where its declaration allows: the step skips it)
+PER_STEP = {
+    "temperature": [dict(temperature=t) for t in (0.3, 0.7, 1.3, 2.0, 0.55, 0.9)],
+    "top_k": [dict(top_k=k) for k in (1, 5, 17, 399, 400, 1000)],
+    "min_p": [dict(min_p=p) for p in (0.01, 0.05, 0.2, 0.5, 1.0, 0.1)],
+    "top_a": [dict(top_a=a) for a in (0.01, 0.2, 0.5, 0.9, 1.0, 0.3)],
+    "penalties": [dict(repetition_penalty=1.3), dict(presence_penalty=0.5, frequency_penalty=0.2),
+                  dict(repetition_penalty=0.8, frequency_penalty=-0.4), dict(presence_penalty=2.0),
+                  dict(repetition_penalty=2.0, presence_penalty=-1.0), dict(frequency_penalty=1.5)],
+    "dry": [dict(dry_multiplier=0.8), dict(dry_multiplier=1.5, dry_base=2.0, dry_allowed_length=1),
+            dict(dry_multiplier=0.8, dry_allowed_length=1, dry_sequence_breakers=(9,)),
+            dict(dry_multiplier=3.0, dry_penalty_last_n=4), dict(dry_multiplier=0.5, dry_allowed_length=1),
+            dict(dry_multiplier=2.0, dry_allowed_length=1, dry_base=1.1)],
+    "no_repeat_ngram": [dict(no_repeat_ngram_size=n) for n in (1, 2, 3, 2, 1, 4)],
+    "logit_bias": [dict(logit_bias={1: 3.0, 7: float("-inf")}), dict(banned_tokens=(0, 2, 4)),
+                   dict(logit_bias={399: -2.5}), dict(logit_bias={10: 1.0}, banned_tokens=(11,)),
+                   dict(banned_tokens=(5,)), dict(logit_bias={3: 0.5, 4: 0.25})],
+    "bad_words": [dict(bad_words=((3, 7, 9), (1, 2), (0,)))] * 3
+    + [dict(bad_words=((6, 1),)), dict(bad_words=((5, 6, 8),)), dict(bad_words=((1,),))],
+    "min_tokens": [dict(min_tokens=m, stop_token_ids=(10, 2)) for m in (1, 5, 9, 3, 6, 7)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(PER_STEP))
+def test_a_steps_rows_give_each_row_the_bits_its_apply_gives_it_alone(name):
+    step = STEPS[name]
+    assert step.rows is not None
+    x = rows()
+    cfgs = [SamplingConfig(**s) for s in PER_STEP[name]]
+    ctxs = [Context(history=h, prompt_len=p) for h, p in zip(HISTORIES, PROMPT_LENS, strict=True)]
+    before = x.clone()
+    got = rows_apply(step, x, cfgs, ctxs)
+    assert torch.equal(x, before)  # the input is never written
+    for r, (cfg, ctx) in enumerate(zip(cfgs, ctxs, strict=True)):
+        assert torch.equal(got[r:r + 1], step.apply(x[r:r + 1], cfg, ctx)), r
+
+
+MIXED = [dict(typical_p=0.9, temperature=0.8), dict(top_n_sigma=1.0), dict(dry_multiplier=0.8, top_k=40),
+         dict(xtc_probability=1.0, xtc_threshold=0.05), dict(epsilon_cutoff=3e-3, min_p=0.02),
+         dict(temperature=0, dry_multiplier=3.0, no_repeat_ngram_size=2), dict(mirostat=2, mirostat_tau=3.0),
+         dict(samplers="llama.cpp", top_k=40, top_p=0.9, temperature=0.7, dry_multiplier=0.8),
+         dict(top_a=0.2, temperature=1.2, repetition_penalty=1.2), dict(eta_cutoff=3e-3, bad_words=((3, 7, 9),)),
+         dict(dynatemp_range=0.5, top_k=50), dict(top_k=30, min_p=0.05, temperature=0.6)]
+
+
+def _mixed(seeded: bool) -> tuple[torch.Tensor, list, list[list[int]], list[int]]:
+    x = torch.cat([rows(6, seed=3), rows(6, seed=4)])
+    cfgs = [SamplingConfig(**s, seed=100 + r if seeded else None) for r, s in enumerate(MIXED)]
+    return x, cfgs, HISTORIES * 2, PROMPT_LENS * 2
+
+
+def test_a_mixed_batch_of_declared_steps_processes_each_row_as_alone():
+    x, cfgs, hist, plen = _mixed(False)
+    out = process_logits(x, cfgs, prev_tokens=hist, prompt_len=plen)
+    probs = probabilities(x, cfgs, prev_tokens=hist, prompt_len=plen)
+    for r, cfg in enumerate(cfgs):
+        alone = dict(prev_tokens=[hist[r]], prompt_len=plen[r])
+        assert torch.equal(out[r], process_logits(x[r:r + 1], cfg, **alone)[0]), r
+        assert torch.equal(probs[r], probabilities(x[r:r + 1], cfg, **alone)[0]), r
+
+
+def test_seeded_rows_of_a_mixed_batch_draw_and_score_what_they_do_alone():
+    x, cfgs, hist, plen = _mixed(True)
+    for step in range(4):
+        states = [RowState() for _ in cfgs]
+        ids, lp = sample_with_logprobs(x, cfgs, prev_tokens=hist, prompt_len=plen, step=step, state=states)
+        for r, cfg in enumerate(cfgs):
+            state = RowState()
+            one, one_lp = sample_with_logprobs(x[r], cfg, prev_tokens=[hist[r]], prompt_len=plen[r], step=step,
+                                               state=[state])
+            assert int(ids[r]) == int(one), (step, r)
+            assert torch.equal(lp[r], one_lp), (step, r)
+            assert state == states[r]  # mirostat's μ moved alike
+
+
+def test_unseeded_rows_read_the_generator_as_the_rows_drawn_one_by_one():
+    x, cfgs, hist, plen = _mixed(False)
+    # the rows of the general path only (the batch path's rows draw first, from the same generator)
+    x, cfgs, hist, plen = x[:-1], cfgs[:-1], hist[:-1], plen[:-1]
+    for seed in range(3):
+        together = sample(x, cfgs, generator=torch.Generator().manual_seed(seed), prev_tokens=hist, prompt_len=plen)
+        g = torch.Generator().manual_seed(seed)
+        one_by_one = [int(sample(x[r], cfg, generator=g, prev_tokens=[hist[r]], prompt_len=plen[r]))
+                      for r, cfg in enumerate(cfgs)]
+        assert together.tolist() == one_by_one
