@@ -189,7 +189,7 @@ def test_arrow_keys_move_a_slider_and_the_numbers_follow(page):
     for _ in range(4):
         page.keyboard.press("ArrowLeft")
     assert temperature.input_value() == "0.8"
-    assert page.locator("#temperature-out").inner_text() == "0.80"
+    assert page.locator("#p-temperature-out").inner_text() == "0.80"
     assert entropy(page) < h1
 
 
@@ -254,9 +254,9 @@ def test_real_model_page_and_screenshot(browser):
         pg.goto(s.url + "/")
         pg.wait_for_selector("body[data-ready='1']")
         submit(pg, "The cat sat on the")
-        # T = 1.5 with nothing cut: the flattened tail matters and only the server knows it exactly
+        # a vocabulary larger than the candidates sent: the page runs the steps over all V logits it asks for
         slide(pg, "Temperature", 1.5)
-        pg.wait_for_function("document.querySelector('#exactness').textContent.includes('computed by the server')")
+        pg.wait_for_function("document.querySelector('#exactness').textContent.includes('every step run here')")
         h15 = entropy(pg)
         slide(pg, "Temperature", 1.0)
         assert entropy(pg) < h15
@@ -294,8 +294,10 @@ def values(page, selector: str) -> list[list[float]]:
 def wait_chart(page, fig: str, **settings) -> None:
     """Wait until the chart `fig` shows the given slider settings (it is redrawn from the server's answer)."""
     want = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, **settings}
+    # a request carries the parameters off their declared defaults: the others are the defaults
     page.wait_for_function("([sel, want]) => { const f = document.querySelector(sel); if (!f || !f.dataset.settings) "
-                           "return false; const s = JSON.parse(f.dataset.settings); "
+                           "return false; const s = {temperature: 1, top_k: 0, top_p: 1, min_p: 0, "
+                           "...JSON.parse(f.dataset.settings)}; "
                            "return Object.keys(want).every(k => Math.abs(s[k] - want[k]) < 1e-9); }", arg=[fig, want])
 
 
@@ -520,17 +522,30 @@ def assert_page_equals_server(page, server, prompt: str) -> dict:
 
 
 def test_every_declared_parameter_has_a_control_built_from_the_declaration(page, server):
+    """Each declared parameter once, under the first step that declares it: the labelled ones of the steps' table
+    (temperature, top-k, top-p, min-p) first as sliders in the declared order, every other step a group of its own
+    in the declared order, then the order's own control; each with its declared range in its help."""
     decl = httpx.get(server.url + "/api/samplers").json()
     open_steps(page)
-    hand = {"temperature", "top_k", "top_p", "min_p", "samplers"}  # the sliders above, and the order's own control
     for name, p in decl["params"].items():
-        if name in hand:
+        if name == "samplers":
             continue
-        control = page.get_by_label(name, exact=True)
-        assert control.count() == 1, name
+        assert page.locator(f"#p-{name}").count() == 1, name
         assert p["allowed"] in page.locator(f"#p-{name}-help").inner_text(), name
-    groups = page.locator("#step-controls fieldset.step").evaluate_all("els => els.map(e => e.dataset.step)")
-    assert groups == [s["name"] for s in decl["steps"] if set(s["params"]) - hand] + ["samplers"]
+    first = page.locator("#main-controls input[data-param]").evaluate_all("els => els.map(e => e.dataset.param)")
+    assert first == ["temperature", "top_k", "top_p", "min_p"]
+    assert page.locator("#main-controls input[type=range]").count() == 4
+    for label in ("Temperature", "Top-k", "Top-p", "Min-p"):
+        assert page.get_by_label(label, exact=True).get_attribute("data-param") in first
+    seen, groups = set(first), []
+    for s in decl["steps"]:
+        if set(s["params"]) - seen:
+            groups.append(s["name"])
+            seen |= set(s["params"])
+    shown = page.locator("#step-controls fieldset.step").evaluate_all("els => els.map(e => e.dataset.step)")
+    assert shown == groups + ["samplers"]
+    assert page.locator("#pipeline-order").inner_text() == " → ".join([", ".join(decl["masks"]), *decl["order"],
+                                                                       "softmax"])
     options = page.get_by_label("Order", exact=True).locator("option").evaluate_all("os => os.map(o => o.value)")
     assert options == [*decl["presets"], "custom"]
     page.get_by_label("dry_base", exact=True).fill("0.5")  # outside its range: said, not sent
@@ -550,6 +565,7 @@ STEP_SETTINGS = [
     pytest.param({"dynatemp_range": 0.5, "Temperature": 0.8}, id="dynatemp"),
     pytest.param({"epsilon_cutoff": 0.01}, id="epsilon"),
     pytest.param({"eta_cutoff": 0.02}, id="eta"),
+    pytest.param({"top_a": 0.3, "Temperature": 1.5}, id="top_a"),
     pytest.param({"no_repeat_ngram_size": 2}, id="no_repeat_ngram"),
     pytest.param({"repetition_penalty": 1.5, "presence_penalty": 0.3}, id="penalties"),
     pytest.param({"logit_bias": "12: 4, 40: -3", "banned_tokens": "5"}, id="logit_bias"),
@@ -594,7 +610,7 @@ def test_with_fewer_candidates_the_page_fetches_all_logits_and_stays_exact(page,
     """A vocabulary larger than the candidates sent: the page asks /api/logits once and runs the steps over it."""
     page.evaluate("window.lmhead.state.candidates = 40")
     submit(page, REPEATS)
-    assert page.evaluate("window.lmhead.state.data.z.length") == 40
+    assert page.evaluate("window.lmhead.state.data.raw.candidates.length") == 40
     open_steps(page)
     set_params(page, {"typical_p": 0.9, "dry_multiplier": 0.8, "Temperature": 1.4})
     page.wait_for_function("document.querySelector('#exactness').textContent.includes('every step run here')")
@@ -603,13 +619,13 @@ def test_with_fewer_candidates_the_page_fetches_all_logits_and_stays_exact(page,
     assert_page_equals_server(page, server, REPEATS)
 
 
-def test_reset_turns_every_step_off_and_back_to_the_prefix_pipeline(page):
+def test_reset_turns_every_step_off(page):
     submit(page)
     open_steps(page)
     set_params(page, {"typical_p": 0.5, "samplers": "llama.cpp", "dry_multiplier": 1.0})
     assert page.locator("#chain li[data-step='typical_p']").count() == 1
     page.get_by_role("button", name="Reset settings").click()
-    assert page.evaluate("window.lmhead.settings()") == {"temperature": 1, "top_k": 0, "top_p": 1, "min_p": 0}
+    assert page.evaluate("window.lmhead.settings()") == {}  # every parameter at its declared default
     assert page.locator("#chain li").count() == 0
     assert page.get_by_label("Order", exact=True).input_value() == "lmhead"
 
@@ -626,3 +642,41 @@ def test_the_rank_curve_draws_a_line_where_each_declared_step_cuts(page, server)
     assert lines == [[c["step"], c["rank"]] for c in want["cutoffs"]] == [["typical_p", lines[0][1]],
                                                                          ["top_n_sigma", want["kept_count"]]]
     assert "typical-p 0.6 leaves" in page.locator("#dist-chart svg desc").text_content()
+
+
+def test_a_declared_step_moved_on_the_page_is_previewed_without_the_server(page, server):
+    """Top-a, one entry of the steps' table: its control recomputes the table in the page (no /api/predict while it
+    moves), and the numbers equal the server's."""
+    submit(page, REPEATS)
+    kept = int(page.locator("#kept-count").inner_text().replace(",", ""))
+    asked: list[str] = []
+    page.on("request", lambda r: asked.append(r.url) if "/api/predict" in r.url else None)
+    open_steps(page)
+    control = page.get_by_label("top_a", exact=True)
+    control.evaluate("e => { e.value = '0.5'; e.dispatchEvent(new Event('input')); }")  # moved, not released
+    page.wait_for_function("document.querySelector('#stage').dataset.settings.includes('top_a')")
+    assert not asked
+    assert int(page.locator("#kept-count").inner_text().replace(",", "")) < kept
+    assert page.locator("#chain li[data-step='top_a']").count() == 1
+    assert "every step run here" in page.locator("#exactness").inner_text()
+    assert_page_equals_server(page, server, REPEATS)
+
+
+def test_a_declared_step_without_a_preview_shows_the_servers_numbers(page, server):
+    """A step the server declares and the page's table does not hold (top-a's entry taken out): its control is
+    still built from the declaration, and the table shows the server's numbers for a config that runs it."""
+    submit(page, REPEATS)
+    page.evaluate("delete window.lmhead.steps.top_a")
+    open_steps(page)
+    set_params(page, {"top_a": 0.5, "Temperature": 1.5})
+    page.wait_for_function("document.querySelector('#exactness').textContent.includes('computed by the server') && "
+                           "document.querySelector('#stage').dataset.settings.includes('top_a')")
+    settings = page.evaluate("window.lmhead.settings()")
+    assert settings == {"top_a": 0.5, "temperature": 1.5}
+    want = httpx.post(server.url + "/api/predict", json={"prompt": REPEATS, "top": 20, **settings}).json()
+    rows = shown_rows(page)
+    assert [r["id"] for r in rows] == [c["token_id"] for c in want["candidates"]]
+    for r, c in zip(rows, want["candidates"], strict=True):
+        assert r["p"] == pytest.approx(c["probability"], rel=1e-6) and r["kept"] == c["kept"]
+    chain = page.locator("#chain li").evaluate_all("els => els.map(e => [e.dataset.step, +e.dataset.cut])")
+    assert chain == [[s["name"], s["cut"]] for s in want["steps"]]

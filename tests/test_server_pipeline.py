@@ -1,21 +1,16 @@
-"""The page's in-browser pipelines (server/static/app.js, pipeline.js) against lmhead.sampling over the full vocabulary.
+"""The page's in-browser pipeline (server/static/pipeline.js, with the steps' table steps.js) against lmhead.sampling
+over the full vocabulary.
 
-The page gets the top-N candidates' logits and the log-sum-exp of all V logits, and reruns temperature → top-k →
-top-p → min-p → softmax in JavaScript when a slider moves. It claims "exact" whenever the kept set lies inside the
-candidates (or the normaliser is known), and shows bounds otherwise. These tests run app.js's functions in Node on
-logits with a long tail and check both claims against `lmhead.sampling.probabilities` / `entropy` computed on all
-V logits: exact numbers equal the truth, and bounds contain it.
-
-With any other declared step on (or another order), the page runs pipeline.js over all V logits, from the server's
-declaration (`lmhead.sampling.steps.describe`). Its numbers are checked here for every step, the presets and a
-user's order, with the prompt as the history (as the explainer runs them): the probabilities (float64 in JS, the
-library's float32 steps: rtol 1e-4, atol 1e-7), the tokens kept, the entropy, each step's count of tokens cut and
-the step that cut each token (XTC's coin landing, as the explainer marks it).
+The page runs every declared step itself over all V logits, from the server's declaration
+(`lmhead.sampling.steps.describe`). Its numbers are checked here for every step, the presets and a user's order,
+with the prompt as the history (as the explainer runs them): the probabilities (float64 in JS, the library's float32
+steps: rtol 1e-4, atol 1e-7), the tokens kept, the entropy, each step's count of tokens cut and the step that cut
+each token (XTC's coin landing, as the explainer marks it). The page's files are ES modules: Node runs copies of
+them in a folder marked as modules.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import shutil
 import subprocess
@@ -26,28 +21,28 @@ import torch
 
 from lmhead.sampling import SamplingConfig, entropy, probabilities, process_logits
 
-APP_JS = Path(__file__).parents[1] / "src" / "lmhead" / "server" / "static" / "app.js"
-PIPELINE_JS = APP_JS.with_name("pipeline.js")
+STATIC = Path(__file__).parents[1] / "src" / "lmhead" / "server" / "static"
 NODE = shutil.which("node")
 pytestmark = pytest.mark.skipif(NODE is None, reason="needs Node.js to run the page's JavaScript outside a browser")
 
-RUNNER = """
-const { compute } = require(process.argv[1]);
-let input = "";
-process.stdin.on("data", (c) => (input += c));
-process.stdin.on("end", () => {
-  const { data, settings } = JSON.parse(input);
-  const out = settings.map((st) => {
-    const c = compute(data, st);
-    return { probs: Array.from(c.probs), cut: c.cut, exactProbs: c.exactProbs, entropy: c.entropy,
-             keptCount: c.keptCount, keptCountExact: c.keptCountExact, keptMass: c.keptMass };
-  });
-  process.stdout.write(JSON.stringify(out));
-});
-"""
 
-SETTINGS = [dict(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in itertools.product(
-    (0.0, 0.3, 0.7, 1.0, 1.5, 2.0), (0, 1, 5, 50), (1.0, 0.5, 0.9, 0.99), (0.0, 0.05, 0.2))]
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory) -> Path:
+    """A folder holding copies of the page's modules that Node loads as ES modules (its package.json says so)."""
+    folder = tmp_path_factory.mktemp("page")
+    for f in STATIC.glob("*.js"):
+        shutil.copy(f, folder / f.name)
+    (folder / "package.json").write_text('{"type": "module"}')
+    return folder
+
+
+def _node(script: str, modules: Path, data: object, timeout: int) -> object:
+    """Run `script` (an ES module that imports ./pipeline.js, reads JSON on stdin, writes JSON) beside the modules."""
+    runner = modules / "runner.js"
+    runner.write_text(script)
+    proc = subprocess.run([NODE, str(runner)], input=json.dumps(data), capture_output=True, text=True,
+                          timeout=timeout, check=True)
+    return json.loads(proc.stdout)
 
 
 def _logits(vocab: int, seed: int) -> torch.Tensor:
@@ -58,81 +53,13 @@ def _logits(vocab: int, seed: int) -> torch.Tensor:
     return z.float()
 
 
-def _page_data(z: torch.Tensor, n: int, scaled_t: float | None = None) -> dict:
-    """What the page holds after /api/predict: candidates by logit, lse, and the scaled lse at the asked T."""
-    vals, _ = torch.sort(z.double(), descending=True)
-    lse = float(torch.logsumexp(z.double(), 0))
-    return {"z": vals[:n].tolist(), "V": z.numel(), "lse": lse,
-            "rawP": (vals[:n] - lse).exp().tolist(),
-            "scaledT": scaled_t, "scaledLse": float(torch.logsumexp(z.double() / scaled_t, 0)) if scaled_t else None}
-
-
-def _run_page(data: dict, settings: list[dict]) -> list[dict]:
-    proc = subprocess.run([NODE, "-e", RUNNER, str(APP_JS)], input=json.dumps({"data": data, "settings": settings}),
-                          capture_output=True, text=True, timeout=120, check=True)
-    return json.loads(proc.stdout)
-
-
-def _truth(z: torch.Tensor, st: dict) -> tuple[torch.Tensor, float, int]:
-    cfg = SamplingConfig(**st)
-    probs = probabilities(z[None].double().float(), cfg)[0].double()
-    order = torch.argsort(z, descending=True, stable=True)
-    processed = process_logits(z[None], cfg)[0]
-    return probs[order], float(entropy(processed)), int(torch.isfinite(processed).sum())
-
-
-@pytest.mark.parametrize("vocab,n", [(5000, 200), (300, 300)])
-def test_page_pipeline_is_exact_where_it_says_so_and_bounds_the_truth_elsewhere(vocab, n):
-    z = _logits(vocab, seed=vocab)
-    results = _run_page(_page_data(z, n), SETTINGS)
-    exact_seen = bounded_seen = 0
-    for st, res in zip(SETTINGS, results, strict=True):
-        truth, h_true, kept_true = _truth(z, st)
-        lo, hi = res["entropy"]["lo"], res["entropy"]["hi"]
-        assert lo - 1e-4 <= h_true <= hi + 1e-4, (st, lo, h_true, hi)
-        if res["exactProbs"]:
-            exact_seen += 1
-            torch.testing.assert_close(torch.tensor(res["probs"], dtype=torch.float64), truth[:n],
-                                       rtol=1e-4, atol=1e-6, msg=lambda m, st=st: f"{st}: {m}")
-            kept_page = [c is None for c in res["cut"]]
-            assert kept_page == (truth[:n] > 0).tolist(), st
-        else:
-            bounded_seen += 1
-            assert n < vocab, "with the whole vocabulary sent, every number must be exact"
-        if st["temperature"] > 0:  # the kept tokens' share of the temperature-scaled distribution
-            kept = probabilities(z[None], SamplingConfig(**st))[0] > 0
-            mass = float(torch.softmax(z.double() / st["temperature"], 0)[kept].sum())
-            m_lo, m_hi = res["keptMass"]
-            assert m_lo - 1e-6 <= mass <= m_hi + 1e-6, (st, m_lo, mass, m_hi)
-        if res["keptCountExact"] and res["exactProbs"]:
-            assert res["keptCount"] == kept_true, st
-        if vocab == n:
-            assert abs(hi - lo) < 1e-9, st
-    assert exact_seen > len(SETTINGS) // 2
-    if n < vocab:
-        assert bounded_seen > 0  # e.g. T=2 with no cut: the flattened tail is not known without the server
-
-
-def test_page_is_exact_at_the_temperature_the_server_computed():
-    """With the server's scaled log-sum-exp for this T, probabilities with no cut are exact too."""
-    z = _logits(5000, seed=7)
-    for t in (0.5, 1.5):
-        st = dict(temperature=t, top_k=0, top_p=1.0, min_p=0.0)
-        res = _run_page(_page_data(z, 200, scaled_t=t), [st])[0]
-        truth, h_true, _ = _truth(z, st)
-        assert res["exactProbs"]
-        torch.testing.assert_close(torch.tensor(res["probs"], dtype=torch.float64), truth[:200], rtol=1e-4, atol=1e-7)
-        assert res["entropy"]["lo"] - 1e-4 <= h_true <= res["entropy"]["hi"] + 1e-4
-
-
 # --- every declared step: pipeline.js over the whole row ------------------------------------------------------
 
 CHAIN_RUNNER = """
-const P = require(process.argv[1]);
-let input = "";
-process.stdin.on("data", (c) => (input += c));
-process.stdin.on("end", () => {
-  const { decl, row, history, settings, eos } = JSON.parse(input);
+import * as P from "./pipeline.js";
+import { readFileSync } from "node:fs";
+{
+  const { decl, row, history, settings, eos } = JSON.parse(readFileSync(0, "utf8"));
   const x = Float64Array.from(row);
   const out = settings.map((st) => {
     try {
@@ -142,7 +69,7 @@ process.stdin.on("end", () => {
     } catch (e) { return { error: e.message }; }
   });
   process.stdout.write(JSON.stringify(out));
-});
+}
 """
 
 
@@ -159,7 +86,8 @@ def _declared_settings(top: list[int]) -> list[dict]:
         dict(mirostat=1, mirostat_tau=3.0, temperature=0.8), dict(mirostat=2, top_k=3, typical_p=0.5),
         dict(dynatemp_range=0.5), dict(dynatemp_range=1.0, dynatemp_exponent=2.0, temperature=0.8),
         dict(dynatemp_range=1.0, temperature=0.5), dict(epsilon_cutoff=3e-4), dict(epsilon_cutoff=0.02),
-        dict(eta_cutoff=3e-4), dict(eta_cutoff=0.05), dict(no_repeat_ngram_size=1), dict(no_repeat_ngram_size=2),
+        dict(eta_cutoff=3e-4), dict(eta_cutoff=0.05), dict(top_a=0.2), dict(top_a=0.9, temperature=1.5),
+        dict(no_repeat_ngram_size=1), dict(no_repeat_ngram_size=2),
         dict(no_repeat_ngram_size=3), dict(bad_words=[[top[1], top[2]], [top[4]]]), dict(allowed_token_ids=top[:12]),
         dict(min_tokens=3), dict(min_tokens=2, stop_token_ids=[top[0]]), dict(repetition_penalty=1.3),
         dict(repetition_penalty=0.8, presence_penalty=0.5, frequency_penalty=0.3),
@@ -215,7 +143,7 @@ def _cuts(z: torch.Tensor, cfg, history: list[int]) -> tuple[list[tuple[str, int
 
 
 @pytest.mark.parametrize("vocab", [5000, 300])
-def test_the_pages_declared_steps_equal_the_librarys_over_the_whole_row(vocab):
+def test_the_pages_declared_steps_equal_the_librarys_over_the_whole_row(vocab, modules):
     from lmhead.sampling.steps import describe
 
     z = _logits(vocab, seed=vocab + 1)
@@ -231,10 +159,8 @@ def test_the_pages_declared_steps_equal_the_librarys_over_the_whole_row(vocab):
         settings += [dict(xtc_probability=0.5, xtc_threshold=threshold), dict(top_k=3),
                      dict(top_p=float(p[top[:3]].sum())),
                      dict(top_p=0.99, xtc_probability=1.0, xtc_threshold=threshold, typical_p=0.95)]
-    proc = subprocess.run([NODE, "-e", CHAIN_RUNNER, str(PIPELINE_JS)], capture_output=True, text=True, timeout=300,
-                          check=True, input=json.dumps({"decl": describe(), "row": z.double().tolist(),
-                                                        "history": history, "settings": settings, "eos": eos}))
-    results = json.loads(proc.stdout)
+    results = _node(CHAIN_RUNNER, modules, {"decl": describe(), "row": z.double().tolist(), "history": history,
+                                            "settings": settings, "eos": eos}, timeout=300)
     prev = torch.tensor([history])
     for st, res in zip(settings, results, strict=True):
         assert "error" not in res and not res["missing"], (st, res.get("error"), res.get("missing"))
@@ -252,21 +178,20 @@ def test_the_pages_declared_steps_equal_the_librarys_over_the_whole_row(vocab):
                [c if not k else None for c, k in zip(cut_by, kept, strict=True)], st
 
 
-def test_the_pages_order_is_the_librarys():
+def test_the_pages_order_is_the_librarys(modules):
     """Presets, a user's names (llama.cpp's and transformers' spellings), and the errors the library gives."""
     from lmhead.sampling.steps import describe
 
     script = """
-const P = require(process.argv[1]);
-const decl = JSON.parse(require("fs").readFileSync(0, "utf8"));
+import * as P from "./pipeline.js";
+import { readFileSync } from "node:fs";
+const decl = JSON.parse(readFileSync(0, "utf8"));
 const ask = [null, "lmhead", "llama.cpp", "transformers", "typ_p;temp;top-k", ["Top-P", "min-p", "nucleus"],
              "dynatemp;xtc", ["beam"], ["top_k", "k"]];
 const order = (a) => { try { return P.orderOf(decl, a); } catch (e) { return "error"; } };
 process.stdout.write(JSON.stringify(ask.map(order)));
 """
-    proc = subprocess.run([NODE, "-e", script, str(PIPELINE_JS)], input=json.dumps(describe()), capture_output=True,
-                          text=True, timeout=60, check=True)
-    got = json.loads(proc.stdout)
+    got = _node(script, modules, describe(), timeout=60)
     asked = [None, "lmhead", "llama.cpp", "transformers", "typ_p;temp;top-k", ["Top-P", "min-p", "nucleus"],
              "dynatemp;xtc", ["beam"], ["top_k", "k"]]
     for a, g in zip(asked, got, strict=True):
