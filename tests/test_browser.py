@@ -8,6 +8,7 @@ Needs /usr/bin/chromium (`apt-get install -y chromium`).
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -544,8 +545,12 @@ def test_every_declared_parameter_has_a_control_built_from_the_declaration(page,
             seen |= set(s["params"])
     shown = page.locator("#step-controls fieldset.step").evaluate_all("els => els.map(e => e.dataset.step)")
     assert shown == groups + ["samplers"]
-    assert page.locator("#pipeline-order").inner_text() == " → ".join([", ".join(decl["masks"]), *decl["order"],
-                                                                       "softmax"])
+    stage = {s["name"]: s["stage"] for s in decl["steps"]}
+    words = []
+    for st, group in itertools.groupby([*decl["masks"], *decl["order"]], key=stage.get):
+        name, names = ("masks", "penalties", "temperature", "cuts")[st - 1], list(group)
+        words.append(name if names == [name] else f"{name} ({', '.join(names)})")
+    assert page.locator("#pipeline-order").inner_text() == " → ".join([*words, "softmax"])
     options = page.get_by_label("Order", exact=True).locator("option").evaluate_all("os => os.map(o => o.value)")
     assert options == [*decl["presets"], "custom"]
     page.get_by_label("dry_base", exact=True).fill("0.5")  # outside its range: said, not sent

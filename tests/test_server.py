@@ -67,6 +67,24 @@ def test_page_and_its_assets_are_served_locally(client):
         assert not remote.search(path.read_text()), path
 
 
+def test_samplers_declares_the_parameters_with_the_pages_own_bounds(client):
+    """GET /api/samplers is the declaration the page builds its controls from: every parameter the page's requests
+    take as lmhead.sampling declares it, but for the page's own bounds (its temperature slider stops at 2), which
+    the request's schema enforces too."""
+    from lmhead.sampling.steps import describe
+
+    got = client.get("/api/samplers").json()
+    declared = describe()
+    assert set(got["params"]) <= set(declared["params"]) and "top_a" in got["params"]
+    assert got["params"]["temperature"] | {"high": 1e4, "allowed": "in [0, 10000] (0 = greedy)"} == \
+        declared["params"]["temperature"]
+    assert got["params"]["temperature"]["allowed"] == "in [0, 2] (0 = greedy)"
+    for name, p in got["params"].items():
+        assert name == "temperature" or p == declared["params"][name], name
+    assert {k: v for k, v in got.items() if k != "params"} == {k: v for k, v in declared.items() if k != "params"}
+    assert client.post("/api/predict", json={"prompt": "a", "temperature": 2.5}).status_code == 422
+
+
 def test_openapi_schema_lists_every_route(client):
     paths = client.get("/openapi.json").json()["paths"]
     for route in ("/api/predict", "/api/step", "/api/generate", "/api/model", "/api/params", "/api/layers",

@@ -17,6 +17,7 @@ Each route checks the request (served.py), makes one call to the library (`expla
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -49,7 +50,28 @@ async def api_params(served: Served = Depends(get_served)) -> dict[str, Any]:
 
 @router.get("/samplers", summary="The declared steps of the logits pipeline and their parameters")
 async def api_samplers() -> dict[str, Any]:
-    return describe(list(S.SamplingFields.model_fields))
+    return page_declarations()
+
+
+def page_declarations() -> dict[str, Any]:
+    """The declarations (`lmhead.sampling.steps.describe`) of the parameters the page's requests take, each numeric
+    range as the page's requests bound it (schemas.PAGE_OVERRIDES: the temperature slider stops at 2), its words
+    (`allowed`) said again for that range: the page builds its controls and their help from this alone."""
+    out = describe(list(S.SamplingFields.model_fields))
+    for name, override in S.PAGE_OVERRIDES.items():
+        p = out["params"].get(name)
+        bounds = {k: v for k, v in override.items() if k in ("low", "high", "low_open", "high_open")}
+        if p is None or not bounds or p["kind"] not in ("float", "int"):
+            continue
+        p.update(bounds)
+        low, high = p["low"], p["high"]
+        if p["kind"] == "float":
+            words = f"in {'(' if p['low_open'] else '['}{low:g}, {high:g}{')' if p['high_open'] else ']'}"
+            p["allowed"] = re.sub(r"^in [\[(][^\])]*[\])]", words, p["allowed"])
+        else:
+            words = f"an int ≥ {low}" if high is None else f"an int in [{low}, {high}]"
+            p["allowed"] = re.sub(r"^an int (≥ \S+|in \[[^\]]*\])", words, p["allowed"])
+    return out
 
 
 @router.post("/predict", summary="Next-token candidates, raw and processed")

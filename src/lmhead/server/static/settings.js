@@ -162,6 +162,21 @@ function orderControls(decl, onChange) {
 
 const STAGES = { 1: "Masks", 2: "Penalties", 3: "Temperature", 4: "Cuts" };
 
+// lmhead's order, its steps grouped by stage: "masks (logit_bias, …) → penalties (…) → temperature → cuts (…) → softmax".
+function orderInWords(decl) {
+  const stageOf = Object.fromEntries(decl.steps.map((s) => [s.name, s.stage]));
+  const runs = [];
+  for (const name of [...decl.masks, ...decl.order]) {
+    const stage = stageOf[name], last = runs[runs.length - 1];
+    if (last && last.stage === stage) last.names.push(name); else runs.push({ stage, names: [name] });
+  }
+  const words = runs.map((r) => {
+    const stage = (STAGES[r.stage] || "").toLowerCase();
+    return r.names.length === 1 && r.names[0] === stage ? stage : `${stage} (${r.names.join(", ")})`;
+  });
+  return [...words, "softmax"].join(" → ");
+}
+
 // Every declared parameter's control (each once, under the first step that declares it), and the pipeline's order in
 // words. onChange(released): a control moved (false) or was released (true).
 export function buildControls(decl, onChange) {
@@ -181,7 +196,7 @@ export function buildControls(decl, onChange) {
   }
   $("#main-controls").replaceChildren(...first);
   $("#step-controls").replaceChildren(...groups, orderControls(decl, onChange));
-  $("#pipeline-order").textContent = `${decl.masks.join(", ")} → ${decl.order.join(" → ")} → softmax`;
+  $("#pipeline-order").textContent = orderInWords(decl);
   $("#other-steps").textContent = groups.map((g) => g.dataset.step).join(", ");
   for (const input of document.querySelectorAll("input[data-param]")) {
     input.addEventListener("input", () => onChange(false));

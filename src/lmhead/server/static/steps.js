@@ -4,8 +4,8 @@
 //   active(c)         whether the step runs for the config c (every declared parameter, at its value or default)
 //   apply(x, c, ctx)  the row [V] after the step (float64; -Infinity: cut), written after its torch implementation in
 //                     lmhead/sampling/steps/ (the tests compare the two at a stated tolerance)
-//   controls          (optional) how a parameter's control is shown among the first ones, above the other steps:
-//                     { param: { label, max (a slider's end where the declared range has none), step } }
+//   controls          (optional) the parameters shown first, above the other steps, as sliders over their declared
+//                     range: { param: { label, step, max (the slider's end where the declared range has none) } }
 //   boundary(c)       (optional) the words for the last kept row above the rows this step cut (top-p's crossing)
 //
 // Everything else — the names, stages, order, parameters, their ranges and defaults, the controls of every other
@@ -288,7 +288,7 @@ export const STEPS = {
   temperature: {
     active: (c) => c.temperature !== 1 && c.dynatemp_range === 0,
     apply: (x, c) => x.map((v) => v / c.temperature),
-    controls: { temperature: { label: "Temperature", max: 2, step: 0.05 } },
+    controls: { temperature: { label: "Temperature", step: 0.05 } },
   },
   dynatemp: {
     active: (c) => c.dynatemp_range > 0,
