@@ -37,17 +37,19 @@ def _reference(path):
 def test_a_tiny_gpt_oss_gguf_runs_from_its_codes_with_transformers_numbers(tmp_path, monkeypatch, kind):
     from tiny_gguf import assert_matches_reference
 
-    from lmhead.models.coded_linear import CodedLinear
-    from lmhead.models.gguf_codes import coded_nbytes
+    from lmhead.models.expert_layout import ExpertMatrices, expert_nbytes
 
     path, model = _load(tmp_path, monkeypatch, kind)
     moe = model.lean.layers[0].moe
     assert model.config.model_type == "gpt_oss" and moe is not None
-    assert all(isinstance(m, CodedLinear) for m in moe.gate_up + moe.down)  # the file's codes, no float32 copy
-    if kind != "F32":  # the experts take no more than the memory check counted for them before loading
-        weights = sum(m.out_features * m.in_features for m in moe.gate_up + moe.down)
-        assert sum(m.nbytes for m in moe.gate_up + moe.down) <= coded_nbytes(kind, weights)
-        assert moe.gate_up[0].packed == (kind == "MXFP4")  # two codes a byte
+    # the file's codes (no float32 copy), one object a product over every expert
+    assert isinstance(moe.gate_up, ExpertMatrices) and isinstance(moe.down, ExpertMatrices)
+    experts, d, f = len(moe.down), moe.down.out_features, moe.down.in_features
+    # the experts take what the memory check counted for them before loading
+    assert moe.gate_up.nbytes + moe.down.nbytes == expert_nbytes(kind, experts, 2 * f, d) + expert_nbytes(
+        kind, experts, d, f)
+    if kind == "MXFP4":  # two codes a byte and a float16 exponent per 32: 18 bytes where the file has 17
+        assert moe.gate_up[0].packed and moe.gate_up.scale.dtype == torch.float16
     assert [layer.sliding for layer in model.lean.layers] == [True, False]
     ref = _reference(path)
     ids = torch.tensor([model.encode(TEXT)])

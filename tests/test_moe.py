@@ -32,16 +32,26 @@ def test_a_tiny_moe_gguf_runs_from_its_codes_with_transformers_numbers(tmp_path,
     from tiny_gguf import assert_matches_reference, reference_from_gguf
 
     from lmhead.models.coded_linear import CodedLinear
-    from lmhead.models.gguf_codes import coded_nbytes
+    from lmhead.models.expert_layout import ExpertMatrices, expert_nbytes
+    from lmhead.models.gguf_file import GGUFFile
 
     path, model = _load(tmp_path, monkeypatch, arch, kind)
     moe = model.lean.layers[0].moe
     assert moe is not None and model.config.model_type == arch
-    # the experts are the file's codes (no float32 copy), the router float32 as the file holds it
-    assert all(isinstance(m, CodedLinear) for m in moe.gate_up + moe.down)
-    if kind != "F32":  # the experts take what the memory check counted for them before loading
-        weights = sum(m.out_features * m.in_features for m in moe.gate_up + moe.down)
-        assert sum(m.nbytes for m in moe.gate_up + moe.down) == coded_nbytes(kind, weights)
+    # the experts are the file's codes (no float32 copy), one object a product, each expert a slice of it; the
+    # router float32 as the file holds it
+    assert isinstance(moe.gate_up, ExpertMatrices) and isinstance(moe.down, ExpertMatrices)
+    assert isinstance(moe.gate_up[7], CodedLinear)
+    assert moe.gate_up[7].codes.data_ptr() == moe.gate_up.codes[7].data_ptr()
+    experts, d, f = len(moe.down), moe.down.out_features, moe.down.in_features
+    held = moe.gate_up.nbytes + moe.down.nbytes
+    # they take what the memory check counted for them before loading
+    assert held == expert_nbytes(kind, experts, 2 * f, d) + expert_nbytes(kind, experts, d, f)
+    # and about their bytes in the file: Q8_0 and F32 exactly, Q4_K's scales as its blocks hold them (152 bytes a
+    # block of 256 weights, the file's 144)
+    tensors = GGUFFile(path).tensors
+    in_file = sum(int(tensors[f"blk.0.{n}.weight"].n_bytes) for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+    assert held == in_file if kind != "Q4_K" else held == in_file * 152 // 144
     assert "_hf_model" not in model.__dict__ or model.__dict__["_hf_model"] is None  # nothing converted
     ref = reference_from_gguf(path, arch)
     ids = torch.tensor([model.encode("The cat sat on the mat. The dog ran after a ball")])
@@ -84,10 +94,10 @@ def test_rows_that_pick_different_experts_in_one_batch_get_what_each_gets_alone(
     moe = lean.layers[0].moe
     chosen = []  # the first layer's routing of each call (the method read per call: an instance attribute wins)
     moe.route = lambda h, route=moe.route: chosen.append(route(h)) or chosen[-1]
-    products: list[tuple[int, int]] = []  # (id of the matrix, rows) of every expert product
-    real_product = moe_module._product
-    monkeypatch.setattr(moe_module, "_product", lambda x, w: products.append((id(w), x.shape[0])) or real_product(x, w))
-    gate_ups = {id(w): e for e, w in enumerate(moe.gate_up)}
+    products: list[tuple[int, int, int]] = []  # (id of the experts, expert, rows) of every expert product
+    real_expert = moe_module._expert
+    monkeypatch.setattr(moe_module, "_expert", lambda mats, e, x, b=None: products.append((id(mats), e, x.shape[0]))
+                        or real_expert(mats, e, x, b))
     cache = lean.new_cache(3, width + 4)
     batched = [lean(ids, positions, cache, valid)[:, -1]]
     last = ids[:, -1:]
@@ -99,7 +109,7 @@ def test_rows_that_pick_different_experts_in_one_batch_get_what_each_gets_alone(
     assert len(chosen) == 4 and all(len({tuple(sorted(e)) for e in c.experts.tolist()}) > 1 for c in chosen[1:])
     # grouped by expert, as mul_mat_id: the first layer's gate/up products are one per chosen expert and call, each
     # over every row that chose it
-    first = [(gate_ups[w], rows) for w, rows in products if w in gate_ups]
+    first = [(e, rows) for mats, e, rows in products if mats == id(moe.gate_up)]
     want_groups = [sorted(torch.unique(c.experts, return_counts=True)[1].tolist()) for c in chosen]
     got_groups, at = [], 0
     for c in chosen:
@@ -108,7 +118,7 @@ def test_rows_that_pick_different_experts_in_one_batch_get_what_each_gets_alone(
         at += n
     assert at == len(first) and got_groups == want_groups
     del moe.route
-    monkeypatch.setattr(moe_module, "_product", real_product)
+    monkeypatch.setattr(moe_module, "_expert", real_expert)
     for r, p in enumerate(prompts):
         alone = lean.new_cache(1, len(p) + 4)
         want = [lean(torch.tensor([p]), torch.arange(len(p))[None], alone)[:, -1]]

@@ -28,7 +28,7 @@ from lmhead import checks
 from lmhead.kernels import native
 from lmhead.models.quant_types import LAYOUT_FLAGS, LEVELS
 
-__all__ = ["SCREEN_CAP", "CodedLinear", "SubScales", "coded_available"]
+__all__ = ["SCREEN_CAP", "CodedLinear", "SubScales", "coded_available", "coded_product"]
 
 SCREEN_CAP = 4096  # `CodedLinear.screen`: a row with more candidates than this is computed exactly whole
 
@@ -50,6 +50,17 @@ def _call(lib: ctypes.CDLL, x: Tensor, codes: Tensor, scale: Tensor, offset: Ten
     return y
 
 
+def coded_product(x: Tensor, codes: Tensor, scale: Tensor | None, offset: Tensor | None, group: int,
+                  flags: int) -> Tensor:
+    """x [..., K] float32 → [..., N]: the coded kernel on tensors already in its layout (`CodedLinear.flags`'
+    meaning; a slice of a layer's experts, `expert_layout.ExpertMatrices`), without an object around them.
+    RuntimeError where the kernel is not built (`coded_available()` False)."""
+    lib = native.library()
+    if lib is None:
+        raise RuntimeError("the coded kernel is not built on this machine")
+    return _call(lib, x if x.is_contiguous() else x.contiguous(), codes, scale, offset, group, flags)
+
+
 def coded_available() -> bool:
     """True when the kernel is built (or builds now) for this machine and passes its self-test."""
     return native.library() is not None
@@ -69,6 +80,18 @@ class SubScales:
         self.d = self.buffer[:n * nsup * 4].view(torch.float32).view(n, nsup)
         self.sub = self.buffer[n * nsup * 4:].view(torch.int8).view(n, ng)
         self.shape = (n, ng)
+
+    @classmethod
+    def over(cls, buffer: Tensor, n: int, k: int, group: int) -> SubScales:
+        """Sub-scales over an existing `buffer` (uint8, d then sub, as `__init__` lays them out; a slice of a
+        layer's experts' buffer), no copy."""
+        self = cls.__new__(cls)
+        nsup, ng = k // 256, k // group
+        self.buffer = buffer
+        self.d = buffer[:n * nsup * 4].view(torch.float32).view(n, nsup)
+        self.sub = buffer[n * nsup * 4:].view(torch.int8).view(n, ng)
+        self.shape = (n, ng)
+        return self
 
     def floats(self) -> Tensor:
         """The float32 numbers [N, K/G] they stand for."""
@@ -133,9 +156,16 @@ class CodedLinear:
         codes without offsets), else None; ValueError for a name that is none of them."""
         if four_bit is not None and four_bit not in LAYOUT_FLAGS:
             raise ValueError(f"four_bit must be None, 'auto' or one of {sorted(LAYOUT_FLAGS)}, got {four_bit!r}")
-        if self.group not in (16, 32) or k % 64 or (four_bit in LEVELS and offset is not None):
-            return None
-        return four_bit
+        return self.layout(0, k, self.group, four_bit, offset is not None)[0]
+
+    @classmethod
+    def layout(cls, n: int, k: int, group: int, four_bit: str | None, offset: bool) -> tuple[str | None, bool]:
+        """(four_bit, rows4): how codes [N,K] in groups of `group` (with offsets or not) of a type packed as
+        `four_bit` are laid out — two a byte where the shape allows it (groups of 16 or 32, K a multiple of 64; a
+        level table's codes without offsets), blocked by four rows where it allows that."""
+        if group not in (16, 32) or k % 64 or (four_bit in LEVELS and offset):
+            four_bit = None
+        return four_bit, cls._rows4(n, k, group, four_bit is not None)
 
     @staticmethod
     def _rows4(n: int, k: int, group: int, packed: bool) -> bool:
@@ -178,8 +208,22 @@ class CodedLinear:
         self._finish(out, four_bit, rows4, n, k, scale, offset, None, None)
         return self
 
+    @classmethod
+    def from_layout(cls, codes: Tensor, scale: Tensor | SubScales | None, offset: Tensor | SubScales | None,
+                    k: int, group: int, four_bit: str | None, rows4: bool) -> CodedLinear:
+        """A matrix over tensors already in the kernel's layout, held as they are (no copy: a slice of a layer's
+        experts, `expert_layout.ExpertMatrices`): `codes` [N, K] int8 — [N, K/2] where `four_bit` —, blocked by
+        four rows where `rows4`; scale and offset [N, K/G] float16 or float32, or `SubScales`; or `codes` a
+        file's float16, bfloat16 or float32 weights [N, K] with no scale (`dense16`'s)."""
+        self = cls.__new__(cls)
+        self.group = group
+        self._finish(codes, four_bit, rows4, codes.shape[0], k, scale, offset, None, None, as_is=True)
+        return self
+
     def _finish(self, codes: Tensor, four_bit: str | None, rows4: bool, n: int, k: int, scale: Tensor,
-                offset: Tensor | None, weight: Tensor | None, sources: tuple[Tensor, ...] | None) -> None:
+                offset: Tensor | None, weight: Tensor | None, sources: tuple[Tensor, ...] | None,
+                as_is: bool = False) -> None:
+        """`as_is`: scale and offset kept as given (float16 ones read as float16), not converted."""
         self.four_bit, self.packed, self.rows4, self.codes = four_bit, four_bit is not None, rows4, codes
         self.dense = codes.dtype in (torch.float16, torch.bfloat16, torch.float32)  # `dense16`: no scales
         self.sub = isinstance(scale, SubScales)
@@ -197,6 +241,9 @@ class CodedLinear:
                 raise TypeError("offset must be SubScales like scale")
             self.half, self.scale = False, scale.buffer
             self.offset = None if offset is None else offset.buffer
+            return
+        if as_is:
+            self.half, self.scale, self.offset = scale.dtype == torch.float16, scale, offset
             return
         scale, offset = scale.float(), None if offset is None else offset.float()
         # scales and offsets that are float16 numbers (the d and m of Q4_0/Q4_1/Q5_0/Q8_0 blocks) are kept as

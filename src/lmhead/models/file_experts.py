@@ -3,8 +3,9 @@ tensors, each expert's matrices a slice of the file's 3-D tensors.
 
     header: <arch>.expert_count E, .expert_used_count k (.expert_feed_forward_length F)
     blk.i.ffn_gate_inp.weight [E, D] (the router, float32 in llama.cpp's files)
-    blk.i.ffn_gate_exps / ffn_up_exps [E, F, D], ffn_down_exps [E, D, F] ──expert e: rows [e·F, (e+1)·F) of the
-        tensor's blocks──▶ codes + group scales ──▶ CodedLinear gate_up [2F, D] (gate rows first), down [D, F]
+    blk.i.ffn_gate_exps / ffn_up_exps [E, F, D], ffn_down_exps [E, D, F] ──all experts at once, a chunk at a
+        time──▶ `ExpertMatrices` gate_up [E, 2F, D] (each expert's gate rows first), down [E, D, F]: the kernel's
+        layout in one buffer per part, scales as the blocks hold them (models/expert_layout.py)
     blk.i.ffn_{gate,up,down}_shexp, ffn_gate_inp_shexp [1, D] (Qwen2-MoE's shared expert and its gate)
     blk.i.ffn_gate_inp.bias [E], ffn_{gate,up}_exps.bias [E, F], ffn_down_exps.bias [E, D] (gpt-oss's biases)
 
@@ -22,12 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmhead.kernels import native
 from lmhead.models.arch import ArchSpec, arch_of
-from lmhead.models.coded_linear import CodedLinear, SubScales
 from lmhead.models.errors import ModelError
-from lmhead.models.gguf_codes import BLOCKS, FOUR_BIT, SUB_TYPES, Codes, block_scales, block_subscales, fuse_codes
-from lmhead.models.gguf_file import CODE_TYPES, DENSE_TYPES, GGUFFile, Header, block_codes
+from lmhead.models.expert_layout import ExpertMatrices, build_experts
+from lmhead.models.gguf_codes import BLOCKS
+from lmhead.models.gguf_file import CODE_TYPES, DENSE_TYPES, GGUFFile, Header
 from lmhead.models.heap import trim_heap
 from lmhead.models.moe import MoE, swiglu_oai
 
@@ -125,7 +125,7 @@ def _dims(shape: tuple[int, ...]) -> str:
 
 
 class _Experts:
-    """One 3-D tensor [E, N, K] of the file, expert by expert."""
+    """One 3-D tensor [E, N, K] of the file."""
 
     def __init__(self, f: GGUFFile, name: str) -> None:
         self.f, self.name = f, name
@@ -133,37 +133,15 @@ class _Experts:
         self.experts, self.n, self.k = f.shape(name)
         self._dense: torch.Tensor | None = None
 
-    def rows(self, e: int) -> np.ndarray:
-        """Expert e's bytes [N, bytes per row] (a view of the map)."""
+    def rows(self) -> np.ndarray:
+        """The tensor's bytes [E·N, bytes a row] (a view of the map); ModelError where they are not whole rows of
+        whole blocks."""
         data = np.asarray(self.f.tensors[self.name].data)
-        if data.shape[0] != self.experts * self.n:
-            raise ModelError(f"{self.f.path}: tensor {self.name} ({self.kind}) does not hold "
-                             f"{self.experts}x{self.n} rows of {self.k}")
-        return data[e * self.n:(e + 1) * self.n]
-
-    def blocks(self, e: int) -> np.ndarray:
-        """Expert e's blocks [N·K/block, bytes] (a view of the map)."""
-        per_block, nbytes, _ = BLOCKS[self.kind]
-        rows = self.rows(e)
-        if self.k % per_block or rows.shape[1] != self.k // per_block * nbytes:
+        per_block, nbytes = (1, DENSE_TYPES[self.kind].itemsize) if self.kind in DENSE_TYPES else BLOCKS[self.kind][:2]
+        if self.k % per_block or data.nbytes != self.experts * self.n * (self.k // per_block) * nbytes:
             raise ModelError(f"{self.f.path}: tensor {self.name} ({self.kind}, {self.experts}x{self.n}x{self.k}) "
                              "does not hold whole blocks")
-        return rows.reshape(-1, nbytes)
-
-    def codes(self, e: int) -> Codes:
-        group = BLOCKS[self.kind][2]
-        blocks = self.blocks(e)
-        s, o = block_scales(self.kind, blocks)
-        codes = torch.from_numpy(block_codes(self.kind, blocks).reshape(self.n, self.k))
-        scale = torch.from_numpy(np.ascontiguousarray(s).reshape(self.n, self.k // group))
-        offset = None if o is None else torch.from_numpy(np.ascontiguousarray(o).reshape(self.n, self.k // group))
-        return Codes(codes, scale, offset, self.kind)
-
-    def weights(self, e: int) -> torch.Tensor:
-        """Expert e of an F16, BF16 or F32 tensor, as it is ([N, K] of that dtype, a copy)."""
-        dtype = DENSE_TYPES[self.kind]
-        ints = {torch.float32: np.int32}.get(dtype, np.int16)
-        return torch.from_numpy(np.ascontiguousarray(self.rows(e)).view(ints).copy()).view(dtype)
+        return data.reshape(self.experts * self.n, -1).view(np.uint8)
 
     def dequantized(self, e: int) -> torch.Tensor:
         """Expert e as float32 [N, K] (gguf-py's dequantisation of the whole tensor, made once)."""
@@ -172,57 +150,16 @@ class _Experts:
         return self._dense[e]
 
 
-def _matrix(parts: list[_Experts], e: int) -> CodedLinear | torch.Tensor:
-    """Expert e of `parts` (gate and up, or down alone) as one matrix, rows concatenated: codes where the parts are
-    of one code type, a file's float weights as they are, else float32."""
+def _experts(parts: list[_Experts]) -> ExpertMatrices | list[torch.Tensor]:
+    """Every expert of `parts` (gate and up, or down alone) as one matrix each, rows concatenated: one
+    `ExpertMatrices` over the file's codes (or float weights) where the parts are of one type the kernel reads,
+    else a float32 matrix per expert (a type without a code kernel, or gate and up of two types)."""
     kinds = {p.kind for p in parts}
-    if len(kinds) == 1 and kinds <= CODE_TYPES and all(p.n % 4 == 0 for p in parts[:-1]):
-        return _coded(parts, e)
-    if len(kinds) == 1 and kinds <= CODE_TYPES:
-        fused = fuse_codes([p.codes(e) for p in parts])
-        return CodedLinear(fused.codes, fused.scale, fused.offset, four_bit=FOUR_BIT.get(kinds.pop()))
-    if len(kinds) == 1 and kinds <= DENSE_TYPES.keys():
-        return CodedLinear.dense16(torch.cat([p.weights(e) for p in parts]))
-    return torch.cat([p.dequantized(e) for p in parts])
-
-
-def _coded(parts: list[_Experts], e: int) -> CodedLinear:
-    """Expert e of `parts` (one code type) as one CodedLinear laid out part by part (`CodedLinear.from_chunks`, as
-    `GGUFFile.coded_rows` lays out q, k and v): a K-quant's scales held as its blocks hold them (`SubScales`: a
-    float32 d per 256 weights and an int8 per group), so an expert takes about its bytes in the file."""
-    kind, k = parts[0].kind, parts[0].k
-    group = BLOCKS[kind][2]
-    n, ng = sum(p.n for p in parts), k // group
-    blocks = [p.blocks(e) for p in parts]
-    has_offset = block_scales(kind, blocks[0][:1])[1] is not None
-    sub = kind in SUB_TYPES and ng <= native.HALF_MAX_GROUPS
-    if sub:
-        scale: torch.Tensor | SubScales = SubScales(n, k, group)
-        offset: torch.Tensor | SubScales | None = SubScales(n, k, group) if has_offset else None
-    else:
-        scale = torch.empty(n, ng)
-        offset = torch.empty(n, ng) if has_offset else None
-
-    def chunks():
-        a = 0
-        for part, b in zip(parts, blocks, strict=True):
-            z = a + part.n
-            if sub:
-                d, sc, dmin, mn = block_subscales(kind, b)
-                scale.d[a:z], scale.sub[a:z] = torch.from_numpy(d.reshape(part.n, -1)), torch.from_numpy(
-                    sc.reshape(part.n, ng))
-                if offset is not None:
-                    offset.d[a:z], offset.sub[a:z] = torch.from_numpy(dmin.reshape(part.n, -1)), torch.from_numpy(
-                        mn.reshape(part.n, ng))
-            else:
-                s, o = block_scales(kind, b)
-                scale[a:z] = torch.from_numpy(s.reshape(part.n, ng))
-                if offset is not None:
-                    offset[a:z] = torch.from_numpy(o.reshape(part.n, ng))
-            yield a, torch.from_numpy(block_codes(kind, b).reshape(part.n, k))
-            a = z
-
-    return CodedLinear.from_chunks(n, k, scale, offset, chunks(), FOUR_BIT.get(kind))
+    f = parts[0].f
+    if len(kinds) == 1 and kinds <= (CODE_TYPES | DENSE_TYPES.keys()):
+        return build_experts(parts[0].kind, [p.rows() for p in parts], [p.n for p in parts], parts[0].experts,
+                             parts[0].k, done=lambda i: f.release(parts[i].name))
+    return [torch.cat([p.dequantized(e) for p in parts]) for e in range(parts[0].experts)]
 
 
 def read_moe(f: GGUFFile, layer: int, spec: ArchSpec, cfg: Any, vector, shared_linear) -> MoE | None:
@@ -236,8 +173,7 @@ def read_moe(f: GGUFFile, layer: int, spec: ArchSpec, cfg: Any, vector, shared_l
     router = vector(p + moe.router + ".weight")
     names, down_name = _expert_names(f, layer, spec)
     parts, down = [_Experts(f, name) for name in names], _Experts(f, down_name)
-    gate_up = [_matrix(parts, e) for e in range(down.experts)]
-    downs = [_matrix([down], e) for e in range(down.experts)]
+    gate_up, downs = _experts(parts), _experts([down])
     for part in (*parts, down):
         f.release(part.name)
     trim_heap()  # the experts' transient arrays, before the next layer's

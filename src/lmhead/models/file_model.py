@@ -33,6 +33,7 @@ from lmhead.models.coded_linear import CodedLinear, coded_available
 from lmhead.models.config import ModelConfig
 from lmhead.models.convert import eos_ids
 from lmhead.models.errors import ModelError
+from lmhead.models.expert_layout import expert_nbytes
 from lmhead.models.file_experts import moe_config, read_moe
 from lmhead.models.gguf_codes import FOUR_BIT, Codes, coded_nbytes, fuse_codes
 from lmhead.models.gguf_file import CODE_TYPES, DENSE_TYPES, GGUFFile
@@ -372,7 +373,9 @@ def memory_needed(f: GGUFFile) -> int:
     total = 0
     for name in f.tensors:
         kind, count = f.type_of(name), int(np.prod(f.shape(name)))
-        if kind in CODE_TYPES:
+        if "_exps." in name and len(f.shape(name)) == 3 and (kind in CODE_TYPES or kind in DENSE_TYPES):
+            total += expert_nbytes(kind, *f.shape(name))  # a mixture's experts (models/expert_layout.py)
+        elif kind in CODE_TYPES:
             total += coded_nbytes(kind, count)
         else:  # a float type held as it is, or a type dequantized (4 bytes a weight)
             total += (DENSE_TYPES[kind].itemsize if kind in DENSE_TYPES else 4) * count

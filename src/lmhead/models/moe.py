@@ -9,9 +9,10 @@ once over all the rows that picked it.
 
 The rows are grouped by expert as llama.cpp's `mul_mat_id` groups them: a chosen expert's gate/up and down are one
 product each over every row that chose it (a decode batch, a prefill chunk), never one row at a time. Experts are
-added into each row in ascending expert order, transformers' order, so the sums are its sums. An expert's
-matrices are `CodedLinear`s over the GGUF file's own codes (gate and up fused, gate rows first), or float32
-tensors (a transformers model's experts, shared, or a type without a code kernel dequantized).
+added into each row in ascending expert order, transformers' order, so the sums are its sums. A file's experts
+are one `ExpertMatrices` per product (models/expert_layout.py: every expert's codes in one buffer, gate and up
+fused, gate rows first; expert e's product the kernel on its slice), a transformers model's a list of float32
+tensors (shared; or a type without a code kernel dequantized).
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lmhead.models.coded_linear import CodedLinear
+from lmhead.models.expert_layout import ExpertMatrices
 
 __all__ = ["MoE", "Routing", "route", "swiglu_oai"]
 
 Matrix = CodedLinear | Tensor
+Experts = ExpertMatrices | list[Matrix]  # a layer's experts of one product: one object, or one matrix each
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,14 @@ def _product(x: Tensor, w: Matrix, b: Tensor | None = None) -> Tensor:
     return F.linear(x, w, b)
 
 
+def _expert(mats: Experts, e: int, x: Tensor, b: Tensor | None = None) -> Tensor:
+    """x [n,K] through expert e of `mats` (+ b)."""
+    if isinstance(mats, ExpertMatrices):
+        y = mats.product(e, x)
+        return y if b is None else y + b
+    return _product(x, mats[e], b)
+
+
 def swiglu_oai(gate_up: Tensor, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
     """gpt-oss's clamped SwiGLU on gate_up [.., 2F] = [gate | up] → [.., F], as transformers' GptOssExperts:
     gate clamped above at `limit`, up to [−limit, limit], (up + 1) · gate · σ(α · gate)."""
@@ -82,8 +93,8 @@ class MoE:
     (`swiglu_oai`) in place of the body's."""
 
     router: Tensor
-    gate_up: list[Matrix]
-    down: list[Matrix]
+    gate_up: Experts
+    down: Experts
     top_k: int
     renormalise: bool
     shared_gate_up: Matrix | None = None
@@ -110,7 +121,9 @@ class MoE:
     @property
     def nbytes(self) -> int:
         """Bytes of the experts' codes (and float32 matrices) and the router."""
-        mats = [*self.gate_up, *self.down, self.shared_gate_up, self.shared_down, self.shared_gate, self.router,
+        experts = [m for mats in (self.gate_up, self.down)
+                   for m in ([mats] if isinstance(mats, ExpertMatrices) else mats)]
+        mats = [*experts, self.shared_gate_up, self.shared_down, self.shared_gate, self.router,
                 self.router_bias, *(self.gate_up_bias or ()), *(self.down_bias or ())]
         return sum(m.nbytes for m in mats if m is not None)
 
@@ -136,10 +149,10 @@ class MoE:
             start += n
             rows = pairs // self.top_k
             if self.gate_up_bias is None:
-                y = _product(experts_gated(_product(x[rows], self.gate_up[e])), self.down[e])      # [n,D]
+                y = _expert(self.down, e, experts_gated(_expert(self.gate_up, e, x[rows])))      # [n,D]
             else:  # gpt-oss: each product plus the expert's bias
-                gate_up = _product(x[rows], self.gate_up[e], self.gate_up_bias[e])
-                y = _product(experts_gated(gate_up), self.down[e], self.down_bias[e])
+                gate_up = _expert(self.gate_up, e, x[rows], self.gate_up_bias[e])
+                y = _expert(self.down, e, experts_gated(gate_up), self.down_bias[e])
             # a row is in an expert's group once: out[rows] + y is index_add's sum without its per-call cost
             out[rows] += y * r.weights.reshape(-1)[pairs, None]
         if self.shared_gate_up is not None:

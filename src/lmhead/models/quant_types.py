@@ -3,7 +3,9 @@
     QuantType(name, block, nbytes, group, four_bit, offset, sub, f16_at, codes, scales, subscales)
         ├─ the loader (models/gguf_file.py, gguf_codes.py): `codes(blocks)` int8 [nb, block] and
         │  `scales(blocks)` (scale, offset or None) float32 [nb, block/group], gguf-py's dequantisation bit for bit
-        │  as scale·code + offset; `subscales` for the types held as their blocks hold them (SUB)
+        │  as scale·code + offset; `subscales`: the scales' parts as the blocks hold them (SUB) — a dense layer
+        │  holds them so where `sub` says, a mixture's experts for every type that has them; `nibbles`: where the
+        │  codes are the block's own 4-bit fields (the experts repack those bytes, models/expert_layout.py)
         ├─ the kernel's layout (models/coded_linear.py): `four_bit` — codes two to a byte as "unsigned" 0..15,
         │  "signed" −8..7, or indices of a level table ("iq4", "mxfp4": `LEVELS`) — and its flag (`LAYOUT_FLAGS`)
         └─ the tests' parametrisation: `TYPES`, and `f16_at` (where a block holds float16 numbers)
@@ -54,11 +56,18 @@ class QuantType:
     scales: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray | None]]
     subscales: Callable[[np.ndarray], tuple] | None = None
     e8m0_at: tuple[int, ...] = ()  # byte offsets of the block's power-of-two exponents (MXFP4's E8M0)
+    # where the codes are the block's 4-bit fields as they are (or a level table's index of them): (the byte
+    # offset of those fields in a block, the run of weights they hold, low nibbles first then high) — the codes'
+    # packed layout is then a permutation of the file's own nibbles (models/expert_layout.py)
+    nibbles: tuple[int, int] | None = None
 
-    def coded_nbytes(self, count: int) -> int:
-        """Bytes the kernel's layout of `count` weights of this type takes: codes, scales and offsets."""
+    def coded_nbytes(self, count: int, sub: bool | None = None) -> int:
+        """Bytes the kernel's layout of `count` weights of this type takes: codes, scales and offsets. `sub`: the
+        scales held as the blocks hold them (SUB; a mixture's experts hold every K-quant so, `subscales`), default
+        the type's `sub` (a dense layer's). MXFP4's exponents count as float32 numbers (a matrix holds them as
+        float16 where every one is a float16 number, 2^-24 … 2^15: `expert_layout.expert_nbytes` counts that)."""
         groups = count // self.group
-        if self.sub:
+        if self.sub if sub is None else sub:
             per_group, per_block = 1, 4
         else:
             per_group, per_block = (2 if self.half else 4), 0
@@ -181,12 +190,26 @@ def _q3k_sub(blocks: np.ndarray) -> tuple:
     return _f16(blocks[:, 108:110])[:, 0], _i8(_q3k_scales(blocks[:, 96:108])), None, None
 
 
+def _qk_sub(blocks: np.ndarray) -> tuple:
+    """Q4_K's and Q5_K's d and sc, −dmin and m (six bits each) per 32 weights: `_qk_scales`' products' parts."""
+    from gguf.quants import Q4_K
+
+    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+    return _f16(blocks[:, 0:2])[:, 0], _i8(sc), -_f16(blocks[:, 2:4])[:, 0], _i8(mn)
+
+
+def _iq4xs_sub(blocks: np.ndarray) -> tuple:
+    return _f16(blocks[:, 0:2])[:, 0], _i8(_iq4xs_scales(blocks[:, 2:8])), None, None
+
+
 _T = QuantType
 TYPES: dict[str, QuantType] = {t.name: t for t in (
     _T("Q4_0", 32, 18, 32, "signed", False, False, True, (0,),
-       lambda b: _nibbles(b[:, 2:], 32).astype(np.int8) - np.int8(8), lambda b: (_f16(b[:, 0:2]), None)),
+       lambda b: _nibbles(b[:, 2:], 32).astype(np.int8) - np.int8(8), lambda b: (_f16(b[:, 0:2]), None),
+       nibbles=(2, 32)),
     _T("Q4_1", 32, 20, 32, "unsigned", True, False, True, (0, 2),
-       lambda b: _nibbles(b[:, 4:], 32).astype(np.int8), lambda b: (_f16(b[:, 0:2]), _f16(b[:, 2:4]))),
+       lambda b: _nibbles(b[:, 4:], 32).astype(np.int8), lambda b: (_f16(b[:, 0:2]), _f16(b[:, 2:4])),
+       nibbles=(4, 32)),
     _T("Q5_0", 32, 22, 32, None, False, False, True, (0,),
        lambda b: _q5_codes(b, 2, 16), lambda b: (_f16(b[:, 0:2]), None)),
     _T("Q5_1", 32, 24, 32, None, True, False, True, (0, 2),
@@ -200,19 +223,21 @@ TYPES: dict[str, QuantType] = {t.name: t for t in (
     _T("Q3_K", 256, 110, 16, "signed", False, True, False, (108,),
        _q3k_codes, lambda b: (_f16(b[:, 108:110]) * _q3k_scales(b[:, 96:108]), None), _q3k_sub),
     _T("Q4_K", 256, 144, 32, "unsigned", True, False, False, (0, 2),
-       lambda b: _nibbles(b[:, 16:], 64).astype(np.int8), _qk_scales),
-    _T("Q5_K", 256, 176, 32, None, True, False, False, (0, 2), _q5k_codes, _qk_scales),
+       lambda b: _nibbles(b[:, 16:], 64).astype(np.int8), _qk_scales, _qk_sub, nibbles=(16, 64)),
+    _T("Q5_K", 256, 176, 32, None, True, False, False, (0, 2), _q5k_codes, _qk_scales, _qk_sub),
     _T("Q6_K", 256, 210, 16, None, False, True, False, (208,),
        _q6k_codes, lambda b: (_f16(b[:, 208:210]) * b[:, 192:208].copy().view(np.int8).astype(np.float32), None),
        _q6k_sub),
     # the code is the table's integer value (kvalues[q]), the scale the block's d
     _T("IQ4_NL", 32, 18, 32, "iq4", False, False, True, (0,),
-       lambda b: LEVELS["iq4"][_nibbles(b[:, 2:], 32)], lambda b: (_f16(b[:, 0:2]), None)),
+       lambda b: LEVELS["iq4"][_nibbles(b[:, 2:], 32)], lambda b: (_f16(b[:, 0:2]), None), nibbles=(2, 32)),
     _T("IQ4_XS", 256, 136, 32, "iq4", False, False, False, (0,),
-       lambda b: LEVELS["iq4"][_nibbles(b[:, 8:], 32)], lambda b: (_f16(b[:, 0:2]) * _iq4xs_scales(b[:, 2:8]), None)),
+       lambda b: LEVELS["iq4"][_nibbles(b[:, 8:], 32)], lambda b: (_f16(b[:, 0:2]) * _iq4xs_scales(b[:, 2:8]), None),
+       _iq4xs_sub, nibbles=(8, 32)),
     # gpt-oss's experts: an E8M0 exponent byte and 32 e2m1 nibbles (low nibbles the first 16 weights); the code is
     # the doubled level, the scale 2^(e − 128) (a float32 number, not a float16 one for most e)
     _T("MXFP4", 32, 17, 32, "mxfp4", False, False, False, (),
-       lambda b: LEVELS["mxfp4"][_nibbles(b[:, 1:], 32)], lambda b: (_e8m0_half(b[:, 0:1]), None), e8m0_at=(0,)),
+       lambda b: LEVELS["mxfp4"][_nibbles(b[:, 1:], 32)], lambda b: (_e8m0_half(b[:, 0:1]), None), e8m0_at=(0,),
+       nibbles=(1, 32)),
 )}
 del _T

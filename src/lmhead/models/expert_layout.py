@@ -1,0 +1,221 @@
+"""A layer's experts as one object: every expert's matrix of one product (gate_up or down) in the coded kernel's
+layout, one buffer per part for all of them, expert e a slice of each — not one object per expert.
+
+    the file's [E, N_p, K] tensors of one type (gate and up, or down) ──a chunk of experts at a time──▶
+        codes int8 [E, N, R]: two a byte where the type packs (a 4-bit type's own nibbles permuted into the
+            kernel's lanes, `pack_nibbles`; other types' codes by `pack_codes`), blocked by four rows (ROWS4)
+        scale, offset [E, S]: as the blocks hold them (SUB: a float32 d per 256 weights, an int8 per group) for
+            every type that declares its sub-scales (the K-quants, IQ4_XS); else float16 where every scale is a
+            float16 number (the blocks' d; MXFP4's 2^(e − 128) but at the extremes), else float32
+        (F16, BF16, F32: the weights as they are, [E, N, K])
+    expert e ──`product(e, x)`: the coded kernel on slice e of each buffer──▶ x [M,K] → y [M,N] float32
+        (`experts[e]`: a `CodedLinear` over the same slices, for the reference paths and the tests)
+
+Why: a mixture holds thousands of expert matrices (Qwen3-30B-A3B: 128 experts × 48 layers × 2 products), and
+held as the file holds them an expert takes about its bytes in the file (Q4_K: 152 bytes a block of 256 weights
+against the file's 144, where float32 scales took 192). A chunk's codes are built by whole-array operations
+over many experts at once. The numbers are those of the per-matrix layout (`CodedLinear`), byte for byte
+(tests/test_expert_layout.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lmhead.kernels import native
+from lmhead.models.coded_linear import CodedLinear, SubScales, coded_available, coded_product
+from lmhead.models.gguf_codes import block_scales, block_subscales
+from lmhead.models.gguf_file import block_codes
+from lmhead.models.quant_types import TYPES
+
+__all__ = ["CHUNK_WEIGHTS", "DENSE", "ExpertMatrices", "build_experts", "expert_nbytes", "pack_codes",
+           "pack_nibbles"]
+
+CHUNK_WEIGHTS = 1 << 24  # weights converted at once while a layer's experts are laid out (bounds the transients)
+DENSE: dict[str, torch.dtype] = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+
+_LOW = 0x0F0F0F0F0F0F0F0F            # the low nibble of each byte of a word
+_FLIP = 0x8888888888888888 - (1 << 64)  # every nibble XOR 8 (the packed layout's code − 8), as an int64
+
+
+def _pack_eights(eights: Tensor) -> Tensor:
+    """int64 words [W] (W a multiple of 8), each eight consecutive codes 0..15 one a byte → uint8 [4·W], the kernel's
+    packed layout (`native.pack4`): per 64 codes, lane l's byte b holds code 16·b + l (low nibble) and
+    16·b + 8 + l (high), each XOR 8, the eight lanes little-endian uint32 side by side."""
+    h = eights.view(-1, 4, 2)
+    words = (h[:, :, 0] | (h[:, :, 1] << 4)) ^ _FLIP                       # [n64, 4]: word b's byte l
+    return words.view(torch.uint8).view(-1, 4, 8).transpose(1, 2).reshape(-1)
+
+
+def pack_codes(codes: Tensor, signed: bool) -> Tensor:
+    """Codes [N,K] int8 (0..15, or −8..7 where `signed`; K a multiple of 64) → [N, K/2] int8, `native.pack4`'s
+    layout of them."""
+    n, k = codes.shape
+    c = (codes + 8) if signed else codes
+    return _pack_eights(c.contiguous().view(torch.int64).reshape(-1)).view(torch.int8).view(n, k // 2)
+
+
+def pack_nibbles(blocks: np.ndarray, kind: str, n: int, k: int) -> Tensor:
+    """Raw blocks [nb, bytes] of a type whose codes are its blocks' own nibbles (`QuantType.nibbles`: their byte
+    offset and run — a run of r weights in r/2 bytes, the low nibbles the first r/2 weights) holding rows [N,K]
+    → [N, K/2] int8, the packed layout `pack_codes` makes of the type's codes (a level table's: of their index,
+    the nibble itself; Q4_0's signed codes: code + 8, the nibble itself), without unpacking them."""
+    t = TYPES[kind]
+    start, run = t.nibbles
+    qs = np.ascontiguousarray(blocks[:, start:start + t.block // 2])
+    w = torch.from_numpy(qs).view(torch.int64).view(-1, run // 16)        # each run's bytes as words
+    eights = torch.cat([w & _LOW, (w >> 4) & _LOW], dim=1)                  # its low nibbles' words, then high
+    return _pack_eights(eights.reshape(-1)).view(torch.int8).view(n, k // 2)
+
+
+class ExpertMatrices:
+    """E matrices [N,K] of one layout: `codes` [E, N, R], `scale` and `offset` [E, ...] (one slice per expert:
+    float16 or float32 [E, N, K/G], the SUB buffers [E, bytes], or None), `group`, `four_bit`, `rows4`, `sub`;
+    for a file's float weights `codes` [E, N, K] of their dtype and no scale."""
+
+    def __init__(self, codes: Tensor, scale: Tensor | None, offset: Tensor | None, k: int, group: int,
+                 four_bit: str | None, rows4: bool, sub: bool) -> None:
+        self.codes, self.scale, self.offset = codes, scale, offset
+        self.in_features, self.out_features = k, codes.shape[1]
+        self.group, self.four_bit, self.rows4, self.sub = group, four_bit, rows4, sub
+        self.flags = self[0].flags if len(self) else 0
+
+    def __len__(self) -> int:
+        return self.codes.shape[0]
+
+    def __getitem__(self, e: int) -> CodedLinear:
+        """Expert e as a `CodedLinear` over slice e of the buffers (no copy)."""
+        n, k = self.out_features, self.in_features
+        if self.sub:
+            scale: Tensor | SubScales | None = SubScales.over(self.scale[e], n, k, self.group)
+            offset = None if self.offset is None else SubScales.over(self.offset[e], n, k, self.group)
+        else:
+            scale = None if self.scale is None else self.scale[e]
+            offset = None if self.offset is None else self.offset[e]
+        return CodedLinear.from_layout(self.codes[e], scale, offset, k, self.group, self.four_bit, self.rows4)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.codes, self.scale, self.offset) if t is not None)
+
+    def product(self, e: int, x: Tensor) -> Tensor:
+        """x [M,K] → expert e's x·Wᵀ [M,N] float32 (the kernel on its slices; `self[e]`'s product where the
+        kernel does not serve)."""
+        if not coded_available() or x.dtype != torch.float32 or x.device.type != "cpu" or (
+                torch.is_grad_enabled() and x.requires_grad):
+            return F.linear(x, self[e].dequantize().to(x.dtype))
+        return coded_product(x, self.codes[e], None if self.scale is None else self.scale[e],
+                             None if self.offset is None else self.offset[e], self.group, self.flags)
+
+    def __repr__(self) -> str:
+        return (f"ExpertMatrices(experts={len(self)}, out_features={self.out_features}, "
+                f"in_features={self.in_features}, flags={self.flags})")
+
+
+def _sub(kind: str, k: int) -> bool:
+    """Whether experts of type `kind`, K = `k` wide, hold their scales as the blocks hold them (SUB)."""
+    t = TYPES[kind]
+    return t.subscales is not None and k % 256 == 0 and t.group in (16, 32) and k // t.group <= native.HALF_MAX_GROUPS
+
+
+def expert_nbytes(kind: str, experts: int, n: int, k: int) -> int:
+    """Bytes `build_experts` holds for `experts` matrices [n, k] of type `kind` (a MXFP4 exponent counted as the
+    float16 number it is held as, all but the extremes): what a load of them needs."""
+    if kind in DENSE:
+        return experts * n * k * DENSE[kind].itemsize
+    t = TYPES[kind]
+    ng = k // t.group
+    four_bit, _ = CodedLinear.layout(n, k, t.group, t.four_bit, t.offset)
+    if _sub(kind, k):
+        per = n * (k // 256 * 4 + ng)
+    else:
+        per = n * ng * (2 if (t.half or t.e8m0_at) and ng <= native.HALF_MAX_GROUPS else 4)
+    return experts * (n * (k // 2 if four_bit else k) + per * (2 if t.offset else 1))
+
+
+def _dense(parts: list[np.ndarray], rows: list[int], experts: int, k: int, dtype: torch.dtype) -> ExpertMatrices:
+    codes = torch.empty((experts, sum(rows), k), dtype=dtype)
+    ints = {torch.float32: torch.int32}.get(dtype, torch.int16)
+    held = codes.view(ints).numpy()  # the weights' bits copied from the map as integers (numpy has no bfloat16)
+    a = 0
+    for data, n in zip(parts, rows, strict=True):
+        held[:, a:a + n] = data.view(held.dtype).reshape(experts, n, k)
+        a += n
+    return ExpertMatrices(codes, None, None, k, k, None, False, False)
+
+
+def build_experts(kind: str, parts: list[np.ndarray], rows: list[int], experts: int, k: int,
+                  done: Callable[[int], None] | None = None) -> ExpertMatrices:
+    """The experts of `parts` — each a tensor's bytes [E·N_p, bytes a row] of type `kind` (a block type or F16,
+    BF16, F32), N_p = `rows[p]` rows a expert of K = `k` weights — as one `ExpertMatrices`, each expert's rows
+    the parts' rows in order (gate then up). `done(p)` is called once part p is read (its pages may go)."""
+    if kind in DENSE:
+        out = _dense(parts, rows, experts, k, DENSE[kind])
+        for p in range(len(parts)):
+            if done is not None:
+                done(p)
+        return out
+    t = TYPES[kind]
+    n, ng = sum(rows), k // t.group
+    four_bit, rows4 = CodedLinear.layout(n, k, t.group, t.four_bit, t.offset)
+    rows4 = rows4 and all(r % 4 == 0 for r in rows)  # each part's rows whole blocks of four
+    sub = _sub(kind, k)
+    codes = torch.empty((experts, n, k // 2 if four_bit else k), dtype=torch.int8)
+    if sub:
+        nsup = k // 256
+        scale = torch.empty((experts, n * (nsup * 4 + ng)), dtype=torch.uint8)
+        offset = torch.empty_like(scale) if t.offset else None
+        views = [(b[:, :n * nsup * 4].view(torch.float32).view(experts, n, nsup),
+                  b[:, n * nsup * 4:].view(torch.int8).view(experts, n, ng)) for b in (scale, offset) if b is not None]
+    else:
+        dtype = torch.float16 if t.half and ng <= native.HALF_MAX_GROUPS else torch.float32
+        scale = torch.empty((experts, n, ng), dtype=dtype)
+        offset = torch.empty_like(scale) if t.offset else None
+    a = 0
+    for p, (data, rp) in enumerate(zip(parts, rows, strict=True)):
+        step = max(1, CHUNK_WEIGHTS // (rp * k))
+        for e0 in range(0, experts, step):
+            e1 = min(experts, e0 + step)
+            blocks = data[e0 * rp:e1 * rp].reshape(-1, t.nbytes)
+            c = _codes(kind, blocks, (e1 - e0) * rp, k, four_bit)
+            codes[e0:e1, a:a + rp] = (native.block4(c) if rows4 else c).view(e1 - e0, rp, -1)
+            if sub:
+                d, sc, dmin, mn = block_subscales(kind, blocks)
+                for (dv, sv), (dd, ss) in zip(views, ((d, sc), (dmin, mn)), strict=False):
+                    dv[e0:e1, a:a + rp] = torch.from_numpy(dd.reshape(e1 - e0, rp, -1))
+                    sv[e0:e1, a:a + rp] = torch.from_numpy(ss.reshape(e1 - e0, rp, ng))
+            else:
+                s, o = block_scales(kind, blocks)
+                scale[e0:e1, a:a + rp] = torch.from_numpy(s.reshape(e1 - e0, rp, ng))
+                if offset is not None:
+                    offset[e0:e1, a:a + rp] = torch.from_numpy(o.reshape(e1 - e0, rp, ng))
+        a += rp
+        if done is not None:
+            done(p)
+    if not sub and scale.dtype == torch.float32 and ng <= native.HALF_MAX_GROUPS:
+        scale, offset = _halved(scale, offset)
+    return ExpertMatrices(codes, scale, offset, k, t.group, four_bit, rows4, sub)
+
+
+def _codes(kind: str, blocks: np.ndarray, n: int, k: int, four_bit: str | None) -> Tensor:
+    """Rows [N,K] of raw blocks as the kernel's codes [N, R] (packed where `four_bit`; not yet blocked)."""
+    t = TYPES[kind]
+    if four_bit and t.nibbles is not None:
+        return pack_nibbles(blocks, kind, n, k)
+    codes = torch.from_numpy(block_codes(kind, blocks).reshape(n, k))
+    return pack_codes(codes, four_bit == "signed") if four_bit else codes
+
+
+def _halved(scale: Tensor, offset: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """float32 scales (and offsets) as float16 where every one is a float16 number (the same values, half the
+    bytes), else as they are."""
+    pair = [scale, offset] if offset is not None else [scale]
+    halves = [t.half() for t in pair]
+    if all(torch.equal(h.float(), t) for h, t in zip(halves, pair, strict=True)):
+        return halves[0], halves[1] if offset is not None else None
+    return scale, offset

@@ -1,0 +1,91 @@
+"""A layer's experts laid out at once (models/expert_layout.py) are, expert by expert, the matrix the per-matrix
+layout (`CodedLinear` over the expert's codes and scales) makes: the same numbers, the same products bit for bit,
+the packed codes the same bytes, and the bytes `expert_nbytes` counts before a load."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lmhead.kernels import native
+from lmhead.models.coded_linear import CodedLinear, coded_available
+from lmhead.models.expert_layout import build_experts, expert_nbytes, pack_codes, pack_nibbles
+from lmhead.models.gguf_codes import block_scales
+from lmhead.models.gguf_file import block_codes
+from lmhead.models.quant_types import LEVELS, TYPES
+
+pytestmark = pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
+
+
+def _blocks(kind: str, rows: int, k: int, seed: int) -> np.ndarray:
+    """Random blocks of `kind` holding rows [rows, k], as a file holds them ([rows, bytes a row]): random bits, the
+    float16 fields a small number, MXFP4's exponents near a real file's."""
+    t = TYPES[kind]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * k // t.block, t.nbytes), dtype=np.uint8)
+    for at in t.f16_at:
+        blocks[:, at:at + 2] = rng.normal(0.01, 0.003, len(blocks)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    for at in t.e8m0_at:
+        blocks[:, at] = rng.integers(118, 126, len(blocks))
+    return blocks.reshape(rows, -1)
+
+
+def _one_matrix(kind: str, blocks: np.ndarray, n: int, k: int) -> CodedLinear:
+    """The per-matrix layout of rows [n, k] of raw blocks."""
+    b = blocks.reshape(-1, TYPES[kind].nbytes)
+    s, o = block_scales(kind, b)
+    return CodedLinear(torch.from_numpy(block_codes(kind, b).reshape(n, k)), torch.from_numpy(s.reshape(n, -1)),
+                       None if o is None else torch.from_numpy(o.reshape(n, -1)), four_bit=TYPES[kind].four_bit)
+
+
+@pytest.mark.parametrize("kind", sorted(TYPES))
+def test_each_expert_laid_out_at_once_is_the_matrix_its_codes_make_alone(kind):
+    experts, f, k = 3, 8, 512
+    gate, up = _blocks(kind, experts * f, k, 0), _blocks(kind, experts * f, k, 1)
+    held = build_experts(kind, [gate, up], [f, f], experts, k)
+    assert len(held) == experts and held.nbytes == expert_nbytes(kind, experts, 2 * f, k)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(0))
+    for e in range(experts):
+        rows = np.concatenate([gate[e * f:(e + 1) * f], up[e * f:(e + 1) * f]])
+        alone = _one_matrix(kind, rows, 2 * f, k)
+        got = held[e]
+        assert (got.four_bit, got.rows4, got.packed) == (alone.four_bit, alone.rows4, alone.packed)
+        assert torch.equal(got.dequantize(), alone.dequantize())
+        for m in (1, 5):  # one decode row, and several rows of one expert's group
+            assert torch.equal(held.product(e, x[:m]), alone(x[:m]))
+    assert held.sub == (TYPES[kind].subscales is not None)  # every K-quant's scales as its blocks hold them
+
+
+@pytest.mark.parametrize("kind", sorted(t.name for t in TYPES.values() if t.four_bit))
+def test_packed_codes_are_the_bytes_of_the_kernels_packing(kind):
+    t = TYPES[kind]
+    n, k = 4, 256
+    blocks = _blocks(kind, n, k, 2).reshape(-1, t.nbytes)
+    codes = torch.from_numpy(block_codes(kind, blocks).reshape(n, k))
+    if t.four_bit in LEVELS:  # a level table's packed nibble is the level's index: the file's own nibble
+        start, run = t.nibbles
+        qs = blocks[:, start:start + t.block // 2].reshape(len(blocks), -1, 1, run // 2)
+        index = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(n, k)
+        assert np.array_equal(LEVELS[t.four_bit][index], codes.numpy())
+        want = native.pack4(torch.from_numpy(index.astype(np.int8)))
+    else:
+        want = native.pack4(codes, t.four_bit == "signed")
+        assert torch.equal(pack_codes(codes, t.four_bit == "signed"), want)
+    if t.nibbles is not None:  # packed from the blocks' bytes without unpacking them
+        assert torch.equal(pack_nibbles(blocks, kind, n, k), want)
+
+
+@pytest.mark.parametrize("kind", ["F32", "F16", "BF16"])
+def test_float_experts_are_held_as_the_file_holds_them(kind):
+    dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[kind]
+    experts, f, k = 2, 4, 64
+    w = torch.randn(experts, 2 * f, k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    ints = torch.int32 if kind == "F32" else torch.int16
+    gate, up = (w[:, s].contiguous().view(ints).numpy().reshape(experts * f, -1).view(np.uint8)
+                for s in (slice(0, f), slice(f, 2 * f)))
+    held = build_experts(kind, [gate, up], [f, f], experts, k)
+    assert held.codes.dtype == dtype and torch.equal(held.codes, w)
+    x = torch.randn(3, k)
+    for e in range(experts):
+        assert torch.equal(held.product(e, x), CodedLinear.dense16(w[e])(x))
