@@ -132,10 +132,14 @@ class Decoder:
 
     def _copy_prefixes(self, ids: Tensor, positions: Tensor, valid: Tensor, prefixes: list, heads: list[int],
                        offset: int) -> None:
-        """Copy each row's prefix (`begin`) into its first `heads[r]` columns (from `offset`); the columns up to
-        the fed part's start are marked as `valid` (laid out by `prefix_layout`) says; the target's length is
-        where the prefill starts."""
+        """Each row's prefix (`begin`) as its first `heads[r]` columns (from `offset`): the store's blocks shared
+        (`StaticCache.share`: read in place by every row that begins with them, never copied) where the lean body's
+        C attention reads every layer (`shares_columns`), else copied in; the columns up to the fed part's start
+        are marked as `valid` (laid out by `prefix_layout`) says; the target's length is where the prefill
+        starts."""
         at, target = max(heads), self.target
+        share = getattr(self.lean, "shares_columns", None)
+        share = share is not None and share()
         cols = slice(offset, offset + at)
         target.valid[:, cols] = valid[:, :at]
         target.positions[:, cols] = positions[:, :at]
@@ -146,6 +150,10 @@ class Decoder:
             if isinstance(found[1], Tensor):
                 copy_into(target.keys[:, r, :, offset:offset + m], found[1][:, :, :m])
                 copy_into(target.values[:, r, :, offset:offset + m], found[2][:, :, :m])
+                continue
+            need = -(-m // found[1][0].shape[2])  # blocks holding the first m columns
+            if share and all(t.is_contiguous() for t in (*found[1][:need], *found[2][:need])):
+                target.share(r, (offset, m, list(found[1][:need]), list(found[2][:need])))
                 continue
             at_col = offset  # the store's blocks, each copied once into place (`PrefixCache.match(joined=False)`)
             for k, v in zip(found[1], found[2], strict=True):
@@ -327,6 +335,8 @@ class Decoder:
             top = first_new - live.batch  # fewer running rows than at `begin_join`: some left meanwhile
             for r in range(live.batch):
                 gather_row(merged, top + r, live, r, m)
+            for r in range(new.batch if new.shared is not None else 0):  # the new rows' shared runs, in place
+                merged.share(first_new + r, new.shared.rows[r])
             self.target = merged.view(top, first_new + new.batch)
             self.target.length = m
         else:  # the running rows outgrew the room `begin_join` left: both copied into a new cache
@@ -523,11 +533,8 @@ class Decoder:
 
 def columns(cache: StaticCache, row: int, cols: Tensor) -> tuple[Tensor, Tensor]:
     """The keys and values [layers, H_kv, len(cols), hd] of `row`'s columns `cols` (ascending): a view where they
-    are one run (a lone row's prompt), else a copy."""
-    if len(cols) and int(cols[-1]) - int(cols[0]) + 1 == len(cols):
-        run = slice(int(cols[0]), int(cols[-1]) + 1)
-        return cache.keys[:, row, :, run], cache.values[:, row, :, run]
-    return cache.keys[:, row].index_select(2, cols), cache.values[:, row].index_select(2, cols)
+    are one run of its own (a lone row's prompt), else a copy (`StaticCache.read_columns`)."""
+    return cache.read_columns(row, cols)
 
 
 def prefix_layout(ids: Tensor, positions: Tensor, valid: Tensor | None, prefixes: list | None

@@ -42,13 +42,21 @@ class LayerDesc(ctypes.Structure):
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
 
+class SharedArgs(ctypes.Structure):
+    """lmhead_shared: the columns rows read from shared blocks (a prefix-cache hit's): per row its blocks'
+    addresses (keys, values: [B·n]), its first shared column and how many (start, len: [B] int64)."""
+
+    _fields_ = [("keys", _P), ("values", _P), ("start", _P), ("len", _P), ("n", _I64), ("block", _I64)]
+
+
 class AttendArgs(ctypes.Structure):
-    """lmhead_attend_args: one layer's rope, cache write and attention (body_kernels.h for shapes)."""
+    """lmhead_attend_args: one layer's rope, cache write and attention (body_kernels.h for shapes); shared: the
+    address of a SharedArgs or None, layer: which layer's part of its blocks."""
 
     _fields_ = [("qk", _P), ("v", _P), ("cos", _P), ("sin", _P), ("keys", _P), ("values", _P), ("mask", _P),
                 ("out", _P), *((n, _I64) for n in ("qk_stride", "v_stride", "B", "T", "H", "Hkv", "hd", "cap",
                                                     "start")),
-                ("scaling", _F32), ("softcap", _F32), ("threads", _I32)]
+                ("scaling", _F32), ("softcap", _F32), ("threads", _I32), ("shared", _P), ("layer", _I64)]
 
 
 class StepArgs(ctypes.Structure):
@@ -60,7 +68,7 @@ class StepArgs(ctypes.Structure):
                 *((n, _I64) for n in ("n_layers", "layer_stride", "B", "T", "D", "H", "Hkv", "hd", "F", "cap",
                                       "start")),
                 ("eps", _F32), ("scaling", _F32), ("softcap", _F32),
-                ("plus_one", _I32), ("act", _I32), ("threads", _I32)]
+                ("plus_one", _I32), ("act", _I32), ("threads", _I32), ("shared", _P)]
 
 
 class DecodeArgs(ctypes.Structure):

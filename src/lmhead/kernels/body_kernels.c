@@ -83,6 +83,28 @@ void lmhead_gated(const float* gate_up, float* out, int64_t rows, int64_t f, int
     }
 }
 
+/* the most queries an attention work item takes together (lmhead_attend) */
+#define ATTEND_RUN 32
+
+/* Row b's keys (values: base and blocks the values') of key head kh from column j: the address of column j, and
+ * through *end the column where the run of columns one hd apart that holds it ends — the row's own cache, or
+ * one of its shared blocks (lmhead_shared; off: the layer's part of a block). */
+static inline const float* kv_run(const float* base, const float* const* blocks, const lmhead_shared* sh,
+                                  int64_t b, int64_t kh, int64_t j, int64_t Hkv, int64_t hd, int64_t cap,
+                                  int64_t off, int64_t* end) {
+    *end = cap;
+    if (sh != NULL && sh->len[b] > 0) {
+        const int64_t s = sh->start[b];
+        if (j >= s && j < s + sh->len[b]) {
+            const int64_t k = (j - s) / sh->block, i = (j - s) % sh->block;
+            *end = s + (k + 1) * sh->block;
+            return blocks[b * sh->n + k] + off + (kh * sh->block + i) * hd;
+        }
+        if (j < s) *end = s;
+    }
+    return base + ((b * Hkv + kh) * cap + j) * hd;
+}
+
 /* One layer's attention for T new tokens of B rows, from the q/k heads (normed, before rope) and v:
  *   rope (x·cos + rotate_half(x)·sin, rotate_half(x) = (−x₂, x₁), given as the swapped halves (x₂, x₁) times
  *   the signed sin (−sin₁, sin₂)) on q and k; k and v written at the cache's
@@ -144,35 +166,38 @@ int lmhead_attend(const lmhead_attend_args* args) {
         span[2 * r] = lo;
         span[2 * r + 1] = hi;
     }
-    /* Work items: (row, token, key head, a set of `sub` of its query heads). The query heads that share a key
-     * head are taken together, key block by key block: each block of keys and values (≤ 16 KB) is read from
-     * memory once for the set and again from L1 for each head, instead of once per head from L3 or memory
-     * (Gemma 3's 256-wide heads read each value row four times, once per 64 columns: its attention at 2,048
-     * columns 5.9 → 5.1 ms a token with the sets, interleaved; SmolLM2's unchanged). Each
-     * head's arithmetic is the same sequence as head by head (scores, maximum, exponentials and the value sums
-     * in column order; a partial sum waits in `out` between blocks), so the numbers are unchanged. The sets are
-     * as large as still share the threads evenly (items a multiple of the threads, or at least four per thread):
-     * a decode step of Gemma 3 (one key head, four query heads) gives two items of two heads; SmolLM2's three
-     * key heads of three give nine items of one (three items of three left one thread a third idle, 1.1x slower
-     * at 1,024 columns where a head's keys and values still fit L2). */
-    const int64_t per = B * T * Hkv, heads_work = B * H * T;
+    /* Work items: (key head, a run of its queries). A key head's queries are taken in the order (row, token,
+     * query head of the group), cut into runs of at most ATTEND_RUN as even as still share the threads evenly
+     * (items a multiple of the threads, or at least four per thread: a decode step of Gemma 3, one key head and
+     * four query heads, gives two items of two heads; SmolLM2's three key heads of three, six of one or two). A
+     * run is taken key block by key block: each block of keys and values (≤ 16 KB) is read from memory once for
+     * every query of the run that reads it and again from L1 for the others — the query heads that share a key
+     * head (Gemma 3's 256-wide heads had read each value row four times, once per 64 columns: its attention at
+     * 2,048 columns 5.9 → 5.1 ms a token), the tokens of a row's prefill piece, and the rows whose columns are
+     * the same shared blocks (`lmhead_shared`: several requests' common prefix is read once for all their
+     * queries, as one [queries, columns] product, instead of once per row from a copy of its own). Each query's
+     * arithmetic is the same sequence whatever the run it is in (scores, maximum, exponentials and the value
+     * sums in column order; a partial sum waits in `out` between blocks and runs), so the numbers are the same
+     * bits alone, in a prefill piece, in a server round, with its columns shared or its own. */
+    const int64_t heads_work = B * H * T, nq = B * T * group;
     /* both threads from a few columns on: after the products the keys and values come cold from L3 or memory,
      * and two threads read them at twice the rate (decode steps interleaved in one process measured both models'
      * attention faster on two threads than with a one-thread threshold; docs/decode.md) */
     int nt = (L * hd * heads_work > (int64_t)1 << 13) ? threads : 1;
-    int64_t sub = group;
+    int64_t sub = nq < ATTEND_RUN ? nq : ATTEND_RUN;
     while (sub > 1) {
-        const int64_t items = per * (group / sub);
-        if (sub <= 64 && (items % nt == 0 || items >= 4 * (int64_t)nt)) break; /* ≤ 64: the maxima below */
-        do sub--;
-        while (sub > 1 && group % sub != 0);
+        const int64_t items = Hkv * ((nq + sub - 1) / sub);
+        if (items % nt == 0 || items >= 4 * (int64_t)nt) break;
+        sub--;
     }
-    const int64_t sets = group / sub, work = per * sets;
+    const int64_t per = (nq + sub - 1) / sub, work = Hkv * per; /* runs per key head, items */
     const int64_t block = hd >= 1024 ? 4 : 4096 / hd; /* keys per block: ≤ 16 KB of keys, as many of values */
+    const lmhead_shared* sh = args->shared;
+    const int64_t sh_off = sh ? args->layer * Hkv * sh->block * hd : 0;
     int failed = 0;
 #pragma omp parallel num_threads(nt)
     {
-        /* each thread's scores for its set of heads, on the stack up to 4,096 numbers (a malloc per head was a
+        /* each thread's scores for its run of queries, on the stack up to 4,096 numbers (a malloc per head was a
          * third of the time) */
         float stack_p[4096], stack_c[4096];
         float* p = sub * L <= 4096 ? stack_p : (float*)malloc(sizeof(float) * (size_t)(sub * L));
@@ -182,49 +207,59 @@ int lmhead_attend(const lmhead_attend_args* args) {
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work; w++) {
             if (p == NULL || kept == NULL) continue;
-            const int64_t b = w / (T * Hkv * sets), t = (w / (Hkv * sets)) % T, kh = (w / sets) % Hkv;
-            const int64_t h0 = kh * group + (w % sets) * sub;
-            const float* kb = keys + (b * Hkv + kh) * cap * hd;
-            const float* vb = values + (b * Hkv + kh) * cap * hd;
-            const float* mrow = mask ? mask + (b * T + t) * L : NULL;
-            const int64_t lo = span[2 * (b * T + t)], hi = span[2 * (b * T + t) + 1];
-            float mx[64], inv[64];
-            for (int64_t g = 0; g < sub; g++) mx[g] = -INFINITY;
-            for (int64_t j0 = lo; j0 < hi; j0 += block) {
-                const int64_t j1 = j0 + block < hi ? j0 + block : hi;
-                for (int64_t g = 0; g < sub; g++) {
-                    const float* qv = q + ((b * T + t) * H + h0 + g) * hd;
+            const int64_t kh = w / per, c = w % per, q0 = c * nq / per, n = (c + 1) * nq / per - q0;
+            float mx[ATTEND_RUN], inv[ATTEND_RUN];
+            int64_t jmin = L, jmax = 0;
+            for (int64_t g = 0; g < n; g++) {
+                const int64_t bt = (q0 + g) / group;
+                mx[g] = -INFINITY;
+                if (span[2 * bt] < jmin) jmin = span[2 * bt];
+                if (span[2 * bt + 1] > jmax) jmax = span[2 * bt + 1];
+            }
+            for (int64_t j0 = jmin; j0 < jmax; j0 += block) {
+                const int64_t j1 = j0 + block < jmax ? j0 + block : jmax;
+                for (int64_t g = 0; g < n; g++) {
+                    const int64_t bt = (q0 + g) / group, b = bt / T, h = kh * group + (q0 + g) % group;
+                    const int64_t a = span[2 * bt] > j0 ? span[2 * bt] : j0;
+                    const int64_t e = span[2 * bt + 1] < j1 ? span[2 * bt + 1] : j1;
+                    const float* qv = q + (bt * H + h) * hd;
+                    const float* mrow = mask ? mask + bt * L : NULL;
                     float* pg = p + g * L;
                     float m = mx[g];
-                    for (int64_t j = j0; j < j1; j++) {
-                        const float* kj = kb + j * hd;
-                        float sc = 0.f;
+                    for (int64_t j = a, r; j < e;) {
+                        const float* kj = kv_run(keys, sh ? sh->keys : NULL, sh, b, kh, j, Hkv, hd, cap, sh_off, &r);
+                        for (r = r < e ? r : e; j < r; j++, kj += hd) {
+                            float sc = 0.f;
 #ifdef __AVX2__
-                        if (hd % 16 == 0) { /* two chains of multiply-adds, not one of hd/8: the dot's latency bound it */
-                            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-                            for (int64_t i = 0; i < hd; i += 16) {
-                                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i), _mm256_loadu_ps(kj + i), a0);
-                                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i + 8), _mm256_loadu_ps(kj + i + 8), a1);
-                            }
-                            sc = sum8(_mm256_add_ps(a0, a1));
-                        } else
+                            if (hd % 16 == 0) { /* two chains of multiply-adds, not one of hd/8: the dot's latency bound it */
+                                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                                for (int64_t i = 0; i < hd; i += 16) {
+                                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i), _mm256_loadu_ps(kj + i), a0);
+                                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i + 8), _mm256_loadu_ps(kj + i + 8), a1);
+                                }
+                                sc = sum8(_mm256_add_ps(a0, a1));
+                            } else
 #endif
-                        {
-                            /* a vectorised sum (8 lanes, then the lanes): one serial chain of hd adds took most of
-                             * the step */
+                            {
+                                /* a vectorised sum (8 lanes, then the lanes): one serial chain of hd adds took most
+                                 * of the step */
 #pragma omp simd reduction(+ : sc)
-                            for (int64_t i = 0; i < hd; i++) sc += qv[i] * kj[i];
+                                for (int64_t i = 0; i < hd; i++) sc += qv[i] * kj[i];
+                            }
+                            sc *= scaling;
+                            if (softcap > 0.f) sc = tanhf(sc / softcap) * softcap;
+                            if (mrow) sc += mrow[j];
+                            pg[j] = sc;
+                            if (sc > m) m = sc;
                         }
-                        sc *= scaling;
-                        if (softcap > 0.f) sc = tanhf(sc / softcap) * softcap;
-                        if (mrow) sc += mrow[j];
-                        pg[j] = sc;
-                        if (sc > m) m = sc;
                     }
                     mx[g] = m;
                 }
             }
-            for (int64_t g = 0; g < sub; g++) {
+            for (int64_t g = 0; g < n; g++) {
+                const int64_t bt = (q0 + g) / group, h = kh * group + (q0 + g) % group;
+                const int64_t lo = span[2 * bt], hi = span[2 * bt + 1];
+                const float* mrow = mask ? mask + bt * L : NULL;
                 float* pg = p + g * L;
                 /* the scores summed: the span's, or where the mask drops columns inside it (a row of a batch
                  * whose drafts were rejected, beside rows that kept theirs) its kept columns' side by side, so
@@ -270,38 +305,47 @@ int lmhead_attend(const lmhead_attend_args* args) {
                     total += es[j];
                 }
                 if (es == kept) /* back to their columns; a dropped column's weight is 0 */
-                    for (int64_t c = lo, i = 0; c < hi; c++) pg[c] = mrow[c] > -FLT_MAX ? kept[i++] : 0.f;
+                    for (int64_t c2 = lo, i = 0; c2 < hi; c2++) pg[c2] = mrow[c2] > -FLT_MAX ? kept[i++] : 0.f;
                 inv[g] = 1.0f / total;
-                float* o = out + (b * T + t) * H * hd + (h0 + g) * hd;
+                float* o = out + (bt * H + h) * hd;
                 for (int64_t i = 0; i < hd; i++) o[i] = 0.f;
             }
-            for (int64_t j0 = lo; j0 < hi; j0 += block) {
-                const int64_t j1 = j0 + block < hi ? j0 + block : hi;
-                for (int64_t g = 0; g < sub; g++) {
+            for (int64_t j0 = jmin; j0 < jmax; j0 += block) {
+                const int64_t j1 = j0 + block < jmax ? j0 + block : jmax;
+                for (int64_t g = 0; g < n; g++) {
+                    const int64_t bt = (q0 + g) / group, b = bt / T, h = kh * group + (q0 + g) % group;
+                    const int64_t a = span[2 * bt] > j0 ? span[2 * bt] : j0;
+                    const int64_t e = span[2 * bt + 1] < j1 ? span[2 * bt + 1] : j1;
                     const float* pg = p + g * L;
-                    float* o = out + (b * T + t) * H * hd + (h0 + g) * hd;
-                    int64_t i0 = 0;
+                    float* o = out + (bt * H + h) * hd;
+                    for (int64_t j = a, r; j < e;) {
+                        const float* vr = kv_run(values, sh ? sh->values : NULL, sh, b, kh, j, Hkv, hd, cap, sh_off, &r);
+                        r = r < e ? r : e;
+                        int64_t i0 = 0;
 #ifdef __AVX2__
-                    /* Σ_j p_j·v_j for 64 columns at a time in eight registers (summed in memory, each column's
-                     * chain went through a store and a load per key), carried in `o` from block to block */
-                    for (; i0 + 64 <= hd; i0 += 64) {
-                        __m256 acc[8];
-                        for (int k = 0; k < 8; k++) acc[k] = _mm256_loadu_ps(o + i0 + 8 * k);
-                        for (int64_t j = j0; j < j1; j++) {
-                            const __m256 pj = _mm256_set1_ps(pg[j] * inv[g]);
-                            const float* vj = vb + j * hd + i0;
-                            for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * k), acc[k]);
+                        /* Σ_j p_j·v_j for 64 columns at a time in eight registers (summed in memory, each column's
+                         * chain went through a store and a load per key), carried in `o` from run to run */
+                        for (; i0 + 64 <= hd; i0 += 64) {
+                            __m256 acc[8];
+                            for (int k = 0; k < 8; k++) acc[k] = _mm256_loadu_ps(o + i0 + 8 * k);
+                            const float* vj = vr + i0;
+                            for (int64_t jj = j; jj < r; jj++, vj += hd) {
+                                const __m256 pj = _mm256_set1_ps(pg[jj] * inv[g]);
+                                for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * k), acc[k]);
+                            }
+                            for (int k = 0; k < 8; k++) _mm256_storeu_ps(o + i0 + 8 * k, acc[k]);
                         }
-                        for (int k = 0; k < 8; k++) _mm256_storeu_ps(o + i0 + 8 * k, acc[k]);
-                    }
 #endif
-                    if (i0 < hd)
-                        for (int64_t j = j0; j < j1; j++) {
-                            const float pj = pg[j] * inv[g];
-                            const float* vj = vb + j * hd;
+                        if (i0 < hd) {
+                            const float* vj = vr;
+                            for (int64_t jj = j; jj < r; jj++, vj += hd) {
+                                const float pj = pg[jj] * inv[g];
 #pragma omp simd
-                            for (int64_t i = i0; i < hd; i++) o[i] += pj * vj[i];
+                                for (int64_t i = i0; i < hd; i++) o[i] += pj * vj[i];
+                            }
                         }
+                        j = r;
+                    }
                 }
             }
         }

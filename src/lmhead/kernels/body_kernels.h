@@ -11,6 +11,19 @@ void lmhead_add_norm(const float* x, const float* a, const float* w_post, const 
                      float* h, int64_t rows, int64_t dim, float eps, int plus_one);
 void lmhead_gated(const float* gate_up, float* out, int64_t rows, int64_t f, int act);
 
+/* Columns that rows read from memory they share instead of their own (a prefix-cache hit's stored blocks:
+ * models/kv_cache.py's SharedColumns; kernels/abi.py's SharedArgs mirrors it): row b's columns start[b] ..
+ * start[b] + len[b] − 1 are, in order, those of its blocks keys[b·n + k] (values likewise), each [layers, H_kv,
+ * block, hd], the layer's part `layer` · H_kv·block·hd numbers in. What the row's own cache holds at those
+ * columns is never read. */
+typedef struct {
+    const float* const* keys;    /* [B·n] block addresses (NULL past a row's own) */
+    const float* const* values;
+    const int64_t* start;        /* [B] */
+    const int64_t* len;          /* [B] shared columns (0: none), at most n·block */
+    int64_t n, block;
+} lmhead_shared;
+
 /* lmhead_attend's arguments (kernels/native.py's AttendArgs mirrors them, field for field) */
 typedef struct {
     const float* qk;     /* [B,T] tokens of (H + H_kv)·hd numbers at qk_stride apart: q and k, before rope */
@@ -24,6 +37,8 @@ typedef struct {
     int64_t qk_stride, v_stride, B, T, H, Hkv, hd, cap, start;
     float scaling, softcap; /* softcap 0: none */
     int threads;
+    const lmhead_shared* shared; /* NULL: every column is the row's own */
+    int64_t layer;               /* which layer's part of the shared blocks */
 } lmhead_attend_args;
 
 int lmhead_attend(const lmhead_attend_args* args);

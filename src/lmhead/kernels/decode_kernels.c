@@ -126,7 +126,8 @@ int lmhead_step(const lmhead_step_args* args) {
             .qk = qk_in, .v = qkv + qk_width, .cos = cos[L->rope], .sin = sin[L->rope],
             .keys = keys + i * layer_stride, .values = values + i * layer_stride, .mask = masks[L->sliding],
             .out = att, .qk_stride = qk_stride, .v_stride = width, .B = B, .T = T, .H = H, .Hkv = Hkv, .hd = hd,
-            .cap = cap, .start = start, .scaling = scaling, .softcap = softcap, .threads = threads};
+            .cap = cap, .start = start, .scaling = scaling, .softcap = softcap, .threads = threads,
+            .shared = args->shared, .layer = i};
         if (lmhead_attend(&attend)) return -1;
         if (matmul(att, rows, &L->o, branch, threads)) return -1;
         lmhead_add_norm(x, branch, L->post_attn_norm, L->pre_mlp_norm, x2, h, rows, D, eps, plus_one);

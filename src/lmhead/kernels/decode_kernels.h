@@ -6,6 +6,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "body_kernels.h"
+
 int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const void* scale,
                         const void* offset, int64_t N, int64_t G, int flags, float* y, int threads);
 float lmhead_half(uint16_t h);
@@ -42,6 +44,7 @@ typedef struct {
     int64_t n_layers, layer_stride, B, T, D, H, Hkv, hd, F, cap, start;
     float eps, scaling, softcap; /* softcap 0: none */
     int plus_one, act, threads;  /* plus_one: norms scale by (1 + w); act: lmhead_gated's */
+    const lmhead_shared* shared; /* rows' shared columns (body_kernels.h), or NULL */
 } lmhead_step_args;
 
 /* lmhead_decode's arguments: a step's (its cos, sin and masks unused: made here from the tables) and what the

@@ -5,6 +5,13 @@
 
 Rows are aligned by left padding (`valid` marks each row's real columns); speculative decoding rolls back with
 `truncate` / `invalidate`, finished rows leave with `select`, a joining prompt is prefilled into a `view`.
+
+A row's prompt beginning found in the prefix cache is not copied into its columns: `shared` (`SharedColumns`)
+names the stored blocks its columns start[r] .. start[r] + len[r] are read from — the same blocks for every row
+whose prompt begins with them, read once for all their queries by the C attention (kernels/body_kernels.c), as
+vLLM's paged blocks are shared by the sequences that begin with them. Everything that moves a row's columns
+carries its shared run along (`select`, `gather_row`, `compact`); what reads keys and values in torch calls
+`materialise` first.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import mmap
 import torch
 from torch import Tensor
 
-__all__ = ["LAZY_BYTES", "StaticCache", "cache_zeros", "gather_row"]
+__all__ = ["LAZY_BYTES", "SharedColumns", "StaticCache", "cache_zeros", "gather_row"]
 
 LAZY_BYTES = 1 << 20  # cache tensors from this size on are anonymous mappings (`cache_zeros`)
 
@@ -29,6 +36,30 @@ def cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     if torch.device(device).type != "cpu" or nbytes < LAZY_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+
+
+class SharedColumns:
+    """Per row of a cache: None, or (start, keys, values) — its columns start .. start + n − 1 are, in order,
+    those of the blocks keys / values (lists of [layers, H_kv, block, hd], contiguous, never written: a prefix
+    cache's stored blocks), n ≤ block · len(keys) given by `lens`. Immutable: a change makes another one (the C
+    side's tables, `models.lean_native`, are made once per object)."""
+
+    def __init__(self, rows: list[tuple[int, int, list[Tensor], list[Tensor]] | None]) -> None:
+        self.rows = rows  # per row None or (start, n, key blocks, value blocks)
+        self.native = None  # the C side's tables, made on first use (`NativeStep._shared_args`)
+
+    @staticmethod
+    def of(rows: list[tuple[int, int, list[Tensor], list[Tensor]] | None]) -> SharedColumns | None:
+        """The rows' shared runs, or None where no row has one."""
+        return SharedColumns(rows) if any(r is not None for r in rows) else None
+
+    def take(self, rows: list[int]) -> SharedColumns | None:
+        return SharedColumns.of([self.rows[r] for r in rows])
+
+    def span(self, row: int) -> tuple[int, int]:
+        """Row `row`'s shared columns [start, stop) ((0, 0): none)."""
+        entry = self.rows[row]
+        return (0, 0) if entry is None else (entry[0], entry[0] + entry[1])
 
 
 class StaticCache:
@@ -56,6 +87,7 @@ class StaticCache:
         self.positions = cache_zeros((batch, capacity), torch.long, device)
         self.tokens = cache_zeros((batch, capacity), torch.long, device)
         self.length = 0
+        self.shared: SharedColumns | None = None  # rows' columns read from shared blocks (the module docstring)
         # the LeanBody step descriptors whose weights were found unchanged when this cache first used them
         self.checked: object | None = None
 
@@ -90,7 +122,45 @@ class StaticCache:
         out.keys, out.values = self.keys[:, start:stop], self.values[:, start:stop]
         out.valid, out.positions, out.tokens = (t[start:stop] for t in (self.valid, self.positions, self.tokens))
         out.length, out.checked = self.length, None
+        out.shared = None if self.shared is None else self.shared.take(list(range(start, stop)))
         return out
+
+    def share(self, row: int, entry: tuple[int, int, list[Tensor], list[Tensor]] | None) -> None:
+        """Row `row`'s shared run: None, or (start, n, key blocks, value blocks) (`SharedColumns`)."""
+        rows = [None] * self.batch if self.shared is None else list(self.shared.rows)
+        rows[row] = entry
+        self.shared = SharedColumns.of(rows)
+
+    def materialise(self, rows: list[int] | None = None) -> None:
+        """Copy the shared runs of `rows` (None: every row) into their own columns, which then hold them: for
+        what reads keys and values in torch."""
+        if self.shared is None:
+            return
+        rows = range(self.batch) if rows is None else rows
+        for r in rows:
+            entry = self.shared.rows[r]
+            if entry is None:
+                continue
+            at, n, ks, vs = entry
+            for name, blocks in (("keys", ks), ("values", vs)):
+                dst, col = getattr(self, name), at
+                for blk in blocks:
+                    w = min(blk.shape[2], at + n - col)
+                    dst[:, r, :, col:col + w] = blk[:, :, :w]
+                    col += w
+            self.share(r, None)
+
+    def read_columns(self, row: int, cols: Tensor) -> tuple[Tensor, Tensor]:
+        """The keys and values [layers, H_kv, len(cols), hd] of `row`'s columns `cols` (ascending), its shared
+        ones included: a view where they are its own and one run (a lone row's prompt), else a copy."""
+        if self.shared is not None and len(cols):
+            a, b = self.shared.span(row)
+            if a < b and int(cols[0]) < b and int(cols[-1]) >= a:
+                self.materialise([row])
+        if len(cols) and int(cols[-1]) - int(cols[0]) + 1 == len(cols):
+            run = slice(int(cols[0]), int(cols[-1]) + 1)
+            return self.keys[:, row, :, run], self.values[:, row, :, run]
+        return self.keys[:, row].index_select(2, cols), self.values[:, row].index_select(2, cols)
 
     def first_columns(self) -> Tensor:
         """[B] each row's first valid column (`length` for a row without any): its columns are within
@@ -125,7 +195,7 @@ class StaticCache:
             gather_row(out, r, self, r, m)
         self.keys, self.values, self.valid, self.positions, self.tokens = (
             out.keys, out.values, out.valid, out.positions, out.tokens)
-        self.length = m
+        self.length, self.shared = m, out.shared
 
     def select(self, rows: Tensor) -> None:
         """Keep only the batch rows `rows` [B'] (e.g. drop finished rows). Rows kept in order stay in this
@@ -134,14 +204,17 @@ class StaticCache:
         at most what the rows on one side of it hold — not a copy of every row's whole capacity."""
         keep = [int(r) for r in rows.tolist()]
         n = len(keep)
+        shared = None if self.shared is None else self.shared.take(keep)
         if n and any(b <= a for a, b in zip(keep, keep[1:], strict=False)):  # reordered: a copy of each row
             for name in ("keys", "values"):
                 setattr(self, name, getattr(self, name).index_select(1, rows))
             for name in ("valid", "positions", "tokens"):
                 setattr(self, name, getattr(self, name).index_select(0, rows))
+            self.shared = shared
             return
         if not n:
             self._narrow(0, 0)
+            self.shared = None
             return
         first = self.first_columns().tolist()
         left = [(k, keep[0] + i) for i, k in enumerate(keep)]                  # (from, to), first row stays
@@ -152,11 +225,17 @@ class StaticCache:
             if a != b:
                 self._move_row(a, b, first[a])
         self._narrow(start, start + n)
+        self.shared = shared
 
     def _move_row(self, src: int, dst: int, first: int) -> None:
-        """Row `src`'s columns [first, length) and its whole validity, positions and ids into row `dst`."""
+        """Row `src`'s columns [first, length) (but its shared ones, read from their blocks) and its whole
+        validity, positions and ids into row `dst`."""
+        a, b = (0, 0) if self.shared is None else self.shared.span(src)
+        runs = [(first, self.length)] if a >= b else [(first, max(first, a)), (max(first, b), self.length)]
         for t in (self.keys, self.values):
-            t[:, dst, :, first:self.length] = t[:, src, :, first:self.length]
+            for lo, hi in runs:
+                if lo < hi:
+                    t[:, dst, :, lo:hi] = t[:, src, :, lo:hi]
         for t in (self.valid, self.positions, self.tokens):
             t[dst] = t[src]
 
@@ -168,15 +247,26 @@ class StaticCache:
 def gather_row(dst: StaticCache, i: int, src: StaticCache, r: int, end: int) -> int:
     """Row r of `src`'s valid columns, in order, into row i of `dst` at its columns [end − n, end) → n (dst's row i
     must hold nothing: zeros and not valid, as a new cache's rows). One slice where the columns are one run (a
-    prompt and the tokens after it), else a gather (holes of rejected drafts)."""
+    prompt and the tokens after it), else a gather (holes of rejected drafts). A shared run (every column of it
+    valid) is not copied: dst's row i reads the same blocks at its new columns."""
     cols = src.valid[r, :src.length].nonzero().squeeze(1)
     n = cols.numel()
     if n == 0:
         return 0
-    lo, hi = int(cols[0]), int(cols[-1]) + 1
-    pick = slice(lo, hi) if hi - lo == n else cols
-    dst.keys[:, i, :, end - n:end] = src.keys[:, r, :, pick]
-    dst.values[:, i, :, end - n:end] = src.values[:, r, :, pick]
+    a, b = (0, 0) if src.shared is None else src.shared.span(r)
+    parts = [(cols, end - n)]
+    if a < b:  # the columns before the run and after it; the run itself moves as a reference
+        before = int((cols < a).sum())
+        parts = [(cols[:before], end - n), (cols[before + b - a:], end - n + before + b - a)]
+        _, m, ks, vs = src.shared.rows[r]
+        dst.share(i, (end - n + before, m, ks, vs))
+    for part, at in parts:
+        if part.numel():
+            lo, hi = int(part[0]), int(part[-1]) + 1
+            pick = slice(lo, hi) if hi - lo == part.numel() else part
+            dst.keys[:, i, :, at:at + part.numel()] = src.keys[:, r, :, pick]
+            dst.values[:, i, :, at:at + part.numel()] = src.values[:, r, :, pick]
+    pick = slice(int(cols[0]), int(cols[-1]) + 1) if int(cols[-1]) - int(cols[0]) + 1 == n else cols
     dst.positions[i, end - n:end] = src.positions[r, pick]
     dst.tokens[i, end - n:end] = src.tokens[r, pick]
     dst.valid[i, end - n:end] = True

@@ -496,6 +496,7 @@ class LeanBody(NativeStep):
             a = None if layer.sinks is not None else \
                 self._attention_native(qk, qkv, cos, sin, cache, i, start, masks[layer.sliding])
             if a is None:
+                cache.materialise()  # torch reads each row's own columns (shared runs copied in: StaticCache)
                 qk = self._rope(qk, cos, sin).transpose(1, 2)
                 q, k = qk[:, :self.heads], qk[:, self.heads:]
                 v = qkv[..., nq + nkv:].view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lmhead.kernels import native
+from lmhead.kernels.abi import SharedArgs
 from lmhead.models.coded_linear import CodedLinear
 from lmhead.models.kv_cache import StaticCache
 
@@ -124,7 +125,35 @@ class NativeStep:
             n_layers=len(self.layers), layer_stride=cache.layer_stride, B=b, T=t, D=self.width, H=self.heads,
             Hkv=self.kv_heads, hd=self.head_dim, F=self.layers[0].coded["down"].in_features, cap=cache.capacity,
             start=start, eps=self.eps, scaling=self.scaling, softcap=self.attn_softcap or 0.0,
-            plus_one=int(self.arch.unit_offset_norm), act=self.act_code, threads=torch.get_num_threads())
+            plus_one=int(self.arch.unit_offset_norm), act=self.act_code, threads=torch.get_num_threads(),
+            shared=self._shared_args(cache))
+
+    def shares_columns(self) -> bool:
+        """Whether a cache's rows may read their prompt beginnings from shared blocks (`StaticCache.shared`)
+        instead of copies: the C attention serves every layer (a float32 cache on the CPU, no sinks)."""
+        return (self.native is not None and self.dtype == torch.float32 and torch.device(self.device).type == "cpu"
+                and all(layer.sinks is None for layer in self.layers))
+
+    @staticmethod
+    def _shared_args(cache: StaticCache) -> int | None:
+        """The address of `cache.shared`'s abi.SharedArgs (made once per SharedColumns, kept on it with the
+        tables it points to), or None where no row shares columns."""
+        shared = cache.shared
+        if shared is None:
+            return None
+        if shared.native is None:
+            b = len(shared.rows)
+            n = max(len(e[2]) for e in shared.rows if e is not None)
+            block = next(e[2][0].shape[2] for e in shared.rows if e is not None)
+            table = lambda i: (ctypes.c_void_p * (b * n))(*[  # noqa: E731
+                None if e is None or j >= len(e[i]) else e[i][j].data_ptr() for e in shared.rows for j in range(n)])
+            keys, values = table(2), table(3)
+            start = torch.tensor([0 if e is None else e[0] for e in shared.rows], dtype=torch.int64)
+            lens = torch.tensor([0 if e is None else e[1] for e in shared.rows], dtype=torch.int64)
+            args = SharedArgs(keys=ctypes.addressof(keys), values=ctypes.addressof(values),
+                                     start=start.data_ptr(), len=lens.data_ptr(), n=n, block=block)
+            shared.native = (args, keys, values, start, lens)
+        return ctypes.addressof(shared.native[0])
 
     def _step_native(self, x: Tensor, rope: dict, masks: dict, cache: StaticCache, start: int) -> Tensor | None:
         """Every block in one C call (`lmhead_step`) when all matrices read codes → hidden [B,T,D], else None."""
@@ -245,7 +274,7 @@ class NativeStep:
             values=values.data_ptr(), mask=None if mask is None else mask.data_ptr(), out=out.data_ptr(),
             qk_stride=qk_stride, v_stride=width, B=b, T=t, H=self.heads, Hkv=self.kv_heads, hd=self.head_dim,
             cap=cache.capacity, start=start, scaling=self.scaling, softcap=self.attn_softcap or 0.0,
-            threads=torch.get_num_threads()))
+            threads=torch.get_num_threads(), shared=self._shared_args(cache), layer=i))
         if rc != 0:
             raise MemoryError("lmhead_attend could not allocate its buffers")
         return out
