@@ -128,6 +128,9 @@ def test_top_p_marks_the_row_where_the_mass_crosses_p(page):
     rank = int(cross.get_attribute("data-rank"))
     assert page.locator("#stage tbody tr.kept").count() == rank  # kept rows end at the crossing row
     assert "p = 0.50" in cross.inner_text()
+    # the column's running mass after the temperature reaches p at that row, not before it
+    cums = [float(c) for c in page.locator("#stage tbody tr").evaluate_all("rs => rs.map(r => r.dataset.cum)")]
+    assert cums[rank - 1] >= 0.5 > (cums[rank - 2] if rank > 1 else 0.0)
 
 
 def test_the_pages_numbers_equal_the_servers(page, server):
@@ -495,7 +498,7 @@ def set_params(page, values: dict) -> None:
 
 def shown_rows(page) -> list[dict]:
     return page.locator("#stage tbody tr").evaluate_all(
-        "rows => rows.map(r => ({id: +r.dataset.id, p: +r.querySelector('td.prob').dataset.p, "
+        "rows => rows.map(r => ({id: +r.dataset.id, p: +r.querySelector('td.prob').dataset.p, cum: +r.dataset.cum, "
         "kept: r.classList.contains('kept'), cut: r.dataset.cut || null, xtc: r.classList.contains('xtc')}))")
 
 
@@ -513,6 +516,9 @@ def assert_page_equals_server(page, server, prompt: str) -> dict:
         c = by_id[r["id"]]
         assert r["p"] == pytest.approx(c["probability"], rel=1e-4, abs=1e-7), (settings, r, c)
         assert r["kept"] == c["kept"] and r["cut"] == c["cut_by"], (settings, r, c)
+        # the running mass after the temperature, before the cuts (a greedy row's: of its probabilities)
+        cum = c["cumulative"] if settings.get("temperature") == 0 else c["scaled_cumulative"]
+        assert r["cum"] == pytest.approx(cum, rel=1e-4, abs=1e-6), (settings, r, c)
     assert [r["id"] for r in rows if r["kept"]] == [c["token_id"] for c in want["candidates"][:20] if c["kept"]]
     assert entropy(page) == pytest.approx(want["entropy"]["processed"], rel=1e-4, abs=1e-6)
     assert page.locator("#kept-count").inner_text() == f"{want['kept_count']:,}"

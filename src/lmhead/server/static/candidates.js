@@ -7,7 +7,7 @@
 // shown where the page cannot compute them: a constrained prompt (the constraint's mask is not known here) or a
 // declared step the table does not hold; they are asked again when a setting is released.
 
-import { configOf, runChain, topOrder } from "./pipeline.js";
+import { configOf, isGreedy, runChain, topOrder } from "./pipeline.js";
 import { softmax } from "./rows.js";
 import { STEPS } from "./steps.js";
 import { refreshCharts, renderGeometry } from "./pictures.js";
@@ -69,23 +69,25 @@ function ownRun(d, st) {
   const row = fullRow(d);
   if (!row) return null;
   const r = runChain(state.decl, row, st, { history: d.raw.prompt_tokens.map((t) => t.token_id) }, eosIds());
-  return r.missing.length ? null : { ...r, row };
+  return r.missing.length ? null : { ...r, row, scaledProbs: softmax(r.scaled) };
 }
 
-// The table's rows from the page's run, or from the server's candidates.
+// The table's rows from the page's run, or from the server's candidates. `cum`: the running mass of the distribution
+// after the temperature, before the cuts (the explainer's scaled_cumulative: what top-p compares with p); a greedy
+// row's, of its probabilities.
 function ownItems(d, r, n) {
-  const xtc = new Set(r.xtc);
+  const xtc = new Set(r.xtc), mass = r.greedy ? r.probs : r.scaledProbs;
   let cum = 0;
   return topOrder(r.adjusted, r.row, n).map((id) => {
-    cum += r.probs[id];
+    cum += mass[id];
     const c = d.byId.get(id);
     return { id, text: c ? c.text : null, logit: r.row[id], scaled: r.greedy ? null : r.scaled[id], kept: !!r.keep[id],
       cutBy: r.cutBy[id], cum, p: r.probs[id], rawP: Math.exp(r.row[id] - d.lse), xtc: xtc.has(id) };
   });
 }
-const serverItems = (d, st, n) => d.raw.candidates.slice(0, n).map((c) => ({ id: c.token_id, text: c.text,
-  logit: c.logit, scaled: st.temperature === 0 ? null : c.scaled_logit, kept: c.kept,
-  cutBy: c.kept ? null : c.cut_by || "cut", cum: c.cumulative, p: c.probability, rawP: c.raw_probability, xtc: false }));
+const serverItems = (d, greedy, n) => d.raw.candidates.slice(0, n).map((c) => ({ id: c.token_id, text: c.text,
+  logit: c.logit, scaled: greedy ? null : c.scaled_logit, kept: c.kept, cutBy: c.kept ? null : c.cut_by || "cut",
+  cum: greedy ? c.cumulative : c.scaled_cumulative, p: c.probability, rawP: c.raw_probability, xtc: false }));
 
 export function render() {
   const d = state.data;
@@ -109,9 +111,9 @@ export function render() {
     if (!waiting) scheduleRequery(150); // while a control moves, once it rests
     return;
   }
-  const items = r ? ownItems(d, r, N) : serverItems(d, st, N);
-  if (r && items.some((x) => x.text === null)) scheduleRequery(400); // a token the candidates do not hold: its text
   const cfg = r ? r.config : configOf(state.decl, st, eosIds());
+  const items = r ? ownItems(d, r, N) : serverItems(d, isGreedy(cfg), N);
+  if (r && items.some((x) => x.text === null)) scheduleRequery(400); // a token the candidates do not hold: its text
   paintRows(items, cfg);
   $("#stage").dataset.settings = settingsKey(st); // what the table shows (the tests wait for it)
   renderSummary(d, r, items);
@@ -128,9 +130,8 @@ export function render() {
 function renderSummary(d, r, items) {
   let mass = null;
   if (r) {
-    const sp = softmax(r.scaled);
     mass = 0;
-    for (let i = 0; i < sp.length; i++) if (r.keep[i]) mass += sp[i];
+    for (let i = 0; i < r.scaledProbs.length; i++) if (r.keep[i]) mass += r.scaledProbs[i];
   }
   const kept = r ? r.kept : d.raw.kept_count;
   const ent = r ? r.entropy : d.raw.entropy.processed;
@@ -169,7 +170,7 @@ function paintRows(items, cfg) {
     const cut = !x.kept, next = items[i + 1];
     const edge = !cut && next && !next.kept && STEPS[next.cutBy] && STEPS[next.cutBy].boundary;
     const tr = el("tr", { class: (cut ? "cut" : "kept") + (x.xtc ? " xtc" : "") + (edge ? " cross" : ""),
-      "data-rank": String(i + 1), "data-id": String(x.id), "data-cut": cut ? x.cutBy || "" : "" });
+      "data-rank": String(i + 1), "data-id": String(x.id), "data-cut": cut ? x.cutBy || "" : "", "data-cum": String(x.cum) });
     tr.append(el("td", { text: String(i + 1) }));
     tr.append(el("td", { class: "tok" }, x.text === null ? el("span", { class: "chip", text: `id ${x.id}`,
       title: `id ${x.id}`, "data-id": String(x.id) }) : chip(x.text, x.id)));
