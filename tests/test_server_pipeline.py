@@ -200,3 +200,22 @@ process.stdout.write(JSON.stringify(ask.map(order)));
         except ValueError:
             want = "error"
         assert g == (list(want) if isinstance(want, tuple) else want), a
+
+
+def test_the_pages_step_table_names_declared_steps_and_their_parameters(modules):
+    """steps.js holds one entry per declared step it previews, by the declared name; a parameter it shows first is
+    one its step declares. (A step with no entry is allowed: the page shows the server's numbers for it.)"""
+    from lmhead.sampling.steps import describe
+
+    script = """
+import { STEPS } from "./steps.js";
+process.stdout.write(JSON.stringify(Object.fromEntries(Object.entries(STEPS).map(
+  ([name, s]) => [name, { controls: Object.keys(s.controls || {}), boundary: !!s.boundary }]))));
+"""
+    table = _node(script, modules, None, timeout=60)
+    declared = {s["name"]: s for s in describe()["steps"]}
+    assert set(table) <= set(declared)
+    for name, entry in table.items():
+        assert set(entry["controls"]) <= set(declared[name]["params"]), name
+    shown = [p for entry in table.values() for p in entry["controls"]]
+    assert shown == ["temperature", "top_k", "top_p", "min_p"] and len(set(shown)) == len(shown)
