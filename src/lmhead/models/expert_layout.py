@@ -39,38 +39,73 @@ __all__ = ["CHUNK_WEIGHTS", "DENSE", "ExpertMatrices", "build_experts", "expert_
 CHUNK_WEIGHTS = 1 << 24  # weights converted at once while a layer's experts are laid out (bounds the transients)
 DENSE: dict[str, torch.dtype] = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
-_LOW = 0x0F0F0F0F0F0F0F0F            # the low nibble of each byte of a word
-_FLIP = 0x8888888888888888 - (1 << 64)  # every nibble XOR 8 (the packed layout's code − 8), as an int64
+_LOW = 0x0F0F0F0F0F0F0F0F                 # the low nibble of each byte of a word
+_HIGH = 0xF0F0F0F0F0F0F0F0 - (1 << 64)      # the high nibble of each byte, as an int64
+_FLIP = 0x8888888888888888 - (1 << 64)      # every nibble XOR 8 (the packed layout's code − 8), as an int64
 
 
-def _pack_eights(eights: Tensor) -> Tensor:
-    """int64 words [W] (W a multiple of 8), each eight consecutive codes 0..15 one a byte → uint8 [4·W], the kernel's
-    packed layout (`native.pack4`): per 64 codes, lane l's byte b holds code 16·b + l (low nibble) and
-    16·b + 8 + l (high), each XOR 8, the eight lanes little-endian uint32 side by side."""
-    h = eights.view(-1, 4, 2)
-    words = (h[:, :, 0] | (h[:, :, 1] << 4)) ^ _FLIP                       # [n64, 4]: word b's byte l
-    return words.view(torch.uint8).view(-1, 4, 8).transpose(1, 2).reshape(-1)
+def _lanes(words: Tensor) -> Tensor:
+    """int64 words [4·U] (per 64 codes, word b's byte l holding codes 16·b + l and 16·b + 8 + l in its low and high
+    nibbles) → uint8 [U, 8, 4], the kernel's packed units (`native.pack4`: lane l's byte b, each nibble XOR 8, the
+    eight lanes little-endian uint32 side by side) as a view (the bytes moved where they are placed)."""
+    words ^= _FLIP
+    return words.view(torch.uint8).view(-1, 4, 8).transpose(1, 2)
+
+
+def _pairs(x: Tensor, y: Tensor, out: Tensor) -> None:
+    """Words x and y of eight nibbles' bytes each → out [..., 2·w]: the low nibbles of x and y as one word's bytes
+    (x's low, y's high), then their high nibbles."""
+    w = x.shape[-1]
+    torch.bitwise_or(x & _LOW, (y << 4) & _HIGH, out=out[..., :w])
+    torch.bitwise_or((x >> 4) & _LOW, y & _HIGH, out=out[..., w:])
+
+
+def _code_units(codes: Tensor, signed: bool) -> Tensor:
+    """Codes [N,K] int8 (0..15, or −8..7 where `signed`; K a multiple of 64) → their packed units [N·K/64, 8, 4]."""
+    c = ((codes + 8) if signed else codes).contiguous().view(torch.int64).view(-1, 4, 2)
+    words = torch.empty((c.shape[0], 4), dtype=torch.int64)
+    torch.bitwise_or(c[:, :, 0], c[:, :, 1] << 4, out=words)
+    return _lanes(words.view(-1))
+
+
+def _nibble_units(blocks: np.ndarray, kind: str) -> Tensor:
+    """Raw blocks [nb, bytes] of a type whose codes are its own nibbles (`QuantType.nibbles`) → the packed units of
+    their codes [nb·block/64, 8, 4], made from the nibbles' bytes without unpacking them: a run of r weights in
+    r/2 bytes holds the first r/2 weights in its low nibbles, so the pairs of its words give its units' words."""
+    t = TYPES[kind]
+    start, run = t.nibbles
+    qs = np.ascontiguousarray(blocks[:, start:start + t.block // 2])
+    w = torch.from_numpy(qs).view(torch.int64).view(-1, run // 32, 2)     # each run's words, in pairs
+    words = torch.empty((w.shape[0], run // 16), dtype=torch.int64)
+    _pairs(w[..., 0], w[..., 1], words)
+    return _lanes(words.view(-1))
 
 
 def pack_codes(codes: Tensor, signed: bool) -> Tensor:
     """Codes [N,K] int8 (0..15, or −8..7 where `signed`; K a multiple of 64) → [N, K/2] int8, `native.pack4`'s
     layout of them."""
     n, k = codes.shape
-    c = (codes + 8) if signed else codes
-    return _pack_eights(c.contiguous().view(torch.int64).reshape(-1)).view(torch.int8).view(n, k // 2)
+    return _code_units(codes, signed).reshape(n, k // 2).view(torch.int8)
 
 
 def pack_nibbles(blocks: np.ndarray, kind: str, n: int, k: int) -> Tensor:
     """Raw blocks [nb, bytes] of a type whose codes are its blocks' own nibbles (`QuantType.nibbles`: their byte
-    offset and run — a run of r weights in r/2 bytes, the low nibbles the first r/2 weights) holding rows [N,K]
-    → [N, K/2] int8, the packed layout `pack_codes` makes of the type's codes (a level table's: of their index,
-    the nibble itself; Q4_0's signed codes: code + 8, the nibble itself), without unpacking them."""
-    t = TYPES[kind]
-    start, run = t.nibbles
-    qs = np.ascontiguousarray(blocks[:, start:start + t.block // 2])
-    w = torch.from_numpy(qs).view(torch.int64).view(-1, run // 16)        # each run's bytes as words
-    eights = torch.cat([w & _LOW, (w >> 4) & _LOW], dim=1)                  # its low nibbles' words, then high
-    return _pack_eights(eights.reshape(-1)).view(torch.int8).view(n, k // 2)
+    offset and run) holding rows [N,K] → [N, K/2] int8, the packed layout `pack_codes` makes of the type's codes
+    (a level table's: of their index, the nibble itself; Q4_0's signed codes: code + 8, the nibble itself)."""
+    return _nibble_units(blocks, kind).reshape(n, k // 2).view(torch.int8)
+
+
+def _place(dest: Tensor, units: Tensor, rows4: bool) -> None:
+    """Codes' 32-byte units [E'·N'·U, ...] (rows in order, a row's U units in order; maybe a view) into `dest`
+    [E', N', R] (a slice of the experts' codes) in one copy: blocked by four rows where `rows4` (each block of four
+    rows stored unit by unit, `native.block4`)."""
+    e, n, _ = dest.shape
+    inner = units.shape[1:]
+    u = units.shape[0] // (e * n)
+    if rows4:
+        dest.view(e, n // 4, u, 4, *inner).copy_(units.view(e, n // 4, 4, u, *inner).transpose(2, 3))
+    else:
+        dest.view(e, n, u, *inner).copy_(units.view(e, n, u, *inner))
 
 
 class ExpertMatrices:
@@ -182,8 +217,7 @@ def build_experts(kind: str, parts: list[np.ndarray], rows: list[int], experts: 
         for e0 in range(0, experts, step):
             e1 = min(experts, e0 + step)
             blocks = data[e0 * rp:e1 * rp].reshape(-1, t.nbytes)
-            c = _codes(kind, blocks, (e1 - e0) * rp, k, four_bit)
-            codes[e0:e1, a:a + rp] = (native.block4(c) if rows4 else c).view(e1 - e0, rp, -1)
+            _place(codes[e0:e1, a:a + rp], _units(kind, blocks, (e1 - e0) * rp, k, four_bit), rows4)
             if sub:
                 d, sc, dmin, mn = block_subscales(kind, blocks)
                 for (dv, sv), (dd, ss) in zip(views, ((d, sc), (dmin, mn)), strict=False):
@@ -202,13 +236,14 @@ def build_experts(kind: str, parts: list[np.ndarray], rows: list[int], experts: 
     return ExpertMatrices(codes, scale, offset, k, t.group, four_bit, rows4, sub)
 
 
-def _codes(kind: str, blocks: np.ndarray, n: int, k: int, four_bit: str | None) -> Tensor:
-    """Rows [N,K] of raw blocks as the kernel's codes [N, R] (packed where `four_bit`; not yet blocked)."""
+def _units(kind: str, blocks: np.ndarray, n: int, k: int, four_bit: str | None) -> Tensor:
+    """Rows [N,K] of raw blocks as the kernel's codes, in 32-byte units [N·K/64, 8, 4] packed where `four_bit`,
+    else [N·K/32, 32] (not yet blocked by rows)."""
     t = TYPES[kind]
     if four_bit and t.nibbles is not None:
-        return pack_nibbles(blocks, kind, n, k)
+        return _nibble_units(blocks, kind)
     codes = torch.from_numpy(block_codes(kind, blocks).reshape(n, k))
-    return pack_codes(codes, four_bit == "signed") if four_bit else codes
+    return _code_units(codes, four_bit == "signed") if four_bit else codes.view(-1, 32)
 
 
 def _halved(scale: Tensor, offset: Tensor | None) -> tuple[Tensor, Tensor | None]:
