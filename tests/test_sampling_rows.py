@@ -112,3 +112,70 @@ def test_unseeded_rows_read_the_generator_as_the_rows_drawn_one_by_one():
         one_by_one = [int(sample(x[r], cfg, generator=g, prev_tokens=[hist[r]], prompt_len=plen[r]))
                       for r, cfg in enumerate(cfgs)]
         assert together.tolist() == one_by_one
+
+
+def todays_settings(n: int = 16, seeded: bool = False) -> list[SamplingConfig]:
+    """`n` settings of temperature, top-k, top-p and min-p, each other than the rest (bench_sampling's mixed round),
+    greedy rows among them; every row seeded with ``seeded``."""
+    out = []
+    for r in range(n):
+        out.append(SamplingConfig(temperature=0 if r % 7 == 6 else 0.5 + 0.05 * r,
+                                  top_k=0 if r % 3 == 0 else 5 + 5 * r, top_p=1.0 if r % 5 == 4 else 0.8 + 0.01 * r,
+                                  min_p=0.0 if r % 2 else 0.02 + 0.005 * r, seed=r if seeded else None))
+    return out
+
+
+def _lm_rows(n: int, vocab: int, seed: int) -> torch.Tensor:
+    """Language-model-like rows, one flat, and ties at some rows' k-th value."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, vocab, generator=g) * 4
+    x[3] *= 0.1
+    for r in (1, 5):
+        top = torch.topk(x[r], 5 + 5 * r + 1).indices
+        x[r, top[-1]] = x[r, top[-2]]  # the k-th and (k+1)-th largest tie: the cut keeps both
+    return x
+
+
+@pytest.mark.parametrize("vocab", [3000, 40000])
+def test_a_batch_of_todays_settings_each_row_its_own_cuts_each_row_as_alone(vocab):
+    x = _lm_rows(16, vocab, seed=vocab)
+    cfgs = todays_settings()
+    out, probs = process_logits(x, cfgs), probabilities(x, cfgs)
+    for r, cfg in enumerate(cfgs):
+        assert torch.equal(out[r], process_logits(x[r], cfg)), r
+        assert torch.equal(probs[r], probabilities(x[r], cfg)), r
+
+
+@pytest.mark.parametrize("vocab", [3000, 40000])
+def test_seeded_rows_of_todays_settings_draw_and_score_what_they_do_alone(vocab):
+    x = _lm_rows(16, vocab, seed=vocab + 1)
+    cfgs = todays_settings(seeded=True)
+    for step in range(3):
+        ids, lp = sample_with_logprobs(x, cfgs, step=step)
+        plain = sample(x, cfgs, step=step)
+        for r, cfg in enumerate(cfgs):
+            one, one_lp = sample_with_logprobs(x[r], cfg, step=step)
+            assert int(ids[r]) == int(one) == int(sample(x[r], cfg, step=step)) == int(plain[r]), (step, r)
+            assert torch.equal(lp[r], one_lp), (step, r)
+
+
+def test_rows_of_one_k_and_other_settings_share_one_pass_over_the_vocabulary(monkeypatch):
+    """Rows whose cut is their top k, with one k and each its own temperature, top-p and min-p: one partial sort of
+    the k + 1 largest for them all (a batch grouped by settings took one per row); rows of other k take each their
+    own k + 1 (the C threshold pass of one row)."""
+    from lmhead.sampling import Vocab
+
+    calls = []
+    topk = Vocab.topk
+    monkeypatch.setattr(Vocab, "topk", lambda self, x, k: calls.append((tuple(x.shape), k)) or topk(self, x, k))
+    x = _lm_rows(6, 20000, seed=2)[[0, 2, 4]]
+    cfgs = [SamplingConfig(temperature=0.6 + 0.1 * r, top_k=20, top_p=0.9 if r % 2 else 1.0, min_p=0.01 * r)
+            for r in range(3)]
+    for run in (lambda: probabilities(x, cfgs), lambda: sample(x, cfgs, generator=torch.Generator().manual_seed(0)),
+                lambda: sample(x, [SamplingConfig(top_k=20, temperature=0.5 + 0.1 * r, seed=r) for r in range(3)])):
+        calls.clear()
+        run()
+        assert calls == [((3, 20000), 21)]
+    calls.clear()
+    probabilities(x, [SamplingConfig(top_k=10 + r, temperature=0.7) for r in range(3)])
+    assert calls == [((1, 20000), 11), ((1, 20000), 12), ((1, 20000), 13)]

@@ -1,4 +1,5 @@
-"""Step 8 over a batch: rows grouped by their cut, seeded rows drawn with their own (seed, step) noise."""
+"""Step 8 over a batch: rows grouped by the kind of their cut (each row's settings its own), seeded rows drawn with
+their own (seed, step) noise."""
 
 from __future__ import annotations
 
@@ -8,30 +9,32 @@ import torch
 from torch import Tensor
 
 from lmhead.sampling.config import SamplingConfig
-from lmhead.sampling.cuts import apply_cut
+from lmhead.sampling.cuts import apply_cut, cut_kind, top_k_tops
 from lmhead.sampling.race import draw_part, part_logprobs, seeded_generator
 from lmhead.sampling.top_p import top_p_draw, top_p_draw_unseeded
 from lmhead.sampling.vocab import Vocab
 
 
-def _draw_group(x: Tensor, cfg: SamplingConfig, generator: torch.Generator | None, vocab: Vocab,
+def _draw_group(x: Tensor, cfgs: list[SamplingConfig], generator: torch.Generator | None, vocab: Vocab,
                 top: tuple[Tensor, Tensor] | None = None, scored: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Steps 3-8 for rows [b,V_r] that share one cut key → ([b] global ids, with ``scored`` their processed
-    log-probabilities [b] from the same cut, else None; NaN for rows drawn without a cut: top-p alone)."""
-    if not cfg.is_greedy:
-        key = cfg.cut_key(vocab.size)
-        temperature, top_k, top_p, min_p = key.temperature, key.top_k, key.top_p, key.min_p
-        # top-p alone draws by rejection, without the top-p set — unless the set is wanted anyway for the logprob
-        # of an unseeded draw (a seeded row keeps `sample`'s ids), or C finds it at once (unseeded rows)
-        if top_p < 1.0 and not top_k and not min_p and not (scored and cfg.seed is None):
-            if cfg.seed is None:
-                return top_p_draw_unseeded(x, temperature, top_p, generator, vocab), None
-            ids = top_p_draw(x, temperature, top_p, generator, True, vocab)
-            return ids, torch.full(ids.shape, math.nan, device=x.device) if scored else None
+    """Steps 3-8 for rows [b,V_r] whose cuts are of one drawing kind (`cut_kind(draw=True)`), all seeded or none →
+    ([b] global ids, with ``scored`` their processed log-probabilities [b] from the same cut, else None; NaN for
+    rows drawn without a cut: top-p alone)."""
+    first = cfgs[0]
+    # top-p alone draws by rejection, without the top-p set — unless the set is wanted anyway for the logprob
+    # of an unseeded draw (a seeded row keeps `sample`'s ids), or C finds it at once (unseeded rows)
+    if cut_kind(first, vocab.size, draw=True) == "top_p_alone" and not (scored and first.seed is None):
+        keys = [c.cut_key(vocab.size) for c in cfgs]
+        temperature = torch.tensor([[k.temperature] for k in keys], dtype=torch.float32, device=x.device)
+        top_p = torch.tensor([[k.top_p] for k in keys], dtype=torch.float64, device=x.device)
+        if first.seed is None:
+            return top_p_draw_unseeded(x, temperature, top_p, generator, vocab), None
+        ids = top_p_draw(x, temperature, top_p, generator, True, vocab)
+        return ids, torch.full(ids.shape, math.nan, device=x.device) if scored else None
     ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     lp = torch.empty(x.shape[0], dtype=torch.float32, device=x.device) if scored else None
-    for sub, vals, idx in apply_cut(x, cfg, vocab, top, native=cfg.seed is None):
-        chosen = idx[:, 0] if cfg.is_greedy else draw_part(vals, idx, cfg.seed is not None, generator, vocab)
+    for sub, vals, idx in apply_cut(x, cfgs, vocab, top, native=first.seed is None):
+        chosen = idx[:, 0] if first.is_greedy else draw_part(vals, idx, first.seed is not None, generator, vocab)
         for out, got in ((ids, chosen), (lp, part_logprobs(vals, idx, chosen, vocab) if scored else None)):
             if out is None:
                 continue
@@ -42,21 +45,24 @@ def _draw_group(x: Tensor, cfg: SamplingConfig, generator: torch.Generator | Non
     return ids, lp
 
 
-def _draw_seeded_top_k(x: Tensor, cfg: SamplingConfig, gens: list[torch.Generator], vocab: Vocab,
+def _draw_seeded_top_k(x: Tensor, cfgs: list[SamplingConfig], gens: list[torch.Generator], vocab: Vocab,
                        scored: bool) -> tuple[Tensor, Tensor | None]:
-    """Seeded rows [b,V_r] that share a top-k cut key, each with its own (seed, step) generator → ([b] ids, [b]
-    logprobs or None): the ids `_draw_group` gives each row alone. The cut, the softmax and the race work row by
-    row, and each row's noise comes from its own generator over its k candidates in id order, so one pass serves
-    them all; rows whose cut keeps more than k (a tie at the k-th value: a width of their own) draw alone."""
-    top_k = cfg.cut_key(vocab.size).top_k
-    top = vocab.topk(x, top_k + 1)
+    """Seeded rows [b,V_r] cut inside their top k (each its own k), each with its own (seed, step) generator → ([b]
+    ids, [b] logprobs or None): the ids `_draw_group` gives each row alone. Their top k + 1 taken once
+    (`top_k_tops`); the cut, the softmax and the race work row by row, and each row's noise comes from its own
+    generator over its k candidates in id order, so the rows of one k draw in one pass; rows whose cut keeps more
+    than k (a tie at the k-th value: a width of their own) draw alone."""
+    ks = [c.cut_key(vocab.size).top_k for c in cfgs]
+    top = top_k_tops(x, ks, vocab)
     ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     lp = torch.empty(x.shape[0], dtype=torch.float32, device=x.device) if scored else None
-    for sub, vals, idx in apply_cut(x, cfg, vocab, top, native=False):
+    for sub, vals, idx in apply_cut(x, cfgs, vocab, top, native=False):
         rows = list(range(x.shape[0])) if sub is None else sub.tolist()
-        if vals.shape[1] != top_k:
+        k = ks[rows[0]]
+        if vals.shape[1] != k:
             for r in rows:
-                got = _draw_group(x[r:r + 1], cfg, gens[r], vocab, (top[0][r:r + 1], top[1][r:r + 1]), scored)
+                one = (top[0][r:r + 1, :k + 1], top[1][r:r + 1, :k + 1])
+                got = _draw_group(x[r:r + 1], [cfgs[r]], gens[r], vocab, one, scored)
                 ids[r] = got[0][0]
                 if scored:
                     lp[r] = got[1][0]
@@ -77,18 +83,18 @@ _GATHER_MAX_WIDTH = 4096
 
 def draw_groups(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, generator: torch.Generator | None,
                  steps: list[int] | None, vocab: Vocab, scored: bool) -> tuple[Tensor, Tensor | None]:
-    """Steps 3-8 over the batch → ([B] ids, [B] processed logprobs of them or None). Rows that share a cut key
-    are cut together; a seeded row draws with its own (seed, step) noise — rows that share a top-k cut share its
-    partial sort and draw in one pass (`_draw_seeded_top_k`: each row's top k+1 is the same whether sorted
-    alone or beside others, and a seeded draw orders its candidates by id), so the ids do not depend on the
-    batch."""
+    """Steps 3-8 over the batch → ([B] ids, [B] processed logprobs of them or None). Rows whose cuts are of one
+    kind are cut together, whatever their settings; a seeded row draws with its own (seed, step) noise — seeded rows
+    cut inside their top k share one partial sort and the rows of one k draw in one pass (`_draw_seeded_top_k`:
+    each row's top k+1 is the same whether sorted alone or beside others, and a seeded draw orders its candidates by
+    id), so the ids do not depend on the batch."""
     batch = x.shape[0]
     cfgs = [configs] * batch if isinstance(configs, SamplingConfig) else configs
     ids = torch.empty(batch, dtype=torch.long, device=x.device)
     lp = torch.empty(batch, dtype=torch.float32, device=x.device) if scored else None
     groups: dict[tuple, list[int]] = {}
     for r, c in enumerate(cfgs):
-        groups.setdefault((c.cut_key(vocab.size), c.seed is not None and not c.is_greedy), []).append(r)
+        groups.setdefault((cut_kind(c, vocab.size, draw=True), c.seed is not None and not c.is_greedy), []).append(r)
 
     def put(rows: list[int], got: tuple[Tensor, Tensor | None]) -> None:
         index = (slice(None) if len(rows) == batch else slice(rows[0], rows[0] + 1) if len(rows) == 1
@@ -97,27 +103,28 @@ def draw_groups(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, gener
         if scored:
             lp[index] = got[1]
 
-    for (key, seeded), rows in groups.items():
+    for (kind, seeded), rows in groups.items():
         # rows side by side are read as one view; rows apart are copied together where they are narrow or draw
         # together (unseeded sampled rows share the generator): wide greedy and seeded rows apart are read in
         # place, one by one
         together = rows[-1] - rows[0] == len(rows) - 1
         joint = together or x.shape[1] <= _GATHER_MAX_WIDTH
-        cfg = cfgs[rows[0]]
-        if not joint and (cfg.is_greedy or seeded):
+        if not joint and (kind == "greedy" or seeded):
             for r in rows:
                 gen = seeded_generator(cfgs[r].seed, steps[r], x.device) if seeded else generator
-                one = vocab.topk(x[r:r + 1], key.top_k + 1) if seeded and key.top_k else None
-                put([r], _draw_group(x[r:r + 1], cfgs[r], gen, vocab, one, scored))
+                k = cfgs[r].cut_key(vocab.size).top_k
+                one = vocab.topk(x[r:r + 1], k + 1) if seeded and k else None
+                put([r], _draw_group(x[r:r + 1], [cfgs[r]], gen, vocab, one, scored))
             continue
         xs = x[rows[0]:rows[-1] + 1] if together else x[torch.tensor(rows, device=x.device)]
+        mine = [cfgs[r] for r in rows]
         if not seeded:
-            put(rows, _draw_group(xs, cfg, generator, vocab, scored=scored))
-        elif key.top_k:
+            put(rows, _draw_group(xs, mine, generator, vocab, scored=scored))
+        elif kind == "top_k":
             gens = [seeded_generator(cfgs[r].seed, steps[r], x.device) for r in rows]
-            put(rows, _draw_seeded_top_k(xs, cfg, gens, vocab, scored))
-        else:  # top-p alone, min-p alone or no cut: each row's own draw
+            put(rows, _draw_seeded_top_k(xs, mine, gens, vocab, scored))
+        else:  # top-p, min-p or no cut: each row's own draw
             for j, r in enumerate(rows):
-                put([r], _draw_group(xs[j:j + 1], cfgs[r], seeded_generator(cfgs[r].seed, steps[r], x.device),
+                put([r], _draw_group(xs[j:j + 1], [cfgs[r]], seeded_generator(cfgs[r].seed, steps[r], x.device),
                                      vocab, scored=scored))
     return ids, lp

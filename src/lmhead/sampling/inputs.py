@@ -49,10 +49,11 @@ def check_logits(logits: object, name: str = "logits") -> tuple[Tensor, bool]:
     return x.float(), one_row
 
 
-def check_top(top: Tensor, name: str = "logits", temperature: float = 1.0) -> None:
+def check_top(top: Tensor, name: str = "logits", temperature: float | Tensor = 1.0) -> None:
     """`top` is each row's largest value (max propagates NaN and +inf): one check covers NaN, +inf and rows
-    that are all -inf, at no extra pass over the vocabulary. With a temperature, also that top / temperature
-    (the largest scaled logit) is a finite float32: otherwise the row would turn into NaN."""
+    that are all -inf, at no extra pass over the vocabulary. With a temperature (a number, or a column [b,1] of
+    one per row), also that top / temperature (the largest scaled logit) is a finite float32: otherwise the row
+    would turn into NaN."""
     if top.numel() == 0:
         return
     if not bool(torch.isfinite(top).all()):
@@ -64,9 +65,16 @@ def check_top(top: Tensor, name: str = "logits", temperature: float = 1.0) -> No
             raise ValueError(f"{name} must not contain +inf (row {bad})")
         raise ValueError(f"{name}: row {bad} is all -inf (after logit_bias / banned_tokens): no token can be "
                          "chosen")
-    if temperature != 1.0 and not bool(torch.isfinite(top / temperature).all()):
-        bad = (~torch.isfinite(top / temperature)).nonzero()[0, 0].item()
-        raise ValueError(f"temperature={temperature:g} takes the largest {name} value of row {bad} "
+    if isinstance(temperature, Tensor):
+        scaled = top.reshape(-1) / temperature.reshape(-1)
+    elif temperature != 1.0:
+        scaled = top.reshape(-1) / temperature
+    else:
+        return
+    if not bool(torch.isfinite(scaled).all()):
+        bad = (~torch.isfinite(scaled)).nonzero()[0, 0].item()
+        t = float(temperature.reshape(-1)[bad]) if isinstance(temperature, Tensor) else temperature
+        raise ValueError(f"temperature={t:g} takes the largest {name} value of row {bad} "
                          f"({top.reshape(-1)[bad].item():g}) outside float32's range; use a larger temperature")
 
 

@@ -20,19 +20,21 @@ def sub_part(rows: Tensor | None, pick: Tensor) -> Tensor:
     return pick if rows is None else rows[pick]
 
 
-def block_sums(x: Tensor, top: Tensor, temperature: float, block: int = BLOCK, start: int = 0,
+def block_sums(x: Tensor, top: Tensor, temperature: float | Tensor, block: int = BLOCK, start: int = 0,
                 floor: Tensor | None = None) -> Tensor:
     """Σ exp(x/T − top) over each block of `block` columns → [b, n] float32, the n blocks that x's columns
     touch on a grid of blocks that starts at id 0 (x [b,V_r] holds ids [start, start + V_r); the first block
     is start // block, its columns before `start` count 0). With `floor` [b,1], only the tokens with
-    x/T > floor count (the mass strictly above a value).
+    x/T > floor count (the mass strictly above a value). temperature: a number, or a column [b,1] of one per row.
 
     Runs over cache-sized chunks with one reused buffer: no [B,V] temporary (whose page faults alone cost
     about as much as the arithmetic)."""
     batch, width = x.shape
     if floor is not None and batch > _FLOOR_ROWS:  # rows in groups: chunks stay long, threshold_ calls few
-        return torch.cat([block_sums(x[r : r + _FLOOR_ROWS], top[r : r + _FLOOR_ROWS], temperature, block, start,
-                                      floor[r : r + _FLOOR_ROWS]) for r in range(0, batch, _FLOOR_ROWS)])
+        return torch.cat([block_sums(x[r : r + _FLOOR_ROWS], top[r : r + _FLOOR_ROWS],
+                                      temperature[r : r + _FLOOR_ROWS] if isinstance(temperature, Tensor)
+                                      else temperature, block, start, floor[r : r + _FLOOR_ROWS])
+                          for r in range(0, batch, _FLOOR_ROWS)])
     offset = start % block  # grid positions before the first column
     span = offset + width
     chunk = chunk_columns(batch, span, block)
@@ -57,7 +59,7 @@ def block_sums(x: Tensor, top: Tensor, temperature: float, block: int = BLOCK, s
     return out
 
 
-def grid_sums(x: Tensor, top: Tensor, temperature: float, floor: Tensor | None, vocab: Vocab) -> Tensor:
+def grid_sums(x: Tensor, top: Tensor, temperature: float | Tensor, floor: Tensor | None, vocab: Vocab) -> Tensor:
     """Σ exp(x/T − top) per block of 1024 ids over the whole vocabulary (only x/T > floor when a floor [b,1] is
     given) → [b, ⌈V/1024⌉] float32. x [b,V_r] are local columns; over shards each rank's blocks are put in
     place on the whole grid and summed (each column belongs to one shard)."""
@@ -72,7 +74,7 @@ def grid_sums(x: Tensor, top: Tensor, temperature: float, floor: Tensor | None, 
     return vocab.sum(sums)
 
 
-def draw_in_blocks(x: Tensor, temperature: float, top: Tensor, floor: Tensor | None, sums: Tensor, u: Tensor,
+def draw_in_blocks(x: Tensor, temperature: float | Tensor, top: Tensor, floor: Tensor | None, sums: Tensor, u: Tensor,
                     vocab: Vocab) -> tuple[Tensor, Tensor]:
     """Inverse CDF with one uniform u [b,1] (float64, in [0, 1)) per row, in two levels: the block by its mass in
     `sums` (from `grid_sums` with the same floor), then the token inside it → (ids [b] global, their x/T

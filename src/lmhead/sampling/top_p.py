@@ -1,5 +1,10 @@
 """Top-p without top-k: the C pass, the windows, the histogram select (``top_p_parts``) and, in
-``sample``, the rejection draw that needs no top-p set (``top_p_draw``)."""
+``sample``, the rejection draw that needs no top-p set (``top_p_draw``).
+
+The settings are one number for every row or one per row: ``temperature`` a float or a column [b,1] float32,
+``top_p`` a float or a column [b,1] float64 (``Setting``). A column divides and compares as the number itself does
+(the float32 division by T; p in float64, and cast to float32 where it meets float32 masses, as a number is), so a
+row's cut is the same bits with its own column as with its number."""
 
 from __future__ import annotations
 
@@ -10,6 +15,23 @@ from lmhead.sampling.inputs import check_top
 from lmhead.sampling.race import draw_part
 from lmhead.sampling.rows import Part, block_sums, draw_in_blocks, grid_sums, sub_part
 from lmhead.sampling.vocab import BLOCK, NEG_INF, Vocab, chunk_columns, tail_exp_
+
+Setting = float | Tensor  # one number for every row, or a column [b,1] of one per row
+
+
+def rows_of(value: Setting, index: Tensor) -> Setting:
+    """A setting's values for the rows `index` (a number: itself)."""
+    return value[index] if isinstance(value, Tensor) else value
+
+
+def flat(value: Setting) -> Setting:
+    """A setting as [b] (a column's values; a number: itself), to meet per-row [b] sums."""
+    return value[:, 0] if isinstance(value, Tensor) else value
+
+
+def number(value: Setting, row: int) -> float:
+    """A row's value of a setting, as a Python number (a float32 column's value, exactly)."""
+    return float(value[row, 0]) if isinstance(value, Tensor) else float(value)
 
 # Top-p without top-k: the first partial-sort window, its growth factor, and the widest window before a full
 # sort is cheaper. The margin keeps a window from being accepted on a float-rounding knife edge.
@@ -31,7 +53,7 @@ _UNDERFLOW = 104.0
 _DRAW_ROUNDS = 6
 
 
-def top_p_sorted(vals: Tensor, top_p: float, probs: Tensor | None = None) -> Tensor:
+def top_p_sorted(vals: Tensor, top_p: Setting, probs: Tensor | None = None) -> Tensor:
     """Top-p on candidates sorted by value, descending ([b,m], ties adjacent) → vals with cut ones at -inf.
 
     ``probs`` are the candidates' probabilities over the full row when the candidates are only a window of it
@@ -50,12 +72,13 @@ def top_p_sorted(vals: Tensor, top_p: float, probs: Tensor | None = None) -> Ten
         pos = torch.arange(vals.shape[1], device=vals.device).expand_as(vals)
         first = torch.where(start, pos, 0).cummax(dim=-1).values
         ascending_mass = ascending_mass.gather(1, first)
-    remove = ascending_mass <= (1 - top_p)
+    below = (1 - top_p).to(ascending_mass.dtype) if isinstance(top_p, Tensor) else 1 - top_p
+    remove = ascending_mass <= below
     remove[:, 0] = False
     return vals.masked_fill(remove, NEG_INF)
 
 
-def top_p_parts(x: Tensor, temperature: float, top_p: float, vocab: Vocab, native: bool = True) -> list[Part]:
+def top_p_parts(x: Tensor, temperature: Setting, top_p: Setting, vocab: Vocab, native: bool = True) -> list[Part]:
     """Top-p without top-k, with no full sort.
 
     First partial sorts of a small window (top 256, then 1024): a window is enough once the mass strictly
@@ -74,12 +97,12 @@ def top_p_parts(x: Tensor, temperature: float, top_p: float, vocab: Vocab, nativ
     if rest:
         check_top(vocab.amax(x)[:, 0], vocab.name, temperature)  # an error names the row of x, not of the rest
         rows = torch.tensor(rest)
-        parts += [(sub_part(rows, sub) if sub is not None else rows, vals, idx)
-                  for sub, vals, idx in _top_p_windows(x[rows], temperature, top_p, vocab)]
+        parts += [(sub_part(rows, sub) if sub is not None else rows, vals, idx) for sub, vals, idx in
+                  _top_p_windows(x[rows], rows_of(temperature, rows), rows_of(top_p, rows), vocab)]
     return parts
 
 
-def _top_p_native(x: Tensor, temperature: float, top_p: float, vocab: Vocab) -> tuple[list[Part], list[int]]:
+def _top_p_native(x: Tensor, temperature: Setting, top_p: Setting, vocab: Vocab) -> tuple[list[Part], list[int]]:
     """The rows of x [b,V] whose top-p set C settles (`kernels.native.top_p_row`: a few whole float32 CPU rows,
     one call each; language-model rows, whose sets hold tens of tokens) as parts, and the rows it leaves (flat
     rows, more rows than NATIVE_TOP_P_ROWS, a sharded vocabulary, no library)."""
@@ -88,14 +111,14 @@ def _top_p_native(x: Tensor, temperature: float, top_p: float, vocab: Vocab) -> 
         return [], list(range(x.shape[0]))
     from lmhead.kernels.native import top_p_row
 
-    found = [top_p_row(x[r], temperature, top_p) for r in range(x.shape[0])]
+    found = [top_p_row(x[r], number(temperature, r), number(top_p, r)) for r in range(x.shape[0])]
     if len(found) == 1:
         return ([(None, *found[0])], []) if found[0] is not None else ([], [0])
     return ([(torch.tensor([r]), *f) for r, f in enumerate(found) if f is not None],
             [r for r, f in enumerate(found) if f is None])
 
 
-def _top_p_windows(x: Tensor, temperature: float, top_p: float, vocab: Vocab) -> list[Part]:
+def _top_p_windows(x: Tensor, temperature: Setting, top_p: Setting, vocab: Vocab) -> list[Part]:
     """`top_p_parts` in torch: windows of the top 256 and 1024, then `_top_p_bins`."""
     top = vocab.amax(x)
     check_top(top[:, 0], vocab.name, temperature)
@@ -114,8 +137,8 @@ def _top_p_windows(x: Tensor, temperature: float, top_p: float, vocab: Vocab) ->
         vals = v / temperature
         probs = torch.exp(vals.double() - top_t) / norm  # [b,W] float64, over the full row
         strictly_above = (probs * (vals > vals[:, -1:])).sum(dim=-1)
-        done = strictly_above >= top_p + _WINDOW_MARGIN
-        hopeless = strictly_above < top_p / _WINDOW_GROWTH  # a wider window would most likely fail too
+        done = strictly_above >= flat(top_p) + _WINDOW_MARGIN
+        hopeless = strictly_above < flat(top_p) / _WINDOW_GROWTH  # a wider window would most likely fail too
         if bool(hopeless.all()):
             break
         if bool(done.all()):
@@ -123,15 +146,16 @@ def _top_p_windows(x: Tensor, temperature: float, top_p: float, vocab: Vocab) ->
             return parts
         if bool(done.any()):
             d = done.nonzero().squeeze(1)
-            parts.append((sub_part(rows, d), top_p_sorted(vals[d], top_p, probs[d]), i[d]))
+            parts.append((sub_part(rows, d), top_p_sorted(vals[d], rows_of(top_p, d), probs[d]), i[d]))
             rest = (~done).nonzero().squeeze(1)
             rows, xs, top_t, norm = sub_part(rows, rest), xs[rest], top_t[rest], norm[rest]
+            temperature, top_p = rows_of(temperature, rest), rows_of(top_p, rest)
         window *= _WINDOW_GROWTH
     parts.append((rows, _top_p_bins(xs, temperature, top_t, norm, top_p, vocab), None))
     return parts
 
 
-def _top_p_bins(xs: Tensor, temperature: float, top_t: Tensor, norm: Tensor, top_p: float,
+def _top_p_bins(xs: Tensor, temperature: Setting, top_t: Tensor, norm: Tensor, top_p: Setting,
                 vocab: Vocab) -> Tensor:
     """Exact top-p on whole rows [b,V_r] by a histogram select instead of a sort (two chunked passes over V).
 
@@ -187,7 +211,7 @@ def _top_p_bins(xs: Tensor, temperature: float, top_t: Tensor, norm: Tensor, top
 
 
 def _cut_in_bin(row_ids: Tensor, values: Tensor, batch: int, top_t: Tensor, norm: Tensor, below: Tensor,
-                top_p: float) -> Tensor:
+                top_p: Setting) -> Tensor:
     """The crossing bin's tokens (their rows [n], their x/T [n]) → [b,1] the smallest x/T that top-p keeps.
 
     ``below`` [b,1] is the mass of the bins under the crossing one; top_t and norm as in `_top_p_bins`."""
@@ -217,7 +241,7 @@ def _mass_above(vals: Tensor, top: Tensor, value: Tensor) -> Tensor:
     return tail_exp_(torch.where(vals > value, vals - top, NEG_INF)).sum(dim=-1, dtype=torch.float64)
 
 
-def _settle(x: Tensor, temperature: float, top_p: float, top: Tensor, norm: Tensor, chosen: Tensor, value: Tensor,
+def _settle(x: Tensor, temperature: Setting, top_p: Setting, top: Tensor, norm: Tensor, chosen: Tensor, value: Tensor,
             generator: torch.Generator | None, seeded: bool, vocab: Vocab) -> tuple[Tensor, Tensor, Tensor]:
     """One rejection round's test for rows [n,V_r] whose draws `chosen` [n] have x/T `value` [n,1] (top = the
     row max x/T [n,1], norm = the row's mass [n] float64) → (done [n] bool, ids [n] where done, the block
@@ -229,7 +253,7 @@ def _settle(x: Tensor, temperature: float, top_p: float, top: Tensor, norm: Tens
     A row whose top 256 hold its whole top-p set and whose draw is not kept then draws from that set's exact
     cut instead of another round (language-model rows)."""
     n, n_blocks = x.shape[0], -(-vocab.size // min(BLOCK, vocab.size))
-    limit = top_p * norm
+    limit = flat(top_p) * norm
     if 2 * int((norm / torch.exp((value - top)[:, 0].double()) >= _WINDOW_START).sum()) > n:
         sums = grid_sums(x, top, temperature, value, vocab)  # mostly wide rows: one pass over all of them
         return sums.sum(dim=-1, dtype=torch.float64) < limit, chosen, sums
@@ -241,21 +265,21 @@ def _settle(x: Tensor, temperature: float, top_p: float, top: Tensor, norm: Tens
     if bool(done.all()):  # the usual case: every draw kept
         return done, chosen, torch.empty(n, n_blocks, device=x.device)
     probs = torch.exp(vals.double() - top.double()) / norm[:, None]  # [n,256], over the full row
-    covered = ~done & ((probs * (vals > vals[:, -1:])).sum(dim=-1) >= top_p + _WINDOW_MARGIN)
+    covered = ~done & ((probs * (vals > vals[:, -1:])).sum(dim=-1) >= flat(top_p) + _WINDOW_MARGIN)
     ids = chosen.clone()
     if bool(covered.any()):
         c = covered.nonzero().squeeze(1)
-        ids[c] = draw_part(top_p_sorted(vals[c], top_p, probs[c]), idx[c], seeded, generator, vocab)
+        ids[c] = draw_part(top_p_sorted(vals[c], rows_of(top_p, c), probs[c]), idx[c], seeded, generator, vocab)
         done |= covered
     sums = torch.zeros(n, n_blocks, dtype=torch.float32, device=x.device)
     rest = (~done).nonzero().squeeze(1)
     if rest.numel():  # the mass above a draw outside the window, and the next proposal, from a pass over the row
-        sums[rest] = grid_sums(x[rest], top[rest], temperature, value[rest], vocab)
+        sums[rest] = grid_sums(x[rest], top[rest], rows_of(temperature, rest), value[rest], vocab)
         done[rest] = ~in_window[rest] & (sums[rest].sum(dim=-1, dtype=torch.float64) < limit[rest])
     return done, ids, sums
 
 
-def top_p_draw(x: Tensor, temperature: float, top_p: float, generator: torch.Generator | None, seeded: bool,
+def top_p_draw(x: Tensor, temperature: Setting, top_p: Setting, generator: torch.Generator | None, seeded: bool,
                 vocab: Vocab) -> Tensor:
     """Draw from the top-p distribution of rows [b,V_r] (top-p alone: no top-k, no min-p) → [b] global ids,
     without finding the top-p set: by rejection.
@@ -288,12 +312,13 @@ def top_p_draw(x: Tensor, temperature: float, top_p: float, generator: torch.Gen
             return ids
         rest = (~done).nonzero().squeeze(1)
         rows, x, top_t, norm, sums, floor = rows[rest], x[rest], top_t[rest], norm[rest], sums[rest], value[rest]
+        temperature, top_p = rows_of(temperature, rest), rows_of(top_p, rest)
     for sub, vals, idx in top_p_parts(x, temperature, top_p, vocab, native=False):  # `sample`'s ids as they were
         ids[sub_part(rows, sub)] = draw_part(vals, idx, seeded, generator, vocab)
     return ids
 
 
-def top_p_draw_unseeded(x: Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
+def top_p_draw_unseeded(x: Tensor, temperature: Setting, top_p: Setting, generator: torch.Generator | None,
                          vocab: Vocab) -> Tensor:
     """Unseeded rows [b,V_r] with top-p alone → [b] ids from the top-p distribution: rows whose set C settles at
     once (`_top_p_native`; a language model's row of 49,152: ~0.4 ms against ~1.5 for the rejection's torch
@@ -305,7 +330,7 @@ def top_p_draw_unseeded(x: Tensor, temperature: float, top_p: float, generator: 
     if rest:
         check_top(vocab.amax(x)[:, 0], vocab.name, temperature)  # an error names the row of x, not of the rest
         index = torch.tensor(rest, device=x.device)
-        ids[index] = top_p_draw(x[index], temperature, top_p, generator, False, vocab)
+        ids[index] = top_p_draw(x[index], rows_of(temperature, index), rows_of(top_p, index), generator, False, vocab)
     for rows, vals, idx in parts:
         ids[slice(None) if rows is None else rows] = draw_part(vals, idx, False, generator, vocab)
     return ids
