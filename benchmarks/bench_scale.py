@@ -6,7 +6,8 @@ mixtures of experts Qwen3-30B-A3B (48 layers, 128 experts, 8 a token) and gpt-os
     .venv/bin/python benchmarks/bench_scale.py [--shape llama-3.2-1b ...] [--type Q4_K_M --type Q8_0]
         [--new-tokens 32] [--work DIR] [--keep] [--prepare] [--layers N]
 
-The MoE shape (`--shape qwen3-30b-a3b`, types Q4_K or Q8_0; default Q4_K, about 17 GB) is never a float model:
+The MoE shapes (`--shape qwen3-30b-a3b`: Q4_K_M — llama.cpp's mix of Q4_K and Q6_K, about 17 GB —, Q4_K or
+Q8_0; `--shape gpt-oss-20b`: MXFP4 experts, Q8_0 elsewhere) are never float models:
 each matrix's blocks are written with random codes and a fixed scale (weights of σ about 0.02; the router float32,
 normal σ 0.02) straight into the GGUF file, tensor by tensor (`write_moe_gguf`), so nothing larger than one
 layer's experts of one kind is in memory. `--layers N` cuts any shape to its first N layers: a 2-layer cut of
@@ -17,8 +18,10 @@ Per shape (the architecture's sizes; SmolLM2's tokenizer and its 49,152-token vo
 weights (normal, σ 0.02; norms 1) written as a Hugging Face folder, shard by shard, then llama.cpp's
 `convert_hf_to_gguf.py` (the vendored source `make llama-bench` builds from) to a BF16 GGUF and `llama-quantize`
 to each --type. For each file: one child process loads it with lmhead (`load_model`, the file's own codes) and
-decodes --new-tokens greedily (draft none) after a warm-up — its load seconds, decode tok/s and peak RSS (under
-/usr/bin/time); then `llama-bench -t 2 -p 0 -n N` on the same file, its tok/s and peak RSS. On the 1B shape
+decodes --new-tokens greedily (draft none) after a warm-up — its load seconds and first token (from the process's
+start: the warm-up's first token), decode tok/s and peak RSS (under /usr/bin/time); then `llama-bench -t 2 -p 0
+-n N` on the same file, its tok/s and peak RSS. A side that fails (out of memory, a crash, a refusal) leaves "-"
+in its cells and the run goes on. On the 1B shape
 transformers' float32 forward on the same file (its GGUF loader: the dequantised weights, the numbers lmhead's
 exactness is defined against) generates the same greedy tokens in a third process, and the two lists are compared.
 
@@ -74,6 +77,28 @@ MOE_SHAPES: dict[str, dict] = {
                         num_experts=32, num_experts_per_tok=4, rope_theta=150000.0, rms_norm_eps=1e-5,
                         sliding_window=128),
 }
+
+
+# the types the MoE shapes are written in: one type for every matrix, or Q4_K_M — llama.cpp's mix of that name
+# (llama-quant.cpp for a model of more than 8 experts: Q6_K for the output, and for attn_v and ffn_down(_exps)
+# in the first and last eighth of the layers and every third between, Q4_K for the rest)
+MOE_TYPES = ("Q4_K_M", "Q4_K", "Q8_0", "MXFP4")
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's use_more_bits: the layers whose attn_v and ffn_down a _M mix keeps at Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def mix_type(kind: str, name: str, layer: int | None, layers: int) -> str:
+    """The type tensor `name` (of block `layer`, None outside the blocks) is written in for --type `kind`."""
+    if kind != "Q4_K_M":
+        return kind
+    if name == "output.weight":
+        return "Q6_K"
+    if layer is not None and (".attn_v." in name or ".ffn_down" in name) and _more_bits(layer, layers):
+        return "Q6_K"
+    return "Q4_K"
 
 
 def vendored_llama_cpp() -> Path:
@@ -141,7 +166,8 @@ def write_hf(shape: str, out: Path) -> None:
 
 def _random_blocks(kind: str, rows: int, k: int, rng):
     """rows x k weights of `kind` as random blocks [rows, bytes]: random codes, a fixed float16 scale giving
-    weights of σ about 0.02 (Q8_0: d·q, q uniform in [−127, 127]; Q4_K: d·8·q − d·60, q uniform in [0, 15])."""
+    weights of σ about 0.02 (Q8_0: d·q, q uniform in [−127, 127]; Q4_K: d·8·q − d·60, q uniform in [0, 15];
+    Q6_K: d·8·(q − 32))."""
     import numpy as np
 
     if kind == "Q8_0":
@@ -155,57 +181,50 @@ def _random_blocks(kind: str, rows: int, k: int, rng):
         blocks[:, 0:2], blocks[:, 2:4] = d, d                            # d and dmin
         # six-bit scales 8 and mins 60 for all eight groups, packed as llama.cpp's get_scale_min_k4 reads them
         blocks[:, 4:16] = np.array([8] * 4 + [60 | (3 << 6)] * 4 + [8 | (12 << 4)] * 4, dtype=np.uint8)
+    elif kind == "Q6_K":  # d·sc·(q − 32), q uniform in [0, 63], the sixteen int8 scales 8
+        nb = rows * k // 256
+        blocks = rng.integers(0, 256, size=(nb, 210), dtype=np.uint8)
+        blocks[:, 192:208] = 8
+        blocks[:, 208:210] = np.frombuffer(np.float16(0.02 / 8 / 18.5).tobytes(), dtype=np.uint8)
     elif kind == "MXFP4":  # an E8M0 exponent 2^(e − 128) times the doubled e2m1 levels (σ about 6): e = 120
         nb = rows * k // 32
         blocks = rng.integers(0, 256, size=(nb, 17), dtype=np.uint8)
         blocks[:, 0] = 120
     else:
-        raise SystemExit(f"the MoE shapes are written as Q4_K, Q8_0 or MXFP4 (gpt-oss's experts), not {kind}")
+        raise SystemExit(f"the MoE shapes are written as {', '.join(MOE_TYPES)}, not {kind}")
     return blocks.reshape(rows, -1)
 
 
-def write_moe_gguf(shape: str, path: Path, kind: str, layers: int | None = None) -> Path:
-    """`shape` (MOE_SHAPES) as a qwen3moe GGUF of random `kind` blocks (norms 1, routers float32), SmolLM2's
-    tokenizer, written tensor by tensor (GGUFWriter's streamed tensor data); `layers`: only the first N. The
-    gpt-oss shape: a gpt-oss GGUF laid out as llama.cpp's converter writes one (q/k/v/o and the experts' biases,
-    sinks, the router's bias, post_attention_norm, sliding window, YaRN rope), its experts `kind` (MXFP4) and its
-    other matrices Q8_0."""
+def _moe_header(w, shape: str, n_layers: int) -> None:
+    """The header of `shape`'s GGUF file (MOE_SHAPES), cut to `n_layers`, and SmolLM2's tokenizer."""
     import gguf
-    import numpy as np
 
     dims = MOE_SHAPES[shape]
-    n_layers = layers or dims["num_hidden_layers"]
-    d, f, heads, kv, hd, e = (dims[k] for k in ("hidden_size", "moe_intermediate_size", "num_attention_heads",
-                                               "num_key_value_heads", "head_dim", "num_experts"))
-    arch = dims.get("arch", "qwen3moe")
-    qtype = gguf.GGMLQuantizationType[kind]
-    dense = kind if arch == "qwen3moe" else "Q8_0"  # the matrices outside the experts
-    tok = json.loads((tokenizer_folder() / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    tokens = sorted(vocab, key=vocab.get)
-    special = {t["content"] for t in tok.get("added_tokens", []) if t.get("special")}
-    w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"synthetic-{shape}")
     w.add_context_length(32768)
-    w.add_embedding_length(d)
+    w.add_embedding_length(dims["hidden_size"])
     w.add_block_count(n_layers)
     w.add_feed_forward_length(dims["intermediate_size"])
-    w.add_expert_feed_forward_length(f)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
+    w.add_expert_feed_forward_length(dims["moe_intermediate_size"])
+    w.add_head_count(dims["num_attention_heads"])
+    w.add_head_count_kv(dims["num_key_value_heads"])
+    w.add_key_length(dims["head_dim"])
+    w.add_value_length(dims["head_dim"])
     w.add_layer_norm_rms_eps(dims["rms_norm_eps"])
     w.add_rope_freq_base(dims["rope_theta"])
-    w.add_expert_count(e)
+    w.add_expert_count(dims["num_experts"])
     w.add_expert_used_count(dims["num_experts_per_tok"])
-    if arch == "gpt-oss":
+    if dims.get("arch") == "gpt-oss":
         w.add_sliding_window(dims["sliding_window"])
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(32.0)
         w.add_rope_scaling_orig_ctx_len(4096)
         w.add_rope_scaling_yarn_beta_fast(32.0)
         w.add_rope_scaling_yarn_beta_slow(1.0)
+    tok = json.loads((tokenizer_folder() / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in tok.get("added_tokens", []) if t.get("special")}
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     w.add_token_list(tokens)
@@ -213,31 +232,60 @@ def write_moe_gguf(shape: str, path: Path, kind: str, layers: int | None = None)
     w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    rng = np.random.default_rng(0)
-    # (name, torch-order shape, kind or None for float32; float32 tensors: "ones" or "normal")
-    table: list[tuple[str, tuple[int, ...], str]] = [
-        ("token_embd.weight", (VOCAB, d), dense), ("output_norm.weight", (d,), "ones"),
-        ("output.weight", (VOCAB, d), dense)]
+
+
+def _moe_table(shape: str, kind: str, n_layers: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, torch-order shape, type — or "ones" / "normal" for float32 —) of every tensor of `shape` written as
+    `kind` (`mix_type`; gpt-oss: its experts `kind`, the other matrices Q8_0, its biases and sinks normal)."""
+    dims = MOE_SHAPES[shape]
+    d, f, heads, kv, hd, e = (dims[k] for k in ("hidden_size", "moe_intermediate_size", "num_attention_heads",
+                                               "num_key_value_heads", "head_dim", "num_experts"))
+    oss = dims.get("arch") == "gpt-oss"
+    dense = "Q8_0" if oss else kind
+
+    def t(name: str, layer: int | None = None) -> str:
+        return mix_type(dense, name, layer, n_layers)
+
+    table = [("token_embd.weight", (VOCAB, d), t("token_embd.weight")), ("output_norm.weight", (d,), "ones"),
+             ("output.weight", (VOCAB, d), t("output.weight"))]
     for i in range(n_layers):
         p = f"blk.{i}."
-        if arch == "gpt-oss":
-            table += [(p + "attn_norm.weight", (d,), "ones"), (p + "attn_q.weight", (heads * hd, d), dense),
-                      (p + "attn_q.bias", (heads * hd,), "normal"), (p + "attn_k.weight", (kv * hd, d), dense),
-                      (p + "attn_k.bias", (kv * hd,), "normal"), (p + "attn_v.weight", (kv * hd, d), dense),
-                      (p + "attn_v.bias", (kv * hd,), "normal"), (p + "attn_output.weight", (d, heads * hd), dense),
-                      (p + "attn_output.bias", (d,), "normal"), (p + "attn_sinks.weight", (heads,), "normal"),
-                      (p + "post_attention_norm.weight", (d,), "ones"),
-                      (p + "ffn_gate_inp.weight", (e, d), "normal"), (p + "ffn_gate_inp.bias", (e,), "normal"),
-                      (p + "ffn_gate_exps.weight", (e, f, d), kind), (p + "ffn_gate_exps.bias", (e, f), "normal"),
-                      (p + "ffn_up_exps.weight", (e, f, d), kind), (p + "ffn_up_exps.bias", (e, f), "normal"),
-                      (p + "ffn_down_exps.weight", (e, d, f), kind), (p + "ffn_down_exps.bias", (e, d), "normal")]
-            continue
-        table += [(p + "attn_norm.weight", (d,), "ones"), (p + "attn_q.weight", (heads * hd, d), kind),
-                  (p + "attn_k.weight", (kv * hd, d), kind), (p + "attn_v.weight", (kv * hd, d), kind),
-                  (p + "attn_output.weight", (d, heads * hd), kind), (p + "attn_q_norm.weight", (hd,), "ones"),
-                  (p + "attn_k_norm.weight", (hd,), "ones"), (p + "ffn_norm.weight", (d,), "ones"),
-                  (p + "ffn_gate_inp.weight", (e, d), "normal"), (p + "ffn_gate_exps.weight", (e, f, d), kind),
-                  (p + "ffn_up_exps.weight", (e, f, d), kind), (p + "ffn_down_exps.weight", (e, d, f), kind)]
+        table += [(p + "attn_norm.weight", (d,), "ones"), (p + "attn_q.weight", (heads * hd, d), t(p + "attn_q.", i)),
+                  (p + "attn_k.weight", (kv * hd, d), t(p + "attn_k.", i)),
+                  (p + "attn_v.weight", (kv * hd, d), t(p + "attn_v.", i)),
+                  (p + "attn_output.weight", (d, heads * hd), t(p + "attn_output.", i)),
+                  (p + "ffn_gate_inp.weight", (e, d), "normal")]
+        experts = kind if oss else None
+        table += [(p + "ffn_gate_exps.weight", (e, f, d), experts or t(p + "ffn_gate_exps.", i)),
+                  (p + "ffn_up_exps.weight", (e, f, d), experts or t(p + "ffn_up_exps.", i)),
+                  (p + "ffn_down_exps.weight", (e, d, f), experts or t(p + "ffn_down_exps.", i))]
+        if oss:
+            table += [(p + "attn_q.bias", (heads * hd,), "normal"), (p + "attn_k.bias", (kv * hd,), "normal"),
+                      (p + "attn_v.bias", (kv * hd,), "normal"), (p + "attn_output.bias", (d,), "normal"),
+                      (p + "attn_sinks.weight", (heads,), "normal"), (p + "post_attention_norm.weight", (d,), "ones"),
+                      (p + "ffn_gate_inp.bias", (e,), "normal"), (p + "ffn_gate_exps.bias", (e, f), "normal"),
+                      (p + "ffn_up_exps.bias", (e, f), "normal"), (p + "ffn_down_exps.bias", (e, d), "normal")]
+        else:
+            table += [(p + "attn_q_norm.weight", (hd,), "ones"), (p + "attn_k_norm.weight", (hd,), "ones"),
+                      (p + "ffn_norm.weight", (d,), "ones")]
+    return table
+
+
+def write_moe_gguf(shape: str, path: Path, kind: str, layers: int | None = None) -> Path:
+    """`shape` (MOE_SHAPES) as a qwen3moe GGUF of random `kind` blocks (`mix_type`: Q4_K_M is llama.cpp's mix; norms
+    1, routers float32), SmolLM2's tokenizer, written tensor by tensor (GGUFWriter's streamed tensor data);
+    `layers`: only the first N. The gpt-oss shape: a gpt-oss GGUF laid out as llama.cpp's converter writes one
+    (q/k/v/o and the experts' biases, sinks, the router's bias, post_attention_norm, sliding window, YaRN rope),
+    its experts `kind` (MXFP4) and its other matrices Q8_0."""
+    import gguf
+    import numpy as np
+
+    dims = MOE_SHAPES[shape]
+    n_layers = layers or dims["num_hidden_layers"]
+    w = gguf.GGUFWriter(str(path), dims.get("arch", "qwen3moe"))
+    _moe_header(w, shape, n_layers)
+    rng = np.random.default_rng(0)
+    table = _moe_table(shape, kind, n_layers)
     for name, dims_, how in table:
         if how in ("ones", "normal"):
             w.add_tensor_info(name, dims_, np.dtype(np.float32), 4 * int(np.prod(dims_)))
@@ -255,8 +303,7 @@ def write_moe_gguf(shape: str, path: Path, kind: str, layers: int | None = None)
         elif how == "normal":
             w.write_tensor_data((rng.standard_normal(dims_, dtype=np.float32) * 0.02).astype(np.float32))
         else:
-            rows = int(np.prod(dims_[:-1]))
-            w.write_tensor_data(_random_blocks(how, rows, dims_[-1], rng))
+            w.write_tensor_data(_random_blocks(how, int(np.prod(dims_[:-1])), dims_[-1], rng))
     w.close()
     return path
 
@@ -307,10 +354,12 @@ model = load_model(sys.argv[1], progress=False)
 load = time.perf_counter() - t
 greedy = SamplingConfig(temperature=0.0)
 n = int(sys.argv[2])
-list(model.generate(sys.argv[3], 4, config=greedy, draft="none"))  # warm-up
+for _ in model.generate(sys.argv[3], 4, config=greedy, draft="none"):  # warm-up; its first token ends a cold start
+    first = time.perf_counter() - t
+    break
 t = time.perf_counter()
 ids = [s.token_id for s in model.generate(sys.argv[3], n, config=greedy, draft="none")]
-print(json.dumps({"load": load, "rate": len(ids) / (time.perf_counter() - t), "ids": ids}))
+print(json.dumps({"load": load, "first": first, "rate": len(ids) / (time.perf_counter() - t), "ids": ids}))
 """
 
 _HF_MOE_CHILD = """
@@ -342,27 +391,89 @@ print(json.dumps({"ids": out[0, enc["input_ids"].shape[1]:].tolist()}))
 """
 
 
-def _child(code: str, *args: str) -> tuple[dict, float]:
-    """(the JSON a child Python printed, its peak RSS MiB)."""
+def _child(code: str, *args: str) -> tuple[dict | None, float]:
+    """(the JSON a child Python printed — None where it failed, its error's last lines printed —, its peak RSS
+    MiB): a crash (out of memory, a refusal) is a row of the table, not the end of the run."""
     with tempfile.TemporaryFile("w+") as err:
         proc, rss_file = _spawn([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=err, text=True)
         out = proc.stdout.read()
         status, rss = _wait(proc, rss_file)
         if status != 0:
             err.seek(0)
-            raise SystemExit(f"child failed ({status}): {err.read().strip().splitlines()[-3:]}")
+            print(f"child failed ({status}): {err.read().strip().splitlines()[-3:]}", file=sys.stderr, flush=True)
+            return None, rss
     return json.loads(out.strip().splitlines()[-1]), rss
 
 
-def llama_bench(gguf: Path, n: int) -> tuple[float, float]:
-    """(llama-bench's decode tok/s on the file, 2 threads, its peak RSS MiB)."""
+def llama_bench(gguf: Path, n: int) -> tuple[float | None, float]:
+    """(llama-bench's decode tok/s on the file, 2 threads — None where it failed —, its peak RSS MiB)."""
     proc, rss_file = _spawn([str(BIN / "llama-bench"), "-m", str(gguf), "-t", "2", "-p", "0", "-n", str(n), "-r",
                              "2", "-o", "csv"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     out = proc.stdout.read()
     code, rss = _wait(proc, rss_file)
-    if code != 0:
-        raise SystemExit(f"llama-bench failed on {gguf}")
-    return float(list(csv.DictReader(io.StringIO(out)))[-1]["avg_ts"]), rss
+    rows = list(csv.DictReader(io.StringIO(out))) if code == 0 else []
+    if not rows:
+        print(f"llama-bench failed ({code}) on {gguf}", file=sys.stderr, flush=True)
+        return None, rss
+    return float(rows[-1]["avg_ts"]), rss
+
+
+def _types(parser: argparse.ArgumentParser, shape: str, types: list[str] | None) -> list[str]:
+    """The --type values for `shape` (defaults: Q4_K_M and Q8_0 for the Llama shapes, Q4_K_M for Qwen3-30B-A3B,
+    MXFP4 experts for gpt-oss-20b); a parser error for a type the shape is not written in."""
+    if MOE_SHAPES.get(shape, {}).get("arch") == "gpt-oss":
+        if types and types != ["MXFP4"]:
+            parser.error(f"--type: the gpt-oss shape's experts are MXFP4, got {', '.join(types)}")
+        return ["MXFP4"]
+    if shape in MOE_SHAPES:
+        kinds = types or ["Q4_K_M"]
+        if any(k not in MOE_TYPES[:3] for k in kinds):
+            parser.error(f"--type: the MoE shapes are written as {', '.join(MOE_TYPES[:3])}, got {', '.join(kinds)}")
+        return kinds
+    return types or ["Q4_K_M", "Q8_0"]
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _measure(shape: str, kind: str, path: Path, args: argparse.Namespace, table) -> None:
+    """One file: lmhead's child, llama-bench, and on the 1B shape (or a MoE shape of at most 2 layers, not gpt-oss)
+    transformers' greedy tokens; one row of the table (a failed side's cells "-")."""
+    ours, rss = _child(_CHILD, str(path), str(args.new_tokens), PROMPT)
+    theirs, their_rss = llama_bench(path, args.new_tokens)
+    same = "-"
+    # transformers' GGUF loader reads no gpt-oss file whole (its rope keys: gguf_meta.gpt_oss_config);
+    # gpt-oss's exactness is tests/test_gpt_oss.py's, on tiny files
+    gpt_oss = MOE_SHAPES.get(shape, {}).get("arch") == "gpt-oss"
+    if ours is not None and (shape == "llama-3.2-1b" or (shape in MOE_SHAPES and not gpt_oss
+                                                        and args.layers is not None and args.layers <= 2)):
+        code = _HF_MOE_CHILD if shape in MOE_SHAPES else _HF_CHILD
+        hf, _ = _child(code, str(path), str(args.new_tokens), PROMPT, str(tokenizer_folder()))
+        same = "-" if hf is None else "yes" if hf["ids"] == ours["ids"] else \
+            f"no ({ours['ids'][:8]} vs {hf['ids'][:8]})"
+    rate = None if ours is None else ours["rate"]
+    ratio = None if rate is None or theirs is None else rate / theirs
+    layers = MOE_SHAPES.get(shape, SHAPES.get(shape, {})).get("num_hidden_layers")
+    label = shape + (f" ({args.layers} of {layers} layers)" if args.layers else "")
+    cells = [label, kind, f"{path.stat().st_size / 2**30:.2f}", _fmt(rate), _fmt(theirs), _fmt(ratio),
+             f"{rss:.0f}", f"{their_rss:.0f}", _fmt(None if ours is None else ours["load"], ".1f"),
+             _fmt(None if ours is None else ours["first"], ".1f"), same, f"{os.getloadavg()[0]:.2f}"]
+    print("| " + " | ".join(cells) + " |", flush=True)
+    figures = [Figure(f"{label} {kind} peak RSS", rss, "MiB", "llama-bench", their_rss, rss / their_rss)]
+    if rate is not None:
+        figures.insert(0, Figure(f"{label} {kind} decode", rate, "tok/s", "llama-bench", theirs, ratio))
+    table.row(cells, figures)
+
+
+def _title(moe: bool, n: int) -> str:
+    """The title of the table of the MoE shapes' rows or the Llama shapes'."""
+    what = ("Mixtures of experts at their real widths (Qwen3-30B-A3B: 128 experts of 768, 8 a token; gpt-oss-20b: "
+            "32 of 2880, 4 a token), random quantised blocks (Q4_K_M: llama.cpp's mix; gpt-oss: MXFP4 experts, Q8_0 "
+            "elsewhere), SmolLM2's tokenizer, a row's layers the first N of the model's where it says"
+            if moe else "Llama shapes, random weights, SmolLM2's tokenizer")
+    return (f"{what}: greedy decode of {n} tokens, batch 1, lmhead (draft none; load and first token from the "
+            "process's start, cold) beside llama-bench -t 2 -p 0 on the same file; '-' where a side failed")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -370,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", action="append", choices=[*SHAPES, *MOE_SHAPES],
                         help="repeatable (default: the three Llama shapes)")
     parser.add_argument("--type", action="append", help="llama-quantize types (default Q4_K_M and Q8_0; "
-                        "qwen3-30b-a3b: Q4_K or Q8_0, default Q4_K; gpt-oss-20b: MXFP4 experts)")
+                        "qwen3-30b-a3b: Q4_K_M — llama.cpp's mix —, Q4_K or Q8_0, default Q4_K_M; gpt-oss-20b: "
+                        "MXFP4 experts)")
     parser.add_argument("--layers", type=int, default=None, help="the MoE shapes cut to their first N layers "
                         "(2: transformers' float32 forward checks the greedy tokens)")
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -386,59 +498,25 @@ def main(argv: list[str] | None = None) -> int:
     shapes = args.shape or list(SHAPES)
     if args.layers is not None and any(s not in MOE_SHAPES for s in shapes):
         parser.error(f"--layers cuts the MoE shapes only ({', '.join(MOE_SHAPES)})")
-
-    def kinds_of(shape: str) -> list[str]:
-        if MOE_SHAPES.get(shape, {}).get("arch") == "gpt-oss":
-            if args.type and args.type != ["MXFP4"]:
-                parser.error(f"--type: the gpt-oss shape's experts are MXFP4, got {', '.join(args.type)}")
-            return ["MXFP4"]
-        if shape in MOE_SHAPES:
-            kinds = args.type or ["Q4_K"]
-            if any(k not in ("Q4_K", "Q8_0") for k in kinds):
-                parser.error(f"--type: the MoE shapes are written as Q4_K or Q8_0, got {', '.join(kinds)}")
-            return kinds
-        return args.type or ["Q4_K_M", "Q8_0"]
-
+    kinds = {shape: _types(parser, shape, args.type) for shape in shapes}
     if args.prepare:
         if args.work is None:
             parser.error("--prepare needs --work (the folder a later run measures)")
         for shape in shapes:
-            write_gguf(shape, args.work, kinds_of(shape), args.layers)
+            write_gguf(shape, args.work, kinds[shape], args.layers)
         return 0
     rec = Recorder("scale")
     print(rec.header(), flush=True)
     columns = ["shape", "type", "file GiB", "lmhead tok/s", "llama-bench tok/s", "ratio", "lmhead RSS MiB",
-               "llama-bench RSS MiB", "lmhead load s", "greedy = transformers", "load"]
-    table = rec.table("shapes", f"Llama shapes, random weights, SmolLM2's tokenizer: greedy decode of "
-                      f"{args.new_tokens} tokens, batch 1, lmhead (draft none) beside llama-bench -t 2 -p 0 on "
-                      "the same file", columns)
+               "llama-bench RSS MiB", "lmhead load s", "lmhead first token s", "greedy = transformers", "load"]
+    tables = {moe: rec.table("moe" if moe else "shapes", _title(moe, args.new_tokens), columns)
+              for moe in sorted({s in MOE_SHAPES for s in shapes})}
     work = args.work or Path(tempfile.mkdtemp(prefix="lmhead-bench-scale-"))
-    tok = tokenizer_folder()
     try:
         for shape in shapes:
-            files = write_gguf(shape, work, kinds_of(shape), args.layers)
+            files = write_gguf(shape, work, kinds[shape], args.layers)
             for kind, path in files.items():
-                ours, rss = _child(_CHILD, str(path), str(args.new_tokens), PROMPT)
-                theirs, their_rss = llama_bench(path, args.new_tokens)
-                same = "-"
-                # transformers' GGUF loader reads no gpt-oss file whole (its rope keys: gguf_meta.gpt_oss_config);
-                # gpt-oss's exactness is tests/test_gpt_oss.py's, on tiny files
-                gpt_oss = MOE_SHAPES.get(shape, {}).get("arch") == "gpt-oss"
-                if shape == "llama-3.2-1b" or (shape in MOE_SHAPES and not gpt_oss and args.layers is not None
-                                               and args.layers <= 2):
-                    code = _HF_MOE_CHILD if shape in MOE_SHAPES else _HF_CHILD
-                    hf, _ = _child(code, str(path), str(args.new_tokens), PROMPT, str(tok))
-                    same = "yes" if hf["ids"] == ours["ids"] else f"no ({ours['ids'][:8]} vs {hf['ids'][:8]})"
-                load = f"{os.getloadavg()[0]:.2f}"
-                label = shape + (f" ({args.layers} layers)" if args.layers else "")
-                cells = [label, kind, f"{path.stat().st_size / 2**30:.2f}", f"{ours['rate']:.2f}", f"{theirs:.2f}",
-                         f"{ours['rate'] / theirs:.2f}", f"{rss:.0f}", f"{their_rss:.0f}", f"{ours['load']:.1f}",
-                         same, load]
-                print("| " + " | ".join(cells) + " |", flush=True)
-                table.row(cells, [Figure(f"{label} {kind} decode", ours["rate"], "tok/s", "llama-bench", theirs,
-                                         ours["rate"] / theirs),
-                                  Figure(f"{label} {kind} peak RSS", rss, "MiB", "llama-bench", their_rss,
-                                         rss / their_rss)])
+                _measure(shape, kind, path, args, tables[shape in MOE_SHAPES])
                 if not args.keep:
                     path.unlink()
     finally:
