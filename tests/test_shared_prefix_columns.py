@@ -5,6 +5,8 @@ with its row when rows leave, merge or are compacted."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -167,3 +169,66 @@ def test_a_shared_run_moves_with_its_row_when_rows_are_gathered_or_compacted():
     da.length = db.length = 50
     _same(da, db)
     assert a.read_columns(0, torch.arange(4, 20))[0].equal(b.read_columns(0, torch.arange(4, 20))[0])
+
+
+def _attend(qk, v, keys, values, mask, start, shared, hd, softcap, threads):
+    """lmhead_attend for qk [B,T,H+Hkv,hd] (cos 1, sin 0: no rope) over keys/values [B,Hkv,cap,hd]; shared: None or
+    (block, blocks of [1, Hkv, block, hd] (keys, values), per row (start, n)) → out [B,T,H·hd]."""
+    from lmhead.kernels.abi import AttendArgs, SharedArgs
+
+    b, t, heads = qk.shape[0], qk.shape[1], qk.shape[2] - keys.shape[1]
+    cos, sin = torch.ones(b, t, hd), torch.zeros(b, t, hd)
+    out = torch.empty(b, t, heads * hd)
+    sh, keep = None, None
+    if shared is not None:
+        block, (kb, vb), spans = shared
+        table = lambda bl: (ctypes.c_void_p * (b * len(bl)))(*[x.data_ptr() for _ in range(b) for x in bl])  # noqa: E731
+        starts = torch.tensor([s for s, _ in spans], dtype=torch.int64)
+        lens = torch.tensor([n for _, n in spans], dtype=torch.int64)
+        keep = (table(kb), table(vb), starts, lens)
+        sh = SharedArgs(keys=ctypes.addressof(keep[0]), values=ctypes.addressof(keep[1]), start=starts.data_ptr(),
+                        len=lens.data_ptr(), n=len(kb), block=block)
+    rc = native.library().lmhead_attend(AttendArgs(
+        qk=qk.data_ptr(), v=v.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), keys=keys.data_ptr(),
+        values=values.data_ptr(), mask=None if mask is None else mask.data_ptr(), out=out.data_ptr(),
+        qk_stride=qk.shape[2] * hd, v_stride=v.shape[2] * hd, B=b, T=t, H=heads, Hkv=keys.shape[1], hd=hd,
+        cap=keys.shape[2], start=start, scaling=0.125, softcap=softcap, threads=threads,
+        shared=None if sh is None else ctypes.addressof(sh), layer=0))
+    assert rc == 0
+    return out
+
+
+@pytest.mark.parametrize(("hd", "softcap"), [(64, 0.0), (256, 50.0), (40, 0.0)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_over_shared_blocks_is_the_bits_of_each_rows_own_copy_at_any_column(hd, softcap, threads):
+    # rows whose first columns are shared blocks (at different columns, and some rows with none) against the same
+    # rows holding copies; and a query alone against the same query among the others: the same bits
+    g = torch.Generator().manual_seed(1)
+    heads, kv, block, t = 4, 2, 8, 5
+    kb = [torch.randn(1, kv, block, hd, generator=g) for _ in range(4)]
+    vb = [torch.randn(1, kv, block, hd, generator=g) for _ in range(4)]
+    spans = [(0, 29), (3, 32), (0, 0), (5, 17)]
+    b, start = len(spans), 45
+    cap = start + t + 3
+    qk = torch.randn(b, t, heads + kv, hd, generator=g)
+    v = torch.randn(b, t, kv, hd, generator=g)
+    keys, values = torch.randn(b, kv, cap, hd, generator=g), torch.randn(b, kv, cap, hd, generator=g)
+    mask = torch.zeros(b, t, start + t)
+    for r, (s, n) in enumerate(spans):
+        mask[r, :, :s] = float("-inf")  # columns before a row's own first
+        mask[r, :, start:] = torch.triu(torch.full((t, t), float("-inf")), 1)
+        if n:
+            keys[r, :, s:s + n] = torch.cat(kb, 2)[0, :, :n]
+            values[r, :, s:s + n] = torch.cat(vb, 2)[0, :, :n]
+    mask[1, 2, 40] = float("-inf")  # a hole inside one query's span
+    copied = _attend(qk, v, keys.clone(), values.clone(), mask, start, None, hd, softcap, threads)
+    own_k, own_v = keys.clone(), values.clone()
+    for r, (s, n) in enumerate(spans):
+        own_k[r, :, s:s + n] = float("nan")  # never read
+        own_v[r, :, s:s + n] = float("nan")
+    shared = _attend(qk, v, own_k, own_v, mask, start, (block, (kb, vb), spans), hd, softcap, threads)
+    assert torch.equal(shared, copied)
+    for r in range(b):
+        alone = _attend(qk[r:r + 1].contiguous(), v[r:r + 1].contiguous(), keys[r:r + 1].clone(),
+                        values[r:r + 1].clone(), mask[r:r + 1].contiguous(), start, None, hd, softcap, 3 - threads)
+        assert torch.equal(alone, copied[r:r + 1])

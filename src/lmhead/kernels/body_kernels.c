@@ -97,13 +97,54 @@ static inline const float* kv_run(const float* base, const float* const* blocks,
         const int64_t s = sh->start[b];
         if (j >= s && j < s + sh->len[b]) {
             const int64_t k = (j - s) / sh->block, i = (j - s) % sh->block;
-            *end = s + (k + 1) * sh->block;
+            *end = s + (k + 1) * sh->block < s + sh->len[b] ? s + (k + 1) * sh->block : s + sh->len[b];
             return blocks[b * sh->n + k] + off + (kh * sh->block + i) * hd;
         }
         if (j < s) *end = s;
     }
     return base + ((b * Hkv + kh) * cap + j) * hd;
 }
+
+/* a score as the query's own: times scaling, softcapped, plus its mask's column; its maximum so far in *m */
+static inline float score_at(float sc, float scaling, float softcap, const float* mrow, int64_t j, float* m) {
+    sc *= scaling;
+    if (softcap > 0.f) sc = tanhf(sc / softcap) * softcap;
+    if (mrow) sc += mrow[j];
+    if (sc > *m) *m = sc;
+    return sc;
+}
+
+#ifdef __AVX512F__
+/* q·k for eight columns k, k + hd, ..., k + 7·hd (hd a multiple of 16) → out[8], each the bits of the one-column
+ * dot below: a 16-lane chain holds its two 8-lane chains side by side (lanes 0–7 the first, 8–15 the second),
+ * and the eight columns' sum8 are one network of the same additions, lane pairs (i, i + 4), then (0, 2) and
+ * (1, 3), then (0, 1) — eight independent chains and a shared reduction in place of one column at a time */
+static inline void dot8(const float* q, const float* k, int64_t hd, float* out) {
+    __m512 acc[8];
+    for (int c = 0; c < 8; c++) acc[c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < hd; i += 16) {
+        const __m512 qv = _mm512_loadu_ps(q + i);
+        for (int c = 0; c < 8; c++) acc[c] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + c * hd + i), acc[c]);
+    }
+    __m512 v[4]; /* v[c]: columns 2c and 2c + 1, each its two chains added */
+    for (int c = 0; c < 4; c++)
+        v[c] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * c], acc[2 * c + 1], 0x44),
+                             _mm512_shuffle_f32x4(acc[2 * c], acc[2 * c + 1], 0xEE));
+    /* lanes i + lanes i + 4: a quarter per column, 0–3 and 4–7 */
+    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x88), _mm512_shuffle_f32x4(v[0], v[1], 0xDD));
+    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(v[2], v[3], 0x88), _mm512_shuffle_f32x4(v[2], v[3], 0xDD));
+    /* quarter c: (0 + 2, 1 + 3) of column c, then of column c + 4 */
+    const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(w0, w1, 0x44), _mm512_shuffle_ps(w0, w1, 0xEE));
+    /* quarter c: lane 0 column c's 0 + 1, lane 1 column c + 4's */
+    const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x, x, 0x88), _mm512_shuffle_ps(x, x, 0xDD));
+    float lanes[16];
+    _mm512_storeu_ps(lanes, y);
+    for (int c = 0; c < 4; c++) {
+        out[c] = lanes[4 * c];
+        out[c + 4] = lanes[4 * c + 1];
+    }
+}
+#endif
 
 /* One layer's attention for T new tokens of B rows, from the q/k heads (normed, before rope) and v:
  *   rope (x·cos + rotate_half(x)·sin, rotate_half(x) = (−x₂, x₁), given as the swapped halves (x₂, x₁) times
@@ -149,22 +190,25 @@ int lmhead_attend(const lmhead_attend_args* args) {
      * an output within ~1e−30 of zero can change. What it saves is the reading: a sliding-window layer (Gemma 3:
      * 15 of 18, window 512) attends over 512 columns instead of the whole context (its attention at 2,048
      * columns 13.2 → 5.9 ms a token, interleaved), and a verification's queries skip the columns after them. */
-    int64_t span_stack[2 * 64];
-    int64_t* span = B * T <= 64 ? span_stack : (int64_t*)malloc(sizeof(int64_t) * 2 * (size_t)(B * T));
+    /* per query row: lo, hi and whether its mask drops a column between them (the softmax's kept columns) */
+    int64_t span_stack[3 * 64];
+    int64_t* span = B * T <= 64 ? span_stack : (int64_t*)malloc(sizeof(int64_t) * 3 * (size_t)(B * T));
     if (span == NULL) {
         free(q);
         return -1;
     }
     for (int64_t r = 0; r < B * T; r++) {
-        int64_t lo = 0, hi = L;
+        int64_t lo = 0, hi = L, holes = 0;
         if (mask) {
             const float* mrow = mask + r * L;
             while (lo < L && mrow[lo] <= -FLT_MAX) lo++;
             while (hi > lo && mrow[hi - 1] <= -FLT_MAX) hi--;
             if (lo == L) lo = 0, hi = L; /* nothing kept: every column, as before (transformers' numbers) */
+            for (int64_t j = lo; j < hi && !holes; j++) holes = mrow[j] <= -FLT_MAX;
         }
-        span[2 * r] = lo;
-        span[2 * r + 1] = hi;
+        span[3 * r] = lo;
+        span[3 * r + 1] = hi;
+        span[3 * r + 2] = holes;
     }
     /* Work items: (key head, a run of its queries). A key head's queries are taken in the order (row, token,
      * query head of the group), cut into runs of at most ATTEND_RUN as even as still share the threads evenly
@@ -213,22 +257,30 @@ int lmhead_attend(const lmhead_attend_args* args) {
             for (int64_t g = 0; g < n; g++) {
                 const int64_t bt = (q0 + g) / group;
                 mx[g] = -INFINITY;
-                if (span[2 * bt] < jmin) jmin = span[2 * bt];
-                if (span[2 * bt + 1] > jmax) jmax = span[2 * bt + 1];
+                if (span[3 * bt] < jmin) jmin = span[3 * bt];
+                if (span[3 * bt + 1] > jmax) jmax = span[3 * bt + 1];
             }
             for (int64_t j0 = jmin; j0 < jmax; j0 += block) {
                 const int64_t j1 = j0 + block < jmax ? j0 + block : jmax;
                 for (int64_t g = 0; g < n; g++) {
                     const int64_t bt = (q0 + g) / group, b = bt / T, h = kh * group + (q0 + g) % group;
-                    const int64_t a = span[2 * bt] > j0 ? span[2 * bt] : j0;
-                    const int64_t e = span[2 * bt + 1] < j1 ? span[2 * bt + 1] : j1;
+                    const int64_t a = span[3 * bt] > j0 ? span[3 * bt] : j0;
+                    const int64_t e = span[3 * bt + 1] < j1 ? span[3 * bt + 1] : j1;
                     const float* qv = q + (bt * H + h) * hd;
                     const float* mrow = mask ? mask + bt * L : NULL;
                     float* pg = p + g * L;
                     float m = mx[g];
                     for (int64_t j = a, r; j < e;) {
                         const float* kj = kv_run(keys, sh ? sh->keys : NULL, sh, b, kh, j, Hkv, hd, cap, sh_off, &r);
-                        for (r = r < e ? r : e; j < r; j++, kj += hd) {
+                        r = r < e ? r : e;
+#ifdef __AVX512F__
+                        if (hd % 16 == 0)
+                            for (float s8[8]; j + 8 <= r; j += 8, kj += 8 * hd) {
+                                dot8(qv, kj, hd, s8);
+                                for (int c = 0; c < 8; c++) pg[j + c] = score_at(s8[c], scaling, softcap, mrow, j + c, &m);
+                            }
+#endif
+                        for (; j < r; j++, kj += hd) {
                             float sc = 0.f;
 #ifdef __AVX2__
                             if (hd % 16 == 0) { /* two chains of multiply-adds, not one of hd/8: the dot's latency bound it */
@@ -246,11 +298,7 @@ int lmhead_attend(const lmhead_attend_args* args) {
 #pragma omp simd reduction(+ : sc)
                                 for (int64_t i = 0; i < hd; i++) sc += qv[i] * kj[i];
                             }
-                            sc *= scaling;
-                            if (softcap > 0.f) sc = tanhf(sc / softcap) * softcap;
-                            if (mrow) sc += mrow[j];
-                            pg[j] = sc;
-                            if (sc > m) m = sc;
+                            pg[j] = score_at(sc, scaling, softcap, mrow, j, &m);
                         }
                     }
                     mx[g] = m;
@@ -258,8 +306,8 @@ int lmhead_attend(const lmhead_attend_args* args) {
             }
             for (int64_t g = 0; g < n; g++) {
                 const int64_t bt = (q0 + g) / group, h = kh * group + (q0 + g) % group;
-                const int64_t lo = span[2 * bt], hi = span[2 * bt + 1];
-                const float* mrow = mask ? mask + bt * L : NULL;
+                const int64_t lo = span[3 * bt], hi = span[3 * bt + 1];
+                const float* mrow = mask && span[3 * bt + 2] ? mask + bt * L : NULL; /* holes: kept columns */
                 float* pg = p + g * L;
                 /* the scores summed: the span's, or where the mask drops columns inside it (a row of a batch
                  * whose drafts were rejected, beside rows that kept theirs) its kept columns' side by side, so
@@ -314,14 +362,27 @@ int lmhead_attend(const lmhead_attend_args* args) {
                 const int64_t j1 = j0 + block < jmax ? j0 + block : jmax;
                 for (int64_t g = 0; g < n; g++) {
                     const int64_t bt = (q0 + g) / group, b = bt / T, h = kh * group + (q0 + g) % group;
-                    const int64_t a = span[2 * bt] > j0 ? span[2 * bt] : j0;
-                    const int64_t e = span[2 * bt + 1] < j1 ? span[2 * bt + 1] : j1;
+                    const int64_t a = span[3 * bt] > j0 ? span[3 * bt] : j0;
+                    const int64_t e = span[3 * bt + 1] < j1 ? span[3 * bt + 1] : j1;
                     const float* pg = p + g * L;
                     float* o = out + (bt * H + h) * hd;
                     for (int64_t j = a, r; j < e;) {
                         const float* vr = kv_run(values, sh ? sh->values : NULL, sh, b, kh, j, Hkv, hd, cap, sh_off, &r);
                         r = r < e ? r : e;
                         int64_t i0 = 0;
+#ifdef __AVX512F__
+                        /* the same sums, sixteen lanes a register */
+                        for (; i0 + 64 <= hd; i0 += 64) {
+                            __m512 acc[4];
+                            for (int k = 0; k < 4; k++) acc[k] = _mm512_loadu_ps(o + i0 + 16 * k);
+                            const float* vj = vr + i0;
+                            for (int64_t jj = j; jj < r; jj++, vj += hd) {
+                                const __m512 pj = _mm512_set1_ps(pg[jj] * inv[g]);
+                                for (int k = 0; k < 4; k++) acc[k] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 16 * k), acc[k]);
+                            }
+                            for (int k = 0; k < 4; k++) _mm512_storeu_ps(o + i0 + 16 * k, acc[k]);
+                        }
+#endif
 #ifdef __AVX2__
                         /* Σ_j p_j·v_j for 64 columns at a time in eight registers (summed in memory, each column's
                          * chain went through a store and a load per key), carried in `o` from run to run */
