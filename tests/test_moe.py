@@ -308,3 +308,24 @@ def test_a_file_with_the_experts_gate_and_up_fused_in_one_tensor_runs_as_the_spl
     with torch.no_grad():
         want = reference_from_gguf(path, "qwen3_moe")(ids).logits
     torch.testing.assert_close(model.logits(ids), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+def test_the_memory_check_counts_every_layers_experts_as_they_are_held(tmp_path, monkeypatch):
+    from lmhead.models import ModelError, file_model
+    from lmhead.models.expert_layout import expert_nbytes
+    from lmhead.models.gguf_file import GGUFFile
+
+    path, model = _load(tmp_path, monkeypatch, "qwen3_moe", "Q4_K")
+    f = GGUFFile(path)
+    counted = sum(expert_nbytes(f.type_of(n), *f.shape(n)) for n in f.tensors if "_exps." in n)
+    held = sum(layer.moe.gate_up.nbytes + layer.moe.down.nbytes for layer in model.lean.layers)
+    assert counted == held
+    need = file_model.memory_needed(f)
+    assert need >= held + int(f.tensors["token_embd.weight"].n_bytes)
+    # a machine with one byte less than the estimate is refused before the load, one with the estimate is not
+    monkeypatch.delenv("LMHEAD_IGNORE_MEMORY", raising=False)
+    monkeypatch.setattr(file_model, "available_memory", lambda: need - 1)
+    with pytest.raises(ModelError, match="loading it needs about"):
+        file_model.check_fits(f)
+    monkeypatch.setattr(file_model, "available_memory", lambda: need)
+    file_model.check_fits(f)
