@@ -75,23 +75,22 @@ class SubScales:
     def __init__(self, n: int, k: int, group: int) -> None:
         if k % 256 or group not in (16, 32):
             raise ValueError(f"sub-scales need K a multiple of 256 and groups of 16 or 32, got K={k}, G={group}")
-        nsup, ng = k // 256, k // group
-        self.buffer = torch.empty(n * nsup * 4 + n * ng, dtype=torch.uint8)
-        self.d = self.buffer[:n * nsup * 4].view(torch.float32).view(n, nsup)
-        self.sub = self.buffer[n * nsup * 4:].view(torch.int8).view(n, ng)
-        self.shape = (n, ng)
+        self._views(torch.empty(n * (k // 256 * 4 + k // group), dtype=torch.uint8), n, k, group)
 
     @classmethod
     def over(cls, buffer: Tensor, n: int, k: int, group: int) -> SubScales:
         """Sub-scales over an existing `buffer` (uint8, d then sub, as `__init__` lays them out; a slice of a
         layer's experts' buffer), no copy."""
         self = cls.__new__(cls)
+        self._views(buffer, n, k, group)
+        return self
+
+    def _views(self, buffer: Tensor, n: int, k: int, group: int) -> None:
         nsup, ng = k // 256, k // group
         self.buffer = buffer
         self.d = buffer[:n * nsup * 4].view(torch.float32).view(n, nsup)
         self.sub = buffer[n * nsup * 4:].view(torch.int8).view(n, ng)
         self.shape = (n, ng)
-        return self
 
     def floats(self) -> Tensor:
         """The float32 numbers [N, K/G] they stand for."""

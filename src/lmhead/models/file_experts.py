@@ -1,5 +1,5 @@
 """A GGUF file's mixture-of-experts layers read from its own codes: the header's expert counts checked against the
-tensors, each expert's matrices a slice of the file's 3-D tensors.
+tensors, a layer's experts laid out together from the file's 3-D tensors.
 
     header: <arch>.expert_count E, .expert_used_count k (.expert_feed_forward_length F)
     blk.i.ffn_gate_inp.weight [E, D] (the router, float32 in llama.cpp's files)
