@@ -41,29 +41,40 @@ def _min_p_sorted(vals: Tensor, min_p: Setting) -> Tensor:
     return vals.masked_fill(remove, NEG_INF)
 
 
-def _top_k_parts(x: Tensor, rows: Tensor | None, temperature: Setting, top_k: int, vocab: Vocab,
+def _top_k_parts(x: Tensor, temperature: Setting, ks: list[int], vocab: Vocab,
                  top: tuple[Tensor, Tensor]) -> list[Part]:
-    """Top-k for the rows `rows` of x (None: all) whose top k+1 `top` ([b,k+1] values and ids) is taken; rows whose
-    k-th and (k+1)-th values tie (after the division by T, as HF compares) take every token ≥ the k-th, as HF's
-    ``scores < kth`` rule keeps them. Parts' rows index `top`'s rows."""
+    """Top-k for rows x [b,V_r], row r keeping its ks[r] largest, whose top k+1 `top` ([b, ≥ max k + 1] values and
+    ids, a row's first k + 1 its own) is taken: one part per k. A row whose k-th and (k+1)-th values tie (after the
+    division by T, as HF compares) takes every token ≥ the k-th, as HF's ``scores < kth`` rule keeps them: a part of
+    its own, as wide as it keeps."""
     vals, idx = top
     check_top(vals[:, 0], vocab.name, temperature)
     vals = vals / temperature  # x / T is monotone: topk of x is a topk of x / T
-    tie = (vals[:, top_k - 1] == vals[:, top_k]) & torch.isfinite(vals[:, top_k - 1])
-    if not bool(tie.any()):
-        return [(None, vals[:, :top_k], idx[:, :top_k])]
+    if len(set(ks)) == 1:
+        edge = vals[:, ks[0] - 1 : ks[0] + 1]
+    else:
+        edge = vals.gather(1, torch.tensor([[k - 1, k] for k in ks], device=x.device))
+    tie = (edge[:, 0] == edge[:, 1]) & torch.isfinite(edge[:, 0])
+    if not bool(tie.any()) and len(set(ks)) == 1:
+        return [(None, vals[:, :ks[0]], idx[:, :ks[0]])]
+    tie = tie.tolist()
+    by_k: dict[int, list[int]] = {}
+    for r, k in enumerate(ks):
+        if not tie[r]:
+            by_k.setdefault(k, []).append(r)
     parts: list[Part] = []
-    plain = (~tie).nonzero().squeeze(1)
-    if plain.numel():
-        parts.append((plain, vals[plain, :top_k], idx[plain, :top_k]))
-    tied = tie.nonzero().squeeze(1)
-    xt = x[sub_part(rows, tied)]
-    t = rows_of(temperature, tied)
-    kth = vals[tied, top_k - 1 : top_k]
-    count = vocab.sum(((xt / t) >= kth).sum(dim=-1, keepdim=True))
-    v, i = vocab.topk(xt, int(count.max()))
-    cut = torch.arange(v.shape[1], device=v.device) >= count
-    parts.append((tied, (v / t).masked_fill(cut, NEG_INF), i))
+    for k, rows in by_k.items():
+        if len(rows) == len(ks):
+            parts.append((None, vals[:, :k], idx[:, :k]))
+        else:
+            index = torch.tensor(rows, device=x.device)
+            parts.append((index, vals[index, :k], idx[index, :k]))
+    for r in (r for r, t in enumerate(tie) if t):
+        t = rows_of(temperature, torch.tensor([r], device=x.device))
+        kth = vals[r:r + 1, ks[r] - 1 : ks[r]]
+        count = vocab.sum(((x[r:r + 1] / t) >= kth).sum(dim=-1, keepdim=True))
+        v, i = vocab.topk(x[r:r + 1], int(count.max()))
+        parts.append((torch.tensor([r], device=x.device), v / t, i))
     return parts
 
 
@@ -82,10 +93,12 @@ def top_k_tops(x: Tensor, ks: list[int], vocab: Vocab) -> tuple[Tensor, Tensor]:
     return vals, ids
 
 
-def _column(keys: list[CutKey], name: str, rows: Tensor | None, dtype: torch.dtype, device: torch.device) -> Tensor:
+def column(keys: list[CutKey], name: str, rows: Tensor | None, dtype: torch.dtype, device: torch.device) -> Setting:
     """A cut setting of each row (of `rows`; None: all) as a column [b,1]: temperature float32 (it divides float32
-    logits), top-p float64 (it meets float64 masses), min-p float32."""
+    logits), top-p float64 (it meets float64 masses), min-p float32; the number itself where the rows share it."""
     values = [getattr(k, name) for k in keys] if rows is None else [getattr(keys[r], name) for r in rows.tolist()]
+    if values.count(values[0]) == len(values):
+        return values[0]
     return torch.tensor(values, dtype=dtype, device=device)[:, None]
 
 
@@ -111,38 +124,29 @@ def apply_cut(x: Tensor, cfgs: list[SamplingConfig], vocab: Vocab, top: tuple[Te
     """Steps 3-6 for rows x [b,V_r] whose cuts are of one kind (`cut_kind`), each row's settings its own: the passes
     over V once for them all, with the settings as columns [b,1] (``top``: the rows' top kmax+1, kmax their largest
     top-k, already taken; ``native``: whether top-p may settle rows in C — not for a seeded draw, see `top_p_parts`).
-    Each row's values are the bits it gets alone: the candidates of rows with one k are cut together."""
+    Each row's values are the bits it gets alone: the candidates of rows with one k are cut together (a row whose
+    k-th value ties, alone)."""
     if cfgs[0].is_greedy:
         v, i = vocab.argmax(x)
         check_top(v[:, 0], vocab.name)
         return [(None, v, i)]
     keys = [c.cut_key(vocab.size) for c in cfgs]
     dev = x.device
-    temperature = _column(keys, "temperature", None, torch.float32, dev)
+    temperature = column(keys, "temperature", None, torch.float32, dev)
     if keys[0].top_k:
-        top = top_k_tops(x, [k.top_k for k in keys], vocab) if top is None else top
-        by_k: dict[int, list[int]] = {}
-        for r, k in enumerate(keys):
-            by_k.setdefault(k.top_k, []).append(r)
-        parts = []
-        for k, rows in by_k.items():
-            index = None if len(rows) == len(keys) else torch.tensor(rows, device=dev)
-            mine = (top[0][:, :k + 1], top[1][:, :k + 1]) if index is None else (top[0][index, :k + 1],
-                                                                                  top[1][index, :k + 1])
-            parts += [(index if r is None else sub_part(index, r), v, i) for r, v, i in
-                      _top_k_parts(x, index, rows_of(temperature, index) if index is not None else temperature, k,
-                                   vocab, mine)]
+        ks = [k.top_k for k in keys]
+        parts = _top_k_parts(x, temperature, ks, vocab, top_k_tops(x, ks, vocab) if top is None else top)
         # topk's output is sorted, so tied values are adjacent: all top_p_sorted needs
         parts = _where_on(parts, keys, lambda k: k.top_p < 1.0, lambda v, rows, whole: top_p_sorted(
-            v, _column(keys, "top_p", rows, torch.float64, dev)))
+            v, column(keys, "top_p", rows, torch.float64, dev)))
     elif keys[0].top_p < 1.0:
-        parts = top_p_parts(x, temperature, _column(keys, "top_p", None, torch.float64, dev), vocab, native)
+        parts = top_p_parts(x, temperature, column(keys, "top_p", None, torch.float64, dev), vocab, native)
     else:
         check_top(vocab.amax(x)[:, 0], vocab.name, temperature)
         parts = [(None, x / temperature, None)]
     return _where_on(parts, keys, lambda k: k.min_p > 0, lambda v, rows, whole: (
-        min_p_rows(v, _column(keys, "min_p", rows, torch.float32, dev), vocab) if whole
-        else _min_p_sorted(v, _column(keys, "min_p", rows, torch.float32, dev))))
+        min_p_rows(v, column(keys, "min_p", rows, torch.float32, dev), vocab) if whole
+        else _min_p_sorted(v, column(keys, "min_p", rows, torch.float32, dev))))
 
 
 def cut_kind(cfg: SamplingConfig, vocab_size: int, draw: bool = False) -> str:
@@ -159,27 +163,50 @@ def cut_kind(cfg: SamplingConfig, vocab_size: int, draw: bool = False) -> str:
     return "whole"
 
 
-def _groups(configs: list[SamplingConfig] | SamplingConfig, batch: int, vocab_size: int,
-            device: torch.device) -> list[tuple[Tensor | None, list[SamplingConfig]]]:
-    """Rows whose cuts are of one kind, as (rows or None for the whole batch, their configs)."""
+def _groups(configs: list[SamplingConfig] | SamplingConfig, batch: int, vocab_size: int) -> list[list[int]]:
+    """The rows whose cuts are of one kind, in the order the kinds first appear."""
     if isinstance(configs, SamplingConfig):
-        return [(None, [configs] * batch)]
+        return [list(range(batch))]
     groups: dict[str, list[int]] = {}
     for r, c in enumerate(configs):
         groups.setdefault(cut_kind(c, vocab_size), []).append(r)
-    return [(None if len(rows) == batch else torch.tensor(rows, device=device), [configs[r] for r in rows])
-            for rows in groups.values()]
+    return list(groups.values())
+
+
+# rows apart in the batch are copied together (one pass for them all) when their width is at most this: a screened
+# round's candidates; whole rows of a large vocabulary cost more to copy (~1 ms for four of 262,144) than the
+# separate passes save
+_GATHER_MAX_WIDTH = 4096
+
+
+def runs(rows: list[int], width: int) -> list[list[int]]:
+    """The rows of a group as the pieces its passes read: all of them where they lie side by side (a view) or are
+    narrow (copied together, one pass for them all); else each run of rows side by side, read in place."""
+    if rows[-1] - rows[0] == len(rows) - 1 or width <= _GATHER_MAX_WIDTH:
+        return [rows]
+    out = [[rows[0]]]
+    for r in rows[1:]:
+        if r == out[-1][-1] + 1:
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return out
 
 
 def cut_parts(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, vocab: Vocab):
-    """Steps 3-6 over the whole batch → list of (rows, vals, idx, configs of the group), rows indexing the batch."""
+    """Steps 3-6 over the whole batch → list of (rows, vals, idx, None), rows indexing the batch (None: all)."""
     out = []
     if x.shape[0] == 0:
         return out
-    for rows, cfgs in _groups(configs, x.shape[0], vocab.size, x.device):
-        xs = x if rows is None else x[rows]
-        for sub, vals, idx in apply_cut(xs, cfgs, vocab):
-            out.append((rows if sub is None else sub_part(rows, sub), vals, idx, cfgs))
+    batch = x.shape[0]
+    for group in _groups(configs, batch, vocab.size):
+        for run in runs(group, x.shape[1]):
+            whole = len(run) == batch
+            rows = None if whole else torch.tensor(run, device=x.device)
+            xs = x if whole else x[run[0]:run[-1] + 1] if run[-1] - run[0] == len(run) - 1 else x[rows]
+            for sub, vals, idx in apply_cut(xs, [configs] * len(run) if isinstance(configs, SamplingConfig)
+                                            else [configs[r] for r in run], vocab):
+                out.append((rows if sub is None else sub_part(rows, sub), vals, idx, None))
     return out
 
 

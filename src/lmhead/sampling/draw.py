@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from lmhead.sampling.config import SamplingConfig
-from lmhead.sampling.cuts import apply_cut, cut_kind, top_k_tops
+from lmhead.sampling.cuts import apply_cut, column, cut_kind, runs, top_k_tops
 from lmhead.sampling.race import draw_part, part_logprobs, seeded_generator
 from lmhead.sampling.top_p import top_p_draw, top_p_draw_unseeded
 from lmhead.sampling.vocab import Vocab
@@ -25,8 +25,8 @@ def _draw_group(x: Tensor, cfgs: list[SamplingConfig], generator: torch.Generato
     # of an unseeded draw (a seeded row keeps `sample`'s ids), or C finds it at once (unseeded rows)
     if cut_kind(first, vocab.size, draw=True) == "top_p_alone" and not (scored and first.seed is None):
         keys = [c.cut_key(vocab.size) for c in cfgs]
-        temperature = torch.tensor([[k.temperature] for k in keys], dtype=torch.float32, device=x.device)
-        top_p = torch.tensor([[k.top_p] for k in keys], dtype=torch.float64, device=x.device)
+        temperature = column(keys, "temperature", None, torch.float32, x.device)
+        top_p = column(keys, "top_p", None, torch.float64, x.device)
         if first.seed is None:
             return top_p_draw_unseeded(x, temperature, top_p, generator, vocab), None
         ids = top_p_draw(x, temperature, top_p, generator, True, vocab)
@@ -75,10 +75,6 @@ def _draw_seeded_top_k(x: Tensor, cfgs: list[SamplingConfig], gens: list[torch.G
     return ids, lp
 
 
-# rows apart in the batch are copied together (one pass for them all) when their width is at most this: a screened
-# round's candidates; whole rows of a large vocabulary cost more to copy (~1 ms for four of 262,144) than the
-# separate passes save
-_GATHER_MAX_WIDTH = 4096
 
 
 def draw_groups(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, generator: torch.Generator | None,
@@ -104,27 +100,16 @@ def draw_groups(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, gener
             lp[index] = got[1]
 
     for (kind, seeded), rows in groups.items():
-        # rows side by side are read as one view; rows apart are copied together where they are narrow or draw
-        # together (unseeded sampled rows share the generator): wide greedy and seeded rows apart are read in
-        # place, one by one
-        together = rows[-1] - rows[0] == len(rows) - 1
-        joint = together or x.shape[1] <= _GATHER_MAX_WIDTH
-        if not joint and (kind == "greedy" or seeded):
-            for r in rows:
-                gen = seeded_generator(cfgs[r].seed, steps[r], x.device) if seeded else generator
-                k = cfgs[r].cut_key(vocab.size).top_k
-                one = vocab.topk(x[r:r + 1], k + 1) if seeded and k else None
-                put([r], _draw_group(x[r:r + 1], [cfgs[r]], gen, vocab, one, scored))
-            continue
-        xs = x[rows[0]:rows[-1] + 1] if together else x[torch.tensor(rows, device=x.device)]
-        mine = [cfgs[r] for r in rows]
-        if not seeded:
-            put(rows, _draw_group(xs, mine, generator, vocab, scored=scored))
-        elif kind == "top_k":
-            gens = [seeded_generator(cfgs[r].seed, steps[r], x.device) for r in rows]
-            put(rows, _draw_seeded_top_k(xs, mine, gens, vocab, scored))
-        else:  # top-p, min-p or no cut: each row's own draw
-            for j, r in enumerate(rows):
-                put([r], _draw_group(xs[j:j + 1], [cfgs[r]], seeded_generator(cfgs[r].seed, steps[r], x.device),
-                                     vocab, scored=scored))
+        for run in runs(rows, x.shape[1]):
+            xs = x[run[0]:run[-1] + 1] if run[-1] - run[0] == len(run) - 1 else x[torch.tensor(run, device=x.device)]
+            mine = [cfgs[r] for r in run]
+            if kind == "greedy" or not seeded:
+                put(run, _draw_group(xs, mine, generator, vocab, scored=scored))
+            elif kind == "top_k":
+                gens = [seeded_generator(cfgs[r].seed, steps[r], x.device) for r in run]
+                put(run, _draw_seeded_top_k(xs, mine, gens, vocab, scored))
+            else:  # top-p, min-p or no cut: each row's own draw
+                for j, r in enumerate(run):
+                    put([r], _draw_group(xs[j:j + 1], [cfgs[r]], seeded_generator(cfgs[r].seed, steps[r], x.device),
+                                         vocab, scored=scored))
     return ids, lp

@@ -39,59 +39,98 @@ def _orders(cfgs: list) -> list[list[int]]:
     return list(groups.values())
 
 
-def _run_order(x: Tensor, cfgs: list, ctxs: list[Context], name: str) -> Tensor:
-    """Rows x [n,V] of one order through it, each step once over the rows that run it → [n,V]. x is not written."""
-    chains = [chain(c) for c in cfgs]
-    owned = False  # whether x is this function's own tensor (the caller's is never written)
+# rows of one order run step by step over all of them where they hold at most this many logits together (4 MiB: they
+# stay in the caches from one step to the next); wider, each row runs its whole chain on its own, while it is in the
+# caches (one pass of a step over 16 rows of 262,144 logits costs more than its 16 passes over one row each, and the
+# passes' fewer torch calls save little on rows that wide)
+_JOIN_MAX = 1 << 20
+
+
+class _Rows:
+    """A batch's rows as the chain moves them: row i is ``base[i][at[i]]``, a row of whichever tensor the step that
+    last wrote it made (the input at first), so that no step's output is copied back into one [n,V] tensor."""
+
+    def __init__(self, x: Tensor) -> None:
+        self.base, self.at = [x] * x.shape[0], list(range(x.shape[0]))
+
+    def row(self, i: int) -> Tensor:
+        return self.base[i][self.at[i]:self.at[i] + 1]
+
+    def block(self, rows: list[int]) -> Tensor | None:
+        """The rows as one tensor without a copy where they lie side by side in one, else None."""
+        first, at = self.base[rows[0]], self.at[rows[0]]
+        if all(self.base[i] is first and self.at[i] == at + j for j, i in enumerate(rows)):
+            return first[at:at + len(rows)]
+        return None
+
+    def joined(self, rows: list[int]) -> Tensor:
+        """The rows as one tensor [len(rows),V]: a view where they lie side by side, else a copy."""
+        block = self.block(rows)
+        return block if block is not None else torch.cat([self.row(i) for i in rows])
+
+    def put(self, rows: list[int], out: Tensor) -> None:
+        for j, i in enumerate(rows):
+            self.base[i], self.at[i] = out, j
+
+    def amax(self, rows: list[int]) -> Tensor:
+        """Each row's maximum [len(rows)], without joining them."""
+        block = self.block(rows)
+        return block.amax(dim=-1) if block is not None else torch.cat([self.row(i).amax(dim=-1) for i in rows])
+
+
+def _step_rows(s: Any, xs: _Rows, on: list[int], cfgs: list, ctxs: list[Context]) -> None:
+    """Step `s` on the rows `on`: once over them (``Step.rows``), as one tensor (a view where they lie side by side,
+    else a copy), else (a step without ``rows``) its ``apply`` on each row where it lies."""
+    if s.rows is not None and len(on) > 1:
+        block = xs.joined(on)
+        xs.put(on, s.rows(block, [cfgs[i] for i in on], [ctxs[i] for i in on]))
+        return
+    for i in on:
+        xs.put([i], rows_apply(s, xs.row(i), [cfgs[i]], [ctxs[i]]))
+
+
+def _run_order(xs: _Rows, members: list[int], cfgs: list, ctxs: list[Context], name: str) -> None:
+    """The rows `members` of xs, of one order, through it, each step once over the rows that run it (in xs)."""
+    chains = {i: chain(cfgs[i]) for i in members}
     checked = False
-    for step_name in order_of(cfgs[0]):
+    for step_name in order_of(cfgs[members[0]]):
         s = STEPS[step_name]
         if s.stage > 1 and not checked:
             checked = True
-            check_top(x.amax(dim=-1), name)  # an all -inf row after the masks: no token can be chosen
-        on = [i for i, ch in enumerate(chains) if s in ch]
-        if len(on) == len(cfgs):
-            out = rows_apply(s, x, cfgs, ctxs)
-            owned = owned or out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
-            x = out
-        elif on:
-            index = torch.tensor(on, device=x.device)
-            sub = rows_apply(s, x[index], [cfgs[i] for i in on], [ctxs[i] for i in on])
-            if not owned:
-                x, owned = x.clone(), True
-            x[index] = sub
+            check_top(xs.amax(members), name)  # an all -inf row after the masks: no token can be chosen
+        on = [i for i in members if s in chains[i]]
+        if on:
+            _step_rows(s, xs, on, cfgs, ctxs)
     if not checked:
-        check_top(x.amax(dim=-1), name)
-    greedy = [i for i, c in enumerate(cfgs) if c.is_greedy]
-    if len(greedy) < len(cfgs):  # NaN or +inf a step made (a temperature near 0 on huge logits)
-        sampled = [i for i, c in enumerate(cfgs) if not c.is_greedy]
-        check_top((x if not greedy else x[torch.tensor(sampled, device=x.device)]).amax(dim=-1), name)
-    if greedy:  # the argmax alone (the first one on ties)
-        index = torch.tensor(greedy, device=x.device)
-        vals = x[index]
-        top = vals.argmax(dim=-1, keepdim=True)
-        one = torch.full_like(vals, NEG_INF).scatter_(1, top, vals.gather(1, top))
-        if len(greedy) == len(cfgs):
-            return one
-        if not owned:
-            x = x.clone()
-        x[index] = one
-    return x
+        check_top(xs.amax(members), name)
+    sampled = [i for i in members if not cfgs[i].is_greedy]
+    if sampled:  # NaN or +inf a step made (a temperature near 0 on huge logits)
+        check_top(xs.amax(sampled), name)
+    for i in members:
+        if cfgs[i].is_greedy:  # the argmax alone (the first one on ties)
+            vals = xs.row(i)
+            top = vals.argmax(dim=-1, keepdim=True)
+            xs.put([i], torch.full_like(vals, NEG_INF).scatter_(1, top, vals.gather(1, top)))
+
+
+def _chain_rows(x: Tensor, cfgs: list, ctxs: list[Context], name: str) -> _Rows:
+    """Rows x [n,V] through each row's chain, as the rows the steps left (`_Rows`)."""
+    xs = _Rows(x)
+    for members in _orders(cfgs):
+        if len(members) * x.shape[1] <= _JOIN_MAX:
+            _run_order(xs, members, cfgs, ctxs, name)
+        else:  # wide rows: each through its chain alone, while it is in the caches
+            for i in members:
+                _run_order(xs, [i], cfgs, ctxs, name)
+    return xs
 
 
 def run_chain(x: Tensor, cfgs: list, ctxs: list[Context], name: str = "logits") -> Tensor:
     """Rows x [n,V] float32 (the raw logits) through each row's chain → processed logits [n,V] (-inf = cut); a greedy
-    row keeps its argmax only. XTC reads each row's coin from its Context (set by the caller)."""
+    row keeps its argmax only. XTC reads each row's coin from its Context (set by the caller). x is not written."""
     if x.shape[0] == 0:
         return x.clone()
-    groups = _orders(cfgs)
-    if len(groups) == 1:
-        return _run_order(x, cfgs, ctxs, name)
-    out = torch.empty_like(x)
-    for rows in groups:
-        index = torch.tensor(rows, device=x.device)
-        out[index] = _run_order(x[index], [cfgs[r] for r in rows], [ctxs[r] for r in rows], name)
-    return out
+    return _chain_rows(x, cfgs, ctxs, name).joined(list(range(x.shape[0])))
 
 
 def _mixes_xtc(cfg: Any) -> bool:
@@ -155,20 +194,22 @@ def draw_rows(x: Tensor, cfgs: list, ctxs: list[Context], steps: list[int] | Non
             ctx.xtc = coin <= cfg.xtc_probability  # llama.cpp: the cut is skipped when the chance exceeds P
         if not cfg.is_greedy:
             u[r] = torch.rand(1, 1, dtype=torch.float64, device=x.device, generator=gen)[0]
-    vals = run_chain(x, cfgs, ctxs)
+    xs = _chain_rows(x, cfgs, ctxs, "logits")
     for ctx in ctxs:
         ctx.xtc = None
     greedy = [r for r, c in enumerate(cfgs) if c.is_greedy]
     sampled = [r for r, c in enumerate(cfgs) if not c.is_greedy]
-    if greedy:
-        index = torch.tensor(greedy, device=x.device)
-        ids[index] = vals[index].argmax(dim=-1)
-    if sampled:
-        index = torch.tensor(sampled, device=x.device)
-        rows = vals if len(sampled) == n else vals[index]
-        drawn = draw_whole_rows(rows, None, Vocab(x.shape[1]), u[index])
+    for r in greedy:
+        ids[r] = xs.row(r).argmax(dim=-1)[0]
+    # the sampled rows drawn together where they are one tensor or cheap to join, else each where it lies
+    together = [sampled] if sampled and (xs.block(sampled) is not None or len(sampled) * x.shape[1] <= _JOIN_MAX) \
+        else [[r] for r in sampled]
+    for rows in together:
+        vals = xs.joined(rows)
+        index = torch.tensor(rows, device=x.device)
+        drawn = draw_whole_rows(vals, None, Vocab(x.shape[1]), u[index])
         ids[index] = drawn
-        lp[index] = _drawn_logprobs(rows, drawn.tolist())
+        lp[index] = _drawn_logprobs(vals, drawn.tolist())
     for r in sampled:
         accept(cfgs[r], ctxs[r].state, int(ids[r]), float(lp[r]))  # the stateful steps move (mirostat's μ)
     return ids, lp

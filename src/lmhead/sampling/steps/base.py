@@ -210,6 +210,8 @@ def rows_apply(step: Step, x: Tensor, cfgs: Sequence[Any], ctxs: Sequence[Contex
     """`step` on rows x [n,V] that all run it: its ``rows`` once, or ``apply`` on each row."""
     if step.rows is not None:
         return step.rows(x, cfgs, ctxs)
+    if x.shape[0] == 1:
+        return step.apply(x, cfgs[0], ctxs[0])
     return torch.cat([step.apply(x[r:r + 1], cfgs[r], ctxs[r]) for r in range(x.shape[0])])
 
 
