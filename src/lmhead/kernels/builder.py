@@ -31,7 +31,7 @@ __all__ = ["FLAGS", "HEADERS", "SOURCES", "build", "compiler", "intact", "librar
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("coded_kernel.c", "body_kernels.c", "row_kernels.c",
                                                      "decode_kernels.c", "step_kernels.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd_math.h", "body_kernels.h", "decode_kernels.h",
-                                                     "quant_types.h"))
+                                                     "quant_types.h", "sliced_kernel.h"))
 FLAGS = ("-O3", "-march=native", "-fPIC", "-fopenmp")
 _TIMEOUT = 180  # seconds for one compiler run
 

@@ -49,6 +49,11 @@
 
 #include "quant_types.h"
 
+/* the integer path of packed products (sliced_kernel.h) is built where the CPU has AVX-512 VNNI */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define LMHEAD_SLICED_BUILT 1
+#endif
+
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 2 /* blocks of four rows: see the decode product below */
 #endif
@@ -151,7 +156,24 @@ static inline void fetch_scales(const void* base, int64_t N, int64_t K, int64_t 
 #endif
 }
 
-int lmhead_coded_abi(void) { return 24; }
+int lmhead_coded_abi(void) { return 25; }
+
+/* whether packed 4-bit products take the integer path (sliced_kernel.h) where it is built: `set` 0 or 1 chooses,
+ * −1 asks; returns the mode now (always 0 where the CPU has no AVX-512 VNNI). Chosen once per process by
+ * kernels/native.py (measured by the self-test, or LMHEAD_SLICED) */
+#ifdef LMHEAD_SLICED_BUILT
+static int sliced_mode = 1;
+#else
+static const int sliced_mode = 0;
+#endif
+int lmhead_sliced(int set) {
+#ifdef LMHEAD_SLICED_BUILT
+    if (set == 0 || set == 1) sliced_mode = set;
+#else
+    (void)set;
+#endif
+    return sliced_mode;
+}
 
 /* the flags and level tables this library was built with, for kernels/native.py's check against its mirror */
 int lmhead_flag_values(int64_t* out, int cap) {
@@ -516,6 +538,8 @@ static void xp_layout(const float* x, int64_t K, float* xp) {
 }
 #endif
 
+#include "sliced_kernel.h"
+
 /* rows4_dot1's 256-bit loop over packed codes from group g0 on, with `packed` and g16 constants in each copy: the
  * nibbles' decoding is chosen when it is compiled, not tested per unit, and a copy that reads no IQ4 table holds
  * none in its registers; each row's products read x from L1 rather than holding it for the four rows (the
@@ -563,8 +587,18 @@ KERNEL_INLINE void rows4_finish(__m256* acc, const float* s, const float* o, con
 }
 
 KERNEL_INLINE void rows4_dot1(const float* x, const float* xp, const int8_t* c, const float* s, const float* o,
-                              const float* xs, int64_t ng, int packed, int g16, const char* pf, float* out) {
+                              const float* xs, int64_t ng, int packed, int g16, const char* pf, const sliced_row* sr,
+                              float* out) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+#ifdef LMHEAD_SLICED_BUILT
+    if (sr && sr->ok && (packed == 1 || packed == 2) && !g16) {
+        sliced_rows4(1, sr, c, s, ng, pf, &acc);
+        rows4_finish(acc, s, o, xs, ng, packed, out);
+        return;
+    }
+#else
+    (void)sr;
+#endif
     if (packed) {
         int64_t g0 = 0; /* groups before g0 done in 512-bit lanes (xp: the query row in their layout) */
 #ifdef __AVX512F__
@@ -824,8 +858,48 @@ static void rows4_q2(const float* x, const float* xp, int64_t K, const int8_t* c
  * row's value is the same bits from either (tests/test_gguf_file.py compares them) */
 __attribute__((noinline)) static void rows4_dot1_call(const float* x, const float* xp, const int8_t* c,
                                                       const float* s, const float* o, const float* xs, int64_t ng,
-                                                      int packed, int g16, const char* pf, float* out) {
-    rows4_dot1(x, xp, c, s, o, xs, ng, packed, g16, pf, out);
+                                                      int packed, int g16, const char* pf, const sliced_row* sr,
+                                                      float* out) {
+    rows4_dot1(x, xp, c, s, o, xs, ng, packed, g16, pf, sr, out);
+}
+
+#ifdef LMHEAD_SLICED_BUILT
+/* Q sliced query rows (each ok) of a block: out [Q][4] */
+KERNEL_INLINE void sliced_q(const int Q, const sliced_row* sr, const int8_t* c, const float* s, const float* o,
+                            const float* xs, int64_t ng, int packed, float* out) {
+    __m256 acc[8][4];
+    sliced_rows4(Q, sr, c, s, ng, NULL, acc);
+    for (int m = 0; m < Q; m++) rows4_finish(acc[m], s, o, xs ? xs + m * ng : NULL, ng, packed, out + 4 * m);
+}
+#endif
+
+/* several query rows of a block where the integer path is on (packed, G = 32): the rows that are ok eight, four, two
+ * or one at a time through the integer product, the others through the float one, each as it is alone; y: the
+ * block's first column of [M, N] */
+static void sliced_block(const float* x, const float* xp, int64_t K, const int8_t* c, const float* s,
+                         const float* o, const float* xs, int64_t ng, int packed, const sliced_row* sr, int64_t M,
+                         int64_t N, float* y) {
+    int64_t m = 0;
+    while (m < M) {
+        float out[32];
+        int64_t q = 0;
+#ifdef LMHEAD_SLICED_BUILT
+        while (q < 8 && m + q < M && sr[m + q].ok) q++;
+        const float* xsm = xs ? xs + m * ng : NULL;
+        if (q >= 8) q = 8, sliced_q(8, sr + m, c, s, o, xsm, ng, packed, out);
+        else if (q >= 4) q = 4, sliced_q(4, sr + m, c, s, o, xsm, ng, packed, out);
+        else if (q >= 2) q = 2, sliced_q(2, sr + m, c, s, o, xsm, ng, packed, out);
+        else if (q == 1) sliced_q(1, sr + m, c, s, o, xsm, ng, packed, out);
+#endif
+        if (q == 0) {
+            rows4_dot1_call(x + m * K, xp ? xp + m * K : NULL, c, s, o, xs ? xs + m * ng : NULL, ng, packed, 0, NULL,
+                            sr + m, out);
+            q = 1;
+        }
+        for (int64_t j = 0; j < q; j++)
+            for (int r = 0; r < 4; r++) y[(m + j) * N + r] = out[4 * j + r];
+        m += q;
+    }
 }
 
 /* eight weights rebuilt exactly: code·scale (+ offset) in one rounding, as gguf's dequantiser computes them
@@ -1215,6 +1289,24 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
 #else
         const float* const xp = NULL;
 #endif
+        /* the integer product's slices of each query row (sliced_kernel.h), once for all N rows */
+        int8_t* slices = NULL;
+        sliced_row* srows = NULL;
+#ifdef LMHEAD_SLICED_BUILT
+        if (sliced_mode && (packed == 1 || packed == 2) && G == 32) {
+            slices = (int8_t*)aligned_alloc(64, (size_t)(M * (K / 64) * SLICED_UNIT));
+            srows = (sliced_row*)malloc((size_t)M * sizeof(sliced_row));
+            if (!slices || !srows) {
+                free(slices), free(srows);
+                slices = NULL, srows = NULL;
+            } else {
+                for (int64_t m = 0; m < M; m++) {
+                    srows[m].units = slices + m * (K / 64) * SLICED_UNIT;
+                    srows[m].ok = sliced_prepare(x + m * K, K, slices + m * (K / 64) * SLICED_UNIT);
+                }
+            }
+        }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t n0 = b * 4, nr = 4;
@@ -1236,7 +1328,11 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
             const float* s = rows_scales(scale, N, K, ng, n0, nr, half, sub, s32);
             const float* o = offset ? rows_scales(offset, N, K, ng, n0, nr, half, sub, o32) : NULL;
             if (M == 1) {
-                rows4_dot1(x, xp, codes + n0 * row_bytes, s, o, xs, ng, packed, G == 16, spread, y + n0);
+                rows4_dot1(x, xp, codes + n0 * row_bytes, s, o, xs, ng, packed, G == 16, spread, srows, y + n0);
+                continue;
+            }
+            if (srows) { /* each query row as alone: the integer product or, where its row is not ok, the float one */
+                sliced_block(x, xp, K, codes + n0 * row_bytes, s, o, xs, ng, packed, srows, M, N, y + n0);
                 continue;
             }
             /* several query rows (verification, batched decode, prefill): each row's product is the one-row
@@ -1256,7 +1352,7 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
                 else if (q == 2) rows4_q2(xm, xpm, K, codes + n0 * row_bytes, s, o, xsm, ng, packed, G == 16, out);
                 else
                     rows4_dot1_call(xm, xpm, codes + n0 * row_bytes, s, o, xsm, ng, packed, G == 16,
-                                    m == 0 ? spread : NULL, out);
+                                    m == 0 ? spread : NULL, NULL, out);
                 for (int64_t j = 0; j < q; j++)
                     for (int r = 0; r < 4; r++) y[(m + j) * N + n0 + r] = out[4 * j + r];
                 m += q;
@@ -1266,6 +1362,7 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
 #ifdef __AVX512F__
         if (xp && xp != xp_stack) free(xp);
 #endif
+        free(slices), free(srows);
         return 0;
     }
 #endif
@@ -1523,7 +1620,7 @@ int lmhead_screen_rescore(const float* x, int64_t M, int64_t K, const int8_t* co
             const int64_t n = ids[m * cap + j], b = n / 4;
             float s32[4 * HALF_MAX_GROUPS], out[4];
             halves_to_floats(scale + b * 4 * ng, s32, 4 * ng);
-            rows4_dot1_call(x + m * K, NULL, codes + b * 4 * K, s32, NULL, NULL, ng, 0, 0, NULL, out);
+            rows4_dot1_call(x + m * K, NULL, codes + b * 4 * K, s32, NULL, NULL, ng, 0, 0, NULL, NULL, out);
             y[m * N + n] = out[n % 4];
         }
     }

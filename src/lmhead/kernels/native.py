@@ -71,7 +71,7 @@ __all__ = ["BF16", "F16", "F32", "FLAGS", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4
            "StepArgs", "block4", "keep_ge", "keep_ge_unsure", "library", "library_path", "pack4", "row_lse_bounded",
            "row_moments", "row_scores", "select_ge", "topk", "typical_row", "unblock4", "unpack4"]
 
-_ABI = 24  # lmhead_coded_abi() of the sources above
+_ABI = 25  # lmhead_coded_abi() of the sources above
 
 
 def _layout_mismatch(lib: ctypes.CDLL) -> str | None:
@@ -103,6 +103,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     lib.lmhead_coded_abi.restype = i32
     lib.lmhead_coded_avx2.restype = i32
+    lib.lmhead_sliced.argtypes = [i32]
+    lib.lmhead_sliced.restype = i32
     lib.lmhead_flag_values.argtypes = [p, i32]
     lib.lmhead_flag_values.restype = i32
     lib.lmhead_level_table.argtypes = [i32, p]
@@ -192,6 +194,9 @@ def library() -> ctypes.CDLL | None:
                 from lmhead.kernels.self_test import self_test  # it calls this module's bindings
 
                 if self_test(lib):
+                    from lmhead.kernels.paths import choose
+
+                    choose(lib, path)
                     return lib
         except (OSError, AttributeError):
             pass

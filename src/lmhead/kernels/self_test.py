@@ -39,7 +39,16 @@ def self_test(lib: ctypes.CDLL) -> bool:
     g = torch.Generator().manual_seed(0)  # one stream of draws through every check, in this order
     checks = (grouped_products, four_row_blocks, packed_and_half, signed_and_levels, sub_scales, dense_weights,
               norms_and_gates, row_entry_points, steps_test, attend_test)
-    return all(check(lib, g) for check in checks)
+    if not all(check(lib, g) for check in checks):
+        return False
+    # where the packed products also have the integer path (sliced_kernel.h, on by default), their float32 path
+    if lib.lmhead_sliced(-1):
+        lib.lmhead_sliced(0)
+        try:
+            return packed_and_half(lib, g) and signed_and_levels(lib, g)
+        finally:
+            lib.lmhead_sliced(1)
+    return True
 
 
 def grouped_products(lib: ctypes.CDLL, g: torch.Generator) -> bool:

@@ -1,0 +1,249 @@
+/* Packed 4-bit products on the CPU's integer dot-product units (AVX-512 VNNI's vpdpbusd), within the float32
+ * product's error bound: the query row is split into three 8-bit slices, the weights' codes are already small
+ * integers, and each slice's products are summed exactly in int32.
+ *
+ * The activations are taken eight at a time — the eight a 32-bit lane of the product multiplies (below) — and for
+ * each such lane d₀ is the smallest power of two with max|x| / d₀ ≤ 127, d₂ = d₀·2⁻¹⁶, and in double (exact)
+ *
+ *     x + d₂/2 + 32896·d₂ = d₂·(2¹⁶·b₀ + 2⁸·b₁ + b₂) + r,   each bₖ a floor, b₁, b₂ in 0 … 255, 0 ≤ r < d₂
+ *
+ * so that x̂ = d₂·(2¹⁶·a₀ + 2⁸·a₁ + a₂) with a₀ = b₀ (−127 … 127), a₁ = b₁ − 128, a₂ = b₂ − 128 (−128 … 127: the
+ * 32896·d₂ = 128·(2⁸ + 1)·d₂ makes them signed bytes) and |x − x̂| ≤ d₂/2 ≤ 2⁻²³·max|x| over the lane. Then
+ *
+ *     Σᵢ cᵢ·x̂ᵢ = d₂·Σᵢ cᵢ·(2¹⁶·a₀ᵢ + 2⁸·a₁ᵢ + a₂ᵢ)
+ *
+ * is an integer times d₂: vpdpbusd multiplies the unsigned codes (0 … 15: the code of unsigned ones, Q4_1 and Q4_K,
+ * the code + 8 of signed ones, Q4_0) by each signed slice, four products to a 32-bit lane, the slices combined by
+ * shifts in the same lanes (Horner's way; a lane's eight products stay below 2³¹), and 8·Σ x̂'s integers per lane
+ * (`bias`, per query row) is subtracted, so that c is the centred code (code − 8 of unsigned codes, the code of
+ * signed ones): the sum coded_kernel.c's float loop makes, its offsets following as there (rows4_finish). The
+ * lane's integer becomes a float once, times its scale and d₂.
+ *
+ * The bound, stated in docs/decode.md: a float32 dot product of length K is within γ_K·Σ|w·x| (γ_K ≈ K·2⁻²⁴) of
+ * the exact one; the representation error here is at most d₂/2 per activation, within half of that bound for a
+ * lane whenever 8·d₂/2 ≤ (K·2⁻²⁵)·Σ|x| over the lane (its weights alike) — true for every lane once K ≥ 32, as
+ * max|x| ≤ Σ|x|, and checked. A query row with a non-finite value, or one near float32's smallest, takes the float32
+ * product instead (`ok`): a row's path depends on that row alone, so its value is the same bits alone or in a
+ * batch, as are its integers, whatever the order they were summed in.
+ *
+ * The codes stay in the packed layout of coded_kernel.c (byte 4·l + b of a 64-code unit holds codes 16·b + l, low
+ * nibble, and 16·b + 8 + l, high, each XOR 8): one byte shuffle per 16 bytes puts the bytes of equal b together,
+ * so that a 32-bit lane's four products belong to one group (b = 0, 1: group 2u; b = 2, 3: group 2u + 1), and the
+ * slices are laid out once per query row in that order.
+ *
+ * Included by coded_kernel.c only. */
+#ifndef LMHEAD_SLICED_KERNEL_H
+#define LMHEAD_SLICED_KERNEL_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define SLICES 3
+/* bytes a query row's slices take per 64-code unit: for each slice the low and high nibbles' activations in the
+ * shuffled order (32 bytes each: the two weight rows of a 512-bit vector read them as one broadcast), then d₂ and
+ * the centre's bias per lane (8 floats, 8 int32) */
+#define SLICED_UNIT 512
+
+typedef struct {
+    const int8_t* units; /* [K/64][SLICED_UNIT], 64-byte aligned */
+    int ok;              /* 0: this row takes the float32 product */
+} sliced_row;
+
+/* in-lane byte order that gathers the bytes of equal b (byte 4·l + b → position 4·b + l within each 16 bytes) */
+static const int8_t SLICED_GATHER[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+/* One query row x [K] into its slices (out: [K/64][SLICED_UNIT] bytes); returns whether the row can take the
+ * integer product (see the bound above). K a multiple of 64. */
+static int sliced_prepare(const float* x, int64_t K, int8_t* out) {
+    /* element i = 16b + 8h + 4c + j of a unit belongs to lane 4c + b and goes to byte 16c + 4b + j of the low
+     * (h = 0) or high (h = 1) nibbles' row: LANE_OF and POS_OF (the loops below vectorise over the 64) */
+    static int8_t LANE_OF[64], POS_OF[64];
+    static int tables = 0;
+    if (!tables) {
+        for (int i = 0; i < 64; i++) {
+            const int b = i / 16, h = (i / 8) % 2, c = (i / 4) % 2, j = i % 4;
+            LANE_OF[i] = (int8_t)(4 * c + b);
+            POS_OF[i] = (int8_t)(64 * h + 16 * c + 4 * b + j);
+        }
+        __atomic_store_n(&tables, 1, __ATOMIC_RELEASE);
+    }
+    (void)LANE_OF; /* read by the loops without AVX-512 */
+    int ok = 1;
+    for (int64_t u = 0; u < K / 64; u++) {
+        const float* xu = x + u * 64;
+        int8_t* dst = out + u * SLICED_UNIT;
+        float m[8] = {0}, l1[8] = {0}, dv[8];
+        int32_t bias[16];
+#ifdef __AVX512F__
+        for (int b = 0; b < 4; b++) { /* elements 16b + 8h + 4c + j: over h, then over j, for c = 0, 1 */
+            const __m512 v = _mm512_abs_ps(_mm512_loadu_ps(xu + 16 * b));
+            const __m256 lo = _mm512_castps512_ps256(v);
+            const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+            __m256 mx = _mm256_max_ps(lo, hi), sm = _mm256_add_ps(lo, hi);
+            mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0x4E)), sm = _mm256_add_ps(sm, _mm256_permute_ps(sm, 0x4E));
+            mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0xB1)), sm = _mm256_add_ps(sm, _mm256_permute_ps(sm, 0xB1));
+            float mv[8], sv[8];
+            _mm256_storeu_ps(mv, mx), _mm256_storeu_ps(sv, sm);
+            m[b] = mv[0], m[4 + b] = mv[4], l1[b] = sv[0], l1[4 + b] = sv[4];
+        }
+#else
+        for (int i = 0; i < 64; i++) {
+            const float v = fabsf(xu[i]);
+            m[LANE_OF[i]] = v > m[LANE_OF[i]] ? v : m[LANE_OF[i]];
+            l1[LANE_OF[i]] += v;
+        }
+#endif
+        double inv8[8], cen8[8];
+        for (int lane = 0; lane < 8; lane++) {
+            /* d₀: the smallest power of two with max|x| / d₀ ≤ 127 (from max|x|'s exponent bits: m = f·2^e, f in
+             * [0.5, 1), d₀ = 2^(e − 7), doubled where m / d₀ > 127); d₂ = d₀·2⁻¹⁶ the last slice's unit */
+            const float mm = m[lane];
+            int lane_ok = mm < 1e30f && !(mm > 0.f && mm < 1e-25f); /* inf, NaN, near the subnormals */
+            union { float f; uint32_t u; } bits = {mm}, d0 = {0.f};
+            const int e = lane_ok && mm > 0.f ? (int)((bits.u >> 23) & 0xFF) - 126 : 1;
+            d0.u = (uint32_t)(e - 7 + 127) << 23;
+            if (mm / d0.f > 127.f) d0.u += 1u << 23;
+            dv[lane] = d0.f * 1.52587890625e-5f; /* 2⁻¹⁶: exact, d₂ is a normal number (mm ≥ 1e-25) */
+            inv8[lane] = 1.0 / (double)d0.f;
+            cen8[lane] = 32896.5 * (double)dv[lane];
+            /* 8 · d₂/2 ≤ K·2⁻²⁵ · Σ|x| over the lane, in float32 with room */
+            if (mm > 0.f && 4.f * dv[lane] > (float)K * 2.98023224e-8f * l1[lane]) lane_ok = 0;
+            ok &= lane_ok;
+        }
+        if (!ok) return 0;
+        /* in double, exact: y = x + d₂/2 + 32896·d₂ = d₂·(2¹⁶·b₀ + 2⁸·b₁ + b₂) + r' with each bₖ a floor (b₁, b₂ in
+         * 0 … 255, 0 ≤ r' < d₂); then x + d₂/2 = d₂·(2¹⁶·a₀ + 2⁸·a₁ + a₂) + r' with a₀ = b₀ in −127 … 127 and
+         * a₁ = b₁ − 128, a₂ = b₂ − 128 in −128 … 127: three signed bytes, |x − x̂| ≤ d₂/2 */
+        int32_t a[SLICES][64];
+#ifdef __AVX512F__
+        for (int i = 0; i < 64; i += 8) { /* elements i .. i + 7: lanes 4c + b, c = 0 (four), then 1 (four) */
+            const int b = i / 16;
+            const __m512d cen = _mm512_insertf64x4(_mm512_set1_pd(cen8[b]), _mm256_set1_pd(cen8[4 + b]), 1);
+            const __m512d inv = _mm512_insertf64x4(_mm512_set1_pd(inv8[b]), _mm256_set1_pd(inv8[4 + b]), 1);
+            __m512d t = _mm512_mul_pd(_mm512_add_pd(_mm512_cvtps_pd(_mm256_loadu_ps(xu + i)), cen), inv);
+            for (int k = 0; k < SLICES; k++) {
+                const __m512d q = _mm512_roundscale_pd(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+                __m256i qi = _mm512_cvtpd_epi32(q);
+                if (k > 0) qi = _mm256_sub_epi32(qi, _mm256_set1_epi32(128));
+                _mm256_storeu_si256((__m256i*)(a[k] + i), qi);
+                t = _mm512_mul_pd(_mm512_sub_pd(t, q), _mm512_set1_pd(256.0));
+            }
+        }
+#else
+        for (int i = 0; i < 64; i++) {
+            double t = ((double)xu[i] + cen8[LANE_OF[i]]) * inv8[LANE_OF[i]];
+            for (int k = 0; k < SLICES; k++) {
+                const double q = floor(t);
+                a[k][i] = (int32_t)q - (k == 0 ? 0 : 128);
+                t = (t - q) * 256.0;
+            }
+        }
+#endif
+#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+        /* each slice's 64 bytes in the natural order, permuted into its low and high rows (each twice); the lanes'
+         * sums of a slice are its bytes' four-byte sums, one dot product with ones per row */
+        __m512i perm_lo, perm_hi;
+        {
+            int8_t plo[64], phi[64];
+            for (int i = 0; i < 64; i++) {
+                const int p = POS_OF[i] % 64;
+                (POS_OF[i] < 64 ? plo : phi)[p] = (int8_t)i;
+                (POS_OF[i] < 64 ? plo : phi)[p + 32] = (int8_t)i;
+            }
+            perm_lo = _mm512_loadu_si512(plo), perm_hi = _mm512_loadu_si512(phi);
+        }
+        const __m512i ones = _mm512_set1_epi8(1);
+        __m512i comb = _mm512_setzero_si512();
+        for (int k = 0; k < SLICES; k++) {
+            const __m512i nat = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_setr_m128i(_mm512_cvtepi32_epi8(_mm512_loadu_si512(a[k])),
+                                                         _mm512_cvtepi32_epi8(_mm512_loadu_si512(a[k] + 16)))),
+                _mm256_setr_m128i(_mm512_cvtepi32_epi8(_mm512_loadu_si512(a[k] + 32)),
+                                  _mm512_cvtepi32_epi8(_mm512_loadu_si512(a[k] + 48))), 1);
+            const __m512i lo = _mm512_permutexvar_epi8(perm_lo, nat), hi = _mm512_permutexvar_epi8(perm_hi, nat);
+            _mm512_store_si512(dst + k * 128, lo);
+            _mm512_store_si512(dst + k * 128 + 64, hi);
+            comb = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(comb, 8), ones, lo), ones, hi);
+        }
+        _mm512_storeu_si512(bias, _mm512_slli_epi32(comb, 3)); /* the codes' centre: 8 · Σ a, combined */
+#else
+        int32_t sums[SLICES][8] = {{0}};
+        for (int k = 0; k < SLICES; k++) {
+            int8_t* sk = dst + k * 128; /* slice k: low nibbles' row, then high's, each stored twice */
+            for (int i = 0; i < 64; i++) {
+                const int p = POS_OF[i];
+                sk[p] = sk[p + 32] = (int8_t)a[k][i];
+                sums[k][LANE_OF[i]] += a[k][i];
+            }
+        }
+        for (int lane = 0; lane < 8; lane++) { /* the codes' centre: Σ (code − 8)·a = Σ code·a − 8·Σ a */
+            int32_t t = 0;
+            for (int k = 0; k < SLICES; k++) t = t * 256 + sums[k][lane];
+            bias[lane] = bias[lane + 8] = 8 * t;
+        }
+#endif
+        memcpy(dst + SLICES * 128, dv, 32);
+        memcpy(dst + SLICES * 128 + 32, dv, 32);
+        memcpy(dst + SLICES * 128 + 64, bias, 64);
+    }
+    return ok;
+}
+
+#ifdef LMHEAD_SLICED_BUILT
+
+/* a block of four weight rows (ROWS4, packed, G = 32) against Q sliced query rows (sr[0 .. Q − 1], each ok; Q a
+ * constant in each inlined copy): acc[m][r] receives row r's Σ_g scale_g·Σ (code − 8)·x̂ (unsigned codes) or
+ * Σ_g scale_g·Σ code·x̂ (signed) for query row m in eight lanes, as rows4_packed_n's loop leaves it for
+ * rows4_finish. The codes are unpacked once for the Q rows; each row's sums are the same operations in the same
+ * order whatever Q is (its integers are exact, its float multiply-adds go unit by unit), so a row's value is the
+ * same bits alone or among others. */
+static inline __attribute__((always_inline)) void sliced_rows4(const int Q, const sliced_row* sr, const int8_t* c,
+                                                               const float* s, int64_t ng, const char* pf,
+                                                               __m256 (*acc)[4]) {
+    const __m512i gather = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)SLICED_GATHER));
+    const __m512i lanes = _mm512_set_epi32(3, 3, 2, 2, 3, 3, 2, 2, 1, 1, 0, 0, 1, 1, 0, 0);
+    const __m512i low = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x88);
+    __m512 a01[8], a23[8];
+    for (int m = 0; m < Q; m++) a01[m] = a23[m] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < ng / 2; u++) {
+        fetch_unit(pf, u);
+        const int8_t* cu = c + u * 128;
+        const __m512i v01 = _mm512_shuffle_epi8(_mm512_xor_si512(_mm512_loadu_si512(cu), flip), gather);
+        const __m512i v23 = _mm512_shuffle_epi8(_mm512_xor_si512(_mm512_loadu_si512(cu + 64), flip), gather);
+        /* the codes (unsigned bytes 0 … 15: the code, or the code + 8 of signed ones) */
+        const __m512i lo01 = _mm512_and_si512(v01, low), hi01 = _mm512_and_si512(_mm512_srli_epi16(v01, 4), low);
+        const __m512i lo23 = _mm512_and_si512(v23, low), hi23 = _mm512_and_si512(_mm512_srli_epi16(v23, 4), low);
+        const __m512i z = _mm512_setzero_si512();
+        /* the lanes' scales: rows r, r + 1's groups 2u, 2u + 1 in the lanes' order */
+        const __m128 s01 = _mm_castpd_ps(_mm_loadh_pd(_mm_load_sd((const double*)(s + 2 * u)),
+                                                      (const double*)(s + ng + 2 * u)));
+        const __m128 s23 = _mm_castpd_ps(_mm_loadh_pd(_mm_load_sd((const double*)(s + 2 * ng + 2 * u)),
+                                                      (const double*)(s + 3 * ng + 2 * u)));
+        const __m512 w01 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s01));
+        const __m512 w23 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s23));
+        for (int m = 0; m < Q; m++) {
+            const int8_t* sl = sr[m].units + u * SLICED_UNIT;
+            __m512i t01 = z, t23 = z;
+            for (int k = 0; k < SLICES; k++) {
+                const __m512i xl = _mm512_load_si512(sl + 128 * k), xh = _mm512_load_si512(sl + 128 * k + 64);
+                if (k > 0) t01 = _mm512_slli_epi32(t01, 8), t23 = _mm512_slli_epi32(t23, 8);
+                t01 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(t01, lo01, xl), hi01, xh);
+                t23 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(t23, lo23, xl), hi23, xh);
+            }
+            const __m512 d = _mm512_load_ps((const float*)(sl + SLICES * 128));
+            const __m512i bias = _mm512_load_si512(sl + SLICES * 128 + 64);
+            a01[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t01, bias)), _mm512_mul_ps(w01, d), a01[m]);
+            a23[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t23, bias)), _mm512_mul_ps(w23, d), a23[m]);
+        }
+    }
+    for (int m = 0; m < Q; m++) {
+        acc[m][0] = _mm512_castps512_ps256(a01[m]);
+        acc[m][1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a01[m]), 1));
+        acc[m][2] = _mm512_castps512_ps256(a23[m]);
+        acc[m][3] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a23[m]), 1));
+    }
+}
+#endif
+
+#endif

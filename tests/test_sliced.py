@@ -1,0 +1,154 @@
+"""The integer path of packed 4-bit products (kernels/sliced_kernel.h: the query row in 8-bit slices, vpdpbusd on
+AVX-512 VNNI) against float64: within the float32 product's error bound γ_K·Σ|w·x| on random rows, outlier
+channels, tiny and zero groups and real activations of both packaged models; each row the same bits alone or in a
+batch; rows it cannot bound (non-finite, near float32's smallest) through the float32 path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmhead.kernels import native
+from lmhead.models.coded_linear import CodedLinear
+
+LIB = native.library()
+pytestmark = pytest.mark.skipif(LIB is None or LIB.lmhead_sliced(-1) == 0 and LIB.lmhead_sliced(1) == 0,
+                                reason="the integer path is built only where the CPU has AVX-512 VNNI")
+
+
+@pytest.fixture
+def sliced():
+    """The integer path on for the test, the machine's choice restored after it."""
+    before = LIB.lmhead_sliced(-1)
+    LIB.lmhead_sliced(1)
+    yield
+    LIB.lmhead_sliced(before)
+
+
+def _matrix(n: int, k: int, kind: str, g: torch.Generator) -> tuple[CodedLinear, torch.Tensor]:
+    """A packed 4-bit matrix (groups of 32) and the float64 weights it encodes."""
+    if kind == "signed":
+        codes = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+        offset = None
+    else:
+        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
+        offset = torch.randn(n, k // 32, generator=g) * 0.01
+    scale = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
+    w = codes.double() * scale.double().repeat_interleave(32, 1)
+    if offset is not None:
+        w = w + offset.double().repeat_interleave(32, 1)
+    return CodedLinear(codes, scale, offset, four_bit=kind), w
+
+
+def _within_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    """The largest |y − x·wᵀ| (float64) as a fraction of the float32 dot product's bound γ_K·Σ|w·x|."""
+    k = x.shape[-1]
+    gamma = k * 2.0**-24 / (1 - k * 2.0**-24)
+    exact = x.double() @ w.T
+    bound = gamma * (x.double().abs() @ w.abs().T)
+    return float(((y.double() - exact).abs() / bound).max())
+
+
+def _rows(m: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """Query rows with what LLM activations have: massive outlier channels, groups of tiny values, zero groups."""
+    x = torch.randn(m, k, generator=g)
+    x[:, 5] = 300.0  # an outlier beside ordinary values in its group
+    x[:, 64:96] *= 1e-6  # a group of tiny values
+    x[:, k - 32:] = 0.0  # a zero group
+    x[0, k - 40] = -1e4
+    return x
+
+
+@pytest.mark.parametrize("kind", ["unsigned", "signed"])
+@pytest.mark.parametrize("k", [128, 576, 1536])
+def test_integer_path_is_within_the_float32_products_bound(sliced, kind, k):
+    g = torch.Generator().manual_seed(k)
+    coded, w = _matrix(64, k, kind, g)
+    for m in (1, 3, 9):
+        x = _rows(m, k, g)
+        assert _within_bound(coded(x), x, w) < 1.0
+
+
+@pytest.mark.parametrize("kind", ["unsigned", "signed"])
+def test_integer_path_is_about_as_accurate_as_the_float_path(kind):
+    g = torch.Generator().manual_seed(1)
+    coded, w = _matrix(256, 1024, kind, g)
+    x = torch.randn(4, 1024, generator=g)  # ordinary rows (outliers: the bound above, not the float path's luck)
+    before = LIB.lmhead_sliced(-1)
+    try:
+        errors = {}
+        for mode in (0, 1):
+            LIB.lmhead_sliced(mode)
+            errors[mode] = _within_bound(coded(x), x, w)
+    finally:
+        LIB.lmhead_sliced(before)
+    assert errors[1] < 4 * errors[0] + 1e-3
+
+
+@pytest.mark.parametrize("kind", ["unsigned", "signed"])
+def test_a_row_is_the_same_bits_alone_and_in_any_batch(sliced, kind):
+    g = torch.Generator().manual_seed(2)
+    coded, _ = _matrix(96, 576, kind, g)
+    x = _rows(13, 576, g)
+    x[4, 7] = float("inf")  # a row the integer path cannot bound: the float32 path, for this row only
+    x[9, :] *= 1e-30  # near float32's smallest: the float32 path too
+    alone = torch.cat([coded(x[i:i + 1]) for i in range(13)])
+    same = lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)  # noqa: E731 (inf row)
+    for batch in (torch.arange(13), torch.tensor([9, 4, 0, 12, 1]), torch.arange(12, -1, -1)):
+        same(coded(x[batch]), alone[batch])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        same(coded(x), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_rows_the_integer_path_cannot_bound_take_the_float_path(sliced):
+    g = torch.Generator().manual_seed(3)
+    coded, w = _matrix(32, 256, "unsigned", g)
+    x = torch.randn(2, 256, generator=g)
+    x[1] *= 1e-30
+    LIB.lmhead_sliced(0)
+    want = coded(x)
+    LIB.lmhead_sliced(1)
+    got = coded(x)
+    assert torch.equal(got[1], want[1])  # the float32 path's bits
+    assert _within_bound(got, x, w) < 1.0
+    x[0, 3] = float("nan")
+    assert torch.isnan(coded(x)[0]).all() and not torch.isnan(coded(x)[1]).any()
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma-3-270m"])
+def test_real_activations_are_within_the_bound(sliced, name):
+    """Every packed matrix of the first and last blocks against the activations it multiplies in transformers'
+    forward of a prompt (RMS-normed inputs with their outlier channels, the MLP's gated products)."""
+    from lmhead import load_model
+
+    model = load_model(name, progress=False)
+    ids = torch.tensor([model.encode("The quick brown fox jumps over the lazy dog because it was late for")])
+    checked = []
+    for index in (0, len(model.lean.layers) - 1):
+        block = model.hf_model.base_model.layers[index]
+        inputs = {"qkv": block.self_attn.q_proj, "o": block.self_attn.o_proj, "gate_up": block.mlp.gate_proj,
+                  "down": block.mlp.down_proj}
+        for part, coded in model.lean.layers[index].coded.items():
+            if coded.four_bit not in ("unsigned", "signed") or coded.group != 32 or part not in inputs:
+                continue
+            x = _inputs_of(model, inputs[part], ids)
+            assert _within_bound(coded(x), x, coded.dequantize().double()) < 1.0, (index, part)
+            checked.append((index, part))
+    assert checked  # both models hold packed 4-bit matrices (Q4_1, Q4_K)
+
+
+def _inputs_of(model, module: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """What `module` multiplies [T, K] in transformers' forward of `ids`."""
+    got: list[torch.Tensor] = []
+    handle = module.register_forward_hook(lambda mod, inp, out: got.append(inp[0].detach()[0].float().clone()))
+    try:
+        with torch.no_grad():
+            model.hf_model(ids)
+    finally:
+        handle.remove()
+    return got[0]
