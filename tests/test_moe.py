@@ -329,3 +329,45 @@ def test_the_memory_check_counts_every_layers_experts_as_they_are_held(tmp_path,
         file_model.check_fits(f)
     monkeypatch.setattr(file_model, "available_memory", lambda: need)
     file_model.check_fits(f)
+
+
+def test_a_second_load_maps_the_experts_the_first_laid_out(tmp_path, monkeypatch):
+    from lmhead import load_model
+    from lmhead.models import file_experts
+
+    path, first = _load(tmp_path, monkeypatch, "qwen3_moe", "Q4_K")
+    sources = [(layer.moe.gate_up.source, layer.moe.down.source) for layer in first.lean.layers]
+    assert all(s is not None and s.is_file() for pair in sources for s in pair)  # written, and mapped back
+    ids = torch.tensor([first.encode("The cat sat on the mat")])
+    want = first.logits(ids)
+    monkeypatch.setattr(file_experts, "build_experts", lambda *a, **k: pytest.fail("the experts laid out again"))
+    again = load_model(str(path), progress=False)
+    assert [(layer.moe.gate_up.source, layer.moe.down.source) for layer in again.lean.layers] == sources
+    assert torch.equal(again.logits(ids), want)
+
+
+def test_a_damaged_file_of_laid_out_experts_is_laid_out_again(tmp_path, monkeypatch):
+    from tiny_gguf import reference_from_gguf
+
+    from lmhead import load_model
+    from lmhead.models.cache import fast_checksum_file
+
+    path, first = _load(tmp_path, monkeypatch, "qwen3_moe", "Q8_0")
+    damaged = first.lean.layers[0].moe.gate_up.source
+    ids = torch.tensor([first.encode("The cat sat on the mat")])
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 1  # same size, one bit other
+    damaged.write_bytes(bytes(data))
+    again = load_model(str(path), progress=False)
+    with torch.no_grad():
+        want = reference_from_gguf(path, "qwen3_moe")(ids).logits
+    torch.testing.assert_close(again.logits(ids), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    meta = damaged.with_suffix(".json").read_text()
+    assert fast_checksum_file(damaged) in meta  # rewritten
+
+
+def test_the_expert_cache_turned_off_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMHEAD_EXPERT_CACHE", "0")
+    _, model = _load(tmp_path, monkeypatch, "qwen3_moe", "Q8_0")
+    assert model.lean.layers[0].moe.gate_up.source is None
+    assert not (tmp_path / "cache" / "experts").exists()

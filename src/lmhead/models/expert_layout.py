@@ -21,6 +21,7 @@ over many experts at once. The numbers are those of the per-matrix layout (`Code
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -119,6 +120,7 @@ class ExpertMatrices:
         self.in_features, self.out_features = k, codes.shape[1]
         self.group, self.four_bit, self.rows4, self.sub = group, four_bit, rows4, sub
         self.flags = self[0].flags if len(self) else 0
+        self.source: Path | None = None  # the file its buffers are mapped from (models/expert_cache.py), if any
 
     def __len__(self) -> int:
         return self.codes.shape[0]
