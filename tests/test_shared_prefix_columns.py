@@ -6,6 +6,7 @@ with its row when rows leave, merge or are compacted."""
 from __future__ import annotations
 
 import ctypes
+import os
 
 import pytest
 import torch
@@ -101,13 +102,16 @@ def test_a_shared_run_is_read_from_the_stores_blocks_not_copied(model):
     batch = Batch(model, prefix_cache=cache)
     batch.add(prepare_ids(model, [model.encode(SYSTEM + q) for q in QUESTIONS[:3]], 2, SamplingConfig(temperature=0)))
     target = batch.rounds.target
-    ids = model.encode(SYSTEM + QUESTIONS[0])
-    m = cache.cached(ids[:-1])
-    _, keys, _ = cache.match(ids[:-1], count=False, joined=False)
+    prompts = [model.encode(SYSTEM + q)[:-1] for q in QUESTIONS[:3]]
+    m = cache.cached(prompts[0])
+    _, keys, _ = cache.match(prompts[0], count=False, joined=False)
+    common = len(os.path.commonprefix(prompts))
+    assert common > m  # the part past the last whole block: computed once by the join's lead, shared too
     for r in range(3):
         start, n, ks, _ = target.shared.rows[r]
-        assert n == m and all(a is b for a, b in zip(ks, keys, strict=False))
+        assert n == common and all(a is b for a, b in zip(ks, keys, strict=False))
         assert not target.keys[:, r, :, start:start + n].any()  # the row's own columns were never written
+    assert batch.prefilled == common - m + sum(len(p) - common for p in prompts)
 
 
 def _shared_pair(rows: int = 3, width: int = 40):

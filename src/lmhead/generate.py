@@ -20,6 +20,7 @@ rows `decode.rows.prepare` makes; the rows' text, scores and prefill pieces are 
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -132,6 +133,7 @@ class Batch:
         self.clock = Clock(profile)
         self._joining: tuple | None = None  # (rows, their Decoder, their last, room) while `begin_join` prefills
         self._leads: list[Decoder] = []  # a join's shared prompt beginnings, prefilled once before its rows (`_lead`)
+        self._partials: list[tuple] = []  # the leads' columns past their last whole block (`_keep_partial`)
         self.budget = PrefillBudget()  # the pieces of a joining prompt while rows decode
 
     @property
@@ -151,6 +153,7 @@ class Batch:
             while lead.prefill_piece():
                 pass
             self.prefilled += lead.prefilled
+            self._keep_partial(lead)
         ids, positions, attention = left_pad([r.prompt_ids for r in rows], self.pad, self.device)
         valid = None if attention is None else attention.bool()
         if not self.rows:
@@ -223,7 +226,7 @@ class Batch:
             self._piece(lead, 1, columns if columns is not None or not self.rows
                         else self.budget.columns(1, self.model.lean.CODED_MAX_ROWS))
             if not lead.prefilling:
-                self._leads.pop(0)
+                self._keep_partial(self._leads.pop(0))
                 if not self._leads:
                     self._begin_rows(rows)
             return True
@@ -255,26 +258,55 @@ class Batch:
         (`prefixes`) and the store that receives the blocks its prefill computes (`store`)."""
         if self.prefix_cache is None or self.model.lean is None:
             return {}
-        return {"prefixes": [self.prefix_cache.match(r.prompt_ids[:-1], joined=False) for r in rows],
-                "store": self.prefix_cache}
+        prefixes = [self._with_partial(r.prompt_ids[:-1], self.prefix_cache.match(r.prompt_ids[:-1], joined=False))
+                    for r in rows]
+        self._partials = []
+        return {"prefixes": prefixes, "store": self.prefix_cache}
+
+    def _with_partial(self, ids: list[int], found: tuple | None) -> tuple | None:
+        """A row's stored blocks (`PrefixCache.match`) and, where a lead of its join computed the columns after
+        them that its prompt begins with (`_keep_partial`), those too: a block of which they are the first."""
+        for tokens, keys, values in self._partials:
+            full = len(tokens) // self.prefix_cache.block * self.prefix_cache.block
+            if found is not None and found[0] == full and len(ids) >= len(tokens) and ids[:len(tokens)] == tokens:
+                return len(tokens), [*found[1], keys], [*found[2], values]
+        return found
+
+    def _keep_partial(self, lead: Decoder) -> None:
+        """A finished lead's columns past its last whole block (the store keeps whole blocks only), in a block of
+        their own for the rows of its join whose prompts begin with its tokens (`_with_partial`)."""
+        tokens, block = lead.common, self.prefix_cache.block
+        full = len(tokens) // block * block
+        if full == len(tokens):
+            return
+        keys, values = columns(lead.target, 0, torch.arange(full, len(tokens), device=lead.target.keys.device))
+        layers, kv, _, hd = keys.shape
+        pk, pv = (keys.new_zeros((layers, kv, block, hd)) for _ in range(2))
+        pk[:, :, :len(tokens) - full], pv[:, :, :len(tokens) - full] = keys, values
+        self._partials.append((tokens, pk, pv))
 
     def _lead(self, rows: list[Row]) -> list[Decoder]:
         """One-row Decoders (not started rounds: prefill only) for the beginnings that several of `rows` share and
-        the prefix cache lacks (whole blocks), longest first: prefilled before the rows start, they store those
-        blocks once, and every row then copies them in — concurrent requests with a common prefix compute it
-        once (and n > 1 rows their prompt)."""
+        the prefix cache lacks, longest first: prefilled before the rows start, they store those blocks once, and
+        every row then starts from them — concurrent requests with a common prefix compute it once (and n > 1
+        rows their prompt). A beginning is the rows' whole common start, its part past the last whole block
+        included (handed to the rows as a block of its own: `_keep_partial`)."""
         cache = self.prefix_cache
         if cache is None or cache.max_bytes == 0 or self.model.lean is None or len(rows) < 2:
             return []  # (a store that keeps nothing: a lead would compute its blocks for no one)
         chains = [cache.chain(r.prompt_ids[:-1]) for r in rows]
         count = Counter(key for chain in chains for key in chain)
         shared: dict[bytes, list[int]] = {}
+        groups: dict[bytes, tuple[int, list[list[int]]]] = {}  # by the last block shared: its rows' prompts
         for row, chain in zip(rows, chains, strict=True):
             n = 0
             while n < len(chain) and count[chain[n]] > 1:
                 n += 1
             if n:
-                shared[chain[n - 1]] = row.prompt_ids[:n * cache.block + 1]  # + the token after: `begin`'s last
+                groups.setdefault(chain[n - 1], (n, []))[1].append(row.prompt_ids)
+        for key, (n, prompts) in groups.items():  # the group's whole common start (at least its n blocks)
+            common = len(os.path.commonprefix([p[:-1] for p in prompts])) if len(prompts) > 1 else 0
+            shared[key] = prompts[0][:max(common, n * cache.block) + 1]  # + the token after: `begin`'s last
         inner = {key for ids in shared.values() for key in cache.chain(ids[:-1])[:-1]}
         leads = []
         for key, ids in sorted(shared.items(), key=lambda kv: -len(kv[1])):
@@ -284,6 +316,7 @@ class Batch:
             t = torch.tensor([ids], device=self.device)
             lead.begin(t, torch.arange(len(ids), device=self.device)[None], None, 0,
                        [cache.match(ids[:-1], count=False, joined=False)], cache)
+            lead.common = ids[:-1]
             leads.append(lead)
         return leads
 
@@ -304,7 +337,7 @@ class Batch:
     def drop_join(self) -> None:
         """Abandon the join under way (its prefill failed); the live rows go on."""
         self._joining = None
-        self._leads = []
+        self._leads, self._partials = [], []
         if not self.rows:
             self.rounds, self.last = None, None
 

@@ -153,14 +153,22 @@ class StaticCache:
     def read_columns(self, row: int, cols: Tensor) -> tuple[Tensor, Tensor]:
         """The keys and values [layers, H_kv, len(cols), hd] of `row`'s columns `cols` (ascending), its shared
         ones included: a view where they are its own and one run (a lone row's prompt), else a copy."""
-        if self.shared is not None and len(cols):
-            a, b = self.shared.span(row)
-            if a < b and int(cols[0]) < b and int(cols[-1]) >= a:
-                self.materialise([row])
-        if len(cols) and int(cols[-1]) - int(cols[0]) + 1 == len(cols):
-            run = slice(int(cols[0]), int(cols[-1]) + 1)
-            return self.keys[:, row, :, run], self.values[:, row, :, run]
-        return self.keys[:, row].index_select(2, cols), self.values[:, row].index_select(2, cols)
+        a, b = (0, 0) if self.shared is None or not len(cols) else self.shared.span(row)
+        if not (a < b and int(cols[0]) < b and int(cols[-1]) >= a):
+            if len(cols) and int(cols[-1]) - int(cols[0]) + 1 == len(cols):
+                run = slice(int(cols[0]), int(cols[-1]) + 1)
+                return self.keys[:, row, :, run], self.values[:, row, :, run]
+            return self.keys[:, row].index_select(2, cols), self.values[:, row].index_select(2, cols)
+        keys, values = self.keys[:, row].index_select(2, cols), self.values[:, row].index_select(2, cols)
+        inside = ((cols >= a) & (cols < b)).nonzero().squeeze(1)
+        _, _, ks, vs = self.shared.rows[row]
+        block = ks[0].shape[2]
+        at = cols[inside] - a
+        used = sorted(set((at // block).tolist()))  # only the blocks the columns are in
+        local = torch.tensor([used.index(int(c) // block) * block + int(c) % block for c in at])
+        keys[:, :, inside] = torch.cat([ks[i] for i in used], 2).index_select(2, local)
+        values[:, :, inside] = torch.cat([vs[i] for i in used], 2).index_select(2, local)
+        return keys, values
 
     def first_columns(self) -> Tensor:
         """[B] each row's first valid column (`length` for a row without any): its columns are within
