@@ -19,8 +19,9 @@ weights (normal, σ 0.02; norms 1) written as a Hugging Face folder, shard by sh
 `convert_hf_to_gguf.py` (the vendored source `make llama-bench` builds from) to a BF16 GGUF and `llama-quantize`
 to each --type. For each file: one child process loads it with lmhead (`load_model`, the file's own codes) and
 decodes --new-tokens greedily (draft none) after a warm-up — its load seconds and first token (from the process's
-start: the warm-up's first token), decode tok/s and peak RSS (under /usr/bin/time); then `llama-bench -t 2 -p 0
--n N` on the same file, its tok/s and peak RSS. A side that fails (out of memory, a crash, a refusal) leaves "-"
+start: the warm-up's first token), decode tok/s and peak RSS (under /usr/bin/time), twice over a cache of its own
+(cold: the file's metadata and a mixture's laid-out experts written; warm: read and mapped); then `llama-bench -t 2
+-p 0 -n N` on the same file, its tok/s and peak RSS. A side that fails (out of memory, a crash, a refusal) leaves "-"
 in its cells and the run goes on. On the 1B shape
 transformers' float32 forward on the same file (its GGUF loader: the dequantised weights, the numbers lmhead's
 exactness is defined against) generates the same greedy tokens in a third process, and the two lists are compared.
@@ -391,11 +392,14 @@ print(json.dumps({"ids": out[0, enc["input_ids"].shape[1]:].tolist()}))
 """
 
 
-def _child(code: str, *args: str) -> tuple[dict | None, float]:
+def _child(code: str, *args: str, cache: Path | None = None) -> tuple[dict | None, float]:
     """(the JSON a child Python printed — None where it failed, its error's last lines printed —, its peak RSS
-    MiB): a crash (out of memory, a refusal) is a row of the table, not the end of the run."""
+    MiB): a crash (out of memory, a refusal) is a row of the table, not the end of the run. `cache`: its
+    LMHEAD_CACHE."""
+    env = {**os.environ, **({"LMHEAD_CACHE": str(cache)} if cache is not None else {})}
     with tempfile.TemporaryFile("w+") as err:
-        proc, rss_file = _spawn([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=err, text=True)
+        proc, rss_file = _spawn([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=err, text=True,
+                                env=env)
         out = proc.stdout.read()
         status, rss = _wait(proc, rss_file)
         if status != 0:
@@ -438,9 +442,15 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
 
 
 def _measure(shape: str, kind: str, path: Path, args: argparse.Namespace, table) -> None:
-    """One file: lmhead's child, llama-bench, and on the 1B shape (or a MoE shape of at most 2 layers, not gpt-oss)
-    transformers' greedy tokens; one row of the table (a failed side's cells "-")."""
-    ours, rss = _child(_CHILD, str(path), str(args.new_tokens), PROMPT)
+    """One file: lmhead's child twice over a cache of its own (cold: the file's metadata and its experts' layout
+    made and written; warm: read and mapped), llama-bench, and on the 1B shape (or a MoE shape of at most 2
+    layers, not gpt-oss) transformers' greedy tokens; one row of the table (a failed side's cells "-")."""
+    cache = Path(tempfile.mkdtemp(prefix="lmhead-cache-", dir=path.parent))
+    try:
+        cold, cold_rss = _child(_CHILD, str(path), str(args.new_tokens), PROMPT, cache=cache)
+        ours, rss = _child(_CHILD, str(path), str(args.new_tokens), PROMPT, cache=cache)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
     theirs, their_rss = llama_bench(path, args.new_tokens)
     same = "-"
     # transformers' GGUF loader reads no gpt-oss file whole (its rope keys: gguf_meta.gpt_oss_config);
@@ -457,7 +467,7 @@ def _measure(shape: str, kind: str, path: Path, args: argparse.Namespace, table)
     layers = MOE_SHAPES.get(shape, SHAPES.get(shape, {})).get("num_hidden_layers")
     label = shape + (f" ({args.layers} of {layers} layers)" if args.layers else "")
     cells = [label, kind, f"{path.stat().st_size / 2**30:.2f}", _fmt(rate), _fmt(theirs), _fmt(ratio),
-             f"{rss:.0f}", f"{their_rss:.0f}", _fmt(None if ours is None else ours["load"], ".1f"),
+             f"{rss:.0f}", f"{cold_rss:.0f}", f"{their_rss:.0f}", _fmt(None if cold is None else cold["load"], ".1f"),
              _fmt(None if ours is None else ours["first"], ".1f"), same, f"{os.getloadavg()[0]:.2f}"]
     print("| " + " | ".join(cells) + " |", flush=True)
     figures = [Figure(f"{label} {kind} peak RSS", rss, "MiB", "llama-bench", their_rss, rss / their_rss)]
@@ -472,8 +482,9 @@ def _title(moe: bool, n: int) -> str:
             "32 of 2880, 4 a token), random quantised blocks (Q4_K_M: llama.cpp's mix; gpt-oss: MXFP4 experts, Q8_0 "
             "elsewhere), SmolLM2's tokenizer, a row's layers the first N of the model's where it says"
             if moe else "Llama shapes, random weights, SmolLM2's tokenizer")
-    return (f"{what}: greedy decode of {n} tokens, batch 1, lmhead (draft none; load and first token from the "
-            "process's start, cold) beside llama-bench -t 2 -p 0 on the same file; '-' where a side failed")
+    return (f"{what}: greedy decode of {n} tokens, batch 1, lmhead (draft none; its tok/s and RSS from a warm "
+            "run, its load and RSS also from the cold run before it over an empty cache, its first token from the "
+            "warm process's start) beside llama-bench -t 2 -p 0 on the same file; '-' where a side failed")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -508,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     rec = Recorder("scale")
     print(rec.header(), flush=True)
     columns = ["shape", "type", "file GiB", "lmhead tok/s", "llama-bench tok/s", "ratio", "lmhead RSS MiB",
-               "llama-bench RSS MiB", "lmhead load s", "lmhead first token s", "greedy = transformers", "load"]
+               "lmhead cold RSS MiB", "llama-bench RSS MiB", "lmhead cold load s", "lmhead warm first token s",
+               "greedy = transformers", "load"]
     tables = {moe: rec.table("moe" if moe else "shapes", _title(moe, args.new_tokens), columns)
               for moe in sorted({s in MOE_SHAPES for s in shapes})}
     work = args.work or Path(tempfile.mkdtemp(prefix="lmhead-bench-scale-"))
