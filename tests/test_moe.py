@@ -371,3 +371,12 @@ def test_the_expert_cache_turned_off_writes_nothing(tmp_path, monkeypatch):
     _, model = _load(tmp_path, monkeypatch, "qwen3_moe", "Q8_0")
     assert model.lean.layers[0].moe.gate_up.source is None
     assert not (tmp_path / "cache" / "experts").exists()
+
+
+def test_experts_the_disk_has_no_room_for_stay_in_memory(tmp_path, monkeypatch):
+    from lmhead.models import expert_cache
+
+    monkeypatch.setattr(expert_cache, "MARGIN", 1 << 62)  # more free disk than any disk has
+    _, model = _load(tmp_path, monkeypatch, "qwen3_moe", "Q8_0")
+    assert all(layer.moe.gate_up.source is None and layer.moe.down.source is None for layer in model.lean.layers)
+    assert not list((tmp_path / "cache" / "experts").rglob("*.bin*"))

@@ -16,6 +16,7 @@ what it wrote. `LMHEAD_EXPERT_CACHE=0` keeps the experts in memory only and writ
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -83,6 +84,7 @@ def _write(folder: Path, name: str, ex: ExpertMatrices) -> ExpertMatrices | None
     read-only folder: the experts then stay in memory)."""
     import xxhash
 
+    stale: list[Path] = []
     try:
         folder.mkdir(parents=True, exist_ok=True)
         if shutil.disk_usage(folder).free < ex.nbytes + MARGIN:
@@ -94,6 +96,7 @@ def _write(folder: Path, name: str, ex: ExpertMatrices) -> ExpertMatrices | None
                       "LMHEAD_EXPERT_CACHE=0 keeps them in memory only)", file=sys.stderr, flush=True)
         digest, at, parts = xxhash.xxh3_64(), 0, {}
         tmp = folder / f".{name}.bin.{os.getpid()}.{threading.get_ident()}"
+        stale.append(tmp)
         with open(tmp, "wb") as out:
             for key, t in _parts(ex).items():
                 pad = -at % _ALIGN
@@ -107,10 +110,15 @@ def _write(folder: Path, name: str, ex: ExpertMatrices) -> ExpertMatrices | None
         meta = {"parts": parts, "size": at, "xxh3_64": digest.hexdigest(), "k": ex.in_features,
                 "group": ex.group, "four_bit": ex.four_bit, "rows4": ex.rows4, "sub": ex.sub}
         tmp = folder / f".{name}.json.{os.getpid()}.{threading.get_ident()}"
+        stale.append(tmp)
         tmp.write_text(json.dumps(meta))
         tmp.replace(folder / f"{name}.json")
     except OSError:
         return None
+    finally:
+        for path in stale:  # a write that failed (a full disk) leaves no partial file behind
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
     return _map(folder / f"{name}.bin", meta)
 
 
