@@ -179,3 +179,64 @@ def test_rows_of_one_k_and_other_settings_share_one_pass_over_the_vocabulary(mon
     calls.clear()
     probabilities(x, [SamplingConfig(top_k=10 + r, temperature=0.7) for r in range(3)])
     assert calls == [((1, 20000), 11), ((1, 20000), 12), ((1, 20000), 13)]
+
+
+# --- a step's state is its own: the penalties' and DRY's records of a row's tokens, moved by accept -----------------
+
+RECORDED = [dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2, typical_p=0.95),
+            dict(dry_multiplier=0.8, dry_allowed_length=1, temperature=0.9),
+            dict(dry_multiplier=1.5, dry_penalty_last_n=6, dry_allowed_length=1, repetition_penalty=0.9,
+                 top_n_sigma=2.0),
+            dict(temperature=0, frequency_penalty=0.5, dry_multiplier=2.0, dry_allowed_length=1)]
+
+
+def test_records_moved_by_accept_give_the_numbers_of_records_made_from_the_whole_history(monkeypatch):
+    """A generation of 12 tokens: each row's records (made at the first token, then moved by each chosen token) give
+    the logits, draws and states that records made from the whole history at every token give; once made, they are
+    not made again."""
+    from lmhead.sampling.steps import penalties
+
+    of = penalties.PenaltyCounts.of
+    x = rows(4, vocab=300, seed=9)
+    cfgs = [SamplingConfig(**s, seed=r) for r, s in enumerate(RECORDED)]
+    hist = [[3, 7, 9, 3, 7], [1, 2, 1], [4, 4, 4, 4, 5, 6], [2, 5]]
+    plen = [2, 1, 3, 2]
+    states = [RowState() for _ in cfgs]
+    for step in range(12):
+        fresh = [RowState() for _ in cfgs]
+        want = process_logits(x, cfgs, prev_tokens=hist, prompt_len=plen)  # records made from the history
+        assert torch.equal(probabilities(x, cfgs, prev_tokens=hist, prompt_len=plen), torch.softmax(want, dim=-1))
+        ids = sample(x, cfgs, prev_tokens=hist, prompt_len=plen, step=step, state=states)
+        again = sample(x, cfgs, prev_tokens=hist, prompt_len=plen, step=step, state=fresh)
+        assert ids.tolist() == again.tolist()
+        assert states == fresh  # the records accept moved are the ones made from the history and the token
+        hist = [h + [int(t)] for h, t in zip(hist, ids, strict=True)]
+        x = x.roll(1, dims=1)
+    calls = []
+    monkeypatch.setattr(penalties.PenaltyCounts, "of", classmethod(lambda cls, h, p: calls.append(len(h)) or of(h, p)))
+    for step in range(3):
+        ids = sample(x, cfgs, prev_tokens=hist, prompt_len=plen, step=step, state=states)
+        hist = [h + [int(t)] for h, t in zip(hist, ids, strict=True)]
+    assert calls == []  # moved by accept, never made again
+
+
+def test_a_record_that_does_not_match_the_history_is_made_again_and_a_clone_moves_on_its_own():
+    x = rows(4, vocab=300, seed=10)[2:3]
+    cfg = SamplingConfig(repetition_penalty=1.5, frequency_penalty=0.3, dry_multiplier=1.0, dry_allowed_length=1,
+                         typical_p=0.9, seed=4)
+    hist = [5, 6, 5, 6, 5]
+    state = RowState()
+    tok = int(sample(x, cfg, prev_tokens=[hist], prompt_len=1, state=[state])[0])
+    assert set(state.history) == {"penalties", "dry"} and state.history["penalties"].length == len(hist) + 1
+    fork = state.clone()
+    # the history jumps by two tokens (drafts taken without a draw): the records are made again from it
+    jumped = hist + [tok, 9, 9]
+    fresh = RowState()
+    assert sample(x, cfg, prev_tokens=[jumped], prompt_len=1, state=[state], step=1).tolist() == sample(
+        x, cfg, prev_tokens=[jumped], prompt_len=1, state=[fresh], step=1).tolist()
+    assert state == fresh
+    assert state.history["penalties"].length == len(jumped) + 1
+    assert fork.history["penalties"].length == len(hist) + 1  # the fork did not move
+    assert fork.history["penalties"] is not state.history["penalties"]
+    state.reset()
+    assert state == RowState()

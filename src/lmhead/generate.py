@@ -397,7 +397,8 @@ class Batch:
         rows, tokenizer = self.rows, self.model.tokenizer
         history = [r.prompt_ids + r.generated for r in rows] if any(r.penalties for r in rows) else None
         plen = [len(r.prompt_ids) for r in rows]
-        states = {"states": [r.state for r in rows]} if any(r.stateful for r in rows) else {}
+        # a row's state: mirostat's μ, and the records its penalties and DRY keep of its tokens (moved by each token)
+        states = {"states": [r.state for r in rows]} if any(r.stateful or r.penalties for r in rows) else {}
         matchers = [r.matcher for r in rows]
         # a constrained greedy row's mask enters the screened head (its candidates are the allowed tokens'); a
         # constrained sampled row reads its whole row (its forced tokens are taken without a draw)

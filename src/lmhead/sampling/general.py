@@ -11,7 +11,8 @@ depends on nothing else in the batch, and the generator's stream is the one the 
 
 XTC is a coin per draw: ``sample`` throws it (probability xtc_probability) from the row's generator before the
 draw; ``process_logits`` / ``probabilities`` give the distribution the draw follows, the mixture
-(1 − P)·p(without) + P·p(with). Mirostat reads and, after a draw, moves the row's μ (``steps.RowState``).
+(1 − P)·p(without) + P·p(with). Mirostat reads and, after a draw, moves the row's μ, the penalties and DRY their
+records of the row's tokens (``steps.RowState``).
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ def draw_rows(x: Tensor, cfgs: list, ctxs: list[Context], steps: list[int] | Non
               generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
     """Rows x [n,V] → (ids [n], their processed logprobs [n]): each row's XTC coin and uniform from its generator
     (seeded rows: seeded_generator(seed, step)), in row order; the chain over the batch; the draws; then the
-    stateful steps accept each drawn token (mirostat's μ moves)."""
+    steps with state accept each chosen token (mirostat's μ, the penalties' and DRY's records move)."""
     n = x.shape[0]
     ids = torch.zeros(n, dtype=torch.long, device=x.device)
     lp = torch.zeros(n, dtype=torch.float32, device=x.device)
@@ -210,8 +211,8 @@ def draw_rows(x: Tensor, cfgs: list, ctxs: list[Context], steps: list[int] | Non
         drawn = draw_whole_rows(vals, None, Vocab(x.shape[1]), u[index])
         ids[index] = drawn
         lp[index] = _drawn_logprobs(vals, drawn.tolist())
-    for r in sampled:
-        accept(cfgs[r], ctxs[r].state, int(ids[r]), float(lp[r]))  # the stateful steps move (mirostat's μ)
+    for r in range(n):  # the stateful steps move (mirostat's μ, the penalties' and DRY's records)
+        accept(cfgs[r], ctxs[r].state, int(ids[r]), float(lp[r]))
     return ids, lp
 
 

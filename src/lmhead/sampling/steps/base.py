@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -125,17 +125,45 @@ class RowState:
     (``steps.accept``, after each drawn token), and the row's owner ``reset``s it (a new sequence) or ``clone``s it
     (a sequence that forks, such as the n choices of one prompt).
 
-    mu: mirostat's target surprise bound μ (None until the first mirostat step: then 2·τ, as llama.cpp)."""
+    mu: mirostat's target surprise bound μ (None until the first mirostat step: then 2·τ, as llama.cpp).
+    history: what the steps that read the row's tokens keep of them (``HistoryRecord``s by step name: the
+    penalties' counts, DRY's last tokens), made from the history at the step's first call and moved by ``accept``."""
 
     mu: float | None = None
+    history: dict[str, HistoryRecord] = field(default_factory=dict)
 
     def reset(self) -> None:
         """Back to the state of a sequence's first token."""
-        for f in fields(self):
-            setattr(self, f.name, f.default)
+        self.mu = None
+        self.history = {}
 
     def clone(self) -> RowState:
         """An independent copy: the fork moves on its own from here."""
+        return replace(self, history={name: record.clone() for name, record in self.history.items()})
+
+
+@dataclass
+class HistoryRecord:
+    """What a step keeps of a row's tokens (llama.cpp's penalties sampler keeps its token counts so): ``length`` tokens
+    taken in, the last of them ``last``, the first ``prompt_len`` of them the prompt. A step reads its record where
+    it matches the history it is shown (as long, ending with the same token, the same prompt: its tokens were
+    accepted one by one) and makes it again from the history where it does not (a first call, drafts taken in a
+    verification, a token forced without a draw), so its numbers never depend on which happened."""
+
+    length: int = 0
+    last: int | None = None
+    prompt_len: int = 0
+
+    def matches(self, history: list[int], prompt_len: int) -> bool:
+        return (self.length == len(history) and self.prompt_len == prompt_len
+                and self.last == (history[-1] if history else None))
+
+    def take(self, token: int) -> None:
+        """One more token (accepted after a draw)."""
+        self.length += 1
+        self.last = token
+
+    def clone(self) -> HistoryRecord:
         return replace(self)
 
 
@@ -174,7 +202,9 @@ class Step:
                 the float64 passes over the row of ``moments``, in C where the library is built)
     origin      the definition it follows (the reference implementation)
     accept      (cfg, RowState, token id, its processed log-probability) → None: what the step keeps moves after a
-                drawn token (stateful steps: mirostat's μ); None for a step without state
+                chosen token (mirostat's μ; the penalties' and DRY's records of the row's tokens); None for a step
+                that keeps nothing. ``state`` marks the steps whose state must move once a token (mirostat: a row
+                with one takes no drafts); a record re-made where it does not match the history needs no such care
     after       where lmhead's order runs it: after this step (a step of stage 2-4 the order does not name yet)
     example     settings that turn it on (benchmarks/bench_sampling.py measures each step with them)
     rows        (x [n,V] float32, cfgs [n], Contexts [n]) → x [n,V]: the step once over rows that all run it, its

@@ -1,11 +1,17 @@
 """Stage 2, the penalties: repetition / presence / frequency, DRY, no repeated n-grams.
 
-Each reads the row's history (prompt first, then the generated tokens) and lowers logits per token.
+Each reads the row's history (prompt first, then the generated tokens) and lowers logits per token. The penalties and
+DRY keep what they read of it as the row's own state (llama.cpp's samplers keep their token counts and last tokens
+so): a record (`PenaltyCounts`, `DryTail`) made from the history at the first call and moved by ``accept`` one drawn
+token at a time, read where it matches the history shown (``HistoryRecord.matches``), made again where it does not.
+The batch path's penalties (``penalize_``) read the history itself.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -14,12 +20,13 @@ from torch import Tensor
 from lmhead.sampling.inputs import check_overflow
 from lmhead.sampling.steps.base import (
     Context,
+    HistoryRecord,
     Param,
+    RowState,
     Step,
     ban_at,
     id_tuple,
     int_param,
-    param_rows,
     real_param,
     subtract_at,
 )
@@ -57,26 +64,96 @@ PARAMS = (
 )
 
 
-def _penalties_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
-    x = x.clone()
-    prev = torch.tensor([ctx.history], dtype=torch.long, device=x.device).reshape(1, -1)
-    full = lambda v: torch.tensor([v], dtype=torch.float32, device=x.device)
-    penalize_(x, prev, torch.tensor([ctx.prompt_len], device=x.device), full(cfg.repetition_penalty),
-               full(cfg.presence_penalty), full(cfg.frequency_penalty))
-    return x
+@dataclass
+class PenaltyCounts(HistoryRecord):
+    """The penalties' record of a row (llama.cpp's penalties sampler keeps its token counts so): every token of the
+    prompt and the generated ones, in the order first seen (``seen``: repetition), and each generated token's count
+    (``counts``: presence and frequency)."""
+
+    seen: dict[int, None] = field(default_factory=dict)
+    counts: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, history: list[int], prompt_len: int) -> PenaltyCounts:
+        record = cls(prompt_len=prompt_len)
+        for token in history:
+            record.take(token)
+        return record
+
+    def take(self, token: int) -> None:
+        self.seen[token] = None
+        if self.length >= self.prompt_len:
+            self.counts[token] = self.counts.get(token, 0) + 1
+        super().take(token)
+
+    def clone(self) -> PenaltyCounts:
+        return replace(self, seen=dict(self.seen), counts=dict(self.counts))
+
+
+def record_of(ctx: Context, name: str, make: Callable[[list[int], int], HistoryRecord]) -> Any:
+    """The step `name`'s record in the row's state where it matches the row's history, else made from the history
+    (and kept there, for ``accept`` to move)."""
+    record = ctx.state.history.get(name)
+    if record is None or not record.matches(ctx.history, ctx.prompt_len):
+        record = ctx.state.history[name] = make(ctx.history, ctx.prompt_len)
+    return record
+
+
+def _at(x: Tensor, rows: list[int], cols: list[int]) -> tuple[Tensor, Tensor]:
+    return torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)
 
 
 def _penalties_rows(x: Tensor, cfgs: Any, ctxs: Any) -> Tensor:
-    """The penalties on rows [n,V], each row's three settings a column: one pass over the rows' histories padded
-    with -1."""
+    """The penalties on rows [n,V], each row with its own settings, from each row's record (`PenaltyCounts`): its
+    seen tokens' logits · or / repetition_penalty, then its generated tokens' logits less count · frequency +
+    presence, each in one indexed write for all the rows (the numbers ``penalize_`` gives)."""
     x = x.clone()
-    prev = torch.full((x.shape[0], max(len(c.history) for c in ctxs)), -1, dtype=torch.long)
-    for r, c in enumerate(ctxs):
-        prev[r, :len(c.history)] = torch.tensor(c.history, dtype=torch.long)
-    column = lambda name: param_rows(cfgs, name, x)[:, 0]
-    penalize_(x, prev.to(x.device), torch.tensor([c.prompt_len for c in ctxs], device=x.device),
-              column("repetition_penalty"), column("presence_penalty"), column("frequency_penalty"))
+    records = [record_of(ctx, "penalties", PenaltyCounts.of) for ctx in ctxs]
+    rows, cols, reps = [], [], []
+    for r, (cfg, record) in enumerate(zip(cfgs, records, strict=True)):
+        if cfg.repetition_penalty != 1.0:
+            rows += [r] * len(record.seen)
+            cols += list(record.seen)
+            reps += [cfg.repetition_penalty] * len(record.seen)
+    if rows:
+        index = _at(x, rows, cols)
+        before = x[index]
+        rep = torch.tensor(reps, dtype=torch.float32, device=x.device)
+        after = torch.where(before < 0, before * rep, before / rep)
+        x[index] = after
+        bad = torch.isfinite(before) & ~torch.isfinite(after)
+        if bool(bad.any()):  # as penalize_ says it
+            j = int(bad.nonzero()[0, 0])
+            raise ValueError(f"repetition_penalty={rep[j].item():g} takes the logit {before[j].item():g} of token "
+                             f"{cols[j]} (row {rows[j]}) outside float32's range; use a repetition_penalty closer "
+                             "to 1")
+    rows, cols, counts, freq, pres = [], [], [], [], []
+    for r, (cfg, record) in enumerate(zip(cfgs, records, strict=True)):
+        if cfg.presence_penalty != 0.0 or cfg.frequency_penalty != 0.0:
+            rows += [r] * len(record.counts)
+            cols += list(record.counts)
+            counts += list(record.counts.values())
+            freq += [cfg.frequency_penalty] * len(record.counts)
+            pres += [cfg.presence_penalty] * len(record.counts)
+    if rows:
+        index = _at(x, rows, cols)
+        as32 = lambda v: torch.tensor(v, dtype=torch.float32, device=x.device)
+        x[index] = x[index] - (as32(counts) * as32(freq) + as32(pres))
     return x
+
+
+def _penalties_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
+    return _penalties_rows(x, [cfg], [ctx])
+
+
+def _take(name: str) -> Callable[[Any, RowState, int, float], None]:
+    """The ``accept`` of a step whose record is `name`: the drawn token joins it."""
+    def accept(cfg: Any, state: RowState, token: int, logprob: float) -> None:
+        record = state.history.get(name)
+        if record is not None:
+            record.take(token)
+
+    return accept
 
 
 def dry_repeat_lengths(history: list[int], breakers: tuple[int, ...], allowed_length: int,
@@ -118,10 +195,40 @@ def dry_repeat_lengths(history: list[int], breakers: tuple[int, ...], allowed_le
     return out
 
 
+@dataclass
+class DryTail(HistoryRecord):
+    """DRY's record of a row (llama.cpp's DRY sampler keeps its last tokens so): the last ``keep`` tokens (all of
+    them for -1), the ones its search reads."""
+
+    keep: int = -1
+    tokens: list[int] = field(default_factory=list)
+
+    @classmethod
+    def maker(cls, keep: int) -> Callable[[list[int], int], DryTail]:
+        def make(history: list[int], prompt_len: int) -> DryTail:
+            tail = history if keep < 0 else history[len(history) - min(keep, len(history)):]
+            return cls(len(history), history[-1] if history else None, prompt_len, keep, list(tail))
+
+        return make
+
+    def take(self, token: int) -> None:
+        self.tokens.append(token)
+        if 0 <= self.keep < len(self.tokens):
+            del self.tokens[0]
+        super().take(token)
+
+    def clone(self) -> DryTail:
+        return replace(self, tokens=list(self.tokens))
+
+
 def dry_penalties(cfg: Any, ctx: Context, width: int) -> tuple[list[int], list[float]]:
     """(ids, penalties): dry_multiplier · dry_base^(n − dry_allowed_length) for each token id < width with a repeat
-    length n ≥ dry_allowed_length (`dry_repeat_lengths`); the exponent capped as llama.cpp caps it."""
-    lengths = dry_repeat_lengths(ctx.history, cfg.dry_sequence_breakers, cfg.dry_allowed_length,
+    length n ≥ dry_allowed_length (`dry_repeat_lengths` over the row's record, `DryTail`); the exponent capped as
+    llama.cpp caps it."""
+    record = record_of(ctx, "dry", DryTail.maker(cfg.dry_penalty_last_n))
+    if record.keep != cfg.dry_penalty_last_n:  # another setting on the same state: its own record
+        record = ctx.state.history["dry"] = DryTail.maker(cfg.dry_penalty_last_n)(ctx.history, ctx.prompt_len)
+    lengths = dry_repeat_lengths(record.tokens, cfg.dry_sequence_breakers, cfg.dry_allowed_length,
                                  cfg.dry_penalty_last_n)
     lengths = {t: n for t, n in lengths.items() if t < width}
     # llama.cpp: the exponent at most log(FLT_MAX) / log(base) (int), where base > 1.000001
@@ -165,11 +272,11 @@ STEPS = (
     Step("penalties", ("repetition_penalty", "presence_penalty", "frequency_penalty"), 2, _has_penalties, False,
          "", _penalties_apply, "CTRL / transformers RepetitionPenaltyLogitsProcessor; OpenAI presence / frequency",
          frozenset({"torch", "sharded", "batch"}), history=True, aliases=("repetition_penalty", "penalty"),
-         rows=_penalties_rows),
+         rows=_penalties_rows, accept=_take("penalties")),
     Step("dry", ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers"),
          2, lambda c: c.dry_multiplier > 0 and c.dry_penalty_last_n != 0, False, "", _dry_apply,
          "llama.cpp llama_sampler_dry (src/llama-sampling.cpp)", history=True,
-         example=(("dry_multiplier", 0.8),), rows=_dry_rows),
+         example=(("dry_multiplier", 0.8),), rows=_dry_rows, accept=_take("dry")),
     Step("no_repeat_ngram", ("no_repeat_ngram_size",), 2, lambda c: c.no_repeat_ngram_size > 0, False,
          "would repeat an n-gram", _ngram_apply, "transformers NoRepeatNGramLogitsProcessor", history=True,
          aliases=("no_repeat_ngram_size",),
