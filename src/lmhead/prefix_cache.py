@@ -11,7 +11,9 @@ matches only where everything before it matches too, and two prompts that share 
 whatever follows. The engine stores a prompt's blocks as its prefill pieces are computed
 (`decode.engine.Decoder.prefill_piece`), and a row's generated tokens' blocks when it leaves the batch (finished
 or retired: a client that hung up leaves its blocks); every row that starts (lone, joining a running batch, each
-row of n > 1 or of a prompt list) copies in its prompt's longest run of stored blocks and prefills the rest.
+row of n > 1 or of a prompt list) starts from its prompt's longest run of stored blocks and prefills the rest —
+reading the stored blocks in place, shared by every row that begins with them (`models.kv_cache.SharedColumns`),
+where the C attention runs, else copying them in.
 
 A column's keys and values depend only on the tokens up to it and their positions (0, 1, ... in every row: left
 padding counts no positions), so the reused columns are the ones a prefill would compute — up to float rounding
@@ -112,8 +114,8 @@ class PrefixCache:
         """The longest run of stored blocks at the start of `ids`: (m tokens, their keys and values [layers, H_kv,
         m, hd], a copy), the run marked used; None where the first block is not stored. count: whether the
         counters see the lookup (a request's own, not the engine's for its own work). joined=False: the keys and
-        values as lists of the stored blocks' [layers, H_kv, block, hd] (read only: the engine copies them into
-        its cache, once)."""
+        values as lists of the stored blocks' [layers, H_kv, block, hd] (read only: the engine's rows read them in
+        place, or copy them into their cache once)."""
         if count:
             self.queries += 1
             self.query_tokens += len(ids)

@@ -89,13 +89,13 @@ class Decoder:
               offset: int = 0) -> Tensor:
         """`start` without its prefill: the caches made, the prompt columns (all but `last`) left to
         `prefill_piece`. prefixes [B]: per row None or (m, keys, values [layers, H_kv, ≥m, hd], or lists of blocks
-        of them) — the keys and values of the row's first m prompt tokens (`prefix_cache.PrefixCache.match`), copied
-        in instead of fed
-        (the prompts laid out by `prefix_layout`: each row's copied columns first, its other tokens fed after
-        them). store: a `prefix_cache.PrefixCache` that receives each row's full blocks as the pieces compute
-        them. cache: the target's cache, B rows of capacity ≥ offset + W + max_new_tokens + MAX_DRAFT_TOKENS + 2
-        (W: the laid-out width; `begin_join`: rows of the merged cache), its prompt columns from column `offset`
-        on (the ones before it left empty); None: a new one, from column 0."""
+        of them) — the keys and values of the row's first m prompt tokens (`prefix_cache.PrefixCache.match`), read
+        in place (blocks: `_copy_prefixes`) or copied in, instead of fed (the prompts laid out by `prefix_layout`:
+        those columns first, its other tokens fed after them). store: a `prefix_cache.PrefixCache` that receives
+        each row's full blocks as the pieces compute them. cache: the target's cache, B rows of capacity ≥ offset +
+        W + max_new_tokens + MAX_DRAFT_TOKENS + 2 (W: the laid-out width; `begin_join`: rows of the merged cache),
+        its prompt columns from column `offset` on (the ones before it left empty); None: a new one, from column
+        0."""
         b = ids.shape[0]
         if prefixes is not None and len(prefixes) != b:
             raise ValueError(f"prefixes: one per row ({b}), got {len(prefixes)}")
