@@ -45,7 +45,14 @@ straddles the cut is kept whole (HF's result there depends on its unstable sort'
 Shapes: ``logits`` is ``[B,V]`` (a ``[V]`` row is accepted and treated as a batch of one; outputs then drop
 the batch dimension, except ``logprobs``). Logits of any floating dtype are processed in float32.
 A config may be one ``SamplingConfig`` for the whole batch or a list with one per row: one batch can mix
-greedy and sampled rows with different settings; rows with the same cut-off settings run together.
+greedy and sampled rows with different settings. The settings are per-row parameters, as vLLM's sampler takes
+temperature[B], top_k[B], top_p[B]: rows whose cuts are of one kind (``cuts.cut_kind``: greedy, inside the top k,
+top-p without top-k, whole rows) take each pass over the vocabulary together, each with its own temperature, k, p and
+min-p (columns [b,1]), and a cut-off some of them leave off runs on the others only; the declared steps beyond these
+(``general``) run step by step, each once over the rows that run it (``Step.rows``), or each row through its chain
+alone where the rows are too wide to stay in the caches. Each row's numbers are the bits it gets alone, whatever the
+batch (candidates of rows of one k are cut together: a softmax over a row padded to another's width rounds
+otherwise).
 
 The vocabulary axis: the pipeline reads across the vocabulary (row max, top-k candidates with their ids, sums
 of masses and counts, the few tokens of one histogram bin) only through a ``Vocab``: the whole vocabulary in
@@ -57,9 +64,9 @@ Layout of this package, each floor importing only the ones before it: ``vocab`` 
 passes' constants) → ``config`` (``SamplingConfig``, ``as_configs``) → ``inputs`` (checks of logits, ids and
 per-row settings) → ``preprocess`` (steps 1-2) → ``rows`` (whole-row passes and the inverse-CDF draw) → ``race``
 (``seeded_generator``, ``race_draw``) → ``top_p`` (top-p's windows, bins, C pass and rejection draw) → ``cuts``
-(steps 3-6) → ``draw`` (step 8 over a batch's groups) → ``pipeline`` (``process_logits``, ``probabilities``,
-``sample``, ``sample_with_logprobs``, ``chosen_logprobs``) → ``logprobs`` (``LogProbs``, ``logprobs``,
-``entropy``).
+(steps 3-6, by kind of cut) → ``draw`` (step 8 over a batch's kinds) → ``pipeline`` (``process_logits``,
+``probabilities``, ``sample``, ``sample_with_logprobs``, ``chosen_logprobs``) → ``logprobs`` (``LogProbs``,
+``logprobs``, ``entropy``).
 
 Seeds: with ``config.seed`` set, a row's draw depends only on (seed, step) and the row's own logits — a
 ``torch.Generator`` seeded from (seed, step) draws noise over the row's kept tokens (top-p alone: its

@@ -75,9 +75,9 @@ def sample(logits: Tensor, config: ConfigArg = None, generator: torch.Generator 
     draws from a generator seeded with (seed, step), on its own, over its tokens in token-id order, so the id
     does not depend on the batch; ``step`` (int or one per row) is the position of the token being drawn.
     ``vocab`` as in ``process_logits`` (the ids are global). ``state``: one ``RowState`` per row that its stateful
-    steps (mirostat's μ) read and move (None: a fresh state per row, as at a first token).
-    Rows whose steps the batch path does not run (``SamplingConfig.runs_on("batch")`` false) are drawn one by one
-    by ``lmhead.sampling.general``."""
+    steps (mirostat's μ, the penalties' and DRY's records of the row's tokens) read and move (None: a fresh state per
+    row, as at a first token). Rows whose steps the batch path does not run (``SamplingConfig.runs_on("batch")``
+    false) are drawn by ``lmhead.sampling.general``, each step once over the rows that run it."""
     split = _split(logits, config, prev_tokens, prompt_len, vocab)
     if split is not None:
         ids = split.draw(generator, step, state, sample)[0]
