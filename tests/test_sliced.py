@@ -16,6 +16,9 @@ pytestmark = pytest.mark.skipif(LIB is None or LIB.lmhead_sliced(-1) == 0 and LI
                                 reason="the integer path is built only where the CPU has AVX-512 VNNI")
 
 
+KINDS = ["unsigned", "signed", "signed16", "offsets16"]
+
+
 @pytest.fixture
 def sliced():
     """The integer path on for the test, the machine's choice restored after it."""
@@ -26,18 +29,19 @@ def sliced():
 
 
 def _matrix(n: int, k: int, kind: str, g: torch.Generator) -> tuple[CodedLinear, torch.Tensor]:
-    """A packed 4-bit matrix (groups of 32) and the float64 weights it encodes."""
-    if kind == "signed":
-        codes = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
-        offset = None
-    else:
-        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
-        offset = torch.randn(n, k // 32, generator=g) * 0.01
-    scale = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
-    w = codes.double() * scale.double().repeat_interleave(32, 1)
+    """A packed 4-bit matrix and the float64 weights it encodes: "unsigned" (Q4_1, Q4_K: codes 0..15 with
+    offsets), "signed" (Q4_0: −8..7), "signed16" (Q3_K: groups of 16), "offsets16" (Q2_K: 0..3, offsets)."""
+    group = 16 if kind.endswith("16") else 32
+    low, high = {"unsigned": (0, 16), "signed": (-8, 8), "signed16": (-4, 4), "offsets16": (0, 4)}[kind]
+    codes = torch.randint(low, high, (n, k), generator=g, dtype=torch.int8)
+    offset = torch.randn(n, k // group, generator=g) * 0.01 if kind in ("unsigned", "offsets16") else None
+    scale = torch.rand(n, k // group, generator=g) * 0.02 + 1e-3
+    w = codes.double() * scale.double().repeat_interleave(group, 1)
     if offset is not None:
-        w = w + offset.double().repeat_interleave(32, 1)
-    return CodedLinear(codes, scale, offset, four_bit=kind), w
+        w = w + offset.double().repeat_interleave(group, 1)
+    coded = CodedLinear(codes, scale, offset, four_bit="unsigned" if kind == "unsigned" else "signed")
+    assert coded.four_bit is not None and coded.group == group
+    return coded, w
 
 
 def _within_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
@@ -59,7 +63,7 @@ def _rows(m: int, k: int, g: torch.Generator) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("kind", ["unsigned", "signed"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("k", [128, 576, 1536])
 def test_integer_path_is_within_the_float32_products_bound(sliced, kind, k):
     g = torch.Generator().manual_seed(k)
@@ -69,7 +73,7 @@ def test_integer_path_is_within_the_float32_products_bound(sliced, kind, k):
         assert _within_bound(coded(x), x, w) < 1.0
 
 
-@pytest.mark.parametrize("kind", ["unsigned", "signed"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_integer_path_is_about_as_accurate_as_the_float_path(kind):
     g = torch.Generator().manual_seed(1)
     coded, w = _matrix(256, 1024, kind, g)
@@ -85,7 +89,7 @@ def test_integer_path_is_about_as_accurate_as_the_float_path(kind):
     assert errors[1] < 4 * errors[0] + 1e-3
 
 
-@pytest.mark.parametrize("kind", ["unsigned", "signed"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_row_is_the_same_bits_alone_and_in_any_batch(sliced, kind):
     g = torch.Generator().manual_seed(2)
     coded, _ = _matrix(96, 576, kind, g)
@@ -134,7 +138,7 @@ def test_real_activations_are_within_the_bound(sliced, name):
         inputs = {"qkv": block.self_attn.q_proj, "o": block.self_attn.o_proj, "gate_up": block.mlp.gate_proj,
                   "down": block.mlp.down_proj}
         for part, coded in model.lean.layers[index].coded.items():
-            if coded.four_bit not in ("unsigned", "signed") or coded.group != 32 or part not in inputs:
+            if coded.four_bit not in ("unsigned", "signed") or part not in inputs:
                 continue
             x = _inputs_of(model, inputs[part], ids)
             assert _within_bound(coded(x), x, coded.dequantize().double()) < 1.0, (index, part)

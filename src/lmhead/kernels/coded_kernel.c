@@ -591,8 +591,11 @@ KERNEL_INLINE void rows4_dot1(const float* x, const float* xp, const int8_t* c, 
                               float* out) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
 #ifdef LMHEAD_SLICED_BUILT
-    if (sr && sr->ok && (packed == 1 || packed == 2) && !g16) {
-        sliced_rows4(1, sr, c, s, ng, pf, &acc);
+    if (sr && sr->ok && (packed == 1 || packed == 2)) {
+        if (g16)
+            sliced_rows4(1, 1, sr, c, s, ng, pf, &acc);
+        else
+            sliced_rows4(1, 0, sr, c, s, ng, pf, &acc);
         rows4_finish(acc, s, o, xs, ng, packed, out);
         return;
     }
@@ -866,19 +869,22 @@ __attribute__((noinline)) static void rows4_dot1_call(const float* x, const floa
 #ifdef LMHEAD_SLICED_BUILT
 /* Q sliced query rows (each ok) of a block: out [Q][4] */
 KERNEL_INLINE void sliced_q(const int Q, const sliced_row* sr, const int8_t* c, const float* s, const float* o,
-                            const float* xs, int64_t ng, int packed, float* out) {
+                            const float* xs, int64_t ng, int packed, int g16, float* out) {
     __m256 acc[8][4];
-    sliced_rows4(Q, sr, c, s, ng, NULL, acc);
+    if (g16)
+        sliced_rows4(Q, 1, sr, c, s, ng, NULL, acc);
+    else
+        sliced_rows4(Q, 0, sr, c, s, ng, NULL, acc);
     for (int m = 0; m < Q; m++) rows4_finish(acc[m], s, o, xs ? xs + m * ng : NULL, ng, packed, out + 4 * m);
 }
 #endif
 
-/* several query rows of a block where the integer path is on (packed, G = 32): the rows that are ok eight, four, two
+/* several query rows of a block where the integer path is on (unsigned or signed packed codes): the rows that are ok eight, four, two
  * or one at a time through the integer product, the others through the float one, each as it is alone; y: the
  * block's first column of [M, N] */
 static void sliced_block(const float* x, const float* xp, int64_t K, const int8_t* c, const float* s,
-                         const float* o, const float* xs, int64_t ng, int packed, const sliced_row* sr, int64_t M,
-                         int64_t N, float* y) {
+                         const float* o, const float* xs, int64_t ng, int packed, int g16, const sliced_row* sr,
+                         int64_t M, int64_t N, float* y) {
     int64_t m = 0;
     while (m < M) {
         float out[32];
@@ -886,14 +892,14 @@ static void sliced_block(const float* x, const float* xp, int64_t K, const int8_
 #ifdef LMHEAD_SLICED_BUILT
         while (q < 8 && m + q < M && sr[m + q].ok) q++;
         const float* xsm = xs ? xs + m * ng : NULL;
-        if (q >= 8) q = 8, sliced_q(8, sr + m, c, s, o, xsm, ng, packed, out);
-        else if (q >= 4) q = 4, sliced_q(4, sr + m, c, s, o, xsm, ng, packed, out);
-        else if (q >= 2) q = 2, sliced_q(2, sr + m, c, s, o, xsm, ng, packed, out);
-        else if (q == 1) sliced_q(1, sr + m, c, s, o, xsm, ng, packed, out);
+        if (q >= 8) q = 8, sliced_q(8, sr + m, c, s, o, xsm, ng, packed, g16, out);
+        else if (q >= 4) q = 4, sliced_q(4, sr + m, c, s, o, xsm, ng, packed, g16, out);
+        else if (q >= 2) q = 2, sliced_q(2, sr + m, c, s, o, xsm, ng, packed, g16, out);
+        else if (q == 1) sliced_q(1, sr + m, c, s, o, xsm, ng, packed, g16, out);
 #endif
         if (q == 0) {
-            rows4_dot1_call(x + m * K, xp ? xp + m * K : NULL, c, s, o, xs ? xs + m * ng : NULL, ng, packed, 0, NULL,
-                            sr + m, out);
+            rows4_dot1_call(x + m * K, xp ? xp + m * K : NULL, c, s, o, xs ? xs + m * ng : NULL, ng, packed, g16,
+                            NULL, sr + m, out);
             q = 1;
         }
         for (int64_t j = 0; j < q; j++)
@@ -1293,7 +1299,7 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
         int8_t* slices = NULL;
         sliced_row* srows = NULL;
 #ifdef LMHEAD_SLICED_BUILT
-        if (sliced_mode && (packed == 1 || packed == 2) && G == 32) {
+        if (sliced_mode && (packed == 1 || packed == 2)) {
             slices = (int8_t*)aligned_alloc(64, (size_t)(M * (K / 64) * SLICED_UNIT));
             srows = (sliced_row*)malloc((size_t)M * sizeof(sliced_row));
             if (!slices || !srows) {
@@ -1327,12 +1333,12 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
             }
             const float* s = rows_scales(scale, N, K, ng, n0, nr, half, sub, s32);
             const float* o = offset ? rows_scales(offset, N, K, ng, n0, nr, half, sub, o32) : NULL;
-            if (M == 1) {
+            if (M == 1 && (!srows || srows[0].ok)) {
                 rows4_dot1(x, xp, codes + n0 * row_bytes, s, o, xs, ng, packed, G == 16, spread, srows, y + n0);
                 continue;
             }
             if (srows) { /* each query row as alone: the integer product or, where its row is not ok, the float one */
-                sliced_block(x, xp, K, codes + n0 * row_bytes, s, o, xs, ng, packed, srows, M, N, y + n0);
+                sliced_block(x, xp, K, codes + n0 * row_bytes, s, o, xs, ng, packed, G == 16, srows, M, N, y + n0);
                 continue;
             }
             /* several query rows (verification, batched decode, prefill): each row's product is the one-row

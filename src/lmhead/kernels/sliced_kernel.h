@@ -13,7 +13,7 @@
  *     Σᵢ cᵢ·x̂ᵢ = d₂·Σᵢ cᵢ·(2¹⁶·a₀ᵢ + 2⁸·a₁ᵢ + a₂ᵢ)
  *
  * is an integer times d₂: vpdpbusd multiplies the unsigned codes (0 … 15: the code of unsigned ones, Q4_1 and Q4_K,
- * the code + 8 of signed ones, Q4_0) by each signed slice, four products to a 32-bit lane, the slices combined by
+ * the code + 8 of signed ones, Q4_0, Q3_K, Q2_K) by each signed slice, four products to a 32-bit lane, the slices combined by
  * shifts in the same lanes (Horner's way; a lane's eight products stay below 2³¹), and 8·Σ x̂'s integers per lane
  * (`bias`, per query row) is subtracted, so that c is the centred code (code − 8 of unsigned codes, the code of
  * signed ones): the sum coded_kernel.c's float loop makes, its offsets following as there (rows4_finish). The
@@ -28,8 +28,8 @@
  *
  * The codes stay in the packed layout of coded_kernel.c (byte 4·l + b of a 64-code unit holds codes 16·b + l, low
  * nibble, and 16·b + 8 + l, high, each XOR 8): one byte shuffle per 16 bytes puts the bytes of equal b together,
- * so that a 32-bit lane's four products belong to one group (b = 0, 1: group 2u; b = 2, 3: group 2u + 1), and the
- * slices are laid out once per query row in that order.
+ * so that a 32-bit lane's four products belong to one group (G = 32: b = 0, 1 group 2u, b = 2, 3 group 2u + 1;
+ * G = 16 — Q3_K, Q2_K —: b group 4u + b), and the slices are laid out once per query row in that order.
  *
  * Included by coded_kernel.c only. */
 #ifndef LMHEAD_SLICED_KERNEL_H
@@ -192,21 +192,24 @@ static int sliced_prepare(const float* x, int64_t K, int8_t* out) {
 
 #ifdef LMHEAD_SLICED_BUILT
 
-/* a block of four weight rows (ROWS4, packed, G = 32) against Q sliced query rows (sr[0 .. Q − 1], each ok; Q a
+/* a block of four weight rows (ROWS4, packed, G = 32, or G = 16: `g16`) against Q sliced query rows (sr[0 .. Q − 1], each ok; Q a
  * constant in each inlined copy): acc[m][r] receives row r's Σ_g scale_g·Σ (code − 8)·x̂ (unsigned codes) or
  * Σ_g scale_g·Σ code·x̂ (signed) for query row m in eight lanes, as rows4_packed_n's loop leaves it for
  * rows4_finish. The codes are unpacked once for the Q rows; each row's sums are the same operations in the same
  * order whatever Q is (its integers are exact, its float multiply-adds go unit by unit), so a row's value is the
  * same bits alone or among others. */
-static inline __attribute__((always_inline)) void sliced_rows4(const int Q, const sliced_row* sr, const int8_t* c,
-                                                               const float* s, int64_t ng, const char* pf,
-                                                               __m256 (*acc)[4]) {
+static inline __attribute__((always_inline)) void sliced_rows4(const int Q, const int g16, const sliced_row* sr,
+                                                               const int8_t* c, const float* s, int64_t ng,
+                                                               const char* pf, __m256 (*acc)[4]) {
     const __m512i gather = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)SLICED_GATHER));
-    const __m512i lanes = _mm512_set_epi32(3, 3, 2, 2, 3, 3, 2, 2, 1, 1, 0, 0, 1, 1, 0, 0);
+    /* lane (chunk, b) of rows r, r + 1: the scale of group 2u + b/2 (G = 32) or 4u + b (G = 16) of its row */
+    const __m512i lanes = g16 ? _mm512_set_epi32(7, 6, 5, 4, 7, 6, 5, 4, 3, 2, 1, 0, 3, 2, 1, 0)
+                              : _mm512_set_epi32(3, 3, 2, 2, 3, 3, 2, 2, 1, 1, 0, 0, 1, 1, 0, 0);
+    const int64_t gpu = g16 ? 4 : 2; /* groups a unit */
     const __m512i low = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x88);
     __m512 a01[8], a23[8];
     for (int m = 0; m < Q; m++) a01[m] = a23[m] = _mm512_setzero_ps();
-    for (int64_t u = 0; u < ng / 2; u++) {
+    for (int64_t u = 0; u < ng / gpu; u++) {
         fetch_unit(pf, u);
         const int8_t* cu = c + u * 128;
         const __m512i v01 = _mm512_shuffle_epi8(_mm512_xor_si512(_mm512_loadu_si512(cu), flip), gather);
@@ -215,13 +218,23 @@ static inline __attribute__((always_inline)) void sliced_rows4(const int Q, cons
         const __m512i lo01 = _mm512_and_si512(v01, low), hi01 = _mm512_and_si512(_mm512_srli_epi16(v01, 4), low);
         const __m512i lo23 = _mm512_and_si512(v23, low), hi23 = _mm512_and_si512(_mm512_srli_epi16(v23, 4), low);
         const __m512i z = _mm512_setzero_si512();
-        /* the lanes' scales: rows r, r + 1's groups 2u, 2u + 1 in the lanes' order */
-        const __m128 s01 = _mm_castpd_ps(_mm_loadh_pd(_mm_load_sd((const double*)(s + 2 * u)),
-                                                      (const double*)(s + ng + 2 * u)));
-        const __m128 s23 = _mm_castpd_ps(_mm_loadh_pd(_mm_load_sd((const double*)(s + 2 * ng + 2 * u)),
-                                                      (const double*)(s + 3 * ng + 2 * u)));
-        const __m512 w01 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s01));
-        const __m512 w23 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s23));
+        /* the lanes' scales: rows r, r + 1's groups of the unit in the lanes' order */
+        __m512 w01, w23;
+        if (g16) {
+            const __m256 s01 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(s + 4 * u)),
+                                                    _mm_loadu_ps(s + ng + 4 * u), 1);
+            const __m256 s23 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(s + 2 * ng + 4 * u)),
+                                                    _mm_loadu_ps(s + 3 * ng + 4 * u), 1);
+            w01 = _mm512_permutexvar_ps(lanes, _mm512_castps256_ps512(s01));
+            w23 = _mm512_permutexvar_ps(lanes, _mm512_castps256_ps512(s23));
+        } else {
+            const __m128 s01 = _mm_castpd_ps(_mm_loadh_pd(_mm_load_sd((const double*)(s + 2 * u)),
+                                                          (const double*)(s + ng + 2 * u)));
+            const __m128 s23 = _mm_castpd_ps(_mm_loadh_pd(_mm_load_sd((const double*)(s + 2 * ng + 2 * u)),
+                                                          (const double*)(s + 3 * ng + 2 * u)));
+            w01 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s01));
+            w23 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s23));
+        }
         for (int m = 0; m < Q; m++) {
             const int8_t* sl = sr[m].units + u * SLICED_UNIT;
             __m512i t01 = z, t23 = z;
