@@ -505,11 +505,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--new-tokens must be >= 1")
     if args.layers is not None and args.layers < 1:
         parser.error("--layers must be >= 1")
-    vendored_llama_cpp()
     shapes = args.shape or list(SHAPES)
     if args.layers is not None and any(s not in MOE_SHAPES for s in shapes):
         parser.error(f"--layers cuts the MoE shapes only ({', '.join(MOE_SHAPES)})")
     kinds = {shape: _types(parser, shape, args.type) for shape in shapes}
+    vendored_llama_cpp()
     if args.prepare:
         if args.work is None:
             parser.error("--prepare needs --work (the folder a later run measures)")

@@ -1,0 +1,52 @@
+"""benchmarks/bench_scale.py's MoE shapes: the Q4_K_M mix is llama.cpp's (its use_more_bits layers), the gpt-oss
+shape's experts MXFP4 beside Q8_0, and a side that crashes is a row of '-' cells, not the end of the run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import bench_scale  # noqa: E402
+
+
+def test_the_q4_k_m_mix_keeps_q6_k_where_llama_cpp_does():
+    table = bench_scale._moe_table("qwen3-30b-a3b", "Q4_K_M", 48)
+    kinds = {name: how for name, _, how in table}
+    more = [i for i in range(48) if kinds[f"blk.{i}.ffn_down_exps.weight"] == "Q6_K"]
+    # llama-quant.cpp's use_more_bits over 48 layers: the first and last 6, and every third from layer 8
+    assert more == [*range(6), *range(8, 42, 3), *range(42, 48)]
+    assert all(kinds[f"blk.{i}.attn_v.weight"] == ("Q6_K" if i in more else "Q4_K") for i in range(48))
+    assert all(kinds[f"blk.{i}.ffn_{p}_exps.weight"] == "Q4_K" for i in range(48) for p in ("gate", "up"))
+    assert kinds["output.weight"] == "Q6_K" and kinds["token_embd.weight"] == "Q4_K"
+    assert kinds["blk.0.ffn_gate_inp.weight"] == "normal"  # the router float32
+
+
+def test_the_gpt_oss_shape_has_mxfp4_experts_and_q8_0_elsewhere():
+    kinds = {name: how for name, _, how in bench_scale._moe_table("gpt-oss-20b", "MXFP4", 2)}
+    assert {kinds[f"blk.1.ffn_{p}_exps.weight"] for p in ("gate", "up", "down")} == {"MXFP4"}
+    assert kinds["blk.1.attn_q.weight"] == kinds["output.weight"] == "Q8_0"
+    assert kinds["blk.1.attn_sinks.weight"] == kinds["blk.1.ffn_down_exps.bias"] == "normal"
+
+
+def test_a_crashing_side_gives_no_figure_and_the_run_goes_on(tmp_path, monkeypatch):
+    bins = tmp_path / "bin"
+    bins.mkdir()
+    (bins / "llama-bench").write_text("#!/bin/sh\nkill -SEGV $$\n")
+    (bins / "llama-bench").chmod(0o755)
+    monkeypatch.setattr(bench_scale, "BIN", bins)
+    rate, rss = bench_scale.llama_bench(tmp_path / "any.gguf", 4)
+    assert rate is None and rss == rss  # a peak measured (not NaN) even so
+    out, _ = bench_scale._child("import sys; sys.exit(3)")
+    assert out is None
+
+
+@pytest.mark.parametrize("argv", [["--shape", "qwen3-30b-a3b", "--type", "Q5_K"],
+                                  ["--shape", "gpt-oss-20b", "--type", "Q4_K"]])
+def test_a_type_a_moe_shape_is_not_written_in_is_refused(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_scale.main([*argv, "--prepare", "--work", "/nonexistent"])
+    assert exc.value.code == 2 and "--type" in capsys.readouterr().err
