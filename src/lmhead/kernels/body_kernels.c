@@ -115,11 +115,11 @@ static inline float score_at(float sc, float scaling, float softcap, const float
 }
 
 #ifdef __AVX512F__
-/* q·k for eight columns k, k + hd, ..., k + 7·hd (hd a multiple of 16) → out[8], each the bits of the one-column
+/* q·k for eight columns k, k + hd, ..., k + 7·hd (hd a multiple of 16) → their eight scores in order, each the bits of the one-column
  * dot below: a 16-lane chain holds its two 8-lane chains side by side (lanes 0–7 the first, 8–15 the second),
  * and the eight columns' sum8 are one network of the same additions, lane pairs (i, i + 4), then (0, 2) and
  * (1, 3), then (0, 1) — eight independent chains and a shared reduction in place of one column at a time */
-static inline void dot8(const float* q, const float* k, int64_t hd, float* out) {
+static inline __m256 dot8(const float* q, const float* k, int64_t hd) {
     __m512 acc[8];
     for (int c = 0; c < 8; c++) acc[c] = _mm512_setzero_ps();
     for (int64_t i = 0; i < hd; i += 16) {
@@ -137,12 +137,7 @@ static inline void dot8(const float* q, const float* k, int64_t hd, float* out) 
     const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(w0, w1, 0x44), _mm512_shuffle_ps(w0, w1, 0xEE));
     /* quarter c: lane 0 column c's 0 + 1, lane 1 column c + 4's */
     const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x, x, 0x88), _mm512_shuffle_ps(x, x, 0xDD));
-    float lanes[16];
-    _mm512_storeu_ps(lanes, y);
-    for (int c = 0; c < 4; c++) {
-        out[c] = lanes[4 * c];
-        out[c + 4] = lanes[4 * c + 1];
-    }
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), y));
 }
 #endif
 
@@ -274,9 +269,22 @@ int lmhead_attend(const lmhead_attend_args* args) {
                         const float* kj = kv_run(keys, sh ? sh->keys : NULL, sh, b, kh, j, Hkv, hd, cap, sh_off, &r);
                         r = r < e ? r : e;
 #ifdef __AVX512F__
-                        if (hd % 16 == 0)
-                            for (float s8[8]; j + 8 <= r; j += 8, kj += 8 * hd) {
-                                dot8(qv, kj, hd, s8);
+                        if (hd % 16 == 0 && softcap == 0.f) { /* score_at's steps eight lanes at a time */
+                            __m256 mv = _mm256_set1_ps(m);
+                            for (; j + 8 <= r; j += 8, kj += 8 * hd) {
+                                __m256 sv = _mm256_mul_ps(dot8(qv, kj, hd), _mm256_set1_ps(scaling));
+                                if (mrow) sv = _mm256_add_ps(sv, _mm256_loadu_ps(mrow + j));
+                                _mm256_storeu_ps(pg + j, sv);
+                                mv = _mm256_max_ps(sv, mv); /* a NaN score leaves the maximum, as `sc > m` */
+                            }
+                            float lanes[8];
+                            _mm256_storeu_ps(lanes, mv);
+                            for (int c = 0; c < 8; c++)
+                                if (lanes[c] > m) m = lanes[c];
+                        } else if (hd % 16 == 0)
+                            for (; j + 8 <= r; j += 8, kj += 8 * hd) {
+                                float s8[8];
+                                _mm256_storeu_ps(s8, dot8(qv, kj, hd));
                                 for (int c = 0; c < 8; c++) pg[j + c] = score_at(s8[c], scaling, softcap, mrow, j + c, &m);
                             }
 #endif
