@@ -136,7 +136,17 @@ def machine(bandwidth: bool = True) -> dict:
         "cores": os.cpu_count(),
         "l3_bytes": _l3_bytes(),
         "read_gbs": read_bandwidth_gbs() if bandwidth else None,
+        "paths": kernel_paths(),
     }
+
+
+def kernel_paths() -> str | None:
+    """Which path the kernels' products take on this machine and why (kernels/paths.py), None without them."""
+    try:
+        from lmhead.kernels import native, paths
+    except ImportError:
+        return None
+    return paths.describe() if native.library() is not None else None
 
 
 def machine_kind(m: dict) -> str:

@@ -70,6 +70,8 @@ def caption(record: dict, now_kind: str) -> str:
     line = (f"`{record['command']}` · commit {sha} · {record['date'][:10]} · {m['cpu']} ({kind}; "
             f"{' '.join(m.get('flags') or []) or 'no AVX2'}), {m.get('cores')} cores, {_size(m.get('l3_bytes'))}, "
             f"{bw} · load average {start[0]} → {end[0]}")
+    if m.get("paths"):
+        line += f" · {m['paths']}"
     busy = [x for x in (start[0], end[0]) if isinstance(x, (int, float))]
     if busy and m.get("cores") and max(busy) > m["cores"]:
         line += f" · **load above the {m['cores']} cores**: other processes shared the CPU, timings are slow"
