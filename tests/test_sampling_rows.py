@@ -240,3 +240,23 @@ def test_a_record_that_does_not_match_the_history_is_made_again_and_a_clone_move
     assert fork.history["penalties"] is not state.history["penalties"]
     state.reset()
     assert state == RowState()
+
+
+def test_a_step_runs_once_over_the_rows_that_run_it_and_not_at_all_where_none_does(monkeypatch):
+    from lmhead.sampling.steps import cutoffs, top_a
+
+    seen = {"top_a": [], "typical": []}
+    rows_of_top_a, typical = top_a.top_a_rows, cutoffs.typical
+    monkeypatch.setattr(top_a, "top_a_rows", lambda x, a, v: seen["top_a"].append(x.shape[0]) or rows_of_top_a(x, a, v))
+    monkeypatch.setattr(cutoffs, "typical", lambda x, m: seen["typical"].append(x.shape[0]) or typical(x, m))
+    x = rows(4, vocab=500, seed=11)
+    cfgs = [SamplingConfig(top_a=0.1, temperature=0.7), SamplingConfig(typical_p=0.9),
+            SamplingConfig(top_a=0.3, typical_p=0.8), SamplingConfig(top_n_sigma=1.0)]
+    out = process_logits(x, cfgs)
+    assert seen == {"top_a": [2], "typical": [1, 1]}  # top-a once over its two rows; typical-p's C pass per row
+    for r, cfg in enumerate(cfgs):
+        assert torch.equal(out[r], process_logits(x[r], cfg))
+    seen["top_a"].clear()
+    seen["typical"].clear()
+    sample(x, [SamplingConfig(top_n_sigma=1.0 + r) for r in range(4)], generator=torch.Generator().manual_seed(0))
+    assert seen == {"top_a": [], "typical": []}  # steps no row runs cost nothing
