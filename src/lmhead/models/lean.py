@@ -346,19 +346,28 @@ class LeanBody(NativeStep):
         return layer.qk_norm
 
     # decode-sized calls (rows ≤ this: a step of up to 48 rows, a short prompt) take the coded kernel; a long
-    # prompt's prefill runs oneDNN's float32 GEMM over the same numbers. Measured on Gemma 3 (2 cores): a step of
-    # 32 rows 157 ms with oneDNN, 105 ms with the codes; a prefill of 32 tokens 125 / 98 ms, of 64 185 / 198 ms
+    # prompt's prefill runs oneDNN's float32 GEMM over the float32 weights where the model keeps them. Measured on
+    # Gemma 3 (2 cores): a step of 32 rows 157 ms with oneDNN, 105 ms with the codes; a prefill of 32 tokens 125 /
+    # 98 ms, of 64 185 / 198 ms
     CODED_MAX_ROWS = 48
+    # a model read from its file keeps no float32 weights: every product reads the codes, a long one in pieces of
+    # this many rows (the kernel's per-row buffers stay small; a row's value does not depend on its piece), so that
+    # a position is the same bits prefilled or decoded, alone or in a batch — rebuilding the float32 matrix for
+    # each long product cost more than the kernel's product itself
+    CODED_PIECE_ROWS = 256
 
     def _product(self, x: Tensor, layer: Layer, name: str, b: Tensor | None = None) -> Tensor:
         """x [B,T,in] through the layer's matrix `name` ("qkv", "o", "gate_up", "down")."""
         coded = layer.coded.get(name) if layer.coded else None
         weight = getattr(layer, name)
-        if coded is not None and (x.shape[:-1].numel() <= self.CODED_MAX_ROWS or weight is None):
-            if weight is None and x.shape[:-1].numel() > self.CODED_MAX_ROWS:
-                # no float32 copy kept (a model read from its file): the matrix for this long product only
-                return self._linear(x, coded.dequantize(), b)
-            y = coded(x)
+        rows = x.shape[:-1].numel()
+        if coded is not None and (rows <= self.CODED_MAX_ROWS or weight is None):
+            if rows > self.CODED_PIECE_ROWS:
+                flat = x.reshape(rows, x.shape[-1])
+                y = torch.cat([coded(flat[i:i + self.CODED_PIECE_ROWS])
+                               for i in range(0, rows, self.CODED_PIECE_ROWS)]).view(*x.shape[:-1], -1)
+            else:
+                y = coded(x)
             return y if b is None else y + b
         return self._linear(x, weight, b)
 
