@@ -260,3 +260,32 @@ def test_a_step_runs_once_over_the_rows_that_run_it_and_not_at_all_where_none_do
     seen["typical"].clear()
     sample(x, [SamplingConfig(top_n_sigma=1.0 + r) for r in range(4)], generator=torch.Generator().manual_seed(0))
     assert seen == {"top_a": [], "typical": []}  # steps no row runs cost nothing
+
+
+def test_the_batch_paths_penalties_apply_from_the_records_accept_moves():
+    """Rows of today's settings with penalties (the batch path): with states, the penalties apply from each row's
+    record, moved by each drawn token and never made again; the ids are those drawn without states."""
+    from lmhead.sampling.steps import penalties
+
+    x = _lm_rows(6, 3000, seed=12)[:4]
+    cfgs = [SamplingConfig(repetition_penalty=1.4, top_k=20, seed=1), SamplingConfig(presence_penalty=0.8, seed=2),
+            SamplingConfig(frequency_penalty=0.6, repetition_penalty=0.8, top_p=0.9, seed=3),
+            SamplingConfig(temperature=0, repetition_penalty=3.0)]
+    assert all(c.runs_on("batch") for c in cfgs)
+    hist = [[5, 6, 7], [1, 1, 2], [9], [4, 4]]
+    plen = [2, 1, 1, 0]
+    states = [RowState() for _ in cfgs]
+    made = []
+    of = penalties.PenaltyCounts.of
+    for step in range(8):
+        if step == 1:  # from the second token on, every record is moved, not made
+            penalties.PenaltyCounts.of = classmethod(lambda cls, h, p: made.append(len(h)) or of(h, p))
+        try:
+            ids = sample(x, cfgs, prev_tokens=hist, prompt_len=plen, step=step, state=states)
+        finally:
+            penalties.PenaltyCounts.of = of
+        assert ids.tolist() == sample(x, cfgs, prev_tokens=hist, prompt_len=plen, step=step).tolist()
+        hist = [h + [int(t)] for h, t in zip(hist, ids, strict=True)]
+        assert all(s.history["penalties"].length == len(h) for s, h in zip(states, hist, strict=True))
+        x = x.roll(3, dims=1)
+    assert made == []

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
@@ -17,7 +18,7 @@ from lmhead.sampling.draw import draw_groups
 from lmhead.sampling.inputs import as_prev_tokens, as_row_ints, check_logits, once_per
 from lmhead.sampling.preprocess import preprocess_rows
 from lmhead.sampling.race import part_logprobs
-from lmhead.sampling.steps import RowState
+from lmhead.sampling.steps import RowState, accept
 from lmhead.sampling.steps.masks import ID_FIELDS
 from lmhead.sampling.vocab import NEG_INF, Vocab
 
@@ -82,7 +83,8 @@ def sample(logits: Tensor, config: ConfigArg = None, generator: torch.Generator 
     if split is not None:
         ids = split.draw(generator, step, state, sample)[0]
         return ids[0] if split.one_row else ids
-    ids, _, one_row = _sample(logits, config, generator, prev_tokens, prompt_len, step, vocab, scored=False)
+    ids, _, one_row = _sample(logits, config, generator, prev_tokens, prompt_len, step, vocab, scored=False,
+                              states=state)
     return ids[0] if one_row else ids
 
 
@@ -103,7 +105,8 @@ def sample_with_logprobs(logits: Tensor, config: ConfigArg = None, generator: to
     if split is not None:
         ids, lp = split.draw(generator, step, state, sample_with_logprobs)
         return (ids[0], lp[0]) if split.one_row else (ids, lp)
-    ids, lp, one_row = _sample(logits, config, generator, prev_tokens, prompt_len, step, None, scored=True)
+    ids, lp, one_row = _sample(logits, config, generator, prev_tokens, prompt_len, step, None, scored=True,
+                               states=state)
     missing = torch.isnan(lp)
     if bool(missing.any()):  # rows drawn without a cut (seeded, top-p alone): their kept set, found now
         rows = missing.nonzero().squeeze(1)
@@ -115,9 +118,13 @@ def sample_with_logprobs(logits: Tensor, config: ConfigArg = None, generator: to
 
 def _sample(logits: Tensor, config: ConfigArg, generator: torch.Generator | None, prev_tokens: Any,
             prompt_len: int | Sequence[int], step: int | Sequence[int], vocab: Vocab | None,
-            scored: bool) -> tuple[Tensor, Tensor | None, bool]:
-    x, configs, one_row, vocab = preprocess_rows(logits, config, prev_tokens, prompt_len, vocab)
+            scored: bool, states: Sequence[RowState] | None = None) -> tuple[Tensor, Tensor | None, bool]:
+    """The batch path's draw; with ``states``, the penalties apply from the rows' records and the drawn tokens join
+    them (``steps.accept``)."""
+    x, configs, one_row, vocab = preprocess_rows(logits, config, prev_tokens, prompt_len, vocab, states)
     batch = x.shape[0]
+    if states is not None and len(states) != batch:
+        raise ValueError(f"state must hold one RowState per row ({batch}), got {len(states)}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     cfgs = [configs] if isinstance(configs, SamplingConfig) else configs
@@ -128,6 +135,9 @@ def _sample(logits: Tensor, config: ConfigArg, generator: torch.Generator | None
         return (torch.empty(0, dtype=torch.long, device=x.device),
                 torch.empty(0, device=x.device) if scored else None, one_row)
     ids, lp = draw_groups(x, configs, generator, steps, vocab, scored)
+    if states is not None and prev_tokens is not None:
+        for r, token in enumerate(ids.tolist()):
+            accept(cfgs[0] if len(cfgs) == 1 else cfgs[r], states[r], token, math.nan)  # the records move
     return ids, lp, one_row
 
 
@@ -229,7 +239,8 @@ class _Split:
         lp = torch.zeros(batch, dtype=torch.float32, device=self.x.device)
         if self.legacy:
             x, cfgs, prev, plen = self._legacy_args()
-            got = legacy_fn(x, cfgs, generator, prev, plen, [steps[r] for r in self.legacy])
+            got = legacy_fn(x, cfgs, generator, prev, plen, [steps[r] for r in self.legacy],
+                            state=None if states is None else [states[r] for r in self.legacy])
             if isinstance(got, tuple):
                 ids[self.legacy], lp[self.legacy] = got
             else:

@@ -15,8 +15,9 @@ from lmhead.sampling.inputs import (
     check_logits,
     check_values,
 )
+from lmhead.sampling.steps.base import RowState
 from lmhead.sampling.steps.masks import apply_bias_, bias_index
-from lmhead.sampling.steps.penalties import penalize_
+from lmhead.sampling.steps.penalties import PenaltyCounts, penalize_, penalize_from_records_
 from lmhead.sampling.vocab import Vocab
 
 
@@ -64,12 +65,14 @@ def apply_penalties(logits: Tensor, prev_tokens: Tensor | Sequence[Sequence[int]
 
 
 def preprocess_rows(logits: Tensor, config: ConfigArg, prev_tokens: object, prompt_len: object,
-                vocab: Vocab | None = None):
+                vocab: Vocab | None = None, states: Sequence[RowState] | None = None):
     """Validate, upcast to float32 and apply steps 1-2. Returns (x [B,V_r], configs, one_row, vocab).
 
     ``vocab`` says which columns of the vocabulary the logits hold (None: all of it, in this process); steps
     1-2 are per token, so a shard applies them to its own columns. x is the caller's tensor itself (not a
-    copy) when nothing needs changing: callers never write into it."""
+    copy) when nothing needs changing: callers never write into it. ``states`` (one RowState per row, the whole
+    vocabulary): the penalties apply from each row's record of its tokens (``PenaltyCounts``, moved by ``accept``;
+    made from prev_tokens where it does not match them), else from prev_tokens themselves (``penalize_``)."""
     x, one_row = check_logits(logits)
     batch, width = x.shape
     if vocab is None:
@@ -89,7 +92,10 @@ def preprocess_rows(logits: Tensor, config: ConfigArg, prev_tokens: object, prom
     x = x.clone() if x.data_ptr() == logits.data_ptr() else x
     if has_bias:
         apply_bias_(x, *bias_index(configs, batch, vocab.size, x.device, vocab.start, width))
-    if has_pen:
+    if has_pen and states is not None and vocab.start == 0 and width == vocab.size and type(vocab) is Vocab:
+        _penalize_from_states(x, [configs] * batch if isinstance(configs, SamplingConfig) else configs, prev,
+                              plen.tolist(), states)
+    elif has_pen:
         if isinstance(configs, SamplingConfig):
             per_row = lambda name: torch.full((batch,), getattr(configs, name), device=x.device)
         else:
@@ -97,3 +103,25 @@ def preprocess_rows(logits: Tensor, config: ConfigArg, prev_tokens: object, prom
         penalize_(x, prev, plen, per_row("repetition_penalty"), per_row("presence_penalty"),
                    per_row("frequency_penalty"), vocab.start)
     return x, configs, one_row, vocab
+
+
+def _penalize_from_states(x: Tensor, cfgs: list, prev: Tensor, plen: list[int], states: Sequence[RowState]) -> None:
+    """The penalties in place on x [B,V] from each penalised row's record in its state: read where it matches the
+    row's tokens in prev [B,L] (as many, the same last one, the same prompt: no pass over them), else made from them."""
+    if len(states) != x.shape[0]:
+        raise ValueError(f"state must hold one RowState per row ({x.shape[0]}), got {len(states)}")
+    rows = [r for r, c in enumerate(cfgs) if c.has_penalties]
+    valid = prev >= 0
+    lengths = valid.sum(dim=1).tolist()
+    if prev.shape[1]:
+        at = torch.where(valid, torch.arange(prev.shape[1], device=prev.device), -1).amax(dim=1, keepdim=True)
+        last = prev.gather(1, at.clamp_min(0)).squeeze(1).tolist()
+    else:
+        last = [None] * prev.shape[0]
+    records = []
+    for r in rows:
+        record = states[r].history.get("penalties")
+        if record is None or not record.ends(lengths[r], last[r] if lengths[r] else None, plen[r]):
+            record = states[r].history["penalties"] = PenaltyCounts.of(prev[r][valid[r]].tolist(), plen[r])
+        records.append(record)
+    penalize_from_records_(x, rows, [cfgs[r] for r in rows], records)

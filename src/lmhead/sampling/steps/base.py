@@ -155,8 +155,11 @@ class HistoryRecord:
     prompt_len: int = 0
 
     def matches(self, history: list[int], prompt_len: int) -> bool:
-        return (self.length == len(history) and self.prompt_len == prompt_len
-                and self.last == (history[-1] if history else None))
+        return self.ends(len(history), history[-1] if history else None, prompt_len)
+
+    def ends(self, length: int, last: int | None, prompt_len: int) -> bool:
+        """Whether it matches a history of `length` tokens ending with `last` (None: empty), `prompt_len` the prompt."""
+        return self.length == length and self.last == last and self.prompt_len == prompt_len
 
     def take(self, token: int) -> None:
         """One more token (accepted after a draw)."""

@@ -104,13 +104,19 @@ def _at(x: Tensor, rows: list[int], cols: list[int]) -> tuple[Tensor, Tensor]:
 
 
 def _penalties_rows(x: Tensor, cfgs: Any, ctxs: Any) -> Tensor:
-    """The penalties on rows [n,V], each row with its own settings, from each row's record (`PenaltyCounts`): its
-    seen tokens' logits · or / repetition_penalty, then its generated tokens' logits less count · frequency +
-    presence, each in one indexed write for all the rows (the numbers ``penalize_`` gives)."""
+    """The penalties on rows [n,V], each row with its own settings, from each row's record (`PenaltyCounts`)."""
     x = x.clone()
-    records = [record_of(ctx, "penalties", PenaltyCounts.of) for ctx in ctxs]
+    penalize_from_records_(x, list(range(x.shape[0])), cfgs,
+                           [record_of(ctx, "penalties", PenaltyCounts.of) for ctx in ctxs])
+    return x
+
+
+def penalize_from_records_(x: Tensor, rows_of_x: list[int], cfgs: Any, records: list[PenaltyCounts]) -> None:
+    """In place on the rows `rows_of_x` of x [B,V], each with its config and record (`PenaltyCounts`): its seen
+    tokens' logits · or / repetition_penalty, then its generated tokens' logits less count · frequency + presence,
+    each in one indexed write for all the rows (the numbers ``penalize_`` gives)."""
     rows, cols, reps = [], [], []
-    for r, (cfg, record) in enumerate(zip(cfgs, records, strict=True)):
+    for r, cfg, record in zip(rows_of_x, cfgs, records, strict=True):
         if cfg.repetition_penalty != 1.0:
             rows += [r] * len(record.seen)
             cols += list(record.seen)
@@ -128,7 +134,7 @@ def _penalties_rows(x: Tensor, cfgs: Any, ctxs: Any) -> Tensor:
                              f"{cols[j]} (row {rows[j]}) outside float32's range; use a repetition_penalty closer "
                              "to 1")
     rows, cols, counts, freq, pres = [], [], [], [], []
-    for r, (cfg, record) in enumerate(zip(cfgs, records, strict=True)):
+    for r, cfg, record in zip(rows_of_x, cfgs, records, strict=True):
         if cfg.presence_penalty != 0.0 or cfg.frequency_penalty != 0.0:
             rows += [r] * len(record.counts)
             cols += list(record.counts)
@@ -139,7 +145,6 @@ def _penalties_rows(x: Tensor, cfgs: Any, ctxs: Any) -> Tensor:
         index = _at(x, rows, cols)
         as32 = lambda v: torch.tensor(v, dtype=torch.float32, device=x.device)
         x[index] = x[index] - (as32(counts) * as32(freq) + as32(pres))
-    return x
 
 
 def _penalties_apply(x: Tensor, cfg: Any, ctx: Context) -> Tensor:
