@@ -24,7 +24,6 @@ pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler"
 SYSTEM = "The cat sat on the mat. The dog went to the market to buy bread and milk, and then they went home. " * 3
 QUESTIONS = [" What did the cat buy?", " Where is the market?", " Who went home first?", " And the bird?",
              " Why milk?", " When did they go?", " How far is it?", " Was it raining? And then what happened?"]
-SHORT = [" Why?", " Where?", " Who?"]
 
 
 @pytest.fixture(scope="module")
@@ -85,15 +84,10 @@ def test_rows_reading_shared_blocks_get_the_bits_of_copied_blocks_and_of_each_re
         copied, seen = _steps(model, prompts, warm(), config, join_after=join_after)
         assert seen[0] is None
     assert shared == copied
-    # alone: short questions, so that the rows' prefill stays within the kernels' several-row products
-    # (CODED_MAX_ROWS; a wider prefill piece multiplies in torch, whose sums depend on the row count)
-    short = [model.encode(SYSTEM + q) for q in SHORT]
-    together, seen = _steps(model, short, warm(), config, join_after=join_after)
-    assert seen[0] is not None
     cache = warm()
-    for i, ids in enumerate(short):
+    for i, ids in enumerate(prompts):
         alone, _ = _steps(model, [ids], cache, config)
-        assert alone[0] == together[i], i
+        assert alone[0] == shared[i], i
 
 
 def test_a_shared_run_is_read_from_the_stores_blocks_not_copied(model):
