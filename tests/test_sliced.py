@@ -10,13 +10,14 @@ import torch
 
 from lmhead.kernels import native
 from lmhead.models.coded_linear import CodedLinear
+from lmhead.models.quant_types import LEVELS
 
 LIB = native.library()
 pytestmark = pytest.mark.skipif(LIB is None or LIB.lmhead_sliced(-1) == 0 and LIB.lmhead_sliced(1) == 0,
                                 reason="the integer path is built only where the CPU has AVX-512 VNNI")
 
 
-KINDS = ["unsigned", "signed", "signed16", "offsets16"]
+KINDS = ["unsigned", "signed", "signed16", "offsets16", "iq4", "mxfp4"]
 
 
 @pytest.fixture
@@ -30,16 +31,21 @@ def sliced():
 
 def _matrix(n: int, k: int, kind: str, g: torch.Generator) -> tuple[CodedLinear, torch.Tensor]:
     """A packed 4-bit matrix and the float64 weights it encodes: "unsigned" (Q4_1, Q4_K: codes 0..15 with
-    offsets), "signed" (Q4_0: −8..7), "signed16" (Q3_K: groups of 16), "offsets16" (Q2_K: 0..3, offsets)."""
+    offsets), "signed" (Q4_0: −8..7), "signed16" (Q3_K: groups of 16), "offsets16" (Q2_K: 0..3, offsets), a level
+    table's ("iq4": IQ4_NL, IQ4_XS; "mxfp4")."""
     group = 16 if kind.endswith("16") else 32
-    low, high = {"unsigned": (0, 16), "signed": (-8, 8), "signed16": (-4, 4), "offsets16": (0, 4)}[kind]
-    codes = torch.randint(low, high, (n, k), generator=g, dtype=torch.int8)
+    if kind in LEVELS:  # a level table's layout: the codes are its levels
+        codes = torch.from_numpy(LEVELS[kind])[torch.randint(0, 16, (n, k), generator=g)]
+    else:
+        low, high = {"unsigned": (0, 16), "signed": (-8, 8), "signed16": (-4, 4), "offsets16": (0, 4)}[kind]
+        codes = torch.randint(low, high, (n, k), generator=g, dtype=torch.int8)
     offset = torch.randn(n, k // group, generator=g) * 0.01 if kind in ("unsigned", "offsets16") else None
     scale = torch.rand(n, k // group, generator=g) * 0.02 + 1e-3
     w = codes.double() * scale.double().repeat_interleave(group, 1)
     if offset is not None:
         w = w + offset.double().repeat_interleave(group, 1)
-    coded = CodedLinear(codes, scale, offset, four_bit="unsigned" if kind == "unsigned" else "signed")
+    four_bit = kind if kind in LEVELS else "unsigned" if kind == "unsigned" else "signed"
+    coded = CodedLinear(codes, scale, offset, four_bit=four_bit)
     assert coded.four_bit is not None and coded.group == group
     return coded, w
 
@@ -138,7 +144,7 @@ def test_real_activations_are_within_the_bound(sliced, name):
         inputs = {"qkv": block.self_attn.q_proj, "o": block.self_attn.o_proj, "gate_up": block.mlp.gate_proj,
                   "down": block.mlp.down_proj}
         for part, coded in model.lean.layers[index].coded.items():
-            if coded.four_bit not in ("unsigned", "signed") or part not in inputs:
+            if coded.four_bit is None or part not in inputs:
                 continue
             x = _inputs_of(model, inputs[part], ids)
             assert _within_bound(coded(x), x, coded.dequantize().double()) < 1.0, (index, part)

@@ -539,6 +539,22 @@ static void xp_layout(const float* x, int64_t K, float* xp) {
 #endif
 
 #include "sliced_kernel.h"
+#ifdef LMHEAD_SLICED_BUILT
+/* each level table's levels as the integer path reads them: plus the table's bias (−its smallest level), unsigned
+ * bytes in stored-nibble order */
+#define SLICED_MIN16_(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15) \
+    MIN2_(MIN2_(MIN2_(MIN2_(a0, a1), MIN2_(a2, a3)), MIN2_(MIN2_(a4, a5), MIN2_(a6, a7))),   \
+          MIN2_(MIN2_(MIN2_(a8, a9), MIN2_(a10, a11)), MIN2_(MIN2_(a12, a13), MIN2_(a14, a15))))
+#define MIN2_(a, b) ((a) < (b) ? (a) : (b))
+#define SLICED_BIAS_(flag, ...) -(SLICED_MIN16_(__VA_ARGS__)),
+static const int SLICED_BIAS[LMHEAD_N_TABLES] = {LMHEAD_LEVEL_TABLES(SLICED_BIAS_)};
+#undef SLICED_BIAS_
+static int8_t SLICED_LEVELS[LMHEAD_N_TABLES][16];
+__attribute__((constructor)) static void sliced_levels(void) {
+    for (int t = 0; t < LMHEAD_N_TABLES; t++)
+        for (int n = 0; n < 16; n++) SLICED_LEVELS[t][n] = (int8_t)(uint8_t)(NIBBLE_LEVEL_BYTES[t][n] + SLICED_BIAS[t]);
+}
+#endif
 
 /* rows4_dot1's 256-bit loop over packed codes from group g0 on, with `packed` and g16 constants in each copy: the
  * nibbles' decoding is chosen when it is compiled, not tested per unit, and a copy that reads no IQ4 table holds
@@ -591,11 +607,13 @@ KERNEL_INLINE void rows4_dot1(const float* x, const float* xp, const int8_t* c, 
                               float* out) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
 #ifdef LMHEAD_SLICED_BUILT
-    if (sr && sr->ok && (packed == 1 || packed == 2)) {
-        if (g16)
-            sliced_rows4(1, 1, sr, c, s, ng, pf, &acc);
+    if (sr && sr->ok && packed) {
+        if (packed >= 3)
+            sliced_rows4(1, 0, 1, SLICED_LEVELS[packed - 3], sr, c, s, ng, pf, &acc);
+        else if (g16)
+            sliced_rows4(1, 1, 0, NULL, sr, c, s, ng, pf, &acc);
         else
-            sliced_rows4(1, 0, sr, c, s, ng, pf, &acc);
+            sliced_rows4(1, 0, 0, NULL, sr, c, s, ng, pf, &acc);
         rows4_finish(acc, s, o, xs, ng, packed, out);
         return;
     }
@@ -871,10 +889,12 @@ __attribute__((noinline)) static void rows4_dot1_call(const float* x, const floa
 KERNEL_INLINE void sliced_q(const int Q, const sliced_row* sr, const int8_t* c, const float* s, const float* o,
                             const float* xs, int64_t ng, int packed, int g16, float* out) {
     __m256 acc[8][4];
-    if (g16)
-        sliced_rows4(Q, 1, sr, c, s, ng, NULL, acc);
+    if (packed >= 3)
+        sliced_rows4(Q, 0, 1, SLICED_LEVELS[packed - 3], sr, c, s, ng, NULL, acc);
+    else if (g16)
+        sliced_rows4(Q, 1, 0, NULL, sr, c, s, ng, NULL, acc);
     else
-        sliced_rows4(Q, 0, sr, c, s, ng, NULL, acc);
+        sliced_rows4(Q, 0, 0, NULL, sr, c, s, ng, NULL, acc);
     for (int m = 0; m < Q; m++) rows4_finish(acc[m], s, o, xs ? xs + m * ng : NULL, ng, packed, out + 4 * m);
 }
 #endif
@@ -1299,7 +1319,7 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
         int8_t* slices = NULL;
         sliced_row* srows = NULL;
 #ifdef LMHEAD_SLICED_BUILT
-        if (sliced_mode && (packed == 1 || packed == 2)) {
+        if (sliced_mode && packed && (packed < 3 || G == 32)) {
             slices = (int8_t*)aligned_alloc(64, (size_t)(M * (K / 64) * SLICED_UNIT));
             srows = (sliced_row*)malloc((size_t)M * sizeof(sliced_row));
             if (!slices || !srows) {
@@ -1308,7 +1328,8 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
             } else {
                 for (int64_t m = 0; m < M; m++) {
                     srows[m].units = slices + m * (K / 64) * SLICED_UNIT;
-                    srows[m].ok = sliced_prepare(x + m * K, K, slices + m * (K / 64) * SLICED_UNIT);
+                    srows[m].ok = sliced_prepare(x + m * K, K, packed >= 3 ? SLICED_BIAS[packed - 3] : 8,
+                                                 slices + m * (K / 64) * SLICED_UNIT);
                 }
             }
         }

@@ -17,7 +17,9 @@
  * shifts in the same lanes (Horner's way; a lane's eight products stay below 2³¹), and 8·Σ x̂'s integers per lane
  * (`bias`, per query row) is subtracted, so that c is the centred code (code − 8 of unsigned codes, the code of
  * signed ones): the sum coded_kernel.c's float loop makes, its offsets following as there (rows4_finish). The
- * lane's integer becomes a float once, times its scale and d₂.
+ * lane's integer becomes a float once, times its scale and d₂. A level table (IQ4_NL, IQ4_XS, MXFP4) gives its
+ * levels plus the table's bias (−its smallest level) as the unsigned bytes, by one byte shuffle of the stored
+ * nibbles; IQ4's reach 240, so slices (0, 1) and slice 2 are summed apart and joined in float.
  *
  * The bound, stated in docs/decode.md: a float32 dot product of length K is within γ_K·Σ|w·x| (γ_K ≈ K·2⁻²⁴) of
  * the exact one; the representation error here is at most d₂/2 per activation, within half of that bound for a
@@ -41,9 +43,10 @@
 
 #define SLICES 3
 /* bytes a query row's slices take per 64-code unit: for each slice the low and high nibbles' activations in the
- * shuffled order (32 bytes each: the two weight rows of a 512-bit vector read them as one broadcast), then d₂ and
- * the centre's bias per lane (8 floats, 8 int32) */
-#define SLICED_UNIT 512
+ * shuffled order (32 bytes each, stored twice: the two weight rows of a 512-bit vector), then per lane (each
+ * twice) d₂, the codes' bias times the slices' sums for slices (0, 1) and for slice 2 (the split sums of level
+ * tables), and combined (8 floats, 3 × 8 int32) */
+#define SLICED_UNIT 640
 
 typedef struct {
     const int8_t* units; /* [K/64][SLICED_UNIT], 64-byte aligned */
@@ -53,9 +56,10 @@ typedef struct {
 /* in-lane byte order that gathers the bytes of equal b (byte 4·l + b → position 4·b + l within each 16 bytes) */
 static const int8_t SLICED_GATHER[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
 
-/* One query row x [K] into its slices (out: [K/64][SLICED_UNIT] bytes); returns whether the row can take the
+/* One query row x [K] into its slices (out: [K/64][SLICED_UNIT] bytes) for codes biased by `bias` (8: packed
+ * codes; a level table's −min: its levels + bias are the unsigned bytes); returns whether the row can take the
  * integer product (see the bound above). K a multiple of 64. */
-static int sliced_prepare(const float* x, int64_t K, int8_t* out) {
+static int sliced_prepare(const float* x, int64_t K, int bias_by, int8_t* out) {
     /* element i = 16b + 8h + 4c + j of a unit belongs to lane 4c + b and goes to byte 16c + 4b + j of the low
      * (h = 0) or high (h = 1) nibbles' row: LANE_OF and POS_OF (the loops below vectorise over the 64) */
     static int8_t LANE_OF[64], POS_OF[64];
@@ -166,7 +170,15 @@ static int sliced_prepare(const float* x, int64_t K, int8_t* out) {
             _mm512_store_si512(dst + k * 128 + 64, hi);
             comb = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(comb, 8), ones, lo), ones, hi);
         }
-        _mm512_storeu_si512(bias, _mm512_slli_epi32(comb, 3)); /* the codes' centre: 8 · Σ a, combined */
+        /* the codes' bias times Σ a, combined; and for the split sums (tables), slices (0, 1) and 2 apart */
+        const __m512i by = _mm512_set1_epi32(bias_by);
+        _mm512_storeu_si512(bias, _mm512_mullo_epi32(comb, by));
+        const __m512i s2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones,
+                                                                   _mm512_load_si512(dst + 256)),
+                                               ones, _mm512_load_si512(dst + 320));
+        _mm512_store_si512(dst + SLICES * 128 + 64, _mm512_mullo_epi32(_mm512_srai_epi32(_mm512_sub_epi32(comb, s2), 8),
+                                                                        by));
+        _mm512_store_si512(dst + SLICES * 128 + 128, _mm512_mullo_epi32(s2, by));
 #else
         int32_t sums[SLICES][8] = {{0}};
         for (int k = 0; k < SLICES; k++) {
@@ -177,15 +189,19 @@ static int sliced_prepare(const float* x, int64_t K, int8_t* out) {
                 sums[k][LANE_OF[i]] += a[k][i];
             }
         }
-        for (int lane = 0; lane < 8; lane++) { /* the codes' centre: Σ (code − 8)·a = Σ code·a − 8·Σ a */
+        int32_t split[32];
+        for (int lane = 0; lane < 8; lane++) { /* the codes' bias: Σ (code − bias)·a = Σ code·a − bias·Σ a */
             int32_t t = 0;
             for (int k = 0; k < SLICES; k++) t = t * 256 + sums[k][lane];
-            bias[lane] = bias[lane + 8] = 8 * t;
+            bias[lane] = bias[lane + 8] = bias_by * t;
+            split[lane] = split[lane + 8] = bias_by * (256 * sums[0][lane] + sums[1][lane]);
+            split[16 + lane] = split[24 + lane] = bias_by * sums[2][lane];
         }
+        memcpy(dst + SLICES * 128 + 64, split, 128);
 #endif
         memcpy(dst + SLICES * 128, dv, 32);
         memcpy(dst + SLICES * 128 + 32, dv, 32);
-        memcpy(dst + SLICES * 128 + 64, bias, 64);
+        memcpy(dst + SLICES * 128 + 192, bias, 64);
     }
     return ok;
 }
@@ -198,7 +214,8 @@ static int sliced_prepare(const float* x, int64_t K, int8_t* out) {
  * rows4_finish. The codes are unpacked once for the Q rows; each row's sums are the same operations in the same
  * order whatever Q is (its integers are exact, its float multiply-adds go unit by unit), so a row's value is the
  * same bits alone or among others. */
-static inline __attribute__((always_inline)) void sliced_rows4(const int Q, const int g16, const sliced_row* sr,
+static inline __attribute__((always_inline)) void sliced_rows4(const int Q, const int g16, const int tab,
+                                                               const int8_t* levels, const sliced_row* sr,
                                                                const int8_t* c, const float* s, int64_t ng,
                                                                const char* pf, __m256 (*acc)[4]) {
     const __m512i gather = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)SLICED_GATHER));
@@ -206,7 +223,9 @@ static inline __attribute__((always_inline)) void sliced_rows4(const int Q, cons
     const __m512i lanes = g16 ? _mm512_set_epi32(7, 6, 5, 4, 7, 6, 5, 4, 3, 2, 1, 0, 3, 2, 1, 0)
                               : _mm512_set_epi32(3, 3, 2, 2, 3, 3, 2, 2, 1, 1, 0, 0, 1, 1, 0, 0);
     const int64_t gpu = g16 ? 4 : 2; /* groups a unit */
-    const __m512i low = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x88);
+    const __m512i low = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)(tab ? 0 : 0x88));
+    /* a level table (`tab`): its levels + bias as unsigned bytes, indexed by the stored nibble */
+    const __m512i table = tab ? _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)levels)) : low;
     __m512 a01[8], a23[8];
     for (int m = 0; m < Q; m++) a01[m] = a23[m] = _mm512_setzero_ps();
     for (int64_t u = 0; u < ng / gpu; u++) {
@@ -214,9 +233,13 @@ static inline __attribute__((always_inline)) void sliced_rows4(const int Q, cons
         const int8_t* cu = c + u * 128;
         const __m512i v01 = _mm512_shuffle_epi8(_mm512_xor_si512(_mm512_loadu_si512(cu), flip), gather);
         const __m512i v23 = _mm512_shuffle_epi8(_mm512_xor_si512(_mm512_loadu_si512(cu + 64), flip), gather);
-        /* the codes (unsigned bytes 0 … 15: the code, or the code + 8 of signed ones) */
-        const __m512i lo01 = _mm512_and_si512(v01, low), hi01 = _mm512_and_si512(_mm512_srli_epi16(v01, 4), low);
-        const __m512i lo23 = _mm512_and_si512(v23, low), hi23 = _mm512_and_si512(_mm512_srli_epi16(v23, 4), low);
+        /* the codes as unsigned bytes: 0 … 15 (the code, or the code + 8 of signed ones), or a table's level + bias */
+        __m512i lo01 = _mm512_and_si512(v01, low), hi01 = _mm512_and_si512(_mm512_srli_epi16(v01, 4), low);
+        __m512i lo23 = _mm512_and_si512(v23, low), hi23 = _mm512_and_si512(_mm512_srli_epi16(v23, 4), low);
+        if (tab) {
+            lo01 = _mm512_shuffle_epi8(table, lo01), hi01 = _mm512_shuffle_epi8(table, hi01);
+            lo23 = _mm512_shuffle_epi8(table, lo23), hi23 = _mm512_shuffle_epi8(table, hi23);
+        }
         const __m512i z = _mm512_setzero_si512();
         /* the lanes' scales: rows r, r + 1's groups of the unit in the lanes' order */
         __m512 w01, w23;
@@ -237,6 +260,27 @@ static inline __attribute__((always_inline)) void sliced_rows4(const int Q, cons
         }
         for (int m = 0; m < Q; m++) {
             const int8_t* sl = sr[m].units + u * SLICED_UNIT;
+            const __m512 d = _mm512_load_ps((const float*)(sl + SLICES * 128));
+            if (tab) { /* levels up to 240: slices (0, 1) and 2 summed apart, so that no lane passes 2³¹ */
+                const __m512i x0l = _mm512_load_si512(sl), x0h = _mm512_load_si512(sl + 64);
+                const __m512i x1l = _mm512_load_si512(sl + 128), x1h = _mm512_load_si512(sl + 192);
+                const __m512i x2l = _mm512_load_si512(sl + 256), x2h = _mm512_load_si512(sl + 320);
+                const __m512i bh = _mm512_load_si512(sl + SLICES * 128 + 64);
+                const __m512i bl = _mm512_load_si512(sl + SLICES * 128 + 128);
+                __m512i h01 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, lo01, x0l), hi01, x0h);
+                __m512i h23 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, lo23, x0l), hi23, x0h);
+                h01 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(h01, 8), lo01, x1l), hi01, x1h);
+                h23 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(h23, 8), lo23, x1l), hi23, x1h);
+                const __m512i l01 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, lo01, x2l), hi01, x2h);
+                const __m512i l23 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, lo23, x2l), hi23, x2h);
+                const __m512 f01 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(h01, bh)),
+                                                   _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(_mm512_sub_epi32(l01, bl)));
+                const __m512 f23 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(h23, bh)),
+                                                   _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(_mm512_sub_epi32(l23, bl)));
+                a01[m] = _mm512_fmadd_ps(f01, _mm512_mul_ps(w01, d), a01[m]);
+                a23[m] = _mm512_fmadd_ps(f23, _mm512_mul_ps(w23, d), a23[m]);
+                continue;
+            }
             __m512i t01 = z, t23 = z;
             for (int k = 0; k < SLICES; k++) {
                 const __m512i xl = _mm512_load_si512(sl + 128 * k), xh = _mm512_load_si512(sl + 128 * k + 64);
@@ -244,8 +288,7 @@ static inline __attribute__((always_inline)) void sliced_rows4(const int Q, cons
                 t01 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(t01, lo01, xl), hi01, xh);
                 t23 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(t23, lo23, xl), hi23, xh);
             }
-            const __m512 d = _mm512_load_ps((const float*)(sl + SLICES * 128));
-            const __m512i bias = _mm512_load_si512(sl + SLICES * 128 + 64);
+            const __m512i bias = _mm512_load_si512(sl + SLICES * 128 + 192);
             a01[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t01, bias)), _mm512_mul_ps(w01, d), a01[m]);
             a23[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t23, bias)), _mm512_mul_ps(w23, d), a23[m]);
         }
