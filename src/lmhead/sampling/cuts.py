@@ -42,11 +42,13 @@ def _min_p_sorted(vals: Tensor, min_p: Setting) -> Tensor:
 
 
 def _top_k_parts(x: Tensor, temperature: Setting, ks: list[int], vocab: Vocab,
-                 top: tuple[Tensor, Tensor]) -> list[Part]:
+                 top: tuple[Tensor, Tensor], pad: bool = False) -> list[Part]:
     """Top-k for rows x [b,V_r], row r keeping its ks[r] largest, whose top k+1 `top` ([b, ≥ max k + 1] values and
-    ids, a row's first k + 1 its own) is taken: one part per k. A row whose k-th and (k+1)-th values tie (after the
-    division by T, as HF compares) takes every token ≥ the k-th, as HF's ``scores < kth`` rule keeps them: a part of
-    its own, as wide as it keeps."""
+    ids, a row's first k + 1 its own) is taken: one part per k (``pad``: one part for all, each row's candidates past
+    its k at -inf — a softmax over a row padded so rounds otherwise than over the row alone, so only for unseeded
+    draws, whose ids depend on the batch anyway). A row whose k-th and (k+1)-th values tie (after the division by T,
+    as HF compares) takes every token ≥ the k-th, as HF's ``scores < kth`` rule keeps them: a part of its own, as
+    wide as it keeps."""
     vals, idx = top
     check_top(vals[:, 0], vocab.name, temperature)
     vals = vals / temperature  # x / T is monotone: topk of x is a topk of x / T
@@ -63,6 +65,14 @@ def _top_k_parts(x: Tensor, temperature: Setting, ks: list[int], vocab: Vocab,
         if not tie[r]:
             by_k.setdefault(k, []).append(r)
     parts: list[Part] = []
+    if pad and len(by_k) > 1:
+        plain = [r for r in range(len(ks)) if not tie[r]]
+        width = max(ks[r] for r in plain)
+        index = None if len(plain) == len(ks) else torch.tensor(plain, device=x.device)
+        past = torch.arange(width, device=x.device) >= torch.tensor([[ks[r]] for r in plain], device=x.device)
+        v, i = (vals[:, :width], idx[:, :width]) if index is None else (vals[index, :width], idx[index, :width])
+        parts.append((index, v.masked_fill(past, NEG_INF), i))
+        by_k = {}
     for k, rows in by_k.items():
         if len(rows) == len(ks):
             parts.append((None, vals[:, :k], idx[:, :k]))
@@ -120,12 +130,12 @@ def _where_on(parts: list[Part], keys: list[CutKey], on, step) -> list[Part]:
 
 
 def apply_cut(x: Tensor, cfgs: list[SamplingConfig], vocab: Vocab, top: tuple[Tensor, Tensor] | None = None,
-              native: bool = True) -> list[Part]:
+              native: bool = True, pad: bool = False) -> list[Part]:
     """Steps 3-6 for rows x [b,V_r] whose cuts are of one kind (`cut_kind`), each row's settings its own: the passes
     over V once for them all, with the settings as columns [b,1] (``top``: the rows' top kmax+1, kmax their largest
     top-k, already taken; ``native``: whether top-p may settle rows in C — not for a seeded draw, see `top_p_parts`).
     Each row's values are the bits it gets alone: the candidates of rows with one k are cut together (a row whose
-    k-th value ties, alone)."""
+    k-th value ties, alone) — but with ``pad`` (an unseeded draw) those of every k at once, padded."""
     if cfgs[0].is_greedy:
         v, i = vocab.argmax(x)
         check_top(v[:, 0], vocab.name)
@@ -135,7 +145,7 @@ def apply_cut(x: Tensor, cfgs: list[SamplingConfig], vocab: Vocab, top: tuple[Te
     temperature = column(keys, "temperature", None, torch.float32, dev)
     if keys[0].top_k:
         ks = [k.top_k for k in keys]
-        parts = _top_k_parts(x, temperature, ks, vocab, top_k_tops(x, ks, vocab) if top is None else top)
+        parts = _top_k_parts(x, temperature, ks, vocab, top_k_tops(x, ks, vocab) if top is None else top, pad)
         # topk's output is sorted, so tied values are adjacent: all top_p_sorted needs
         parts = _where_on(parts, keys, lambda k: k.top_p < 1.0, lambda v, rows, whole: top_p_sorted(
             v, column(keys, "top_p", rows, torch.float64, dev)))
@@ -173,16 +183,16 @@ def _groups(configs: list[SamplingConfig] | SamplingConfig, batch: int, vocab_si
     return list(groups.values())
 
 
-# rows apart in the batch are copied together (one pass for them all) when their width is at most this: a screened
-# round's candidates; whole rows of a large vocabulary cost more to copy (~1 ms for four of 262,144) than the
-# separate passes save
-_GATHER_MAX_WIDTH = 4096
+# rows apart in the batch are copied together (one pass for them all) when they hold at most this many logits
+# together (4 MiB, as a screened round's candidates or a few rows of 49,152); wider, the copy costs more than the
+# separate passes save (~1 ms for four rows of 262,144)
+_GATHER_MAX = 1 << 20
 
 
 def runs(rows: list[int], width: int) -> list[list[int]]:
-    """The rows of a group as the pieces its passes read: all of them where they lie side by side (a view) or are
-    narrow (copied together, one pass for them all); else each run of rows side by side, read in place."""
-    if rows[-1] - rows[0] == len(rows) - 1 or width <= _GATHER_MAX_WIDTH:
+    """The rows of a group as the pieces its passes read: all of them where they lie side by side (a view) or hold
+    few logits (copied together, one pass for them all); else each run of rows side by side, read in place."""
+    if rows[-1] - rows[0] == len(rows) - 1 or len(rows) * width <= _GATHER_MAX:
         return [rows]
     out = [[rows[0]]]
     for r in rows[1:]:

@@ -33,7 +33,8 @@ def _draw_group(x: Tensor, cfgs: list[SamplingConfig], generator: torch.Generato
         return ids, torch.full(ids.shape, math.nan, device=x.device) if scored else None
     ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     lp = torch.empty(x.shape[0], dtype=torch.float32, device=x.device) if scored else None
-    for sub, vals, idx in apply_cut(x, cfgs, vocab, top, native=first.seed is None):
+    # an unseeded draw's ids depend on the batch (the generator's stream) anyway: its rows' candidates are cut at once
+    for sub, vals, idx in apply_cut(x, cfgs, vocab, top, native=first.seed is None, pad=first.seed is None):
         chosen = idx[:, 0] if first.is_greedy else draw_part(vals, idx, first.seed is not None, generator, vocab)
         for out, got in ((ids, chosen), (lp, part_logprobs(vals, idx, chosen, vocab) if scored else None)):
             if out is None:
