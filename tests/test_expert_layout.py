@@ -89,3 +89,63 @@ def test_float_experts_are_held_as_the_file_holds_them(kind):
     x = torch.randn(3, k)
     for e in range(experts):
         assert torch.equal(held.product(e, x), CodedLinear.dense16(w[e])(x))
+
+
+def _moe_of(kind: str, experts: int, d: int, f: int, top_k: int, seed: int):
+    """A layer's experts of `kind` (gate_up [2F,D], down [D,F] each) behind a random router, as `MoE`."""
+    from lmhead.models.moe import MoE
+
+    def weights(rows: int, k: int, seed: int) -> np.ndarray:
+        if kind not in ("F32", "F16"):
+            return _blocks(kind, rows, k, seed)
+        w = np.random.default_rng(seed).normal(0, 0.05, (rows, k)).astype(kind.lower().replace("f", "float"))
+        return w.view(np.uint8)
+
+    gate, up = weights(experts * f, d, seed), weights(experts * f, d, seed + 1)
+    down = weights(experts * d, f, seed + 2)
+    router = torch.randn(experts, d, generator=torch.Generator().manual_seed(seed))
+    return MoE(router=router, gate_up=build_experts(kind, [gate, up], [f, f], experts, d),
+               down=build_experts(kind, [down], [d], experts, f), top_k=top_k, renormalise=True)
+
+
+def _native_gated(act: int):
+    """`lmhead_gated` with code `act` on gate_up [n, 2F] (what the lean body's `_gated` runs natively)."""
+    lib = native.library()
+
+    def gated(gate_up: torch.Tensor) -> torch.Tensor:
+        gate_up = gate_up.contiguous()
+        out = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+        lib.lmhead_gated(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], out.shape[1], act)
+        return out
+
+    return gated
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K", "Q4_0", "IQ4_NL", "MXFP4", "F32", "F16"])
+def test_the_chosen_experts_in_one_call_are_the_bits_of_one_call_per_expert(kind):
+    from lmhead.kernels import experts as experts_kernel
+    from lmhead.models.moe import Routing
+
+    if not experts_kernel.available():
+        pytest.skip("the experts kernel is not built")
+    # one row's four experts: shared out among the threads (two or more), each expert single-threaded; nine rows:
+    # each expert over its rows, the threads within its product
+    moe = _moe_of(kind, experts=8, d=256, f=256, top_k=4, seed=4)
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            for n, t, act in ((1, 2, 1), (1, 1, 0), (4, 2, 1), (9, 2, 0), (9, 1, 1)):
+                torch.set_num_threads(t)
+                x = torch.randn(n, 256, generator=torch.Generator().manual_seed(n))
+                r = moe.route(x)
+                if n == 9:  # expert 2 chosen by every row, at a different rank in different rows
+                    others = [e for e in range(8) if e != 2]
+                    rows = [[2, *(others[(i + j) % 7] for j in range(3))] for i in range(n)]
+                    chosen = torch.tensor([row if i % 2 else row[::-1] for i, row in enumerate(rows)])
+                    r = Routing(r.logits, chosen, r.weights)
+                assert moe.one_call(x, act)
+                got = experts_kernel.mlp(x, r.experts, r.weights, moe.gate_up.desc, moe.down.desc, act)
+                want = moe._experts(x, r, _native_gated(act))
+                assert torch.equal(got, want), (n, t, act)
+    finally:
+        torch.set_num_threads(threads)

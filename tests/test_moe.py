@@ -98,6 +98,8 @@ def test_rows_that_pick_different_experts_in_one_batch_get_what_each_gets_alone(
     real_expert = moe_module._expert
     monkeypatch.setattr(moe_module, "_expert", lambda mats, e, x, b=None: products.append((id(mats), e, x.shape[0]))
                         or real_expert(mats, e, x, b))
+    real_available = moe_module.experts_kernel.available  # the per-expert path here, its products counted
+    monkeypatch.setattr(moe_module.experts_kernel, "available", lambda: False)
     cache = lean.new_cache(3, width + 4)
     batched = [lean(ids, positions, cache, valid)[:, -1]]
     last = ids[:, -1:]
@@ -119,6 +121,7 @@ def test_rows_that_pick_different_experts_in_one_batch_get_what_each_gets_alone(
     assert at == len(first) and got_groups == want_groups
     del moe.route
     monkeypatch.setattr(moe_module, "_expert", real_expert)
+    monkeypatch.setattr(moe_module.experts_kernel, "available", real_available)  # alone: the one C call
     for r, p in enumerate(prompts):
         alone = lean.new_cache(1, len(p) + 4)
         want = [lean(torch.tensor([p]), torch.arange(len(p))[None], alone)[:, -1]]
@@ -380,3 +383,74 @@ def test_experts_the_disk_has_no_room_for_stay_in_memory(tmp_path, monkeypatch):
     _, model = _load(tmp_path, monkeypatch, "qwen3_moe", "Q8_0")
     assert all(layer.moe.gate_up.source is None and layer.moe.down.source is None for layer in model.lean.layers)
     assert not list((tmp_path / "cache" / "experts").rglob("*.bin*"))
+
+
+_GREEDY = """
+import sys, torch
+from lmhead import load_model
+model = load_model(sys.argv[1], progress=False)
+lean, ids = model.lean, model.encode("The cat sat on the mat")
+with torch.no_grad():
+    cache = lean.new_cache(1, len(ids) + 8)
+    tok = model.exact_head(lean(torch.tensor([ids]), torch.arange(len(ids))[None], cache)[:, -1:]).argmax(-1)
+    out = [int(tok)]
+    for step in range(7):
+        tok = model.exact_head(lean(tok, torch.tensor([[len(ids) + step]]), cache)).argmax(-1)
+        out.append(int(tok))
+print(out)
+"""
+
+
+@pytest.mark.parametrize("arch,kind", [("qwen3_moe", "Q4_K"), ("qwen2_moe", "Q8_0")])
+def test_a_decode_step_of_the_chosen_experts_in_one_call_is_the_per_expert_calls_bits(tmp_path, monkeypatch, arch,
+                                                                                       kind):
+    from lmhead.kernels import experts as experts_kernel
+    from lmhead.models import moe as moe_module
+
+    if not experts_kernel.available():
+        pytest.skip("the experts kernel is not built")
+    _, model = _load(tmp_path, monkeypatch, arch, kind)
+    lean = model.lean
+    calls = []  # which path each MoE layer's call took
+    real_mlp = moe_module.experts_kernel.mlp
+    monkeypatch.setattr(moe_module.experts_kernel, "mlp", lambda *a: calls.append(1) or real_mlp(*a))
+    prompts = [model.encode("The cat sat on the mat"), model.encode("Numbers: 1, 2, 3")]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    positions = torch.arange(width).expand(2, width)
+
+    def run() -> list[torch.Tensor]:
+        """A prefill of two rows of several tokens (experts each chosen by several tokens), then decode steps."""
+        cache = lean.new_cache(2, width + 4)
+        with torch.no_grad():
+            hs = [lean(ids, positions, cache)]
+            for step in range(3):
+                hs.append(lean(model.exact_head(hs[-1][:, -1:]).argmax(-1), positions[:, -1:] + step + 1, cache))
+        return hs
+
+    one_call = run()
+    assert len(calls) == 4 * len([layer for layer in lean.layers if layer.moe is not None])
+    monkeypatch.setattr(moe_module.experts_kernel, "available", lambda: False)  # one product call per expert
+    calls.clear()
+    per_expert = run()
+    assert not calls
+    for got, want in zip(one_call, per_expert, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_moe_file_gives_the_same_greedy_tokens_without_the_native_kernels(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny-qwen3_moe.gguf", "qwen3_moe", kind="Q8_0")
+    tokens = []
+    for flag in ("1", "0"):  # the experts in one C call, and torch's ops alone
+        env = {**os.environ, "LMHEAD_NATIVE": flag, "LMHEAD_EXPERT_CACHE": "0"}
+        run = subprocess.run([sys.executable, "-c", _GREEDY, str(path)], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 0, run.stderr
+        tokens.append(run.stdout.strip().splitlines()[-1])
+    assert tokens[0] == tokens[1] and len(eval(tokens[0])) == 8

@@ -29,7 +29,8 @@ from lmhead.cache_folder import cache_root, writer_alive
 __all__ = ["FLAGS", "HEADERS", "SOURCES", "build", "compiler", "intact", "library_path", "start", "wait"]
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("coded_kernel.c", "body_kernels.c", "row_kernels.c",
-                                                     "decode_kernels.c", "step_kernels.c"))
+                                                     "decode_kernels.c", "step_kernels.c",
+                                                     "experts_kernel.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd_math.h", "body_kernels.h", "decode_kernels.h",
                                                      "quant_types.h", "sliced_kernel.h"))
 FLAGS = ("-O3", "-march=native", "-fPIC", "-fopenmp")

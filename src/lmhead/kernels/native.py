@@ -12,6 +12,8 @@
     step_kernels.c   the declared sampler steps' passes over a row, in float64 (lmhead/sampling/steps/moments.py):
                      a row's moments (`row_moments`), locally typical sampling's kept set (`typical_row`), a cut
                      at a threshold (`keep_ge`)
+    experts_kernel.c a mixture-of-experts MLP over a layer's chosen experts in one call (bound in
+                     kernels/experts.py, called by models/moe.py)
     simd_math.h, body_kernels.h, decode_kernels.h, quant_types.h   what the sources share (vector exp;
                      declarations, structs; the coded layouts' flags and level tables)
       ──cc -O3 -march=native -fopenmp (kernels/builder.py)──▶ <cache>/kernels/lmhead-<hash>.so (a temporary

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lmhead.kernels import experts as experts_kernel
 from lmhead.kernels import native
 from lmhead.models.coded_linear import CodedLinear, SubScales, coded_available, coded_product
 from lmhead.models.gguf_codes import block_scales, block_subscales
@@ -139,6 +140,15 @@ class ExpertMatrices:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.codes, self.scale, self.offset) if t is not None)
+
+    @property
+    def desc(self) -> experts_kernel.ExpertsMat:
+        """The buffers as experts_kernel.c's descriptor (made once; `codes`, `scale`, `offset` are not replaced
+        after the load)."""
+        if getattr(self, "_desc", None) is None:
+            self._desc = experts_kernel.describe(self.codes, self.scale, self.offset, self.in_features, self.group,
+                                                 self.flags)
+        return self._desc
 
     def product(self, e: int, x: Tensor) -> Tensor:
         """x [M,K] → expert e's x·Wᵀ [M,N] float32 (the kernel on its slices; `self[e]`'s product where the

@@ -374,7 +374,8 @@ class LeanBody(NativeStep):
     def _mlp(self, h: Tensor, layer: Layer) -> Tensor:
         """The layer's MLP on h [B,T,D]: down(act(gate)·up), or its mixture of experts (`models/moe.py`)."""
         if layer.moe is not None:
-            return layer.moe(h, self._gated)
+            # where `_gated` is the C lmhead_gated, the chosen experts' products, activation and sum are one C call
+            return layer.moe(h, self._gated, self.act_code if self._native(h) is not None else None)
         return self._product(self._gated(self._product(h, layer, "gate_up")), layer, "down")
 
     def _linear(self, x: Tensor, w: Tensor | Int8Linear, b: Tensor | None = None) -> Tensor:

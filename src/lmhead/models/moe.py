@@ -9,7 +9,9 @@ once over all the rows that picked it.
 
 The rows are grouped by expert as llama.cpp's `mul_mat_id` groups them: a chosen expert's gate/up and down are one
 product each over every row that chose it (a decode batch, a prefill chunk), never one row at a time. Experts are
-added into each row in ascending expert order, transformers' order, so the sums are its sums. A file's experts
+added into each row in ascending expert order, transformers' order, so the sums are its sums. Where the body's
+activation is the C one, the whole chain — every chosen expert's gate/up, activation and down, and the weighted
+sum — is one C call (kernels/experts.py, `MoE.one_call`), the same bits as the per-expert calls. A file's experts
 are one `ExpertMatrices` per product (models/expert_layout.py: every expert's codes in one buffer, gate and up
 fused, gate rows first; expert e's product the kernel on its slice), a transformers model's a list of float32
 tensors (shared; or a type without a code kernel dequantized).
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lmhead.kernels import experts as experts_kernel
 from lmhead.models.coded_linear import CodedLinear
 from lmhead.models.expert_layout import ExpertMatrices
 
@@ -132,13 +135,35 @@ class MoE:
         return route(h.reshape(-1, h.shape[-1]), self.router, self.top_k, self.renormalise, self.router_bias,
                      self.softmax_after_topk)
 
-    def __call__(self, h: Tensor, gated: Callable[[Tensor], Tensor]) -> Tensor:
+    def one_call(self, x: Tensor, act_code: int | None) -> bool:
+        """Whether rows x [N,D] take experts_kernel.c's one call for the chosen experts (`_experts`' numbers, bit
+        for bit): experts from a file's codes without biases or an own activation, the body's `gated` being
+        `lmhead_gated` with `act_code`, float32 rows on the CPU outside autograd, the kernel built."""
+        return (act_code is not None and self.act is None and self.gate_up_bias is None
+                and isinstance(self.gate_up, ExpertMatrices) and isinstance(self.down, ExpertMatrices)
+                and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
+                and experts_kernel.available())
+
+    def __call__(self, h: Tensor, gated: Callable[[Tensor], Tensor], act_code: int | None = None) -> Tensor:
         """h [B,T,D] → [B,T,D]; `gated` computes act(gate)·up of [.., 2F] = [gate | up] (the body's; the experts'
-        own `act` where they have one)."""
-        experts_gated = self.act or gated
+        own `act` where they have one); `act_code`: where `gated` is `lmhead_gated` with this code (the body's
+        native tier), the chosen experts run in one C call (`one_call`)."""
         shape = h.shape
         x = h.reshape(-1, shape[-1])                                        # [N,D]
         r = self.route(x)
+        if self.one_call(x, act_code):
+            out = experts_kernel.mlp(x.contiguous(), r.experts, r.weights, self.gate_up.desc, self.down.desc,
+                                     act_code)
+        else:
+            out = self._experts(x, r, self.act or gated)
+        if self.shared_gate_up is not None:
+            shared = _product(gated(_product(x, self.shared_gate_up)), self.shared_down)
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+        return out.view(shape)
+
+    def _experts(self, x: Tensor, r: Routing, experts_gated: Callable[[Tensor], Tensor]) -> Tensor:
+        """The chosen experts' weighted sum for rows x [N,D] → [N,D]: one product per chosen expert and matrix
+        over the rows that chose it, added into each row in ascending expert order."""
         out = torch.zeros_like(x)
         flat = r.experts.reshape(-1)
         order = torch.argsort(flat, stable=True)       # the (row, slot) pairs grouped by expert, ascending
@@ -155,7 +180,4 @@ class MoE:
                 y = _expert(self.down, e, experts_gated(gate_up), self.down_bias[e])
             # a row is in an expert's group once: out[rows] + y is index_add's sum without its per-call cost
             out[rows] += y * r.weights.reshape(-1)[pairs, None]
-        if self.shared_gate_up is not None:
-            shared = _product(gated(_product(x, self.shared_gate_up)), self.shared_down)
-            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
-        return out.view(shape)
+        return out

@@ -1,0 +1,178 @@
+/* A mixture-of-experts MLP over the chosen experts of one layer in one call (models/moe.py's step, as llama.cpp's
+ * mul_mat_id does it): for rows x [N, D], each with k chosen experts and their router weights,
+ *
+ *   pairs (row, slot) ──grouped by expert, ascending; within an expert its rows ascending──▶ per expert e:
+ *       the rows that chose it xg [n_e, D] ──gate_up_e (lmhead_coded_matmul)──▶ [n_e, 2F]
+ *       ──lmhead_gated (act)──▶ [n_e, F] ──down_e (lmhead_coded_matmul)──▶ y [n_e, D]
+ *   out [N, D]: per row, 0 + y_e·w_e + ... over its experts in ascending expert order (a product then a sum, each
+ *       rounded once: the torch sum `out[rows] += y * w` of models/moe.py, bit for bit)
+ *
+ * Each expert's products are the coded kernel's over the same rows as the per-expert path's calls (the same M),
+ * so every number is those calls' bits. Where there are many experts with few rows each (a decode step), the
+ * experts are shared out among the threads, each computing whole experts single-threaded (a row's product does
+ * not depend on the thread count): one parallel region a layer instead of two per expert.
+ * The experts' buffers: expert e's codes, scales and offsets at e times a stride from their bases (a slice of
+ * models/expert_layout.py's `ExpertMatrices`). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "body_kernels.h"
+
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off") /* y·w then + out, each rounded, as torch's two ops */
+#endif
+
+int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const void* scale,
+                        const void* offset, int64_t N, int64_t G, int flags, float* y, int threads);
+
+/* one product of a layer's experts: expert e's codes at codes + e·codes_stride bytes (scale, offset alike; NULL
+ * where the layout has none); each expert [n, k], groups of `group`, the coded kernel's `flags` */
+typedef struct {
+    const int8_t* codes;
+    const void* scale;
+    const void* offset;
+    int64_t codes_stride, scale_stride, offset_stride;
+    int64_t experts, n, k, group, flags;
+} lmhead_experts_mat;
+
+int lmhead_experts_abi(void) { return 1; }
+size_t lmhead_experts_mat_size(void) { return sizeof(lmhead_experts_mat); }
+
+static inline int product(const lmhead_experts_mat* m, int64_t e, const float* x, int64_t rows, float* y,
+                          int threads) {
+    const char* s = (const char*)m->scale;
+    const char* o = (const char*)m->offset;
+    return lmhead_coded_matmul(x, rows, m->k, m->codes + e * m->codes_stride, s ? s + e * m->scale_stride : NULL,
+                               o ? o + e * m->offset_stride : NULL, m->n, m->group, (int)m->flags, y, threads);
+}
+
+/* expert e over its `rows` rows (their indices `which` into x): y [rows, D]; scratch holds rows·(D + 3F) floats */
+static int one_expert(const lmhead_experts_mat* gu, const lmhead_experts_mat* dn, int64_t e, const float* x,
+                      const int64_t* which, int64_t rows, int act, float* y, float* scratch, int threads) {
+    const int64_t d = gu->k, f = dn->k;
+    const float* xg = x + which[0] * d;
+    if (rows > 1) { /* the rows that chose it, side by side (the per-expert path's x[rows]) */
+        float* g = scratch + rows * 3 * f;
+        for (int64_t i = 0; i < rows; i++) memcpy(g + i * d, x + which[i] * d, (size_t)d * sizeof(float));
+        xg = g;
+    }
+    float* gate_up = scratch;             /* [rows, 2F] */
+    float* hidden = scratch + rows * 2 * f; /* [rows, F] */
+    if (product(gu, e, xg, rows, gate_up, threads) != 0) return -1;
+    lmhead_gated(gate_up, hidden, rows, f, act);
+    return product(dn, e, hidden, rows, y, threads);
+}
+
+/* x [N, D] float32; chosen [N, k] int64 expert ids (distinct within a row); weights [N, k] float32; gate_up: each
+ * expert [2F, D] (gate rows first), down: [D, F]; act: lmhead_gated's code; out [N, D]. 0, or -1 for arguments the
+ * kernel does not take (an id out of range, a repeated id in a row, mismatched shapes, a product refused). */
+int lmhead_experts_mlp(const float* x, int64_t N, int64_t k, const int64_t* chosen, const float* weights,
+                       const lmhead_experts_mat* gu, const lmhead_experts_mat* dn, int act, float* out, int threads) {
+    const int64_t E = gu->experts, d = gu->k, f = dn->k, P = N * k;
+    if (N < 0 || k < 1 || E < 1 || dn->experts != E || gu->n != 2 * f || dn->n != d || (act != 0 && act != 1))
+        return -1;
+    if (threads < 1) threads = 1;
+    for (int64_t p = 0; p < P; p++) {
+        if (chosen[p] < 0 || chosen[p] >= E) return -1;
+        for (int64_t j = p - p % k; j < p; j++)
+            if (chosen[j] == chosen[p]) return -1;
+    }
+    if (N == 0) return 0;
+    /* counting sort of the pairs by expert (stable: an expert's rows ascending) */
+    int64_t* start = (int64_t*)calloc((size_t)(E + 1), sizeof(int64_t));
+    int64_t* rows_of = (int64_t*)malloc((size_t)P * sizeof(int64_t));  /* the pairs' rows, grouped */
+    int64_t* slot_of = (int64_t*)malloc((size_t)P * sizeof(int64_t));  /* pair p's place in the grouping */
+    int64_t* groups = (int64_t*)malloc((size_t)P * sizeof(int64_t));   /* the chosen experts, ascending */
+    float* y = (float*)malloc((size_t)(P * d) * sizeof(float));       /* each pair's expert output, grouped */
+    int rc = 0;
+    if (!start || !rows_of || !slot_of || !groups || !y) {
+        rc = -1;
+        goto done;
+    }
+    for (int64_t p = 0; p < P; p++) start[chosen[p] + 1]++;
+    int64_t ngroups = 0, most = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t c = start[e + 1];
+        if (c) groups[ngroups++] = e;
+        if (c > most) most = c;
+        start[e + 1] += start[e];
+    }
+    {
+        int64_t* fill = (int64_t*)malloc((size_t)E * sizeof(int64_t));
+        if (!fill) {
+            rc = -1;
+            goto done;
+        }
+        memcpy(fill, start, (size_t)E * sizeof(int64_t));
+        for (int64_t p = 0; p < P; p++) {
+            const int64_t at = fill[chosen[p]]++;
+            rows_of[at] = p / k;
+            slot_of[p] = at;
+        }
+        free(fill);
+    }
+    const int64_t per = most * (d + 3 * f); /* one expert's scratch */
+    const int by_expert = threads > 1 && ngroups >= 2 * threads && most <= 4;
+    if (by_expert) {
+        float* scratch = (float*)malloc((size_t)(threads * per) * sizeof(float));
+        if (!scratch) {
+            rc = -1;
+            goto done;
+        }
+        int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : failed)
+        for (int64_t g = 0; g < ngroups; g++) {
+#ifdef _OPENMP
+            extern int omp_get_thread_num(void);
+            float* mine = scratch + (int64_t)omp_get_thread_num() * per;
+#else
+            float* mine = scratch;
+#endif
+            const int64_t e = groups[g], a = start[e];
+            failed |= one_expert(gu, dn, e, x, rows_of + a, start[e + 1] - a, act, y + a * d, mine, 1) != 0;
+        }
+        free(scratch);
+        rc = failed ? -1 : 0;
+    } else {
+        float* scratch = (float*)malloc((size_t)per * sizeof(float));
+        if (!scratch) {
+            rc = -1;
+            goto done;
+        }
+        for (int64_t g = 0; g < ngroups && rc == 0; g++) {
+            const int64_t e = groups[g], a = start[e];
+            rc = one_expert(gu, dn, e, x, rows_of + a, start[e + 1] - a, act, y + a * d, scratch, threads);
+        }
+        free(scratch);
+    }
+    if (rc != 0) goto done;
+    /* the weighted sum: each row's experts in ascending expert order, from zero */
+#pragma omp parallel for num_threads(threads) schedule(static) if (N > 1)
+    for (int64_t r = 0; r < N; r++) {
+        const int64_t* c = chosen + r * k;
+        float* o = out + r * d;
+        for (int64_t j = 0; j < d; j++) o[j] = 0.0f;
+        for (int64_t done_ = 0, last = -1; done_ < k; done_++) { /* the next expert above `last` (k is small) */
+            int64_t best = -1;
+            for (int64_t s = 0; s < k; s++)
+                if (c[s] > last && (best < 0 || c[s] < c[best])) best = s;
+            last = c[best];
+            const float w = weights[r * k + best];
+            const float* ye = y + slot_of[r * k + best] * d;
+            for (int64_t j = 0; j < d; j++) {
+                const float t = ye[j] * w;
+                o[j] = o[j] + t;
+            }
+        }
+    }
+done:
+    free(start);
+    free(rows_of);
+    free(slot_of);
+    free(groups);
+    free(y);
+    return rc;
+}
