@@ -1,9 +1,12 @@
-"""The integer path of packed 4-bit products (kernels/sliced_kernel.h: the query row in 8-bit slices, vpdpbusd on
-AVX-512 VNNI) against float64: within the float32 product's error bound γ_K·Σ|w·x| on random rows, outlier
-channels, tiny and zero groups and real activations of both packaged models; each row the same bits alone or in a
-batch; rows it cannot bound (non-finite, near float32's smallest) through the float32 path."""
+"""The integer path of coded products (kernels/sliced_kernel.h: the query row in 8-bit slices, vpdpbusd on
+AVX-512 VNNI; packed 4-bit codes and int8 codes without offsets) against float64: within the float32 product's
+error bound γ_K·Σ|w·x| on random rows, outlier channels, tiny and zero groups and real activations of both
+packaged models; each row the same bits alone or in a batch; rows it cannot bound (non-finite, near float32's
+smallest) through the float32 path; the choice of path per machine measured once and kept."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -13,40 +16,44 @@ from lmhead.models.coded_linear import CodedLinear
 from lmhead.models.quant_types import LEVELS
 
 LIB = native.library()
-pytestmark = pytest.mark.skipif(LIB is None or LIB.lmhead_sliced(-1) == 0 and LIB.lmhead_sliced(1) == 0,
+pytestmark = pytest.mark.skipif(LIB is None or LIB.lmhead_sliced(-1) == 0 and LIB.lmhead_sliced(3) == 0,
                                 reason="the integer path is built only where the CPU has AVX-512 VNNI")
 
 
-KINDS = ["unsigned", "signed", "signed16", "offsets16", "iq4", "mxfp4"]
+KINDS = ["unsigned", "signed", "signed16", "offsets16", "iq4", "mxfp4", "int8", "int8_16", "int8_q5"]
 
 
 @pytest.fixture
 def sliced():
     """The integer path on for the test, the machine's choice restored after it."""
     before = LIB.lmhead_sliced(-1)
-    LIB.lmhead_sliced(1)
+    LIB.lmhead_sliced(3)
     yield
     LIB.lmhead_sliced(before)
 
 
 def _matrix(n: int, k: int, kind: str, g: torch.Generator) -> tuple[CodedLinear, torch.Tensor]:
-    """A packed 4-bit matrix and the float64 weights it encodes: "unsigned" (Q4_1, Q4_K: codes 0..15 with
+    """A coded matrix and the float64 weights it encodes: packed 4-bit "unsigned" (Q4_1, Q4_K: codes 0..15 with
     offsets), "signed" (Q4_0: −8..7), "signed16" (Q3_K: groups of 16), "offsets16" (Q2_K: 0..3, offsets), a level
-    table's ("iq4": IQ4_NL, IQ4_XS; "mxfp4")."""
+    table's ("iq4": IQ4_NL, IQ4_XS; "mxfp4"); int8 codes without offsets, one a byte: "int8" (Q8_0), "int8_16"
+    (Q6_K: groups of 16), "int8_q5" (Q5_0)."""
     group = 16 if kind.endswith("16") else 32
     if kind in LEVELS:  # a level table's layout: the codes are its levels
         codes = torch.from_numpy(LEVELS[kind])[torch.randint(0, 16, (n, k), generator=g)]
     else:
-        low, high = {"unsigned": (0, 16), "signed": (-8, 8), "signed16": (-4, 4), "offsets16": (0, 4)}[kind]
+        low, high = {"unsigned": (0, 16), "signed": (-8, 8), "signed16": (-4, 4), "offsets16": (0, 4),
+                     "int8": (-128, 128), "int8_16": (-32, 32), "int8_q5": (-16, 16)}[kind]
         codes = torch.randint(low, high, (n, k), generator=g, dtype=torch.int8)
     offset = torch.randn(n, k // group, generator=g) * 0.01 if kind in ("unsigned", "offsets16") else None
     scale = torch.rand(n, k // group, generator=g) * 0.02 + 1e-3
     w = codes.double() * scale.double().repeat_interleave(group, 1)
     if offset is not None:
         w = w + offset.double().repeat_interleave(group, 1)
-    four_bit = kind if kind in LEVELS else "unsigned" if kind == "unsigned" else "signed"
+    four_bit = (kind if kind in LEVELS else None if kind.startswith("int8") else "unsigned" if kind == "unsigned"
+                else "signed")
     coded = CodedLinear(codes, scale, offset, four_bit=four_bit)
-    assert coded.four_bit is not None and coded.group == group
+    assert coded.four_bit == four_bit and coded.group == group
+    assert coded.flags & native.ROWS4  # the integer path reads blocks of four rows
     return coded, w
 
 
@@ -87,12 +94,12 @@ def test_integer_path_is_about_as_accurate_as_the_float_path(kind):
     before = LIB.lmhead_sliced(-1)
     try:
         errors = {}
-        for mode in (0, 1):
+        for mode in (0, 3):
             LIB.lmhead_sliced(mode)
             errors[mode] = _within_bound(coded(x), x, w)
     finally:
         LIB.lmhead_sliced(before)
-    assert errors[1] < 4 * errors[0] + 1e-3
+    assert errors[3] < 4 * errors[0] + 1e-3
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -121,7 +128,7 @@ def test_rows_the_integer_path_cannot_bound_take_the_float_path(sliced):
     x[1] *= 1e-30
     LIB.lmhead_sliced(0)
     want = coded(x)
-    LIB.lmhead_sliced(1)
+    LIB.lmhead_sliced(3)
     got = coded(x)
     assert torch.equal(got[1], want[1])  # the float32 path's bits
     assert _within_bound(got, x, w) < 1.0
@@ -144,7 +151,8 @@ def test_real_activations_are_within_the_bound(sliced, name):
         inputs = {"qkv": block.self_attn.q_proj, "o": block.self_attn.o_proj, "gate_up": block.mlp.gate_proj,
                   "down": block.mlp.down_proj}
         for part, coded in model.lean.layers[index].coded.items():
-            if coded.four_bit is None or part not in inputs:
+            int8_offsets = coded.four_bit is None and coded.offset is not None  # the float32 path only
+            if part not in inputs or not coded.flags & native.ROWS4 or int8_offsets:
                 continue
             x = _inputs_of(model, inputs[part], ids)
             assert _within_bound(coded(x), x, coded.dequantize().double()) < 1.0, (index, part)
@@ -162,3 +170,27 @@ def _inputs_of(model, module: torch.nn.Module, ids: torch.Tensor) -> torch.Tenso
     finally:
         handle.remove()
     return got[0]
+
+
+def test_the_choice_is_measured_once_kept_and_a_damaged_record_measured_again(tmp_path, monkeypatch):
+    from lmhead.kernels import paths
+
+    before = LIB.lmhead_sliced(-1)
+    monkeypatch.delenv("LMHEAD_SLICED", raising=False)
+    library = tmp_path / "lmhead-test.so"
+    record = tmp_path / "lmhead-test.so.paths.json"
+    try:
+        chosen = paths.choose(LIB, library)
+        assert chosen["how"] == "measured" and record.exists()
+        assert LIB.lmhead_sliced(-1) == sum(bit for kind, bit in paths.KINDS.items() if chosen[kind]["sliced"])
+        assert "µs" in paths.describe()
+        record.write_text('{"packed": {"sliced": "yes"}}')  # damaged: measured again, not used
+        assert paths.choose(LIB, library)["how"] == "measured"
+        assert isinstance(json.loads(record.read_text())["int8"]["sliced"], bool)
+        monkeypatch.setenv("LMHEAD_SLICED", "0")
+        assert paths.choose(LIB, library)["how"] == "LMHEAD_SLICED" and LIB.lmhead_sliced(-1) == 0
+        monkeypatch.setenv("LMHEAD_SLICED", "1")
+        paths.choose(LIB, library)
+        assert LIB.lmhead_sliced(-1) == 3
+    finally:
+        LIB.lmhead_sliced(before)

@@ -158,17 +158,19 @@ static inline void fetch_scales(const void* base, int64_t N, int64_t K, int64_t 
 
 int lmhead_coded_abi(void) { return 25; }
 
-/* whether packed 4-bit products take the integer path (sliced_kernel.h) where it is built: `set` 0 or 1 chooses,
- * −1 asks; returns the mode now (always 0 where the CPU has no AVX-512 VNNI). Chosen once per process by
- * kernels/native.py (measured by the self-test, or LMHEAD_SLICED) */
+/* which products take the integer path (sliced_kernel.h) where it is built: bit 1 packed 4-bit codes, bit 2 int8
+ * codes without offsets; `set` 0 … 3 chooses, −1 asks; returns the mode now (always 0 where the CPU has no AVX-512
+ * VNNI). Chosen once per machine by kernels/paths.py (measured, or LMHEAD_SLICED) */
+#define SLICED_PACKED 1
+#define SLICED_INT8 2
 #ifdef LMHEAD_SLICED_BUILT
-static int sliced_mode = 1;
+static int sliced_mode = SLICED_PACKED | SLICED_INT8;
 #else
 static const int sliced_mode = 0;
 #endif
 int lmhead_sliced(int set) {
 #ifdef LMHEAD_SLICED_BUILT
-    if (set == 0 || set == 1) sliced_mode = set;
+    if (set >= 0 && set <= 3) sliced_mode = set;
 #else
     (void)set;
 #endif
@@ -607,6 +609,14 @@ KERNEL_INLINE void rows4_dot1(const float* x, const float* xp, const int8_t* c, 
                               float* out) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
 #ifdef LMHEAD_SLICED_BUILT
+    if (sr && sr->ok && !packed && !o) {
+        if (g16)
+            sliced8_rows4(1, 1, sr, c, s, ng, pf, &acc);
+        else
+            sliced8_rows4(1, 0, sr, c, s, ng, pf, &acc);
+        rows4_finish(acc, s, o, xs, ng, packed, out);
+        return;
+    }
     if (sr && sr->ok && packed) {
         if (packed >= 3)
             sliced_rows4(1, 0, 1, SLICED_LEVELS[packed - 3], sr, c, s, ng, pf, &acc);
@@ -889,7 +899,11 @@ __attribute__((noinline)) static void rows4_dot1_call(const float* x, const floa
 KERNEL_INLINE void sliced_q(const int Q, const sliced_row* sr, const int8_t* c, const float* s, const float* o,
                             const float* xs, int64_t ng, int packed, int g16, float* out) {
     __m256 acc[8][4];
-    if (packed >= 3)
+    if (!packed && g16)
+        sliced8_rows4(Q, 1, sr, c, s, ng, NULL, acc);
+    else if (!packed)
+        sliced8_rows4(Q, 0, sr, c, s, ng, NULL, acc);
+    else if (packed >= 3)
         sliced_rows4(Q, 0, 1, SLICED_LEVELS[packed - 3], sr, c, s, ng, NULL, acc);
     else if (g16)
         sliced_rows4(Q, 1, 0, NULL, sr, c, s, ng, NULL, acc);
@@ -1319,17 +1333,21 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
         int8_t* slices = NULL;
         sliced_row* srows = NULL;
 #ifdef LMHEAD_SLICED_BUILT
-        if (sliced_mode && packed && (packed < 3 || G == 32)) {
-            slices = (int8_t*)aligned_alloc(64, (size_t)(M * (K / 64) * SLICED_UNIT));
+        /* packed codes (any layout), or int8 codes without offsets */
+        const int64_t unit_bytes = packed ? (K / 64) * SLICED_UNIT : (K / 32) * SLICED8_UNIT;
+        if (packed ? (sliced_mode & SLICED_PACKED) && (packed < 3 || G == 32)
+                   : (sliced_mode & SLICED_INT8) && offset == NULL) {
+            slices = (int8_t*)aligned_alloc(64, (size_t)(M * unit_bytes));
             srows = (sliced_row*)malloc((size_t)M * sizeof(sliced_row));
             if (!slices || !srows) {
                 free(slices), free(srows);
                 slices = NULL, srows = NULL;
             } else {
                 for (int64_t m = 0; m < M; m++) {
-                    srows[m].units = slices + m * (K / 64) * SLICED_UNIT;
-                    srows[m].ok = sliced_prepare(x + m * K, K, packed >= 3 ? SLICED_BIAS[packed - 3] : 8,
-                                                 slices + m * (K / 64) * SLICED_UNIT);
+                    srows[m].units = slices + m * unit_bytes;
+                    srows[m].ok = packed ? sliced_prepare(x + m * K, K, packed >= 3 ? SLICED_BIAS[packed - 3] : 8,
+                                                          slices + m * unit_bytes)
+                                         : sliced_prepare8(x + m * K, K, slices + m * unit_bytes);
                 }
             }
         }

@@ -41,13 +41,15 @@ def self_test(lib: ctypes.CDLL) -> bool:
               norms_and_gates, row_entry_points, steps_test, attend_test)
     if not all(check(lib, g) for check in checks):
         return False
-    # where the packed products also have the integer path (sliced_kernel.h, on by default), their float32 path
-    if lib.lmhead_sliced(-1):
+    # where the products of four-row blocks also have the integer path (sliced_kernel.h, on by default), their
+    # float32 path
+    every = lib.lmhead_sliced(-1)
+    if every:
         lib.lmhead_sliced(0)
         try:
-            return packed_and_half(lib, g) and signed_and_levels(lib, g)
+            return all(check(lib, g) for check in (four_row_blocks, packed_and_half, signed_and_levels, sub_scales))
         finally:
-            lib.lmhead_sliced(1)
+            lib.lmhead_sliced(every)
     return True
 
 

@@ -206,6 +206,58 @@ static int sliced_prepare(const float* x, int64_t K, int bias_by, int8_t* out) {
     return ok;
 }
 
+/* Int8 codes (one a byte: Q8_0, Q5_0, Q6_K without offsets) read 32 codes a row per unit, a 32-bit lane four
+ * consecutive codes of one group: their slices are taken per lane of four activations, in order, each 32 bytes
+ * stored twice (the two weight rows of a 512-bit vector), then per lane (twice) d₂ and 128 times the slices' sums
+ * for slices (0, 1) and for slice 2 — the codes are read as code + 128 (unsigned bytes), and their products summed
+ * in two parts so that no lane passes 2³¹ */
+#define SLICED8_UNIT (SLICES * 64 + 192)
+
+static int sliced_prepare8(const float* x, int64_t K, int8_t* out) {
+    int ok = 1;
+    for (int64_t u = 0; u < K / 32; u++) {
+        const float* xu = x + u * 32;
+        int8_t* dst = out + u * SLICED8_UNIT;
+        float dv[16];
+        int32_t hi[16], lo[16];
+        for (int l = 0; l < 8; l++) {
+            float m = 0.f, l1 = 0.f;
+            for (int j = 0; j < 4; j++) {
+                const float v = fabsf(xu[4 * l + j]);
+                m = v > m ? v : m;
+                l1 += v;
+            }
+            int lane_ok = m < 1e30f && !(m > 0.f && m < 1e-25f);
+            union { float f; uint32_t u; } bits = {m}, d0 = {0.f};
+            const int e = lane_ok && m > 0.f ? (int)((bits.u >> 23) & 0xFF) - 126 : 1;
+            d0.u = (uint32_t)(e - 7 + 127) << 23;
+            if (m / d0.f > 127.f) d0.u += 1u << 23;
+            const float d2 = d0.f * 1.52587890625e-5f;
+            /* 4 · d₂/2 ≤ K·2⁻²⁵ · Σ|x| over the lane, in float32 with room */
+            if (m > 0.f && 2.f * d2 > (float)K * 2.98023224e-8f * l1) lane_ok = 0;
+            ok &= lane_ok;
+            int32_t sums[SLICES] = {0};
+            for (int j = 0; j < 4; j++) { /* as sliced_prepare: floors in double of x + d₂/2 + 32896·d₂ */
+                double t = ((double)xu[4 * l + j] + 32896.5 * (double)d2) / (double)d0.f;
+                for (int k = 0; k < SLICES; k++) {
+                    const double q = floor(t);
+                    const int a = lane_ok ? (int)q - (k == 0 ? 0 : 128) : 0;
+                    dst[64 * k + 4 * l + j] = dst[64 * k + 32 + 4 * l + j] = (int8_t)a;
+                    sums[k] += a;
+                    t = (t - q) * 256.0;
+                }
+            }
+            dv[l] = dv[l + 8] = d2;
+            hi[l] = hi[l + 8] = 128 * (256 * sums[0] + sums[1]);
+            lo[l] = lo[l + 8] = 128 * sums[2];
+        }
+        memcpy(dst + SLICES * 64, dv, 64);
+        memcpy(dst + SLICES * 64 + 64, hi, 64);
+        memcpy(dst + SLICES * 64 + 128, lo, 64);
+    }
+    return ok;
+}
+
 #ifdef LMHEAD_SLICED_BUILT
 
 /* a block of four weight rows (ROWS4, packed, G = 32, or G = 16: `g16`) against Q sliced query rows (sr[0 .. Q − 1], each ok; Q a
@@ -291,6 +343,62 @@ static inline __attribute__((always_inline)) void sliced_rows4(const int Q, cons
             const __m512i bias = _mm512_load_si512(sl + SLICES * 128 + 192);
             a01[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t01, bias)), _mm512_mul_ps(w01, d), a01[m]);
             a23[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t23, bias)), _mm512_mul_ps(w23, d), a23[m]);
+        }
+    }
+    for (int m = 0; m < Q; m++) {
+        acc[m][0] = _mm512_castps512_ps256(a01[m]);
+        acc[m][1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a01[m]), 1));
+        acc[m][2] = _mm512_castps512_ps256(a23[m]);
+        acc[m][3] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a23[m]), 1));
+    }
+}
+
+/* a block of four weight rows of int8 codes (ROWS4, no offsets, G = 32 or 16: `g16`) against Q sliced query rows
+ * (sliced_prepare8's, each ok): acc[m][r] receives row r's Σ_g scale_g·Σ code·x̂ in eight lanes, as
+ * rows4_int8_512 and rows4_g16_512 leave theirs. As sliced_rows4: the codes read once for the Q rows, each row's
+ * sums the same operations in the same order whatever Q is. */
+static inline __attribute__((always_inline)) void sliced8_rows4(const int Q, const int g16, const sliced_row* sr,
+                                                                const int8_t* c, const float* s, int64_t ng,
+                                                                const char* pf, __m256 (*acc)[4]) {
+    /* lane l of rows r, r + 1 (eight each): group u (G = 32) or 2u + l/4 (G = 16) of its row */
+    const __m512i lanes = g16 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                              : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const int64_t gpu = g16 ? 2 : 1; /* groups a unit */
+    const __m512i flip = _mm512_set1_epi8((char)0x80), z = _mm512_setzero_si512();
+    const __m512 f256 = _mm512_set1_ps(256.f);
+    __m512 a01[8], a23[8];
+    for (int m = 0; m < Q; m++) a01[m] = a23[m] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < ng / gpu; u++) {
+        fetch_unit(pf, u);
+        const __m512i u01 = _mm512_xor_si512(_mm512_loadu_si512(c + u * 128), flip); /* code + 128 */
+        const __m512i u23 = _mm512_xor_si512(_mm512_loadu_si512(c + u * 128 + 64), flip);
+        __m512 w01, w23;
+        if (g16) {
+            const __m128 s01 = _mm_castpd_ps(_mm_loadh_pd(_mm_load_sd((const double*)(s + 2 * u)),
+                                                          (const double*)(s + ng + 2 * u)));
+            const __m128 s23 = _mm_castpd_ps(_mm_loadh_pd(_mm_load_sd((const double*)(s + 2 * ng + 2 * u)),
+                                                          (const double*)(s + 3 * ng + 2 * u)));
+            w01 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s01));
+            w23 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s23));
+        } else {
+            w01 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_setr_ps(s[u], s[ng + u], 0.f, 0.f)));
+            w23 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_setr_ps(s[2 * ng + u], s[3 * ng + u], 0.f,
+                                                                                   0.f)));
+        }
+        for (int m = 0; m < Q; m++) {
+            const int8_t* sl = sr[m].units + u * SLICED8_UNIT;
+            const __m512i x0 = _mm512_load_si512(sl), x1 = _mm512_load_si512(sl + 64), x2 = _mm512_load_si512(sl + 128);
+            const __m512 d = _mm512_load_ps((const float*)(sl + SLICES * 64));
+            const __m512i bh = _mm512_load_si512(sl + SLICES * 64 + 64), bl = _mm512_load_si512(sl + SLICES * 64 + 128);
+            const __m512i h01 = _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(z, u01, x0), 8), u01, x1);
+            const __m512i h23 = _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(z, u23, x0), 8), u23, x1);
+            const __m512i l01 = _mm512_dpbusd_epi32(z, u01, x2), l23 = _mm512_dpbusd_epi32(z, u23, x2);
+            const __m512 f01 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(h01, bh)), f256,
+                                               _mm512_cvtepi32_ps(_mm512_sub_epi32(l01, bl)));
+            const __m512 f23 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(h23, bh)), f256,
+                                               _mm512_cvtepi32_ps(_mm512_sub_epi32(l23, bl)));
+            a01[m] = _mm512_fmadd_ps(f01, _mm512_mul_ps(w01, d), a01[m]);
+            a23[m] = _mm512_fmadd_ps(f23, _mm512_mul_ps(w23, d), a23[m]);
         }
     }
     for (int m = 0; m < Q; m++) {
