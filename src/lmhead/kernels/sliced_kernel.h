@@ -1,6 +1,7 @@
-/* Packed 4-bit products on the CPU's integer dot-product units (AVX-512 VNNI's vpdpbusd), within the float32
- * product's error bound: the query row is split into three 8-bit slices, the weights' codes are already small
- * integers, and each slice's products are summed exactly in int32.
+/* Coded products on the CPU's integer dot-product units (AVX-512 VNNI's vpdpbusd), within the float32 product's
+ * error bound: the query row is split into three 8-bit slices, the weights' codes are already small integers, and
+ * each slice's products are summed exactly in int32. Packed 4-bit codes first (sliced_prepare, sliced_rows4); int8
+ * codes without offsets below (sliced_prepare8, sliced8_rows4), the same slices per lane of four.
  *
  * The activations are taken eight at a time — the eight a 32-bit lane of the product multiplies (below) — and for
  * each such lane d₀ is the smallest power of two with max|x| / d₀ ≤ 127, d₂ = d₀·2⁻¹⁶, and in double (exact)
@@ -13,11 +14,11 @@
  *     Σᵢ cᵢ·x̂ᵢ = d₂·Σᵢ cᵢ·(2¹⁶·a₀ᵢ + 2⁸·a₁ᵢ + a₂ᵢ)
  *
  * is an integer times d₂: vpdpbusd multiplies the unsigned codes (0 … 15: the code of unsigned ones, Q4_1 and Q4_K,
- * the code + 8 of signed ones, Q4_0, Q3_K, Q2_K) by each signed slice, four products to a 32-bit lane, the slices combined by
- * shifts in the same lanes (Horner's way; a lane's eight products stay below 2³¹), and 8·Σ x̂'s integers per lane
- * (`bias`, per query row) is subtracted, so that c is the centred code (code − 8 of unsigned codes, the code of
- * signed ones): the sum coded_kernel.c's float loop makes, its offsets following as there (rows4_finish). The
- * lane's integer becomes a float once, times its scale and d₂. A level table (IQ4_NL, IQ4_XS, MXFP4) gives its
+ * the code + 8 of signed ones, Q4_0, Q3_K, Q2_K) by each signed slice, four products to a 32-bit lane, the slices
+ * combined by shifts in the same lanes (Horner's way; a lane's eight products stay below 2³¹), and 8·Σ x̂'s integers
+ * per lane (`bias`, per query row) is subtracted, so that c is the centred code (code − 8 of unsigned codes, the
+ * code of signed ones): the sum coded_kernel.c's float loop makes, its offsets following as there (rows4_finish).
+ * The lane's integer becomes a float once, times its scale and d₂. A level table (IQ4_NL, IQ4_XS, MXFP4) gives its
  * levels plus the table's bias (−its smallest level) as the unsigned bytes, by one byte shuffle of the stored
  * nibbles; IQ4's reach 240, so slices (0, 1) and slice 2 are summed apart and joined in float.
  *
@@ -61,17 +62,13 @@ static const int8_t SLICED_GATHER[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14,
  * integer product (see the bound above). K a multiple of 64. */
 static int sliced_prepare(const float* x, int64_t K, int bias_by, int8_t* out) {
     /* element i = 16b + 8h + 4c + j of a unit belongs to lane 4c + b and goes to byte 16c + 4b + j of the low
-     * (h = 0) or high (h = 1) nibbles' row: LANE_OF and POS_OF (the loops below vectorise over the 64) */
-    static int8_t LANE_OF[64], POS_OF[64];
-    static int tables = 0;
-    if (!tables) {
-        for (int i = 0; i < 64; i++) {
-            const int b = i / 16, h = (i / 8) % 2, c = (i / 4) % 2, j = i % 4;
-            LANE_OF[i] = (int8_t)(4 * c + b);
-            POS_OF[i] = (int8_t)(64 * h + 16 * c + 4 * b + j);
-        }
-        __atomic_store_n(&tables, 1, __ATOMIC_RELEASE);
-    }
+     * (h = 0) or high (h = 1) nibbles' row (+ 64 for the high row) */
+    static const int8_t LANE_OF[64] = {0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4, 1, 1, 1, 1, 5, 5, 5, 5, 1, 1,
+        1, 1, 5, 5, 5, 5, 2, 2, 2, 2, 6, 6, 6, 6, 2, 2, 2, 2, 6, 6, 6, 6, 3, 3, 3, 3, 7, 7, 7, 7, 3, 3, 3, 3, 7, 7, 7,
+        7};
+    static const int8_t POS_OF[64] = {0, 1, 2, 3, 16, 17, 18, 19, 64, 65, 66, 67, 80, 81, 82, 83, 4, 5, 6, 7, 20, 21,
+        22, 23, 68, 69, 70, 71, 84, 85, 86, 87, 8, 9, 10, 11, 24, 25, 26, 27, 72, 73, 74, 75, 88, 89, 90, 91, 12, 13,
+        14, 15, 28, 29, 30, 31, 76, 77, 78, 79, 92, 93, 94, 95};
     (void)LANE_OF; /* read by the loops without AVX-512 */
     int ok = 1;
     for (int64_t u = 0; u < K / 64; u++) {
