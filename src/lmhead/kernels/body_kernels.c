@@ -223,15 +223,18 @@ int lmhead_attend(const lmhead_attend_args* args) {
      * and two threads read them at twice the rate (decode steps interleaved in one process measured both models'
      * attention faster on two threads than with a one-thread threshold; docs/decode.md) */
     int nt = (L * hd * heads_work > (int64_t)1 << 13) ? threads : 1;
-    int64_t sub = nq < ATTEND_RUN ? nq : ATTEND_RUN;
+    const lmhead_shared* sh = args->shared;
+    /* a run spans rows only where rows share blocks: rows of their own read nothing in common, and a run's
+     * scores are held for all its queries at once */
+    const int64_t unit = sh ? nq : T * group, units = nq / unit;
+    int64_t sub = unit < ATTEND_RUN ? unit : ATTEND_RUN;
     while (sub > 1) {
-        const int64_t items = Hkv * ((nq + sub - 1) / sub);
+        const int64_t items = Hkv * units * ((unit + sub - 1) / sub);
         if (items % nt == 0 || items >= 4 * (int64_t)nt) break;
         sub--;
     }
-    const int64_t per = (nq + sub - 1) / sub, work = Hkv * per; /* runs per key head, items */
+    const int64_t per = (unit + sub - 1) / sub, work = Hkv * units * per; /* runs per key head and unit, items */
     const int64_t block = hd >= 1024 ? 4 : 4096 / hd; /* keys per block: ≤ 16 KB of keys, as many of values */
-    const lmhead_shared* sh = args->shared;
     const int64_t sh_off = sh ? args->layer * Hkv * sh->block * hd : 0;
     int failed = 0;
 #pragma omp parallel num_threads(nt)
@@ -246,7 +249,8 @@ int lmhead_attend(const lmhead_attend_args* args) {
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work; w++) {
             if (p == NULL || kept == NULL) continue;
-            const int64_t kh = w / per, c = w % per, q0 = c * nq / per, n = (c + 1) * nq / per - q0;
+            const int64_t kh = w / (units * per), u = w / per % units, c = w % per;
+            const int64_t q0 = u * unit + c * unit / per, n = (c + 1) * unit / per - c * unit / per;
             float mx[ATTEND_RUN], inv[ATTEND_RUN];
             int64_t jmin = L, jmax = 0;
             for (int64_t g = 0; g < n; g++) {
