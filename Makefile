@@ -35,8 +35,9 @@ demo: install
 test: install browser
 	$(BIN)/python -m pytest -q
 
+# Without the real models, the browser, several processes and the slow tiny-model runs (`make test` runs them all)
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not model and not browser and not distributed"
+	$(BIN)/python -m pytest -q -m "not model and not browser and not distributed and not slow"
 
 bench: install
 	$(BIN)/python benchmarks/bench_sampling.py

@@ -29,3 +29,24 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """tests/server_harness.py's tiny served Model (2-layer random Llama, vocab ~300), one per test module: the
+    modules that take it change its state (caches, heads, runners), so none sees another's. A module that needs
+    another model defines its own `model`, which overrides this one."""
+    from server_harness import tiny_served_model
+
+    return tiny_served_model()
+
+
+@pytest.fixture(scope="module")
+def client(model):
+    """A FastAPI TestClient over `create_app(model)` (the module's `model`), open for the module's tests."""
+    from fastapi.testclient import TestClient
+
+    from lmhead.server import create_app
+
+    with TestClient(create_app(model)) as c:
+        yield c

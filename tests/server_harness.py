@@ -1,6 +1,5 @@
-"""Shared by the server tests: a tiny Model, and a real uvicorn server in a thread on a free loopback port.
-
-(No tests here; the name keeps it with the other server test files.)
+"""Shared by the server tests: a tiny Model, a packaged model or a skip, and a real uvicorn server in a thread on a
+free loopback port. No tests here (pytest collects no module of this name); tests/conftest.py makes fixtures of it.
 """
 
 from __future__ import annotations

@@ -130,6 +130,7 @@ def test_a_rows_normaliser_and_greedy_choice_are_the_same_bits_alone_among_rows_
                 assert torch.equal(got_lse[r:r + 1].view(torch.int64), one_lse.view(torch.int64))
 
 
+@pytest.mark.slow
 def test_a_greedy_requests_tokens_and_logprobs_are_the_same_bits_alone_in_a_batch_and_with_drafts(tmp_path,
                                                                                                    monkeypatch):
     # end to end over a GGUF file run by the kernels: a prompt's steps beside two prompts of other lengths (a

@@ -167,7 +167,7 @@ def test_exact_logprobs_must_be_a_bool(compressed):
 @pytest.mark.model
 @pytest.mark.parametrize("name", ["gemma-3-270m", "smollm2-135m"])
 def test_real_model_rows_joining_a_batch_give_what_they_give_alone(name):
-    from test_server_harness import real_model
+    from server_harness import real_model
 
     model = real_model(name)
     requests = [("The capital of France is", GREEDY, 8, {}),

@@ -32,6 +32,7 @@ def _bench(tmp_path: Path, gguf: Path, bins: Path, *args: str) -> tuple[subproce
     return out, json.loads((results / "server.json").read_text())
 
 
+@pytest.mark.slow
 def test_a_crashing_llama_bench_is_a_failed_row_and_the_prefill_benchmark_goes_on(tmp_path, tiny):
     bins = tmp_path / "bin"
     bins.mkdir()
@@ -42,6 +43,7 @@ def test_a_crashing_llama_bench_is_a_failed_row_and_the_prefill_benchmark_goes_o
     assert "failed: crashed (SIGSEGV)" in json.dumps(record)
 
 
+@pytest.mark.slow
 def test_a_crashing_or_missing_llama_server_is_a_failed_row_and_the_comparison_goes_on(tmp_path, tiny):
     bins = tmp_path / "bin"
     bins.mkdir()

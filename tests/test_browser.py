@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from server_harness import ServerThread, real_model, tiny_served_model
 from test_server_charts import TinyLoader
-from test_server_harness import ServerThread, real_model, tiny_served_model
 
 from lmhead.server import create_app
 from lmhead.server.registry import ModelRegistry

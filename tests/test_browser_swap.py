@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from test_server_harness import ServerThread, tiny_served_model
+from server_harness import ServerThread, tiny_served_model
 
 from lmhead.server import create_app
 

@@ -5,7 +5,6 @@ lets the live rows decode between its pieces, then gives what it gives alone."""
 from __future__ import annotations
 
 import pytest
-from test_server_harness import tiny_served_model
 
 import lmhead.decode.engine as engine
 from lmhead.decode.rows import prepare
@@ -14,11 +13,6 @@ from lmhead.sampling import SamplingConfig
 
 GREEDY = SamplingConfig(temperature=0)
 LONG = "the cat and the dog went to the market to buy bread and milk " * 3
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_served_model()
 
 
 def _alone(model, prompt, n, config=GREEDY):

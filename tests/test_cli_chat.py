@@ -122,6 +122,7 @@ def _read_until(fd: int, marker: bytes, seen: bytes, timeout: float = 120.0) -> 
     return seen
 
 
+@pytest.mark.slow
 def test_chat_on_a_terminal_prompts_and_exits_on_slash_exit(chat_folder):
     leader, follower = pty.openpty()
     src = str(Path(__file__).parents[1] / "src")

@@ -49,11 +49,6 @@ LANGUAGES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model():
-    return Model(*tiny_model("llama"), name="tiny-llama")
-
-
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet: the character standing for each byte (printable bytes themselves, the
     others shifted above 255) → the byte."""
@@ -400,7 +395,7 @@ def test_packaged_model_answers_valid_json_with_and_without_drafts(name):
     # the real tokenizers (49,152 and 262,144 ids), the coded heads and, on scoreless greedy rows, the screened
     # head's round, whose candidates are chosen under each position's mask
     import jsonschema
-    from test_server_harness import real_model
+    from server_harness import real_model
 
     from lmhead.models.chat import chat_prompt
 

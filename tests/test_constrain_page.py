@@ -7,29 +7,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.testclient import TestClient
-from test_server_harness import tiny_served_model
 
 from lmhead.constrain import Choice, Regex
 from lmhead.sampling import SamplingConfig
-from lmhead.server import create_app
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPT = "The cat sat on the "
 BOXES = [({"kind": "choice", "text": "mat, log"}, Choice(["mat", "log"])),
          ({"kind": "regex", "text": "[0-9]{3}"}, Regex("[0-9]{3}"))]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_served_model()
-
-
-@pytest.fixture(scope="module")
-def client(model):
-    with TestClient(create_app(model)) as c:
-        yield c
 
 
 @pytest.mark.parametrize("box,constraint", BOXES, ids=["choice", "regex"])

@@ -11,7 +11,7 @@ import threading
 import jsonschema
 import openai
 import pytest
-from test_server_harness import ServerThread
+from server_harness import ServerThread
 
 from lmhead.constrain import JSONSchema
 from lmhead.sampling import SamplingConfig

@@ -360,6 +360,7 @@ def test_perplexity_equals_transformers(tiny):
 
 
 @pytest.mark.parametrize("window,stride", [(16, 8), (16, 5), (10, 10), (7, 1)])
+@pytest.mark.slow
 def test_sliding_window_equals_the_transformers_recipe(tiny, window, stride):
     model, tokenizer, lm = tiny
     ids = torch.tensor([tokenizer(TEXT)["input_ids"]])

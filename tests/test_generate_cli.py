@@ -145,6 +145,7 @@ def _command(args, env_extra=None, code=""):
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_the_command_ends_with_its_output_whole_and_its_exit_code(folder, capsys):
     assert main(["generate", "The cat sat", "--model", folder, "-n", "8", "--seed", "5", "--json"]) == 0
     want = capsys.readouterr().out

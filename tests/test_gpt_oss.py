@@ -34,6 +34,7 @@ def _reference(path):
 
 
 @pytest.mark.parametrize("kind", ["F32", "Q8_0", "MXFP4"])
+@pytest.mark.slow
 def test_a_tiny_gpt_oss_gguf_runs_from_its_codes_with_transformers_numbers(tmp_path, monkeypatch, kind):
     from tiny_gguf import assert_matches_reference
 

@@ -47,6 +47,7 @@ def _load_gguf(tmp_path, monkeypatch, arch: str, extra=None):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
+@pytest.mark.slow
 def test_pooled_embeddings_equal_transformers_hidden_states_pooled_alike(tmp_path, monkeypatch, arch):
     model, body, _ = _load_gguf(tmp_path, monkeypatch, arch)
     with torch.no_grad():

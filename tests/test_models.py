@@ -582,6 +582,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_concurrent_processes_convert_once_and_all_load(tmp_path):
     import subprocess
     import sys

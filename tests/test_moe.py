@@ -28,6 +28,7 @@ def _load(tmp_path, monkeypatch, arch: str, kind: str, **kw):
 
 
 @pytest.mark.parametrize("arch,kind", FILES)
+@pytest.mark.slow
 def test_a_tiny_moe_gguf_runs_from_its_codes_with_transformers_numbers(tmp_path, monkeypatch, arch, kind):
     from tiny_gguf import assert_matches_reference, reference_from_gguf
 
@@ -77,6 +78,7 @@ def test_the_lean_body_of_a_transformers_moe_model_gives_its_hidden_states(arch)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
 
 
+@pytest.mark.slow
 def test_rows_that_pick_different_experts_in_one_batch_get_what_each_gets_alone(tmp_path, monkeypatch):
     _, model = _load(tmp_path, monkeypatch, "qwen3_moe", "Q8_0")
     lean = model.lean

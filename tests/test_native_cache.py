@@ -14,6 +14,7 @@ _PROBE = "from lmhead.kernels import native; lib = native.library(); print('load
 
 
 @pytest.mark.skipif(builder.compiler() is None or native.library() is None, reason="no C compiler")
+@pytest.mark.slow
 def test_a_truncated_kernel_library_is_rebuilt_with_one_line_not_a_bus_error(tmp_path):
     env = {**os.environ, "LMHEAD_CACHE": str(tmp_path)}
     first = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=600)
@@ -40,6 +41,7 @@ print(len(started), len(again), native.library() is not None)
 
 
 @pytest.mark.skipif(builder.compiler() is None or native.library() is None, reason="no C compiler")
+@pytest.mark.slow
 def test_a_build_begun_in_the_background_is_joined_by_the_first_load_and_not_repeated(tmp_path):
     env = {**os.environ, "LMHEAD_CACHE": str(tmp_path)}
     first = subprocess.run([sys.executable, "-c", _BACKGROUND], env=env, capture_output=True, text=True, timeout=600)
@@ -68,6 +70,7 @@ print("loaded" if native.library() is not None else "none")
 
 
 @pytest.mark.skipif(builder.compiler() is None or native.library() is None, reason="no C compiler")
+@pytest.mark.slow
 def test_an_argument_struct_of_another_size_than_its_mirror_turns_the_kernels_off_with_one_line():
     # a call through a struct laid out otherwise would read and write the wrong memory: refused before any call
     run = subprocess.run([sys.executable, "-c", _MISMATCH], capture_output=True, text=True, timeout=600)
@@ -84,6 +87,7 @@ print("loaded" if native.library() is not None else "none")
 
 
 @pytest.mark.skipif(builder.compiler() is None or native.library() is None, reason="no C compiler")
+@pytest.mark.slow
 def test_a_level_table_or_flag_other_than_the_headers_turns_the_kernels_off_with_one_line():
     # codes packed as indices of one table and multiplied as another's would be other numbers: refused at load
     run = subprocess.run([sys.executable, "-c", _OTHER_LEVELS], capture_output=True, text=True, timeout=600)

@@ -151,6 +151,7 @@ def _lm_row(seed: int, width: int, lift: float) -> torch.Tensor:
 @pytest.mark.parametrize("width", [49152, V])
 @pytest.mark.parametrize("lift, temperature, p", [(12.0, 0.8, 0.9), (12.0, 1.0, 0.5), (8.0, 0.7, 0.95),
                                                   (16.0, 1.0, 0.99), (12.0, 0.8, 0.01), (20.0, 1.3, 0.99)])
+@pytest.mark.slow
 def test_top_p_row_keeps_the_references_set(width, lift, temperature, p):
     for seed in range(3):
         row = _lm_row(50 + seed, width, lift)
@@ -221,6 +222,7 @@ def test_top_p_parts_name_the_batch_row_whose_logits_are_bad():
 
 
 @pytest.mark.parametrize("cfg", [dict(top_p=0.9, seed=7), dict(top_p=0.9, min_p=0.02, seed=8)])
+@pytest.mark.slow
 def test_a_seeded_top_p_row_draws_the_same_id_whether_c_ran_or_not(cfg, monkeypatch):
     """A seeded draw races noise over its candidates in id order, so the C pass (whose candidate list is shorter
     than the torch windows') is not used for it: its id does not depend on the batch's size or on C."""
@@ -252,6 +254,7 @@ def _tied_row(width: int, seed: int) -> torch.Tensor:
     (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (0.8, 0, 0.9, 0.0), (1.3, 0, 0.5, 0.0), (0.8, 40, 1.0, 0.0),
     (0.8, 40, 0.9, 0.0), (1.0, 1, 1.0, 0.0), (1.0, 2, 1.0, 0.0), (1.2, 30, 0.6, 0.0), (0.8, 0, 1.0, 0.05),
     (1.5, 0, 1.0, 0.2), (0.8, 0, 0.95, 0.1), (0.8, 40, 0.95, 0.05)])
+@pytest.mark.slow
 def test_sample_row_is_the_inverse_cdf_of_the_references_distribution(width, temperature, top_k, top_p, min_p):
     from lmhead.sampling import SamplingConfig
 

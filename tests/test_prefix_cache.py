@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from test_server_harness import tiny_served_model
 
 import lmhead.prefix_cache as P
 from lmhead.decode.rows import prepare, prepare_ids
@@ -19,11 +18,6 @@ from lmhead.server import create_app
 
 FIRST = "the cat and the dog went to the market to buy bread and milk and then " * 3
 B = P.BLOCK
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_served_model()
 
 
 def _run(model, prompt, n, config, cache=None, rows=None):

@@ -410,17 +410,6 @@ def test_the_cli_exits_2_naming_a_bad_step_setting(capsys, name, value):
     assert code == 2 and name in err and "Traceback" not in err
 
 
-@pytest.fixture(scope="module")
-def client():
-    from fastapi.testclient import TestClient
-    from test_server_harness import tiny_served_model
-
-    from lmhead.server import create_app
-
-    with TestClient(create_app(tiny_served_model())) as c:
-        yield c
-
-
 @pytest.mark.parametrize("name, value", BAD)
 @pytest.mark.parametrize("route", ["/api/predict", "/v1/completions"])
 def test_the_server_answers_4xx_naming_a_bad_step_setting(client, route, name, value):

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from test_server_harness import tiny_served_model
 
 from lmhead.sampling import SamplingConfig
 from lmhead.server import create_app
@@ -18,17 +17,6 @@ from lmhead.server import schemas as S
 
 PROMPT = "The cat sat on the"
 STATIC = Path(__file__).parents[1] / "src" / "lmhead" / "server" / "static"
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_served_model()
-
-
-@pytest.fixture(scope="module")
-def client(model):
-    with TestClient(create_app(model)) as c:
-        yield c
 
 
 def sse_events(text: str) -> list:
@@ -291,7 +279,7 @@ def test_chat_uses_a_transcript_when_the_tokenizer_has_no_template(client, model
 
 
 def test_chat_uses_the_tokenizers_template_when_it_has_one(model):
-    from test_server_harness import tiny_served_model
+    from server_harness import tiny_served_model
 
     templated = tiny_served_model()
     templated.tokenizer.chat_template = (
@@ -343,7 +331,7 @@ def test_a_stop_string_ends_the_text_before_it(client):
 
 @pytest.mark.model
 def test_real_model_predicts_and_chats_with_its_template():
-    from test_server_harness import real_model
+    from server_harness import real_model
 
     model = real_model("smollm2-135m")
     assert model.tokenizer.chat_template

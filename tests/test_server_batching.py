@@ -8,7 +8,7 @@ import math
 
 import httpx
 import pytest
-from test_server_harness import ServerThread, tiny_served_model
+from server_harness import ServerThread, tiny_served_model
 
 from lmhead.generate import generate
 from lmhead.models.heads import use_head

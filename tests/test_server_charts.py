@@ -10,7 +10,6 @@ import time
 
 import pytest
 from fastapi.testclient import TestClient
-from test_server_harness import tiny_served_model
 
 from lmhead import explain_charts as C
 from lmhead.models import ModelError
@@ -50,17 +49,6 @@ class TinyLoader:
         finally:
             with self.lock:
                 self.running -= 1
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_served_model()
-
-
-@pytest.fixture(scope="module")
-def client(model):
-    with TestClient(create_app(model)) as c:
-        yield c
 
 
 @pytest.fixture

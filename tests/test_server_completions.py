@@ -9,26 +9,12 @@ import json
 
 import pytest
 import torch
-from fastapi.testclient import TestClient
-from test_server_harness import tiny_served_model
 
 from lmhead.prompt_scores import prompt_scores
 from lmhead.sampling import SamplingConfig
-from lmhead.server import create_app
 
 PROMPT = "The cat sat on the"
 GREEDY = {"temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_served_model()
-
-
-@pytest.fixture(scope="module")
-def client(model):
-    with TestClient(create_app(model)) as c:
-        yield c
 
 
 def _complete(client, **body):

@@ -7,7 +7,7 @@ import os
 from urllib.parse import urlsplit
 
 import pytest
-from test_server_harness import ServerThread, tiny_served_model
+from server_harness import ServerThread, tiny_served_model
 
 from lmhead.server import create_app
 

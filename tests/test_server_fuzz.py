@@ -16,7 +16,7 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
-from test_server_harness import tiny_served_model
+from server_harness import tiny_served_model
 
 from lmhead.server import create_app
 
@@ -62,6 +62,7 @@ def fuzz(operation, mode, tried: list) -> None:
             raise  # an operation with no parameters has no invalid input: only then is negative mode empty
 
 
+@pytest.mark.slow
 def test_no_request_the_schema_allows_or_breaks_is_a_server_error(api_schema):
     GenerationMode = schemathesis.GenerationMode
     operations = [result.ok() for result in api_schema.get_all_operations()]

@@ -13,7 +13,7 @@ import time
 
 import pytest
 from fastapi.testclient import TestClient
-from test_server_harness import ServerThread, tiny_served_model
+from server_harness import ServerThread
 
 from lmhead.server import create_app
 from lmhead.server import schemas as S
@@ -30,17 +30,6 @@ ROUTES = {  # a valid small body for each POST route, as raw JSON text with a ho
 }
 PARAMS = {"/api/predict": "temperature", "/api/step": "top_p", "/v1/completions": "min_p",
           "/v1/chat/completions": "presence_penalty"}
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_served_model()
-
-
-@pytest.fixture(scope="module")
-def client(model):
-    with TestClient(create_app(model)) as c:
-        yield c
 
 
 def field_of(route: str, r) -> str | None:

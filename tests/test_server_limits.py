@@ -8,18 +8,12 @@ import asyncio
 
 import pytest
 from fastapi.testclient import TestClient
-from test_server_harness import tiny_served_model
 
 from lmhead.decode.rows import prepare_ids
 from lmhead.sampling import SamplingConfig
 from lmhead.server import create_app
 from lmhead.server.limits import ServeLimits, column_bytes, serve_limits
 from lmhead.server.runner import ModelRunner, QueueFull
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_served_model()
 
 
 def test_serve_limits_default_to_the_models_context(model):

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_server_harness import ServerThread, real_model
+from server_harness import ServerThread, real_model
 
 from lmhead.server import create_app
 

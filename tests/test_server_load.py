@@ -18,7 +18,7 @@ import time
 
 import httpx
 import pytest
-from test_server_harness import ServerThread, tiny_served_model
+from server_harness import ServerThread, tiny_served_model
 
 from lmhead.server import create_app
 
@@ -67,6 +67,7 @@ def server():
         yield s
 
 
+@pytest.mark.slow
 def test_32_concurrent_clients_each_get_their_own_correct_answers(server):
     plan = [[request_for(c, i) for i in range(REQUESTS_PER_CLIENT)] for c in range(CLIENTS)]
     with httpx.Client(base_url=server.url, timeout=60) as http:  # the answers when the server is idle

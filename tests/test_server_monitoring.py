@@ -4,17 +4,10 @@ one registry per app."""
 
 from __future__ import annotations
 
-import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
-from test_server_harness import tiny_served_model
 
 from lmhead.server import create_app
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_served_model()
 
 
 def _samples(text: str) -> dict[str, float]:

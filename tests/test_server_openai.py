@@ -5,17 +5,12 @@ from __future__ import annotations
 
 import openai
 import pytest
-from test_server_harness import ServerThread, tiny_served_model
+from server_harness import ServerThread
 
 from lmhead.sampling import SamplingConfig
 from lmhead.server import create_app
 
 PROMPT = "The quick brown fox"
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_served_model()
 
 
 @pytest.fixture(scope="module")

@@ -11,18 +11,13 @@ import openai
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from test_server_harness import ServerThread, tiny_served_model
+from server_harness import ServerThread
 
 from lmhead.heads import reranker as reranker_mod
 from lmhead.heads.classifier import ClassificationHead
 from lmhead.server import create_app
 
 TEXTS = ["The cat sat on the mat.", "A dog", "Numbers: 1 2 3 4 5"]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_served_model()
 
 
 @pytest.fixture(scope="module")

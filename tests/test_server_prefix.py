@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from test_server_harness import ServerThread, tiny_served_model
+from server_harness import ServerThread
 
 from lmhead.generate import Batch
 from lmhead.prefix_cache import BLOCK
@@ -21,11 +21,6 @@ from lmhead.server import create_app
 SYSTEM = "the cat and the dog went to the market to buy bread and milk and then they went home " * 2
 QUESTIONS = [" what did the cat buy?", " where is the market?", " who went home first?", " and the bird?",
              " why milk?", " when did they go?", " how far is it?", " was it raining?"]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_served_model()
 
 
 def _ids(model, text: str) -> list[int]:

@@ -5,19 +5,11 @@ it; `top_k: -1` is off, as 0; llama.cpp's `dry_sequence_breakers` as strings are
 from __future__ import annotations
 
 import pytest
-from fastapi.testclient import TestClient
-from test_server_harness import tiny_served_model
+from server_harness import tiny_served_model
 
-from lmhead.server import create_app
 from lmhead.server.words import word_sequences
 
 PROMPT = "the cat and the dog went to the market and the"
-
-
-@pytest.fixture(scope="module")
-def client():
-    with TestClient(create_app(tiny_served_model())) as c:
-        yield c
 
 
 def _greedy(client, **extra) -> list[int]:

@@ -227,6 +227,7 @@ def _hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("draft", [True, "ngram"])
+@pytest.mark.slow
 def test_greedy_with_and_without_draft_equals_transformers(arch, draft):
     from lmhead.sampling import SamplingConfig
 
