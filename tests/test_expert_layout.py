@@ -149,3 +149,21 @@ def test_the_chosen_experts_in_one_call_are_the_bits_of_one_call_per_expert(kind
                 assert torch.equal(got, want), (n, t, act)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_experts_call_refuses_ids_out_of_range_or_repeated_and_other_dtypes():
+    from lmhead.kernels import experts as experts_kernel
+
+    if not experts_kernel.available():
+        pytest.skip("the experts kernel is not built")
+    moe = _moe_of("Q8_0", experts=4, d=256, f=256, top_k=2, seed=9)
+    x, w = torch.randn(2, 256), torch.full((2, 2), 0.5)
+    call = lambda chosen, x=x, w=w: experts_kernel.mlp(x, chosen, w, moe.gate_up.desc, moe.down.desc, 1)  # noqa: E731
+    assert call(torch.tensor([[0, 3], [3, 1]])).shape == (2, 256)
+    for chosen in (torch.tensor([[0, 4], [1, 2]]), torch.tensor([[0, -1], [1, 2]]), torch.tensor([[1, 2], [2, 2]])):
+        with pytest.raises(ValueError, match=r"ids in \[0, 4\), distinct in a row"):
+            call(chosen)
+    with pytest.raises(TypeError, match="chosen int64"):
+        call(torch.tensor([[0, 1], [1, 2]], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"x must be \[N, 256\]"):
+        call(torch.tensor([[0, 1]]))

@@ -71,13 +71,20 @@ def available() -> bool:
 
 
 def mlp(x: Tensor, chosen: Tensor, weights: Tensor, gate_up: ExpertsMat, down: ExpertsMat, act: int) -> Tensor:
-    """x [N,D] float32 (contiguous), `chosen` [N,k] int64 expert ids, `weights` [N,k] float32 → out [N,D]: each
+    """x [N,D] float32, `chosen` [N,k] int64 expert ids, `weights` [N,k] float32 → out [N,D]: each
     row's chosen experts' down(act(gate)·up) (act: `lmhead_gated`'s code, 0 tanh-GELU, 1 SiLU) times its weight,
-    summed in ascending expert order. ValueError for arguments the kernel refuses; RuntimeError where it is not
-    built (`available()` False)."""
+    summed in ascending expert order. TypeError for other dtypes, ValueError for other shapes or arguments the
+    kernel refuses (an id out of range, one repeated in a row); RuntimeError where it is not built."""
     lib = _library()
     if lib is None:
         raise RuntimeError("the experts kernel is not built on this machine")
+    if x.dtype != torch.float32 or chosen.dtype != torch.int64 or weights.dtype != torch.float32:
+        raise TypeError(f"x and weights must be float32 and chosen int64, got {x.dtype}, {weights.dtype}, "
+                        f"{chosen.dtype}")
+    if x.dim() != 2 or chosen.dim() != 2 or weights.shape != chosen.shape or x.shape != (chosen.shape[0], gate_up.k):
+        raise ValueError(f"x must be [N, {gate_up.k}] and chosen, weights [N, k], got {tuple(x.shape)}, "
+                         f"{tuple(chosen.shape)}, {tuple(weights.shape)}")
+    x = x.contiguous()
     n, k = chosen.shape
     chosen, weights = chosen.contiguous(), weights.contiguous()
     out = torch.empty((n, gate_up.k), dtype=torch.float32)

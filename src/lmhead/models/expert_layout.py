@@ -143,9 +143,9 @@ class ExpertMatrices:
 
     @property
     def desc(self) -> experts_kernel.ExpertsMat:
-        """The buffers as experts_kernel.c's descriptor (made once; `codes`, `scale`, `offset` are not replaced
-        after the load)."""
-        if getattr(self, "_desc", None) is None:
+        """The buffers as experts_kernel.c's descriptor (made once, and again if `codes` is replaced)."""
+        desc = getattr(self, "_desc", None)
+        if desc is None or desc.codes != self.codes.data_ptr():
             self._desc = experts_kernel.describe(self.codes, self.scale, self.offset, self.in_features, self.group,
                                                  self.flags)
         return self._desc
