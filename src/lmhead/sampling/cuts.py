@@ -183,16 +183,18 @@ def _groups(configs: list[SamplingConfig] | SamplingConfig, batch: int, vocab_si
     return list(groups.values())
 
 
-# rows apart in the batch are copied together (one pass for them all) when they hold at most this many logits
-# together (4 MiB, as a screened round's candidates or a few rows of 49,152); wider, the copy costs more than the
-# separate passes save (~1 ms for four rows of 262,144)
+# rows apart in the batch are copied together (one pass for them all) where each holds at most _GATHER_WIDTH logits
+# and all of them at most _GATHER_MAX (4 MiB: a screened round's candidates, rows of 49,152): there the separate
+# passes' calls cost more than the copy; rows of 262,144 cost more to copy (~1 ms for four) than their separate
+# passes, each bound by the row's bytes, save
+_GATHER_WIDTH = 1 << 16
 _GATHER_MAX = 1 << 20
 
 
 def runs(rows: list[int], width: int) -> list[list[int]]:
-    """The rows of a group as the pieces its passes read: all of them where they lie side by side (a view) or hold
-    few logits (copied together, one pass for them all); else each run of rows side by side, read in place."""
-    if rows[-1] - rows[0] == len(rows) - 1 or len(rows) * width <= _GATHER_MAX:
+    """The rows of a group as the pieces its passes read: all of them where they lie side by side (a view) or are
+    narrow (copied together, one pass for them all); else each run of rows side by side, read in place."""
+    if rows[-1] - rows[0] == len(rows) - 1 or (width <= _GATHER_WIDTH and len(rows) * width <= _GATHER_MAX):
         return [rows]
     out = [[rows[0]]]
     for r in rows[1:]:

@@ -40,11 +40,16 @@ def _orders(cfgs: list) -> list[list[int]]:
     return list(groups.values())
 
 
-# rows of one order run step by step over all of them where they hold at most this many logits together (4 MiB: they
-# stay in the caches from one step to the next); wider, each row runs its whole chain on its own, while it is in the
-# caches (one pass of a step over 16 rows of 262,144 logits costs more than its 16 passes over one row each, and the
-# passes' fewer torch calls save little on rows that wide)
+# rows of one order run step by step over all of them where each holds at most _JOIN_WIDTH logits and all of them at
+# most _JOIN_MAX (4 MiB: they stay in the caches from one step to the next); wider, each row runs its whole chain on
+# its own, while it is in the caches (one pass of a step over 16 rows of 262,144 logits costs more than its 16 passes
+# over one row each, and the passes' fewer torch calls save little on rows that wide)
+_JOIN_WIDTH = 1 << 16
 _JOIN_MAX = 1 << 20
+
+
+def _together(rows: int, width: int) -> bool:
+    return width <= _JOIN_WIDTH and rows * width <= _JOIN_MAX
 
 
 class _Rows:
@@ -118,7 +123,7 @@ def _chain_rows(x: Tensor, cfgs: list, ctxs: list[Context], name: str) -> _Rows:
     """Rows x [n,V] through each row's chain, as the rows the steps left (`_Rows`)."""
     xs = _Rows(x)
     for members in _orders(cfgs):
-        if len(members) * x.shape[1] <= _JOIN_MAX:
+        if _together(len(members), x.shape[1]):
             _run_order(xs, members, cfgs, ctxs, name)
         else:  # wide rows: each through its chain alone, while it is in the caches
             for i in members:
@@ -182,8 +187,9 @@ def process_rows(x: Tensor, cfgs: list, ctxs: list[Context], name: str = "logits
 def draw_rows(x: Tensor, cfgs: list, ctxs: list[Context], steps: list[int] | None,
               generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
     """Rows x [n,V] → (ids [n], their processed logprobs [n]): each row's XTC coin and uniform from its generator
-    (seeded rows: seeded_generator(seed, step)), in row order; the chain over the batch; the draws; then the
-    steps with state accept each chosen token (mirostat's μ, the penalties' and DRY's records move)."""
+    (seeded rows: seeded_generator(seed, step)), in row order; the chain over the batch and the draws (wide rows: each
+    row's chain and draw on its own); then the steps with state accept each chosen token (mirostat's μ, the
+    penalties' and DRY's records move)."""
     n = x.shape[0]
     ids = torch.zeros(n, dtype=torch.long, device=x.device)
     lp = torch.zeros(n, dtype=torch.float32, device=x.device)
@@ -195,25 +201,38 @@ def draw_rows(x: Tensor, cfgs: list, ctxs: list[Context], steps: list[int] | Non
             ctx.xtc = coin <= cfg.xtc_probability  # llama.cpp: the cut is skipped when the chance exceeds P
         if not cfg.is_greedy:
             u[r] = torch.rand(1, 1, dtype=torch.float64, device=x.device, generator=gen)[0]
-    xs = _chain_rows(x, cfgs, ctxs, "logits")
+    if _together(n, x.shape[1]):  # the chain step by step over the rows, then their draws together
+        xs = _chain_rows(x, cfgs, ctxs, "logits")
+        _draw(xs, list(range(n)), cfgs, u, ids, lp)
+    else:  # wide rows: each chained and drawn on its own, while it is in the caches
+        xs = _Rows(x)
+        for r in range(n):
+            _run_order(xs, [r], cfgs, ctxs, "logits")
+            _draw(xs, [r], cfgs, u, ids, lp)
+            xs.put([r], x)  # its processed row is not kept
     for ctx in ctxs:
         ctx.xtc = None
-    greedy = [r for r, c in enumerate(cfgs) if c.is_greedy]
-    sampled = [r for r, c in enumerate(cfgs) if not c.is_greedy]
-    for r in greedy:
-        ids[r] = xs.row(r).argmax(dim=-1)[0]
-    # the sampled rows drawn together where they are one tensor or cheap to join, else each where it lies
-    together = [sampled] if sampled and (xs.block(sampled) is not None or len(sampled) * x.shape[1] <= _JOIN_MAX) \
-        else [[r] for r in sampled]
-    for rows in together:
-        vals = xs.joined(rows)
-        index = torch.tensor(rows, device=x.device)
-        drawn = draw_whole_rows(vals, None, Vocab(x.shape[1]), u[index])
-        ids[index] = drawn
-        lp[index] = _drawn_logprobs(vals, drawn.tolist())
     for r in range(n):  # the stateful steps move (mirostat's μ, the penalties' and DRY's records)
         accept(cfgs[r], ctxs[r].state, int(ids[r]), float(lp[r]))
     return ids, lp
+
+
+def _draw(xs: _Rows, rows: list[int], cfgs: list, u: Tensor, ids: Tensor, lp: Tensor) -> None:
+    """The rows' draws from their processed rows in xs: a greedy row's argmax, the sampled rows' inverse CDF with
+    their uniforms u, together in one pass where they are one tensor, else each where it lies → ids, lp."""
+    sampled = []
+    for r in rows:
+        if cfgs[r].is_greedy:
+            ids[r] = xs.row(r).argmax(dim=-1)[0]
+        else:
+            sampled.append(r)
+    if not sampled:
+        return
+    vals = xs.joined(sampled)
+    index = torch.tensor(sampled, device=u.device)
+    drawn = draw_whole_rows(vals, None, Vocab(vals.shape[1]), u[index])
+    ids[index] = drawn
+    lp[index] = _drawn_logprobs(vals, drawn.tolist())
 
 
 def _drawn_logprobs(vals: Tensor, toks: list[int]) -> Tensor:

@@ -233,10 +233,14 @@ class Step:
     rows: Callable[[Tensor, Sequence[Any], Sequence[Context]], Tensor] | None = None
 
 
-def param_rows(cfgs: Sequence[Any], name: str, like: Tensor) -> Tensor:
+def param_rows(cfgs: Sequence[Any], name: str, like: Tensor) -> float | Tensor:
     """One parameter of each row's config as a column [n,1] float32 on `like`'s device: what a step's ``rows`` reads
-    in place of a number (a float32 column divides, multiplies and compares as the number itself does)."""
-    return torch.tensor([[float(getattr(c, name))] for c in cfgs], dtype=torch.float32, device=like.device)
+    in place of a number (a float32 column divides, multiplies and compares as the number itself does); the number
+    itself where the rows share it."""
+    values = [float(getattr(c, name)) for c in cfgs]
+    if values.count(values[0]) == len(values):
+        return values[0]
+    return torch.tensor(values, dtype=torch.float32, device=like.device)[:, None]
 
 
 def rows_apply(step: Step, x: Tensor, cfgs: Sequence[Any], ctxs: Sequence[Context]) -> Tensor:
