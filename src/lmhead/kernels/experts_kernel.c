@@ -66,6 +66,14 @@ static int one_expert(const lmhead_experts_mat* gu, const lmhead_experts_mat* dn
     return product(dn, e, hidden, rows, y, threads);
 }
 
+/* o += y·w over d floats: the product rounded, then the sum (torch's `y * w` then `+`) */
+static inline void add_weighted(float* o, const float* y, float w, int64_t d) {
+    for (int64_t j = 0; j < d; j++) {
+        const float t = y[j] * w;
+        o[j] = o[j] + t;
+    }
+}
+
 /* x [N, D] float32; chosen [N, k] int64 expert ids (distinct within a row); weights [N, k] float32; gate_up: each
  * expert [2F, D] (gate rows first), down: [D, F]; act: lmhead_gated's code; out [N, D]. 0, or -1 for arguments the
  * kernel does not take (an id out of range, a repeated id in a row, mismatched shapes, a product refused). */
@@ -86,9 +94,10 @@ int lmhead_experts_mlp(const float* x, int64_t N, int64_t k, const int64_t* chos
     int64_t* rows_of = (int64_t*)malloc((size_t)P * sizeof(int64_t));  /* the pairs' rows, grouped */
     int64_t* slot_of = (int64_t*)malloc((size_t)P * sizeof(int64_t));  /* pair p's place in the grouping */
     int64_t* groups = (int64_t*)malloc((size_t)P * sizeof(int64_t));   /* the chosen experts, ascending */
-    float* y = (float*)malloc((size_t)(P * d) * sizeof(float));       /* each pair's expert output, grouped */
+    float* weight_of = (float*)malloc((size_t)P * sizeof(float));     /* the pairs' weights, grouped */
+    float* y = NULL; /* each pair's expert output, grouped (experts shared out among the threads) */
     int rc = 0;
-    if (!start || !rows_of || !slot_of || !groups || !y) {
+    if (!start || !rows_of || !slot_of || !groups || !weight_of) {
         rc = -1;
         goto done;
     }
@@ -110,6 +119,7 @@ int lmhead_experts_mlp(const float* x, int64_t N, int64_t k, const int64_t* chos
         for (int64_t p = 0; p < P; p++) {
             const int64_t at = fill[chosen[p]]++;
             rows_of[at] = p / k;
+            weight_of[at] = weights[p];
             slot_of[p] = at;
         }
         free(fill);
@@ -117,8 +127,10 @@ int lmhead_experts_mlp(const float* x, int64_t N, int64_t k, const int64_t* chos
     const int64_t per = most * (d + 3 * f); /* one expert's scratch */
     const int by_expert = threads > 1 && ngroups >= 2 * threads && most <= 4;
     if (by_expert) {
+        y = (float*)malloc((size_t)(P * d) * sizeof(float));
         float* scratch = (float*)malloc((size_t)(threads * per) * sizeof(float));
-        if (!scratch) {
+        if (!scratch || !y) {
+            free(scratch);
             rc = -1;
             goto done;
         }
@@ -136,17 +148,23 @@ int lmhead_experts_mlp(const float* x, int64_t N, int64_t k, const int64_t* chos
         }
         free(scratch);
         rc = failed ? -1 : 0;
-    } else {
-        float* scratch = (float*)malloc((size_t)per * sizeof(float));
+    } else { /* expert by expert, ascending, each added into its rows as it is done: each row's sum in ascending
+              * expert order, from zero */
+        float* scratch = (float*)malloc((size_t)(per + most * d) * sizeof(float));
         if (!scratch) {
             rc = -1;
             goto done;
         }
+        float* ye = scratch + per;
+        memset(out, 0, (size_t)(N * d) * sizeof(float));
         for (int64_t g = 0; g < ngroups && rc == 0; g++) {
-            const int64_t e = groups[g], a = start[e];
-            rc = one_expert(gu, dn, e, x, rows_of + a, start[e + 1] - a, act, y + a * d, scratch, threads);
+            const int64_t e = groups[g], a = start[e], n = start[e + 1] - a;
+            rc = one_expert(gu, dn, e, x, rows_of + a, n, act, ye, scratch, threads);
+            for (int64_t i = 0; i < n && rc == 0; i++)
+                add_weighted(out + rows_of[a + i] * d, ye + i * d, weight_of[a + i], d);
         }
         free(scratch);
+        goto done;
     }
     if (rc != 0) goto done;
     /* the weighted sum: each row's experts in ascending expert order, from zero */
@@ -160,12 +178,7 @@ int lmhead_experts_mlp(const float* x, int64_t N, int64_t k, const int64_t* chos
             for (int64_t s = 0; s < k; s++)
                 if (c[s] > last && (best < 0 || c[s] < c[best])) best = s;
             last = c[best];
-            const float w = weights[r * k + best];
-            const float* ye = y + slot_of[r * k + best] * d;
-            for (int64_t j = 0; j < d; j++) {
-                const float t = ye[j] * w;
-                o[j] = o[j] + t;
-            }
+            add_weighted(o, y + slot_of[r * k + best] * d, weights[r * k + best], d);
         }
     }
 done:
@@ -173,6 +186,7 @@ done:
     free(rows_of);
     free(slot_of);
     free(groups);
+    free(weight_of);
     free(y);
     return rc;
 }
