@@ -440,6 +440,7 @@ def test_a_decode_step_of_the_chosen_experts_in_one_call_is_the_per_expert_calls
         assert torch.equal(got, want)
 
 
+@pytest.mark.slow
 def test_a_moe_file_gives_the_same_greedy_tokens_without_the_native_kernels(tmp_path):
     import os
     import subprocess
