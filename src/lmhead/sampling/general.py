@@ -97,14 +97,14 @@ def _step_rows(s: Any, xs: _Rows, on: list[int], cfgs: list, ctxs: list[Context]
 
 def _run_order(xs: _Rows, members: list[int], cfgs: list, ctxs: list[Context], name: str) -> None:
     """The rows `members` of xs, of one order, through it, each step once over the rows that run it (in xs)."""
-    chains = {i: chain(cfgs[i]) for i in members}
+    runs = {i: {s.name for s in chain(cfgs[i])} for i in members}  # names: a Step compares field by field
     checked = False
     for step_name in order_of(cfgs[members[0]]):
         s = STEPS[step_name]
         if s.stage > 1 and not checked:
             checked = True
             check_top(xs.amax(members), name)  # an all -inf row after the masks: no token can be chosen
-        on = [i for i in members if s in chains[i]]
+        on = [i for i in members if step_name in runs[i]]
         if on:
             _step_rows(s, xs, on, cfgs, ctxs)
     if not checked:
@@ -139,14 +139,18 @@ def run_chain(x: Tensor, cfgs: list, ctxs: list[Context], name: str = "logits") 
     return _chain_rows(x, cfgs, ctxs, name).joined(list(range(x.shape[0])))
 
 
+def _has_xtc(cfg: Any) -> bool:
+    return any(s is _XTC for s in chain(cfg))
+
+
 def _mixes_xtc(cfg: Any) -> bool:
-    return _XTC in chain(cfg) and cfg.xtc_probability < 1.0
+    return _has_xtc(cfg) and cfg.xtc_probability < 1.0
 
 
 def row_logits(x: Tensor, cfg: Any, ctx: Context, name: str = "logits") -> Tensor:
     """The processed logits [1,V] of one row: the distribution its draw follows (with XTC on, the mixture of both
     outcomes of the coin, as log-probabilities)."""
-    if _XTC not in chain(cfg):
+    if not _has_xtc(cfg):
         return run_chain(x, [cfg], [ctx], name)
     ctx.xtc = True
     cut = run_chain(x, [cfg], [ctx], name)
@@ -171,7 +175,7 @@ def contexts(cfgs: list, histories: list[list[int]] | None, prompt_lens: list[in
 def process_rows(x: Tensor, cfgs: list, ctxs: list[Context], name: str = "logits") -> Tensor:
     """Rows x [n,V] (float32, raw) → processed logits [n,V]: the chain over the batch; a row whose XTC coin mixes two
     outcomes (0 < xtc_probability < 1) runs both on its own (`row_logits`)."""
-    mixed = [r for r, c in enumerate(cfgs) if _XTC in chain(c)]
+    mixed = [r for r, c in enumerate(cfgs) if _has_xtc(c)]
     if not mixed:
         return run_chain(x, cfgs, ctxs, name)
     plain = [r for r in range(len(cfgs)) if r not in mixed]
@@ -196,7 +200,7 @@ def draw_rows(x: Tensor, cfgs: list, ctxs: list[Context], steps: list[int] | Non
     u = torch.zeros(n, 1, dtype=torch.float64, device=x.device)
     for r, (cfg, ctx) in enumerate(zip(cfgs, ctxs, strict=True)):
         gen = seeded_generator(cfg.seed, steps[r], x.device) if cfg.seed is not None and steps else generator
-        if _XTC in chain(cfg):
+        if _has_xtc(cfg):
             coin = float(torch.rand(1, dtype=torch.float64, device=x.device, generator=gen))
             ctx.xtc = coin <= cfg.xtc_probability  # llama.cpp: the cut is skipped when the chance exceeds P
         if not cfg.is_greedy:
@@ -229,6 +233,12 @@ def _draw(xs: _Rows, rows: list[int], cfgs: list, u: Tensor, ids: Tensor, lp: Te
     if not sampled:
         return
     vals = xs.joined(sampled)
+    if len(sampled) == 1:  # a row alone: no index tensors
+        r = sampled[0]
+        drawn = draw_whole_rows(vals, None, Vocab(vals.shape[1]), u[r:r + 1])
+        ids[r] = drawn[0]
+        lp[r] = _drawn_logprobs(vals, [int(drawn[0])])[0]
+        return
     index = torch.tensor(sampled, device=u.device)
     drawn = draw_whole_rows(vals, None, Vocab(vals.shape[1]), u[index])
     ids[index] = drawn

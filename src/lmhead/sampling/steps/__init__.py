@@ -147,10 +147,16 @@ def order_of(cfg: Any) -> tuple[str, ...]:
 
 def chain(cfg: Any) -> list[Step]:
     """The steps that run for cfg, in order, active ones only (a disabled step costs nothing)."""
+    from lmhead.sampling.inputs import once_per  # a config is frozen: its chain is found once per config object
+
+    return list(once_per("chain", cfg, _chain, 4096))
+
+
+def _chain(cfg: Any) -> tuple[Step, ...]:
     steps = [STEPS[n] for n in order_of(cfg)]
     if cfg.is_greedy:
         steps = [s for s in steps if s.stage <= 2]
-    return [s for s in steps if s.active(cfg)]
+    return tuple(s for s in steps if s.active(cfg))
 
 
 def accept(cfg: Any, state: RowState, token: int, logprob: float) -> None:
