@@ -75,6 +75,7 @@ def run_staggered(model, requests, joins, draft="none", drop=None):
     return [out[i] for i in range(len(requests))]
 
 
+@pytest.mark.slow
 def test_rows_joining_a_running_batch_give_what_they_give_alone(model):
     got = run_staggered(model, REQUESTS, joins=[0, 2, 2, 4, 6])
     for (prompt, cfg, n, kw), steps in zip(REQUESTS, got, strict=True):

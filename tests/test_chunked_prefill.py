@@ -92,6 +92,7 @@ def test_a_join_whose_running_rows_all_left_becomes_the_batch(model, monkeypatch
 
 
 @pytest.mark.parametrize("sizes", [[8, 16, 3, 40], [1, 2, 5, 7, 11], None])
+@pytest.mark.slow
 def test_pieces_of_varying_sizes_give_the_tokens_and_logprobs_of_one_prefill(model, sizes):
     want_long = _alone(model, LONG, 8)
     want_short = _alone(model, "Hello there", 20)

@@ -157,6 +157,7 @@ def test_the_command_ends_with_its_output_whole_and_its_exit_code(folder, capsys
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "temperature" in bad.stderr
 
 
+@pytest.mark.slow
 def test_the_command_waits_for_a_thread_still_working(folder):
     code = ("import threading, time\n"
             "def late():\n    time.sleep(1.0)\n    print('thread done', file=sys.stderr, flush=True)\n"

@@ -266,6 +266,7 @@ def _load_both(tmp_path, monkeypatch, arch: str, kind: str):
                                        ("qwen2", "IQ4_NL"), ("llama", "IQ4_XS"), ("gemma3", "BF16"),
                                        ("gemma2", "Q8_0"), ("gemma2", "Q5_1"), ("phi3", "Q8_0"), ("phi3", "F16"),
                                        ("llama", "F32"), ("qwen3", "F32"), ("llama", "MXFP4")])
+@pytest.mark.slow
 def test_a_tiny_gguf_runs_from_its_file_with_transformers_numbers(tmp_path, monkeypatch, arch, kind):
     model, ref = _load_both(tmp_path, monkeypatch, arch, kind)
     assert model.lean is not None and model.lean.embed is None  # the embedding's rows read from the file's codes
