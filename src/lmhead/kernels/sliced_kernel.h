@@ -144,16 +144,14 @@ static int sliced_prepare(const float* x, int64_t K, int bias_by, int8_t* out) {
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
         /* each slice's 64 bytes in the natural order, permuted into its low and high rows (each twice); the lanes'
          * sums of a slice are its bytes' four-byte sums, one dot product with ones per row */
-        __m512i perm_lo, perm_hi;
-        {
-            int8_t plo[64], phi[64];
-            for (int i = 0; i < 64; i++) {
-                const int p = POS_OF[i] % 64;
-                (POS_OF[i] < 64 ? plo : phi)[p] = (int8_t)i;
-                (POS_OF[i] < 64 ? plo : phi)[p + 32] = (int8_t)i;
-            }
-            perm_lo = _mm512_loadu_si512(plo), perm_hi = _mm512_loadu_si512(phi);
-        }
+        /* byte i of the natural order to its place in the low and the high row, each twice (POS_OF) */
+        static const int8_t PERM_LO[64] = {0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20,
+            21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55, 0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4,
+            5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55};
+        static const int8_t PERM_HI[64] = {8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59, 12, 13, 14,
+            15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63, 8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57,
+            58, 59, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+        const __m512i perm_lo = _mm512_loadu_si512(PERM_LO), perm_hi = _mm512_loadu_si512(PERM_HI);
         const __m512i ones = _mm512_set1_epi8(1);
         __m512i comb = _mm512_setzero_si512();
         for (int k = 0; k < SLICES; k++) {
@@ -216,8 +214,8 @@ static int sliced_prepare8(const float* x, int64_t K, int8_t* out) {
         const float* xu = x + u * 32;
         int8_t* dst = out + u * SLICED8_UNIT;
         float dv[16];
-        int32_t hi[16], lo[16];
-        for (int l = 0; l < 8; l++) {
+        double inv8[8], cen8[8];
+        for (int l = 0; l < 8; l++) { /* d₀ and d₂ of lane l (activations 4l .. 4l + 3), as sliced_prepare */
             float m = 0.f, l1 = 0.f;
             for (int j = 0; j < 4; j++) {
                 const float v = fabsf(xu[4 * l + j]);
@@ -229,24 +227,57 @@ static int sliced_prepare8(const float* x, int64_t K, int8_t* out) {
             const int e = lane_ok && m > 0.f ? (int)((bits.u >> 23) & 0xFF) - 126 : 1;
             d0.u = (uint32_t)(e - 7 + 127) << 23;
             if (m / d0.f > 127.f) d0.u += 1u << 23;
-            const float d2 = d0.f * 1.52587890625e-5f;
+            dv[l] = dv[l + 8] = d0.f * 1.52587890625e-5f;
+            inv8[l] = 1.0 / (double)d0.f;
+            cen8[l] = 32896.5 * (double)dv[l];
             /* 4 · d₂/2 ≤ K·2⁻²⁵ · Σ|x| over the lane, in float32 with room */
-            if (m > 0.f && 2.f * d2 > (float)K * 2.98023224e-8f * l1) lane_ok = 0;
+            if (m > 0.f && 2.f * dv[l] > (float)K * 2.98023224e-8f * l1) lane_ok = 0;
             ok &= lane_ok;
-            int32_t sums[SLICES] = {0};
-            for (int j = 0; j < 4; j++) { /* as sliced_prepare: floors in double of x + d₂/2 + 32896·d₂ */
-                double t = ((double)xu[4 * l + j] + 32896.5 * (double)d2) / (double)d0.f;
-                for (int k = 0; k < SLICES; k++) {
-                    const double q = floor(t);
-                    const int a = lane_ok ? (int)q - (k == 0 ? 0 : 128) : 0;
-                    dst[64 * k + 4 * l + j] = dst[64 * k + 32 + 4 * l + j] = (int8_t)a;
-                    sums[k] += a;
-                    t = (t - q) * 256.0;
-                }
+        }
+        if (!ok) return 0;
+        int32_t a[SLICES][32]; /* as sliced_prepare: floors in double of x + d₂/2 + 32896·d₂ */
+#ifdef __AVX512F__
+        for (int i = 0; i < 32; i += 8) { /* lanes i/4 and i/4 + 1 */
+            const __m512d cen = _mm512_insertf64x4(_mm512_set1_pd(cen8[i / 4]), _mm256_set1_pd(cen8[i / 4 + 1]), 1);
+            const __m512d inv = _mm512_insertf64x4(_mm512_set1_pd(inv8[i / 4]), _mm256_set1_pd(inv8[i / 4 + 1]), 1);
+            __m512d t = _mm512_mul_pd(_mm512_add_pd(_mm512_cvtps_pd(_mm256_loadu_ps(xu + i)), cen), inv);
+            for (int k = 0; k < SLICES; k++) {
+                const __m512d q = _mm512_roundscale_pd(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+                __m256i qi = _mm512_cvtpd_epi32(q);
+                if (k > 0) qi = _mm256_sub_epi32(qi, _mm256_set1_epi32(128));
+                _mm256_storeu_si256((__m256i*)(a[k] + i), qi);
+                t = _mm512_mul_pd(_mm512_sub_pd(t, q), _mm512_set1_pd(256.0));
             }
-            dv[l] = dv[l + 8] = d2;
-            hi[l] = hi[l + 8] = 128 * (256 * sums[0] + sums[1]);
-            lo[l] = lo[l + 8] = 128 * sums[2];
+        }
+#else
+        for (int i = 0; i < 32; i++) {
+            double t = ((double)xu[i] + cen8[i / 4]) * inv8[i / 4];
+            for (int k = 0; k < SLICES; k++) {
+                const double q = floor(t);
+                a[k][i] = (int32_t)q - (k == 0 ? 0 : 128);
+                t = (t - q) * 256.0;
+            }
+        }
+#endif
+        int32_t sums[SLICES][8] = {{0}}, hi[16], lo[16];
+#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+        for (int k = 0; k < SLICES; k++) { /* the slice's 32 bytes, twice; its lanes' sums, four bytes each */
+            const __m256i b = _mm256_setr_m128i(_mm512_cvtepi32_epi8(_mm512_loadu_si512(a[k])),
+                                                _mm512_cvtepi32_epi8(_mm512_loadu_si512(a[k] + 16)));
+            _mm256_store_si256((__m256i*)(dst + 64 * k), b);
+            _mm256_store_si256((__m256i*)(dst + 64 * k + 32), b);
+            _mm256_storeu_si256((__m256i*)sums[k], _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), b));
+        }
+#else
+        for (int k = 0; k < SLICES; k++)
+            for (int i = 0; i < 32; i++) {
+                dst[64 * k + i] = dst[64 * k + 32 + i] = (int8_t)a[k][i];
+                sums[k][i / 4] += a[k][i];
+            }
+#endif
+        for (int l = 0; l < 8; l++) { /* the codes' bias (128) times the slices' sums, slices (0, 1) and 2 */
+            hi[l] = hi[l + 8] = 128 * (256 * sums[0][l] + sums[1][l]);
+            lo[l] = lo[l + 8] = 128 * sums[2][l];
         }
         memcpy(dst + SLICES * 64, dv, 64);
         memcpy(dst + SLICES * 64 + 64, hi, 64);
