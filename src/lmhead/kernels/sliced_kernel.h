@@ -57,6 +57,33 @@ typedef struct {
 /* in-lane byte order that gathers the bytes of equal b (byte 4·l + b → position 4·b + l within each 16 bytes) */
 static const int8_t SLICED_GATHER[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
 
+/* The three slices of eight activations x[0..7] — the first four of a lane whose centre and 1/d₀ are cen[0],
+ * inv[0], the last four of one with cen[1], inv[1] — into a[k·stride + i]: floors in double of
+ * (x + d₂/2 + 32896·d₂) / d₀, each slice's remainder times 2⁸ the next (below, sliced_prepare) */
+static inline void slice8(const float* x, const double* cen, const double* inv, int32_t* a, int64_t stride) {
+#ifdef __AVX512F__
+    const __m512d c = _mm512_insertf64x4(_mm512_set1_pd(cen[0]), _mm256_set1_pd(cen[1]), 1);
+    const __m512d v = _mm512_insertf64x4(_mm512_set1_pd(inv[0]), _mm256_set1_pd(inv[1]), 1);
+    __m512d t = _mm512_mul_pd(_mm512_add_pd(_mm512_cvtps_pd(_mm256_loadu_ps(x)), c), v);
+    for (int k = 0; k < SLICES; k++) {
+        const __m512d q = _mm512_roundscale_pd(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        __m256i qi = _mm512_cvtpd_epi32(q);
+        if (k > 0) qi = _mm256_sub_epi32(qi, _mm256_set1_epi32(128));
+        _mm256_storeu_si256((__m256i*)(a + k * stride), qi);
+        t = _mm512_mul_pd(_mm512_sub_pd(t, q), _mm512_set1_pd(256.0));
+    }
+#else
+    for (int i = 0; i < 8; i++) {
+        double t = ((double)x[i] + cen[i / 4]) * inv[i / 4];
+        for (int k = 0; k < SLICES; k++) {
+            const double q = floor(t);
+            a[k * stride + i] = (int32_t)q - (k == 0 ? 0 : 128);
+            t = (t - q) * 256.0;
+        }
+    }
+#endif
+}
+
 /* One query row x [K] into its slices (out: [K/64][SLICED_UNIT] bytes) for codes biased by `bias` (8: packed
  * codes; a level table's −min: its levels + bias are the unsigned bytes); returns whether the row can take the
  * integer product (see the bound above). K a multiple of 64. */
@@ -69,7 +96,7 @@ static int sliced_prepare(const float* x, int64_t K, int bias_by, int8_t* out) {
     static const int8_t POS_OF[64] = {0, 1, 2, 3, 16, 17, 18, 19, 64, 65, 66, 67, 80, 81, 82, 83, 4, 5, 6, 7, 20, 21,
         22, 23, 68, 69, 70, 71, 84, 85, 86, 87, 8, 9, 10, 11, 24, 25, 26, 27, 72, 73, 74, 75, 88, 89, 90, 91, 12, 13,
         14, 15, 28, 29, 30, 31, 76, 77, 78, 79, 92, 93, 94, 95};
-    (void)LANE_OF; /* read by the loops without AVX-512 */
+    (void)LANE_OF, (void)POS_OF; /* read by the loops without AVX-512 (VBMI) */
     int ok = 1;
     for (int64_t u = 0; u < K / 64; u++) {
         const float* xu = x + u * 64;
@@ -117,30 +144,10 @@ static int sliced_prepare(const float* x, int64_t K, int bias_by, int8_t* out) {
          * 0 … 255, 0 ≤ r' < d₂); then x + d₂/2 = d₂·(2¹⁶·a₀ + 2⁸·a₁ + a₂) + r' with a₀ = b₀ in −127 … 127 and
          * a₁ = b₁ − 128, a₂ = b₂ − 128 in −128 … 127: three signed bytes, |x − x̂| ≤ d₂/2 */
         int32_t a[SLICES][64];
-#ifdef __AVX512F__
         for (int i = 0; i < 64; i += 8) { /* elements i .. i + 7: lanes 4c + b, c = 0 (four), then 1 (four) */
-            const int b = i / 16;
-            const __m512d cen = _mm512_insertf64x4(_mm512_set1_pd(cen8[b]), _mm256_set1_pd(cen8[4 + b]), 1);
-            const __m512d inv = _mm512_insertf64x4(_mm512_set1_pd(inv8[b]), _mm256_set1_pd(inv8[4 + b]), 1);
-            __m512d t = _mm512_mul_pd(_mm512_add_pd(_mm512_cvtps_pd(_mm256_loadu_ps(xu + i)), cen), inv);
-            for (int k = 0; k < SLICES; k++) {
-                const __m512d q = _mm512_roundscale_pd(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-                __m256i qi = _mm512_cvtpd_epi32(q);
-                if (k > 0) qi = _mm256_sub_epi32(qi, _mm256_set1_epi32(128));
-                _mm256_storeu_si256((__m256i*)(a[k] + i), qi);
-                t = _mm512_mul_pd(_mm512_sub_pd(t, q), _mm512_set1_pd(256.0));
-            }
+            const double cen[2] = {cen8[i / 16], cen8[4 + i / 16]}, inv[2] = {inv8[i / 16], inv8[4 + i / 16]};
+            slice8(xu + i, cen, inv, &a[0][i], 64);
         }
-#else
-        for (int i = 0; i < 64; i++) {
-            double t = ((double)xu[i] + cen8[LANE_OF[i]]) * inv8[LANE_OF[i]];
-            for (int k = 0; k < SLICES; k++) {
-                const double q = floor(t);
-                a[k][i] = (int32_t)q - (k == 0 ? 0 : 128);
-                t = (t - q) * 256.0;
-            }
-        }
-#endif
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
         /* each slice's 64 bytes in the natural order, permuted into its low and high rows (each twice); the lanes'
          * sums of a slice are its bytes' four-byte sums, one dot product with ones per row */
@@ -235,30 +242,8 @@ static int sliced_prepare8(const float* x, int64_t K, int8_t* out) {
             ok &= lane_ok;
         }
         if (!ok) return 0;
-        int32_t a[SLICES][32]; /* as sliced_prepare: floors in double of x + d₂/2 + 32896·d₂ */
-#ifdef __AVX512F__
-        for (int i = 0; i < 32; i += 8) { /* lanes i/4 and i/4 + 1 */
-            const __m512d cen = _mm512_insertf64x4(_mm512_set1_pd(cen8[i / 4]), _mm256_set1_pd(cen8[i / 4 + 1]), 1);
-            const __m512d inv = _mm512_insertf64x4(_mm512_set1_pd(inv8[i / 4]), _mm256_set1_pd(inv8[i / 4 + 1]), 1);
-            __m512d t = _mm512_mul_pd(_mm512_add_pd(_mm512_cvtps_pd(_mm256_loadu_ps(xu + i)), cen), inv);
-            for (int k = 0; k < SLICES; k++) {
-                const __m512d q = _mm512_roundscale_pd(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-                __m256i qi = _mm512_cvtpd_epi32(q);
-                if (k > 0) qi = _mm256_sub_epi32(qi, _mm256_set1_epi32(128));
-                _mm256_storeu_si256((__m256i*)(a[k] + i), qi);
-                t = _mm512_mul_pd(_mm512_sub_pd(t, q), _mm512_set1_pd(256.0));
-            }
-        }
-#else
-        for (int i = 0; i < 32; i++) {
-            double t = ((double)xu[i] + cen8[i / 4]) * inv8[i / 4];
-            for (int k = 0; k < SLICES; k++) {
-                const double q = floor(t);
-                a[k][i] = (int32_t)q - (k == 0 ? 0 : 128);
-                t = (t - q) * 256.0;
-            }
-        }
-#endif
+        int32_t a[SLICES][32];
+        for (int i = 0; i < 32; i += 8) slice8(xu + i, cen8 + i / 4, inv8 + i / 4, &a[0][i], 32); /* lanes i/4, +1 */
         int32_t sums[SLICES][8] = {{0}}, hi[16], lo[16];
 #if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
         for (int k = 0; k < SLICES; k++) { /* the slice's 32 bytes, twice; its lanes' sums, four bytes each */
@@ -287,6 +272,16 @@ static int sliced_prepare8(const float* x, int64_t K, int8_t* out) {
 }
 
 #ifdef LMHEAD_SLICED_BUILT
+
+/* the scales of groups i, i + 1 of a block's rows (s [4, ng]) in the lanes `lanes` names (0, 1: row r's; 2, 3: row
+ * r + 1's), for rows 0, 1 (w01) and 2, 3 (w23) */
+static inline void lane_scales2(const float* s, int64_t ng, int64_t i, __m512i lanes, __m512* w01, __m512* w23) {
+    const __m128 s01 = _mm_castpd_ps(_mm_loadh_pd(_mm_load_sd((const double*)(s + i)), (const double*)(s + ng + i)));
+    const __m128 s23 = _mm_castpd_ps(_mm_loadh_pd(_mm_load_sd((const double*)(s + 2 * ng + i)),
+                                                  (const double*)(s + 3 * ng + i)));
+    *w01 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s01));
+    *w23 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s23));
+}
 
 /* a block of four weight rows (ROWS4, packed, G = 32, or G = 16: `g16`) against Q sliced query rows (sr[0 .. Q − 1], each ok; Q a
  * constant in each inlined copy): acc[m][r] receives row r's Σ_g scale_g·Σ (code − 8)·x̂ (unsigned codes) or
@@ -331,12 +326,7 @@ static inline __attribute__((always_inline)) void sliced_rows4(const int Q, cons
             w01 = _mm512_permutexvar_ps(lanes, _mm512_castps256_ps512(s01));
             w23 = _mm512_permutexvar_ps(lanes, _mm512_castps256_ps512(s23));
         } else {
-            const __m128 s01 = _mm_castpd_ps(_mm_loadh_pd(_mm_load_sd((const double*)(s + 2 * u)),
-                                                          (const double*)(s + ng + 2 * u)));
-            const __m128 s23 = _mm_castpd_ps(_mm_loadh_pd(_mm_load_sd((const double*)(s + 2 * ng + 2 * u)),
-                                                          (const double*)(s + 3 * ng + 2 * u)));
-            w01 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s01));
-            w23 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s23));
+            lane_scales2(s, ng, 2 * u, lanes, &w01, &w23);
         }
         for (int m = 0; m < Q; m++) {
             const int8_t* sl = sr[m].units + u * SLICED_UNIT;
@@ -402,12 +392,7 @@ static inline __attribute__((always_inline)) void sliced8_rows4(const int Q, con
         const __m512i u23 = _mm512_xor_si512(_mm512_loadu_si512(c + u * 128 + 64), flip);
         __m512 w01, w23;
         if (g16) {
-            const __m128 s01 = _mm_castpd_ps(_mm_loadh_pd(_mm_load_sd((const double*)(s + 2 * u)),
-                                                          (const double*)(s + ng + 2 * u)));
-            const __m128 s23 = _mm_castpd_ps(_mm_loadh_pd(_mm_load_sd((const double*)(s + 2 * ng + 2 * u)),
-                                                          (const double*)(s + 3 * ng + 2 * u)));
-            w01 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s01));
-            w23 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s23));
+            lane_scales2(s, ng, 2 * u, lanes, &w01, &w23);
         } else {
             w01 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_setr_ps(s[u], s[ng + u], 0.f, 0.f)));
             w23 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_setr_ps(s[2 * ng + u], s[3 * ng + u], 0.f,
