@@ -194,3 +194,24 @@ def test_the_choice_is_measured_once_kept_and_a_damaged_record_measured_again(tm
         assert LIB.lmhead_sliced(-1) == 3
     finally:
         LIB.lmhead_sliced(before)
+
+
+def test_the_screen_rescores_candidates_with_the_products_own_path(sliced):
+    """Where the int8 codes take the integer path, the screen's exact values of a head's candidates are the whole
+    product's (Q8_0-like codes with float16 scales: the screened layout)."""
+    g = torch.Generator().manual_seed(4)
+    n, k = 1024, 256
+    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    coded = CodedLinear(codes, (torch.rand(n, k // 32, generator=g) * 0.004 + 1e-4).half().float())
+    assert coded.screens
+    x = _rows(3, k, g)
+    ids = [torch.tensor([0, 5, 6, 1023]), torch.tensor([17]), torch.arange(0, n, 3)]
+    with torch.inference_mode():
+        whole = torch.cat([coded(x[r:r + 1]) for r in range(3)])
+        picked = coded.values_at(x, ids)
+        top = coded.screen(x, [1, 5, 40])
+    for r, i in enumerate(ids):
+        assert torch.equal(picked[r, i], whole[r, i])
+    for r, kk in enumerate([1, 5, 40]):
+        assert torch.equal(top[r].topk(kk).indices, whole[r].topk(kk).indices)
+        assert torch.equal(top[r].topk(kk).values, whole[r].topk(kk).values)

@@ -604,27 +604,33 @@ KERNEL_INLINE void rows4_finish(__m256* acc, const float* s, const float* o, con
     _mm_storeu_ps(out, _mm_add_ps(four, _mm_loadu_ps(tail)));
 }
 
+#ifdef LMHEAD_SLICED_BUILT
+/* Q sliced query rows (each ok) of a block on the integer path (sliced_kernel.h: packed codes of every layout, int8
+ * codes without offsets), then the offsets as rows4_dot1 adds them: out [Q][4] */
+KERNEL_INLINE void sliced_q(const int Q, const sliced_row* sr, const int8_t* c, const float* s, const float* o,
+                            const float* xs, int64_t ng, int packed, int g16, const char* pf, float* out) {
+    __m256 acc[8][4];
+    if (!packed && g16)
+        sliced8_rows4(Q, 1, sr, c, s, ng, pf, acc);
+    else if (!packed)
+        sliced8_rows4(Q, 0, sr, c, s, ng, pf, acc);
+    else if (packed >= 3)
+        sliced_rows4(Q, 0, 1, SLICED_LEVELS[packed - 3], sr, c, s, ng, pf, acc);
+    else if (g16)
+        sliced_rows4(Q, 1, 0, NULL, sr, c, s, ng, pf, acc);
+    else
+        sliced_rows4(Q, 0, 0, NULL, sr, c, s, ng, pf, acc);
+    for (int m = 0; m < Q; m++) rows4_finish(acc[m], s, o, xs ? xs + m * ng : NULL, ng, packed, out + 4 * m);
+}
+#endif
+
 KERNEL_INLINE void rows4_dot1(const float* x, const float* xp, const int8_t* c, const float* s, const float* o,
                               const float* xs, int64_t ng, int packed, int g16, const char* pf, const sliced_row* sr,
                               float* out) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
 #ifdef LMHEAD_SLICED_BUILT
-    if (sr && sr->ok && !packed && !o) {
-        if (g16)
-            sliced8_rows4(1, 1, sr, c, s, ng, pf, &acc);
-        else
-            sliced8_rows4(1, 0, sr, c, s, ng, pf, &acc);
-        rows4_finish(acc, s, o, xs, ng, packed, out);
-        return;
-    }
-    if (sr && sr->ok && packed) {
-        if (packed >= 3)
-            sliced_rows4(1, 0, 1, SLICED_LEVELS[packed - 3], sr, c, s, ng, pf, &acc);
-        else if (g16)
-            sliced_rows4(1, 1, 0, NULL, sr, c, s, ng, pf, &acc);
-        else
-            sliced_rows4(1, 0, 0, NULL, sr, c, s, ng, pf, &acc);
-        rows4_finish(acc, s, o, xs, ng, packed, out);
+    if (sr && sr->ok) { /* sr: only for the layouts the integer path takes (sliced_make) */
+        sliced_q(1, sr, c, s, o, xs, ng, packed, g16, pf, out);
         return;
     }
 #else
@@ -894,28 +900,9 @@ __attribute__((noinline)) static void rows4_dot1_call(const float* x, const floa
     rows4_dot1(x, xp, c, s, o, xs, ng, packed, g16, pf, sr, out);
 }
 
-#ifdef LMHEAD_SLICED_BUILT
-/* Q sliced query rows (each ok) of a block: out [Q][4] */
-KERNEL_INLINE void sliced_q(const int Q, const sliced_row* sr, const int8_t* c, const float* s, const float* o,
-                            const float* xs, int64_t ng, int packed, int g16, float* out) {
-    __m256 acc[8][4];
-    if (!packed && g16)
-        sliced8_rows4(Q, 1, sr, c, s, ng, NULL, acc);
-    else if (!packed)
-        sliced8_rows4(Q, 0, sr, c, s, ng, NULL, acc);
-    else if (packed >= 3)
-        sliced_rows4(Q, 0, 1, SLICED_LEVELS[packed - 3], sr, c, s, ng, NULL, acc);
-    else if (g16)
-        sliced_rows4(Q, 1, 0, NULL, sr, c, s, ng, NULL, acc);
-    else
-        sliced_rows4(Q, 0, 0, NULL, sr, c, s, ng, NULL, acc);
-    for (int m = 0; m < Q; m++) rows4_finish(acc[m], s, o, xs ? xs + m * ng : NULL, ng, packed, out + 4 * m);
-}
-#endif
-
-/* several query rows of a block where the integer path is on (unsigned or signed packed codes): the rows that are ok eight, four, two
- * or one at a time through the integer product, the others through the float one, each as it is alone; y: the
- * block's first column of [M, N] */
+/* several query rows of a block where the integer path is on: the rows that are ok eight, four, two or one at a time
+ * through the integer product, the others through the float one, each as it is alone; y: the block's first column
+ * of [M, N] */
 static void sliced_block(const float* x, const float* xp, int64_t K, const int8_t* c, const float* s,
                          const float* o, const float* xs, int64_t ng, int packed, int g16, const sliced_row* sr,
                          int64_t M, int64_t N, float* y) {
@@ -926,10 +913,10 @@ static void sliced_block(const float* x, const float* xp, int64_t K, const int8_
 #ifdef LMHEAD_SLICED_BUILT
         while (q < 8 && m + q < M && sr[m + q].ok) q++;
         const float* xsm = xs ? xs + m * ng : NULL;
-        if (q >= 8) q = 8, sliced_q(8, sr + m, c, s, o, xsm, ng, packed, g16, out);
-        else if (q >= 4) q = 4, sliced_q(4, sr + m, c, s, o, xsm, ng, packed, g16, out);
-        else if (q >= 2) q = 2, sliced_q(2, sr + m, c, s, o, xsm, ng, packed, g16, out);
-        else if (q == 1) sliced_q(1, sr + m, c, s, o, xsm, ng, packed, g16, out);
+        if (q >= 8) q = 8, sliced_q(8, sr + m, c, s, o, xsm, ng, packed, g16, NULL, out);
+        else if (q >= 4) q = 4, sliced_q(4, sr + m, c, s, o, xsm, ng, packed, g16, NULL, out);
+        else if (q >= 2) q = 2, sliced_q(2, sr + m, c, s, o, xsm, ng, packed, g16, NULL, out);
+        else if (q == 1) sliced_q(1, sr + m, c, s, o, xsm, ng, packed, g16, NULL, out);
 #endif
         if (q == 0) {
             rows4_dot1_call(x + m * K, xp ? xp + m * K : NULL, c, s, o, xs ? xs + m * ng : NULL, ng, packed, g16,
@@ -1265,6 +1252,40 @@ static int dense32_matmul(const float* x, int64_t M, int64_t K, const float* w, 
  * without PACKED, with offsets, or both; rows4: N or K/32
  * not whole, or G neither 32 nor 16 unpacked (Q6_K, Q3_K, Q2_K: two groups per unit); float16
  * scales: more than HALF_MAX_GROUPS groups per row). */
+#ifdef __AVX2__ /* where the four-row products are */
+/* each query row's slices (x [M, K]) where this product takes the integer path — packed codes of any layout (a
+ * level table's in groups of 32), or int8 codes without offsets — and this machine's mode turns it on (lmhead_sliced);
+ * NULL otherwise (or where the memory is not to be had: the float path). Freed by sliced_free. */
+static sliced_row* sliced_make(const float* x, int64_t M, int64_t K, int packed, int64_t G, int has_offset) {
+#ifdef LMHEAD_SLICED_BUILT
+    if (M <= 0 || !(packed ? (sliced_mode & SLICED_PACKED) && (packed < 3 || G == 32)
+                           : (sliced_mode & SLICED_INT8) && !has_offset))
+        return NULL;
+    const int64_t unit_bytes = packed ? (K / 64) * SLICED_UNIT : (K / 32) * SLICED8_UNIT;
+    int8_t* slices = (int8_t*)aligned_alloc(64, (size_t)(M * unit_bytes));
+    sliced_row* srows = (sliced_row*)malloc((size_t)M * sizeof(sliced_row));
+    if (!slices || !srows) {
+        free(slices), free(srows);
+        return NULL;
+    }
+    for (int64_t m = 0; m < M; m++) {
+        int8_t* u = slices + m * unit_bytes;
+        srows[m].units = u;
+        srows[m].ok = packed ? sliced_prepare(x + m * K, K, packed >= 3 ? SLICED_BIAS[packed - 3] : 8, u)
+                             : sliced_prepare8(x + m * K, K, u);
+    }
+    return srows;
+#else
+    (void)x, (void)M, (void)K, (void)packed, (void)G, (void)has_offset;
+    return NULL;
+#endif
+}
+
+static void sliced_free(sliced_row* srows) {
+    if (srows) free((void*)srows[0].units), free(srows); /* row 0's units begin the rows' one buffer */
+}
+#endif
+
 int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const void* scale,
                         const void* offset, int64_t N, int64_t G, int flags, float* y, int threads) {
     if (flags & LMHEAD_F32) {
@@ -1330,28 +1351,7 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
         const float* const xp = NULL;
 #endif
         /* the integer product's slices of each query row (sliced_kernel.h), once for all N rows */
-        int8_t* slices = NULL;
-        sliced_row* srows = NULL;
-#ifdef LMHEAD_SLICED_BUILT
-        /* packed codes (any layout), or int8 codes without offsets */
-        const int64_t unit_bytes = packed ? (K / 64) * SLICED_UNIT : (K / 32) * SLICED8_UNIT;
-        if (packed ? (sliced_mode & SLICED_PACKED) && (packed < 3 || G == 32)
-                   : (sliced_mode & SLICED_INT8) && offset == NULL) {
-            slices = (int8_t*)aligned_alloc(64, (size_t)(M * unit_bytes));
-            srows = (sliced_row*)malloc((size_t)M * sizeof(sliced_row));
-            if (!slices || !srows) {
-                free(slices), free(srows);
-                slices = NULL, srows = NULL;
-            } else {
-                for (int64_t m = 0; m < M; m++) {
-                    srows[m].units = slices + m * unit_bytes;
-                    srows[m].ok = packed ? sliced_prepare(x + m * K, K, packed >= 3 ? SLICED_BIAS[packed - 3] : 8,
-                                                          slices + m * unit_bytes)
-                                         : sliced_prepare8(x + m * K, K, slices + m * unit_bytes);
-                }
-            }
-        }
-#endif
+        sliced_row* srows = sliced_make(x, M, K, packed, G, offset != NULL);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t n0 = b * 4, nr = 4;
@@ -1407,7 +1407,7 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
 #ifdef __AVX512F__
         if (xp && xp != xp_stack) free(xp);
 #endif
-        free(slices), free(srows);
+        sliced_free(srows);
         return 0;
     }
 #endif
@@ -1659,16 +1659,21 @@ int lmhead_screen_rescore(const float* x, int64_t M, int64_t K, const int8_t* co
                           int64_t N, const int64_t* ids, const int64_t* counts, int64_t cap, float* y, int threads) {
     if (K % 32 != 0 || N % 4 != 0 || K / 32 > HALF_MAX_GROUPS) return -1;
     const int64_t ng = K / 32;
+    /* the path the whole product takes for these rows (the integer one where it is on), so that a candidate's value
+     * is the product's */
+    sliced_row* srows = sliced_make(x, M, K, 0, 32, 0);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t m = 0; m < M; m++) {
         for (int64_t j = 0; j < counts[m]; j++) {
             const int64_t n = ids[m * cap + j], b = n / 4;
             float s32[4 * HALF_MAX_GROUPS], out[4];
             halves_to_floats(scale + b * 4 * ng, s32, 4 * ng);
-            rows4_dot1_call(x + m * K, NULL, codes + b * 4 * K, s32, NULL, NULL, ng, 0, 0, NULL, NULL, out);
+            rows4_dot1_call(x + m * K, NULL, codes + b * 4 * K, s32, NULL, NULL, ng, 0, 0, NULL,
+                            srows ? srows + m : NULL, out);
             y[m * N + n] = out[n % 4];
         }
     }
+    sliced_free(srows);
     return 0;
 }
 #else

@@ -87,7 +87,7 @@ static inline void slice8(const float* x, const double* cen, const double* inv, 
 /* One query row x [K] into its slices (out: [K/64][SLICED_UNIT] bytes) for codes biased by `bias` (8: packed
  * codes; a level table's −min: its levels + bias are the unsigned bytes); returns whether the row can take the
  * integer product (see the bound above). K a multiple of 64. */
-static int sliced_prepare(const float* x, int64_t K, int bias_by, int8_t* out) {
+__attribute__((unused)) static int sliced_prepare(const float* x, int64_t K, int bias_by, int8_t* out) {
     /* element i = 16b + 8h + 4c + j of a unit belongs to lane 4c + b and goes to byte 16c + 4b + j of the low
      * (h = 0) or high (h = 1) nibbles' row (+ 64 for the high row) */
     static const int8_t LANE_OF[64] = {0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4, 1, 1, 1, 1, 5, 5, 5, 5, 1, 1,
@@ -215,7 +215,7 @@ static int sliced_prepare(const float* x, int64_t K, int bias_by, int8_t* out) {
  * in two parts so that no lane passes 2³¹ */
 #define SLICED8_UNIT (SLICES * 64 + 192)
 
-static int sliced_prepare8(const float* x, int64_t K, int8_t* out) {
+__attribute__((unused)) static int sliced_prepare8(const float* x, int64_t K, int8_t* out) {
     int ok = 1;
     for (int64_t u = 0; u < K / 32; u++) {
         const float* xu = x + u * 32;
