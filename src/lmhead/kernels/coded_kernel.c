@@ -1064,18 +1064,19 @@ KERNEL_INLINE void dense_rows_n(const int R, const int bf16, const float* x, int
 }
 
 #ifdef __AVX512F__
+/* sixteen float16 or bfloat16 weights at w as float32 (exact) */
+static inline __m512 w16x16(const uint16_t* w, int bf16) {
+    const __m256i h = _mm256_loadu_si256((const __m256i*)w);
+    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+}
+
 /* one query row (decode) in 512-bit lanes: sixteen weights a conversion, two sums */
 KERNEL_INLINE void dense16_row512(const float* x, int64_t K, const uint16_t* w, int bf16, int ahead, float* out) {
     __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
         if (ahead) _mm_prefetch((const char*)(w + k) + DENSE_AHEAD, _MM_HINT_T0);
-        const __m256i h0 = _mm256_loadu_si256((const __m256i*)(w + k));
-        const __m256i h1 = _mm256_loadu_si256((const __m256i*)(w + k + 16));
-        const __m512 w0 = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h0), 16))
-                               : _mm512_cvtph_ps(h0);
-        const __m512 w1 = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h1), 16))
-                               : _mm512_cvtph_ps(h1);
+        const __m512 w0 = w16x16(w + k, bf16), w1 = w16x16(w + k + 16, bf16);
         a = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + k), a);
         b = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + k + 16), b);
     }
@@ -1093,12 +1094,7 @@ KERNEL_INLINE void dense16_q512(const int Q, const float* x, int64_t K, const ui
     for (int m = 0; m < Q; m++) a[m] = b[m] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
-        const __m256i h0 = _mm256_loadu_si256((const __m256i*)(w + k));
-        const __m256i h1 = _mm256_loadu_si256((const __m256i*)(w + k + 16));
-        const __m512 w0 = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h0), 16))
-                               : _mm512_cvtph_ps(h0);
-        const __m512 w1 = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h1), 16))
-                               : _mm512_cvtph_ps(h1);
+        const __m512 w0 = w16x16(w + k, bf16), w1 = w16x16(w + k + 16, bf16);
         for (int m = 0; m < Q; m++) {
             a[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * K + k), a[m]);
             b[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * K + k + 16), b[m]);
