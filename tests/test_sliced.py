@@ -172,7 +172,7 @@ def _inputs_of(model, module: torch.nn.Module, ids: torch.Tensor) -> torch.Tenso
     return got[0]
 
 
-def test_the_choice_is_measured_once_kept_and_a_damaged_record_measured_again(tmp_path, monkeypatch):
+def test_the_choice_is_measured_once_kept_and_a_damaged_record_measured_again(tmp_path, monkeypatch, capsys):
     from lmhead.kernels import paths
 
     before = LIB.lmhead_sliced(-1)
@@ -192,6 +192,9 @@ def test_the_choice_is_measured_once_kept_and_a_damaged_record_measured_again(tm
         monkeypatch.setenv("LMHEAD_SLICED", "1")
         paths.choose(LIB, library)
         assert LIB.lmhead_sliced(-1) == 3
+        monkeypatch.setenv("LMHEAD_SLICED", "yes")  # not 0 or 1: said in one line, and the kept choice used
+        assert paths.choose(LIB, library)["how"] == "measured"
+        assert "LMHEAD_SLICED must be 0 or 1, got 'yes'" in capsys.readouterr().err
     finally:
         LIB.lmhead_sliced(before)
 

@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -94,6 +95,9 @@ def choose(lib: ctypes.CDLL, library_path: Path) -> dict:
         _chosen = {"how": "not built: this CPU has no AVX-512 VNNI"}
         return _chosen
     env = os.environ.get("LMHEAD_SLICED")
+    if env not in (None, "", "0", "1"):
+        print(f"lmhead: LMHEAD_SLICED must be 0 or 1, got {env!r}; choosing by measuring", file=sys.stderr,
+              flush=True)
     if env in ("0", "1"):
         _chosen = {kind: {"sliced": env == "1"} for kind in KINDS} | {"how": "LMHEAD_SLICED"}
     else:
