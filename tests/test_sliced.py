@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from reference import coded_weight
 
 from lmhead.kernels import native
 from lmhead.models.coded_linear import CodedLinear
@@ -46,9 +47,7 @@ def _matrix(n: int, k: int, kind: str, g: torch.Generator) -> tuple[CodedLinear,
         codes = torch.randint(low, high, (n, k), generator=g, dtype=torch.int8)
     offset = torch.randn(n, k // group, generator=g) * 0.01 if kind in ("unsigned", "offsets16") else None
     scale = torch.rand(n, k // group, generator=g) * 0.02 + 1e-3
-    w = codes.double() * scale.double().repeat_interleave(group, 1)
-    if offset is not None:
-        w = w + offset.double().repeat_interleave(group, 1)
+    w = coded_weight(codes, scale, offset)
     four_bit = (kind if kind in LEVELS else None if kind.startswith("int8") else "unsigned" if kind == "unsigned"
                 else "signed")
     coded = CodedLinear(codes, scale, offset, four_bit=four_bit)
