@@ -94,6 +94,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import PROMPTS as DECODE_PROMPTS  # noqa: E402
+from llama_builds import batched_bin, described  # noqa: E402
 from records import Figure, Recorder  # noqa: E402
 
 # bench_decode's five prompts and three more
@@ -112,7 +113,7 @@ uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
 
 
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA_BIN = ROOT / "build" / "llama.cpp" / "bin"  # --llama-bin
+LLAMA_BIN = batched_bin()  # --llama-bin
 BASELINE_ERRORS = (RuntimeError, OSError, ValueError, KeyError, httpx.HTTPError, subprocess.SubprocessError)
 
 
@@ -377,7 +378,8 @@ def shared_prefix(args: argparse.Namespace, rec: Recorder) -> None:
     ours, off = results["lmhead"], results["lmhead, no prefix cache"]
     llama = results.get("llama-server")
     table = rec.table("shared_prefix", f"{args.model}, loopback: {n} streamed greedy completions of {args.tokens} "
-                      f"tokens at once, each a {args.shared_prefix}-token prefix and its own question; TTFT in s",
+                      f"tokens at once, each a {args.shared_prefix}-token prefix and its own question; TTFT in s; "
+                      f"llama-server: {described(LLAMA_BIN)}",
                       ["case", "lmhead", "no prefix cache", "llama-server --cache-reuse"])
     for case in (f"{n} cached: mean TTFT", f"{n} cached: tok/s", f"{n} cold: mean TTFT", f"{n} cold: tok/s",
                  "one cached", "after a hang-up", "same prompt, cold"):
@@ -411,7 +413,7 @@ def prefill(args: argparse.Namespace, rec: Recorder) -> None:
     model = load_model(args.model, progress=False)
     lengths = [int(x) for x in args.prefill.split(",")]
     table = rec.table("prefill", f"{args.model}: a prompt's prefill in process (its first token) beside "
-                      "llama-bench -p N -n 0 -t 2 on the same GGUF file",
+                      f"llama-bench -p N -n 0 -t 2 ({described(LLAMA_BIN)}) on the same GGUF file",
                       ["prompt tokens", "lmhead TTFT (s)", "lmhead tok/s", "llama-bench tok/s", "ratio"])
     llama, failed = {}, "failed: not built"
     if (LLAMA_BIN / "llama-bench").exists():
@@ -720,7 +722,7 @@ def embeddings(args: argparse.Namespace, rec: Recorder) -> None:
     texts = _embedding_texts(model, n, k)
     table = rec.table("embeddings", f"{args.model}, loopback: {n} texts of about {k} tokens through /v1/embeddings, "
                       f"{batch} a request, 4 requests in flight; lmhead serve beside llama-server --embedding "
-                      f"--pooling last -np 4 -t 2 on the same GGUF file",
+                      f"--pooling last -np 4 -t 2 ({described(LLAMA_BIN)}) on the same GGUF file",
                       ["run", "lmhead texts/s", "llama-server texts/s", "ratio", "mean cosine", "load"])
     rates: dict[str, list[float]] = {"lmhead": [], "llama": []}
     with tempfile.TemporaryDirectory() as work:
@@ -793,7 +795,8 @@ def main() -> None:
     ap.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
                     help="--concurrent requests sharing a TOKENS-token prefix, with and without the prefix cache")
     ap.add_argument("--llama-bin", type=Path, default=LLAMA_BIN, metavar="DIR",
-                    help="llama.cpp's binaries (llama-bench, llama-server; default build/llama.cpp/bin)")
+                    help="llama.cpp's binaries (llama-bench, llama-server; default build/llama.cpp-noamx/bin where "
+                    "the CPU has AMX, else build/llama.cpp/bin)")
     ap.add_argument("--results", type=Path, default=None, metavar="DIR",
                     help="the records' folder (default benchmarks/results)")
     ap.add_argument("--full-context", action="store_true",

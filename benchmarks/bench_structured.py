@@ -16,8 +16,9 @@ the cache is cold for each schema), and the rate of the schema whose keys are al
 load average is printed with each table: a timing taken on a busy machine is not evidence.
 
 llama-server beside it: with `build/llama.cpp/bin/llama-server` present (built like llama-bench, an optional
-benchmark dependency), the same GGUF file, schema and prompt through its `json_schema` field; its tok/s (its own
-`timings.predicted_per_second`) and validity are printed in the same table, else "-".
+benchmark dependency; `build/llama.cpp-noamx` on a CPU with AMX, see llama_builds.py), the same GGUF file, schema
+and prompt through its `json_schema` field; its tok/s (its own `timings.predicted_per_second`) and validity are
+printed in the same table, else "-".
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from llama_builds import batched_bin  # noqa: E402
 from records import Figure, Recorder  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
-LLAMA_SERVER = ROOT / "build" / "llama.cpp" / "bin" / "llama-server"
+LLAMA_SERVER = batched_bin() / "llama-server"  # without AMX where the CPU has it (llama_builds.py)
 
 _S = {"type": "string"}
 _I = {"type": "integer"}

@@ -11,6 +11,9 @@ PY="${PYTHON:-.venv/bin/python}"
 TOOLS=(llama-bench llama-quantize llama-server llama-cli)
 built=1
 for t in "${TOOLS[@]}"; do [ -x "$OUT/bin/$t" ] || built=0; done
+if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+  for t in llama-bench llama-server; do [ -x "build/llama.cpp-noamx/bin/$t" ] || built=0; done
+fi
 [ "$built" = 1 ] && { echo "$OUT/bin: ${TOOLS[*]} (already built)"; exit 0; }
 command -v cmake >/dev/null || { echo "need cmake (apt-get install cmake)" >&2; exit 2; }
 mkdir -p build/src
@@ -22,3 +25,16 @@ cmake -S "$SRC" -B "$OUT" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CU
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON >/dev/null
 cmake --build "$OUT" --target "${TOOLS[@]}" -j "$(nproc)"
 echo "$OUT/bin: ${TOOLS[*]}"
+# Where the CPU has AMX, the native build's AMX path dies with SIGSEGV in prefill (llama-bench -p 512) and at
+# llama-server's start, so a second build without it (-mno-amx-*: GCC's explicit ISA flags win over -march=native)
+# is the baseline for prefill and the server (benchmarks/llama_builds.py); decode keeps the native build, whose
+# AMX buffers carry its fastest batch-1 kernels on such a CPU.
+if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+  NO_AMX=build/llama.cpp-noamx
+  FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  cmake -S "$SRC" -B "$NO_AMX" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
+        "-DCMAKE_C_FLAGS=$FLAGS" "-DCMAKE_CXX_FLAGS=$FLAGS" >/dev/null
+  cmake --build "$NO_AMX" --target llama-bench llama-server -j "$(nproc)"
+  echo "$NO_AMX/bin: llama-bench llama-server (without AMX)"
+fi
