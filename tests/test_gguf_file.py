@@ -401,6 +401,41 @@ def test_a_second_load_of_a_gguf_reads_only_its_cached_config_and_tokenizer(tmp_
     assert not list((tmp_path / "cache" / "models").glob("*/model.safetensors"))  # no float32 copy on disk
 
 
+@pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
+def test_a_second_load_of_a_gguf_maps_the_matrices_the_first_laid_out_with_the_same_numbers(tmp_path, monkeypatch,
+                                                                                            kind):
+    from tiny_gguf import write_tiny_gguf
+
+    from lmhead import load_model
+    from lmhead.models.gguf_file import GGUFFile
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", kind=kind)
+    first = load_model(str(path), progress=False)
+    ids = torch.tensor([first.encode("The cat sat on the mat.")])
+    want = first.logits(ids)
+    laid = sorted(p.name for p in (tmp_path / "cache" / "layouts").glob("*/*.bin"))
+    assert "blk.0.attn_q.weight+blk.0.attn_k.weight+blk.0.attn_v.weight.bin" in laid, laid
+    monkeypatch.setattr(GGUFFile, "coded_rows", lambda *a: pytest.fail("a matrix laid out again"))
+    again = load_model(str(path), progress=False)
+    assert torch.equal(again.logits(ids), want)
+    a, b = again.lean.layers[0].coded["qkv"], first.lean.layers[0].coded["qkv"]
+    assert (a.four_bit, a.rows4, a.half, a.sub, a.flags) == (b.four_bit, b.rows4, b.half, b.sub, b.flags)
+    assert torch.equal(a.codes, b.codes)
+
+
+def test_a_gguf_loaded_with_the_layout_cache_off_writes_no_layouts(tmp_path, monkeypatch):
+    from tiny_gguf import write_tiny_gguf
+
+    from lmhead import load_model
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("LMHEAD_LAYOUT_CACHE", "0")
+    load_model(str(write_tiny_gguf(tmp_path / "tiny.gguf", "llama")), progress=False)
+    assert not (tmp_path / "cache" / "layouts").exists()
+
+
 def test_the_first_read_of_a_file_makes_its_start_tables_after_its_tokenizer_is_released(tmp_path, monkeypatch):
     from tiny_gguf import write_tiny_gguf
     from transformers import AutoTokenizer

@@ -5,6 +5,8 @@ equal to each alone, and the files lmhead cannot run refused in one line naming 
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -371,20 +373,77 @@ def test_a_damaged_file_of_laid_out_experts_is_laid_out_again(tmp_path, monkeypa
     assert fast_checksum_file(damaged) in meta  # rewritten
 
 
+def test_a_warm_load_checks_the_laid_out_experts_by_stamp_and_samples_not_every_byte(tmp_path, monkeypatch):
+    from lmhead import load_model
+    from lmhead.models import layout_cache
+
+    path, first = _load(tmp_path, monkeypatch, "qwen3_moe", "Q8_0")
+    ids = torch.tensor([first.encode("The cat sat on the mat")])
+    want = first.logits(ids)
+    monkeypatch.setattr(layout_cache, "fast_checksum_file", lambda p: pytest.fail(f"{p} read whole"))
+    again = load_model(str(path), progress=False)
+    assert again.lean.layers[0].moe.gate_up.source is not None
+    assert torch.equal(again.logits(ids), want)
+
+
+def test_a_touched_file_of_laid_out_experts_is_checked_whole_once_then_by_its_new_stamp(tmp_path, monkeypatch):
+    import json
+
+    from lmhead import load_model
+    from lmhead.models import layout_cache
+
+    path, first = _load(tmp_path, monkeypatch, "qwen3_moe", "Q8_0")
+    touched = first.lean.layers[0].moe.gate_up.source
+    st = touched.stat()
+    os.utime(touched, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # as a copy or a touch leaves it
+    whole = []
+    real = layout_cache.fast_checksum_file
+    monkeypatch.setattr(layout_cache, "fast_checksum_file", lambda p: whole.append(p) or real(p))
+    load_model(str(path), progress=False)
+    assert whole == [touched]  # read whole once, found intact (mapped, not laid out again)
+    meta = json.loads(touched.with_suffix(".json").read_text())
+    assert meta["stamp"][1] == st.st_mtime_ns + 10**9
+    load_model(str(path), progress=False)
+    assert whole == [touched]  # the new stamp recorded: not read whole again
+
+
+def test_a_damaged_window_of_laid_out_experts_with_its_stamp_kept_is_laid_out_again(tmp_path, monkeypatch):
+    from lmhead import load_model
+    from lmhead.models import file_experts
+
+    path, first = _load(tmp_path, monkeypatch, "qwen3_moe", "Q8_0")
+    damaged = first.lean.layers[0].moe.down.source
+    ids = torch.tensor([first.encode("The cat sat on the mat")])
+    want = first.logits(ids)
+    st = damaged.stat()
+    with open(damaged, "r+b") as f:  # the first byte, which every sample reads, changed in place
+        byte = f.read(1)
+        f.seek(0)
+        f.write(bytes([byte[0] ^ 1]))
+    os.utime(damaged, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert damaged.stat().st_ino == st.st_ino
+    built = []
+    real = file_experts.build_experts
+    monkeypatch.setattr(file_experts, "build_experts", lambda *a, **k: built.append(1) or real(*a, **k))
+    again = load_model(str(path), progress=False)
+    assert built  # laid out again, not mapped as it was
+    assert torch.equal(again.logits(ids), want)
+
+
 def test_the_expert_cache_turned_off_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("LMHEAD_EXPERT_CACHE", "0")
     _, model = _load(tmp_path, monkeypatch, "qwen3_moe", "Q8_0")
     assert model.lean.layers[0].moe.gate_up.source is None
-    assert not (tmp_path / "cache" / "experts").exists()
+    assert not (tmp_path / "cache" / "layouts").exists()
 
 
 def test_experts_the_disk_has_no_room_for_stay_in_memory(tmp_path, monkeypatch):
-    from lmhead.models import expert_cache
+    from lmhead.models import layout_cache
 
-    monkeypatch.setattr(expert_cache, "MARGIN", 1 << 62)  # more free disk than any disk has
+    monkeypatch.setattr(layout_cache, "MARGIN", 1 << 62)  # more free disk than any disk has
     _, model = _load(tmp_path, monkeypatch, "qwen3_moe", "Q8_0")
     assert all(layer.moe.gate_up.source is None and layer.moe.down.source is None for layer in model.lean.layers)
-    assert not list((tmp_path / "cache" / "experts").rglob("*.bin*"))
+    assert not list((tmp_path / "cache" / "layouts").rglob("*.bin*"))
 
 
 _GREEDY = """

@@ -126,8 +126,29 @@ def test_a_pad_token_set_before_the_build_is_passed_on(gemma):
     lazy = LazyTokenizer(tables, lambda: fast_tokenizer(model.path))
     lazy.pad_token_id = 1
     assert lazy.pad_token_id == 1 and lazy._full is None
+    assert lazy.all_special_ids == lazy.full.all_special_ids  # the file's pad (0) no longer special: built
     assert lazy.full.pad_token_id == 1
-    assert lazy.all_special_ids == lazy.full.all_special_ids
+
+
+def test_a_file_without_a_pad_token_names_its_special_ids_unbuilt_with_the_end_token_as_pad(gemma):
+    model = gemma[0]
+
+    def without_pad():
+        full = fast_tokenizer(model.path)
+        full.pad_token = None
+        return full
+
+    tables = tables_of(without_pad())
+    assert tables.facts["pad_token_id"] is None
+    builds = []
+    lazy = LazyTokenizer(tables, lambda: builds.append(1) or without_pad())
+    lazy.pad_token_id = 1  # the end token, as models/model.py sets it for such a file
+    special = lazy.all_special_ids
+    assert not builds
+    assert special == lazy.full.all_special_ids and lazy.full.pad_token_id == 1
+    lazy = LazyTokenizer(tables, without_pad)
+    lazy.pad_token_id = 7  # not a special token: transformers' list answers
+    assert lazy.all_special_ids == lazy.full.all_special_ids and lazy._full is not None
 
 
 def test_the_tables_are_checked_on_load_and_rebuilt_when_damaged(gemma, tmp_path):

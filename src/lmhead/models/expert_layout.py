@@ -121,7 +121,7 @@ class ExpertMatrices:
         self.in_features, self.out_features = k, codes.shape[1]
         self.group, self.four_bit, self.rows4, self.sub = group, four_bit, rows4, sub
         self.flags = self[0].flags if len(self) else 0
-        self.source: Path | None = None  # the file its buffers are mapped from (models/expert_cache.py), if any
+        self.source: Path | None = None  # the file its buffers are mapped from (models/layout_cache.py), if any
 
     def __len__(self) -> int:
         return self.codes.shape[0]

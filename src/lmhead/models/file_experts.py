@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmhead.models import expert_cache
+from lmhead.models import layout_cache
 from lmhead.models.arch import ArchSpec, arch_of
 from lmhead.models.errors import ModelError
 from lmhead.models.expert_layout import ExpertMatrices, build_experts
@@ -174,10 +174,10 @@ def read_moe(f: GGUFFile, layer: int, spec: ArchSpec, cfg: Any, vector, shared_l
     router = vector(p + moe.router + ".weight")
     names, down_name = _expert_names(f, layer, spec)
     parts, down = [_Experts(f, name) for name in names], _Experts(f, down_name)
-    # laid out once and mapped by later loads of the file (models/expert_cache.py)
-    folder = expert_cache.folder_for(f.path)
-    gate_up = expert_cache.cached(folder, f"blk.{layer}.gate_up", lambda: _experts(parts))
-    downs = expert_cache.cached(folder, f"blk.{layer}.down", lambda: _experts([down]))
+    # laid out once and mapped by later loads of the file (models/layout_cache.py)
+    folder = layout_cache.folder_for(f.path)
+    gate_up = layout_cache.cached(folder, f"blk.{layer}.gate_up", lambda: _experts(parts))
+    downs = layout_cache.cached(folder, f"blk.{layer}.down", lambda: _experts([down]))
     for part in (*parts, down):
         f.release(part.name)
     trim_heap()  # the experts' transient arrays, before the next layer's

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmhead.models import cache
+from lmhead.models import cache, layout_cache
 from lmhead.models.arch import FILE_ARCHITECTURES, ArchSpec, arch_of, refusal
 from lmhead.models.coded_linear import CodedLinear, coded_available
 from lmhead.models.config import ModelConfig
@@ -188,6 +188,7 @@ class _Reader:
 
     def __init__(self, f: GGUFFile, cfg: ModelConfig) -> None:
         self.f, self.cfg = f, cfg
+        self.layouts = layout_cache.folder_for(f.path)  # matrices laid out by an earlier load, mapped
         self.arch = arch_of(cfg)
         self.permute = self.arch.permute_qk  # transformers' LlamaTensorProcessor un-permutes q and k
         self.dequantized: list[str] = []
@@ -242,16 +243,25 @@ class _Reader:
         return w[torch.from_numpy(perm)] if perm is not None else w
 
     def linear(self, names: list[str]) -> tuple[CodedLinear | None, torch.Tensor | None]:
-        """(codes, None) for matrices the coded kernel takes, else (None, the float32 rows concatenated)."""
+        """(codes, None) for matrices the coded kernel takes, else (None, the float32 rows concatenated). A matrix
+        of codes laid out by an earlier load of the file is mapped from the layout cache (`layout_cache`)."""
+        got = layout_cache.cached_linear(self.layouts, "+".join(names), lambda: self._linear(names))
+        if isinstance(got, CodedLinear):
+            for n in names:  # mapped: the file's pages of these tensors are not wanted
+                self.f.release(n)
+            return got, None
+        return None, got
+
+    def _linear(self, names: list[str]) -> CodedLinear | torch.Tensor:
         kinds = {self.f.type_of(n) for n in names}
         sizes = [self.f.shape(n) for n in names]
         if (len(kinds) == 1 and kinds <= CODE_TYPES and len({k for _, k in sizes}) == 1
                 and all(rows % 4 == 0 for rows, _ in sizes[:-1])):
             # one type: the parts' rows read into one layout piece by piece (q/k rows in transformers' order)
             return self.f.coded_rows(names, [self._perm(n, rows) for n, (rows, _) in zip(names, sizes,
-                                                                                         strict=True)]), None
+                                                                                         strict=True)])
         if len(kinds) == 1 and kinds <= DENSE_TYPES.keys():  # F16, BF16 or F32 rows, as they are
-            return CodedLinear.dense16(torch.cat([self.weights16(n) for n in names])), None
+            return CodedLinear.dense16(torch.cat([self.weights16(n) for n in names]))
         found = [self.codes(n) for n in names]
         if all(c is not None for c in found):
             fused = fuse_codes(found)
@@ -260,8 +270,8 @@ class _Reader:
                                 four_bit=FOUR_BIT.get(kinds.pop()) if len(kinds) == 1 else "auto")
             for n in names:
                 self.f.release(n)
-            return coded, None
-        return None, torch.cat([self.matrix(n) for n in names])
+            return coded
+        return torch.cat([self.matrix(n) for n in names])
 
 
 def file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None = None):

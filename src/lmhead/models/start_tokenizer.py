@@ -397,6 +397,11 @@ class LazyTokenizer:
         # a pad token set here becomes one of transformers' special tokens: from then on, transformers answers
         if self._full is None and self._pad is None and name in facts and name != "clean_up_tokenization_spaces":
             return facts[name]
+        # a file without a pad token gets the end token as its pad (models/model.py): a pad that is already
+        # special adds no id and, with no pad before it, drops none, so the list is transformers' own unbuilt
+        if (self._full is None and name == "all_special_ids" and facts.get("pad_token_id") is None
+                and self._pad in (facts.get(name) or ())):
+            return facts[name]
         return getattr(self.full, name)
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -1,0 +1,218 @@
+"""A GGUF file's matrices as the kernels lay them out, kept on disk and mapped: a later load of the same file maps
+them instead of laying them out again (a mixture's experts, and every other matrix of codes), and the pages they
+take are a file's (the kernel drops and rereads them under memory pressure) rather than anonymous memory.
+
+    <cache>/layouts/<key>/<name>.bin    one `ExpertMatrices`' buffers back to back (codes, scale, offset; each at a
+                                        multiple of 64 bytes); a matrix that is no mixture's as one of one
+                          <name>.json   their dtypes, shapes and layout, the .bin's size, xxh3_64, stamp (size,
+                                        modification time in ns, inode) and the xxh3_64 of 16 windows of 64 KiB
+                                        spread over it (written after the .bin: a .bin without it is not read)
+    name: blk.<i>.<product> for a layer's experts, the matrix's tensor names joined by "+" for the others
+    key: sha256 of the GGUF file's resolved path, size and modification time, and FORMAT
+
+A load reads a matrix from here where its .json is there and the .bin is as written: its stamp and sampled windows
+as recorded — or, where the stamp differs (a copied or touched folder), its whole checksum, the stamp then recorded
+anew. Reading every byte on every load would cost a large model's warm start seconds (Qwen3-30B-A3B's experts are
+~18 GB), where the stamp changes with any write to the file; a damaged or partial file is laid out again and
+rewritten (it costs time, never a wrong number). Else the load lays it out (`expert_layout.build_experts`,
+`GGUFFile.coded_rows`), writes it here where the disk has room for it and a margin, and maps what it wrote.
+`LMHEAD_LAYOUT_CACHE=0` (or its earlier name `LMHEAD_EXPERT_CACHE=0`) keeps them in memory only and writes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lmhead.cache_folder import cache_root
+from lmhead.models.cache import fast_checksum_file
+from lmhead.models.coded_linear import CodedLinear
+from lmhead.models.expert_layout import ExpertMatrices
+
+__all__ = ["FORMAT", "MARGIN", "cached", "cached_linear", "folder_for"]
+
+FORMAT = 2        # bump when ExpertMatrices' or CodedLinear's layout changes: older folders are not read
+MARGIN = 4 << 30  # free disk left after a matrix is written (else it stays in memory only)
+_ALIGN = 64
+_WINDOWS, _WINDOW = 16, 1 << 16  # the sampled checksum: 16 windows of 64 KiB, the first and last bytes among them
+_said: set[Path] = set()
+_lock = threading.Lock()
+# numpy's dtype for each torch dtype the buffers hold (bfloat16 as its bits)
+_NUMPY = {torch.int8: np.int8, torch.uint8: np.uint8, torch.float16: np.float16, torch.float32: np.float32,
+          torch.bfloat16: np.int16}
+_TORCH = {str(t).removeprefix("torch."): t for t in _NUMPY}
+
+
+def folder_for(gguf: Path) -> Path | None:
+    """`<cache>/experts/<key>` for the GGUF file `gguf`; None where the cache is turned off
+    (`LMHEAD_LAYOUT_CACHE=0` or `LMHEAD_EXPERT_CACHE=0`) or the file cannot be read."""
+    if "0" in (os.environ.get("LMHEAD_LAYOUT_CACHE", "1"), os.environ.get("LMHEAD_EXPERT_CACHE", "1")):
+        return None
+    try:
+        path = Path(gguf).resolve()
+        st = path.stat()
+    except OSError:
+        return None
+    key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{FORMAT}".encode()).hexdigest()[:32]
+    return cache_root() / "layouts" / key
+
+
+def cached(folder: Path | None, name: str, build: Callable[[], Any]) -> Any:
+    """The experts `name` (blk.<i>.<product>) mapped from `folder`, else `build()` — written to `folder` and
+    mapped back where it is an `ExpertMatrices` and the disk has room."""
+    if folder is None:
+        return build()
+    mapped = _read(folder, name)
+    if mapped is not None:
+        return mapped
+    built = build()
+    if not isinstance(built, ExpertMatrices):
+        return built
+    return _write(folder, name, built, say=True) or built
+
+
+def cached_linear(folder: Path | None, name: str, build: Callable[[], Any]) -> Any:
+    """The matrix `name` (its tensor names joined by "+") mapped from `folder`, else `build()` — written to
+    `folder` and mapped back where it is a `CodedLinear` of codes and the disk has room. A file's own float16,
+    bfloat16 or float32 weights (`CodedLinear.dense16`) and a float32 matrix are returned as built."""
+    if folder is None:
+        return build()
+    mapped = _read(folder, name)
+    if mapped is not None:
+        return mapped[0]
+    built = build()
+    if not isinstance(built, CodedLinear) or built.dense:
+        return built
+    written = _write(folder, name, _one(built))
+    return built if written is None else written[0]
+
+
+def _one(m: CodedLinear) -> ExpertMatrices:
+    """A matrix of codes as the experts of one (its buffers viewed with a leading dimension, not copied)."""
+    def lead(t: Any) -> torch.Tensor | None:
+        return None if t is None else t.unsqueeze(0)
+
+    return ExpertMatrices(lead(m.codes), lead(m.scale), lead(m.offset), m.in_features, m.group, m.four_bit, m.rows4,
+                          m.sub)
+
+
+def _parts(ex: ExpertMatrices) -> dict[str, torch.Tensor]:
+    return {k: t for k, t in (("codes", ex.codes), ("scale", ex.scale), ("offset", ex.offset)) if t is not None}
+
+
+def _write(folder: Path, name: str, ex: ExpertMatrices, say: bool = False) -> ExpertMatrices | None:
+    """`ex` written as `name` into `folder` and mapped back; None where it could not be written (no room, a
+    read-only folder: the matrices then stay in memory). `say`: tell stderr once per folder (a mixture's experts,
+    whose first load lays out gigabytes)."""
+    import xxhash
+
+    stale: list[Path] = []
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if shutil.disk_usage(folder).free < ex.nbytes + MARGIN:
+            return None
+        with _lock:
+            if say and folder not in _said:
+                _said.add(folder)
+                print(f"lmhead: laying out the experts once in {folder} (mapped by later loads; "
+                      "LMHEAD_LAYOUT_CACHE=0 keeps them in memory only)", file=sys.stderr, flush=True)
+        digest, at, parts = xxhash.xxh3_64(), 0, {}
+        tmp = folder / f".{name}.bin.{os.getpid()}.{threading.get_ident()}"
+        stale.append(tmp)
+        with open(tmp, "wb") as out:
+            for key, t in _parts(ex).items():
+                pad = -at % _ALIGN
+                for chunk in (bytes(pad), t.contiguous().view(-1).view(torch.uint8).numpy()):
+                    out.write(chunk)
+                    digest.update(chunk)
+                at += pad
+                parts[key] = {"at": at, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                at += t.nbytes
+        tmp.replace(folder / f"{name}.bin")
+        meta = {"parts": parts, "size": at, "xxh3_64": digest.hexdigest(), "k": ex.in_features,
+                "group": ex.group, "four_bit": ex.four_bit, "rows4": ex.rows4, "sub": ex.sub,
+                **_fingerprint(folder / f"{name}.bin")}
+        _write_meta(folder, name, meta, stale)
+    except OSError:
+        return None
+    finally:
+        for path in stale:  # a write that failed (a full disk) leaves no partial file behind
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+    return _map(folder / f"{name}.bin", meta)
+
+
+def _write_meta(folder: Path, name: str, meta: dict, stale: list[Path]) -> None:
+    tmp = folder / f".{name}.json.{os.getpid()}.{threading.get_ident()}"
+    stale.append(tmp)
+    tmp.write_text(json.dumps(meta))
+    tmp.replace(folder / f"{name}.json")
+
+
+def _sampled(path: Path, size: int) -> str:
+    """xxh3_64 (hex) of _WINDOWS windows of _WINDOW bytes spread evenly over the file of `size` bytes."""
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    with open(path, "rb", buffering=0) as f:
+        for i in range(_WINDOWS):
+            f.seek(max(size - _WINDOW, 0) * i // (_WINDOWS - 1))
+            digest.update(f.read(_WINDOW))
+    return digest.hexdigest()
+
+
+def _fingerprint(path: Path) -> dict[str, Any]:
+    """The .bin's stamp (size, modification time in ns, inode) and sampled checksum, as its .json records them."""
+    st = path.stat()
+    return {"stamp": [st.st_size, st.st_mtime_ns, st.st_ino], "sampled": _sampled(path, st.st_size)}
+
+
+def _read(folder: Path, name: str) -> ExpertMatrices | None:
+    """`name` mapped from `folder` where its .json is there and its .bin is as written: the recorded stamp and
+    sampled windows, or (a stamp of another file: copied, touched) the recorded whole checksum."""
+    stale: list[Path] = []
+    try:
+        meta = json.loads((folder / f"{name}.json").read_text())
+        path = folder / f"{name}.bin"
+        st = path.stat()
+        if st.st_size != meta["size"]:
+            return None
+        if meta.get("stamp") == [st.st_size, st.st_mtime_ns, st.st_ino]:
+            return _map(path, meta) if _sampled(path, st.st_size) == meta.get("sampled") else None
+        if fast_checksum_file(path) != meta["xxh3_64"]:
+            return None
+        with contextlib.suppress(OSError):  # intact: later loads check the new stamp instead of every byte
+            _write_meta(folder, name, {**meta, **_fingerprint(path)}, stale)
+        return _map(path, meta)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    finally:
+        for tmp in stale:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+
+
+def _map(path: Path, meta: dict) -> ExpertMatrices:
+    """The buffers of `meta` over a private (copy-on-write) map of `path`: read pages are the file's."""
+    raw = np.memmap(path, dtype=np.uint8, mode="c")
+    parts = {}
+    for key, p in meta["parts"].items():
+        dtype = _TORCH[p["dtype"]]
+        count = int(np.prod(p["shape"])) * dtype.itemsize
+        view = raw[p["at"]:p["at"] + count].view(_NUMPY[dtype])
+        parts[key] = torch.from_numpy(view).view(dtype).view(p["shape"])
+    ex = ExpertMatrices(parts["codes"], parts.get("scale"), parts.get("offset"), meta["k"], meta["group"],
+                        meta["four_bit"], meta["rows4"], meta["sub"])
+    ex.source = path
+    return ex
