@@ -425,6 +425,34 @@ def test_a_second_load_of_a_gguf_maps_the_matrices_the_first_laid_out_with_the_s
     assert torch.equal(a.codes, b.codes)
 
 
+def test_layouts_of_files_gone_or_changed_are_removed_when_a_new_one_is_laid_out(tmp_path, monkeypatch, capsys):
+    import os
+
+    from tiny_gguf import write_tiny_gguf
+
+    from lmhead import load_model
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    changed, gone, kept = (write_tiny_gguf(tmp_path / f"{n}.gguf", "llama", seed=i)
+                           for i, n in enumerate(("changed", "gone", "kept")))
+    for path in (changed, gone, kept):
+        load_model(str(path), progress=False)
+    layouts = tmp_path / "cache" / "layouts"
+    before = {p.name for p in layouts.iterdir()}
+    assert len(before) == 3
+    (tmp_path / "cache" / "experts" / "0123").mkdir(parents=True)  # the earlier format's folder
+    gone.unlink()
+    st = changed.stat()
+    os.utime(changed, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # another key for the same path
+    capsys.readouterr()
+    load_model(str(changed), progress=False)
+    after = {p.name for p in layouts.iterdir()}
+    assert len(after) == 2 and len(after & before) == 1  # kept's own, and changed's new one
+    assert not (tmp_path / "cache" / "experts").exists()
+    said = [line for line in capsys.readouterr().err.splitlines() if "removed" in line]
+    assert len(said) == 1 and "3 laid-out models" in said[0], said
+
+
 def test_a_gguf_loaded_with_the_layout_cache_off_writes_no_layouts(tmp_path, monkeypatch):
     from tiny_gguf import write_tiny_gguf
 

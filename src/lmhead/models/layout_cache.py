@@ -7,8 +7,13 @@ take are a file's (the kernel drops and rereads them under memory pressure) rath
                           <name>.json   their dtypes, shapes and layout, the .bin's size, xxh3_64, stamp (size,
                                         modification time in ns, inode) and the xxh3_64 of 16 windows of 64 KiB
                                         spread over it (written after the .bin: a .bin without it is not read)
+                          source.json   the GGUF file's path, size and modification time (written first)
     name: blk.<i>.<product> for a layer's experts, the matrix's tensor names joined by "+" for the others
     key: sha256 of the GGUF file's resolved path, size and modification time, and FORMAT
+
+A key no load can meet again (its file gone, or changed: another size or modification time makes another key) is
+removed when a new one is first laid out (`prune`), so the cache holds about one copy of the codes of each file
+that is still there.
 
 A load reads a matrix from here where its .json is there and the .bin is as written: its stamp and sampled windows
 as recorded — or, where the stamp differs (a copied or touched folder), its whole checksum, the stamp then recorded
@@ -45,6 +50,8 @@ __all__ = ["FORMAT", "MARGIN", "cached", "cached_linear", "folder_for"]
 FORMAT = 2        # bump when ExpertMatrices' or CodedLinear's layout changes: older folders are not read
 MARGIN = 4 << 30  # free disk left after a matrix is written (else it stays in memory only)
 _ALIGN = 64
+_SOURCE = "source.json"  # a layouts folder's GGUF file: its path, size and modification time (for `prune`)
+_sources: dict[Path, dict[str, Any]] = {}  # each folder `folder_for` named, its source.json's contents
 _WINDOWS, _WINDOW = 16, 1 << 16  # the sampled checksum: 16 windows of 64 KiB, the first and last bytes among them
 _said: set[Path] = set()
 _lock = threading.Lock()
@@ -55,8 +62,9 @@ _TORCH = {str(t).removeprefix("torch."): t for t in _NUMPY}
 
 
 def folder_for(gguf: Path) -> Path | None:
-    """`<cache>/experts/<key>` for the GGUF file `gguf`; None where the cache is turned off
-    (`LMHEAD_LAYOUT_CACHE=0` or `LMHEAD_EXPERT_CACHE=0`) or the file cannot be read."""
+    """`<cache>/layouts/<key>` for the GGUF file `gguf`; None where the cache is turned off
+    (`LMHEAD_LAYOUT_CACHE=0` or `LMHEAD_EXPERT_CACHE=0`) or the file cannot be read. A key not laid out yet first
+    removes the layouts no load can map again (`prune`)."""
     if "0" in (os.environ.get("LMHEAD_LAYOUT_CACHE", "1"), os.environ.get("LMHEAD_EXPERT_CACHE", "1")):
         return None
     try:
@@ -65,7 +73,42 @@ def folder_for(gguf: Path) -> Path | None:
     except OSError:
         return None
     key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{FORMAT}".encode()).hexdigest()[:32]
-    return cache_root() / "layouts" / key
+    folder = cache_root() / "layouts" / key
+    with _lock:
+        _sources[folder] = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    if not folder.exists():
+        prune(cache_root())
+    return folder
+
+
+def prune(root: Path) -> list[Path]:
+    """Remove from the cache `root` the layouts no load can map again — a folder whose GGUF file is gone or has
+    another size or modification time than its key was made of (its `source.json` says which), and the earlier
+    format's `experts/` — said in one line on stderr; returns the folders removed. A folder without its
+    source.json yet (being written) is left alone."""
+    stale = [root / "experts"] if (root / "experts").is_dir() else []
+    layouts = root / "layouts"
+    for folder in sorted(layouts.iterdir()) if layouts.is_dir() else ():
+        try:
+            src = json.loads((folder / _SOURCE).read_text())
+        except (OSError, ValueError):
+            continue
+        try:
+            st = Path(src["path"]).stat()
+            if (st.st_size, st.st_mtime_ns) == (src["size"], src["mtime_ns"]):
+                continue
+        except OSError:
+            pass  # the file is gone
+        except (KeyError, TypeError):
+            continue
+        stale.append(folder)
+    if stale:
+        freed = sum(f.stat().st_size for d in stale for f in d.rglob("*") if f.is_file())
+        for folder in stale:
+            shutil.rmtree(folder, ignore_errors=True)
+        print(f"lmhead: removed {len(stale)} laid-out {'model' if len(stale) == 1 else 'models'} whose GGUF file is "
+              f"gone or changed ({freed / 2**30:.2f} GiB) from {root}", file=sys.stderr, flush=True)
+    return stale
 
 
 def cached(folder: Path | None, name: str, build: Callable[[], Any]) -> Any:
@@ -122,6 +165,11 @@ def _write(folder: Path, name: str, ex: ExpertMatrices, say: bool = False) -> Ex
         folder.mkdir(parents=True, exist_ok=True)
         if shutil.disk_usage(folder).free < ex.nbytes + MARGIN:
             return None
+        if not (folder / _SOURCE).exists() and folder in _sources:  # before any .bin: `prune` reads it
+            tmp = folder / f".{_SOURCE}.{os.getpid()}.{threading.get_ident()}"
+            stale.append(tmp)
+            tmp.write_text(json.dumps(_sources[folder]))
+            tmp.replace(folder / _SOURCE)
         with _lock:
             if say and folder not in _said:
                 _said.add(folder)
