@@ -18,6 +18,7 @@ is converted to float32 but the router and the types without a code kernel.
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -163,10 +164,12 @@ def _experts(parts: list[_Experts]) -> ExpertMatrices | list[torch.Tensor]:
     return [torch.cat([p.dequantized(e) for p in parts]) for e in range(parts[0].experts)]
 
 
-def read_moe(f: GGUFFile, layer: int, spec: ArchSpec, cfg: Any, vector, shared_linear) -> MoE | None:
+def read_moe(f: GGUFFile, layer: int, spec: ArchSpec, cfg: Any, vector, shared_linear,
+             layouts: Path | None) -> MoE | None:
     """Layer `layer`'s mixture of experts (None where the file holds no router for it: a dense layer).
     `vector(name)` reads a float32 tensor, `shared_linear(names)` a 2-D matrix (the shared expert's) as the body's
-    other matrices are read."""
+    other matrices are read; `layouts`: the file's folder of the layout cache (`layout_cache.folder_for`; None:
+    laid out in memory only)."""
     moe = spec.moe
     p = f"blk.{layer}."
     if moe is None or p + moe.router + ".weight" not in f.tensors:
@@ -175,9 +178,8 @@ def read_moe(f: GGUFFile, layer: int, spec: ArchSpec, cfg: Any, vector, shared_l
     names, down_name = _expert_names(f, layer, spec)
     parts, down = [_Experts(f, name) for name in names], _Experts(f, down_name)
     # laid out once and mapped by later loads of the file (models/layout_cache.py)
-    folder = layout_cache.folder_for(f.path)
-    gate_up = layout_cache.cached(folder, f"blk.{layer}.gate_up", lambda: _experts(parts))
-    downs = layout_cache.cached(folder, f"blk.{layer}.down", lambda: _experts([down]))
+    gate_up = layout_cache.cached(layouts, f"blk.{layer}.gate_up", lambda: _experts(parts), say=True)
+    downs = layout_cache.cached(layouts, f"blk.{layer}.down", lambda: _experts([down]), say=True)
     for part in (*parts, down):
         f.release(part.name)
     trim_heap()  # the experts' transient arrays, before the next layer's

@@ -247,7 +247,7 @@ class _Reader:
         of codes laid out by an earlier load of the file is mapped from the layout cache (`layout_cache`)."""
         got = layout_cache.cached_linear(self.layouts, "+".join(names), lambda: self._linear(names))
         if isinstance(got, CodedLinear):
-            for n in names:  # mapped: the file's pages of these tensors are not wanted
+            for n in names:  # the file's pages of these tensors are not wanted (mapped: kept for GGUFFile.sweep)
                 self.f.release(n)
             return got, None
         return None, got
@@ -309,7 +309,7 @@ def _file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None, workers: int)
 
     def layer(i: int, kind: str) -> Layer:
         p = f"blk.{i}."
-        moe = read_moe(f, i, arch, cfg, r.vector, shared_linear)
+        moe = read_moe(f, i, arch, cfg, r.vector, shared_linear, r.layouts)
         mats, coded = {"gate_up": None, "down": None}, {}
         for key, parts in _linears(arch):
             if moe is not None and key in ("gate_up", "down"):

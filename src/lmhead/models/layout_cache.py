@@ -111,9 +111,10 @@ def prune(root: Path) -> list[Path]:
     return stale
 
 
-def cached(folder: Path | None, name: str, build: Callable[[], Any]) -> Any:
-    """The experts `name` (blk.<i>.<product>) mapped from `folder`, else `build()` — written to `folder` and
-    mapped back where it is an `ExpertMatrices` and the disk has room."""
+def cached(folder: Path | None, name: str, build: Callable[[], Any], say: bool = False) -> Any:
+    """The matrices `name` mapped from `folder`, else `build()` — written to `folder` and mapped back where it is
+    an `ExpertMatrices` and the disk has room. `say`: tell stderr once per folder that they are laid out (a
+    mixture's experts, whose first load lays out gigabytes)."""
     if folder is None:
         return build()
     mapped = _read(folder, name)
@@ -122,23 +123,19 @@ def cached(folder: Path | None, name: str, build: Callable[[], Any]) -> Any:
     built = build()
     if not isinstance(built, ExpertMatrices):
         return built
-    return _write(folder, name, built, say=True) or built
+    return _write(folder, name, built, say) or built
 
 
 def cached_linear(folder: Path | None, name: str, build: Callable[[], Any]) -> Any:
-    """The matrix `name` (its tensor names joined by "+") mapped from `folder`, else `build()` — written to
-    `folder` and mapped back where it is a `CodedLinear` of codes and the disk has room. A file's own float16,
-    bfloat16 or float32 weights (`CodedLinear.dense16`) and a float32 matrix are returned as built."""
-    if folder is None:
-        return build()
-    mapped = _read(folder, name)
-    if mapped is not None:
-        return mapped[0]
-    built = build()
-    if not isinstance(built, CodedLinear) or built.dense:
-        return built
-    written = _write(folder, name, _one(built))
-    return built if written is None else written[0]
+    """`cached` for one matrix `name` (its tensor names joined by "+"): a `CodedLinear` of codes is kept as the
+    experts of one and handed back as that one; a file's own float16, bfloat16 or float32 weights
+    (`CodedLinear.dense16`) and a float32 matrix are returned as built."""
+    def laid_out() -> Any:
+        built = build()
+        return _one(built) if isinstance(built, CodedLinear) and not built.dense else built
+
+    got = cached(folder, name, laid_out)
+    return got[0] if isinstance(got, ExpertMatrices) else got
 
 
 def _one(m: CodedLinear) -> ExpertMatrices:
@@ -154,10 +151,9 @@ def _parts(ex: ExpertMatrices) -> dict[str, torch.Tensor]:
     return {k: t for k, t in (("codes", ex.codes), ("scale", ex.scale), ("offset", ex.offset)) if t is not None}
 
 
-def _write(folder: Path, name: str, ex: ExpertMatrices, say: bool = False) -> ExpertMatrices | None:
+def _write(folder: Path, name: str, ex: ExpertMatrices, say: bool) -> ExpertMatrices | None:
     """`ex` written as `name` into `folder` and mapped back; None where it could not be written (no room, a
-    read-only folder: the matrices then stay in memory). `say`: tell stderr once per folder (a mixture's experts,
-    whose first load lays out gigabytes)."""
+    read-only folder: the matrices then stay in memory). `say` as `cached`'s."""
     import xxhash
 
     stale: list[Path] = []
@@ -243,7 +239,7 @@ def _read(folder: Path, name: str) -> ExpertMatrices | None:
         with contextlib.suppress(OSError):  # intact: later loads check the new stamp instead of every byte
             _write_meta(folder, name, {**meta, **_fingerprint(path)}, stale)
         return _map(path, meta)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError):  # RuntimeError: parts the .bin cannot hold
         return None
     finally:
         for tmp in stale:
