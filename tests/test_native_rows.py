@@ -55,6 +55,32 @@ def test_threshold_topk_declines_what_torch_must_answer():
     assert torch.equal(got[0], torch.topk(banned, 60).values)
 
 
+def test_threshold_topk_of_rows_gives_each_row_its_own_torch_topk():
+    x = _rows(8, seed=20)
+    x[3] = x[3].round()  # integers: ties at the k-th value
+    ks = [1, 25, 90, 3, 64, 100, 7, 41]
+    vals, idx = native.topk_rows(x, ks)
+    assert vals.shape == idx.shape == (8, 100)
+    for r, k in enumerate(ks):
+        want = torch.topk(x[r], k)
+        assert torch.equal(vals[r, :k], want.values) and torch.equal(x[r].gather(0, idx[r, :k]), vals[r, :k])
+        assert len(set(idx[r, :k].tolist())) == k
+        assert bool((vals[r, k:] == float("-inf")).all()) and not idx[r, k:].any()
+    assert torch.equal(Vocab(V).topk_rows(x, ks)[0], vals)
+
+
+def test_threshold_topk_of_rows_declines_what_torch_must_answer():
+    x = _rows(3, seed=21)
+    x[1, 999] = float("nan")
+    assert native.topk_rows(x, [5, 6, 7]) is None
+    assert native.topk_rows(_rows(2, seed=22), [5, V // 128]) is None  # a k too large for the threshold
+    banned = _rows(2, seed=23)
+    banned[1, : V - 30] = float("-inf")
+    vals, _ = Vocab(V).topk_rows(banned, [10, 40])  # fewer finite logits than k: torch's answer row by row
+    assert torch.equal(vals[1], torch.topk(banned[1], 40).values)
+    assert torch.equal(vals[0, :10], torch.topk(banned[0], 10).values)
+
+
 @pytest.mark.parametrize("b", [1, 2, 5])
 def test_row_scores_give_the_log_softmax_normaliser_and_the_rank(b):
     x = _rows(b, seed=10 + b)

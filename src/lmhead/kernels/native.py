@@ -71,7 +71,7 @@ from lmhead.kernels.layout4 import block4, pack4, unblock4, unpack4
 __all__ = ["BF16", "F16", "F32", "FLAGS", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4_LEVELS", "LEVELS", "MXFP4",
            "PACKED", "ROWS4", "SIGNED4", "SOURCES", "SUB", "AttendArgs", "DecodeArgs", "LayerDesc", "MatDesc",
            "StepArgs", "block4", "keep_ge", "keep_ge_unsure", "library", "library_path", "pack4", "row_lse_bounded",
-           "row_moments", "row_scores", "select_ge", "topk", "typical_row", "unblock4", "unpack4"]
+           "row_moments", "row_scores", "select_ge", "topk", "topk_rows", "typical_row", "unblock4", "unpack4"]
 
 _ABI = 25  # lmhead_coded_abi() of the sources above
 
@@ -246,6 +246,38 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         v, i = torch.topk(row.index_select(0, cand), k)
         values[r], indices[r] = v, cand.index_select(0, i)
     return values, indices
+
+
+def topk_rows(x: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's own top k for rows x [b,V] (float32, CPU, V ≥ 16,384), row r keeping ks[r] ≤ V/256 → values and
+    ids [b, max k], row r's first ks[r] columns its torch.topk(x[r], ks[r]) values in order (tied values' ids in
+    any order), the rest -inf and id 0. The threshold pass of `topk` for every row, its candidates sorted
+    together: one partial sort of the few thousand candidates of all rows instead of a sort a row (a server
+    round's rows each with their own top-k). None where `topk` gives None for a row (the caller goes row by
+    row)."""
+    lib = library()
+    if (lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.requires_grad
+            or x.shape[0] != len(ks) or x.shape[1] < _TOPK_MIN_WIDTH or not ks
+            or not all(1 <= k <= x.shape[1] // 256 for k in ks)):
+        return None
+    x = x.contiguous()
+    b, width = x.shape
+    kmax = max(ks)
+    want = torch.tensor(ks, dtype=torch.int64)
+    thresholds = torch.topk(x[:, ::_TOPK_STRIDE], kmax, dim=-1).values.gather(1, (want - 1)[:, None])[:, 0].tolist()
+    found = torch.empty(b, _TOPK_CAP, dtype=torch.int64)
+    counts = []
+    for r, t in enumerate(thresholds):
+        n = lib.lmhead_select_ge(x[r].data_ptr(), width, t, found[r].data_ptr(), _TOPK_CAP)
+        if n < ks[r]:  # a NaN (-2), too many candidates (-1); never fewer than k otherwise
+            return None
+        counts.append(n)
+    cand = found[:, :max(counts)]
+    beyond = torch.arange(cand.shape[1]) >= torch.tensor(counts)[:, None]
+    cand = cand.masked_fill(beyond, 0)
+    values, pos = torch.topk(x.gather(1, cand).masked_fill_(beyond, -math.inf), kmax, dim=-1)
+    past = torch.arange(kmax) >= want[:, None]
+    return values.masked_fill_(past, -math.inf), cand.gather(1, pos).masked_fill_(past, 0)
 
 
 def row_scores(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

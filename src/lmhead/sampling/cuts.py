@@ -90,17 +90,12 @@ def _top_k_parts(x: Tensor, temperature: Setting, ks: list[int], vocab: Vocab,
 
 def top_k_tops(x: Tensor, ks: list[int], vocab: Vocab) -> tuple[Tensor, Tensor]:
     """Each row's k + 1 largest (its k of ``ks``) as [b, kmax+1] values and ids, a row's first k + 1 columns the ones it
-    gets alone (the rest -inf): one partial sort of the largest k + 1 where the rows share k; else each row's own on
-    a CPU row (`Vocab.topk`'s C threshold pass, which takes a few rows and small k: a row of 262,144 costs it a
-    fraction of what torch.topk of the largest k over the batch costs)."""
-    kmax = max(ks)
+    gets alone (the rest -inf): one partial sort of the largest k + 1 where the rows share k; else, on CPU rows, each
+    row's own threshold pass and one sort of all rows' candidates (`Vocab.topk_rows`: a row of 262,144 costs its
+    pass a fraction of what torch.topk of the largest k over the batch costs)."""
     if len(set(ks)) == 1 or x.device.type != "cpu":
-        return vocab.topk(x, kmax + 1)
-    vals = torch.full((x.shape[0], kmax + 1), NEG_INF, dtype=x.dtype, device=x.device)
-    ids = torch.zeros((x.shape[0], kmax + 1), dtype=torch.long, device=x.device)
-    for r, k in enumerate(ks):
-        vals[r, :k + 1], ids[r, :k + 1] = vocab.topk(x[r:r + 1], k + 1)
-    return vals, ids
+        return vocab.topk(x, max(ks) + 1)
+    return vocab.topk_rows(x, [k + 1 for k in ks])
 
 
 def column(keys: list[CutKey], name: str, rows: Tensor | None, dtype: torch.dtype, device: torch.device) -> Setting:
