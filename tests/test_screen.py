@@ -16,10 +16,11 @@ pytestmark = pytest.mark.skipif(not coded_available() or not native.avx2(),
                                 reason="the screen is an AVX2 kernel of the coded library")
 
 
-def _q8(n: int, k: int, seed: int = 0, weight: bool = False) -> CodedLinear:
-    """Q8_0-like codes (int8, one float16 scale per 32, no offsets) for an n × k matrix, as Gemma 3's head."""
+def _q8(n: int, k: int, seed: int = 0, weight: bool = False, low: int = -127) -> CodedLinear:
+    """Q8_0-like codes (int8 from `low`, one float16 scale per 32, no offsets) for an n × k matrix, as Gemma 3's
+    head."""
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    codes = torch.randint(low, 128, (n, k), generator=g, dtype=torch.int8)
     scale = (torch.rand(n, k // 32, generator=g) * 0.004 + 1e-4).half().float()
     w = (codes.float().view(n, -1, 32) * scale[..., None]).view(n, k) if weight else None
     return CodedLinear(codes, scale, None, w)
@@ -47,11 +48,11 @@ def _assert_top_k_exact(y: torch.Tensor, want: torch.Tensor, ks: list[int]) -> N
         assert bool((y[r][others & ~exact] < a.values[-1]).all()), (r, k)
 
 
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 9, 17])  # every pass width, and more rows than one pass
-def test_screen_gives_each_rows_top_k_exactly_and_the_rest_below(m):
-    c = _q8(1024, 256)
+@pytest.mark.parametrize("m, k", [(1, 256), (3, 256), (4, 256), (5, 256), (8, 256), (9, 256), (17, 256), (8, 96)])
+def test_screen_gives_each_rows_top_k_exactly_and_the_rest_below(m, k):  # every pass width, more rows than one pass
+    c = _q8(1024, k)
     assert c.screens
-    x = _rows(m, 256)
+    x = _rows(m, k)
     ks = [[1, 2, 3, 41, 65, 256, 7][r % 7] for r in range(m)]
     with torch.inference_mode():
         _assert_top_k_exact(c.screen(x, ks), _one_row(c, x), ks)
@@ -122,16 +123,21 @@ def test_rows_computed_whole_give_no_candidates():
         assert c.screen_candidates(x, [2] * 5)[1] is None
 
 
-def test_the_screens_values_are_within_its_bound_of_the_exact_product():
-    # ŷ within ‖w‖·β of the exact value for every token (coded_kernel.c's bound), ‖w‖ rounded up
+@pytest.mark.parametrize("k", [640, 352])  # groups in pairs, and an odd last group
+def test_the_screens_values_are_within_its_bound_of_the_exact_product(k):
+    # ŷ within ‖w‖·β of the exact value for every token (coded_kernel.c's bound), ‖w‖ rounded up; codes down to
+    # -128, a group of zeros and a group of one outlier beside ordinary ones
     lib = native.library()
     for seed, spread in ((0, 1.0), (1, 30.0), (2, 1e-3)):
-        c = _q8(512, 640, seed, weight=True)
-        x = _rows(6, 640, seed) * spread
+        c = _q8(512, k, seed, weight=True, low=-128)
+        x = _rows(6, k, seed) * spread
+        x[1, 32:64] = 0.0
+        x[2, 64:96] = 1e-3 * spread
+        x[2, 70] = 1e4 * spread
         y, beta = torch.empty(6, 512), torch.empty(6, dtype=torch.float64)
         norms = torch.empty(512)
-        assert lib.lmhead_screen_norms(c.codes.data_ptr(), c.scale.data_ptr(), 512, 640, norms.data_ptr(), 2) == 0
-        assert lib.lmhead_screen(x.data_ptr(), 6, 640, c.codes.data_ptr(), c.scale.data_ptr(), 512, y.data_ptr(),
+        assert lib.lmhead_screen_norms(c.codes.data_ptr(), c.scale.data_ptr(), 512, k, norms.data_ptr(), 2) == 0
+        assert lib.lmhead_screen(x.data_ptr(), 6, k, c.codes.data_ptr(), c.scale.data_ptr(), 512, y.data_ptr(),
                                  beta.data_ptr(), 2) == 0
         exact = x.double() @ c.weight.double().T
         assert bool((norms.double() >= c.weight.double().norm(dim=1)).all())

@@ -42,6 +42,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <math.h>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -1463,6 +1464,60 @@ int lmhead_screen_norms(const int8_t* codes, const uint16_t* scale, int64_t N, i
 }
 
 #ifdef __AVX2__
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+/* With VNNI each group of 32 activations has a grid of its own, x̂ᵢ = d_g·qᵢ with d_g = max|x_g| / 127 and qᵢ
+ * signed bytes: vpdpbusd multiplies the codes biased by 128 (unsigned bytes) with q, sixty-four products a
+ * lane of four, into an accumulator that starts at −128 times the lane's four q — so each int32 lane is exactly
+ * Σ cᵢqᵢ of its four weights (at most 4·128·127 in magnitude, exact in float32). A lane's value times
+ * fl(s_g·d_g) is one term of ŷ = Σ_g s_g·d_g·Σᵢ cᵢqᵢ; the bound above holds as it is, with x̂ these grids and
+ * Σ|terms| ≤ Σ|w||x̂| (every lane is a sum of its own weights' products). Per group grids keep a row's
+ * candidates few where one int8 grid for the row would not (outlier channels). */
+#define SCREEN_INT8 1
+/* A query row's share of a pair of groups: its 64 grid values (bytes), the sixteen lanes' starting values and the
+ * sixteen lanes' grid steps, side by side, so that one pointer walks every query row's data. */
+typedef struct {
+    int8_t q[64];
+    int32_t start[16];
+    float step[16];
+} screen_pair;
+
+/* a pair of groups' codes a (biased to unsigned bytes) and scales sv against the Q query rows' pg[m] */
+KERNEL_INLINE void screen_pair_step(const int Q, const screen_pair* pg, __m512i a, __m512 sv, __m512* acc) {
+    for (int m = 0; m < Q; m++) {
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_load_si512(pg[m].start), a, _mm512_load_si512(pg[m].q));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(sv, _mm512_load_ps(pg[m].step)), acc[m]);
+    }
+}
+
+/* one block of four weight rows against Q ≤ SCREEN_ROWS query rows: pairs [(ng + 1)/2][M] (this pass's rows
+ * first; an odd last group's pair is zero past it); out [Q, 4] (stride 4) */
+KERNEL_INLINE void screen_block_n(const int Q, const screen_pair* pairs, int64_t M, const int8_t* c, const float* s,
+                                   int64_t ng, float* out) {
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    for (int r = 0; r < 4; r++) {
+        __m512 acc[SCREEN_ROWS];
+        for (int m = 0; m < Q; m++) acc[m] = _mm512_setzero_ps();
+        const screen_pair* pg = pairs;
+        int64_t g = 0;
+        for (; g + 1 < ng; g += 2, pg += M) {
+            const __m256i lo = _mm256_loadu_si256((const __m256i*)(c + (g * 4 + r) * 32));
+            const __m256i hi = _mm256_loadu_si256((const __m256i*)(c + ((g + 1) * 4 + r) * 32));
+            const __m512i a = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), bias);
+            screen_pair_step(Q, pg, a,
+                             _mm512_insertf32x8(_mm512_set1_ps(s[r * ng + g]), _mm256_set1_ps(s[r * ng + g + 1]), 1),
+                             acc);
+        }
+        if (g < ng) { /* the odd last group: its pair's other half is zero (q, starts and steps) */
+            const __m256i lo = _mm256_loadu_si256((const __m256i*)(c + (g * 4 + r) * 32));
+            const __m512i a = _mm512_xor_si512(_mm512_zextsi256_si512(lo), bias);
+            screen_pair_step(Q, pg, a, _mm512_set1_ps(s[r * ng + g]), acc);
+        }
+        for (int m = 0; m < Q; m++) out[m * 4 + r] = _mm512_reduce_add_ps(acc[m]);
+    }
+}
+#define SCREEN_PASS_ARGS const screen_pair* pairs, int64_t M, const int8_t* c, const float* s, int64_t ng, float* out
+#define SCREEN_PASS_CALL pairs, M, c, s, ng, out
+#else
 /* one block of four weight rows against Q ≤ SCREEN_ROWS query rows on their int16 grids: out [Q, 4] (stride 4),
  * without the grids' steps d */
 KERNEL_INLINE void screen_block_n(const int Q, const int16_t* q, int64_t K, const int8_t* c, const float* s,
@@ -1486,41 +1541,20 @@ KERNEL_INLINE void screen_block_n(const int Q, const int16_t* q, int64_t K, cons
         for (int m = 0; m < Q; m++) out[m * 4 + r] = hsum8(acc[m]);
     }
 }
+#define SCREEN_PASS_ARGS const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng, float* out
+#define SCREEN_PASS_CALL q, K, c, s, ng, out
+#endif
 
 /* the pass for Q query rows of a block: one function per Q, the copy with Q a constant */
-static void screen_pass1(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng,
-                         float* out) {
-    screen_block_n(1, q, K, c, s, ng, out);
-}
-static void screen_pass2(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng,
-                         float* out) {
-    screen_block_n(2, q, K, c, s, ng, out);
-}
-static void screen_pass3(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng,
-                         float* out) {
-    screen_block_n(3, q, K, c, s, ng, out);
-}
-static void screen_pass4(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng,
-                         float* out) {
-    screen_block_n(4, q, K, c, s, ng, out);
-}
-static void screen_pass5(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng,
-                         float* out) {
-    screen_block_n(5, q, K, c, s, ng, out);
-}
-static void screen_pass6(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng,
-                         float* out) {
-    screen_block_n(6, q, K, c, s, ng, out);
-}
-static void screen_pass7(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng,
-                         float* out) {
-    screen_block_n(7, q, K, c, s, ng, out);
-}
-static void screen_pass8(const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng,
-                         float* out) {
-    screen_block_n(8, q, K, c, s, ng, out);
-}
-typedef void (*screen_pass)(const int16_t*, int64_t, const int8_t*, const float*, int64_t, float*);
+static void screen_pass1(SCREEN_PASS_ARGS) { screen_block_n(1, SCREEN_PASS_CALL); }
+static void screen_pass2(SCREEN_PASS_ARGS) { screen_block_n(2, SCREEN_PASS_CALL); }
+static void screen_pass3(SCREEN_PASS_ARGS) { screen_block_n(3, SCREEN_PASS_CALL); }
+static void screen_pass4(SCREEN_PASS_ARGS) { screen_block_n(4, SCREEN_PASS_CALL); }
+static void screen_pass5(SCREEN_PASS_ARGS) { screen_block_n(5, SCREEN_PASS_CALL); }
+static void screen_pass6(SCREEN_PASS_ARGS) { screen_block_n(6, SCREEN_PASS_CALL); }
+static void screen_pass7(SCREEN_PASS_ARGS) { screen_block_n(7, SCREEN_PASS_CALL); }
+static void screen_pass8(SCREEN_PASS_ARGS) { screen_block_n(8, SCREEN_PASS_CALL); }
+typedef void (*screen_pass)(SCREEN_PASS_ARGS);
 static const screen_pass SCREEN_PASS[SCREEN_ROWS + 1] = {NULL, screen_pass1, screen_pass2, screen_pass3, screen_pass4,
                                                          screen_pass5, screen_pass6, screen_pass7, screen_pass8};
 
@@ -1531,9 +1565,19 @@ int lmhead_screen(const float* x, int64_t M, int64_t K, const int8_t* codes, con
                   float* y, double* beta, int threads) {
     if (K % 32 != 0 || N % 4 != 0 || K / 32 > HALF_MAX_GROUPS || M < 1) return -1;
     const int64_t ng = K / 32;
+#ifdef SCREEN_INT8
+    const size_t pair_bytes = (size_t)M * (size_t)((ng + 1) / 2) * sizeof(screen_pair);
+    screen_pair* pairs = (screen_pair*)aligned_alloc(64, pair_bytes);
+    int8_t* q = (int8_t*)malloc((size_t)M * (size_t)K);
+    float* d = NULL;
+    if (pairs) memset(pairs, 0, pair_bytes); /* an odd last group's pair: zero past it */
+    if (!pairs || !q) {
+        free(pairs);
+#else
     int16_t* q = (int16_t*)aligned_alloc(32, (size_t)(M * K * 2 + 31) / 32 * 32);
     float* d = (float*)malloc((size_t)M * sizeof(float));
     if (!q || !d) {
+#endif
         free(q);
         free(d);
         return -2;
@@ -1542,13 +1586,38 @@ int lmhead_screen(const float* x, int64_t M, int64_t K, const int8_t* codes, con
     int bad = 0;
     for (int64_t m = 0; m < M && !bad; m++) {
         const float* xm = x + m * K;
+        double dd = 0.0, xx = 0.0, hh = 0.0;
+#ifdef SCREEN_INT8
+        for (int64_t g = 0; g < ng; g++) {
+            float top = 0.f;
+            for (int64_t k = g * 32; k < g * 32 + 32; k++) {
+                if (!isfinite(xm[k])) bad = 1;
+                top = fabsf(xm[k]) > top ? fabsf(xm[k]) : top;
+            }
+            const float step = top > 0.f ? top / 127.0f : 1.0f;
+            for (int i = 0; i < 8; i++) pairs[(g / 2) * M + m].step[(g % 2) * 8 + i] = step;
+            for (int64_t k = g * 32; k < g * 32 + 32; k++) {
+                float t = rintf(xm[k] / step);
+                t = t > 127.f ? 127.f : (t < -127.f ? -127.f : t);
+                q[m * K + k] = (int8_t)t;
+                const double xh = (double)step * (double)t, e = (double)xm[k] - xh;
+                dd += e * e;
+                xx += (double)xm[k] * xm[k];
+                hh += xh * xh;
+            }
+        }
+        for (int64_t j = 0; j < K; j++) pairs[(j / 64) * M + m].q[j % 64] = q[m * K + j];
+        for (int64_t j = 0; j < K / 4; j++)
+            pairs[(j / 16) * M + m].start[j % 16] = -128 * (q[m * K + 4 * j] + q[m * K + 4 * j + 1] +
+                                                            q[m * K + 4 * j + 2] + q[m * K + 4 * j + 3]);
+        beta[m] = (sqrt(dd) + gamma * (sqrt(xx) + sqrt(hh))) * (1.0 + 1e-9);
+#else
         float top = 0.f;
         for (int64_t k = 0; k < K; k++) {
             if (!isfinite(xm[k])) bad = 1;
             top = fabsf(xm[k]) > top ? fabsf(xm[k]) : top;
         }
         d[m] = top > 0.f ? top / 32767.0f : 1.0f;
-        double dd = 0.0, xx = 0.0, hh = 0.0;
         for (int64_t k = 0; k < K; k++) {
             float t = rintf(xm[k] / d[m]);
             t = t > 32767.f ? 32767.f : (t < -32767.f ? -32767.f : t);
@@ -1560,32 +1629,39 @@ int lmhead_screen(const float* x, int64_t M, int64_t K, const int8_t* codes, con
         }
         /* the grid's step d multiplies the float32 sum once more: one more rounding, inside γ's 8 spare terms */
         beta[m] = (sqrt(dd) + gamma * (sqrt(xx) + sqrt(hh))) * (1.0 + 1e-9);
+#endif
     }
-    if (bad) {
-        free(q);
-        free(d);
-        return -1;
-    }
-    const int64_t blocks = N / 4;
-    const int64_t chunk = blocks / (8 * threads) > 1 ? blocks / (8 * threads) : 1;
+    if (!bad) {
+        const int64_t blocks = N / 4;
+        const int64_t chunk = blocks / (8 * threads) > 1 ? blocks / (8 * threads) : 1;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int8_t* c = codes + b * 4 * K;
-        float s32[4 * HALF_MAX_GROUPS];
-        halves_to_floats(scale + b * 4 * ng, s32, 4 * ng);
-        if (b + 1 < blocks)
-            for (int64_t p = 0; p < 4 * K; p += 64) _mm_prefetch((const char*)c + 4 * K + p, _MM_HINT_T0);
-        for (int64_t m0 = 0; m0 < M; m0 += SCREEN_ROWS) {
-            const int64_t Q = M - m0 < SCREEN_ROWS ? M - m0 : SCREEN_ROWS;
-            float out[4 * SCREEN_ROWS];
-            SCREEN_PASS[Q](q + m0 * K, K, c, s32, ng, out);
-            for (int64_t m = 0; m < Q; m++)
-                for (int r = 0; r < 4; r++) y[(m0 + m) * N + b * 4 + r] = out[m * 4 + r] * d[m0 + m];
+        for (int64_t b = 0; b < blocks; b++) {
+            const int8_t* c = codes + b * 4 * K;
+            float s32[4 * HALF_MAX_GROUPS];
+            halves_to_floats(scale + b * 4 * ng, s32, 4 * ng);
+            if (b + 2 < blocks)
+                for (int64_t p = 0; p < 4 * K; p += 64) _mm_prefetch((const char*)c + 8 * K + p, _MM_HINT_T2);
+            for (int64_t m0 = 0; m0 < M; m0 += SCREEN_ROWS) {
+                const int64_t Q = M - m0 < SCREEN_ROWS ? M - m0 : SCREEN_ROWS;
+                float out[4 * SCREEN_ROWS];
+#ifdef SCREEN_INT8
+                SCREEN_PASS[Q](pairs + m0, M, c, s32, ng, out);
+                for (int64_t m = 0; m < Q; m++)
+                    for (int r = 0; r < 4; r++) y[(m0 + m) * N + b * 4 + r] = out[m * 4 + r];
+#else
+                SCREEN_PASS[Q](q + m0 * K, K, c, s32, ng, out);
+                for (int64_t m = 0; m < Q; m++)
+                    for (int r = 0; r < 4; r++) y[(m0 + m) * N + b * 4 + r] = out[m * 4 + r] * d[m0 + m];
+#endif
+            }
         }
     }
     free(q);
     free(d);
-    return 0;
+#ifdef SCREEN_INT8
+    free(pairs);
+#endif
+    return bad ? -1 : 0;
 }
 
 /* the k largest values so far, ascending (low[0] the k-th), with `lo` offered */
