@@ -12,9 +12,9 @@ from torch import Tensor
 
 from lmhead.decode.choice import is_deterministic, is_plain
 
-# `decode_logits`' screened head: from 4 positions (Gemma 3's head, interleaved: 1.3-1.4x the exact product at 4,
-# 1.2-1.3x at 5, 1.15-1.25x at 8; ~1.0x at 2-3, where one pass over the codes is memory's time either way)
-SCREEN_MIN_ROWS = 4
+# `decode_logits`' screened head: from 2 positions (one position is one pass over the codes either way; from two
+# the screen's cheaper products show: benchmarks/bench_kernels.py's screen table, Gemma 3's head shape)
+SCREEN_MIN_ROWS = 2
 SCREEN_MAX_K = 64  # the widest top-k a screened row may have (its candidates stay a few dozen more than k)
 # a constrained position whose mask allows at most V / this many tokens gets their exact logits alone (the
 # head's rows read at random, one thread) instead of the whole head streamed

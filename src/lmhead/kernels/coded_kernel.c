@@ -1425,10 +1425,10 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
 /* ---- the screen: which logits can be in a row's top k, without computing them all exactly ------------------
  *
  * For int8 codes without offsets in blocks of four rows with float16 scales (Q8_0, Q5_0: Gemma 3's head), x is
- * put on one int16 grid per query row, x̂ = d·q with d = max|x| / 32767, and each weight row's approximate value
- * ŷ = d · Σ_g scale_g · Σ_i code_i·q_i is summed in int32 (exact: a lane adds four products of at most
- * 128·32767, below 2^24, so its conversion to float is exact too) — several query rows then cost about 0.6 of
- * the exact float32 product (the multiplies are 16-bit integer ones, two per pair of weights, not one float32
+ * put on one int16 grid per query row, x̂ = d·q with d = max|x| / 32767 (with VNNI: a grid per group of 32, see
+ * screen_block_n), and each weight row's approximate value ŷ = d · Σ_g scale_g · Σ_i code_i·q_i is summed in
+ * int32 (exact: a lane adds four products of at most 128·32767, below 2^24, so its conversion to float is exact
+ * too) — several query rows then cost less than the exact float32 product (integer multiply-adds, not one float32
  * FMA per weight). The exact value e (rows4_dot1's, the one-row product's own numbers) is within
  *
  *     |e − ŷ| ≤ ‖w‖₂ · β,   β = ‖x − x̂‖₂ + γ·(‖x‖₂ + ‖x̂‖₂),   γ = n·u / (1 − n·u), n = K + K/32 + 8, u = 2⁻²⁴

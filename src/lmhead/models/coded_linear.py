@@ -334,7 +334,7 @@ class CodedLinear:
         them: what a greedy or top-k choice reads, at about 0.6 of the exact product's arithmetic over several
         rows.
 
-        The approximate values come from x on an int16 grid, bounded by ‖w_n‖₂·β (coded_kernel.c's screen);
+        The approximate values come from x on integer grids, bounded by ‖w_n‖₂·β (coded_kernel.c's screen);
         the tokens whose bound reaches a row's k-th largest lower bound get their exact values. A row with
         more than `cap` such candidates is computed exactly whole (`self(x[m:m+1])`); where the screen does not
         serve (`screens` False, another dtype or device, a weight changed in place, a value of x that is not
