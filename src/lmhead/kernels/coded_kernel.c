@@ -1492,14 +1492,16 @@ KERNEL_INLINE void screen_pair_step(const int Q, const screen_pair* pg, __m512i 
 /* one block of four weight rows against Q ≤ SCREEN_ROWS query rows: pairs [(ng + 1)/2][M] (this pass's rows
  * first; an odd last group's pair is zero past it); out [Q, 4] (stride 4) */
 KERNEL_INLINE void screen_block_n(const int Q, const screen_pair* pairs, int64_t M, const int8_t* c, const float* s,
-                                   int64_t ng, float* out) {
+                                   int64_t ng, const char* pf, float* out) {
     const __m512i bias = _mm512_set1_epi8((char)0x80);
+    int64_t line = 0; /* of the block at pf (2·ng lines), one fetched a pair of groups */
     for (int r = 0; r < 4; r++) {
         __m512 acc[SCREEN_ROWS];
         for (int m = 0; m < Q; m++) acc[m] = _mm512_setzero_ps();
         const screen_pair* pg = pairs;
         int64_t g = 0;
         for (; g + 1 < ng; g += 2, pg += M) {
+            if (pf && line < 2 * ng) _mm_prefetch(pf + 64 * line++, _MM_HINT_T0);
             const __m256i lo = _mm256_loadu_si256((const __m256i*)(c + (g * 4 + r) * 32));
             const __m256i hi = _mm256_loadu_si256((const __m256i*)(c + ((g + 1) * 4 + r) * 32));
             const __m512i a = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), bias);
@@ -1515,17 +1517,20 @@ KERNEL_INLINE void screen_block_n(const int Q, const screen_pair* pairs, int64_t
         for (int m = 0; m < Q; m++) out[m * 4 + r] = _mm512_reduce_add_ps(acc[m]);
     }
 }
-#define SCREEN_PASS_ARGS const screen_pair* pairs, int64_t M, const int8_t* c, const float* s, int64_t ng, float* out
-#define SCREEN_PASS_CALL pairs, M, c, s, ng, out
+#define SCREEN_PASS_ARGS const screen_pair* pairs, int64_t M, const int8_t* c, const float* s, int64_t ng, \
+                         const char* pf, float* out
+#define SCREEN_PASS_CALL pairs, M, c, s, ng, pf, out
 #else
 /* one block of four weight rows against Q ≤ SCREEN_ROWS query rows on their int16 grids: out [Q, 4] (stride 4),
  * without the grids' steps d */
 KERNEL_INLINE void screen_block_n(const int Q, const int16_t* q, int64_t K, const int8_t* c, const float* s,
-                                   int64_t ng, float* out) {
+                                   int64_t ng, const char* pf, float* out) {
+    int64_t line = 0; /* of the block at pf (2·ng lines), one fetched every other group */
     for (int r = 0; r < 4; r++) {
         __m256 acc[SCREEN_ROWS];
         for (int m = 0; m < Q; m++) acc[m] = _mm256_setzero_ps();
         for (int64_t g = 0; g < ng; g++) {
+            if (pf && (g & 1) == 0 && line < 2 * ng) _mm_prefetch(pf + 64 * line++, _MM_HINT_T0);
             const int8_t* cg = c + (g * 4 + r) * 32;
             const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)cg));
             const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(cg + 16)));
@@ -1541,8 +1546,9 @@ KERNEL_INLINE void screen_block_n(const int Q, const int16_t* q, int64_t K, cons
         for (int m = 0; m < Q; m++) out[m * 4 + r] = hsum8(acc[m]);
     }
 }
-#define SCREEN_PASS_ARGS const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng, float* out
-#define SCREEN_PASS_CALL q, K, c, s, ng, out
+#define SCREEN_PASS_ARGS const int16_t* q, int64_t K, const int8_t* c, const float* s, int64_t ng, const char* pf, \
+                         float* out
+#define SCREEN_PASS_CALL q, K, c, s, ng, pf, out
 #endif
 
 /* the pass for Q query rows of a block: one function per Q, the copy with Q a constant */
@@ -1639,17 +1645,18 @@ int lmhead_screen(const float* x, int64_t M, int64_t K, const int8_t* codes, con
             const int8_t* c = codes + b * 4 * K;
             float s32[4 * HALF_MAX_GROUPS];
             halves_to_floats(scale + b * 4 * ng, s32, 4 * ng);
-            if (b + 2 < blocks)
-                for (int64_t p = 0; p < 4 * K; p += 64) _mm_prefetch((const char*)c + 8 * K + p, _MM_HINT_T2);
             for (int64_t m0 = 0; m0 < M; m0 += SCREEN_ROWS) {
                 const int64_t Q = M - m0 < SCREEN_ROWS ? M - m0 : SCREEN_ROWS;
                 float out[4 * SCREEN_ROWS];
+                /* the block two ahead, a line at a time through the first pass over this one (all of its lines at
+                 * once waited on the line-fill buffers) */
+                const char* fetch = m0 == 0 && b + 2 < blocks ? (const char*)c + 8 * K : NULL;
 #ifdef SCREEN_INT8
-                SCREEN_PASS[Q](pairs + m0, M, c, s32, ng, out);
+                SCREEN_PASS[Q](pairs + m0, M, c, s32, ng, fetch, out);
                 for (int64_t m = 0; m < Q; m++)
                     for (int r = 0; r < 4; r++) y[(m0 + m) * N + b * 4 + r] = out[m * 4 + r];
 #else
-                SCREEN_PASS[Q](q + m0 * K, K, c, s32, ng, out);
+                SCREEN_PASS[Q](q + m0 * K, K, c, s32, ng, fetch, out);
                 for (int64_t m = 0; m < Q; m++)
                     for (int r = 0; r < 4; r++) y[(m0 + m) * N + b * 4 + r] = out[m * 4 + r] * d[m0 + m];
 #endif
