@@ -113,7 +113,9 @@ def _mixed(i: int) -> dict:
     return body
 
 
-def test_thirty_two_concurrent_clients_of_mixed_kinds_get_what_each_request_gets_alone(model):
+def _together_and_alone(model) -> tuple[list[dict], list[dict], list[dict], object]:
+    """The 32 `_mixed` requests sent at once to a server with a prefix cache, and one by one to a server without:
+    (bodies, their answers together, alone, the busy server's runner)."""
     bodies = [_mixed(i) for i in range(32)]
 
     async def together(url: str) -> list[dict]:
@@ -127,9 +129,31 @@ def test_thirty_two_concurrent_clients_of_mixed_kinds_get_what_each_request_gets
     busy = create_app(model)
     with ServerThread(busy) as s:
         got = asyncio.run(together(s.url))
-    assert busy.state.runner.prefix_cache.hits > 0 and busy.state.runner.max_live > 1
     with ServerThread(create_app(model, prefix_cache_bytes=0)) as s:
         want = asyncio.run(alone(s.url))
+    return bodies, got, want, busy.state.runner
+
+
+def test_thirty_two_concurrent_clients_of_mixed_kinds_get_bit_for_bit_what_each_request_gets_alone(tmp_path,
+                                                                                                  monkeypatch):
+    # a GGUF file's model, its products in the kernels (each row's sums in one order whatever the rows beside it):
+    # tokens, finish reasons and logprobs equal, not close
+    from tiny_gguf import write_tiny_gguf
+
+    from lmhead import load_model
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    model = load_model(str(write_tiny_gguf(tmp_path / "m.gguf", "llama", kind="Q8_0")), progress=False)
+    bodies, got, want, runner = _together_and_alone(model)
+    assert runner.prefix_cache.hits > 0 and runner.max_live > 1
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert [(c["text"], c["finish_reason"], c.get("logprobs")) for c in a["choices"]] == \
+            [(c["text"], c["finish_reason"], c.get("logprobs")) for c in b["choices"]], f"request {i}: {bodies[i]}"
+
+
+def test_thirty_two_concurrent_clients_of_a_torch_model_get_its_tokens_alone(model):
+    bodies, got, want, runner = _together_and_alone(model)
+    assert runner.prefix_cache.hits > 0 and runner.max_live > 1
     apart = []  # logprobs that differ: (request, choice, largest difference)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         for ca, cb in zip(a["choices"], b["choices"], strict=True):
@@ -144,7 +168,7 @@ def test_thirty_two_concurrent_clients_of_mixed_kinds_get_what_each_request_gets
         # what is left is the products' own: this model has no codes, so its products are torch's matrix
         # products, whose sums depend on the number of rows (a batched row's logits move in their last bits); the
         # prefix cache's columns (a lone request from stored blocks equals a cold one bit for bit, the next test)
-        # and attention are not it
+        # and attention are not it — a GGUF file's model gets bit for bit what it gets alone (the test above)
         assert max(d for *_, d in apart) < 1e-4, apart
         pytest.xfail(f"{len(apart)} choices' logprobs differ in their last bits (at most "
                      f"{max(d for *_, d in apart):.1e}): torch's products over several rows")
