@@ -509,6 +509,25 @@ def test_a_gguf_larger_than_the_memory_available_is_refused_before_it_loads(tmp_
         load_model(str(path), progress=False)
 
 
+def test_a_supported_file_whose_kernels_are_missing_is_not_converted_past_the_memory_available(tmp_path,
+                                                                                                monkeypatch):
+    # without the coded kernel the file's model is transformers' float32 conversion: refused with its estimate
+    # before it starts where it cannot fit (a mixture of experts' conversion is many times its file)
+    from tiny_gguf import write_tiny_gguf
+
+    from lmhead import load_model
+    from lmhead.models import ModelError, file_model
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("LMHEAD_IGNORE_MEMORY", raising=False)
+    path = write_tiny_gguf(tmp_path / "big.gguf", "llama")
+    monkeypatch.setattr(file_model, "supports_file", lambda arch: False)
+    monkeypatch.setattr(file_model, "available_memory", lambda: 1024)
+    with pytest.raises(ModelError, match=r"big\.gguf: no C compiler for the coded kernel .*; transformers' float32 "
+                                         r"model of it needs about .* GiB of memory and 0\.0 GiB is available"):
+        load_model(str(path), progress=False)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 def test_transformers_reads_the_same_config_and_tokenizer_through_the_header_reader(tmp_path, arch):
     from tiny_gguf import write_tiny_gguf

@@ -11,9 +11,11 @@ import torch
 from torch import Tensor
 
 from lmhead.decode.choice import is_deterministic, is_plain
+from lmhead.kernels import native
 
-# `decode_logits`' screened head: from 2 positions (one position is one pass over the codes either way; from two
-# the screen's cheaper products show: benchmarks/bench_kernels.py's screen table, Gemma 3's head shape)
+# `decode_logits`' screened head: from 2 positions at least (one position is one pass over the codes either way),
+# and from as many as the library's screen pays at (`native.screen_min_rows`: benchmarks/bench_kernels.py's screen
+# table, Gemma 3's head shape)
 SCREEN_MIN_ROWS = 2
 SCREEN_MAX_K = 64  # the widest top-k a screened row may have (its candidates stay a few dozen more than k)
 # a constrained position whose mask allows at most V / this many tokens gets their exact logits alone (the
@@ -94,7 +96,7 @@ def _screened(head, hidden: Tensor, configs: list, scored: list[bool], allowed: 
     few positions, a head without a screen). allowed: `_allowed_positions`' tokens per position (None: free)."""
     screen = getattr(head, "screen_candidates", None)
     b, t, d = hidden.shape
-    if screen is None or b * t < SCREEN_MIN_ROWS:
+    if screen is None or b * t < max(SCREEN_MIN_ROWS, native.screen_min_rows()):
         return None
     ks = [screen_k(c, s) for c, s in zip(configs, scored, strict=True)]
     if not all(ks):  # a scored or wide row needs its whole row: one exact call for all, as before

@@ -157,7 +157,7 @@ static inline void fetch_scales(const void* base, int64_t N, int64_t K, int64_t 
 #endif
 }
 
-int lmhead_coded_abi(void) { return 25; }
+int lmhead_coded_abi(void) { return 26; }
 
 /* which products take the integer path (sliced_kernel.h) where it is built: bit 1 packed 4-bit codes, bit 2 int8
  * codes without offsets; `set` 0 … 3 chooses, −1 asks; returns the mode now (always 0 where the CPU has no AVX-512
@@ -1561,6 +1561,14 @@ static void screen_pass6(SCREEN_PASS_ARGS) { screen_block_n(6, SCREEN_PASS_CALL)
 static void screen_pass7(SCREEN_PASS_ARGS) { screen_block_n(7, SCREEN_PASS_CALL); }
 static void screen_pass8(SCREEN_PASS_ARGS) { screen_block_n(8, SCREEN_PASS_CALL); }
 typedef void (*screen_pass)(SCREEN_PASS_ARGS);
+
+/* the fewest query rows from which the screen pays (decode/logits.py): its int8 grids' products cost about half
+ * the exact ones' from two rows on; the int16 grids' only from about four (bench_kernels.py's screen table) */
+#ifdef SCREEN_INT8
+int lmhead_screen_min_rows(void) { return 2; }
+#else
+int lmhead_screen_min_rows(void) { return 4; }
+#endif
 static const screen_pass SCREEN_PASS[SCREEN_ROWS + 1] = {NULL, screen_pass1, screen_pass2, screen_pass3, screen_pass4,
                                                          screen_pass5, screen_pass6, screen_pass7, screen_pass8};
 
@@ -1756,6 +1764,7 @@ int lmhead_screen_rescore(const float* x, int64_t M, int64_t K, const int8_t* co
     return 0;
 }
 #else
+int lmhead_screen_min_rows(void) { return 0; } /* no screen */
 int lmhead_screen(const float* x, int64_t M, int64_t K, const int8_t* codes, const uint16_t* scale, int64_t N,
                   float* y, double* beta, int threads) {
     (void)x, (void)M, (void)K, (void)codes, (void)scale, (void)N, (void)y, (void)beta, (void)threads;

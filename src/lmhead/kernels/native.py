@@ -71,9 +71,10 @@ from lmhead.kernels.layout4 import block4, pack4, unblock4, unpack4
 __all__ = ["BF16", "F16", "F32", "FLAGS", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4_LEVELS", "LEVELS", "MXFP4",
            "PACKED", "ROWS4", "SIGNED4", "SOURCES", "SUB", "AttendArgs", "DecodeArgs", "LayerDesc", "MatDesc",
            "StepArgs", "block4", "keep_ge", "keep_ge_unsure", "library", "library_path", "pack4", "row_lse_bounded",
-           "row_moments", "row_scores", "select_ge", "topk", "topk_rows", "typical_row", "unblock4", "unpack4"]
+           "row_moments", "row_scores", "screen_min_rows", "select_ge", "topk", "topk_rows", "typical_row", "unblock4",
+           "unpack4"]
 
-_ABI = 25  # lmhead_coded_abi() of the sources above
+_ABI = 26  # lmhead_coded_abi() of the sources above
 
 
 def _layout_mismatch(lib: ctypes.CDLL) -> str | None:
@@ -156,6 +157,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmhead_screen_select.restype = i32
     lib.lmhead_screen_rescore.argtypes = [p, i64, i64, p, p, i64, p, p, i64, p, i32]
     lib.lmhead_screen_rescore.restype = i32
+    lib.lmhead_screen_min_rows.restype = i32
     return lib
 
 
@@ -164,6 +166,14 @@ def avx2() -> bool:
     """Whether the library was built with its AVX2 kernels (the screen has no other)."""
     lib = library()
     return lib is not None and bool(lib.lmhead_coded_avx2())
+
+
+@functools.cache
+def screen_min_rows() -> int:
+    """The fewest query rows from which this build's screen (`CodedLinear.screen`) is cheaper than the exact
+    product: 2 with AVX-512 VNNI's int8 grids, 4 with AVX2's int16 ones; 0 without a screen."""
+    lib = library()
+    return int(lib.lmhead_screen_min_rows()) if lib is not None else 0
 
 
 @functools.cache

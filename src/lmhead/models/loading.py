@@ -303,22 +303,31 @@ def _convertible(f) -> None:
     """ModelError where a GGUF file's architecture is none the lean body runs from a file and transformers' GGUF
     reader does not read either (one line naming it and the ones lmhead runs), or where its float32 conversion
     (4 bytes a weight, from the tensor table) cannot fit in the memory available now."""
-    import numpy as np
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    from lmhead.models.file_model import FILE_ARCHITECTURES, available_memory
+    from lmhead.models.file_model import FILE_ARCHITECTURES
 
     runs = ", ".join(sorted({*FILE_ARCHITECTURES, "llama with ffn_*_exps (Mixtral)"}))
     arch = f.architecture
     if not {arch, arch.replace("-", "_"), arch.replace("moe", "_moe")} & set(GGUF_SUPPORTED_ARCHITECTURES):
         raise ModelError(f"{f.path}: the architecture {arch!r} is not one lmhead runs ({runs}) and transformers "
                          "cannot read it")
+    _conversion_fits(f, f"the architecture {arch!r} is not one lmhead runs from its file ({runs})")
+
+
+def _conversion_fits(f, why: str) -> None:
+    """ModelError (saying `why` the file is converted) where the float32 conversion of a GGUF file (4 bytes a
+    weight, from the tensor table) cannot fit in the memory available now: an error before the conversion,
+    never a process the system kills halfway through it."""
+    import numpy as np
+
+    from lmhead.models.file_model import available_memory
+
     need = 4 * sum(int(np.prod(f.shape(name))) for name in f.tensors)
     have = available_memory()
     if have is not None and need > have and not os.environ.get("LMHEAD_IGNORE_MEMORY"):
-        raise ModelError(f"{f.path}: the architecture {arch!r} is not one lmhead runs from its file ({runs}); "
-                         f"transformers' float32 model of it needs about {need / 2**30:.1f} GiB of memory and "
-                         f"{have / 2**30:.1f} GiB is available (LMHEAD_IGNORE_MEMORY=1 tries anyway)")
+        raise ModelError(f"{f.path}: {why}; transformers' float32 model of it needs about {need / 2**30:.1f} GiB "
+                         f"of memory and {have / 2**30:.1f} GiB is available (LMHEAD_IGNORE_MEMORY=1 tries anyway)")
 
 
 def _gguf_path(source: Source, folder: Path | None, workdir: Path) -> Path:
@@ -398,16 +407,18 @@ def _load_file(source: Source, head: str, body: str, progress: bool, cls: type):
     del fresh  # transformers' tokenizer made now: the tables answer for it (start_tokenizer)
     trim_heap()
     gguf = f.path
+    fallback = None
     if not supports_file(f.architecture):  # asked only now: the kernels compiled while the above was read
-        f.close()
-        print(f"lmhead: {gguf.name}: no C compiler for the coded kernel; running transformers' body on a float32 "
-              "conversion", file=sys.stderr, flush=True)
-        return None
-    why = file_refusal(cfg)
-    if why is not None:
-        f.close()
-        print(f"lmhead: {gguf.name}: the lean body does not run {why}; running transformers' body on a float32 "
-              "conversion", file=sys.stderr, flush=True)
+        fallback = "no C compiler for the coded kernel (or its build failed its self-test)"
+    elif (why := file_refusal(cfg)) is not None:
+        fallback = f"the lean body does not run {why}"
+    if fallback is not None:
+        try:
+            _conversion_fits(f, fallback)
+        finally:
+            f.close()
+        print(f"lmhead: {gguf.name}: {fallback}; running transformers' body on a float32 conversion",
+              file=sys.stderr, flush=True)
         return None
     try:
         check_fits(f)
