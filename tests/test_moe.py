@@ -437,13 +437,15 @@ def test_the_expert_cache_turned_off_writes_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "cache" / "layouts").exists()
 
 
-def test_experts_the_disk_has_no_room_for_stay_in_memory(tmp_path, monkeypatch):
+def test_experts_the_disk_has_no_room_for_stay_in_memory_and_stderr_says_so_once(tmp_path, monkeypatch, capsys):
     from lmhead.models import layout_cache
 
     monkeypatch.setattr(layout_cache, "MARGIN", 1 << 62)  # more free disk than any disk has
     _, model = _load(tmp_path, monkeypatch, "qwen3_moe", "Q8_0")
     assert all(layer.moe.gate_up.source is None and layer.moe.down.source is None for layer in model.lean.layers)
     assert not list((tmp_path / "cache" / "layouts").rglob("*.bin*"))
+    said = [line for line in capsys.readouterr().err.splitlines() if "layouts left are kept in memory" in line]
+    assert len(said) == 1 and "GiB free under" in said[0]
 
 
 _GREEDY = """

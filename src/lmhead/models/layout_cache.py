@@ -54,6 +54,7 @@ _SOURCE = "source.json"  # a layouts folder's GGUF file: its path, size and modi
 _sources: dict[Path, dict[str, Any]] = {}  # each folder `folder_for` named, its source.json's contents
 _WINDOWS, _WINDOW = 16, 1 << 16  # the sampled checksum: 16 windows of 64 KiB, the first and last bytes among them
 _said: set[Path] = set()
+_full: set[Path] = set()  # folders whose disk had no room for a matrix (said once: `_no_room`)
 _lock = threading.Lock()
 # numpy's dtype for each torch dtype the buffers hold (bfloat16 as its bits)
 _NUMPY = {torch.int8: np.int8, torch.uint8: np.uint8, torch.float16: np.float16, torch.float32: np.float32,
@@ -159,7 +160,9 @@ def _write(folder: Path, name: str, ex: ExpertMatrices, say: bool) -> ExpertMatr
     stale: list[Path] = []
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        if shutil.disk_usage(folder).free < ex.nbytes + MARGIN:
+        free = shutil.disk_usage(folder).free
+        if free < ex.nbytes + MARGIN:
+            _no_room(folder, free)
             return None
         if not (folder / _SOURCE).exists() and folder in _sources:  # before any .bin: `prune` reads it
             tmp = folder / f".{_SOURCE}.{os.getpid()}.{threading.get_ident()}"
@@ -195,6 +198,18 @@ def _write(folder: Path, name: str, ex: ExpertMatrices, say: bool) -> ExpertMatr
             with contextlib.suppress(OSError):
                 path.unlink(missing_ok=True)
     return _map(folder / f"{name}.bin", meta)
+
+
+def _no_room(folder: Path, free: int) -> None:
+    """Tell stderr once per folder that its disk has no room for the layouts left: those stay in memory and are laid
+    out again at every load (a warm start then takes their time)."""
+    with _lock:
+        if folder in _full:
+            return
+        _full.add(folder)
+    print(f"lmhead: {free / 2**30:.1f} GiB free under {folder}: the layouts left are kept in memory, not cached "
+          f"(laid out again at each load; the cache leaves {MARGIN / 2**30:.0f} GiB free)", file=sys.stderr,
+          flush=True)
 
 
 def _write_meta(folder: Path, name: str, meta: dict, stale: list[Path]) -> None:
