@@ -126,7 +126,7 @@ def test_rows_computed_whole_give_no_candidates():
 @pytest.mark.parametrize("k", [640, 352])  # groups in pairs, and an odd last group
 def test_the_screens_values_are_within_its_bound_of_the_exact_product(k):
     # ŷ within ‖w‖·β of the exact value for every token (coded_kernel.c's bound), ‖w‖ rounded up; codes down to
-    # -128, a group of zeros and a group of one outlier beside ordinary ones
+    # -128, a group of zeros, a group of one outlier and a group near float32's smallest beside ordinary ones
     lib = native.library()
     for seed, spread in ((0, 1.0), (1, 30.0), (2, 1e-3)):
         c = _q8(512, k, seed, weight=True, low=-128)
@@ -134,6 +134,8 @@ def test_the_screens_values_are_within_its_bound_of_the_exact_product(k):
         x[1, 32:64] = 0.0
         x[2, 64:96] = 1e-3 * spread
         x[2, 70] = 1e4 * spread
+        x[3, 96:128] = 1e-44  # a group whose grid step underflows: its values round to 0, counted whole in β
+        x[3, 100] = 0.0
         y, beta = torch.empty(6, 512), torch.empty(6, dtype=torch.float64)
         norms = torch.empty(512)
         assert lib.lmhead_screen_norms(c.codes.data_ptr(), c.scale.data_ptr(), 512, k, norms.data_ptr(), 2) == 0
@@ -175,6 +177,11 @@ def test_rows_the_screen_cannot_bound_are_computed_exactly():
         x[2, 3] = float("nan")  # no bound holds: every row exactly (the NaN row's own NaNs included)
         got = c.screen(x, [2] * 5)
         torch.testing.assert_close(got, c(x), equal_nan=True, rtol=0, atol=0)
+        # a row whose values are all near float32's smallest (its sums could leave the normal range, where the
+        # relative bound does not hold; its grid steps would underflow): every row exactly
+        tiny = _rows(5, 64, 6)
+        tiny[3] = tiny[3] * 1e-43
+        assert torch.equal(c.screen(tiny, [2] * 5), c(tiny))
 
 
 def test_bad_ks_are_errors_that_name_them():

@@ -1572,66 +1572,78 @@ int lmhead_screen_min_rows(void) { return 4; }
 static const screen_pass SCREEN_PASS[SCREEN_ROWS + 1] = {NULL, screen_pass1, screen_pass2, screen_pass3, screen_pass4,
                                                          screen_pass5, screen_pass6, screen_pass7, screen_pass8};
 
-/* ŷ [M, N] and β [M] (see above) for x [M, K]; codes, scale as lmhead_coded_matmul's with flags HALF | ROWS4
- * (int8 codes, no offsets). Returns 0; -1 for shapes it does not take or a row of x that is not all finite
- * (nothing is bounded there: the caller computes the row exactly); -2 if it could not allocate. */
-int lmhead_screen(const float* x, int64_t M, int64_t K, const int8_t* codes, const uint16_t* scale, int64_t N,
-                  float* y, double* beta, int threads) {
-    if (K % 32 != 0 || N % 4 != 0 || K / 32 > HALF_MAX_GROUPS || M < 1) return -1;
-    const int64_t ng = K / 32;
-#ifdef SCREEN_INT8
-    const size_t pair_bytes = (size_t)M * (size_t)((ng + 1) / 2) * sizeof(screen_pair);
-    screen_pair* pairs = (screen_pair*)aligned_alloc(64, pair_bytes);
-    int8_t* q = (int8_t*)malloc((size_t)M * (size_t)K);
-    float* d = NULL;
-    if (pairs) memset(pairs, 0, pair_bytes); /* an odd last group's pair: zero past it */
-    if (!pairs || !q) {
-        free(pairs);
-#else
-    int16_t* q = (int16_t*)aligned_alloc(32, (size_t)(M * K * 2 + 31) / 32 * 32);
-    float* d = (float*)malloc((size_t)M * sizeof(float));
-    if (!q || !d) {
-#endif
-        free(q);
-        free(d);
-        return -2;
+/* β of a query row from its sums over k of (x − x̂)², x² and x̂² (see above) */
+static inline double screen_beta(double dd, double xx, double hh, int64_t K) {
+    const double n = (double)(K + K / 32 + 8), u = ldexp(1.0, -24), gamma = n * u / (1.0 - n * u);
+    return (sqrt(dd) + gamma * (sqrt(xx) + sqrt(hh))) * (1.0 + 1e-9);
+}
+
+/* a grid's step for values up to `top` in magnitude on `levels` levels each side: top / levels, or 1 where that is
+ * 0 (all zeros, or a top so small that the step underflows: the values then round to 0 and their whole size is
+ * the grid's error, which β counts) */
+static inline float grid_step(float top, float levels) {
+    const float step = top / levels;
+    return step > 0.f ? step : 1.0f;
+}
+
+/* whether the bound above holds for query row x [K]: every value finite, and the largest magnitude 0 or at least
+ * 2⁻⁶⁰ — below that, products and sums of the exact and the screened values may fall under float32's normal range,
+ * whose absolute rounding the relative γ does not count (rows that small are computed exactly) */
+static inline int screen_row_ok(const float* x, int64_t K) {
+    float top = 0.f;
+    for (int64_t k = 0; k < K; k++) {
+        if (!isfinite(x[k])) return 0;
+        top = fabsf(x[k]) > top ? fabsf(x[k]) : top;
     }
-    const double n = (double)(K + ng + 8), u = ldexp(1.0, -24), gamma = n * u / (1.0 - n * u);
-    int bad = 0;
-    for (int64_t m = 0; m < M && !bad; m++) {
-        const float* xm = x + m * K;
-        double dd = 0.0, xx = 0.0, hh = 0.0;
+    return top == 0.f || top >= 0x1p-60f;
+}
+
 #ifdef SCREEN_INT8
+/* x [M, K] on its groups' int8 grids, into pairs [(ng + 1)/2][M] (zeroed: an odd last group's pair stays zero past
+ * it), and β [M]; 0, or -1 for a row the bound does not hold for (screen_row_ok) */
+static int screen_grids(const float* x, int64_t M, int64_t K, screen_pair* pairs, double* beta) {
+    const int64_t ng = K / 32;
+    for (int64_t m = 0; m < M; m++) {
+        const float* xm = x + m * K;
+        if (!screen_row_ok(xm, K)) return -1;
+        double dd = 0.0, xx = 0.0, hh = 0.0;
         for (int64_t g = 0; g < ng; g++) {
+            screen_pair* pair = pairs + (g / 2) * M + m;
+            const int half = (int)(g % 2);
             float top = 0.f;
-            for (int64_t k = g * 32; k < g * 32 + 32; k++) {
-                if (!isfinite(xm[k])) bad = 1;
-                top = fabsf(xm[k]) > top ? fabsf(xm[k]) : top;
-            }
-            const float step = top > 0.f ? top / 127.0f : 1.0f;
-            for (int i = 0; i < 8; i++) pairs[(g / 2) * M + m].step[(g % 2) * 8 + i] = step;
-            for (int64_t k = g * 32; k < g * 32 + 32; k++) {
-                float t = rintf(xm[k] / step);
+            for (int i = 0; i < 32; i++) top = fabsf(xm[g * 32 + i]) > top ? fabsf(xm[g * 32 + i]) : top;
+            const float step = grid_step(top, 127.0f);
+            for (int i = 0; i < 32; i++) {
+                const float v = xm[g * 32 + i];
+                float t = rintf(v / step);
                 t = t > 127.f ? 127.f : (t < -127.f ? -127.f : t);
-                q[m * K + k] = (int8_t)t;
-                const double xh = (double)step * (double)t, e = (double)xm[k] - xh;
+                pair->q[half * 32 + i] = (int8_t)t;
+                const double xh = (double)step * (double)t, e = (double)v - xh;
                 dd += e * e;
-                xx += (double)xm[k] * xm[k];
+                xx += (double)v * v;
                 hh += xh * xh;
             }
+            for (int j = 0; j < 8; j++) {
+                const int8_t* q4 = pair->q + half * 32 + 4 * j;
+                pair->start[half * 8 + j] = -128 * (q4[0] + q4[1] + q4[2] + q4[3]);
+                pair->step[half * 8 + j] = step;
+            }
         }
-        for (int64_t j = 0; j < K; j++) pairs[(j / 64) * M + m].q[j % 64] = q[m * K + j];
-        for (int64_t j = 0; j < K / 4; j++)
-            pairs[(j / 16) * M + m].start[j % 16] = -128 * (q[m * K + 4 * j] + q[m * K + 4 * j + 1] +
-                                                            q[m * K + 4 * j + 2] + q[m * K + 4 * j + 3]);
-        beta[m] = (sqrt(dd) + gamma * (sqrt(xx) + sqrt(hh))) * (1.0 + 1e-9);
+        beta[m] = screen_beta(dd, xx, hh, K);
+    }
+    return 0;
+}
 #else
+/* x [M, K] on one int16 grid per row: q [M, K], its steps d [M], and β [M]; 0, or -1 for a row the bound does not
+ * hold for (screen_row_ok) */
+static int screen_grids(const float* x, int64_t M, int64_t K, int16_t* q, float* d, double* beta) {
+    for (int64_t m = 0; m < M; m++) {
+        const float* xm = x + m * K;
+        if (!screen_row_ok(xm, K)) return -1;
         float top = 0.f;
-        for (int64_t k = 0; k < K; k++) {
-            if (!isfinite(xm[k])) bad = 1;
-            top = fabsf(xm[k]) > top ? fabsf(xm[k]) : top;
-        }
-        d[m] = top > 0.f ? top / 32767.0f : 1.0f;
+        for (int64_t k = 0; k < K; k++) top = fabsf(xm[k]) > top ? fabsf(xm[k]) : top;
+        d[m] = grid_step(top, 32767.0f);
+        double dd = 0.0, xx = 0.0, hh = 0.0;
         for (int64_t k = 0; k < K; k++) {
             float t = rintf(xm[k] / d[m]);
             t = t > 32767.f ? 32767.f : (t < -32767.f ? -32767.f : t);
@@ -1642,9 +1654,30 @@ int lmhead_screen(const float* x, int64_t M, int64_t K, const int8_t* codes, con
             hh += xh * xh;
         }
         /* the grid's step d multiplies the float32 sum once more: one more rounding, inside γ's 8 spare terms */
-        beta[m] = (sqrt(dd) + gamma * (sqrt(xx) + sqrt(hh))) * (1.0 + 1e-9);
-#endif
+        beta[m] = screen_beta(dd, xx, hh, K);
     }
+    return 0;
+}
+#endif
+
+/* ŷ [M, N] and β [M] (see above) for x [M, K]; codes, scale as lmhead_coded_matmul's with flags HALF | ROWS4
+ * (int8 codes, no offsets). Returns 0; -1 for shapes it does not take or a row of x the bound does not hold for
+ * (not all finite, or all below 2⁻⁶⁰: screen_row_ok; the caller computes exactly); -2 if it could not allocate. */
+int lmhead_screen(const float* x, int64_t M, int64_t K, const int8_t* codes, const uint16_t* scale, int64_t N,
+                  float* y, double* beta, int threads) {
+    if (K % 32 != 0 || N % 4 != 0 || K / 32 > HALF_MAX_GROUPS || M < 1) return -1;
+    const int64_t ng = K / 32;
+#ifdef SCREEN_INT8
+    const size_t pair_bytes = (size_t)M * (size_t)((ng + 1) / 2) * sizeof(screen_pair);
+    screen_pair* pairs = (screen_pair*)aligned_alloc(64, pair_bytes);
+    if (!pairs) return -2;
+    memset(pairs, 0, pair_bytes);
+    const int bad = screen_grids(x, M, K, pairs, beta);
+#else
+    int16_t* q = (int16_t*)aligned_alloc(32, (size_t)(M * K * 2 + 31) / 32 * 32);
+    float* d = (float*)malloc((size_t)M * sizeof(float));
+    const int bad = q && d ? screen_grids(x, M, K, q, d, beta) : -2;
+#endif
     if (!bad) {
         const int64_t blocks = N / 4;
         const int64_t chunk = blocks / (8 * threads) > 1 ? blocks / (8 * threads) : 1;
@@ -1671,12 +1704,13 @@ int lmhead_screen(const float* x, int64_t M, int64_t K, const int8_t* codes, con
             }
         }
     }
-    free(q);
-    free(d);
 #ifdef SCREEN_INT8
     free(pairs);
+#else
+    free(q);
+    free(d);
 #endif
-    return bad ? -1 : 0;
+    return bad;
 }
 
 /* the k largest values so far, ascending (low[0] the k-th), with `lo` offered */

@@ -338,7 +338,8 @@ class CodedLinear:
         the tokens whose bound reaches a row's k-th largest lower bound get their exact values. A row with
         more than `cap` such candidates is computed exactly whole (`self(x[m:m+1])`); where the screen does not
         serve (`screens` False, another dtype or device, a weight changed in place, a value of x that is not
-        finite) every value is exact (`self(x)`). ValueError for ks out of range."""
+        finite, a row of x all below 2⁻⁶⁰ in magnitude) every value is exact (`self(x)`). ValueError for ks out of
+        range."""
         return self.screen_candidates(x, ks, cap)[0]
 
     def screen_candidates(self, x: Tensor, ks: list[int], cap: int = SCREEN_CAP,
