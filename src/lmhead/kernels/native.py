@@ -242,20 +242,31 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
             or (x.shape[0] > 1 and k > _TOPK_MAX_K_ROWS)):
         return None
     x = x.contiguous()
-    b, width = x.shape
-    thresholds = torch.topk(x[:, ::_TOPK_STRIDE], k, dim=-1).values[:, -1].tolist()
-    values = torch.empty(b, k, dtype=torch.float32)
-    indices = torch.empty(b, k, dtype=torch.int64)
-    found = torch.empty(_TOPK_CAP, dtype=torch.int64)
-    for r, t in enumerate(thresholds):
-        row = x[r]
-        n = lib.lmhead_select_ge(row.data_ptr(), width, t, found.data_ptr(), _TOPK_CAP)
-        if n < k:  # a NaN (-2), too many candidates (-1); never fewer than k otherwise
-            return None
-        cand = found[:n]
-        v, i = torch.topk(row.index_select(0, cand), k)
+    cands = _threshold_candidates(lib, x, [k] * x.shape[0])
+    if cands is None:
+        return None
+    values = torch.empty(x.shape[0], k, dtype=torch.float32)
+    indices = torch.empty(x.shape[0], k, dtype=torch.int64)
+    for r, cand in enumerate(cands):
+        v, i = torch.topk(x[r].index_select(0, cand), k)
         values[r], indices[r] = v, cand.index_select(0, i)
     return values, indices
+
+
+def _threshold_candidates(lib: ctypes.CDLL, x: torch.Tensor, ks: list[int]) -> list[torch.Tensor] | None:
+    """Each row of x [b,V] (contiguous) its positions at or above its threshold, the ks[r]-th largest of every 16th
+    logit (so at least its ks[r] largest are among them): one C pass a row. None for a row with a NaN (-2) or more
+    candidates than _TOPK_CAP (-1); never fewer than k otherwise."""
+    sample = torch.topk(x[:, ::_TOPK_STRIDE], max(ks), dim=-1).values
+    thresholds = sample[:, -1] if len(set(ks)) == 1 else sample.gather(1, torch.tensor(ks)[:, None] - 1)[:, 0]
+    found = torch.empty(_TOPK_CAP, dtype=torch.int64)
+    out = []
+    for r, (t, k) in enumerate(zip(thresholds.tolist(), ks, strict=True)):
+        n = lib.lmhead_select_ge(x[r].data_ptr(), x.shape[1], t, found.data_ptr(), _TOPK_CAP)
+        if n < k:
+            return None
+        out.append(found[:n].clone())
+    return out
 
 
 def topk_rows(x: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -271,22 +282,13 @@ def topk_rows(x: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor, torch.Tenso
             or not all(1 <= k <= x.shape[1] // 256 for k in ks)):
         return None
     x = x.contiguous()
-    b, width = x.shape
-    kmax = max(ks)
-    want = torch.tensor(ks, dtype=torch.int64)
-    thresholds = torch.topk(x[:, ::_TOPK_STRIDE], kmax, dim=-1).values.gather(1, (want - 1)[:, None])[:, 0].tolist()
-    found = torch.empty(b, _TOPK_CAP, dtype=torch.int64)
-    counts = []
-    for r, t in enumerate(thresholds):
-        n = lib.lmhead_select_ge(x[r].data_ptr(), width, t, found[r].data_ptr(), _TOPK_CAP)
-        if n < ks[r]:  # a NaN (-2), too many candidates (-1); never fewer than k otherwise
-            return None
-        counts.append(n)
-    cand = found[:, :max(counts)]
-    beyond = torch.arange(cand.shape[1]) >= torch.tensor(counts)[:, None]
-    cand = cand.masked_fill(beyond, 0)
-    values, pos = torch.topk(x.gather(1, cand).masked_fill_(beyond, -math.inf), kmax, dim=-1)
-    past = torch.arange(kmax) >= want[:, None]
+    cands = _threshold_candidates(lib, x, ks)
+    if cands is None:
+        return None
+    cand = torch.nn.utils.rnn.pad_sequence(cands, batch_first=True)  # [b, most candidates], id 0 past a row's
+    beyond = torch.arange(cand.shape[1]) >= torch.tensor([len(c) for c in cands])[:, None]
+    values, pos = torch.topk(x.gather(1, cand).masked_fill_(beyond, -math.inf), max(ks), dim=-1)
+    past = torch.arange(max(ks)) >= torch.tensor(ks)[:, None]
     return values.masked_fill_(past, -math.inf), cand.gather(1, pos).masked_fill_(past, 0)
 
 
