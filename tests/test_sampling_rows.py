@@ -162,13 +162,15 @@ def test_seeded_rows_of_todays_settings_draw_and_score_what_they_do_alone(vocab)
 def test_rows_of_one_k_and_other_settings_share_one_pass_over_the_vocabulary(monkeypatch):
     """Rows whose cut is their top k, with one k and each its own temperature, top-p and min-p: one partial sort of
     the k + 1 largest for them all (a batch grouped by settings took one per row); rows of other k take each their
-    own k + 1 in one call (each row's C threshold pass, one sort of their candidates)."""
+    own k + 1 in one call (each row's C threshold pass, one sort of their candidates); in a draw, every row cut inside
+    its top k, seeded or not, between rows of other cuts, takes it in that one call, its row read where it lies."""
     from lmhead.sampling import Vocab
 
     calls = []
-    topk, rows = Vocab.topk, Vocab.topk_rows
+    topk, topk_rows = Vocab.topk, Vocab.topk_rows
     monkeypatch.setattr(Vocab, "topk", lambda self, x, k: calls.append((tuple(x.shape), k)) or topk(self, x, k))
-    monkeypatch.setattr(Vocab, "topk_rows", lambda self, x, ks: calls.append((tuple(x.shape), ks)) or rows(self, x, ks))
+    monkeypatch.setattr(Vocab, "topk_rows", lambda self, x, ks, rows=None: calls.append((tuple(x.shape), ks, rows))
+                        or topk_rows(self, x, ks, rows))
     x = _lm_rows(6, 20000, seed=2)[[0, 2, 4]]
     cfgs = [SamplingConfig(temperature=0.6 + 0.1 * r, top_k=20, top_p=0.9 if r % 2 else 1.0, min_p=0.01 * r)
             for r in range(3)]
@@ -179,7 +181,13 @@ def test_rows_of_one_k_and_other_settings_share_one_pass_over_the_vocabulary(mon
         assert calls == [((3, 20000), 21)]
     calls.clear()
     probabilities(x, [SamplingConfig(top_k=10 + r, temperature=0.7) for r in range(3)])
-    assert calls == [((3, 20000), [11, 12, 13])]
+    assert calls == [((3, 20000), [11, 12, 13], None)]
+    calls.clear()
+    wide = _lm_rows(6, 20000, seed=3)[:5]
+    mixed = [SamplingConfig(top_k=12, seed=4), SamplingConfig(top_p=0.9), SamplingConfig(top_k=15),
+             SamplingConfig(temperature=0), SamplingConfig(top_k=18, top_p=0.8, seed=5)]
+    sample(wide, mixed, generator=torch.Generator().manual_seed(0))
+    assert calls == [((5, 20000), [13, 19, 16], [0, 4, 2])]
 
 
 # --- a step's state is its own: the penalties' and DRY's records of a row's tokens, moved by accept -----------------

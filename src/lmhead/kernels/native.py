@@ -253,15 +253,18 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     return values, indices
 
 
-def _threshold_candidates(lib: ctypes.CDLL, x: torch.Tensor, ks: list[int]) -> list[torch.Tensor] | None:
-    """Each row of x [b,V] (contiguous) its positions at or above its threshold, the ks[r]-th largest of every 16th
-    logit (so at least its ks[r] largest are among them): one C pass a row. None for a row with a NaN (-2) or more
-    candidates than _TOPK_CAP (-1); never fewer than k otherwise."""
-    sample = torch.topk(x[:, ::_TOPK_STRIDE], max(ks), dim=-1).values
+def _threshold_candidates(lib: ctypes.CDLL, x: torch.Tensor, ks: list[int],
+                          rows: list[int] | None = None) -> list[torch.Tensor] | None:
+    """Each row of x [b,V] (contiguous; ``rows``: those rows of it) its positions at or above its threshold, the
+    ks[r]-th largest of every 16th logit (so at least its ks[r] largest are among them): one C pass a row. None for a
+    row with a NaN (-2) or more candidates than _TOPK_CAP (-1); never fewer than k otherwise."""
+    rows = list(range(x.shape[0])) if rows is None else rows
+    strided = x[:, ::_TOPK_STRIDE] if len(rows) == x.shape[0] else x[torch.tensor(rows), ::_TOPK_STRIDE]
+    sample = torch.topk(strided, max(ks), dim=-1).values
     thresholds = sample[:, -1] if len(set(ks)) == 1 else sample.gather(1, torch.tensor(ks)[:, None] - 1)[:, 0]
     found = torch.empty(_TOPK_CAP, dtype=torch.int64)
     out = []
-    for r, (t, k) in enumerate(zip(thresholds.tolist(), ks, strict=True)):
+    for r, t, k in zip(rows, thresholds.tolist(), ks, strict=True):
         n = lib.lmhead_select_ge(x[r].data_ptr(), x.shape[1], t, found.data_ptr(), _TOPK_CAP)
         if n < k:
             return None
@@ -269,25 +272,28 @@ def _threshold_candidates(lib: ctypes.CDLL, x: torch.Tensor, ks: list[int]) -> l
     return out
 
 
-def topk_rows(x: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Each row's own top k for rows x [b,V] (float32, CPU, V ≥ 16,384), row r keeping ks[r] ≤ V/256 → values and
-    ids [b, max k], row r's first ks[r] columns its torch.topk(x[r], ks[r]) values in order (tied values' ids in
-    any order), the rest -inf and id 0. The threshold pass of `topk` for every row, its candidates sorted
-    together: one partial sort of the few thousand candidates of all rows instead of a sort a row (a server
-    round's rows each with their own top-k). None where `topk` gives None for a row (the caller goes row by
-    row)."""
+def topk_rows(x: torch.Tensor, ks: list[int],
+              rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's own top k for rows x [b,V] (float32, CPU, V ≥ 16,384; ``rows``: those rows of it, read where
+    they lie), row r keeping ks[r] ≤ V/256 → values and ids [len(ks), max k], row r's first ks[r] columns its
+    torch.topk(x[r], ks[r]) values in order (tied values' ids in any order), the rest -inf and id 0. The threshold
+    pass of `topk` for every row, its candidates sorted together: one partial sort of the few thousand candidates of
+    all rows instead of a sort a row (a server round's rows each with their own top-k). None where `topk` gives None
+    for a row (the caller goes row by row)."""
     lib = library()
     if (lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.requires_grad
-            or x.shape[0] != len(ks) or x.shape[1] < _TOPK_MIN_WIDTH or not ks
+            or len(ks) != (x.shape[0] if rows is None else len(rows)) or x.shape[1] < _TOPK_MIN_WIDTH or not ks
             or not all(1 <= k <= x.shape[1] // 256 for k in ks)):
         return None
     x = x.contiguous()
-    cands = _threshold_candidates(lib, x, ks)
+    cands = _threshold_candidates(lib, x, ks, rows)
     if cands is None:
         return None
     cand = torch.nn.utils.rnn.pad_sequence(cands, batch_first=True)  # [b, most candidates], id 0 past a row's
     beyond = torch.arange(cand.shape[1]) >= torch.tensor([len(c) for c in cands])[:, None]
-    values, pos = torch.topk(x.gather(1, cand).masked_fill_(beyond, -math.inf), max(ks), dim=-1)
+    # the candidates' logits, gathered from the rows where they lie (no copy of the rows)
+    picked = x.gather(1, cand) if rows is None else x[torch.tensor(rows)[:, None], cand]
+    values, pos = torch.topk(picked.masked_fill_(beyond, -math.inf), max(ks), dim=-1)
     past = torch.arange(max(ks)) >= torch.tensor(ks)[:, None]
     return values.masked_fill_(past, -math.inf), cand.gather(1, pos).masked_fill_(past, 0)
 

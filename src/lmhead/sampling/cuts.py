@@ -42,13 +42,13 @@ def _min_p_sorted(vals: Tensor, min_p: Setting) -> Tensor:
 
 
 def _top_k_parts(x: Tensor, temperature: Setting, ks: list[int], vocab: Vocab,
-                 top: tuple[Tensor, Tensor], pad: bool = False) -> list[Part]:
+                 top: tuple[Tensor, Tensor], pad: bool = False, at: list[int] | None = None) -> list[Part]:
     """Top-k for rows x [b,V_r], row r keeping its ks[r] largest, whose top k+1 `top` ([b, ≥ max k + 1] values and
     ids, a row's first k + 1 its own) is taken: one part per k (``pad``: one part for all, each row's candidates past
     its k at -inf — a softmax over a row padded so rounds otherwise than over the row alone, so only for unseeded
     draws, whose ids depend on the batch anyway). A row whose k-th and (k+1)-th values tie (after the division by T,
     as HF compares) takes every token ≥ the k-th, as HF's ``scores < kth`` rule keeps them: a part of its own, as
-    wide as it keeps."""
+    wide as it keeps. ``at``: the rows of x the settings are (None: x's rows in order); x is read only there."""
     vals, idx = top
     check_top(vals[:, 0], vocab.name, temperature)
     vals = vals / temperature  # x / T is monotone: topk of x is a topk of x / T
@@ -82,20 +82,29 @@ def _top_k_parts(x: Tensor, temperature: Setting, ks: list[int], vocab: Vocab,
     for r in (r for r, t in enumerate(tie) if t):
         t = rows_of(temperature, torch.tensor([r], device=x.device))
         kth = vals[r:r + 1, ks[r] - 1 : ks[r]]
-        count = vocab.sum(((x[r:r + 1] / t) >= kth).sum(dim=-1, keepdim=True))
-        v, i = vocab.topk(x[r:r + 1], int(count.max()))
+        row = x[r:r + 1] if at is None else x[at[r]:at[r] + 1]
+        count = vocab.sum(((row / t) >= kth).sum(dim=-1, keepdim=True))
+        v, i = vocab.topk(row, int(count.max()))
         parts.append((torch.tensor([r], device=x.device), v / t, i))
     return parts
 
 
-def top_k_tops(x: Tensor, ks: list[int], vocab: Vocab) -> tuple[Tensor, Tensor]:
-    """Each row's k + 1 largest (its k of ``ks``) as [b, kmax+1] values and ids, a row's first k + 1 columns the ones it
-    gets alone (the rest -inf): one partial sort of the largest k + 1 where the rows share k; else, on CPU rows, each
-    row's own threshold pass and one sort of all rows' candidates (`Vocab.topk_rows`: a row of 262,144 costs its
-    pass a fraction of what torch.topk of the largest k over the batch costs)."""
+def top_k_tops(x: Tensor, ks: list[int], vocab: Vocab, rows: list[int] | None = None) -> tuple[Tensor, Tensor]:
+    """Each row's k + 1 largest (its k of ``ks``; ``rows``: those rows of x [B,V_r], read where they lie) as
+    [len(ks), kmax+1] values and ids, a row's first k + 1 columns the ones it gets alone (the rest -inf): one partial
+    sort of the largest k + 1 where the rows share k; else, on CPU rows, each row's own threshold pass and one sort
+    of all rows' candidates (`Vocab.topk_rows`: a row of 262,144 costs its pass a fraction of what torch.topk of the
+    largest k over the batch costs)."""
     if len(set(ks)) == 1 or x.device.type != "cpu":
-        return vocab.topk(x, max(ks) + 1)
-    return vocab.topk_rows(x, [k + 1 for k in ks])
+        return vocab.topk(x if rows is None else take_rows(x, rows), max(ks) + 1)
+    return vocab.topk_rows(x, [k + 1 for k in ks], rows)
+
+
+def take_rows(x: Tensor, rows: list[int]) -> Tensor:
+    """x's rows `rows` as a [len(rows), V_r] tensor: a view where they lie side by side, else a copy."""
+    if rows[-1] - rows[0] == len(rows) - 1:
+        return x[rows[0]:rows[-1] + 1]
+    return x.index_select(0, torch.tensor(rows, device=x.device))
 
 
 def column(keys: list[CutKey], name: str, rows: Tensor | None, dtype: torch.dtype, device: torch.device) -> Setting:
@@ -125,12 +134,16 @@ def _where_on(parts: list[Part], keys: list[CutKey], on, step) -> list[Part]:
 
 
 def apply_cut(x: Tensor, cfgs: list[SamplingConfig], vocab: Vocab, top: tuple[Tensor, Tensor] | None = None,
-              native: bool = True, pad: bool = False) -> list[Part]:
+              native: bool = True, pad: bool = False, at: list[int] | None = None) -> list[Part]:
     """Steps 3-6 for rows x [b,V_r] whose cuts are of one kind (`cut_kind`), each row's settings its own: the passes
     over V once for them all, with the settings as columns [b,1] (``top``: the rows' top kmax+1, kmax their largest
     top-k, already taken; ``native``: whether top-p may settle rows in C — not for a seeded draw, see `top_p_parts`).
     Each row's values are the bits it gets alone: the candidates of rows with one k are cut together (a row whose
-    k-th value ties, alone) — but with ``pad`` (an unseeded draw) those of every k at once, padded."""
+    k-th value ties, alone) — but with ``pad`` (an unseeded draw) those of every k at once, padded. ``at``: the rows
+    of x [B,V_r] the settings are (None: x's rows in order): rows cut inside their top k read x only where a k-th
+    value ties, the others take their rows first."""
+    if at is not None and not (cfgs[0].cut_key(vocab.size).top_k and top is not None):
+        x, at = take_rows(x, at), None
     if cfgs[0].is_greedy:
         v, i = vocab.argmax(x)
         check_top(v[:, 0], vocab.name)
@@ -140,7 +153,7 @@ def apply_cut(x: Tensor, cfgs: list[SamplingConfig], vocab: Vocab, top: tuple[Te
     temperature = column(keys, "temperature", None, torch.float32, dev)
     if keys[0].top_k:
         ks = [k.top_k for k in keys]
-        parts = _top_k_parts(x, temperature, ks, vocab, top_k_tops(x, ks, vocab) if top is None else top, pad)
+        parts = _top_k_parts(x, temperature, ks, vocab, top_k_tops(x, ks, vocab) if top is None else top, pad, at)
         # topk's output is sorted, so tied values are adjacent: all top_p_sorted needs
         parts = _where_on(parts, keys, lambda k: k.top_p < 1.0, lambda v, rows, whole: top_p_sorted(
             v, column(keys, "top_p", rows, torch.float64, dev)))

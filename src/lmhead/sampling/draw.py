@@ -9,18 +9,21 @@ import torch
 from torch import Tensor
 
 from lmhead.sampling.config import SamplingConfig
-from lmhead.sampling.cuts import apply_cut, column, cut_kind, runs, top_k_tops
+from lmhead.sampling.cuts import apply_cut, column, cut_kind, runs, take_rows, top_k_tops
 from lmhead.sampling.race import draw_part, part_logprobs, seeded_generator
 from lmhead.sampling.top_p import top_p_draw, top_p_draw_unseeded
 from lmhead.sampling.vocab import Vocab
 
 
 def _draw_group(x: Tensor, cfgs: list[SamplingConfig], generator: torch.Generator | None, vocab: Vocab,
-                top: tuple[Tensor, Tensor] | None = None, scored: bool = False) -> tuple[Tensor, Tensor | None]:
+                top: tuple[Tensor, Tensor] | None = None, scored: bool = False,
+                at: list[int] | None = None) -> tuple[Tensor, Tensor | None]:
     """Steps 3-8 for rows [b,V_r] whose cuts are of one drawing kind (`cut_kind(draw=True)`), all seeded or none →
     ([b] global ids, with ``scored`` their processed log-probabilities [b] from the same cut, else None; NaN for
-    rows drawn without a cut: top-p alone)."""
+    rows drawn without a cut: top-p alone). ``at``: the rows of x [B,V_r] the settings are (None: x's rows)."""
     first = cfgs[0]
+    if at is not None and top is None:
+        x, at = take_rows(x, at), None
     # top-p alone draws by rejection, without the top-p set — unless the set is wanted anyway for the logprob
     # of an unseeded draw (a seeded row keeps `sample`'s ids), or C finds it at once (unseeded rows)
     if cut_kind(first, vocab.size, draw=True) == "top_p_alone" and not (scored and first.seed is None):
@@ -31,10 +34,10 @@ def _draw_group(x: Tensor, cfgs: list[SamplingConfig], generator: torch.Generato
             return top_p_draw_unseeded(x, temperature, top_p, generator, vocab), None
         ids = top_p_draw(x, temperature, top_p, generator, True, vocab)
         return ids, torch.full(ids.shape, math.nan, device=x.device) if scored else None
-    ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
-    lp = torch.empty(x.shape[0], dtype=torch.float32, device=x.device) if scored else None
+    ids = torch.empty(len(cfgs), dtype=torch.long, device=x.device)
+    lp = torch.empty(len(cfgs), dtype=torch.float32, device=x.device) if scored else None
     # an unseeded draw's ids depend on the batch (the generator's stream) anyway: its rows' candidates are cut at once
-    for sub, vals, idx in apply_cut(x, cfgs, vocab, top, native=first.seed is None, pad=first.seed is None):
+    for sub, vals, idx in apply_cut(x, cfgs, vocab, top, native=first.seed is None, pad=first.seed is None, at=at):
         chosen = idx[:, 0] if first.is_greedy else draw_part(vals, idx, first.seed is not None, generator, vocab)
         for out, got in ((ids, chosen), (lp, part_logprobs(vals, idx, chosen, vocab) if scored else None)):
             if out is None:
@@ -47,23 +50,22 @@ def _draw_group(x: Tensor, cfgs: list[SamplingConfig], generator: torch.Generato
 
 
 def _draw_seeded_top_k(x: Tensor, cfgs: list[SamplingConfig], gens: list[torch.Generator], vocab: Vocab,
-                       scored: bool) -> tuple[Tensor, Tensor | None]:
-    """Seeded rows [b,V_r] cut inside their top k (each its own k), each with its own (seed, step) generator → ([b]
-    ids, [b] logprobs or None): the ids `_draw_group` gives each row alone. Their top k + 1 taken once
-    (`top_k_tops`); the cut, the softmax and the race work row by row, and each row's noise comes from its own
-    generator over its k candidates in id order, so the rows of one k draw in one pass; rows whose cut keeps more
-    than k (a tie at the k-th value: a width of their own) draw alone."""
+                       scored: bool, top: tuple[Tensor, Tensor], at: list[int]) -> tuple[Tensor, Tensor | None]:
+    """Seeded rows `at` of x [B,V_r] cut inside their top k (each its own k, their top k + 1 `top` taken), each with
+    its own (seed, step) generator → ([b] ids, [b] logprobs or None): the ids `_draw_group` gives each row alone. The
+    cut, the softmax and the race work row by row, and each row's noise comes from its own generator over its k
+    candidates in id order, so the rows of one k draw in one pass; rows whose cut keeps more than k (a tie at the
+    k-th value: a width of their own) draw alone."""
     ks = [c.cut_key(vocab.size).top_k for c in cfgs]
-    top = top_k_tops(x, ks, vocab)
-    ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
-    lp = torch.empty(x.shape[0], dtype=torch.float32, device=x.device) if scored else None
-    for sub, vals, idx in apply_cut(x, cfgs, vocab, top, native=False):
-        rows = list(range(x.shape[0])) if sub is None else sub.tolist()
+    ids = torch.empty(len(cfgs), dtype=torch.long, device=x.device)
+    lp = torch.empty(len(cfgs), dtype=torch.float32, device=x.device) if scored else None
+    for sub, vals, idx in apply_cut(x, cfgs, vocab, top, native=False, at=at):
+        rows = list(range(len(cfgs))) if sub is None else sub.tolist()
         k = ks[rows[0]]
         if vals.shape[1] != k:
             for r in rows:
                 one = (top[0][r:r + 1, :k + 1], top[1][r:r + 1, :k + 1])
-                got = _draw_group(x[r:r + 1], [cfgs[r]], gens[r], vocab, one, scored)
+                got = _draw_group(x, [cfgs[r]], gens[r], vocab, one, scored, at=[at[r]])
                 ids[r] = got[0][0]
                 if scored:
                     lp[r] = got[1][0]
@@ -74,8 +76,6 @@ def _draw_seeded_top_k(x: Tensor, cfgs: list[SamplingConfig], gens: list[torch.G
         if scored:
             lp[index] = part_logprobs(vals, idx, chosen, vocab)
     return ids, lp
-
-
 
 
 def draw_groups(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, generator: torch.Generator | None,
@@ -100,17 +100,26 @@ def draw_groups(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, gener
         if scored:
             lp[index] = got[1]
 
+    # every row cut inside its top k (seeded or not) takes its top k + 1 in one call, its row read where it lies
+    top_k_rows = [r for (kind, _), rows in groups.items() if kind == "top_k" for r in rows]
+    if top_k_rows:
+        tops = top_k_tops(x, [cfgs[r].cut_key(vocab.size).top_k for r in top_k_rows], vocab, top_k_rows)
+        where = {r: j for j, r in enumerate(top_k_rows)}
     for (kind, seeded), rows in groups.items():
-        for run in runs(rows, x.shape[1]):
-            xs = x[run[0]:run[-1] + 1] if run[-1] - run[0] == len(run) - 1 else x[torch.tensor(run, device=x.device)]
-            mine = [cfgs[r] for r in run]
-            if kind == "greedy" or not seeded:
-                put(run, _draw_group(xs, mine, generator, vocab, scored=scored))
-            elif kind == "top_k":
-                gens = [seeded_generator(cfgs[r].seed, steps[r], x.device) for r in run]
-                put(run, _draw_seeded_top_k(xs, mine, gens, vocab, scored))
-            else:  # top-p, min-p or no cut: each row's own draw
-                for j, r in enumerate(run):
-                    put([r], _draw_group(xs[j:j + 1], [cfgs[r]], seeded_generator(cfgs[r].seed, steps[r], x.device),
-                                         vocab, scored=scored))
+        mine = [cfgs[r] for r in rows]
+        if kind == "top_k":
+            sel = torch.tensor([where[r] for r in rows], device=x.device)
+            top = (tops[0].index_select(0, sel), tops[1].index_select(0, sel))
+            if seeded:
+                gens = [seeded_generator(cfgs[r].seed, steps[r], x.device) for r in rows]
+                put(rows, _draw_seeded_top_k(x, mine, gens, vocab, scored, top, rows))
+            else:
+                put(rows, _draw_group(x, mine, generator, vocab, top, scored, at=rows))
+        elif seeded:  # top-p, min-p or no cut: each row's own draw, its row read where it lies
+            for r in rows:
+                put([r], _draw_group(x[r:r + 1], [cfgs[r]], seeded_generator(cfgs[r].seed, steps[r], x.device),
+                                     vocab, scored=scored))
+        else:
+            for run in runs(rows, x.shape[1]):
+                put(run, _draw_group(take_rows(x, run), [cfgs[r] for r in run], generator, vocab, scored=scored))
     return ids, lp

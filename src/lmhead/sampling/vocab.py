@@ -77,21 +77,23 @@ class Vocab:
                 return got
         return torch.topk(x, k, dim=-1)
 
-    def topk_rows(self, x: Tensor, ks: list[int]) -> tuple[Tensor, Tensor]:
-        """[b,V_r] → each row's own ks[r] largest over V: values [b, max k] descending, ids [b, max k] long, row r's
-        first ks[r] columns the ones `topk` gives it alone (tied values' ids in any order), the rest -inf."""
+    def topk_rows(self, x: Tensor, ks: list[int], rows: list[int] | None = None) -> tuple[Tensor, Tensor]:
+        """[b,V_r] (``rows``: those rows of it, read where they lie) → each row's own ks[r] largest over V: values
+        [len(ks), max k] descending, ids [len(ks), max k] long, row r's first ks[r] columns the ones `topk` gives it
+        alone (tied values' ids in any order), the rest -inf."""
         # the rows' threshold passes and one sort of their candidates (not for a subclass with a `topk` of its
         # own: a sharded vocabulary's rows are only its columns)
         if x.device.type == "cpu" and type(self).topk is Vocab.topk:
             from lmhead.kernels import native
 
-            got = native.topk_rows(x, ks)
+            got = native.topk_rows(x, ks, rows)
             if got is not None:
                 return got
-        vals = torch.full((x.shape[0], max(ks)), NEG_INF, dtype=x.dtype, device=x.device)
-        ids = torch.zeros((x.shape[0], max(ks)), dtype=torch.long, device=x.device)
-        for r, k in enumerate(ks):
-            vals[r, :k], ids[r, :k] = self.topk(x[r:r + 1], k)
+        at = range(x.shape[0]) if rows is None else rows
+        vals = torch.full((len(ks), max(ks)), NEG_INF, dtype=x.dtype, device=x.device)
+        ids = torch.zeros((len(ks), max(ks)), dtype=torch.long, device=x.device)
+        for j, (r, k) in enumerate(zip(at, ks, strict=True)):
+            vals[j, :k], ids[j, :k] = self.topk(x[r:r + 1], k)
         return vals, ids
 
     def sum(self, partial: Tensor) -> Tensor:
