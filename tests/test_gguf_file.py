@@ -292,6 +292,43 @@ def test_a_tiny_gguf_runs_from_its_file_with_transformers_numbers(tmp_path, monk
 
 
 @pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
+@pytest.mark.parametrize("kind,wide", [("Q4_K", "Q8_0"), ("Q2_K", "Q8_0")])
+def test_a_fused_product_of_two_types_keeps_each_type_in_its_own_layout_with_transformers_numbers(
+        tmp_path, monkeypatch, kind, wide):
+    """A file whose v and down are of a wider type than q, k, gate and up (llama.cpp's Q4_K_M keeps them in Q6_K):
+    q and k stay 4-bit codes beside v's 8-bit ones, as row blocks of one product, instead of one layout of 8-bit
+    codes for all three; the C step walks the blocks (one row and several), and the numbers are transformers'."""
+    from tiny_gguf import assert_matches_reference, write_tiny_gguf
+    from transformers import AutoModelForCausalLM
+
+    from lmhead import load_model
+    from lmhead.models.row_blocks import RowBlocks
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", "llama", kind=kind, types={"attn_v": wide, "ffn_down": wide})
+    model = load_model(str(path), progress=False)
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    cfg, qkv = ref.config, model.lean.layers[0].coded["qkv"]
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    assert isinstance(qkv, RowBlocks)
+    assert [b.out_features for b in qkv.blocks] == [(cfg.num_attention_heads + cfg.num_key_value_heads) * head_dim,
+                                                    cfg.num_key_value_heads * head_dim]
+    assert qkv.blocks[0].packed and not qkv.blocks[1].packed
+    assert qkv.blocks[0].nbytes < qkv.blocks[0].out_features * qkv.in_features  # under a byte a weight
+    assert model.lean._step_descs() is not None  # the whole decode step in C, over the blocks
+    ids = torch.tensor([model.encode("The cat sat on the mat. The dog")])
+    with torch.no_grad():
+        want = ref(ids).logits
+    assert_matches_reference(model, ref, ids, want)
+    positions = torch.arange(ids.shape[1])[None]
+    step_by_step = model.lean(ids, positions, model.lean.new_cache(1, ids.shape[1]), layers=[])
+    assert torch.equal(step_by_step, model.hidden_states(ids))  # the C step's several rows: the blocks' own bits
+    torch.testing.assert_close(qkv.dequantize(), torch.cat([b.dequantize() for b in qkv.blocks]), rtol=0, atol=0)
+    again = load_model(str(path), progress=False)  # mapped from the layout cache, block by block
+    assert torch.equal(again.logits(ids), model.logits(ids))
+
+
+@pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
 def test_a_type_without_a_code_kernel_is_dequantized_at_load_and_said_once_on_stderr(tmp_path, monkeypatch, capsys):
     from lmhead.models import file_model
 

@@ -253,11 +253,13 @@ _OWN_WRITER = ("Q2_K", "Q3_K", "Q4_K", "IQ4_NL", "IQ4_XS")  # types gguf-py's `q
 
 
 def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", seed: int = 0, drop: str | None = None,
-                    rope_factors: bool = False, moe_header: dict | None = None, fuse_gate_up: bool = False) -> Path:
+                    rope_factors: bool = False, moe_header: dict | None = None, fuse_gate_up: bool = False,
+                    types: dict[str, str] | None = None) -> Path:
     """Write tiny.py's `arch` model to `path` as a GGUF file with its matrices in `kind` (without the tensor `drop`:
     an incomplete file; `rope_factors`: with the long/short rope factor tensors llama.cpp writes for a longrope
     Phi-3; `moe_header`: expert_count / expert_used_count written instead of the model's — a header that
-    contradicts the tensors; `fuse_gate_up`: the experts' gate and up as one tensor); returns the path. Types of
+    contradicts the tensors; `fuse_gate_up`: the experts' gate and up as one tensor; `types`: another type for the
+    layers' matrices of these names, as llama.cpp's mixes keep some — {"attn_v": "Q8_0"}); returns the path. Types of
     256-weight blocks (Q2_K, Q3_K, Q4_K, IQ4_XS) get a wider llama or mixture of experts (width 256), whose rows
     are whole blocks. `arch` may also be a mixture of experts
     (`MOE_ARCHS`: experts stacked [E, F, D] per layer, as llama.cpp's converter writes them)."""
@@ -267,12 +269,13 @@ def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", seed: i
     qtype = gguf.GGMLQuantizationType[kind]
     model, tokenizer = _hf_model(arch, seed, width=256 if GGML_QUANT_SIZES[qtype][0] == 256 else 32)
     write_model_gguf(path, arch, model, tokenizer, kind, drop=drop, rope_factors=rope_factors,
-                     moe_header=moe_header, fuse_gate_up=fuse_gate_up)
+                     moe_header=moe_header, fuse_gate_up=fuse_gate_up, types=types)
     return Path(path)
 
 
 def write_model_gguf(path: Path, arch: str, model, tokenizer, kind: str = "Q8_0", drop: str | None = None,
-                     rope_factors: bool = False, moe_header: dict | None = None, fuse_gate_up: bool = False) -> Path:
+                     rope_factors: bool = False, moe_header: dict | None = None, fuse_gate_up: bool = False,
+                     types: dict[str, str] | None = None) -> Path:
     """Write a transformers model of tiny.py's `arch` family (with `tokenizer`, tiny.py's) to `path` as
     `write_tiny_gguf` does; returns the path."""
     import gguf
@@ -356,7 +359,9 @@ def write_model_gguf(path: Path, arch: str, model, tokenizer, kind: str = "Q8_0"
             a = a + 1
         if a.ndim == 2 and out != "output_norm.weight":
             a = np.ascontiguousarray(a)
-            w.add_tensor(out, _blocks(a, kind) if kind in _OWN_WRITER else quantize(a, qtype), raw_dtype=qtype)
+            mine = (types or {}).get(out.split(".")[-2], kind) if out.startswith("blk.") else kind
+            mine_q = gguf.GGMLQuantizationType[mine]
+            w.add_tensor(out, _blocks(a, mine) if mine in _OWN_WRITER else quantize(a, mine_q), raw_dtype=mine_q)
         else:
             w.add_tensor(out, np.ascontiguousarray(a, dtype=np.float32))
     if rope_factors:

@@ -22,10 +22,12 @@ HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many g
 
 
 class MatDesc(ctypes.Structure):
-    """lmhead_mat: a coded matrix (codes, scale, offset or NULL, group, n, k, flags: PACKED | HALF)."""
+    """lmhead_mat: a coded matrix (codes, scale, offset or NULL, group, n, k, flags: PACKED | HALF; more: the
+    address of its next row block's MatDesc, or None — `models.row_blocks.RowBlocks`)."""
 
     _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("offset", ctypes.c_void_p),
-                ("group", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("flags", ctypes.c_int64)]
+                ("group", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("flags", ctypes.c_int64),
+                ("more", ctypes.c_void_p)]
 
 
 class LayerDesc(ctypes.Structure):
@@ -82,7 +84,8 @@ class DecodeArgs(ctypes.Structure):
                 ("embed_scale", _F32), ("has_scale", _I32), ("sliding_kinds", _I32)]
 
 
-ARGS = {"lmhead_attend_args": AttendArgs, "lmhead_step_args": StepArgs, "lmhead_decode_args": DecodeArgs}
+ARGS = {"lmhead_attend_args": AttendArgs, "lmhead_step_args": StepArgs, "lmhead_decode_args": DecodeArgs,
+        "lmhead_mat": MatDesc, "lmhead_layer": LayerDesc}
 
 
 TOP_P_CAP = 8192  # `top_p_row`: more candidates than this, the caller's histogram path

@@ -157,7 +157,7 @@ static inline void fetch_scales(const void* base, int64_t N, int64_t K, int64_t 
 #endif
 }
 
-int lmhead_coded_abi(void) { return 26; }
+int lmhead_coded_abi(void) { return 27; }
 
 /* which products take the integer path (sliced_kernel.h) where it is built: bit 1 packed 4-bit codes, bit 2 int8
  * codes without offsets; `set` 0 … 3 chooses, −1 asks; returns the mode now (always 0 where the CPU has no AVX-512

@@ -7,6 +7,8 @@
 #include <float.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "body_kernels.h"
 #include "decode_kernels.h"
@@ -76,9 +78,39 @@ int lmhead_coded_rows(const lmhead_mat* m, const int64_t* ids, int64_t rows, flo
     return 0;
 }
 
-static int matmul(const float* x, int64_t rows, const lmhead_mat* m, float* y, int threads) {
+static int block_matmul(const float* x, int64_t rows, const lmhead_mat* m, float* y, int threads) {
     return lmhead_coded_matmul(x, rows, m->k, m->codes, m->scale, m->offset, m->n, m->group, (int)m->flags, y,
                                threads);
+}
+
+/* y [rows, n] = x [rows, k] · mᵀ over all of m's row blocks: each block's product (the numbers it gives alone),
+ * its columns placed after the blocks before it (one row: written in place; several: gathered row by row) */
+static int matmul(const float* x, int64_t rows, const lmhead_mat* m, float* y, int threads) {
+    if (!m->more) return block_matmul(x, rows, m, y, threads);
+    int64_t n = 0;
+    for (const lmhead_mat* b = m; b; b = b->more) {
+        if (b->k != m->k) return -1;
+        n += b->n;
+    }
+    if (rows == 1) {
+        for (const lmhead_mat* b = m; b; b = b->more) {
+            if (block_matmul(x, 1, b, y, threads)) return -1;
+            y += b->n;
+        }
+        return 0;
+    }
+    float* part = (float*)malloc((size_t)(rows * n) * sizeof(float));
+    if (!part) return -1;
+    int rc = 0;
+    int64_t at = 0;
+    for (const lmhead_mat* b = m; b && rc == 0; b = b->more) {
+        rc = block_matmul(x, rows, b, part, threads);
+        for (int64_t r = 0; r < rows && rc == 0; r++)
+            memcpy(y + r * n + at, part + r * b->n, (size_t)b->n * sizeof(float));
+        at += b->n;
+    }
+    free(part);
+    return rc;
 }
 
 /* The blocks of models/lean.py's forward for `rows` = B·T new tokens whose embeddings are in x [rows, D]
@@ -236,5 +268,7 @@ int lmhead_decode(const lmhead_decode_args* args) {
 }
 
 /* sizeof each arguments' struct, which the loader compares with its ctypes mirrors before any call */
+size_t lmhead_mat_size(void) { return sizeof(lmhead_mat); }
+size_t lmhead_layer_size(void) { return sizeof(lmhead_layer); }
 size_t lmhead_step_args_size(void) { return sizeof(lmhead_step_args); }
 size_t lmhead_decode_args_size(void) { return sizeof(lmhead_decode_args); }

@@ -13,11 +13,14 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
 float lmhead_half(uint16_t h);
 float lmhead_nibble_code(int nib, int packed);
 
-typedef struct {
+typedef struct lmhead_mat {
     const int8_t* codes;
     const void* scale;  /* float32, or float16 (flags) */
     const void* offset; /* NULL when the format has none */
     int64_t group, n, k, flags; /* flags: coded_kernel.c's LMHEAD_* (PACKED, HALF, ROWS4, F16, BF16, SIGNED4, IQ4, SUB, F32) */
+    /* the matrix's next row block, of its own layout (same k; its rows after these), or NULL: a fused product
+     * whose parts a file gives in different types (models/row_blocks.py) */
+    const struct lmhead_mat* more;
 } lmhead_mat;
 
 typedef struct {

@@ -74,7 +74,7 @@ __all__ = ["BF16", "F16", "F32", "FLAGS", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4
            "row_moments", "row_scores", "screen_min_rows", "select_ge", "topk", "topk_rows", "typical_row", "unblock4",
            "unpack4"]
 
-_ABI = 26  # lmhead_coded_abi() of the sources above
+_ABI = 27  # lmhead_coded_abi() of the sources above
 
 
 def _layout_mismatch(lib: ctypes.CDLL) -> str | None:

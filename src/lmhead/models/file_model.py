@@ -38,6 +38,7 @@ from lmhead.models.file_experts import moe_config, read_moe
 from lmhead.models.gguf_codes import FOUR_BIT, Codes, coded_nbytes, fuse_codes
 from lmhead.models.gguf_file import CODE_TYPES, DENSE_TYPES, GGUFFile
 from lmhead.models.heap import one_arena, trim_heap
+from lmhead.models.row_blocks import RowBlocks
 from lmhead.models.start_tokenizer import CHECK_TEXTS, start_tokenizer, tables_from, tables_plan
 
 __all__ = ["FILE_ARCHITECTURES", "file_body", "file_refusal", "meta_folder", "supports_file"]
@@ -242,15 +243,34 @@ class _Reader:
         perm = self._perm(name, w.shape[0])
         return w[torch.from_numpy(perm)] if perm is not None else w
 
-    def linear(self, names: list[str]) -> tuple[CodedLinear | None, torch.Tensor | None]:
+    def linear(self, names: list[str]) -> tuple[CodedLinear | RowBlocks | None, torch.Tensor | None]:
         """(codes, None) for matrices the coded kernel takes, else (None, the float32 rows concatenated). A matrix
-        of codes laid out by an earlier load of the file is mapped from the layout cache (`layout_cache`)."""
+        of codes laid out by an earlier load of the file is mapped from the layout cache (`layout_cache`). Matrices
+        of different code types (Q4_K_M's q and k beside its Q6_K v) are row blocks, each run of one type in that
+        type's own layout (`RowBlocks`), not one layout wide enough for all."""
+        runs = self._runs(names)
+        if len(runs) > 1:
+            return RowBlocks([self.linear(run)[0] for run in runs]), None
         got = layout_cache.cached_linear(self.layouts, "+".join(names), lambda: self._linear(names))
         if isinstance(got, CodedLinear):
             for n in names:  # the file's pages of these tensors are not wanted (mapped: kept for GGUFFile.sweep)
                 self.f.release(n)
             return got, None
         return None, got
+
+    def _runs(self, names: list[str]) -> list[list[str]]:
+        """`names` as runs of one code type each, where they are all of code types (else one run: the fused
+        float or mixed path)."""
+        kinds = [self.f.type_of(n) for n in names]
+        if len(set(kinds)) == 1 or not set(kinds) <= CODE_TYPES:
+            return [names]
+        runs = [[names[0]]]
+        for name, kind, before in zip(names[1:], kinds[1:], kinds, strict=False):
+            if kind == before:
+                runs[-1].append(name)
+            else:
+                runs.append([name])
+        return runs
 
     def _linear(self, names: list[str]) -> CodedLinear | torch.Tensor:
         kinds = {self.f.type_of(n) for n in names}

@@ -20,6 +20,7 @@ from lmhead.kernels import native
 from lmhead.kernels.abi import SharedArgs
 from lmhead.models.coded_linear import CodedLinear
 from lmhead.models.kv_cache import StaticCache
+from lmhead.models.row_blocks import RowBlocks
 
 __all__ = ["NativeStep"]
 
@@ -46,7 +47,7 @@ class NativeStep:
             if not all(layer.coded and len(layer.coded) == 4 and layer.o_bias is None and layer.sinks is None
                        for layer in self.layers):
                 return None
-            keep: list[Tensor] = []
+            keep: list = []  # tensors and chained descriptors the layers point into
 
             def ptr(t: Tensor | None) -> int | None:
                 if t is None:
@@ -55,7 +56,11 @@ class NativeStep:
                 keep.append(t)
                 return t.data_ptr()
 
-            def mat(c: CodedLinear) -> native.MatDesc:
+            def mat(c: CodedLinear | RowBlocks) -> native.MatDesc:
+                if isinstance(c, RowBlocks):  # the first block's, the rest chained behind it (kept alive)
+                    first, chained = c.desc()
+                    keep.append(chained)
+                    return first
                 return native.MatDesc(ptr(c.codes), ptr(c.scale), ptr(c.offset), c.group, c.out_features,
                                       c.in_features, c.flags)
 

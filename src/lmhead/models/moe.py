@@ -29,10 +29,11 @@ from torch import Tensor
 from lmhead.kernels import experts as experts_kernel
 from lmhead.models.coded_linear import CodedLinear
 from lmhead.models.expert_layout import ExpertMatrices
+from lmhead.models.row_blocks import RowBlocks
 
 __all__ = ["MoE", "Routing", "route", "swiglu_oai"]
 
-Matrix = CodedLinear | Tensor
+Matrix = CodedLinear | RowBlocks | Tensor
 Experts = ExpertMatrices | list[Matrix]  # a layer's experts of one product: one object, or one matrix each
 
 
@@ -64,7 +65,7 @@ def route(x: Tensor, router: Tensor, top_k: int, renormalise: bool, bias: Tensor
 
 
 def _product(x: Tensor, w: Matrix, b: Tensor | None = None) -> Tensor:
-    if isinstance(w, CodedLinear):
+    if isinstance(w, (CodedLinear, RowBlocks)):
         y = w(x)
         return y if b is None else y + b
     return F.linear(x, w, b)
