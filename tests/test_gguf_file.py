@@ -490,6 +490,59 @@ def test_layouts_of_files_gone_or_changed_are_removed_when_a_new_one_is_laid_out
     assert len(said) == 1 and "3 laid-out models" in said[0], said
 
 
+@pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
+@pytest.mark.parametrize("kind", ["Q4_K", "IQ4_XS"])
+def test_a_dense_k_quant_holds_its_scales_as_its_blocks_do_where_the_build_converts_sixteen_with_the_same_bits(
+        tmp_path, monkeypatch, kind):
+    """Groups of 32 keep d·sub as the blocks hold them where the build makes sixteen an instruction (AVX-512), float32
+    numbers per group otherwise; the products are the same bits either way (d·sub is exact in float32)."""
+    from tiny_gguf import write_tiny_gguf
+
+    from lmhead import load_model
+    from lmhead.kernels import native
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", kind=kind)
+    got = {}
+    for wide in (True, False):
+        monkeypatch.setattr(native, "sub_sixteen", lambda wide=wide: wide)
+        monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / f"cache-{wide}"))
+        model = load_model(str(path), progress=False)
+        o = model.lean.layers[0].coded["o"]
+        assert o.sub is wide
+        ids = torch.tensor([model.encode("The cat sat on the mat.")])
+        got[wide] = (o.nbytes, model.logits(ids))
+    assert got[True][0] < got[False][0]
+    assert torch.equal(got[True][1], got[False][1])
+
+
+def test_layouts_of_an_earlier_format_are_removed_and_the_file_laid_out_again(tmp_path, monkeypatch, capsys):
+    """A folder laid out by an earlier FORMAT (its file unchanged: no later key names it) is removed when a load
+    lays the file out in the current one — it would hold its gigabytes of disk for nothing."""
+    import json
+
+    from tiny_gguf import write_tiny_gguf
+
+    from lmhead import load_model
+    from lmhead.models import layout_cache
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
+    load_model(str(path), progress=False)
+    layouts = tmp_path / "cache" / "layouts"
+    (old,) = layouts.iterdir()
+    source = json.loads((old / "source.json").read_text())
+    assert source["format"] == layout_cache.FORMAT
+    source.pop("format")  # as the earlier format wrote it
+    (old / "source.json").write_text(json.dumps(source))
+    monkeypatch.setattr(layout_cache, "FORMAT", layout_cache.FORMAT + 1)
+    capsys.readouterr()
+    load_model(str(path), progress=False)
+    (new,) = layouts.iterdir()
+    assert new != old and list(new.glob("*.bin"))
+    said = [line for line in capsys.readouterr().err.splitlines() if "removed" in line]
+    assert len(said) == 1 and "earlier format" in said[0], said
+
+
 def test_a_gguf_loaded_with_the_layout_cache_off_writes_no_layouts(tmp_path, monkeypatch):
     from tiny_gguf import write_tiny_gguf
 

@@ -106,6 +106,24 @@ static void sub_floats(const void* buf, int64_t N, int64_t K, int64_t ng, int64_
     const int64_t nsup = K / 256, per = ng / nsup;
     const float* d = (const float*)buf + n0 * nsup;
     const int8_t* sub = (const int8_t*)((const float*)buf + N * nsup) + n0 * ng;
+#ifdef __AVX512F__
+    if (per == 8 || per == 16) {
+        /* the rows' groups side by side: group t of the nr rows takes d[t / per] (ng = nsup·per), sixteen at a time
+         * — one superblock's d for groups of 16, two superblocks' for groups of 32 (lanes 0-7 and 8-15) */
+        const int64_t total = nr * ng;
+        const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        int64_t t = 0;
+        for (; t + 16 <= total; t += 16) {
+            const __m512 sv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sub + t))));
+            const __m512 dv = per == 16 ? _mm512_set1_ps(d[t / 16])
+                                        : _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(_mm_castsi128_ps(
+                                              _mm_loadl_epi64((const __m128i*)(d + t / 8)))));
+            _mm512_storeu_ps(f + t, _mm512_mul_ps(dv, sv));
+        }
+        for (; t < total; t++) f[t] = d[t / per] * (float)sub[t];
+        return;
+    }
+#endif
     for (int64_t r = 0; r < nr; r++)
         for (int64_t j = 0; j < nsup; j++) {
             const float dj = d[r * nsup + j];
@@ -158,6 +176,16 @@ static inline void fetch_scales(const void* base, int64_t N, int64_t K, int64_t 
 }
 
 int lmhead_coded_abi(void) { return 27; }
+
+/* whether sub_floats makes sixteen d·sub products an instruction (AVX-512): where it does, a dense matrix of a
+ * K-quant with groups of 32 holds its scales as the blocks do too (models/gguf_file.py) */
+int lmhead_sub_sixteen(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* which products take the integer path (sliced_kernel.h) where it is built: bit 1 packed 4-bit codes, bit 2 int8
  * codes without offsets; `set` 0 … 3 chooses, −1 asks; returns the mode now (always 0 where the CPU has no AVX-512

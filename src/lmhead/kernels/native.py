@@ -71,8 +71,8 @@ from lmhead.kernels.layout4 import block4, pack4, unblock4, unpack4
 __all__ = ["BF16", "F16", "F32", "FLAGS", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4_LEVELS", "LEVELS", "MXFP4",
            "PACKED", "ROWS4", "SIGNED4", "SOURCES", "SUB", "AttendArgs", "DecodeArgs", "LayerDesc", "MatDesc",
            "StepArgs", "block4", "keep_ge", "keep_ge_unsure", "library", "library_path", "pack4", "row_lse_bounded",
-           "row_moments", "row_scores", "screen_min_rows", "select_ge", "topk", "topk_rows", "typical_row", "unblock4",
-           "unpack4"]
+           "row_moments", "row_scores", "screen_min_rows", "select_ge", "sub_sixteen", "topk", "topk_rows",
+           "typical_row", "unblock4", "unpack4"]
 
 _ABI = 27  # lmhead_coded_abi() of the sources above
 
@@ -166,6 +166,14 @@ def avx2() -> bool:
     """Whether the library was built with its AVX2 kernels (the screen has no other)."""
     lib = library()
     return lib is not None and bool(lib.lmhead_coded_avx2())
+
+
+@functools.cache
+def sub_sixteen() -> bool:
+    """Whether the library converts sixteen K-quant scales (d·sub) an instruction (its AVX-512 build): then a dense
+    matrix of groups of 32 keeps its scales as its blocks do (`models.gguf_file`), else as float32 numbers."""
+    lib = library()
+    return lib is not None and hasattr(lib, "lmhead_sub_sixteen") and bool(lib.lmhead_sub_sixteen())
 
 
 @functools.cache

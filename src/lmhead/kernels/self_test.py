@@ -153,8 +153,8 @@ def signed_and_levels(lib: ctypes.CDLL, g: torch.Generator) -> bool:
 def sub_scales(lib: ctypes.CDLL, g: torch.Generator) -> bool:
     """The K-quants' sub-scales: d per 256 weights times an int8 per group."""
     # K-quant sub-scales (SUB): d per 256 weights times an int8 per group, scales and offsets, int8 and packed codes
-    for group, packed in ((16, False), (32, False), (16, True)):
-        k, ng, nsup = 512, 512 // group, 2
+    for group, packed, k in ((16, False, 512), (32, False, 768), (16, True, 512)):  # 768: a row's groups not 16s
+        ng, nsup = k // group, k // 256
         codes = torch.randint(-8 if packed else -32, 8 if packed else 32, (20, k), generator=g, dtype=torch.int8)
         bufs, floats = [], []
         for _ in range(2):  # scale, offset

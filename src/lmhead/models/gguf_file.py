@@ -301,8 +301,10 @@ class GGUFFile:
         n, per_row, ng = sum(sizes), k // per_block, k // group
         has_offset = TYPES[kind].offset
         # a K-quant's scales as its blocks hold them (d per 256 weights times an int8 per group): a quarter of
-        # the bytes of float32 numbers per group (the kernel takes up to HALF_MAX_GROUPS groups a row so)
-        sub = TYPES[kind].sub and ng <= native.HALF_MAX_GROUPS
+        # the bytes of float32 numbers per group (the kernel takes up to HALF_MAX_GROUPS groups a row so). For
+        # groups of 32 only where the build makes their d·sub sixteen at a time (`native.sub_sixteen`): with AVX2
+        # alone the conversion cost a decode step more than the bytes it saved (AuthenticAMD family 25 model 1)
+        sub = TYPES[kind].sub and ng <= native.HALF_MAX_GROUPS and (group == 16 or native.sub_sixteen())
         if sub:
             scale = SubScales(n, k, group)
             offset = SubScales(n, k, group) if has_offset else None

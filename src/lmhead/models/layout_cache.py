@@ -47,7 +47,9 @@ from lmhead.models.expert_layout import ExpertMatrices
 
 __all__ = ["FORMAT", "MARGIN", "cached", "cached_linear", "folder_for"]
 
-FORMAT = 2        # bump when ExpertMatrices' or CodedLinear's layout changes: older folders are not read
+FORMAT = 3        # bump when ExpertMatrices' or CodedLinear's layout changes: older folders are not read, and
+                  # `prune` removes them (3: a fused product of mixed types as row blocks, dense K-quants' scales
+                  # as their blocks hold them)
 MARGIN = 4 << 30  # free disk left after a matrix is written (else it stays in memory only)
 _ALIGN = 64
 _SOURCE = "source.json"  # a layouts folder's GGUF file: its path, size and modification time (for `prune`)
@@ -76,7 +78,7 @@ def folder_for(gguf: Path) -> Path | None:
     key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{FORMAT}".encode()).hexdigest()[:32]
     folder = cache_root() / "layouts" / key
     with _lock:
-        _sources[folder] = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        _sources[folder] = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "format": FORMAT}
     if not folder.exists():
         prune(cache_root())
     return folder
@@ -84,9 +86,9 @@ def folder_for(gguf: Path) -> Path | None:
 
 def prune(root: Path) -> list[Path]:
     """Remove from the cache `root` the layouts no load can map again — a folder whose GGUF file is gone or has
-    another size or modification time than its key was made of (its `source.json` says which), and the earlier
-    format's `experts/` — said in one line on stderr; returns the folders removed. A folder without its
-    source.json yet (being written) is left alone."""
+    another size or modification time than its key was made of (its `source.json` says which), a folder of another
+    `FORMAT` (its key is never made again), and the earliest format's `experts/` — said in one line on stderr;
+    returns the folders removed. A folder without its source.json yet (being written) is left alone."""
     stale = [root / "experts"] if (root / "experts").is_dir() else []
     layouts = root / "layouts"
     for folder in sorted(layouts.iterdir()) if layouts.is_dir() else ():
@@ -96,7 +98,7 @@ def prune(root: Path) -> list[Path]:
             continue
         try:
             st = Path(src["path"]).stat()
-            if (st.st_size, st.st_mtime_ns) == (src["size"], src["mtime_ns"]):
+            if (st.st_size, st.st_mtime_ns) == (src["size"], src["mtime_ns"]) and src.get("format", 2) == FORMAT:
                 continue
         except OSError:
             pass  # the file is gone
@@ -108,7 +110,8 @@ def prune(root: Path) -> list[Path]:
         for folder in stale:
             shutil.rmtree(folder, ignore_errors=True)
         print(f"lmhead: removed {len(stale)} laid-out {'model' if len(stale) == 1 else 'models'} whose GGUF file is "
-              f"gone or changed ({freed / 2**30:.2f} GiB) from {root}", file=sys.stderr, flush=True)
+              f"gone or changed, or laid out in an earlier format ({freed / 2**30:.2f} GiB) from {root}",
+              file=sys.stderr, flush=True)
     return stale
 
 
