@@ -2,7 +2,7 @@
 interleaved in child processes (base, this, this, base, ...) so a busy machine slows both alike.
 
     .venv/bin/python benchmarks/bench_commits.py --base-src /path/to/base/checkout/src
-        [--model smollm2-135m --model gemma-3-270m] [--new-tokens 64] [--prompts 3] [--repeats 2]
+        [--model smollm2-135m --model gemma-3-270m | --model FILE.gguf] [--new-tokens 64] [--prompts 3] [--repeats 2]
         [--no-decode] [--no-sampling]
 
 Each child imports lmhead from one `src` folder (PYTHONPATH) and measures with the public API only, so any two
@@ -135,7 +135,8 @@ def bench_decode(args, rec: Recorder, base: Path, base_name: str, here_name: str
             src = base if who == "base" else HERE_SRC
             runs[who].append(_child(src, CHILD_DECODE, name, str(args.new_tokens), prompts))
             print(f"  {name}: {who} run {len(runs[who])} done", file=sys.stderr)
-        t = rec.table(f"decode_{name}", f"{name}, batch 1, {args.new_tokens} new tokens × {args.prompts} prompts",
+        label = Path(name).stem if name.endswith(".gguf") else name  # a GGUF file: its name, not its folders
+        t = rec.table(f"decode_{label}", f"{label}, batch 1, {args.new_tokens} new tokens × {args.prompts} prompts",
                       ["mode", f"base {base_name} tok/s", f"this {here_name} tok/s", "this/base", "tokens equal",
                        "body ms/token (base → this)", "head ms/token (base → this)"])
         for mode in ("greedy", "sampled"):

@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from records import RESULTS, ROOT, machine, machine_kind  # noqa: E402
 
-BLOCK = re.compile(r"(<!-- results:(?P<area>[\w-]+):(?P<table>[\w-]+)(?::(?P<current>current))? -->\n)(?P<body>.*?)"
+BLOCK = re.compile(r"(<!-- results:(?P<area>[\w-]+):(?P<table>[\w.-]+)(?::(?P<current>current))? -->\n)(?P<body>.*?)"
                    r"(?P<end><!-- /results -->)", re.S)
 OPEN = re.compile(r"<!-- results:")
 # What a benchmark measures (rates, times, bandwidth, speed-ups): such a figure may only appear inside a block.
