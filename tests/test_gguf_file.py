@@ -500,6 +500,8 @@ def test_a_dense_k_quant_holds_its_scales_as_its_blocks_do_where_the_build_conve
 
     from lmhead import load_model
     from lmhead.kernels import native
+    from lmhead.models.gguf_codes import coded_nbytes
+    from lmhead.models.gguf_file import dense_sub
 
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", kind=kind)
     got = {}
@@ -509,6 +511,8 @@ def test_a_dense_k_quant_holds_its_scales_as_its_blocks_do_where_the_build_conve
         model = load_model(str(path), progress=False)
         o = model.lean.layers[0].coded["o"]
         assert o.sub is wide
+        # the memory check counts the layout the loader chose (one decision: gguf_file.dense_sub)
+        assert coded_nbytes(kind, o.out_features * o.in_features, dense_sub(kind, o.in_features)) == o.nbytes
         ids = torch.tensor([model.encode("The cat sat on the mat.")])
         got[wide] = (o.nbytes, model.logits(ids))
     assert got[True][0] < got[False][0]

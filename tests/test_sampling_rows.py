@@ -190,6 +190,19 @@ def test_rows_of_one_k_and_other_settings_share_one_pass_over_the_vocabulary(mon
     assert calls == [((5, 20000), [13, 19, 16], [0, 4, 2])]
 
 
+def test_top_k_rows_of_one_k_seeded_and_not_out_of_order_each_draw_from_their_own_row():
+    """Rows cut inside one k, seeded ones first then unseeded ones, with rows of other cuts between (their top k + 1
+    taken in one call over rows in that order, not x's): each seeded row draws the token it draws alone, and the
+    unseeded one its own row's top k."""
+    x = _lm_rows(6, 20000, seed=4)[:5]
+    cfgs = [SamplingConfig(top_k=20, seed=1), SamplingConfig(top_p=0.9), SamplingConfig(top_k=20),
+            SamplingConfig(temperature=0), SamplingConfig(top_k=20, seed=2)]
+    ids = sample(x, cfgs, generator=torch.Generator().manual_seed(0), step=3)
+    for r in (0, 4):
+        assert int(ids[r]) == int(sample(x[r], cfgs[r], step=3))
+    assert int(ids[2]) in torch.topk(x[2], 20).indices.tolist()
+
+
 # --- a step's state is its own: the penalties' and DRY's records of a row's tokens, moved by accept -----------------
 
 RECORDED = [dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2, typical_p=0.95),

@@ -267,7 +267,8 @@ def _threshold_candidates(lib: ctypes.CDLL, x: torch.Tensor, ks: list[int],
     ks[r]-th largest of every 16th logit (so at least its ks[r] largest are among them): one C pass a row. None for a
     row with a NaN (-2) or more candidates than _TOPK_CAP (-1); never fewer than k otherwise."""
     rows = list(range(x.shape[0])) if rows is None else rows
-    strided = x[:, ::_TOPK_STRIDE] if len(rows) == x.shape[0] else x[torch.tensor(rows), ::_TOPK_STRIDE]
+    whole = rows == list(range(x.shape[0]))
+    strided = x[:, ::_TOPK_STRIDE] if whole else x[torch.tensor(rows), ::_TOPK_STRIDE]
     sample = torch.topk(strided, max(ks), dim=-1).values
     thresholds = sample[:, -1] if len(set(ks)) == 1 else sample.gather(1, torch.tensor(ks)[:, None] - 1)[:, 0]
     found = torch.empty(_TOPK_CAP, dtype=torch.int64)

@@ -36,7 +36,7 @@ from lmhead.models.errors import ModelError
 from lmhead.models.expert_layout import expert_nbytes
 from lmhead.models.file_experts import moe_config, read_moe
 from lmhead.models.gguf_codes import FOUR_BIT, Codes, coded_nbytes, fuse_codes
-from lmhead.models.gguf_file import CODE_TYPES, DENSE_TYPES, GGUFFile
+from lmhead.models.gguf_file import CODE_TYPES, DENSE_TYPES, GGUFFile, dense_sub
 from lmhead.models.heap import one_arena, trim_heap
 from lmhead.models.row_blocks import RowBlocks
 from lmhead.models.start_tokenizer import CHECK_TEXTS, start_tokenizer, tables_from, tables_plan
@@ -406,7 +406,7 @@ def memory_needed(f: GGUFFile) -> int:
         if "_exps." in name and len(f.shape(name)) == 3 and (kind in CODE_TYPES or kind in DENSE_TYPES):
             total += expert_nbytes(kind, *f.shape(name))  # a mixture's experts (models/expert_layout.py)
         elif kind in CODE_TYPES:
-            total += coded_nbytes(kind, count)
+            total += coded_nbytes(kind, count, dense_sub(kind, f.shape(name)[-1]))
         else:  # a float type held as it is, or a type dequantized (4 bytes a weight)
             total += (DENSE_TYPES[kind].itemsize if kind in DENSE_TYPES else 4) * count
     return total

@@ -47,9 +47,10 @@ FOUR_BIT = {t.name: t.four_bit for t in TYPES.values() if t.four_bit}
 SUB_TYPES = frozenset(t.name for t in TYPES.values() if t.sub)
 
 
-def coded_nbytes(kind: str, count: int) -> int:
-    """Bytes the kernel's layout of `count` weights of type `kind` takes: codes, scales and offsets."""
-    return TYPES[kind].coded_nbytes(count)
+def coded_nbytes(kind: str, count: int, sub: bool | None = None) -> int:
+    """Bytes the kernel's layout of `count` weights of type `kind` takes: codes, scales and offsets (`sub`: the
+    scales as the blocks hold them; None: the type's `sub`)."""
+    return TYPES[kind].coded_nbytes(count, sub)
 
 
 # GGUF tensor name (per block i) -> the transformers module path under the base model

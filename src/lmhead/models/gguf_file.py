@@ -36,7 +36,7 @@ from lmhead.models.gguf_codes import BLOCKS, IQ4_VALUES, Codes, block_scales, bl
 from lmhead.models.heap import trim_heap
 from lmhead.models.quant_types import TYPES
 
-__all__ = ["CODE_TYPES", "DENSE_TYPES", "IQ4_VALUES", "GGUFFile", "Header", "block_codes", "read_header"]
+__all__ = ["CODE_TYPES", "DENSE_TYPES", "IQ4_VALUES", "GGUFFile", "Header", "block_codes", "dense_sub", "read_header"]
 
 CODE_TYPES: frozenset[str] = frozenset(TYPES)  # the block types whose codes the coded kernel multiplies
 # float types the kernel multiplies as they are (`CodedLinear.dense16`): each 16-bit weight converted exactly
@@ -224,6 +224,18 @@ def read_header(path: Path) -> tuple[str, list[_Tensor], int]:
     return (arch if isinstance(arch, str) else "unknown"), tensors, head.size
 
 
+def dense_sub(kind: str, k: int) -> bool:
+    """Whether a dense matrix of `kind` with rows of `k` weights holds a K-quant's scales as its blocks do (d per 256
+    weights times an int8 per group: a quarter of the bytes of float32 numbers per group; the kernel takes up to
+    HALF_MAX_GROUPS groups a row so) — for groups of 32 only where the build makes their d·sub sixteen at a time
+    (`native.sub_sixteen`): with AVX2 alone the conversion cost a decode step more than the bytes it saved
+    (AuthenticAMD family 25 model 1). The loader's layout and `file_model.memory_needed`'s estimate."""
+    from lmhead.kernels import native
+
+    t = TYPES[kind]
+    return t.sub and k // t.group <= native.HALF_MAX_GROUPS and (t.group == 16 or native.sub_sixteen())
+
+
 class GGUFFile:
     """A GGUF file's header and tensor table, its data read through a memory map (nothing copied up front).
 
@@ -278,7 +290,6 @@ class GGUFFile:
         `CodedLinear`, made as `coded` makes one matrix; perms: each part's rows in the order it is wanted (None:
         as stored). The parts' row counts must be multiples of 4 but for the last (the chunks of
         `CodedLinear.from_chunks`)."""
-        from lmhead.kernels import native
         from lmhead.models.coded_linear import CodedLinear, SubScales
 
         perms = perms if perms is not None else [None] * len(names)
@@ -300,11 +311,7 @@ class GGUFFile:
             parts.append(data.reshape(rows, (k // per_block) * nbytes))
         n, per_row, ng = sum(sizes), k // per_block, k // group
         has_offset = TYPES[kind].offset
-        # a K-quant's scales as its blocks hold them (d per 256 weights times an int8 per group): a quarter of
-        # the bytes of float32 numbers per group (the kernel takes up to HALF_MAX_GROUPS groups a row so). For
-        # groups of 32 only where the build makes their d·sub sixteen at a time (`native.sub_sixteen`): with AVX2
-        # alone the conversion cost a decode step more than the bytes it saved (AuthenticAMD family 25 model 1)
-        sub = TYPES[kind].sub and ng <= native.HALF_MAX_GROUPS and (group == 16 or native.sub_sixteen())
+        sub = dense_sub(kind, k)
         if sub:
             scale = SubScales(n, k, group)
             offset = SubScales(n, k, group) if has_offset else None

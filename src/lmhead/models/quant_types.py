@@ -49,7 +49,8 @@ class QuantType:
     group: int
     four_bit: str | None       # the kernel's packed layout (None: one int8 code per byte)
     offset: bool               # whether the groups have offsets
-    sub: bool                  # scales held as the blocks hold them (d per 256 weights · int8 per group: SubScales)
+    sub: bool                  # scales may be held as the blocks hold them (d per 256 weights · int8 per group:
+                               # SubScales) — in a dense layer where `gguf_file.dense_sub` says
     half: bool                 # whether the group scales (and offsets) are float16 numbers (the blocks' d, m)
     f16_at: tuple[int, ...]    # byte offsets of the block's float16 fields (d, dmin)
     codes: Callable[[np.ndarray], np.ndarray]

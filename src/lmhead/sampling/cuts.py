@@ -101,8 +101,9 @@ def top_k_tops(x: Tensor, ks: list[int], vocab: Vocab, rows: list[int] | None = 
 
 
 def take_rows(x: Tensor, rows: list[int]) -> Tensor:
-    """x's rows `rows` as a [len(rows), V_r] tensor: a view where they lie side by side, else a copy."""
-    if rows[-1] - rows[0] == len(rows) - 1:
+    """x's rows `rows` (in that order) as a [len(rows), V_r] tensor: a view where they lie side by side in order,
+    else a copy."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
         return x[rows[0]:rows[-1] + 1]
     return x.index_select(0, torch.tensor(rows, device=x.device))
 
