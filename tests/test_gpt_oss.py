@@ -231,3 +231,87 @@ def test_gpt_oss_prompts_decoded_together_with_drafts_verified_get_transformers_
             start = torch.tensor([model.encode(prompt)])
             want = ref.generate(start, max_new_tokens=8, do_sample=False, eos_token_id=None)[0, start.shape[1]:]
             assert got[i] == want.tolist()[:len(got[i])] and got[i], (draft, i)
+
+
+@pytest.mark.parametrize("kind", ["MXFP4", "Q8_0"])
+def test_gpt_oss_experts_in_one_call_with_their_biases_are_the_per_expert_calls_bits(tmp_path, monkeypatch, kind):
+    from lmhead.kernels import experts as experts_kernel
+    from lmhead.models import moe as moe_module
+
+    if not experts_kernel.available():
+        pytest.skip("the experts kernel is not built")
+    _, model = _load(tmp_path, monkeypatch, kind)
+    lean = model.lean
+    calls = []  # the one C call's activation codes
+    real_mlp = moe_module.experts_kernel.mlp
+    monkeypatch.setattr(moe_module.experts_kernel, "mlp", lambda *a: calls.append(a[5]) or real_mlp(*a))
+    prompts = [model.encode("The cat sat on the mat."), model.encode("Numbers: 1 2 3")]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    positions = torch.arange(width).expand(2, width)
+
+    def run() -> list[torch.Tensor]:
+        """A prefill of two rows (experts each chosen by several tokens), then decode steps."""
+        cache = lean.new_cache(2, width + 4)
+        with torch.no_grad():
+            hs = [lean(ids, positions, cache)]
+            for step in range(3):
+                hs.append(lean(model.exact_head(hs[-1][:, -1:]).argmax(-1), positions[:, -1:] + step + 1, cache))
+        return hs
+
+    one_call = run()
+    moe_layers = [layer.moe for layer in lean.layers if layer.moe is not None]
+    assert calls == [experts_kernel.SWIGLU_OAI] * 4 * len(moe_layers)
+    assert all(m.gate_up_bias is not None and m.down_bias is not None for m in moe_layers)
+    monkeypatch.setattr(moe_module.experts_kernel, "available", lambda: False)  # one product call per expert
+    calls.clear()
+    per_expert = run()
+    assert not calls
+    for got, want in zip(one_call, per_expert, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_the_c_clamped_swiglu_is_torchs_within_float32_rounding_nan_and_clamps_included():
+    from lmhead.kernels import native
+    from lmhead.models.moe import SwigluOAI
+
+    if native.library() is None:
+        pytest.skip("the native kernels are not built")
+    g = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(5, 2 * 45, generator=g) * 8  # 45: the vector loop and its scalar tail; clamps reached
+    gate_up[0, 3] = gate_up[1, 50] = float("nan")
+    gate_up[2, 7], gate_up[2, 52] = -200.0, 300.0
+    act = SwigluOAI(alpha=1.702, limit=7.0)
+    got, want = act.native(gate_up), act(gate_up)
+    assert torch.equal(got.isnan(), want.isnan()) and bool(got.isnan().any())
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+def test_gpt_oss_attention_with_its_sinks_runs_in_c_with_the_torch_attentions_numbers(tmp_path, monkeypatch):
+    from lmhead.models.lean import LeanBody
+
+    _, model = _load(tmp_path, monkeypatch, "F32")
+    lean = model.lean
+    if lean.native is None:
+        pytest.skip("the native kernels are not built")
+    ids = torch.tensor([model.encode(TEXT)])
+    positions = torch.arange(ids.shape[1])[None]
+    taken = []
+    real = LeanBody._attention_native
+    monkeypatch.setattr(LeanBody, "_attention_native",
+                        lambda self, *a: taken.append(a[-1] is not None) or real(self, *a))
+
+    def run() -> list[torch.Tensor]:
+        """The prompt in one piece, then three decode steps (sliding and full layers, the window cut)."""
+        cache = lean.new_cache(1, ids.shape[1] + 3)
+        hs = [lean(ids, positions, cache)]
+        for step in range(3):
+            hs.append(lean(model.exact_head(hs[-1][:, -1:]).argmax(-1), positions[:, -1:] + step + 1, cache))
+        return hs
+
+    in_c = run()
+    assert taken and all(taken)  # every layer's call carried its sinks
+    monkeypatch.setattr(LeanBody, "_attention_native", lambda self, *a: None)  # torch's `_attend`
+    in_torch = run()
+    for got, want in zip(in_c, in_torch, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))

@@ -5,7 +5,9 @@ equal to each alone, and the files lmhead cannot run refused in one line naming 
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -351,6 +353,39 @@ def test_a_second_load_maps_the_experts_the_first_laid_out(tmp_path, monkeypatch
     again = load_model(str(path), progress=False)
     assert [(layer.moe.gate_up.source, layer.moe.down.source) for layer in again.lean.layers] == sources
     assert torch.equal(again.logits(ids), want)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_a_warm_load_maps_every_page_of_the_laid_out_experts_before_the_first_token(tmp_path, monkeypatch):
+    from lmhead import load_model
+    from lmhead.models import layout_cache
+
+    path, first = _load(tmp_path, monkeypatch, "qwen3_moe", "Q8_0")
+    sources = {str(m.source) for layer in first.lean.layers for m in (layer.moe.gate_up, layer.moe.down)}
+    del first
+    gc.collect()
+
+    def mapped() -> dict[str, tuple[int, int]]:
+        """Each laid-out file this process maps: (its map's size, the part of it mapped in the page tables), kB."""
+        out, name = {}, None
+        for line in open("/proc/self/smaps"):
+            head = line.split()
+            if head and not head[0].endswith(":"):  # a map's first line: its range, ..., its file
+                name = head[5] if len(head) >= 6 and head[5] in sources else None
+            elif name and head[0] in ("Size:", "Rss:"):
+                size, rss = out.get(name, (0, 0))
+                out[name] = (size + int(head[1]), rss) if head[0] == "Size:" else (size, rss + int(head[1]))
+        return out
+
+    again = load_model(str(path), progress=False)  # the files just written: in the page cache
+    maps = mapped()
+    assert set(maps) == sources and all(rss == size for size, rss in maps.values())
+    del again
+    gc.collect()
+    monkeypatch.setattr(layout_cache, "_RESIDENT", 2.0)  # as if mostly on disk: left to fault in as read
+    cold = load_model(str(path), progress=False)
+    assert all(rss < size for size, rss in mapped().values())
+    del cold
 
 
 def test_a_damaged_file_of_laid_out_experts_is_laid_out_again(tmp_path, monkeypatch):

@@ -53,12 +53,13 @@ class SharedArgs(ctypes.Structure):
 
 class AttendArgs(ctypes.Structure):
     """lmhead_attend_args: one layer's rope, cache write and attention (body_kernels.h for shapes); shared: the
-    address of a SharedArgs or None, layer: which layer's part of its blocks."""
+    address of a SharedArgs or None, layer: which layer's part of its blocks; sinks: [H] float32 or None."""
 
     _fields_ = [("qk", _P), ("v", _P), ("cos", _P), ("sin", _P), ("keys", _P), ("values", _P), ("mask", _P),
                 ("out", _P), *((n, _I64) for n in ("qk_stride", "v_stride", "B", "T", "H", "Hkv", "hd", "cap",
                                                     "start")),
-                ("scaling", _F32), ("softcap", _F32), ("threads", _I32), ("shared", _P), ("layer", _I64)]
+                ("scaling", _F32), ("softcap", _F32), ("threads", _I32), ("shared", _P), ("layer", _I64),
+                ("sinks", _P)]
 
 
 class StepArgs(ctypes.Structure):

@@ -83,6 +83,37 @@ void lmhead_gated(const float* gate_up, float* out, int64_t rows, int64_t f, int
     }
 }
 
+/* gpt-oss's clamped SwiGLU (transformers' GptOssExperts): out [rows, F] = (up' + 1) · gate' · σ(α · gate') with
+ * gate_up [rows, 2F] = [gate | up], gate' = min(gate, limit), up' = up clamped to [−limit, limit] (a NaN stays a
+ * NaN, as torch's clamp keeps it), σ(z) = 1/(1 + e^{−z}) */
+void lmhead_swiglu_oai(const float* gate_up, float* out, int64_t rows, int64_t f, float alpha, float limit) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float* g = gate_up + r * 2 * f;
+        const float* u = g + f;
+        float* o = out + r * f;
+        int64_t i = 0;
+#ifdef __AVX2__
+        const __m256 one = _mm256_set1_ps(1.0f), a = _mm256_set1_ps(alpha);
+        const __m256 hi = _mm256_set1_ps(limit), lo = _mm256_set1_ps(-limit);
+        for (; i + 8 <= f; i += 8) {
+            const __m256 x = _mm256_loadu_ps(g + i), v = _mm256_loadu_ps(u + i);
+            /* min/max return their second operand where either is NaN: the NaN is that operand */
+            const __m256 gate = _mm256_min_ps(hi, x);
+            const __m256 up = _mm256_max_ps(lo, _mm256_min_ps(hi, v));
+            const __m256 z = _mm256_mul_ps(gate, a);
+            const __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), z))));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_add_ps(up, one), _mm256_mul_ps(gate, s)));
+        }
+#endif
+        for (; i < f; i++) {
+            const float gate = g[i] > limit ? limit : g[i];
+            const float up = u[i] > limit ? limit : (u[i] < -limit ? -limit : u[i]);
+            const float s = 1.0f / (1.0f + expf(-(gate * alpha)));
+            o[i] = (up + 1.0f) * (gate * s);
+        }
+    }
+}
+
 /* the most queries an attention work item takes together (lmhead_attend) */
 #define ATTEND_RUN 32
 
@@ -146,7 +177,9 @@ static inline __m256 dot8(const float* q, const float* k, int64_t hd) {
  *   the signed sin (−sin₁, sin₂)) on q and k; k and v written at the cache's
  *   columns start..start+T; then per query head h (key head h / (H/H_kv)) and token t over the L = start+T
  *   filled columns: scores = q·k·scaling (softcap·tanh(scores/softcap) when softcap > 0) + mask[b,t,:],
- *   softmax, out = Σ p·v.
+ *   softmax (with the head's sink logit in its denominator where `sinks` is given: gpt-oss, as transformers'
+ *   GptOss — the maximum over the scores and the sink subtracted, the sink's share going to no value),
+ *   out = Σ p·v.
  * The arguments are lmhead_attend_args' (body_kernels.h: shapes and layouts). Returns 0, or -1 without memory. */
 int lmhead_attend(const lmhead_attend_args* args) {
     const float *qk = args->qk, *v = args->v, *cos = args->cos, *sin = args->sin, *mask = args->mask;
@@ -154,6 +187,7 @@ int lmhead_attend(const lmhead_attend_args* args) {
     const int64_t qk_stride = args->qk_stride, v_stride = args->v_stride, B = args->B, T = args->T, H = args->H;
     const int64_t Hkv = args->Hkv, hd = args->hd, cap = args->cap, start = args->start;
     const float scaling = args->scaling, softcap = args->softcap;
+    const float* sinks = args->sinks;
     const int threads = args->threads;
     const int64_t half = hd / 2, L = start + T, group = H / Hkv;
     float* q = (float*)malloc(sizeof(float) * (size_t)(B * T * H * hd));
@@ -333,6 +367,8 @@ int lmhead_attend(const lmhead_attend_args* args) {
                     if (nk > 0 && nk < hi - lo) es = kept;
                     else nk = hi - lo; /* none dropped, or none kept (every column: transformers' uniform row) */
                 }
+                /* the row's maximum, the sink's logit counted */
+                const float mg = sinks && sinks[h] > mx[g] ? sinks[h] : mx[g];
                 float total = 0.f;
                 int64_t j = 0, scalar_from = 0;
 #ifdef __AVX2__
@@ -343,10 +379,10 @@ int lmhead_attend(const lmhead_attend_args* args) {
                  * of the chunk or the rows of the batch (the same bits alone, in a prefill chunk, a draft's
                  * verification or a server round; a decode step over every column, lo = 0 and hi = L, sums as
                  * before) */
-                if (mx[g] > -INFINITY) {
+                if (mg > -INFINITY) {
                     const int64_t vend = nk & ~(int64_t)7;
                     scalar_from = vend;
-                    const __m256 mm = _mm256_set1_ps(mx[g]), ninf = _mm256_set1_ps(-INFINITY);
+                    const __m256 mm = _mm256_set1_ps(mg), ninf = _mm256_set1_ps(-INFINITY);
                     __m256 tv = _mm256_setzero_ps();
                     for (; j + 8 <= vend; j += 8) {
                         const __m256 sv = _mm256_loadu_ps(es + j);
@@ -361,9 +397,10 @@ int lmhead_attend(const lmhead_attend_args* args) {
                 }
 #endif
                 for (j = scalar_from; j < nk; j++) {
-                    es[j] = expf(es[j] - mx[g]);
+                    es[j] = expf(es[j] - mg);
                     total += es[j];
                 }
+                if (sinks) total += expf(sinks[h] - mg);
                 if (es == kept) /* back to their columns; a dropped column's weight is 0 */
                     for (int64_t c2 = lo, i = 0; c2 < hi; c2++) pg[c2] = mrow[c2] > -FLT_MAX ? kept[i++] : 0.f;
                 inv[g] = 1.0f / total;

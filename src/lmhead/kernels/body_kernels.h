@@ -10,6 +10,7 @@ void lmhead_rms_norm(const float* x, const float* w, float* y, int64_t rows, int
 void lmhead_add_norm(const float* x, const float* a, const float* w_post, const float* w_pre, float* x_out,
                      float* h, int64_t rows, int64_t dim, float eps, int plus_one);
 void lmhead_gated(const float* gate_up, float* out, int64_t rows, int64_t f, int act);
+void lmhead_swiglu_oai(const float* gate_up, float* out, int64_t rows, int64_t f, float alpha, float limit);
 
 /* Columns that rows read from memory they share instead of their own (a prefix-cache hit's stored blocks:
  * models/kv_cache.py's SharedColumns; kernels/abi.py's SharedArgs mirrors it): row b's columns start[b] ..
@@ -39,6 +40,7 @@ typedef struct {
     int threads;
     const lmhead_shared* shared; /* NULL: every column is the row's own */
     int64_t layer;               /* which layer's part of the shared blocks */
+    const float* sinks;          /* [H]: a logit per query head in the softmax's denominator (gpt-oss), or NULL */
 } lmhead_attend_args;
 
 int lmhead_attend(const lmhead_attend_args* args);

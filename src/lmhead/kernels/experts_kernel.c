@@ -2,8 +2,9 @@
  * mul_mat_id does it): for rows x [N, D], each with k chosen experts and their router weights,
  *
  *   pairs (row, slot) ──grouped by expert, ascending; within an expert its rows ascending──▶ per expert e:
- *       the rows that chose it xg [n_e, D] ──gate_up_e (lmhead_coded_matmul)──▶ [n_e, 2F]
- *       ──lmhead_gated (act)──▶ [n_e, F] ──down_e (lmhead_coded_matmul)──▶ y [n_e, D]
+ *       the rows that chose it xg [n_e, D] ──gate_up_e (lmhead_coded_matmul)──▶ [n_e, 2F] (+ the expert's bias)
+ *       ──lmhead_gated (act), or gpt-oss's lmhead_swiglu_oai──▶ [n_e, F] ──down_e (lmhead_coded_matmul)──▶
+ *       y [n_e, D] (+ the expert's bias)
  *   out [N, D]: per row, 0 + y_e·w_e + ... over its experts in ascending expert order (a product then a sum, each
  *       rounded once: the torch sum `out[rows] += y * w` of models/moe.py, bit for bit)
  *
@@ -38,7 +39,7 @@ typedef struct {
     int64_t experts, n, k, group, flags;
 } lmhead_experts_mat;
 
-int lmhead_experts_abi(void) { return 1; }
+int lmhead_experts_abi(void) { return 2; }
 size_t lmhead_experts_mat_size(void) { return sizeof(lmhead_experts_mat); }
 
 static inline int product(const lmhead_experts_mat* m, int64_t e, const float* x, int64_t rows, float* y,
@@ -49,9 +50,27 @@ static inline int product(const lmhead_experts_mat* m, int64_t e, const float* x
                                o ? o + e * m->offset_stride : NULL, m->n, m->group, (int)m->flags, y, threads);
 }
 
+/* the experts' activation (`act`: lmhead_gated's code, or ACT_SWIGLU_OAI with its α and limit) and biases: gate_up
+ * [E, 2F] and down [E, D] float32, expert e's row e (NULL: none) */
+#define ACT_SWIGLU_OAI 2
+typedef struct {
+    const float* gate_up_bias;
+    const float* down_bias;
+    int act;
+    float alpha, limit;
+} experts_act;
+
+/* y [rows, n] += b, each row: torch's `y + b` */
+static inline void add_bias(float* y, const float* b, int64_t rows, int64_t n) {
+    if (!b) return;
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < n; j++) y[i * n + j] = y[i * n + j] + b[j];
+}
+
 /* expert e over its `rows` rows (their indices `which` into x): y [rows, D]; scratch holds rows·(D + 3F) floats */
 static int one_expert(const lmhead_experts_mat* gu, const lmhead_experts_mat* dn, int64_t e, const float* x,
-                      const int64_t* which, int64_t rows, int act, float* y, float* scratch, int threads) {
+                      const int64_t* which, int64_t rows, const experts_act* a, float* y, float* scratch,
+                      int threads) {
     const int64_t d = gu->k, f = dn->k;
     const float* xg = x + which[0] * d;
     if (rows > 1) { /* the rows that chose it, side by side (the per-expert path's x[rows]) */
@@ -62,8 +81,14 @@ static int one_expert(const lmhead_experts_mat* gu, const lmhead_experts_mat* dn
     float* gate_up = scratch;             /* [rows, 2F] */
     float* hidden = scratch + rows * 2 * f; /* [rows, F] */
     if (product(gu, e, xg, rows, gate_up, threads) != 0) return -1;
-    lmhead_gated(gate_up, hidden, rows, f, act);
-    return product(dn, e, hidden, rows, y, threads);
+    add_bias(gate_up, a->gate_up_bias ? a->gate_up_bias + e * 2 * f : NULL, rows, 2 * f);
+    if (a->act == ACT_SWIGLU_OAI)
+        lmhead_swiglu_oai(gate_up, hidden, rows, f, a->alpha, a->limit);
+    else
+        lmhead_gated(gate_up, hidden, rows, f, a->act);
+    if (product(dn, e, hidden, rows, y, threads) != 0) return -1;
+    add_bias(y, a->down_bias ? a->down_bias + e * d : NULL, rows, d);
+    return 0;
 }
 
 /* o += y·w over d floats: the product rounded, then the sum (torch's `y * w` then `+`) */
@@ -75,13 +100,18 @@ static inline void add_weighted(float* o, const float* y, float w, int64_t d) {
 }
 
 /* x [N, D] float32; chosen [N, k] int64 expert ids (distinct within a row); weights [N, k] float32; gate_up: each
- * expert [2F, D] (gate rows first), down: [D, F]; act: lmhead_gated's code; out [N, D]. 0, or -1 for arguments the
- * kernel does not take (an id out of range, a repeated id in a row, mismatched shapes, a product refused). */
+ * expert [2F, D] (gate rows first), down: [D, F]; act: lmhead_gated's code (0, 1) or 2, gpt-oss's clamped SwiGLU
+ * with `alpha` and `limit`; gate_up_bias [E, 2F], down_bias [E, D] float32 or NULL; out [N, D]. 0, or -1 for
+ * arguments the kernel does not take (an id out of range, a repeated id in a row, mismatched shapes, a product
+ * refused). */
 int lmhead_experts_mlp(const float* x, int64_t N, int64_t k, const int64_t* chosen, const float* weights,
-                       const lmhead_experts_mat* gu, const lmhead_experts_mat* dn, int act, float* out, int threads) {
+                       const lmhead_experts_mat* gu, const lmhead_experts_mat* dn, int act, float alpha, float limit,
+                       const float* gate_up_bias, const float* down_bias, float* out, int threads) {
     const int64_t E = gu->experts, d = gu->k, f = dn->k, P = N * k;
-    if (N < 0 || k < 1 || E < 1 || dn->experts != E || gu->n != 2 * f || dn->n != d || (act != 0 && act != 1))
+    if (N < 0 || k < 1 || E < 1 || dn->experts != E || gu->n != 2 * f || dn->n != d || act < 0 ||
+        act > ACT_SWIGLU_OAI)
         return -1;
+    const experts_act acts = {gate_up_bias, down_bias, act, alpha, limit};
     if (threads < 1) threads = 1;
     for (int64_t p = 0; p < P; p++) {
         if (chosen[p] < 0 || chosen[p] >= E) return -1;
@@ -144,7 +174,7 @@ int lmhead_experts_mlp(const float* x, int64_t N, int64_t k, const int64_t* chos
             float* mine = scratch;
 #endif
             const int64_t e = groups[g], a = start[e];
-            failed |= one_expert(gu, dn, e, x, rows_of + a, start[e + 1] - a, act, y + a * d, mine, 1) != 0;
+            failed |= one_expert(gu, dn, e, x, rows_of + a, start[e + 1] - a, &acts, y + a * d, mine, 1) != 0;
         }
         free(scratch);
         rc = failed ? -1 : 0;
@@ -159,7 +189,7 @@ int lmhead_experts_mlp(const float* x, int64_t N, int64_t k, const int64_t* chos
         memset(out, 0, (size_t)(N * d) * sizeof(float));
         for (int64_t g = 0; g < ngroups && rc == 0; g++) {
             const int64_t e = groups[g], a = start[e], n = start[e + 1] - a;
-            rc = one_expert(gu, dn, e, x, rows_of + a, n, act, ye, scratch, threads);
+            rc = one_expert(gu, dn, e, x, rows_of + a, n, &acts, ye, scratch, threads);
             for (int64_t i = 0; i < n && rc == 0; i++)
                 add_weighted(out + rows_of[a + i] * d, ye + i * d, weight_of[a + i], d);
         }

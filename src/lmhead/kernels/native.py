@@ -74,7 +74,7 @@ __all__ = ["BF16", "F16", "F32", "FLAGS", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4
            "row_moments", "row_scores", "screen_min_rows", "select_ge", "sub_sixteen", "topk", "topk_rows",
            "typical_row", "unblock4", "unpack4"]
 
-_ABI = 27  # lmhead_coded_abi() of the sources above
+_ABI = 28  # lmhead_coded_abi() of the sources above
 
 
 def _layout_mismatch(lib: ctypes.CDLL) -> str | None:
@@ -120,6 +120,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmhead_add_norm.restype = None
     lib.lmhead_gated.argtypes = [p, p, i64, i64, i32]
     lib.lmhead_gated.restype = None
+    lib.lmhead_swiglu_oai.argtypes = [p, p, i64, i64, f32, f32]
+    lib.lmhead_swiglu_oai.restype = None
     lib.lmhead_row_scores.argtypes = [p, i64, i64, p, p, p, i32]
     lib.lmhead_row_scores.restype = None
     lib.lmhead_row_greedy.argtypes = [p, i64, i64, p, p, i32]

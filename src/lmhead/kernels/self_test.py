@@ -212,7 +212,10 @@ def norms_and_gates(lib: ctypes.CDLL, g: torch.Generator) -> bool:
         lib.lmhead_gated(gu.data_ptr(), out.data_ptr(), 2, 40, act)
         if not close(out, fn(gu[:, :40]) * gu[:, 40:]):
             return False
-    return True
+    gu = gu * 6  # gpt-oss's clamped SwiGLU, its clamps reached
+    lib.lmhead_swiglu_oai(gu.data_ptr(), out.data_ptr(), 2, 40, 1.702, 7.0)
+    gate, up = gu[:, :40].clamp(max=7.0), gu[:, 40:].clamp(-7.0, 7.0)
+    return close(out, (up + 1) * (gate * torch.sigmoid(gate * 1.702)))
 
 
 def row_entry_points(lib: ctypes.CDLL, g: torch.Generator) -> bool:
@@ -290,25 +293,35 @@ def steps_test(lib: ctypes.CDLL, g: torch.Generator) -> bool:
 
 
 def attend_test(lib: ctypes.CDLL, g: torch.Generator) -> bool:
-    """lmhead_attend against torch: rope, cache write, masked grouped attention (2 query heads per key head)."""
+    """lmhead_attend against torch: rope, cache write, masked grouped attention (2 query heads per key head),
+    without and with a sink logit per head (gpt-oss)."""
     b, t, h, hkv, hd, cap, start = 2, 3, 4, 2, 8, 10, 4
     qk = torch.randn(b, t, h + hkv, hd, generator=g)
     v = torch.randn(b, t, hkv, hd, generator=g)
     cos, sin = torch.randn(b, t, hd, generator=g), torch.randn(b, t, hd, generator=g)
-    keys, values = torch.randn(b, hkv, cap, hd, generator=g), torch.randn(b, hkv, cap, hd, generator=g)
+    cache_k, cache_v = torch.randn(b, hkv, cap, hd, generator=g), torch.randn(b, hkv, cap, hd, generator=g)
     mask = torch.where(torch.rand(b, t, start + t, generator=g) < 0.3, -1e30, 0.0)
-    out = torch.empty(b, t, h * hd)
-    want_k, want_v = keys.clone(), values.clone()
-    rc = lib.lmhead_attend(AttendArgs(
-        qk=qk.data_ptr(), v=v.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), keys=keys.data_ptr(),
-        values=values.data_ptr(), mask=mask.data_ptr(), out=out.data_ptr(), qk_stride=(h + hkv) * hd,
-        v_stride=hkv * hd, B=b, T=t, H=h, Hkv=hkv, hd=hd, cap=cap, start=start, scaling=0.5, softcap=0.0, threads=2))
-    roped = qk * cos[:, :, None] + qk.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin[:, :, None]
-    want_k[:, :, start:start + t] = roped[:, :, h:].transpose(1, 2)
-    want_v[:, :, start:start + t] = v.transpose(1, 2)
-    q = roped[:, :, :h].transpose(1, 2)                                           # [B,H,T,hd]
-    kk = want_k[:, :, :start + t].repeat_interleave(h // hkv, dim=1)
-    vv = want_v[:, :, :start + t].repeat_interleave(h // hkv, dim=1)
-    scores = q @ kk.transpose(-1, -2) * 0.5 + mask[:, None]
-    want = (torch.softmax(scores, -1) @ vv).transpose(1, 2).reshape(b, t, h * hd)
-    return rc == 0 and close(out, want) and close(keys, want_k) and close(values, want_v)
+    for sinks in (None, torch.randn(h, generator=g) * 3):
+        keys, values = cache_k.clone(), cache_v.clone()
+        out = torch.empty(b, t, h * hd)
+        want_k, want_v = keys.clone(), values.clone()
+        rc = lib.lmhead_attend(AttendArgs(
+            qk=qk.data_ptr(), v=v.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), keys=keys.data_ptr(),
+            values=values.data_ptr(), mask=mask.data_ptr(), out=out.data_ptr(), qk_stride=(h + hkv) * hd,
+            v_stride=hkv * hd, B=b, T=t, H=h, Hkv=hkv, hd=hd, cap=cap, start=start, scaling=0.5, softcap=0.0,
+            threads=2, sinks=None if sinks is None else sinks.data_ptr()))
+        roped = qk * cos[:, :, None] + qk.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin[:, :, None]
+        want_k[:, :, start:start + t] = roped[:, :, h:].transpose(1, 2)
+        want_v[:, :, start:start + t] = v.transpose(1, 2)
+        q = roped[:, :, :h].transpose(1, 2)                                           # [B,H,T,hd]
+        kk = want_k[:, :, :start + t].repeat_interleave(h // hkv, dim=1)
+        vv = want_v[:, :, :start + t].repeat_interleave(h // hkv, dim=1)
+        scores = q @ kk.transpose(-1, -2) * 0.5 + mask[:, None]
+        if sinks is None:
+            probs = torch.softmax(scores, -1)
+        else:  # transformers' GptOss: the sink one more column of the softmax, dropped after it
+            probs = torch.softmax(torch.cat([scores, sinks.view(1, h, 1, 1).expand(b, h, t, 1)], -1), -1)[..., :-1]
+        want = (probs @ vv).transpose(1, 2).reshape(b, t, h * hd)
+        if not (rc == 0 and close(out, want) and close(keys, want_k) and close(values, want_v)):
+            return False
+    return True

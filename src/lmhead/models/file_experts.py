@@ -17,7 +17,6 @@ is converted to float32 but the router and the types without a code kernel.
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from lmhead.models.expert_layout import ExpertMatrices, build_experts
 from lmhead.models.gguf_codes import BLOCKS
 from lmhead.models.gguf_file import CODE_TYPES, DENSE_TYPES, GGUFFile, Header
 from lmhead.models.heap import trim_heap
-from lmhead.models.moe import MoE, swiglu_oai
+from lmhead.models.moe import MoE, SwigluOAI
 
 __all__ = ["moe_config", "read_moe"]
 
@@ -193,10 +192,10 @@ def read_moe(f: GGUFFile, layer: int, spec: ArchSpec, cfg: Any, vector, shared_l
             if router_bias is None or b is None or tuple(b.shape) != (down.experts, n):
                 raise ModelError(f"{f.path}: layer {layer}'s experts need the biases {p}{moe.router}.bias "
                                  f"[{down.experts}] and {p}{name}.bias [{down.experts}, {n}]")
-        gate_up_bias = list(torch.cat([gb, ub], dim=1))
-        down_bias = list(db)
+        gate_up_bias = torch.cat([gb, ub], dim=1)
+        down_bias = db.contiguous()
     if moe.act == "swiglu_oai":
-        act = partial(swiglu_oai, alpha=float(cfg.swiglu_alpha or 1.702), limit=float(cfg.swiglu_limit or 7.0))
+        act = SwigluOAI(alpha=float(cfg.swiglu_alpha or 1.702), limit=float(cfg.swiglu_limit or 7.0))
     shared_gate_up = shared_down = shared_gate = None
     if moe.shared_expert and p + moe.gguf_shared[0] + ".weight" in f.tensors:
         shared_gate_up = shared_linear([p + moe.gguf_shared[0] + ".weight", p + moe.gguf_shared[1] + ".weight"])

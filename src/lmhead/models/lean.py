@@ -24,8 +24,8 @@ Qwen2-MoE, Mixtral and gpt-oss); what differs between them is the table's row (`
 MLP blocks), not a check here. A layer's tensors are a `layer.Layer`. `LeanBody.supports(hf_model)` says whether
 a model is one of them; tests compare the hidden states with transformers' forward on tiny models of each family,
 and greedy tokens on the packaged models. Layers with experts take this torch forward (the one-call C step has no
-descriptor for them yet); their attention still runs in C (`lmhead_attend`), but for gpt-oss's, whose sinks the C
-attention lacks: its attention (sinks, sliding window) runs in `_attend`.
+descriptor for them yet); their attention still runs in C (`lmhead_attend`, gpt-oss's sinks and sliding window
+included), their experts in one C call (models/moe.py).
 """
 
 from __future__ import annotations
@@ -105,19 +105,17 @@ def _hf_gpt_oss_moe(mlp: nn.Module, spec, cfg) -> MoE:
     0, 2, … gate), so each expert's [2F, D] gate rows then up rows is a copy (as are their biases), made once;
     down_proj [E, F, D] is read transposed in place. A change of the model's expert weights after this is not
     seen by the body."""
-    from functools import partial
-
-    from lmhead.models.moe import swiglu_oai
+    from lmhead.models.moe import SwigluOAI
 
     experts, router = mlp.experts, mlp.router
     gate_up = experts.gate_up_proj.detach().transpose(1, 2)                     # [E, 2F, D]
     bias = experts.gate_up_proj_bias.detach()                                  # [E, 2F]
     return MoE(router=router.weight.detach(), router_bias=router.bias.detach(),
                gate_up=[torch.cat([w[0::2], w[1::2]]) for w in gate_up],
-               gate_up_bias=[torch.cat([b[0::2], b[1::2]]) for b in bias],
-               down=[w.t() for w in experts.down_proj.detach()], down_bias=list(experts.down_proj_bias.detach()),
+               gate_up_bias=torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1),
+               down=[w.t() for w in experts.down_proj.detach()], down_bias=experts.down_proj_bias.detach(),
                top_k=router.top_k, renormalise=False, softmax_after_topk=spec.softmax_after_topk,
-               act=partial(swiglu_oai, alpha=float(cfg.swiglu_alpha), limit=float(cfg.swiglu_limit)))
+               act=SwigluOAI(alpha=float(cfg.swiglu_alpha), limit=float(cfg.swiglu_limit)))
 
 
 def _fuse_bias(linears: list[nn.Linear]) -> Tensor | None:
@@ -503,8 +501,7 @@ class LeanBody(NativeStep):
             qk = qkv[..., :nq + nkv].unflatten(-1, (self.heads + self.kv_heads, self.head_dim))
             if layer.q_norm is not None:
                 qk = self.norm(qk, self._qk_norm(layer))
-            a = None if layer.sinks is not None else \
-                self._attention_native(qk, qkv, cos, sin, cache, i, start, masks[layer.sliding])
+            a = self._attention_native(qk, qkv, cos, sin, cache, i, start, masks[layer.sliding], layer.sinks)
             if a is None:
                 cache.materialise()  # torch reads each row's own columns (shared runs copied in: StaticCache)
                 qk = self._rope(qk, cos, sin).transpose(1, 2)

@@ -135,9 +135,9 @@ class NativeStep:
 
     def shares_columns(self) -> bool:
         """Whether a cache's rows may read their prompt beginnings from shared blocks (`StaticCache.shared`)
-        instead of copies: the C attention serves every layer (a float32 cache on the CPU, no sinks)."""
+        instead of copies: the C attention serves every layer (a float32 cache on the CPU, float32 sinks)."""
         return (self.native is not None and self.dtype == torch.float32 and torch.device(self.device).type == "cpu"
-                and all(layer.sinks is None for layer in self.layers))
+                and all(layer.sinks is None or layer.sinks.dtype == torch.float32 for layer in self.layers))
 
     @staticmethod
     def _shared_args(cache: StaticCache) -> int | None:
@@ -256,13 +256,16 @@ class NativeStep:
         return h
 
     def _attention_native(self, qk: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, cache: StaticCache, i: int,
-                          start: int, mask: Tensor | None) -> Tensor | None:
+                          start: int, mask: Tensor | None, sinks: Tensor | None = None) -> Tensor | None:
         """Rope, the cache write and attention of layer i in one C call (`lmhead_attend`) → [B,T,H·hd], or None
-        where the torch path must run (no library, a layout it does not take)."""
+        where the torch path must run (no library, a layout it does not take). `sinks` [H]: gpt-oss's logit per
+        head in the softmax's denominator."""
         keys, values = cache.keys[i], cache.values[i]
-        lib = self._native(qk, qkv, cos, sin, keys)
+        lib = self._native(qk, qkv, cos, sin, keys, *(() if sinks is None else (sinks,)))
         if lib is None or not (qkv.is_contiguous() and keys.is_contiguous() and values.is_contiguous()):
             return None
+        if sinks is not None:
+            sinks = sinks.detach().contiguous()
         b, t = qkv.shape[:2]
         width = qkv.shape[-1]
         if qk.data_ptr() == qkv.data_ptr():  # no q/k norm: the heads are read in place from qkv
@@ -279,7 +282,8 @@ class NativeStep:
             values=values.data_ptr(), mask=None if mask is None else mask.data_ptr(), out=out.data_ptr(),
             qk_stride=qk_stride, v_stride=width, B=b, T=t, H=self.heads, Hkv=self.kv_heads, hd=self.head_dim,
             cap=cache.capacity, start=start, scaling=self.scaling, softcap=self.attn_softcap or 0.0,
-            threads=torch.get_num_threads(), shared=self._shared_args(cache), layer=i))
+            threads=torch.get_num_threads(), shared=self._shared_args(cache), layer=i,
+            sinks=None if sinks is None else sinks.data_ptr()))
         if rc != 0:
             raise MemoryError("lmhead_attend could not allocate its buffers")
         return out

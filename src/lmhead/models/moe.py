@@ -31,7 +31,7 @@ from lmhead.models.coded_linear import CodedLinear
 from lmhead.models.expert_layout import ExpertMatrices
 from lmhead.models.row_blocks import RowBlocks
 
-__all__ = ["MoE", "Routing", "route", "swiglu_oai"]
+__all__ = ["MoE", "Routing", "SwigluOAI", "route", "swiglu_oai"]
 
 Matrix = CodedLinear | RowBlocks | Tensor
 Experts = ExpertMatrices | list[Matrix]  # a layer's experts of one product: one object, or one matrix each
@@ -88,13 +88,36 @@ def swiglu_oai(gate_up: Tensor, alpha: float = 1.702, limit: float = 7.0) -> Ten
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+@dataclass(frozen=True)
+class SwigluOAI:
+    """gpt-oss's experts' activation (`swiglu_oai` with its `alpha` and `limit`); the C tier's is
+    body_kernels.c's lmhead_swiglu_oai (`native`), the one the experts kernel runs."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate_up: Tensor) -> Tensor:
+        return swiglu_oai(gate_up, self.alpha, self.limit)
+
+    def native(self, gate_up: Tensor) -> Tensor:
+        """The same on float32 gate_up [.., 2F] by the C kernel (its exp within 2 ulp of torch's)."""
+        from lmhead.kernels import native
+
+        gate_up = gate_up.contiguous()
+        f = gate_up.shape[-1] // 2
+        out = gate_up.new_empty((*gate_up.shape[:-1], f))
+        native.library().lmhead_swiglu_oai(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * f), f,
+                                           self.alpha, self.limit)
+        return out
+
+
 @dataclass
 class MoE:
     """One layer's experts: `router` [E,D] float32, per expert `gate_up` [2F,D] (gate rows first) and `down`
     [D,F]; `top_k`, `renormalise` (the routing rule); optionally the shared expert (`shared_gate_up`,
-    `shared_down`) and its gate `shared_gate` [1,D]. gpt-oss: `router_bias` [E], each expert's `gate_up_bias`
-    [2F] and `down_bias` [D], `softmax_after_topk`, and `act` — the experts' own gated activation
-    (`swiglu_oai`) in place of the body's."""
+    `shared_down`) and its gate `shared_gate` [1,D]. gpt-oss: `router_bias` [E], the experts' `gate_up_bias`
+    [E,2F] and `down_bias` [E,D] (row e expert e's), `softmax_after_topk`, and `act` — the experts' own gated
+    activation (`SwigluOAI`) in place of the body's."""
 
     router: Tensor
     gate_up: Experts
@@ -105,10 +128,10 @@ class MoE:
     shared_down: Matrix | None = None
     shared_gate: Tensor | None = None
     router_bias: Tensor | None = None
-    gate_up_bias: list[Tensor] | None = None
-    down_bias: list[Tensor] | None = None
+    gate_up_bias: Tensor | None = None
+    down_bias: Tensor | None = None
     softmax_after_topk: bool = False
-    act: Callable[[Tensor], Tensor] | None = None
+    act: SwigluOAI | None = None
 
     def __post_init__(self) -> None:
         experts = self.router.shape[0]
@@ -117,6 +140,9 @@ class MoE:
                              f"{len(self.down)}")
         if not 1 <= self.top_k <= experts:
             raise ValueError(f"top_k must be in [1, {experts}], got {self.top_k}")
+        for name, b in (("gate_up_bias", self.gate_up_bias), ("down_bias", self.down_bias)):
+            if b is not None and (b.dim() != 2 or b.shape[0] != experts):
+                raise ValueError(f"{name} must be [{experts}, width], got {list(b.shape)}")
 
     @property
     def experts(self) -> int:
@@ -128,7 +154,7 @@ class MoE:
         experts = [m for mats in (self.gate_up, self.down)
                    for m in ([mats] if isinstance(mats, ExpertMatrices) else mats)]
         mats = [*experts, self.shared_gate_up, self.shared_down, self.shared_gate, self.router,
-                self.router_bias, *(self.gate_up_bias or ()), *(self.down_bias or ())]
+                self.router_bias, self.gate_up_bias, self.down_bias]
         return sum(m.nbytes for m in mats if m is not None)
 
     def route(self, h: Tensor) -> Routing:
@@ -138,10 +164,12 @@ class MoE:
 
     def one_call(self, x: Tensor, act_code: int | None) -> bool:
         """Whether rows x [N,D] take experts_kernel.c's one call for the chosen experts (`_experts`' numbers, bit
-        for bit): experts from a file's codes without biases or an own activation, the body's `gated` being
-        `lmhead_gated` with `act_code`, float32 rows on the CPU outside autograd, the kernel built."""
-        return (act_code is not None and self.act is None and self.gate_up_bias is None
-                and isinstance(self.gate_up, ExpertMatrices) and isinstance(self.down, ExpertMatrices)
+        for bit): experts from a file's codes (with float32 biases or none), the body on its C tier (`act_code`:
+        its `gated` is `lmhead_gated` with this code; the experts' own activation is then the C one too), float32
+        rows on the CPU outside autograd, the kernel built."""
+        return (act_code is not None and isinstance(self.gate_up, ExpertMatrices)
+                and isinstance(self.down, ExpertMatrices)
+                and all(b is None or b.dtype == torch.float32 for b in (self.gate_up_bias, self.down_bias))
                 and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
                 and experts_kernel.available())
 
@@ -153,10 +181,17 @@ class MoE:
         x = h.reshape(-1, shape[-1])                                        # [N,D]
         r = self.route(x)
         if self.one_call(x, act_code):
+            act = self.act or SwigluOAI()
             out = experts_kernel.mlp(x.contiguous(), r.experts, r.weights, self.gate_up.desc, self.down.desc,
-                                     act_code)
+                                     act_code if self.act is None else experts_kernel.SWIGLU_OAI, self.gate_up_bias,
+                                     self.down_bias, act.alpha, act.limit)
         else:
-            out = self._experts(x, r, self.act or gated)
+            # the experts' own activation on the body's tier: the C one beside the C `gated` (the one call's bits),
+            # torch's beside torch's
+            own = self.act
+            if own is not None and act_code is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+                own = own.native
+            out = self._experts(x, r, own or gated)
         if self.shared_gate_up is not None:
             shared = _product(gated(_product(x, self.shared_gate_up)), self.shared_down)
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
