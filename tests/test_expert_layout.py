@@ -57,6 +57,32 @@ def test_each_expert_laid_out_at_once_is_the_matrix_its_codes_make_alone(kind):
     assert held.sub == (TYPES[kind].subscales is not None)  # every K-quant's scales as its blocks hold them
 
 
+@pytest.mark.parametrize("k", [512, 320])
+def test_mxfp4_experts_hold_the_files_exponent_bytes_and_multiply_as_their_float32_numbers(k):
+    """Every exponent a product can meet without overflowing (the subnormal scales 2^-128 and 2^-127 and those
+    float16 cannot hold among them): the exponent bytes' products are the float32 scales' bits."""
+    experts, f = 2, 8
+    gate, up = _blocks("MXFP4", experts * f, k, 3), _blocks("MXFP4", experts * f, k, 4)
+    rng = np.random.default_rng(5)
+    for rows in (gate, up):
+        b = rows.reshape(-1, 17)
+        b[:, 0] = rng.integers(0, 241, len(b))
+        b[:4, 0] = [0, 1, 2, 240]
+    held = build_experts("MXFP4", [gate, up], [f, f], experts, k)
+    assert held.scale.dtype == torch.uint8 and held.nbytes == experts * 2 * f * k // 32 * 17  # the file's bytes
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
+    tiny = torch.zeros_like(x)
+    tiny[:, :64] = x[:, :64]  # only the groups of exponents 0 and 1 (expert 0's first row): subnormal sums
+    for e in range(experts):
+        alone = _one_matrix("MXFP4", np.concatenate([gate[e * f:(e + 1) * f], up[e * f:(e + 1) * f]]), 2 * f, k)
+        assert alone.scale.dtype == torch.float32  # numbers float16 cannot hold
+        assert torch.equal(held[e].dequantize(), alone.dequantize())
+        for m in (1, 3):
+            assert torch.equal(held.product(e, x[:m]), alone(x[:m]))
+            got = held.product(e, tiny[:m])
+            assert torch.equal(got, alone(tiny[:m])) and (e > 0 or bool(got[:, 0].ne(0).all()))
+
+
 @pytest.mark.parametrize("kind", sorted(t.name for t in TYPES.values() if t.four_bit))
 def test_packed_codes_are_the_bytes_of_the_kernels_packing(kind):
     t = TYPES[kind]

@@ -39,6 +39,7 @@ def test_a_tiny_gpt_oss_gguf_runs_from_its_codes_with_transformers_numbers(tmp_p
     from tiny_gguf import assert_matches_reference
 
     from lmhead.models.expert_layout import ExpertMatrices, expert_nbytes
+    from lmhead.models.gguf_file import GGUFFile
 
     path, model = _load(tmp_path, monkeypatch, kind)
     moe = model.lean.layers[0].moe
@@ -49,8 +50,11 @@ def test_a_tiny_gpt_oss_gguf_runs_from_its_codes_with_transformers_numbers(tmp_p
     # the experts take what the memory check counted for them before loading
     assert moe.gate_up.nbytes + moe.down.nbytes == expert_nbytes(kind, experts, 2 * f, d) + expert_nbytes(
         kind, experts, d, f)
-    if kind == "MXFP4":  # two codes a byte and a float16 exponent per 32: 18 bytes where the file has 17
-        assert moe.gate_up[0].packed and moe.gate_up.scale.dtype == torch.float16
+    if kind == "MXFP4":  # two codes a byte and the exponent byte per 32: the file's 17 bytes
+        assert moe.gate_up[0].packed and moe.gate_up.scale.dtype == torch.uint8
+        tensors = GGUFFile(path).tensors
+        assert moe.gate_up.nbytes + moe.down.nbytes == sum(
+            int(tensors[f"blk.0.{n}.weight"].n_bytes) for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
     assert [layer.sliding for layer in model.lean.layers] == [True, False]
     ref = _reference(path)
     ids = torch.tensor([model.encode(TEXT)])

@@ -89,6 +89,22 @@ static inline float half_to_float(uint16_t h) {
     return v.f;
 }
 
+/* E8M0 scale bytes → their float32 numbers (lmhead_e8m0), eight at a time: (e − 1) << 23, or the two subnormals */
+static void e8m0_to_floats(const uint8_t* e, float* f, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    const __m256i one = _mm256_set1_epi32(1), two = _mm256_set1_epi32(2), sub = _mm256_set1_epi32(0x00200000);
+    for (; i + 8 <= n; i += 8) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(e + i)));
+        const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(v, one), 23);
+        const __m256i tiny = _mm256_sllv_epi32(sub, v); /* e = 0, 1: 0x00200000 << e */
+        const __m256i small = _mm256_cmpgt_epi32(two, v);
+        _mm256_storeu_ps(f + i, _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, small)));
+    }
+#endif
+    for (; i < n; i++) f[i] = lmhead_e8m0(e[i]);
+}
+
 static void halves_to_floats(const uint16_t* h, float* f, int64_t n) {
     int64_t i = 0;
 #if defined(__AVX2__) && defined(__F16C__)
@@ -141,11 +157,15 @@ static void sub_floats(const void* buf, int64_t N, int64_t K, int64_t ng, int64_
 }
 
 /* rows n0 .. n0 + nr − 1's scales (or offsets) as float32 [nr, ng]: the stored floats themselves, or converted
- * into tmp (float16: HALF; d·sub: SUB) */
+ * into tmp (half 1, float16: HALF; half 2, exponent bytes: E8M0; d·sub: SUB) */
 static inline const float* rows_scales(const void* base, int64_t N, int64_t K, int64_t ng, int64_t n0, int64_t nr,
                                        int half, int sub, float* tmp) {
     if (sub) {
         sub_floats(base, N, K, ng, n0, nr, tmp);
+        return tmp;
+    }
+    if (half == 2) {
+        e8m0_to_floats((const uint8_t*)base + n0 * ng, tmp, nr * ng);
         return tmp;
     }
     if (half) {
@@ -167,7 +187,7 @@ static inline void fetch_scales(const void* base, int64_t N, int64_t K, int64_t 
         for (int64_t p = 0; p < nr * ng; p += 64) _mm_prefetch(sb + p, _MM_HINT_T0);
         return;
     }
-    const size_t bytes = half ? 2 : 4;
+    const size_t bytes = half == 2 ? 1 : half ? 2 : 4;
     const char* b = (const char*)base + (size_t)n0 * ng * bytes;
     for (int64_t p = 0; p < nr * ng * (int64_t)bytes; p += 64) _mm_prefetch(b + p, _MM_HINT_T0);
 #else
@@ -175,7 +195,7 @@ static inline void fetch_scales(const void* base, int64_t N, int64_t K, int64_t 
 #endif
 }
 
-int lmhead_coded_abi(void) { return 28; }
+int lmhead_coded_abi(void) { return 29; }
 
 /* whether sub_floats makes sixteen d·sub products an instruction (AVX-512): where it does, a dense matrix of a
  * K-quant with groups of 32 holds its scales as the blocks do too (models/gguf_file.py) */
@@ -1324,7 +1344,10 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
     }
     const int table = lmhead_table_of(flags);
     const int packed = !(flags & LMHEAD_PACKED) ? 0 : table >= 0 ? 3 + table : (flags & LMHEAD_SIGNED4) ? 2 : 1;
-    const int half = (flags & LMHEAD_HALF) != 0, rows4 = (flags & LMHEAD_ROWS4) != 0;
+    /* half: 1 float16 scales, 2 E8M0 bytes (rows_scales) */
+    const int half = (flags & LMHEAD_HALF) ? 1 : (flags & LMHEAD_E8M0) ? 2 : 0, rows4 = (flags & LMHEAD_ROWS4) != 0;
+    if ((flags & LMHEAD_HALF) && (flags & LMHEAD_E8M0)) return -1;
+    if (half == 2 && offset) return -1;
     /* the nibbles' meaning: at most one of SIGNED4 and the tables, only with PACKED; a table without offsets */
     const int levels = flags & (LMHEAD_SIGNED4 | LMHEAD_TABLE_FLAGS);
     if (levels && (!packed || (offset && levels != LMHEAD_SIGNED4) || (levels & (levels - 1)))) return -1;

@@ -61,7 +61,9 @@ static void coded_row(const lmhead_mat* m, int64_t n, float* out) {
                                   : (float)(int8_t)(*byte);
         const int64_t g = n * ng + k / m->group;
         float s = sub ? sub_value(m->scale, m->n, K, ng, n, k / m->group)
-                      : half ? lmhead_half(((const uint16_t*)m->scale)[g]) : ((const float*)m->scale)[g];
+                      : half ? lmhead_half(((const uint16_t*)m->scale)[g])
+                      : (m->flags & LMHEAD_E8M0) ? lmhead_e8m0(((const uint8_t*)m->scale)[g])
+                                                 : ((const float*)m->scale)[g];
         float w = code * s;
         if (m->offset)
             w = w + (sub ? sub_value(m->offset, m->n, K, ng, n, k / m->group)

@@ -17,12 +17,13 @@
 #define LMHEAD_SUB 128    /* scales (and offsets) as a K-quant file holds them: see coded_kernel.c's sub_floats */
 #define LMHEAD_F32 256    /* codes: the file's float32 weights [N, K] (no scales): see dense32_matmul */
 #define LMHEAD_MXFP4 512  /* with PACKED: the nibbles index MXFP4's sixteen levels (e2m1 doubled), no offsets */
+#define LMHEAD_E8M0 1024  /* scales: one byte e a group, the number 2^(e − 128) (MXFP4's exponents; lmhead_e8m0) */
 
 /* every flag, in native.py's order */
 #define LMHEAD_FLAG_VALUES                                                                                    \
     LMHEAD_PACKED, LMHEAD_HALF, LMHEAD_ROWS4, LMHEAD_F16, LMHEAD_BF16, LMHEAD_SIGNED4, LMHEAD_IQ4, LMHEAD_SUB, \
-        LMHEAD_F32, LMHEAD_MXFP4
-#define LMHEAD_N_FLAGS 10
+        LMHEAD_F32, LMHEAD_MXFP4, LMHEAD_E8M0
+#define LMHEAD_N_FLAGS 11
 
 /* the level tables (X(flag, sixteen integer levels in index order)): the code of a weight whose nibble holds
  * index i is the table's i-th integer, its number code·scale. Table t of the kernels is the t-th entry; packed
@@ -36,6 +37,14 @@
 
 #define LMHEAD_NIBBLE_ORDER(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15) \
     a8, a9, a10, a11, a12, a13, a14, a15, a0, a1, a2, a3, a4, a5, a6, a7
+
+/* an E8M0 scale byte as the float32 2^(e − 128) the doubled e2m1 levels are multiplied by (ggml's
+ * ggml_e8m0_to_fp32_half): e ≥ 2 a normal number, e < 2 the subnormals 2^−128 and 2^−127 — every one exact */
+static inline float lmhead_e8m0(uint8_t e) {
+    union { uint32_t u; float f; } v;
+    v.u = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    return v.f;
+}
 
 /* the table index of a layout's flags (−1: none) */
 static inline int lmhead_table_of(int flags) {

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from lmhead import checks
 from lmhead.kernels import native
-from lmhead.models.quant_types import LAYOUT_FLAGS, LEVELS
+from lmhead.models.quant_types import LAYOUT_FLAGS, LEVELS, e8m0_numbers
 
 __all__ = ["SCREEN_CAP", "CodedLinear", "SubScales", "coded_available", "coded_product"]
 
@@ -232,6 +232,7 @@ class CodedLinear:
         self.versions = tuple(t._version for t in self.sources)
         self.out_features, self.in_features = n, k
         self._norms: Tensor | None = None  # ‖w_n‖₂ per row for `screen`, made on its first call
+        self.e8m0 = False  # scales as MXFP4's exponent bytes (uint8: `native.E8M0`)
         if self.dense:
             self.half, self.scale, self.offset = False, None, None
             return
@@ -243,6 +244,9 @@ class CodedLinear:
             return
         if as_is:
             self.half, self.scale, self.offset = scale.dtype == torch.float16, scale, offset
+            self.e8m0 = scale.dtype == torch.uint8
+            if self.e8m0 and offset is not None:
+                raise TypeError("exponent-byte scales (uint8) have no offsets")
             return
         scale, offset = scale.float(), None if offset is None else offset.float()
         # scales and offsets that are float16 numbers (the d and m of Q4_0/Q4_1/Q5_0/Q8_0 blocks) are kept as
@@ -265,7 +269,8 @@ class CodedLinear:
             return {torch.float16: native.F16, torch.bfloat16: native.BF16}.get(self.codes.dtype, native.F32)
         levels = LAYOUT_FLAGS[self.four_bit] if self.packed else 0
         return ((native.PACKED | levels if self.packed else 0) | (native.HALF if self.half else 0)
-                | (native.ROWS4 if self.rows4 else 0) | (native.SUB if self.sub else 0))
+                | (native.ROWS4 if self.rows4 else 0) | (native.SUB if self.sub else 0)
+                | (native.E8M0 if self.e8m0 else 0))
 
     @property
     def nbytes(self) -> int:
@@ -285,8 +290,12 @@ class CodedLinear:
             if self.four_bit in LEVELS:
                 codes = torch.from_numpy(LEVELS[self.four_bit])[codes.long()]
         n, k = codes.shape
-        scale, offset = ((self._subs[0].floats(), None if self._subs[1] is None else self._subs[1].floats())
-                         if self.sub else (self.scale.float(), None if self.offset is None else self.offset.float()))
+        if self.sub:
+            scale, offset = self._subs[0].floats(), None if self._subs[1] is None else self._subs[1].floats()
+        elif self.e8m0:
+            scale, offset = torch.from_numpy(e8m0_numbers(self.scale.numpy())), None
+        else:
+            scale, offset = self.scale.float(), None if self.offset is None else self.offset.float()
         w = codes.float().view(n, -1, self.group) * scale[..., None]
         if offset is not None:
             w = w + offset[..., None]

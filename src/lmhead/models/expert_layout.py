@@ -181,7 +181,7 @@ def expert_nbytes(kind: str, experts: int, n: int, k: int) -> int:
     if _sub(kind, k):
         per = n * (k // 256 * 4 + ng)
     else:
-        per = n * ng * (2 if (t.half or t.e8m0_at) and ng <= native.HALF_MAX_GROUPS else 4)
+        per = n * ng * ((1 if t.e8m0_at else 2) if (t.half or t.e8m0_at) and ng <= native.HALF_MAX_GROUPS else 4)
     return experts * (n * (k // 2 if four_bit else k) + per * (2 if t.offset else 1))
 
 
@@ -220,7 +220,10 @@ def build_experts(kind: str, parts: list[np.ndarray], rows: list[int], experts: 
         views = [(b[:, :n * nsup * 4].view(torch.float32).view(experts, n, nsup),
                   b[:, n * nsup * 4:].view(torch.int8).view(experts, n, ng)) for b in (scale, offset) if b is not None]
     else:
-        dtype = torch.float16 if t.half and ng <= native.HALF_MAX_GROUPS else torch.float32
+        # MXFP4's exponents as the blocks' bytes (E8M0), the others' float16 numbers where they are
+        exponents = bool(t.e8m0_at) and ng <= native.HALF_MAX_GROUPS
+        dtype = (torch.uint8 if exponents else torch.float16 if t.half and ng <= native.HALF_MAX_GROUPS
+                 else torch.float32)
         scale = torch.empty((experts, n, ng), dtype=dtype)
         offset = torch.empty_like(scale) if t.offset else None
     a = 0
@@ -235,6 +238,9 @@ def build_experts(kind: str, parts: list[np.ndarray], rows: list[int], experts: 
                 for (dv, sv), (dd, ss) in zip(views, ((d, sc), (dmin, mn)), strict=False):
                     dv[e0:e1, a:a + rp] = torch.from_numpy(dd.reshape(e1 - e0, rp, -1))
                     sv[e0:e1, a:a + rp] = torch.from_numpy(ss.reshape(e1 - e0, rp, ng))
+            elif exponents:
+                col = np.ascontiguousarray(blocks[:, t.e8m0_at[0]])  # a copy: the map is read-only
+                scale[e0:e1, a:a + rp] = torch.from_numpy(col.reshape(e1 - e0, rp, ng))
             else:
                 s, o = block_scales(kind, blocks)
                 scale[e0:e1, a:a + rp] = torch.from_numpy(s.reshape(e1 - e0, rp, ng))

@@ -30,7 +30,7 @@ import numpy as np
 
 from lmhead.kernels import native
 
-__all__ = ["LAYOUT_FLAGS", "LEVELS", "TYPES", "QuantType"]
+__all__ = ["LAYOUT_FLAGS", "LEVELS", "TYPES", "QuantType", "e8m0_numbers"]
 
 # the level tables a packed nibble indexes (native.LEVELS, the header's), by CodedLinear's `four_bit` name
 LEVELS: dict[str, np.ndarray] = {"iq4": np.array(native.LEVELS[native.IQ4], dtype=np.int8),
@@ -66,7 +66,8 @@ class QuantType:
         """Bytes the kernel's layout of `count` weights of this type takes: codes, scales and offsets. `sub`: the
         scales held as the blocks hold them (SUB; a mixture's experts hold every K-quant so, `subscales`), default
         the type's `sub` (a dense layer's). MXFP4's exponents count as float32 numbers (a matrix holds them as
-        float16 where every one is a float16 number, 2^-24 … 2^15: `expert_layout.expert_nbytes` counts that)."""
+        float16 where every one is a float16 number, 2^-24 … 2^15; a mixture's experts as the blocks' bytes:
+        `expert_layout.expert_nbytes` counts those)."""
         groups = count // self.group
         if self.sub if sub is None else sub:
             per_group, per_block = 1, 4
@@ -163,7 +164,7 @@ def _q2k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return d * (sc & np.uint8(15)).astype(np.float32), -(dmin * (sc >> np.uint8(4)).astype(np.float32))
 
 
-def _e8m0_half(e: np.ndarray) -> np.ndarray:
+def e8m0_numbers(e: np.ndarray) -> np.ndarray:
     """MXFP4's exponent byte as the float32 2^(e − 128) ggml multiplies the doubled levels by
     (ggml_e8m0_to_fp32_half: e < 2 are the subnormals 2^−128 and 2^−127)."""
     e = e.astype(np.uint32)
@@ -238,7 +239,7 @@ TYPES: dict[str, QuantType] = {t.name: t for t in (
     # gpt-oss's experts: an E8M0 exponent byte and 32 e2m1 nibbles (low nibbles the first 16 weights); the code is
     # the doubled level, the scale 2^(e − 128) (a float32 number, not a float16 one for most e)
     _T("MXFP4", 32, 17, 32, "mxfp4", False, False, False, (),
-       lambda b: LEVELS["mxfp4"][_nibbles(b[:, 1:], 32)], lambda b: (_e8m0_half(b[:, 0:1]), None), e8m0_at=(0,),
+       lambda b: LEVELS["mxfp4"][_nibbles(b[:, 1:], 32)], lambda b: (e8m0_numbers(b[:, 0:1]), None), e8m0_at=(0,),
        nibbles=(1, 32)),
 )}
 del _T
