@@ -238,15 +238,16 @@ def test_gpt_oss_prompts_decoded_together_with_drafts_verified_get_transformers_
 
 
 @pytest.mark.parametrize("kind", ["MXFP4", "Q8_0"])
-def test_gpt_oss_experts_in_one_call_with_their_biases_are_the_per_expert_calls_bits(tmp_path, monkeypatch, kind):
+def test_gpt_oss_layers_in_the_c_step_are_the_per_primitive_and_per_expert_paths_bits(tmp_path, monkeypatch, kind):
     from lmhead.kernels import experts as experts_kernel
     from lmhead.models import moe as moe_module
+    from lmhead.models.lean import LeanBody
 
     if not experts_kernel.available():
         pytest.skip("the experts kernel is not built")
     _, model = _load(tmp_path, monkeypatch, kind)
     lean = model.lean
-    calls = []  # the one C call's activation codes
+    calls = []  # the experts kernel's calls from Python: their activation codes
     real_mlp = moe_module.experts_kernel.mlp
     monkeypatch.setattr(moe_module.experts_kernel, "mlp", lambda *a: calls.append(a[5]) or real_mlp(*a))
     prompts = [model.encode("The cat sat on the mat."), model.encode("Numbers: 1 2 3")]
@@ -263,16 +264,20 @@ def test_gpt_oss_experts_in_one_call_with_their_biases_are_the_per_expert_calls_
                 hs.append(lean(model.exact_head(hs[-1][:, -1:]).argmax(-1), positions[:, -1:] + step + 1, cache))
         return hs
 
-    one_call = run()
+    whole_step = run()  # every layer in the C step: attention with sinks and o's bias, the router called back
+    assert lean._step_descs() is not None and not calls
     moe_layers = [layer.moe for layer in lean.layers if layer.moe is not None]
-    assert calls == [experts_kernel.SWIGLU_OAI] * 4 * len(moe_layers)
     assert all(m.gate_up_bias is not None and m.down_bias is not None for m in moe_layers)
+    monkeypatch.setattr(LeanBody, "_in_step", staticmethod(lambda layer: False))  # the per-primitive path
+    lean._descs = None
+    one_call = run()
+    assert calls == [experts_kernel.SWIGLU_OAI] * 4 * len(moe_layers)
     monkeypatch.setattr(moe_module.experts_kernel, "available", lambda: False)  # one product call per expert
     calls.clear()
     per_expert = run()
     assert not calls
-    for got, want in zip(one_call, per_expert, strict=True):
-        assert torch.equal(got, want)
+    for a, b, c in zip(whole_step, one_call, per_expert, strict=True):
+        assert torch.equal(a, b) and torch.equal(b, c)
 
 
 def test_the_c_clamped_swiglu_is_torchs_within_float32_rounding_nan_and_clamps_included():
@@ -300,6 +305,8 @@ def test_gpt_oss_attention_with_its_sinks_runs_in_c_with_the_torch_attentions_nu
         pytest.skip("the native kernels are not built")
     ids = torch.tensor([model.encode(TEXT)])
     positions = torch.arange(ids.shape[1])[None]
+    monkeypatch.setattr(LeanBody, "_in_step", staticmethod(lambda layer: False))  # layer by layer, not the C step
+    lean._descs = None
     taken = []
     real = LeanBody._attention_native
     monkeypatch.setattr(LeanBody, "_attention_native",

@@ -499,17 +499,18 @@ print(out)
 """
 
 
-@pytest.mark.parametrize("arch,kind", [("qwen3_moe", "Q4_K"), ("qwen2_moe", "Q8_0")])
+@pytest.mark.parametrize("arch,kind", [("qwen3_moe", "Q4_K"), ("qwen2_moe", "Q8_0"), ("mixtral", "Q8_0")])
 def test_a_decode_step_of_the_chosen_experts_in_one_call_is_the_per_expert_calls_bits(tmp_path, monkeypatch, arch,
                                                                                        kind):
     from lmhead.kernels import experts as experts_kernel
     from lmhead.models import moe as moe_module
+    from lmhead.models.lean import LeanBody
 
     if not experts_kernel.available():
         pytest.skip("the experts kernel is not built")
     _, model = _load(tmp_path, monkeypatch, arch, kind)
     lean = model.lean
-    calls = []  # which path each MoE layer's call took
+    calls = []  # the experts kernel's calls from Python
     real_mlp = moe_module.experts_kernel.mlp
     monkeypatch.setattr(moe_module.experts_kernel, "mlp", lambda *a: calls.append(1) or real_mlp(*a))
     prompts = [model.encode("The cat sat on the mat"), model.encode("Numbers: 1, 2, 3")]
@@ -526,14 +527,21 @@ def test_a_decode_step_of_the_chosen_experts_in_one_call_is_the_per_expert_calls
                 hs.append(lean(model.exact_head(hs[-1][:, -1:]).argmax(-1), positions[:, -1:] + step + 1, cache))
         return hs
 
+    moe_layers = [layer for layer in lean.layers if layer.moe is not None]
+    shared = any(layer.moe.shared_gate_up is not None for layer in moe_layers)
+    whole_step = run()  # without a shared expert: every layer in the C step, the router called back from it
+    assert (lean._step_descs() is None) == shared and bool(calls) == shared
+    monkeypatch.setattr(LeanBody, "_in_step", staticmethod(lambda layer: False))  # the per-primitive path
+    lean._descs = None
+    calls.clear()
     one_call = run()
-    assert len(calls) == 4 * len([layer for layer in lean.layers if layer.moe is not None])
+    assert len(calls) == 4 * len(moe_layers)
     monkeypatch.setattr(moe_module.experts_kernel, "available", lambda: False)  # one product call per expert
     calls.clear()
     per_expert = run()
     assert not calls
-    for got, want in zip(one_call, per_expert, strict=True):
-        assert torch.equal(got, want)
+    for a, b, c in zip(whole_step, one_call, per_expert, strict=True):
+        assert torch.equal(a, b) and torch.equal(b, c)
 
 
 @pytest.mark.slow

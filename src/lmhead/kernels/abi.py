@@ -32,12 +32,18 @@ class MatDesc(ctypes.Structure):
 
 
 class LayerDesc(ctypes.Structure):
-    """lmhead_layer: one block's coded matrices, bias, norms and which rope/mask it uses."""
+    """lmhead_layer: one block's coded matrices, biases, norms and which rope/mask it uses; a mixture of experts'
+    products (addresses of `kernels.experts.ExpertsMat`s), biases, top k and activation in place of gate_up and
+    down where its experts_gate_up is not None."""
 
     _fields_ = [("qkv", MatDesc), ("o", MatDesc), ("gate_up", MatDesc), ("down", MatDesc),
                 ("qkv_bias", ctypes.c_void_p), ("input_norm", ctypes.c_void_p), ("post_attn_norm", ctypes.c_void_p),
                 ("pre_mlp_norm", ctypes.c_void_p), ("post_mlp_norm", ctypes.c_void_p), ("qk_norm", ctypes.c_void_p),
-                ("rope", ctypes.c_int64), ("sliding", ctypes.c_int64)]
+                ("rope", ctypes.c_int64), ("sliding", ctypes.c_int64), ("o_bias", ctypes.c_void_p),
+                ("sinks", ctypes.c_void_p), ("experts_gate_up", ctypes.c_void_p), ("experts_down", ctypes.c_void_p),
+                ("experts_gate_up_bias", ctypes.c_void_p), ("experts_down_bias", ctypes.c_void_p),
+                ("top_k", ctypes.c_int64), ("experts_act", ctypes.c_int64), ("alpha", ctypes.c_float),
+                ("limit", ctypes.c_float)]
 
 
 # The entry points of many arguments take one struct each (body_kernels.h, decode_kernels.h): fields by name, not
@@ -72,7 +78,12 @@ class StepArgs(ctypes.Structure):
                 *((n, _I64) for n in ("n_layers", "layer_stride", "B", "T", "D", "H", "Hkv", "hd", "F", "cap",
                                       "start")),
                 ("eps", _F32), ("scaling", _F32), ("softcap", _F32),
-                ("plus_one", _I32), ("act", _I32), ("threads", _I32), ("shared", _P)]
+                ("plus_one", _I32), ("act", _I32), ("threads", _I32), ("shared", _P), ("route", _P)]
+
+
+# lmhead_route_fn: (layer, h [rows, D], rows, chosen [rows, k] int64, weights [rows, k] float32) → 0 or nonzero
+ROUTE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                            ctypes.c_void_p)
 
 
 class DecodeArgs(ctypes.Structure):

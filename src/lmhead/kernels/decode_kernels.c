@@ -161,13 +161,31 @@ int lmhead_step(const lmhead_step_args* args) {
             .keys = keys + i * layer_stride, .values = values + i * layer_stride, .mask = masks[L->sliding],
             .out = att, .qk_stride = qk_stride, .v_stride = width, .B = B, .T = T, .H = H, .Hkv = Hkv, .hd = hd,
             .cap = cap, .start = start, .scaling = scaling, .softcap = softcap, .threads = threads,
-            .shared = args->shared, .layer = i};
+            .shared = args->shared, .layer = i, .sinks = L->sinks};
         if (lmhead_attend(&attend)) return -1;
         if (matmul(att, rows, &L->o, branch, threads)) return -1;
+        if (L->o_bias)
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t j = 0; j < D; j++) branch[r * D + j] += L->o_bias[j];
         lmhead_add_norm(x, branch, L->post_attn_norm, L->pre_mlp_norm, x2, h, rows, D, eps, plus_one);
-        if (matmul(h, rows, &L->gate_up, gu, threads)) return -1;
-        lmhead_gated(gu, g, rows, F, act);
-        if (matmul(g, rows, &L->down, branch, threads)) return -1;
+        if (L->experts_gate_up) { /* the router (the caller's), then the chosen experts in one call */
+            const int64_t k = L->top_k;
+            if (!args->route || k < 1 || k > 64) return -1;
+            int64_t* chosen = (int64_t*)malloc((size_t)(rows * k) * sizeof(int64_t));
+            float* weights = (float*)malloc((size_t)(rows * k) * sizeof(float));
+            int rc = !chosen || !weights || args->route(i, h, rows, chosen, weights) != 0;
+            if (!rc)
+                rc = lmhead_experts_mlp(h, rows, k, chosen, weights, L->experts_gate_up, L->experts_down,
+                                        (int)L->experts_act, L->alpha, L->limit, L->experts_gate_up_bias,
+                                        L->experts_down_bias, branch, threads) != 0;
+            free(chosen);
+            free(weights);
+            if (rc) return -1;
+        } else {
+            if (matmul(h, rows, &L->gate_up, gu, threads)) return -1;
+            lmhead_gated(gu, g, rows, F, act);
+            if (matmul(g, rows, &L->down, branch, threads)) return -1;
+        }
         const float* next = i + 1 < n_layers ? layers[i + 1].input_norm : final_norm;
         lmhead_add_norm(x2, branch, L->post_mlp_norm, next, x, h, rows, D, eps, plus_one);
     }

@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "body_kernels.h"
+#include "experts_kernel.h"
 
 int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const void* scale,
                         const void* offset, int64_t N, int64_t G, int flags, float* y, int threads);
@@ -29,7 +30,23 @@ typedef struct {
     const float *input_norm, *post_attn_norm, *pre_mlp_norm, *post_mlp_norm; /* post norms NULL: Llama */
     const float* qk_norm;                                   /* [H + H_kv, hd] or NULL */
     int64_t rope, sliding;                                  /* which cos/sin and which mask */
+    const float* o_bias;                                    /* NULL: none */
+    const float* sinks;                                     /* [H]: gpt-oss's sink logits, or NULL */
+    /* a mixture of experts in place of gate_up and down (NULL: the dense MLP): its experts' products, their
+     * biases [E, 2F] and [E, D] (or NULL), top_k experts a row — chosen by the step's `route` —, their
+     * activation (lmhead_gated's code or LMHEAD_ACT_SWIGLU_OAI, with alpha and limit) */
+    const lmhead_experts_mat* experts_gate_up;
+    const lmhead_experts_mat* experts_down;
+    const float* experts_gate_up_bias;
+    const float* experts_down_bias;
+    int64_t top_k, experts_act;
+    float alpha, limit;
 } lmhead_layer;
+
+/* a mixture's router, called back by lmhead_step for layer `layer`'s rows h [rows, D] (after the norm before the
+ * MLP): fills chosen [rows, top_k] int64 expert ids and their weights [rows, top_k]; 0, or nonzero to stop the
+ * step (the router is the model's own operation, the same bits as the step-by-step path's) */
+typedef int (*lmhead_route_fn)(int64_t layer, const float* h, int64_t rows, int64_t* chosen, float* weights);
 
 /* lmhead_step's arguments: the model, the step's buffers and its shape (kernels/native.py's StepArgs mirrors
  * them, field for field) */
@@ -48,6 +65,7 @@ typedef struct {
     float eps, scaling, softcap; /* softcap 0: none */
     int plus_one, act, threads;  /* plus_one: norms scale by (1 + w); act: lmhead_gated's */
     const lmhead_shared* shared; /* rows' shared columns (body_kernels.h), or NULL */
+    lmhead_route_fn route;       /* the routers of the layers with experts (NULL where there are none) */
 } lmhead_step_args;
 
 /* lmhead_decode's arguments: a step's (its cos, sin and masks unused: made here from the tables) and what the

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "body_kernels.h"
+#include "experts_kernel.h"
 
 #if defined(__clang__)
 #pragma clang fp contract(off)
@@ -28,16 +29,6 @@
 
 int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const void* scale,
                         const void* offset, int64_t N, int64_t G, int flags, float* y, int threads);
-
-/* one product of a layer's experts: expert e's codes at codes + e·codes_stride bytes (scale, offset alike; NULL
- * where the layout has none); each expert [n, k], groups of `group`, the coded kernel's `flags` */
-typedef struct {
-    const int8_t* codes;
-    const void* scale;
-    const void* offset;
-    int64_t codes_stride, scale_stride, offset_stride;
-    int64_t experts, n, k, group, flags;
-} lmhead_experts_mat;
 
 int lmhead_experts_abi(void) { return 2; }
 size_t lmhead_experts_mat_size(void) { return sizeof(lmhead_experts_mat); }
@@ -50,9 +41,8 @@ static inline int product(const lmhead_experts_mat* m, int64_t e, const float* x
                                o ? o + e * m->offset_stride : NULL, m->n, m->group, (int)m->flags, y, threads);
 }
 
-/* the experts' activation (`act`: lmhead_gated's code, or ACT_SWIGLU_OAI with its α and limit) and biases: gate_up
- * [E, 2F] and down [E, D] float32, expert e's row e (NULL: none) */
-#define ACT_SWIGLU_OAI 2
+/* the experts' activation (`act`: lmhead_gated's code, or LMHEAD_ACT_SWIGLU_OAI with its α and limit) and
+ * biases: gate_up [E, 2F] and down [E, D] float32, expert e's row e (NULL: none) */
 typedef struct {
     const float* gate_up_bias;
     const float* down_bias;
@@ -82,7 +72,7 @@ static int one_expert(const lmhead_experts_mat* gu, const lmhead_experts_mat* dn
     float* hidden = scratch + rows * 2 * f; /* [rows, F] */
     if (product(gu, e, xg, rows, gate_up, threads) != 0) return -1;
     add_bias(gate_up, a->gate_up_bias ? a->gate_up_bias + e * 2 * f : NULL, rows, 2 * f);
-    if (a->act == ACT_SWIGLU_OAI)
+    if (a->act == LMHEAD_ACT_SWIGLU_OAI)
         lmhead_swiglu_oai(gate_up, hidden, rows, f, a->alpha, a->limit);
     else
         lmhead_gated(gate_up, hidden, rows, f, a->act);
@@ -109,7 +99,7 @@ int lmhead_experts_mlp(const float* x, int64_t N, int64_t k, const int64_t* chos
                        const float* gate_up_bias, const float* down_bias, float* out, int threads) {
     const int64_t E = gu->experts, d = gu->k, f = dn->k, P = N * k;
     if (N < 0 || k < 1 || E < 1 || dn->experts != E || gu->n != 2 * f || dn->n != d || act < 0 ||
-        act > ACT_SWIGLU_OAI)
+        act > LMHEAD_ACT_SWIGLU_OAI)
         return -1;
     const experts_act acts = {gate_up_bias, down_bias, act, alpha, limit};
     if (threads < 1) threads = 1;

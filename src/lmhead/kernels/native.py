@@ -53,6 +53,7 @@ from lmhead.kernels.abi import (
     LEVELS,
     MXFP4,
     PACKED,
+    ROUTE_FN,
     ROWS4,
     SIGNED4,
     SUB,
@@ -70,12 +71,12 @@ from lmhead.kernels.builder import SOURCES, library_path
 from lmhead.kernels.layout4 import block4, pack4, unblock4, unpack4
 
 __all__ = ["BF16", "E8M0", "F16", "F32", "FLAGS", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4_LEVELS", "LEVELS", "MXFP4",
-           "PACKED", "ROWS4", "SIGNED4", "SOURCES", "SUB", "AttendArgs", "DecodeArgs", "LayerDesc", "MatDesc",
-           "StepArgs", "block4", "keep_ge", "keep_ge_unsure", "library", "library_path", "pack4", "row_lse_bounded",
-           "row_moments", "row_scores", "screen_min_rows", "select_ge", "sub_sixteen", "topk", "topk_rows",
-           "typical_row", "unblock4", "unpack4"]
+           "PACKED", "ROUTE_FN", "ROWS4", "SIGNED4", "SOURCES", "SUB", "AttendArgs", "DecodeArgs", "LayerDesc",
+           "MatDesc", "StepArgs", "block4", "keep_ge", "keep_ge_unsure", "library", "library_path", "pack4",
+           "row_lse_bounded", "row_moments", "row_scores", "screen_min_rows", "select_ge", "sub_sixteen", "topk",
+           "topk_rows", "typical_row", "unblock4", "unpack4"]
 
-_ABI = 29  # lmhead_coded_abi() of the sources above
+_ABI = 30  # lmhead_coded_abi() of the sources above
 
 
 def _layout_mismatch(lib: ctypes.CDLL) -> str | None:

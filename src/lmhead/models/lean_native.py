@@ -16,9 +16,11 @@ import threading
 import torch
 from torch import Tensor
 
+from lmhead.kernels import experts as experts_kernel
 from lmhead.kernels import native
 from lmhead.kernels.abi import SharedArgs
 from lmhead.models.coded_linear import CodedLinear
+from lmhead.models.expert_layout import ExpertMatrices
 from lmhead.models.kv_cache import StaticCache
 from lmhead.models.row_blocks import RowBlocks
 
@@ -43,9 +45,7 @@ class NativeStep:
         """The layers as `native.LayerDesc`s for `lmhead_step` (built once; None when a block matrix has no
         codes), and the tensors they point into (kept alive with them)."""
         if getattr(self, "_descs", None) is None:
-            # the C step has neither o's bias nor sinks (gpt-oss's layers take the torch forward)
-            if not all(layer.coded and len(layer.coded) == 4 and layer.o_bias is None and layer.sinks is None
-                       for layer in self.layers):
+            if not all(self._in_step(layer) for layer in self.layers):
                 return None
             keep: list = []  # tensors and chained descriptors the layers point into
 
@@ -67,15 +67,84 @@ class NativeStep:
             descs = (native.LayerDesc * len(self.layers))()
             for d, layer in zip(descs, self.layers, strict=True):
                 d.qkv, d.o = mat(layer.coded["qkv"]), mat(layer.coded["o"])
-                d.gate_up, d.down = mat(layer.coded["gate_up"]), mat(layer.coded["down"])
                 d.qkv_bias, d.input_norm = ptr(layer.qkv_bias), ptr(layer.input_norm)
                 d.post_attn_norm, d.pre_mlp_norm = ptr(layer.post_attn_norm), ptr(layer.pre_mlp_norm)
                 d.post_mlp_norm = ptr(layer.post_mlp_norm)
                 d.qk_norm = ptr(self._qk_norm(layer)) if layer.q_norm is not None else None
                 d.rope, d.sliding = self.layer_types.index(layer.kind), int(layer.sliding)
+                d.o_bias, d.sinks = ptr(layer.o_bias), ptr(layer.sinks)
+                moe = layer.moe
+                if moe is not None:  # the router called back (`_route`), the chosen experts in one call
+                    gu, dn = moe.gate_up.desc, moe.down.desc
+                    keep += [gu, dn]
+                    d.experts_gate_up, d.experts_down = ctypes.addressof(gu), ctypes.addressof(dn)
+                    d.experts_gate_up_bias, d.experts_down_bias = ptr(moe.gate_up_bias), ptr(moe.down_bias)
+                    d.top_k = moe.top_k
+                    d.experts_act = self.act_code if moe.act is None else experts_kernel.SWIGLU_OAI
+                    d.alpha, d.limit = (moe.act.alpha, moe.act.limit) if moe.act is not None else (0.0, 0.0)
+                else:
+                    d.gate_up, d.down = mat(layer.coded["gate_up"]), mat(layer.coded["down"])
             keep.append(self.final_norm.detach())
             self._descs = (descs, keep, self._weight_versions())
         return self._descs
+
+    @staticmethod
+    def _in_step(layer) -> bool:
+        """Whether `lmhead_step` runs this layer: q/k/v and o of codes (their biases, sinks float32), and a dense
+        MLP of codes or a mixture whose experts the experts kernel takes in one call (no shared expert)."""
+        coded = layer.coded or {}
+        if "qkv" not in coded or "o" not in coded:
+            return False
+        if any(t is not None and t.dtype != torch.float32 for t in (layer.qkv_bias, layer.o_bias, layer.sinks)):
+            return False
+        moe = layer.moe
+        if moe is None:
+            return "gate_up" in coded and "down" in coded
+        return (isinstance(moe.gate_up, ExpertMatrices) and isinstance(moe.down, ExpertMatrices)
+                and moe.shared_gate_up is None and experts_kernel.available()
+                and all(b is None or b.dtype == torch.float32 for b in (moe.gate_up_bias, moe.down_bias)))
+
+    def _route_fn(self) -> int | None:
+        """The address of the C step's router callback (`lmhead_route_fn`: each layer's own `MoE.route` on the
+        step's h, the same bits as the step-by-step path's), None for a model without experts. Made once; an
+        exception inside it is kept in `_route_error` and raised by the caller after the step."""
+        if all(layer.moe is None for layer in self.layers):
+            return None
+        fn = self.__dict__.get("_route_cb")
+        if fn is None:
+            layers, width = self.layers, self.width
+
+            def route(i: int, h: int, rows: int, chosen: int, weights: int) -> int:
+                try:
+                    moe = layers[i].moe
+                    x = torch.frombuffer((ctypes.c_float * (rows * width)).from_address(h), dtype=torch.float32)
+                    r = moe.route(x.view(rows, width))
+                    n = rows * moe.top_k
+                    torch.frombuffer((ctypes.c_int64 * n).from_address(chosen), dtype=torch.int64).copy_(
+                        r.experts.reshape(-1))
+                    torch.frombuffer((ctypes.c_float * n).from_address(weights), dtype=torch.float32).copy_(
+                        r.weights.reshape(-1))
+                    return 0
+                except BaseException as e:  # noqa: BLE001 — an exception cannot cross the C frames
+                    self._route_error = e
+                    return 1
+
+            fn = self._route_cb = native.ROUTE_FN(route)
+        return ctypes.cast(fn, ctypes.c_void_p).value
+
+    def _step_failed(self, what: str) -> None:
+        """Raise what stopped a C step: the router's exception, or a kernel that could not allocate."""
+        error, self._route_error = getattr(self, "_route_error", None), None
+        if error is not None:
+            raise error
+        raise MemoryError(f"{what} could not allocate its buffers")
+
+    def _mlp_width(self) -> int:
+        """F of the step's scratch: the dense MLP's, or the experts' where every layer has experts."""
+        for layer in self.layers:
+            if layer.coded and "down" in layer.coded:
+                return layer.coded["down"].in_features
+        return max(layer.moe.down.in_features for layer in self.layers if layer.moe is not None)
 
     def _weight_versions(self) -> tuple[int, ...]:
         """The versions of every tensor `lmhead_step` reads (norms and codes' sources): a change in place
@@ -117,7 +186,7 @@ class NativeStep:
     def _step_scratch(self, rows: int) -> int:
         """Floats of `lmhead_step`'s scratch for `rows` new tokens."""
         hd, heads, kv = self.head_dim, self.heads, self.kv_heads
-        f, d = self.layers[0].coded["down"].in_features, self.width
+        f, d = self._mlp_width(), self.width
         return rows * ((heads + 2 * kv) * hd + (heads + kv) * hd + heads * hd + 2 * d + 3 * f)
 
     def _step_args(self, descs, cache: StaticCache, start: int, b: int, t: int, x: Tensor, h: Tensor,
@@ -128,10 +197,10 @@ class NativeStep:
             layers=ctypes.addressof(descs[0]), final_norm=self.final_norm.data_ptr(), x=x.data_ptr(), h=h.data_ptr(),
             keys=cache.keys.data_ptr(), values=cache.values.data_ptr(), scratch=scratch.data_ptr(),
             n_layers=len(self.layers), layer_stride=cache.layer_stride, B=b, T=t, D=self.width, H=self.heads,
-            Hkv=self.kv_heads, hd=self.head_dim, F=self.layers[0].coded["down"].in_features, cap=cache.capacity,
+            Hkv=self.kv_heads, hd=self.head_dim, F=self._mlp_width(), cap=cache.capacity,
             start=start, eps=self.eps, scaling=self.scaling, softcap=self.attn_softcap or 0.0,
             plus_one=int(self.arch.unit_offset_norm), act=self.act_code, threads=torch.get_num_threads(),
-            shared=self._shared_args(cache))
+            shared=self._shared_args(cache), route=self._route_fn())
 
     def shares_columns(self) -> bool:
         """Whether a cache's rows may read their prompt beginnings from shared blocks (`StaticCache.shared`)
@@ -181,7 +250,7 @@ class NativeStep:
         args.masks = ctypes.addressof(mask_ptrs)
         rc = lib.lmhead_step(args)
         if rc != 0:
-            raise MemoryError("lmhead_step could not allocate its buffers")
+            self._step_failed("lmhead_step")
         return h
 
     def _decode_native(self, ids: Tensor, positions: Tensor, cache: StaticCache, valid: Tensor | None
@@ -251,7 +320,7 @@ class NativeStep:
         if rc == -2:
             return None
         if rc != 0:
-            raise MemoryError("lmhead_step could not allocate its buffers")
+            self._step_failed("lmhead_decode")
         cache.length = start + t
         return h
 
