@@ -239,44 +239,21 @@ def test_gpt_oss_prompts_decoded_together_with_drafts_verified_get_transformers_
 
 @pytest.mark.parametrize("kind", ["MXFP4", "Q8_0"])
 def test_gpt_oss_layers_in_the_c_step_are_the_per_primitive_and_per_expert_paths_bits(tmp_path, monkeypatch, kind):
+    from tiny_gguf import moe_paths
+
     from lmhead.kernels import experts as experts_kernel
-    from lmhead.models import moe as moe_module
-    from lmhead.models.lean import LeanBody
 
     if not experts_kernel.available():
         pytest.skip("the experts kernel is not built")
     _, model = _load(tmp_path, monkeypatch, kind)
     lean = model.lean
-    calls = []  # the experts kernel's calls from Python: their activation codes
-    real_mlp = moe_module.experts_kernel.mlp
-    monkeypatch.setattr(moe_module.experts_kernel, "mlp", lambda *a: calls.append(a[5]) or real_mlp(*a))
-    prompts = [model.encode("The cat sat on the mat."), model.encode("Numbers: 1 2 3")]
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    positions = torch.arange(width).expand(2, width)
-
-    def run() -> list[torch.Tensor]:
-        """A prefill of two rows (experts each chosen by several tokens), then decode steps."""
-        cache = lean.new_cache(2, width + 4)
-        with torch.no_grad():
-            hs = [lean(ids, positions, cache)]
-            for step in range(3):
-                hs.append(lean(model.exact_head(hs[-1][:, -1:]).argmax(-1), positions[:, -1:] + step + 1, cache))
-        return hs
-
-    whole_step = run()  # every layer in the C step: attention with sinks and o's bias, the router called back
-    assert lean._step_descs() is not None and not calls
     moe_layers = [layer.moe for layer in lean.layers if layer.moe is not None]
     assert all(m.gate_up_bias is not None and m.down_bias is not None for m in moe_layers)
-    monkeypatch.setattr(LeanBody, "_in_step", staticmethod(lambda layer: False))  # the per-primitive path
-    lean._descs = None
-    one_call = run()
-    assert calls == [experts_kernel.SWIGLU_OAI] * 4 * len(moe_layers)
-    monkeypatch.setattr(moe_module.experts_kernel, "available", lambda: False)  # one product call per expert
-    calls.clear()
-    per_expert = run()
-    assert not calls
-    for a, b, c in zip(whole_step, one_call, per_expert, strict=True):
+    assert lean._step_descs() is not None  # attention with sinks and o's bias, the router called back
+    prompts = [model.encode("The cat sat on the mat."), model.encode("Numbers: 1 2 3")]
+    (step, layers, experts), calls = moe_paths(model, monkeypatch, prompts)
+    assert calls == [[], [experts_kernel.SWIGLU_OAI] * 4 * len(moe_layers), []]
+    for a, b, c in zip(step, layers, experts, strict=True):
         assert torch.equal(a, b) and torch.equal(b, c)
 
 

@@ -502,45 +502,21 @@ print(out)
 @pytest.mark.parametrize("arch,kind", [("qwen3_moe", "Q4_K"), ("qwen2_moe", "Q8_0"), ("mixtral", "Q8_0")])
 def test_a_decode_step_of_the_chosen_experts_in_one_call_is_the_per_expert_calls_bits(tmp_path, monkeypatch, arch,
                                                                                        kind):
+    from tiny_gguf import moe_paths
+
     from lmhead.kernels import experts as experts_kernel
-    from lmhead.models import moe as moe_module
-    from lmhead.models.lean import LeanBody
 
     if not experts_kernel.available():
         pytest.skip("the experts kernel is not built")
     _, model = _load(tmp_path, monkeypatch, arch, kind)
-    lean = model.lean
-    calls = []  # the experts kernel's calls from Python
-    real_mlp = moe_module.experts_kernel.mlp
-    monkeypatch.setattr(moe_module.experts_kernel, "mlp", lambda *a: calls.append(1) or real_mlp(*a))
-    prompts = [model.encode("The cat sat on the mat"), model.encode("Numbers: 1, 2, 3")]
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    positions = torch.arange(width).expand(2, width)
-
-    def run() -> list[torch.Tensor]:
-        """A prefill of two rows of several tokens (experts each chosen by several tokens), then decode steps."""
-        cache = lean.new_cache(2, width + 4)
-        with torch.no_grad():
-            hs = [lean(ids, positions, cache)]
-            for step in range(3):
-                hs.append(lean(model.exact_head(hs[-1][:, -1:]).argmax(-1), positions[:, -1:] + step + 1, cache))
-        return hs
-
-    moe_layers = [layer for layer in lean.layers if layer.moe is not None]
+    moe_layers = [layer for layer in model.lean.layers if layer.moe is not None]
     shared = any(layer.moe.shared_gate_up is not None for layer in moe_layers)
-    whole_step = run()  # without a shared expert: every layer in the C step, the router called back from it
-    assert (lean._step_descs() is None) == shared and bool(calls) == shared
-    monkeypatch.setattr(LeanBody, "_in_step", staticmethod(lambda layer: False))  # the per-primitive path
-    lean._descs = None
-    calls.clear()
-    one_call = run()
-    assert len(calls) == 4 * len(moe_layers)
-    monkeypatch.setattr(moe_module.experts_kernel, "available", lambda: False)  # one product call per expert
-    calls.clear()
-    per_expert = run()
-    assert not calls
-    for a, b, c in zip(whole_step, one_call, per_expert, strict=True):
+    # without a shared expert every layer is in the C step, its router called back from it
+    assert (model.lean._step_descs() is None) == shared
+    prompts = [model.encode("The cat sat on the mat"), model.encode("Numbers: 1, 2, 3")]
+    (step, layers, experts), calls = moe_paths(model, monkeypatch, prompts)
+    assert [len(c) for c in calls] == [4 * len(moe_layers) if shared else 0, 4 * len(moe_layers), 0]
+    for a, b, c in zip(step, layers, experts, strict=True):
         assert torch.equal(a, b) and torch.equal(b, c)
 
 

@@ -77,6 +77,44 @@ def assert_matches_reference(model, ref, ids, want) -> None:
     expect = ref.generate(start, max_new_tokens=10, do_sample=False, eos_token_id=None)[0, start.shape[1]:].tolist()
     assert greedy == expect[:len(greedy)] and len(greedy) >= 1
 
+def prefill_then_decode(model, prompts: list[list[int]], steps: int = 3) -> list[torch.Tensor]:
+    """The lean body's hidden states for `prompts` left-padded into one batch: the whole prefill [B,T,D], then
+    `steps` greedy decode steps [B,1,D] — every row choosing its own experts, several tokens a row in the prefill."""
+    lean = model.lean
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    positions = torch.arange(width).expand(len(prompts), width)
+    cache = lean.new_cache(len(prompts), width + steps + 1)
+    with torch.no_grad():
+        hs = [lean(ids, positions, cache)]
+        for step in range(steps):
+            hs.append(lean(model.exact_head(hs[-1][:, -1:]).argmax(-1), positions[:, -1:] + step + 1, cache))
+    return hs
+
+
+def moe_paths(model, monkeypatch, prompts: list[list[int]]) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
+    """`prefill_then_decode` three ways: the whole C step (where it takes the layers), layer by layer with each
+    layer's experts in one call, and one call per expert and product → (each way's hidden states, the activation
+    codes of the experts kernel's calls from Python each way made)."""
+    from lmhead.models import moe as moe_module
+    from lmhead.models.lean import LeanBody
+
+    calls: list[int] = []
+    real_mlp = moe_module.experts_kernel.mlp
+    monkeypatch.setattr(moe_module.experts_kernel, "mlp", lambda *a: calls.append(a[5]) or real_mlp(*a))
+    states, made = [], []
+    for way in ("step", "layers", "experts"):
+        if way == "layers":
+            monkeypatch.setattr(LeanBody, "_in_step", staticmethod(lambda layer: False))
+            model.lean._descs = None
+        if way == "experts":
+            monkeypatch.setattr(moe_module.experts_kernel, "available", lambda: False)
+        calls.clear()
+        states.append(prefill_then_decode(model, prompts))
+        made.append(list(calls))
+    return states, made
+
+
 def _hf_model(arch: str, seed: int, width: int = 32):
     from tiny import tiny_config, tiny_tokenizer
     from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
