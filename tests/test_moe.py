@@ -510,12 +510,12 @@ def test_a_decode_step_of_the_chosen_experts_in_one_call_is_the_per_expert_calls
         pytest.skip("the experts kernel is not built")
     _, model = _load(tmp_path, monkeypatch, arch, kind)
     moe_layers = [layer for layer in model.lean.layers if layer.moe is not None]
-    shared = any(layer.moe.shared_gate_up is not None for layer in moe_layers)
-    # without a shared expert every layer is in the C step, its router called back from it
-    assert (model.lean._step_descs() is None) == shared
+    assert (arch == "qwen2_moe") == any(layer.moe.shared_gate_up is not None for layer in moe_layers)
+    # every layer in the C step, its router (and a shared expert's gate) called back from it
+    assert model.lean._step_descs() is not None
     prompts = [model.encode("The cat sat on the mat"), model.encode("Numbers: 1, 2, 3")]
     (step, layers, experts), calls = moe_paths(model, monkeypatch, prompts)
-    assert [len(c) for c in calls] == [4 * len(moe_layers) if shared else 0, 4 * len(moe_layers), 0]
+    assert [len(c) for c in calls] == [0, 4 * len(moe_layers), 0]
     for a, b, c in zip(step, layers, experts, strict=True):
         assert torch.equal(a, b) and torch.equal(b, c)
 

@@ -34,7 +34,7 @@ class MatDesc(ctypes.Structure):
 class LayerDesc(ctypes.Structure):
     """lmhead_layer: one block's coded matrices, biases, norms and which rope/mask it uses; a mixture of experts'
     products (addresses of `kernels.experts.ExpertsMat`s), biases, top k and activation in place of gate_up and
-    down where its experts_gate_up is not None."""
+    down where its experts_gate_up is not None, and its shared expert where shared_gate_up's codes are not None."""
 
     _fields_ = [("qkv", MatDesc), ("o", MatDesc), ("gate_up", MatDesc), ("down", MatDesc),
                 ("qkv_bias", ctypes.c_void_p), ("input_norm", ctypes.c_void_p), ("post_attn_norm", ctypes.c_void_p),
@@ -43,7 +43,7 @@ class LayerDesc(ctypes.Structure):
                 ("sinks", ctypes.c_void_p), ("experts_gate_up", ctypes.c_void_p), ("experts_down", ctypes.c_void_p),
                 ("experts_gate_up_bias", ctypes.c_void_p), ("experts_down_bias", ctypes.c_void_p),
                 ("top_k", ctypes.c_int64), ("experts_act", ctypes.c_int64), ("alpha", ctypes.c_float),
-                ("limit", ctypes.c_float)]
+                ("limit", ctypes.c_float), ("shared_gate_up", MatDesc), ("shared_down", MatDesc)]
 
 
 # The entry points of many arguments take one struct each (body_kernels.h, decode_kernels.h): fields by name, not
@@ -81,9 +81,10 @@ class StepArgs(ctypes.Structure):
                 ("plus_one", _I32), ("act", _I32), ("threads", _I32), ("shared", _P), ("route", _P)]
 
 
-# lmhead_route_fn: (layer, h [rows, D], rows, chosen [rows, k] int64, weights [rows, k] float32) → 0 or nonzero
+# lmhead_route_fn: (layer, h [rows, D], rows, chosen [rows, k] int64, weights [rows, k] float32, shared [rows]
+# float32 or NULL) → 0 or nonzero
 ROUTE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                            ctypes.c_void_p)
+                            ctypes.c_void_p, ctypes.c_void_p)
 
 
 class DecodeArgs(ctypes.Structure):

@@ -120,7 +120,7 @@ static int matmul(const float* x, int64_t rows, const lmhead_mat* m, float* y, i
  * functions as the step-by-step path, composed here so that a step is one call. keys, values: layer i's cache
  * [B,H_kv,cap,hd] in one piece at i·layer_stride floats (B·H_kv·cap·hd for a whole cache; more for B rows of a
  * larger one: models/lean.py's StaticCache.view). scratch: at least
- * rows·(D + 2·(H + 2·H_kv)·hd + H·hd + 3·F) floats. The arguments are lmhead_step_args' (decode_kernels.h).
+ * rows·(2·D + 2·(H + 2·H_kv)·hd + H·hd + 3·F) floats (F the widest MLP's: dense, experts' or shared expert's). The arguments are lmhead_step_args' (decode_kernels.h).
  * Returns 0, or -1 (a kernel refused its arguments). */
 int lmhead_step(const lmhead_step_args* args) {
     const lmhead_layer* layers = args->layers;
@@ -171,13 +171,23 @@ int lmhead_step(const lmhead_step_args* args) {
         if (L->experts_gate_up) { /* the router (the caller's), then the chosen experts in one call */
             const int64_t k = L->top_k;
             if (!args->route || k < 1 || k > 64) return -1;
+            const int shared = L->shared_gate_up.codes != NULL;
             int64_t* chosen = (int64_t*)malloc((size_t)(rows * k) * sizeof(int64_t));
-            float* weights = (float*)malloc((size_t)(rows * k) * sizeof(float));
-            int rc = !chosen || !weights || args->route(i, h, rows, chosen, weights) != 0;
+            float* weights = (float*)malloc((size_t)(rows * (k + 1)) * sizeof(float));
+            float* gate = weights ? weights + rows * k : NULL; /* the shared expert's, per row */
+            int rc = !chosen || !weights || args->route(i, h, rows, chosen, weights, shared ? gate : NULL) != 0;
             if (!rc)
                 rc = lmhead_experts_mlp(h, rows, k, chosen, weights, L->experts_gate_up, L->experts_down,
                                         (int)L->experts_act, L->alpha, L->limit, L->experts_gate_up_bias,
                                         L->experts_down_bias, branch, threads) != 0;
+            if (!rc && shared) { /* out + σ(h·g)·down(act(gate_up·h)), the layer-by-layer path's ops */
+                float* y = g + rows * F + rows * D; /* the scratch's last rows·D */
+                const int64_t fs = L->shared_down.k;
+                rc = matmul(h, rows, &L->shared_gate_up, gu, threads) != 0;
+                if (!rc) lmhead_gated(gu, g, rows, fs, act);
+                if (!rc) rc = matmul(g, rows, &L->shared_down, y, threads) != 0;
+                if (!rc) lmhead_add_scaled_rows(branch, y, gate, rows, D);
+            }
             free(chosen);
             free(weights);
             if (rc) return -1;

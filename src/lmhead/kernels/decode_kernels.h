@@ -41,12 +41,17 @@ typedef struct {
     const float* experts_down_bias;
     int64_t top_k, experts_act;
     float alpha, limit;
+    /* the mixture's shared expert (Qwen2-MoE; codes NULL: none): its dense gate_up and down, its output scaled
+     * by the gate the router call gives */
+    lmhead_mat shared_gate_up, shared_down;
 } lmhead_layer;
 
 /* a mixture's router, called back by lmhead_step for layer `layer`'s rows h [rows, D] (after the norm before the
- * MLP): fills chosen [rows, top_k] int64 expert ids and their weights [rows, top_k]; 0, or nonzero to stop the
- * step (the router is the model's own operation, the same bits as the step-by-step path's) */
-typedef int (*lmhead_route_fn)(int64_t layer, const float* h, int64_t rows, int64_t* chosen, float* weights);
+ * MLP): fills chosen [rows, top_k] int64 expert ids and their weights [rows, top_k], and — where `shared` is not
+ * NULL — the shared expert's gate per row, σ(h·g) [rows]; 0, or nonzero to stop the step (the router is the
+ * model's own operation, the same bits as the step-by-step path's) */
+typedef int (*lmhead_route_fn)(int64_t layer, const float* h, int64_t rows, int64_t* chosen, float* weights,
+                               float* shared);
 
 /* lmhead_step's arguments: the model, the step's buffers and its shape (kernels/native.py's StepArgs mirrors
  * them, field for field) */

@@ -89,6 +89,10 @@ static inline void add_weighted(float* o, const float* y, float w, int64_t d) {
     }
 }
 
+void lmhead_add_scaled_rows(float* out, const float* y, const float* w, int64_t rows, int64_t d) {
+    for (int64_t r = 0; r < rows; r++) add_weighted(out + r * d, y + r * d, w[r], d);
+}
+
 /* x [N, D] float32; chosen [N, k] int64 expert ids (distinct within a row); weights [N, k] float32; gate_up: each
  * expert [2F, D] (gate rows first), down: [D, F]; act: lmhead_gated's code (0, 1) or 2, gpt-oss's clamped SwiGLU
  * with `alpha` and `limit`; gate_up_bias [E, 2F], down_bias [E, D] float32 or NULL; out [N, D]. 0, or -1 for

@@ -18,6 +18,10 @@ typedef struct lmhead_experts_mat {
 /* the experts' activations beside lmhead_gated's codes: gpt-oss's clamped SwiGLU (lmhead_swiglu_oai) */
 #define LMHEAD_ACT_SWIGLU_OAI 2
 
+/* out [rows, d] += w[r] · y [rows, d] row by row: the product rounded, then the sum (torch's `out + w * y`: a
+ * shared expert's output scaled by its gate) */
+void lmhead_add_scaled_rows(float* out, const float* y, const float* w, int64_t rows, int64_t d);
+
 int lmhead_experts_mlp(const float* x, int64_t N, int64_t k, const int64_t* chosen, const float* weights,
                        const lmhead_experts_mat* gu, const lmhead_experts_mat* dn, int act, float alpha, float limit,
                        const float* gate_up_bias, const float* down_bias, float* out, int threads);

@@ -23,9 +23,9 @@ q/k/v bias, Qwen3 with q/k norms —, Phi-3, Gemma 2 and Gemma 3 text, and the m
 Qwen2-MoE, Mixtral and gpt-oss); what differs between them is the table's row (`self.arch`: its attention and
 MLP blocks), not a check here. A layer's tensors are a `layer.Layer`. `LeanBody.supports(hf_model)` says whether
 a model is one of them; tests compare the hidden states with transformers' forward on tiny models of each family,
-and greedy tokens on the packaged models. Layers with experts take this torch forward (the one-call C step has no
-descriptor for them yet); their attention still runs in C (`lmhead_attend`, gpt-oss's sinks and sliding window
-included), their experts in one C call (models/moe.py).
+and greedy tokens on the packaged models. Layers with experts are blocks of the one-call C step too (their router
+called back: lean_native.py); where the step does not serve, this forward runs them — attention in C
+(`lmhead_attend`, gpt-oss's sinks and sliding window included), the experts in one C call (models/moe.py).
 """
 
 from __future__ import annotations

@@ -82,6 +82,8 @@ class NativeStep:
                     d.top_k = moe.top_k
                     d.experts_act = self.act_code if moe.act is None else experts_kernel.SWIGLU_OAI
                     d.alpha, d.limit = (moe.act.alpha, moe.act.limit) if moe.act is not None else (0.0, 0.0)
+                    if moe.shared_gate_up is not None:
+                        d.shared_gate_up, d.shared_down = mat(moe.shared_gate_up), mat(moe.shared_down)
                 else:
                     d.gate_up, d.down = mat(layer.coded["gate_up"]), mat(layer.coded["down"])
             keep.append(self.final_norm.detach())
@@ -91,7 +93,7 @@ class NativeStep:
     @staticmethod
     def _in_step(layer) -> bool:
         """Whether `lmhead_step` runs this layer: q/k/v and o of codes (their biases, sinks float32), and a dense
-        MLP of codes or a mixture whose experts the experts kernel takes in one call (no shared expert)."""
+        MLP of codes or a mixture whose experts the experts kernel takes in one call (its shared expert of codes)."""
         coded = layer.coded or {}
         if "qkv" not in coded or "o" not in coded:
             return False
@@ -100,8 +102,10 @@ class NativeStep:
         moe = layer.moe
         if moe is None:
             return "gate_up" in coded and "down" in coded
-        return (isinstance(moe.gate_up, ExpertMatrices) and isinstance(moe.down, ExpertMatrices)
-                and moe.shared_gate_up is None and experts_kernel.available()
+        coded_shared = moe.shared_gate_up is None or all(
+            isinstance(m, (CodedLinear, RowBlocks)) for m in (moe.shared_gate_up, moe.shared_down))
+        return (isinstance(moe.gate_up, ExpertMatrices) and isinstance(moe.down, ExpertMatrices) and coded_shared
+                and experts_kernel.available()
                 and all(b is None or b.dtype == torch.float32 for b in (moe.gate_up_bias, moe.down_bias)))
 
     def _route_fn(self) -> int | None:
@@ -114,11 +118,15 @@ class NativeStep:
         if fn is None:
             layers, width = self.layers, self.width
 
-            def route(i: int, h: int, rows: int, chosen: int, weights: int) -> int:
+            def route(i: int, h: int, rows: int, chosen: int, weights: int, shared: int | None) -> int:
                 try:
                     moe = layers[i].moe
-                    x = torch.frombuffer((ctypes.c_float * (rows * width)).from_address(h), dtype=torch.float32)
-                    r = moe.route(x.view(rows, width))
+                    x = torch.frombuffer((ctypes.c_float * (rows * width)).from_address(h),
+                                         dtype=torch.float32).view(rows, width)
+                    r = moe.route(x)
+                    if shared is not None:  # the shared expert's gate, as `MoE.__call__` computes it
+                        torch.frombuffer((ctypes.c_float * rows).from_address(shared), dtype=torch.float32).copy_(
+                            moe.shared_weight(x).reshape(-1))
                     n = rows * moe.top_k
                     torch.frombuffer((ctypes.c_int64 * n).from_address(chosen), dtype=torch.int64).copy_(
                         r.experts.reshape(-1))
@@ -140,11 +148,16 @@ class NativeStep:
         raise MemoryError(f"{what} could not allocate its buffers")
 
     def _mlp_width(self) -> int:
-        """F of the step's scratch: the dense MLP's, or the experts' where every layer has experts."""
+        """F of the step's scratch: the widest MLP's — dense, experts' or shared expert's."""
+        widths = [1]
         for layer in self.layers:
             if layer.coded and "down" in layer.coded:
-                return layer.coded["down"].in_features
-        return max(layer.moe.down.in_features for layer in self.layers if layer.moe is not None)
+                widths.append(layer.coded["down"].in_features)
+            if layer.moe is not None:
+                widths.append(layer.moe.down.in_features)
+                if layer.moe.shared_down is not None:
+                    widths.append(layer.moe.shared_down.in_features)
+        return max(widths)
 
     def _weight_versions(self) -> tuple[int, ...]:
         """The versions of every tensor `lmhead_step` reads (norms and codes' sources): a change in place
@@ -187,7 +200,7 @@ class NativeStep:
         """Floats of `lmhead_step`'s scratch for `rows` new tokens."""
         hd, heads, kv = self.head_dim, self.heads, self.kv_heads
         f, d = self._mlp_width(), self.width
-        return rows * ((heads + 2 * kv) * hd + (heads + kv) * hd + heads * hd + 2 * d + 3 * f)
+        return rows * ((heads + 2 * kv) * hd + (heads + kv) * hd + heads * hd + 3 * d + 3 * f)
 
     def _step_args(self, descs, cache: StaticCache, start: int, b: int, t: int, x: Tensor, h: Tensor,
                    scratch: Tensor) -> native.StepArgs:

@@ -162,6 +162,10 @@ class MoE:
         return route(h.reshape(-1, h.shape[-1]), self.router, self.top_k, self.renormalise, self.router_bias,
                      self.softmax_after_topk)
 
+    def shared_weight(self, x: Tensor) -> Tensor:
+        """The shared expert's gate for rows x [N,D]: σ(x·g) [N,1] (Qwen2-MoE's, transformers' operations)."""
+        return torch.sigmoid(F.linear(x, self.shared_gate))
+
     def one_call(self, x: Tensor, act_code: int | None) -> bool:
         """Whether rows x [N,D] take experts_kernel.c's one call for the chosen experts (`_experts`' numbers, bit
         for bit): experts from a file's codes (with float32 biases or none), the body on its C tier (`act_code`:
@@ -194,7 +198,7 @@ class MoE:
             out = self._experts(x, r, own or gated)
         if self.shared_gate_up is not None:
             shared = _product(gated(_product(x, self.shared_gate_up)), self.shared_down)
-            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+            out = out + self.shared_weight(x) * shared
         return out.view(shape)
 
     def _experts(self, x: Tensor, r: Routing, experts_gated: Callable[[Tensor], Tensor]) -> Tensor:
