@@ -601,9 +601,15 @@ static void xp_layout(const float* x, int64_t K, float* xp) {
 static const int SLICED_BIAS[LMHEAD_N_TABLES] = {LMHEAD_LEVEL_TABLES(SLICED_BIAS_)};
 #undef SLICED_BIAS_
 static int8_t SLICED_LEVELS[LMHEAD_N_TABLES][16];
+static int SLICED_NARROW[LMHEAD_N_TABLES]; /* every level + bias ≤ 31: sliced_rows4's one chain (tab 2) */
 __attribute__((constructor)) static void sliced_levels(void) {
-    for (int t = 0; t < LMHEAD_N_TABLES; t++)
-        for (int n = 0; n < 16; n++) SLICED_LEVELS[t][n] = (int8_t)(uint8_t)(NIBBLE_LEVEL_BYTES[t][n] + SLICED_BIAS[t]);
+    for (int t = 0; t < LMHEAD_N_TABLES; t++) {
+        SLICED_NARROW[t] = 1;
+        for (int n = 0; n < 16; n++) {
+            SLICED_LEVELS[t][n] = (int8_t)(uint8_t)(NIBBLE_LEVEL_BYTES[t][n] + SLICED_BIAS[t]);
+            if (NIBBLE_LEVEL_BYTES[t][n] + SLICED_BIAS[t] > 31) SLICED_NARROW[t] = 0;
+        }
+    }
 }
 #endif
 
@@ -663,6 +669,8 @@ KERNEL_INLINE void sliced_q(const int Q, const sliced_row* sr, const int8_t* c, 
         sliced8_rows4(Q, 1, sr, c, s, ng, pf, acc);
     else if (!packed)
         sliced8_rows4(Q, 0, sr, c, s, ng, pf, acc);
+    else if (packed >= 3 && SLICED_NARROW[packed - 3])
+        sliced_rows4(Q, 0, 2, SLICED_LEVELS[packed - 3], sr, c, s, ng, pf, acc);
     else if (packed >= 3)
         sliced_rows4(Q, 0, 1, SLICED_LEVELS[packed - 3], sr, c, s, ng, pf, acc);
     else if (g16)

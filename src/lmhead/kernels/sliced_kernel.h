@@ -288,7 +288,9 @@ static inline void lane_scales2(const float* s, int64_t ng, int64_t i, __m512i l
  * Σ_g scale_g·Σ code·x̂ (signed) for query row m in eight lanes, as rows4_packed_n's loop leaves it for
  * rows4_finish. The codes are unpacked once for the Q rows; each row's sums are the same operations in the same
  * order whatever Q is (its integers are exact, its float multiply-adds go unit by unit), so a row's value is the
- * same bits alone or among others. */
+ * same bits alone or among others. `tab`: 0 no level table; 1 a table whose levels + bias reach past 31 (IQ4's
+ * 240): slices (0, 1) and 2 summed apart and joined in float; 2 a narrow one (MXFP4's 0 … 24): the three slices
+ * in one int32 chain, as the codes' — a lane's 8·31·128·(2¹⁶ + 2⁸ + 1) stays below 2³¹ — converted once. */
 static inline __attribute__((always_inline)) void sliced_rows4(const int Q, const int g16, const int tab,
                                                                const int8_t* levels, const sliced_row* sr,
                                                                const int8_t* c, const float* s, int64_t ng,
@@ -331,7 +333,7 @@ static inline __attribute__((always_inline)) void sliced_rows4(const int Q, cons
         for (int m = 0; m < Q; m++) {
             const int8_t* sl = sr[m].units + u * SLICED_UNIT;
             const __m512 d = _mm512_load_ps((const float*)(sl + SLICES * 128));
-            if (tab) { /* levels up to 240: slices (0, 1) and 2 summed apart, so that no lane passes 2³¹ */
+            if (tab == 1) { /* levels up to 240 (IQ4): slices (0, 1) and 2 summed apart, so that no lane passes 2³¹ */
                 const __m512i x0l = _mm512_load_si512(sl), x0h = _mm512_load_si512(sl + 64);
                 const __m512i x1l = _mm512_load_si512(sl + 128), x1h = _mm512_load_si512(sl + 192);
                 const __m512i x2l = _mm512_load_si512(sl + 256), x2h = _mm512_load_si512(sl + 320);
