@@ -2,10 +2,12 @@
 
     LeanBody (the torch forward, `lean.py`: the specification) ──_step_descs──▶ native.LayerDesc per layer
         ──lmhead_decode / lmhead_step / lmhead_attend (kernels/)──▶ the same numbers in one call
+    (a layer with experts: the step calls `_route_fn`'s callback — the layer's own `MoE.route` in torch — for
+     its chosen experts, then runs them in one experts_kernel call)
 
 Each method returns None where the C path does not serve (no library, autograd recording, a layout or activation
-it does not take, a layer it has no descriptor for — a mixture of experts); `LeanBody.forward` then runs the torch
-forward, which every path is tested against.
+it does not take, a layer it has no descriptor for — `_in_step`: a matrix without codes, experts of float
+tensors); `LeanBody.forward` then runs the torch forward, which every path is tested against.
 """
 
 from __future__ import annotations
