@@ -537,3 +537,29 @@ def test_a_moe_file_gives_the_same_greedy_tokens_without_the_native_kernels(tmp_
         assert run.returncode == 0, run.stderr
         tokens.append(run.stdout.strip().splitlines()[-1])
     assert tokens[0] == tokens[1] and len(eval(tokens[0])) == 8
+
+
+def test_an_error_in_a_router_called_back_from_the_c_step_is_raised_as_itself(tmp_path, monkeypatch):
+    from lmhead.kernels import experts as experts_kernel
+
+    if not experts_kernel.available():
+        pytest.skip("the experts kernel is not built")
+    _, model = _load(tmp_path, monkeypatch, "qwen3_moe", "Q8_0")
+    lean = model.lean
+    assert lean._step_descs() is not None
+    ids = torch.tensor([model.encode("The cat sat on the mat")])
+    positions = torch.arange(ids.shape[1])[None]
+    moe = lean.layers[-1].moe
+
+    def broken(h):
+        raise RuntimeError("the router broke")
+
+    monkeypatch.setattr(moe, "route", broken)
+    cache = lean.new_cache(1, ids.shape[1])
+    with pytest.raises(RuntimeError, match="the router broke"):
+        lean(ids, positions, cache)
+    assert cache.length == 0  # the step did not count its columns
+    monkeypatch.undo()
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    want = lean(ids, positions, lean.new_cache(1, ids.shape[1]))
+    assert torch.equal(lean(ids, positions, cache), want)  # the same cache, the step run again

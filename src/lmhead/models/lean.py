@@ -481,6 +481,16 @@ class LeanBody(NativeStep):
         cache.positions[:, start:start + t] = positions
         cache.tokens[:, start:start + t] = ids
         cache.length = start + t
+        try:
+            return self._columns(ids, positions, cache, start, layers)
+        except BaseException:
+            cache.length = start  # a step that failed (a router's error, no memory) leaves the cache as it was
+            raise
+
+    def _columns(self, ids: Tensor, positions: Tensor, cache: StaticCache, start: int,
+                 layers: list[Tensor] | None) -> Tensor:
+        """`forward`'s blocks for the columns its bookkeeping has just added to `cache` → hidden [B,T,D]."""
+        b, t = ids.shape
         masks = self._masks(cache, start, t)
         x = self.embedding(ids)
         if self.embed_scale is not None:

@@ -143,7 +143,8 @@ class NativeStep:
         return ctypes.cast(fn, ctypes.c_void_p).value
 
     def _step_failed(self, what: str) -> None:
-        """Raise what stopped a C step: the router's exception, or a kernel that could not allocate."""
+        """Raise what stopped a C step: the router's exception, or a kernel that could not allocate (or refused
+        its arguments, which the descriptors' checks at load leave to memory)."""
         error, self._route_error = getattr(self, "_route_error", None), None
         if error is not None:
             raise error
