@@ -131,8 +131,9 @@ def test_a_rows_normaliser_and_greedy_choice_are_the_same_bits_alone_among_rows_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_a_greedy_requests_tokens_and_logprobs_are_the_same_bits_alone_in_a_batch_and_with_drafts(tmp_path,
-                                                                                                   monkeypatch):
+                                                                                                   monkeypatch, arch):
     # end to end over a GGUF file run by the kernels: a prompt's steps beside two prompts of other lengths (a
     # padded prefill, then batched decode steps) equal the prompt's steps alone, bit for bit
     from tiny_gguf import write_tiny_gguf
@@ -140,7 +141,7 @@ def test_a_greedy_requests_tokens_and_logprobs_are_the_same_bits_alone_in_a_batc
     from lmhead import SamplingConfig, load_model
 
     monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
-    model = load_model(str(write_tiny_gguf(tmp_path / "m.gguf", "llama", kind="Q8_0")), progress=False)
+    model = load_model(str(write_tiny_gguf(tmp_path / "m.gguf", arch, kind="Q8_0")), progress=False)
     prompts = ["The cat sat on the mat. The dog", "Once upon a time there", "A B C D E F G H"]
 
     def steps(ps, draft="none"):

@@ -96,10 +96,13 @@ def test_gpt_oss_router_takes_the_top_k_of_its_biased_logits_then_a_softmax_over
     router = tiny_gpt_oss()[0].model.layers[0].mlp.router
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
     x[1] = x[0]  # a row twice
-    with torch.no_grad():
-        logits, weights, experts = router(x)
+    with torch.no_grad():  # transformers' router on each row alone: a row's bits whatever the batch (moe.route)
+        alone = [router(x[i:i + 1]) for i in range(x.shape[0])]
+    logits, weights, experts = (torch.cat([a[j] for a in alone]) for j in range(3))
     got = route(x, router.weight.detach(), router.top_k, False, router.bias.detach(), softmax_after_topk=True)
     assert torch.equal(got.experts, experts) and torch.equal(got.weights, weights) and torch.equal(got.logits, logits)
+    with torch.no_grad():
+        assert torch.equal(router(x)[2], experts)  # its batched call chooses the same experts here
 
 
 def test_gpt_oss_config_tokenizer_and_chat_template_are_read_from_the_file(tmp_path, monkeypatch):

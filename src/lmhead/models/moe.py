@@ -31,7 +31,7 @@ from lmhead.models.coded_linear import CodedLinear
 from lmhead.models.expert_layout import ExpertMatrices
 from lmhead.models.row_blocks import RowBlocks
 
-__all__ = ["MoE", "Routing", "SwigluOAI", "route", "swiglu_oai"]
+__all__ = ["MoE", "Routing", "SwigluOAI", "route", "router_logits", "swiglu_oai"]
 
 Matrix = CodedLinear | RowBlocks | Tensor
 Experts = ExpertMatrices | list[Matrix]  # a layer's experts of one product: one object, or one matrix each
@@ -47,13 +47,27 @@ class Routing:
     weights: Tensor
 
 
+def router_logits(x: Tensor, router: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [N,D] · routerᵀ (+ bias) → [N,E] float32, each row by its own product (transformers' `F.linear` on that
+    row alone): a matrix product over several rows sums each row in another order than the one-row product does —
+    every row's logits changed in their last bits with the batch (measured at D 64, 2048, 2880) — and the router's
+    top k is a discrete choice, so a near-tie could pick other experts for a request alone and in a server round.
+    One row at a time, a row's logits are the bits of a decode step alone whatever else is in the batch."""
+    if x.shape[0] <= 1 or torch.is_grad_enabled() and (x.requires_grad or router.requires_grad):
+        return F.linear(x, router, bias)
+    out = x.new_empty((x.shape[0], router.shape[0]))
+    for i in range(x.shape[0]):
+        out[i:i + 1] = F.linear(x[i:i + 1], router, bias)
+    return out
+
+
 def route(x: Tensor, router: Tensor, top_k: int, renormalise: bool, bias: Tensor | None = None,
           softmax_after_topk: bool = False) -> Routing:
     """The router on rows x [N,D] with weight `router` [E,D] (and `bias` [E]), as transformers' Qwen2/Qwen3-MoE
     and Mixtral routers compute it: logits by F.linear, softmax in float32, torch.topk (ties to the lower index),
     and, where the rule renormalises, the k probabilities divided by their sum; `softmax_after_topk` (gpt-oss's
     router): torch.topk of the logits, then the softmax over those k."""
-    logits = F.linear(x, router, bias)                                  # [N,E]
+    logits = router_logits(x, router, bias)                             # [N,E]
     if softmax_after_topk:
         top, experts = torch.topk(logits, top_k, dim=-1)                # [N,k]
         return Routing(logits, experts, torch.softmax(top, dim=1, dtype=top.dtype))
