@@ -49,9 +49,12 @@ void lmhead_add_norm(const float* x, const float* a, const float* w_post, const 
     }
 }
 
-/* out [rows, F] = act(gate) · up with gate_up [rows, 2F] = [gate | up]; act 0: tanh-approximated GELU
- * (Gemma's gelu_pytorch_tanh, tanh(y) = 1 − 2/(e^{2y} + 1)), 1: SiLU (Llama, x/(1 + e^{−x})) */
-void lmhead_gated(const float* gate_up, float* out, int64_t rows, int64_t f, int act) {
+/* out [rows, F] from gate_up [rows, 2F] = [gate | up]: act 0, act(gate) · up with the tanh-approximated GELU
+ * (Gemma's gelu_pytorch_tanh, tanh(y) = 1 − 2/(e^{2y} + 1)); 1, SiLU (Llama, x/(1 + e^{−x})); 2, gpt-oss's clamped
+ * SwiGLU (transformers' GptOssExperts): (up' + 1) · gate' · σ(α · gate'), gate' = min(gate, limit), up' = up
+ * clamped to [−limit, limit] (a NaN stays a NaN, as torch's clamp keeps it), σ(z) = 1/(1 + e^{−z}) */
+static void gated_rows(const float* gate_up, float* out, int64_t rows, int64_t f, int act, float alpha,
+                       float limit) {
     const float k0 = 0.7978845608028654f, k1 = 0.044715f;
     for (int64_t r = 0; r < rows; r++) {
         const float* g = gate_up + r * 2 * f;
@@ -60,58 +63,52 @@ void lmhead_gated(const float* gate_up, float* out, int64_t rows, int64_t f, int
         int64_t i = 0;
 #ifdef __AVX2__
         const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f), half = _mm256_set1_ps(0.5f);
+        const __m256 a = _mm256_set1_ps(alpha), hi = _mm256_set1_ps(limit), lo = _mm256_set1_ps(-limit);
         for (; i + 8 <= f; i += 8) {
             const __m256 x = _mm256_loadu_ps(g + i), up = _mm256_loadu_ps(u + i);
-            __m256 a;
+            if (act == 2) {
+                /* min/max return their second operand where either is NaN: the NaN is that operand */
+                const __m256 gate = _mm256_min_ps(hi, x);
+                const __m256 upc = _mm256_max_ps(lo, _mm256_min_ps(hi, up));
+                const __m256 z = _mm256_mul_ps(gate, a);
+                const __m256 sg = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), z))));
+                _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_add_ps(upc, one), _mm256_mul_ps(gate, sg)));
+                continue;
+            }
+            __m256 av;
             if (act == 0) {
                 const __m256 y = _mm256_mul_ps(_mm256_set1_ps(k0),
                                                _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(k1), x),
                                                                _mm256_mul_ps(x, x), x));
                 const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(exp8(_mm256_add_ps(y, y)), one)));
-                a = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, t));
+                av = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, t));
             } else {
-                a = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+                av = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
             }
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(a, up));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(av, up));
         }
 #endif
         for (; i < f; i++) {
             const float x = g[i];
-            o[i] = act == 0 ? 0.5f * x * (1.0f + tanhf(k0 * (x + k1 * x * x * x))) * u[i]
-                            : x / (1.0f + expf(-x)) * u[i];
+            if (act == 2) {
+                const float gate = x > limit ? limit : x;
+                const float up = u[i] > limit ? limit : (u[i] < -limit ? -limit : u[i]);
+                const float sg = 1.0f / (1.0f + expf(-(gate * alpha)));
+                o[i] = (up + 1.0f) * (gate * sg);
+            } else {
+                o[i] = act == 0 ? 0.5f * x * (1.0f + tanhf(k0 * (x + k1 * x * x * x))) * u[i]
+                                : x / (1.0f + expf(-x)) * u[i];
+            }
         }
     }
 }
 
-/* gpt-oss's clamped SwiGLU (transformers' GptOssExperts): out [rows, F] = (up' + 1) · gate' · σ(α · gate') with
- * gate_up [rows, 2F] = [gate | up], gate' = min(gate, limit), up' = up clamped to [−limit, limit] (a NaN stays a
- * NaN, as torch's clamp keeps it), σ(z) = 1/(1 + e^{−z}) */
+void lmhead_gated(const float* gate_up, float* out, int64_t rows, int64_t f, int act) {
+    gated_rows(gate_up, out, rows, f, act == 0 ? 0 : 1, 0.f, 0.f);
+}
+
 void lmhead_swiglu_oai(const float* gate_up, float* out, int64_t rows, int64_t f, float alpha, float limit) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float* g = gate_up + r * 2 * f;
-        const float* u = g + f;
-        float* o = out + r * f;
-        int64_t i = 0;
-#ifdef __AVX2__
-        const __m256 one = _mm256_set1_ps(1.0f), a = _mm256_set1_ps(alpha);
-        const __m256 hi = _mm256_set1_ps(limit), lo = _mm256_set1_ps(-limit);
-        for (; i + 8 <= f; i += 8) {
-            const __m256 x = _mm256_loadu_ps(g + i), v = _mm256_loadu_ps(u + i);
-            /* min/max return their second operand where either is NaN: the NaN is that operand */
-            const __m256 gate = _mm256_min_ps(hi, x);
-            const __m256 up = _mm256_max_ps(lo, _mm256_min_ps(hi, v));
-            const __m256 z = _mm256_mul_ps(gate, a);
-            const __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), z))));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_add_ps(up, one), _mm256_mul_ps(gate, s)));
-        }
-#endif
-        for (; i < f; i++) {
-            const float gate = g[i] > limit ? limit : g[i];
-            const float up = u[i] > limit ? limit : (u[i] < -limit ? -limit : u[i]);
-            const float s = 1.0f / (1.0f + expf(-(gate * alpha)));
-            o[i] = (up + 1.0f) * (gate * s);
-        }
-    }
+    gated_rows(gate_up, out, rows, f, 2, alpha, limit);
 }
 
 /* the most queries an attention work item takes together (lmhead_attend) */
