@@ -156,19 +156,23 @@ static void sub_floats(const void* buf, int64_t N, int64_t K, int64_t ng, int64_
         }
 }
 
+/* how a matrix holds its scales (and offsets) where they are not SUB's: float32 numbers, float16 ones (HALF) or
+ * exponent bytes (E8M0) */
+enum { STORED_F32 = 0, STORED_F16 = 1, STORED_E8M0 = 2 };
+
 /* rows n0 .. n0 + nr − 1's scales (or offsets) as float32 [nr, ng]: the stored floats themselves, or converted
- * into tmp (half 1, float16: HALF; half 2, exponent bytes: E8M0; d·sub: SUB) */
+ * into tmp (STORED_F16: HALF; STORED_E8M0: E8M0; d·sub: SUB) */
 static inline const float* rows_scales(const void* base, int64_t N, int64_t K, int64_t ng, int64_t n0, int64_t nr,
-                                       int half, int sub, float* tmp) {
+                                       int stored, int sub, float* tmp) {
     if (sub) {
         sub_floats(base, N, K, ng, n0, nr, tmp);
         return tmp;
     }
-    if (half == 2) {
+    if (stored == STORED_E8M0) {
         e8m0_to_floats((const uint8_t*)base + n0 * ng, tmp, nr * ng);
         return tmp;
     }
-    if (half) {
+    if (stored == STORED_F16) {
         halves_to_floats((const uint16_t*)base + n0 * ng, tmp, nr * ng);
         return tmp;
     }
@@ -176,7 +180,7 @@ static inline const float* rows_scales(const void* base, int64_t N, int64_t K, i
 }
 
 /* a cache-line fetch of rows n0 .. n0 + nr − 1's stored scales (or offsets), as rows_scales reads them */
-static inline void fetch_scales(const void* base, int64_t N, int64_t K, int64_t ng, int64_t n0, int64_t nr, int half,
+static inline void fetch_scales(const void* base, int64_t N, int64_t K, int64_t ng, int64_t n0, int64_t nr, int stored,
                                 int sub) {
 #ifdef __AVX2__
     if (sub) {
@@ -187,11 +191,11 @@ static inline void fetch_scales(const void* base, int64_t N, int64_t K, int64_t 
         for (int64_t p = 0; p < nr * ng; p += 64) _mm_prefetch(sb + p, _MM_HINT_T0);
         return;
     }
-    const size_t bytes = half == 2 ? 1 : half ? 2 : 4;
+    const size_t bytes = stored == STORED_E8M0 ? 1 : stored == STORED_F16 ? 2 : 4;
     const char* b = (const char*)base + (size_t)n0 * ng * bytes;
     for (int64_t p = 0; p < nr * ng * (int64_t)bytes; p += 64) _mm_prefetch(b + p, _MM_HINT_T0);
 #else
-    (void)base, (void)N, (void)K, (void)ng, (void)n0, (void)nr, (void)half, (void)sub;
+    (void)base, (void)N, (void)K, (void)ng, (void)n0, (void)nr, (void)stored, (void)sub;
 #endif
 }
 
@@ -1352,10 +1356,10 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
     }
     const int table = lmhead_table_of(flags);
     const int packed = !(flags & LMHEAD_PACKED) ? 0 : table >= 0 ? 3 + table : (flags & LMHEAD_SIGNED4) ? 2 : 1;
-    /* half: 1 float16 scales, 2 E8M0 bytes (rows_scales) */
-    const int half = (flags & LMHEAD_HALF) ? 1 : (flags & LMHEAD_E8M0) ? 2 : 0, rows4 = (flags & LMHEAD_ROWS4) != 0;
+    const int stored = (flags & LMHEAD_HALF) ? STORED_F16 : (flags & LMHEAD_E8M0) ? STORED_E8M0 : STORED_F32;
+    const int rows4 = (flags & LMHEAD_ROWS4) != 0;
     if ((flags & LMHEAD_HALF) && (flags & LMHEAD_E8M0)) return -1;
-    if (half == 2 && offset) return -1;
+    if (stored == STORED_E8M0 && offset) return -1;
     /* the nibbles' meaning: at most one of SIGNED4 and the tables, only with PACKED; a table without offsets */
     const int levels = flags & (LMHEAD_SIGNED4 | LMHEAD_TABLE_FLAGS);
     if (levels && (!packed || (offset && levels != LMHEAD_SIGNED4) || (levels & (levels - 1)))) return -1;
@@ -1365,8 +1369,8 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
     const int64_t row_bytes = packed ? K / 2 : K, us = rows4 ? 128 : 32;
     const int64_t ng = K / G;
     const int sub = (flags & LMHEAD_SUB) != 0;
-    if (sub && (half || K % 256 != 0 || (G != 16 && G != 32))) return -1;
-    if ((half || sub) && ng > HALF_MAX_GROUPS) return -1;
+    if (sub && (stored != STORED_F32 || K % 256 != 0 || (G != 16 && G != 32))) return -1;
+    if ((stored != STORED_F32 || sub) && ng > HALF_MAX_GROUPS) return -1;
     if (threads < 1) threads = 1;
     /* several query rows (compute-bound): rows (or blocks of four) handed out in chunks of ~1/8 of a thread's share
      * as threads come for them, so that on a shared machine a thread that loses its core for a moment no longer
@@ -1423,11 +1427,11 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
             const char* spread = NULL;
             if (b + PREFETCH_AHEAD < blocks) {
                 spread = (const char*)(codes + (n0 + 4 * PREFETCH_AHEAD) * row_bytes);
-                fetch_scales(scale, N, K, ng, n0 + 4 * PREFETCH_AHEAD, nr, half, sub);
-                if (offset) fetch_scales(offset, N, K, ng, n0 + 4 * PREFETCH_AHEAD, nr, half, sub);
+                fetch_scales(scale, N, K, ng, n0 + 4 * PREFETCH_AHEAD, nr, stored, sub);
+                if (offset) fetch_scales(offset, N, K, ng, n0 + 4 * PREFETCH_AHEAD, nr, stored, sub);
             }
-            const float* s = rows_scales(scale, N, K, ng, n0, nr, half, sub, s32);
-            const float* o = offset ? rows_scales(offset, N, K, ng, n0, nr, half, sub, o32) : NULL;
+            const float* s = rows_scales(scale, N, K, ng, n0, nr, stored, sub, s32);
+            const float* o = offset ? rows_scales(offset, N, K, ng, n0, nr, stored, sub, o32) : NULL;
             if (M == 1 && (!srows || srows[0].ok)) {
                 rows4_dot1(x, xp, codes + n0 * row_bytes, s, o, xs, ng, packed, G == 16, spread, srows, y + n0);
                 continue;
@@ -1471,8 +1475,8 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
     for (int64_t n = 0; n < N; n++) {
         const int8_t* c = rows4 ? codes + (n / 4) * 4 * row_bytes + (n % 4) * 32 : codes + n * row_bytes;
         float s32[HALF_MAX_GROUPS], o32[HALF_MAX_GROUPS];
-        const float* s = rows_scales(scale, N, K, ng, n, 1, half, sub, s32);
-        const float* o = offset ? rows_scales(offset, N, K, ng, n, 1, half, sub, o32) : NULL;
+        const float* s = rows_scales(scale, N, K, ng, n, 1, stored, sub, s32);
+        const float* o = offset ? rows_scales(offset, N, K, ng, n, 1, stored, sub, o32) : NULL;
         /* each query row as the one-row product computes it (the weight row from L1 after the first) */
         for (int64_t m = 0; m < M; m++)
             y[m * N + n] = row_dot(x + m * K, K, c, us, s, o, xs ? xs + m * ng : NULL, ng, G, packed);

@@ -120,7 +120,8 @@ static int matmul(const float* x, int64_t rows, const lmhead_mat* m, float* y, i
  * functions as the step-by-step path, composed here so that a step is one call. keys, values: layer i's cache
  * [B,H_kv,cap,hd] in one piece at i·layer_stride floats (B·H_kv·cap·hd for a whole cache; more for B rows of a
  * larger one: models/lean.py's StaticCache.view). scratch: at least
- * rows·(2·D + 2·(H + 2·H_kv)·hd + H·hd + 3·F) floats (F the widest MLP's: dense, experts' or shared expert's). The arguments are lmhead_step_args' (decode_kernels.h).
+ * rows·(2·D + 2·(H + 2·H_kv)·hd + H·hd + 3·F) floats (F the widest MLP's: dense, experts' or shared expert's).
+ * The arguments are lmhead_step_args' (decode_kernels.h).
  * Returns 0, or -1 (a kernel refused its arguments). */
 int lmhead_step(const lmhead_step_args* args) {
     const lmhead_layer* layers = args->layers;
@@ -170,7 +171,7 @@ int lmhead_step(const lmhead_step_args* args) {
         lmhead_add_norm(x, branch, L->post_attn_norm, L->pre_mlp_norm, x2, h, rows, D, eps, plus_one);
         if (L->experts_gate_up) { /* the router (the caller's), then the chosen experts in one call */
             const int64_t k = L->top_k;
-            if (!args->route || k < 1 || k > 64) return -1;
+            if (!args->route || k < 1) return -1;
             const int shared = L->shared_gate_up.codes != NULL;
             int64_t* chosen = (int64_t*)malloc((size_t)(rows * k) * sizeof(int64_t));
             float* weights = (float*)malloc((size_t)(rows * (k + 1)) * sizeof(float));

@@ -170,6 +170,16 @@ def _sub(kind: str, k: int) -> bool:
     return t.subscales is not None and k % 256 == 0 and t.group in (16, 32) and k // t.group <= native.HALF_MAX_GROUPS
 
 
+def _scale_dtype(kind: str, ng: int) -> torch.dtype:
+    """How experts of type `kind` (not SUB) with `ng` groups a row hold their scales: MXFP4's exponents as the
+    blocks' bytes (E8M0), the types whose scales are float16 numbers as float16, else float32 (the kernel converts
+    at most HALF_MAX_GROUPS groups a row of the smaller ones)."""
+    t = TYPES[kind]
+    if ng > native.HALF_MAX_GROUPS:
+        return torch.float32
+    return torch.uint8 if t.e8m0_at else torch.float16 if t.half else torch.float32
+
+
 def expert_nbytes(kind: str, experts: int, n: int, k: int) -> int:
     """Bytes `build_experts` holds for `experts` matrices [n, k] of type `kind` (a MXFP4 exponent counted as the
     float16 number it is held as, all but the extremes): what a load of them needs."""
@@ -181,7 +191,7 @@ def expert_nbytes(kind: str, experts: int, n: int, k: int) -> int:
     if _sub(kind, k):
         per = n * (k // 256 * 4 + ng)
     else:
-        per = n * ng * ((1 if t.e8m0_at else 2) if (t.half or t.e8m0_at) and ng <= native.HALF_MAX_GROUPS else 4)
+        per = n * ng * _scale_dtype(kind, ng).itemsize
     return experts * (n * (k // 2 if four_bit else k) + per * (2 if t.offset else 1))
 
 
@@ -220,10 +230,8 @@ def build_experts(kind: str, parts: list[np.ndarray], rows: list[int], experts: 
         views = [(b[:, :n * nsup * 4].view(torch.float32).view(experts, n, nsup),
                   b[:, n * nsup * 4:].view(torch.int8).view(experts, n, ng)) for b in (scale, offset) if b is not None]
     else:
-        # MXFP4's exponents as the blocks' bytes (E8M0), the others' float16 numbers where they are
-        exponents = bool(t.e8m0_at) and ng <= native.HALF_MAX_GROUPS
-        dtype = (torch.uint8 if exponents else torch.float16 if t.half and ng <= native.HALF_MAX_GROUPS
-                 else torch.float32)
+        dtype = _scale_dtype(kind, ng)
+        exponents = dtype == torch.uint8
         scale = torch.empty((experts, n, ng), dtype=dtype)
         offset = torch.empty_like(scale) if t.offset else None
     a = 0

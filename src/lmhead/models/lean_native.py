@@ -76,14 +76,13 @@ class NativeStep:
                 d.rope, d.sliding = self.layer_types.index(layer.kind), int(layer.sliding)
                 d.o_bias, d.sinks = ptr(layer.o_bias), ptr(layer.sinks)
                 moe = layer.moe
-                if moe is not None:  # the router called back (`_route`), the chosen experts in one call
+                if moe is not None:  # the router called back (`_route_fn`), the chosen experts in one call
                     gu, dn = moe.gate_up.desc, moe.down.desc
                     keep += [gu, dn]
                     d.experts_gate_up, d.experts_down = ctypes.addressof(gu), ctypes.addressof(dn)
                     d.experts_gate_up_bias, d.experts_down_bias = ptr(moe.gate_up_bias), ptr(moe.down_bias)
                     d.top_k = moe.top_k
-                    d.experts_act = self.act_code if moe.act is None else experts_kernel.SWIGLU_OAI
-                    d.alpha, d.limit = (moe.act.alpha, moe.act.limit) if moe.act is not None else (0.0, 0.0)
+                    d.experts_act, d.alpha, d.limit = moe.kernel_act(self.act_code)
                     if moe.shared_gate_up is not None:
                         d.shared_gate_up, d.shared_down = mat(moe.shared_gate_up), mat(moe.shared_down)
                 else:
@@ -114,10 +113,11 @@ class NativeStep:
         """The address of the C step's router callback (`lmhead_route_fn`: each layer's own `MoE.route` on the
         step's h, the same bits as the step-by-step path's), None for a model without experts. Made once; an
         exception inside it is kept in `_route_error` and raised by the caller after the step."""
-        if all(layer.moe is None for layer in self.layers):
-            return None
-        fn = self.__dict__.get("_route_cb")
-        if fn is None:
+        made = self.__dict__.get("_route")
+        if made is not None:
+            return made[1]
+        fn = None
+        if any(layer.moe is not None for layer in self.layers):
             layers, width = self.layers, self.width
 
             def route(i: int, h: int, rows: int, chosen: int, weights: int, shared: int | None) -> int:
@@ -139,8 +139,9 @@ class NativeStep:
                     self._route_error = e
                     return 1
 
-            fn = self._route_cb = native.ROUTE_FN(route)
-        return ctypes.cast(fn, ctypes.c_void_p).value
+            fn = native.ROUTE_FN(route)
+        self._route = (fn, None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value)  # fn held: C calls it
+        return self._route[1]
 
     def _step_failed(self, what: str) -> None:
         """Raise what stopped a C step: the router's exception, or a kernel that could not allocate (or refused
@@ -151,16 +152,20 @@ class NativeStep:
         raise MemoryError(f"{what} could not allocate its buffers")
 
     def _mlp_width(self) -> int:
-        """F of the step's scratch: the widest MLP's — dense, experts' or shared expert's."""
-        widths = [1]
-        for layer in self.layers:
-            if layer.coded and "down" in layer.coded:
-                widths.append(layer.coded["down"].in_features)
-            if layer.moe is not None:
-                widths.append(layer.moe.down.in_features)
-                if layer.moe.shared_down is not None:
-                    widths.append(layer.moe.shared_down.in_features)
-        return max(widths)
+        """F of the step's scratch: the widest MLP's — dense, experts' or shared expert's (the layers are fixed
+        once built: found once, not at every step)."""
+        width = self.__dict__.get("_mlp_f")
+        if width is None:
+            widths = [1]
+            for layer in self.layers:
+                if layer.coded and "down" in layer.coded:
+                    widths.append(layer.coded["down"].in_features)
+                if layer.moe is not None:
+                    widths.append(layer.moe.down.in_features)
+                    if layer.moe.shared_down is not None:
+                        widths.append(layer.moe.shared_down.in_features)
+            width = self._mlp_f = max(widths)
+        return width
 
     def _weight_versions(self) -> tuple[int, ...]:
         """The versions of every tensor `lmhead_step` reads (norms and codes' sources): a change in place
@@ -169,8 +174,10 @@ class NativeStep:
         if tensors is None:  # the list is fixed once the layers are built; their versions are read every step
             tensors = [self.final_norm]
             for layer in self.layers:
+                moe = layer.moe
                 tensors += [t for t in (layer.input_norm, layer.post_attn_norm, layer.pre_mlp_norm,
-                                        layer.post_mlp_norm, layer.q_norm, layer.k_norm, layer.qkv_bias)
+                                        layer.post_mlp_norm, layer.q_norm, layer.k_norm, layer.qkv_bias,
+                                        layer.o_bias, layer.sinks, *((moe.gate_up_bias, moe.down_bias) if moe else ()))
                             if t is not None]
                 for c in (layer.coded or {}).values():
                     tensors += list(c.sources)

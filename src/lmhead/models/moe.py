@@ -180,6 +180,13 @@ class MoE:
         """The shared expert's gate for rows x [N,D]: σ(x·g) [N,1] (Qwen2-MoE's, transformers' operations)."""
         return torch.sigmoid(F.linear(x, self.shared_gate))
 
+    def kernel_act(self, act_code: int) -> tuple[int, float, float]:
+        """The experts kernel's activation (code, alpha, limit): the experts' own (`SwigluOAI`), else the body's
+        `lmhead_gated` code `act_code`."""
+        if self.act is None:
+            return act_code, 0.0, 0.0
+        return experts_kernel.SWIGLU_OAI, self.act.alpha, self.act.limit
+
     def one_call(self, x: Tensor, act_code: int | None) -> bool:
         """Whether rows x [N,D] take experts_kernel.c's one call for the chosen experts (`_experts`' numbers, bit
         for bit): experts from a file's codes (with float32 biases or none), the body on its C tier (`act_code`:
@@ -199,10 +206,9 @@ class MoE:
         x = h.reshape(-1, shape[-1])                                        # [N,D]
         r = self.route(x)
         if self.one_call(x, act_code):
-            act = self.act or SwigluOAI()
-            out = experts_kernel.mlp(x.contiguous(), r.experts, r.weights, self.gate_up.desc, self.down.desc,
-                                     act_code if self.act is None else experts_kernel.SWIGLU_OAI, self.gate_up_bias,
-                                     self.down_bias, act.alpha, act.limit)
+            act, alpha, limit = self.kernel_act(act_code)
+            out = experts_kernel.mlp(x.contiguous(), r.experts, r.weights, self.gate_up.desc, self.down.desc, act,
+                                     self.gate_up_bias, self.down_bias, alpha, limit)
         else:
             # the experts' own activation on the body's tier: the C one beside the C `gated` (the one call's bits),
             # torch's beside torch's
