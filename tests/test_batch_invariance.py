@@ -131,7 +131,7 @@ def test_a_rows_normaliser_and_greedy_choice_are_the_same_bits_alone_among_rows_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "qwen2_moe"])
 def test_a_greedy_requests_tokens_and_logprobs_are_the_same_bits_alone_in_a_batch_and_with_drafts(tmp_path,
                                                                                                    monkeypatch, arch):
     # end to end over a GGUF file run by the kernels: a prompt's steps beside two prompts of other lengths (a

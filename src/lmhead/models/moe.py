@@ -177,8 +177,9 @@ class MoE:
                      self.softmax_after_topk)
 
     def shared_weight(self, x: Tensor) -> Tensor:
-        """The shared expert's gate for rows x [N,D]: σ(x·g) [N,1] (Qwen2-MoE's, transformers' operations)."""
-        return torch.sigmoid(F.linear(x, self.shared_gate))
+        """The shared expert's gate for rows x [N,D]: σ(x·g) [N,1] (Qwen2-MoE's, transformers' operations; each row
+        alone, as the router's logits: `router_logits`)."""
+        return torch.sigmoid(router_logits(x, self.shared_gate))
 
     def kernel_act(self, act_code: int) -> tuple[int, float, float]:
         """The experts kernel's activation (code, alpha, limit): the experts' own (`SwigluOAI`), else the body's
