@@ -130,6 +130,54 @@ def test_a_rows_normaliser_and_greedy_choice_are_the_same_bits_alone_among_rows_
                 assert torch.equal(got_lse[r:r + 1].view(torch.int64), one_lse.view(torch.int64))
 
 
+def _bits(value) -> list:
+    """A row pass's answer as comparable bits: tensors by their bytes, floats by their float64 bits."""
+    import struct
+
+    if value is None:
+        return [None]
+    if isinstance(value, torch.Tensor):
+        return [value.dtype, value.contiguous().view(torch.uint8).tolist()]
+    if isinstance(value, float):
+        return [struct.pack("<d", value)]
+    if isinstance(value, (tuple, list)):
+        return [b for v in value for b in _bits(v)]
+    return [value]
+
+
+@pytest.mark.parametrize("width", [1003, 49_152, 262_144])
+def test_the_sampler_row_passes_are_the_same_bits_over_any_number_of_threads(width):
+    # a sampled request's row passes (its normaliser and entropy, the moments the declared steps read, top-p's set,
+    # locally typical sampling's set, an unseeded draw) cut a wide row into pieces by its width alone, so a row's
+    # sums are the same bits whatever the threads — and so whatever else is in the server's round
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(width, generator=g) * 3
+    x[torch.randint(0, width, (7,), generator=g)] += 12.0  # a few strong candidates, as a model's row has
+    x[torch.randint(0, width, (width // 9,), generator=g)] = float("-inf")  # masked tokens
+    passes = {
+        "moments": lambda: native.row_moments(x, sigma=True),
+        "lse bounded": lambda: native.row_lse_bounded(x),
+        "top-p": lambda: native.top_p_row(x, 0.8, 0.9),
+        "typical": lambda: native.typical_row(x, 0.9),
+        "draw, temperature": lambda: native.sample_row(x, 0.7, 0, 1.0, 0.0, 0.6180339),
+        "draw, top-p": lambda: native.sample_row(x, 0.7, 0, 0.9, 0.0, 0.41421356),
+        "draw, min-p": lambda: native.sample_row(x, 0.7, 0, 1.0, 0.02, 0.7320508),
+        "draw, top-k": lambda: native.sample_row(x, 0.7, 40, 1.0, 0.0, 0.2360679),
+    }
+    before = torch.get_num_threads()
+    try:
+        answers = {}
+        for threads in (1, 2, 3, 5, 9):
+            torch.set_num_threads(threads)
+            answers[threads] = {name: _bits(run()) for name, run in passes.items()}
+    finally:
+        torch.set_num_threads(before)
+    assert all(answers[1][name] != [None] for name in passes), answers[1]
+    for threads in (2, 3, 5, 9):
+        for name in passes:
+            assert answers[threads][name] == answers[1][name], (name, threads)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "qwen2_moe"])
 def test_a_greedy_requests_tokens_and_logprobs_are_the_same_bits_alone_in_a_batch_and_with_drafts(tmp_path,
@@ -158,3 +206,42 @@ def test_a_greedy_requests_tokens_and_logprobs_are_the_same_bits_alone_in_a_batc
     # beside rows that kept theirs
     drafted = steps(prompts, "ngram")
     assert drafted[0] == alone and drafted[1] == batch[1] and drafted[2] == batch[2]
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_sampled_requests_tokens_and_logprobs_are_the_same_bits_alone_on_one_thread_and_joining_a_batch():
+    # end to end on a packaged model (a vocabulary of 49,152: its row passes are cut into pieces): seeded sampled
+    # requests of the pipeline's kinds — top-p, min-p, typical, top-n-sigma and mirostat (the declared steps' moments),
+    # top-k, temperature alone, with their logprobs and top logprobs — alone on one thread, and joining a running
+    # batch of each other on two, give the same tokens and the same bits
+    from server_harness import real_model
+    from test_batching import alone, run_staggered
+
+    from lmhead import SamplingConfig
+
+    model = real_model("smollm2-135m")
+    requests = [
+        ("The capital of France is", SamplingConfig(temperature=0.8, top_p=0.9, seed=1), 8, {"top_logprobs": 2}),
+        ("Once upon a time, in a small village,", SamplingConfig(temperature=0.9, min_p=0.05, seed=2), 8, {}),
+        ("def add(a, b):", SamplingConfig(temperature=0.8, typical_p=0.9, seed=3), 8, {"top_logprobs": 1}),
+        ("The best way to learn", SamplingConfig(temperature=1.0, top_n_sigma=1.5, seed=4), 8, {}),
+        ("My favourite food is", SamplingConfig(temperature=1.0, mirostat=2, seed=5), 8, {}),
+        ("Water boils at", SamplingConfig(temperature=0.7, top_k=40, seed=6), 8, {"top_logprobs": 2}),
+        ("Hello, my name is", SamplingConfig(temperature=1.0, seed=7), 8, {"exact_logprobs": True}),
+    ]
+
+    def steps_of(steps):
+        return [(s.token_id, s.text, s.finish_reason, s.rank, s.logprob, s.raw_logprob,
+                 [(t.token_id, t.logprob) for t in s.top_logprobs]) for s in steps]
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = [steps_of(alone(model, p, cfg, n, kw)) for p, cfg, n, kw in requests]
+        torch.set_num_threads(2)
+        got = run_staggered(model, requests, joins=[0, 0, 1, 2, 2, 3, 5])
+    finally:
+        torch.set_num_threads(before)
+    for i, steps in enumerate(got):
+        assert steps_of(steps) == want[i], requests[i]

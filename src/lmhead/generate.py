@@ -363,15 +363,18 @@ class Batch:
         """The scores of every token of a round (rows × their tokens, flattened, in order; see `scores.flat_scores`):
         None for the tokens of rows without scores, which are not computed."""
         rows = self.rows
-        keep = [b for b, r in enumerate(rows) if r.scores]
-        if len(keep) < len(rows):
-            none = [None] * sum(len(t) for t in rnd.tokens)
-            if not keep:
-                return none, none, none, None
-            sub = self._subset(keep, rnd, history, plen)
-            scored = self._scores_for(*sub)
-            return _spread(scored, [len(t) for t in rnd.tokens], keep)
-        return self._scores_for(rows, rnd, history, plen)
+        # each row scored as it is alone: what a call computes for every row depends on what any of its rows asks
+        # (alternatives take torch's log-softmax over the row, an exact-logprobs row the exact head's logits
+        # instead of the draw's), so the rows are scored in groups that ask alike
+        exact = self.model.head is not self.model.exact_head
+        groups: dict[tuple[bool, bool], list[int]] = {}
+        for b, r in enumerate(rows):
+            if r.scores:
+                groups.setdefault((r.top_n > 0, exact and r.exact_logprobs), []).append(b)
+        if len(groups) == 1 and len(next(iter(groups.values()))) == len(rows):
+            return self._scores_for(rows, rnd, history, plen)
+        parts = [(keep, self._scores_for(*self._subset(keep, rnd, history, plen))) for keep in groups.values()]
+        return _spread(parts, [len(t) for t in rnd.tokens])
 
     def _subset(self, keep: list[int], rnd, history, plen):
         """The rows `keep` of a round: (rows, their Round, history, prompt lengths)."""
@@ -436,24 +439,25 @@ class Batch:
         return out
 
 
-def _spread(scored, counts: list[int], keep: list[int]):
-    """Scores of the rows `keep` (flattened over their tokens) → the same lists over every row's `counts`
-    tokens, None (alternatives: []) for the others."""
-    chosen, raw, ranks, alts = scored
+def _spread(parts: list[tuple[list[int], tuple]], counts: list[int]):
+    """Scores of groups of rows, each (its rows `keep`, their scores flattened over their tokens) → the same lists
+    over every row's `counts` tokens, None (alternatives: []) for rows in no group; alternatives None where no
+    group has them."""
+    where = {b: (scored, sum(counts[c] for c in keep[:j])) for keep, scored in parts for j, b in enumerate(keep)}
     out: tuple[list, list, list, list] = ([], [], [], [])
-    kept, i = set(keep), 0
     for b, n in enumerate(counts):
-        for _ in range(n):
-            if b in kept:
-                out[0].append(chosen[i])
-                out[1].append(raw[i])
-                out[2].append(ranks[i])
-                out[3].append(alts[i] if alts is not None else [])
-                i += 1
-            else:
+        scored, first = where.get(b, (None, 0))
+        for k in range(first, first + n):
+            if scored is None:
                 for lst, empty in zip(out, (None, None, None, []), strict=True):
                     lst.append(empty)
-    return out[0], out[1], out[2], (out[3] if alts is not None else None)
+                continue
+            chosen, raw, ranks, alts = scored
+            out[0].append(chosen[k])
+            out[1].append(raw[k])
+            out[2].append(ranks[k])
+            out[3].append(alts[k] if alts is not None else [])
+    return out[0], out[1], out[2], (out[3] if any(s[3] is not None for _, s in parts) else None)
 
 
 def _loop(model, rows: list[Row], generator: torch.Generator | None, profile: dict[str, float] | None,

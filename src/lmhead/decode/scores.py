@@ -47,7 +47,8 @@ def _scores(logits: torch.Tensor, ids: torch.Tensor | list[int], cfg, prev, plen
     """Per row: processed logprob, raw logprob and raw rank of `ids` ([N] or a list), and (top_n > 0) the
     alternatives.
 
-    Equal to `sampling.logprobs` (which is used when alternatives are asked for). Without them the work is
+    Equal to `sampling.logprobs` (which is used when alternatives are asked for; the raw logprobs, the token's and
+    its alternatives', are the normaliser's below whether or not they are asked for). Without them the work is
     the normaliser and the count (`kernels.native.row_scores`; without the library a log_softmax, a row-wise
     kernel, and numpy's count), and for
     sampled rows `chosen_logprobs` (over a top-k row's k candidates, not a [B,V] processed row) — or nothing
@@ -57,9 +58,16 @@ def _scores(logits: torch.Tensor, ids: torch.Tensor | list[int], cfg, prev, plen
         if isinstance(ids, list):
             ids = torch.tensor(ids, device=logits.device)
         lp = logprobs(logits, ids, cfg, top_n=top_n, prev_tokens=prev, prompt_len=plen)
+        raw, top_raw = lp.raw_logprob, lp.top_raw_logprobs
+        x = logits if logits.dtype == torch.float32 else logits.float()
+        native = row_scores(x, ids) if x.dim() == 2 else None
+        if native is not None:  # the raw logprobs a row gets without alternatives: x − lse in double
+            lse = native[0][:, None]
+            raw = (x.gather(1, ids[:, None]).double() - lse).squeeze(1)
+            top_raw = x.gather(1, lp.top_ids).double() - lse
         alts = [list(zip(*row, strict=True)) for row in zip(lp.top_ids.tolist(), lp.top_logprobs.tolist(),
-                                                            lp.top_raw_logprobs.tolist(), strict=True)]
-        return lp.logprob.tolist(), lp.raw_logprob.tolist(), lp.rank.tolist(), alts
+                                                            top_raw.tolist(), strict=True)]
+        return lp.logprob.tolist(), raw.tolist(), lp.rank.tolist(), alts
     x = logits if logits.dtype == torch.float32 else logits.float()
     if isinstance(ids, list):  # the decode loop's tokens: the C passes answer with Python numbers
         found = token_scores(x, ids)

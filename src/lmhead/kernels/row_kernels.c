@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "row_pieces.h"
 #include "simd_math.h"
 
 /* Σ_{i in [lo, hi)} e^(row[i] − m) for a finite m: float32 lanes (exp8), summed in double */
@@ -265,18 +266,12 @@ static void top_p_sums(const float* x, int64_t lo, int64_t hi, float T, float to
     }
 }
 
-/* how many pieces a pass over a row of V logits is cut into over the threads (a row of a small vocabulary: one) */
-static inline int row_pieces(int64_t V, int threads) {
-    const int pieces = threads < 1 ? 1 : (threads > 8 ? 8 : threads);
-    return V < 32768 ? 1 : pieces;
-}
-
 /* max(x)/T over the row, its pieces over the threads → 0, or -2 for a NaN or a maximum not finite (over T) */
 static int row_top(const float* x, int64_t V, float T, int threads, float* top) {
-    const int pieces = row_pieces(V, threads);
-    float pmax[8];
-    int pnan[8];
-#pragma omp parallel for num_threads(pieces) schedule(static)
+    const int pieces = row_pieces(V);
+    float pmax[ROW_PIECES];
+    int pnan[ROW_PIECES];
+#pragma omp parallel for num_threads(piece_threads(pieces, threads)) schedule(static)
     for (int j = 0; j < pieces; j++) piece_max(x, V * j / pieces, V * (j + 1) / pieces, pmax + j, pnan + j);
     float m = -INFINITY;
     int nan = 0;
@@ -292,9 +287,9 @@ int64_t lmhead_top_p_row(const float* x, int64_t V, float T, double p, int64_t* 
     /* passes 1 and 2 in pieces over the threads for a wide row (a 262,144-token row: ~0.4 ms on one) */
     float top;
     if (row_top(x, V, T, threads, &top)) return -2;
-    const int pieces = row_pieces(V, threads);
-    double psum[8][TOP_P_SPANS + 1];
-#pragma omp parallel for num_threads(pieces) schedule(static)
+    const int pieces = row_pieces(V);
+    double psum[ROW_PIECES][TOP_P_SPANS + 1];
+#pragma omp parallel for num_threads(piece_threads(pieces, threads)) schedule(static)
     for (int j = 0; j < pieces; j++)
         top_p_sums(x, V * j / pieces, V * (j + 1) / pieces, T, top, spans, TOP_P_SPANS, psum[j]);
     double norm = 0.0, within[TOP_P_SPANS] = {0};
@@ -570,9 +565,9 @@ int lmhead_sample_row(const float* x, int64_t V, float T, int64_t top_k, double 
     }
     float top;
     if (row_top(x, V, T, threads, &top)) return -2;
-    const int pieces = row_pieces(V, threads);
-    double psum[8];
-#pragma omp parallel for num_threads(pieces) schedule(static)
+    const int pieces = row_pieces(V);
+    double psum[ROW_PIECES];
+#pragma omp parallel for num_threads(piece_threads(pieces, threads)) schedule(static)
     for (int j = 0; j < pieces; j++) top_p_sums(x, V * j / pieces, V * (j + 1) / pieces, T, top, NULL, 0, psum + j);
     double total = 0.0;
     for (int j = 0; j < pieces; j++) total += psum[j];

@@ -16,6 +16,7 @@
 #include <immintrin.h>
 #endif
 
+#include "row_pieces.h"
 #include "simd_math.h"
 
 /* e^d for d ≤ 0 in double: d = (32q + j)·ln2/32 + r (ln2/32 in two parts, so that n·hi is exact; |r| ≤ ln2/64),
@@ -79,12 +80,6 @@ static inline double hsum4(__m256d v) {
 #define EXP8_ERROR 1.19e-7
 #endif
 
-/* how many pieces a pass over a row of V logits is cut into over the threads (a row of a small vocabulary: one) */
-static inline int pieces_of(int64_t V, int threads) {
-    const int pieces = threads < 1 ? 1 : (threads > 8 ? 8 : threads);
-    return V < 32768 ? 1 : pieces;
-}
-
 typedef struct {
     float max, min; /* the maximum; the least finite logit (+inf when there is none) */
     int64_t finite; /* logits > −inf */
@@ -131,9 +126,9 @@ static void scan_piece(const float* x, int64_t lo, int64_t hi, row_scan* s) {
 
 /* the whole row's scan, its pieces over the threads → 0, or -2 for a NaN, +inf, or no finite logit */
 static int scan_row(const float* x, int64_t V, int threads, row_scan* out) {
-    const int pieces = pieces_of(V, threads);
-    row_scan part[8];
-#pragma omp parallel for num_threads(pieces) schedule(static)
+    const int pieces = row_pieces(V);
+    row_scan part[ROW_PIECES];
+#pragma omp parallel for num_threads(piece_threads(pieces, threads)) schedule(static)
     for (int j = 0; j < pieces; j++) scan_piece(x, V * j / pieces, V * (j + 1) / pieces, part + j);
     *out = part[0];
     for (int j = 1; j < pieces; j++) {
@@ -176,12 +171,12 @@ static void exp_piece(const float* x, int64_t lo, int64_t hi, double m, double* 
 static int row_moments(const float* x, int64_t V, int exps, double* out, int threads) {
     row_scan sc;
     if (scan_row(x, V, threads, &sc)) return -2;
-    const int pieces = pieces_of(V, threads);
+    const int pieces = row_pieces(V);
     const double m = sc.max;
     double s = NAN, a = NAN;
     if (exps) {
-        double ps[8], pa[8];
-#pragma omp parallel for num_threads(pieces) schedule(static)
+        double ps[ROW_PIECES], pa[ROW_PIECES];
+#pragma omp parallel for num_threads(piece_threads(pieces, threads)) schedule(static)
         for (int j = 0; j < pieces; j++) exp_piece(x, V * j / pieces, V * (j + 1) / pieces, m, ps + j, pa + j);
         s = 0.0, a = 0.0;
         for (int j = 0; j < pieces; j++) s += ps[j], a += pa[j];
@@ -199,11 +194,11 @@ static int row_moments(const float* x, int64_t V, int exps, double* out, int thr
 int lmhead_row_moments(const float* x, int64_t V, int what, double* out, int threads) {
     const int sigma = what & 2;
     if (row_moments(x, V, what & 1, out, threads)) return -2;
-    const int pieces = pieces_of(V, threads);
+    const int pieces = row_pieces(V);
     const double mean = out[5];
     if (sigma) {
-        double pv[8];
-#pragma omp parallel for num_threads(pieces) schedule(static)
+        double pv[ROW_PIECES];
+#pragma omp parallel for num_threads(piece_threads(pieces, threads)) schedule(static)
         for (int j = 0; j < pieces; j++) {
             const int64_t lo = V * j / pieces, hi = V * (j + 1) / pieces;
             double v = 0.0;
@@ -251,10 +246,10 @@ int lmhead_row_lse_bounded(const float* x, int64_t V, double* out, int threads) 
 #ifdef __AVX2__
     row_scan sc;
     if (scan_row(x, V, threads, &sc)) return -2;
-    const int pieces = pieces_of(V, threads);
+    const int pieces = row_pieces(V);
     const float m = sc.max;
-    double ps[8], pa[8], pb[8];
-#pragma omp parallel for num_threads(pieces) schedule(static)
+    double ps[ROW_PIECES], pa[ROW_PIECES], pb[ROW_PIECES];
+#pragma omp parallel for num_threads(piece_threads(pieces, threads)) schedule(static)
     for (int j = 0; j < pieces; j++) {
         const int64_t lo = V * j / pieces, hi = V * (j + 1) / pieces;
         int64_t i = lo;
@@ -510,6 +505,13 @@ static int64_t typical_write(const float* x, int64_t V, double c, double limit, 
     return kept;
 }
 
+/* row_pieces for the typical pass: each piece clears and merges its own histograms (TYPICAL_LANES ×
+ * TYPICAL_BINS doubles), so a cut row's pieces hold at least 65,536 logits (2 to ROW_PIECES) — by its width alone */
+static inline int typical_pieces(int64_t V) {
+    const int64_t p = V / 65536;
+    return row_pieces(V) == 1 ? 1 : p < 2 ? 2 : p > ROW_PIECES ? ROW_PIECES : (int)p;
+}
+
 int64_t lmhead_typical_row(const float* x, int64_t V, double mass, float* out, int threads) {
     row_scan sc;
     if (scan_row(x, V, threads, &sc)) return -2;
@@ -519,11 +521,11 @@ int64_t lmhead_typical_row(const float* x, int64_t V, double mass, float* out, i
         return sc.finite;
     }
     const double k = (double)(TYPICAL_BINS - 1) / width;
-    const int pieces = pieces_of(V, threads), hists = pieces * TYPICAL_LANES;
+    const int pieces = typical_pieces(V), hists = pieces * TYPICAL_LANES;
     double* hist = (double*)calloc((size_t)hists * TYPICAL_BINS + TYPICAL_BINS + 1, sizeof(double));
     if (!hist) return -3;
-    double ps[8], pa[8];
-#pragma omp parallel for num_threads(pieces) schedule(static)
+    double ps[ROW_PIECES], pa[ROW_PIECES];
+#pragma omp parallel for num_threads(piece_threads(pieces, threads)) schedule(static)
     for (int j = 0; j < pieces; j++)
         typical_sums(x, V * j / pieces, V * (j + 1) / pieces, m, k, ps + j, pa + j,
                      hist + (size_t)j * TYPICAL_LANES * TYPICAL_BINS);
