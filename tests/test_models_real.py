@@ -98,6 +98,32 @@ def test_text_deltas_on_multibyte_characters(model, text):
     assert all("\ufffd" not in d for d in deltas)
 
 
+@pytest.mark.parametrize("stops", [[], ["\n", "the"]])
+def test_the_text_from_windows_is_the_whole_decodes_token_by_token(model, stops):
+    # the incremental text (a window decoded from the last complete point) against the whole decoded at every
+    # token: random ids — byte tokens that split characters, special tokens, pieces of any script — after prompts
+    # of different tails, with and without stop strings; the emitted deltas and the text at every step equal
+    tok = model.tokenizer
+    g = torch.Generator().manual_seed(7)
+    special = set(tok.all_special_ids)
+    vocab = len(tok)
+    for trial in range(12):
+        prompt = tok(["Say:", "Hello there,", "日本語で", "x = [1, 2"][trial % 4])["input_ids"]
+        ids = torch.randint(0, vocab, (160,), generator=g).tolist()
+        ids[::17] = [sorted(special)[trial % len(special)]] * len(ids[::17])
+        if trial % 3 == 0:  # runs of real text between the random pieces
+            ids[40:40] = tok("naïve café — 東京 🙂 done", add_special_tokens=False)["input_ids"]
+        window, whole = (_Detokenizer(tok, prompt, stops, special) for _ in range(2))
+        whole._whole = True  # the reference: every token decodes the whole
+        for i in ids:
+            assert window.add(i) == whole.add(i)
+            assert window._text() == whole._whole_text()
+            if whole.stopped:
+                break
+        assert window.stopped == whole.stopped and window.flush() == whole.flush()
+        assert not window._whole  # the windows served (these tokenizers' pieces are local)
+
+
 def test_truncated_gguf_file_is_a_clear_error(tmp_path, monkeypatch):
     from lmhead.models.registry import _smollm2_gguf
 

@@ -105,7 +105,14 @@ def _stops(stop: str | Sequence[str] | None) -> list[str]:
 
 
 class _Detokenizer:
-    """Incremental text of one row: decode the generated ids as a whole, emit the new suffix.
+    """Incremental text of one row: the generated ids' text as decoding them as a whole (after the prompt's last
+    tokens) gives it, emitting the new suffix.
+
+    The whole is not decoded at every token (its cost grew with the text, so a long answer's tokens slowed): each
+    step decodes a window from the last point where the text was complete (vLLM's and transformers' streamers'
+    offsets), without and with the new tokens, and appends the difference — the same characters for decoders
+    whose pieces' text does not reach further back than the window (byte-level BPE, SentencePiece's metaspace,
+    WordPiece); where a window's text is not an extension of its start's, the row decodes the whole from then on.
 
     `held` characters at the end are not emitted yet: an incomplete multi-byte character (U+FFFD at the end)
     or the beginning of a stop string. `stop_at` is set when a stop string appears: the text ends before it.
@@ -120,15 +127,36 @@ class _Detokenizer:
         self.ids: list[int] = []
         self.emitted = 0  # characters of the generated text already emitted
         self.stopped = False
+        # the window: context + ids from `_start` on is decoded; the text up to `_read` is settled in `_done`
+        self._start, self._read, self._done = 0, len(self.context), ""
+        self._whole = False  # a window failed: decode the whole from now on
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def _text(self) -> str:
+    def _whole_text(self) -> str:
         full = self._decode(self.context + self.ids)
         if full.startswith(self.prefix):
             return full[len(self.prefix):]
         return self._decode(self.ids)  # the prompt's tail decodes differently in context: fall back
+
+    def _text(self) -> str:
+        """The generated ids' text (`_whole_text`'s), from the window."""
+        if self._whole:
+            return self._whole_text()
+        ids = self.context + self.ids if self._start < len(self.context) else None
+        window = ids[self._start:] if ids is not None else self.ids[self._start - len(self.context):]
+        cut = self._read - self._start
+        before, after = self._decode(window[:cut]), self._decode(window)
+        if self._start == 0 and before != self.prefix or not after.startswith(before):
+            self._whole = True
+            return self._whole_text()
+        tail = after[len(before):]
+        if tail and not tail.endswith("\ufffd"):  # complete: settled, the next window starts here
+            self._done += tail
+            self._start, self._read = self._read, len(self.context) + len(self.ids)
+            return self._done
+        return self._done + tail
 
     def add(self, token_id: int) -> str:
         """Append a token; return the text that is now certain (the stop string and after it excluded)."""
