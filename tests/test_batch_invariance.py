@@ -213,8 +213,9 @@ def test_a_greedy_requests_tokens_and_logprobs_are_the_same_bits_alone_in_a_batc
 def test_a_sampled_requests_tokens_and_logprobs_are_the_same_bits_alone_on_one_thread_and_joining_a_batch():
     # end to end on a packaged model (a vocabulary of 49,152: its row passes are cut into pieces): seeded sampled
     # requests of the pipeline's kinds — top-p, min-p, typical, top-n-sigma and mirostat (the declared steps' moments),
-    # top-k, temperature alone, with their logprobs and top logprobs — alone on one thread, and joining a running
-    # batch of each other on two, give the same tokens and the same bits
+    # top-k, temperature alone, η/ε cutoffs, top-a with dynamic temperature, XTC, DRY with penalties, the cuts
+    # together — with and without logprobs and top logprobs, alone on one thread and joining a running batch of
+    # each other on two, give the same tokens and the same bits
     from server_harness import real_model
     from test_batching import alone, run_staggered
 
@@ -229,6 +230,13 @@ def test_a_sampled_requests_tokens_and_logprobs_are_the_same_bits_alone_on_one_t
         ("My favourite food is", SamplingConfig(temperature=1.0, mirostat=2, seed=5), 8, {}),
         ("Water boils at", SamplingConfig(temperature=0.7, top_k=40, seed=6), 8, {"top_logprobs": 2}),
         ("Hello, my name is", SamplingConfig(temperature=1.0, seed=7), 8, {"exact_logprobs": True}),
+        ("In 1492,", SamplingConfig(temperature=0.9, eta_cutoff=3e-4, epsilon_cutoff=3e-4, seed=8), 8, {}),
+        ("Q: What is 2+2?", SamplingConfig(temperature=0.9, top_a=0.2, dynatemp_range=0.5, seed=9), 8,
+         {"top_logprobs": 1}),
+        ("The recipe needs", SamplingConfig(temperature=0.9, xtc_probability=0.5, xtc_threshold=0.1, seed=10), 8, {}),
+        ("I think that", SamplingConfig(temperature=0.9, dry_multiplier=0.8, repetition_penalty=1.2,
+                                        presence_penalty=0.3, frequency_penalty=0.2, seed=11), 8, {}),
+        ("Rain falls", SamplingConfig(temperature=0.7, top_k=50, top_p=0.8, min_p=0.02, seed=12), 8, {}),
     ]
 
     def steps_of(steps):
@@ -240,7 +248,7 @@ def test_a_sampled_requests_tokens_and_logprobs_are_the_same_bits_alone_on_one_t
         torch.set_num_threads(1)
         want = [steps_of(alone(model, p, cfg, n, kw)) for p, cfg, n, kw in requests]
         torch.set_num_threads(2)
-        got = run_staggered(model, requests, joins=[0, 0, 1, 2, 2, 3, 5])
+        got = run_staggered(model, requests, joins=[0, 0, 1, 2, 2, 3, 5, 0, 1, 3, 4, 6])
     finally:
         torch.set_num_threads(before)
     for i, steps in enumerate(got):
