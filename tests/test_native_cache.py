@@ -98,6 +98,16 @@ def test_a_level_table_or_flag_other_than_the_headers_turns_the_kernels_off_with
     assert native._facts_mismatch(native.library()) is None  # the mirror as it is matches
 
 
+def test_activation_codes_other_than_the_headers_are_a_mismatch(monkeypatch):
+    # a dense MLP's SiLU run as GELU (or gpt-oss's clamped SwiGLU as SiLU) would be other numbers: the codes are
+    # checked value by value with the flags and level tables
+    lib = native.library()
+    if lib is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(native, "ACT_VALUES", (1, 0, 2))
+    assert "activation codes are (0, 1, 2)" in native._facts_mismatch(lib)
+
+
 _ABANDON = """
 import sys, time
 from lmhead.kernels import builder

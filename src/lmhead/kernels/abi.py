@@ -21,6 +21,12 @@ LEVELS = {IQ4: (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
 IQ4_LEVELS = LEVELS[IQ4]
 HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many groups per row
 
+# The gated activations' codes, a mirror of body_kernels.h's LMHEAD_ACT_* (checked against the library when it
+# loads: `_facts_mismatch`): transformers' activation names of the dense MLPs the kernels run, and gpt-oss's
+# clamped SwiGLU (its experts')
+ACT_GELU_TANH, ACT_SILU, ACT_SWIGLU_OAI = ACT_VALUES = (0, 1, 2)
+ACTIVATIONS = {"gelu_pytorch_tanh": ACT_GELU_TANH, "silu": ACT_SILU}
+
 
 class MatDesc(ctypes.Structure):
     """lmhead_mat: a coded matrix (codes, scale, offset or NULL, group, n, k, flags: PACKED | HALF; more: the

@@ -49,8 +49,15 @@ void lmhead_add_norm(const float* x, const float* a, const float* w_post, const 
     }
 }
 
-/* out [rows, F] from gate_up [rows, 2F] = [gate | up]: act 0, act(gate) · up with the tanh-approximated GELU
- * (Gemma's gelu_pytorch_tanh, tanh(y) = 1 − 2/(e^{2y} + 1)); 1, SiLU (Llama, x/(1 + e^{−x})); 2, gpt-oss's clamped
+int lmhead_act_values(int* out, int cap) {
+    const int values[] = {LMHEAD_ACT_GELU_TANH, LMHEAD_ACT_SILU, LMHEAD_ACT_SWIGLU_OAI};
+    const int n = (int)(sizeof values / sizeof values[0]);
+    for (int i = 0; i < n && i < cap; i++) out[i] = values[i];
+    return n;
+}
+
+/* out [rows, F] from gate_up [rows, 2F] = [gate | up]: act(gate) · up with the tanh-approximated GELU
+ * (LMHEAD_ACT_GELU_TANH: tanh(y) = 1 − 2/(e^{2y} + 1)); SiLU (x/(1 + e^{−x})); or gpt-oss's clamped
  * SwiGLU (transformers' GptOssExperts): (up' + 1) · gate' · σ(α · gate'), gate' = min(gate, limit), up' = up
  * clamped to [−limit, limit] (a NaN stays a NaN, as torch's clamp keeps it), σ(z) = 1/(1 + e^{−z}) */
 static void gated_rows(const float* gate_up, float* out, int64_t rows, int64_t f, int act, float alpha,
@@ -66,7 +73,7 @@ static void gated_rows(const float* gate_up, float* out, int64_t rows, int64_t f
         const __m256 a = _mm256_set1_ps(alpha), hi = _mm256_set1_ps(limit), lo = _mm256_set1_ps(-limit);
         for (; i + 8 <= f; i += 8) {
             const __m256 x = _mm256_loadu_ps(g + i), up = _mm256_loadu_ps(u + i);
-            if (act == 2) {
+            if (act == LMHEAD_ACT_SWIGLU_OAI) {
                 /* min/max return their second operand where either is NaN: the NaN is that operand */
                 const __m256 gate = _mm256_min_ps(hi, x);
                 const __m256 upc = _mm256_max_ps(lo, _mm256_min_ps(hi, up));
@@ -76,7 +83,7 @@ static void gated_rows(const float* gate_up, float* out, int64_t rows, int64_t f
                 continue;
             }
             __m256 av;
-            if (act == 0) {
+            if (act == LMHEAD_ACT_GELU_TANH) {
                 const __m256 y = _mm256_mul_ps(_mm256_set1_ps(k0),
                                                _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(k1), x),
                                                                _mm256_mul_ps(x, x), x));
@@ -90,13 +97,13 @@ static void gated_rows(const float* gate_up, float* out, int64_t rows, int64_t f
 #endif
         for (; i < f; i++) {
             const float x = g[i];
-            if (act == 2) {
+            if (act == LMHEAD_ACT_SWIGLU_OAI) {
                 const float gate = x > limit ? limit : x;
                 const float up = u[i] > limit ? limit : (u[i] < -limit ? -limit : u[i]);
                 const float sg = 1.0f / (1.0f + expf(-(gate * alpha)));
                 o[i] = (up + 1.0f) * (gate * sg);
             } else {
-                o[i] = act == 0 ? 0.5f * x * (1.0f + tanhf(k0 * (x + k1 * x * x * x))) * u[i]
+                o[i] = act == LMHEAD_ACT_GELU_TANH ? 0.5f * x * (1.0f + tanhf(k0 * (x + k1 * x * x * x))) * u[i]
                                 : x / (1.0f + expf(-x)) * u[i];
             }
         }
@@ -104,11 +111,11 @@ static void gated_rows(const float* gate_up, float* out, int64_t rows, int64_t f
 }
 
 void lmhead_gated(const float* gate_up, float* out, int64_t rows, int64_t f, int act) {
-    gated_rows(gate_up, out, rows, f, act == 0 ? 0 : 1, 0.f, 0.f);
+    gated_rows(gate_up, out, rows, f, act == LMHEAD_ACT_GELU_TANH ? LMHEAD_ACT_GELU_TANH : LMHEAD_ACT_SILU, 0.f, 0.f);
 }
 
 void lmhead_swiglu_oai(const float* gate_up, float* out, int64_t rows, int64_t f, float alpha, float limit) {
-    gated_rows(gate_up, out, rows, f, 2, alpha, limit);
+    gated_rows(gate_up, out, rows, f, LMHEAD_ACT_SWIGLU_OAI, alpha, limit);
 }
 
 /* the most queries an attention work item takes together (lmhead_attend) */

@@ -9,6 +9,13 @@ void lmhead_rms_norm(const float* x, const float* w, float* y, int64_t rows, int
                      float eps, int plus_one);
 void lmhead_add_norm(const float* x, const float* a, const float* w_post, const float* w_pre, float* x_out,
                      float* h, int64_t rows, int64_t dim, float eps, int plus_one);
+/* the gated activations' codes (lmhead_gated's `act`; the experts' and the decode step's), mirrored by
+ * kernels/abi.py's ACTIVATIONS and checked against this library when it loads (lmhead_act_values) */
+#define LMHEAD_ACT_GELU_TANH 0  /* Gemma's gelu_pytorch_tanh */
+#define LMHEAD_ACT_SILU 1       /* Llama's silu */
+#define LMHEAD_ACT_SWIGLU_OAI 2 /* gpt-oss's clamped SwiGLU (lmhead_swiglu_oai, with its α and limit) */
+int lmhead_act_values(int* out, int cap);
+
 void lmhead_gated(const float* gate_up, float* out, int64_t rows, int64_t f, int act);
 void lmhead_swiglu_oai(const float* gate_up, float* out, int64_t rows, int64_t f, float alpha, float limit);
 

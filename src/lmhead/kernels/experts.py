@@ -19,10 +19,11 @@ import torch
 from torch import Tensor
 
 from lmhead.kernels import native
+from lmhead.kernels.abi import ACT_SWIGLU_OAI
 
 __all__ = ["SWIGLU_OAI", "ExpertsMat", "available", "mlp"]
 
-SWIGLU_OAI = 2  # experts_kernel.c's ACT_SWIGLU_OAI: gpt-oss's clamped SwiGLU (body_kernels.c's lmhead_swiglu_oai)
+SWIGLU_OAI = ACT_SWIGLU_OAI  # gpt-oss's clamped SwiGLU (body_kernels.c's lmhead_swiglu_oai)
 
 _ABI = 2  # lmhead_experts_abi() of experts_kernel.c
 

@@ -15,9 +15,6 @@ typedef struct lmhead_experts_mat {
     int64_t experts, n, k, group, flags;
 } lmhead_experts_mat;
 
-/* the experts' activations beside lmhead_gated's codes: gpt-oss's clamped SwiGLU (lmhead_swiglu_oai) */
-#define LMHEAD_ACT_SWIGLU_OAI 2
-
 /* out [rows, d] += w[r] · y [rows, d] row by row: the product rounded, then the sum (torch's `out + w * y`: a
  * shared expert's output scaled by its gate) */
 void lmhead_add_scaled_rows(float* out, const float* y, const float* w, int64_t rows, int64_t d);

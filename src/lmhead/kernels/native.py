@@ -42,6 +42,7 @@ import torch
 
 from lmhead.kernels import builder
 from lmhead.kernels.abi import (
+    ACT_VALUES,
     ARGS,
     BF16,
     E8M0,
@@ -103,6 +104,10 @@ def _facts_mismatch(lib: ctypes.CDLL) -> str | None:
     for flag, levels in LEVELS.items():
         if lib.lmhead_level_table(flag, table) != 0 or tuple(table) != levels:
             return f"its level table of flag {flag} is not kernels/native.py's {levels}"
+    acts = (ctypes.c_int * 16)()
+    count = lib.lmhead_act_values(acts, 16)
+    if tuple(acts[:count]) != ACT_VALUES:
+        return f"its activation codes are {tuple(acts[:count])}, kernels/abi.py's {ACT_VALUES}"
     return None
 
 
@@ -116,6 +121,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmhead_flag_values.restype = i32
     lib.lmhead_level_table.argtypes = [i32, p]
     lib.lmhead_level_table.restype = i32
+    lib.lmhead_act_values.argtypes = [p, i32]
+    lib.lmhead_act_values.restype = i32
     lib.lmhead_coded_matmul.argtypes = [p, i64, i64, p, p, p, i64, i64, i32, p, i32]
     lib.lmhead_coded_matmul.restype = i32
     lib.lmhead_rms_norm.argtypes = [p, p, p, i64, i64, i64, f32, i32]

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmhead.kernels import native
+from lmhead.kernels.abi import ACTIVATIONS
 from lmhead.models.arch import ARCHS, STATIC_ROPE, arch_of, refusal
 from lmhead.models.coded_linear import CodedLinear, coded_available
 from lmhead.models.fast_linear import Int8Linear, onednn_available
@@ -195,7 +196,7 @@ class LeanBody(NativeStep):
         self.layer_types = sorted(set(self._types))
         # the activations body_kernels.c computes (by the config's name; others run the model's own act_fn)
         act_name = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
-        self.act_code = {"gelu_pytorch_tanh": 0, "silu": 1}.get(act_name)
+        self.act_code = ACTIVATIONS.get(act_name)
         self.native = native.library()
         self.onednn = onednn_available() if onednn is None else onednn
 
