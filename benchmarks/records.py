@@ -30,8 +30,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
-# The flags that decide which kernel paths a CPU takes (256-bit AVX2 + FMA, AVX-512 families, F16C).
-FLAG_PREFIXES = ("avx2", "fma", "f16c", "avx512", "amx", "avx_vnni")
 
 
 @dataclass
@@ -78,34 +76,6 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else []
 
 
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo (empty off Linux)."""
-    info: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():
-                    break
-                key, _, value = line.partition(":")
-                info[key.strip()] = value.strip()
-    except OSError:
-        pass
-    return info
-
-
-def _l3_bytes() -> int | None:
-    base = Path("/sys/devices/system/cpu/cpu0/cache")
-    for index in sorted(base.glob("index*")):
-        try:
-            if (index / "level").read_text().strip() == "3":
-                size = (index / "size").read_text().strip()
-                units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-                return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
-        except (OSError, ValueError):
-            continue
-    return None
-
-
 def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float | None:
     """Read bandwidth: a float32 tensor far larger than any L3 summed on torch's threads (median of repeats)."""
     try:
@@ -125,16 +95,17 @@ def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float | None:
 
 def machine(bandwidth: bool = True) -> dict:
     """What a figure depends on: the CPU's kind and flags, its cores and L3, and its measured read bandwidth."""
-    info = _cpuinfo()
-    flags = sorted(f for f in info.get("flags", "").split() if f.startswith(FLAG_PREFIXES))
+    from lmhead.machine import cpu
+
+    c = cpu()
     return {
-        "cpu": info.get("model name", "unknown CPU"),
-        "vendor": info.get("vendor_id", ""),
-        "family": int(info["cpu family"]) if info.get("cpu family", "").isdigit() else None,
-        "model": int(info["model"]) if info.get("model", "").isdigit() else None,
-        "flags": flags,
+        "cpu": c["name"],
+        "vendor": c["vendor"],
+        "family": c["family"],
+        "model": c["model"],
+        "flags": c["flags"],
         "cores": os.cpu_count(),
-        "l3_bytes": _l3_bytes(),
+        "l3_bytes": c["l3_bytes"],
         "read_gbs": read_bandwidth_gbs() if bandwidth else None,
         "paths": kernel_paths(),
     }

@@ -14,13 +14,13 @@ from collections.abc import Sequence
 from lmhead.cli.args import CLIError, Parser
 from lmhead.cli.generation import add_chat, add_generate
 from lmhead.cli.heads import add_classify, add_embed, add_rerank, add_train_head
-from lmhead.cli.inspect_commands import add_eval, add_params, add_predict
+from lmhead.cli.inspect_commands import add_eval, add_info, add_params, add_predict
 from lmhead.cli.serve import add_serve
 
 __all__ = ["CLIError", "build_parser", "entry", "main"]
 
 _COMMANDS = [add_params, add_predict, add_eval, add_serve, add_generate, add_chat, add_embed, add_rerank,
-             add_classify, add_train_head]
+             add_classify, add_train_head, add_info]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -84,6 +84,52 @@ def _run_params(args: argparse.Namespace) -> None:
                   " (and as much again for their gradient in training)")
 
 
+# --- info -------------------------------------------------------------------------------------------------
+
+
+def add_info(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "info",
+        help="this machine and what lmhead does on it: the CPU, the kernels' paths, the cache, the models",
+        description=(
+            "Report the CPU (its kind and the vector units the kernels use: AVX2, AVX-512, VNNI, AMX), Python "
+            "and torch, whether the C kernels run here (they are compiled once per machine; without them every "
+            "product takes torch's float32 path) and which path each kind of coded product takes — the float32 "
+            "product or the integer units' sliced one, as measured once for this build —, the cache folder and "
+            "what it holds, and the packaged models."
+        ),
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
+    p.set_defaults(run=_run_info)
+
+
+def _run_info(args: argparse.Namespace) -> None:
+    from lmhead.machine import info
+    from lmhead.params import human_bytes
+
+    facts = info()
+    if args.json:
+        print_json(facts)
+        return
+    c, k, cache = facts["cpu"], facts["kernels"], facts["cache"]
+    kind = f"{c['vendor']} family {c['family']} model {c['model']}" if c["vendor"] else "kind not reported"
+    l3 = f", L3 {human_bytes(c['l3_bytes'])}" if c["l3_bytes"] else ""
+    lines = [f"lmhead {facts['lmhead']} · Python {facts['python']} · torch {facts['torch']}, "
+             f"{facts['threads']} threads",
+             f"CPU       {c['name']} ({kind}), {c['cores']} cores{l3}",
+             "          " + " · ".join(f"{name} {'yes' if on else 'no'}" for name, on in c["features"].items()),
+             f"kernels   {k['library']}" + ("" if k["available"] else f": not running — {k['why']}")]
+    if k["available"]:
+        lines.append(f"products  {k['products']}")
+    used = ", ".join(f"{name} {human_bytes(n)}" for name, n in cache["bytes"].items() if n)
+    free = f"; {human_bytes(cache['free_bytes'])} free" if cache["free_bytes"] is not None else ""
+    lines.append(f"cache     {cache['folder']}" + (f": {used}" if used else ": empty") + free)
+    for i, (name, m) in enumerate(facts["models"].items()):
+        state = "installed" if m["installed"] else f"not installed ({m['install']})"
+        lines.append(f"{'models' if i == 0 else '':10s}{name}: {state} — {m['description']}")
+    print("\n".join(lines))
+
+
 # --- predict ----------------------------------------------------------------------------------------------
 
 

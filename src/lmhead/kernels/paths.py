@@ -110,6 +110,11 @@ def choose(lib: ctypes.CDLL, library_path: Path) -> dict:
     return _chosen
 
 
+def chosen() -> dict:
+    """What `choose` chose for this process's library: {kind: {"sliced": bool, ...}, "how": ...} (empty before)."""
+    return dict(_chosen)
+
+
 def describe() -> str:
     """One line: the path each kind of product takes here, and why."""
     if not _chosen:
