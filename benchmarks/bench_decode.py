@@ -7,7 +7,8 @@
 Per model, batch 1, greedy and sampled (T=0.8, top-p 0.9): lmhead (one row per draft mode), transformers'
 `generate()` on the same loaded model (`model.hf_model`, its own modules), and llama.cpp's `llama-bench -t 2
 -p 0 -n N` on the same GGUF file when it is built (`make llama-bench`; optional, it compiles for minutes).
-Runs are interleaved (lmhead, transformers, transformers, lmhead, ...) so that a busy machine slows all alike;
+Runs are interleaved (lmhead, transformers, transformers, lmhead, ...) so that a busy machine slows all alike, and
+llama-bench runs once beside each greedy round of lmhead's (-r 1; its median is the table's);
 the table shows medians of tokens/s (generated tokens / wall time, prefill included) and ratios, and for lmhead
 where a token's time goes (draft, body, head, sampling, text in ms per token) beside what the body's and the
 head's bytes take at the read bandwidth measured in the same run. Greedy tokens must equal transformers'
@@ -174,16 +175,25 @@ def _print_row(table: Table, cells: list[str], figures: list[Figure]) -> None:
 
 
 def bench_model(name: str, args, rec: Recorder) -> None:
+    with tempfile.TemporaryDirectory() as work:
+        _bench_model(name, args, rec, Path(work))
+
+
+def _bench_model(name: str, args, rec: Recorder, work: Path) -> None:
     from lmhead import load_model
+    from lmhead.models.registry import MODELS
     from lmhead.sampling import SamplingConfig
 
     model = load_model(name, head=args.head, body=args.body, progress=False)
+    # llama-bench on the model's file, one run beside each greedy round of lmhead's (the machine's speed moves
+    # within minutes: a ratio is only as good as its two sides' closeness in time); the median of those runs
+    gguf = MODELS[name].gguf(work) if args.llama_cpp and LLAMA_BENCH.exists() else None
+    llama_rates: list[float] = []
     prompts = PROMPTS[: args.prompts]
     modes = {"greedy": SamplingConfig(temperature=0.0), "sampled": SamplingConfig(temperature=0.8, top_p=0.9)}
     for draft in args.draft:  # warm-up: lazy initialisation in torch, transformers and oneDNN
         _ours(model, prompts[0], 4, modes["greedy"], draft)
     transformers_generate(model, prompts[0], 4, sampled=False)
-    llama = llama_cpp_rate(name, args.new_tokens, 3) if args.llama_cpp else None
     bandwidth = rec.machine["read_gbs"]
     title = (f"{name}: batch 1, {args.new_tokens} new tokens, {len(prompts)} prompts x {args.repeats} interleaved "
              f"repeats, torch threads {torch.get_num_threads()}, head {type(model.head).__name__} ({args.head}), "
@@ -208,6 +218,12 @@ def bench_model(name: str, args, rec: Recorder) -> None:
                         continue
                     t, ids, profile = _ours(model, prompt, args.new_tokens, config, who)
                     rates[who].append(len(ids) / t)
+                    if gguf is not None and mode == "greedy" and who == args.draft[0]:
+                        try:
+                            llama_rates.append(llama_bench_rate(gguf, args.new_tokens, 1))
+                        except (subprocess.SubprocessError, OSError, ValueError, KeyError, IndexError) as exc:
+                            print(f"llama-bench failed ({exc}): the table goes on without it", flush=True)
+                            gguf = None  # a crashing baseline is left out, not the end of the benchmark
                     tokens[who] += len(ids)
                     for k, v in profile.items():
                         phases[who][k] = phases[who].get(k, 0.0) + v
@@ -218,6 +234,7 @@ def bench_model(name: str, args, rec: Recorder) -> None:
                     for d in args.draft:
                         same[d] += int(outs[(d, prompt)] == ref)
         hf = statistics.median(rates["transformers"])
+        llama = statistics.median(llama_rates) if llama_rates else None
         for d in args.draft:
             ours = statistics.median(rates[d])
             ms = {k: 1e3 * v / max(tokens[d], 1) for k, v in phases[d].items()}
@@ -234,8 +251,9 @@ def bench_model(name: str, args, rec: Recorder) -> None:
         _print_row(table, [mode, "transformers generate()", f"{hf:.1f}", "1.00x",
                            f"{hf / llama:.2f}x" if llama else "-", "-", "-", "-", "-", "-", "-"], [])
     if llama:
-        _print_row(table, ["greedy", "llama.cpp llama-bench -t 2 (its own Q4/Q8 arithmetic)", f"{llama:.1f}", "-",
-                           "1.00x", "-", "-", "-", "-", "-", "-"], [])
+        _print_row(table, ["greedy", f"llama.cpp llama-bench -t 2 (its own Q4/Q8 arithmetic; median of "
+                           f"{len(llama_rates)} runs, each beside a greedy round)", f"{llama:.1f}", "-", "1.00x", "-",
+                           "-", "-", "-", "-", "-"], [])
     body_ms, head_ms = _body_bytes(model) / bandwidth / 1e6, _head_bytes(model) / bandwidth / 1e6
     note = (f"read bandwidth {bandwidth:.1f} GB/s: the body's matrices ({_body_bytes(model) / 1e6:.0f} MB) take "
             f"{body_ms:.1f} ms to read, the head ({_head_bytes(model) / 1e6:.0f} MB) {head_ms:.1f} ms")
