@@ -31,7 +31,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("speculative", ("lmhead.speculative",)),
     ("explain/generate", ("lmhead.explain", "lmhead.explain_charts", "lmhead._explain_display", "lmhead.generate",
                           "lmhead.conversation", "lmhead.prompt_scores", "lmhead.integrations", "lmhead.api",
-                          "lmhead.explain_swap")),
+                          "lmhead.explain_swap", "lmhead.machine")),
     ("server/cli", ("lmhead.server", "lmhead.cli")),
 ]
 
