@@ -56,6 +56,22 @@ def test_batched_shapes_and_empty_rows():
     assert lin(torch.randn(0, 64)).shape == (0, 40)
 
 
+def test_a_product_whose_buffers_cannot_be_had_says_so_apart_from_arguments_it_refuses():
+    # the kernels' results: -1 for arguments refused (a caller's bug), NO_MEMORY where a buffer could not be had
+    # (MemoryError in Python) — the C step's callers raise one or the other, not a MemoryError for both
+    from lmhead.kernels import native
+    from lmhead.kernels.abi import NO_MEMORY
+
+    lib = native.library()
+    pack = CodedLinear(*(lambda c: (c.codes, c.scale, c.offset))(_codes(4, 64, 32, True, low=0, high=16)),
+                       four_bit="unsigned")
+    x, y = torch.randn(1, 64), torch.empty(1, 4)
+    args = (pack.codes.data_ptr(), pack.scale.data_ptr(), pack.offset.data_ptr(), 4, 32)
+    # the query's group sums of 2^50 rows: a buffer no machine has (read before any row is)
+    assert lib.lmhead_coded_matmul(x.data_ptr(), 2**50, 64, *args, pack.flags, y.data_ptr(), 1) == NO_MEMORY
+    assert lib.lmhead_coded_matmul(x.data_ptr(), 1, 64, *args, pack.flags | native.F16, y.data_ptr(), 1) == -1
+
+
 def test_bad_codes_are_clear_errors():
     with pytest.raises(TypeError, match="codes must be a 2-D int8 tensor"):
         CodedLinear(torch.zeros(4, 32), torch.ones(4, 1))

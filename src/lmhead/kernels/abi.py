@@ -26,6 +26,8 @@ HALF_MAX_GROUPS = 1024  # coded_kernel.c: float16 scales for at most this many g
 # clamped SwiGLU (its experts')
 ACT_GELU_TANH, ACT_SILU, ACT_SWIGLU_OAI = ACT_VALUES = (0, 1, 2)
 ACTIVATIONS = {"gelu_pytorch_tanh": ACT_GELU_TANH, "silu": ACT_SILU}
+# a kernel's result where a buffer could not be had (kernel_results.h's LMHEAD_NO_MEMORY; −1: arguments refused)
+NO_MEMORY = -3
 
 
 class MatDesc(ctypes.Structure):

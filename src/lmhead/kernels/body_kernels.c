@@ -195,7 +195,7 @@ int lmhead_attend(const lmhead_attend_args* args) {
     const int threads = args->threads;
     const int64_t half = hd / 2, L = start + T, group = H / Hkv;
     float* q = (float*)malloc(sizeof(float) * (size_t)(B * T * H * hd));
-    if (q == NULL) return -1;
+    if (q == NULL) return LMHEAD_NO_MEMORY;
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < T; t++) {
             const float* src = qk + (b * T + t) * qk_stride;
@@ -228,7 +228,7 @@ int lmhead_attend(const lmhead_attend_args* args) {
     int64_t* span = B * T <= 64 ? span_stack : (int64_t*)malloc(sizeof(int64_t) * 3 * (size_t)(B * T));
     if (span == NULL) {
         free(q);
-        return -1;
+        return LMHEAD_NO_MEMORY;
     }
     for (int64_t r = 0; r < B * T; r++) {
         int64_t lo = 0, hi = L, holes = 0;

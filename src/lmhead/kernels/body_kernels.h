@@ -5,6 +5,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernel_results.h"
+
 void lmhead_rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t dim, int64_t wrows,
                      float eps, int plus_one);
 void lmhead_add_norm(const float* x, const float* a, const float* w_post, const float* w_pre, float* x_out,

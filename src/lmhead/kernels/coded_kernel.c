@@ -48,6 +48,7 @@
 #include <immintrin.h>
 #endif
 
+#include "kernel_results.h"
 #include "quant_types.h"
 
 /* the integer path of packed products (sliced_kernel.h) is built where the CPU has AVX-512 VNNI */
@@ -1385,7 +1386,7 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
     float* xs = NULL;
     if (SPLIT_OFFSETS(packed, offset) && M > 0) {
         xs = M * ng <= 256 ? xs_stack : (float*)malloc((size_t)(M * ng) * sizeof(float));
-        if (!xs) return -1;
+        if (!xs) return LMHEAD_NO_MEMORY;
         for (int64_t m = 0; m < M; m++)
             for (int64_t g = 0; g < ng; g++) {
                 float t = 0.f;
@@ -1403,7 +1404,7 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
             xp = M * K <= 4096 ? xp_stack : (float*)malloc((size_t)(M * K) * sizeof(float));
             if (!xp) {
                 if (xs && xs != xs_stack) free(xs);
-                return -1;
+                return LMHEAD_NO_MEMORY;
             }
             for (int64_t m = 0; m < M; m++) xp_layout(x + m * K, K, xp + m * K);
         }

@@ -96,13 +96,14 @@ static int matmul(const float* x, int64_t rows, const lmhead_mat* m, float* y, i
     }
     if (rows == 1) {
         for (const lmhead_mat* b = m; b; b = b->more) {
-            if (block_matmul(x, 1, b, y, threads)) return -1;
+            const int rc = block_matmul(x, 1, b, y, threads);
+            if (rc) return rc;
             y += b->n;
         }
         return 0;
     }
     float* part = (float*)malloc((size_t)(rows * n) * sizeof(float));
-    if (!part) return -1;
+    if (!part) return LMHEAD_NO_MEMORY;
     int rc = 0;
     int64_t at = 0;
     for (const lmhead_mat* b = m; b && rc == 0; b = b->more) {
@@ -122,7 +123,8 @@ static int matmul(const float* x, int64_t rows, const lmhead_mat* m, float* y, i
  * larger one: models/lean.py's StaticCache.view). scratch: at least
  * rows·(2·D + 2·(H + 2·H_kv)·hd + H·hd + 3·F) floats (F the widest MLP's: dense, experts' or shared expert's).
  * The arguments are lmhead_step_args' (decode_kernels.h).
- * Returns 0, or -1 (a kernel refused its arguments). */
+ * Returns 0, -1 (a kernel refused its arguments, or the router failed: the caller holds its error) or
+ * LMHEAD_NO_MEMORY. */
 int lmhead_step(const lmhead_step_args* args) {
     const lmhead_layer* layers = args->layers;
     const float *final_norm = args->final_norm, *const *cos = args->cos, *const *sin = args->sin;
@@ -145,7 +147,8 @@ int lmhead_step(const lmhead_step_args* args) {
     lmhead_rms_norm(x, layers[0].input_norm, h, rows, D, 1, eps, plus_one);
     for (int64_t i = 0; i < n_layers; i++) {
         const lmhead_layer* L = layers + i;
-        if (matmul(h, rows, &L->qkv, qkv, threads)) return -1;
+        int rc = matmul(h, rows, &L->qkv, qkv, threads);
+        if (rc) return rc;
         if (L->qkv_bias)
             for (int64_t r = 0; r < rows; r++)
                 for (int64_t j = 0; j < width; j++) qkv[r * width + j] += L->qkv_bias[j];
@@ -163,8 +166,7 @@ int lmhead_step(const lmhead_step_args* args) {
             .out = att, .qk_stride = qk_stride, .v_stride = width, .B = B, .T = T, .H = H, .Hkv = Hkv, .hd = hd,
             .cap = cap, .start = start, .scaling = scaling, .softcap = softcap, .threads = threads,
             .shared = args->shared, .layer = i, .sinks = L->sinks};
-        if (lmhead_attend(&attend)) return -1;
-        if (matmul(att, rows, &L->o, branch, threads)) return -1;
+        if ((rc = lmhead_attend(&attend)) || (rc = matmul(att, rows, &L->o, branch, threads))) return rc;
         if (L->o_bias)
             for (int64_t r = 0; r < rows; r++)
                 for (int64_t j = 0; j < D; j++) branch[r * D + j] += L->o_bias[j];
@@ -176,26 +178,28 @@ int lmhead_step(const lmhead_step_args* args) {
             int64_t* chosen = (int64_t*)malloc((size_t)(rows * k) * sizeof(int64_t));
             float* weights = (float*)malloc((size_t)(rows * (k + 1)) * sizeof(float));
             float* gate = weights ? weights + rows * k : NULL; /* the shared expert's, per row */
-            int rc = !chosen || !weights || args->route(i, h, rows, chosen, weights, shared ? gate : NULL) != 0;
+            if (!chosen || !weights) rc = LMHEAD_NO_MEMORY;
+            else if (args->route(i, h, rows, chosen, weights, shared ? gate : NULL) != 0) rc = -1; /* its own error:
+                                                                                              * the caller raises it */
             if (!rc)
                 rc = lmhead_experts_mlp(h, rows, k, chosen, weights, L->experts_gate_up, L->experts_down,
                                         (int)L->experts_act, L->alpha, L->limit, L->experts_gate_up_bias,
-                                        L->experts_down_bias, branch, threads) != 0;
+                                        L->experts_down_bias, branch, threads);
             if (!rc && shared) { /* out + σ(h·g)·down(act(gate_up·h)), the layer-by-layer path's ops */
                 float* y = g + rows * F + rows * D; /* the scratch's last rows·D */
                 const int64_t fs = L->shared_down.k;
-                rc = matmul(h, rows, &L->shared_gate_up, gu, threads) != 0;
+                rc = matmul(h, rows, &L->shared_gate_up, gu, threads);
                 if (!rc) lmhead_gated(gu, g, rows, fs, act);
-                if (!rc) rc = matmul(g, rows, &L->shared_down, y, threads) != 0;
+                if (!rc) rc = matmul(g, rows, &L->shared_down, y, threads);
                 if (!rc) lmhead_add_scaled_rows(branch, y, gate, rows, D);
             }
             free(chosen);
             free(weights);
-            if (rc) return -1;
+            if (rc) return rc;
         } else {
-            if (matmul(h, rows, &L->gate_up, gu, threads)) return -1;
+            if ((rc = matmul(h, rows, &L->gate_up, gu, threads))) return rc;
             lmhead_gated(gu, g, rows, F, act);
-            if (matmul(g, rows, &L->down, branch, threads)) return -1;
+            if ((rc = matmul(g, rows, &L->down, branch, threads))) return rc;
         }
         const float* next = i + 1 < n_layers ? layers[i + 1].input_norm : final_norm;
         lmhead_add_norm(x2, branch, L->post_mlp_norm, next, x, h, rows, D, eps, plus_one);

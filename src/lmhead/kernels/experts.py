@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lmhead.kernels import native
-from lmhead.kernels.abi import ACT_SWIGLU_OAI
+from lmhead.kernels.abi import ACT_SWIGLU_OAI, NO_MEMORY
 
 __all__ = ["SWIGLU_OAI", "ExpertsMat", "available", "mlp"]
 
@@ -110,6 +110,8 @@ def mlp(x: Tensor, chosen: Tensor, weights: Tensor, gate_up: ExpertsMat, down: E
     rc = lib.lmhead_experts_mlp(x.data_ptr(), n, k, chosen.data_ptr(), weights.data_ptr(), ctypes.byref(gate_up),
                                 ctypes.byref(down), act, alpha, limit, _ptr(gate_up_bias), _ptr(down_bias),
                                 out.data_ptr(), torch.get_num_threads())
+    if rc == NO_MEMORY:
+        raise MemoryError(f"the experts kernel could not allocate its buffers for x {tuple(x.shape)}")
     if rc != 0:
         raise ValueError(f"the experts kernel refused x {tuple(x.shape)}, chosen {tuple(chosen.shape)} (ids in "
                          f"[0, {gate_up.experts}), distinct in a row) or its experts' shapes")

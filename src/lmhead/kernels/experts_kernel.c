@@ -70,13 +70,15 @@ static int one_expert(const lmhead_experts_mat* gu, const lmhead_experts_mat* dn
     }
     float* gate_up = scratch;             /* [rows, 2F] */
     float* hidden = scratch + rows * 2 * f; /* [rows, F] */
-    if (product(gu, e, xg, rows, gate_up, threads) != 0) return -1;
+    int rc = product(gu, e, xg, rows, gate_up, threads);
+    if (rc != 0) return rc;
     add_bias(gate_up, a->gate_up_bias ? a->gate_up_bias + e * 2 * f : NULL, rows, 2 * f);
     if (a->act == LMHEAD_ACT_SWIGLU_OAI)
         lmhead_swiglu_oai(gate_up, hidden, rows, f, a->alpha, a->limit);
     else
         lmhead_gated(gate_up, hidden, rows, f, a->act);
-    if (product(dn, e, hidden, rows, y, threads) != 0) return -1;
+    rc = product(dn, e, hidden, rows, y, threads);
+    if (rc != 0) return rc;
     add_bias(y, a->down_bias ? a->down_bias + e * d : NULL, rows, d);
     return 0;
 }
@@ -122,7 +124,7 @@ int lmhead_experts_mlp(const float* x, int64_t N, int64_t k, const int64_t* chos
     float* y = NULL; /* each pair's expert output, grouped (experts shared out among the threads) */
     int rc = 0;
     if (!start || !rows_of || !slot_of || !groups || !weight_of) {
-        rc = -1;
+        rc = LMHEAD_NO_MEMORY;
         goto done;
     }
     for (int64_t p = 0; p < P; p++) start[chosen[p] + 1]++;
@@ -136,7 +138,7 @@ int lmhead_experts_mlp(const float* x, int64_t N, int64_t k, const int64_t* chos
     {
         int64_t* fill = (int64_t*)malloc((size_t)E * sizeof(int64_t));
         if (!fill) {
-            rc = -1;
+            rc = LMHEAD_NO_MEMORY;
             goto done;
         }
         memcpy(fill, start, (size_t)E * sizeof(int64_t));
@@ -155,11 +157,11 @@ int lmhead_experts_mlp(const float* x, int64_t N, int64_t k, const int64_t* chos
         float* scratch = (float*)malloc((size_t)(threads * per) * sizeof(float));
         if (!scratch || !y) {
             free(scratch);
-            rc = -1;
+            rc = LMHEAD_NO_MEMORY;
             goto done;
         }
-        int failed = 0;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : failed)
+        int worst = 0; /* the most telling failure: no memory (−3) before a refusal (−1) */
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(min : worst)
         for (int64_t g = 0; g < ngroups; g++) {
 #ifdef _OPENMP
             extern int omp_get_thread_num(void);
@@ -168,15 +170,16 @@ int lmhead_experts_mlp(const float* x, int64_t N, int64_t k, const int64_t* chos
             float* mine = scratch;
 #endif
             const int64_t e = groups[g], a = start[e];
-            failed |= one_expert(gu, dn, e, x, rows_of + a, start[e + 1] - a, &acts, y + a * d, mine, 1) != 0;
+            const int rc_e = one_expert(gu, dn, e, x, rows_of + a, start[e + 1] - a, &acts, y + a * d, mine, 1);
+            worst = rc_e < worst ? rc_e : worst;
         }
         free(scratch);
-        rc = failed ? -1 : 0;
+        rc = worst;
     } else { /* expert by expert, ascending, each added into its rows as it is done: each row's sum in ascending
               * expert order, from zero */
         float* scratch = (float*)malloc((size_t)(per + most * d) * sizeof(float));
         if (!scratch) {
-            rc = -1;
+            rc = LMHEAD_NO_MEMORY;
             goto done;
         }
         float* ye = scratch + per;

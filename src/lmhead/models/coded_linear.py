@@ -26,6 +26,7 @@ from torch import Tensor
 
 from lmhead import checks
 from lmhead.kernels import native
+from lmhead.kernels.abi import NO_MEMORY
 from lmhead.models.quant_types import LAYOUT_FLAGS, LEVELS, e8m0_numbers
 
 __all__ = ["SCREEN_CAP", "CodedLinear", "SubScales", "coded_available", "coded_product"]
@@ -44,6 +45,8 @@ def _call(lib: ctypes.CDLL, x: Tensor, codes: Tensor, scale: Tensor, offset: Ten
     rc = lib.lmhead_coded_matmul(x.data_ptr(), m, k, codes.data_ptr(), None if scale is None else scale.data_ptr(),
                                  None if offset is None else offset.data_ptr(), n, group, flags, y.data_ptr(),
                                  torch.get_num_threads())
+    if rc == NO_MEMORY:
+        raise MemoryError(f"the coded kernel could not allocate its buffers for x {tuple(x.shape)}")
     if rc != 0:
         raise ValueError(f"coded kernel rejected the shapes x {tuple(x.shape)}, codes {tuple(codes.shape)}, "
                          f"group {group}")

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lmhead.kernels import experts as experts_kernel
 from lmhead.kernels import native
-from lmhead.kernels.abi import SharedArgs
+from lmhead.kernels.abi import NO_MEMORY, SharedArgs
 from lmhead.models.coded_linear import CodedLinear
 from lmhead.models.expert_layout import ExpertMatrices
 from lmhead.models.kv_cache import StaticCache
@@ -143,13 +143,17 @@ class NativeStep:
         self._route = (fn, None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value)  # fn held: C calls it
         return self._route[1]
 
-    def _step_failed(self, what: str) -> None:
-        """Raise what stopped a C step: the router's exception, or a kernel that could not allocate (or refused
-        its arguments, which the descriptors' checks at load leave to memory)."""
+    def _step_failed(self, what: str, rc: int) -> None:
+        """Raise what stopped a C step (its result `rc`): the router's exception, a kernel that could not allocate
+        (MemoryError), or one that refused its arguments (RuntimeError: the descriptors the load checked let
+        through what a kernel does not take — a bug to report, not the input's)."""
         error, self._route_error = getattr(self, "_route_error", None), None
         if error is not None:
             raise error
-        raise MemoryError(f"{what} could not allocate its buffers")
+        if rc == NO_MEMORY:
+            raise MemoryError(f"{what} could not allocate its buffers")
+        raise RuntimeError(f"{what} refused its arguments (result {rc}): the layers' descriptors passed the "
+                           "load's checks but not a kernel's")
 
     def _mlp_width(self) -> int:
         """F of the step's scratch: the widest MLP's — dense, experts' or shared expert's (the layers are fixed
@@ -273,7 +277,7 @@ class NativeStep:
         args.masks = ctypes.addressof(mask_ptrs)
         rc = lib.lmhead_step(args)
         if rc != 0:
-            self._step_failed("lmhead_step")
+            self._step_failed("lmhead_step", rc)
         return h
 
     def _decode_native(self, ids: Tensor, positions: Tensor, cache: StaticCache, valid: Tensor | None
@@ -343,7 +347,7 @@ class NativeStep:
         if rc == -2:
             return None
         if rc != 0:
-            self._step_failed("lmhead_decode")
+            self._step_failed("lmhead_decode", rc)
         cache.length = start + t
         return h
 
@@ -376,6 +380,8 @@ class NativeStep:
             cap=cache.capacity, start=start, scaling=self.scaling, softcap=self.attn_softcap or 0.0,
             threads=torch.get_num_threads(), shared=self._shared_args(cache), layer=i,
             sinks=None if sinks is None else sinks.data_ptr()))
-        if rc != 0:
+        if rc == NO_MEMORY:
             raise MemoryError("lmhead_attend could not allocate its buffers")
+        if rc != 0:
+            raise RuntimeError(f"lmhead_attend refused its arguments (result {rc})")
         return out
