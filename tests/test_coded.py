@@ -63,8 +63,8 @@ def test_a_product_whose_buffers_cannot_be_had_says_so_apart_from_arguments_it_r
     from lmhead.kernels.abi import NO_MEMORY
 
     lib = native.library()
-    pack = CodedLinear(*(lambda c: (c.codes, c.scale, c.offset))(_codes(4, 64, 32, True, low=0, high=16)),
-                       four_bit="unsigned")
+    c = _codes(4, 64, 32, True, low=0, high=16)
+    pack = CodedLinear(c.codes, c.scale, c.offset, four_bit="unsigned")
     x, y = torch.randn(1, 64), torch.empty(1, 4)
     args = (pack.codes.data_ptr(), pack.scale.data_ptr(), pack.offset.data_ptr(), 4, 32)
     # the query's group sums of 2^50 rows: a buffer no machine has (read before any row is)

@@ -84,9 +84,10 @@ def _kernels() -> dict[str, Any]:
         print("lmhead: compiling the kernels for this CPU (once)...", file=sys.stderr, flush=True)
     if native.library() is None:
         return out | {"why": "the build or its self-test failed: every product takes torch's float32 path"}
-    chosen = {kind: dict(v) for kind, v in paths.chosen().items() if isinstance(v, dict)}
-    return out | {"available": True, "avx2": native.avx2(), "products": paths.describe(), "paths": chosen,
-                  "how": paths.chosen().get("how")}
+    chosen = paths.chosen()
+    return out | {"available": True, "avx2": native.avx2(), "products": paths.describe(),
+                  "paths": {kind: dict(v) for kind, v in chosen.items() if isinstance(v, dict)},
+                  "how": chosen.get("how")}
 
 
 def _cache() -> dict[str, Any]:

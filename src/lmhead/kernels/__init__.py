@@ -6,7 +6,8 @@
     row_kernels.c      the decode loop's passes over rows of logits (scores, greedy, top-p, a draw, top-k)
     step_kernels.c     the declared sampler steps' float64 passes over a row (sampling/steps/moments.py)
     *.h                what the sources share: simd_math.h (the vector exp), body_kernels.h, decode_kernels.h
-                       row_pieces.h (how a pass over a row is cut for the threads: by its width alone)
+                       row_pieces.h (how a pass over a row is cut for the threads: by its width alone),
+                       kernel_results.h (what a kernel's int result says: refused, or no memory)
 
 `builder` compiles them once per machine into one library in the cache (no torch: `load_model` starts it before
 the slow imports); `native` loads it with ctypes, self-tests every entry point and wraps the row passes. This

@@ -17,7 +17,7 @@
     simd_math.h, body_kernels.h, decode_kernels.h, quant_types.h   what the sources share (vector exp;
                      declarations, structs; the coded layouts' flags and level tables)
     row_pieces.h     how the row passes cut a row for the threads (by its width alone: the same bits whatever
-                     the thread count or the batch)
+                     the thread count or the batch); kernel_results.h: a kernel's int results (abi.NO_MEMORY)
       ──cc -O3 -march=native -fopenmp (kernels/builder.py)──▶ <cache>/kernels/lmhead-<hash>.so (a temporary
       file renamed into place; begun in the background by `load_model` while it reads the file)
 

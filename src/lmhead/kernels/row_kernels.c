@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernel_results.h"
 #include "row_pieces.h"
 #include "simd_math.h"
 
@@ -66,14 +67,6 @@ static double pieces_lse(const float* pmax, const double* psum, int64_t pieces, 
     for (int64_t p = 0; p < pieces; p++)
         if (pmax[p] > -INFINITY) s += psum[p] * exp((double)pmax[p] - (double)m);
     return (double)m + log(s);
-}
-
-/* the pieces a row of V logits is cut into for row_scores and row_greedy: a function of V alone (pieces of at least
- * 16,384 logits, at most 16), so that a row's normaliser is the same bits whatever the number of rows beside it or
- * of threads (the pieces go to the threads; a piece's sums and the pieces' combination are fixed) */
-static inline int64_t score_pieces(int64_t V) {
-    const int64_t p = V / 16384;
-    return p < 1 ? 1 : p > 16 ? 16 : p;
 }
 
 /* The decode loop's score of each row's token (kernels/native.py `row_scores`): per row b of logits x [B, V],
@@ -451,7 +444,7 @@ static int64_t collect_at_least(const float* x, int64_t V, float T, float floor,
 
 static int64_t top_k_cut(const float* x, int64_t V, float T, int64_t k, double p, int64_t* ids, float* vals) {
     float* heap = (float*)malloc((size_t)k * sizeof(float)); /* min-heap of the k largest so far */
-    if (heap == NULL) return -3;
+    if (heap == NULL) return LMHEAD_NO_MEMORY;
     int64_t have = 0, i = 0;
     int bad = 0;
 #ifdef __AVX2__
@@ -485,7 +478,7 @@ static int64_t top_k_cut(const float* x, int64_t V, float T, int64_t k, double p
     free(heap);
     if (kth == -INFINITY) return -2; /* fewer than k finite tokens: torch's path */
     lmhead_cand* c = (lmhead_cand*)malloc((size_t)SAMPLE_CAP * sizeof(lmhead_cand));
-    if (c == NULL) return -3;
+    if (c == NULL) return LMHEAD_NO_MEMORY;
     const int64_t n = collect_at_least(x, V, T, kth, c);
     if (n < 0) {
         free(c);
@@ -496,7 +489,7 @@ static int64_t top_k_cut(const float* x, int64_t V, float T, int64_t k, double p
         double* below = (double*)malloc((size_t)n * sizeof(double));
         if (below == NULL) {
             free(c);
-            return -3;
+            return LMHEAD_NO_MEMORY;
         }
         double total = 0.0;
         for (int64_t j = 0; j < n; j++) total += exp((double)c[j].v - (double)c[0].v);
@@ -533,7 +526,7 @@ static int64_t min_p_cut(const float* x, int64_t V, float T, double min_p, int64
     const double floor_d = (double)top + log(min_p) - 1e-3 * (1.0 + fabs((double)top));
     if (!(floor_d > -1e30)) return -1; /* min_p too small to cut here: the whole row, torch's path */
     lmhead_cand* c = (lmhead_cand*)malloc((size_t)SAMPLE_CAP * sizeof(lmhead_cand));
-    if (c == NULL) return -3;
+    if (c == NULL) return LMHEAD_NO_MEMORY;
     const int64_t n = collect_at_least(x, V, T, (float)floor_d, c);
     for (int64_t j = 0; j < n; j++) ids[j] = c[j].i, vals[j] = c[j].v;
     free(c);
@@ -549,7 +542,7 @@ int lmhead_sample_row(const float* x, int64_t V, float T, int64_t top_k, double 
         float* vals = (float*)malloc(SAMPLE_CAP * sizeof(float));
         if (ids == NULL || vals == NULL) {
             free(ids), free(vals);
-            return -3;
+            return LMHEAD_NO_MEMORY;
         }
         int64_t n;
         if (top_k > 0 && top_k < V)

@@ -16,6 +16,7 @@
 #include <immintrin.h>
 #endif
 
+#include "kernel_results.h"
 #include "row_pieces.h"
 #include "simd_math.h"
 
@@ -437,7 +438,7 @@ static inline int typical_take(const float* x, int64_t i, double m, double c, do
     if (!(x[i] > -INFINITY) || !((b >= a0 && b <= a1) || (b >= b0 && b <= b1))) return 0;
     if (*have == *room) {
         typical_cand* grown = (typical_cand*)realloc(*out, (size_t)(*room *= 2) * sizeof(typical_cand));
-        if (!grown) return -3;
+        if (!grown) return LMHEAD_NO_MEMORY;
         *out = grown;
     }
     (*out)[*have].score = fabs((double)x[i] - c), (*out)[*have].e = exp_neg((double)x[i] - m), (*out)[*have].i = i;
@@ -452,7 +453,7 @@ static int64_t typical_collect(const float* x, int64_t V, double m, double c, do
                                int b1, typical_cand** cand) {
     int64_t have = 0, room = 1024, i = 0;
     typical_cand* out = (typical_cand*)malloc((size_t)room * sizeof(typical_cand));
-    if (!out) return -3;
+    if (!out) return LMHEAD_NO_MEMORY;
 #ifdef __AVX2__
     const __m256 mv = _mm256_set1_ps((float)m), kv = _mm256_set1_ps((float)k),
                  last = _mm256_set1_ps((float)TYPICAL_BINS);
@@ -523,7 +524,7 @@ int64_t lmhead_typical_row(const float* x, int64_t V, double mass, float* out, i
     const double k = (double)(TYPICAL_BINS - 1) / width;
     const int pieces = typical_pieces(V), hists = pieces * TYPICAL_LANES;
     double* hist = (double*)calloc((size_t)hists * TYPICAL_BINS + TYPICAL_BINS + 1, sizeof(double));
-    if (!hist) return -3;
+    if (!hist) return LMHEAD_NO_MEMORY;
     double ps[ROW_PIECES], pa[ROW_PIECES];
 #pragma omp parallel for num_threads(piece_threads(pieces, threads)) schedule(static)
     for (int j = 0; j < pieces; j++)
@@ -581,7 +582,7 @@ int64_t lmhead_typical_row(const float* x, int64_t V, double mass, float* out, i
     typical_cand* cand = NULL;
     const int64_t have = h1 < h0 ? typical_collect(x, V, m, c, k, t0, t1, 1, 0, &cand)
                                  : typical_collect(x, V, m, c, k, t0, h0 - 1, h1 + 1, t1, &cand);
-    if (have < 0) return -3;
+    if (have < 0) return LMHEAD_NO_MEMORY;
     qsort(cand, (size_t)have, sizeof(typical_cand), typical_order);
     /* the crossing: the first token past s_lo at which the running mass reaches the target; a walk that falls
      * short by the rounding of the sums ends at its last token within s_hi */
