@@ -19,12 +19,13 @@ weights (normal, σ 0.02; norms 1) written as a Hugging Face folder, shard by sh
 `convert_hf_to_gguf.py` (the vendored source `make llama-bench` builds from) to a BF16 GGUF and `llama-quantize`
 to each --type. For each file: one child process loads it with lmhead (`load_model`, the file's own codes) and
 decodes --new-tokens greedily (draft none) after a warm-up — its load seconds and first token (from the process's
-start: the warm-up's first token), decode tok/s and peak RSS (under /usr/bin/time), twice over a cache of its own
-(cold: the file's metadata and a mixture's laid-out experts written; warm: read and mapped); then `llama-bench -t 2
--p 0 -n N` on the same file, its tok/s and peak RSS. A side that fails (out of memory, a crash, a refusal) leaves "-"
-in its cells and the run goes on. On the 1B shape
-transformers' float32 forward on the same file (its GGUF loader: the dequantised weights, the numbers lmhead's
-exactness is defined against) generates the same greedy tokens in a third process, and the two lists are compared.
+start: the warm-up's first token), decode tok/s (the one-token steps after the prompt's prefill, the steps llama-bench's
+tg times; beside it the rate with the prefill and its first token, and the prefill's seconds) and peak RSS (under
+/usr/bin/time), twice over a cache of its own (cold: the file's metadata and a mixture's laid-out experts written;
+warm: read and mapped); then `llama-bench -t 2 -p 0 -n N` on the same file, its tok/s and peak RSS. A side that fails
+(out of memory, a crash, a refusal) leaves "-" in its cells and the run goes on. On the 1B shape transformers'
+float32 forward on the same file (its GGUF loader: the dequantised weights, the numbers lmhead's exactness is
+defined against) generates the same greedy tokens in a third process, and the two lists are compared.
 
 Needs build/llama.cpp/bin/llama-bench and llama-quantize (`make llama-bench`) and about 2.5× the largest BF16 file
 in free disk under --work (default: a temporary folder, removed after). `--prepare --work DIR` only writes the files
@@ -358,9 +359,18 @@ n = int(sys.argv[2])
 for _ in model.generate(sys.argv[3], 4, config=greedy, draft="none"):  # warm-up; its first token ends a cold start
     first = time.perf_counter() - t
     break
+# the decode rate as llama-bench's tg measures it: one-token steps only, the prompt's prefill (and the first token
+# it gives) timed apart — a mixture's prefill reads the experts every prompt token chose, many tokens' worth
 t = time.perf_counter()
-ids = [s.token_id for s in model.generate(sys.argv[3], n, config=greedy, draft="none")]
-print(json.dumps({"load": load, "first": first, "rate": len(ids) / (time.perf_counter() - t), "ids": ids}))
+ids = []
+for s in model.generate(sys.argv[3], n, config=greedy, draft="none"):
+    ids.append(s.token_id)
+    if len(ids) == 1:
+        t1 = time.perf_counter()
+end = time.perf_counter()
+print(json.dumps({"load": load, "first": first, "prompt": t1 - t, "steps": len(ids) - 1,
+                  "rate": (len(ids) - 1) / (end - t1) if len(ids) > 1 else None,
+                  "with_prompt": len(ids) / (end - t), "ids": ids}))
 """
 
 _HF_MOE_CHILD = """
@@ -464,10 +474,12 @@ def _measure(shape: str, kind: str, path: Path, args: argparse.Namespace, table)
             f"no ({ours['ids'][:8]} vs {hf['ids'][:8]})"
     rate = None if ours is None else ours["rate"]
     ratio = None if rate is None or theirs is None else rate / theirs
+    with_prompt = None if ours is None else ours["with_prompt"]
     layers = MOE_SHAPES.get(shape, SHAPES.get(shape, {})).get("num_hidden_layers")
     label = shape + (f" ({args.layers} of {layers} layers)" if args.layers else "")
     cells = [label, kind, f"{path.stat().st_size / 2**30:.2f}", _fmt(rate), _fmt(theirs), _fmt(ratio),
-             f"{rss:.0f}", f"{cold_rss:.0f}", f"{their_rss:.0f}", _fmt(None if cold is None else cold["load"], ".1f"),
+             _fmt(with_prompt), _fmt(None if ours is None else ours["prompt"]), f"{rss:.0f}", f"{cold_rss:.0f}",
+             f"{their_rss:.0f}", _fmt(None if cold is None else cold["load"], ".1f"),
              _fmt(None if ours is None else ours["first"], ".1f"), same, f"{os.getloadavg()[0]:.2f}"]
     print("| " + " | ".join(cells) + " |", flush=True)
     figures = [Figure(f"{label} {kind} peak RSS", rss, "MiB", "llama-bench", their_rss, rss / their_rss)]
@@ -482,9 +494,11 @@ def _title(moe: bool, n: int) -> str:
             "32 of 2880, 4 a token), random quantised blocks (Q4_K_M: llama.cpp's mix; gpt-oss: MXFP4 experts, Q8_0 "
             "elsewhere), SmolLM2's tokenizer, a row's layers the first N of the model's where it says"
             if moe else "Llama shapes, random weights, SmolLM2's tokenizer")
-    return (f"{what}: greedy decode of {n} tokens, batch 1, lmhead (draft none; its tok/s and RSS from a warm "
-            "run, its load and RSS also from the cold run before it over an empty cache, its first token from the "
-            "warm process's start) beside llama-bench -t 2 -p 0 on the same file; '-' where a side failed")
+    return (f"{what}: greedy decode of {n} tokens, batch 1, lmhead (draft none; its tok/s the {n - 1} one-token "
+            "steps after the prompt's prefill, as llama-bench's tg times one-token steps, and beside it the rate "
+            "with the prefill and its first token included; its tok/s and RSS from a warm run, its load and RSS "
+            "also from the cold run before it over an empty cache, its first token from the warm process's start) "
+            "beside llama-bench -t 2 -p 0 on the same file; '-' where a side failed")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -501,8 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the GGUF files in --work")
     parser.add_argument("--prepare", action="store_true", help="only write the files into --work (kept)")
     args = parser.parse_args(argv)
-    if args.new_tokens < 1:
-        parser.error("--new-tokens must be >= 1")
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be >= 2 (the first token comes from the prompt's prefill, timed apart)")
     if args.layers is not None and args.layers < 1:
         parser.error("--layers must be >= 1")
     shapes = args.shape or list(SHAPES)
@@ -518,7 +532,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rec = Recorder("scale")
     print(rec.header(), flush=True)
-    columns = ["shape", "type", "file GiB", "lmhead tok/s", "llama-bench tok/s", "ratio", "lmhead RSS MiB",
+    columns = ["shape", "type", "file GiB", "lmhead tok/s", "llama-bench tok/s", "ratio",
+               "lmhead tok/s, prompt included", "lmhead prompt s", "lmhead RSS MiB",
                "lmhead cold RSS MiB", "llama-bench RSS MiB", "lmhead cold load s", "lmhead warm first token s",
                "greedy = transformers", "load"]
     tables = {moe: rec.table("moe" if moe else "shapes", _title(moe, args.new_tokens), columns)
