@@ -21,11 +21,12 @@ to each --type. For each file: one child process loads it with lmhead (`load_mod
 decodes --new-tokens greedily (draft none) after a warm-up — its load seconds and first token (from the process's
 start: the warm-up's first token), decode tok/s (the one-token steps after the prompt's prefill, the steps llama-bench's
 tg times; beside it the rate with the prefill and its first token, and the prefill's seconds) and peak RSS (under
-/usr/bin/time), twice over a cache of its own (cold: the file's metadata and a mixture's laid-out experts written;
-warm: read and mapped); then `llama-bench -t 2 -p 0 -n N` on the same file, its tok/s and peak RSS. A side that fails
-(out of memory, a crash, a refusal) leaves "-" in its cells and the run goes on. On the 1B shape transformers'
-float32 forward on the same file (its GGUF loader: the dequantised weights, the numbers lmhead's exactness is
-defined against) generates the same greedy tokens in a third process, and the two lists are compared.
+/usr/bin/time), three times over a cache of its own (cold: the file's metadata and a mixture's laid-out experts
+written; then twice warm: read and mapped, the second run measured); then `llama-bench -t 2 -p 0 -n N` on the same
+file, its tok/s and peak RSS. A side that fails (out of memory, a crash, a refusal) leaves "-" in its cells and
+the run goes on. On the 1B shape transformers' float32 forward on the same file (its GGUF loader: the dequantised
+weights, the numbers lmhead's exactness is defined against) generates the same greedy tokens in another process,
+and the two lists are compared.
 
 Needs build/llama.cpp/bin/llama-bench and llama-quantize (`make llama-bench`) and about 2.5× the largest BF16 file
 in free disk under --work (default: a temporary folder, removed after). `--prepare --work DIR` only writes the files
@@ -452,12 +453,17 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
 
 
 def _measure(shape: str, kind: str, path: Path, args: argparse.Namespace, table) -> None:
-    """One file: lmhead's child twice over a cache of its own (cold: the file's metadata and its experts' layout
-    made and written; warm: read and mapped), llama-bench, and on the 1B shape (or a MoE shape of at most 2
-    layers, not gpt-oss) transformers' greedy tokens; one row of the table (a failed side's cells "-")."""
+    """One file: lmhead's child three times over a cache of its own (cold: the file's metadata and its experts'
+    layout made and written; then twice warm: read and mapped, the second measured), llama-bench, and on the 1B
+    shape (or a MoE shape of at most 2 layers, not gpt-oss) transformers' greedy tokens; one row of the table (a
+    failed side's cells "-")."""
     cache = Path(tempfile.mkdtemp(prefix="lmhead-cache-", dir=path.parent))
     try:
         cold, cold_rss = _child(_CHILD, str(path), str(args.new_tokens), PROMPT, cache=cache)
+        # the second warm run is the one measured: the cold run leaves the page cache holding the file's pages and
+        # a mixture's laid-out experts together, more than memory keeps (Qwen3-30B-A3B: 17 + 19 GB), so the first
+        # warm run still reads experts from disk as its tokens first choose them (6-8 vs 8.4 tok/s)
+        _child(_CHILD, str(path), str(args.new_tokens), PROMPT, cache=cache)
         ours, rss = _child(_CHILD, str(path), str(args.new_tokens), PROMPT, cache=cache)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
@@ -496,9 +502,9 @@ def _title(moe: bool, n: int) -> str:
             if moe else "Llama shapes, random weights, SmolLM2's tokenizer")
     return (f"{what}: greedy decode of {n} tokens, batch 1, lmhead (draft none; its tok/s the {n - 1} one-token "
             "steps after the prompt's prefill, as llama-bench's tg times one-token steps, and beside it the rate "
-            "with the prefill and its first token included; its tok/s and RSS from a warm run, its load and RSS "
-            "also from the cold run before it over an empty cache, its first token from the warm process's start) "
-            "beside llama-bench -t 2 -p 0 on the same file; '-' where a side failed")
+            "with the prefill and its first token included; its tok/s and RSS from the second of two warm runs, "
+            "its load and RSS also from the cold run before them over an empty cache, its first token from the "
+            "warm process's start) beside llama-bench -t 2 -p 0 on the same file; '-' where a side failed")
 
 
 def main(argv: list[str] | None = None) -> int:
