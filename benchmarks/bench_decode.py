@@ -9,7 +9,9 @@ Per model, batch 1, greedy and sampled (T=0.8, top-p 0.9): lmhead (one row per d
 -p 0 -n N` on the same GGUF file when it is built (`make llama-bench`; optional, it compiles for minutes).
 Runs are interleaved (lmhead, transformers, transformers, lmhead, ...) so that a busy machine slows all alike, and
 llama-bench runs once beside each greedy round of lmhead's (-r 1; its median is the table's);
-the table shows medians of tokens/s (generated tokens / wall time, prefill included) and ratios, and for lmhead
+the table shows medians of tokens/s (generated tokens / wall time, prefill included: the ratio to transformers'
+generate(), timed alike) and of lmhead's steps' rate (the tokens after the first over the time after it: the
+one-token steps that llama-bench's tg times, without the prompt's prefill — the ratio to llama.cpp), and for lmhead
 where a token's time goes (draft, body, head, sampling, text in ms per token) beside what the body's and the
 head's bytes take at the read bandwidth measured in the same run. Greedy tokens must equal transformers'
 (the full-precision model's) on every prompt. The load average is printed with each table.
@@ -47,11 +49,20 @@ PROMPTS = [
 LLAMA_BENCH = Path(__file__).resolve().parent.parent / "build" / "llama.cpp" / "bin" / "llama-bench"
 
 
-def _ours(model, prompt: str, n: int, config, draft: str) -> tuple[float, list[int], dict[str, float]]:
+def _ours(model, prompt: str, n: int, config, draft: str) -> tuple[float, list[int], dict[str, float], float]:
+    """(wall seconds, the generated ids, where the time went, the steps' rate): the steps' rate is the tokens after
+    the first over the time after it — the one-token steps (or draft rounds) that llama-bench's tg times, without
+    the prompt's prefill that gives the first token."""
     profile: dict[str, float] = {}
+    ids: list[int] = []
     t = time.perf_counter()
-    ids = [s.token_id for s in model.generate(prompt, n, config=config, profile=profile, draft=draft)]
-    return time.perf_counter() - t, ids, profile
+    first = t
+    for s in model.generate(prompt, n, config=config, profile=profile, draft=draft):
+        ids.append(s.token_id)
+        if len(ids) == 1:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return end - t, ids, profile, (len(ids) - 1) / (end - first) if len(ids) > 1 else 0.0
 
 
 def transformers_generate(model, prompt: str, n: int, sampled: bool) -> tuple[float, list[int]]:
@@ -106,7 +117,8 @@ def bench_types(args, rec: Recorder) -> None:
     name, n = args.types, args.new_tokens
     greedy = SamplingConfig(temperature=0.0)
     table = rec.table(f"types_{name.replace('-', '_')}", f"{name} requantised with llama-quantize "
-                      f"--allow-requantize: greedy decode of {n} tokens, batch 1, lmhead (draft none) beside "
+                      f"--allow-requantize: greedy decode of {n} tokens, batch 1, lmhead (draft none; its tok/s the "
+                      "one-token steps after the prompt's prefill, the steps llama-bench's tg times) beside "
                       "llama-bench -t 2 -p 0 -r 1 on the same file, 3 alternating rounds (medians; range: the "
                       "rounds' ratios)", ["type", "file MB", "lmhead tok/s", "llama-bench tok/s", "ratio", "range",
                                           "load"])
@@ -128,8 +140,8 @@ def bench_types(args, rec: Recorder) -> None:
             # alternating rounds: on a shared host a burst of load lands on both sides, not on one side's run
             rounds = []
             for _ in range(3):
-                t, ids, _ = _ours(model, PROMPTS[0], n, greedy, "none")
-                rounds.append((len(ids) / t, llama_bench_rate(out, n, 1)))
+                _, _, _, steps = _ours(model, PROMPTS[0], n, greedy, "none")
+                rounds.append((steps, llama_bench_rate(out, n, 1)))
             ours = statistics.median(r[0] for r in rounds)
             theirs = statistics.median(r[1] for r in rounds)
             ratios = sorted(a / b for a, b in rounds)
@@ -165,8 +177,8 @@ def _head_bytes(model) -> int:
     return head.weight.numel() * head.weight.element_size()
 
 
-COLUMNS = ["mode", "who", "tok/s", "vs transformers", "vs llama.cpp", "identical to fp32 greedy", "draft", "body",
-           "head", "sampling", "text (ms/token)"]
+COLUMNS = ["mode", "who", "tok/s", "steps tok/s", "vs transformers", "vs llama.cpp", "identical to fp32 greedy",
+           "draft", "body", "head", "sampling", "text (ms/token)"]
 
 
 def _print_row(table: Table, cells: list[str], figures: list[Figure]) -> None:
@@ -197,13 +209,15 @@ def _bench_model(name: str, args, rec: Recorder, work: Path) -> None:
     bandwidth = rec.machine["read_gbs"]
     title = (f"{name}: batch 1, {args.new_tokens} new tokens, {len(prompts)} prompts x {args.repeats} interleaved "
              f"repeats, torch threads {torch.get_num_threads()}, head {type(model.head).__name__} ({args.head}), "
-             f"body {'lean' if model.lean is not None else args.body}")
+             f"body {'lean' if model.lean is not None else args.body}; steps tok/s: the tokens after the first over "
+             "the time after it, llama-bench's tg's measure, and the ratio to llama.cpp's")
     print(f"\n## {title}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     table = rec.table(name.replace("-", "_").replace(".", "_"), title, COLUMNS)
     print("| " + " | ".join(COLUMNS) + " |")
     print("|" + "---|" * len(COLUMNS))
     for mode, config in modes.items():
         rates: dict[str, list[float]] = {d: [] for d in args.draft} | {"transformers": []}
+        steps: dict[str, list[float]] = {d: [] for d in args.draft}
         phases: dict[str, dict[str, float]] = {d: {} for d in args.draft}
         tokens = {d: 0 for d in args.draft}
         same = {d: 0 for d in args.draft}
@@ -216,8 +230,9 @@ def _bench_model(name: str, args, rec: Recorder, work: Path) -> None:
                         t, ref = transformers_generate(model, prompt, args.new_tokens, sampled=mode == "sampled")
                         rates[who].append(len(ref) / t)
                         continue
-                    t, ids, profile = _ours(model, prompt, args.new_tokens, config, who)
+                    t, ids, profile, rate = _ours(model, prompt, args.new_tokens, config, who)
                     rates[who].append(len(ids) / t)
+                    steps[who].append(rate)
                     if gguf is not None and mode == "greedy" and who == args.draft[0]:
                         try:
                             llama_rates.append(llama_bench_rate(gguf, args.new_tokens, 1))
@@ -236,24 +251,25 @@ def _bench_model(name: str, args, rec: Recorder, work: Path) -> None:
         hf = statistics.median(rates["transformers"])
         llama = statistics.median(llama_rates) if llama_rates else None
         for d in args.draft:
-            ours = statistics.median(rates[d])
+            ours, ours_steps = statistics.median(rates[d]), statistics.median(steps[d])
             ms = {k: 1e3 * v / max(tokens[d], 1) for k, v in phases[d].items()}
-            vs_llama = f"{ours / llama:.2f}x" if llama else "-"
+            vs_llama = f"{ours_steps / llama:.2f}x" if llama else "-"
             ident = f"{same[d] // args.repeats}/{len(prompts)}" if mode == "greedy" else "-"
             figures = [Figure(f"{name} {mode}, lmhead draft={d}", ours, "tok/s", "transformers generate()", hf,
                               ours / hf)]
             if llama:
-                figures.append(Figure(f"{name} {mode}, lmhead draft={d}", ours, "tok/s", "llama.cpp llama-bench",
-                                      llama, ours / llama))
-            _print_row(table, [mode, f"lmhead draft={d}", f"{ours:.1f}", f"{ours / hf:.2f}x", vs_llama, ident,
+                figures.append(Figure(f"{name} {mode}, lmhead draft={d} steps", ours_steps, "tok/s",
+                                      "llama.cpp llama-bench", llama, ours_steps / llama))
+            _print_row(table, [mode, f"lmhead draft={d}", f"{ours:.1f}", f"{ours_steps:.1f}", f"{ours / hf:.2f}x",
+                               vs_llama, ident,
                                f"{ms.get('draft', 0):.1f}", f"{ms.get('body', 0):.1f}", f"{ms.get('head', 0):.1f}",
                                f"{ms.get('sampling', 0):.1f}", f"{ms.get('text', 0):.1f}"], figures)
-        _print_row(table, [mode, "transformers generate()", f"{hf:.1f}", "1.00x",
-                           f"{hf / llama:.2f}x" if llama else "-", "-", "-", "-", "-", "-", "-"], [])
+        _print_row(table, [mode, "transformers generate()", f"{hf:.1f}", "-", "1.00x", "-", "-", "-", "-", "-", "-",
+                           "-"], [])
     if llama:
         _print_row(table, ["greedy", f"llama.cpp llama-bench -t 2 (its own Q4/Q8 arithmetic; median of "
-                           f"{len(llama_rates)} runs, each beside a greedy round)", f"{llama:.1f}", "-", "1.00x", "-",
-                           "-", "-", "-", "-", "-"], [])
+                           f"{len(llama_rates)} runs, each beside a greedy round)", f"{llama:.1f}", f"{llama:.1f}",
+                           "-", "1.00x", "-", "-", "-", "-", "-", "-"], [])
     body_ms, head_ms = _body_bytes(model) / bandwidth / 1e6, _head_bytes(model) / bandwidth / 1e6
     note = (f"read bandwidth {bandwidth:.1f} GB/s: the body's matrices ({_body_bytes(model) / 1e6:.0f} MB) take "
             f"{body_ms:.1f} ms to read, the head ({_head_bytes(model) / 1e6:.0f} MB) {head_ms:.1f} ms")
