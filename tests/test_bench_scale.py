@@ -1,5 +1,6 @@
 """benchmarks/bench_scale.py's MoE shapes: the Q4_K_M mix is llama.cpp's (its use_more_bits layers), the gpt-oss
-shape's experts MXFP4 beside Q8_0, and a side that crashes is a row of '-' cells, not the end of the run."""
+shape's experts MXFP4 beside Q8_0, a side that crashes is a row of '-' cells, not the end of the run, and lmhead's
+decode rate is the one-token steps after the prompt's prefill (llama-bench's tg's measure)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,16 @@ def test_a_type_a_moe_shape_is_not_written_in_is_refused(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         bench_scale.main([*argv, "--prepare", "--work", "/nonexistent"])
     assert exc.value.code == 2 and "--type" in capsys.readouterr().err
+
+
+def test_the_decode_rate_times_the_steps_after_the_prompts_prefill(tmp_path):
+    # llama-bench's tg times one-token steps from an empty context: lmhead's rate leaves out the prefill that gives
+    # the first token, and reports the prefill and the rate with it beside
+    from tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", "llama", kind="Q8_0")
+    out, rss = bench_scale._child(bench_scale._CHILD, str(path), "6", bench_scale.PROMPT, cache=tmp_path / "cache")
+    assert out is not None and rss > 0
+    assert out["steps"] == len(out["ids"]) - 1 >= 1
+    assert out["prompt"] > 0 and out["rate"] > 0 and out["with_prompt"] > 0
+    assert out["with_prompt"] * (out["prompt"] + out["steps"] / out["rate"]) == pytest.approx(len(out["ids"]), rel=0.05)
