@@ -49,20 +49,31 @@ PROMPTS = [
 LLAMA_BENCH = Path(__file__).resolve().parent.parent / "build" / "llama.cpp" / "bin" / "llama-bench"
 
 
-def _ours(model, prompt: str, n: int, config, draft: str) -> tuple[float, list[int], dict[str, float], float]:
-    """(wall seconds, the generated ids, where the time went, the steps' rate): the steps' rate is the tokens after
-    the first over the time after it — the one-token steps (or draft rounds) that llama-bench's tg times, without
-    the prompt's prefill that gives the first token."""
-    profile: dict[str, float] = {}
+def timed_generate(model, prompt: str, n: int, config, draft: str = "none",
+                   profile: dict[str, float] | None = None) -> tuple[list[int], float, float]:
+    """(the generated ids, the call's wall seconds, the seconds to its first token: the prompt's prefill and the
+    token it gives) — `steps_rate` of them is the decode rate llama-bench's tg measures."""
     ids: list[int] = []
     t = time.perf_counter()
-    first = t
+    first = 0.0
     for s in model.generate(prompt, n, config=config, profile=profile, draft=draft):
         ids.append(s.token_id)
         if len(ids) == 1:
-            first = time.perf_counter()
-    end = time.perf_counter()
-    return end - t, ids, profile, (len(ids) - 1) / (end - first) if len(ids) > 1 else 0.0
+            first = time.perf_counter() - t
+    return ids, time.perf_counter() - t, first
+
+
+def steps_rate(ids: list[int], wall: float, first: float) -> float | None:
+    """The tokens after the first over the time after it: the one-token steps (or draft rounds) that llama-bench's
+    tg times, without the prompt's prefill; None where fewer than two tokens came."""
+    return (len(ids) - 1) / (wall - first) if len(ids) > 1 else None
+
+
+def _ours(model, prompt: str, n: int, config, draft: str) -> tuple[float, list[int], dict[str, float], float | None]:
+    """(wall seconds, the generated ids, where the time went, `steps_rate`)."""
+    profile: dict[str, float] = {}
+    ids, wall, first = timed_generate(model, prompt, n, config, draft, profile)
+    return wall, ids, profile, steps_rate(ids, wall, first)
 
 
 def transformers_generate(model, prompt: str, n: int, sampled: bool) -> tuple[float, list[int]]:
@@ -141,7 +152,11 @@ def bench_types(args, rec: Recorder) -> None:
             rounds = []
             for _ in range(3):
                 _, _, _, steps = _ours(model, PROMPTS[0], n, greedy, "none")
-                rounds.append((steps, llama_bench_rate(out, n, 1)))
+                if steps is not None:  # a round that ended at its first token has no steps to time
+                    rounds.append((steps, llama_bench_rate(out, n, 1)))
+            if not rounds:
+                print(f"{kind}: every round ended at its first token (no steps to time)", flush=True)
+                continue
             ours = statistics.median(r[0] for r in rounds)
             theirs = statistics.median(r[1] for r in rounds)
             ratios = sorted(a / b for a, b in rounds)
@@ -232,7 +247,8 @@ def _bench_model(name: str, args, rec: Recorder, work: Path) -> None:
                         continue
                     t, ids, profile, rate = _ours(model, prompt, args.new_tokens, config, who)
                     rates[who].append(len(ids) / t)
-                    steps[who].append(rate)
+                    if rate is not None:  # a run that ended at its first token has no steps to time
+                        steps[who].append(rate)
                     if gguf is not None and mode == "greedy" and who == args.draft[0]:
                         try:
                             llama_rates.append(llama_bench_rate(gguf, args.new_tokens, 1))
@@ -251,16 +267,18 @@ def _bench_model(name: str, args, rec: Recorder, work: Path) -> None:
         hf = statistics.median(rates["transformers"])
         llama = statistics.median(llama_rates) if llama_rates else None
         for d in args.draft:
-            ours, ours_steps = statistics.median(rates[d]), statistics.median(steps[d])
+            ours = statistics.median(rates[d])
+            ours_steps = statistics.median(steps[d]) if steps[d] else None
             ms = {k: 1e3 * v / max(tokens[d], 1) for k, v in phases[d].items()}
-            vs_llama = f"{ours_steps / llama:.2f}x" if llama else "-"
+            vs_llama = f"{ours_steps / llama:.2f}x" if llama and ours_steps else "-"
             ident = f"{same[d] // args.repeats}/{len(prompts)}" if mode == "greedy" else "-"
             figures = [Figure(f"{name} {mode}, lmhead draft={d}", ours, "tok/s", "transformers generate()", hf,
                               ours / hf)]
-            if llama:
+            if llama and ours_steps:
                 figures.append(Figure(f"{name} {mode}, lmhead draft={d} steps", ours_steps, "tok/s",
                                       "llama.cpp llama-bench", llama, ours_steps / llama))
-            _print_row(table, [mode, f"lmhead draft={d}", f"{ours:.1f}", f"{ours_steps:.1f}", f"{ours / hf:.2f}x",
+            _print_row(table, [mode, f"lmhead draft={d}", f"{ours:.1f}",
+                               "-" if ours_steps is None else f"{ours_steps:.1f}", f"{ours / hf:.2f}x",
                                vs_llama, ident,
                                f"{ms.get('draft', 0):.1f}", f"{ms.get('body', 0):.1f}", f"{ms.get('head', 0):.1f}",
                                f"{ms.get('sampling', 0):.1f}", f"{ms.get('text', 0):.1f}"], figures)

@@ -360,18 +360,12 @@ n = int(sys.argv[2])
 for _ in model.generate(sys.argv[3], 4, config=greedy, draft="none"):  # warm-up; its first token ends a cold start
     first = time.perf_counter() - t
     break
-# the decode rate as llama-bench's tg measures it: one-token steps only, the prompt's prefill (and the first token
-# it gives) timed apart — a mixture's prefill reads the experts every prompt token chose, many tokens' worth
-t = time.perf_counter()
-ids = []
-for s in model.generate(sys.argv[3], n, config=greedy, draft="none"):
-    ids.append(s.token_id)
-    if len(ids) == 1:
-        t1 = time.perf_counter()
-end = time.perf_counter()
-print(json.dumps({"load": load, "first": first, "prompt": t1 - t, "steps": len(ids) - 1,
-                  "rate": (len(ids) - 1) / (end - t1) if len(ids) > 1 else None,
-                  "with_prompt": len(ids) / (end - t), "ids": ids}))
+# the decode rate as llama-bench's tg measures it (bench_decode.steps_rate): one-token steps only, the prompt's
+# prefill and the first token it gives timed apart — a mixture's prefill reads the experts every prompt token chose
+from bench_decode import steps_rate, timed_generate
+ids, wall, prompt = timed_generate(model, sys.argv[3], n, greedy)
+print(json.dumps({"load": load, "first": first, "prompt": prompt, "steps": len(ids) - 1,
+                  "rate": steps_rate(ids, wall, prompt), "with_prompt": len(ids) / wall, "ids": ids}))
 """
 
 _HF_MOE_CHILD = """
@@ -408,6 +402,7 @@ def _child(code: str, *args: str, cache: Path | None = None) -> tuple[dict | Non
     MiB): a crash (out of memory, a refusal) is a row of the table, not the end of the run. `cache`: its
     LMHEAD_CACHE."""
     env = {**os.environ, **({"LMHEAD_CACHE": str(cache)} if cache is not None else {})}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
     with tempfile.TemporaryFile("w+") as err:
         proc, rss_file = _spawn([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=err, text=True,
                                 env=env)
@@ -462,7 +457,7 @@ def _measure(shape: str, kind: str, path: Path, args: argparse.Namespace, table)
         cold, cold_rss = _child(_CHILD, str(path), str(args.new_tokens), PROMPT, cache=cache)
         # the second warm run is the one measured: the cold run leaves the page cache holding the file's pages and
         # a mixture's laid-out experts together, more than memory keeps (Qwen3-30B-A3B: 17 + 19 GB), so the first
-        # warm run still reads experts from disk as its tokens first choose them (6-8 vs 8.4 tok/s)
+        # warm run still reads experts from disk as its tokens first choose them
         _child(_CHILD, str(path), str(args.new_tokens), PROMPT, cache=cache)
         ours, rss = _child(_CHILD, str(path), str(args.new_tokens), PROMPT, cache=cache)
     finally:
