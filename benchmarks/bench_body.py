@@ -1,6 +1,12 @@
 """The body's linear layers at decode time: transformers' F.linear (MKL) against lmhead's oneDNN linears.
 
     .venv/bin/python benchmarks/bench_body.py [--model gemma-3-270m] [--repeats 15] [--steps 40]
+    .venv/bin/python benchmarks/bench_body.py --dense [--model smollm2-135m] [--prompt-tokens 512]
+
+--dense: the model's float32 weights as a transformers model (`lmhead.Model(hf_model, tokenizer)`), its products
+in the kernel's float32 product over those weights (`Model.use_dense`: each row summed in one order whatever the
+rows beside it) against torch's (`codes=False`: oneDNN's inner product), alternating rounds: a prompt's prefill
+(the time to its first token), the one-token decode steps after it, and whether the greedy tokens agree.
 
 Side by side in one process, medians of interleaved repeats:
   - every nn.Linear of the model's body applied to one token ([1, in] x [out, in]^T, the decode shape), with
@@ -37,7 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="gemma-3-270m", help="model name, .gguf file or HF folder")
     parser.add_argument("--repeats", type=int, default=15, help="interleaved repeats (default 15)")
     parser.add_argument("--steps", type=int, default=40, help="decode steps per body timing (default 40)")
+    parser.add_argument("--dense", action="store_true",
+                        help="the float32 transformers model: the kernel's float32 products against oneDNN's")
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="--dense: the prompt's tokens (default 512)")
+    parser.add_argument("--rounds", type=int, default=3, help="--dense: alternating rounds (default 3)")
     args = parser.parse_args(argv)
+    if args.dense:
+        return dense(args)
 
     from lmhead import load_model
     from lmhead.models.fast_linear import onednn_available
@@ -112,6 +124,54 @@ def main(argv: list[str] | None = None) -> int:
              f"(largest |hidden| {float(a.abs().max()):.1f})")
     print(check)
     body.note(check)
+    rec.write()
+    return 0
+
+
+def dense(args: argparse.Namespace) -> int:
+    """--dense: prefill and decode of the model's float32 weights as a transformers model, both products."""
+    import os
+    import statistics
+
+    from bench_decode import steps_rate, timed_generate
+    from bench_server import _long_prompt
+
+    from lmhead import Model, load_model
+    from lmhead.sampling import SamplingConfig
+
+    loaded = load_model(args.model, head="fp32", progress=False)
+    models = {"kernel float32 (use_dense)": Model(loaded.hf_model, loaded.tokenizer, name=loaded.name),
+              "oneDNN (codes=False)": Model(loaded.hf_model, loaded.tokenizer, name=loaded.name, codes=False)}
+    if not models["kernel float32 (use_dense)"].dense_matrices:
+        print("the kernels are not built here: nothing to compare")
+        return 0
+    prompt, config = _long_prompt(loaded, args.prompt_tokens), SamplingConfig(temperature=0)
+    tokens = len(loaded.encode(prompt))
+    rec = Recorder("body")
+    print(rec.header())
+    got: dict[str, dict[str, list]] = {k: {"prefill": [], "steps": [], "ids": []} for k in models}
+    for r in range(args.rounds):
+        for k, m in models.items():
+            ids, wall, first = timed_generate(m, prompt, args.steps, config)
+            got[k]["prefill"].append(tokens / first)
+            got[k]["steps"].append(steps_rate(ids, wall, first))
+            got[k]["ids"].append(ids)
+            print(f"round {r} {k:28s} prefill {tokens / first:7.1f} tok/s, steps {got[k]['steps'][-1]:6.1f} tok/s; "
+                  f"load {os.getloadavg()[0]:.2f}", flush=True)
+    base = "oneDNN (codes=False)"
+    table = rec.table(f"dense_{loaded.name}", f"{loaded.name}'s float32 weights as a transformers model: a prompt "
+                      f"of {tokens} tokens prefilled (to its first token) and {args.steps - 1} one-token decode steps "
+                      f"after it, greedy, the kernel's float32 products against oneDNN's, {args.rounds} alternating "
+                      "rounds (medians)", ["products", "prefill tok/s", "vs oneDNN", "decode steps tok/s", "vs oneDNN"])
+    med = {k: {q: statistics.median(v[q]) for q in ("prefill", "steps")} for k, v in got.items()}
+    for k in models:
+        table.row([k, f"{med[k]['prefill']:.0f}", f"{med[k]['prefill'] / med[base]['prefill']:.2f}x",
+                   f"{med[k]['steps']:.1f}", f"{med[k]['steps'] / med[base]['steps']:.2f}x"],
+                  [Figure(f"{k}: prefill", med[k]["prefill"], "tok/s", base, med[base]["prefill"]),
+                   Figure(f"{k}: decode steps", med[k]["steps"], "tok/s", base, med[base]["steps"])])
+    same = all(a == b for a, b in zip(got["kernel float32 (use_dense)"]["ids"], got[base]["ids"], strict=True))
+    table.note(f"greedy tokens equal between the two products in every round: {'yes' if same else 'no'}")
+    print(f"greedy tokens equal: {same}")
     rec.write()
     return 0
 

@@ -166,6 +166,37 @@ def test_a_rows_product_is_the_same_bits_alone_in_any_batch_and_over_any_threads
     assert torch.equal(product(x[3:8].contiguous(), 2).view(torch.int32), alone[3:8].view(torch.int32))
 
 
+@pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
+@pytest.mark.parametrize("k", [576, 531, 64, 15])
+def test_a_float32_matrixs_pairs_are_the_same_bits_in_any_tile_alone_and_over_any_threads(k):
+    # float32 weights (an F32 file, a transformers model's own: `Model.use_dense`): query rows go six at a time
+    # over four weight rows, the rest fewer at a time, a last weight row alone — every pair summed in one order
+    from lmhead.kernels import native
+
+    g = torch.Generator().manual_seed(k)
+    n = 37  # chunks of 32 weight rows: a whole one, then a quad and a lone row
+    w = torch.randn(n, k, generator=g)
+    w[5] = w[0]
+    w[36] = w[0]  # the same row in a tile of four and alone
+    coded = CodedLinear.dense16(w)
+    lib = native.library()
+
+    def product(x: torch.Tensor, threads: int) -> torch.Tensor:
+        y = torch.empty(x.shape[0], n)
+        assert lib.lmhead_coded_matmul(x.data_ptr(), x.shape[0], k, coded.codes.data_ptr(), None, None, n,
+                                       coded.group, coded.flags, y.data_ptr(), threads) == 0
+        return y
+
+    x = torch.randn(14, k, generator=g) * torch.logspace(-3, 3, k)  # sums whose order shows in their last bits
+    alone = torch.cat([product(x[i:i + 1].clone(), 1) for i in range(14)])
+    assert torch.equal(alone[:, 0], alone[:, 5]) and torch.equal(alone[:, 0], alone[:, 36])
+    torch.testing.assert_close(alone, (x.double() @ w.double().T).float(), rtol=1e-4, atol=1e-4 * k)
+    for m in range(1, 15):
+        for threads in (1, 2, 3):
+            assert torch.equal(product(x[:m].contiguous(), threads).view(torch.int32),
+                               alone[:m].view(torch.int32)), (k, m, threads)
+
+
 def _resident_mib(f, names) -> float:
     """MiB of the tensors `names` of the GGUFFile `f` resident in this process (/proc/self/pagemap's present
     bit for each page of the map; pages shared with the file's header or another tensor included)."""

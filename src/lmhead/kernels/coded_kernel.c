@@ -1263,23 +1263,76 @@ static int dense_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w,
     return 0;
 }
 
-/* ---- float32 weights (F32 files) ------------------------------------------------------------------------------
- * The weights are the model's numbers as they are: each query row's dot product with a weight row, in float32,
- * from four sums (sixteen lanes each with AVX-512, eight with AVX2) added at the end. */
+/* ---- float32 weights (F32 files, a float32 model's own matrices) -----------------------------------------------
+ * The weights are the model's numbers as they are. Each (query row, weight row) pair is summed in one order
+ * whatever M, N or the threads: with AVX-512 one sum of sixteen lanes over K in steps of 16, folded at the end,
+ * the last K mod 16 products one by one (dot32_tile: RW weight rows by RX query rows share their loads — a tile
+ * of four by six runs a prefill's products at the FMA units' rate, four by one a decode's four independent
+ * sums); with AVX2 four sums of eight lanes added at the end (dot32). */
+static inline float dot32_tail(float t, const float* x, const float* w, int64_t k, int64_t K) {
+    for (; k < K; k++) t = fmaf(w[k], x[k], t);
+    return t;
+}
+
+#ifdef __AVX512F__
+/* y[m·N + r] = the pair (x + m·K, w + r·K)'s sum, for r < RW, m < RX */
+KERNEL_INLINE void dot32_tile(const int RW, const int RX, const float* x, int64_t K, const float* w, float* y,
+                              int64_t N) {
+    __m512 a[4][6];
+    for (int m = 0; m < RX; m++)
+        for (int r = 0; r < RW; r++) a[r][m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 v[4];
+        for (int r = 0; r < RW; r++) v[r] = _mm512_loadu_ps(w + r * K + k);
+        for (int m = 0; m < RX; m++) {
+            const __m512 u = _mm512_loadu_ps(x + m * K + k);
+            for (int r = 0; r < RW; r++) a[r][m] = _mm512_fmadd_ps(v[r], u, a[r][m]);
+        }
+    }
+    for (int m = 0; m < RX; m++)
+        for (int r = 0; r < RW; r++)
+            y[m * N + r] = dot32_tail(hsum8(fold512(a[r][m])), x + m * K, w + r * K, k, K);
+}
+#define DOT32_TILE(RW, RX) \
+    static void dot32_##RW##x##RX(const float* x, int64_t K, const float* w, float* y, int64_t N) { \
+        dot32_tile(RW, RX, x, K, w, y, N); \
+    }
+DOT32_TILE(4, 1) DOT32_TILE(4, 2) DOT32_TILE(4, 3) DOT32_TILE(4, 4) DOT32_TILE(4, 5) DOT32_TILE(4, 6)
+DOT32_TILE(1, 1)
+typedef void (*dot32_fn)(const float*, int64_t, const float*, float*, int64_t);
+static const dot32_fn DOT32_4X[7] = {0, dot32_4x1, dot32_4x2, dot32_4x3, dot32_4x4, dot32_4x5, dot32_4x6};
+
+static int dense32_matmul(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int threads) {
+    if (threads < 1) threads = 1;
+    /* one query row: one contiguous stream per thread; several: chunks of about 64 weight rows (L2), as many as a
+     * multiple of the threads, over which each six query rows (L1) pass before the next six. Which pairs share a
+     * tile changes none of their sums */
+    int64_t per = (N + threads - 1) / threads;
+    if (M > 1) {
+        const int64_t want = ((N + 63) / 64 + threads - 1) / threads * threads;
+        per = (N + want - 1) / want;
+    }
+    per = (per + 3) / 4 * 4;
+    const int64_t chunks = (N + per - 1) / per;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t n0 = c * per, n1 = n0 + per < N ? n0 + per : N;
+        for (int64_t m = 0; m < M; m += 6) {
+            const int64_t rx = M - m < 6 ? M - m : 6;
+            int64_t n = n0;
+            for (; n + 4 <= n1; n += 4) DOT32_4X[rx](x + m * K, K, w + n * K, y + m * N + n, N);
+            for (; n < n1; n++)
+                for (int64_t i = 0; i < rx; i++) dot32_1x1(x + (m + i) * K, K, w + n * K, y + (m + i) * N + n, N);
+        }
+    }
+    return 0;
+}
+#else
 static float dot32(const float* x, const float* w, int64_t K) {
     int64_t k = 0;
     float t = 0.f;
-#ifdef __AVX512F__
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (; k + 64 <= K; k += 64) {
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
-        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);
-        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);
-    }
-    for (; k + 16 <= K; k += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
-    t = hsum8(fold512(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3))));
-#elif defined(__AVX2__)
+#ifdef __AVX2__
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (; k + 32 <= K; k += 32) {
         a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
@@ -1290,8 +1343,7 @@ static float dot32(const float* x, const float* w, int64_t K) {
     for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
     t = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 #endif
-    for (; k < K; k++) t += w[k] * x[k];
-    return t;
+    return dot32_tail(t, x, w, k, K);
 }
 
 static int dense32_matmul(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int threads) {
@@ -1303,6 +1355,7 @@ static int dense32_matmul(const float* x, int64_t M, int64_t K, const float* w, 
         for (int64_t m = 0; m < M; m++) y[m * N + n] = dot32(x + m * K, w + n * K, K);
     return 0;
 }
+#endif
 
 /* y [M, N] = x [M, K] · Wᵀ, W given by codes/scale/offset as above (or, LMHEAD_F16 / LMHEAD_BF16, by 16-bit
  * weights: dense_matmul; LMHEAD_F32, by float32 weights: dense32_matmul). Returns 0, or -1 for arguments it cannot

@@ -15,7 +15,9 @@ mask builders) rather than in the products. This module makes one pass over plai
 cache (`kv_cache.StaticCache`), masks built once per step and shared by every layer of a kind, and q/k/v and
 gate/up each fused into one matrix-vector product. The fused matrices are the model's own weights: q, k and v (and
 gate, up) are re-pointed to row slices of one buffer (`Parameter.data`), so `hf_model`, `Model.body` and this module
-read the same memory and nothing is copied. Products run through oneDNN's inner product when torch has it
+read the same memory and nothing is copied. Products run through a file's codes (`use_codes`) or, for float32
+weights without them, the kernel's float32 product over the same tensors (`use_dense`, which `Model` calls: each
+row summed in one order whatever the rows beside it); else oneDNN's inner product when torch has it
 (`fast_linear`), else `F.linear`.
 
 Supported: the architectures of `models/arch.py`'s table (Llama-style models — Llama, SmolLM2, Mistral, Qwen2 with
@@ -239,7 +241,8 @@ class LeanBody(NativeStep):
         owned = sum(w.nbytes for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
                     if isinstance(w, Int8Linear))
         experts = sum(layer.moe.nbytes for layer in self.layers if layer.moe is not None and self.hf_blocks is None)
-        return owned + experts + sum(c.nbytes for layer in self.layers for c in (layer.coded or {}).values())
+        return owned + experts + sum(c.nbytes for layer in self.layers for c in (layer.coded or {}).values()
+                                     if not (getattr(c, "dense", False) and self.hf_blocks is not None))  # shared
 
     def use_codes(self, codes: dict) -> int:
         """Run the block matrices that have GGUF codes (`lmhead.models.gguf_codes`: the float32 weights exactly,
@@ -267,6 +270,29 @@ class LeanBody(NativeStep):
                 layer.coded[name] = CodedLinear(fused.codes, fused.scale, fused.offset, getattr(layer, name),
                                                 sources=tuple(lin.weight for _, lin in parts))
                 count += len(parts)
+        return count
+
+    def use_dense(self) -> int:
+        """Run the block matrices of a float32 model without file codes through the kernel's float32 product
+        (`CodedLinear.dense16` over the model's own weights: shared, not copied), every call of them, long ones
+        included — so a row's product is the same bits whatever rows a call multiplies beside it (a server round,
+        a prefill chunk, a draft's verification), as a file's codes are, where oneDNN's GEMM sums a row in an order
+        that depends on the number of rows. Returns how many of the body's matrices run so; 0 where the kernel is
+        not built."""
+        if not coded_available() or self.hf_blocks is None:
+            return 0
+        self._descs = self._versioned = None  # the step's descriptors and version list follow the new matrices
+        count = 0
+        for layer in self.layers:
+            if layer.coded:  # a file's codes, or this call's before
+                count += len(layer.coded) if all(getattr(c, "dense", False) for c in layer.coded.values()) else 0
+                continue
+            weights = {name: getattr(layer, name) for name in ("qkv", "o", "gate_up", "down")}
+            if any(not isinstance(w, Tensor) or w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2
+                   for name, w in weights.items() if w is not None or name in ("qkv", "o")):
+                continue
+            layer.coded = {name: CodedLinear.dense16(w.detach()) for name, w in weights.items() if w is not None}
+            count += len(layer.coded)
         return count
 
     def _layer(self, block, kind: str) -> Layer:
@@ -360,7 +386,12 @@ class LeanBody(NativeStep):
         coded = layer.coded.get(name) if layer.coded else None
         weight = getattr(layer, name)
         rows = x.shape[:-1].numel()
-        if coded is not None and (rows <= self.CODED_MAX_ROWS or weight is None):
+        dense = getattr(coded, "dense", False)  # `use_dense`: the kernel over the model's own float32 weights
+        if dense and weight is not None and torch.is_grad_enabled() \
+                and weight.requires_grad:
+            coded = None  # autograd may want the weight's gradient: the kernel has no backward
+        # a dense matrix over the model's own float32 weights (`use_dense`) takes every call, long ones too
+        if coded is not None and (rows <= self.CODED_MAX_ROWS or weight is None or dense):
             if rows > self.CODED_PIECE_ROWS:
                 flat = x.reshape(rows, x.shape[-1])
                 y = torch.cat([coded(flat[i:i + self.CODED_PIECE_ROWS])

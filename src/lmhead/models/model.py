@@ -42,6 +42,10 @@ class Model:
     `config.final_logit_softcapping`), `head` (the head of mode `head`, see `lmhead.models.heads`: "fp32",
     the default here, is `exact_head` itself; `load_model` defaults to "auto"), `name`, `config`,
     `eos_token_ids`, `context_length`, `path` (the folder it was loaded from; keys the compressed-head cache).
+    `codes=True` (default): the lean body's and the exact head's products run the kernels — a GGUF file's codes
+    where the model came from one (`use_codes`), else the float32 product over the model's own weights
+    (`use_dense`); either sums each row in one order whatever rows a call holds beside it. `codes=False`: torch's
+    products (oneDNN's inner product, `F.linear`).
     """
 
     def __init__(self, hf_model, tokenizer, name: str = "model", path: Path | None = None,
@@ -77,6 +81,8 @@ class Model:
             tokenizer.pad_token_id = self.eos_token_ids[0]
         # the GGUF file's own codes for the decode-sized products (before the head: "auto" depends on them)
         self.coded_matrices = self.use_codes(progress=progress) if codes else 0
+        # a float32 model without them: the kernel's float32 product over its own weights (batch-invariant)
+        self.dense_matrices = self.use_dense() if codes and not self.coded_matrices else 0
         # last: a compressed head is calibrated on this model's hidden states (body and tokenizer above)
         self.head = build_head(self, head)
 
@@ -97,6 +103,21 @@ class Model:
         head = module_codes(codes, "embed_tokens" if tied else "lm_head", self.exact_head.weight)
         if head is not None:
             self.exact_head.product = CodedLinear(head.codes, head.scale, head.offset, self.exact_head.weight)
+            count += 1
+        return count
+
+    def use_dense(self) -> int:
+        """A float32 model without a GGUF file's codes: its lean body's matrices and its head run the kernel's
+        float32 product over the model's own weights (shared, not copied; `LeanBody.use_dense`), whose every row is
+        summed in one order whatever rows a call multiplies beside it — a request's logprobs are then the same bits
+        alone or in a server's batch, prefilled or decoded, as a GGUF file's are. Returns how many matrices run so
+        (0: the kernel is not built here, or the weights are not float32 on the CPU)."""
+        from lmhead.models.coded_linear import CodedLinear, coded_available
+
+        count = self.lean.use_dense() if self.lean is not None else 0
+        w = self.exact_head.weight
+        if coded_available() and w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2:
+            self.exact_head.product = CodedLinear.dense16(w.detach())
             count += 1
         return count
 
@@ -123,6 +144,7 @@ class Model:
         # each fused product holds
         self.coded_matrices = sum(parts_of.get(name, 1) for layer in lean.layers for name in (layer.coded or {})) \
             + int(getattr(exact_head, "product", None) is not None)
+        self.dense_matrices = 0  # the file's F16, BF16 and F32 matrices are among its coded ones
         self.head = build_head(self, head)
         return self
 
