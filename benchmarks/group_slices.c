@@ -1,5 +1,5 @@
-/* A candidate for the int8-code products (Q8_0's codes here), measured by bench_group_slices.py beside the library's
- * float32 path and its integer path (slices per lane of four activations): the query rows sliced per group of 32
+/* A candidate for the integer products (Q8_0's and Q4_1's codes here), measured by bench_group_slices.py beside the
+ * library's float32 path and its integer path (slices per lane of activations): the query rows sliced per group of 32
  * activations — one power-of-two scale a group, x̂ = d₂·(2¹⁴·a₀ + 2⁷·a₁ + a₂), |a₀| ≤ 127, |a₁|, |a₂| ≤ 64 —
  * and each (query row, weight row, group) given its three slices' exact int32 sums, S₀, S₁, S₂, however they are
  * computed; a group's value is then one fixed sequence of float operations, v = fma(S₀, 2¹⁴, float(2⁷·S₁ + S₂)),
@@ -9,8 +9,8 @@
  *     codes: no horizontal sums), the activations' slices broadcast four bytes at a time (as unsigned bytes, a + 128,
  *     the codes' sums times 128 subtracted), four blocks of sixteen rows at once;
  *   - gs_product(..., amx = 1): AMX's tdpbssd (where the kernel grants the tiles: gs_amx) over sixteen query rows by
- *     sixteen weight rows a tile, a group of 32
- *     bytes a product, for the whole blocks of sixteen query rows (the rest as above).
+ *     sixteen weight rows a tile, a group of 32 bytes a product, for the whole blocks of sixteen query rows (the rest
+ *     as above).
  * Packed 4-bit codes with offsets (Q4_1: w = d·c + m, c in 0..15; Q4_0 is m = −8·d) take the same slices: a group's
  * Σ c·x̂ from the codes as unsigned bytes (vpdpbusd's, or tdpbsud's with the slices signed), its Σ x̂ from the slices'
  * own sums (one per query row and group), and the row's sum fma(v_c, d·d₂, fma(m, Σx̂, acc)) (gs4_product).
