@@ -53,12 +53,45 @@ def build(work: Path) -> ctypes.CDLL | None:
         if subprocess.run(base[:1] + extra + base[1:], capture_output=True).returncode == 0:
             lib = ctypes.CDLL(str(out))
             p, i64 = ctypes.c_void_p, ctypes.c_int64
-            lib.gs_product.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int, ctypes.c_int]
-            lib.gs_layout.argtypes = [p, p, i64, i64, p, p, p]
-            lib.gs4_product.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int, ctypes.c_int]
-            lib.gs4_layout.argtypes = [p, p, p, i64, i64, p, p, p]
+            lib.gs_product.argtypes = [p, i64, i64, p, p, p, i64, ctypes.c_int, p, ctypes.c_int, ctypes.c_int]
+            lib.gs_layout.argtypes = [p, p, p, i64, i64, ctypes.c_int, p, p, p]
             return lib
     return None
+
+
+class Layout:
+    """Random codes of `kind` ("Q8_0": int8; "Q4_1": 0..15 with offsets), float16 scales (and offsets) [N, K/32],
+    and the candidate's layout of them (`gs_layout`)."""
+
+    def __init__(self, gs: ctypes.CDLL, kind: str, n: int, k: int, g: torch.Generator) -> None:
+        self.gs, self.n, self.k, self.packed = gs, n, k, kind == "Q4_1"
+        groups = k // 32
+        self.scale = (torch.rand(n, groups, generator=g) * 0.02 + 1e-3).half().float()
+        if self.packed:
+            self.codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
+            self.offset = (-(torch.rand(n, groups, generator=g) * 0.1)).half().float()
+        else:
+            self.codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+            self.offset = None
+        self.laid = torch.empty(n * k // 2 if self.packed else n * k, dtype=torch.uint8)
+        self.s16 = torch.empty(n * groups)
+        self.m16 = torch.empty(n * groups) if self.packed else None
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        gs.gs_layout(self.codes.data_ptr(), self.scale.data_ptr(), ptr(self.offset), n, k, int(self.packed),
+                     self.laid.data_ptr(), self.s16.data_ptr(), ptr(self.m16))
+        self._ptrs = (self.laid.data_ptr(), self.s16.data_ptr(), ptr(self.m16))
+
+    def weights(self) -> torch.Tensor:
+        """The float64 matrix [N, K] the codes encode."""
+        w = self.codes.double().view(self.n, -1, 32) * self.scale.double()[..., None]
+        return (w if self.offset is None else w + self.offset.double()[..., None]).view(self.n, self.k)
+
+    def product(self, x: torch.Tensor, y: torch.Tensor, threads: int, amx: bool) -> None:
+        """y [M, N] = x [M, K] · Wᵀ through the candidate (AMX's tiles for whole blocks of 16 rows where `amx`)."""
+        rc = self.gs.gs_product(x.data_ptr(), x.shape[0], self.k, *self._ptrs, self.n, int(self.packed),
+                                y.data_ptr(), threads, int(amx))
+        if rc != 0:
+            raise RuntimeError(f"gs_product returned {rc}")
 
 
 def best_ms(fn, repeats: int) -> float:
@@ -99,26 +132,9 @@ def main(argv: list[str] | None = None) -> int:
                            "groups, AMX", "best vs float32", "largest error / bound", "VNNI = AMX"])
         g = torch.Generator().manual_seed(0)
         for kind, name, n, k in CASES:
-            groups = k // 32
-            scale = (torch.rand(n, groups, generator=g) * 0.02 + 1e-3).half().float()
-            if kind == "Q8_0":
-                codes, offset = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), None
-                w16 = torch.empty(n * k, dtype=torch.int8)
-                corr, s16 = torch.empty(n * groups, dtype=torch.int32), torch.empty(n * groups)
-                gs.gs_layout(codes.data_ptr(), scale.data_ptr(), n, k, w16.data_ptr(), corr.data_ptr(),
-                             s16.data_ptr())
-                layout, product = (w16, corr, s16), gs.gs_product
-            else:
-                codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
-                offset = (-(torch.rand(n, groups, generator=g) * 0.1)).half().float()
-                w4 = torch.zeros(n * k // 2, dtype=torch.uint8)
-                d16, m16 = torch.empty(n * groups), torch.empty(n * groups)
-                gs.gs4_layout(codes.data_ptr(), scale.data_ptr(), offset.data_ptr(), n, k, w4.data_ptr(),
-                              d16.data_ptr(), m16.data_ptr())
-                layout, product = (w4, d16, m16), gs.gs4_product
-            coded = CodedLinear(codes, scale, offset)
-            w = codes.double().view(n, -1, 32) * scale.double()[..., None]
-            w = (w if offset is None else w + offset.double()[..., None]).view(n, k)
+            layout = Layout(gs, kind, n, k, g)
+            coded = CodedLinear(layout.codes, layout.scale, layout.offset)
+            w = layout.weights()
             for m in ROWS:
                 x = torch.randn(m, k, generator=g)
                 x[:, 7] *= 40  # a massive-activation channel, as LLMs have
@@ -133,11 +149,9 @@ def main(argv: list[str] | None = None) -> int:
                             lib.lmhead_sliced(old)
                     return run
 
-                def group(variant: str, product=product, layout=layout, x=x, ys=ys, m=m, k=k, n=n):
+                def group(variant: str, layout=layout, x=x, ys=ys):
                     def run():
-                        rc = product(x.data_ptr(), m, k, *(t.data_ptr() for t in layout), n,
-                                     ys[variant].data_ptr(), THREADS, int(variant == "amx"))
-                        assert rc == 0, rc
+                        layout.product(x, ys[variant], THREADS, variant == "amx")
                     return run
 
                 prev = torch.get_num_threads()

@@ -27,35 +27,18 @@ def gs(tmp_path_factory):
 def test_a_rows_value_is_within_the_float32_bound_and_the_same_bits_alone_and_in_a_tile(gs, kind):
     g = torch.Generator().manual_seed(1)
     n, k, m = 64, 320, 19  # one tile of sixteen query rows, three more rows through VNNI
-    groups = k // 32
-    scale = (torch.rand(n, groups, generator=g) * 0.02 + 1e-3).half().float()
-    if kind == "Q8_0":
-        codes, offset = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), None
-        layout = (torch.empty(n * k, dtype=torch.int8), torch.empty(n * groups, dtype=torch.int32),
-                  torch.empty(n * groups))
-        gs.gs_layout(codes.data_ptr(), scale.data_ptr(), n, k, *(t.data_ptr() for t in layout))
-        product = gs.gs_product
-    else:
-        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
-        offset = (-(torch.rand(n, groups, generator=g) * 0.1)).half().float()
-        layout = (torch.zeros(n * k // 2, dtype=torch.uint8), torch.empty(n * groups), torch.empty(n * groups))
-        gs.gs4_layout(codes.data_ptr(), scale.data_ptr(), offset.data_ptr(), n, k, *(t.data_ptr() for t in layout))
-        product = gs.gs4_product
-    w = codes.double().view(n, -1, 32) * scale.double()[..., None]
-    w = (w if offset is None else w + offset.double()[..., None]).view(n, k)
+    layout = bench_group_slices.Layout(gs, kind, n, k, g)
     x = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, k)
     x[:, 7] *= 40  # an outlier channel
     x[3] = 0.0  # a row of zeros: every group's scale is 1, its slices 0
 
-    def run(rows: torch.Tensor, amx: int, threads: int = 2) -> torch.Tensor:
-        y = torch.empty(rows.shape[0], n)
-        assert product(rows.data_ptr(), rows.shape[0], k, *(t.data_ptr() for t in layout), n, y.data_ptr(), threads,
-                       amx) == 0
-        return y
-
-    tiled = run(x, 1)
-    alone = torch.cat([run(x[i:i + 1].clone(), 0, 1) for i in range(m)])
+    tiled = torch.empty(m, n)
+    layout.product(x, tiled, 2, amx=True)
+    alone = torch.empty(m, n)
+    for i in range(m):
+        layout.product(x[i:i + 1].clone(), alone[i:i + 1], 1, amx=False)
     assert torch.equal(tiled.view(torch.int32), alone.view(torch.int32))
+    w = layout.weights()
     exact = x.double() @ w.T
     bound = (k * 2.0 ** -24 / (1 - k * 2.0 ** -24)) * (x.double().abs() @ w.abs().T)
     assert bool(((alone.double() - exact).abs() <= bound).all())
