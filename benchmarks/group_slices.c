@@ -9,10 +9,10 @@
  *   - VNNI (gs_product(..., amx = 0)): vpdpbusd over codes laid out sixteen weight rows a vector (each 32-bit lane a
  *     row's four codes: no horizontal sums), the slices broadcast four bytes at a time, four blocks of sixteen rows
  *     at once;
- *   - AMX (gs_product(..., amx = 1), where the kernel grants the tiles: gs_amx): tdpbsud over sixteen query rows by
- *     sixteen weight rows a tile, a group of 32 bytes a product, for the whole blocks of sixteen query rows (the rest
- *     as above).
- * Both multiply the codes as unsigned bytes, c + bias (int8 codes: bias 128; packed 0..15 codes: 0), and subtract
+ *   - AMX (gs_product(..., amx = 1), where the kernel grants the tiles: gs_amx): tdpbssd (int8 codes) or tdpbsud
+ *     (packed) over sixteen query rows by sixteen weight rows a tile, a group of 32 bytes a product, for the whole
+ *     blocks of sixteen query rows (the rest as above).
+ * VNNI multiplies the codes as unsigned bytes, c + bias (int8 codes: bias 128; packed 0..15 codes: 0), and subtracts
  * bias·Σa from each slice's sum. Not the library's code: a measurement of what a prefill and a decode step would gain
  * (docs/decode.md).
  *
@@ -154,10 +154,11 @@ static void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* query rows m0 .. m0+15 against weight rows 16b .. 16b+15, whose codes are unsigned bytes u8 [G][8][64] */
-static void amx_tile(const int8_t* a, int64_t plane, const float* d2, const int32_t* t, const float* vx, int64_t m0,
-                     int64_t K, const uint8_t* u8, const float* s16, const float* m16, int32_t bias, int64_t b,
-                     float* y, int64_t N) {
+/* query rows m0 .. m0+15 against weight rows 16b .. 16b+15, whose codes are bytes [G][8][64]: signed (int8 codes,
+ * tdpbssd: no bias to subtract) or unsigned (packed codes, tdpbsud) */
+static void amx_tile(const int8_t* a, int64_t plane, const float* d2, const float* vx, int64_t m0, int64_t K,
+                     const uint8_t* u8, int signed_codes, const float* s16, const float* m16, int64_t b, float* y,
+                     int64_t N) {
     const int64_t G = K / 32;
     int32_t S[3][256] __attribute__((aligned(64)));
     __m512 acc[16];
@@ -170,9 +171,15 @@ static void amx_tile(const int8_t* a, int64_t plane, const float* d2, const int3
         _tile_loadd(3, a + m0 * K + g * 32, K);
         _tile_loadd(4, a + plane + m0 * K + g * 32, K);
         _tile_loadd(5, a + 2 * plane + m0 * K + g * 32, K);
-        _tile_dpbsud(0, 3, 6);
-        _tile_dpbsud(1, 4, 6);
-        _tile_dpbsud(2, 5, 6);
+        if (signed_codes) {
+            _tile_dpbssd(0, 3, 6);
+            _tile_dpbssd(1, 4, 6);
+            _tile_dpbssd(2, 5, 6);
+        } else {
+            _tile_dpbsud(0, 3, 6);
+            _tile_dpbsud(1, 4, 6);
+            _tile_dpbsud(2, 5, 6);
+        }
         _tile_stored(0, S[0], 64);
         _tile_stored(1, S[1], 64);
         _tile_stored(2, S[2], 64);
@@ -180,10 +187,8 @@ static void amx_tile(const int8_t* a, int64_t plane, const float* d2, const int3
         const __m512 dv = _mm512_loadu_ps(s16 + bg * 16), mv = m16 ? _mm512_loadu_ps(m16 + bg * 16) : dv;
         for (int i = 0; i < 16; i++) {
             const int64_t mg = (m0 + i) * G + g;
-            __m512i s[3];
-            for (int q = 0; q < 3; q++)
-                s[q] = _mm512_sub_epi32(_mm512_load_si512(S[q] + 16 * i), _mm512_set1_epi32(bias * t[mg * 3 + q]));
-            acc[i] = add_group(acc[i], s[0], s[1], s[2], dv, mv, d2[mg], vx[mg], m16 != NULL);
+            acc[i] = add_group(acc[i], _mm512_load_si512(S[0] + 16 * i), _mm512_load_si512(S[1] + 16 * i),
+                               _mm512_load_si512(S[2] + 16 * i), dv, mv, d2[mg], vx[mg], m16 != NULL);
         }
     }
     for (int i = 0; i < 16; i++) _mm512_storeu_ps(y + (m0 + i) * N + b * 16, acc[i]);
@@ -232,11 +237,13 @@ int gs_product(const float* x, int64_t M, int64_t K, const uint8_t* codes, const
 #pragma omp for schedule(static) nowait
         for (int64_t b = 0; b < N / 16; b++) {
             if (!tiled) continue;
+            const __m512i flip = _mm512_set1_epi8(packed ? 0 : (char)0x80); /* int8 codes: c + 128 back to c */
             for (int64_t g = 0; g < G; g++)
                 for (int q = 0; q < 8; q++)
-                    _mm512_storeu_si512(u8 + g * 512 + q * 64, step_codes(codes + (b * G + g) * unit, q, packed));
+                    _mm512_storeu_si512(u8 + g * 512 + q * 64,
+                                        _mm512_xor_si512(step_codes(codes + (b * G + g) * unit, q, packed), flip));
             for (int64_t m0 = 0; m0 < tiled; m0 += 16)
-                amx_tile(a, plane, d2, t, vx, m0, K, u8, s16, m16, bias, b, y, N);
+                amx_tile(a, plane, d2, vx, m0, K, u8, !packed, s16, m16, b, y, N);
         }
 #endif
 #pragma omp for schedule(static)
