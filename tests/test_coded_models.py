@@ -3,6 +3,8 @@ weight by weight against the float32 model, logits equal to transformers' forwar
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -30,12 +32,18 @@ def test_every_matrix_reads_its_codes_and_the_logits_equal_transformers(name):
     ids = torch.tensor([model.encode("The quick brown fox jumps over the lazy dog because")])
     with torch.no_grad():
         want = model.hf_model(ids).logits[0]
+        exact = copy.deepcopy(model.hf_model).double()(ids).logits[0]  # the same weights' float64 forward
     lean = model.lean
     cache = lean.new_cache(1, ids.shape[1] + 2)
     got = []
     for t in range(ids.shape[1]):  # decode-sized calls: every product reads codes
         got.append(model.exact_head(lean(ids[:, t:t + 1], torch.tensor([[t]]), cache))[0])
-    torch.testing.assert_close(torch.cat(got), want, atol=1e-4, rtol=0)
+    got = torch.cat(got).detach()
+    # as near the float64 logits as transformers' own float32 forward is (two float32 forwards that sum in other
+    # orders differ from each other by about twice that)
+    ours, theirs = float((got.double() - exact).abs().max()), float((want.double() - exact).abs().max())
+    assert ours <= 1.25 * theirs, (ours, theirs)
+    torch.testing.assert_close(got, want, atol=2.5 * theirs, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["gemma-3-270m", "smollm2-135m"])

@@ -39,6 +39,7 @@
  * the one-row (decode) products of every layout run in 512-bit lanes (rows4_*_512, dense16_row512): half the
  * instructions per weight, the same products and scales summed in another order.
  */
+#include <float.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -200,7 +201,7 @@ static inline void fetch_scales(const void* base, int64_t N, int64_t K, int64_t 
 #endif
 }
 
-int lmhead_coded_abi(void) { return 30; }
+int lmhead_coded_abi(void) { return 31; }
 
 /* whether sub_floats makes sixteen d·sub products an instruction (AVX-512): where it does, a dense matrix of a
  * K-quant with groups of 32 holds its scales as the blocks do too (models/gguf_file.py) */
@@ -222,6 +223,17 @@ static int sliced_mode = SLICED_PACKED | SLICED_INT8;
 #else
 static const int sliced_mode = 0;
 #endif
+/* whether the integer path by groups (LMHEAD_GROUPS16) is built: 1 with VNNI, 2 with AMX's tiles as well */
+int lmhead_groups16(void) {
+#if defined(LMHEAD_SLICED_BUILT) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
+    return 2;
+#elif defined(LMHEAD_SLICED_BUILT)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int lmhead_sliced(int set) {
 #ifdef LMHEAD_SLICED_BUILT
     if (set >= 0 && set <= 3) sliced_mode = set;
@@ -1397,8 +1409,22 @@ static void sliced_free(sliced_row* srows) {
 }
 #endif
 
+#ifdef LMHEAD_SLICED_BUILT
+#include "groups_kernel.h"
+#endif
+
 int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const void* scale,
                         const void* offset, int64_t N, int64_t G, int flags, float* y, int threads) {
+    if (flags & LMHEAD_GROUPS16) {
+#ifdef LMHEAD_SLICED_BUILT
+        if (G != 32 || !(flags & LMHEAD_HALF) || (flags & ~(LMHEAD_GROUPS16 | LMHEAD_HALF | LMHEAD_PACKED | LMHEAD_SIGNED4)))
+            return -1;
+        return groups16_matmul(x, M, K, (const uint8_t*)codes, (const uint16_t*)scale, (const uint16_t*)offset, N,
+                               (flags & LMHEAD_PACKED) != 0, (flags & LMHEAD_SIGNED4) != 0, y, threads);
+#else
+        return -1; /* not built here: the layout is made only where it is */
+#endif
+    }
     if (flags & LMHEAD_F32) {
         if (M < 0 || N < 0 || K < 0 || flags != LMHEAD_F32) return -1;
         return dense32_matmul(x, M, K, (const float*)codes, N, y, threads);

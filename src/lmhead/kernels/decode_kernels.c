@@ -72,8 +72,10 @@ static void coded_row(const lmhead_mat* m, int64_t n, float* out) {
     }
 }
 
-/* out [rows, k] = rows ids[0..rows−1] of the coded matrix `m` (coded_row); −2 for an id outside [0, n). */
+/* out [rows, k] = rows ids[0..rows−1] of the coded matrix `m` (coded_row); −2 for an id outside [0, n), −1 for the
+ * integer path by groups' layout (a body's matrix: no embedding takes it). */
 int lmhead_coded_rows(const lmhead_mat* m, const int64_t* ids, int64_t rows, float* out) {
+    if (m->flags & LMHEAD_GROUPS16) return -1;
     for (int64_t r = 0; r < rows; r++)
         if (ids[r] < 0 || ids[r] >= m->n) return -2;
     for (int64_t r = 0; r < rows; r++) coded_row(m, ids[r], out + r * m->k);

@@ -49,6 +49,7 @@ from lmhead.kernels.abi import (
     F16,
     F32,
     FLAGS,
+    GROUPS16,
     HALF,
     HALF_MAX_GROUPS,
     IQ4,
@@ -73,13 +74,14 @@ from lmhead.kernels.abi import (
 from lmhead.kernels.builder import SOURCES, library_path
 from lmhead.kernels.layout4 import block4, pack4, unblock4, unpack4
 
-__all__ = ["BF16", "E8M0", "F16", "F32", "FLAGS", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4_LEVELS", "LEVELS", "MXFP4",
-           "PACKED", "ROUTE_FN", "ROWS4", "SIGNED4", "SOURCES", "SUB", "AttendArgs", "DecodeArgs", "LayerDesc",
+__all__ = ["BF16", "E8M0", "F16", "F32", "FLAGS", "GROUPS16", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4_LEVELS",
+           "LEVELS", "MXFP4", "PACKED", "ROUTE_FN", "ROWS4", "SIGNED4", "SOURCES", "SUB", "AttendArgs", "DecodeArgs",
+           "LayerDesc",
            "MatDesc", "StepArgs", "block4", "keep_ge", "keep_ge_unsure", "library", "library_path", "pack4",
            "row_lse_bounded", "row_moments", "row_scores", "screen_min_rows", "select_ge", "sub_sixteen", "topk",
            "topk_rows", "typical_row", "unblock4", "unpack4"]
 
-_ABI = 30  # lmhead_coded_abi() of the sources above
+_ABI = 31  # lmhead_coded_abi() of the sources above
 
 
 def _layout_mismatch(lib: ctypes.CDLL) -> str | None:
@@ -117,6 +119,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmhead_coded_avx2.restype = i32
     lib.lmhead_sliced.argtypes = [i32]
     lib.lmhead_sliced.restype = i32
+    lib.lmhead_groups16.restype = i32
     lib.lmhead_flag_values.argtypes = [p, i32]
     lib.lmhead_flag_values.restype = i32
     lib.lmhead_level_table.argtypes = [i32, p]

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 
-from lmhead.kernels.abi import PACKED, ROWS4
+from lmhead.kernels import layout16
+from lmhead.kernels.abi import GROUPS16, HALF, PACKED, ROWS4
 from lmhead.kernels.layout4 import block4, pack4
 
-__all__ = ["choose", "describe"]
+__all__ = ["choose", "describe", "groups16_chosen"]
 
 _N, _K = 1024, 1024  # a decode-sized product: 0.5–1 MB of codes, from L2/L3 as a model's are
 _REPEATS = 7
@@ -65,6 +66,27 @@ def _measure(lib: ctypes.CDLL, kind: str) -> dict:
             times[on] = min(times[on], _time_product(lib, KINDS[kind] if on else 0, args, y))
     return {"sliced": times[1] < times[0], "float_us": round(times[0] * 1e6, 1),
             "sliced_us": round(times[1] * 1e6, 1)}
+
+
+def _measure_groups16(lib: ctypes.CDLL) -> dict:
+    """The body's int8-code product by groups (kernels/groups_kernel.h) against the four-row layout's (under the
+    paths chosen for it), one query row, one thread, interleaved, each's best."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(-127, 128, (_N, _K), generator=g, dtype=torch.int8)
+    scale = (torch.rand(_N, _K // 32, generator=g) * 0.01).half()
+    laid, s16 = layout16.lay_out(codes, None), layout16.scales_out(scale)
+    rows4 = block4(codes)
+    x = torch.randn(1, _K, generator=g)
+    y = torch.empty(1, _N)
+    args = {False: (x.data_ptr(), 1, _K, rows4.data_ptr(), scale.data_ptr(), None, _N, 32, ROWS4 | HALF),
+            True: (x.data_ptr(), 1, _K, laid.data_ptr(), s16.data_ptr(), None, _N, 32, GROUPS16 | HALF)}
+    mode = lib.lmhead_sliced(-1)
+    times = {False: float("inf"), True: float("inf")}
+    for _ in range(3):
+        for on in (False, True):
+            times[on] = min(times[on], _time_product(lib, mode, args[on], y))
+    return {"groups16": times[True] < times[False], "rows4_us": round(times[False] * 1e6, 1),
+            "groups16_us": round(times[True] * 1e6, 1)}
 
 
 def _read(path: Path) -> dict | None:
@@ -107,7 +129,24 @@ def choose(lib: ctypes.CDLL, library_path: Path) -> dict:
             _chosen = {kind: _measure(lib, kind) for kind in KINDS} | {"how": "measured"}
             _write(record, _chosen)
     lib.lmhead_sliced(sum(bit for kind, bit in KINDS.items() if _chosen[kind]["sliced"]))
+    _chosen["groups16_built"] = lib.lmhead_groups16() > 0  # not a kind: not kept in the record
+    if "groups16" not in _chosen and _chosen["groups16_built"] and env not in ("0", "1"):
+        _chosen["groups16"] = _measure_groups16(lib)
+        _write(library_path.with_name(library_path.name + ".paths.json"),
+               {k: v for k, v in _chosen.items() if k != "groups16_built"})
     return _chosen
+
+
+def groups16_chosen() -> bool:
+    """Whether the body's matrices of codes in groups of 32 take the integer path by groups (`models/groups16.py`)
+    where the library builds it (`choose` has run): measured faster here (`LMHEAD_GROUPS16=0` or `1` says, else
+    `LMHEAD_SLICED`, which turns every integer path off or on)."""
+    if not _chosen.get("groups16_built"):
+        return False
+    for env in (os.environ.get("LMHEAD_GROUPS16"), os.environ.get("LMHEAD_SLICED")):
+        if env in ("0", "1"):
+            return env == "1"
+    return bool(_chosen.get("groups16", {}).get("groups16", False))
 
 
 def chosen() -> dict:
@@ -127,4 +166,8 @@ def describe() -> str:
         path = "int8 slices (AVX-512 VNNI)" if c["sliced"] else "float32"
         timing = f": float32 {c['float_us']} µs, int8 slices {c['sliced_us']} µs" if "float_us" in c else ""
         parts.append(f"{name} products {path}{timing}")
+    if "groups16" in _chosen:
+        c = _chosen["groups16"]
+        parts.append(f"the body's codes in groups of 32 {'by groups (VNNI)' if c['groups16'] else 'as above'}: "
+                     f"four-row layout {c['rows4_us']} µs, by groups {c['groups16_us']} µs")
     return "; ".join(parts) + f" ({_chosen['how']})"

@@ -18,12 +18,14 @@
 #define LMHEAD_F32 256    /* codes: the file's float32 weights [N, K] (no scales): see dense32_matmul */
 #define LMHEAD_MXFP4 512  /* with PACKED: the nibbles index MXFP4's sixteen levels (e2m1 doubled), no offsets */
 #define LMHEAD_E8M0 1024  /* scales: one byte e a group, the number 2^(e − 128) (MXFP4's exponents; lmhead_e8m0) */
+#define LMHEAD_GROUPS16 2048 /* codes sixteen rows a vector, float16 scales: the integer path by groups
+                              * (groups_kernel.h; int8 codes, or PACKED unsigned with offsets or SIGNED4) */
 
 /* every flag, in native.py's order */
 #define LMHEAD_FLAG_VALUES                                                                                    \
     LMHEAD_PACKED, LMHEAD_HALF, LMHEAD_ROWS4, LMHEAD_F16, LMHEAD_BF16, LMHEAD_SIGNED4, LMHEAD_IQ4, LMHEAD_SUB, \
-        LMHEAD_F32, LMHEAD_MXFP4, LMHEAD_E8M0
-#define LMHEAD_N_FLAGS 11
+        LMHEAD_F32, LMHEAD_MXFP4, LMHEAD_E8M0, LMHEAD_GROUPS16
+#define LMHEAD_N_FLAGS 12
 
 /* the level tables (X(flag, sixteen integer levels in index order)): the code of a weight whose nibble holds
  * index i is the table's i-th integer, its number code·scale. Table t of the kernels is the t-th entry; packed

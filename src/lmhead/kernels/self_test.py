@@ -8,10 +8,12 @@ import math
 
 import torch
 
+from lmhead.kernels import layout16
 from lmhead.kernels.abi import (
     BF16,
     F16,
     F32,
+    GROUPS16,
     HALF,
     IQ4,
     IQ4_LEVELS,
@@ -38,7 +40,7 @@ def self_test(lib: ctypes.CDLL) -> bool:
     unknown machine, it is checked, not assumed."""
     g = torch.Generator().manual_seed(0)  # one stream of draws through every check, in this order
     checks = (grouped_products, four_row_blocks, packed_and_half, signed_and_levels, sub_scales, dense_weights,
-              norms_and_gates, row_entry_points, steps_test, attend_test)
+              by_groups, norms_and_gates, row_entry_points, steps_test, attend_test)
     if not all(check(lib, g) for check in checks):
         return False
     # where the products of four-row blocks also have the integer path (sliced_kernel.h, on by default), their
@@ -69,6 +71,30 @@ def grouped_products(lib: ctypes.CDLL, g: torch.Generator) -> bool:
             rc = lib.lmhead_coded_matmul(x.data_ptr(), m, 4 * group, codes.data_ptr(), scale.data_ptr(),
                                          None if off is None else off.data_ptr(), 37, group, 0, y.data_ptr(), 2)
             if rc != 0 or not close(y, x.double() @ w.double().T):
+                return False
+    return True
+
+
+def by_groups(lib: ctypes.CDLL, g: torch.Generator) -> bool:
+    """The integer path by groups (groups_kernel.h), where it is built: int8 codes, signed and unsigned 4-bit ones
+    with offsets, one row and seventeen (AMX's tiles where the CPU grants them)."""
+    if lib.lmhead_groups16() == 0:
+        return True
+    for four_bit, lo, hi, offset in ((None, -127, 128, False), ("signed", -8, 8, False), ("unsigned", 0, 16, True)):
+        codes = torch.randint(lo, hi, (64, 256), generator=g, dtype=torch.int8)
+        scale = (torch.rand(64, 8, generator=g) * 0.01).half()
+        off = (torch.randn(64, 8, generator=g) * 0.01).half() if offset else None
+        w = codes.double().view(64, 8, 32) * scale.double()[..., None]
+        w = (w if off is None else w + off.double()[..., None]).view(64, 256)
+        laid, s16 = layout16.lay_out(codes, four_bit), layout16.scales_out(scale)
+        m16 = None if off is None else layout16.scales_out(off)
+        flags = GROUPS16 | HALF | (PACKED if four_bit else 0) | (SIGNED4 if four_bit == "signed" else 0)
+        for m in (1, 17):
+            x = torch.randn(m, 256, generator=g)
+            y = torch.empty(m, 64)
+            rc = lib.lmhead_coded_matmul(x.data_ptr(), m, 256, laid.data_ptr(), s16.data_ptr(),
+                                         None if m16 is None else m16.data_ptr(), 64, 32, flags, y.data_ptr(), 2)
+            if rc != 0 or not close(y, x.double() @ w.T):
                 return False
     return True
 

@@ -25,8 +25,9 @@ import torch
 from torch import Tensor
 
 from lmhead import checks
-from lmhead.kernels import native
+from lmhead.kernels import layout16, native
 from lmhead.kernels.abi import NO_MEMORY
+from lmhead.models.groups16 import eligible as eligible_by_groups
 from lmhead.models.quant_types import LAYOUT_FLAGS, LEVELS, e8m0_numbers
 
 __all__ = ["SCREEN_CAP", "CodedLinear", "SubScales", "coded_available", "coded_product"]
@@ -125,13 +126,15 @@ class CodedLinear:
     """
 
     def __init__(self, codes: Tensor, scale: Tensor, offset: Tensor | None = None, weight: Tensor | None = None,
-                 sources: tuple[Tensor, ...] | None = None, four_bit: str | None = "auto"):
+                 sources: tuple[Tensor, ...] | None = None, four_bit: str | None = "auto", groups16: bool = False):
         """`four_bit`: how 4-bit codes are stored two per byte (half the bytes to read again) — "unsigned" (codes
         0..15: Q4_1, Q4_K), "signed" (−8..7: Q4_0; Q3_K's −4..3 and Q2_K's 0..3 in groups of 16, Q2_K's with
         offsets), the name of a level table (`quant_types.LEVELS`: "iq4", IQ4_NL's levels — IQ4_NL, IQ4_XS —,
         "mxfp4"; without offsets), None (one byte per code), or "auto": signed where the codes are in −8..7, else
         unsigned where they are in 0..15. Where the shape does not allow it (groups of 16 or 32, K a multiple of
-        64) the codes stay one per byte."""
+        64) the codes stay one per byte. `groups16`: the integer path by groups' layout where the matrix is
+        eligible for it (`models/groups16.py`; a body's matrix — a head's screen and an embedding's rows read the
+        four-row layout)."""
         if codes.dtype != torch.int8 or codes.dim() != 2:
             raise TypeError(f"codes must be a 2-D int8 tensor, got {codes.dtype} {tuple(codes.shape)}")
         n, k = codes.shape
@@ -148,6 +151,8 @@ class CodedLinear:
             low, high = (int(codes.min()), int(codes.max())) if codes.numel() else (0, 255)
             four_bit = ("signed" if low >= -8 and high <= 7 else "unsigned" if low >= 0 and high <= 15 else None)
         four_bit = self._four_bit(k, offset, four_bit)
+        if groups16 and self._by_groups(codes, four_bit, n, k, scale, offset, weight, sources):
+            return
         codes = _pack(codes, four_bit) if four_bit else codes.contiguous()
         rows4 = self._rows4(n, k, self.group, four_bit is not None)
         self._finish(native.block4(codes) if rows4 else codes, four_bit, rows4, n, k, scale, offset, weight,
@@ -159,6 +164,22 @@ class CodedLinear:
         if four_bit is not None and four_bit not in LAYOUT_FLAGS:
             raise ValueError(f"four_bit must be None, 'auto' or one of {sorted(LAYOUT_FLAGS)}, got {four_bit!r}")
         return self.layout(0, k, self.group, four_bit, offset is not None)[0]
+
+    def _by_groups(self, codes: Tensor, four_bit: str | None, n: int, k: int, scale: Tensor, offset: Tensor | None,
+                   weight: Tensor | None, sources: tuple[Tensor, ...] | None) -> bool:
+        """Lay int8 codes [N, K] out for the integer path by groups where the matrix is eligible and its scales (and
+        offsets) are float16 numbers; whether it did."""
+        if isinstance(scale, SubScales) or not eligible_by_groups(n, k, self.group, four_bit, offset is not None):
+            return False
+        half_scale = _as_half(scale.float())
+        half_offset = None if offset is None else _as_half(offset.float())
+        if half_scale is None or (offset is not None and half_offset is None):
+            return False
+        self._finish(layout16.lay_out(codes, four_bit), four_bit, False, n, k,
+                     layout16.scales_out(half_scale),
+                     None if offset is None else layout16.scales_out(half_offset), weight, sources, as_is=True,
+                     by_groups=True)
+        return True
 
     @classmethod
     def layout(cls, n: int, k: int, group: int, four_bit: str | None, offset: bool) -> tuple[str | None, bool]:
@@ -192,7 +213,7 @@ class CodedLinear:
 
     @classmethod
     def from_chunks(cls, n: int, k: int, scale: Tensor | SubScales, offset: Tensor | SubScales | None, chunks,
-                    four_bit: str | None) -> CodedLinear:
+                    four_bit: str | None, groups16: bool = False) -> CodedLinear:
         """The same object as `CodedLinear(codes, scale, offset, four_bit=four_bit)` for codes [N,K] given as
         `chunks` — (first row, int8 codes [r,K]) in order, r a multiple of 4 but for the last — laid out piece by
         piece into the kernel's layout, so that the whole int8 matrix never exists beside it (a large head read
@@ -202,6 +223,14 @@ class CodedLinear:
         self = cls.__new__(cls)
         self.group = k // scale.shape[1]
         four_bit = self._four_bit(k, offset, four_bit)
+        if groups16 and not isinstance(scale, SubScales) and eligible_by_groups(n, k, self.group, four_bit,
+                                                                                offset is not None):
+            whole = torch.empty((n, k), dtype=torch.int8)  # the int8 codes, laid out once the scales are in too
+            for start, codes in chunks:
+                whole[start:start + codes.shape[0]] = codes
+            if self._by_groups(whole, four_bit, n, k, scale, offset, None, None):
+                return self
+            return cls(whole, scale, offset, four_bit=four_bit)
         rows4 = cls._rows4(n, k, self.group, four_bit is not None)
         out = torch.empty((n, k // 2 if four_bit else k), dtype=torch.int8)
         for start, codes in chunks:
@@ -212,21 +241,24 @@ class CodedLinear:
 
     @classmethod
     def from_layout(cls, codes: Tensor, scale: Tensor | SubScales | None, offset: Tensor | SubScales | None,
-                    k: int, group: int, four_bit: str | None, rows4: bool) -> CodedLinear:
+                    k: int, group: int, four_bit: str | None, rows4: bool, by_groups: bool = False) -> CodedLinear:
         """A matrix over tensors already in the kernel's layout, held as they are (no copy: a slice of a layer's
         experts, `expert_layout.ExpertMatrices`): `codes` [N, K] int8 — [N, K/2] where `four_bit` —, blocked by
         four rows where `rows4`; scale and offset [N, K/G] float16 or float32, or `SubScales`; or `codes` a
         file's float16, bfloat16 or float32 weights [N, K] with no scale (`dense16`'s)."""
         self = cls.__new__(cls)
         self.group = group
-        self._finish(codes, four_bit, rows4, codes.shape[0], k, scale, offset, None, None, as_is=True)
+        self._finish(codes, four_bit, rows4, codes.shape[0], k, scale, offset, None, None, as_is=True,
+                     by_groups=by_groups)
         return self
 
     def _finish(self, codes: Tensor, four_bit: str | None, rows4: bool, n: int, k: int, scale: Tensor,
                 offset: Tensor | None, weight: Tensor | None, sources: tuple[Tensor, ...] | None,
-                as_is: bool = False) -> None:
-        """`as_is`: scale and offset kept as given (float16 ones read as float16), not converted."""
+                as_is: bool = False, by_groups: bool = False) -> None:
+        """`as_is`: scale and offset kept as given (float16 ones read as float16), not converted. `by_groups`: the
+        codes, scales and offsets in the integer path by groups' layout (`models/groups16.py`)."""
         self.four_bit, self.packed, self.rows4, self.codes = four_bit, four_bit is not None, rows4, codes
+        self.by_groups = by_groups
         self.dense = codes.dtype in (torch.float16, torch.bfloat16, torch.float32)  # `dense16`: no scales
         self.sub = isinstance(scale, SubScales)
         self._subs = (scale, offset) if self.sub else None
@@ -273,6 +305,7 @@ class CodedLinear:
         levels = LAYOUT_FLAGS[self.four_bit] if self.packed else 0
         return ((native.PACKED | levels if self.packed else 0) | (native.HALF if self.half else 0)
                 | (native.ROWS4 if self.rows4 else 0) | (native.SUB if self.sub else 0)
+                | (native.GROUPS16 if self.by_groups else 0)
                 | (native.E8M0 if self.e8m0 else 0))
 
     @property
@@ -287,6 +320,14 @@ class CodedLinear:
         """The float32 matrix [N,K] the codes encode."""
         if self.dense:
             return self.codes.float()
+        n, k = self.out_features, self.in_features
+        if self.by_groups:
+            codes = layout16.laid_back(self.codes, n, k, self.four_bit)
+            scale = layout16.scales_back(self.scale, n, k // self.group)
+            w = codes.float().view(n, -1, self.group) * scale[..., None]
+            if self.offset is not None:
+                w = w + layout16.scales_back(self.offset, n, k // self.group)[..., None]
+            return w.view(n, k)
         codes = native.unblock4(self.codes) if self.rows4 else self.codes
         if self.packed:
             codes = native.unpack4(codes, self.four_bit == "signed")
@@ -315,7 +356,7 @@ class CodedLinear:
         over the codes (the same numbers as `dequantize()[ids]`). IndexError for an id outside [0, N)."""
         flat = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty((flat.numel(), self.in_features), dtype=torch.float32)
-        lib = native.library()
+        lib = None if self.by_groups else native.library()  # the C rows read the other layouts
         if lib is not None:
             if lib.lmhead_coded_rows(ctypes.byref(self.desc()), flat.data_ptr(), flat.numel(), out.data_ptr()) != 0:
                 raise IndexError(f"ids must be in [0, {self.out_features}), got {flat.min()}..{flat.max()}")

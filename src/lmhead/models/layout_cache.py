@@ -50,9 +50,10 @@ from lmhead.models.expert_layout import ExpertMatrices
 
 __all__ = ["FORMAT", "MARGIN", "cached", "cached_linear", "folder_for"]
 
-FORMAT = 4        # bump when ExpertMatrices' or CodedLinear's layout changes: older folders are not read, and
+FORMAT = 5        # bump when ExpertMatrices' or CodedLinear's layout changes: older folders are not read, and
                   # `prune` removes them (3: a fused product of mixed types as row blocks, dense K-quants' scales
-                  # as their blocks hold them; 4: MXFP4 experts' exponents as their blocks' bytes)
+                  # as their blocks hold them; 4: MXFP4 experts' exponents as their blocks' bytes; 5: the integer
+                  # path by groups' layout, whose choice is part of the key)
 MARGIN = 4 << 30  # free disk left after a matrix is written (else it stays in memory only)
 _ALIGN = 64
 _SOURCE = "source.json"  # a layouts folder's GGUF file: its path, size and modification time (for `prune`)
@@ -78,7 +79,10 @@ def folder_for(gguf: Path) -> Path | None:
         st = path.stat()
     except OSError:
         return None
-    key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{FORMAT}".encode()).hexdigest()[:32]
+    from lmhead.models import groups16
+
+    by_groups = int(groups16.chosen())  # the layouts a load makes differ with it
+    key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{FORMAT}\0{by_groups}".encode()).hexdigest()[:32]
     folder = cache_root() / "layouts" / key
     with _lock:
         _sources[folder] = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "format": FORMAT}
@@ -151,7 +155,7 @@ def _one(m: CodedLinear) -> ExpertMatrices:
         return None if t is None else t.unsqueeze(0)
 
     return ExpertMatrices(lead(m.codes), lead(m.scale), lead(m.offset), m.in_features, m.group, m.four_bit, m.rows4,
-                          m.sub)
+                          m.sub, m.by_groups)
 
 
 def _parts(ex: ExpertMatrices) -> dict[str, torch.Tensor]:
@@ -195,6 +199,7 @@ def _write(folder: Path, name: str, ex: ExpertMatrices, say: bool) -> ExpertMatr
         tmp.replace(folder / f"{name}.bin")
         meta = {"parts": parts, "size": at, "xxh3_64": digest.hexdigest(), "k": ex.in_features,
                 "group": ex.group, "four_bit": ex.four_bit, "rows4": ex.rows4, "sub": ex.sub,
+                "by_groups": ex.by_groups,
                 **_fingerprint(folder / f"{name}.bin")}
         _write_meta(folder, name, meta, stale)
     except OSError:
@@ -315,6 +320,6 @@ def _map(path: Path, meta: dict) -> ExpertMatrices:
         view = raw[p["at"]:p["at"] + count].view(_NUMPY[dtype])
         parts[key] = torch.from_numpy(view).view(dtype).view(p["shape"])
     ex = ExpertMatrices(parts["codes"], parts.get("scale"), parts.get("offset"), meta["k"], meta["group"],
-                        meta["four_bit"], meta["rows4"], meta["sub"])
+                        meta["four_bit"], meta["rows4"], meta["sub"], meta.get("by_groups", False))
     ex.source = path
     return ex

@@ -1,0 +1,290 @@
+/* The integer path by groups (LMHEAD_GROUPS16), included by coded_kernel.c where it builds the integer path
+ * (AVX-512 VNNI): codes without sub-scales in groups of 32 — int8 codes (Q8_0, Q5_0), packed signed (Q4_0) and packed
+ * unsigned with offsets (Q4_1) — laid out sixteen weight rows a vector.
+ *
+ *   x [M, K] ──each row's groups of 32 sliced: x̂ = d₂·(2¹⁶·a₀ + 2⁸·a₁ + a₂), d₂ a power of two, a₀ in
+ *              −127 … 127, a₁, a₂ in −128 … 127──▶ each (query row, weight row, group): the slices' exact int32 sums S₀, S₁, S₂ with
+ *              the codes (VNNI's vpdpbusd, or AMX's tiles for whole blocks of sixteen query rows)
+ *            ──one fixed sequence of float operations a group: v = fma(S₀, 2¹⁶, float(2⁸·S₁ + S₂)),
+ *              acc = fma(v, d·d₂, [fma(m, d₂·Σx̂/d₂, acc)]) over the groups in order──▶ y [M, N]
+ *
+ * Integer sums are exact in any order and on any unit, so a row's value is the same bits alone (VNNI), as one of
+ * sixteen rows of a tile (AMX), under any thread count. The representation error of a group is at most
+ * 32·d₂/2 < 2⁻¹⁸·max|x| times its weights, within half the float32 dot product's bound (K·2⁻²⁵·Σ|x| for weights
+ * alike in size) once K ≥ 256, whatever the group's values: the layout is made only for such matrices. A row with a
+ * non-finite value, or a group whose largest value is below 2⁻⁶⁰ (a scale times d₂ would leave float32's normal
+ * range), takes g16_plain: the float32 sums of the same weights.
+ *
+ * Layout: codes [N/16][K/32][8][16][4] bytes, the codes as unsigned bytes c + bias (int8: 128), or packed
+ * [N/16][K/32][4][64] where byte 4r + j of vector p holds row r's codes of steps 2p (low nibble) and 2p + 1 (high),
+ * each c + bias (Q4_0: 8; Q4_1: 0); scales and offsets [N/16][K/32][16] float16. N a multiple of 64. */
+#ifndef LMHEAD_GROUPS_KERNEL_H
+#define LMHEAD_GROUPS_KERNEL_H
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+enum { G16_NB = 4 }; /* blocks of sixteen weight rows a query row takes at once: independent chains, shared loads */
+#ifndef G16_AHEAD
+#define G16_AHEAD 8 /* groups */
+#endif
+
+static inline int g16_bias(int packed, int signed4) { return !packed ? 128 : signed4 ? 8 : 0; }
+
+/* a query row's slices: a [3][plane] (this row at offset m·K), d2 [G], t [G][3] (each slice's sum), vx [G];
+ * returns whether the row takes the integer path. Per group, d₀ the smallest power of two with max|x|/d₀ ≤ 127,
+ * d₂ = d₀·2⁻¹⁶, and in double (exact) floors of (x + d₂/2 + 32896·d₂)/d₀, each remainder times 2⁸ the next, the
+ * last two less 128: x̂ = d₂·(2¹⁶·a₀ + 2⁸·a₁ + a₂), |x − x̂| ≤ d₂/2 (sliced_kernel.h's slicing, per group) */
+static int g16_slice(const float* x, int64_t K, int8_t* a, int64_t plane, float* d2, int32_t* t, float* vx) {
+    const int64_t G = K / 32;
+    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    int ok = 1;
+    for (int64_t g = 0; g < G; g++) {
+        const __m512 x0 = _mm512_loadu_ps(x + g * 32), x1 = _mm512_loadu_ps(x + g * 32 + 16);
+        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(x0, abs_mask), _mm512_and_ps(x1, abs_mask)));
+        const int nan = (_mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q)) != 0;
+        /* (max_ps passes a NaN over); below 2⁻⁶⁰ a scale times d₂ would leave float32's normal range */
+        if (nan || mx > FLT_MAX || (mx > 0.f && mx < 0x1p-60f)) ok = 0;
+        int e = 0;
+        if (ok && mx > 0.f) frexpf(mx / 127.f, &e);
+        const double d0 = ok && mx > 0.f ? ldexp(1.0, e) : 1.0; /* the smallest power of two ≥ mx/127 */
+        d2[g] = (float)ldexp(d0, -16);
+        const __m512d cen = _mm512_set1_pd(ldexp(d0, -16) * (0.5 + 32896.0)), inv = _mm512_set1_pd(1.0 / d0);
+        __m256i sums[3] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int h = 0; h < 4; h++) {
+            const __m256 xs = ok ? _mm256_loadu_ps(x + g * 32 + 8 * h) : _mm256_setzero_ps();
+            __m512d v = _mm512_mul_pd(_mm512_add_pd(_mm512_cvtps_pd(xs), cen), inv);
+            for (int k = 0; k < 3; k++) {
+                const __m512d q = _mm512_roundscale_pd(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+                __m256i qi = _mm512_cvtpd_epi32(q);
+                if (k > 0) qi = _mm256_sub_epi32(qi, _mm256_set1_epi32(128));
+                sums[k] = _mm256_add_epi32(sums[k], qi);
+                _mm_storel_epi64((__m128i*)(a + k * plane + g * 32 + 8 * h), _mm256_cvtepi32_epi8(qi));
+                v = _mm512_mul_pd(_mm512_sub_pd(v, q), _mm512_set1_pd(256.0));
+            }
+        }
+        for (int k = 0; k < 3; k++) {
+            int32_t lanes[8];
+            _mm256_storeu_si256((__m256i*)lanes, sums[k]);
+            int32_t total = 0;
+            for (int i = 0; i < 8; i++) total += lanes[i];
+            t[g * 3 + k] = total;
+        }
+        vx[g] = fmaf((float)t[g * 3], 65536.f, (float)(t[g * 3 + 1] * 256 + t[g * 3 + 2]));
+    }
+    return ok;
+}
+
+/* a group's value into a row's sum: the one sequence both paths take (s0..s2 the slices' exact sums) */
+static inline __m512 g16_add(__m512 acc, __m512i s0, __m512i s1, __m512i s2, __m512 d, __m512 m, float d2, float vx,
+                             int offsets) {
+    const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(65536.f),
+                                     _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(s1, 8), s2)));
+    if (offsets) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(vx * d2), acc);
+    return _mm512_fmadd_ps(v, _mm512_mul_ps(d, _mm512_set1_ps(d2)), acc);
+}
+
+static inline __m512 g16_halves(const uint16_t* h) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h)); }
+
+/* the codes of step q of a group's unit, as unsigned bytes */
+static inline __m512i g16_step(const uint8_t* unit, int q, int packed) {
+    if (!packed) return _mm512_loadu_si512(unit + q * 64);
+    const __m512i b = _mm512_loadu_si512(unit + (q / 2) * 64);
+    return _mm512_and_si512(q % 2 ? _mm512_srli_epi16(b, 4) : b, _mm512_set1_epi8(15));
+}
+
+/* one query row (its slices a, plane apart) against weight rows 16·b0 .. 16·(b0 + G16_NB) − 1 */
+static void g16_row(const int8_t* a, int64_t plane, const float* d2, const int32_t* t, const float* vx, int64_t K,
+                    const uint8_t* codes, const uint16_t* s16, const uint16_t* m16, int packed, int32_t bias,
+                    int64_t b0, float* y) {
+    const int64_t G = K / 32, unit = packed ? 256 : 512;
+    const int32_t* ap[3] = {(const int32_t*)a, (const int32_t*)(a + plane), (const int32_t*)(a + 2 * plane)};
+    __m512 acc[G16_NB];
+    for (int j = 0; j < G16_NB; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m512i r[G16_NB][3];
+        for (int j = 0; j < G16_NB; j++) {
+            for (int s = 0; s < 3; s++) r[j][s] = _mm512_set1_epi32(-bias * t[g * 3 + s]);
+            /* the codes G16_AHEAD groups on in each block's stream (a decode product streams them from memory) */
+            const char* ahead = (const char*)(codes + ((b0 + j) * G + g + G16_AHEAD) * unit);
+            for (int64_t line = 0; line < unit; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+        }
+        for (int q = 0; q < 8; q++) {
+            __m512i sv[3];
+            for (int s = 0; s < 3; s++) sv[s] = _mm512_set1_epi32(ap[s][g * 8 + q]);
+            for (int j = 0; j < G16_NB; j++) {
+                const __m512i c = g16_step(codes + ((b0 + j) * G + g) * unit, q, packed);
+                for (int s = 0; s < 3; s++) r[j][s] = _mm512_dpbusd_epi32(r[j][s], c, sv[s]);
+            }
+        }
+        for (int j = 0; j < G16_NB; j++) {
+            const int64_t bg = (b0 + j) * G + g;
+            acc[j] = g16_add(acc[j], r[j][0], r[j][1], r[j][2], g16_halves(s16 + bg * 16),
+                             m16 ? g16_halves(m16 + bg * 16) : _mm512_setzero_ps(), d2[g], vx[g], m16 != NULL);
+        }
+    }
+    for (int j = 0; j < G16_NB; j++) _mm512_storeu_ps(y + (b0 + j) * 16, acc[j]);
+}
+
+/* a row the integer path refuses: float32 sums over the same weights, group by group */
+static void g16_plain(const float* x, int64_t K, const uint8_t* codes, const uint16_t* s16, const uint16_t* m16,
+                      int packed, int32_t bias, int64_t N, float* y) {
+    const int64_t G = K / 32, unit = packed ? 256 : 512;
+    for (int64_t n = 0; n < N; n++) {
+        float acc = 0.f;
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t bg = (n / 16) * G + g;
+            const uint8_t* u = codes + bg * unit;
+            float cx = 0.f, sx = 0.f;
+            for (int k = 0; k < 32; k++) {
+                const int q = k / 4, j = k % 4;
+                const int byte = packed ? u[(q / 2) * 64 + (n % 16) * 4 + j] : u[q * 64 + (n % 16) * 4 + j];
+                const int c = (packed ? (q % 2 ? byte >> 4 : byte & 15) : byte) - bias;
+                cx = fmaf((float)c, x[g * 32 + k], cx);
+                sx += x[g * 32 + k];
+            }
+            acc = fmaf(half_to_float(s16[bg * 16 + n % 16]), cx, acc);
+            if (m16) acc = fmaf(half_to_float(m16[bg * 16 + n % 16]), sx, acc);
+        }
+        y[n] = acc;
+    }
+}
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define G16_AMX 1
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} g16_tile_config;
+
+/* whether this process may use AMX's tiles: asked of the kernel once (a tile instruction without its grant is an
+ * illegal instruction) */
+static int g16_amx_granted(void) {
+    static int granted = 0; /* 0 not asked, 1 granted, -1 refused */
+    if (granted == 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
+    return granted == 1;
+}
+
+static void g16_tiles_configure(void) {
+    g16_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int i = 0; i < 3; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64; /* the three slices' sums: 16 x 16 int32 */
+    for (int i = 3; i < 6; i++) cfg.rows[i] = 16, cfg.colsb[i] = 32; /* the slices: 16 query rows x 32 bytes */
+    cfg.rows[6] = 8, cfg.colsb[6] = 64;                              /* a group's codes: 8 x (16 rows x 4) */
+    _tile_loadconfig(&cfg);
+}
+
+/* query rows m0 .. m0+15 against weight rows 16b .. 16b+15, whose codes are bytes [G][8][64]: signed (int8 codes:
+ * tdpbssd, nothing to subtract) or unsigned (packed: tdpbsud, the bias times the slices' sums subtracted) */
+static void g16_tile(const int8_t* a, int64_t plane, const float* d2, const int32_t* t, const float* vx, int64_t m0,
+                     int64_t K, const uint8_t* u8, int packed, int32_t bias, const uint16_t* s16, const uint16_t* m16,
+                     int64_t b, float* y, int64_t N) {
+    const int64_t G = K / 32;
+    int32_t S[3][256] __attribute__((aligned(64)));
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_loadd(6, u8 + g * 512, 64);
+        _tile_loadd(3, a + m0 * K + g * 32, K);
+        _tile_loadd(4, a + plane + m0 * K + g * 32, K);
+        _tile_loadd(5, a + 2 * plane + m0 * K + g * 32, K);
+        if (!packed) {
+            _tile_dpbssd(0, 3, 6);
+            _tile_dpbssd(1, 4, 6);
+            _tile_dpbssd(2, 5, 6);
+        } else {
+            _tile_dpbsud(0, 3, 6);
+            _tile_dpbsud(1, 4, 6);
+            _tile_dpbsud(2, 5, 6);
+        }
+        _tile_stored(0, S[0], 64);
+        _tile_stored(1, S[1], 64);
+        _tile_stored(2, S[2], 64);
+        const int64_t bg = b * G + g;
+        const __m512 dv = g16_halves(s16 + bg * 16), mv = m16 ? g16_halves(m16 + bg * 16) : dv;
+        for (int i = 0; i < 16; i++) {
+            const int64_t mg = (m0 + i) * G + g;
+            __m512i s[3];
+            for (int q = 0; q < 3; q++) {
+                s[q] = _mm512_load_si512(S[q] + 16 * i);
+                if (packed && bias) s[q] = _mm512_sub_epi32(s[q], _mm512_set1_epi32(bias * t[mg * 3 + q]));
+            }
+            acc[i] = g16_add(acc[i], s[0], s[1], s[2], dv, mv, d2[mg], vx[mg], m16 != NULL);
+        }
+    }
+    for (int i = 0; i < 16; i++) _mm512_storeu_ps(y + (m0 + i) * N + b * 16, acc[i]);
+}
+#endif
+
+/* y [M, N] = x [M, K] · Wᵀ over the layout above (m16 NULL: no offsets). Returns 0, -1 for shapes it does not take,
+ * LMHEAD_NO_MEMORY */
+static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* s16,
+                           const uint16_t* m16, int64_t N, int packed, int signed4, float* y, int threads) {
+    if (N % (16 * G16_NB) || K % 32 || K < 256 || M < 0 || (m16 && signed4) || (signed4 && !packed)) return -1;
+    if (M == 0 || N == 0) return 0;
+    if (threads < 1) threads = 1;
+    const int64_t G = K / 32, plane = M * K, unit = packed ? 256 : 512;
+    const int32_t bias = g16_bias(packed, signed4);
+    int8_t* a = malloc((size_t)(3 * plane));
+    float* d2 = malloc((size_t)(M * G) * sizeof(float));
+    float* vx = malloc((size_t)(M * G) * sizeof(float));
+    int32_t* t = malloc((size_t)(M * G * 3) * sizeof(int32_t));
+    unsigned char* ok = malloc((size_t)M);
+    if (!a || !d2 || !vx || !t || !ok) {
+        free(a), free(d2), free(vx), free(t), free(ok);
+        return LMHEAD_NO_MEMORY;
+    }
+    int all_ok = 1;
+    for (int64_t m = 0; m < M; m++) {
+        ok[m] = (unsigned char)g16_slice(x + m * K, K, a + m * K, plane, d2 + m * G, t + m * G * 3, vx + m * G);
+        all_ok &= ok[m];
+    }
+    int64_t tiled = 0;
+#ifdef G16_AMX
+    if (M >= 16 && g16_amx_granted()) tiled = M / 16 * 16;
+#endif
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef G16_AMX
+        uint8_t* u8 = tiled ? malloc((size_t)G * 512) : NULL; /* a block's codes a byte each, for the tiles */
+        if (tiled && !u8) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        if (u8) g16_tiles_configure();
+#pragma omp for schedule(static) nowait
+        for (int64_t b = 0; b < N / 16; b++) {
+            if (!u8) continue;
+            const __m512i flip = _mm512_set1_epi8(packed ? 0 : (char)0x80); /* int8 codes: c + 128 back to c */
+            for (int64_t g = 0; g < G; g++)
+                for (int q = 0; q < 8; q++)
+                    _mm512_storeu_si512(u8 + g * 512 + q * 64,
+                                        _mm512_xor_si512(g16_step(codes + (b * G + g) * unit, q, packed), flip));
+            for (int64_t m0 = 0; m0 < tiled; m0 += 16)
+                g16_tile(a, plane, d2, t, vx, m0, K, u8, packed, bias, s16, m16, b, y, N);
+        }
+#endif
+#pragma omp for schedule(static)
+        for (int64_t b0 = 0; b0 < N / 16; b0 += G16_NB)
+            for (int64_t m = tiled; m < M; m++)
+                g16_row(a + m * K, plane, d2 + m * G, t + m * G * 3, vx + m * G, K, codes, s16, m16, packed, bias, b0,
+                        y + m * N);
+#ifdef G16_AMX
+        if (u8) _tile_release();
+        free(u8);
+#endif
+    }
+    if (!all_ok)
+        for (int64_t m = 0; m < M; m++)
+            if (!ok[m]) g16_plain(x + m * K, K, codes, s16, m16, packed, bias, N, y + m * N);
+    free(a), free(d2), free(vx), free(t), free(ok);
+    return failed ? LMHEAD_NO_MEMORY : 0;
+}
+
+#endif

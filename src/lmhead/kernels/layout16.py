@@ -1,0 +1,55 @@
+"""The layout of the integer path by groups (`groups_kernel.h`, flag GROUPS16): codes in groups of 32 sixteen weight
+rows a vector, float16 scales (and offsets) beside them. Which matrices take it: `models/groups16.py`.
+
+    int8 codes [N, K] ──c + bias as unsigned bytes (int8 codes 128, Q4_0's signed nibbles 8, Q4_1's 0)──▶
+        [N/16][K/32][8 steps][16 rows][4 codes]   (packed: steps 2p and 2p + 1 in the low and high nibbles of
+                                                   vector p: [N/16][K/32][4][16][4] bytes)
+    scales, offsets [N, K/32] ──▶ [N/16][K/32][16] float16
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["ROWS", "bias", "laid_back", "lay_out", "scales_back", "scales_out"]
+
+ROWS = 64  # N a multiple of this: the kernel takes four blocks of sixteen rows at once
+
+
+def bias(four_bit: str | None) -> int:
+    """What the layout adds to a code to make it an unsigned byte."""
+    return {None: 128, "signed": 8, "unsigned": 0}[four_bit]
+
+
+def lay_out(codes: Tensor, four_bit: str | None) -> Tensor:
+    """int8 codes [N, K] → the layout's bytes (uint8, viewed as [N, K] or [N, K/2]: not row by row)."""
+    n, k = codes.shape
+    u = (codes.numpy().astype(np.int16) + bias(four_bit)).astype(np.uint8)
+    u = u.reshape(n // 16, 16, k // 32, 8, 4).transpose(0, 2, 3, 1, 4)  # [N/16, G, 8, 16, 4]
+    if four_bit is not None:
+        u = u.reshape(n // 16, k // 32, 4, 2, 16, 4)
+        u = u[:, :, :, 0] | (u[:, :, :, 1] << 4)
+    return torch.from_numpy(np.ascontiguousarray(u).reshape(n, -1))  # [N, bytes a row]: N as the other layouts
+
+
+def laid_back(laid: Tensor, n: int, k: int, four_bit: str | None) -> Tensor:
+    """`lay_out`'s inverse: the int8 codes [N, K]."""
+    u = laid.numpy()
+    if four_bit is not None:
+        u = u.reshape(n // 16, k // 32, 4, 16, 4)
+        u = np.stack([u & 15, u >> 4], axis=3)  # [N/16, G, 4, 2, 16, 4]
+    u = u.reshape(n // 16, k // 32, 8, 16, 4).transpose(0, 3, 1, 2, 4)  # [N/16, 16, G, 8, 4]
+    return torch.from_numpy((u.reshape(n, k).astype(np.int16) - bias(four_bit)).astype(np.int8))
+
+
+def scales_out(s: Tensor) -> Tensor:
+    """Scales or offsets [N, G] → [N/16, G, 16] float16 (viewed as [N, G])."""
+    n, g = s.shape
+    return s.to(torch.float16).reshape(n // 16, 16, g).transpose(1, 2).contiguous().reshape(n, g)
+
+
+def scales_back(s: Tensor, n: int, g: int) -> Tensor:
+    """`scales_out`'s inverse: [N, G] float32."""
+    return s.reshape(n // 16, g, 16).transpose(1, 2).reshape(n, g).float()
