@@ -240,6 +240,7 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
         return LMHEAD_NO_MEMORY;
     }
     int all_ok = 1;
+#pragma omp parallel for num_threads(M > 1 ? threads : 1) schedule(static) reduction(& : all_ok)
     for (int64_t m = 0; m < M; m++) {
         ok[m] = (unsigned char)g16_slice(x + m * K, K, a + m * K, plane, d2 + m * G, t + m * G * 3, vx + m * G);
         all_ok &= ok[m];
