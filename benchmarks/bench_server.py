@@ -436,7 +436,9 @@ def prefill(args: argparse.Namespace, rec: Recorder) -> None:
 
     model = load_model(args.model, progress=False)
     lengths = [int(x) for x in args.prefill.split(",")]
-    table = rec.table("prefill", f"{args.model}: a prompt's prefill in process (its first token) beside "
+    # the default model's table keeps its name (the records of every machine kind are under it)
+    name = "prefill" if args.model == "gemma-3-270m" else f"prefill_{args.model.replace('-', '_')}"
+    table = rec.table(name, f"{args.model}: a prompt's prefill in process (its first token) beside "
                       f"llama-bench -p N -n 0 -t 2 ({described(LLAMA_BIN)}) on the same GGUF file",
                       ["prompt tokens", "lmhead TTFT (s)", "lmhead tok/s", "llama-bench tok/s", "ratio"])
     llama, failed = {}, "failed: not built"

@@ -49,7 +49,7 @@ def test_the_layout_gives_the_codes_and_scales_back(kind):
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("n, k", [(64, 256), (192, 576), (128, 1536 + 64)])
+@pytest.mark.parametrize("n, k", [(48, 256), (192, 576), (128, 1536 + 64)])
 def test_a_rows_product_is_within_the_bound_and_the_same_bits_alone_in_a_batch_and_over_threads(kind, n, k):
     coded, w = _matrix(kind, n, k, seed=n + k)
     g = torch.Generator().manual_seed(1)
@@ -105,8 +105,8 @@ def test_a_matrix_by_groups_keeps_its_layout_as_the_experts_of_one():
 
 def test_ineligible_shapes_and_the_choice_keep_the_four_row_layout(monkeypatch):
     g = torch.Generator().manual_seed(5)
-    codes = torch.randint(-127, 128, (96, 512), generator=g, dtype=torch.int8)  # N not a multiple of 64
-    scale = torch.rand(96, 16, generator=g).half().float()
+    codes = torch.randint(-127, 128, (88, 512), generator=g, dtype=torch.int8)  # N not a multiple of 16
+    scale = torch.rand(88, 16, generator=g).half().float()
     assert not CodedLinear(codes, scale, groups16=True).by_groups
     assert not CodedLinear(codes[:64, :224], scale[:64, :7], groups16=True).by_groups  # K below 256
     assert not CodedLinear(codes[:64], scale[:64]).by_groups  # not a body's matrix

@@ -17,7 +17,7 @@
  *
  * Layout: codes [N/16][K/32][8][16][4] bytes, the codes as unsigned bytes c + bias (int8: 128), or packed
  * [N/16][K/32][4][64] where byte 4r + j of vector p holds row r's codes of steps 2p (low nibble) and 2p + 1 (high),
- * each c + bias (Q4_0: 8; Q4_1: 0); scales and offsets [N/16][K/32][16] float16. N a multiple of 64. */
+ * each c + bias (Q4_0: 8; Q4_1: 0); scales and offsets [N/16][K/32][16] float16. N a multiple of 16. */
 #ifndef LMHEAD_GROUPS_KERNEL_H
 #define LMHEAD_GROUPS_KERNEL_H
 
@@ -26,7 +26,7 @@
 
 enum { G16_NB = 4 }; /* blocks of sixteen weight rows a query row takes at once: independent chains, shared loads */
 #ifndef G16_AHEAD
-#define G16_AHEAD 8 /* groups */
+#define G16_AHEAD 0 /* groups */
 #endif
 
 static inline int g16_bias(int packed, int signed4) { return !packed ? 128 : signed4 ? 8 : 0; }
@@ -45,11 +45,17 @@ static int g16_slice(const float* x, int64_t K, int8_t* a, int64_t plane, float*
         const int nan = (_mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q)) != 0;
         /* (max_ps passes a NaN over); below 2⁻⁶⁰ a scale times d₂ would leave float32's normal range */
         if (nan || mx > FLT_MAX || (mx > 0.f && mx < 0x1p-60f)) ok = 0;
-        int e = 0;
-        if (ok && mx > 0.f) frexpf(mx / 127.f, &e);
-        const double d0 = ok && mx > 0.f ? ldexp(1.0, e) : 1.0; /* the smallest power of two ≥ mx/127 */
-        d2[g] = (float)ldexp(d0, -16);
-        const __m512d cen = _mm512_set1_pd(ldexp(d0, -16) * (0.5 + 32896.0)), inv = _mm512_set1_pd(1.0 / d0);
+        /* d₀ = 2^(e − 7) for mx = f·2^e, f in [0.5, 1) (its exponent bits), doubled where mx / d₀ > 127 */
+        double d0 = 1.0;
+        if (ok && mx > 0.f) {
+            union { float f; uint32_t u; } v = {mx};
+            union { double f; uint64_t u; } p;
+            p.u = (uint64_t)((int64_t)((v.u >> 23) & 0xff) - 126 - 7 + 1023) << 52;
+            d0 = p.f;
+            if (mx > 127.0 * d0) d0 *= 2.0;
+        }
+        d2[g] = (float)(d0 * 0x1p-16);
+        const __m512d cen = _mm512_set1_pd(d0 * 0x1p-16 * (0.5 + 32896.0)), inv = _mm512_set1_pd(1.0 / d0);
         __m256i sums[3] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
         for (int h = 0; h < 4; h++) {
             const __m256 xs = ok ? _mm256_loadu_ps(x + g * 32 + 8 * h) : _mm256_setzero_ps();
@@ -93,38 +99,50 @@ static inline __m512i g16_step(const uint8_t* unit, int q, int packed) {
     return _mm512_and_si512(q % 2 ? _mm512_srli_epi16(b, 4) : b, _mm512_set1_epi8(15));
 }
 
-/* one query row (its slices a, plane apart) against weight rows 16·b0 .. 16·(b0 + G16_NB) − 1 */
-static void g16_row(const int8_t* a, int64_t plane, const float* d2, const int32_t* t, const float* vx, int64_t K,
-                    const uint8_t* codes, const uint16_t* s16, const uint16_t* m16, int packed, int32_t bias,
-                    int64_t b0, float* y) {
+/* one query row (its slices a, plane apart) against weight rows 16·b0 .. 16·(b0 + NB) − 1 (NB ≤ G16_NB, a constant
+ * in each copy below) */
+KERNEL_INLINE void g16_rows(const int NB, const int8_t* a, int64_t plane, const float* d2, const int32_t* t,
+                            const float* vx, int64_t K, const uint8_t* codes, const uint16_t* s16, const uint16_t* m16,
+                            int packed, int32_t bias, int64_t b0, float* y) {
     const int64_t G = K / 32, unit = packed ? 256 : 512;
     const int32_t* ap[3] = {(const int32_t*)a, (const int32_t*)(a + plane), (const int32_t*)(a + 2 * plane)};
-    __m512 acc[G16_NB];
-    for (int j = 0; j < G16_NB; j++) acc[j] = _mm512_setzero_ps();
+    __m512 acc[4];
+    for (int j = 0; j < NB; j++) acc[j] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-        __m512i r[G16_NB][3];
-        for (int j = 0; j < G16_NB; j++) {
+        __m512i r[4][3];
+        for (int j = 0; j < NB; j++) {
             for (int s = 0; s < 3; s++) r[j][s] = _mm512_set1_epi32(-bias * t[g * 3 + s]);
             /* the codes G16_AHEAD groups on in each block's stream (a decode product streams them from memory) */
             const char* ahead = (const char*)(codes + ((b0 + j) * G + g + G16_AHEAD) * unit);
-            for (int64_t line = 0; line < unit; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+            if (G16_AHEAD) for (int64_t line = 0; line < unit; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
         }
         for (int q = 0; q < 8; q++) {
             __m512i sv[3];
             for (int s = 0; s < 3; s++) sv[s] = _mm512_set1_epi32(ap[s][g * 8 + q]);
-            for (int j = 0; j < G16_NB; j++) {
+            for (int j = 0; j < NB; j++) {
                 const __m512i c = g16_step(codes + ((b0 + j) * G + g) * unit, q, packed);
                 for (int s = 0; s < 3; s++) r[j][s] = _mm512_dpbusd_epi32(r[j][s], c, sv[s]);
             }
         }
-        for (int j = 0; j < G16_NB; j++) {
+        for (int j = 0; j < NB; j++) {
             const int64_t bg = (b0 + j) * G + g;
             acc[j] = g16_add(acc[j], r[j][0], r[j][1], r[j][2], g16_halves(s16 + bg * 16),
                              m16 ? g16_halves(m16 + bg * 16) : _mm512_setzero_ps(), d2[g], vx[g], m16 != NULL);
         }
     }
-    for (int j = 0; j < G16_NB; j++) _mm512_storeu_ps(y + (b0 + j) * 16, acc[j]);
+    for (int j = 0; j < NB; j++) _mm512_storeu_ps(y + (b0 + j) * 16, acc[j]);
 }
+
+#define G16_ROWS(NB)                                                                                              \
+    static void g16_rows##NB(const int8_t* a, int64_t plane, const float* d2, const int32_t* t, const float* vx,      \
+                             int64_t K, const uint8_t* codes, const uint16_t* s16, const uint16_t* m16, int packed,  \
+                             int32_t bias, int64_t b0, float* y) {                                                  \
+        g16_rows(NB, a, plane, d2, t, vx, K, codes, s16, m16, packed, bias, b0, y);                                 \
+    }
+G16_ROWS(1) G16_ROWS(2) G16_ROWS(3) G16_ROWS(4)
+typedef void (*g16_rows_fn)(const int8_t*, int64_t, const float*, const int32_t*, const float*, int64_t,
+                            const uint8_t*, const uint16_t*, const uint16_t*, int, int32_t, int64_t, float*);
+static const g16_rows_fn G16_ROWS_OF[G16_NB + 1] = {NULL, g16_rows1, g16_rows2, g16_rows3, g16_rows4};
 
 /* a row the integer path refuses: float32 sums over the same weights, group by group */
 static void g16_plain(const float* x, int64_t K, const uint8_t* codes, const uint16_t* s16, const uint16_t* m16,
@@ -225,25 +243,31 @@ static void g16_tile(const int8_t* a, int64_t plane, const float* d2, const int3
  * LMHEAD_NO_MEMORY */
 static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* s16,
                            const uint16_t* m16, int64_t N, int packed, int signed4, float* y, int threads) {
-    if (N % (16 * G16_NB) || K % 32 || K < 256 || M < 0 || (m16 && signed4) || (signed4 && !packed)) return -1;
+    if (N % 16 || K % 32 || K < 256 || M < 0 || (m16 && signed4) || (signed4 && !packed)) return -1;
     if (M == 0 || N == 0) return 0;
     if (threads < 1) threads = 1;
     const int64_t G = K / 32, plane = M * K, unit = packed ? 256 : 512;
     const int32_t bias = g16_bias(packed, signed4);
-    int8_t* a = malloc((size_t)(3 * plane));
-    float* d2 = malloc((size_t)(M * G) * sizeof(float));
-    float* vx = malloc((size_t)(M * G) * sizeof(float));
-    int32_t* t = malloc((size_t)(M * G * 3) * sizeof(int32_t));
-    unsigned char* ok = malloc((size_t)M);
-    if (!a || !d2 || !vx || !t || !ok) {
-        free(a), free(d2), free(vx), free(t), free(ok);
-        return LMHEAD_NO_MEMORY;
-    }
+    /* the slices and their sums in one buffer: on the stack for a decode step's row (a call's bookkeeping is a
+     * visible share of a small model's step) */
+    const size_t need = (size_t)(3 * plane) + (size_t)(M * G) * (2 * sizeof(float) + 3 * sizeof(int32_t)) + (size_t)M;
+    _Alignas(64) unsigned char stack[16384];
+    unsigned char* buf = need <= sizeof stack ? stack : malloc(need);
+    if (!buf) return LMHEAD_NO_MEMORY;
+    float* d2 = (float*)buf;
+    float* vx = d2 + M * G;
+    int32_t* t = (int32_t*)(vx + M * G);
+    int8_t* a = (int8_t*)(t + M * G * 3);
+    unsigned char* ok = (unsigned char*)(a + 3 * plane);
     int all_ok = 1;
-#pragma omp parallel for num_threads(M > 1 ? threads : 1) schedule(static) reduction(& : all_ok)
-    for (int64_t m = 0; m < M; m++) {
-        ok[m] = (unsigned char)g16_slice(x + m * K, K, a + m * K, plane, d2 + m * G, t + m * G * 3, vx + m * G);
-        all_ok &= ok[m];
+    if (M == 1) {
+        all_ok = ok[0] = (unsigned char)g16_slice(x, K, a, plane, d2, t, vx);
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(& : all_ok)
+        for (int64_t m = 0; m < M; m++) {
+            ok[m] = (unsigned char)g16_slice(x + m * K, K, a + m * K, plane, d2 + m * G, t + m * G * 3, vx + m * G);
+            all_ok &= ok[m];
+        }
     }
     int64_t tiled = 0;
 #ifdef G16_AMX
@@ -259,6 +283,7 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
             failed = 1;
         }
         if (u8) g16_tiles_configure();
+        if (tiled) {
 #pragma omp for schedule(static) nowait
         for (int64_t b = 0; b < N / 16; b++) {
             if (!u8) continue;
@@ -270,12 +295,20 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
             for (int64_t m0 = 0; m0 < tiled; m0 += 16)
                 g16_tile(a, plane, d2, t, vx, m0, K, u8, packed, bias, s16, m16, b, y, N);
         }
+        }
 #endif
-#pragma omp for schedule(static)
-        for (int64_t b0 = 0; b0 < N / 16; b0 += G16_NB)
-            for (int64_t m = tiled; m < M; m++)
-                g16_row(a + m * K, plane, d2 + m * G, t + m * G * 3, vx + m * G, K, codes, s16, m16, packed, bias, b0,
-                        y + m * N);
+        /* the rest of the rows: each thread an even share of the blocks of sixteen weight rows (one stream), four
+         * blocks at a time */
+        extern int omp_get_thread_num(void);
+        extern int omp_get_num_threads(void);
+        const int64_t blocks = N / 16, nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t lo = blocks * tid / nt, hi = blocks * (tid + 1) / nt;
+        for (int64_t m = tiled; m < M; m++)
+            for (int64_t b0 = lo; b0 < hi; b0 += G16_NB) {
+                const int64_t nb = hi - b0 < G16_NB ? hi - b0 : G16_NB;
+                G16_ROWS_OF[nb](a + m * K, plane, d2 + m * G, t + m * G * 3, vx + m * G, K, codes, s16, m16, packed,
+                                bias, b0, y + m * N);
+            }
 #ifdef G16_AMX
         if (u8) _tile_release();
         free(u8);
@@ -284,7 +317,7 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
     if (!all_ok)
         for (int64_t m = 0; m < M; m++)
             if (!ok[m]) g16_plain(x + m * K, K, codes, s16, m16, packed, bias, N, y + m * N);
-    free(a), free(d2), free(vx), free(t), free(ok);
+    if (buf != stack) free(buf);
     return failed ? LMHEAD_NO_MEMORY : 0;
 }
 

@@ -15,7 +15,7 @@ from torch import Tensor
 
 __all__ = ["ROWS", "bias", "laid_back", "lay_out", "scales_back", "scales_out"]
 
-ROWS = 64  # N a multiple of this: the kernel takes four blocks of sixteen rows at once
+ROWS = 16  # N a multiple of this: the kernel's blocks of sixteen rows
 
 
 def bias(four_bit: str | None) -> int:

@@ -68,25 +68,48 @@ def _measure(lib: ctypes.CDLL, kind: str) -> dict:
             "sliced_us": round(times[1] * 1e6, 1)}
 
 
-def _measure_groups16(lib: ctypes.CDLL) -> dict:
-    """The body's int8-code product by groups (kernels/groups_kernel.h) against the four-row layout's (under the
-    paths chosen for it), one query row, one thread, interleaved, each's best."""
+_STREAM = 16  # matrices a decode-like sweep cycles through (several MB: from the L3 or memory, as a step reads)
+
+
+def _measure_groups16(lib: ctypes.CDLL, kind: str) -> dict:
+    """The body's product of `kind` ("packed": Q4_1-like codes with offsets; "int8": Q8_0-like) by groups
+    (kernels/groups_kernel.h) against the four-row layout's (under the path chosen for it): one query row on two
+    threads through _STREAM decode-sized matrices in turn — a step streams its matrices, so their prefetching and
+    the threads' shares count, not a hot product alone — interleaved, each's best sweep."""
     g = torch.Generator().manual_seed(0)
-    codes = torch.randint(-127, 128, (_N, _K), generator=g, dtype=torch.int8)
-    scale = (torch.rand(_N, _K // 32, generator=g) * 0.01).half()
-    laid, s16 = layout16.lay_out(codes, None), layout16.scales_out(scale)
-    rows4 = block4(codes)
+    packed = kind == "packed"
+    four_bit = "unsigned" if packed else None
+    calls: dict[bool, list] = {False: [], True: []}
+    keep = []
     x = torch.randn(1, _K, generator=g)
     y = torch.empty(1, _N)
-    args = {False: (x.data_ptr(), 1, _K, rows4.data_ptr(), scale.data_ptr(), None, _N, 32, ROWS4 | HALF),
-            True: (x.data_ptr(), 1, _K, laid.data_ptr(), s16.data_ptr(), None, _N, 32, GROUPS16 | HALF)}
-    mode = lib.lmhead_sliced(-1)
+    for _ in range(_STREAM):
+        codes = torch.randint(0, 16, (_N, _K), generator=g, dtype=torch.int8) if packed else \
+            torch.randint(-127, 128, (_N, _K), generator=g, dtype=torch.int8)
+        scale = (torch.rand(_N, _K // 32, generator=g) * 0.01).half()
+        offset = (torch.rand(_N, _K // 32, generator=g) * -0.1).half() if packed else None
+        rows4 = block4(pack4(codes) if packed else codes)
+        laid = layout16.lay_out(codes, four_bit)
+        s16, m16 = layout16.scales_out(scale), None if offset is None else layout16.scales_out(offset)
+        keep += [rows4, scale, offset, laid, s16, m16]
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        calls[False].append((x.data_ptr(), 1, _K, rows4.data_ptr(), scale.data_ptr(), ptr(offset), _N, 32,
+                             ROWS4 | HALF | (PACKED if packed else 0)))
+        calls[True].append((x.data_ptr(), 1, _K, laid.data_ptr(), s16.data_ptr(), ptr(m16), _N, 32,
+                            GROUPS16 | HALF | (PACKED if packed else 0)))
+
+    def sweep(on: bool) -> float:
+        t0 = time.perf_counter()
+        for args in calls[on]:
+            lib.lmhead_coded_matmul(*args, y.data_ptr(), 2)
+        return time.perf_counter() - t0
+
     times = {False: float("inf"), True: float("inf")}
-    for _ in range(3):
+    for _ in range(_REPEATS):
         for on in (False, True):
-            times[on] = min(times[on], _time_product(lib, mode, args[on], y))
-    return {"groups16": times[True] < times[False], "rows4_us": round(times[False] * 1e6, 1),
-            "groups16_us": round(times[True] * 1e6, 1)}
+            times[on] = min(times[on], sweep(on))
+    return {"groups16": times[True] < times[False], "rows4_us": round(times[False] / _STREAM * 1e6, 1),
+            "groups16_us": round(times[True] / _STREAM * 1e6, 1)}
 
 
 def _read(path: Path) -> dict | None:
@@ -131,22 +154,22 @@ def choose(lib: ctypes.CDLL, library_path: Path) -> dict:
     lib.lmhead_sliced(sum(bit for kind, bit in KINDS.items() if _chosen[kind]["sliced"]))
     _chosen["groups16_built"] = lib.lmhead_groups16() > 0  # not a kind: not kept in the record
     if "groups16" not in _chosen and _chosen["groups16_built"] and env not in ("0", "1"):
-        _chosen["groups16"] = _measure_groups16(lib)
+        _chosen["groups16"] = {kind: _measure_groups16(lib, kind) for kind in KINDS}
         _write(library_path.with_name(library_path.name + ".paths.json"),
                {k: v for k, v in _chosen.items() if k != "groups16_built"})
     return _chosen
 
 
-def groups16_chosen() -> bool:
-    """Whether the body's matrices of codes in groups of 32 take the integer path by groups (`models/groups16.py`)
-    where the library builds it (`choose` has run): measured faster here (`LMHEAD_GROUPS16=0` or `1` says, else
-    `LMHEAD_SLICED`, which turns every integer path off or on)."""
+def groups16_chosen(kind: str) -> bool:
+    """Whether the body's matrices of `kind` ("packed" or "int8") in groups of 32 take the integer path by groups
+    (`models/groups16.py`) where the library builds it (`choose` has run): measured faster here on a decode-like
+    sweep (`LMHEAD_GROUPS16=0` or `1` says, else `LMHEAD_SLICED`, which turns every integer path off or on)."""
     if not _chosen.get("groups16_built"):
         return False
     for env in (os.environ.get("LMHEAD_GROUPS16"), os.environ.get("LMHEAD_SLICED")):
         if env in ("0", "1"):
             return env == "1"
-    return bool(_chosen.get("groups16", {}).get("groups16", False))
+    return bool(_chosen.get("groups16", {}).get(kind, {}).get("groups16", False))
 
 
 def chosen() -> dict:
@@ -166,8 +189,9 @@ def describe() -> str:
         path = "int8 slices (AVX-512 VNNI)" if c["sliced"] else "float32"
         timing = f": float32 {c['float_us']} µs, int8 slices {c['sliced_us']} µs" if "float_us" in c else ""
         parts.append(f"{name} products {path}{timing}")
-    if "groups16" in _chosen:
-        c = _chosen["groups16"]
-        parts.append(f"the body's codes in groups of 32 {'by groups (VNNI)' if c['groups16'] else 'as above'}: "
-                     f"four-row layout {c['rows4_us']} µs, by groups {c['groups16_us']} µs")
+    for kind, name in (("packed", "packed 4-bit"), ("int8", "int8-code")):
+        c = _chosen.get("groups16", {}).get(kind)
+        if c:
+            parts.append(f"a body's {name} codes in groups of 32 {'by groups' if c['groups16'] else 'as above'} "
+                         f"(a decode-like sweep: four-row layout {c['rows4_us']} µs, by groups {c['groups16_us']} µs)")
     return "; ".join(parts) + f" ({_chosen['how']})"

@@ -1,8 +1,9 @@
 """Which matrices take the integer path by groups (`kernels/groups_kernel.h`, laid out by `kernels/layout16.py`):
 codes without sub-scales in groups of 32 — int8 codes without offsets (Q8_0, Q5_0), packed signed ones without
-offsets (Q4_0), packed unsigned ones (Q4_1) —, N a multiple of 64, K of 32 and at least 256 (the kernel's bound
+offsets (Q4_0), packed unsigned ones (Q4_1) —, N a multiple of 16, K of 32 and at least 256 (the kernel's bound
 holds for any group there), float16 scales, where this machine's library builds the path and `kernels/paths.py`
-chose it. The matrices of the body only: a head's screen and an embedding's rows read the four-row layout.
+chose it for that kind of codes. The matrices of the body only: a head's screen and an embedding's rows read the
+four-row layout.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ def built() -> bool:
     return lib is not None and lib.lmhead_groups16() > 0
 
 
-def chosen() -> bool:
-    """Whether the body's eligible matrices take the path here (built, and chosen: `paths.groups16_chosen`)."""
-    return built() and paths.groups16_chosen()
+def chosen(kind: str) -> bool:
+    """Whether the body's eligible matrices of `kind` ("packed" 4-bit codes or "int8" codes) take the path here
+    (built, and chosen: `paths.groups16_chosen`)."""
+    return built() and paths.groups16_chosen(kind)
 
 
 def eligible(n: int, k: int, group: int, four_bit: str | None, offset: bool) -> bool:
     """Whether a matrix of this shape and kind of codes takes the integer path by groups here."""
     kind_ok = (four_bit is None and not offset) or (four_bit == "signed" and not offset) or four_bit == "unsigned"
-    return kind_ok and group == 32 and n % ROWS == 0 and n > 0 and k % 32 == 0 and k >= 256 and chosen()
+    return (kind_ok and group == 32 and n % ROWS == 0 and n > 0 and k % 32 == 0 and k >= 256
+            and chosen("int8" if four_bit is None else "packed"))

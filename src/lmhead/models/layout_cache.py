@@ -81,7 +81,7 @@ def folder_for(gguf: Path) -> Path | None:
         return None
     from lmhead.models import groups16
 
-    by_groups = int(groups16.chosen())  # the layouts a load makes differ with it
+    by_groups = f"{int(groups16.chosen('packed'))}{int(groups16.chosen('int8'))}"  # the layouts a load makes differ
     key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{FORMAT}\0{by_groups}".encode()).hexdigest()[:32]
     folder = cache_root() / "layouts" / key
     with _lock:
