@@ -25,9 +25,6 @@
 #include <unistd.h>
 
 enum { G16_NB = 4 }; /* blocks of sixteen weight rows a query row takes at once: independent chains, shared loads */
-#ifndef G16_AHEAD
-#define G16_AHEAD 0 /* groups */
-#endif
 
 static inline int g16_bias(int packed, int signed4) { return !packed ? 128 : signed4 ? 8 : 0; }
 
@@ -110,12 +107,8 @@ KERNEL_INLINE void g16_rows(const int NB, const int8_t* a, int64_t plane, const 
     for (int j = 0; j < NB; j++) acc[j] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         __m512i r[4][3];
-        for (int j = 0; j < NB; j++) {
+        for (int j = 0; j < NB; j++)
             for (int s = 0; s < 3; s++) r[j][s] = _mm512_set1_epi32(-bias * t[g * 3 + s]);
-            /* the codes G16_AHEAD groups on in each block's stream (a decode product streams them from memory) */
-            const char* ahead = (const char*)(codes + ((b0 + j) * G + g + G16_AHEAD) * unit);
-            if (G16_AHEAD) for (int64_t line = 0; line < unit; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-        }
         for (int q = 0; q < 8; q++) {
             __m512i sv[3];
             for (int s = 0; s < 3; s++) sv[s] = _mm512_set1_epi32(ap[s][g * 8 + q]);
