@@ -7,8 +7,10 @@ checked per query row). Both give the same tokens to float32 rounding; which is 
 layout, so the first process to load a build times the two on a decode-sized product of each kind — packed 4-bit
 codes (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS, MXFP4) and int8 codes without offsets (Q8_0, Q5_0, Q6_K) —
 and keeps the answer beside the library (`<library>.paths.json`, written to a temporary file and renamed, checked
-on load). `LMHEAD_SLICED=0` or `1` turns the integer path off or on for both. `describe()` says what was chosen and
-why (benchmarks print it with their records).
+on load). `LMHEAD_SLICED=0` or `1` turns the integer path off or on for both. Where the library also builds the
+integer path by groups (groups_kernel.h: a body's Q8_0, Q5_0, Q4_0 and Q4_1 matrices laid out sixteen rows a vector),
+whether each kind takes it is measured the same way on a decode-like sweep (`groups16_chosen`; `LMHEAD_GROUPS16`).
+`describe()` says what was chosen and why (benchmarks print it with their records).
 """
 
 from __future__ import annotations
