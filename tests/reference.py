@@ -512,6 +512,13 @@ def coded_weight(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor 
     return w
 
 
+def float32_dot_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[M, N]: how far a float32 dot product of x [M, K] and w [N, K] may be from the exact one, in any order of its
+    sums — γ_K·Σ|x|·|w| with γ_K = K·u / (1 − K·u), u = 2⁻²⁴ (Higham's bound), in float64."""
+    k = x.shape[-1]
+    return (k * 2.0 ** -24 / (1 - k * 2.0 ** -24)) * (x.double().abs() @ w.double().abs().T)
+
+
 def ngram_proposal(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
     """Prompt lookup by definition: for n = max_n … min_n, every earlier start s of the last n tokens (s + n <
     len), the latest one wins; the k tokens after it. [] when no suffix occurred before."""

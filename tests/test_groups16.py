@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import coded_weight, float32_dot_bound
 
 from lmhead.kernels import native
 from lmhead.models import groups16
@@ -32,13 +33,7 @@ def _matrix(kind: str, n: int, k: int, seed: int = 0) -> tuple[CodedLinear, torc
     offset = (torch.rand(n, k // 32, generator=g) * -0.1).half().float() if offsets else None
     coded = CodedLinear(codes, scale, offset, four_bit=four_bit, groups16=True)
     assert coded.by_groups and coded.flags & native.GROUPS16
-    w = codes.double().view(n, -1, 32) * scale.double()[..., None]
-    return coded, (w if offset is None else w + offset.double()[..., None]).view(n, k)
-
-
-def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    k = x.shape[1]
-    return (k * 2.0 ** -24 / (1 - k * 2.0 ** -24)) * (x.double().abs() @ w.abs().T)
+    return coded, coded_weight(codes, scale, offset)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -68,7 +63,7 @@ def test_a_rows_product_is_within_the_bound_and_the_same_bits_alone_in_a_batch_a
 
     alone = torch.cat([product(x[i:i + 1].clone(), 1) for i in range(x.shape[0])])
     exact = x.double() @ w.T
-    assert bool(((alone.double() - exact).abs() <= _bound(x, w)).all())
+    assert bool(((alone.double() - exact).abs() <= float32_dot_bound(x, w)).all())
     assert bool((alone[4] == 0).all())
     for m in (2, 16, 17, 37):  # 16 and more: AMX's tiles where the CPU grants them
         for threads in (1, 2, 3):
@@ -88,7 +83,7 @@ def test_rows_the_integer_path_cannot_take_get_the_float32_sums(kind):
     assert torch.isnan(y[2]).all() and not torch.isnan(y[[0, 1, 4]]).any()
     assert not torch.isfinite(y[3]).any()
     keep = [i for i in range(20) if i not in (2, 3)]
-    assert bool(((y[keep].double() - x[keep].double() @ w.T).abs() <= _bound(x[keep], w)).all())
+    assert bool(((y[keep].double() - x[keep].double() @ w.T).abs() <= float32_dot_bound(x[keep], w)).all())
     alone = torch.cat([coded(x[i:i + 1].clone()) for i in range(20)])
     assert torch.equal(alone[keep].view(torch.int32), y[keep].view(torch.int32))
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from reference import coded_weight
+from reference import coded_weight, float32_dot_bound
 
 from lmhead.kernels import native
 from lmhead.models.coded_linear import CodedLinear
@@ -58,11 +58,7 @@ def _matrix(n: int, k: int, kind: str, g: torch.Generator) -> tuple[CodedLinear,
 
 def _within_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
     """The largest |y − x·wᵀ| (float64) as a fraction of the float32 dot product's bound γ_K·Σ|w·x|."""
-    k = x.shape[-1]
-    gamma = k * 2.0**-24 / (1 - k * 2.0**-24)
-    exact = x.double() @ w.T
-    bound = gamma * (x.double().abs() @ w.abs().T)
-    return float(((y.double() - exact).abs() / bound).max())
+    return float(((y.double() - x.double() @ w.T).abs() / float32_dot_bound(x, w)).max())
 
 
 def _rows(m: int, k: int, g: torch.Generator) -> torch.Tensor:

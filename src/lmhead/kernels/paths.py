@@ -82,7 +82,8 @@ def _measure_groups16(lib: ctypes.CDLL, kind: str) -> dict:
     packed = kind == "packed"
     four_bit = "unsigned" if packed else None
     calls: dict[bool, list] = {False: [], True: []}
-    keep = []
+    keep = []  # the buffers the calls point into
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     x = torch.randn(1, _K, generator=g)
     y = torch.empty(1, _N)
     for _ in range(_STREAM):
@@ -94,7 +95,6 @@ def _measure_groups16(lib: ctypes.CDLL, kind: str) -> dict:
         laid = layout16.lay_out(codes, four_bit)
         s16, m16 = layout16.scales_out(scale), None if offset is None else layout16.scales_out(offset)
         keep += [rows4, scale, offset, laid, s16, m16]
-        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         calls[False].append((x.data_ptr(), 1, _K, rows4.data_ptr(), scale.data_ptr(), ptr(offset), _N, 32,
                              ROWS4 | HALF | (PACKED if packed else 0)))
         calls[True].append((x.data_ptr(), 1, _K, laid.data_ptr(), s16.data_ptr(), ptr(m16), _N, 32,

@@ -387,8 +387,7 @@ class LeanBody(NativeStep):
         weight = getattr(layer, name)
         rows = x.shape[:-1].numel()
         dense = getattr(coded, "dense", False)  # `use_dense`: the kernel over the model's own float32 weights
-        if dense and weight is not None and torch.is_grad_enabled() \
-                and weight.requires_grad:
+        if dense and weight is not None and torch.is_grad_enabled() and weight.requires_grad:
             coded = None  # autograd may want the weight's gradient: the kernel has no backward
         # a dense matrix over the model's own float32 weights (`use_dense`) takes every call, long ones too
         if coded is not None and (rows <= self.CODED_MAX_ROWS or weight is None or dense):
