@@ -535,6 +535,7 @@ def test_a_dense_k_quant_holds_its_scales_as_its_blocks_do_where_the_build_conve
     from lmhead.models.gguf_file import dense_sub
 
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", kind=kind)
+    monkeypatch.setenv("LMHEAD_GROUPS16", "0")  # the four-row layout's two ways (by groups: tests/test_groups16.py)
     got = {}
     for wide in (True, False):
         monkeypatch.setattr(native, "sub_sixteen", lambda wide=wide: wide)

@@ -12,12 +12,18 @@ from reference import coded_weight, float32_dot_bound
 
 from lmhead.kernels import native
 from lmhead.models import groups16
-from lmhead.models.coded_linear import CodedLinear
+from lmhead.models.coded_linear import CodedLinear, SubScales
 from lmhead.models.expert_layout import ExpertMatrices
 
 pytestmark = pytest.mark.skipif(not groups16.built(), reason="the integer path by groups needs AVX-512 VNNI")
 
-KINDS = {"int8": (None, -127, 128, False), "signed": ("signed", -8, 8, False), "unsigned": ("unsigned", 0, 16, True)}
+# (four_bit, lowest code, highest + 1, offsets, the group of a K-quant's sub-scales or 0 for float16 scales a group
+# of 32): Q8_0/Q5_0, Q5_1, Q4_0, Q4_1; Q4_K, Q5_K; Q6_K, Q3_K, Q2_K
+KINDS = {"int8": (None, -127, 128, False, 0), "int8 offsets": (None, 0, 32, True, 0),
+         "signed": ("signed", -8, 8, False, 0), "unsigned": ("unsigned", 0, 16, True, 0),
+         "unsigned sub": ("unsigned", 0, 16, True, 32), "int8 sub": (None, 0, 32, True, 32),
+         "int8 sub16": (None, -32, 32, False, 16), "signed sub16": ("signed", -4, 4, False, 16),
+         "signed sub16 offsets": ("signed", 0, 4, True, 16)}
 
 
 @pytest.fixture(autouse=True)
@@ -25,26 +31,46 @@ def chosen(monkeypatch):
     monkeypatch.setenv("LMHEAD_GROUPS16", "1")
 
 
+def _subscales(n: int, k: int, group: int, g: torch.Generator, sign: float) -> SubScales:
+    """A K-quant's scales (d a float16 number per 256 weights, an int8 sub per group: Q6_K's in −128 … 127, the
+    others' 6-bit), as its blocks hold them; `sign` −1: offsets (−dmin)."""
+    s = SubScales(n, k, group)
+    s.d.copy_((torch.rand(n, k // 256, generator=g) * 1e-3 * sign).half().float())
+    lo, hi = (-128, 128) if group == 16 and sign > 0 else (0, 64)
+    s.sub.copy_(torch.randint(lo, hi, (n, k // group), generator=g, dtype=torch.int8))
+    return s
+
+
 def _matrix(kind: str, n: int, k: int, seed: int = 0) -> tuple[CodedLinear, torch.Tensor]:
-    four_bit, lo, hi, offsets = KINDS[kind]
+    four_bit, lo, hi, offsets, sub = KINDS[kind]
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int8)
-    scale = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-4).half().float()
-    offset = (torch.rand(n, k // 32, generator=g) * -0.1).half().float() if offsets else None
-    coded = CodedLinear(codes, scale, offset, four_bit=four_bit, groups16=True)
+    if sub:  # as a file's K-quant is read: its codes in chunks, its sub-scales as its blocks hold them
+        scale, offset = _subscales(n, k, sub, g, 1.0), _subscales(n, k, sub, g, -1.0) if offsets else None
+        coded = CodedLinear.from_chunks(n, k, scale, offset, [(0, codes[:64]), (64, codes[64:])], four_bit,
+                                        groups16=True)
+        scale, offset = scale.floats(), None if offset is None else offset.floats()
+    else:
+        scale = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-4).half().float()
+        offset = (torch.rand(n, k // 32, generator=g) * -0.1).half().float() if offsets else None
+        coded = CodedLinear(codes, scale, offset, four_bit=four_bit, groups16=True)
     assert coded.by_groups and coded.flags & native.GROUPS16
     return coded, coded_weight(codes, scale, offset)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_the_layout_gives_the_codes_and_scales_back(kind):
-    coded, w = _matrix(kind, 128, 320)
-    assert torch.equal(coded.dequantize().double(), w)
-    assert torch.equal(coded.rows(torch.tensor([0, 17, 127])).double(), w[[0, 17, 127]])
+    coded, w = _matrix(kind, 128, 512 if KINDS[kind][4] else 320)
+    assert torch.equal(coded.dequantize(), w.float())  # a K-quant's code·scale + offset rounded once, as its file's
+    assert torch.equal(coded.rows(torch.tensor([0, 17, 127])), w[[0, 17, 127]].float())
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("n, k", [(48, 256), (192, 576), (128, 1536 + 64)])
+# a K-quant's rows are whole blocks of 256
+SHAPES = [(kind, n, k) for kind in sorted(KINDS)
+          for n, k in ([(48, 256), (80, 1024), (32, 2048)] if KINDS[kind][4] else [(48, 256), (192, 576), (128, 1600)])]
+
+
+@pytest.mark.parametrize("kind, n, k", SHAPES)
 def test_a_rows_product_is_within_the_bound_and_the_same_bits_alone_in_a_batch_and_over_threads(kind, n, k):
     coded, w = _matrix(kind, n, k, seed=n + k)
     g = torch.Generator().manual_seed(1)
@@ -57,7 +83,7 @@ def test_a_rows_product_is_within_the_bound_and_the_same_bits_alone_in_a_batch_a
         y = torch.empty(rows.shape[0], n)
         assert lib.lmhead_coded_matmul(rows.data_ptr(), rows.shape[0], k, coded.codes.data_ptr(),
                                        coded.scale.data_ptr(),
-                                       None if coded.offset is None else coded.offset.data_ptr(), n, 32,
+                                       None if coded.offset is None else coded.offset.data_ptr(), n, coded.group,
                                        coded.flags, y.data_ptr(), threads) == 0
         return y
 
@@ -88,10 +114,11 @@ def test_rows_the_integer_path_cannot_take_get_the_float32_sums(kind):
     assert torch.equal(alone[keep].view(torch.int32), y[keep].view(torch.int32))
 
 
-def test_a_matrix_by_groups_keeps_its_layout_as_the_experts_of_one():
-    coded, _ = _matrix("unsigned", 128, 512)
-    ex = ExpertMatrices(coded.codes.unsqueeze(0), coded.scale.unsqueeze(0), coded.offset.unsqueeze(0), 512, 32,
-                        coded.four_bit, False, False, by_groups=True)
+@pytest.mark.parametrize("kind", ["unsigned", "unsigned sub", "signed sub16 offsets"])
+def test_a_matrix_by_groups_keeps_its_layout_as_the_experts_of_one(kind):
+    coded, _ = _matrix(kind, 128, 512)
+    ex = ExpertMatrices(coded.codes.unsqueeze(0), coded.scale.unsqueeze(0), coded.offset.unsqueeze(0), 512,
+                        coded.group, coded.four_bit, False, coded.sub, by_groups=True)
     again = ex[0]
     assert again.by_groups and again.out_features == 128 and again.flags == coded.flags
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4))
@@ -122,3 +149,19 @@ def test_the_packaged_smollm2s_body_takes_it_and_its_embedding_and_head_do_not(t
     assert all(c.by_groups for c in warm.lean.layers[0].coded.values())
     x = torch.randn(2, 576, generator=torch.Generator().manual_seed(6))
     assert torch.equal(warm.lean.layers[0].coded["qkv"](x), model.lean.layers[0].coded["qkv"](x))
+
+
+@pytest.mark.model
+def test_the_packaged_gemmas_k_quant_matrices_take_it_with_their_sub_scales(tmp_path, monkeypatch):
+    from lmhead import load_model
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    model = load_model("gemma-3-270m", progress=False)
+    taken = set()
+    for layer in model.lean.layers:
+        for c in layer.coded.values():
+            for m in getattr(c, "blocks", [c]):  # q/k/v of mixed types: row blocks of their own layouts
+                assert m.by_groups
+                taken.add((m.group, m.sub))
+    # Q4_K's groups of 32 and Q6_K's of 16 with their sub-scales; Q5_0's and Q8_0's float16 scales
+    assert taken == {(32, True), (16, True), (32, False)}

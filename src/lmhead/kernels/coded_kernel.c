@@ -201,7 +201,7 @@ static inline void fetch_scales(const void* base, int64_t N, int64_t K, int64_t 
 #endif
 }
 
-int lmhead_coded_abi(void) { return 31; }
+int lmhead_coded_abi(void) { return 32; }
 
 /* whether sub_floats makes sixteen d·sub products an instruction (AVX-512): where it does, a dense matrix of a
  * K-quant with groups of 32 holds its scales as the blocks do too (models/gguf_file.py) */
@@ -1417,9 +1417,11 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
                         const void* offset, int64_t N, int64_t G, int flags, float* y, int threads) {
     if (flags & LMHEAD_GROUPS16) {
 #ifdef LMHEAD_SLICED_BUILT
-        if (G != 32 || !(flags & LMHEAD_HALF) || (flags & ~(LMHEAD_GROUPS16 | LMHEAD_HALF | LMHEAD_PACKED | LMHEAD_SIGNED4)))
+        const int sub = (flags & LMHEAD_SUB) != 0; /* a K-quant's scales, else float16 ones */
+        if ((G != 32 && !(G == 16 && sub)) || sub == ((flags & LMHEAD_HALF) != 0) ||
+            (flags & ~(LMHEAD_GROUPS16 | LMHEAD_HALF | LMHEAD_SUB | LMHEAD_PACKED | LMHEAD_SIGNED4)))
             return -1;
-        return groups16_matmul(x, M, K, (const uint8_t*)codes, (const uint16_t*)scale, (const uint16_t*)offset, N,
+        return groups16_matmul(x, M, K, (const uint8_t*)codes, scale, offset, sub, G == 16, N,
                                (flags & LMHEAD_PACKED) != 0, (flags & LMHEAD_SIGNED4) != 0, y, threads);
 #else
         return -1; /* not built here: the layout is made only where it is */

@@ -1,12 +1,14 @@
 /* The integer path by groups (LMHEAD_GROUPS16), included by coded_kernel.c where it builds the integer path
- * (AVX-512 VNNI): codes without sub-scales in groups of 32 — int8 codes (Q8_0, Q5_0), packed signed (Q4_0) and packed
- * unsigned with offsets (Q4_1) — laid out sixteen weight rows a vector.
+ * (AVX-512 VNNI): codes in groups of 32 or 16 — int8 codes (Q8_0, Q5_0, Q6_K; with offsets Q5_1, Q5_K), packed signed
+ * (Q4_0, Q3_K; with offsets Q2_K) and packed unsigned with offsets (Q4_1, Q4_K) — laid out sixteen weight rows a
+ * vector. Weights in groups of 16 (`halves`) are groups of their own for the scales and the slices' sums; the
+ * activations are sliced per 32 either way.
  *
  *   x [M, K] ──each row's groups of 32 sliced: x̂ = d₂·(2¹⁶·a₀ + 2⁸·a₁ + a₂), d₂ a power of two, a₀ in
  *              −127 … 127, a₁, a₂ in −128 … 127──▶ each (query row, weight row, group): the slices' exact int32 sums S₀, S₁, S₂ with
  *              the codes (VNNI's vpdpbusd, or AMX's tiles for whole blocks of sixteen query rows)
  *            ──one fixed sequence of float operations a group: v = fma(S₀, 2¹⁶, float(2⁸·S₁ + S₂)),
- *              acc = fma(v, d·d₂, [fma(m, d₂·Σx̂/d₂, acc)]) over the groups in order──▶ y [M, N]
+ *              acc = fma(v, d·d₂, [fma(m, d₂·Σx̂/d₂, acc)]) over the groups (halves: each half) in order──▶ y [M, N]
  *
  * Integer sums are exact in any order and on any unit, so a row's value is the same bits alone (VNNI), as one of
  * sixteen rows of a tile (AMX), under any thread count. The representation error of a group is at most
@@ -17,7 +19,9 @@
  *
  * Layout: codes [N/16][K/32][8][16][4] bytes, the codes as unsigned bytes c + bias (int8: 128), or packed
  * [N/16][K/32][4][64] where byte 4r + j of vector p holds row r's codes of steps 2p (low nibble) and 2p + 1 (high),
- * each c + bias (Q4_0: 8; Q4_1: 0); scales and offsets [N/16][K/32][16] float16. N a multiple of 16. */
+ * each c + bias (Q4_0: 8; Q4_1, Q4_K: 0); scales and offsets [N/16][K/32][16] float16, or a K-quant's as its
+ * blocks hold them (sub): d [N/16][K/256][16] float32 then sub [N/16][K/group][16] int8, a group's scale the float32
+ * product d·sub (exact: the four-row layout's SUB numbers). N a multiple of 16. */
 #ifndef LMHEAD_GROUPS_KERNEL_H
 #define LMHEAD_GROUPS_KERNEL_H
 
@@ -28,7 +32,8 @@ enum { G16_NB = 4 }; /* blocks of sixteen weight rows a query row takes at once:
 
 static inline int g16_bias(int packed, int signed4) { return !packed ? 128 : signed4 ? 8 : 0; }
 
-/* a query row's slices: a [3][plane] (this row at offset m·K), d2 [G], t [G][3] (each slice's sum), vx [G];
+/* a query row's slices: a [3][plane] (this row at offset m·K), d2 [G], t [G][3][3] (each slice's sum over the group,
+ * its first and its second sixteen), vx [G][3] (x̂'s sums over the same, in units of d₂);
  * returns whether the row takes the integer path. Per group, d₀ the smallest power of two with max|x|/d₀ ≤ 127,
  * d₂ = d₀·2⁻¹⁶, and in double (exact) floors of (x + d₂/2 + 32896·d₂)/d₀, each remainder times 2⁸ the next, the
  * last two less 128: x̂ = d₂·(2¹⁶·a₀ + 2⁸·a₁ + a₂), |x − x̂| ≤ d₂/2 (sliced_kernel.h's slicing, per group) */
@@ -53,7 +58,8 @@ static int g16_slice(const float* x, int64_t K, int8_t* a, int64_t plane, float*
         }
         d2[g] = (float)(d0 * 0x1p-16);
         const __m512d cen = _mm512_set1_pd(d0 * 0x1p-16 * (0.5 + 32896.0)), inv = _mm512_set1_pd(1.0 / d0);
-        __m256i sums[3] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+        __m256i sums[2][3];
+        for (int k = 0; k < 6; k++) sums[k / 3][k % 3] = _mm256_setzero_si256();
         for (int h = 0; h < 4; h++) {
             const __m256 xs = ok ? _mm256_loadu_ps(x + g * 32 + 8 * h) : _mm256_setzero_ps();
             __m512d v = _mm512_mul_pd(_mm512_add_pd(_mm512_cvtps_pd(xs), cen), inv);
@@ -61,19 +67,21 @@ static int g16_slice(const float* x, int64_t K, int8_t* a, int64_t plane, float*
                 const __m512d q = _mm512_roundscale_pd(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
                 __m256i qi = _mm512_cvtpd_epi32(q);
                 if (k > 0) qi = _mm256_sub_epi32(qi, _mm256_set1_epi32(128));
-                sums[k] = _mm256_add_epi32(sums[k], qi);
+                sums[h / 2][k] = _mm256_add_epi32(sums[h / 2][k], qi);
                 _mm_storel_epi64((__m128i*)(a + k * plane + g * 32 + 8 * h), _mm256_cvtepi32_epi8(qi));
                 v = _mm512_mul_pd(_mm512_sub_pd(v, q), _mm512_set1_pd(256.0));
             }
         }
-        for (int k = 0; k < 3; k++) {
+        int32_t* tg = t + g * 9;
+        for (int k = 0; k < 6; k++) {
             int32_t lanes[8];
-            _mm256_storeu_si256((__m256i*)lanes, sums[k]);
+            _mm256_storeu_si256((__m256i*)lanes, sums[k / 3][k % 3]);
             int32_t total = 0;
             for (int i = 0; i < 8; i++) total += lanes[i];
-            t[g * 3 + k] = total;
+            tg[3 + k] = total;
         }
-        vx[g] = fmaf((float)t[g * 3], 65536.f, (float)(t[g * 3 + 1] * 256 + t[g * 3 + 2]));
+        for (int k = 0; k < 3; k++) tg[k] = tg[3 + k] + tg[6 + k];
+        for (int p = 0; p < 3; p++) vx[g * 3 + p] = fmaf((float)tg[3 * p], 65536.f, (float)(tg[3 * p + 1] * 256 + tg[3 * p + 2]));
     }
     return ok;
 }
@@ -89,6 +97,25 @@ static inline __m512 g16_add(__m512 acc, __m512i s0, __m512i s1, __m512i s2, __m
 
 static inline __m512 g16_halves(const uint16_t* h) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h)); }
 
+/* the scales (or offsets) s of block b's weight group g (of GS a row), sixteen rows: float16, or d·sub where `sub`
+ * (N rows; `per` groups to a d: 8 for groups of 32, 16 for groups of 16) */
+static inline __m512 g16_scales(const void* s, int sub, int64_t N, int64_t GS, int per, int64_t b, int64_t g) {
+    if (!sub) return g16_halves((const uint16_t*)s + (b * GS + g) * 16);
+    const float* d = (const float*)s;
+    const int8_t* sb = (const int8_t*)(d + N * (GS / per)) + (b * GS + g) * 16;
+    return _mm512_mul_ps(_mm512_loadu_ps(d + (b * (GS / per) + g / per) * 16),
+                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)sb))));
+}
+
+/* one row's (n) scale of weight group g: g16_scales' lane */
+static inline float g16_scale1(const void* s, int sub, int64_t N, int64_t GS, int per, int64_t n, int64_t g) {
+    const int64_t b = n / 16, lane = n % 16;
+    if (!sub) return half_to_float(((const uint16_t*)s)[(b * GS + g) * 16 + lane]);
+    const float* d = (const float*)s;
+    const int8_t* sb = (const int8_t*)(d + N * (GS / per));
+    return d[(b * (GS / per) + g / per) * 16 + lane] * (float)sb[(b * GS + g) * 16 + lane];
+}
+
 /* the codes of step q of a group's unit, as unsigned bytes */
 static inline __m512i g16_step(const uint8_t* unit, int q, int packed) {
     if (!packed) return _mm512_loadu_si512(unit + q * 64);
@@ -99,63 +126,68 @@ static inline __m512i g16_step(const uint8_t* unit, int q, int packed) {
 /* one query row (its slices a, plane apart) against weight rows 16·b0 .. 16·(b0 + NB) − 1 (NB ≤ G16_NB, a constant
  * in each copy below) */
 KERNEL_INLINE void g16_rows(const int NB, const int8_t* a, int64_t plane, const float* d2, const int32_t* t,
-                            const float* vx, int64_t K, const uint8_t* codes, const uint16_t* s16, const uint16_t* m16,
-                            int packed, int32_t bias, int64_t b0, float* y) {
-    const int64_t G = K / 32, unit = packed ? 256 : 512;
+                            const float* vx, int64_t K, const uint8_t* codes, const void* s16, const void* m16,
+                            int sub, int halves, int64_t N, int packed, int32_t bias, int64_t b0, float* y) {
+    const int64_t G = K / 32, unit = packed ? 256 : 512, H = halves ? 2 : 1, GS = G * H;
+    const int per = halves ? 16 : 8;
     const int32_t* ap[3] = {(const int32_t*)a, (const int32_t*)(a + plane), (const int32_t*)(a + 2 * plane)};
     __m512 acc[4];
     for (int j = 0; j < NB; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        __m512i r[4][3];
-        for (int j = 0; j < NB; j++)
-            for (int s = 0; s < 3; s++) r[j][s] = _mm512_set1_epi32(-bias * t[g * 3 + s]);
-        for (int q = 0; q < 8; q++) {
-            __m512i sv[3];
-            for (int s = 0; s < 3; s++) sv[s] = _mm512_set1_epi32(ap[s][g * 8 + q]);
-            for (int j = 0; j < NB; j++) {
-                const __m512i c = g16_step(codes + ((b0 + j) * G + g) * unit, q, packed);
-                for (int s = 0; s < 3; s++) r[j][s] = _mm512_dpbusd_epi32(r[j][s], c, sv[s]);
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t h = 0; h < H; h++) {
+            const int32_t* th = t + g * 9 + (halves ? 3 + 3 * h : 0);
+            __m512i r[4][3];
+            for (int j = 0; j < NB; j++)
+                for (int s = 0; s < 3; s++) r[j][s] = _mm512_set1_epi32(-bias * th[s]);
+            for (int q = (int)(h * 8 / H); q < (h + 1) * 8 / H; q++) {
+                __m512i sv[3];
+                for (int s = 0; s < 3; s++) sv[s] = _mm512_set1_epi32(ap[s][g * 8 + q]);
+                for (int j = 0; j < NB; j++) {
+                    const __m512i c = g16_step(codes + ((b0 + j) * G + g) * unit, q, packed);
+                    for (int s = 0; s < 3; s++) r[j][s] = _mm512_dpbusd_epi32(r[j][s], c, sv[s]);
+                }
             }
+            const int64_t gs = g * H + h;
+            const float vh = vx[g * 3 + (halves ? 1 + h : 0)];
+            for (int j = 0; j < NB; j++)
+                acc[j] = g16_add(acc[j], r[j][0], r[j][1], r[j][2], g16_scales(s16, sub, N, GS, per, b0 + j, gs),
+                                 m16 ? g16_scales(m16, sub, N, GS, per, b0 + j, gs) : _mm512_setzero_ps(), d2[g], vh,
+                                 m16 != NULL);
         }
-        for (int j = 0; j < NB; j++) {
-            const int64_t bg = (b0 + j) * G + g;
-            acc[j] = g16_add(acc[j], r[j][0], r[j][1], r[j][2], g16_halves(s16 + bg * 16),
-                             m16 ? g16_halves(m16 + bg * 16) : _mm512_setzero_ps(), d2[g], vx[g], m16 != NULL);
-        }
-    }
     for (int j = 0; j < NB; j++) _mm512_storeu_ps(y + (b0 + j) * 16, acc[j]);
 }
 
 #define G16_ROWS(NB)                                                                                              \
     static void g16_rows##NB(const int8_t* a, int64_t plane, const float* d2, const int32_t* t, const float* vx,      \
-                             int64_t K, const uint8_t* codes, const uint16_t* s16, const uint16_t* m16, int packed,  \
-                             int32_t bias, int64_t b0, float* y) {                                                  \
-        g16_rows(NB, a, plane, d2, t, vx, K, codes, s16, m16, packed, bias, b0, y);                                 \
+                             int64_t K, const uint8_t* codes, const void* s16, const void* m16, int sub, int halves, \
+                             int64_t N, int packed, int32_t bias, int64_t b0, float* y) {                           \
+        g16_rows(NB, a, plane, d2, t, vx, K, codes, s16, m16, sub, halves, N, packed, bias, b0, y);                 \
     }
 G16_ROWS(1) G16_ROWS(2) G16_ROWS(3) G16_ROWS(4)
 typedef void (*g16_rows_fn)(const int8_t*, int64_t, const float*, const int32_t*, const float*, int64_t,
-                            const uint8_t*, const uint16_t*, const uint16_t*, int, int32_t, int64_t, float*);
+                            const uint8_t*, const void*, const void*, int, int, int64_t, int, int32_t, int64_t,
+                            float*);
 static const g16_rows_fn G16_ROWS_OF[G16_NB + 1] = {NULL, g16_rows1, g16_rows2, g16_rows3, g16_rows4};
 
 /* a row the integer path refuses: float32 sums over the same weights, group by group */
-static void g16_plain(const float* x, int64_t K, const uint8_t* codes, const uint16_t* s16, const uint16_t* m16,
-                      int packed, int32_t bias, int64_t N, float* y) {
-    const int64_t G = K / 32, unit = packed ? 256 : 512;
+static void g16_plain(const float* x, int64_t K, const uint8_t* codes, const void* s16, const void* m16, int sub,
+                      int halves, int packed, int32_t bias, int64_t N, float* y) {
+    const int64_t G = K / 32, unit = packed ? 256 : 512, group = halves ? 16 : 32, GS = K / group;
+    const int per = halves ? 16 : 8;
     for (int64_t n = 0; n < N; n++) {
         float acc = 0.f;
-        for (int64_t g = 0; g < G; g++) {
-            const int64_t bg = (n / 16) * G + g;
-            const uint8_t* u = codes + bg * unit;
+        for (int64_t gs = 0; gs < GS; gs++) {
             float cx = 0.f, sx = 0.f;
-            for (int k = 0; k < 32; k++) {
-                const int q = k / 4, j = k % 4;
+            for (int64_t k = gs * group; k < (gs + 1) * group; k++) {
+                const uint8_t* u = codes + ((n / 16) * G + k / 32) * unit;
+                const int q = (int)(k % 32) / 4, j = (int)(k % 4);
                 const int byte = packed ? u[(q / 2) * 64 + (n % 16) * 4 + j] : u[q * 64 + (n % 16) * 4 + j];
                 const int c = (packed ? (q % 2 ? byte >> 4 : byte & 15) : byte) - bias;
-                cx = fmaf((float)c, x[g * 32 + k], cx);
-                sx += x[g * 32 + k];
+                cx = fmaf((float)c, x[k], cx);
+                sx += x[k];
             }
-            acc = fmaf(half_to_float(s16[bg * 16 + n % 16]), cx, acc);
-            if (m16) acc = fmaf(half_to_float(m16[bg * 16 + n % 16]), sx, acc);
+            acc = fmaf(g16_scale1(s16, sub, N, GS, per, n, gs), cx, acc);
+            if (m16) acc = fmaf(g16_scale1(m16, sub, N, GS, per, n, gs), sx, acc);
         }
         y[n] = acc;
     }
@@ -177,33 +209,36 @@ static int g16_amx_granted(void) {
     return granted == 1;
 }
 
-static void g16_tiles_configure(void) {
+/* H 1: a group of 32 at a time; H 2: each sixteen of it (weights in groups of 16) */
+static void g16_tiles_configure(int H) {
     g16_tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
-    for (int i = 0; i < 3; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64; /* the three slices' sums: 16 x 16 int32 */
-    for (int i = 3; i < 6; i++) cfg.rows[i] = 16, cfg.colsb[i] = 32; /* the slices: 16 query rows x 32 bytes */
-    cfg.rows[6] = 8, cfg.colsb[6] = 64;                              /* a group's codes: 8 x (16 rows x 4) */
+    for (int i = 0; i < 3; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;     /* the three slices' sums: 16 x 16 int32 */
+    for (int i = 3; i < 6; i++) cfg.rows[i] = 16, cfg.colsb[i] = 32 / H; /* the slices: 16 query rows x 32/H bytes */
+    cfg.rows[6] = 8 / H, cfg.colsb[6] = 64;                              /* the codes: 8/H x (16 rows x 4) */
     _tile_loadconfig(&cfg);
 }
 
 /* query rows m0 .. m0+15 against weight rows 16b .. 16b+15, whose codes are bytes [G][8][64]: signed (int8 codes:
  * tdpbssd, nothing to subtract) or unsigned (packed: tdpbsud, the bias times the slices' sums subtracted) */
 static void g16_tile(const int8_t* a, int64_t plane, const float* d2, const int32_t* t, const float* vx, int64_t m0,
-                     int64_t K, const uint8_t* u8, int packed, int32_t bias, const uint16_t* s16, const uint16_t* m16,
-                     int64_t b, float* y, int64_t N) {
-    const int64_t G = K / 32;
+                     int64_t K, const uint8_t* u8, int packed, int32_t bias, const void* s16, const void* m16, int sub,
+                     int halves, int64_t b, float* y, int64_t N) {
+    const int64_t G = K / 32, H = halves ? 2 : 1, GS = G * H;
+    const int per = halves ? 16 : 8;
     int32_t S[3][256] __attribute__((aligned(64)));
     __m512 acc[16];
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
+    for (int64_t gs = 0; gs < GS; gs++) {
+        const int64_t g = gs / H, h = gs % H, at = g * 32 + h * 16 * (H - 1);
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
-        _tile_loadd(6, u8 + g * 512, 64);
-        _tile_loadd(3, a + m0 * K + g * 32, K);
-        _tile_loadd(4, a + plane + m0 * K + g * 32, K);
-        _tile_loadd(5, a + 2 * plane + m0 * K + g * 32, K);
+        _tile_loadd(6, u8 + g * 512 + h * 256, 64);
+        _tile_loadd(3, a + m0 * K + at, K);
+        _tile_loadd(4, a + plane + m0 * K + at, K);
+        _tile_loadd(5, a + 2 * plane + m0 * K + at, K);
         if (!packed) {
             _tile_dpbssd(0, 3, 6);
             _tile_dpbssd(1, 4, 6);
@@ -216,41 +251,44 @@ static void g16_tile(const int8_t* a, int64_t plane, const float* d2, const int3
         _tile_stored(0, S[0], 64);
         _tile_stored(1, S[1], 64);
         _tile_stored(2, S[2], 64);
-        const int64_t bg = b * G + g;
-        const __m512 dv = g16_halves(s16 + bg * 16), mv = m16 ? g16_halves(m16 + bg * 16) : dv;
+        const __m512 dv = g16_scales(s16, sub, N, GS, per, b, gs);
+        const __m512 mv = m16 ? g16_scales(m16, sub, N, GS, per, b, gs) : dv;
         for (int i = 0; i < 16; i++) {
             const int64_t mg = (m0 + i) * G + g;
+            const int32_t* th = t + mg * 9 + (halves ? 3 + 3 * h : 0);
             __m512i s[3];
             for (int q = 0; q < 3; q++) {
                 s[q] = _mm512_load_si512(S[q] + 16 * i);
-                if (packed && bias) s[q] = _mm512_sub_epi32(s[q], _mm512_set1_epi32(bias * t[mg * 3 + q]));
+                if (packed && bias) s[q] = _mm512_sub_epi32(s[q], _mm512_set1_epi32(bias * th[q]));
             }
-            acc[i] = g16_add(acc[i], s[0], s[1], s[2], dv, mv, d2[mg], vx[mg], m16 != NULL);
+            acc[i] = g16_add(acc[i], s[0], s[1], s[2], dv, mv, d2[mg], vx[mg * 3 + (halves ? 1 + h : 0)], m16 != NULL);
         }
     }
     for (int i = 0; i < 16; i++) _mm512_storeu_ps(y + (m0 + i) * N + b * 16, acc[i]);
 }
 #endif
 
-/* y [M, N] = x [M, K] · Wᵀ over the layout above (m16 NULL: no offsets). Returns 0, -1 for shapes it does not take,
- * LMHEAD_NO_MEMORY */
-static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* s16,
-                           const uint16_t* m16, int64_t N, int packed, int signed4, float* y, int threads) {
-    if (N % 16 || K % 32 || K < 256 || M < 0 || (m16 && signed4) || (signed4 && !packed)) return -1;
+/* y [M, N] = x [M, K] · Wᵀ over the layout above (m16 NULL: no offsets; `sub`: a K-quant's scales; `halves`: the
+ * weights in groups of 16, sub-scaled). Returns 0, -1 for shapes it does not take, LMHEAD_NO_MEMORY */
+static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s16,
+                           const void* m16, int sub, int halves, int64_t N, int packed, int signed4, float* y,
+                           int threads) {
+    if (N % 16 || K % 32 || K < 256 || M < 0 || (signed4 && !packed) || (sub && K % 256) || (halves && !sub))
+        return -1;
     if (M == 0 || N == 0) return 0;
     if (threads < 1) threads = 1;
     const int64_t G = K / 32, plane = M * K, unit = packed ? 256 : 512;
     const int32_t bias = g16_bias(packed, signed4);
     /* the slices and their sums in one buffer: on the stack for a decode step's row (a call's bookkeeping is a
      * visible share of a small model's step) */
-    const size_t need = (size_t)(3 * plane) + (size_t)(M * G) * (2 * sizeof(float) + 3 * sizeof(int32_t)) + (size_t)M;
+    const size_t need = (size_t)(3 * plane) + (size_t)(M * G) * (4 * sizeof(float) + 9 * sizeof(int32_t)) + (size_t)M;
     _Alignas(64) unsigned char stack[16384];
     unsigned char* buf = need <= sizeof stack ? stack : malloc(need);
     if (!buf) return LMHEAD_NO_MEMORY;
     float* d2 = (float*)buf;
     float* vx = d2 + M * G;
-    int32_t* t = (int32_t*)(vx + M * G);
-    int8_t* a = (int8_t*)(t + M * G * 3);
+    int32_t* t = (int32_t*)(vx + M * G * 3);
+    int8_t* a = (int8_t*)(t + M * G * 9);
     unsigned char* ok = (unsigned char*)(a + 3 * plane);
     int all_ok = 1;
     if (M == 1) {
@@ -258,7 +296,7 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
     } else {
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(& : all_ok)
         for (int64_t m = 0; m < M; m++) {
-            ok[m] = (unsigned char)g16_slice(x + m * K, K, a + m * K, plane, d2 + m * G, t + m * G * 3, vx + m * G);
+            ok[m] = (unsigned char)g16_slice(x + m * K, K, a + m * K, plane, d2 + m * G, t + m * G * 9, vx + m * G * 3);
             all_ok &= ok[m];
         }
     }
@@ -275,7 +313,7 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
 #pragma omp atomic write
             failed = 1;
         }
-        if (u8) g16_tiles_configure();
+        if (u8) g16_tiles_configure(halves ? 2 : 1);
         if (tiled) {
 #pragma omp for schedule(static) nowait
         for (int64_t b = 0; b < N / 16; b++) {
@@ -286,7 +324,7 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
                     _mm512_storeu_si512(u8 + g * 512 + q * 64,
                                         _mm512_xor_si512(g16_step(codes + (b * G + g) * unit, q, packed), flip));
             for (int64_t m0 = 0; m0 < tiled; m0 += 16)
-                g16_tile(a, plane, d2, t, vx, m0, K, u8, packed, bias, s16, m16, b, y, N);
+                g16_tile(a, plane, d2, t, vx, m0, K, u8, packed, bias, s16, m16, sub, halves, b, y, N);
         }
         }
 #endif
@@ -299,8 +337,8 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
         for (int64_t m = tiled; m < M; m++)
             for (int64_t b0 = lo; b0 < hi; b0 += G16_NB) {
                 const int64_t nb = hi - b0 < G16_NB ? hi - b0 : G16_NB;
-                G16_ROWS_OF[nb](a + m * K, plane, d2 + m * G, t + m * G * 3, vx + m * G, K, codes, s16, m16, packed,
-                                bias, b0, y + m * N);
+                G16_ROWS_OF[nb](a + m * K, plane, d2 + m * G, t + m * G * 9, vx + m * G * 3, K, codes, s16, m16, sub,
+                                halves, N, packed, bias, b0, y + m * N);
             }
 #ifdef G16_AMX
         if (u8) _tile_release();
@@ -309,7 +347,7 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
     }
     if (!all_ok)
         for (int64_t m = 0; m < M; m++)
-            if (!ok[m]) g16_plain(x + m * K, K, codes, s16, m16, packed, bias, N, y + m * N);
+            if (!ok[m]) g16_plain(x + m * K, K, codes, s16, m16, sub, halves, packed, bias, N, y + m * N);
     if (buf != stack) free(buf);
     return failed ? LMHEAD_NO_MEMORY : 0;
 }

@@ -1,10 +1,13 @@
 """The layout of the integer path by groups (`groups_kernel.h`, flag GROUPS16): codes in groups of 32 sixteen weight
-rows a vector, float16 scales (and offsets) beside them. Which matrices take it: `models/groups16.py`.
+rows a vector, float16 scales (and offsets) beside them, or a K-quant's as its blocks hold them. Which matrices take
+it: `models/groups16.py`.
 
     int8 codes [N, K] ──c + bias as unsigned bytes (int8 codes 128, Q4_0's signed nibbles 8, Q4_1's 0)──▶
         [N/16][K/32][8 steps][16 rows][4 codes]   (packed: steps 2p and 2p + 1 in the low and high nibbles of
                                                    vector p: [N/16][K/32][4][16][4] bytes)
     scales, offsets [N, K/32] ──▶ [N/16][K/32][16] float16
+    a K-quant's (`SubScales`: d [N, K/256] float32, sub [N, K/G] int8, G 32 or 16) ──▶ d [N/16][K/256][16], then
+        sub [N/16][K/G][16], in one uint8 buffer (a group's scale: the float32 product d·sub, as before)
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["ROWS", "bias", "laid_back", "lay_out", "scales_back", "scales_out"]
+__all__ = ["ROWS", "bias", "laid_back", "lay_out", "scales_back", "scales_out", "subscales_back", "subscales_out"]
 
 ROWS = 16  # N a multiple of this: the kernel's blocks of sixteen rows
 
@@ -53,3 +56,23 @@ def scales_out(s: Tensor) -> Tensor:
 def scales_back(s: Tensor, n: int, g: int) -> Tensor:
     """`scales_out`'s inverse: [N, G] float32."""
     return s.reshape(n // 16, g, 16).transpose(1, 2).reshape(n, g).float()
+
+
+def _sixteen(t: Tensor) -> Tensor:
+    """[N, C] → [N/16, C, 16]: sixteen rows side by side."""
+    n, c = t.shape
+    return t.reshape(n // 16, 16, c).transpose(1, 2).contiguous()
+
+
+def subscales_out(d: Tensor, sub: Tensor) -> Tensor:
+    """A K-quant's d [N, K/256] float32 and sub [N, K/G] int8 → the layout's buffer (uint8: d's bytes, then
+    sub's)."""
+    return torch.cat([_sixteen(d.float()).view(torch.uint8).reshape(-1), _sixteen(sub).view(torch.uint8).reshape(-1)])
+
+
+def subscales_back(buffer: Tensor, n: int, k: int, group: int) -> tuple[Tensor, Tensor]:
+    """`subscales_out`'s inverse: d [N, K/256] float32 and sub [N, K/G] int8."""
+    nd = n * (k // 256) * 4
+    d = buffer[:nd].view(torch.float32).view(n // 16, k // 256, 16).transpose(1, 2).reshape(n, k // 256)
+    sub = buffer[nd:].view(torch.int8).view(n // 16, k // group, 16).transpose(1, 2).reshape(n, k // group)
+    return d, sub

@@ -80,7 +80,7 @@ __all__ = ["BF16", "E8M0", "F16", "F32", "FLAGS", "GROUPS16", "HALF", "HALF_MAX_
            "row_lse_bounded", "row_moments", "row_scores", "screen_min_rows", "select_ge", "sub_sixteen", "topk",
            "topk_rows", "typical_row", "unblock4", "unpack4"]
 
-_ABI = 31  # lmhead_coded_abi() of the sources above
+_ABI = 32  # lmhead_coded_abi() of the sources above
 
 
 def _layout_mismatch(lib: ctypes.CDLL) -> str | None:

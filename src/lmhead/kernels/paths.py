@@ -8,7 +8,7 @@ layout, so the first process to load a build times the two on a decode-sized pro
 codes (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS, MXFP4) and int8 codes without offsets (Q8_0, Q5_0, Q6_K) —
 and keeps the answer beside the library (`<library>.paths.json`, written to a temporary file and renamed, checked
 on load). `LMHEAD_SLICED=0` or `1` turns the integer path off or on for both. Where the library also builds the
-integer path by groups (groups_kernel.h: a body's Q8_0, Q5_0, Q4_0 and Q4_1 matrices laid out sixteen rows a vector),
+integer path by groups (groups_kernel.h: a body's matrices laid out sixteen rows a vector, the K-quants' among them),
 whether each kind takes it is measured the same way on a decode-like sweep (`groups16_chosen`; `LMHEAD_GROUPS16`).
 `describe()` says what was chosen and why (benchmarks print it with their records).
 """
@@ -163,9 +163,10 @@ def choose(lib: ctypes.CDLL, library_path: Path) -> dict:
 
 
 def groups16_chosen(kind: str) -> bool:
-    """Whether the body's matrices of `kind` ("packed" or "int8") in groups of 32 take the integer path by groups
-    (`models/groups16.py`) where the library builds it (`choose` has run): measured faster here on a decode-like
-    sweep (`LMHEAD_GROUPS16=0` or `1` says, else `LMHEAD_SLICED`, which turns every integer path off or on)."""
+    """Whether the body's matrices of `kind` ("packed" or "int8" codes, a K-quant's too) take the integer path by
+    groups (`models/groups16.py`) where the library builds it (`choose` has run): measured faster here on a
+    decode-like sweep of groups of 32 (`LMHEAD_GROUPS16=0` or `1` says, else `LMHEAD_SLICED`, which turns every
+    integer path off or on)."""
     if not _chosen.get("groups16_built"):
         return False
     for env in (os.environ.get("LMHEAD_GROUPS16"), os.environ.get("LMHEAD_SLICED")):

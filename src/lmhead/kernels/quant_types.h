@@ -18,8 +18,9 @@
 #define LMHEAD_F32 256    /* codes: the file's float32 weights [N, K] (no scales): see dense32_matmul */
 #define LMHEAD_MXFP4 512  /* with PACKED: the nibbles index MXFP4's sixteen levels (e2m1 doubled), no offsets */
 #define LMHEAD_E8M0 1024  /* scales: one byte e a group, the number 2^(e − 128) (MXFP4's exponents; lmhead_e8m0) */
-#define LMHEAD_GROUPS16 2048 /* codes sixteen rows a vector, float16 scales: the integer path by groups
-                              * (groups_kernel.h; int8 codes, or PACKED unsigned with offsets or SIGNED4) */
+#define LMHEAD_GROUPS16 2048 /* codes sixteen rows a vector, float16 scales (HALF) or a K-quant's (SUB): the
+                              * integer path by groups (groups_kernel.h; int8 codes, or PACKED unsigned with
+                              * offsets or SIGNED4) */
 
 /* every flag, in native.py's order */
 #define LMHEAD_FLAG_VALUES                                                                                    \

@@ -96,6 +96,31 @@ def by_groups(lib: ctypes.CDLL, g: torch.Generator) -> bool:
                                          None if m16 is None else m16.data_ptr(), 64, 32, flags, y.data_ptr(), 2)
             if rc != 0 or not close(y, x.double() @ w.T):
                 return False
+    return by_groups_subscaled(lib, g)
+
+
+def by_groups_subscaled(lib: ctypes.CDLL, g: torch.Generator) -> bool:
+    """The integer path by groups over a K-quant's sub-scales: unsigned 4-bit codes with offsets in groups of 32
+    (Q4_K's), int8 codes in groups of 16 (Q6_K's), one row and seventeen."""
+    for four_bit, lo, hi, group, offset in (("unsigned", 0, 16, 32, True), (None, -32, 32, 16, False)):
+        codes = torch.randint(lo, hi, (32, 512), generator=g, dtype=torch.int8)
+        numbers, bufs = [], []
+        for sign in (1.0, -1.0) if offset else (1.0,):
+            d = (torch.rand(32, 2, generator=g) * 2e-4 * sign).half().float()
+            sub = torch.randint(0, 64, (32, 512 // group), generator=g, dtype=torch.int8)
+            numbers.append(d.double().repeat_interleave(256 // group, dim=1) * sub.double())
+            bufs.append(layout16.subscales_out(d, sub))
+        w = codes.double().view(32, -1, group) * numbers[0][..., None]
+        w = (w if not offset else w + numbers[1][..., None]).view(32, 512)
+        laid = layout16.lay_out(codes, four_bit)
+        flags = GROUPS16 | SUB | (PACKED if four_bit else 0)
+        for m in (1, 17):
+            x = torch.randn(m, 512, generator=g)
+            y = torch.empty(m, 32)
+            rc = lib.lmhead_coded_matmul(x.data_ptr(), m, 512, laid.data_ptr(), bufs[0].data_ptr(),
+                                         bufs[1].data_ptr() if offset else None, 32, group, flags, y.data_ptr(), 2)
+            if rc != 0 or not close(y, x.double() @ w.T):
+                return False
     return True
 
 

@@ -165,12 +165,21 @@ class CodedLinear:
             raise ValueError(f"four_bit must be None, 'auto' or one of {sorted(LAYOUT_FLAGS)}, got {four_bit!r}")
         return self.layout(0, k, self.group, four_bit, offset is not None)[0]
 
-    def _by_groups(self, codes: Tensor, four_bit: str | None, n: int, k: int, scale: Tensor, offset: Tensor | None,
-                   weight: Tensor | None, sources: tuple[Tensor, ...] | None) -> bool:
+    def _by_groups(self, codes: Tensor, four_bit: str | None, n: int, k: int, scale: Tensor | SubScales,
+                   offset: Tensor | SubScales | None, weight: Tensor | None,
+                   sources: tuple[Tensor, ...] | None) -> bool:
         """Lay int8 codes [N, K] out for the integer path by groups where the matrix is eligible and its scales (and
-        offsets) are float16 numbers; whether it did."""
-        if isinstance(scale, SubScales) or not eligible_by_groups(n, k, self.group, four_bit, offset is not None):
+        offsets) are float16 numbers or a K-quant's sub-scales; whether it did."""
+        if not eligible_by_groups(n, k, self.group, four_bit, isinstance(scale, SubScales)):
             return False
+        if isinstance(scale, SubScales):
+            if offset is not None and not isinstance(offset, SubScales):
+                return False
+            subs = [None if s is None else SubScales.over(layout16.subscales_out(s.d, s.sub), n, k, self.group)
+                    for s in (scale, offset)]
+            self._finish(layout16.lay_out(codes, four_bit), four_bit, False, n, k, subs[0], subs[1], weight,
+                         sources, as_is=True, by_groups=True)
+            return True
         half_scale = _as_half(scale.float())
         half_offset = None if offset is None else _as_half(offset.float())
         if half_scale is None or (offset is not None and half_offset is None):
@@ -223,14 +232,13 @@ class CodedLinear:
         self = cls.__new__(cls)
         self.group = k // scale.shape[1]
         four_bit = self._four_bit(k, offset, four_bit)
-        if groups16 and not isinstance(scale, SubScales) and eligible_by_groups(n, k, self.group, four_bit,
-                                                                                offset is not None):
+        if groups16 and eligible_by_groups(n, k, self.group, four_bit, isinstance(scale, SubScales)):
             whole = torch.empty((n, k), dtype=torch.int8)  # the int8 codes, laid out once the scales are in too
             for start, codes in chunks:
                 whole[start:start + codes.shape[0]] = codes
             if self._by_groups(whole, four_bit, n, k, scale, offset, None, None):
                 return self
-            return cls(whole, scale, offset, four_bit=four_bit)
+            chunks = [(0, whole)]
         rows4 = cls._rows4(n, k, self.group, four_bit is not None)
         out = torch.empty((n, k // 2 if four_bit else k), dtype=torch.int8)
         for start, codes in chunks:
@@ -323,10 +331,16 @@ class CodedLinear:
         n, k = self.out_features, self.in_features
         if self.by_groups:
             codes = layout16.laid_back(self.codes, n, k, self.four_bit)
-            scale = layout16.scales_back(self.scale, n, k // self.group)
-            w = codes.float().view(n, -1, self.group) * scale[..., None]
+
+            def numbers(s: Tensor) -> Tensor:  # a group's scale or offset [N, K/32] float32
+                if not self.sub:
+                    return layout16.scales_back(s, n, k // self.group)
+                d, sub = layout16.subscales_back(s, n, k, self.group)
+                return d.repeat_interleave(256 // self.group, dim=1) * sub.float()
+
+            w = codes.float().view(n, -1, self.group) * numbers(self.scale)[..., None]
             if self.offset is not None:
-                w = w + layout16.scales_back(self.offset, n, k // self.group)[..., None]
+                w = w + numbers(self.offset)[..., None]
             return w.view(n, k)
         codes = native.unblock4(self.codes) if self.rows4 else self.codes
         if self.packed:

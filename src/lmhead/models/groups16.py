@@ -1,9 +1,10 @@
 """Which matrices take the integer path by groups (`kernels/groups_kernel.h`, laid out by `kernels/layout16.py`):
-codes without sub-scales in groups of 32 — int8 codes without offsets (Q8_0, Q5_0), packed signed ones without
-offsets (Q4_0), packed unsigned ones (Q4_1) —, N a multiple of 16, K of 32 and at least 256 (the kernel's bound
-holds for any group there), float16 scales, where this machine's library builds the path and `kernels/paths.py`
-chose it for that kind of codes. The matrices of the body only: a head's screen and an embedding's rows read the
-four-row layout.
+int8 codes (Q8_0, Q5_0, Q6_K; with offsets Q5_1, Q5_K), packed signed ones (Q4_0, Q3_K; with offsets Q2_K) and
+packed unsigned ones (Q4_1, Q4_K), in groups of 32 with float16 scales or a K-quant's sub-scales (`SubScales`), or
+in groups of 16 with sub-scales; N a multiple of 16, K of 32 (256 with sub-scales) and at least 256 (the kernel's
+bound holds for any group there); where this machine's library builds the path and `kernels/paths.py` chose it
+for that kind of codes. The matrices of the body only: a head's screen and an embedding's rows read the four-row
+layout.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ def chosen(kind: str) -> bool:
     return built() and paths.groups16_chosen(kind)
 
 
-def eligible(n: int, k: int, group: int, four_bit: str | None, offset: bool) -> bool:
-    """Whether a matrix of this shape and kind of codes takes the integer path by groups here."""
-    kind_ok = (four_bit is None and not offset) or (four_bit == "signed" and not offset) or four_bit == "unsigned"
-    return (kind_ok and group == 32 and n % ROWS == 0 and n > 0 and k % 32 == 0 and k >= 256
+def eligible(n: int, k: int, group: int, four_bit: str | None, sub: bool) -> bool:
+    """Whether a matrix of this shape and kind of codes (`sub`: a K-quant's sub-scales) takes the integer path by
+    groups here."""
+    return (four_bit in (None, "signed", "unsigned") and (group == 32 or (group == 16 and sub))
+            and (k % 256 == 0 if sub else k % 32 == 0) and n % ROWS == 0 and n > 0 and k >= 256
             and chosen("int8" if four_bit is None else "packed"))
