@@ -217,3 +217,32 @@ def test_the_screen_rescores_candidates_with_the_products_own_path(sliced):
     for r, kk in enumerate([1, 5, 40]):
         assert torch.equal(top[r].topk(kk).indices, whole[r].topk(kk).indices)
         assert torch.equal(top[r].topk(kk).values, whole[r].topk(kk).values)
+
+
+def test_the_choice_by_groups_weighs_a_round_and_an_older_record_is_measured_again(tmp_path, monkeypatch):
+    from lmhead.kernels import paths
+    from lmhead.models import groups16
+
+    if not groups16.built():
+        pytest.skip("the integer path by groups needs AVX-512 VNNI")
+    before = LIB.lmhead_sliced(-1)
+    for name in ("LMHEAD_SLICED", "LMHEAD_GROUPS16"):
+        monkeypatch.delenv(name, raising=False)
+    library = tmp_path / "lmhead-test.so"
+    record = tmp_path / "lmhead-test.so.paths.json"
+    try:
+        chosen = paths.choose(LIB, library)["groups16"]
+        for kind in paths.KINDS:
+            c = chosen[kind]
+            # a generated token's sweep plus a prompt token's share of a round's, both layouts measured
+            cost = {on: c[f"{key}_us"] + c[f"{key}_round_us"] / paths._ROUND
+                    for on, key in ((True, "groups16"), (False, "rows4"))}
+            assert c["groups16"] == (cost[True] < cost[False]) == paths.groups16_chosen(kind), c
+        kept = json.loads(record.read_text())
+        for kind in paths.KINDS:  # a record from before the rounds were measured: measured again
+            kept["groups16"][kind] = {"groups16": False, "rows4_us": 1.0, "groups16_us": 2.0}
+        record.write_text(json.dumps(kept))
+        assert "groups16_round_us" in paths.choose(LIB, library)["groups16"]["int8"]
+        assert "groups16_round_us" in json.loads(record.read_text())["groups16"]["packed"]
+    finally:
+        LIB.lmhead_sliced(before)

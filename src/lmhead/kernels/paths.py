@@ -73,19 +73,25 @@ def _measure(lib: ctypes.CDLL, kind: str) -> dict:
 _STREAM = 16  # matrices a decode-like sweep cycles through (several MB: from the L3 or memory, as a step reads)
 
 
+_ROUND = 16  # query rows of a round's or a prefill's product (a block of AMX's tiles)
+
+
 def _measure_groups16(lib: ctypes.CDLL, kind: str) -> dict:
     """The body's product of `kind` ("packed": Q4_1-like codes with offsets; "int8": Q8_0-like) by groups
-    (kernels/groups_kernel.h) against the four-row layout's (under the path chosen for it): one query row on two
-    threads through _STREAM decode-sized matrices in turn — a step streams its matrices, so their prefetching and
-    the threads' shares count, not a hot product alone — interleaved, each's best sweep."""
+    (kernels/groups_kernel.h) against the four-row layout's (under the path chosen for it), on two threads through
+    _STREAM decode-sized matrices in turn — a step streams its matrices, so their prefetching and the threads'
+    shares count, not a hot product alone —, interleaved, each's best sweep: one query row (a decode step) and
+    _ROUND rows (a server round, a prefill's chunk). One layout serves both (a row's bits must not depend on its
+    batch), so the one chosen costs less for a generated token and a prompt token weighted alike: the one-row sweep
+    plus a row's share of the _ROUND-row sweep."""
     g = torch.Generator().manual_seed(0)
     packed = kind == "packed"
     four_bit = "unsigned" if packed else None
     calls: dict[bool, list] = {False: [], True: []}
     keep = []  # the buffers the calls point into
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    x = torch.randn(1, _K, generator=g)
-    y = torch.empty(1, _N)
+    x = torch.randn(_ROUND, _K, generator=g)
+    y = torch.empty(_ROUND, _N)
     for _ in range(_STREAM):
         codes = torch.randint(0, 16, (_N, _K), generator=g, dtype=torch.int8) if packed else \
             torch.randint(-127, 128, (_N, _K), generator=g, dtype=torch.int8)
@@ -100,18 +106,20 @@ def _measure_groups16(lib: ctypes.CDLL, kind: str) -> dict:
         calls[True].append((x.data_ptr(), 1, _K, laid.data_ptr(), s16.data_ptr(), ptr(m16), _N, 32,
                             GROUPS16 | HALF | (PACKED if packed else 0)))
 
-    def sweep(on: bool) -> float:
+    def sweep(on: bool, m: int) -> float:
         t0 = time.perf_counter()
         for args in calls[on]:
-            lib.lmhead_coded_matmul(*args, y.data_ptr(), 2)
+            lib.lmhead_coded_matmul(args[0], m, *args[2:], y.data_ptr(), 2)
         return time.perf_counter() - t0
 
-    times = {False: float("inf"), True: float("inf")}
+    times = {(on, m): float("inf") for on in (False, True) for m in (1, _ROUND)}
     for _ in range(_REPEATS):
-        for on in (False, True):
-            times[on] = min(times[on], sweep(on))
-    return {"groups16": times[True] < times[False], "rows4_us": round(times[False] / _STREAM * 1e6, 1),
-            "groups16_us": round(times[True] / _STREAM * 1e6, 1)}
+        for on, m in times:
+            times[on, m] = min(times[on, m], sweep(on, m))
+    us = {key: round(t / _STREAM * 1e6, 1) for key, t in times.items()}  # per product, as the record says
+    cost = {on: us[on, 1] + us[on, _ROUND] / _ROUND for on in (False, True)}
+    return {"groups16": cost[True] < cost[False], "rows4_us": us[False, 1], "groups16_us": us[True, 1],
+            "rows4_round_us": us[False, _ROUND], "groups16_round_us": us[True, _ROUND]}
 
 
 def _read(path: Path) -> dict | None:
@@ -155,7 +163,9 @@ def choose(lib: ctypes.CDLL, library_path: Path) -> dict:
             _write(record, _chosen)
     lib.lmhead_sliced(sum(bit for kind, bit in KINDS.items() if _chosen[kind]["sliced"]))
     _chosen["groups16_built"] = lib.lmhead_groups16() > 0  # not a kind: not kept in the record
-    if "groups16" not in _chosen and _chosen["groups16_built"] and env not in ("0", "1"):
+    measured = _chosen.get("groups16", {})
+    if (_chosen["groups16_built"] and env not in ("0", "1")
+            and not all("groups16_round_us" in measured.get(kind, {}) for kind in KINDS)):  # or an older record's
         _chosen["groups16"] = {kind: _measure_groups16(lib, kind) for kind in KINDS}
         _write(library_path.with_name(library_path.name + ".paths.json"),
                {k: v for k, v in _chosen.items() if k != "groups16_built"})
@@ -164,9 +174,9 @@ def choose(lib: ctypes.CDLL, library_path: Path) -> dict:
 
 def groups16_chosen(kind: str) -> bool:
     """Whether the body's matrices of `kind` ("packed" or "int8" codes, a K-quant's too) take the integer path by
-    groups (`models/groups16.py`) where the library builds it (`choose` has run): measured faster here on a
-    decode-like sweep of groups of 32 (`LMHEAD_GROUPS16=0` or `1` says, else `LMHEAD_SLICED`, which turns every
-    integer path off or on)."""
+    groups (`models/groups16.py`) where the library builds it (`choose` has run): measured cheaper here for a
+    generated token and a prompt token weighted alike (`_measure_groups16`; `LMHEAD_GROUPS16=0` or `1` says, else
+    `LMHEAD_SLICED`, which turns every integer path off or on)."""
     if not _chosen.get("groups16_built"):
         return False
     for env in (os.environ.get("LMHEAD_GROUPS16"), os.environ.get("LMHEAD_SLICED")):
@@ -195,6 +205,8 @@ def describe() -> str:
     for kind, name in (("packed", "packed 4-bit"), ("int8", "int8-code")):
         c = _chosen.get("groups16", {}).get(kind)
         if c:
-            parts.append(f"a body's {name} codes in groups of 32 {'by groups' if c['groups16'] else 'as above'} "
-                         f"(a decode-like sweep: four-row layout {c['rows4_us']} µs, by groups {c['groups16_us']} µs)")
+            parts.append(f"a body's {name} codes {'by groups' if c['groups16'] else 'as above'} (a decode-like "
+                         f"sweep of one row and of {_ROUND}: four-row layout {c['rows4_us']} and "
+                         f"{c.get('rows4_round_us')} µs, by groups {c['groups16_us']} and "
+                         f"{c.get('groups16_round_us')} µs)")
     return "; ".join(parts) + f" ({_chosen['how']})"
