@@ -14,16 +14,19 @@ from lmhead.kernels import native
 from lmhead.models import groups16
 from lmhead.models.coded_linear import CodedLinear, SubScales
 from lmhead.models.expert_layout import ExpertMatrices
+from lmhead.models.quant_types import LEVELS
 
 pytestmark = pytest.mark.skipif(not groups16.built(), reason="the integer path by groups needs AVX-512 VNNI")
 
 # (four_bit, lowest code, highest + 1, offsets, the group of a K-quant's sub-scales or 0 for float16 scales a group
-# of 32): Q8_0/Q5_0, Q5_1, Q4_0, Q4_1; Q4_K, Q5_K; Q6_K, Q3_K, Q2_K
+# of 32): Q8_0/Q5_0, Q5_1, Q4_0, Q4_1; Q4_K, Q5_K; Q6_K, Q3_K, Q2_K; a level table's codes (lowest and highest
+# None): IQ4_NL, IQ4_XS, MXFP4
 KINDS = {"int8": (None, -127, 128, False, 0), "int8 offsets": (None, 0, 32, True, 0),
          "signed": ("signed", -8, 8, False, 0), "unsigned": ("unsigned", 0, 16, True, 0),
          "unsigned sub": ("unsigned", 0, 16, True, 32), "int8 sub": (None, 0, 32, True, 32),
          "int8 sub16": (None, -32, 32, False, 16), "signed sub16": ("signed", -4, 4, False, 16),
-         "signed sub16 offsets": ("signed", 0, 4, True, 16)}
+         "signed sub16 offsets": ("signed", 0, 4, True, 16), "iq4": ("iq4", None, None, False, 0),
+         "iq4 sub": ("iq4", None, None, False, 32), "mxfp4": ("mxfp4", None, None, False, 0)}
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +47,11 @@ def _subscales(n: int, k: int, group: int, g: torch.Generator, sign: float) -> S
 def _matrix(kind: str, n: int, k: int, seed: int = 0) -> tuple[CodedLinear, torch.Tensor]:
     four_bit, lo, hi, offsets, sub = KINDS[kind]
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int8)
+    if lo is None:  # a level table's codes: its levels
+        levels = torch.from_numpy(LEVELS[four_bit])
+        codes = levels[torch.randint(0, 16, (n, k), generator=g)]
+    else:
+        codes = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int8)
     if sub:  # as a file's K-quant is read: its codes in chunks, its sub-scales as its blocks hold them
         scale, offset = _subscales(n, k, sub, g, 1.0), _subscales(n, k, sub, g, -1.0) if offsets else None
         coded = CodedLinear.from_chunks(n, k, scale, offset, [(0, codes[:64]), (64, codes[64:])], four_bit,

@@ -1419,10 +1419,11 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
 #ifdef LMHEAD_SLICED_BUILT
         const int sub = (flags & LMHEAD_SUB) != 0; /* a K-quant's scales, else float16 ones */
         if ((G != 32 && !(G == 16 && sub)) || sub == ((flags & LMHEAD_HALF) != 0) ||
-            (flags & ~(LMHEAD_GROUPS16 | LMHEAD_HALF | LMHEAD_SUB | LMHEAD_PACKED | LMHEAD_SIGNED4)))
+            (flags & ~(LMHEAD_GROUPS16 | LMHEAD_HALF | LMHEAD_SUB | LMHEAD_PACKED | LMHEAD_SIGNED4 | LMHEAD_TABLE_FLAGS)))
             return -1;
         return groups16_matmul(x, M, K, (const uint8_t*)codes, scale, offset, sub, G == 16, N,
-                               (flags & LMHEAD_PACKED) != 0, (flags & LMHEAD_SIGNED4) != 0, y, threads);
+                               (flags & LMHEAD_PACKED) != 0, (flags & LMHEAD_SIGNED4) != 0, lmhead_table_of(flags), y,
+                               threads);
 #else
         return -1; /* not built here: the layout is made only where it is */
 #endif

@@ -1,6 +1,7 @@
 /* The integer path by groups (LMHEAD_GROUPS16), included by coded_kernel.c where it builds the integer path
  * (AVX-512 VNNI): codes in groups of 32 or 16 — int8 codes (Q8_0, Q5_0, Q6_K; with offsets Q5_1, Q5_K), packed signed
- * (Q4_0, Q3_K; with offsets Q2_K) and packed unsigned with offsets (Q4_1, Q4_K) — laid out sixteen weight rows a
+ * (Q4_0, Q3_K; with offsets Q2_K), packed unsigned with offsets (Q4_1, Q4_K) and packed indices of a level table
+ * (IQ4_NL, IQ4_XS, MXFP4: each nibble read as its level + 128 by a byte shuffle) — laid out sixteen weight rows a
  * vector. Weights in groups of 16 (`halves`) are groups of their own for the scales and the slices' sums; the
  * activations are sliced per 32 either way.
  *
@@ -30,7 +31,20 @@
 
 enum { G16_NB = 4 }; /* blocks of sixteen weight rows a query row takes at once: independent chains, shared loads */
 
-static inline int g16_bias(int packed, int signed4) { return !packed ? 128 : signed4 ? 8 : 0; }
+static inline int g16_bias(int packed, int signed4, int table) { return !packed || table >= 0 ? 128 : signed4 ? 8 : 0; }
+
+/* the level tables in index order (quant_types.h), as the bytes level + 128 the codes are read as */
+#define G16_LEVELS_(flag, ...) {__VA_ARGS__},
+static const int G16_LEVELS[LMHEAD_N_TABLES][16] = {LMHEAD_LEVEL_TABLES(G16_LEVELS_)};
+#undef G16_LEVELS_
+
+/* table t's sixteen bytes level + 128 in each 128-bit lane (a shuffle's table); zero where t < 0 */
+static inline __m512i g16_lut(int t) {
+    if (t < 0) return _mm512_setzero_si512();
+    uint8_t b[16];
+    for (int i = 0; i < 16; i++) b[i] = (uint8_t)(G16_LEVELS[t][i] + 128);
+    return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)b));
+}
 
 /* a query row's slices: a [3][plane] (this row at offset m·K), d2 [G], t [G][3][3] (each slice's sum over the group,
  * its first and its second sixteen), vx [G][3] (x̂'s sums over the same, in units of d₂);
@@ -116,19 +130,22 @@ static inline float g16_scale1(const void* s, int sub, int64_t N, int64_t GS, in
     return d[(b * (GS / per) + g / per) * 16 + lane] * (float)sb[(b * GS + g) * 16 + lane];
 }
 
-/* the codes of step q of a group's unit, as unsigned bytes */
-static inline __m512i g16_step(const uint8_t* unit, int q, int packed) {
+/* the codes of step q of a group's unit, as unsigned bytes (`levels`: the nibbles' levels + 128, by `lut`) */
+static inline __m512i g16_step(const uint8_t* unit, int q, int packed, int levels, __m512i lut) {
     if (!packed) return _mm512_loadu_si512(unit + q * 64);
     const __m512i b = _mm512_loadu_si512(unit + (q / 2) * 64);
-    return _mm512_and_si512(q % 2 ? _mm512_srli_epi16(b, 4) : b, _mm512_set1_epi8(15));
+    const __m512i nib = _mm512_and_si512(q % 2 ? _mm512_srli_epi16(b, 4) : b, _mm512_set1_epi8(15));
+    return levels ? _mm512_shuffle_epi8(lut, nib) : nib;
 }
 
 /* one query row (its slices a, plane apart) against weight rows 16·b0 .. 16·(b0 + NB) − 1 (NB ≤ G16_NB, a constant
  * in each copy below) */
 KERNEL_INLINE void g16_rows(const int NB, const int8_t* a, int64_t plane, const float* d2, const int32_t* t,
                             const float* vx, int64_t K, const uint8_t* codes, const void* s16, const void* m16,
-                            int sub, int halves, int64_t N, int packed, int32_t bias, int64_t b0, float* y) {
+                            int sub, int halves, int64_t N, int packed, int table, int32_t bias, int64_t b0,
+                            float* y) {
     const int64_t G = K / 32, unit = packed ? 256 : 512, H = halves ? 2 : 1, GS = G * H;
+    const __m512i lut = g16_lut(table);
     const int per = halves ? 16 : 8;
     const int32_t* ap[3] = {(const int32_t*)a, (const int32_t*)(a + plane), (const int32_t*)(a + 2 * plane)};
     __m512 acc[4];
@@ -143,7 +160,7 @@ KERNEL_INLINE void g16_rows(const int NB, const int8_t* a, int64_t plane, const 
                 __m512i sv[3];
                 for (int s = 0; s < 3; s++) sv[s] = _mm512_set1_epi32(ap[s][g * 8 + q]);
                 for (int j = 0; j < NB; j++) {
-                    const __m512i c = g16_step(codes + ((b0 + j) * G + g) * unit, q, packed);
+                    const __m512i c = g16_step(codes + ((b0 + j) * G + g) * unit, q, packed, table >= 0, lut);
                     for (int s = 0; s < 3; s++) r[j][s] = _mm512_dpbusd_epi32(r[j][s], c, sv[s]);
                 }
             }
@@ -160,18 +177,18 @@ KERNEL_INLINE void g16_rows(const int NB, const int8_t* a, int64_t plane, const 
 #define G16_ROWS(NB)                                                                                              \
     static void g16_rows##NB(const int8_t* a, int64_t plane, const float* d2, const int32_t* t, const float* vx,      \
                              int64_t K, const uint8_t* codes, const void* s16, const void* m16, int sub, int halves, \
-                             int64_t N, int packed, int32_t bias, int64_t b0, float* y) {                           \
-        g16_rows(NB, a, plane, d2, t, vx, K, codes, s16, m16, sub, halves, N, packed, bias, b0, y);                 \
+                             int64_t N, int packed, int table, int32_t bias, int64_t b0, float* y) {                \
+        g16_rows(NB, a, plane, d2, t, vx, K, codes, s16, m16, sub, halves, N, packed, table, bias, b0, y);          \
     }
 G16_ROWS(1) G16_ROWS(2) G16_ROWS(3) G16_ROWS(4)
 typedef void (*g16_rows_fn)(const int8_t*, int64_t, const float*, const int32_t*, const float*, int64_t,
-                            const uint8_t*, const void*, const void*, int, int, int64_t, int, int32_t, int64_t,
-                            float*);
+                            const uint8_t*, const void*, const void*, int, int, int64_t, int, int, int32_t,
+                            int64_t, float*);
 static const g16_rows_fn G16_ROWS_OF[G16_NB + 1] = {NULL, g16_rows1, g16_rows2, g16_rows3, g16_rows4};
 
 /* a row the integer path refuses: float32 sums over the same weights, group by group */
 static void g16_plain(const float* x, int64_t K, const uint8_t* codes, const void* s16, const void* m16, int sub,
-                      int halves, int packed, int32_t bias, int64_t N, float* y) {
+                      int halves, int packed, int table, int32_t bias, int64_t N, float* y) {
     const int64_t G = K / 32, unit = packed ? 256 : 512, group = halves ? 16 : 32, GS = K / group;
     const int per = halves ? 16 : 8;
     for (int64_t n = 0; n < N; n++) {
@@ -182,7 +199,8 @@ static void g16_plain(const float* x, int64_t K, const uint8_t* codes, const voi
                 const uint8_t* u = codes + ((n / 16) * G + k / 32) * unit;
                 const int q = (int)(k % 32) / 4, j = (int)(k % 4);
                 const int byte = packed ? u[(q / 2) * 64 + (n % 16) * 4 + j] : u[q * 64 + (n % 16) * 4 + j];
-                const int c = (packed ? (q % 2 ? byte >> 4 : byte & 15) : byte) - bias;
+                const int nib = q % 2 ? byte >> 4 : byte & 15;
+                const int c = !packed ? byte - bias : table >= 0 ? G16_LEVELS[table][nib] : nib - bias;
                 cx = fmaf((float)c, x[k], cx);
                 sx += x[k];
             }
@@ -220,11 +238,12 @@ static void g16_tiles_configure(int H) {
     _tile_loadconfig(&cfg);
 }
 
-/* query rows m0 .. m0+15 against weight rows 16b .. 16b+15, whose codes are bytes [G][8][64]: signed (int8 codes:
- * tdpbssd, nothing to subtract) or unsigned (packed: tdpbsud, the bias times the slices' sums subtracted) */
+/* query rows m0 .. m0+15 against weight rows 16b .. 16b+15, whose codes are bytes [G][8][64]: signed (int8 codes,
+ * a level table's levels: tdpbssd, nothing to subtract) or unsigned (other packed codes: tdpbsud, the bias times the
+ * slices' sums subtracted) */
 static void g16_tile(const int8_t* a, int64_t plane, const float* d2, const int32_t* t, const float* vx, int64_t m0,
-                     int64_t K, const uint8_t* u8, int packed, int32_t bias, const void* s16, const void* m16, int sub,
-                     int halves, int64_t b, float* y, int64_t N) {
+                     int64_t K, const uint8_t* u8, int unsigned_codes, int32_t bias, const void* s16, const void* m16,
+                     int sub, int halves, int64_t b, float* y, int64_t N) {
     const int64_t G = K / 32, H = halves ? 2 : 1, GS = G * H;
     const int per = halves ? 16 : 8;
     int32_t S[3][256] __attribute__((aligned(64)));
@@ -239,7 +258,7 @@ static void g16_tile(const int8_t* a, int64_t plane, const float* d2, const int3
         _tile_loadd(3, a + m0 * K + at, K);
         _tile_loadd(4, a + plane + m0 * K + at, K);
         _tile_loadd(5, a + 2 * plane + m0 * K + at, K);
-        if (!packed) {
+        if (!unsigned_codes) {
             _tile_dpbssd(0, 3, 6);
             _tile_dpbssd(1, 4, 6);
             _tile_dpbssd(2, 5, 6);
@@ -259,7 +278,7 @@ static void g16_tile(const int8_t* a, int64_t plane, const float* d2, const int3
             __m512i s[3];
             for (int q = 0; q < 3; q++) {
                 s[q] = _mm512_load_si512(S[q] + 16 * i);
-                if (packed && bias) s[q] = _mm512_sub_epi32(s[q], _mm512_set1_epi32(bias * th[q]));
+                if (unsigned_codes && bias) s[q] = _mm512_sub_epi32(s[q], _mm512_set1_epi32(bias * th[q]));
             }
             acc[i] = g16_add(acc[i], s[0], s[1], s[2], dv, mv, d2[mg], vx[mg * 3 + (halves ? 1 + h : 0)], m16 != NULL);
         }
@@ -271,14 +290,17 @@ static void g16_tile(const int8_t* a, int64_t plane, const float* d2, const int3
 /* y [M, N] = x [M, K] · Wᵀ over the layout above (m16 NULL: no offsets; `sub`: a K-quant's scales; `halves`: the
  * weights in groups of 16, sub-scaled). Returns 0, -1 for shapes it does not take, LMHEAD_NO_MEMORY */
 static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s16,
-                           const void* m16, int sub, int halves, int64_t N, int packed, int signed4, float* y,
-                           int threads) {
-    if (N % 16 || K % 32 || K < 256 || M < 0 || (signed4 && !packed) || (sub && K % 256) || (halves && !sub))
+                           const void* m16, int sub, int halves, int64_t N, int packed, int signed4, int table,
+                           float* y, int threads) {
+    if (N % 16 || K % 32 || K < 256 || M < 0 || (signed4 && !packed) || (sub && K % 256) || (halves && !sub) ||
+        (table >= 0 && (!packed || signed4 || m16)))
         return -1;
     if (M == 0 || N == 0) return 0;
     if (threads < 1) threads = 1;
     const int64_t G = K / 32, plane = M * K, unit = packed ? 256 : 512;
-    const int32_t bias = g16_bias(packed, signed4);
+    const int32_t bias = g16_bias(packed, signed4, table);
+    const int unsigned_codes = packed && table < 0; /* the tiles' codes: signed (the bias taken off) or not */
+    const __m512i lut = g16_lut(table);
     /* the slices and their sums in one buffer: on the stack for a decode step's row (a call's bookkeeping is a
      * visible share of a small model's step) */
     const size_t need = (size_t)(3 * plane) + (size_t)(M * G) * (4 * sizeof(float) + 9 * sizeof(int32_t)) + (size_t)M;
@@ -318,13 +340,14 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
 #pragma omp for schedule(static) nowait
         for (int64_t b = 0; b < N / 16; b++) {
             if (!u8) continue;
-            const __m512i flip = _mm512_set1_epi8(packed ? 0 : (char)0x80); /* int8 codes: c + 128 back to c */
+            const __m512i flip = _mm512_set1_epi8(unsigned_codes ? 0 : (char)0x80); /* c + 128 back to c */
             for (int64_t g = 0; g < G; g++)
                 for (int q = 0; q < 8; q++)
                     _mm512_storeu_si512(u8 + g * 512 + q * 64,
-                                        _mm512_xor_si512(g16_step(codes + (b * G + g) * unit, q, packed), flip));
+                                        _mm512_xor_si512(g16_step(codes + (b * G + g) * unit, q, packed, table >= 0,
+                                                                  lut), flip));
             for (int64_t m0 = 0; m0 < tiled; m0 += 16)
-                g16_tile(a, plane, d2, t, vx, m0, K, u8, packed, bias, s16, m16, sub, halves, b, y, N);
+                g16_tile(a, plane, d2, t, vx, m0, K, u8, unsigned_codes, bias, s16, m16, sub, halves, b, y, N);
         }
         }
 #endif
@@ -338,7 +361,7 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
             for (int64_t b0 = lo; b0 < hi; b0 += G16_NB) {
                 const int64_t nb = hi - b0 < G16_NB ? hi - b0 : G16_NB;
                 G16_ROWS_OF[nb](a + m * K, plane, d2 + m * G, t + m * G * 9, vx + m * G * 3, K, codes, s16, m16, sub,
-                                halves, N, packed, bias, b0, y + m * N);
+                                halves, N, packed, table, bias, b0, y + m * N);
             }
 #ifdef G16_AMX
         if (u8) _tile_release();
@@ -347,7 +370,7 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
     }
     if (!all_ok)
         for (int64_t m = 0; m < M; m++)
-            if (!ok[m]) g16_plain(x + m * K, K, codes, s16, m16, sub, halves, packed, bias, N, y + m * N);
+            if (!ok[m]) g16_plain(x + m * K, K, codes, s16, m16, sub, halves, packed, table, bias, N, y + m * N);
     if (buf != stack) free(buf);
     return failed ? LMHEAD_NO_MEMORY : 0;
 }

@@ -77,18 +77,22 @@ def grouped_products(lib: ctypes.CDLL, g: torch.Generator) -> bool:
 
 def by_groups(lib: ctypes.CDLL, g: torch.Generator) -> bool:
     """The integer path by groups (groups_kernel.h), where it is built: int8 codes, signed and unsigned 4-bit ones
-    with offsets, one row and seventeen (AMX's tiles where the CPU grants them)."""
+    with offsets, IQ4_NL's levels, one row and seventeen (AMX's tiles where the CPU grants them)."""
     if lib.lmhead_groups16() == 0:
         return True
-    for four_bit, lo, hi, offset in ((None, -127, 128, False), ("signed", -8, 8, False), ("unsigned", 0, 16, True)):
+    for four_bit, lo, hi, offset in ((None, -127, 128, False), ("signed", -8, 8, False), ("unsigned", 0, 16, True),
+                                     ("iq4", 0, 16, False)):
         codes = torch.randint(lo, hi, (64, 256), generator=g, dtype=torch.int8)
+        if four_bit == "iq4":
+            codes = torch.tensor(IQ4_LEVELS, dtype=torch.int8)[codes.long()]
         scale = (torch.rand(64, 8, generator=g) * 0.01).half()
         off = (torch.randn(64, 8, generator=g) * 0.01).half() if offset else None
         w = codes.double().view(64, 8, 32) * scale.double()[..., None]
         w = (w if off is None else w + off.double()[..., None]).view(64, 256)
         laid, s16 = layout16.lay_out(codes, four_bit), layout16.scales_out(scale)
         m16 = None if off is None else layout16.scales_out(off)
-        flags = GROUPS16 | HALF | (PACKED if four_bit else 0) | (SIGNED4 if four_bit == "signed" else 0)
+        flags = (GROUPS16 | HALF | (PACKED if four_bit else 0) | (SIGNED4 if four_bit == "signed" else 0)
+                 | (IQ4 if four_bit == "iq4" else 0))
         for m in (1, 17):
             x = torch.randn(m, 256, generator=g)
             y = torch.empty(m, 64)

@@ -1,10 +1,10 @@
 """Which matrices take the integer path by groups (`kernels/groups_kernel.h`, laid out by `kernels/layout16.py`):
-int8 codes (Q8_0, Q5_0, Q6_K; with offsets Q5_1, Q5_K), packed signed ones (Q4_0, Q3_K; with offsets Q2_K) and
-packed unsigned ones (Q4_1, Q4_K), in groups of 32 with float16 scales or a K-quant's sub-scales (`SubScales`), or
-in groups of 16 with sub-scales; N a multiple of 16, K of 32 (256 with sub-scales) and at least 256 (the kernel's
-bound holds for any group there); where this machine's library builds the path and `kernels/paths.py` chose it
-for that kind of codes. The matrices of the body only: a head's screen and an embedding's rows read the four-row
-layout.
+int8 codes (Q8_0, Q5_0, Q6_K; with offsets Q5_1, Q5_K), packed signed ones (Q4_0, Q3_K; with offsets Q2_K),
+packed unsigned ones (Q4_1, Q4_K) and packed indices of a level table (IQ4_NL, IQ4_XS, MXFP4), in groups of 32
+with float16 scales or a K-quant's sub-scales (`SubScales`), or in groups of 16 with sub-scales; N a multiple of
+16, K of 32 (256 with sub-scales) and at least 256 (the kernel's bound holds for any group there); where this
+machine's library builds the path and `kernels/paths.py` chose it for that kind of codes. The matrices of the body
+only: a head's screen and an embedding's rows read the four-row layout.
 """
 
 from __future__ import annotations
@@ -30,6 +30,6 @@ def chosen(kind: str) -> bool:
 def eligible(n: int, k: int, group: int, four_bit: str | None, sub: bool) -> bool:
     """Whether a matrix of this shape and kind of codes (`sub`: a K-quant's sub-scales) takes the integer path by
     groups here."""
-    return (four_bit in (None, "signed", "unsigned") and (group == 32 or (group == 16 and sub))
+    return (four_bit in (None, "signed", "unsigned", "iq4", "mxfp4") and (group == 32 or (group == 16 and sub))
             and (k % 256 == 0 if sub else k % 32 == 0) and n % ROWS == 0 and n > 0 and k >= 256
             and chosen("int8" if four_bit is None else "packed"))
