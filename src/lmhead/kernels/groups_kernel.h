@@ -138,29 +138,34 @@ static inline __m512i g16_step(const uint8_t* unit, int q, int packed, int level
     return levels ? _mm512_shuffle_epi8(lut, nib) : nib;
 }
 
-/* one query row (its slices a, plane apart) against weight rows 16·b0 .. 16·(b0 + NB) − 1 (NB ≤ G16_NB, a constant
- * in each copy below) */
-KERNEL_INLINE void g16_rows(const int NB, const int8_t* a, int64_t plane, const float* d2, const int32_t* t,
-                            const float* vx, int64_t K, const uint8_t* codes, const void* s16, const void* m16,
-                            int sub, int halves, int64_t N, int packed, int table, int32_t bias, int64_t b0,
+enum { G16_INT8, G16_NIBBLES, G16_LEVELS_KIND }; /* the codes: int8, packed nibbles, packed indices of a table */
+
+/* one query row (its slices a, plane apart) against weight rows 16·b0 .. 16·(b0 + NB) − 1 — NB ≤ G16_NB, H (1:
+ * groups of 32, 2: of 16) and KIND constants in each copy below, so that a group's steps unroll */
+KERNEL_INLINE void g16_rows(const int NB, const int H, const int KIND, const int8_t* a, int64_t plane,
+                            const float* d2, const int32_t* t, const float* vx, int64_t K, const uint8_t* codes,
+                            const void* s16, const void* m16, int sub, int64_t N, int table, int32_t bias, int64_t b0,
                             float* y) {
-    const int64_t G = K / 32, unit = packed ? 256 : 512, H = halves ? 2 : 1, GS = G * H;
-    const __m512i lut = g16_lut(table);
+    const int packed = KIND != G16_INT8, halves = H == 2;
+    const int64_t G = K / 32, unit = packed ? 256 : 512, GS = G * H;
+    const __m512i lut = g16_lut(KIND == G16_LEVELS_KIND ? table : -1);
     const int per = halves ? 16 : 8;
     const int32_t* ap[3] = {(const int32_t*)a, (const int32_t*)(a + plane), (const int32_t*)(a + 2 * plane)};
     __m512 acc[4];
     for (int j = 0; j < NB; j++) acc[j] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++)
-        for (int64_t h = 0; h < H; h++) {
+        for (int h = 0; h < H; h++) {
             const int32_t* th = t + g * 9 + (halves ? 3 + 3 * h : 0);
             __m512i r[4][3];
             for (int j = 0; j < NB; j++)
                 for (int s = 0; s < 3; s++) r[j][s] = _mm512_set1_epi32(-bias * th[s]);
-            for (int q = (int)(h * 8 / H); q < (h + 1) * 8 / H; q++) {
+#pragma GCC unroll 8
+            for (int q = h * 8 / H; q < (h + 1) * 8 / H; q++) {
                 __m512i sv[3];
                 for (int s = 0; s < 3; s++) sv[s] = _mm512_set1_epi32(ap[s][g * 8 + q]);
                 for (int j = 0; j < NB; j++) {
-                    const __m512i c = g16_step(codes + ((b0 + j) * G + g) * unit, q, packed, table >= 0, lut);
+                    const __m512i c = g16_step(codes + ((b0 + j) * G + g) * unit, q, packed,
+                                               KIND == G16_LEVELS_KIND, lut);
                     for (int s = 0; s < 3; s++) r[j][s] = _mm512_dpbusd_epi32(r[j][s], c, sv[s]);
                 }
             }
@@ -174,17 +179,23 @@ KERNEL_INLINE void g16_rows(const int NB, const int8_t* a, int64_t plane, const 
     for (int j = 0; j < NB; j++) _mm512_storeu_ps(y + (b0 + j) * 16, acc[j]);
 }
 
-#define G16_ROWS(NB)                                                                                              \
-    static void g16_rows##NB(const int8_t* a, int64_t plane, const float* d2, const int32_t* t, const float* vx,      \
-                             int64_t K, const uint8_t* codes, const void* s16, const void* m16, int sub, int halves, \
-                             int64_t N, int packed, int table, int32_t bias, int64_t b0, float* y) {                \
-        g16_rows(NB, a, plane, d2, t, vx, K, codes, s16, m16, sub, halves, N, packed, table, bias, b0, y);          \
+#define G16_ROWS(NB, H, KIND)                                                                                     \
+    static void g16_rows_##NB##_##H##_##KIND(const int8_t* a, int64_t plane, const float* d2, const int32_t* t,       \
+                                             const float* vx, int64_t K, const uint8_t* codes, const void* s16,       \
+                                             const void* m16, int sub, int64_t N, int table, int32_t bias, int64_t b0, \
+                                             float* y) {                                                             \
+        g16_rows(NB, H, KIND, a, plane, d2, t, vx, K, codes, s16, m16, sub, N, table, bias, b0, y);                 \
     }
-G16_ROWS(1) G16_ROWS(2) G16_ROWS(3) G16_ROWS(4)
+#define G16_ROWS_NB(H, KIND) G16_ROWS(1, H, KIND) G16_ROWS(2, H, KIND) G16_ROWS(3, H, KIND) G16_ROWS(4, H, KIND)
+G16_ROWS_NB(1, 0) G16_ROWS_NB(2, 0) G16_ROWS_NB(1, 1) G16_ROWS_NB(2, 1) G16_ROWS_NB(1, 2) G16_ROWS_NB(2, 2)
 typedef void (*g16_rows_fn)(const int8_t*, int64_t, const float*, const int32_t*, const float*, int64_t,
-                            const uint8_t*, const void*, const void*, int, int, int64_t, int, int, int32_t,
-                            int64_t, float*);
-static const g16_rows_fn G16_ROWS_OF[G16_NB + 1] = {NULL, g16_rows1, g16_rows2, g16_rows3, g16_rows4};
+                            const uint8_t*, const void*, const void*, int, int64_t, int, int32_t, int64_t, float*);
+#define G16_ROWS_ROW(H, KIND) \
+    {NULL, g16_rows_1_##H##_##KIND, g16_rows_2_##H##_##KIND, g16_rows_3_##H##_##KIND, g16_rows_4_##H##_##KIND}
+/* [KIND][H − 1][NB] */
+static const g16_rows_fn G16_ROWS_OF[3][2][G16_NB + 1] = {{G16_ROWS_ROW(1, 0), G16_ROWS_ROW(2, 0)},
+                                                          {G16_ROWS_ROW(1, 1), G16_ROWS_ROW(2, 1)},
+                                                          {G16_ROWS_ROW(1, 2), G16_ROWS_ROW(2, 2)}};
 
 /* a row the integer path refuses: float32 sums over the same weights, group by group */
 static void g16_plain(const float* x, int64_t K, const uint8_t* codes, const void* s16, const void* m16, int sub,
@@ -301,6 +312,7 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
     const int32_t bias = g16_bias(packed, signed4, table);
     const int unsigned_codes = packed && table < 0; /* the tiles' codes: signed (the bias taken off) or not */
     const __m512i lut = g16_lut(table);
+    const g16_rows_fn* rows_of = G16_ROWS_OF[!packed ? G16_INT8 : table >= 0 ? G16_LEVELS_KIND : G16_NIBBLES][halves];
     /* the slices and their sums in one buffer: on the stack for a decode step's row (a call's bookkeeping is a
      * visible share of a small model's step) */
     const size_t need = (size_t)(3 * plane) + (size_t)(M * G) * (4 * sizeof(float) + 9 * sizeof(int32_t)) + (size_t)M;
@@ -360,8 +372,8 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
         for (int64_t m = tiled; m < M; m++)
             for (int64_t b0 = lo; b0 < hi; b0 += G16_NB) {
                 const int64_t nb = hi - b0 < G16_NB ? hi - b0 : G16_NB;
-                G16_ROWS_OF[nb](a + m * K, plane, d2 + m * G, t + m * G * 9, vx + m * G * 3, K, codes, s16, m16, sub,
-                                halves, N, packed, table, bias, b0, y + m * N);
+                rows_of[nb](a + m * K, plane, d2 + m * G, t + m * G * 9, vx + m * G * 3, K, codes, s16, m16, sub, N,
+                            table, bias, b0, y + m * N);
             }
 #ifdef G16_AMX
         if (u8) _tile_release();
