@@ -175,6 +175,9 @@ class CodedLinear:
         if isinstance(scale, SubScales):
             if offset is not None and not isinstance(offset, SubScales):
                 return False
+            # the laid-out buffers, carried as SubScales for their `buffer` alone (what the kernel and the layout
+            # cache read; its d and sub views are the blocks' order, not the layout's: `dequantize` reads it back
+            # with layout16.subscales_back)
             subs = [None if s is None else SubScales.over(layout16.subscales_out(s.d, s.sub), n, k, self.group)
                     for s in (scale, offset)]
             self._finish(layout16.lay_out(codes, four_bit), four_bit, False, n, k, subs[0], subs[1], weight,
