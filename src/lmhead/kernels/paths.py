@@ -202,7 +202,7 @@ def describe() -> str:
         path = "int8 slices (AVX-512 VNNI)" if c["sliced"] else "float32"
         timing = f": float32 {c['float_us']} µs, int8 slices {c['sliced_us']} µs" if "float_us" in c else ""
         parts.append(f"{name} products {path}{timing}")
-    for kind, name in (("packed", "packed 4-bit"), ("int8", "int8-code")):
+    for kind, name in (("packed", "packed 4-bit"), ("int8", "int8")):
         c = _chosen.get("groups16", {}).get(kind)
         if c:
             parts.append(f"a body's {name} codes {'by groups' if c['groups16'] else 'as above'} (a decode-like "
