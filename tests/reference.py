@@ -512,6 +512,12 @@ def coded_weight(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor 
     return w
 
 
+def subscale_numbers(d: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+    """A K-quant's group scales (or offsets) [N, K/G] from its blocks' d [N, K/256] and int8 sub [N, K/G]: the
+    float32 product d·sub per group, as gguf's dequantiser makes them."""
+    return d.float().repeat_interleave(sub.shape[1] // d.shape[1], dim=1) * sub.float()
+
+
 def float32_dot_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """[M, N]: how far a float32 dot product of x [M, K] and w [N, K] may be from the exact one, in any order of its
     sums — γ_K·Σ|x|·|w| with γ_K = K·u / (1 − K·u), u = 2⁻²⁴ (Higham's bound), in float64."""

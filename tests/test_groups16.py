@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import coded_weight, float32_dot_bound
+from reference import coded_weight, float32_dot_bound, subscale_numbers
 
 from lmhead.kernels import native
 from lmhead.models import groups16
@@ -56,7 +56,7 @@ def _matrix(kind: str, n: int, k: int, seed: int = 0) -> tuple[CodedLinear, torc
         scale, offset = _subscales(n, k, sub, g, 1.0), _subscales(n, k, sub, g, -1.0) if offsets else None
         coded = CodedLinear.from_chunks(n, k, scale, offset, [(0, codes[:64]), (64, codes[64:])], four_bit,
                                         groups16=True)
-        scale, offset = scale.floats(), None if offset is None else offset.floats()
+        scale, offset = (None if s is None else subscale_numbers(s.d, s.sub) for s in (scale, offset))
     else:
         scale = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-4).half().float()
         offset = (torch.rand(n, k // 32, generator=g) * -0.1).half().float() if offsets else None

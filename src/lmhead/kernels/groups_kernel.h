@@ -1,7 +1,8 @@
 /* The integer path by groups (LMHEAD_GROUPS16), included by coded_kernel.c where it builds the integer path
  * (AVX-512 VNNI): codes in groups of 32 or 16 — int8 codes (Q8_0, Q5_0, Q6_K; with offsets Q5_1, Q5_K), packed signed
  * (Q4_0, Q3_K; with offsets Q2_K), packed unsigned with offsets (Q4_1, Q4_K) and packed indices of a level table
- * (IQ4_NL, IQ4_XS, MXFP4: each nibble read as its level + 128 by a byte shuffle) — laid out sixteen weight rows a
+ * (IQ4_NL, IQ4_XS, MXFP4: index XOR 8, each nibble read as its level + 128 by a byte shuffle of coded_kernel.c's
+ * NIBBLE_LEVEL_BYTES) — laid out sixteen weight rows a
  * vector. Weights in groups of 16 (`halves`) are groups of their own for the scales and the slices' sums; the
  * activations are sliced per 32 either way.
  *
@@ -33,17 +34,12 @@ enum { G16_NB = 4 }; /* blocks of sixteen weight rows a query row takes at once:
 
 static inline int g16_bias(int packed, int signed4, int table) { return !packed || table >= 0 ? 128 : signed4 ? 8 : 0; }
 
-/* the level tables in index order (quant_types.h), as the bytes level + 128 the codes are read as */
-#define G16_LEVELS_(flag, ...) {__VA_ARGS__},
-static const int G16_LEVELS[LMHEAD_N_TABLES][16] = {LMHEAD_LEVEL_TABLES(G16_LEVELS_)};
-#undef G16_LEVELS_
-
-/* table t's sixteen bytes level + 128 in each 128-bit lane (a shuffle's table); zero where t < 0 */
+/* table t's sixteen levels in nibble order as the bytes level + 128 (level XOR 0x80), in each 128-bit lane: a
+ * shuffle's table; zero where t < 0 */
 static inline __m512i g16_lut(int t) {
     if (t < 0) return _mm512_setzero_si512();
-    uint8_t b[16];
-    for (int i = 0; i < 16; i++) b[i] = (uint8_t)(G16_LEVELS[t][i] + 128);
-    return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)b));
+    return _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)NIBBLE_LEVEL_BYTES[t])),
+                            _mm512_set1_epi8((char)0x80));
 }
 
 /* a query row's slices: a [3][plane] (this row at offset m·K), d2 [G], t [G][3][3] (each slice's sum over the group,
@@ -211,7 +207,7 @@ static void g16_plain(const float* x, int64_t K, const uint8_t* codes, const voi
                 const int q = (int)(k % 32) / 4, j = (int)(k % 4);
                 const int byte = packed ? u[(q / 2) * 64 + (n % 16) * 4 + j] : u[q * 64 + (n % 16) * 4 + j];
                 const int nib = q % 2 ? byte >> 4 : byte & 15;
-                const int c = !packed ? byte - bias : table >= 0 ? G16_LEVELS[table][nib] : nib - bias;
+                const int c = !packed ? byte - bias : table >= 0 ? NIBBLE_LEVEL_BYTES[table][nib] : nib - bias;
                 cx = fmaf((float)c, x[k], cx);
                 sx += x[k];
             }

@@ -3,7 +3,8 @@ rows a vector, float16 scales (and offsets) beside them, or a K-quant's as its b
 it: `models/groups16.py`.
 
     int8 codes [N, K] ──c + bias as unsigned bytes (int8 codes 128, Q4_0's signed nibbles 8, Q4_1's 0; a level
-                        table's codes (IQ4_NL, IQ4_XS, MXFP4) as their indices in it)──▶
+                        table's codes (IQ4_NL, IQ4_XS, MXFP4) as their indices in it XOR 8, the packed nibbles'
+                        convention of the other layouts: the kernels' tables are in that order)──▶
         [N/16][K/32][8 steps][16 rows][4 codes]   (packed: steps 2p and 2p + 1 in the low and high nibbles of
                                                    vector p: [N/16][K/32][4][16][4] bytes)
     scales, offsets [N, K/32] ──▶ [N/16][K/32][16] float16
@@ -17,14 +18,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lmhead.kernels.abi import IQ4, LEVELS, MXFP4
+from lmhead.kernels.layout4 import LEVEL_TABLES, level_indices
 
 __all__ = ["ROWS", "bias", "laid_back", "lay_out", "scales_back", "scales_out", "subscales_back", "subscales_out"]
 
 ROWS = 16  # N a multiple of this: the kernel's blocks of sixteen rows
-
-
-_TABLES = {"iq4": np.array(LEVELS[IQ4], dtype=np.int8), "mxfp4": np.array(LEVELS[MXFP4], dtype=np.int8)}
 
 
 def bias(four_bit: str | None) -> int:
@@ -32,22 +30,11 @@ def bias(four_bit: str | None) -> int:
     return {None: 128, "signed": 8}.get(four_bit, 0)
 
 
-def _indices(codes: np.ndarray, levels: np.ndarray) -> np.ndarray:
-    """int8 codes → their indices in `levels` (uint8; the first of equal levels); ValueError for a code that is
-    none of them."""
-    index = np.full(256, 255, dtype=np.uint8)
-    index[levels[::-1].view(np.uint8)] = np.arange(15, -1, -1, dtype=np.uint8)
-    got = index[codes.view(np.uint8)]
-    if got.size and int(got.max()) == 255:
-        raise ValueError("the codes hold values that are not the level table's")
-    return got
-
-
 def lay_out(codes: Tensor, four_bit: str | None) -> Tensor:
     """int8 codes [N, K] → the layout's bytes (uint8, viewed as [N, K] or [N, K/2]: not row by row)."""
     n, k = codes.shape
-    if four_bit in _TABLES:
-        u = _indices(codes.contiguous().numpy(), _TABLES[four_bit])
+    if four_bit in LEVEL_TABLES:
+        u = level_indices(codes.numpy(), four_bit) ^ 8
     else:
         u = (codes.numpy().astype(np.int16) + bias(four_bit)).astype(np.uint8)
     u = u.reshape(n // 16, 16, k // 32, 8, 4).transpose(0, 2, 3, 1, 4)  # [N/16, G, 8, 16, 4]
@@ -64,8 +51,8 @@ def laid_back(laid: Tensor, n: int, k: int, four_bit: str | None) -> Tensor:
         u = u.reshape(n // 16, k // 32, 4, 16, 4)
         u = np.stack([u & 15, u >> 4], axis=3)  # [N/16, G, 4, 2, 16, 4]
     u = u.reshape(n // 16, k // 32, 8, 16, 4).transpose(0, 3, 1, 2, 4).reshape(n, k)  # [N/16, 16, G, 8, 4]
-    if four_bit in _TABLES:
-        return torch.from_numpy(_TABLES[four_bit][u])
+    if four_bit in LEVEL_TABLES:
+        return torch.from_numpy(LEVEL_TABLES[four_bit][u ^ 8])
     return torch.from_numpy((u.astype(np.int16) - bias(four_bit)).astype(np.int8))
 
 

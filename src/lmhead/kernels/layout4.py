@@ -1,9 +1,37 @@
 """The kernels' 4-bit and four-row layouts of code rows: `pack4` / `unpack4` (two codes a byte, in the lanes the
-kernels shift them into) and `block4` / `unblock4` (four rows interleaved 32-byte unit by unit)."""
+kernels shift them into) and `block4` / `unblock4` (four rows interleaved 32-byte unit by unit); a level table's
+codes as the indices its nibbles hold (`LEVEL_TABLES`, `level_indices`)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from lmhead.kernels.abi import IQ4, LEVELS, MXFP4
+
+# the level tables a packed nibble indexes (abi.LEVELS, the header's), int8 in index order, by their layouts' names
+LEVEL_TABLES: dict[str, np.ndarray] = {"iq4": np.array(LEVELS[IQ4], dtype=np.int8),
+                                       "mxfp4": np.array(LEVELS[MXFP4], dtype=np.int8)}
+
+
+def _index_of(levels: np.ndarray) -> np.ndarray:
+    """A level table's index of each int8 value (as a byte; the first of equal levels), 255 for a value that is
+    not one of them."""
+    index = np.full(256, 255, dtype=np.uint8)
+    index[levels[::-1].view(np.uint8)] = np.arange(15, -1, -1, dtype=np.uint8)
+    return index
+
+
+_INDEX = {name: _index_of(levels) for name, levels in LEVEL_TABLES.items()}
+
+
+def level_indices(codes: np.ndarray, four_bit: str) -> np.ndarray:
+    """int8 codes (any shape) → their indices in the level table `four_bit` (uint8); ValueError for a code that is
+    none of its levels (packed, it would be another number)."""
+    index = _INDEX[four_bit][np.ascontiguousarray(codes).view(np.uint8)]
+    if index.size and int(index.max()) == 255:
+        raise ValueError(f"four_bit={four_bit!r}: the codes hold values that are not its levels")
+    return index
 
 
 def pack4(codes: torch.Tensor, signed: bool = False) -> torch.Tensor:

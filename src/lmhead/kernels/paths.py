@@ -204,9 +204,8 @@ def describe() -> str:
         parts.append(f"{name} products {path}{timing}")
     for kind, name in (("packed", "packed 4-bit"), ("int8", "int8")):
         c = _chosen.get("groups16", {}).get(kind)
-        if c:
+        if c and "groups16_round_us" in c:  # (a record from before the rounds, kept under LMHEAD_SLICED: not said)
             parts.append(f"a body's {name} codes {'by groups' if c['groups16'] else 'as above'} (a decode-like "
                          f"sweep of one row and of {_ROUND}: four-row layout {c['rows4_us']} and "
-                         f"{c.get('rows4_round_us')} µs, by groups {c['groups16_us']} and "
-                         f"{c.get('groups16_round_us')} µs)")
+                         f"{c['rows4_round_us']} µs, by groups {c['groups16_us']} and {c['groups16_round_us']} µs)")
     return "; ".join(parts) + f" ({_chosen['how']})"

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import ctypes
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from lmhead import checks
 from lmhead.kernels import layout16, native
 from lmhead.kernels.abi import NO_MEMORY
+from lmhead.kernels.layout4 import level_indices
 from lmhead.models.groups16 import eligible as eligible_by_groups
 from lmhead.models.quant_types import LAYOUT_FLAGS, LEVELS, e8m0_numbers
 
@@ -530,17 +530,6 @@ class CodedLinear:
                 f"rows4={self.rows4})")
 
 
-def _index_of(levels: np.ndarray) -> np.ndarray:
-    """A level table's index of each int8 value (as a byte; the first of equal levels), 255 for a value that is
-    not one of them."""
-    index = np.full(256, 255, dtype=np.uint8)
-    index[levels[::-1].view(np.uint8)] = np.arange(15, -1, -1, dtype=np.uint8)
-    return index
-
-
-_INDEX = {name: _index_of(levels) for name, levels in LEVELS.items()}
-
-
 _RANGES = {"unsigned": (0, 15), "signed": (-8, 7)}  # the codes each 4-bit layout holds
 
 
@@ -548,10 +537,7 @@ def _pack(codes: Tensor, four_bit: str) -> Tensor:
     """int8 codes [N,K] → `native.pack4`'s layout of them (a level table's: of their indices); ValueError for codes
     the layout does not hold (packed, they would be other numbers)."""
     if four_bit in LEVELS:
-        index = _INDEX[four_bit][codes.contiguous().numpy().view(np.uint8)]
-        if index.size and int(index.max()) == 255:
-            raise ValueError(f"four_bit={four_bit!r}: the codes hold values that are not its levels")
-        return native.pack4(torch.from_numpy(index).view(torch.int8))
+        return native.pack4(torch.from_numpy(level_indices(codes.contiguous().numpy(), four_bit)).view(torch.int8))
     low, high = _RANGES[four_bit]
     if codes.numel() and not (low <= int(codes.min()) and int(codes.max()) <= high):
         raise ValueError(f"four_bit={four_bit!r}: codes must be in [{low}, {high}], got "

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from lmhead.kernels import native
+from lmhead.kernels.layout4 import LEVEL_TABLES
 
 __all__ = ["LAYOUT_FLAGS", "LEVELS", "TYPES", "QuantType", "e8m0_numbers"]
 
 # the level tables a packed nibble indexes (native.LEVELS, the header's), by CodedLinear's `four_bit` name
-LEVELS: dict[str, np.ndarray] = {"iq4": np.array(native.LEVELS[native.IQ4], dtype=np.int8),
-                                 "mxfp4": np.array(native.LEVELS[native.MXFP4], dtype=np.int8)}
+LEVELS: dict[str, np.ndarray] = LEVEL_TABLES
 # the kernel's flags of each `four_bit` layout (with native.PACKED)
 LAYOUT_FLAGS: dict[str, int] = {"unsigned": 0, "signed": native.SIGNED4, "iq4": native.IQ4, "mxfp4": native.MXFP4}
 
