@@ -518,6 +518,18 @@ def subscale_numbers(d: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
     return d.float().repeat_interleave(sub.shape[1] // d.shape[1], dim=1) * sub.float()
 
 
+def group_sliced(x: torch.Tensor) -> torch.Tensor:
+    """A row x [K]'s activations as the integer path by groups holds them (float64): per group of 32, d₀ the smallest
+    power of two with max|x|/d₀ ≤ 127, d₂ = d₀·2⁻¹⁶, and x̂ = d₂·⌊x/d₂ + ½⌋ (a half step rounds up)."""
+    x = x.double().view(-1, 32)
+    mx = x.abs().amax(1)
+    d0 = torch.ones_like(mx)
+    nz = mx > 0
+    d0[nz] = torch.exp2(torch.ceil(torch.log2(mx[nz] / 127)))
+    d2 = (d0 * 2.0 ** -16)[:, None]
+    return (torch.floor(x / d2 + 0.5) * d2).flatten()
+
+
 def float32_dot_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """[M, N]: how far a float32 dot product of x [M, K] and w [N, K] may be from the exact one, in any order of its
     sums — γ_K·Σ|x|·|w| with γ_K = K·u / (1 − K·u), u = 2⁻²⁴ (Higham's bound), in float64."""

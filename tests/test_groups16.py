@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import coded_weight, float32_dot_bound, subscale_numbers
+from reference import coded_weight, float32_dot_bound, group_sliced, subscale_numbers
 
 from lmhead.kernels import native
 from lmhead.models import groups16
@@ -102,6 +102,27 @@ def test_a_rows_product_is_within_the_bound_and_the_same_bits_alone_in_a_batch_a
         for threads in (1, 2, 3):
             assert torch.equal(product(x[:m].contiguous(), threads).view(torch.int32),
                                alone[:m].view(torch.int32)), (m, threads)
+
+
+def test_an_activation_half_a_step_between_two_slicings_rounds_up():
+    """Weight row r reads one activation (code 1, scale 1: every sum exact), so its output is that activation as
+    sliced; the activations sit at exact half steps of d₂ = 2⁻¹⁶ (each group's largest is 100, d₀ = 1), where
+    rounding half up, half to even and half away from zero differ."""
+    k, steps = 256, [-3, -2, -1, 0, 1, 2, 5, -6, 40, -41, 1000, -1001, 7, -8, 0, 3]
+    x = torch.zeros(k)
+    x[::32] = 100.0
+    at = torch.arange(16) * 16 + 1
+    x[at] = (torch.tensor(steps, dtype=torch.float64) + 0.5).float() * 2.0 ** -16
+    x[at[-1]] = 1e-3  # and one that is no half step
+    codes = torch.zeros(16, k, dtype=torch.int8)
+    codes[torch.arange(16), at] = 1
+    coded = CodedLinear(codes, torch.ones(16, k // 32), None, four_bit=None, groups16=True)
+    assert coded.by_groups
+    want = group_sliced(x)[at]
+    assert want[3].item() == 2.0 ** -16 and want[2].item() == 0.0 and want[1].item() == -2.0 ** -16
+    rows = x.expand(17, k).contiguous()  # one row (VNNI) and a block of sixteen (AMX's tiles where granted)
+    assert torch.equal(coded(x[None])[0].double(), want)
+    assert torch.equal(coded(rows).double(), want.expand(17, 16))
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

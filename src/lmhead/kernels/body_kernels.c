@@ -284,7 +284,9 @@ int lmhead_attend(const lmhead_attend_args* args) {
         /* a query's kept scores side by side, where its mask drops columns inside its span */
         float* kept = L <= 4096 ? stack_c : (float*)malloc(sizeof(float) * (size_t)L);
         if (p == NULL || kept == NULL) failed = 1;
-#pragma omp for schedule(static)
+        /* items handed out one at a time: a causal prefill's later queries read more columns than its earlier
+         * ones, and equal shares of the items in order left the first thread waiting for the second */
+#pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < work; w++) {
             if (p == NULL || kept == NULL) continue;
             const int64_t kh = w / (units * per), u = w / per % units, c = w % per;

@@ -45,11 +45,13 @@ static inline __m512i g16_lut(int t) {
 /* a query row's slices: a [3][plane] (this row at offset m·K), d2 [G], t [G][3][3] (each slice's sum over the group,
  * its first and its second sixteen), vx [G][3] (x̂'s sums over the same, in units of d₂);
  * returns whether the row takes the integer path. Per group, d₀ the smallest power of two with max|x|/d₀ ≤ 127,
- * d₂ = d₀·2⁻¹⁶, and in double (exact) floors of (x + d₂/2 + 32896·d₂)/d₀, each remainder times 2⁸ the next, the
- * last two less 128: x̂ = d₂·(2¹⁶·a₀ + 2⁸·a₁ + a₂), |x − x̂| ≤ d₂/2 (sliced_kernel.h's slicing, per group) */
+ * d₂ = d₀·2⁻¹⁶, R = ⌊x/d₂ + ½⌋ (x/d₂ is exact: a power of two's multiple, |x/d₂| < 2²³), and R + 32896 split into
+ * bytes: a₀ its bits from 16 up (arithmetic shift), a₁ and a₂ its second and first byte less 128, so that
+ * x̂ = d₂·(2¹⁶·a₀ + 2⁸·a₁ + a₂) = d₂·R and |x − x̂| ≤ d₂/2 (sliced_kernel.h's slicing, per group, in integers) */
 static int g16_slice(const float* x, int64_t K, int8_t* a, int64_t plane, float* d2, int32_t* t, float* vx) {
     const int64_t G = K / 32;
     const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    const __m512i center = _mm512_set1_epi32(32896), byte = _mm512_set1_epi32(255), half = _mm512_set1_epi32(128);
     int ok = 1;
     for (int64_t g = 0; g < G; g++) {
         const __m512 x0 = _mm512_loadu_ps(x + g * 32), x1 = _mm512_loadu_ps(x + g * 32 + 16);
@@ -57,38 +59,32 @@ static int g16_slice(const float* x, int64_t K, int8_t* a, int64_t plane, float*
         const int nan = (_mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q)) != 0;
         /* (max_ps passes a NaN over); below 2⁻⁶⁰ a scale times d₂ would leave float32's normal range */
         if (nan || mx > FLT_MAX || (mx > 0.f && mx < 0x1p-60f)) ok = 0;
-        /* d₀ = 2^(e − 7) for mx = f·2^e, f in [0.5, 1) (its exponent bits), doubled where mx / d₀ > 127 */
-        double d0 = 1.0;
+        /* d₀ = 2^(e − 7) for mx = f·2^e, f in [0.5, 1) (its exponent bits), doubled where mx / d₀ > 127; a power
+         * of two from 2⁻⁶⁷ to 2¹²², so d₂ and 1/d₂ are float32 normals */
+        float d0 = 1.f;
         if (ok && mx > 0.f) {
-            union { float f; uint32_t u; } v = {mx};
-            union { double f; uint64_t u; } p;
-            p.u = (uint64_t)((int64_t)((v.u >> 23) & 0xff) - 126 - 7 + 1023) << 52;
+            union { float f; uint32_t u; } v = {mx}, p;
+            p.u = (uint32_t)((int32_t)((v.u >> 23) & 0xff) - 6) << 23;
             d0 = p.f;
-            if (mx > 127.0 * d0) d0 *= 2.0;
+            if (mx > 127.f * d0) d0 *= 2.f;
         }
-        d2[g] = (float)(d0 * 0x1p-16);
-        const __m512d cen = _mm512_set1_pd(d0 * 0x1p-16 * (0.5 + 32896.0)), inv = _mm512_set1_pd(1.0 / d0);
-        __m256i sums[2][3];
-        for (int k = 0; k < 6; k++) sums[k / 3][k % 3] = _mm256_setzero_si256();
-        for (int h = 0; h < 4; h++) {
-            const __m256 xs = ok ? _mm256_loadu_ps(x + g * 32 + 8 * h) : _mm256_setzero_ps();
-            __m512d v = _mm512_mul_pd(_mm512_add_pd(_mm512_cvtps_pd(xs), cen), inv);
-            for (int k = 0; k < 3; k++) {
-                const __m512d q = _mm512_roundscale_pd(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-                __m256i qi = _mm512_cvtpd_epi32(q);
-                if (k > 0) qi = _mm256_sub_epi32(qi, _mm256_set1_epi32(128));
-                sums[h / 2][k] = _mm256_add_epi32(sums[h / 2][k], qi);
-                _mm_storel_epi64((__m128i*)(a + k * plane + g * 32 + 8 * h), _mm256_cvtepi32_epi8(qi));
-                v = _mm512_mul_pd(_mm512_sub_pd(v, q), _mm512_set1_pd(256.0));
-            }
-        }
+        d2[g] = d0 * 0x1p-16f;
+        const __m512 inv = _mm512_set1_ps(0x1p16f / d0);
         int32_t* tg = t + g * 9;
-        for (int k = 0; k < 6; k++) {
-            int32_t lanes[8];
-            _mm256_storeu_si256((__m256i*)lanes, sums[k / 3][k % 3]);
-            int32_t total = 0;
-            for (int i = 0; i < 8; i++) total += lanes[i];
-            tg[3 + k] = total;
+        for (int s = 0; s < 2; s++) {
+            const __m512 u = ok ? _mm512_mul_ps(s ? x1 : x0, inv) : _mm512_setzero_ps();
+            const __m512 fl = _mm512_roundscale_ps(u, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+            /* u − ⌊u⌋ is exact (or, for u a hair below 0, rounds to 1: R is 0 either way) */
+            const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(u, fl), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+            __m512i r = _mm512_add_epi32(_mm512_cvtps_epi32(fl), center);
+            r = _mm512_mask_add_epi32(r, up, r, _mm512_set1_epi32(1));
+            const __m512i q[3] = {_mm512_srai_epi32(r, 16),
+                                  _mm512_sub_epi32(_mm512_and_si512(_mm512_srai_epi32(r, 8), byte), half),
+                                  _mm512_sub_epi32(_mm512_and_si512(r, byte), half)};
+            for (int k = 0; k < 3; k++) {
+                _mm_storeu_si128((__m128i*)(a + k * plane + g * 32 + 16 * s), _mm512_cvtepi32_epi8(q[k]));
+                tg[3 + 3 * s + k] = _mm512_reduce_add_epi32(q[k]);
+            }
         }
         for (int k = 0; k < 3; k++) tg[k] = tg[3 + k] + tg[6 + k];
         for (int p = 0; p < 3; p++) vx[g * 3 + p] = fmaf((float)tg[3 * p], 65536.f, (float)(tg[3 * p + 1] * 256 + tg[3 * p + 2]));
