@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from lmhead.kernels import native
-from lmhead.models.coded_linear import CodedLinear, coded_available
+from lmhead.models import groups16
+from lmhead.models.coded_linear import CodedLinear, SubScales, coded_available
 from lmhead.models.expert_layout import build_experts, expert_nbytes, pack_codes, pack_nibbles
-from lmhead.models.gguf_codes import block_scales
+from lmhead.models.gguf_codes import block_scales, block_subscales
 from lmhead.models.gguf_file import block_codes
 from lmhead.models.quant_types import LEVELS, TYPES
 
@@ -44,7 +45,7 @@ def test_each_expert_laid_out_at_once_is_the_matrix_its_codes_make_alone(kind):
     experts, f, k = 3, 8, 512
     gate, up = _blocks(kind, experts * f, k, 0), _blocks(kind, experts * f, k, 1)
     held = build_experts(kind, [gate, up], [f, f], experts, k)
-    assert len(held) == experts and held.nbytes == expert_nbytes(kind, experts, 2 * f, k)
+    assert len(held) == experts and held.nbytes == expert_nbytes(kind, experts, 2 * f, k, [f, f])
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(0))
     for e in range(experts):
         rows = np.concatenate([gate[e * f:(e + 1) * f], up[e * f:(e + 1) * f]])
@@ -55,6 +56,62 @@ def test_each_expert_laid_out_at_once_is_the_matrix_its_codes_make_alone(kind):
         for m in (1, 5):  # one decode row, and several rows of one expert's group
             assert torch.equal(held.product(e, x[:m]), alone(x[:m]))
     assert held.sub == (TYPES[kind].subscales is not None)  # every K-quant's scales as its blocks hold them
+
+
+def _one_matrix_by_groups(kind: str, blocks: np.ndarray, n: int, k: int) -> CodedLinear:
+    """The per-matrix layout by groups of rows [n, k] of raw blocks, as a file's body matrix is read: a K-quant's
+    scales as its blocks hold them (`SubScales`), the others' as float32 numbers."""
+    t, b = TYPES[kind], blocks.reshape(-1, TYPES[kind].nbytes)
+    codes = torch.from_numpy(block_codes(kind, b).reshape(n, k))
+    if t.subscales is None:
+        s, o = block_scales(kind, b)
+        return CodedLinear(codes, torch.from_numpy(s.reshape(n, -1)),
+                           None if o is None else torch.from_numpy(o.reshape(n, -1)), four_bit=t.four_bit,
+                           groups16=True)
+    d, sub, dmin, mn = block_subscales(kind, b)
+    subs = []
+    for dd, ss in ((d, sub), (dmin, mn)):
+        if dd is None:
+            continue
+        s = SubScales(n, k, t.group)
+        s.d.copy_(torch.from_numpy(dd.reshape(n, -1)))
+        s.sub.copy_(torch.from_numpy(ss.reshape(n, -1)))
+        subs.append(s)
+    return CodedLinear.from_chunks(n, k, subs[0], subs[1] if len(subs) > 1 else None, [(0, codes)], t.four_bit,
+                                   groups16=True)
+
+
+@pytest.mark.skipif(not groups16.built(), reason="the integer path by groups needs AVX-512 VNNI")
+@pytest.mark.parametrize("kind", sorted(TYPES))
+def test_experts_of_whole_blocks_of_sixteen_rows_are_laid_out_by_groups_as_each_matrix_alone(kind, monkeypatch):
+    monkeypatch.setenv("LMHEAD_GROUPS16", "1")
+    experts, f, k = 3, 16, 512
+    gate, up = _blocks(kind, experts * f, k, 2), _blocks(kind, experts * f, k, 3)
+    held = build_experts(kind, [gate, up], [f, f], experts, k)
+    assert held.by_groups  # every type: groups of 32, or of 16 with a K-quant's sub-scales
+    assert held.nbytes == expert_nbytes(kind, experts, 2 * f, k, [f, f])
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(0))
+    for e in range(experts):
+        rows = np.concatenate([gate[e * f:(e + 1) * f], up[e * f:(e + 1) * f]])
+        alone = _one_matrix_by_groups(kind, rows, 2 * f, k)
+        got = held[e]
+        assert alone.by_groups and got.by_groups and got.flags == alone.flags
+        assert torch.equal(got.dequantize(), alone.dequantize())
+        assert torch.equal(got.dequantize(), _one_matrix(kind, rows, 2 * f, k).dequantize())  # the file's numbers
+        for m in (1, 5, 17):  # a decode row, an expert's few rows, and AMX's tiles where granted
+            assert torch.equal(held.product(e, x[:m]), alone(x[:m]))
+
+
+def test_mxfp4_experts_whose_exponents_leave_float16s_range_keep_the_four_row_layout(monkeypatch):
+    monkeypatch.setenv("LMHEAD_GROUPS16", "1")
+    experts, f, k = 2, 16, 512
+    gate, up = _blocks("MXFP4", experts * f, k, 4), _blocks("MXFP4", experts * f, k, 5)
+    gate.reshape(-1, TYPES["MXFP4"].nbytes)[7, 0] = 150  # a scale of 2²², above float16's largest
+    held = build_experts("MXFP4", [gate, up], [f, f], experts, k)
+    assert not held.by_groups and held.scale.dtype == torch.uint8
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
+    rows = np.concatenate([gate[:f], up[:f]])
+    assert torch.equal(held.product(0, x), _one_matrix("MXFP4", rows, 2 * f, k)(x))
 
 
 @pytest.mark.parametrize("k", [512, 320])

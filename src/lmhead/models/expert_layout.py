@@ -29,10 +29,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lmhead.kernels import experts as experts_kernel
-from lmhead.kernels import native
+from lmhead.kernels import layout16, native
 from lmhead.models.coded_linear import CodedLinear, SubScales, coded_available, coded_product
 from lmhead.models.gguf_codes import block_scales, block_subscales
 from lmhead.models.gguf_file import block_codes
+from lmhead.models.groups16 import eligible as eligible_by_groups
 from lmhead.models.quant_types import TYPES
 
 __all__ = ["CHUNK_WEIGHTS", "DENSE", "ExpertMatrices", "build_experts", "expert_nbytes", "pack_codes",
@@ -182,16 +183,23 @@ def _scale_dtype(kind: str, ng: int) -> torch.dtype:
     return torch.uint8 if t.e8m0_at else torch.float16 if t.half else torch.float32
 
 
-def expert_nbytes(kind: str, experts: int, n: int, k: int) -> int:
-    """Bytes `build_experts` holds for `experts` matrices [n, k] of type `kind` (a MXFP4 exponent counted as the
-    float16 number it is held as, all but the extremes): what a load of them needs."""
+def expert_nbytes(kind: str, experts: int, n: int, k: int, rows: list[int] | None = None) -> int:
+    """Bytes `build_experts` holds for `experts` matrices [n, k] of type `kind` made of parts of `rows` rows (default:
+    one part of n): what a load of them needs — a MXFP4 exponent counted as the float16 number the layout by groups
+    holds it as wherever the shape takes that layout (its exponents, read only at the load, may send it back to
+    the four-row layout's byte)."""
     if kind in DENSE:
         return experts * n * k * DENSE[kind].itemsize
     t = TYPES[kind]
     ng = k // t.group
     four_bit, _ = CodedLinear.layout(n, k, t.group, t.four_bit, t.offset)
-    if _sub(kind, k):
+    rows = [n] if rows is None else rows
+    sub = _sub(kind, k)
+    groups = all(r % layout16.ROWS == 0 for r in rows) and eligible_by_groups(n, k, t.group, four_bit, sub)
+    if sub:
         per = n * (k // 256 * 4 + ng)
+    elif groups:
+        per = n * ng * 2  # float16, sixteen rows a vector
     else:
         per = n * ng * _scale_dtype(kind, ng).itemsize
     return experts * (n * (k // 2 if four_bit else k) + per * (2 if t.offset else 1))
@@ -224,6 +232,8 @@ def build_experts(kind: str, parts: list[np.ndarray], rows: list[int], experts: 
     four_bit, rows4 = CodedLinear.layout(n, k, t.group, t.four_bit, t.offset)
     rows4 = rows4 and all(r % 4 == 0 for r in rows)  # each part's rows whole blocks of four
     sub = _sub(kind, k)
+    if _takes_groups(kind, parts, rows, k, four_bit, sub):
+        return _by_groups(kind, parts, rows, experts, k, four_bit, sub, done)
     codes = torch.empty((experts, n, k // 2 if four_bit else k), dtype=torch.int8)
     if sub:
         nsup = k // 256
@@ -262,6 +272,83 @@ def build_experts(kind: str, parts: list[np.ndarray], rows: list[int], experts: 
     if not sub and scale.dtype == torch.float32 and ng <= native.HALF_MAX_GROUPS:
         scale, offset = _halved(scale, offset)
     return ExpertMatrices(codes, scale, offset, k, t.group, four_bit, rows4, sub)
+
+
+# MXFP4's exponent bytes whose scales 2^(e − 128) are float16 numbers (normal or not): 2⁻²⁴ … 2¹⁵
+_HALF_EXPONENTS = (104, 143)
+
+
+def _takes_groups(kind: str, parts: list[np.ndarray], rows: list[int], k: int, four_bit: str | None,
+                  sub: bool) -> bool:
+    """Whether experts of type `kind` (each part's rows whole blocks of sixteen) take the integer path by groups'
+    layout: a body's matrix eligible for it (`models/groups16.py`), with a K-quant's sub-scales or scales that are
+    float16 numbers — the file's own float16 ones, or MXFP4's exponents within float16's range (read here: a byte a
+    block)."""
+    t = TYPES[kind]
+    if not all(r % layout16.ROWS == 0 for r in rows) or not eligible_by_groups(sum(rows), k, t.group, four_bit, sub):
+        return False
+    if sub:
+        return True
+    if t.e8m0_at:
+        lo, hi = _HALF_EXPONENTS
+        for data in parts:
+            e = data.reshape(-1, t.nbytes)[:, t.e8m0_at[0]]
+            if e.size and (int(e.min()) < lo or int(e.max()) > hi):
+                return False
+        return True
+    return t.half and t.subscales is None  # float16 scales (and offsets) in the blocks
+
+
+def _by_groups(kind: str, parts: list[np.ndarray], rows: list[int], experts: int, k: int, four_bit: str | None,
+               sub: bool, done: Callable[[int], None] | None) -> ExpertMatrices:
+    """`build_experts` for the integer path by groups: each expert's matrix in `layout16`'s layout (blocks of
+    sixteen rows, so that a part's rows — whole blocks — are a run of them), its scales (and offsets) as float16
+    sixteen rows a vector, or a K-quant's d and sub laid out so (`layout16.subscales_out`, expert by expert)."""
+    t = TYPES[kind]
+    n, ng, blocks16 = sum(rows), k // t.group, sum(rows) // layout16.ROWS
+    codes = torch.empty((experts, n, k // 2 if four_bit else k), dtype=torch.uint8)
+    if sub:
+        nsup = k // 256
+        scale = torch.empty((experts, n * (nsup * 4 + ng)), dtype=torch.uint8)
+        offset = torch.empty_like(scale) if t.offset else None
+        views = [(b[:, :n * nsup * 4].view(torch.float32).view(experts, blocks16, nsup, layout16.ROWS),
+                  b[:, n * nsup * 4:].view(torch.int8).view(experts, blocks16, ng, layout16.ROWS))
+                 for b in (scale, offset) if b is not None]
+    else:
+        scale = torch.empty((experts, blocks16, ng, layout16.ROWS), dtype=torch.float16)
+        offset = torch.empty_like(scale) if t.offset else None
+
+    def sixteen(v: np.ndarray, e: int, r: int) -> Tensor:
+        """[e·r, c] per row → [e, r/16, c, 16]: sixteen rows side by side."""
+        c = v.size // (e * r)
+        rows16 = torch.from_numpy(np.ascontiguousarray(v)).reshape(e, r // layout16.ROWS, layout16.ROWS, c)
+        return rows16.transpose(2, 3)
+
+    a = 0
+    for p, (data, rp) in enumerate(zip(parts, rows, strict=True)):
+        step = max(1, CHUNK_WEIGHTS // (rp * k))
+        at = slice(a // layout16.ROWS, (a + rp) // layout16.ROWS)
+        for e0 in range(0, experts, step):
+            e1 = min(experts, e0 + step)
+            blocks = data[e0 * rp:e1 * rp].reshape(-1, t.nbytes)
+            ints = torch.from_numpy(block_codes(kind, blocks).reshape((e1 - e0) * rp, k))
+            codes[e0:e1, a:a + rp] = layout16.lay_out(ints, four_bit).view(e1 - e0, rp, -1)
+            if sub:
+                d, sc, dmin, mn = block_subscales(kind, blocks)
+                for (dv, sv), (dd, ss) in zip(views, ((d, sc), (dmin, mn)), strict=False):
+                    dv[e0:e1, at] = sixteen(dd, e1 - e0, rp)
+                    sv[e0:e1, at] = sixteen(ss, e1 - e0, rp)
+            else:
+                for dest, v in zip((scale, offset), block_scales(kind, blocks), strict=True):
+                    if dest is not None:
+                        dest[e0:e1, at] = sixteen(v, e1 - e0, rp).half()
+        a += rp
+        if done is not None:
+            done(p)
+    if not sub:
+        scale = scale.view(experts, n, ng)
+        offset = None if offset is None else offset.view(experts, n, ng)
+    return ExpertMatrices(codes, scale, offset, k, t.group, four_bit, False, sub, by_groups=True)
 
 
 def _units(kind: str, blocks: np.ndarray, n: int, k: int, four_bit: str | None) -> Tensor:
