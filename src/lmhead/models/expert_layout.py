@@ -30,6 +30,7 @@ from torch import Tensor
 
 from lmhead.kernels import experts as experts_kernel
 from lmhead.kernels import layout16, native
+from lmhead.kernels.layout4 import LEVEL_TABLES
 from lmhead.models.coded_linear import CodedLinear, SubScales, coded_available, coded_product
 from lmhead.models.gguf_codes import block_scales, block_subscales
 from lmhead.models.gguf_file import block_codes
@@ -331,8 +332,12 @@ def _by_groups(kind: str, parts: list[np.ndarray], rows: list[int], experts: int
         for e0 in range(0, experts, step):
             e1 = min(experts, e0 + step)
             blocks = data[e0 * rp:e1 * rp].reshape(-1, t.nbytes)
-            ints = torch.from_numpy(block_codes(kind, blocks).reshape((e1 - e0) * rp, k))
-            codes[e0:e1, a:a + rp] = layout16.lay_out(ints, four_bit).view(e1 - e0, rp, -1)
+            if four_bit and t.nibbles is not None:
+                laid = _laid_nibbles(kind, blocks, (e1 - e0) * rp, k, four_bit)
+            else:
+                ints = torch.from_numpy(block_codes(kind, blocks).reshape((e1 - e0) * rp, k))
+                laid = layout16.lay_out(ints, four_bit)
+            codes[e0:e1, a:a + rp] = laid.view(e1 - e0, rp, -1)
             if sub:
                 d, sc, dmin, mn = block_subscales(kind, blocks)
                 for (dv, sv), (dd, ss) in zip(views, ((d, sc), (dmin, mn)), strict=False):
@@ -349,6 +354,25 @@ def _by_groups(kind: str, parts: list[np.ndarray], rows: list[int], experts: int
         scale = scale.view(experts, n, ng)
         offset = None if offset is None else offset.view(experts, n, ng)
     return ExpertMatrices(codes, scale, offset, k, t.group, four_bit, False, sub, by_groups=True)
+
+
+def _laid_nibbles(kind: str, blocks: np.ndarray, n: int, k: int, four_bit: str) -> Tensor:
+    """Raw blocks [nb, bytes] of a type whose codes are its blocks' own nibbles (`QuantType.nibbles`) holding rows
+    [N,K] → `layout16.lay_out`'s bytes of them, from the nibbles themselves: the layout's nibble is the file's
+    (Q4_0's code + 8, Q4_1's and Q4_K's code, a level table's index — XOR 8, `layout16`'s convention for those),
+    so the codes are never made. (MXFP4's level 0 is two indices, 0 and 8: `lay_out` of the codes keeps 0 for
+    both, this keeps the file's; the same numbers.)"""
+    t = TYPES[kind]
+    start, run = t.nibbles
+    qs = blocks[:, start:start + t.block // 2].reshape(-1, run // 2)  # each run's bytes: its first half low nibbles
+    nib = np.empty((qs.shape[0], 2, run // 2), dtype=np.uint8)
+    np.bitwise_and(qs, 15, out=nib[:, 0])
+    np.right_shift(qs, 4, out=nib[:, 1])
+    if four_bit in LEVEL_TABLES:
+        nib ^= 8
+    u = nib.reshape(n // layout16.ROWS, layout16.ROWS, k // 32, 4, 2, 4)  # [N/16, 16, G, vector, step, 4]
+    u = u[:, :, :, :, 0] | (u[:, :, :, :, 1] << 4)                          # steps 2p and 2p + 1 a byte
+    return torch.from_numpy(np.ascontiguousarray(u.transpose(0, 2, 3, 1, 4)).reshape(n, -1))
 
 
 def _units(kind: str, blocks: np.ndarray, n: int, k: int, four_bit: str | None) -> Tensor:
