@@ -432,12 +432,15 @@ def prefill(args: argparse.Namespace, rec: Recorder) -> None:
     from lmhead import load_model
     from lmhead.decode.rows import prepare
     from lmhead.generate import Batch
+    from lmhead.models.registry import MODELS
     from lmhead.sampling import SamplingConfig
 
     model = load_model(args.model, progress=False)
     lengths = [int(x) for x in args.prefill.split(",")]
-    # the default model's table keeps its name (the records of every machine kind are under it)
-    name = "prefill" if args.model == "gemma-3-270m" else f"prefill_{args.model.replace('-', '_')}"
+    # the default model's table keeps its name (the records of every machine kind are under it); a file's is
+    # named for the file, not its path
+    label = args.model if args.model in MODELS else Path(args.model).stem
+    name = "prefill" if args.model == "gemma-3-270m" else f"prefill_{label.replace('-', '_')}"
     table = rec.table(name, f"{args.model}: a prompt's prefill in process (its first token) beside "
                       f"llama-bench -p N -n 0 -t 2 ({described(LLAMA_BIN)}) on the same GGUF file",
                       ["prompt tokens", "lmhead TTFT (s)", "lmhead tok/s", "llama-bench tok/s", "ratio"])
