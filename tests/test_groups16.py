@@ -10,7 +10,7 @@ import pytest
 import torch
 from reference import coded_weight, float32_dot_bound, group_sliced, subscale_numbers
 
-from lmhead.kernels import native
+from lmhead.kernels import layout16, native
 from lmhead.models import groups16
 from lmhead.models.coded_linear import CodedLinear, SubScales
 from lmhead.models.expert_layout import ExpertMatrices
@@ -123,6 +123,26 @@ def test_an_activation_half_a_step_between_two_slicings_rounds_up():
     rows = x.expand(17, k).contiguous()  # one row (VNNI) and a block of sixteen (AMX's tiles where granted)
     assert torch.equal(coded(x[None])[0].double(), want)
     assert torch.equal(coded(rows).double(), want.expand(17, 16))
+
+
+def test_mxfp4_scales_that_are_powers_of_two_are_held_as_exponent_bytes_with_the_float16_layouts_bits():
+    n, k = 64, 512
+    g = torch.Generator().manual_seed(7)
+    codes = torch.from_numpy(LEVELS["mxfp4"])[torch.randint(0, 16, (n, k), generator=g)]
+    scale = 2.0 ** torch.randint(-24, 16, (n, k // 32), generator=g).float()  # 2^(e − 128), e in 104 … 143
+    coded = CodedLinear(codes, scale, four_bit="mxfp4", groups16=True)
+    assert coded.by_groups and coded.flags & native.E8M0 and coded.scale.dtype == torch.uint8
+    assert coded.nbytes == n * k // 2 + n * k // 32  # a block of 32 in 17 bytes, as the file holds it
+    assert torch.equal(coded.dequantize(), coded_weight(codes, scale).float())
+    halves = CodedLinear.from_layout(coded.codes, layout16.scales_out(scale), None, k, 32, "mxfp4", False,
+                                     by_groups=True)
+    assert halves.flags & native.HALF and not halves.flags & native.E8M0
+    x = torch.randn(37, k, generator=g) * torch.logspace(-3, 3, k)
+    for m in (1, 16, 37):  # one row (VNNI), and AMX's tiles where granted
+        assert torch.equal(coded(x[:m]).view(torch.int32), halves(x[:m]).view(torch.int32))
+    wide = scale.clone()
+    wide[3, 2] = 2.0 ** 20  # beyond float16's range (and the byte's in this layout): the four-row layout
+    assert not CodedLinear(codes, wide, four_bit="mxfp4", groups16=True).by_groups
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

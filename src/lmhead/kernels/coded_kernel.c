@@ -1417,11 +1417,14 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
                         const void* offset, int64_t N, int64_t G, int flags, float* y, int threads) {
     if (flags & LMHEAD_GROUPS16) {
 #ifdef LMHEAD_SLICED_BUILT
-        const int sub = (flags & LMHEAD_SUB) != 0; /* a K-quant's scales, else float16 ones */
-        if ((G != 32 && !(G == 16 && sub)) || sub == ((flags & LMHEAD_HALF) != 0) ||
-            (flags & ~(LMHEAD_GROUPS16 | LMHEAD_HALF | LMHEAD_SUB | LMHEAD_PACKED | LMHEAD_SIGNED4 | LMHEAD_TABLE_FLAGS)))
+        /* a K-quant's scales, float16 ones or exponent bytes: one of the three */
+        const int sub = (flags & LMHEAD_SUB) != 0, half = (flags & LMHEAD_HALF) != 0, e8m0 = (flags & LMHEAD_E8M0) != 0;
+        if ((G != 32 && !(G == 16 && sub)) || sub + half + e8m0 != 1 ||
+            (flags & ~(LMHEAD_GROUPS16 | LMHEAD_HALF | LMHEAD_SUB | LMHEAD_E8M0 | LMHEAD_PACKED | LMHEAD_SIGNED4 |
+                       LMHEAD_TABLE_FLAGS)))
             return -1;
-        return groups16_matmul(x, M, K, (const uint8_t*)codes, scale, offset, sub, G == 16, N,
+        return groups16_matmul(x, M, K, (const uint8_t*)codes, scale, offset,
+                               sub ? G16_SUB : e8m0 ? G16_E8M0 : G16_HALF, G == 16, N,
                                (flags & LMHEAD_PACKED) != 0, (flags & LMHEAD_SIGNED4) != 0, lmhead_table_of(flags), y,
                                threads);
 #else

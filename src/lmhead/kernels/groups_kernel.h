@@ -21,7 +21,8 @@
  *
  * Layout: codes [N/16][K/32][8][16][4] bytes, the codes as unsigned bytes c + bias (int8: 128), or packed
  * [N/16][K/32][4][64] where byte 4r + j of vector p holds row r's codes of steps 2p (low nibble) and 2p + 1 (high),
- * each c + bias (Q4_0: 8; Q4_1, Q4_K: 0); scales and offsets [N/16][K/32][16] float16, or a K-quant's as its
+ * each c + bias (Q4_0: 8; Q4_1, Q4_K: 0); scales and offsets [N/16][K/32][16] float16 (MXFP4's scales may be its
+ * exponent bytes, [N/16][K/32][16] uint8), or a K-quant's as its
  * blocks hold them (sub): d [N/16][K/256][16] float32 then sub [N/16][K/group][16] int8, a group's scale the float32
  * product d·sub (exact: the four-row layout's SUB numbers). N a multiple of 16. */
 #ifndef LMHEAD_GROUPS_KERNEL_H
@@ -103,10 +104,20 @@ static inline __m512 g16_add(__m512 acc, __m512i s0, __m512i s1, __m512i s2, __m
 
 static inline __m512 g16_halves(const uint16_t* h) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h)); }
 
-/* the scales (or offsets) s of block b's weight group g (of GS a row), sixteen rows: float16, or d·sub where `sub`
- * (N rows; `per` groups to a d: 8 for groups of 32, 16 for groups of 16) */
-static inline __m512 g16_scales(const void* s, int sub, int64_t N, int64_t GS, int per, int64_t b, int64_t g) {
-    if (!sub) return g16_halves((const uint16_t*)s + (b * GS + g) * 16);
+/* how a layout holds its scales: float16 numbers, a K-quant's d and sub, or exponent bytes e (MXFP4's E8M0, the
+ * number 2^(e − 128); laid out only for e in 104 … 143 — float16's range, so that every scale is a normal float32
+ * number whose product with d₂ stays normal as a float16 scale's does) */
+enum { G16_HALF, G16_SUB, G16_E8M0 };
+
+/* the scales (or offsets) s of block b's weight group g (of GS a row), sixteen rows, of kind `skind`: float16, d·sub
+ * (N rows; `per` groups to a d: 8 for groups of 32, 16 for groups of 16), or 2^(e − 128) = the float32 whose
+ * exponent bits are e − 1 */
+static inline __m512 g16_scales(const void* s, int skind, int64_t N, int64_t GS, int per, int64_t b, int64_t g) {
+    if (skind == G16_E8M0) {
+        const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)((const uint8_t*)s + (b * GS + g) * 16)));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23));
+    }
+    if (skind == G16_HALF) return g16_halves((const uint16_t*)s + (b * GS + g) * 16);
     const float* d = (const float*)s;
     const int8_t* sb = (const int8_t*)(d + N * (GS / per)) + (b * GS + g) * 16;
     return _mm512_mul_ps(_mm512_loadu_ps(d + (b * (GS / per) + g / per) * 16),
@@ -114,9 +125,10 @@ static inline __m512 g16_scales(const void* s, int sub, int64_t N, int64_t GS, i
 }
 
 /* one row's (n) scale of weight group g: g16_scales' lane */
-static inline float g16_scale1(const void* s, int sub, int64_t N, int64_t GS, int per, int64_t n, int64_t g) {
+static inline float g16_scale1(const void* s, int skind, int64_t N, int64_t GS, int per, int64_t n, int64_t g) {
     const int64_t b = n / 16, lane = n % 16;
-    if (!sub) return half_to_float(((const uint16_t*)s)[(b * GS + g) * 16 + lane]);
+    if (skind == G16_E8M0) return lmhead_e8m0(((const uint8_t*)s)[(b * GS + g) * 16 + lane]);
+    if (skind == G16_HALF) return half_to_float(((const uint16_t*)s)[(b * GS + g) * 16 + lane]);
     const float* d = (const float*)s;
     const int8_t* sb = (const int8_t*)(d + N * (GS / per));
     return d[(b * (GS / per) + g / per) * 16 + lane] * (float)sb[(b * GS + g) * 16 + lane];
@@ -136,7 +148,7 @@ enum { G16_INT8, G16_NIBBLES, G16_LEVELS_KIND }; /* the codes: int8, packed nibb
  * groups of 32, 2: of 16) and KIND constants in each copy below, so that a group's steps unroll */
 KERNEL_INLINE void g16_rows(const int NB, const int H, const int KIND, const int8_t* a, int64_t plane,
                             const float* d2, const int32_t* t, const float* vx, int64_t K, const uint8_t* codes,
-                            const void* s16, const void* m16, int sub, int64_t N, int table, int32_t bias, int64_t b0,
+                            const void* s16, const void* m16, int skind, int64_t N, int table, int32_t bias, int64_t b0,
                             float* y) {
     const int packed = KIND != G16_INT8, halves = H == 2;
     const int64_t G = K / 32, unit = packed ? 256 : 512, GS = G * H;
@@ -164,8 +176,8 @@ KERNEL_INLINE void g16_rows(const int NB, const int H, const int KIND, const int
             const int64_t gs = g * H + h;
             const float vh = vx[g * 3 + (halves ? 1 + h : 0)];
             for (int j = 0; j < NB; j++)
-                acc[j] = g16_add(acc[j], r[j][0], r[j][1], r[j][2], g16_scales(s16, sub, N, GS, per, b0 + j, gs),
-                                 m16 ? g16_scales(m16, sub, N, GS, per, b0 + j, gs) : _mm512_setzero_ps(), d2[g], vh,
+                acc[j] = g16_add(acc[j], r[j][0], r[j][1], r[j][2], g16_scales(s16, skind, N, GS, per, b0 + j, gs),
+                                 m16 ? g16_scales(m16, skind, N, GS, per, b0 + j, gs) : _mm512_setzero_ps(), d2[g], vh,
                                  m16 != NULL);
         }
     for (int j = 0; j < NB; j++) _mm512_storeu_ps(y + (b0 + j) * 16, acc[j]);
@@ -174,9 +186,9 @@ KERNEL_INLINE void g16_rows(const int NB, const int H, const int KIND, const int
 #define G16_ROWS(NB, H, KIND)                                                                                     \
     static void g16_rows_##NB##_##H##_##KIND(const int8_t* a, int64_t plane, const float* d2, const int32_t* t,       \
                                              const float* vx, int64_t K, const uint8_t* codes, const void* s16,       \
-                                             const void* m16, int sub, int64_t N, int table, int32_t bias, int64_t b0, \
+                                             const void* m16, int skind, int64_t N, int table, int32_t bias, int64_t b0, \
                                              float* y) {                                                             \
-        g16_rows(NB, H, KIND, a, plane, d2, t, vx, K, codes, s16, m16, sub, N, table, bias, b0, y);                 \
+        g16_rows(NB, H, KIND, a, plane, d2, t, vx, K, codes, s16, m16, skind, N, table, bias, b0, y);                 \
     }
 #define G16_ROWS_NB(H, KIND) G16_ROWS(1, H, KIND) G16_ROWS(2, H, KIND) G16_ROWS(3, H, KIND) G16_ROWS(4, H, KIND)
 G16_ROWS_NB(1, 0) G16_ROWS_NB(2, 0) G16_ROWS_NB(1, 1) G16_ROWS_NB(2, 1) G16_ROWS_NB(1, 2) G16_ROWS_NB(2, 2)
@@ -190,7 +202,7 @@ static const g16_rows_fn G16_ROWS_OF[3][2][G16_NB + 1] = {{G16_ROWS_ROW(1, 0), G
                                                           {G16_ROWS_ROW(1, 2), G16_ROWS_ROW(2, 2)}};
 
 /* a row the integer path refuses: float32 sums over the same weights, group by group */
-static void g16_plain(const float* x, int64_t K, const uint8_t* codes, const void* s16, const void* m16, int sub,
+static void g16_plain(const float* x, int64_t K, const uint8_t* codes, const void* s16, const void* m16, int skind,
                       int halves, int packed, int table, int32_t bias, int64_t N, float* y) {
     const int64_t G = K / 32, unit = packed ? 256 : 512, group = halves ? 16 : 32, GS = K / group;
     const int per = halves ? 16 : 8;
@@ -207,8 +219,8 @@ static void g16_plain(const float* x, int64_t K, const uint8_t* codes, const voi
                 cx = fmaf((float)c, x[k], cx);
                 sx += x[k];
             }
-            acc = fmaf(g16_scale1(s16, sub, N, GS, per, n, gs), cx, acc);
-            if (m16) acc = fmaf(g16_scale1(m16, sub, N, GS, per, n, gs), sx, acc);
+            acc = fmaf(g16_scale1(s16, skind, N, GS, per, n, gs), cx, acc);
+            if (m16) acc = fmaf(g16_scale1(m16, skind, N, GS, per, n, gs), sx, acc);
         }
         y[n] = acc;
     }
@@ -246,7 +258,7 @@ static void g16_tiles_configure(int H) {
  * slices' sums subtracted) */
 static void g16_tile(const int8_t* a, int64_t plane, const float* d2, const int32_t* t, const float* vx, int64_t m0,
                      int64_t K, const uint8_t* u8, int unsigned_codes, int32_t bias, const void* s16, const void* m16,
-                     int sub, int halves, int64_t b, float* y, int64_t N) {
+                     int skind, int halves, int64_t b, float* y, int64_t N) {
     const int64_t G = K / 32, H = halves ? 2 : 1, GS = G * H;
     const int per = halves ? 16 : 8;
     int32_t S[3][256] __attribute__((aligned(64)));
@@ -273,8 +285,8 @@ static void g16_tile(const int8_t* a, int64_t plane, const float* d2, const int3
         _tile_stored(0, S[0], 64);
         _tile_stored(1, S[1], 64);
         _tile_stored(2, S[2], 64);
-        const __m512 dv = g16_scales(s16, sub, N, GS, per, b, gs);
-        const __m512 mv = m16 ? g16_scales(m16, sub, N, GS, per, b, gs) : dv;
+        const __m512 dv = g16_scales(s16, skind, N, GS, per, b, gs);
+        const __m512 mv = m16 ? g16_scales(m16, skind, N, GS, per, b, gs) : dv;
         for (int i = 0; i < 16; i++) {
             const int64_t mg = (m0 + i) * G + g;
             const int32_t* th = t + mg * 9 + (halves ? 3 + 3 * h : 0);
@@ -290,12 +302,13 @@ static void g16_tile(const int8_t* a, int64_t plane, const float* d2, const int3
 }
 #endif
 
-/* y [M, N] = x [M, K] · Wᵀ over the layout above (m16 NULL: no offsets; `sub`: a K-quant's scales; `halves`: the
- * weights in groups of 16, sub-scaled). Returns 0, -1 for shapes it does not take, LMHEAD_NO_MEMORY */
+/* y [M, N] = x [M, K] · Wᵀ over the layout above (m16 NULL: no offsets; `skind`: how the scales are held; `halves`:
+ * the weights in groups of 16, sub-scaled). Returns 0, -1 for shapes it does not take, LMHEAD_NO_MEMORY */
 static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s16,
-                           const void* m16, int sub, int halves, int64_t N, int packed, int signed4, int table,
+                           const void* m16, int skind, int halves, int64_t N, int packed, int signed4, int table,
                            float* y, int threads) {
-    if (N % 16 || K % 32 || K < 256 || M < 0 || (signed4 && !packed) || (sub && K % 256) || (halves && !sub) ||
+    if (N % 16 || K % 32 || K < 256 || M < 0 || (signed4 && !packed) || (skind == G16_SUB && K % 256) ||
+        (halves && skind != G16_SUB) || (skind == G16_E8M0 && m16) ||
         (table >= 0 && (!packed || signed4 || m16)))
         return -1;
     if (M == 0 || N == 0) return 0;
@@ -351,7 +364,7 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
                                         _mm512_xor_si512(g16_step(codes + (b * G + g) * unit, q, packed, table >= 0,
                                                                   lut), flip));
             for (int64_t m0 = 0; m0 < tiled; m0 += 16)
-                g16_tile(a, plane, d2, t, vx, m0, K, u8, unsigned_codes, bias, s16, m16, sub, halves, b, y, N);
+                g16_tile(a, plane, d2, t, vx, m0, K, u8, unsigned_codes, bias, s16, m16, skind, halves, b, y, N);
         }
         }
 #endif
@@ -364,7 +377,7 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
         for (int64_t m = tiled; m < M; m++)
             for (int64_t b0 = lo; b0 < hi; b0 += G16_NB) {
                 const int64_t nb = hi - b0 < G16_NB ? hi - b0 : G16_NB;
-                rows_of[nb](a + m * K, plane, d2 + m * G, t + m * G * 9, vx + m * G * 3, K, codes, s16, m16, sub, N,
+                rows_of[nb](a + m * K, plane, d2 + m * G, t + m * G * 9, vx + m * G * 3, K, codes, s16, m16, skind, N,
                             table, bias, b0, y + m * N);
             }
 #ifdef G16_AMX
@@ -374,7 +387,7 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
     }
     if (!all_ok)
         for (int64_t m = 0; m < M; m++)
-            if (!ok[m]) g16_plain(x + m * K, K, codes, s16, m16, sub, halves, packed, table, bias, N, y + m * N);
+            if (!ok[m]) g16_plain(x + m * K, K, codes, s16, m16, skind, halves, packed, table, bias, N, y + m * N);
     if (buf != stack) free(buf);
     return failed ? LMHEAD_NO_MEMORY : 0;
 }

@@ -57,14 +57,20 @@ def laid_back(laid: Tensor, n: int, k: int, four_bit: str | None) -> Tensor:
 
 
 def scales_out(s: Tensor) -> Tensor:
-    """Scales or offsets [N, G] → [N/16, G, 16] float16 (viewed as [N, G])."""
+    """Scales or offsets [N, G] → [N/16, G, 16] float16 (viewed as [N, G]); MXFP4's exponent bytes (uint8) as they
+    are."""
     n, g = s.shape
-    return s.to(torch.float16).reshape(n // 16, 16, g).transpose(1, 2).contiguous().reshape(n, g)
+    s = s if s.dtype == torch.uint8 else s.to(torch.float16)
+    return s.reshape(n // 16, 16, g).transpose(1, 2).contiguous().reshape(n, g)
 
 
 def scales_back(s: Tensor, n: int, g: int) -> Tensor:
-    """`scales_out`'s inverse: [N, G] float32."""
-    return s.reshape(n // 16, g, 16).transpose(1, 2).reshape(n, g).float()
+    """`scales_out`'s inverse: [N, G] float32 (an exponent byte e, 104 … 143 here, the number 2^(e − 128): the float32
+    whose exponent bits are e − 1)."""
+    s = s.reshape(n // 16, g, 16).transpose(1, 2).reshape(n, g)
+    if s.dtype == torch.uint8:
+        return ((s.to(torch.int32) - 1) << 23).view(torch.float32)
+    return s.float()
 
 
 def _sixteen(t: Tensor) -> Tensor:

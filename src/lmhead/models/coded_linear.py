@@ -169,7 +169,8 @@ class CodedLinear:
                    offset: Tensor | SubScales | None, weight: Tensor | None,
                    sources: tuple[Tensor, ...] | None) -> bool:
         """Lay int8 codes [N, K] out for the integer path by groups where the matrix is eligible and its scales (and
-        offsets) are float16 numbers or a K-quant's sub-scales; whether it did."""
+        offsets) are float16 numbers (MXFP4's powers of two held as their exponent bytes) or a K-quant's sub-scales;
+        whether it did."""
         if not eligible_by_groups(n, k, self.group, four_bit, isinstance(scale, SubScales)):
             return False
         if isinstance(scale, SubScales):
@@ -183,12 +184,13 @@ class CodedLinear:
             self._finish(layout16.lay_out(codes, four_bit), four_bit, False, n, k, subs[0], subs[1], weight,
                          sources, as_is=True, by_groups=True)
             return True
-        half_scale = _as_half(scale.float())
+        held = _exponent_bytes(scale) if four_bit == "mxfp4" else None  # MXFP4's: a byte a group, as its file's
+        held = _as_half(scale.float()) if held is None else held
         half_offset = None if offset is None else _as_half(offset.float())
-        if half_scale is None or (offset is not None and half_offset is None):
+        if held is None or (offset is not None and half_offset is None):
             return False
         self._finish(layout16.lay_out(codes, four_bit), four_bit, False, n, k,
-                     layout16.scales_out(half_scale),
+                     layout16.scales_out(held),
                      None if offset is None else layout16.scales_out(half_offset), weight, sources, as_is=True,
                      by_groups=True)
         return True
@@ -531,6 +533,16 @@ class CodedLinear:
 
 
 _RANGES = {"unsigned": (0, 15), "signed": (-8, 7)}  # the codes each 4-bit layout holds
+
+
+def _exponent_bytes(scale: Tensor) -> Tensor | None:
+    """Scales [N, G] that are all powers of two 2^(e − 128) with e in 104 … 143 (MXFP4's, within float16's range:
+    `groups_kernel.h`'s G16_E8M0) → their exponent bytes e (uint8); else None."""
+    mantissa, exponent = torch.frexp(scale.float())
+    e = exponent + 127  # 2^(e − 128) = 0.5 · 2^(e − 127)
+    if not bool((mantissa == 0.5).all()) or not bool(((e >= 104) & (e <= 143)).all()):
+        return None
+    return e.to(torch.uint8)
 
 
 def _pack(codes: Tensor, four_bit: str) -> Tensor:

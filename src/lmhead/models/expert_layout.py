@@ -186,9 +186,7 @@ def _scale_dtype(kind: str, ng: int) -> torch.dtype:
 
 def expert_nbytes(kind: str, experts: int, n: int, k: int, rows: list[int] | None = None) -> int:
     """Bytes `build_experts` holds for `experts` matrices [n, k] of type `kind` made of parts of `rows` rows (default:
-    one part of n): what a load of them needs — a MXFP4 exponent counted as the float16 number the layout by groups
-    holds it as wherever the shape takes that layout (its exponents, read only at the load, may send it back to
-    the four-row layout's byte)."""
+    one part of n): what a load of them needs."""
     if kind in DENSE:
         return experts * n * k * DENSE[kind].itemsize
     t = TYPES[kind]
@@ -200,7 +198,7 @@ def expert_nbytes(kind: str, experts: int, n: int, k: int, rows: list[int] | Non
     if sub:
         per = n * (k // 256 * 4 + ng)
     elif groups:
-        per = n * ng * 2  # float16, sixteen rows a vector
+        per = n * ng * (1 if t.e8m0_at else 2)  # exponent bytes or float16, sixteen rows a vector
     else:
         per = n * ng * _scale_dtype(kind, ng).itemsize
     return experts * (n * (k // 2 if four_bit else k) + per * (2 if t.offset else 1))
@@ -282,9 +280,8 @@ _HALF_EXPONENTS = (104, 143)
 def _takes_groups(kind: str, parts: list[np.ndarray], rows: list[int], k: int, four_bit: str | None,
                   sub: bool) -> bool:
     """Whether experts of type `kind` (each part's rows whole blocks of sixteen) take the integer path by groups'
-    layout: a body's matrix eligible for it (`models/groups16.py`), with a K-quant's sub-scales or scales that are
-    float16 numbers — the file's own float16 ones, or MXFP4's exponents within float16's range (read here: a byte a
-    block)."""
+    layout: a body's matrix eligible for it (`models/groups16.py`), with a K-quant's sub-scales, the file's own
+    float16 scales, or MXFP4's exponents within float16's range (read here: a byte a block)."""
     t = TYPES[kind]
     if not all(r % layout16.ROWS == 0 for r in rows) or not eligible_by_groups(sum(rows), k, t.group, four_bit, sub):
         return False
@@ -303,8 +300,9 @@ def _takes_groups(kind: str, parts: list[np.ndarray], rows: list[int], k: int, f
 def _by_groups(kind: str, parts: list[np.ndarray], rows: list[int], experts: int, k: int, four_bit: str | None,
                sub: bool, done: Callable[[int], None] | None) -> ExpertMatrices:
     """`build_experts` for the integer path by groups: each expert's matrix in `layout16`'s layout (blocks of
-    sixteen rows, so that a part's rows — whole blocks — are a run of them), its scales (and offsets) as float16
-    sixteen rows a vector, or a K-quant's d and sub laid out so (`layout16.subscales_out`, expert by expert)."""
+    sixteen rows, so that a part's rows — whole blocks — are a run of them), its scales (and offsets) sixteen rows a
+    vector — float16, MXFP4's exponent bytes as the file's —, or a K-quant's d and sub laid out so
+    (`layout16.subscales_out`, expert by expert)."""
     t = TYPES[kind]
     n, ng, blocks16 = sum(rows), k // t.group, sum(rows) // layout16.ROWS
     codes = torch.empty((experts, n, k // 2 if four_bit else k), dtype=torch.uint8)
@@ -315,8 +313,8 @@ def _by_groups(kind: str, parts: list[np.ndarray], rows: list[int], experts: int
         views = [(b[:, :n * nsup * 4].view(torch.float32).view(experts, blocks16, nsup, layout16.ROWS),
                   b[:, n * nsup * 4:].view(torch.int8).view(experts, blocks16, ng, layout16.ROWS))
                  for b in (scale, offset) if b is not None]
-    else:
-        scale = torch.empty((experts, blocks16, ng, layout16.ROWS), dtype=torch.float16)
+    else:  # MXFP4's exponent bytes as they are (within float16's range: `_takes_groups`), other scales float16
+        scale = torch.empty((experts, blocks16, ng, layout16.ROWS), dtype=torch.uint8 if t.e8m0_at else torch.float16)
         offset = torch.empty_like(scale) if t.offset else None
 
     def sixteen(v: np.ndarray, e: int, r: int) -> Tensor:
@@ -343,6 +341,8 @@ def _by_groups(kind: str, parts: list[np.ndarray], rows: list[int], experts: int
                 for (dv, sv), (dd, ss) in zip(views, ((d, sc), (dmin, mn)), strict=False):
                     dv[e0:e1, at] = sixteen(dd, e1 - e0, rp)
                     sv[e0:e1, at] = sixteen(ss, e1 - e0, rp)
+            elif t.e8m0_at:
+                scale[e0:e1, at] = sixteen(blocks[:, t.e8m0_at[0]], e1 - e0, rp)
             else:
                 for dest, v in zip((scale, offset), block_scales(kind, blocks), strict=True):
                     if dest is not None:
