@@ -105,17 +105,19 @@ static inline __m512 g16_add(__m512 acc, __m512i s0, __m512i s1, __m512i s2, __m
 static inline __m512 g16_halves(const uint16_t* h) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h)); }
 
 /* how a layout holds its scales: float16 numbers, a K-quant's d and sub, or exponent bytes e (MXFP4's E8M0, the
- * number 2^(e − 128); laid out only for e in 104 … 143 — float16's range, so that every scale is a normal float32
- * number whose product with d₂ stays normal as a float16 scale's does) */
+ * number 2^(e − 128); laid out only for the scales within float16's range, layout16.EXPONENTS, so that each scale's
+ * product with d₂ stays normal as a float16 scale's does) */
 enum { G16_HALF, G16_SUB, G16_E8M0 };
 
 /* the scales (or offsets) s of block b's weight group g (of GS a row), sixteen rows, of kind `skind`: float16, d·sub
- * (N rows; `per` groups to a d: 8 for groups of 32, 16 for groups of 16), or 2^(e − 128) = the float32 whose
- * exponent bits are e − 1 */
+ * (N rows; `per` groups to a d: 8 for groups of 32, 16 for groups of 16), or 2^(e − 128) — lmhead_e8m0's number
+ * for every byte: the float32 whose exponent bits are e − 1, or for e < 2 the subnormal 0x00200000 << e */
 static inline __m512 g16_scales(const void* s, int skind, int64_t N, int64_t GS, int per, int64_t b, int64_t g) {
     if (skind == G16_E8M0) {
         const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)((const uint8_t*)s + (b * GS + g) * 16)));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23));
+        const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+        const __mmask16 tiny = _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2));
+        return _mm512_castsi512_ps(_mm512_mask_sllv_epi32(normal, tiny, _mm512_set1_epi32(0x00200000), e));
     }
     if (skind == G16_HALF) return g16_halves((const uint16_t*)s + (b * GS + g) * 16);
     const float* d = (const float*)s;

@@ -20,9 +20,13 @@ from torch import Tensor
 
 from lmhead.kernels.layout4 import LEVEL_TABLES, level_indices
 
-__all__ = ["ROWS", "bias", "laid_back", "lay_out", "scales_back", "scales_out", "subscales_back", "subscales_out"]
+__all__ = ["EXPONENTS", "ROWS", "bias", "exponent_bytes", "laid_back", "lay_out", "scales_back", "scales_out",
+           "subscales_back", "subscales_out"]
 
 ROWS = 16  # N a multiple of this: the kernel's blocks of sixteen rows
+# MXFP4's exponent bytes e the layout holds as they are (groups_kernel.h's G16_E8M0): the scales 2^(e − 128) within
+# float16's range, 2⁻²⁴ … 2¹⁵, so that the numbers and the bound are a float16 scale's
+EXPONENTS = (104, 143)
 
 
 def bias(four_bit: str | None) -> int:
@@ -64,9 +68,20 @@ def scales_out(s: Tensor) -> Tensor:
     return s.reshape(n // 16, 16, g).transpose(1, 2).contiguous().reshape(n, g)
 
 
+def exponent_bytes(scale: Tensor) -> Tensor | None:
+    """Scales [N, G] that are all powers of two 2^(e − 128) with e in `EXPONENTS` (MXFP4's) → their exponent bytes
+    e (uint8); else None."""
+    mantissa, exponent = torch.frexp(scale.float())
+    e = exponent + 127  # 2^(e − 128) = 0.5 · 2^(e − 127)
+    lo, hi = EXPONENTS
+    if not bool((mantissa == 0.5).all()) or not bool(((e >= lo) & (e <= hi)).all()):
+        return None
+    return e.to(torch.uint8)
+
+
 def scales_back(s: Tensor, n: int, g: int) -> Tensor:
-    """`scales_out`'s inverse: [N, G] float32 (an exponent byte e, 104 … 143 here, the number 2^(e − 128): the float32
-    whose exponent bits are e − 1)."""
+    """`scales_out`'s inverse: [N, G] float32 (an exponent byte e, within `EXPONENTS`, the number 2^(e − 128): the
+    float32 whose exponent bits are e − 1)."""
     s = s.reshape(n // 16, g, 16).transpose(1, 2).reshape(n, g)
     if s.dtype == torch.uint8:
         return ((s.to(torch.int32) - 1) << 23).view(torch.float32)

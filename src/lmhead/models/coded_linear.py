@@ -184,7 +184,7 @@ class CodedLinear:
             self._finish(layout16.lay_out(codes, four_bit), four_bit, False, n, k, subs[0], subs[1], weight,
                          sources, as_is=True, by_groups=True)
             return True
-        held = _exponent_bytes(scale) if four_bit == "mxfp4" else None  # MXFP4's: a byte a group, as its file's
+        held = layout16.exponent_bytes(scale) if four_bit == "mxfp4" else None  # a byte a group, as its file's
         held = _as_half(scale.float()) if held is None else held
         half_offset = None if offset is None else _as_half(offset.float())
         if held is None or (offset is not None and half_offset is None):
@@ -533,16 +533,6 @@ class CodedLinear:
 
 
 _RANGES = {"unsigned": (0, 15), "signed": (-8, 7)}  # the codes each 4-bit layout holds
-
-
-def _exponent_bytes(scale: Tensor) -> Tensor | None:
-    """Scales [N, G] that are all powers of two 2^(e − 128) with e in 104 … 143 (MXFP4's, within float16's range:
-    `groups_kernel.h`'s G16_E8M0) → their exponent bytes e (uint8); else None."""
-    mantissa, exponent = torch.frexp(scale.float())
-    e = exponent + 127  # 2^(e − 128) = 0.5 · 2^(e − 127)
-    if not bool((mantissa == 0.5).all()) or not bool(((e >= 104) & (e <= 143)).all()):
-        return None
-    return e.to(torch.uint8)
 
 
 def _pack(codes: Tensor, four_bit: str) -> Tensor:

@@ -192,9 +192,8 @@ def expert_nbytes(kind: str, experts: int, n: int, k: int, rows: list[int] | Non
     t = TYPES[kind]
     ng = k // t.group
     four_bit, _ = CodedLinear.layout(n, k, t.group, t.four_bit, t.offset)
-    rows = [n] if rows is None else rows
     sub = _sub(kind, k)
-    groups = all(r % layout16.ROWS == 0 for r in rows) and eligible_by_groups(n, k, t.group, four_bit, sub)
+    groups = _shape_by_groups(kind, [n] if rows is None else rows, k, four_bit, sub)
     if sub:
         per = n * (k // 256 * 4 + ng)
     elif groups:
@@ -273,8 +272,11 @@ def build_experts(kind: str, parts: list[np.ndarray], rows: list[int], experts: 
     return ExpertMatrices(codes, scale, offset, k, t.group, four_bit, rows4, sub)
 
 
-# MXFP4's exponent bytes whose scales 2^(e − 128) are float16 numbers (normal or not): 2⁻²⁴ … 2¹⁵
-_HALF_EXPONENTS = (104, 143)
+def _shape_by_groups(kind: str, rows: list[int], k: int, four_bit: str | None, sub: bool) -> bool:
+    """Whether experts of type `kind` whose parts have `rows` rows, K = `k` wide, are of a shape the integer path by
+    groups takes: each part whole blocks of sixteen rows, the whole an eligible body matrix (`models/groups16.py`)."""
+    return (all(r % layout16.ROWS == 0 for r in rows)
+            and eligible_by_groups(sum(rows), k, TYPES[kind].group, four_bit, sub))
 
 
 def _takes_groups(kind: str, parts: list[np.ndarray], rows: list[int], k: int, four_bit: str | None,
@@ -283,12 +285,12 @@ def _takes_groups(kind: str, parts: list[np.ndarray], rows: list[int], k: int, f
     layout: a body's matrix eligible for it (`models/groups16.py`), with a K-quant's sub-scales, the file's own
     float16 scales, or MXFP4's exponents within float16's range (read here: a byte a block)."""
     t = TYPES[kind]
-    if not all(r % layout16.ROWS == 0 for r in rows) or not eligible_by_groups(sum(rows), k, t.group, four_bit, sub):
+    if not _shape_by_groups(kind, rows, k, four_bit, sub):
         return False
     if sub:
         return True
     if t.e8m0_at:
-        lo, hi = _HALF_EXPONENTS
+        lo, hi = layout16.EXPONENTS
         for data in parts:
             e = data.reshape(-1, t.nbytes)[:, t.e8m0_at[0]]
             if e.size and (int(e.min()) < lo or int(e.max()) > hi):
@@ -313,7 +315,7 @@ def _by_groups(kind: str, parts: list[np.ndarray], rows: list[int], experts: int
         views = [(b[:, :n * nsup * 4].view(torch.float32).view(experts, blocks16, nsup, layout16.ROWS),
                   b[:, n * nsup * 4:].view(torch.int8).view(experts, blocks16, ng, layout16.ROWS))
                  for b in (scale, offset) if b is not None]
-    else:  # MXFP4's exponent bytes as they are (within float16's range: `_takes_groups`), other scales float16
+    else:  # MXFP4's exponent bytes as they are (within layout16.EXPONENTS: `_takes_groups`), other scales float16
         scale = torch.empty((experts, blocks16, ng, layout16.ROWS), dtype=torch.uint8 if t.e8m0_at else torch.float16)
         offset = torch.empty_like(scale) if t.offset else None
 
