@@ -145,6 +145,29 @@ def test_mxfp4_scales_that_are_powers_of_two_are_held_as_exponent_bytes_with_the
     assert not CodedLinear(codes, wide, four_bit="mxfp4", groups16=True).by_groups
 
 
+def test_exponent_bytes_below_two_are_the_two_subnormal_scales_in_the_kernels_products():
+    # the loader lays out only bytes within layout16.EXPONENTS; the C entry takes any byte, and 0 and 1 are
+    # 2⁻¹²⁸ and 2⁻¹²⁷ (float32 subnormals, exact): the products stay within float32's bound of the float64 ones
+    n, k = 64, 512
+    g = torch.Generator().manual_seed(8)
+    index = torch.randint(0, 16, (n, k), generator=g)
+    levels = torch.from_numpy(LEVELS["mxfp4"])
+    e = torch.randint(120, 131, (n, k // 32), generator=g)
+    e[:16] = torch.randint(0, 4, (16, k // 32), generator=g)  # a block of sixteen rows of the smallest scales
+    e[40, :3] = torch.tensor([0, 1, 2])
+    laid = layout16.lay_out(levels[index], "mxfp4")
+    coded = CodedLinear.from_layout(laid, layout16.scales_out(e.to(torch.uint8)), None, k, 32, "mxfp4", False,
+                                    by_groups=True)
+    assert coded.flags & native.E8M0 and coded.flags & native.GROUPS16
+    w = levels[index].double() * torch.repeat_interleave(2.0 ** (e.double() - 128), 32, dim=1)
+    x = torch.randn(37, k, generator=g).double() * 2.0 ** 60  # every product a normal float32
+    x = x.float()
+    for m in (1, 16, 37):  # one row (VNNI), and AMX's tiles where granted
+        y = coded(x[:m])
+        assert bool(((y.double() - x[:m].double() @ w.T).abs() <= float32_dot_bound(x[:m], w)).all()), m
+        assert bool((y[:, :16] != 0).any())  # the subnormal scales' rows are numbers, not flushed to zero
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_rows_the_integer_path_cannot_take_get_the_float32_sums(kind):
     coded, w = _matrix(kind, 64, 256)

@@ -20,7 +20,7 @@ over many experts at once. The numbers are those of the per-matrix layout (`Code
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -244,32 +244,40 @@ def build_experts(kind: str, parts: list[np.ndarray], rows: list[int], experts: 
         exponents = dtype == torch.uint8
         scale = torch.empty((experts, n, ng), dtype=dtype)
         offset = torch.empty_like(scale) if t.offset else None
+    for a, rp, e0, e1, blocks in _chunks(t.nbytes, parts, rows, experts, k, done):
+        _place(codes[e0:e1, a:a + rp], _units(kind, blocks, (e1 - e0) * rp, k, four_bit), rows4)
+        if sub:
+            d, sc, dmin, mn = block_subscales(kind, blocks)
+            for (dv, sv), (dd, ss) in zip(views, ((d, sc), (dmin, mn)), strict=False):
+                dv[e0:e1, a:a + rp] = torch.from_numpy(dd.reshape(e1 - e0, rp, -1))
+                sv[e0:e1, a:a + rp] = torch.from_numpy(ss.reshape(e1 - e0, rp, ng))
+        elif exponents:
+            col = np.ascontiguousarray(blocks[:, t.e8m0_at[0]])  # a copy: the map is read-only
+            scale[e0:e1, a:a + rp] = torch.from_numpy(col.reshape(e1 - e0, rp, ng))
+        else:
+            s, o = block_scales(kind, blocks)
+            scale[e0:e1, a:a + rp] = torch.from_numpy(s.reshape(e1 - e0, rp, ng))
+            if offset is not None:
+                offset[e0:e1, a:a + rp] = torch.from_numpy(o.reshape(e1 - e0, rp, ng))
+    if not sub and scale.dtype == torch.float32 and ng <= native.HALF_MAX_GROUPS:
+        scale, offset = _halved(scale, offset)
+    return ExpertMatrices(codes, scale, offset, k, t.group, four_bit, rows4, sub)
+
+
+def _chunks(nbytes: int, parts: list[np.ndarray], rows: list[int], experts: int, k: int,
+            done: Callable[[int], None] | None) -> Iterator[tuple[int, int, int, int, np.ndarray]]:
+    """The parts' raw blocks a few experts at a time (about CHUNK_WEIGHTS weights): (a, rp, e0, e1, blocks) —
+    part p's rows rp of experts e0..e1−1, which go to rows a..a+rp−1 of each expert, as blocks [(e1−e0)·rp·k/
+    block, `nbytes`]; `done(p)` once part p is read (its pages may go)."""
     a = 0
     for p, (data, rp) in enumerate(zip(parts, rows, strict=True)):
         step = max(1, CHUNK_WEIGHTS // (rp * k))
         for e0 in range(0, experts, step):
             e1 = min(experts, e0 + step)
-            blocks = data[e0 * rp:e1 * rp].reshape(-1, t.nbytes)
-            _place(codes[e0:e1, a:a + rp], _units(kind, blocks, (e1 - e0) * rp, k, four_bit), rows4)
-            if sub:
-                d, sc, dmin, mn = block_subscales(kind, blocks)
-                for (dv, sv), (dd, ss) in zip(views, ((d, sc), (dmin, mn)), strict=False):
-                    dv[e0:e1, a:a + rp] = torch.from_numpy(dd.reshape(e1 - e0, rp, -1))
-                    sv[e0:e1, a:a + rp] = torch.from_numpy(ss.reshape(e1 - e0, rp, ng))
-            elif exponents:
-                col = np.ascontiguousarray(blocks[:, t.e8m0_at[0]])  # a copy: the map is read-only
-                scale[e0:e1, a:a + rp] = torch.from_numpy(col.reshape(e1 - e0, rp, ng))
-            else:
-                s, o = block_scales(kind, blocks)
-                scale[e0:e1, a:a + rp] = torch.from_numpy(s.reshape(e1 - e0, rp, ng))
-                if offset is not None:
-                    offset[e0:e1, a:a + rp] = torch.from_numpy(o.reshape(e1 - e0, rp, ng))
+            yield a, rp, e0, e1, data[e0 * rp:e1 * rp].reshape(-1, nbytes)
         a += rp
         if done is not None:
             done(p)
-    if not sub and scale.dtype == torch.float32 and ng <= native.HALF_MAX_GROUPS:
-        scale, offset = _halved(scale, offset)
-    return ExpertMatrices(codes, scale, offset, k, t.group, four_bit, rows4, sub)
 
 
 def _shape_by_groups(kind: str, rows: list[int], k: int, four_bit: str | None, sub: bool) -> bool:
@@ -325,33 +333,25 @@ def _by_groups(kind: str, parts: list[np.ndarray], rows: list[int], experts: int
         rows16 = torch.from_numpy(np.ascontiguousarray(v)).reshape(e, r // layout16.ROWS, layout16.ROWS, c)
         return rows16.transpose(2, 3)
 
-    a = 0
-    for p, (data, rp) in enumerate(zip(parts, rows, strict=True)):
-        step = max(1, CHUNK_WEIGHTS // (rp * k))
+    for a, rp, e0, e1, blocks in _chunks(t.nbytes, parts, rows, experts, k, done):
         at = slice(a // layout16.ROWS, (a + rp) // layout16.ROWS)
-        for e0 in range(0, experts, step):
-            e1 = min(experts, e0 + step)
-            blocks = data[e0 * rp:e1 * rp].reshape(-1, t.nbytes)
-            if four_bit and t.nibbles is not None:
-                laid = _laid_nibbles(kind, blocks, (e1 - e0) * rp, k, four_bit)
-            else:
-                ints = torch.from_numpy(block_codes(kind, blocks).reshape((e1 - e0) * rp, k))
-                laid = layout16.lay_out(ints, four_bit)
-            codes[e0:e1, a:a + rp] = laid.view(e1 - e0, rp, -1)
-            if sub:
-                d, sc, dmin, mn = block_subscales(kind, blocks)
-                for (dv, sv), (dd, ss) in zip(views, ((d, sc), (dmin, mn)), strict=False):
-                    dv[e0:e1, at] = sixteen(dd, e1 - e0, rp)
-                    sv[e0:e1, at] = sixteen(ss, e1 - e0, rp)
-            elif t.e8m0_at:
-                scale[e0:e1, at] = sixteen(blocks[:, t.e8m0_at[0]], e1 - e0, rp)
-            else:
-                for dest, v in zip((scale, offset), block_scales(kind, blocks), strict=True):
-                    if dest is not None:
-                        dest[e0:e1, at] = sixteen(v, e1 - e0, rp).half()
-        a += rp
-        if done is not None:
-            done(p)
+        if four_bit and t.nibbles is not None:
+            laid = _laid_nibbles(kind, blocks, (e1 - e0) * rp, k, four_bit)
+        else:
+            ints = torch.from_numpy(block_codes(kind, blocks).reshape((e1 - e0) * rp, k))
+            laid = layout16.lay_out(ints, four_bit)
+        codes[e0:e1, a:a + rp] = laid.view(e1 - e0, rp, -1)
+        if sub:
+            d, sc, dmin, mn = block_subscales(kind, blocks)
+            for (dv, sv), (dd, ss) in zip(views, ((d, sc), (dmin, mn)), strict=False):
+                dv[e0:e1, at] = sixteen(dd, e1 - e0, rp)
+                sv[e0:e1, at] = sixteen(ss, e1 - e0, rp)
+        elif t.e8m0_at:
+            scale[e0:e1, at] = sixteen(blocks[:, t.e8m0_at[0]], e1 - e0, rp)
+        else:
+            for dest, v in zip((scale, offset), block_scales(kind, blocks), strict=True):
+                if dest is not None:
+                    dest[e0:e1, at] = sixteen(v, e1 - e0, rp).half()
     if not sub:
         scale = scale.view(experts, n, ng)
         offset = None if offset is None else offset.view(experts, n, ng)
