@@ -39,13 +39,14 @@ def lay_out(codes: Tensor, four_bit: str | None) -> Tensor:
     n, k = codes.shape
     if four_bit in LEVEL_TABLES:
         u = level_indices(codes.numpy(), four_bit) ^ 8
-    else:
-        u = (codes.numpy().astype(np.int16) + bias(four_bit)).astype(np.uint8)
-    u = u.reshape(n // 16, 16, k // 32, 8, 4).transpose(0, 2, 3, 1, 4)  # [N/16, G, 8, 16, 4]
-    if four_bit is not None:
-        u = u.reshape(n // 16, k // 32, 4, 2, 16, 4)
-        u = u[:, :, :, 0] | (u[:, :, :, 1] << 4)
-    return torch.from_numpy(np.ascontiguousarray(u).reshape(n, -1))  # [N, bytes a row]: N as the other layouts
+    else:  # c + bias in 0 … 255: the byte's sum modulo 256
+        u = codes.numpy().view(np.uint8) + np.uint8(bias(four_bit))
+    if four_bit is not None:  # steps 2p and 2p + 1 a byte: [N, G, 4, 4]
+        u = u.reshape(n, k // 32, 4, 2, 4)
+        u = u[:, :, :, 0] | (u[:, :, :, 1] << np.uint8(4))
+    # four codes a 32-bit word, moved as one: [N/16, 16, G, steps] → [N/16, G, steps, 16]
+    u = np.ascontiguousarray(u).view(np.uint32).reshape(n // 16, 16, k // 32, -1).transpose(0, 2, 3, 1)
+    return torch.from_numpy(np.ascontiguousarray(u).view(np.uint8).reshape(n, -1))  # [N, bytes a row]
 
 
 def laid_back(laid: Tensor, n: int, k: int, four_bit: str | None) -> Tensor:

@@ -363,18 +363,23 @@ def _laid_nibbles(kind: str, blocks: np.ndarray, n: int, k: int, four_bit: str) 
     [N,K] → `layout16.lay_out`'s bytes of them, from the nibbles themselves: the layout's nibble is the file's
     (Q4_0's code + 8, Q4_1's and Q4_K's code, a level table's index — XOR 8, `layout16`'s convention for those),
     so the codes are never made. (MXFP4's level 0 is two indices, 0 and 8: `lay_out` of the codes keeps 0 for
-    both, this keeps the file's; the same numbers.)"""
+    both, this keeps the file's; the same numbers.)
+
+    A run of the block's weights is its bytes in chunks of eight, [chunk, s, c]: byte 4s + c holds in its low
+    nibble weight 8·chunk + 4s + c of the run's first half and in its high nibble that of its second half — so a
+    layout byte (steps 2p and 2p + 1 of a vector, code c) is one nibble of each of two bytes four apart."""
     t = TYPES[kind]
     start, run = t.nibbles
-    qs = blocks[:, start:start + t.block // 2].reshape(-1, run // 2)  # each run's bytes: its first half low nibbles
-    nib = np.empty((qs.shape[0], 2, run // 2), dtype=np.uint8)
-    np.bitwise_and(qs, 15, out=nib[:, 0])
-    np.right_shift(qs, 4, out=nib[:, 1])
+    q = blocks[:, start:start + t.block // 2].reshape(n, k // run, run // 16, 2, 4)
+    lo, hi = q[:, :, :, 0], q[:, :, :, 1]
+    u = np.empty((n, k // run, 2, run // 16, 4), dtype=np.uint8)  # [N, runs, half, chunk, c]: [N, G, vector, c]
+    np.bitwise_or(lo & np.uint8(15), hi << np.uint8(4), out=u[:, :, 0])
+    np.bitwise_or(lo >> np.uint8(4), hi & np.uint8(0xF0), out=u[:, :, 1])
     if four_bit in LEVEL_TABLES:
-        nib ^= 8
-    u = nib.reshape(n // layout16.ROWS, layout16.ROWS, k // 32, 4, 2, 4)  # [N/16, 16, G, vector, step, 4]
-    u = u[:, :, :, :, 0] | (u[:, :, :, :, 1] << 4)                          # steps 2p and 2p + 1 a byte
-    return torch.from_numpy(np.ascontiguousarray(u.transpose(0, 2, 3, 1, 4)).reshape(n, -1))
+        u ^= np.uint8(0x88)
+    # four codes a 32-bit word, moved as one: [N/16, 16, G, vector] → [N/16, G, vector, 16]
+    w = u.view(np.uint32).reshape(n // layout16.ROWS, layout16.ROWS, k // 32, 4).transpose(0, 2, 3, 1)
+    return torch.from_numpy(np.ascontiguousarray(w).view(np.uint8).reshape(n, -1))
 
 
 def _units(kind: str, blocks: np.ndarray, n: int, k: int, four_bit: str | None) -> Tensor:
