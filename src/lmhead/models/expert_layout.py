@@ -358,6 +358,9 @@ def _by_groups(kind: str, parts: list[np.ndarray], rows: list[int], experts: int
     return ExpertMatrices(codes, scale, offset, k, t.group, four_bit, False, sub, by_groups=True)
 
 
+_LOW32, _HIGH32 = np.uint32(0x0F0F0F0F), np.uint32(0xF0F0F0F0)  # _LOW and _HIGH in a 32-bit word
+
+
 def _laid_nibbles(kind: str, blocks: np.ndarray, n: int, k: int, four_bit: str) -> Tensor:
     """Raw blocks [nb, bytes] of a type whose codes are its blocks' own nibbles (`QuantType.nibbles`) holding rows
     [N,K] → `layout16.lay_out`'s bytes of them, from the nibbles themselves: the layout's nibble is the file's
@@ -367,18 +370,19 @@ def _laid_nibbles(kind: str, blocks: np.ndarray, n: int, k: int, four_bit: str) 
 
     A run of the block's weights is its bytes in chunks of eight, [chunk, s, c]: byte 4s + c holds in its low
     nibble weight 8·chunk + 4s + c of the run's first half and in its high nibble that of its second half — so a
-    layout byte (steps 2p and 2p + 1 of a vector, code c) is one nibble of each of two bytes four apart."""
+    layout byte (steps 2p and 2p + 1 of a vector, code c) is one nibble of each of two bytes four apart: four of
+    them a 32-bit word, made from two words of the block (numpy reads the file's unaligned words as they lie)."""
     t = TYPES[kind]
     start, run = t.nibbles
-    q = blocks[:, start:start + t.block // 2].reshape(n, k // run, run // 16, 2, 4)
-    lo, hi = q[:, :, :, 0], q[:, :, :, 1]
-    u = np.empty((n, k // run, 2, run // 16, 4), dtype=np.uint8)  # [N, runs, half, chunk, c]: [N, G, vector, c]
-    np.bitwise_or(lo & np.uint8(15), hi << np.uint8(4), out=u[:, :, 0])
-    np.bitwise_or(lo >> np.uint8(4), hi & np.uint8(0xF0), out=u[:, :, 1])
+    q = blocks[:, start:start + t.block // 2].view(np.uint32).reshape(-1, t.block // run, run // 16, 2)
+    lo, hi = q[..., 0], q[..., 1]
+    u = np.empty((q.shape[0], t.block // run, 2, run // 16), dtype=np.uint32)  # [blocks, runs, half, chunk]
+    np.bitwise_or(lo & _LOW32, (hi << np.uint32(4)) & _HIGH32, out=u[:, :, 0])
+    np.bitwise_or((lo >> np.uint32(4)) & _LOW32, hi & _HIGH32, out=u[:, :, 1])
     if four_bit in LEVEL_TABLES:
-        u ^= np.uint8(0x88)
-    # four codes a 32-bit word, moved as one: [N/16, 16, G, vector] → [N/16, G, vector, 16]
-    w = u.view(np.uint32).reshape(n // layout16.ROWS, layout16.ROWS, k // 32, 4).transpose(0, 2, 3, 1)
+        u ^= np.uint32(0x88888888)
+    # [N/16, 16, G, vector] → [N/16, G, vector, 16]
+    w = u.reshape(n // layout16.ROWS, layout16.ROWS, k // 32, 4).transpose(0, 2, 3, 1)
     return torch.from_numpy(np.ascontiguousarray(w).view(np.uint8).reshape(n, -1))
 
 
