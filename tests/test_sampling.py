@@ -925,6 +925,36 @@ def test_narrow_rows_apart_drawn_together_draw_what_they_draw_alone(width):
             torch.testing.assert_close(lp[r], one_lp, rtol=0, atol=1e-6)
 
 
+def test_a_seeded_top_p_row_draws_one_token_whichever_path_of_the_cut_finds_its_set(monkeypatch):
+    """A seeded row races over its kept tokens alone, in id order: C's set, a window's (which carries dropped
+    candidates) and the histogram's whole row (a set wider than the windows) give the same id for a (seed, step),
+    with and without logprobs (those from the cut, finite), and the draws follow the reference distribution."""
+    from lmhead.kernels import native
+
+    if native.library() is None:
+        pytest.skip("the C pass needs the native library")
+    g = torch.Generator().manual_seed(31)
+    rows = [window_rows(10_000, [6], seed=2)[0],       # a few tokens: C's set, or the first window's
+            torch.randn(10_000, generator=g) * 2.0]    # a set of thousands: C's, or the histogram's whole row
+    cfgs = [SamplingConfig(temperature=0.8, top_p=0.9, seed=3),
+            SamplingConfig(temperature=0.8, top_p=0.9, min_p=0.01, seed=4)]  # top-p then min-p: the same cut path
+    steps = range(300)
+    for x in rows:
+        for cfg in cfgs:
+            with_c = [int(sample(x, cfg, step=s)) for s in steps]
+            scored = [sample_with_logprobs(x, cfg, step=s) for s in steps[:40]]
+            assert [int(i) for i, _ in scored] == with_c[:40]
+            assert all(bool(torch.isfinite(lp)) for _, lp in scored)
+            for i, lp in scored[:5]:
+                torch.testing.assert_close(lp, chosen_logprobs(x, i, cfg).reshape(()), rtol=0, atol=1e-6)
+            with monkeypatch.context() as m:
+                m.setattr(native, "top_p_row", lambda *a: None)
+                without = [int(sample(x, cfg, step=s)) for s in steps]
+            assert with_c == without, cfg
+            probs = ref.sampling_draw_probabilities(x[None], [cfg])[0]
+            assert ref.draws_fit(torch.tensor(with_c), probs, groups=6) == ""
+
+
 def test_unseeded_top_p_rows_draw_from_the_set_c_finds_and_the_rest_by_rejection(monkeypatch, gen):
     """`sample` (no logprobs) on a few unseeded top-p-alone rows: a language-model-like row's set is found in C and
     raced over, a flat row (a set wider than C takes) is drawn by rejection; both follow the reference."""

@@ -19,8 +19,8 @@ before top-k/top-p, which gives different candidate sets for the same settings):
 7. softmax                        ``probabilities``
 8. draw                           ``sample``            the exponential race argmax(p / Exp(1)) over the kept
                                   candidates; rows kept whole (no cut-off) by a two-level inverse CDF with
-                                  one uniform per row; top-p alone from the set C finds at once (a few
-                                  unseeded rows) or by rejection from the whole row (all exact; no
+                                  one uniform per row; unseeded top-p alone from the set C finds at once
+                                  (a few rows) or by rejection from the whole row (all exact; no
                                   ``torch.multinomial``)
 
 Every step is also a pure function on ``[B,V]`` logits (logits in, float32 logits out, rejected tokens = -inf,
@@ -30,11 +30,11 @@ greedy rows only take an argmax, top-k takes ``torch.topk`` first and does top-p
 survivors (exactly equivalent, no full sort), and top-p without top-k partially sorts a small window
 (top 256, then 1024) until the window provably holds every kept token, with an exact histogram select (sort
 only the tokens of the bin where the mass crosses p) for rows whose top-p set is wider. ``sample`` with top-p
-alone does not find the top-p set at all: it draws from the whole row and keeps the draw iff the mass
-strictly above it is < p, else draws again above it (``top_p_draw``: exact; a pass of exps, or a partial sort
-of 256, per round, and a round passes with probability ≥ p). ``sample_with_logprobs`` draws and returns each
-drawn token's processed log-probability from the same cut (the decode loop's step), ``chosen_logprobs``
-scores given ids without a [B,V] processed row. With the same
+alone, on unseeded rows that C does not settle, does not find the top-p set at all: it draws from the whole row
+and keeps the draw iff the mass strictly above it is < p, else draws again above it (``top_p_draw``: exact; a
+pass of exps, or a partial sort of 256, per round, and a round passes with probability ≥ p).
+``sample_with_logprobs`` draws and returns each drawn token's processed log-probability from the same cut (the
+decode loop's step), ``chosen_logprobs`` scores given ids without a [B,V] processed row. With the same
 settings ``probabilities`` equals transformers' ``TemperatureLogitsWarper → TopKLogitsWarper →
 TopPLogitsWarper → MinPLogitsWarper`` + softmax (tests/test_sampling_hf.py).
 
@@ -69,9 +69,10 @@ per-row settings) → ``preprocess`` (steps 1-2) → ``rows`` (whole-row passes 
 ``logprobs``, ``entropy``).
 
 Seeds: with ``config.seed`` set, a row's draw depends only on (seed, step) and the row's own logits — a
-``torch.Generator`` seeded from (seed, step) draws noise over the row's kept tokens (top-p alone: its
-proposals over the whole row) in token-id order, and the row is cut and drawn on its own — so the same seed
-gives the same token whatever the batch size or position.
+``torch.Generator`` seeded from (seed, step) draws noise over the row's kept tokens alone, in token-id order
+(a row kept whole, without a cut-off or with min-p alone: one uniform for its inverse CDF), and the row is cut
+and drawn on its own — so the same seed gives the same token whatever the batch size or position, and
+whichever of the cut's paths (C, a window, the histogram, a sharded vocabulary) found the kept tokens.
 
 Settings are bounded where float32 stays finite (temperature ≤ 1e4, repetition_penalty in [1e-4, 1e4],
 |presence|, |frequency|, |logit_bias| ≤ 1e4); an overflow that still happens on logits near float32's limit is

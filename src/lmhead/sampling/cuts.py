@@ -138,7 +138,7 @@ def apply_cut(x: Tensor, cfgs: list[SamplingConfig], vocab: Vocab, top: tuple[Te
               native: bool = True, pad: bool = False, at: list[int] | None = None) -> list[Part]:
     """Steps 3-6 for rows x [b,V_r] whose cuts are of one kind (`cut_kind`), each row's settings its own: the passes
     over V once for them all, with the settings as columns [b,1] (``top``: the rows' top kmax+1, kmax their largest
-    top-k, already taken; ``native``: whether top-p may settle rows in C — not for a seeded draw, see `top_p_parts`).
+    top-k, already taken; ``native``: whether top-p may settle rows in C — the same kept tokens either way).
     Each row's values are the bits it gets alone: the candidates of rows with one k are cut together (a row whose
     k-th value ties, alone) — but with ``pad`` (an unseeded draw) those of every k at once, padded. ``at``: the rows
     of x [B,V_r] the settings are (None: x's rows in order): rows cut inside their top k read x only where a k-th

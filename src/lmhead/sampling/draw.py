@@ -3,15 +3,13 @@ their own (seed, step) noise."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from lmhead.sampling.config import SamplingConfig
 from lmhead.sampling.cuts import apply_cut, column, cut_kind, runs, take_rows, top_k_tops
-from lmhead.sampling.race import draw_part, part_logprobs, seeded_generator
-from lmhead.sampling.top_p import top_p_draw, top_p_draw_unseeded
+from lmhead.sampling.race import draw_part, kept_candidates, part_logprobs, seeded_generator
+from lmhead.sampling.top_p import top_p_draw_unseeded
 from lmhead.sampling.vocab import Vocab
 
 
@@ -22,23 +20,27 @@ def _draw_group(x: Tensor, cfgs: list[SamplingConfig], generator: torch.Generato
     ([b] global ids, with ``scored`` their processed log-probabilities [b] from the same cut, else None; NaN for
     rows drawn without a cut: top-p alone). ``at``: the rows of x [B,V_r] the settings are (None: x's rows)."""
     first = cfgs[0]
+    seeded = first.seed is not None and not first.is_greedy
+    kind = cut_kind(first, vocab.size, draw=True)
     if at is not None and top is None:
         x, at = take_rows(x, at), None
-    # top-p alone draws by rejection, without the top-p set — unless the set is wanted anyway for the logprob
-    # of an unseeded draw (a seeded row keeps `sample`'s ids), or C finds it at once (unseeded rows)
-    if cut_kind(first, vocab.size, draw=True) == "top_p_alone" and not (scored and first.seed is None):
+    # unseeded top-p alone draws from the set C finds at once, or by rejection without the top-p set — unless the
+    # set is wanted anyway for the logprob
+    if kind == "top_p_alone" and not scored and not seeded:
         keys = [c.cut_key(vocab.size) for c in cfgs]
         temperature = column(keys, "temperature", None, torch.float32, x.device)
         top_p = column(keys, "top_p", None, torch.float64, x.device)
-        if first.seed is None:
-            return top_p_draw_unseeded(x, temperature, top_p, generator, vocab), None
-        ids = top_p_draw(x, temperature, top_p, generator, True, vocab)
-        return ids, torch.full(ids.shape, math.nan, device=x.device) if scored else None
+        return top_p_draw_unseeded(x, temperature, top_p, generator, vocab), None
     ids = torch.empty(len(cfgs), dtype=torch.long, device=x.device)
     lp = torch.empty(len(cfgs), dtype=torch.float32, device=x.device) if scored else None
-    # an unseeded draw's ids depend on the batch (the generator's stream) anyway: its rows' candidates are cut at once
-    for sub, vals, idx in apply_cut(x, cfgs, vocab, top, native=first.seed is None, pad=first.seed is None, at=at):
-        chosen = idx[:, 0] if first.is_greedy else draw_part(vals, idx, first.seed is not None, generator, vocab)
+    # an unseeded draw's ids depend on the batch (the generator's stream) anyway: its rows' candidates are cut at
+    # once; a seeded row (drawn alone) races over its kept tokens, whichever of the cut's paths found them — a top-p
+    # set kept as a whole row (the histogram's) as its tokens too, so that its id is the one C's set or a window's
+    # gives
+    for sub, vals, idx in apply_cut(x, cfgs, vocab, top, pad=not seeded, at=at):
+        if seeded and idx is None and kind in ("top_p", "top_p_alone"):
+            vals, idx = kept_candidates(vals, vocab)
+        chosen = idx[:, 0] if first.is_greedy else draw_part(vals, idx, seeded, generator, vocab)
         for out, got in ((ids, chosen), (lp, part_logprobs(vals, idx, chosen, vocab) if scored else None)):
             if out is None:
                 continue

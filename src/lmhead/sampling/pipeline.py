@@ -68,10 +68,10 @@ def sample(logits: Tensor, config: ConfigArg = None, generator: torch.Generator 
     """Steps 1-8: [B,V] logits → [B] long token ids (a 0-d tensor for a [V] row).
 
     Greedy rows (temperature 0) take the argmax (the first one on ties). With top-k set only the [B,k]
-    survivors are touched after ``torch.topk`` and drawn by the exponential race; rows with top-p alone draw
-    by rejection from the whole row (``top_p_draw``: no top-p set is computed) — but a few unseeded whole CPU
-    rows whose set one C pass finds (a language model's rows) race over that set; other rows kept whole (no
-    cut-off, min-p) draw by inverse CDF with one uniform per row.
+    survivors are touched after ``torch.topk`` and drawn by the exponential race; unseeded rows with top-p alone
+    draw by rejection from the whole row (``top_p_draw``: no top-p set is computed) — but a few whole CPU rows
+    whose set one C pass finds (a language model's rows) race over that set, as seeded rows always do over
+    theirs; other rows kept whole (no cut-off, min-p) draw by inverse CDF with one uniform per row.
     Rows without a seed draw from ``generator`` (or torch's default generator). A row whose config has a seed
     draws from a generator seeded with (seed, step), on its own, over its tokens in token-id order, so the id
     does not depend on the batch; ``step`` (int or one per row) is the position of the token being drawn.
@@ -107,12 +107,6 @@ def sample_with_logprobs(logits: Tensor, config: ConfigArg = None, generator: to
         return (ids[0], lp[0]) if split.one_row else (ids, lp)
     ids, lp, one_row = _sample(logits, config, generator, prev_tokens, prompt_len, step, None, scored=True,
                                states=state)
-    missing = torch.isnan(lp)
-    if bool(missing.any()):  # rows drawn without a cut (seeded, top-p alone): their kept set, found now
-        rows = missing.nonzero().squeeze(1)
-        x, configs, _, vocab = preprocess_rows(logits, config, prev_tokens, prompt_len)  # bias, penalties: once
-        cfgs = [configs] * x.shape[0] if isinstance(configs, SamplingConfig) else configs
-        lp[rows] = _chosen(x[rows], ids[rows], [cfgs[r] for r in rows.tolist()], vocab)
     return (ids[0], lp[0]) if one_row else (ids, lp)
 
 

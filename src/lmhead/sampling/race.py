@@ -9,6 +9,7 @@ from lmhead.sampling.rows import draw_whole_rows
 from lmhead.sampling.vocab import NEG_INF, Vocab
 
 _MASK64 = (1 << 64) - 1
+_AFTER = 1 << 48  # added to a dropped candidate's id: it sorts after every kept one
 
 
 def _mix_seed(seed: int, step: int) -> int:
@@ -29,14 +30,18 @@ def seeded_generator(seed: int, step: int, device: torch.device | str = "cpu") -
     return torch.Generator(device=device).manual_seed(_mix_seed(seed, step))
 
 
-def race_draw(probs: Tensor, generator: torch.Generator | list[torch.Generator] | None = None) -> Tensor:
+def race_draw(probs: Tensor, generator: torch.Generator | list[torch.Generator] | None = None,
+              counts: list[int] | None = None) -> Tensor:
     """The exponential race on [b,m] probabilities → [b] positions: argmax(p / Exp(1)) picks i with probability
     p_i (exact, no multinomial). Noise is drawn for the m columns in order, from ``generator`` — or, given one
-    generator per row, each row's from its own (the noise a row gets alone)."""
+    generator per row, each row's from its own (the noise a row gets alone), for its first ``counts[r]`` columns
+    only where counts are given (the rest have probability 0)."""
     noise = torch.empty_like(probs)
     if isinstance(generator, list):
-        for row, gen in zip(noise, generator, strict=True):
-            row.exponential_(generator=gen)
+        if counts is not None:
+            noise.fill_(1.0)
+        for r, (row, gen) in enumerate(zip(noise, generator, strict=True)):
+            (row if counts is None else row[:counts[r]]).exponential_(generator=gen)
     else:
         noise.exponential_(generator=generator)
     return (probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
@@ -45,14 +50,28 @@ def race_draw(probs: Tensor, generator: torch.Generator | list[torch.Generator] 
 def draw_part(vals: Tensor, idx: Tensor | None, seeded: bool, generator: torch.Generator | list | None,
                vocab: Vocab) -> Tensor:
     """A sampled part of the cut ([b,V_r] whole rows when idx is None, else [b,m] candidates and their ids) → [b]
-    ids. A seeded row's candidates race in token-id order, so that the noise each token gets does not depend
-    on the order the cut produced them in (``generator``: one per row for seeded rows drawn together)."""
+    ids. A seeded row's kept candidates (its finite values) race in token-id order, noise drawn for them alone, so
+    that its id depends on its kept tokens and their values only — not on the order the cut produced them in nor
+    on the dropped ones (-inf) it carried, which differ between the cut's paths (``generator``: a row's own, or one
+    per row for seeded rows drawn together)."""
     if idx is None:
         return draw_whole_rows(vals, generator, vocab)
+    counts = None
     if seeded:
-        order = idx.argsort(dim=-1)
+        kept = torch.isfinite(vals)
+        order = torch.where(kept, idx, idx + _AFTER).argsort(dim=-1)  # kept in id order, then the dropped
         vals, idx = vals.gather(1, order), idx.gather(1, order)
-    return idx.gather(1, race_draw(torch.softmax(vals, dim=-1), generator).unsqueeze(1)).squeeze(1)
+        counts = kept.sum(dim=-1).tolist()
+        generator = generator if isinstance(generator, list) else [generator] * vals.shape[0]
+    return idx.gather(1, race_draw(torch.softmax(vals, dim=-1), generator, counts).unsqueeze(1)).squeeze(1)
+
+
+def kept_candidates(vals: Tensor, vocab: Vocab) -> tuple[Tensor, Tensor]:
+    """One whole row of a cut [1,V_r] (-inf = dropped) → its kept tokens as candidates (vals [1,c], global ids
+    [1,c] ascending), gathered over the shards of the vocabulary."""
+    local = torch.isfinite(vals[0]).nonzero().squeeze(1)
+    ids, kept = vocab.cat(local + vocab.start, vals[0, local])
+    return kept.unsqueeze(0), ids.unsqueeze(0)
 
 
 def part_logprobs(vals: Tensor, idx: Tensor | None, ids: Tensor, vocab: Vocab) -> Tensor:

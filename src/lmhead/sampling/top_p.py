@@ -88,9 +88,8 @@ def top_p_parts(x: Tensor, temperature: Setting, top_p: Setting, vocab: Vocab, n
 
     A few whole CPU rows are settled in C first (`kernels.native.top_p_row`: the same rule, three passes and a
     sort of the candidates, one call per row instead of ~40 torch ops); the rows it declines take the path
-    above. Not with ``native=False``: a seeded draw races noise over the candidates in id order, dropped ones
-    included, so its id depends on the candidate list — it keeps the windows', which never depend on whether C
-    ran or on the batch's size."""
+    above (all of them with ``native=False``). Every path gives a row the same kept tokens and values: a seeded
+    draw, which races over those alone (`race.draw_part`), gives the same id whichever path found them."""
     parts, rest = _top_p_native(x, temperature, top_p, vocab) if native else ([], list(range(x.shape[0])))
     if not parts:
         return _top_p_windows(x, temperature, top_p, vocab)
@@ -242,7 +241,7 @@ def _mass_above(vals: Tensor, top: Tensor, value: Tensor) -> Tensor:
 
 
 def _settle(x: Tensor, temperature: Setting, top_p: Setting, top: Tensor, norm: Tensor, chosen: Tensor, value: Tensor,
-            generator: torch.Generator | None, seeded: bool, vocab: Vocab) -> tuple[Tensor, Tensor, Tensor]:
+            generator: torch.Generator | None, vocab: Vocab) -> tuple[Tensor, Tensor, Tensor]:
     """One rejection round's test for rows [n,V_r] whose draws `chosen` [n] have x/T `value` [n,1] (top = the
     row max x/T [n,1], norm = the row's mass [n] float64) → (done [n] bool, ids [n] where done, the block
     masses above each value [n, ⌈V/1024⌉] for the rows not done: the next round's proposal).
@@ -269,7 +268,7 @@ def _settle(x: Tensor, temperature: Setting, top_p: Setting, top: Tensor, norm: 
     ids = chosen.clone()
     if bool(covered.any()):
         c = covered.nonzero().squeeze(1)
-        ids[c] = draw_part(top_p_sorted(vals[c], rows_of(top_p, c), probs[c]), idx[c], seeded, generator, vocab)
+        ids[c] = draw_part(top_p_sorted(vals[c], rows_of(top_p, c), probs[c]), idx[c], False, generator, vocab)
         done |= covered
     sums = torch.zeros(n, n_blocks, dtype=torch.float32, device=x.device)
     rest = (~done).nonzero().squeeze(1)
@@ -279,8 +278,8 @@ def _settle(x: Tensor, temperature: Setting, top_p: Setting, top: Tensor, norm: 
     return done, ids, sums
 
 
-def top_p_draw(x: Tensor, temperature: Setting, top_p: Setting, generator: torch.Generator | None, seeded: bool,
-                vocab: Vocab) -> Tensor:
+def top_p_draw(x: Tensor, temperature: Setting, top_p: Setting, generator: torch.Generator | None,
+               vocab: Vocab) -> Tensor:
     """Draw from the top-p distribution of rows [b,V_r] (top-p alone: no top-k, no min-p) → [b] global ids,
     without finding the top-p set: by rejection.
 
@@ -306,7 +305,7 @@ def top_p_draw(x: Tensor, temperature: Setting, top_p: Setting, generator: torch
     for _ in range(_DRAW_ROUNDS):
         u = torch.rand(rows.numel(), 1, dtype=torch.float64, device=x.device, generator=generator)
         chosen, value = draw_in_blocks(x, temperature, top_t, floor, sums, u, vocab)
-        done, chosen, sums = _settle(x, temperature, top_p, top_t, norm, chosen, value, generator, seeded, vocab)
+        done, chosen, sums = _settle(x, temperature, top_p, top_t, norm, chosen, value, generator, vocab)
         ids[rows[done]] = chosen[done]
         if bool(done.all()):
             return ids
@@ -314,7 +313,7 @@ def top_p_draw(x: Tensor, temperature: Setting, top_p: Setting, generator: torch
         rows, x, top_t, norm, sums, floor = rows[rest], x[rest], top_t[rest], norm[rest], sums[rest], value[rest]
         temperature, top_p = rows_of(temperature, rest), rows_of(top_p, rest)
     for sub, vals, idx in top_p_parts(x, temperature, top_p, vocab, native=False):  # `sample`'s ids as they were
-        ids[sub_part(rows, sub)] = draw_part(vals, idx, seeded, generator, vocab)
+        ids[sub_part(rows, sub)] = draw_part(vals, idx, False, generator, vocab)
     return ids
 
 
@@ -325,12 +324,12 @@ def top_p_draw_unseeded(x: Tensor, temperature: Setting, top_p: Setting, generat
     passes) race over it, the others draw by rejection (`top_p_draw`: flat rows, wide batches)."""
     parts, rest = _top_p_native(x, temperature, top_p, vocab)
     if not parts:
-        return top_p_draw(x, temperature, top_p, generator, False, vocab)
+        return top_p_draw(x, temperature, top_p, generator, vocab)
     ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     if rest:
         check_top(vocab.amax(x)[:, 0], vocab.name, temperature)  # an error names the row of x, not of the rest
         index = torch.tensor(rest, device=x.device)
-        ids[index] = top_p_draw(x[index], rows_of(temperature, index), rows_of(top_p, index), generator, False, vocab)
+        ids[index] = top_p_draw(x[index], rows_of(temperature, index), rows_of(top_p, index), generator, vocab)
     for rows, vals, idx in parts:
         ids[slice(None) if rows is None else rows] = draw_part(vals, idx, False, generator, vocab)
     return ids
