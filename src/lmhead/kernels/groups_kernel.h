@@ -146,12 +146,19 @@ static inline __m512i g16_step(const uint8_t* unit, int q, int packed, int level
 
 enum { G16_INT8, G16_NIBBLES, G16_LEVELS_KIND }; /* the codes: int8, packed nibbles, packed indices of a table */
 
-/* one query row (its slices a, plane apart) against weight rows 16·b0 .. 16·(b0 + NB) − 1 — NB ≤ G16_NB, H (1:
- * groups of 32, 2: of 16) and KIND constants in each copy below, so that a group's steps unroll */
-KERNEL_INLINE void g16_rows(const int NB, const int H, const int KIND, const int8_t* a, int64_t plane,
+/* the copies of g16_rows by how the scales are held (MODE): float16, a K-quant's d and sub in groups of 32,
+ * exponent bytes, d and sub in groups of 16 (two halves a group of 32) — a constant in each copy, so that no copy
+ * holds another's scale code */
+enum { G16_M_HALF, G16_M_SUB, G16_M_E8M0, G16_M_SUB16, G16_MODES };
+
+/* one query row (its slices a, plane apart) against weight rows 16·b0 .. 16·(b0 + NB) − 1 — NB ≤ G16_NB, MODE
+ * and KIND constants in each copy below, so that a group's steps unroll */
+KERNEL_INLINE void g16_rows(const int NB, const int MODE, const int KIND, const int8_t* a, int64_t plane,
                             const float* d2, const int32_t* t, const float* vx, int64_t K, const uint8_t* codes,
-                            const void* s16, const void* m16, int skind, int64_t N, int table, int32_t bias, int64_t b0,
+                            const void* s16, const void* m16, int64_t N, int table, int32_t bias, int64_t b0,
                             float* y) {
+    const int H = MODE == G16_M_SUB16 ? 2 : 1;
+    const int skind = MODE == G16_M_HALF ? G16_HALF : MODE == G16_M_E8M0 ? G16_E8M0 : G16_SUB;
     const int packed = KIND != G16_INT8, halves = H == 2;
     const int64_t G = K / 32, unit = packed ? 256 : 512, GS = G * H;
     const __m512i lut = g16_lut(KIND == G16_LEVELS_KIND ? table : -1);
@@ -185,23 +192,26 @@ KERNEL_INLINE void g16_rows(const int NB, const int H, const int KIND, const int
     for (int j = 0; j < NB; j++) _mm512_storeu_ps(y + (b0 + j) * 16, acc[j]);
 }
 
-#define G16_ROWS(NB, H, KIND)                                                                                     \
-    static void g16_rows_##NB##_##H##_##KIND(const int8_t* a, int64_t plane, const float* d2, const int32_t* t,       \
-                                             const float* vx, int64_t K, const uint8_t* codes, const void* s16,       \
-                                             const void* m16, int skind, int64_t N, int table, int32_t bias, int64_t b0, \
-                                             float* y) {                                                             \
-        g16_rows(NB, H, KIND, a, plane, d2, t, vx, K, codes, s16, m16, skind, N, table, bias, b0, y);                 \
+#define G16_ROWS(NB, MODE, KIND)                                                                                  \
+    static void g16_rows_##NB##_##MODE##_##KIND(const int8_t* a, int64_t plane, const float* d2, const int32_t* t,    \
+                                                const float* vx, int64_t K, const uint8_t* codes, const void* s16,    \
+                                                const void* m16, int64_t N, int table, int32_t bias, int64_t b0,      \
+                                                float* y) {                                                          \
+        g16_rows(NB, MODE, KIND, a, plane, d2, t, vx, K, codes, s16, m16, N, table, bias, b0, y);                    \
     }
-#define G16_ROWS_NB(H, KIND) G16_ROWS(1, H, KIND) G16_ROWS(2, H, KIND) G16_ROWS(3, H, KIND) G16_ROWS(4, H, KIND)
-G16_ROWS_NB(1, 0) G16_ROWS_NB(2, 0) G16_ROWS_NB(1, 1) G16_ROWS_NB(2, 1) G16_ROWS_NB(1, 2) G16_ROWS_NB(2, 2)
+#define G16_ROWS_NB(MODE, KIND) \
+    G16_ROWS(1, MODE, KIND) G16_ROWS(2, MODE, KIND) G16_ROWS(3, MODE, KIND) G16_ROWS(4, MODE, KIND)
+#define G16_ROWS_KIND(KIND) G16_ROWS_NB(0, KIND) G16_ROWS_NB(1, KIND) G16_ROWS_NB(2, KIND) G16_ROWS_NB(3, KIND)
+G16_ROWS_KIND(0) G16_ROWS_KIND(1) G16_ROWS_KIND(2)
 typedef void (*g16_rows_fn)(const int8_t*, int64_t, const float*, const int32_t*, const float*, int64_t,
-                            const uint8_t*, const void*, const void*, int, int64_t, int, int32_t, int64_t, float*);
-#define G16_ROWS_ROW(H, KIND) \
-    {NULL, g16_rows_1_##H##_##KIND, g16_rows_2_##H##_##KIND, g16_rows_3_##H##_##KIND, g16_rows_4_##H##_##KIND}
-/* [KIND][H − 1][NB] */
-static const g16_rows_fn G16_ROWS_OF[3][2][G16_NB + 1] = {{G16_ROWS_ROW(1, 0), G16_ROWS_ROW(2, 0)},
-                                                          {G16_ROWS_ROW(1, 1), G16_ROWS_ROW(2, 1)},
-                                                          {G16_ROWS_ROW(1, 2), G16_ROWS_ROW(2, 2)}};
+                            const uint8_t*, const void*, const void*, int64_t, int, int32_t, int64_t, float*);
+#define G16_ROWS_ROW(MODE, KIND)                                                                 \
+    {NULL, g16_rows_1_##MODE##_##KIND, g16_rows_2_##MODE##_##KIND, g16_rows_3_##MODE##_##KIND, \
+     g16_rows_4_##MODE##_##KIND}
+#define G16_ROWS_MODES(KIND) {G16_ROWS_ROW(0, KIND), G16_ROWS_ROW(1, KIND), G16_ROWS_ROW(2, KIND), G16_ROWS_ROW(3, KIND)}
+/* [KIND][MODE][NB] */
+static const g16_rows_fn G16_ROWS_OF[3][G16_MODES][G16_NB + 1] = {G16_ROWS_MODES(0), G16_ROWS_MODES(1),
+                                                                  G16_ROWS_MODES(2)};
 
 /* a row the integer path refuses: float32 sums over the same weights, group by group */
 static void g16_plain(const float* x, int64_t K, const uint8_t* codes, const void* s16, const void* m16, int skind,
@@ -319,7 +329,8 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
     const int32_t bias = g16_bias(packed, signed4, table);
     const int unsigned_codes = packed && table < 0; /* the tiles' codes: signed (the bias taken off) or not */
     const __m512i lut = g16_lut(table);
-    const g16_rows_fn* rows_of = G16_ROWS_OF[!packed ? G16_INT8 : table >= 0 ? G16_LEVELS_KIND : G16_NIBBLES][halves];
+    const int mode = halves ? G16_M_SUB16 : skind == G16_HALF ? G16_M_HALF : skind == G16_E8M0 ? G16_M_E8M0 : G16_M_SUB;
+    const g16_rows_fn* rows_of = G16_ROWS_OF[!packed ? G16_INT8 : table >= 0 ? G16_LEVELS_KIND : G16_NIBBLES][mode];
     /* the slices and their sums in one buffer: on the stack for a decode step's row (a call's bookkeeping is a
      * visible share of a small model's step) */
     const size_t need = (size_t)(3 * plane) + (size_t)(M * G) * (4 * sizeof(float) + 9 * sizeof(int32_t)) + (size_t)M;
@@ -379,8 +390,8 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
         for (int64_t m = tiled; m < M; m++)
             for (int64_t b0 = lo; b0 < hi; b0 += G16_NB) {
                 const int64_t nb = hi - b0 < G16_NB ? hi - b0 : G16_NB;
-                rows_of[nb](a + m * K, plane, d2 + m * G, t + m * G * 9, vx + m * G * 3, K, codes, s16, m16, skind, N,
-                            table, bias, b0, y + m * N);
+                rows_of[nb](a + m * K, plane, d2 + m * G, t + m * G * 9, vx + m * G * 3, K, codes, s16, m16, N, table,
+                            bias, b0, y + m * N);
             }
 #ifdef G16_AMX
         if (u8) _tile_release();
