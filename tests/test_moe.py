@@ -140,6 +140,20 @@ def test_rows_that_pick_different_experts_in_one_batch_get_what_each_gets_alone(
             torch.testing.assert_close(got[r:r + 1], expect, rtol=0, atol=1e-5 * float(expect.abs().max()))
 
 
+def test_a_rows_shared_expert_gate_is_the_same_bits_alone_and_anywhere_in_a_batch():
+    # torch's sigmoid over a column computes most elements in vector lanes and the last few one by one, whose last
+    # bits differ for some numbers: the gate of a row must not depend on how many rows come with it
+    from lmhead.models.moe import shared_gates
+
+    g = torch.Generator().manual_seed(3)
+    gate = torch.randn(1, 64, generator=g) * 0.1
+    x = torch.randn(69, 64, generator=g)
+    alone = torch.cat([shared_gates(x[i:i + 1], gate) for i in range(69)])
+    torch.testing.assert_close(alone, torch.sigmoid(x @ gate.T), rtol=1e-6, atol=0)  # σ(x·g), transformers' op
+    for n in range(2, 70):
+        assert torch.equal(shared_gates(x[:n], gate), alone[:n]), n
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_the_router_chooses_as_transformers_router_on_near_ties(arch):
     from tiny_gguf import _hf_model

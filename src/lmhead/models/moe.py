@@ -31,7 +31,7 @@ from lmhead.models.coded_linear import CodedLinear
 from lmhead.models.expert_layout import ExpertMatrices
 from lmhead.models.row_blocks import RowBlocks
 
-__all__ = ["MoE", "Routing", "SwigluOAI", "route", "router_logits", "swiglu_oai"]
+__all__ = ["MoE", "Routing", "SwigluOAI", "route", "router_logits", "shared_gates", "swiglu_oai"]
 
 Matrix = CodedLinear | RowBlocks | Tensor
 Experts = ExpertMatrices | list[Matrix]  # a layer's experts of one product: one object, or one matrix each
@@ -59,6 +59,17 @@ def router_logits(x: Tensor, router: Tensor, bias: Tensor | None = None) -> Tens
     for i in range(x.shape[0]):
         out[i:i + 1] = F.linear(x[i:i + 1], router, bias)
     return out
+
+
+def shared_gates(x: Tensor, gate: Tensor) -> Tensor:
+    """x [N,D] and a shared expert's gate [1,D] → σ(x·gᵀ) [N,1], each row by its own product and its own sigmoid:
+    torch's sigmoid over a column computes most elements in vector lanes and the last few one by one, whose last
+    bits differ for some numbers, so a row's gate changed with its place in the batch; alone, every row's is the
+    one-element sigmoid a decode step alone takes."""
+    z = router_logits(x, gate)
+    if z.shape[0] <= 1 or torch.is_grad_enabled() and z.requires_grad:
+        return torch.sigmoid(z)
+    return torch.cat([torch.sigmoid(z[i:i + 1]) for i in range(z.shape[0])])
 
 
 def route(x: Tensor, router: Tensor, top_k: int, renormalise: bool, bias: Tensor | None = None,
@@ -178,8 +189,8 @@ class MoE:
 
     def shared_weight(self, x: Tensor) -> Tensor:
         """The shared expert's gate for rows x [N,D]: σ(x·g) [N,1] (Qwen2-MoE's, transformers' operations; each row
-        alone, as the router's logits: `router_logits`)."""
-        return torch.sigmoid(router_logits(x, self.shared_gate))
+        alone: `shared_gates`)."""
+        return shared_gates(x, self.shared_gate)
 
     def kernel_act(self, act_code: int) -> tuple[int, float, float]:
         """The experts kernel's activation (code, alpha, limit): the experts' own (`SwigluOAI`), else the body's
