@@ -17,8 +17,8 @@ def _draw_group(x: Tensor, cfgs: list[SamplingConfig], generator: torch.Generato
                 top: tuple[Tensor, Tensor] | None = None, scored: bool = False,
                 at: list[int] | None = None) -> tuple[Tensor, Tensor | None]:
     """Steps 3-8 for rows [b,V_r] whose cuts are of one drawing kind (`cut_kind(draw=True)`), all seeded or none →
-    ([b] global ids, with ``scored`` their processed log-probabilities [b] from the same cut, else None; NaN for
-    rows drawn without a cut: top-p alone). ``at``: the rows of x [B,V_r] the settings are (None: x's rows)."""
+    ([b] global ids, with ``scored`` their processed log-probabilities [b] from the same cut, else None). ``at``: the
+    rows of x [B,V_r] the settings are (None: x's rows)."""
     first = cfgs[0]
     seeded = first.seed is not None and not first.is_greedy
     kind = cut_kind(first, vocab.size, draw=True)
