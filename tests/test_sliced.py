@@ -246,3 +246,43 @@ def test_the_choice_by_groups_weighs_a_round_and_an_older_record_is_measured_aga
         assert "groups16_round_us" in json.loads(record.read_text())["groups16"]["packed"]
     finally:
         LIB.lmhead_sliced(before)
+
+
+def test_layouts_timed_on_busy_cores_are_used_not_kept_and_timed_again_by_the_next_load(tmp_path, monkeypatch,
+                                                                                       capsys):
+    from lmhead.kernels import paths
+    from lmhead.models import groups16
+
+    if not groups16.built():
+        pytest.skip("the integer path by groups needs AVX-512 VNNI")
+    before = LIB.lmhead_sliced(-1)
+    for name in ("LMHEAD_SLICED", "LMHEAD_GROUPS16"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(paths, "_chosen", dict(paths._chosen))  # this process's choice back afterwards
+    library = tmp_path / "lmhead-test.so"
+    record = tmp_path / "lmhead-test.so.paths.json"
+    tries = []
+
+    def timed(us: float):
+        def measure(lib, kind):
+            tries.append(kind)
+            return {"groups16": True, "rows4_us": us, "groups16_us": us * 0.9, "rows4_round_us": us * 8,
+                    "groups16_round_us": us * 4}
+        return measure
+
+    try:
+        # both cores taken: every two-thread product a time slice long, against one-thread products of tens of µs
+        monkeypatch.setattr(paths, "_measure_groups16", timed(7700.0))
+        chosen = paths.choose(LIB, library)
+        assert len(tries) == paths._TRIES * len(paths.KINDS)
+        assert chosen["groups16"]["int8"]["rows4_us"] == 7700.0  # this process uses what it timed
+        assert "busy" in capsys.readouterr().err
+        kept = json.loads(record.read_text())
+        assert "groups16" not in kept and isinstance(kept["int8"]["sliced"], bool)  # the one-thread choice kept
+        one = min(kept["int8"]["float_us"], kept["int8"]["sliced_us"])
+        monkeypatch.setattr(paths, "_measure_groups16", timed(one))  # the next load's, on idle cores
+        again = paths.choose(LIB, library)["groups16"]
+        assert again["int8"]["rows4_us"] == one and json.loads(record.read_text())["groups16"] == again
+        assert capsys.readouterr().err == ""
+    finally:
+        LIB.lmhead_sliced(before)

@@ -122,6 +122,21 @@ def _measure_groups16(lib: ctypes.CDLL, kind: str) -> dict:
             "rows4_round_us": us[False, _ROUND], "groups16_round_us": us[True, _ROUND]}
 
 
+_BUSY = 4.0  # a two-thread sweep's product this many times a one-thread product's: the cores were busy
+_TRIES = 2
+
+
+def _busy(chosen: dict, measured: dict) -> bool:
+    """Whether the two-thread sweeps ran on busy cores: a decode-sized product on two threads takes about a
+    one-thread product's time or less, but where both cores are taken each fork and barrier waits for a time slice
+    (milliseconds, not microseconds), so the sweeps' times say nothing about the layouts."""
+    for kind in KINDS:
+        one = [chosen[kind][key] for key in ("float_us", "sliced_us") if key in chosen[kind]]
+        if one and min(measured[kind]["rows4_us"], measured[kind]["groups16_us"]) > _BUSY * min(one):
+            return True
+    return False
+
+
 def _read(path: Path) -> dict | None:
     try:
         data = json.loads(path.read_text())
@@ -166,9 +181,18 @@ def choose(lib: ctypes.CDLL, library_path: Path) -> dict:
     measured = _chosen.get("groups16", {})
     if (_chosen["groups16_built"] and env not in ("0", "1")
             and not all("groups16_round_us" in measured.get(kind, {}) for kind in KINDS)):  # or an older record's
-        _chosen["groups16"] = {kind: _measure_groups16(lib, kind) for kind in KINDS}
-        _write(library_path.with_name(library_path.name + ".paths.json"),
-               {k: v for k, v in _chosen.items() if k != "groups16_built"})
+        for _ in range(_TRIES):
+            _chosen["groups16"] = {kind: _measure_groups16(lib, kind) for kind in KINDS}
+            busy = _busy(_chosen, _chosen["groups16"])
+            if not busy:
+                break
+        if busy:  # not kept: a record made on busy cores would choose for every later process
+            print("lmhead: the CPU's cores were busy while the layouts by groups were timed; this process uses "
+                  "those times, and the next process to load the kernels times them again", file=sys.stderr,
+                  flush=True)
+        else:
+            _write(library_path.with_name(library_path.name + ".paths.json"),
+                   {k: v for k, v in _chosen.items() if k != "groups16_built"})
     return _chosen
 
 
