@@ -69,7 +69,9 @@ def shared_gates(x: Tensor, gate: Tensor) -> Tensor:
     z = router_logits(x, gate)
     if z.shape[0] <= 1 or torch.is_grad_enabled() and z.requires_grad:
         return torch.sigmoid(z)
-    return torch.cat([torch.sigmoid(z[i:i + 1]) for i in range(z.shape[0])])
+    spread = z.new_empty(z.shape[0], 2)  # a strided column: torch takes no vector lanes over it, every element
+    spread[:, :1] = z                    # the one-element code a row alone takes, in one call
+    return torch.sigmoid(spread[:, :1])
 
 
 def route(x: Tensor, router: Tensor, top_k: int, renormalise: bool, bias: Tensor | None = None,
