@@ -154,6 +154,43 @@ def test_a_rows_shared_expert_gate_is_the_same_bits_alone_and_anywhere_in_a_batc
         assert torch.equal(shared_gates(x[:n], gate), alone[:n]), n
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_routing_is_the_same_bits_alone_and_anywhere_in_a_batch_from_one_kernel_call(threads):
+    # the router's logits of a prefill's rows come from one call of the kernel's float32 product (each row summed
+    # in one order whatever the rows and threads), not one F.linear a row; the shared expert's gate too
+    from lmhead.models.coded_linear import CodedLinear
+    from lmhead.models.moe import MoE
+
+    g = torch.Generator().manual_seed(5)
+    experts, d = 16, 200
+    moe = MoE(router=torch.randn(experts, d, generator=g), gate_up=[torch.zeros(8, d)] * experts,
+              down=[torch.zeros(d, 4)] * experts, top_k=3, renormalise=True,
+              shared_gate=torch.randn(1, d, generator=g) * 0.1)
+    x = torch.randn(70, d, generator=g)
+    x[5] = x[4]
+    calls = []
+    real = CodedLinear.__call__
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = [moe.route(x[i:i + 1]) for i in range(70)]
+        gates = torch.cat([moe.shared_weight(x[i:i + 1]) for i in range(70)])
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(CodedLinear, "__call__", lambda self, rows: calls.append(rows.shape[0]) or real(self, rows))
+            for n in (2, 3, 17, 70):
+                got = moe.route(x[:n])
+                for field in ("logits", "experts", "weights"):
+                    want = torch.cat([getattr(a, field) for a in alone[:n]])
+                    assert torch.equal(getattr(got, field), want), (n, field)
+                assert torch.equal(moe.shared_weight(x[:n]), gates[:n]), n
+    finally:
+        torch.set_num_threads(before)
+    assert calls == [n for n in (2, 3, 17, 70) for _ in range(2)]  # one call for a batch's router, one for its gate
+    want = x.double() @ moe.router.double().T
+    bound = d * 2.0 ** -24 / (1 - d * 2.0 ** -24) * (x.double().abs() @ moe.router.double().abs().T)
+    assert bool(((torch.cat([a.logits for a in alone]).double() - want).abs() <= bound).all())
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_the_router_chooses_as_transformers_router_on_near_ties(arch):
     from tiny_gguf import _hf_model

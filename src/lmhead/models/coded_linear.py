@@ -383,14 +383,19 @@ class CodedLinear:
             out = self.dequantize()[flat] if self.weight is None else self.weight.detach()[flat].float()
         return out.view(*ids.shape, self.in_features)
 
+    def serves(self, x: Tensor) -> bool:
+        """Whether `self(x)` runs the kernel — each row's sum in one fixed order whatever the number of rows or
+        threads — rather than torch's F.linear: the kernel built, x float32 on the CPU and wanting no gradient,
+        the model's tensors unchanged since the codes were made."""
+        return (native.library() is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+                and self.current() and not (torch.is_grad_enabled() and x.requires_grad))
+
     def __call__(self, x: Tensor) -> Tensor:
-        lib = native.library()
-        if (lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or not self.current()
-                or (torch.is_grad_enabled() and x.requires_grad)):
+        if not self.serves(x):
             w = self.weight if self.weight is not None else self.dequantize()
             return torch.nn.functional.linear(x, w)
-        return _call(lib, x if x.is_contiguous() else x.contiguous(), self.codes, self.scale, self.offset,
-                     self.group, self.flags)
+        return _call(native.library(), x if x.is_contiguous() else x.contiguous(), self.codes, self.scale,
+                     self.offset, self.group, self.flags)
 
     @property
     def screens(self) -> bool:

@@ -1,7 +1,7 @@
 """A mixture-of-experts MLP as the lean body runs it: the router, the top k, and each chosen expert's product run
 once over all the rows that picked it.
 
-    h [B,T,D] ──as rows x [N,D]──▶ router logits x·Rᵀ [N,E] (float32, F.linear: transformers' own op)
+    h [B,T,D] ──as rows x [N,D]──▶ router logits x·Rᵀ [N,E] (float32; each row summed in one order whatever the batch)
         ──softmax (float32)──▶ top k experts per row, weights w [N,k] (÷ their sum where the rule renormalises;
           gpt-oss: + the router's bias, the top k of the logits, then a softmax over those k)
         ──per chosen expert e, ascending: rows r that picked it──▶ down_e(act(gate_e·x_r)·(up_e·x_r)) · w
@@ -19,6 +19,7 @@ tensors (shared; or a type without a code kernel dequantized).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,12 +48,22 @@ class Routing:
     weights: Tensor
 
 
-def router_logits(x: Tensor, router: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [N,D] · routerᵀ (+ bias) → [N,E] float32, each row by its own product (transformers' `F.linear` on that
-    row alone): a matrix product over several rows sums each row in another order than the one-row product does —
-    every row's logits changed in their last bits with the batch (measured at D 64, 2048, 2880) — and the router's
-    top k is a discrete choice, so a near-tie could pick other experts for a request alone and in a server round.
-    One row at a time, a row's logits are the bits of a decode step alone whatever else is in the batch."""
+def router_logits(x: Tensor, router: Tensor | CodedLinear, bias: Tensor | None = None) -> Tensor:
+    """x [N,D] · routerᵀ (+ bias) → [N,E] float32, each row's logits the same bits whatever else is in the batch:
+    the router's top k is a discrete choice, so a near-tie must not pick other experts for a request alone and in
+    a server round. A matrix product over several rows sums each row in another order than the one-row product
+    does (torch's F.linear: every row's logits changed in their last bits with the batch, measured at D 64, 2048,
+    2880).
+
+    `router`: the kernel's product over the weights [E,D] (`CodedLinear.dense16`, as `MoE.route` passes it) —
+    one call whose every row is summed in one fixed order, whatever the rows and threads (the body's float32
+    products') — or the weights themselves, each row then by its own F.linear (transformers' op on that row
+    alone; so too where the kernel does not serve x). The bias is added after the product."""
+    if isinstance(router, CodedLinear):
+        if router.serves(x):
+            y = router(x)
+            return y if bias is None else y + bias
+        router = router.codes
     if x.shape[0] <= 1 or torch.is_grad_enabled() and (x.requires_grad or router.requires_grad):
         return F.linear(x, router, bias)
     out = x.new_empty((x.shape[0], router.shape[0]))
@@ -61,8 +72,9 @@ def router_logits(x: Tensor, router: Tensor, bias: Tensor | None = None) -> Tens
     return out
 
 
-def shared_gates(x: Tensor, gate: Tensor) -> Tensor:
-    """x [N,D] and a shared expert's gate [1,D] → σ(x·gᵀ) [N,1], each row by its own product and its own sigmoid:
+def shared_gates(x: Tensor, gate: Tensor | CodedLinear) -> Tensor:
+    """x [N,D] and a shared expert's gate [1,D] (or the kernel's product over it, as `router_logits`) → σ(x·gᵀ)
+    [N,1], each row's product as `router_logits` makes it and its own sigmoid:
     torch's sigmoid over a column computes most elements in vector lanes and the last few one by one, whose last
     bits differ for some numbers, so a row's gate changed with its place in the batch; alone, every row's is the
     one-element sigmoid a decode step alone takes."""
@@ -74,12 +86,22 @@ def shared_gates(x: Tensor, gate: Tensor) -> Tensor:
     return torch.sigmoid(spread[:, :1])
 
 
-def route(x: Tensor, router: Tensor, top_k: int, renormalise: bool, bias: Tensor | None = None,
+def _fixed_order(weights: Tensor) -> CodedLinear | Tensor:
+    """`router_logits`' kernel product over weights [E,D] (the tensor itself, not a copy), or the tensor where the
+    kernel takes no such matrix."""
+    if weights.dim() == 2 and weights.dtype in (torch.float16, torch.bfloat16, torch.float32) \
+            and weights.device.type == "cpu" and weights.is_contiguous() and not weights.requires_grad:
+        return CodedLinear.dense16(weights)
+    return weights
+
+
+def route(x: Tensor, router: Tensor | CodedLinear, top_k: int, renormalise: bool, bias: Tensor | None = None,
           softmax_after_topk: bool = False) -> Routing:
-    """The router on rows x [N,D] with weight `router` [E,D] (and `bias` [E]), as transformers' Qwen2/Qwen3-MoE
-    and Mixtral routers compute it: logits by F.linear, softmax in float32, torch.topk (ties to the lower index),
-    and, where the rule renormalises, the k probabilities divided by their sum; `softmax_after_topk` (gpt-oss's
-    router): torch.topk of the logits, then the softmax over those k."""
+    """The router on rows x [N,D] with weight `router` [E,D] (or the kernel's product over it: `router_logits`;
+    and `bias` [E]), as transformers' Qwen2/Qwen3-MoE and Mixtral routers compute it: logits x·Rᵀ, softmax in
+    float32, torch.topk (ties to the lower index), and, where the rule renormalises, the k probabilities divided
+    by their sum; `softmax_after_topk` (gpt-oss's router): torch.topk of the logits, then the softmax over those
+    k."""
     logits = router_logits(x, router, bias)                             # [N,E]
     if softmax_after_topk:
         top, experts = torch.topk(logits, top_k, dim=-1)                # [N,k]
@@ -184,15 +206,27 @@ class MoE:
                 self.router_bias, self.gate_up_bias, self.down_bias]
         return sum(m.nbytes for m in mats if m is not None)
 
+    @functools.cached_property
+    def _router_product(self) -> CodedLinear | Tensor:
+        """The kernel's product over the router's weights (`router_logits`: every row summed in one order, one
+        call for a prefill's rows), over the tensor itself (no copy: a weight changed in place is read as it
+        is)."""
+        return _fixed_order(self.router)
+
+    @functools.cached_property
+    def _shared_gate_product(self) -> CodedLinear | Tensor | None:
+        return None if self.shared_gate is None else _fixed_order(self.shared_gate)
+
     def route(self, h: Tensor) -> Routing:
-        """The router's decision for h [..., D] (its rows flattened to [N,D])."""
-        return route(h.reshape(-1, h.shape[-1]), self.router, self.top_k, self.renormalise, self.router_bias,
-                     self.softmax_after_topk)
+        """The router's decision for h [..., D] (its rows flattened to [N,D]); a row's the same bits alone and in
+        any batch (`router_logits`)."""
+        return route(h.reshape(-1, h.shape[-1]), self._router_product, self.top_k, self.renormalise,
+                     self.router_bias, self.softmax_after_topk)
 
     def shared_weight(self, x: Tensor) -> Tensor:
-        """The shared expert's gate for rows x [N,D]: σ(x·g) [N,1] (Qwen2-MoE's, transformers' operations; each row
-        alone: `shared_gates`)."""
-        return shared_gates(x, self.shared_gate)
+        """The shared expert's gate for rows x [N,D]: σ(x·g) [N,1] (Qwen2-MoE's; a row's the same bits alone and
+        in any batch: `shared_gates`)."""
+        return shared_gates(x, self._shared_gate_product)
 
     def kernel_act(self, act_code: int) -> tuple[int, float, float]:
         """The experts kernel's activation (code, alpha, limit): the experts' own (`SwigluOAI`), else the body's
