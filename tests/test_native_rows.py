@@ -265,6 +265,39 @@ def test_a_seeded_top_p_row_draws_the_same_id_whether_c_ran_or_not(cfg, monkeypa
     assert alone == together == without == want
 
 
+@pytest.mark.parametrize("temperature, top_p", [(0.8, 0.9), (1.0, 0.5), (0.7, 0.95), (1.3, 0.99), (0.6, 0.01)])
+def test_a_seeded_top_p_rows_own_draw_is_the_pipelines_id_and_logprob_bit_for_bit(temperature, top_p):
+    # the decode loop's seeded top-p rows skip the pipeline's generic passes (`seeded_top_p_row`): the same id and
+    # processed logprob for every seed and step, or None where C does not settle the set (the pipeline answers)
+    from lmhead.sampling import SamplingConfig, sample_with_logprobs
+    from lmhead.sampling.draw import seeded_top_p_row
+
+    served = 0
+    for r in range(6):
+        row = _lm_row(200 + r, 49152, (8.0, 12.0, 16.0)[r % 3])
+        if r == 5:
+            row[[3, 99]] = float(row.max())  # a tie at the top: both kept, raced in id order
+        for seed in range(8):
+            config = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
+            step = 5 * seed + r
+            ids, lp = sample_with_logprobs(row[None], config, step=step)
+            got = seeded_top_p_row(row, config, step)
+            if got is not None:
+                served += 1
+                assert got == (int(ids[0]), float(lp[0])), (r, seed)
+    assert served >= 8  # C settled at least one row's set (language-model rows: most)
+    flat = torch.randn(49152, generator=torch.Generator().manual_seed(4)) * 0.01  # too flat for C's thresholds
+    assert seeded_top_p_row(flat, SamplingConfig(temperature=1.0, top_p=0.99, seed=1), 0) is None
+    row = _lm_row(300, 49152, 12.0)
+    for other in (dict(top_p=0.9), dict(top_p=0.9, top_k=40, seed=1), dict(top_p=0.9, min_p=0.05, seed=1),
+                  dict(top_p=0.9, repetition_penalty=1.1, seed=1), dict(temperature=0.0, top_p=0.9, seed=1),
+                  dict(seed=1)):
+        assert seeded_top_p_row(row, SamplingConfig(**other), 0) is None, other
+    bad = row.clone()
+    bad[7] = float("nan")
+    assert seeded_top_p_row(bad, SamplingConfig(top_p=0.9, seed=1), 0) is None  # the pipeline raises
+
+
 # --- one unseeded sampled row's draw (sample_row) ------------------------------------------------------------
 
 

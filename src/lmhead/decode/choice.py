@@ -5,6 +5,7 @@
     is_plain            every step the row runs has the C backend (temperature, top-k, top-p, min-p)
     is_plain_greedy     ... and greedy: its token is the argmax of the raw logits
     is_plain_unseeded   ... and sampled without a seed: `native.sample_row` draws it
+    is_plain_seeded     ... and sampled with a seed: `sampling.draw.seeded_top_p_row` draws its top-p rows
     is_deterministic    greedy or seeded: the choice is a function of the logits and (seed, step)
     is_stateful         a step keeps state between tokens (mirostat's μ): one plain step a round
 """
@@ -58,6 +59,12 @@ def is_plain_greedy(config) -> bool:
 def is_plain_unseeded(config) -> bool:
     """A sampled row without a seed, bias, bans or penalties: `native.sample_row` draws it."""
     return not config.is_greedy and config.seed is None and is_plain(config)
+
+
+def is_plain_seeded(config) -> bool:
+    """A sampled row with a seed and no bias, bans or penalties (`sampling.draw.seeded_top_p_row` draws its top-p
+    rows)."""
+    return not config.is_greedy and config.seed is not None and is_plain(config)
 
 
 def is_deterministic(config) -> bool:

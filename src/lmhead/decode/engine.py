@@ -19,13 +19,21 @@ import time
 import torch
 from torch import Tensor
 
-from lmhead.decode.choice import is_plain_greedy, is_plain_unseeded, is_stateful, plain_choice, torch_steps
+from lmhead.decode.choice import (
+    is_plain_greedy,
+    is_plain_seeded,
+    is_plain_unseeded,
+    is_stateful,
+    plain_choice,
+    torch_steps,
+)
 from lmhead.decode.drafting import MAX_DRAFT_TOKENS, AdaptiveK, LookupDraft, ModelDraft, SpeculativeStats
 from lmhead.decode.logits import decode_head
 from lmhead.decode.rounds import Round, apply_masks, settle_round, take_drafts
 from lmhead.kernels.native import greedy_rows, sample_row
 from lmhead.models.lean import LeanBody, StaticCache, gather_row
 from lmhead.prefix_cache import copy_into
+from lmhead.sampling.draw import seeded_top_p_row
 
 __all__ = ["PREFILL_PIECE", "Decoder", "columns", "merge_caches", "prefix_layout"]
 
@@ -395,7 +403,8 @@ class Decoder:
         unseeded sampled rows are drawn by `native.sample_row`, one C call each: the same distribution, other ids
         for the same generator state than `plain_choice`'s — but not in a round with a constrained row (`unmasked`
         False): its inverse CDF may stop on a token of zero mass (u = 0 before the first allowed token), so such
-        rounds draw in the pipeline. The greedy C pass takes masked rows (the argmax of the allowed tokens). Rows
+        rounds draw in the pipeline. Plain seeded top-p rows take `seeded_top_p_row`: `plain_choice`'s own ids and
+        logprobs. The greedy C pass takes masked rows (the argmax of the allowed tokens). Rows
         with a step C does not run (`is_plain` false) make the round take the pipeline, whose time the profile then
         books under "sampling, torch path (<steps>)"."""
         n = self._none_accepted.get(len(configs))
@@ -416,6 +425,12 @@ class Decoder:
             width = logits.shape[1]
             picked = [sample_row(logits[r], c.temperature, c.cut_key(width).top_k, c.top_p, c.min_p, u[r])
                       for r, c in enumerate(configs)]
+            if all(p is not None for p in picked):
+                return [[t] for t, _ in picked], n, [[lp] for _, lp in picked], None
+        if unmasked and all(is_plain_seeded(c) for c in configs):
+            # seeded top-p rows: the pipeline's own ids and logprobs (`seeded_top_p_row`: C's top-p set, the race
+            # over it with the row's (seed, step) noise) without its generic passes around them
+            picked = [seeded_top_p_row(logits[r], c, steps[r]) for r, c in enumerate(configs)]
             if all(p is not None for p in picked):
                 return [[t] for t, _ in picked], n, [[lp] for _, lp in picked], None
         ids, chosen = plain_choice(logits, configs, history, prompt_len, steps, generator, scored=True, states=states)

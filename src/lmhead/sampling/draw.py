@@ -1,8 +1,9 @@
 """Step 8 over a batch: rows grouped by the kind of their cut (each row's settings its own), seeded rows drawn with
-their own (seed, step) noise."""
+their own (seed, step) noise; and one seeded top-p row's draw without the pipeline around it (`seeded_top_p_row`)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -125,3 +126,32 @@ def draw_groups(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, gener
             for run in runs(rows, x.shape[1]):
                 put(run, _draw_group(take_rows(x, run), [cfgs[r] for r in run], generator, vocab, scored=scored))
     return ids, lp
+
+
+def seeded_top_p_row(x: Tensor, config: SamplingConfig, step: int) -> tuple[int, float] | None:
+    """One seeded row of logits x [V] (float32, CPU) whose config runs top-p alone (temperature and top-p, no
+    top-k, min-p, bias, penalties or masks) → (id, its processed log-probability): `sample_with_logprobs`' answer
+    for that row at `step`, bit for bit, in a dozen torch operations where the pipeline's generic passes take ~40.
+    The same path as `_draw_group`'s: the top-p set C settles (`native.top_p_row`, `top_p_parts`' first path), its
+    candidates raced in id order with the (seed, step) generator's noise (`draw_part`; every candidate is kept),
+    the logprob from the same set (`part_logprobs`). None where C does not settle the set (a flat row, a value
+    that is not finite, no library) or the config is not such a row: the pipeline then answers, and raises its
+    errors."""
+    from lmhead.kernels.native import top_p_row
+
+    if (config.seed is None or not config.runs_on("c")
+            or cut_kind(config, x.shape[-1], draw=True) != "top_p_alone"):
+        return None
+    key = config.cut_key(x.shape[-1])
+    found = top_p_row(x, key.temperature, key.top_p)
+    if found is None:
+        return None
+    vals, idx = found                                             # [1,m] x/T descending, their ids
+    ids, order = idx.sort(dim=-1)                                 # the race's order: by id (draw_part's)
+    probs = torch.softmax(vals.gather(1, order), dim=-1)
+    noise = torch.empty_like(probs).exponential_(generator=seeded_generator(config.seed, step))
+    pick = int((probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1))
+    token = int(ids[0, pick])
+    at = int(order[0, pick])                                      # the token's place in the cut's order
+    lse = torch.logsumexp(vals, dim=-1)                           # part_logprobs' normaliser, the same [1,m]
+    return token, float(np.float32(vals[0, at].item()) - np.float32(lse[0].item()))
