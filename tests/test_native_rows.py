@@ -265,6 +265,33 @@ def test_a_seeded_top_p_row_draws_the_same_id_whether_c_ran_or_not(cfg, monkeypa
     assert alone == together == without == want
 
 
+def test_the_seeded_race_in_c_is_the_first_largest_p_over_e_in_id_order():
+    # `native.race_row`: the winner among the kept candidates (any order in, -inf dropped) of e^(v − max) / E in
+    # id order, computed in float64 here; ties go to the lower id; a count of noise that is not the kept count is
+    # refused (the caller has drawn nothing for it)
+    from lmhead.kernels.native import race_row
+
+    g = torch.Generator().manual_seed(21)
+    for trial in range(200):
+        m = int(torch.randint(1, 3000, (1,), generator=g))
+        vals = torch.randn(m, generator=g) * float(torch.rand(1, generator=g) * 8)
+        vals[torch.rand(m, generator=g) < 0.3] = float("-inf")
+        vals[int(torch.randint(0, m, (1,), generator=g))] = 1.0  # at least one kept
+        ids = torch.randperm(50_000, generator=g)[:m]
+        kept = torch.isfinite(vals)
+        noise = torch.empty(int(kept.sum())).exponential_(generator=g)
+        if trial % 7 == 0:
+            noise[0] = 0.0  # as small as the clamp: FLT_MIN
+        order = torch.where(kept, ids, ids + (1 << 40)).argsort()[:len(noise)]  # the kept in id order
+        keys = (vals[order].double() - vals[kept].max().double()).exp() / noise.double().clamp_min(
+            torch.finfo(torch.float32).tiny)
+        assert race_row(vals, ids, noise) == int(order[int(keys.argmax())]), trial
+    tie = torch.tensor([0.5, 2.0, 2.0, float("-inf")])
+    assert race_row(tie, torch.tensor([9, 7, 3, 1]), torch.ones(3)) == 2  # equal keys: id 3 before id 7
+    assert race_row(tie, torch.tensor([9, 7, 3, 1]), torch.ones(2)) is None
+    assert race_row(tie.double(), torch.tensor([9, 7, 3, 1]), torch.ones(3)) is None
+
+
 @pytest.mark.parametrize("temperature, top_p", [(0.8, 0.9), (1.0, 0.5), (0.7, 0.95), (1.3, 0.99), (0.6, 0.01)])
 def test_a_seeded_top_p_rows_own_draw_is_the_pipelines_id_and_logprob_bit_for_bit(temperature, top_p):
     # the decode loop's seeded top-p rows skip the pipeline's generic passes (`seeded_top_p_row`): the same id and

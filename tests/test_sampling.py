@@ -612,6 +612,23 @@ def test_a_seeded_row_is_the_race_over_its_kept_tokens_in_id_order():
     assert not torch.equal(torch.rand(4, generator=seeded_generator(1, 3)), torch.rand(4, generator=b))
 
 
+def test_the_seeded_race_in_c_and_in_torch_draw_the_same_ids(monkeypatch):
+    # float32 CPU rows race in C (double keys), other rows in torch (float32 p / E): the same noise, the same
+    # candidates in id order, so the same ids wherever no two keys lie within float32's rounding of each other
+    from lmhead.sampling import race
+
+    x = peaked(6, 3000, seed=5)
+    cfgs = [SamplingConfig(temperature=0.7, top_k=50, seed=3), SamplingConfig(temperature=1.0, top_p=0.9, seed=4),
+            SamplingConfig(temperature=0.9, min_p=0.05, seed=5)]
+    for cfg in cfgs:
+        in_c = [sample_with_logprobs(x, cfg, step=s) for s in range(6)]
+        with monkeypatch.context() as m:
+            m.setattr(race, "_race_in_c", lambda *a: None)
+            in_torch = [sample_with_logprobs(x, cfg, step=s) for s in range(6)]
+        for (a, la), (b, lb) in zip(in_c, in_torch, strict=True):
+            assert torch.equal(a, b) and torch.equal(la, lb), cfg
+
+
 def test_the_pipeline_reduces_across_the_vocabulary_with_the_vocab_it_is_given(monkeypatch):
     import lmhead.sampling.top_p as sampling  # the module that holds the top-p paths and their constants
     from lmhead.sampling import Vocab

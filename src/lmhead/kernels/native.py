@@ -144,6 +144,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmhead_sample_row.argtypes = [p, i64, f32, i64, ctypes.c_double, ctypes.c_double, ctypes.c_double, p, p,
                                       i32]
     lib.lmhead_sample_row.restype = i32
+    lib.lmhead_race_row.argtypes = [p, p, i64, p, i64]
+    lib.lmhead_race_row.restype = i64
     lib.lmhead_select_ge.argtypes = [p, i64, f32, p, i64]
     lib.lmhead_select_ge.restype = i64
     lib.lmhead_row_moments.argtypes = [p, i64, i32, p, i32]
@@ -415,6 +417,21 @@ def sample_row(x: torch.Tensor, temperature: float, top_k: int, top_p: float, mi
     rc = lib.lmhead_sample_row(x.data_ptr(), x.shape[0], float(temperature), int(top_k), float(top_p), float(min_p),
                                float(u), ctypes.byref(out_id), ctypes.byref(out_lp), torch.get_num_threads())
     return (out_id.value, out_lp.value) if rc == 0 else None
+
+
+def race_row(vals: torch.Tensor, ids: torch.Tensor, noise: torch.Tensor) -> int | None:
+    """A seeded row's exponential race in C (`sampling.race.draw_part`): candidates vals [m] (float32, x/T, -inf
+    where dropped) with their ids [m] (int64), in any order, and noise [n] (float32) the Exp(1) draws of its n kept
+    candidates in id order → the winner's place in vals: argmax of e^(v − max) / max(E, tiny) over the kept in id
+    order, the first of equal keys, in double. None without the library, or for tensors it does not take (another
+    dtype or device, n not the count of finite vals)."""
+    lib = library()
+    if (lib is None or vals.dtype != torch.float32 or ids.dtype != torch.int64 or noise.dtype != torch.float32
+            or any(t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous() for t in (vals, ids, noise))
+            or vals.shape[0] != ids.shape[0]):
+        return None
+    won = lib.lmhead_race_row(vals.data_ptr(), ids.data_ptr(), vals.shape[0], noise.data_ptr(), noise.shape[0])
+    return won if won >= 0 else None
 
 
 def row_moments(x: torch.Tensor, sigma: bool = False, exps: bool = True) -> tuple[float, ...] | None:

@@ -644,3 +644,43 @@ int64_t lmhead_select_ge(const float* x, int64_t n, float thr, int64_t* out, int
     }
     return nan ? -2 : count;
 }
+
+typedef struct {
+    int64_t id, at; /* a kept candidate's token and its place in the caller's vals */
+} lmhead_kept;
+
+static int kept_by_id(const void* a, const void* b) {
+    const lmhead_kept *x = (const lmhead_kept*)a, *y = (const lmhead_kept*)b;
+    return x->id < y->id ? -1 : (x->id > y->id);
+}
+
+/* A seeded row's exponential race (sampling/race.py's `draw_part`): candidates vals [m] (x/T, -inf where the cut
+ * dropped them) and their ids [m], in any order; noise [n] the Exp(1) draws of the n kept candidates in id order. Each
+ * kept candidate's key is e^(v − max) / max(E, FLT_MIN) in double — p / E with p's common normaliser left out, which
+ * moves no argmax — and the winner is the first largest key in id order. Returns the winner's place in vals, or -1
+ * where n is not the count of finite candidates (or no memory). */
+int64_t lmhead_race_row(const float* vals, const int64_t* ids, int64_t m, const float* noise, int64_t n) {
+    if (m < 1 || n < 1 || n > m) return -1;
+    lmhead_kept* c = (lmhead_kept*)malloc((size_t)n * sizeof(lmhead_kept));
+    if (c == NULL) return -1;
+    int64_t k = 0;
+    float top = -INFINITY;
+    for (int64_t j = 0; j < m && k <= n; j++) {
+        if (!isfinite(vals[j])) continue; /* dropped */
+        if (k < n) c[k].id = ids[j], c[k].at = j;
+        k++;
+        top = vals[j] > top ? vals[j] : top;
+    }
+    int64_t won = -1;
+    if (k == n) {
+        qsort(c, (size_t)n, sizeof(lmhead_kept), kept_by_id);
+        double best = -1.0;
+        for (int64_t j = 0; j < n; j++) {
+            const double e = noise[j] > FLT_MIN ? (double)noise[j] : (double)FLT_MIN;
+            const double key = exp((double)vals[c[j].at] - (double)top) / e;
+            if (key > best) best = key, won = c[j].at;
+        }
+    }
+    free(c);
+    return won;
+}

@@ -276,7 +276,7 @@ def norms_and_gates(lib: ctypes.CDLL, g: torch.Generator) -> bool:
 
 
 def row_entry_points(lib: ctypes.CDLL, g: torch.Generator) -> bool:
-    """The sampler rows' entry points: scores, greedy, top-p and a threshold selection."""
+    """The sampler rows' entry points: scores, greedy, top-p, a threshold selection and the seeded race."""
     rows = torch.randn(3, 1003, generator=g) * 4
     rows[1, 17] = float("-inf")
     lse, greater = row_scores_in(lib, rows, torch.tensor([5, 17, 1002]), threads=2)
@@ -303,7 +303,10 @@ def row_entry_points(lib: ctypes.CDLL, g: torch.Generator) -> bool:
         return False
     if out[:int((row >= 0.5).sum())].tolist() != (row >= 0.5).nonzero().squeeze(1).tolist():
         return False
-    return True
+    # the seeded race: kept candidates (-inf dropped) in id order, the first largest e^(v − max) / E
+    vals, ids = torch.tensor([0.5, float("-inf"), 2.0, 1.0]), torch.tensor([40, 3, 9, 2])
+    noise = torch.tensor([0.25, 4.0, 1.0])  # ids 2, 9, 40: keys e^-1 / 0.25, e^0 / 4, e^-1.5 / 1
+    return lib.lmhead_race_row(vals.data_ptr(), ids.data_ptr(), 4, noise.data_ptr(), 3) == 3
 
 
 

@@ -131,13 +131,13 @@ def draw_groups(x: Tensor, configs: list[SamplingConfig] | SamplingConfig, gener
 def seeded_top_p_row(x: Tensor, config: SamplingConfig, step: int) -> tuple[int, float] | None:
     """One seeded row of logits x [V] (float32, CPU) whose config runs top-p alone (temperature and top-p, no
     top-k, min-p, bias, penalties or masks) → (id, its processed log-probability): `sample_with_logprobs`' answer
-    for that row at `step`, bit for bit, in a dozen torch operations where the pipeline's generic passes take ~40.
-    The same path as `_draw_group`'s: the top-p set C settles (`native.top_p_row`, `top_p_parts`' first path), its
-    candidates raced in id order with the (seed, step) generator's noise (`draw_part`; every candidate is kept),
-    the logprob from the same set (`part_logprobs`). None where C does not settle the set (a flat row, a value
-    that is not finite, no library) or the config is not such a row: the pipeline then answers, and raises its
-    errors."""
-    from lmhead.kernels.native import top_p_row
+    for that row at `step`, bit for bit, in a few calls where the pipeline's generic passes take ~40 torch
+    operations. The same path as `_draw_group`'s: the top-p set C settles (`native.top_p_row`, `top_p_parts`'
+    first path), its candidates raced in id order with the (seed, step) generator's noise (`draw_part`'s C race;
+    every candidate is kept), the logprob from the same set (`part_logprobs`). None where C does not settle the set
+    (a flat row, a value that is not finite, no library) or the config is not such a row: the pipeline then
+    answers, and raises its errors."""
+    from lmhead.kernels.native import race_row, top_p_row
 
     if (config.seed is None or not config.runs_on("c")
             or cut_kind(config, x.shape[-1], draw=True) != "top_p_alone"):
@@ -147,11 +147,9 @@ def seeded_top_p_row(x: Tensor, config: SamplingConfig, step: int) -> tuple[int,
     if found is None:
         return None
     vals, idx = found                                             # [1,m] x/T descending, their ids
-    ids, order = idx.sort(dim=-1)                                 # the race's order: by id (draw_part's)
-    probs = torch.softmax(vals.gather(1, order), dim=-1)
-    noise = torch.empty_like(probs).exponential_(generator=seeded_generator(config.seed, step))
-    pick = int((probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1))
-    token = int(ids[0, pick])
-    at = int(order[0, pick])                                      # the token's place in the cut's order
+    noise = torch.empty(vals.shape[1], dtype=torch.float32).exponential_(generator=seeded_generator(config.seed, step))
+    at = race_row(vals[0], idx[0], noise)
+    if at is None:
+        raise MemoryError("the seeded race could not allocate its candidates")
     lse = torch.logsumexp(vals, dim=-1)                           # part_logprobs' normaliser, the same [1,m]
-    return token, float(np.float32(vals[0, at].item()) - np.float32(lse[0].item()))
+    return int(idx[0, at]), float(np.float32(vals[0, at].item()) - np.float32(lse[0].item()))
