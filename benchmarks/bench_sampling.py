@@ -22,10 +22,15 @@ batch), same logits (std 5), V = 49,152 and 262,144 (the goal: mixed ≤ 1.5× s
 the declared steps beyond them (typical-p, top-nσ, epsilon, eta, DRY, n-grams, top-a, dynamic temperature, with a
 256-token history: each step runs once over the rows that run it); `--only-mixed [mixed_batch|mixed_steps]` prints
 only those tables (or the one named).
+The decode loop's table (`--only-loop [MODEL]`, default smollm2-135m): one plain row a token (greedy, unseeded
+top-p, seeded top-p, seeded top-k + top-p, seeded temperature alone) decoded on the real model, the profile's
+sampling share of a token with the loop's own draws (native.greedy_rows, native.sample_row,
+sampling.draw.seeded_top_p_row, sampling.pipeline.sample_plain_rows, the seeded race in C) beside the same rows
+drawn by the whole pipeline with torch's race (`plain_choice`), alternated in one process; the tokens compared.
 
     .venv/bin/python benchmarks/bench_sampling.py [--quick] [--repeats N] [--threads N (default 1)]
                                                   [--only-top-p] [--only-steps] [--only-mixed [NAME]]
-                                                  [--sizes 64,262144]
+                                                  [--only-loop [MODEL]] [--sizes 64,262144]
 """
 
 from __future__ import annotations
@@ -250,6 +255,71 @@ def mixed_table(rec: Recorder, repeats: int, which: str | None = None) -> None:
                                       t["mixed"] / shared)])
 
 
+# the decode loop's plain rows: (what, the row's settings)
+LOOP_ROWS = (("greedy", SamplingConfig(temperature=0.0)),
+             ("unseeded top-p", SamplingConfig(temperature=0.8, top_p=0.9)),
+             ("seeded top-p", SamplingConfig(temperature=0.8, top_p=0.9, seed=7)),
+             ("seeded top-k + top-p", SamplingConfig(temperature=0.8, top_k=40, top_p=0.95, seed=7)),
+             ("seeded temperature", SamplingConfig(temperature=0.8, seed=7)))
+
+
+def loop_table(rec: Recorder, model_name: str, rounds: int, new_tokens: int = 48) -> None:
+    """One plain row a token decoded on a real model: the profile's sampling share of a token (ms) with the loop's
+    own draws and with the whole pipeline (its fast paths turned off, torch's race), alternated per round."""
+    import os
+
+    from bench_decode import PROMPTS, steps_rate, timed_generate
+
+    from lmhead import load_model
+    from lmhead.decode import engine
+    from lmhead.sampling import race
+
+    model = load_model(model_name, progress=False)
+    names = ("is_plain", "is_plain_greedy", "is_plain_unseeded", "is_plain_seeded")
+    loop = {n: getattr(engine, n) for n in names} | {"race": race._race_in_c}
+
+    def use(own: bool) -> None:
+        for n in names:
+            setattr(engine, n, loop[n] if own else (lambda config: False))
+        race._race_in_c = loop["race"] if own else (lambda *a: None)
+
+    title = (f"{model_name}: the decode loop's choice of one plain row a token ({new_tokens} tokens a run, {rounds} "
+             "alternated runs, medians) — the profile's sampling share of a token with the loop's own draws and "
+             "with the whole pipeline (torch's race), and the steps' tok/s; an unseeded row's draws from the same "
+             "generator differ between the two, its distribution does not")
+    print(f"\n{title}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    columns = ["row", "loop ms", "pipeline ms", "loop/pipeline", "loop tok/s", "pipeline tok/s", "same tokens"]
+    print(" | ".join(columns))
+    record = rec.table(f"loop_{model_name.replace('-', '_').replace('.', '_')}", title, columns)
+    try:
+        for what, config in LOOP_ROWS:
+            share: dict[bool, list[float]] = {True: [], False: []}
+            rate: dict[bool, list[float]] = {True: [], False: []}
+            ids: dict[bool, list[int]] = {}
+            for own in (True, False):  # warm-up
+                use(own)
+                timed_generate(model, PROMPTS[0], 4, config)
+            for r in range(rounds):
+                for own in ((True, False) if r % 2 == 0 else (False, True)):
+                    use(own)
+                    profile: dict[str, float] = {}
+                    got, wall, first = timed_generate(model, PROMPTS[2], new_tokens, config, profile=profile)
+                    spent = sum(v for k, v in profile.items() if k.startswith("sampling"))
+                    share[own].append(spent / max(len(got), 1) * 1e3)
+                    rate[own].append(steps_rate(got, wall, first))
+                    ids[own] = got
+            a, b = statistics.median(share[True]), statistics.median(share[False])
+            cells = [what, f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}", f"{statistics.median(rate[True]):.1f}",
+                     f"{statistics.median(rate[False]):.1f}",
+                     "yes" if ids[True] == ids[False] else "no" if config.is_greedy or config.seed is not None
+                     else "other draws (unseeded)"]
+            print(" | ".join(cells), flush=True)
+            record.row(cells, [Figure(f"the decode loop's sampling share, {what} ({model_name})", a, "ms",
+                                      "the whole pipeline", b, a / b)])
+    finally:
+        use(True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="5 repeats instead of 21")
@@ -261,6 +331,9 @@ def main() -> None:
     ap.add_argument("--only-mixed", nargs="?", const="all", default=None, choices=["all", "mixed_batch", "mixed_steps"],
                     help="only the tables of a batch of 16 different settings vs one shared setting (or the one "
                     "named: mixed_batch, today's settings; mixed_steps, the declared steps beyond them)")
+    ap.add_argument("--only-loop", nargs="?", const="smollm2-135m", default=None, metavar="MODEL",
+                    help="only the decode loop's table: one plain row a token on MODEL (default smollm2-135m), the "
+                    "loop's own draws against the whole pipeline")
     ap.add_argument("--sizes", default=None, help="one size B,V (default: B in 1, 8, 64 × V in 49152, 262144)")
     args = ap.parse_args()
     if args.sizes:
@@ -273,6 +346,10 @@ def main() -> None:
     rec = Recorder("sampling")
     print(f"{rec.header()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"median of ≥ {repeats} interleaved repeats")
+    if args.only_loop:
+        loop_table(rec, args.only_loop, args.repeats or (3 if args.quick else 6))
+        rec.write()
+        return
     if args.only_steps or args.only_mixed:
         if args.only_steps:
             steps_table(rec, repeats)

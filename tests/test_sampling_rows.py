@@ -311,3 +311,26 @@ def test_the_batch_paths_penalties_apply_from_the_records_accept_moves():
         assert all(s.history["penalties"].length == len(h) for s, h in zip(states, hist, strict=True))
         x = x.roll(3, dims=1)
     assert made == []
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_plain_rows_drawn_without_the_pipelines_checks_are_its_ids_and_logprobs(seeded):
+    # the decode loop's rounds of plain rows (temperature and cut-offs alone) skip the history's validation:
+    # the same draws from the same generator state, the same logprobs, each row at its own step
+    from lmhead.sampling.pipeline import sample_plain_rows
+
+    x = _lm_rows(16, 3000, seed=8)
+    cfgs = todays_settings(seeded=seeded)
+    steps = [3 + r % 4 for r in range(16)]
+    for seed in range(3):
+        want = sample_with_logprobs(x, cfgs, generator=torch.Generator().manual_seed(seed), step=steps)
+        got = sample_plain_rows(x, cfgs, torch.Generator().manual_seed(seed), steps)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), seed
+    with pytest.raises(ValueError, match="one per row"):
+        sample_plain_rows(x, cfgs[:3], None, steps)
+    with pytest.raises(ValueError, match="cut-offs only"):
+        sample_plain_rows(x[:1], [SamplingConfig(repetition_penalty=1.2)], None, [0])
+    bad = x[:1].clone()
+    bad[0, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        sample_plain_rows(bad, [SamplingConfig(top_k=5)], None, [0])

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from lmhead.decode.choice import (
+    is_plain,
     is_plain_greedy,
     is_plain_seeded,
     is_plain_unseeded,
@@ -34,6 +35,7 @@ from lmhead.kernels.native import greedy_rows, sample_row
 from lmhead.models.lean import LeanBody, StaticCache, gather_row
 from lmhead.prefix_cache import copy_into
 from lmhead.sampling.draw import seeded_top_p_row
+from lmhead.sampling.pipeline import sample_plain_rows
 
 __all__ = ["PREFILL_PIECE", "Decoder", "columns", "merge_caches", "prefix_layout"]
 
@@ -403,10 +405,11 @@ class Decoder:
         unseeded sampled rows are drawn by `native.sample_row`, one C call each: the same distribution, other ids
         for the same generator state than `plain_choice`'s — but not in a round with a constrained row (`unmasked`
         False): its inverse CDF may stop on a token of zero mass (u = 0 before the first allowed token), so such
-        rounds draw in the pipeline. Plain seeded top-p rows take `seeded_top_p_row`: `plain_choice`'s own ids and
-        logprobs. The greedy C pass takes masked rows (the argmax of the allowed tokens). Rows
-        with a step C does not run (`is_plain` false) make the round take the pipeline, whose time the profile then
-        books under "sampling, torch path (<steps>)"."""
+        rounds draw in the pipeline. Plain seeded top-p rows take `seeded_top_p_row`, other rounds of plain rows
+        `sampling.pipeline.sample_plain_rows` (its passes without its checks of a history they never read): both
+        `plain_choice`'s own ids and logprobs. The greedy C pass takes masked rows (the argmax of the allowed
+        tokens). Rows with a step C does not run (`is_plain` false) make the round take the pipeline, whose time
+        the profile then books under "sampling, torch path (<steps>)"."""
         n = self._none_accepted.get(len(configs))
         if n is None:  # read only: one per batch size, not a new tensor every round
             n = self._none_accepted[len(configs)] = torch.zeros(len(configs), dtype=torch.long)
@@ -433,6 +436,9 @@ class Decoder:
             picked = [seeded_top_p_row(logits[r], c, steps[r]) for r, c in enumerate(configs)]
             if all(p is not None for p in picked):
                 return [[t] for t, _ in picked], n, [[lp] for _, lp in picked], None
+        if all(is_plain(c) for c in configs):  # the pipeline's own passes, without the checks of what it skips
+            ids, chosen = sample_plain_rows(logits, configs, generator, steps)
+            return [[int(t)] for t in ids.tolist()], n, [[v] for v in chosen.tolist()], None
         ids, chosen = plain_choice(logits, configs, history, prompt_len, steps, generator, scored=True, states=states)
         slow = torch_steps(configs)
         if slow:

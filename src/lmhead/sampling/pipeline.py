@@ -110,6 +110,21 @@ def sample_with_logprobs(logits: Tensor, config: ConfigArg = None, generator: to
     return (ids[0], lp[0]) if one_row else (ids, lp)
 
 
+def sample_plain_rows(logits: Tensor, configs: list[SamplingConfig], generator: torch.Generator | None,
+                      steps: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """``sample_with_logprobs`` for float32 rows [B,V] whose configs run only temperature and the cut-offs (no
+    bias, bans, penalties, masks of their own or state: ``SamplingConfig.runs_on("c")``), each row at its own
+    step: the same ids and logprobs from the same passes (``draw_groups``), without the validation of a history
+    and prompt lengths those rows never read (the decode loop's plain rounds, a call a token)."""
+    x, _ = check_logits(logits)
+    if len(configs) != x.shape[0] or len(steps) != x.shape[0]:
+        raise ValueError(f"configs and steps: one per row of logits ({x.shape[0]}), got {len(configs)} and "
+                         f"{len(steps)}")
+    if not all(c.runs_on("c") for c in configs):
+        raise ValueError("sample_plain_rows takes configs of temperature and cut-offs only")
+    return draw_groups(x, configs, generator, list(steps), Vocab(x.shape[1]), True)
+
+
 def _sample(logits: Tensor, config: ConfigArg, generator: torch.Generator | None, prev_tokens: Any,
             prompt_len: int | Sequence[int], step: int | Sequence[int], vocab: Vocab | None,
             scored: bool, states: Sequence[RowState] | None = None) -> tuple[Tensor, Tensor | None, bool]:
