@@ -272,16 +272,20 @@ def loop_table(rec: Recorder, model_name: str, rounds: int, new_tokens: int = 48
 
     from lmhead import load_model
     from lmhead.decode import engine
+    from lmhead.decode.choice import plain_choice, torch_steps
     from lmhead.sampling import race
 
     model = load_model(model_name, progress=False)
-    names = ("is_plain", "is_plain_greedy", "is_plain_unseeded", "is_plain_seeded")
-    loop = {n: getattr(engine, n) for n in names} | {"race": race._race_in_c}
+    loop = (engine.plain_round, race.race_in_c)
+
+    def pipeline_round(logits, configs, history, prompt_len, steps, generator, states=None, unmasked=True):
+        """`plain_round` with every row through the whole pipeline (`plain_choice`)."""
+        ids, chosen = plain_choice(logits, configs, history, prompt_len, steps, generator, scored=True,
+                                   states=states)
+        return [[int(t)] for t in ids.tolist()], [[v] for v in chosen.tolist()], None, torch_steps(configs)
 
     def use(own: bool) -> None:
-        for n in names:
-            setattr(engine, n, loop[n] if own else (lambda config: False))
-        race._race_in_c = loop["race"] if own else (lambda *a: None)
+        engine.plain_round, race.race_in_c = loop if own else (pipeline_round, lambda *a: None)
 
     title = (f"{model_name}: the decode loop's choice of one plain row a token ({new_tokens} tokens a run, {rounds} "
              "alternated runs, medians) — the profile's sampling share of a token with the loop's own draws and "

@@ -537,6 +537,18 @@ def float32_dot_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (k * 2.0 ** -24 / (1 - k * 2.0 ** -24)) * (x.double().abs() @ w.double().abs().T)
 
 
+def seeded_race(vals: torch.Tensor, ids: torch.Tensor, noise: torch.Tensor) -> int:
+    """A seeded row's exponential race, in float64: candidates vals [m] (-inf = dropped) with their ids [m] in any
+    order, noise [n] the Exp(1) draws of the n kept ones in id order → the place in vals of the first largest
+    e^(v − max) / max(E, float32's tiny) over the kept in id order."""
+    kept = torch.isfinite(vals)
+    order = [j for _, j in sorted((int(ids[j]), j) for j in range(vals.shape[0]) if kept[j])]
+    top = vals[kept].double().max()
+    keys = [float((vals[j].double() - top).exp() / max(float(e), torch.finfo(torch.float32).tiny))
+            for j, e in zip(order, noise.tolist(), strict=True)]
+    return order[keys.index(max(keys))]
+
+
 def ngram_proposal(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
     """Prompt lookup by definition: for n = max_n … min_n, every earlier start s of the last n tokens (s + n <
     len), the latest one wins; the k tokens after it. [] when no suffix occurred before."""

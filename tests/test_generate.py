@@ -360,6 +360,7 @@ def test_plain_greedy_rows_take_one_native_pass_with_the_pipelines_tokens_and_sc
     (with n-gram drafts: every position of the verification at once): the same tokens, processed logprob (0),
     raw logprob and rank (1) as the general pipeline and scorer; a row with alternatives or a penalty in the
     batch keeps the general path for what it needs."""
+    import lmhead.decode.choice as choice
     import lmhead.decode.engine as engine
     from lmhead.kernels import native
 
@@ -377,7 +378,8 @@ def test_plain_greedy_rows_take_one_native_pass_with_the_pipelines_tokens_and_sc
 
     penalised = SamplingConfig(temperature=0.0, repetition_penalty=1.3)
     cases = [dict(config=GREEDY), dict(config=GREEDY, top_logprobs=3), dict(config=[GREEDY, penalised, GREEDY] * 2)]
-    monkeypatch.setattr(engine, "greedy_rows", counting)
+    for module in (engine, choice):  # the verification's argmax and the plain round's
+        monkeypatch.setattr(module, "greedy_rows", counting)
     fast, used = [], []
     for kw in cases:
         calls.clear()
@@ -385,23 +387,24 @@ def test_plain_greedy_rows_take_one_native_pass_with_the_pipelines_tokens_and_sc
         used.append(list(calls))
     assert used[0] and used[0][0] >= 2 * len(PROMPTS) and used[1]  # every row at once, with or without alternatives
     assert used[2] == []  # a penalised row in the batch: the pipeline for all
-    monkeypatch.setattr(engine, "greedy_rows", lambda x: None)  # the general pipeline and scorer
+    for module in (engine, choice):  # the general pipeline and scorer
+        monkeypatch.setattr(module, "greedy_rows", lambda x: None)
     slow = [steps(**kw) for kw in cases]
     assert fast == slow
     assert all(s[2] == 0.0 and s[4] == 1 for s in fast[0])
 
 
 def test_seeded_top_p_rows_drawn_without_the_pipeline_give_its_tokens_and_logprobs(model, monkeypatch):
-    from lmhead.decode import engine
+    from lmhead.decode import choice
 
     calls = []
-    real = engine.seeded_top_p_row
-    monkeypatch.setattr(engine, "seeded_top_p_row", lambda *a: calls.append(real(*a)) or calls[-1])
+    real = choice.seeded_top_p_row
+    monkeypatch.setattr(choice, "seeded_top_p_row", lambda *a: calls.append(real(*a)) or calls[-1])
     configs = [SamplingConfig(temperature=0.8, top_p=0.9, seed=11), SamplingConfig(temperature=1.1, top_p=0.95, seed=3)]
     fast = [_run(model, "The cat sat", 12, config=c, draft="none") for c in configs]
     # every step after the prefill's round drew here (C settled each top-p set)
     assert sum(c is not None for c in calls) >= sum(len(steps) for steps in fast) - 2
-    monkeypatch.setattr(engine, "seeded_top_p_row", lambda *a: None)  # the pipeline for every step
+    monkeypatch.setattr(choice, "seeded_top_p_row", lambda *a: None)  # the pipeline for every step
     for c, steps in zip(configs, fast, strict=True):
         slow = _run(model, "The cat sat", 12, config=c, draft="none")
         assert [(s.token_id, s.logprob, s.raw_logprob) for s in steps] == \
@@ -412,7 +415,7 @@ def test_seeded_top_p_rows_drawn_without_the_pipeline_give_its_tokens_and_logpro
                                     SamplingConfig(temperature=0.9, top_k=20, top_p=0.95),
                                     SamplingConfig(temperature=1.2, min_p=0.05)])
 def test_unseeded_sampled_rows_drawn_in_c_report_their_processed_logprobs(model, config, monkeypatch):
-    from lmhead.decode import engine
+    from lmhead.decode import choice
 
     calls = []
 
@@ -420,8 +423,8 @@ def test_unseeded_sampled_rows_drawn_in_c_report_their_processed_logprobs(model,
         calls.append(args)
         return native_sample_row(*args)
 
-    native_sample_row = engine.sample_row
-    monkeypatch.setattr(engine, "sample_row", spy)
+    native_sample_row = choice.sample_row
+    monkeypatch.setattr(choice, "sample_row", spy)
     prompt_ids = model.tokenizer("The cat sat")["input_ids"]
     steps = _run(model, "The cat sat", 12, config=config, generator=torch.Generator().manual_seed(5))
     assert len(calls) == len(steps)  # the C draw served every step

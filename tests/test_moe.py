@@ -158,6 +158,8 @@ def test_a_rows_shared_expert_gate_is_the_same_bits_alone_and_anywhere_in_a_batc
 def test_a_rows_routing_is_the_same_bits_alone_and_anywhere_in_a_batch_from_one_kernel_call(threads):
     # the router's logits of a prefill's rows come from one call of the kernel's float32 product (each row summed
     # in one order whatever the rows and threads), not one F.linear a row; the shared expert's gate too
+    from reference import float32_dot_bound
+
     from lmhead.models.coded_linear import CodedLinear
     from lmhead.models.moe import MoE
 
@@ -187,7 +189,7 @@ def test_a_rows_routing_is_the_same_bits_alone_and_anywhere_in_a_batch_from_one_
         torch.set_num_threads(before)
     assert calls == [n for n in (2, 3, 17, 70) for _ in range(2)]  # one call for a batch's router, one for its gate
     want = x.double() @ moe.router.double().T
-    bound = d * 2.0 ** -24 / (1 - d * 2.0 ** -24) * (x.double().abs() @ moe.router.double().abs().T)
+    bound = float32_dot_bound(x, moe.router)
     assert bool(((torch.cat([a.logits for a in alone]).double() - want).abs() <= bound).all())
 
 

@@ -19,23 +19,13 @@ import time
 import torch
 from torch import Tensor
 
-from lmhead.decode.choice import (
-    is_plain,
-    is_plain_greedy,
-    is_plain_seeded,
-    is_plain_unseeded,
-    is_stateful,
-    plain_choice,
-    torch_steps,
-)
+from lmhead.decode.choice import is_plain_greedy, is_stateful, plain_choice, plain_round
 from lmhead.decode.drafting import MAX_DRAFT_TOKENS, AdaptiveK, LookupDraft, ModelDraft, SpeculativeStats
 from lmhead.decode.logits import decode_head
 from lmhead.decode.rounds import Round, apply_masks, settle_round, take_drafts
-from lmhead.kernels.native import greedy_rows, sample_row
+from lmhead.kernels.native import greedy_rows
 from lmhead.models.lean import LeanBody, StaticCache, gather_row
 from lmhead.prefix_cache import copy_into
-from lmhead.sampling.draw import seeded_top_p_row
-from lmhead.sampling.pipeline import sample_plain_rows
 
 __all__ = ["PREFILL_PIECE", "Decoder", "columns", "merge_caches", "prefix_layout"]
 
@@ -399,51 +389,17 @@ class Decoder:
 
     def _plain(self, logits: Tensor, configs, history, prompt_len, steps, generator, states=None,
                unmasked: bool = True):
-        """No draft: one token per row from the plain sampler's distribution (`plain_choice`, scored: seeded and
-        greedy rows exactly `sampling.sample`'s ids), its processed logprob and — plain greedy rows, whose
-        argmax and normaliser one C pass finds (`native.greedy_rows`) — its raw logprob (else None). Plain
-        unseeded sampled rows are drawn by `native.sample_row`, one C call each: the same distribution, other ids
-        for the same generator state than `plain_choice`'s — but not in a round with a constrained row (`unmasked`
-        False): its inverse CDF may stop on a token of zero mass (u = 0 before the first allowed token), so such
-        rounds draw in the pipeline. Plain seeded top-p rows take `seeded_top_p_row`, other rounds of plain rows
-        `sampling.pipeline.sample_plain_rows` (its passes without its checks of a history they never read): both
-        `plain_choice`'s own ids and logprobs. The greedy C pass takes masked rows (the argmax of the allowed
-        tokens). Rows with a step C does not run (`is_plain` false) make the round take the pipeline, whose time
-        the profile then books under "sampling, torch path (<steps>)"."""
+        """No draft: one token per row (`choice.plain_round`) → (tokens [[t]], the accepted drafts' counts [B]
+        (none), processed logprobs [[lp]], raw logprobs [[v]] or None); a round the pipeline's torch path took
+        is booked in the profile under "sampling, torch path (<steps>)"."""
         n = self._none_accepted.get(len(configs))
         if n is None:  # read only: one per batch size, not a new tensor every round
             n = self._none_accepted[len(configs)] = torch.zeros(len(configs), dtype=torch.long)
-        if all(is_plain_greedy(c) for c in configs):
-            # the argmax of the unprocessed row is `sample`'s choice; one call instead of the pipeline's ~30 torch
-            # ops, which after a step that streamed the weights through the caches cost ~1 ms per token
-            found = greedy_rows(logits)
-            if found is not None:
-                ids, raw = found
-                return [[t] for t in ids], n, [[0.0] for _ in configs], [[v] for v in raw]
-        if unmasked and all(is_plain_unseeded(c) for c in configs):
-            # the same distribution from one C call per row (`native.sample_row`: the top-k / top-p cut or the whole
-            # row, drawn by inverse CDF with one uniform): the pipeline's ~20 torch ops around its cut cost ~1 ms
-            # per token after a step that streamed the weights through the caches
-            u = torch.rand(len(configs), dtype=torch.float64, generator=generator).tolist()
-            width = logits.shape[1]
-            picked = [sample_row(logits[r], c.temperature, c.cut_key(width).top_k, c.top_p, c.min_p, u[r])
-                      for r, c in enumerate(configs)]
-            if all(p is not None for p in picked):
-                return [[t] for t, _ in picked], n, [[lp] for _, lp in picked], None
-        if unmasked and all(is_plain_seeded(c) for c in configs):
-            # seeded top-p rows: the pipeline's own ids and logprobs (`seeded_top_p_row`: C's top-p set, the race
-            # over it with the row's (seed, step) noise) without its generic passes around them
-            picked = [seeded_top_p_row(logits[r], c, steps[r]) for r, c in enumerate(configs)]
-            if all(p is not None for p in picked):
-                return [[t] for t, _ in picked], n, [[lp] for _, lp in picked], None
-        if all(is_plain(c) for c in configs):  # the pipeline's own passes, without the checks of what it skips
-            ids, chosen = sample_plain_rows(logits, configs, generator, steps)
-            return [[int(t)] for t in ids.tolist()], n, [[v] for v in chosen.tolist()], None
-        ids, chosen = plain_choice(logits, configs, history, prompt_len, steps, generator, scored=True, states=states)
-        slow = torch_steps(configs)
+        tokens, chosen, raw, slow = plain_round(logits, configs, history, prompt_len, steps, generator, states,
+                                                unmasked)
         if slow:
             self._lap(f"sampling, torch path ({slow})")
-        return [[int(t)] for t in ids.tolist()], n, [[v] for v in chosen.tolist()], None
+        return tokens, n, chosen, raw
 
     def _plain_or_forced(self, logits: Tensor, configs, history, prompt_len, steps, generator, taken, states=None):
         """`_plain`, but a constrained row whose mask allows one token only (a forced token: a schema's fixed keys)

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from lmhead.sampling.config import SamplingConfig
 from lmhead.sampling.cuts import apply_cut, column, cut_kind, runs, take_rows, top_k_tops
-from lmhead.sampling.race import draw_part, kept_candidates, part_logprobs, seeded_generator
+from lmhead.sampling.race import draw_part, kept_candidates, part_logprobs, race_row_in_c, seeded_generator
 from lmhead.sampling.top_p import top_p_draw_unseeded
 from lmhead.sampling.vocab import Vocab
 
@@ -137,7 +137,7 @@ def seeded_top_p_row(x: Tensor, config: SamplingConfig, step: int) -> tuple[int,
     every candidate is kept), the logprob from the same set (`part_logprobs`). None where C does not settle the set
     (a flat row, a value that is not finite, no library) or the config is not such a row: the pipeline then
     answers, and raises its errors."""
-    from lmhead.kernels.native import race_row, top_p_row
+    from lmhead.kernels.native import top_p_row
 
     if (config.seed is None or not config.runs_on("c")
             or cut_kind(config, x.shape[-1], draw=True) != "top_p_alone"):
@@ -147,9 +147,6 @@ def seeded_top_p_row(x: Tensor, config: SamplingConfig, step: int) -> tuple[int,
     if found is None:
         return None
     vals, idx = found                                             # [1,m] x/T descending, their ids
-    noise = torch.empty(vals.shape[1], dtype=torch.float32).exponential_(generator=seeded_generator(config.seed, step))
-    at = race_row(vals[0], idx[0], noise)
-    if at is None:
-        raise MemoryError("the seeded race could not allocate its candidates")
+    at = race_row_in_c(vals[0], idx[0], vals.shape[1], seeded_generator(config.seed, step))
     lse = torch.logsumexp(vals, dim=-1)                           # part_logprobs' normaliser, the same [1,m]
     return int(idx[0, at]), float(np.float32(vals[0, at].item()) - np.float32(lse[0].item()))

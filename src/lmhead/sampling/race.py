@@ -53,14 +53,14 @@ def draw_part(vals: Tensor, idx: Tensor | None, seeded: bool, generator: torch.G
     ids. A seeded row's kept candidates (its finite values) race in token-id order, noise drawn for them alone, so
     that its id depends on its kept tokens and their values only — not on the order the cut produced them in nor
     on the dropped ones (-inf) it carried, which differ between the cut's paths (``generator``: a row's own, or one
-    per row for seeded rows drawn together); on float32 CPU rows the race runs in C (`_race_in_c`), elsewhere in
+    per row for seeded rows drawn together); on float32 CPU rows the race runs in C (`race_in_c`), elsewhere in
     torch (`race_draw`)."""
     if idx is None:
         return draw_whole_rows(vals, generator, vocab)
     counts = None
     if seeded:
         generator = generator if isinstance(generator, list) else [generator] * vals.shape[0]
-        won = _race_in_c(vals, idx, generator)
+        won = race_in_c(vals, idx, generator)
         if won is not None:
             return won
         kept = torch.isfinite(vals)
@@ -70,27 +70,34 @@ def draw_part(vals: Tensor, idx: Tensor | None, seeded: bool, generator: torch.G
     return idx.gather(1, race_draw(torch.softmax(vals, dim=-1), generator, counts).unsqueeze(1)).squeeze(1)
 
 
-def _race_in_c(vals: Tensor, idx: Tensor, generators: list) -> Tensor | None:
-    """`draw_part`'s seeded race over float32 CPU candidates [b,m] in C (`native.race_row`): each row's noise drawn
-    from its own generator for its kept candidates, as the torch race draws it, and the first largest
-    e^(v − max) / E among them in id order, in double — one C call a row where the torch race takes a sort, two
-    gathers, a softmax and four passes over the noise. None (no noise drawn) where C does not serve: other dtypes or
-    devices, no library, a row with nothing kept."""
-    from lmhead.kernels.native import library, race_row
+def race_in_c(vals: Tensor, idx: Tensor, generators: list) -> Tensor | None:
+    """`draw_part`'s seeded race over float32 CPU candidates [b,m] in C: each row by `race_row_in_c` with its own
+    generator — one C call a row where the torch race takes a sort, two gathers, a softmax and four passes over the
+    noise. None (no noise drawn) where C does not serve: other dtypes or devices, no library, a row with nothing
+    kept."""
+    from lmhead.kernels.native import library
 
     if vals.device.type != "cpu" or vals.dtype != torch.float32 or library() is None:
         return None
     counts = torch.isfinite(vals).sum(dim=-1).tolist()
     if min(counts) < 1:
         return None
-    won = []
-    for r, (n, gen) in enumerate(zip(counts, generators, strict=True)):
-        noise = torch.empty(n, dtype=torch.float32).exponential_(generator=gen)
-        at = race_row(vals[r].contiguous(), idx[r].contiguous(), noise)
-        if at is None:  # the generator has moved: the torch race would draw other noise
-            raise MemoryError("the seeded race could not allocate its candidates")
-        won.append(at)
+    won = [race_row_in_c(vals[r].contiguous(), idx[r].contiguous(), n, gen)
+           for r, (n, gen) in enumerate(zip(counts, generators, strict=True))]
     return idx.gather(1, torch.tensor(won, device=idx.device)[:, None]).squeeze(1)
+
+
+def race_row_in_c(vals: Tensor, ids: Tensor, kept: int, generator: torch.Generator | None) -> int:
+    """One seeded row's race (`native.race_row`) over its candidates vals [m] (float32, CPU, -inf = dropped) and
+    ids [m], `kept` of them finite: their noise drawn from `generator` in id order, as the torch race draws it, and
+    the first largest e^(v − max) / E among them in id order, in double → the winner's place in vals."""
+    from lmhead.kernels.native import race_row
+
+    noise = torch.empty(kept, dtype=torch.float32).exponential_(generator=generator)
+    at = race_row(vals, ids, noise)
+    if at is None:  # the generator has moved: the torch race would draw other noise
+        raise MemoryError("the seeded race could not allocate its candidates")
+    return at
 
 
 def kept_candidates(vals: Tensor, vocab: Vocab) -> tuple[Tensor, Tensor]:
