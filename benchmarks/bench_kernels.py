@@ -19,7 +19,9 @@
    (`plain_choice` with `sampling.top_p.NATIVE_TOP_P_ROWS` 8 — `native.top_p_row` — and 0, the torch windows).
 7. The screened head (`CodedLinear.screen`: each row's top k exact, the rest below) against the exact product
    on Gemma 3's head shape (synthetic Q8_0-like codes, rows of randn × 2.5 with an outlier column, as final hidden
-   states have), 1-8 rows, k = 2 (greedy) and 41 (top-k 40): where `decode.logits.SCREEN_MIN_ROWS` comes from.
+   states have), 1-8 rows, k = 2 (greedy) and 41 (top-k 40): where `decode.logits.SCREEN_MIN_ROWS` comes from —
+   in the integer path by groups' layout (what a load makes of a Q8_0 head where the path is chosen) and in the
+   four-row layout, on the same codes, the two layouts timed in turn.
 Best of --repeats, each variant timed in turn.
 """
 
@@ -48,7 +50,7 @@ def best_ms(fn, repeats: int, inner: int = 1) -> float:
     return best * 1e3
 
 
-def coded(n: int, k: int, four_bit: bool, g: torch.Generator) -> CodedLinear:
+def coded(n: int, k: int, four_bit: bool, g: torch.Generator, groups16: bool = False) -> CodedLinear:
     ng = k // 32
     if four_bit:
         codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
@@ -57,7 +59,7 @@ def coded(n: int, k: int, four_bit: bool, g: torch.Generator) -> CodedLinear:
     else:
         codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
         scale, offset = (torch.rand(n, ng, generator=g) * 0.01 + 1e-3).half().float(), None
-    return CodedLinear(codes, scale, offset)
+    return CodedLinear(codes, scale, offset, groups16=groups16)
 
 
 def load() -> str:
@@ -201,24 +203,38 @@ def sections(args: argparse.Namespace, g: torch.Generator, rec: Recorder) -> Non
 
 
     print("\n7. the screened head against the exact product, Gemma 3's head shape (ms per call)")
-    t7 = rec.table("screen", "The screened head against the exact product, Gemma 3's head shape (ms per call)",
-                   ["rows", "exact", "screen k=2", "exact / k=2", "screen k=41", "exact / k=41", "load"])
-    head = coded(262144, 640, False, g)
-    if not head.screens:
+    t7 = rec.table("screen", "The screened head against the exact product, Gemma 3's head shape (ms per call; "
+                   "the layout by groups, as loads make a Q8_0 head where that path is chosen, and the four-row "
+                   "layout, on the same codes)",
+                   ["rows", "layout", "exact", "screen k=2", "exact / k=2", "screen k=41", "exact / k=41",
+                    "four-row / by groups", "load"])
+    heads = {"four-row": coded(262144, 640, False, torch.Generator().manual_seed(7))}
+    by_groups = coded(262144, 640, False, torch.Generator().manual_seed(7), groups16=True)
+    if by_groups.by_groups:
+        heads = {"by groups": by_groups, **heads}
+    if not all(h.screens for h in heads.values()):
         print("  (no screen here: the library was built without AVX2)")
         return
     for m in ([1, 2, 4, 8] if args.quick else [1, 2, 3, 4, 5, 8]):
         x = torch.randn(m, 640, generator=g) * 2.5
         x[:, 7] = 60.0
+        got: dict[str, tuple[float, float, float]] = {}
         with torch.inference_mode():
-            exact = best_ms(lambda x=x: head(x), args.repeats)
-            two = best_ms(lambda x=x, m=m: head.screen(x, [2] * m), args.repeats)
-            wide = best_ms(lambda x=x, m=m: head.screen(x, [41] * m), args.repeats)
-        print(f"  {m} rows: exact {exact:6.2f}  screen k=2 {two:6.2f} ({exact / two:4.2f}x)  k=41 {wide:6.2f} "
-              f"({exact / wide:4.2f}x)  [{load()}]", flush=True)
-        t7.row([m, f"{exact:.2f}", f"{two:.2f}", f"{exact / two:.2f}×", f"{wide:.2f}", f"{exact / wide:.2f}×",
-                load()[5:]], [Figure(f"screen k=2, {m} rows", two, "ms", "exact product", exact),
-                              Figure(f"screen k=41, {m} rows", wide, "ms", "exact product", exact)])
+            for name, head in heads.items():
+                got[name] = (best_ms(lambda x=x, head=head: head(x), args.repeats),
+                             best_ms(lambda x=x, m=m, head=head: head.screen(x, [2] * m), args.repeats),
+                             best_ms(lambda x=x, m=m, head=head: head.screen(x, [41] * m), args.repeats))
+        for name, (exact, two, wide) in got.items():
+            four = got["four-row"]
+            vs = (f"{four[0] / exact:.2f} / {four[1] / two:.2f} / {four[2] / wide:.2f}" if name != "four-row"
+                  else "-")
+            print(f"  {m} rows, {name:9}: exact {exact:6.2f}  screen k=2 {two:6.2f} ({exact / two:4.2f}x)  k=41 "
+                  f"{wide:6.2f} ({exact / wide:4.2f}x)  four-row / this (exact / k=2 / k=41) {vs}  [{load()}]",
+                  flush=True)
+            t7.row([m, name, f"{exact:.2f}", f"{two:.2f}", f"{exact / two:.2f}×", f"{wide:.2f}",
+                    f"{exact / wide:.2f}×", vs, load()[5:]],
+                   [Figure(f"screen k=2, {m} rows, {name}", two, "ms", "exact product", exact),
+                    Figure(f"screen k=41, {m} rows, {name}", wide, "ms", "exact product", exact)])
 
 
 if __name__ == "__main__":

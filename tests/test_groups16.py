@@ -1,8 +1,8 @@
 """The integer path by groups (kernels/groups_kernel.h, kernels/layout16.py, models/groups16.py): its layout gives
 the codes back, its products are within the float32 dot product's bound of the float64 ones, a row's value is the
 same bits alone, in a batch (AMX's tiles where the CPU has them), under any thread count, rows it cannot take get
-the float32 sums, and the packaged models' body matrices take it where it is chosen — their embedding and head do
-not."""
+the float32 sums, and the packaged models' body matrices, embedding and head take it where it is chosen (the
+head's screen over it: tests/test_screen.py)."""
 
 from __future__ import annotations
 
@@ -203,24 +203,29 @@ def test_ineligible_shapes_and_the_choice_keep_the_four_row_layout(monkeypatch):
     scale = torch.rand(88, 16, generator=g).half().float()
     assert not CodedLinear(codes, scale, groups16=True).by_groups
     assert not CodedLinear(codes[:64, :224], scale[:64, :7], groups16=True).by_groups  # K below 256
-    assert not CodedLinear(codes[:64], scale[:64]).by_groups  # not a body's matrix
+    assert not CodedLinear(codes[:64], scale[:64]).by_groups  # not asked for
     monkeypatch.setenv("LMHEAD_GROUPS16", "0")
     assert not CodedLinear(codes[:64], scale[:64], groups16=True).by_groups
 
 
 @pytest.mark.model
-def test_the_packaged_smollm2s_body_takes_it_and_its_embedding_and_head_do_not(tmp_path, monkeypatch):
+def test_the_packaged_smollm2s_body_embedding_and_head_take_it(tmp_path, monkeypatch):
     from lmhead import load_model
 
     monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
     model = load_model("smollm2-135m", progress=False)
     for layer in model.lean.layers:
         assert all(c.by_groups for c in layer.coded.values())  # Q4_1, N a multiple of 64, K ≥ 256
-    assert not model.lean.embed_codes.by_groups and model.exact_head.product.screens
+    head = model.exact_head.product
+    assert head is model.lean.embed_codes  # tied: one matrix, its rows the embedding's
+    assert head.by_groups and head.screens  # Q8_0
     warm = load_model("smollm2-135m", progress=False)  # mapped from the layout cache
-    assert all(c.by_groups for c in warm.lean.layers[0].coded.values())
+    assert all(c.by_groups for c in warm.lean.layers[0].coded.values()) and warm.exact_head.product.by_groups
     x = torch.randn(2, 576, generator=torch.Generator().manual_seed(6))
     assert torch.equal(warm.lean.layers[0].coded["qkv"](x), model.lean.layers[0].coded["qkv"](x))
+    assert torch.equal(warm.exact_head.product(x), head(x))
+    ids = torch.tensor([0, 17, 49151])
+    assert torch.equal(warm.lean.embedding(ids), head.dequantize()[ids])
 
 
 @pytest.mark.model

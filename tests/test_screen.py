@@ -1,6 +1,7 @@
 """The screened head (`CodedLinear.screen`, `LMHead.screen`, `decode.logits.decode_logits` with `scored`): each row's
 top k exactly as the one-row product gives them and every other value below them; its bound against the exact
-product; its fallbacks; the decode loop's tokens unchanged where it screens."""
+product; its fallbacks; the decode loop's tokens unchanged where it screens. The matrix in blocks of four rows and
+in the integer path by groups' layout (kernels/groups_screen.h), where that is built."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from tiny import tiny_model
 
 from lmhead.kernels import native
+from lmhead.models import groups16
 from lmhead.models.coded_linear import CodedLinear, coded_available
 from lmhead.sampling import SamplingConfig
 
@@ -16,14 +18,29 @@ pytestmark = pytest.mark.skipif(not coded_available() or not native.avx2(),
                                 reason="the screen is an AVX2 kernel of the coded library")
 
 
-def _q8(n: int, k: int, seed: int = 0, weight: bool = False, low: int = -127) -> CodedLinear:
+# the layouts the screen reads: blocks of four rows, and the integer path by groups' (K ≥ 256)
+LAYOUTS = [pytest.param(False, id="rows4"),
+           pytest.param(True, id="groups", marks=pytest.mark.skipif(not groups16.built(),
+                                                                    reason="the path by groups needs AVX-512 VNNI"))]
+
+
+@pytest.fixture(params=LAYOUTS)
+def groups(request, monkeypatch) -> bool:
+    if request.param:
+        monkeypatch.setenv("LMHEAD_GROUPS16", "1")  # taken here whatever this machine's measured choice
+    return request.param
+
+
+def _q8(n: int, k: int, seed: int = 0, weight: bool = False, low: int = -127, groups: bool = False) -> CodedLinear:
     """Q8_0-like codes (int8 from `low`, one float16 scale per 32, no offsets) for an n × k matrix, as Gemma 3's
-    head."""
+    head; `groups`: in the integer path by groups' layout."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(low, 128, (n, k), generator=g, dtype=torch.int8)
     scale = (torch.rand(n, k // 32, generator=g) * 0.004 + 1e-4).half().float()
     w = (codes.float().view(n, -1, 32) * scale[..., None]).view(n, k) if weight else None
-    return CodedLinear(codes, scale, None, w)
+    c = CodedLinear(codes, scale, None, w, groups16=groups)
+    assert c.by_groups == groups
+    return c
 
 
 def _rows(m: int, k: int, seed: int = 1) -> torch.Tensor:
@@ -49,8 +66,10 @@ def _assert_top_k_exact(y: torch.Tensor, want: torch.Tensor, ks: list[int]) -> N
 
 
 @pytest.mark.parametrize("m, k", [(1, 256), (3, 256), (4, 256), (5, 256), (8, 256), (9, 256), (17, 256), (8, 96)])
-def test_screen_gives_each_rows_top_k_exactly_and_the_rest_below(m, k):  # every pass width, more rows than one pass
-    c = _q8(1024, k)
+def test_screen_gives_each_rows_top_k_exactly_and_the_rest_below(m, k, groups):  # every pass width, several passes
+    if groups and k < 256:
+        pytest.skip("the layout by groups is made for K of 256 or more")
+    c = _q8(1024, k, groups=groups)
     assert c.screens
     x = _rows(m, k)
     ks = [[1, 2, 3, 41, 65, 256, 7][r % 7] for r in range(m)]
@@ -59,8 +78,8 @@ def test_screen_gives_each_rows_top_k_exactly_and_the_rest_below(m, k):  # every
 
 
 @pytest.mark.parametrize("m", [4, 9])
-def test_the_candidates_hold_every_token_a_rows_top_k_can_hold_with_their_exact_values(m):
-    c = _q8(1024, 256, 7)
+def test_the_candidates_hold_every_token_a_rows_top_k_can_hold_with_their_exact_values(m, groups):
+    c = _q8(1024, 256, 7, groups=groups)
     x = _rows(m, 256, 7)
     ks = [[1, 2, 41, 65, 3][r % 5] for r in range(m)]
     with torch.inference_mode():
@@ -84,8 +103,8 @@ def test_the_candidates_hold_every_token_a_rows_top_k_can_hold_with_their_exact_
         assert torch.equal(vals[r].topk(k).values, top.values)
 
 
-def test_a_rows_allowed_tokens_are_its_only_candidates_and_its_top_k_among_them_exact():
-    c = _q8(1024, 256, 3)
+def test_a_rows_allowed_tokens_are_its_only_candidates_and_its_top_k_among_them_exact(groups):
+    c = _q8(1024, 256, 3, groups=groups)
     x = _rows(6, 256, 3)
     g = torch.Generator().manual_seed(4)
     allowed = [torch.rand(1024, generator=g) < 0.3, None, torch.zeros(1024, dtype=torch.bool),
@@ -113,9 +132,10 @@ def test_a_rows_allowed_tokens_are_its_only_candidates_and_its_top_k_among_them_
         c.screen_candidates(x[:2], [2, 2], allowed=[None])
 
 
-def test_rows_computed_whole_give_no_candidates():
-    c = _q8(512, 64, 5)
-    x = _rows(5, 64, 5)
+def test_rows_computed_whole_give_no_candidates(groups):
+    k = 256 if groups else 64
+    c = _q8(512, k, 5, groups=groups)
+    x = _rows(5, k, 5)
     with torch.inference_mode():
         y, cands = c.screen_candidates(x, [64] * 5, cap=40)
         assert cands is None and torch.equal(y, _one_row(c, x))
@@ -124,12 +144,14 @@ def test_rows_computed_whole_give_no_candidates():
 
 
 @pytest.mark.parametrize("k", [640, 352])  # groups in pairs, and an odd last group
-def test_the_screens_values_are_within_its_bound_of_the_exact_product(k):
+def test_the_screens_values_are_within_its_bound_of_the_exact_product(k, groups):
     # ŷ within ‖w‖·β of the exact value for every token (coded_kernel.c's bound), ‖w‖ rounded up; codes down to
     # -128, a group of zeros, a group of one outlier and a group near float32's smallest beside ordinary ones
     lib = native.library()
+    screen_norms, screen = ((lib.lmhead_screen_norms16, lib.lmhead_screen16) if groups
+                            else (lib.lmhead_screen_norms, lib.lmhead_screen))
     for seed, spread in ((0, 1.0), (1, 30.0), (2, 1e-3)):
-        c = _q8(512, k, seed, weight=True, low=-128)
+        c = _q8(512, k, seed, weight=True, low=-128, groups=groups)
         x = _rows(6, k, seed) * spread
         x[1, 32:64] = 0.0
         x[2, 64:96] = 1e-3 * spread
@@ -138,9 +160,9 @@ def test_the_screens_values_are_within_its_bound_of_the_exact_product(k):
         x[3, 100] = 0.0
         y, beta = torch.empty(6, 512), torch.empty(6, dtype=torch.float64)
         norms = torch.empty(512)
-        assert lib.lmhead_screen_norms(c.codes.data_ptr(), c.scale.data_ptr(), 512, k, norms.data_ptr(), 2) == 0
-        assert lib.lmhead_screen(x.data_ptr(), 6, k, c.codes.data_ptr(), c.scale.data_ptr(), 512, y.data_ptr(),
-                                 beta.data_ptr(), 2) == 0
+        assert screen_norms(c.codes.data_ptr(), c.scale.data_ptr(), 512, k, norms.data_ptr(), 2) == 0
+        assert screen(x.data_ptr(), 6, k, c.codes.data_ptr(), c.scale.data_ptr(), 512, y.data_ptr(),
+                      beta.data_ptr(), 2) == 0
         exact = x.double() @ c.weight.double().T
         assert bool((norms.double() >= c.weight.double().norm(dim=1)).all())
         bound = norms.double()[None] * beta[:, None]
@@ -182,6 +204,24 @@ def test_rows_the_screen_cannot_bound_are_computed_exactly():
         tiny = _rows(5, 64, 6)
         tiny[3] = tiny[3] * 1e-43
         assert torch.equal(c.screen(tiny, [2] * 5), c(tiny))
+
+
+@pytest.mark.skipif(not groups16.built(), reason="the path by groups needs AVX-512 VNNI")
+def test_a_row_the_path_by_groups_refuses_gets_its_float32_sums_as_candidates(monkeypatch):
+    # a group whose largest value is below 2⁻⁶⁰ (its slices' scale would leave float32's normal range): the whole
+    # product takes that row's float32 sums (groups_kernel.h's g16_plain), and so do its candidates' values
+    monkeypatch.setenv("LMHEAD_GROUPS16", "1")
+    c = _q8(512, 256, 8, groups=True)
+    x = _rows(3, 256, 8)
+    x[1, 32:64] = 1e-20
+    with torch.inference_mode():
+        want = _one_row(c, x)
+        y, (vals, ids) = c.screen_candidates(x, [3, 5, 2])
+        assert torch.equal(c(x), want)
+    for r in range(3):
+        real = ids[r] < 512
+        assert torch.equal(vals[r][real], want[r, ids[r][real]])
+    _assert_top_k_exact(y, want, [3, 5, 2])
 
 
 def test_bad_ks_are_errors_that_name_them():
@@ -341,8 +381,8 @@ def test_constrained_greedy_rounds_are_screened_under_their_masks_and_give_the_s
     assert any(masked)
 
 
-def test_values_at_gives_the_one_row_products_values_at_the_ids_and_minus_inf_elsewhere():
-    c = _q8(1024, 256, 9)
+def test_values_at_gives_the_one_row_products_values_at_the_ids_and_minus_inf_elsewhere(groups):
+    c = _q8(1024, 256, 9, groups=groups)
     x = _rows(3, 256, 9)
     ids = [torch.tensor([0, 5, 6, 1023]), torch.tensor([17]), torch.arange(0, 1024, 3)]
     with torch.inference_mode():

@@ -201,7 +201,7 @@ static inline void fetch_scales(const void* base, int64_t N, int64_t K, int64_t 
 #endif
 }
 
-int lmhead_coded_abi(void) { return 32; }
+int lmhead_coded_abi(void) { return 33; }
 
 /* whether sub_floats makes sixteen d·sub products an instruction (AVX-512): where it does, a dense matrix of a
  * K-quant with groups of 32 holds its scales as the blocks do too (models/gguf_file.py) */
@@ -1960,6 +1960,28 @@ int lmhead_screen_select(const float* y, int64_t M, int64_t N, const float* norm
 }
 int lmhead_screen_rescore(const float* x, int64_t M, int64_t K, const int8_t* codes, const uint16_t* scale,
                           int64_t N, const int64_t* ids, const int64_t* counts, int64_t cap, float* y, int threads) {
+    (void)x, (void)M, (void)K, (void)codes, (void)scale, (void)N, (void)ids, (void)counts, (void)cap, (void)y,
+        (void)threads;
+    return -1;
+}
+#endif
+
+#if defined(SCREEN_INT8) && defined(LMHEAD_SLICED_BUILT)
+#include "groups_screen.h"
+#else
+/* no layout by groups here (it is made only where the path is built): nothing for these to read */
+int lmhead_screen_norms16(const uint8_t* codes, const uint16_t* scale, int64_t N, int64_t K, float* out,
+                          int threads) {
+    (void)codes, (void)scale, (void)N, (void)K, (void)out, (void)threads;
+    return -1;
+}
+int lmhead_screen16(const float* x, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scale, int64_t N,
+                    float* y, double* beta, int threads) {
+    (void)x, (void)M, (void)K, (void)codes, (void)scale, (void)N, (void)y, (void)beta, (void)threads;
+    return -1;
+}
+int lmhead_screen_rescore16(const float* x, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scale,
+                            int64_t N, const int64_t* ids, const int64_t* counts, int64_t cap, float* y, int threads) {
     (void)x, (void)M, (void)K, (void)codes, (void)scale, (void)N, (void)ids, (void)counts, (void)cap, (void)y,
         (void)threads;
     return -1;

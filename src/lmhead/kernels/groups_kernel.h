@@ -382,17 +382,18 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
         }
 #endif
         /* the rest of the rows: each thread an even share of the blocks of sixteen weight rows (one stream), four
-         * blocks at a time */
+         * blocks at a time, every query row against them before the next four — a round's rows read the matrix from
+         * memory once, not once a row (each block's sums are its own: the same bits in either order) */
         extern int omp_get_thread_num(void);
         extern int omp_get_num_threads(void);
         const int64_t blocks = N / 16, nt = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t lo = blocks * tid / nt, hi = blocks * (tid + 1) / nt;
-        for (int64_t m = tiled; m < M; m++)
-            for (int64_t b0 = lo; b0 < hi; b0 += G16_NB) {
-                const int64_t nb = hi - b0 < G16_NB ? hi - b0 : G16_NB;
+        for (int64_t b0 = lo; b0 < hi; b0 += G16_NB) {
+            const int64_t nb = hi - b0 < G16_NB ? hi - b0 : G16_NB;
+            for (int64_t m = tiled; m < M; m++)
                 rows_of[nb](a + m * K, plane, d2 + m * G, t + m * G * 9, vx + m * G * 3, K, codes, s16, m16, N, table,
                             bias, b0, y + m * N);
-            }
+        }
 #ifdef G16_AMX
         if (u8) _tile_release();
         free(u8);

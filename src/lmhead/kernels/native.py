@@ -80,7 +80,7 @@ __all__ = ["BF16", "E8M0", "F16", "F32", "FLAGS", "GROUPS16", "HALF", "HALF_MAX_
            "row_lse_bounded", "row_moments", "row_scores", "screen_min_rows", "select_ge", "sub_sixteen", "topk",
            "topk_rows", "typical_row", "unblock4", "unpack4"]
 
-_ABI = 32  # lmhead_coded_abi() of the sources above
+_ABI = 33  # lmhead_coded_abi() of the sources above
 
 
 def _layout_mismatch(lib: ctypes.CDLL) -> str | None:
@@ -175,6 +175,13 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmhead_screen_rescore.argtypes = [p, i64, i64, p, p, i64, p, p, i64, p, i32]
     lib.lmhead_screen_rescore.restype = i32
     lib.lmhead_screen_min_rows.restype = i32
+    # the same three over the integer path by groups' layout (kernels/groups_screen.h)
+    lib.lmhead_screen_norms16.argtypes = lib.lmhead_screen_norms.argtypes
+    lib.lmhead_screen_norms16.restype = i32
+    lib.lmhead_screen16.argtypes = lib.lmhead_screen.argtypes
+    lib.lmhead_screen16.restype = i32
+    lib.lmhead_screen_rescore16.argtypes = lib.lmhead_screen_rescore.argtypes
+    lib.lmhead_screen_rescore16.restype = i32
     return lib
 
 

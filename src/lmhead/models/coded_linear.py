@@ -133,8 +133,7 @@ class CodedLinear:
         "mxfp4"; without offsets), None (one byte per code), or "auto": signed where the codes are in −8..7, else
         unsigned where they are in 0..15. Where the shape does not allow it (groups of 16 or 32, K a multiple of
         64) the codes stay one per byte. `groups16`: the integer path by groups' layout where the matrix is
-        eligible for it (`models/groups16.py`; a body's matrix — a head's screen and an embedding's rows read the
-        four-row layout)."""
+        eligible for it (`models/groups16.py`)."""
         if codes.dtype != torch.int8 or codes.dim() != 2:
             raise TypeError(f"codes must be a 2-D int8 tensor, got {codes.dtype} {tuple(codes.shape)}")
         n, k = codes.shape
@@ -375,7 +374,7 @@ class CodedLinear:
         over the codes (the same numbers as `dequantize()[ids]`). IndexError for an id outside [0, N)."""
         flat = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty((flat.numel(), self.in_features), dtype=torch.float32)
-        lib = None if self.by_groups else native.library()  # the C rows read the other layouts
+        lib = native.library()
         if lib is not None:
             if lib.lmhead_coded_rows(ctypes.byref(self.desc()), flat.data_ptr(), flat.numel(), out.data_ptr()) != 0:
                 raise IndexError(f"ids must be in [0, {self.out_features}), got {flat.min()}..{flat.max()}")
@@ -399,11 +398,19 @@ class CodedLinear:
 
     @property
     def screens(self) -> bool:
-        """Whether `screen` serves this matrix: int8 codes without offsets, float16 scales, blocks of four rows
-        (Q8_0 and Q5_0 codes: both packaged models' heads are Q8_0), the kernel built with AVX2."""
+        """Whether `screen` serves this matrix: int8 codes without offsets in groups of 32 with float16 scales (Q8_0
+        and Q5_0 codes: both packaged models' heads are Q8_0), in blocks of four rows (the kernel built with AVX2)
+        or in the integer path by groups' layout (kernels/groups_screen.h)."""
         lib = native.library()
-        return (lib is not None and native.avx2() and self.rows4 and self.group == 32 and self.half
-                and not self.packed and self.offset is None)
+        return (lib is not None and native.avx2() and (self.rows4 or self.by_groups) and self.group == 32
+                and self.half and not self.packed and self.offset is None and not self.sub and not self.e8m0)
+
+    def _screen_kernels(self) -> tuple:
+        """The library's (norms, screen, rescore) entries for this matrix's layout."""
+        lib = native.library()
+        if self.by_groups:
+            return lib.lmhead_screen_norms16, lib.lmhead_screen16, lib.lmhead_screen_rescore16
+        return lib.lmhead_screen_norms, lib.lmhead_screen, lib.lmhead_screen_rescore
 
     def screen(self, x: Tensor, ks: list[int], cap: int = SCREEN_CAP) -> Tensor:
         """x [M,K] float32 → y [M,N] float32 where each row's top ks[m] values (ids and values; 1 ≤ k ≤ 256) are
@@ -441,16 +448,16 @@ class CodedLinear:
             return _forbid(self(x), allowed), None
         x = x.contiguous()
         threads = torch.get_num_threads()
+        screen_norms, screen_values, rescore = self._screen_kernels()
         if self._norms is None:
             norms = torch.empty(n, dtype=torch.float32)
-            if lib.lmhead_screen_norms(self.codes.data_ptr(), self.scale.data_ptr(), n, k, norms.data_ptr(),
-                                       threads) != 0:
+            if screen_norms(self.codes.data_ptr(), self.scale.data_ptr(), n, k, norms.data_ptr(), threads) != 0:
                 raise ValueError(f"screen: codes {tuple(self.codes.shape)} are not a screened layout")
             self._norms = norms
         y = torch.empty((m, n), dtype=torch.float32)
         beta = torch.empty(m, dtype=torch.float64)
-        rc = lib.lmhead_screen(x.data_ptr(), m, k, self.codes.data_ptr(), self.scale.data_ptr(), n, y.data_ptr(),
-                               beta.data_ptr(), threads)
+        rc = screen_values(x.data_ptr(), m, k, self.codes.data_ptr(), self.scale.data_ptr(), n, y.data_ptr(),
+                           beta.data_ptr(), threads)
         if rc == -2:
             raise MemoryError("the screen could not allocate its grid")
         if rc != 0:  # a row that is not all finite: no bound holds anywhere, every row exactly
@@ -464,8 +471,9 @@ class CodedLinear:
         counts = torch.empty(m, dtype=torch.int64)
         lib.lmhead_screen_select(y.data_ptr(), m, n, self._norms.data_ptr(), beta.data_ptr(), want.data_ptr(), cap,
                                  ids.data_ptr(), counts.data_ptr(), threads)
-        lib.lmhead_screen_rescore(x.data_ptr(), m, k, self.codes.data_ptr(), self.scale.data_ptr(), n,
-                                  ids.data_ptr(), counts.data_ptr(), cap, y.data_ptr(), threads)
+        if rescore(x.data_ptr(), m, k, self.codes.data_ptr(), self.scale.data_ptr(), n, ids.data_ptr(),
+                   counts.data_ptr(), cap, y.data_ptr(), threads) == -2:
+            raise MemoryError("the screen could not allocate a row's slices")
         whole = (counts < 0).nonzero().flatten().tolist()
         for r in whole:
             y[r] = self(x[r:r + 1])[0]
@@ -499,10 +507,9 @@ class CodedLinear:
             table[r, :len(i)] = i
         x = x.contiguous()
         y = torch.full((m, n), float("-inf"), dtype=torch.float32)
-        rc = native.library().lmhead_screen_rescore(x.data_ptr(), m, k, self.codes.data_ptr(),
-                                                    self.scale.data_ptr(), n, table.data_ptr(),
-                                                    counts.data_ptr(), table.shape[1], y.data_ptr(),
-                                                    torch.get_num_threads())
+        rc = self._screen_kernels()[2](x.data_ptr(), m, k, self.codes.data_ptr(), self.scale.data_ptr(), n,
+                                       table.data_ptr(), counts.data_ptr(), table.shape[1], y.data_ptr(),
+                                       torch.get_num_threads())
         return y if rc == 0 else None
 
     def _allowed_counts(self, allowed: list[Tensor | None] | None, m: int) -> list[int | None]:

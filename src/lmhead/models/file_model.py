@@ -235,26 +235,27 @@ class _Reader:
 
     def coded(self, name: str) -> CodedLinear | None:
         """One matrix as the coded kernel's (converted piece by piece), or None for a type without codes: the
-        embedding or the head, in a layout whose rows the C step reads and the head's screen takes (not the integer
-        path by groups')."""
+        embedding or the head (the integer path by groups' layout where it is eligible, as a block's matrices: its
+        one-row product is the decode step's, its rows the C step reads and its screen serves Q8_0 and Q5_0
+        heads)."""
         kind = self.f.type_of(name)
-        return self.linear([name], body=False)[0] if kind in DENSE_TYPES or kind in CODE_TYPES else None
+        return self.linear([name])[0] if kind in DENSE_TYPES or kind in CODE_TYPES else None
 
     def weights16(self, name: str) -> torch.Tensor:
         w = self.f.weights16(name)
         perm = self._perm(name, w.shape[0])
         return w[torch.from_numpy(perm)] if perm is not None else w
 
-    def linear(self, names: list[str], body: bool = True) -> tuple[CodedLinear | RowBlocks | None, torch.Tensor | None]:
+    def linear(self, names: list[str]) -> tuple[CodedLinear | RowBlocks | None, torch.Tensor | None]:
         """(codes, None) for matrices the coded kernel takes, else (None, the float32 rows concatenated). A matrix
         of codes laid out by an earlier load of the file is mapped from the layout cache (`layout_cache`). Matrices
         of different code types (Q4_K_M's q and k beside its Q6_K v) are row blocks, each run of one type in that
-        type's own layout (`RowBlocks`), not one layout wide enough for all. `body`: a block's matrix, which may
-        take the integer path by groups' layout (`models/groups16.py`)."""
+        type's own layout (`RowBlocks`), not one layout wide enough for all. An eligible matrix takes the integer path
+        by groups' layout (`models/groups16.py`)."""
         runs = self._runs(names)
         if len(runs) > 1:
-            return RowBlocks([self.linear(run, body)[0] for run in runs]), None
-        got = layout_cache.cached_linear(self.layouts, "+".join(names), lambda: self._linear(names, body))
+            return RowBlocks([self.linear(run)[0] for run in runs]), None
+        got = layout_cache.cached_linear(self.layouts, "+".join(names), lambda: self._linear(names))
         if isinstance(got, CodedLinear):
             for n in names:  # the file's pages of these tensors are not wanted (mapped: kept for GGUFFile.sweep)
                 self.f.release(n)
@@ -275,14 +276,14 @@ class _Reader:
                 runs.append([name])
         return runs
 
-    def _linear(self, names: list[str], body: bool) -> CodedLinear | torch.Tensor:
+    def _linear(self, names: list[str]) -> CodedLinear | torch.Tensor:
         kinds = {self.f.type_of(n) for n in names}
         sizes = [self.f.shape(n) for n in names]
         if (len(kinds) == 1 and kinds <= CODE_TYPES and len({k for _, k in sizes}) == 1
                 and all(rows % 4 == 0 for rows, _ in sizes[:-1])):
             # one type: the parts' rows read into one layout piece by piece (q/k rows in transformers' order)
             return self.f.coded_rows(names, [self._perm(n, rows) for n, (rows, _) in zip(names, sizes, strict=True)],
-                                     groups16=body)
+                                     groups16=True)
         if len(kinds) == 1 and kinds <= DENSE_TYPES.keys():  # F16, BF16 or F32 rows, as they are
             return CodedLinear.dense16(torch.cat([self.weights16(n) for n in names]))
         found = [self.codes(n) for n in names]
@@ -290,7 +291,7 @@ class _Reader:
             fused = fuse_codes(found)
             kinds = {c.kind for c in found}  # one type: its layout (IQ4 levels are not told by a range)
             coded = CodedLinear(fused.codes, fused.scale, fused.offset,
-                                four_bit=FOUR_BIT.get(kinds.pop()) if len(kinds) == 1 else "auto", groups16=body)
+                                four_bit=FOUR_BIT.get(kinds.pop()) if len(kinds) == 1 else "auto", groups16=True)
             for n in names:
                 self.f.release(n)
             return coded

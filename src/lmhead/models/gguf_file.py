@@ -290,8 +290,8 @@ class GGUFFile:
         """The row-wise concatenation of the matrices `names` (one type, one K; q, k and v → qkv) as one
         `CodedLinear`, made as `coded` makes one matrix; perms: each part's rows in the order it is wanted (None:
         as stored). The parts' row counts must be multiples of 4 but for the last (the chunks of
-        `CodedLinear.from_chunks`). `groups16`: a body's matrix, which may take the integer path by groups' layout
-        (`models/groups16.py`)."""
+        `CodedLinear.from_chunks`). `groups16`: the integer path by groups' layout where the matrix is eligible
+        for it (`models/groups16.py`)."""
         from lmhead.models.coded_linear import CodedLinear, SubScales
 
         perms = perms if perms is not None else [None] * len(names)

@@ -3,8 +3,8 @@ int8 codes (Q8_0, Q5_0, Q6_K; with offsets Q5_1, Q5_K), packed signed ones (Q4_0
 packed unsigned ones (Q4_1, Q4_K) and packed indices of a level table (IQ4_NL, IQ4_XS, MXFP4), in groups of 32
 with float16 scales or a K-quant's sub-scales (`SubScales`), or in groups of 16 with sub-scales; N a multiple of
 16, K of 32 (256 with sub-scales) and at least 256 (the kernel's bound holds for any group there); where this
-machine's library builds the path and `kernels/paths.py` chose it for that kind of codes. The matrices of the body
-only: a head's screen and an embedding's rows read the four-row layout.
+machine's library builds the path and `kernels/paths.py` chose it for that kind of codes. The body's matrices, the
+embedding (its rows read by decode_kernels.c's groups_row) and the head (its screen: kernels/groups_screen.h).
 """
 
 from __future__ import annotations
