@@ -21,7 +21,7 @@
    on Gemma 3's head shape (synthetic Q8_0-like codes, rows of randn × 2.5 with an outlier column, as final hidden
    states have), 1-8 rows, k = 2 (greedy) and 41 (top-k 40): where `decode.logits.SCREEN_MIN_ROWS` comes from —
    in the integer path by groups' layout (what a load makes of a Q8_0 head where the path is chosen) and in the
-   four-row layout, on the same codes, the two layouts timed in turn.
+   four-row layout, on the same codes, the two layouts interleaved repeat by repeat.
 Best of --repeats, each variant timed in turn.
 """
 
@@ -218,12 +218,18 @@ def sections(args: argparse.Namespace, g: torch.Generator, rec: Recorder) -> Non
     for m in ([1, 2, 4, 8] if args.quick else [1, 2, 3, 4, 5, 8]):
         x = torch.randn(m, 640, generator=g) * 2.5
         x[:, 7] = 60.0
-        got: dict[str, tuple[float, float, float]] = {}
+        # the layouts interleaved, repeat by repeat (a drifting machine slows both alike); best of the repeats
+        best = {name: [float("inf")] * 3 for name in heads}
         with torch.inference_mode():
-            for name, head in heads.items():
-                got[name] = (best_ms(lambda x=x, head=head: head(x), args.repeats),
-                             best_ms(lambda x=x, m=m, head=head: head.screen(x, [2] * m), args.repeats),
-                             best_ms(lambda x=x, m=m, head=head: head.screen(x, [41] * m), args.repeats))
+            for r in range(args.repeats + 1):  # the first round a warm-up
+                for name in (list(heads) if r % 2 else list(heads)[::-1]):
+                    head = heads[name]
+                    for i, k in enumerate((0, 2, 41)):  # 0: the exact product
+                        t = time.perf_counter()
+                        head.screen(x, [k] * m) if k else head(x)
+                        if r:
+                            best[name][i] = min(best[name][i], (time.perf_counter() - t) * 1e3)
+        got = {name: tuple(v) for name, v in best.items()}
         for name, (exact, two, wide) in got.items():
             four = got["four-row"]
             vs = (f"{four[0] / exact:.2f} / {four[1] / two:.2f} / {four[2] / wide:.2f}" if name != "four-row"

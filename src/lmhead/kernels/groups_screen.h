@@ -16,6 +16,7 @@
 #ifndef LMHEAD_GROUPS_SCREEN_H
 #define LMHEAD_GROUPS_SCREEN_H
 
+
 /* ‖w_n‖₂ of every weight row, in double, rounded up to float (lmhead_screen_norms' numbers over this layout) */
 int lmhead_screen_norms16(const uint8_t* codes, const uint16_t* scale, int64_t N, int64_t K, float* out,
                           int threads) {
@@ -77,6 +78,10 @@ int lmhead_screen16(const float* x, int64_t M, int64_t K, const uint8_t* codes, 
                 for (int64_t m = 0; m < Q; m++) acc[m] = _mm512_setzero_ps();
                 for (int64_t g = 0; g < G; g++) {
                     const uint8_t* u = codes + (b * G + g) * 512;
+                    /* the block two ahead, a group's lines with each group: the hardware's prefetch alone left
+                     * a large head's screen waiting on memory (bench_kernels.py section 7) */
+                    if (m0 == 0 && b + 2 < blocks)
+                        for (int q = 0; q < 8; q++) _mm_prefetch((const char*)u + 2 * G * 512 + q * 64, _MM_HINT_T0);
                     __m512i c[8];
                     for (int q = 0; q < 8; q++) c[q] = _mm512_loadu_si512(u + q * 64);
                     const __m512 s = g16_halves(scale + (b * G + g) * 16);
