@@ -22,6 +22,7 @@ from lmhead.kernels.abi import (
     SIGNED4,
     SUB,
     AttendArgs,
+    MatDesc,
     row_moments_in,
     row_scores_in,
     top_p_row_in,
@@ -100,7 +101,36 @@ def by_groups(lib: ctypes.CDLL, g: torch.Generator) -> bool:
                                          None if m16 is None else m16.data_ptr(), 64, 32, flags, y.data_ptr(), 2)
             if rc != 0 or not close(y, x.double() @ w.T):
                 return False
+            if four_bit is None and not by_groups_screened(lib, x, laid, s16, y):
+                return False
+        # the rows the C step reads from the layout (decode_kernels.c's groups_row): code·scale + offset in float32
+        w32 = codes.float().view(64, 8, 32) * scale.float()[..., None]
+        w32 = (w32 if off is None else w32 + off.float()[..., None]).view(64, 256)
+        ids, rows = torch.tensor([0, 17, 63]), torch.empty(3, 256)
+        desc = MatDesc(laid.data_ptr(), s16.data_ptr(), None if m16 is None else m16.data_ptr(), 32, 64, 256, flags)
+        if (lib.lmhead_coded_rows(ctypes.byref(desc), ids.data_ptr(), 3, rows.data_ptr()) != 0
+                or not torch.equal(rows, w32[ids])):
+            return False
     return True
+
+
+def by_groups_screened(lib: ctypes.CDLL, x: torch.Tensor, laid: torch.Tensor, s16: torch.Tensor,
+                       y: torch.Tensor) -> bool:
+    """The screen's rescoring over int8 codes by groups (groups_screen.h) gives the product's own bits y [M, 64]
+    for every id; its approximate values are within its bound of them."""
+    m = x.shape[0]
+    ids = torch.arange(64).repeat(m, 1)
+    counts = torch.full((m,), 64, dtype=torch.int64)
+    exact, approx = torch.empty(m, 64), torch.empty(m, 64)
+    norms, beta = torch.empty(64), torch.empty(m, dtype=torch.float64)
+    if (lib.lmhead_screen_rescore16(x.data_ptr(), m, 256, laid.data_ptr(), s16.data_ptr(), 64, ids.data_ptr(),
+                                    counts.data_ptr(), 64, exact.data_ptr(), 2) != 0
+            or lib.lmhead_screen_norms16(laid.data_ptr(), s16.data_ptr(), 64, 256, norms.data_ptr(), 2) != 0
+            or lib.lmhead_screen16(x.data_ptr(), m, 256, laid.data_ptr(), s16.data_ptr(), 64, approx.data_ptr(),
+                                   beta.data_ptr(), 2) != 0):
+        return False
+    bound = norms.double()[None] * beta[:, None]
+    return torch.equal(exact, y) and bool(((approx.double() - y.double()).abs() <= bound).all())
 
 
 def by_groups_subscaled(lib: ctypes.CDLL, g: torch.Generator) -> bool:
