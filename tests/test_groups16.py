@@ -197,6 +197,26 @@ def test_a_matrix_by_groups_keeps_its_layout_as_the_experts_of_one(kind):
     assert torch.equal(again(x), coded(x))
 
 
+def test_codes_given_in_chunks_are_laid_out_as_the_whole_matrix_sixteen_rows_at_a_time():
+    # a file's matrix read in pieces of any multiple of four rows (q, k and v one after another): the same layout as
+    # the whole matrix's, without the whole int8 matrix made first
+    g = torch.Generator().manual_seed(9)
+    codes = torch.randint(-127, 128, (96, 256), generator=g, dtype=torch.int8)
+    scale = (torch.rand(96, 8, generator=g) * 0.01 + 1e-4).half().float()
+    pieces = [(0, codes[:20]), (20, codes[20:24]), (24, codes[24:24]), (24, codes[24:60]), (60, codes[60:])]
+    whole = CodedLinear(codes, scale, groups16=True)
+    chunked = CodedLinear.from_chunks(96, 256, scale, None, pieces, None, groups16=True)
+    assert chunked.by_groups and torch.equal(chunked.codes, whole.codes) and torch.equal(chunked.scale, whole.scale)
+    # scales float16 cannot hold: the four-row layout, of the same codes
+    big = scale * 1e6
+    four = CodedLinear.from_chunks(96, 256, big, None, pieces, None, groups16=True)
+    assert not four.by_groups and torch.equal(four.dequantize(), CodedLinear(codes, big).dequantize())
+    with pytest.raises(ValueError, match="row order"):
+        CodedLinear.from_chunks(96, 256, scale, None, [(0, codes[:32]), (48, codes[48:])], None, groups16=True)
+    with pytest.raises(ValueError, match="cover 32 of 96 rows"):
+        CodedLinear.from_chunks(96, 256, scale, None, [(0, codes[:32])], None, groups16=True)
+
+
 def test_ineligible_shapes_and_the_choice_keep_the_four_row_layout(monkeypatch):
     g = torch.Generator().manual_seed(5)
     codes = torch.randint(-127, 128, (88, 512), generator=g, dtype=torch.int8)  # N not a multiple of 16

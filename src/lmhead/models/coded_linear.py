@@ -19,6 +19,7 @@ compiler `coded_available()` is False and the float32 weights are used — same 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -150,7 +151,8 @@ class CodedLinear:
             low, high = (int(codes.min()), int(codes.max())) if codes.numel() else (0, 255)
             four_bit = ("signed" if low >= -8 and high <= 7 else "unsigned" if low >= 0 and high <= 15 else None)
         four_bit = self._four_bit(k, offset, four_bit)
-        if groups16 and self._by_groups(codes, four_bit, n, k, scale, offset, weight, sources):
+        if groups16 and self._by_groups(lambda: layout16.lay_out(codes, four_bit), four_bit, n, k, scale, offset,
+                                        weight, sources):
             return
         codes = _pack(codes, four_bit) if four_bit else codes.contiguous()
         rows4 = self._rows4(n, k, self.group, four_bit is not None)
@@ -164,12 +166,12 @@ class CodedLinear:
             raise ValueError(f"four_bit must be None, 'auto' or one of {sorted(LAYOUT_FLAGS)}, got {four_bit!r}")
         return self.layout(0, k, self.group, four_bit, offset is not None)[0]
 
-    def _by_groups(self, codes: Tensor, four_bit: str | None, n: int, k: int, scale: Tensor | SubScales,
-                   offset: Tensor | SubScales | None, weight: Tensor | None,
+    def _by_groups(self, lay: Callable[[], Tensor], four_bit: str | None, n: int, k: int,
+                   scale: Tensor | SubScales, offset: Tensor | SubScales | None, weight: Tensor | None,
                    sources: tuple[Tensor, ...] | None) -> bool:
-        """Lay int8 codes [N, K] out for the integer path by groups where the matrix is eligible and its scales (and
-        offsets) are float16 numbers (MXFP4's powers of two held as their exponent bytes) or a K-quant's sub-scales;
-        whether it did."""
+        """Take the codes in the integer path by groups' layout (`lay()`: `layout16.lay_out`'s bytes, asked for
+        once the rest is known to fit) where the matrix is eligible and its scales (and offsets) are float16
+        numbers (MXFP4's powers of two held as their exponent bytes) or a K-quant's sub-scales; whether it did."""
         if not eligible_by_groups(n, k, self.group, four_bit, isinstance(scale, SubScales)):
             return False
         if isinstance(scale, SubScales):
@@ -180,15 +182,15 @@ class CodedLinear:
             # with layout16.subscales_back)
             subs = [None if s is None else SubScales.over(layout16.subscales_out(s.d, s.sub), n, k, self.group)
                     for s in (scale, offset)]
-            self._finish(layout16.lay_out(codes, four_bit), four_bit, False, n, k, subs[0], subs[1], weight,
-                         sources, as_is=True, by_groups=True)
+            self._finish(lay(), four_bit, False, n, k, subs[0], subs[1], weight, sources, as_is=True,
+                         by_groups=True)
             return True
         held = layout16.exponent_bytes(scale) if four_bit == "mxfp4" else None  # a byte a group, as its file's
         held = _as_half(scale.float()) if held is None else held
         half_offset = None if offset is None else _as_half(offset.float())
         if held is None or (offset is not None and half_offset is None):
             return False
-        self._finish(layout16.lay_out(codes, four_bit), four_bit, False, n, k,
+        self._finish(lay(), four_bit, False, n, k,
                      layout16.scales_out(held),
                      None if offset is None else layout16.scales_out(half_offset), weight, sources, as_is=True,
                      by_groups=True)
@@ -237,12 +239,10 @@ class CodedLinear:
         self.group = k // scale.shape[1]
         four_bit = self._four_bit(k, offset, four_bit)
         if groups16 and eligible_by_groups(n, k, self.group, four_bit, isinstance(scale, SubScales)):
-            whole = torch.empty((n, k), dtype=torch.int8)  # the int8 codes, laid out once the scales are in too
-            for start, codes in chunks:
-                whole[start:start + codes.shape[0]] = codes
-            if self._by_groups(whole, four_bit, n, k, scale, offset, None, None):
+            laid = _lay_out_chunks(n, k, four_bit, chunks)
+            if self._by_groups(lambda: laid, four_bit, n, k, scale, offset, None, None):
                 return self
-            chunks = [(0, whole)]
+            chunks = [(0, layout16.laid_back(laid, n, k, four_bit))]  # scales the layout cannot hold: the codes back
         rows4 = cls._rows4(n, k, self.group, four_bit is not None)
         out = torch.empty((n, k // 2 if four_bit else k), dtype=torch.int8)
         for start, codes in chunks:
@@ -545,6 +545,27 @@ class CodedLinear:
 
 
 _RANGES = {"unsigned": (0, 15), "signed": (-8, 7)}  # the codes each 4-bit layout holds
+
+
+def _lay_out_chunks(n: int, k: int, four_bit: str | None, chunks) -> Tensor:
+    """`layout16.lay_out` of codes [N,K] given as `CodedLinear.from_chunks`' chunks (consecutive rows), laid out
+    sixteen rows at a time as they come — a block's bytes depend on its own rows only — so that the whole int8
+    matrix never exists beside its layout (N a multiple of 16)."""
+    laid = torch.empty((n, k // 2 if four_bit else k), dtype=torch.uint8)
+    pending, at = None, 0  # rows read but not laid out yet (fewer than sixteen), from row `at`
+    for start, codes in chunks:
+        if codes.shape[0] == 0:
+            continue
+        if start != at + (0 if pending is None else pending.shape[0]):
+            raise ValueError(f"from_chunks: chunks must come in row order, got row {start}")
+        rows = codes if pending is None else torch.cat([pending, codes])
+        whole = rows.shape[0] // 16 * 16
+        if whole:
+            laid[at:at + whole] = layout16.lay_out(rows[:whole], four_bit)
+        pending, at = (rows[whole:].clone() if whole < rows.shape[0] else None), at + whole
+    if pending is not None or at != n:
+        raise ValueError(f"from_chunks: chunks cover {at + (0 if pending is None else pending.shape[0])} of {n} rows")
+    return laid
 
 
 def _pack(codes: Tensor, four_bit: str) -> Tensor:
