@@ -8,7 +8,7 @@ layout, so the first process to load a build times the two on a decode-sized pro
 codes (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS, MXFP4) and int8 codes without offsets (Q8_0, Q5_0, Q6_K) —
 and keeps the answer beside the library (`<library>.paths.json`, written to a temporary file and renamed, checked
 on load). `LMHEAD_SLICED=0` or `1` turns the integer path off or on for both. Where the library also builds the
-integer path by groups (groups_kernel.h: a body's matrices laid out sixteen rows a vector, the K-quants' among them),
+integer path by groups (groups_kernel.h: matrices laid out sixteen rows a vector, the K-quants' among them),
 whether each kind takes it is measured the same way on a decode-like sweep (`groups16_chosen`; `LMHEAD_GROUPS16`).
 `describe()` says what was chosen and why (benchmarks print it with their records).
 """
@@ -197,10 +197,10 @@ def choose(lib: ctypes.CDLL, library_path: Path) -> dict:
 
 
 def groups16_chosen(kind: str) -> bool:
-    """Whether the body's matrices of `kind` ("packed" or "int8" codes, a K-quant's too) take the integer path by
-    groups (`models/groups16.py`) where the library builds it (`choose` has run): measured cheaper here for a
-    generated token and a prompt token weighted alike (`_measure_groups16`; `LMHEAD_GROUPS16=0` or `1` says, else
-    `LMHEAD_SLICED`, which turns every integer path off or on)."""
+    """Whether the matrices of `kind` ("packed" or "int8" codes, a K-quant's too) — the body's, the embedding's and
+    the head's — take the integer path by groups (`models/groups16.py`) where the library builds it (`choose` has
+    run): measured cheaper here for a generated token and a prompt token weighted alike (`_measure_groups16`;
+    `LMHEAD_GROUPS16=0` or `1` says, else `LMHEAD_SLICED`, which turns every integer path off or on)."""
     if not _chosen.get("groups16_built"):
         return False
     for env in (os.environ.get("LMHEAD_GROUPS16"), os.environ.get("LMHEAD_SLICED")):
@@ -229,7 +229,7 @@ def describe() -> str:
     for kind, name in (("packed", "packed 4-bit"), ("int8", "int8")):
         c = _chosen.get("groups16", {}).get(kind)
         if c and "groups16_round_us" in c:  # (a record from before the rounds, kept under LMHEAD_SLICED: not said)
-            parts.append(f"a body's {name} codes {'by groups' if c['groups16'] else 'as above'} (a decode-like "
-                         f"sweep of one row and of {_ROUND}: four-row layout {c['rows4_us']} and "
+            parts.append(f"{name} codes of the body, embedding and head {'by groups' if c['groups16'] else 'as above'} "
+                         f"(a decode-like sweep of one row and of {_ROUND}: four-row layout {c['rows4_us']} and "
                          f"{c['rows4_round_us']} µs, by groups {c['groups16_us']} and {c['groups16_round_us']} µs)")
     return "; ".join(parts) + f" ({_chosen['how']})"

@@ -22,7 +22,7 @@ def built() -> bool:
 
 
 def chosen(kind: str) -> bool:
-    """Whether the body's eligible matrices of `kind` ("packed" 4-bit codes or "int8" codes) take the path here
+    """Whether the eligible matrices of `kind` ("packed" 4-bit codes or "int8" codes) take the path here
     (built, and chosen: `paths.groups16_chosen`)."""
     return built() and paths.groups16_chosen(kind)
 
