@@ -86,20 +86,20 @@ def transformers_generate(model, prompt: str, n: int, sampled: bool) -> tuple[fl
     return time.perf_counter() - t, out[0, enc["input_ids"].shape[1]:].tolist()
 
 
-def llama_cpp_rate(name: str, n: int, repeats: int, depth: int = 0) -> float | None:
+def llama_cpp_rate(name: str, n: int, repeats: int, depth: int = 0, bench: Path = LLAMA_BENCH) -> float | None:
     """llama-bench's token-generation rate (tok/s) on the model's GGUF file — after `depth` tokens already in its
-    cache (`-d`) — or None when it is not built."""
-    if not LLAMA_BENCH.exists():
+    cache (`-d`) — or None when it is not built (`bench`: which build's llama-bench)."""
+    if not bench.exists():
         return None
     from lmhead.models.registry import MODELS
 
     with tempfile.TemporaryDirectory() as work:
-        return llama_bench_rate(MODELS[name].gguf(Path(work)), n, repeats, depth)
+        return llama_bench_rate(MODELS[name].gguf(Path(work)), n, repeats, depth, bench)
 
 
-def llama_bench_rate(gguf: Path, n: int, repeats: int, depth: int = 0) -> float:
+def llama_bench_rate(gguf: Path, n: int, repeats: int, depth: int = 0, bench: Path = LLAMA_BENCH) -> float:
     """llama-bench's token-generation rate (tok/s) on a GGUF file, 2 threads."""
-    out = subprocess.run([str(LLAMA_BENCH), "-m", str(gguf), "-t", "2", "-p", "0", "-n", str(n),
+    out = subprocess.run([str(bench), "-m", str(gguf), "-t", "2", "-p", "0", "-n", str(n),
                           "-d", str(depth), "-r", str(repeats), "-o", "csv"],
                          capture_output=True, text=True, check=True).stdout
     row = list(csv.DictReader(io.StringIO(out)))[-1]

@@ -6,7 +6,10 @@
 Per model and depth: a context of `depth` tokens (words drawn from a fixed list by a seeded generator) and then
 one of bench_decode.py's prompts; lmhead's greedy decode without drafts, its rate taken over the tokens after
 the first (the prefill excluded, as llama-bench's generation rate after `-d` tokens excludes filling them),
-medians of repeats interleaved with llama-bench's runs (`-t 2 -p 0 -n N -d depth`). Each attention step reads
+medians of repeats interleaved with llama-bench's runs (`-t 2 -p 0 -n N -d depth`): the native build (decode's
+baseline, its AMX batch-1 kernels its fastest on a CPU with AMX), and where it dies — filling `-d` tokens is a
+prefill, which its AMX path does not survive there — the build without AMX (llama_builds.py), named in the row; a
+depth neither build runs leaves its cells empty and the table goes on. Each attention step reads
 the whole context's keys and values, so the rate falls with depth; Gemma 3's sliding-window layers (15 of 18,
 window 512) read only their window. Greedy tokens are checked against transformers' `generate()` on the same
 weights (the full-precision model; --no-check skips it). The load average is printed with the table.
@@ -18,6 +21,7 @@ import argparse
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import PROMPTS, llama_cpp_rate, transformers_generate  # noqa: E402
+from llama_builds import NATIVE, NO_AMX, described  # noqa: E402
 from records import Figure, Recorder  # noqa: E402
 
 WORDS = ("the of and to in is was that for on with as by at from his her they this which but were had not are "
@@ -67,30 +72,40 @@ def bench_model(name: str, args: argparse.Namespace, rec: Recorder) -> None:
 
     model = load_model(name, progress=False)
     prompts = {d: context(model.tokenizer, d, PROMPTS[0]) for d in args.depth}
+    builds = [NATIVE] + ([NO_AMX] if (NO_AMX / "llama-bench").exists() else [])
     title = (f"{name}: greedy decode after a context of d tokens, {args.new_tokens} new tokens, "
              f"{torch.get_num_threads()} threads, medians of {args.repeats}")
     print(f"\n## {title}")
-    columns = ["depth", "lmhead tok/s", "llama.cpp tok/s", "lmhead / llama.cpp", "greedy = transformers"]
+    columns = ["depth", "lmhead tok/s", "llama.cpp tok/s", "lmhead / llama.cpp", "llama.cpp build",
+               "greedy = transformers"]
     table = rec.table(name.replace("-", "_").replace(".", "_"), title, columns)
     print("| " + " | ".join(columns) + " |")
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for depth in args.depth:
         ours, theirs = [], []
         ids: list[int] = []
+        usable = list(builds)  # a build that died at this depth is not asked again
         for _ in range(args.repeats):
             rate, ids = decode_rate(model, prompts[depth], args.new_tokens)
             ours.append(rate)
-            if args.llama_cpp:
-                lc = llama_cpp_rate(name, args.new_tokens, 1, depth)
+            while args.llama_cpp and usable:
+                try:
+                    lc = llama_cpp_rate(name, args.new_tokens, 1, depth, usable[0] / "llama-bench")
+                except (subprocess.SubprocessError, OSError, ValueError, KeyError, IndexError) as exc:
+                    print(f"{described(usable[0])}'s llama-bench failed at depth {depth} ({exc})", flush=True)
+                    usable.pop(0)
+                    continue
                 if lc is not None:
                     theirs.append(lc)
+                break
         same = "-"
         if args.check:
             _, ref = transformers_generate(model, prompts[depth], args.new_tokens, sampled=False)
             same = "yes" if ref == ids else f"no (first difference at token {_first_difference(ref, ids)})"
         o = statistics.median(ours)
         t = statistics.median(theirs) if theirs else None
-        cells = [str(depth), f"{o:.1f}", f"{t:.1f}" if t else "-", f"{o / t:.2f}x" if t else "-", same]
+        cells = [str(depth), f"{o:.1f}", f"{t:.1f}" if t else "-", f"{o / t:.2f}x" if t else "-",
+                 described(usable[0]) if t else "-", same]
         print("| " + " | ".join(cells) + " |", flush=True)
         table.row(cells, [Figure(f"{name} greedy decode at depth {depth}", o, "tok/s",
                                  "llama.cpp llama-bench" if t else None, t, o / t if t else None)])
