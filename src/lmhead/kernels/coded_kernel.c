@@ -1590,6 +1590,14 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
  * exact values. */
 #define SCREEN_ROWS 8 /* query rows per pass over a block */
 
+/* √total, a weight row's ‖w‖₂ from its Σw² in double, rounded up to a float (never below the exact norm) */
+static inline float norm_up(double total) {
+    const double r = sqrt(total) * (1.0 + 1e-12);
+    float f = (float)r;
+    if ((double)f < r) f = nextafterf(f, INFINITY);
+    return f;
+}
+
 /* ‖w_n‖₂ of every weight row, in double, rounded up to float */
 int lmhead_screen_norms(const int8_t* codes, const uint16_t* scale, int64_t N, int64_t K, float* out, int threads) {
     if (K % 32 != 0 || N % 4 != 0 || K / 32 > HALF_MAX_GROUPS) return -1;
@@ -1604,10 +1612,7 @@ int lmhead_screen_norms(const int8_t* codes, const uint16_t* scale, int64_t N, i
             for (int i = 0; i < 32; i++) sq += (int64_t)c[g * 128 + i] * c[g * 128 + i];
             total += s * s * (double)sq;
         }
-        const double r = sqrt(total) * (1.0 + 1e-12);
-        float f = (float)r;
-        if ((double)f < r) f = nextafterf(f, INFINITY);
-        out[n] = f;
+        out[n] = norm_up(total);
     }
     return 0;
 }

@@ -17,7 +17,8 @@
 #define LMHEAD_GROUPS_SCREEN_H
 
 
-/* ‖w_n‖₂ of every weight row, in double, rounded up to float (lmhead_screen_norms' numbers over this layout) */
+/* ‖w_n‖₂ of every weight row, in double, rounded up to float (norm_up: lmhead_screen_norms' numbers over this
+ * layout) */
 int lmhead_screen_norms16(const uint8_t* codes, const uint16_t* scale, int64_t N, int64_t K, float* out,
                           int threads) {
     if (K % 32 != 0 || N % 16 != 0) return -1;
@@ -37,10 +38,7 @@ int lmhead_screen_norms16(const uint8_t* codes, const uint16_t* scale, int64_t N
             const double s = (double)half_to_float(scale[(b * G + g) * 16 + r]);
             total += s * s * (double)sq;
         }
-        const double v = sqrt(total) * (1.0 + 1e-12);
-        float f = (float)v;
-        if ((double)f < v) f = nextafterf(f, INFINITY);
-        out[n] = f;
+        out[n] = norm_up(total);
     }
     return 0;
 }
