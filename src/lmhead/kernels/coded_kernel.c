@@ -1413,6 +1413,21 @@ static void sliced_free(sliced_row* srows) {
 #include "groups_kernel.h"
 #endif
 
+/* row n of a matrix in the integer path by groups' layout as float32 (decode_kernels.c's coded_row: the C step's
+ * embedding rows, CodedLinear.rows) → 0; -1 where the path is not built (nor then the layout) */
+int lmhead_groups_row(const void* codes, const void* scale, const void* offset, int64_t N, int64_t K, int64_t G,
+                      int flags, int64_t n, float* out) {
+#ifdef LMHEAD_SLICED_BUILT
+    const int skind = (flags & LMHEAD_SUB) ? G16_SUB : (flags & LMHEAD_E8M0) ? G16_E8M0 : G16_HALF;
+    g16_row((const uint8_t*)codes, scale, offset, skind, G == 16, (flags & LMHEAD_PACKED) != 0,
+            (flags & LMHEAD_SIGNED4) != 0, lmhead_table_of(flags), N, K, n, out);
+    return 0;
+#else
+    (void)codes, (void)scale, (void)offset, (void)N, (void)K, (void)G, (void)flags, (void)n, (void)out;
+    return -1;
+#endif
+}
+
 int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const void* scale,
                         const void* offset, int64_t N, int64_t G, int flags, float* y, int threads) {
     if (flags & LMHEAD_GROUPS16) {

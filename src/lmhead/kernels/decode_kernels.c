@@ -20,7 +20,7 @@
  * codes 32 bytes, byte 4·l + b holding codes 16·b + l (low nibble) and 16·b + 8 + l (high), XOR 8, or as signed
  * nibbles: SIGNED4, or a level table's indices: quant_types.h), rows stored
  * in blocks of four (ROWS4: the block's rows 32 bytes each, unit by unit), float32, float16 (HALF) or K-quant
- * (SUB: d·sub) scales; the integer path by groups' layout (GROUPS16: groups_row); or
+ * (SUB: d·sub) scales; the integer path by groups' layout (GROUPS16: coded_kernel.c's lmhead_groups_row); or
  * a row of the file's own float16, bfloat16 or float32 weights (F16, BF16, F32). */
 /* group g of row n's scale (or offset) held as a K-quant's d [N, K/256] and int8 sub [N, ng] (SUB,
  * coded_kernel.c's sub_floats): d·sub, the same float32 product */
@@ -30,51 +30,10 @@ static float sub_value(const void* buf, int64_t N, int64_t K, int64_t ng, int64_
     return d * (float)((const int8_t*)((const float*)buf + N * nsup))[n * ng + g];
 }
 
-/* group g's scale (or offset) of row n in the integer path by groups' layout (groups_kernel.h): [N/16][K/G][16]
- * float16 numbers or exponent bytes (E8M0), or a K-quant's d [N/16][K/256][16] float32 then sub [N/16][K/G][16]
- * int8 (SUB: d·sub, the same float32 product) */
-static float groups_number(const void* buf, int64_t flags, int64_t N, int64_t K, int64_t G, int64_t n, int64_t g) {
-    const int64_t GS = K / G, b = n / 16, r = n % 16;
-    if (flags & LMHEAD_SUB) {
-        const float* d = (const float*)buf;
-        const int8_t* sub = (const int8_t*)(d + N * (K / 256));
-        return d[(b * (K / 256) + g / (256 / G)) * 16 + r] * (float)sub[(b * GS + g) * 16 + r];
-    }
-    const int64_t i = (b * GS + g) * 16 + r;
-    return (flags & LMHEAD_E8M0) ? lmhead_e8m0(((const uint8_t*)buf)[i]) : lmhead_half(((const uint16_t*)buf)[i]);
-}
-
-/* row n of the integer path by groups' layout: its codes c + bias sixteen rows a vector ([N/16][K/32][8][16][4]
- * bytes; packed: steps 2p and 2p + 1 in the low and high nibbles of vector p), c = the byte less 128 (int8 codes),
- * the nibble less 8 (signed: Q4_0, Q3_K, Q2_K) or as it is (unsigned: Q4_1, Q4_K), or a table's level at the
- * nibble (its index XOR 8, as the other layouts hold it); w = c·scale + offset as coded_row's */
-__attribute__((optimize("fp-contract=off")))
-static void groups_row(const lmhead_mat* m, int64_t n, float* out) {
-    const int packed = (m->flags & LMHEAD_PACKED) != 0, signed4 = (m->flags & LMHEAD_SIGNED4) != 0;
-    const int table = lmhead_table_of((int)m->flags);
-    const int64_t K = m->k, G32 = K / 32, unit = packed ? 256 : 512, r = n % 16;
-    const uint8_t* base = (const uint8_t*)m->codes + (n / 16) * G32 * unit;
-    for (int64_t k = 0; k < K; k++) {
-        const uint8_t* u = base + (k / 32) * unit;
-        const int q = (int)(k % 32) / 4, j = (int)(k % 4);
-        float code;
-        if (!packed) {
-            code = (float)((int)u[q * 64 + r * 4 + j] - 128);
-        } else {
-            const int byte = u[(q / 2) * 64 + r * 4 + j], nib = q % 2 ? byte >> 4 : byte & 15;
-            code = table >= 0 ? lmhead_nibble_code(nib, 3 + table) : (float)(signed4 ? nib - 8 : nib);
-        }
-        const int64_t g = k / m->group;
-        float w = code * groups_number(m->scale, m->flags, m->n, K, m->group, n, g);
-        if (m->offset) w = w + groups_number(m->offset, m->flags, m->n, K, m->group, n, g);
-        out[k] = w;
-    }
-}
-
 __attribute__((optimize("fp-contract=off")))
 static void coded_row(const lmhead_mat* m, int64_t n, float* out) {
-    if (m->flags & LMHEAD_GROUPS16) {
-        groups_row(m, n, out);
+    if (m->flags & LMHEAD_GROUPS16) { /* made only where the path is built: lmhead_coded_rows checks */
+        lmhead_groups_row(m->codes, m->scale, m->offset, m->n, m->k, m->group, (int)m->flags, n, out);
         return;
     }
     if (m->flags & LMHEAD_F32) { /* the row's float32 weights as they are */
@@ -117,8 +76,10 @@ static void coded_row(const lmhead_mat* m, int64_t n, float* out) {
     }
 }
 
-/* out [rows, k] = rows ids[0..rows−1] of the coded matrix `m` (coded_row); −2 for an id outside [0, n). */
+/* out [rows, k] = rows ids[0..rows−1] of the coded matrix `m` (coded_row); −2 for an id outside [0, n), −1 for the
+ * layout by groups where its path is not built. */
 int lmhead_coded_rows(const lmhead_mat* m, const int64_t* ids, int64_t rows, float* out) {
+    if ((m->flags & LMHEAD_GROUPS16) && lmhead_groups16() == 0) return -1;
     for (int64_t r = 0; r < rows; r++)
         if (ids[r] < 0 || ids[r] >= m->n) return -2;
     for (int64_t r = 0; r < rows; r++) coded_row(m, ids[r], out + r * m->k);

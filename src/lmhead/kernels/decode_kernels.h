@@ -13,6 +13,9 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
                         const void* offset, int64_t N, int64_t G, int flags, float* y, int threads);
 float lmhead_half(uint16_t h);
 float lmhead_nibble_code(int nib, int packed);
+int lmhead_groups_row(const void* codes, const void* scale, const void* offset, int64_t N, int64_t K, int64_t G,
+                      int flags, int64_t n, float* out);
+int lmhead_groups16(void);
 
 typedef struct lmhead_mat {
     const int8_t* codes;

@@ -213,21 +213,27 @@ typedef void (*g16_rows_fn)(const int8_t*, int64_t, const float*, const int32_t*
 static const g16_rows_fn G16_ROWS_OF[3][G16_MODES][G16_NB + 1] = {G16_ROWS_MODES(0), G16_ROWS_MODES(1),
                                                                   G16_ROWS_MODES(2)};
 
+/* weight k of row n's code (K/32 = G groups a row): its stored byte less the bias, or a table's level */
+static inline int g16_code(const uint8_t* codes, int64_t G, int packed, int table, int32_t bias, int64_t n,
+                           int64_t k) {
+    const uint8_t* u = codes + ((n / 16) * G + k / 32) * (packed ? 256 : 512);
+    const int q = (int)(k % 32) / 4, j = (int)(k % 4);
+    const int byte = packed ? u[(q / 2) * 64 + (n % 16) * 4 + j] : u[q * 64 + (n % 16) * 4 + j];
+    const int nib = q % 2 ? byte >> 4 : byte & 15;
+    return !packed ? byte - bias : table >= 0 ? NIBBLE_LEVEL_BYTES[table][nib] : nib - bias;
+}
+
 /* a row the integer path refuses: float32 sums over the same weights, group by group */
 static void g16_plain(const float* x, int64_t K, const uint8_t* codes, const void* s16, const void* m16, int skind,
                       int halves, int packed, int table, int32_t bias, int64_t N, float* y) {
-    const int64_t G = K / 32, unit = packed ? 256 : 512, group = halves ? 16 : 32, GS = K / group;
+    const int64_t G = K / 32, group = halves ? 16 : 32, GS = K / group;
     const int per = halves ? 16 : 8;
     for (int64_t n = 0; n < N; n++) {
         float acc = 0.f;
         for (int64_t gs = 0; gs < GS; gs++) {
             float cx = 0.f, sx = 0.f;
             for (int64_t k = gs * group; k < (gs + 1) * group; k++) {
-                const uint8_t* u = codes + ((n / 16) * G + k / 32) * unit;
-                const int q = (int)(k % 32) / 4, j = (int)(k % 4);
-                const int byte = packed ? u[(q / 2) * 64 + (n % 16) * 4 + j] : u[q * 64 + (n % 16) * 4 + j];
-                const int nib = q % 2 ? byte >> 4 : byte & 15;
-                const int c = !packed ? byte - bias : table >= 0 ? NIBBLE_LEVEL_BYTES[table][nib] : nib - bias;
+                const int c = g16_code(codes, G, packed, table, bias, n, k);
                 cx = fmaf((float)c, x[k], cx);
                 sx += x[k];
             }
@@ -235,6 +241,22 @@ static void g16_plain(const float* x, int64_t K, const uint8_t* codes, const voi
             if (m16) acc = fmaf(g16_scale1(m16, skind, N, GS, per, n, gs), sx, acc);
         }
         y[n] = acc;
+    }
+}
+
+/* row n as float32 (an embedding's row: lmhead_groups_row): w = code·scale + offset of its group, two float32
+ * operations never fused, as layout16's dequantize — the model's weights bit for bit */
+__attribute__((optimize("fp-contract=off")))
+static void g16_row(const uint8_t* codes, const void* s16, const void* m16, int skind, int halves, int packed,
+                    int signed4, int table, int64_t N, int64_t K, int64_t n, float* out) {
+    const int64_t G = K / 32, group = halves ? 16 : 32, GS = K / group;
+    const int per = halves ? 16 : 8;
+    const int32_t bias = g16_bias(packed, signed4, table);
+    for (int64_t k = 0; k < K; k++) {
+        const int64_t gs = k / group;
+        float w = (float)g16_code(codes, G, packed, table, bias, n, k) * g16_scale1(s16, skind, N, GS, per, n, gs);
+        if (m16) w = w + g16_scale1(m16, skind, N, GS, per, n, gs);
+        out[k] = w;
     }
 }
 

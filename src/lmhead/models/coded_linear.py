@@ -403,7 +403,7 @@ class CodedLinear:
         or in the integer path by groups' layout (kernels/groups_screen.h)."""
         lib = native.library()
         return (lib is not None and native.avx2() and (self.rows4 or self.by_groups) and self.group == 32
-                and self.half and not self.packed and self.offset is None and not self.sub and not self.e8m0)
+                and self.half and not self.packed and self.offset is None)
 
     def _screen_kernels(self) -> tuple:
         """The library's (norms, screen, rescore) entries for this matrix's layout."""
