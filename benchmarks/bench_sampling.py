@@ -25,7 +25,7 @@ only those tables (or the one named).
 The decode loop's table (`--only-loop [MODEL]`, default smollm2-135m): one plain row a token (greedy, unseeded
 top-p, seeded top-p, seeded top-k + top-p, seeded temperature alone) decoded on the real model, the profile's
 sampling share of a token with the loop's own draws (native.greedy_rows, native.sample_row,
-sampling.draw.seeded_top_p_row, sampling.pipeline.sample_plain_rows, the seeded race in C) beside the same rows
+sampling.draw.seeded_row, sampling.pipeline.sample_plain_rows, the seeded race in C) beside the same rows
 drawn by the whole pipeline with torch's race (`plain_choice`), alternated in one process; the tokens compared.
 
     .venv/bin/python benchmarks/bench_sampling.py [--quick] [--repeats N] [--threads N (default 1)]

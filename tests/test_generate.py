@@ -394,17 +394,19 @@ def test_plain_greedy_rows_take_one_native_pass_with_the_pipelines_tokens_and_sc
     assert all(s[2] == 0.0 and s[4] == 1 for s in fast[0])
 
 
-def test_seeded_top_p_rows_drawn_without_the_pipeline_give_its_tokens_and_logprobs(model, monkeypatch):
+def test_seeded_top_p_and_top_k_rows_drawn_without_the_pipeline_give_its_tokens_and_logprobs(model, monkeypatch):
     from lmhead.decode import choice
 
     calls = []
-    real = choice.seeded_top_p_row
-    monkeypatch.setattr(choice, "seeded_top_p_row", lambda *a: calls.append(real(*a)) or calls[-1])
-    configs = [SamplingConfig(temperature=0.8, top_p=0.9, seed=11), SamplingConfig(temperature=1.1, top_p=0.95, seed=3)]
+    real = choice.seeded_row
+    monkeypatch.setattr(choice, "seeded_row", lambda *a: calls.append(real(*a)) or calls[-1])
+    configs = [SamplingConfig(temperature=0.8, top_p=0.9, seed=11), SamplingConfig(temperature=1.1, top_p=0.95, seed=3),
+               SamplingConfig(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=7),
+               SamplingConfig(temperature=1.3, top_k=5, seed=2)]
     fast = [_run(model, "The cat sat", 12, config=c, draft="none") for c in configs]
-    # every step after the prefill's round drew here (C settled each top-p set)
-    assert sum(c is not None for c in calls) >= sum(len(steps) for steps in fast) - 2
-    monkeypatch.setattr(choice, "seeded_top_p_row", lambda *a: None)  # the pipeline for every step
+    # every step after the prefill's round drew here (C settled each top-p set, each top k)
+    assert sum(c is not None for c in calls) >= sum(len(steps) for steps in fast) - 4
+    monkeypatch.setattr(choice, "seeded_row", lambda *a: None)  # the pipeline for every step
     for c, steps in zip(configs, fast, strict=True):
         slow = _run(model, "The cat sat", 12, config=c, draft="none")
         assert [(s.token_id, s.logprob, s.raw_logprob) for s in steps] == \

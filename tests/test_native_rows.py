@@ -322,6 +322,64 @@ def test_a_seeded_top_p_rows_own_draw_is_the_pipelines_id_and_logprob_bit_for_bi
     assert seeded_top_p_row(bad, SamplingConfig(top_p=0.9, seed=1), 0) is None  # the pipeline raises
 
 
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [(0.8, 40, 0.95, 0.05), (1.0, 1, 1.0, 0.0),
+                                                                (0.7, 20, 0.5, 0.0), (1.3, 64, 1.0, 0.2),
+                                                                (0.05, 8, 0.99, 0.0)])
+def test_a_seeded_top_k_rows_own_draw_is_the_pipelines_id_and_logprob_bit_for_bit(temperature, top_k, top_p, min_p):
+    # the decode loop's seeded top-k rows skip the pipeline's grouping (`seeded_top_k_row`): the same id and
+    # processed logprob for every seed and step, or None where the k-th and (k+1)-th values tie (the pipeline answers)
+    from lmhead.sampling import SamplingConfig, sample_with_logprobs
+    from lmhead.sampling.draw import seeded_top_k_row
+
+    served = 0
+    for r in range(6):
+        row = _lm_row(400 + r, (49152, 3000)[r % 2], (8.0, 12.0, 16.0)[r % 3])
+        if r == 4:
+            row = torch.round(row)  # ties inside the top k: raced in id order
+        if r == 5:
+            row[[3, 99]] = float(row.max())  # a tie at the top: both kept
+        for seed in range(6):
+            config = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+            step = 5 * seed + r
+            ids, lp = sample_with_logprobs(row[None], config, step=step)
+            got = seeded_top_k_row(row, config, step)
+            if got is not None:
+                served += 1
+                assert got == (int(ids[0]), float(lp[0])), (r, seed)
+    assert served >= 24
+    edge = _lm_row(500, 49152, 12.0)
+    kth = torch.topk(edge, 10).values[-1]
+    edge[edge.argmin()] = kth  # the 10th and 11th largest tie: a cut of its own width, the pipeline's
+    assert seeded_top_k_row(edge, SamplingConfig(top_k=10, seed=1), 0) is None
+    row = _lm_row(300, 49152, 12.0)
+    for other in (dict(top_k=40), dict(top_p=0.9, seed=1), dict(min_p=0.05, seed=1),
+                  dict(top_k=40, repetition_penalty=1.1, seed=1), dict(temperature=0.0, top_k=40, seed=1),
+                  dict(seed=1)):
+        assert seeded_top_k_row(row, SamplingConfig(**other), 0) is None, other
+    bad = row.clone()
+    bad[7] = float("nan")
+    assert seeded_top_k_row(bad, SamplingConfig(top_k=40, seed=1), 0) is None  # the pipeline raises
+    assert seeded_top_k_row(row * 1e38, SamplingConfig(temperature=0.01, top_k=40, seed=1), 0) is None  # +inf over T
+
+
+def test_top_k_row_gives_torch_topks_values_over_the_temperature():
+    from lmhead.kernels.native import top_k_row
+
+    for r, (width, k, temperature) in enumerate([(49152, 41, 0.8), (3000, 1, 1.0), (262144, 257, 0.05), (50, 49, 2.0)]):
+        row = _lm_row(600 + r, width, 12.0)
+        vals, ids = top_k_row(row, temperature, k)
+        want = torch.topk(row, k).values / temperature
+        assert torch.equal(vals[0, :k], want), r
+        assert torch.equal(row[ids[0]] / temperature, vals[0])  # each value is its id's
+        assert bool((vals[0, 1:] <= vals[0, :-1]).all())
+    tied = torch.tensor([1.0, 3.0, 2.0, 3.0, 2.0, 0.0])
+    vals, ids = top_k_row(tied, 1.0, 3)  # every token at or above the 3rd largest, ties by id
+    assert vals.tolist() == [[3.0, 3.0, 2.0, 2.0]] and ids.tolist() == [[1, 3, 2, 4]]
+    assert top_k_row(tied, 1.0, 6) is None and top_k_row(tied, 1.0, 0) is None  # k in 1 … V − 1
+    assert top_k_row(torch.tensor([1.0, float("nan"), 0.0]), 1.0, 1) is None
+    assert top_k_row(tied.double(), 1.0, 2) is None
+
+
 # --- one unseeded sampled row's draw (sample_row) ------------------------------------------------------------
 
 

@@ -6,7 +6,7 @@
     is_plain            every step the row runs has the C backend (temperature, top-k, top-p, min-p)
     is_plain_greedy     ... and greedy: its token is the argmax of the raw logits
     is_plain_unseeded   ... and sampled without a seed: `native.sample_row` draws it
-    is_plain_seeded     ... and sampled with a seed: `sampling.draw.seeded_top_p_row` draws its top-p rows
+    is_plain_seeded     ... and sampled with a seed: `sampling.draw.seeded_row` draws its top-p and top-k rows
     is_deterministic    greedy or seeded: the choice is a function of the logits and (seed, step)
     is_stateful         a step keeps state between tokens (mirostat's μ): one plain step a round
 """
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from lmhead.kernels.native import greedy_rows, sample_row
-from lmhead.sampling.draw import seeded_top_p_row
+from lmhead.sampling.draw import seeded_row
 from lmhead.sampling.pipeline import sample_plain_rows
 
 
@@ -67,8 +67,8 @@ def plain_round(logits: Tensor, configs: list, history, prompt_len, steps: list[
     logprobs. Plain unseeded sampled rows are drawn by `native.sample_row`, one C call each: the same
     distribution, other ids for the same generator state than `plain_choice`'s — but not in a round with a
     constrained row (`unmasked` False): its inverse CDF may stop on a token of zero mass (u = 0 before the first
-    allowed token), so such rounds draw in the pipeline. Plain seeded top-p rows take
-    `sampling.draw.seeded_top_p_row`, other rounds of plain rows `sampling.pipeline.sample_plain_rows` (its passes
+    allowed token), so such rounds draw in the pipeline. Plain seeded top-p and top-k rows take
+    `sampling.draw.seeded_row`, other rounds of plain rows `sampling.pipeline.sample_plain_rows` (its passes
     without its checks of a history they never read): both `plain_choice`'s own ids and logprobs. The greedy C
     pass takes masked rows (the argmax of the allowed tokens). Rows with a step C does not run (`is_plain` false)
     take the pipeline."""
@@ -90,9 +90,9 @@ def plain_round(logits: Tensor, configs: list, history, prompt_len, steps: list[
         if all(p is not None for p in picked):
             return [[t] for t, _ in picked], [[lp] for _, lp in picked], None, ""
     if unmasked and all(is_plain_seeded(c) for c in configs):
-        # seeded top-p rows: the pipeline's own ids and logprobs (C's top-p set, the race over it with the row's
-        # (seed, step) noise) without its generic passes around them
-        picked = [seeded_top_p_row(logits[r], c, steps[r]) for r, c in enumerate(configs)]
+        # seeded top-p and top-k rows: the pipeline's own ids and logprobs (C's top-p set or top k, the race over
+        # the kept tokens with the row's (seed, step) noise) without its generic passes around them
+        picked = [seeded_row(logits[r], c, steps[r]) for r, c in enumerate(configs)]
         if all(p is not None for p in picked):
             return [[t] for t, _ in picked], [[lp] for _, lp in picked], None, ""
     if all(is_plain(c) for c in configs):
@@ -114,8 +114,8 @@ def is_plain_unseeded(config) -> bool:
 
 
 def is_plain_seeded(config) -> bool:
-    """A sampled row with a seed and no bias, bans or penalties (`sampling.draw.seeded_top_p_row` draws its top-p
-    rows)."""
+    """A sampled row with a seed and no bias, bans or penalties (`sampling.draw.seeded_row` draws its top-p and
+    top-k rows)."""
     return not config.is_greedy and config.seed is not None and is_plain(config)
 
 

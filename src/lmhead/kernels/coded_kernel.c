@@ -201,7 +201,7 @@ static inline void fetch_scales(const void* base, int64_t N, int64_t K, int64_t 
 #endif
 }
 
-int lmhead_coded_abi(void) { return 33; }
+int lmhead_coded_abi(void) { return 34; }
 
 /* whether sub_floats makes sixteen d·sub products an instruction (AVX-512): where it does, a dense matrix of a
  * K-quant with groups of 32 holds its scales as the blocks do too (models/gguf_file.py) */

@@ -77,10 +77,10 @@ from lmhead.kernels.layout4 import block4, pack4, unblock4, unpack4
 __all__ = ["BF16", "E8M0", "F16", "F32", "FLAGS", "GROUPS16", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4_LEVELS", "LEVELS",
            "MXFP4", "PACKED", "ROUTE_FN", "ROWS4", "SIGNED4", "SOURCES", "SUB", "AttendArgs", "DecodeArgs", "LayerDesc",
            "MatDesc", "StepArgs", "block4", "keep_ge", "keep_ge_unsure", "library", "library_path", "pack4",
-           "row_lse_bounded", "row_moments", "row_scores", "screen_min_rows", "select_ge", "sub_sixteen", "topk",
-           "topk_rows", "typical_row", "unblock4", "unpack4"]
+           "row_lse_bounded", "row_moments", "row_scores", "screen_min_rows", "select_ge", "sub_sixteen", "top_k_row",
+           "topk", "topk_rows", "typical_row", "unblock4", "unpack4"]
 
-_ABI = 33  # lmhead_coded_abi() of the sources above
+_ABI = 34  # lmhead_coded_abi() of the sources above
 
 
 def _layout_mismatch(lib: ctypes.CDLL) -> str | None:
@@ -146,6 +146,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmhead_sample_row.restype = i32
     lib.lmhead_race_row.argtypes = [p, p, i64, p, i64]
     lib.lmhead_race_row.restype = i64
+    lib.lmhead_top_k_row.argtypes = [p, i64, f32, i64, p, p]
+    lib.lmhead_top_k_row.restype = i64
     lib.lmhead_select_ge.argtypes = [p, i64, f32, p, i64]
     lib.lmhead_select_ge.restype = i64
     lib.lmhead_row_moments.argtypes = [p, i64, i32, p, i32]
@@ -424,6 +426,27 @@ def sample_row(x: torch.Tensor, temperature: float, top_k: int, top_p: float, mi
     rc = lib.lmhead_sample_row(x.data_ptr(), x.shape[0], float(temperature), int(top_k), float(top_p), float(min_p),
                                float(u), ctypes.byref(out_id), ctypes.byref(out_lp), torch.get_num_threads())
     return (out_id.value, out_lp.value) if rc == 0 else None
+
+
+SAMPLE_CAP = 8192  # row_kernels.c's room for a row's kept tokens (`sample_row`, `top_k_row`)
+
+
+def top_k_row(x: torch.Tensor, temperature: float, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One row of logits x [V] (float32, CPU) → its tokens whose x / temperature (float32, as torch divides) is at
+    least the k-th largest: (vals [1,n] those values sorted descending, ties by id; ids [1,n] int64), n ≥ k, in one
+    pass over the row in C. The first k + 1 values are torch.topk(x, k + 1)'s over the temperature (x / T is
+    monotone). None without the library, for k outside 1 … min(V − 1, SAMPLE_CAP), a row with a NaN, a value +inf
+    over the temperature or fewer than k finite, or more than SAMPLE_CAP such tokens (the caller's torch path then
+    answers, and raises its errors)."""
+    lib = library()
+    if (lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 1
+            or not 1 <= k < min(x.shape[0], SAMPLE_CAP + 1)):
+        return None
+    x = x if x.is_contiguous() else x.contiguous()
+    ids = torch.empty(SAMPLE_CAP, dtype=torch.int64)
+    vals = torch.empty(SAMPLE_CAP, dtype=torch.float32)
+    n = lib.lmhead_top_k_row(x.data_ptr(), x.shape[0], float(temperature), int(k), ids.data_ptr(), vals.data_ptr())
+    return (vals[None, :n], ids[None, :n]) if n >= k else None
 
 
 def race_row(vals: torch.Tensor, ids: torch.Tensor, noise: torch.Tensor) -> int | None:

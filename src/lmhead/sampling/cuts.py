@@ -32,7 +32,7 @@ def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
     return x[0] if one_row else x
 
 
-def _min_p_sorted(vals: Tensor, min_p: Setting) -> Tensor:
+def min_p_sorted(vals: Tensor, min_p: Setting) -> Tensor:
     """Min-p on candidates sorted descending (position 0 is the most probable, always kept).
     As HF: probabilities of the (already cut) candidates, drop p < min_p · p_max."""
     probs = torch.softmax(vals, dim=-1)
@@ -165,7 +165,7 @@ def apply_cut(x: Tensor, cfgs: list[SamplingConfig], vocab: Vocab, top: tuple[Te
         parts = [(None, x / temperature, None)]
     return _where_on(parts, keys, lambda k: k.min_p > 0, lambda v, rows, whole: (
         min_p_rows(v, column(keys, "min_p", rows, torch.float32, dev), vocab) if whole
-        else _min_p_sorted(v, column(keys, "min_p", rows, torch.float32, dev))))
+        else min_p_sorted(v, column(keys, "min_p", rows, torch.float32, dev))))
 
 
 def cut_kind(cfg: SamplingConfig, vocab_size: int, draw: bool = False) -> str:

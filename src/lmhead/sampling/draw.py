@@ -1,5 +1,6 @@
 """Step 8 over a batch: rows grouped by the kind of their cut (each row's settings its own), seeded rows drawn with
-their own (seed, step) noise; and one seeded top-p row's draw without the pipeline around it (`seeded_top_p_row`)."""
+their own (seed, step) noise; and one seeded top-p or top-k row's draw without the pipeline around it
+(`seeded_row`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import torch
 from torch import Tensor
 
 from lmhead.sampling.config import SamplingConfig
-from lmhead.sampling.cuts import apply_cut, column, cut_kind, runs, take_rows, top_k_tops
+from lmhead.sampling.cuts import apply_cut, column, cut_kind, min_p_sorted, runs, take_rows, top_k_tops
 from lmhead.sampling.race import draw_part, kept_candidates, part_logprobs, race_row_in_c, seeded_generator
-from lmhead.sampling.top_p import top_p_draw_unseeded
+from lmhead.sampling.top_p import top_p_draw_unseeded, top_p_sorted
 from lmhead.sampling.vocab import Vocab
 
 
@@ -150,3 +151,41 @@ def seeded_top_p_row(x: Tensor, config: SamplingConfig, step: int) -> tuple[int,
     at = race_row_in_c(vals[0], idx[0], vals.shape[1], seeded_generator(config.seed, step))
     lse = torch.logsumexp(vals, dim=-1)                           # part_logprobs' normaliser, the same [1,m]
     return int(idx[0, at]), float(np.float32(vals[0, at].item()) - np.float32(lse[0].item()))
+
+
+
+def seeded_top_k_row(x: Tensor, config: SamplingConfig, step: int) -> tuple[int, float] | None:
+    """One seeded row of logits x [V] (float32, CPU) whose config cuts inside its top k (temperature and top-k, with
+    top-p and min-p over the k or not; no bias, penalties or masks) → (id, its processed log-probability):
+    `sample_with_logprobs`' answer for that row at `step`, bit for bit, from the pieces `_draw_seeded_top_k` runs on
+    it — the row's top k + 1 over T (`native.top_k_row`: torch.topk's values, one C pass), `top_p_sorted` and
+    `min_p_sorted` over the first k, the race in id order with the (seed, step) generator's noise, the logprob from
+    the same candidates — without the batch's grouping and its checks around them. None where the k-th and
+    (k+1)-th values over T tie (the cut keeps a width of its own), C does not serve the row (a NaN, a value +inf
+    over T, no library) or the config is not such a row: the pipeline then answers, and raises its errors."""
+    from lmhead.kernels.native import top_k_row
+
+    if config.seed is None or not config.runs_on("c") or cut_kind(config, x.shape[-1], draw=True) != "top_k":
+        return None
+    key = config.cut_key(x.shape[-1])
+    found = top_k_row(x, key.temperature, key.top_k + 1)
+    if found is None or found[0][0, key.top_k - 1] == found[0][0, key.top_k]:
+        return None
+    vals, idx = found[0][:, :key.top_k], found[1][:, :key.top_k]   # [1,k] x/T descending, their ids
+    if key.top_p < 1.0:
+        vals = top_p_sorted(vals, key.top_p)
+    if key.min_p > 0:
+        vals = min_p_sorted(vals, key.min_p)
+    kept = int(torch.isfinite(vals).sum())
+    at = race_row_in_c(vals[0].contiguous(), idx[0].contiguous(), kept, seeded_generator(config.seed, step))
+    lse = torch.logsumexp(vals, dim=-1)                           # part_logprobs' normaliser, the same [1,k]
+    return int(idx[0, at]), float(np.float32(vals[0, at].item()) - np.float32(lse[0].item()))
+
+
+def seeded_row(x: Tensor, config: SamplingConfig, step: int) -> tuple[int, float] | None:
+    """`seeded_top_p_row` or `seeded_top_k_row`, by the row's cut: the pipeline's (id, logprob) for one seeded row
+    of logits x [V], or None where neither serves it."""
+    kind = cut_kind(config, x.shape[-1], draw=True)
+    if kind == "top_p_alone":
+        return seeded_top_p_row(x, config, step)
+    return seeded_top_k_row(x, config, step) if kind == "top_k" else None
