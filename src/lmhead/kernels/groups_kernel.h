@@ -32,6 +32,11 @@
 #include <unistd.h>
 
 enum { G16_NB = 4 }; /* blocks of sixteen weight rows a query row takes at once: independent chains, shared loads */
+/* int8 codes are prefetched this many groups ahead along each block's stream, into L2, by a round's first query row:
+ * three dot products a code vector fill the out-of-order window before enough loads are in flight to stream the
+ * codes from memory at the rate a plain read does (packed codes, half the bytes for the same arithmetic, keep up
+ * without it) */
+enum { G16_AHEAD = 8 };
 
 static inline int g16_bias(int packed, int signed4, int table) { return !packed || table >= 0 ? 128 : signed4 ? 8 : 0; }
 
@@ -152,11 +157,12 @@ enum { G16_INT8, G16_NIBBLES, G16_LEVELS_KIND }; /* the codes: int8, packed nibb
 enum { G16_M_HALF, G16_M_SUB, G16_M_E8M0, G16_M_SUB16, G16_MODES };
 
 /* one query row (its slices a, plane apart) against weight rows 16·b0 .. 16·(b0 + NB) − 1 — NB ≤ G16_NB, MODE
- * and KIND constants in each copy below, so that a group's steps unroll */
+ * and KIND constants in each copy below, so that a group's steps unroll; `ahead`: int8 codes prefetch G16_AHEAD
+ * groups ahead of each block (past a block's last group, the next round's block in its place) */
 KERNEL_INLINE void g16_rows(const int NB, const int MODE, const int KIND, const int8_t* a, int64_t plane,
                             const float* d2, const int32_t* t, const float* vx, int64_t K, const uint8_t* codes,
                             const void* s16, const void* m16, int64_t N, int table, int32_t bias, int64_t b0,
-                            float* y) {
+                            float* y, int ahead) {
     const int H = MODE == G16_M_SUB16 ? 2 : 1;
     const int skind = MODE == G16_M_HALF ? G16_HALF : MODE == G16_M_E8M0 ? G16_E8M0 : G16_SUB;
     const int packed = KIND != G16_INT8, halves = H == 2;
@@ -169,6 +175,7 @@ KERNEL_INLINE void g16_rows(const int NB, const int MODE, const int KIND, const 
     for (int64_t g = 0; g < G; g++)
         for (int h = 0; h < H; h++) {
             const int32_t* th = t + g * 9 + (halves ? 3 + 3 * h : 0);
+            const int64_t next = g + G16_AHEAD < G ? b0 * G + g + G16_AHEAD : (b0 + NB) * G + g + G16_AHEAD - G;
             __m512i r[4][3];
             for (int j = 0; j < NB; j++)
                 for (int s = 0; s < 3; s++) r[j][s] = _mm512_set1_epi32(-bias * th[s]);
@@ -177,6 +184,8 @@ KERNEL_INLINE void g16_rows(const int NB, const int MODE, const int KIND, const 
                 __m512i sv[3];
                 for (int s = 0; s < 3; s++) sv[s] = _mm512_set1_epi32(ap[s][g * 8 + q]);
                 for (int j = 0; j < NB; j++) {
+                    if (KIND == G16_INT8 && ahead)
+                        _mm_prefetch((const char*)(codes + (next + j * G) * unit + q * 64), _MM_HINT_T1);
                     const __m512i c = g16_step(codes + ((b0 + j) * G + g) * unit, q, packed,
                                                KIND == G16_LEVELS_KIND, lut);
                     for (int s = 0; s < 3; s++) r[j][s] = _mm512_dpbusd_epi32(r[j][s], c, sv[s]);
@@ -196,15 +205,15 @@ KERNEL_INLINE void g16_rows(const int NB, const int MODE, const int KIND, const 
     static void g16_rows_##NB##_##MODE##_##KIND(const int8_t* a, int64_t plane, const float* d2, const int32_t* t,    \
                                                 const float* vx, int64_t K, const uint8_t* codes, const void* s16,    \
                                                 const void* m16, int64_t N, int table, int32_t bias, int64_t b0,      \
-                                                float* y) {                                                          \
-        g16_rows(NB, MODE, KIND, a, plane, d2, t, vx, K, codes, s16, m16, N, table, bias, b0, y);                    \
+                                                float* y, int ahead) {                                                \
+        g16_rows(NB, MODE, KIND, a, plane, d2, t, vx, K, codes, s16, m16, N, table, bias, b0, y, ahead);             \
     }
 #define G16_ROWS_NB(MODE, KIND) \
     G16_ROWS(1, MODE, KIND) G16_ROWS(2, MODE, KIND) G16_ROWS(3, MODE, KIND) G16_ROWS(4, MODE, KIND)
 #define G16_ROWS_KIND(KIND) G16_ROWS_NB(0, KIND) G16_ROWS_NB(1, KIND) G16_ROWS_NB(2, KIND) G16_ROWS_NB(3, KIND)
 G16_ROWS_KIND(0) G16_ROWS_KIND(1) G16_ROWS_KIND(2)
 typedef void (*g16_rows_fn)(const int8_t*, int64_t, const float*, const int32_t*, const float*, int64_t,
-                            const uint8_t*, const void*, const void*, int64_t, int, int32_t, int64_t, float*);
+                            const uint8_t*, const void*, const void*, int64_t, int, int32_t, int64_t, float*, int);
 #define G16_ROWS_ROW(MODE, KIND)                                                                 \
     {NULL, g16_rows_1_##MODE##_##KIND, g16_rows_2_##MODE##_##KIND, g16_rows_3_##MODE##_##KIND, \
      g16_rows_4_##MODE##_##KIND}
@@ -414,7 +423,7 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
             const int64_t nb = hi - b0 < G16_NB ? hi - b0 : G16_NB;
             for (int64_t m = tiled; m < M; m++)
                 rows_of[nb](a + m * K, plane, d2 + m * G, t + m * G * 9, vx + m * G * 3, K, codes, s16, m16, N, table,
-                            bias, b0, y + m * N);
+                            bias, b0, y + m * N, m == tiled);
         }
 #ifdef G16_AMX
         if (u8) _tile_release();
