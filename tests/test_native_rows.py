@@ -289,37 +289,52 @@ def test_the_seeded_race_in_c_is_the_first_largest_p_over_e_in_id_order():
     assert race_row(tie.double(), torch.tensor([9, 7, 3, 1]), torch.ones(3)) is None
 
 
+def _as_the_pipeline(draw, rows: list, seeds: int, config_of) -> int:
+    """Each row under config_of(seed) for each seed, at a step of its own: draw(row, config, step) is
+    `sample_with_logprobs`' (id, logprob) bit for bit wherever it answers → how many times it answered."""
+    from lmhead.sampling import sample_with_logprobs
+
+    served = 0
+    for r, row in enumerate(rows):
+        for seed in range(seeds):
+            config, step = config_of(seed), 5 * seed + r
+            ids, lp = sample_with_logprobs(row[None], config, step=step)
+            got = draw(row, config, step)
+            if got is not None:
+                served += 1
+                assert got == (int(ids[0]), float(lp[0])), (r, seed)
+    return served
+
+
+def _declines(draw, own: dict, others: tuple) -> None:
+    """draw answers None (the pipeline's turn) for rows it does not serve: its own settings unseeded, other cuts,
+    a penalty, greedy, no cut at all, and a row with a NaN (the pipeline raises)."""
+    from lmhead.sampling import SamplingConfig
+
+    row = _lm_row(300, 49152, 12.0)
+    for other in (own, *others, own | dict(repetition_penalty=1.1, seed=1), own | dict(temperature=0.0, seed=1),
+                  dict(seed=1)):
+        assert draw(row, SamplingConfig(**other), 0) is None, other
+    row[7] = float("nan")
+    assert draw(row, SamplingConfig(**own, seed=1), 0) is None
+
+
 @pytest.mark.parametrize("temperature, top_p", [(0.8, 0.9), (1.0, 0.5), (0.7, 0.95), (1.3, 0.99), (0.6, 0.01)])
 def test_a_seeded_top_p_rows_own_draw_is_the_pipelines_id_and_logprob_bit_for_bit(temperature, top_p):
     # the decode loop's seeded top-p rows skip the pipeline's generic passes (`seeded_top_p_row`): the same id and
     # processed logprob for every seed and step, or None where C does not settle the set (the pipeline answers)
-    from lmhead.sampling import SamplingConfig, sample_with_logprobs
+    from lmhead.sampling import SamplingConfig
     from lmhead.sampling.draw import seeded_top_p_row
 
-    served = 0
-    for r in range(6):
-        row = _lm_row(200 + r, 49152, (8.0, 12.0, 16.0)[r % 3])
-        if r == 5:
-            row[[3, 99]] = float(row.max())  # a tie at the top: both kept, raced in id order
-        for seed in range(8):
-            config = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
-            step = 5 * seed + r
-            ids, lp = sample_with_logprobs(row[None], config, step=step)
-            got = seeded_top_p_row(row, config, step)
-            if got is not None:
-                served += 1
-                assert got == (int(ids[0]), float(lp[0])), (r, seed)
+    rows = [_lm_row(200 + r, 49152, (8.0, 12.0, 16.0)[r % 3]) for r in range(6)]
+    rows[5][[3, 99]] = float(rows[5].max())  # a tie at the top: both kept, raced in id order
+    served = _as_the_pipeline(seeded_top_p_row, rows, 8,
+                              lambda seed: SamplingConfig(temperature=temperature, top_p=top_p, seed=seed))
     assert served >= 8  # C settled at least one row's set (language-model rows: most)
     flat = torch.randn(49152, generator=torch.Generator().manual_seed(4)) * 0.01  # too flat for C's thresholds
     assert seeded_top_p_row(flat, SamplingConfig(temperature=1.0, top_p=0.99, seed=1), 0) is None
-    row = _lm_row(300, 49152, 12.0)
-    for other in (dict(top_p=0.9), dict(top_p=0.9, top_k=40, seed=1), dict(top_p=0.9, min_p=0.05, seed=1),
-                  dict(top_p=0.9, repetition_penalty=1.1, seed=1), dict(temperature=0.0, top_p=0.9, seed=1),
-                  dict(seed=1)):
-        assert seeded_top_p_row(row, SamplingConfig(**other), 0) is None, other
-    bad = row.clone()
-    bad[7] = float("nan")
-    assert seeded_top_p_row(bad, SamplingConfig(top_p=0.9, seed=1), 0) is None  # the pipeline raises
+    _declines(seeded_top_p_row, dict(top_p=0.9),
+              (dict(top_p=0.9, top_k=40, seed=1), dict(top_p=0.9, min_p=0.05, seed=1)))
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p, min_p", [(0.8, 40, 0.95, 0.05), (1.0, 1, 1.0, 0.0),
@@ -328,37 +343,21 @@ def test_a_seeded_top_p_rows_own_draw_is_the_pipelines_id_and_logprob_bit_for_bi
 def test_a_seeded_top_k_rows_own_draw_is_the_pipelines_id_and_logprob_bit_for_bit(temperature, top_k, top_p, min_p):
     # the decode loop's seeded top-k rows skip the pipeline's grouping (`seeded_top_k_row`): the same id and
     # processed logprob for every seed and step, or None where the k-th and (k+1)-th values tie (the pipeline answers)
-    from lmhead.sampling import SamplingConfig, sample_with_logprobs
+    from lmhead.sampling import SamplingConfig
     from lmhead.sampling.draw import seeded_top_k_row
 
-    served = 0
-    for r in range(6):
-        row = _lm_row(400 + r, (49152, 3000)[r % 2], (8.0, 12.0, 16.0)[r % 3])
-        if r == 4:
-            row = torch.round(row)  # ties inside the top k: raced in id order
-        if r == 5:
-            row[[3, 99]] = float(row.max())  # a tie at the top: both kept
-        for seed in range(6):
-            config = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-            step = 5 * seed + r
-            ids, lp = sample_with_logprobs(row[None], config, step=step)
-            got = seeded_top_k_row(row, config, step)
-            if got is not None:
-                served += 1
-                assert got == (int(ids[0]), float(lp[0])), (r, seed)
+    rows = [_lm_row(400 + r, (49152, 3000)[r % 2], (8.0, 12.0, 16.0)[r % 3]) for r in range(6)]
+    rows[4] = torch.round(rows[4])  # ties inside the top k: raced in id order
+    rows[5][[3, 99]] = float(rows[5].max())  # a tie at the top: both kept
+    served = _as_the_pipeline(seeded_top_k_row, rows, 6, lambda seed: SamplingConfig(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed))
     assert served >= 24
     edge = _lm_row(500, 49152, 12.0)
     kth = torch.topk(edge, 10).values[-1]
     edge[edge.argmin()] = kth  # the 10th and 11th largest tie: a cut of its own width, the pipeline's
     assert seeded_top_k_row(edge, SamplingConfig(top_k=10, seed=1), 0) is None
+    _declines(seeded_top_k_row, dict(top_k=40), (dict(top_p=0.9, seed=1), dict(min_p=0.05, seed=1)))
     row = _lm_row(300, 49152, 12.0)
-    for other in (dict(top_k=40), dict(top_p=0.9, seed=1), dict(min_p=0.05, seed=1),
-                  dict(top_k=40, repetition_penalty=1.1, seed=1), dict(temperature=0.0, top_k=40, seed=1),
-                  dict(seed=1)):
-        assert seeded_top_k_row(row, SamplingConfig(**other), 0) is None, other
-    bad = row.clone()
-    bad[7] = float("nan")
-    assert seeded_top_k_row(bad, SamplingConfig(top_k=40, seed=1), 0) is None  # the pipeline raises
     assert seeded_top_k_row(row * 1e38, SamplingConfig(temperature=0.01, top_k=40, seed=1), 0) is None  # +inf over T
 
 
