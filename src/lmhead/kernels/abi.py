@@ -112,6 +112,7 @@ ARGS = {"lmhead_attend_args": AttendArgs, "lmhead_step_args": StepArgs, "lmhead_
 
 
 TOP_P_CAP = 8192  # `top_p_row`: more candidates than this, the caller's histogram path
+SAMPLE_CAP = 8192  # `top_k_row`: row_kernels.c's room for a row's kept tokens (a smaller buffer it refuses)
 
 
 def row_scores_in(lib: ctypes.CDLL, x: torch.Tensor, ids: torch.Tensor,

@@ -16,7 +16,6 @@
 #ifndef LMHEAD_GROUPS_SCREEN_H
 #define LMHEAD_GROUPS_SCREEN_H
 
-
 /* ‖w_n‖₂ of every weight row, in double, rounded up to float (norm_up: lmhead_screen_norms' numbers over this
  * layout) */
 int lmhead_screen_norms16(const uint8_t* codes, const uint16_t* scale, int64_t N, int64_t K, float* out,

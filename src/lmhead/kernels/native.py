@@ -59,6 +59,7 @@ from lmhead.kernels.abi import (
     PACKED,
     ROUTE_FN,
     ROWS4,
+    SAMPLE_CAP,
     SIGNED4,
     SUB,
     AttendArgs,
@@ -146,7 +147,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmhead_sample_row.restype = i32
     lib.lmhead_race_row.argtypes = [p, p, i64, p, i64]
     lib.lmhead_race_row.restype = i64
-    lib.lmhead_top_k_row.argtypes = [p, i64, f32, i64, p, p]
+    lib.lmhead_top_k_row.argtypes = [p, i64, f32, i64, p, p, i64]
     lib.lmhead_top_k_row.restype = i64
     lib.lmhead_select_ge.argtypes = [p, i64, f32, p, i64]
     lib.lmhead_select_ge.restype = i64
@@ -428,9 +429,6 @@ def sample_row(x: torch.Tensor, temperature: float, top_k: int, top_p: float, mi
     return (out_id.value, out_lp.value) if rc == 0 else None
 
 
-SAMPLE_CAP = 8192  # row_kernels.c's room for a row's kept tokens (`sample_row`, `top_k_row`)
-
-
 def top_k_row(x: torch.Tensor, temperature: float, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One row of logits x [V] (float32, CPU) → its tokens whose x / temperature (float32, as torch divides) is at
     least the k-th largest: (vals [1,n] those values sorted descending, ties by id; ids [1,n] int64), n ≥ k, in one
@@ -445,7 +443,8 @@ def top_k_row(x: torch.Tensor, temperature: float, k: int) -> tuple[torch.Tensor
     x = x if x.is_contiguous() else x.contiguous()
     ids = torch.empty(SAMPLE_CAP, dtype=torch.int64)
     vals = torch.empty(SAMPLE_CAP, dtype=torch.float32)
-    n = lib.lmhead_top_k_row(x.data_ptr(), x.shape[0], float(temperature), int(k), ids.data_ptr(), vals.data_ptr())
+    n = lib.lmhead_top_k_row(x.data_ptr(), x.shape[0], float(temperature), int(k), ids.data_ptr(), vals.data_ptr(),
+                             SAMPLE_CAP)
     return (vals[None, :n], ids[None, :n]) if n >= k else None
 
 

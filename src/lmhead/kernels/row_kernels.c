@@ -609,12 +609,12 @@ found:
 
 /* A seeded row's top k (kernels/native.py `top_k_row`, for sampling/draw.py's `seeded_top_k_row`): x [V] logits at
  * temperature T → every token whose x/T (float32, as x / T in torch) is at least the k-th largest of them, sorted
- * by value descending, ties by id, into ids/vals (room for SAMPLE_CAP) → their count (≥ k), or -1 (more than
- * SAMPLE_CAP of them, or k not in 1 … min(V − 1, SAMPLE_CAP)), -2 (a NaN, a value +inf over T, fewer than k finite),
- * -3 (no memory). x / T is monotone, so the first k + 1 values are torch.topk(x, k + 1)'s over T: the cut's own
- * numbers, in one pass instead of a threshold pass and two sorts. */
-int64_t lmhead_top_k_row(const float* x, int64_t V, float T, int64_t k, int64_t* ids, float* vals) {
-    if (k < 1 || k >= V || k > SAMPLE_CAP || !(T > 0.f)) return -1;
+ * by value descending, ties by id, into ids/vals (room for `cap`) → their count (≥ k), or -1 (more than SAMPLE_CAP
+ * of them, k not in 1 … min(V − 1, SAMPLE_CAP), or a cap below SAMPLE_CAP), -2 (a NaN, a value +inf over T, fewer
+ * than k finite), -3 (no memory). x / T is monotone, so the first k + 1 values are torch.topk(x, k + 1)'s over T:
+ * the cut's own numbers, in one pass instead of a threshold pass and two sorts. */
+int64_t lmhead_top_k_row(const float* x, int64_t V, float T, int64_t k, int64_t* ids, float* vals, int64_t cap) {
+    if (k < 1 || k >= V || k > SAMPLE_CAP || cap < SAMPLE_CAP || !(T > 0.f)) return -1;
     return top_k_cut(x, V, T, k, 1.0, ids, vals);
 }
 

@@ -103,7 +103,7 @@ def by_groups(lib: ctypes.CDLL, g: torch.Generator) -> bool:
                 return False
             if four_bit is None and not by_groups_screened(lib, x, laid, s16, y):
                 return False
-        # the rows the C step reads from the layout (decode_kernels.c's groups_row): code·scale + offset in float32
+        # the rows the C step reads from the layout (coded_kernel.c's lmhead_groups_row): code·scale + offset in float32
         w32 = codes.float().view(64, 8, 32) * scale.float()[..., None]
         w32 = (w32 if off is None else w32 + off.float()[..., None]).view(64, 256)
         ids, rows = torch.tensor([0, 17, 63]), torch.empty(3, 256)

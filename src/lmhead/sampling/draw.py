@@ -148,9 +148,7 @@ def seeded_top_p_row(x: Tensor, config: SamplingConfig, step: int) -> tuple[int,
     if found is None:
         return None
     vals, idx = found                                             # [1,m] x/T descending, their ids
-    at = race_row_in_c(vals[0], idx[0], vals.shape[1], seeded_generator(config.seed, step))
-    lse = torch.logsumexp(vals, dim=-1)                           # part_logprobs' normaliser, the same [1,m]
-    return int(idx[0, at]), float(np.float32(vals[0, at].item()) - np.float32(lse[0].item()))
+    return _raced(vals, idx, vals.shape[1], config, step)
 
 
 
@@ -176,9 +174,15 @@ def seeded_top_k_row(x: Tensor, config: SamplingConfig, step: int) -> tuple[int,
         vals = top_p_sorted(vals, key.top_p)
     if key.min_p > 0:
         vals = min_p_sorted(vals, key.min_p)
-    kept = int(torch.isfinite(vals).sum())
-    at = race_row_in_c(vals[0].contiguous(), idx[0].contiguous(), kept, seeded_generator(config.seed, step))
-    lse = torch.logsumexp(vals, dim=-1)                           # part_logprobs' normaliser, the same [1,k]
+    return _raced(vals.contiguous(), idx.contiguous(), int(torch.isfinite(vals).sum()), config, step)
+
+
+def _raced(vals: Tensor, idx: Tensor, kept: int, config: SamplingConfig, step: int) -> tuple[int, float]:
+    """A seeded row's candidates vals [1,m] (x/T, -inf where the cut dropped one; contiguous) and ids [1,m], `kept`
+    of them finite → (the id the race in id order with the (seed, step) generator's noise picks, its processed
+    logprob over the same candidates: `part_logprobs`' normaliser and float32 difference)."""
+    at = race_row_in_c(vals[0], idx[0], kept, seeded_generator(config.seed, step))
+    lse = torch.logsumexp(vals, dim=-1)
     return int(idx[0, at]), float(np.float32(vals[0, at].item()) - np.float32(lse[0].item()))
 
 
