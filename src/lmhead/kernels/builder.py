@@ -34,7 +34,7 @@ SOURCES = tuple(Path(__file__).with_name(n) for n in ("coded_kernel.c", "body_ke
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd_math.h", "body_kernels.h", "decode_kernels.h",
                                                      "quant_types.h", "sliced_kernel.h", "experts_kernel.h",
                                                      "row_pieces.h", "kernel_results.h", "groups_kernel.h",
-                                                     "groups_screen.h"))
+                                                     "groups_screen.h", "thread_shares.h"))
 FLAGS = ("-O3", "-march=native", "-fPIC", "-fopenmp")
 _TIMEOUT = 180  # seconds for one compiler run
 

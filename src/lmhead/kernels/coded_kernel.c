@@ -51,6 +51,7 @@
 
 #include "kernel_results.h"
 #include "quant_types.h"
+#include "thread_shares.h"
 
 /* the integer path of packed products (sliced_kernel.h) is built where the CPU has AVX-512 VNNI */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -62,6 +63,7 @@
 #endif
 #define DENSE_AHEAD 512 /* bytes: see dense_fetch1 */
 #define DENSE_FETCH_BYTES (8 << 20)
+#define DENSE_ROUND 16 /* weight rows a thread takes at once in a one-row product (thread_shares.h) */
 #define MB 8 /* query rows per pass over a weight row (the row stays in L1 between passes) */
 /* a product's body written once with its row count as a parameter, inlined where each caller passes a constant:
  * the copy's loops over rows unroll and its accumulators stay in registers */
@@ -1231,7 +1233,7 @@ typedef void (*dense_pass)(const float*, int64_t, const uint16_t*, int, float*);
 static int dense_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, int bf16, float* y,
                         int threads) {
     if (threads < 1) threads = 1;
-    /* shares of rows as lmhead_coded_matmul's: one contiguous stream per thread for one query row, else chunks */
+    /* several query rows: chunks of rows as lmhead_coded_matmul's; one: the rows in shares (thread_shares.h) */
     const int64_t chunk = M == 1 ? (N + threads - 1) / threads : (N / (8 * threads) > 1 ? N / (8 * threads) : 1);
 #if defined(__AVX2__) && defined(__F16C__)
     dense_pass one = dense_pass1;
@@ -1239,6 +1241,23 @@ static int dense_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w,
     if (M == 1 && chunk * K * 2 < DENSE_FETCH_BYTES) one = dense_fetch1; /* the same sums, the stream fetched ahead */
 #endif
 #endif
+    int status = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    shares rows;
+    if (M == 1 && shares_open(&rows, N, DENSE_ROUND, threads)) {
+        status = LMHEAD_NO_MEMORY;
+    } else if (M == 1) {
+#pragma omp parallel num_threads(threads)
+        {
+            extern int omp_get_thread_num(void);
+            const int tid = omp_get_thread_num();
+            share_cursor cursor = {0, 0, 0};
+            for (int64_t n; (n = shares_unit(&rows, tid, &cursor)) >= 0;) one(x, K, w + n * K, bf16, y + n);
+        }
+        shares_close(&rows);
+    } else
+#endif
+    {
     /* each query row as the one-row pass computes it (the weight row from L1 after the first): a row's product is
      * the same bits whatever else is in the batch */
 #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
@@ -1272,7 +1291,8 @@ static int dense_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w,
 #endif
         }
     }
-    return 0;
+    }
+    return status;
 }
 
 /* ---- float32 weights (F32 files, a float32 model's own matrices) -----------------------------------------------
@@ -1317,16 +1337,29 @@ static const dot32_fn DOT32_4X[7] = {0, dot32_4x1, dot32_4x2, dot32_4x3, dot32_4
 
 static int dense32_matmul(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int threads) {
     if (threads < 1) threads = 1;
-    /* one query row: one contiguous stream per thread; several: chunks of about 64 weight rows (L2), as many as a
-     * multiple of the threads, over which each six query rows (L1) pass before the next six. Which pairs share a
-     * tile changes none of their sums */
-    int64_t per = (N + threads - 1) / threads;
-    if (M > 1) {
-        const int64_t want = ((N + 63) / 64 + threads - 1) / threads * threads;
-        per = (N + want - 1) / want;
+    /* one query row: the rows in shares (thread_shares.h), rounds of DENSE_ROUND rows, four at a time; several:
+     * chunks of about 64 weight rows (L2), as many as a multiple of the threads, over which each six query rows
+     * (L1) pass before the next six. Which pairs share a tile changes none of their sums */
+    if (M == 1) {
+        shares rows;
+        if (shares_open(&rows, N, DENSE_ROUND, threads)) return LMHEAD_NO_MEMORY;
+#pragma omp parallel num_threads(threads)
+        {
+            extern int omp_get_thread_num(void);
+            const int tid = omp_get_thread_num();
+            int v = 0;
+            int64_t count;
+            for (int64_t n0; (n0 = shares_next(&rows, tid, &v, &count)) >= 0;) {
+                int64_t n = n0;
+                for (; n + 4 <= n0 + count; n += 4) dot32_4x1(x, K, w + n * K, y + n, N);
+                for (; n < n0 + count; n++) dot32_1x1(x, K, w + n * K, y + n, N);
+            }
+        }
+        shares_close(&rows);
+        return 0;
     }
-    per = (per + 3) / 4 * 4;
-    const int64_t chunks = (N + per - 1) / per;
+    const int64_t want = ((N + 63) / 64 + threads - 1) / threads * threads;
+    const int64_t per = ((N + want - 1) / want + 3) / 4 * 4, chunks = (N + per - 1) / per;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t n0 = c * per, n1 = n0 + per < N ? n0 + per : N;
@@ -1360,8 +1393,21 @@ static float dot32(const float* x, const float* w, int64_t K) {
 
 static int dense32_matmul(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int threads) {
     if (threads < 1) threads = 1;
-    /* shares of rows as lmhead_coded_matmul's: one contiguous stream per thread for one query row, else chunks */
-    const int64_t chunk = M == 1 ? (N + threads - 1) / threads : (N / (8 * threads) > 1 ? N / (8 * threads) : 1);
+    /* one query row: the rows in shares (thread_shares.h); several: chunks as threads come for them */
+    if (M == 1) { /* the weight rows in shares (thread_shares.h), rounds of DENSE_ROUND rows */
+        shares rows;
+        if (shares_open(&rows, N, DENSE_ROUND, threads)) return LMHEAD_NO_MEMORY;
+#pragma omp parallel num_threads(threads)
+        {
+            extern int omp_get_thread_num(void);
+            const int tid = omp_get_thread_num();
+            share_cursor cursor = {0, 0, 0};
+            for (int64_t n; (n = shares_unit(&rows, tid, &cursor)) >= 0;) y[n] = dot32(x, w + n * K, K);
+        }
+        shares_close(&rows);
+        return 0;
+    }
+    const int64_t chunk = N / (8 * threads) > 1 ? N / (8 * threads) : 1;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
     for (int64_t n = 0; n < N; n++)
         for (int64_t m = 0; m < M; m++) y[m * N + n] = dot32(x + m * K, w + n * K, K);
@@ -1473,12 +1519,14 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
     if (sub && (stored != STORED_F32 || K % 256 != 0 || (G != 16 && G != 32))) return -1;
     if ((stored != STORED_F32 || sub) && ng > HALF_MAX_GROUPS) return -1;
     if (threads < 1) threads = 1;
-    /* several query rows (compute-bound): rows (or blocks of four) handed out in chunks of ~1/8 of a thread's share
-     * as threads come for them, so that on a shared machine a thread that loses its core for a moment no longer
-     * holds the product back (8 rows 1.1x faster in a batched decode under load); one query row (memory-bound):
-     * one contiguous share per thread, one forward stream each (chunks measured 3-6% slower) */
+    /* blocks of four rows in shares (thread_shares.h): each thread's contiguous share taken in rounds from its
+     * front, one forward stream each (chunks handed out in turn, interleaving the streams, were slower for one
+     * row), the rounds left of another's share from its back — so that on a shared machine a thread that loses its
+     * core for a moment does not hold the product back. A round: DENSE_ROUND rows for one query row
+     * (memory-bound), ~1/8 of a thread's share for several (compute-bound); other layouts' rows: one contiguous
+     * share per thread for one query row, else chunks as threads come for them */
     const int64_t units = rows4 ? N / 4 : N;
-    const int64_t chunk = M == 1 ? (units + threads - 1) / threads
+    const int64_t chunk = M == 1 ? (rows4 ? DENSE_ROUND / 4 : (units + threads - 1) / threads)
                                  : (units / (8 * threads) > 1 ? units / (8 * threads) : 1);
     /* packed codes whose offsets follow the loop: each query row's group sums xs [M, ng], once for all N weight
      * rows */
@@ -1513,57 +1561,73 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
 #endif
         /* the integer product's slices of each query row (sliced_kernel.h), once for all N rows */
         sliced_row* srows = sliced_make(x, M, K, packed, G, offset != NULL);
-#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t n0 = b * 4, nr = 4;
-            float s32[4 * HALF_MAX_GROUPS], o32[4 * HALF_MAX_GROUPS];
-            /* the block PREFETCH_AHEAD blocks on, fetched while this one is computed: with the unpacking's
-             * arithmetic between its loads, the hardware prefetcher alone left one thread at ~60% of the rate it
-             * computes at from cache (SmolLM2's MLP matrices, one thread, out of cache: 6.7 → 10.5 G weights/s).
-             * Its codes are fetched two lines per 128-byte unit of this block's loop (fetch_unit), not all at
-             * once before it: a block's 20–130 prefetches issued together stalled the loop behind them, so that
-             * the arithmetic and the reads took turns. Spread, every decode product of both models' bodies at
-             * two threads went 1.07–1.3× faster and Gemma's head 1.14× (interleaved in one process; the scales'
-             * few lines still go at once) */
-            const char* spread = NULL;
-            if (b + PREFETCH_AHEAD < blocks) {
-                spread = (const char*)(codes + (n0 + 4 * PREFETCH_AHEAD) * row_bytes);
-                fetch_scales(scale, N, K, ng, n0 + 4 * PREFETCH_AHEAD, nr, stored, sub);
-                if (offset) fetch_scales(offset, N, K, ng, n0 + 4 * PREFETCH_AHEAD, nr, stored, sub);
-            }
-            const float* s = rows_scales(scale, N, K, ng, n0, nr, stored, sub, s32);
-            const float* o = offset ? rows_scales(offset, N, K, ng, n0, nr, stored, sub, o32) : NULL;
-            if (M == 1 && (!srows || srows[0].ok)) {
-                rows4_dot1(x, xp, codes + n0 * row_bytes, s, o, xs, ng, packed, G == 16, spread, srows, y + n0);
-                continue;
-            }
-            if (srows) { /* each query row as alone: the integer product or, where its row is not ok, the float one */
-                sliced_block(x, xp, K, codes + n0 * row_bytes, s, o, xs, ng, packed, G == 16, srows, M, N, y + n0);
-                continue;
-            }
-            /* several query rows (verification, batched decode, prefill): each row's product is the one-row
-             * product's, the same operations in the same order (bit for bit what the row gets alone, whatever else
-             * is in the batch and however the threads share it); the block is read from L1 after the first row */
-            for (int64_t m = 0; m < M;) {
-                float out[32];
-                int64_t q = 1;
-                const float* xm = x + m * K;
-                const float* xpm = xp ? xp + m * K : NULL;
-                const float* xsm = xs ? xs + m * ng : NULL;
-                /* 8, 4 or 2 rows at a time, each weight converted once for them: which rows go together changes
-                 * no row's sums */
-                q = M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
-                if (q == 8) rows4_q8(xm, xpm, K, codes + n0 * row_bytes, s, o, xsm, ng, packed, G == 16, out);
-                else if (q == 4) rows4_q4(xm, xpm, K, codes + n0 * row_bytes, s, o, xsm, ng, packed, G == 16, out);
-                else if (q == 2) rows4_q2(xm, xpm, K, codes + n0 * row_bytes, s, o, xsm, ng, packed, G == 16, out);
-                else
-                    rows4_dot1_call(xm, xpm, codes + n0 * row_bytes, s, o, xsm, ng, packed, G == 16,
-                                    m == 0 ? spread : NULL, NULL, out);
-                for (int64_t j = 0; j < q; j++)
-                    for (int r = 0; r < 4; r++) y[(m + j) * N + n0 + r] = out[4 * j + r];
-                m += q;
+        shares shared;
+        if (shares_open(&shared, blocks, chunk, threads)) {
+            if (xs && xs != xs_stack) free(xs);
+#ifdef __AVX512F__
+            if (xp && xp != xp_stack) free(xp);
+#endif
+            sliced_free(srows);
+            return LMHEAD_NO_MEMORY;
+        }
+#pragma omp parallel num_threads(threads)
+        {
+            extern int omp_get_thread_num(void);
+            const int tid = omp_get_thread_num();
+            share_cursor cursor = {0, 0, 0};
+            for (int64_t b; (b = shares_unit(&shared, tid, &cursor)) >= 0;) {
+                const int64_t n0 = b * 4, nr = 4;
+                float s32[4 * HALF_MAX_GROUPS], o32[4 * HALF_MAX_GROUPS];
+                /* the block PREFETCH_AHEAD blocks on, fetched while this one is computed: with the unpacking's
+                 * arithmetic between its loads, the hardware prefetcher alone left one thread at ~60% of the rate it
+                 * computes at from cache (SmolLM2's MLP matrices, one thread, out of cache: 6.7 → 10.5 G weights/s).
+                 * Its codes are fetched two lines per 128-byte unit of this block's loop (fetch_unit), not all at
+                 * once before it: a block's 20–130 prefetches issued together stalled the loop behind them, so that
+                 * the arithmetic and the reads took turns. Spread, every decode product of both models' bodies at
+                 * two threads went 1.07–1.3× faster and Gemma's head 1.14× (interleaved in one process; the scales'
+                 * few lines still go at once) */
+                const char* spread = NULL;
+                if (b + PREFETCH_AHEAD < blocks) {
+                    spread = (const char*)(codes + (n0 + 4 * PREFETCH_AHEAD) * row_bytes);
+                    fetch_scales(scale, N, K, ng, n0 + 4 * PREFETCH_AHEAD, nr, stored, sub);
+                    if (offset) fetch_scales(offset, N, K, ng, n0 + 4 * PREFETCH_AHEAD, nr, stored, sub);
+                }
+                const float* s = rows_scales(scale, N, K, ng, n0, nr, stored, sub, s32);
+                const float* o = offset ? rows_scales(offset, N, K, ng, n0, nr, stored, sub, o32) : NULL;
+                if (M == 1 && (!srows || srows[0].ok)) {
+                    rows4_dot1(x, xp, codes + n0 * row_bytes, s, o, xs, ng, packed, G == 16, spread, srows, y + n0);
+                    continue;
+                }
+                /* each query row as alone: the integer product or, where its row is not ok, the float one */
+                if (srows) {
+                    sliced_block(x, xp, K, codes + n0 * row_bytes, s, o, xs, ng, packed, G == 16, srows, M, N, y + n0);
+                    continue;
+                }
+                /* several query rows (verification, batched decode, prefill): each row's product is the one-row
+                 * product's, the same operations in the same order (bit for bit what the row gets alone, whatever else
+                 * is in the batch and however the threads share it); the block is read from L1 after the first row */
+                for (int64_t m = 0; m < M;) {
+                    float out[32];
+                    int64_t q = 1;
+                    const float* xm = x + m * K;
+                    const float* xpm = xp ? xp + m * K : NULL;
+                    const float* xsm = xs ? xs + m * ng : NULL;
+                    /* 8, 4 or 2 rows at a time, each weight converted once for them: which rows go together changes
+                     * no row's sums */
+                    q = M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+                    if (q == 8) rows4_q8(xm, xpm, K, codes + n0 * row_bytes, s, o, xsm, ng, packed, G == 16, out);
+                    else if (q == 4) rows4_q4(xm, xpm, K, codes + n0 * row_bytes, s, o, xsm, ng, packed, G == 16, out);
+                    else if (q == 2) rows4_q2(xm, xpm, K, codes + n0 * row_bytes, s, o, xsm, ng, packed, G == 16, out);
+                    else
+                        rows4_dot1_call(xm, xpm, codes + n0 * row_bytes, s, o, xsm, ng, packed, G == 16,
+                                        m == 0 ? spread : NULL, NULL, out);
+                    for (int64_t j = 0; j < q; j++)
+                        for (int r = 0; r < 4; r++) y[(m + j) * N + n0 + r] = out[4 * j + r];
+                    m += q;
+                }
             }
         }
+        shares_close(&shared);
         if (xs && xs != xs_stack) free(xs);
 #ifdef __AVX512F__
         if (xp && xp != xp_stack) free(xp);

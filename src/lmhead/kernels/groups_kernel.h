@@ -31,6 +31,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "thread_shares.h"
+
 enum { G16_NB = 4 }; /* blocks of sixteen weight rows a query row takes at once: independent chains, shared loads */
 /* int8 codes are prefetched this many groups ahead along each block's stream, into L2, by a round's first query row:
  * three dot products a code vector fill the out-of-order window before enough loads are in flight to stream the
@@ -388,6 +390,11 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
     if (M >= 16 && g16_amx_granted()) tiled = M / 16 * 16;
 #endif
     int failed = 0;
+    shares blocks; /* the blocks of sixteen weight rows, four (a round) at a time */
+    if (shares_open(&blocks, N / 16, G16_NB, threads)) {
+        if (buf != stack) free(buf);
+        return LMHEAD_NO_MEMORY;
+    }
 #pragma omp parallel num_threads(threads)
     {
 #ifdef G16_AMX
@@ -412,19 +419,17 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
         }
         }
 #endif
-        /* the rest of the rows: each thread an even share of the blocks of sixteen weight rows (one stream), four
-         * blocks at a time, every query row against them before the next four — a round's rows read the matrix from
-         * memory once, not once a row (each block's sums are its own: the same bits in either order) */
+        /* the rest of the rows: each thread a share of the blocks (one stream, thread_shares.h), four blocks at a
+         * time, every query row against them before the next four — a round's rows read the matrix from memory
+         * once, not once a row (each block's sums are its own: the same bits whichever thread takes it) */
         extern int omp_get_thread_num(void);
-        extern int omp_get_num_threads(void);
-        const int64_t blocks = N / 16, nt = omp_get_num_threads(), tid = omp_get_thread_num();
-        const int64_t lo = blocks * tid / nt, hi = blocks * (tid + 1) / nt;
-        for (int64_t b0 = lo; b0 < hi; b0 += G16_NB) {
-            const int64_t nb = hi - b0 < G16_NB ? hi - b0 : G16_NB;
+        const int tid = omp_get_thread_num();
+        int v = 0;
+        int64_t nb;
+        for (int64_t b0; tiled < M && (b0 = shares_next(&blocks, tid, &v, &nb)) >= 0;)
             for (int64_t m = tiled; m < M; m++)
                 rows_of[nb](a + m * K, plane, d2 + m * G, t + m * G * 9, vx + m * G * 3, K, codes, s16, m16, N, table,
                             bias, b0, y + m * N, m == tiled);
-        }
 #ifdef G16_AMX
         if (u8) _tile_release();
         free(u8);
@@ -434,6 +439,7 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
         for (int64_t m = 0; m < M; m++)
             if (!ok[m]) g16_plain(x + m * K, K, codes, s16, m16, skind, halves, packed, table, bias, N, y + m * N);
     if (buf != stack) free(buf);
+    shares_close(&blocks);
     return failed ? LMHEAD_NO_MEMORY : 0;
 }
 
