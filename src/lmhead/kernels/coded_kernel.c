@@ -1146,13 +1146,36 @@ static inline __m512 w16x16(const uint16_t* w, int bf16) {
     return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
 }
 
-/* one query row (decode) in 512-bit lanes: sixteen weights a conversion, two sums */
+/* thirty-two bfloat16 weights at w as float32 (exact): the even ones (each 32-bit word's low half shifted up) and
+ * the odd ones (its high half, the low bits cleared) — one load, a shift and an and for the 32, where a widening
+ * per sixteen took two shuffles and two shifts (the one-row product's arithmetic, not its reads, bounded it) */
+static inline void bf16_pairs(const uint16_t* w, __m512* even, __m512* odd) {
+    const __m512i v = _mm512_loadu_si512((const void*)w);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* a query row as bf16_pairs meets its weights: each whole 32 values x[c + 2j] then x[c + 2j + 1] (j < 16), the rest
+ * as they are */
+static void bf16_pair_layout(const float* x, int64_t K, float* xp) {
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32)
+        for (int j = 0; j < 16; j++) xp[k + j] = x[k + 2 * j], xp[k + 16 + j] = x[k + 2 * j + 1];
+    for (; k < K; k++) xp[k] = x[k];
+}
+
+/* one query row (decode) in 512-bit lanes: sixteen weights a conversion, two sums (bfloat16: x in
+ * bf16_pair_layout, the even and the odd weights of each 32 the two sums') */
 KERNEL_INLINE void dense16_row512(const float* x, int64_t K, const uint16_t* w, int bf16, int ahead, float* out) {
     __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
         if (ahead) _mm_prefetch((const char*)(w + k) + DENSE_AHEAD, _MM_HINT_T0);
-        const __m512 w0 = w16x16(w + k, bf16), w1 = w16x16(w + k + 16, bf16);
+        __m512 w0, w1;
+        if (bf16)
+            bf16_pairs(w + k, &w0, &w1);
+        else
+            w0 = w16x16(w + k, 0), w1 = w16x16(w + k + 16, 0);
         a = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + k), a);
         b = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + k + 16), b);
     }
@@ -1170,7 +1193,11 @@ KERNEL_INLINE void dense16_q512(const int Q, const float* x, int64_t K, const ui
     for (int m = 0; m < Q; m++) a[m] = b[m] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
-        const __m512 w0 = w16x16(w + k, bf16), w1 = w16x16(w + k + 16, bf16);
+        __m512 w0, w1;
+        if (bf16)
+            bf16_pairs(w + k, &w0, &w1);
+        else
+            w0 = w16x16(w + k, 0), w1 = w16x16(w + k + 16, 0);
         for (int m = 0; m < Q; m++) {
             a[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * K + k), a[m]);
             b[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * K + k + 16), b[m]);
@@ -1239,6 +1266,14 @@ static int dense_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w,
     dense_pass one = dense_pass1;
 #ifdef __AVX512F__
     if (M == 1 && chunk * K * 2 < DENSE_FETCH_BYTES) one = dense_fetch1; /* the same sums, the stream fetched ahead */
+    float xp_stack[4096];
+    float* xp = NULL;
+    if (bf16) { /* each query row in bf16_pair_layout, once for all N weight rows */
+        xp = M * K <= 4096 ? xp_stack : (float*)malloc((size_t)(M * K) * sizeof(float));
+        if (!xp) return LMHEAD_NO_MEMORY;
+        for (int64_t m = 0; m < M; m++) bf16_pair_layout(x + m * K, K, xp + m * K);
+        x = xp;
+    }
 #endif
 #endif
     int status = 0;
@@ -1292,6 +1327,9 @@ static int dense_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w,
         }
     }
     }
+#if defined(__AVX2__) && defined(__F16C__) && defined(__AVX512F__)
+    if (xp && xp != xp_stack) free(xp);
+#endif
     return status;
 }
 
