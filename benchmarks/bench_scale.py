@@ -4,7 +4,7 @@ mixtures of experts Qwen3-30B-A3B (48 layers, 128 experts, 8 a token) and gpt-os
 2880, 4 a token, MXFP4 experts), written as quantised blocks directly.
 
     .venv/bin/python benchmarks/bench_scale.py [--shape llama-3.2-1b ...] [--type Q4_K_M --type Q8_0]
-        [--new-tokens 32] [--work DIR] [--keep] [--prepare] [--layers N]
+        [--new-tokens 32] [--rounds 1] [--work DIR] [--keep] [--prepare] [--layers N]
 
 The MoE shapes (`--shape qwen3-30b-a3b`: Q4_K_M — llama.cpp's mix of Q4_K and Q6_K, about 17 GB —, Q4_K or
 Q8_0; `--shape gpt-oss-20b`: MXFP4 experts, Q8_0 elsewhere) are never float models:
@@ -23,10 +23,12 @@ start: the warm-up's first token), decode tok/s (the one-token steps after the p
 tg times; beside it the rate with the prefill and its first token, and the prefill's seconds) and peak RSS (under
 /usr/bin/time), three times over a cache of its own (cold: the file's metadata and a mixture's laid-out experts
 written; then twice warm: read and mapped, the second run measured); then `llama-bench -t 2 -p 0 -n N` on the same
-file, its tok/s and peak RSS. A side that fails (out of memory, a crash, a refusal) leaves "-" in its cells and
-the run goes on. On the 1B shape transformers' float32 forward on the same file (its GGUF loader: the dequantised
-weights, the numbers lmhead's exactness is defined against) generates the same greedy tokens in another process,
-and the two lists are compared.
+file, its tok/s and peak RSS. `--rounds R` alternates the measured run and llama-bench R times, each side first
+in turn (a shared host's slow spell lands on both): the table's rates are the rounds' medians, its ratio the
+median of the rounds' ratios with their range beside it. A side that fails (out of memory, a crash, a refusal)
+leaves "-" in its cells and the run goes on. On the 1B shape transformers' float32 forward on the same file (its
+GGUF loader: the dequantised weights, the numbers lmhead's exactness is defined against) generates the same greedy
+tokens in another process, and the two lists are compared.
 
 Needs build/llama.cpp/bin/llama-bench and llama-quantize (`make llama-bench`) and about 2.5× the largest BF16 file
 in free disk under --work (default: a temporary folder, removed after). `--prepare --work DIR` only writes the files
@@ -42,6 +44,7 @@ import io
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -451,18 +454,31 @@ def _measure(shape: str, kind: str, path: Path, args: argparse.Namespace, table)
     """One file: lmhead's child three times over a cache of its own (cold: the file's metadata and its experts'
     layout made and written; then twice warm: read and mapped, the second measured), llama-bench, and on the 1B
     shape (or a MoE shape of at most 2 layers, not gpt-oss) transformers' greedy tokens; one row of the table (a
-    failed side's cells "-")."""
+    failed side's cells "-"). With --rounds R the measured warm run and llama-bench alternate R times (their order
+    swapped each round): the rates are the rounds' medians, the ratio the median of the rounds' ratios and its
+    range beside it."""
     cache = Path(tempfile.mkdtemp(prefix="lmhead-cache-", dir=path.parent))
+    rounds: list[tuple[float | None, float | None]] = []
     try:
         cold, cold_rss = _child(_CHILD, str(path), str(args.new_tokens), PROMPT, cache=cache)
         # the second warm run is the one measured: the cold run leaves the page cache holding the file's pages and
         # a mixture's laid-out experts together, more than memory keeps (Qwen3-30B-A3B: 17 + 19 GB), so the first
         # warm run still reads experts from disk as its tokens first choose them
         _child(_CHILD, str(path), str(args.new_tokens), PROMPT, cache=cache)
-        ours, rss = _child(_CHILD, str(path), str(args.new_tokens), PROMPT, cache=cache)
+        ours, rss, their_rss = None, 0.0, 0.0
+        for r in range(args.rounds):
+            # alternating rounds, each side first in turn: on a shared host a slow spell lands on both sides
+            for side in ("lmhead", "llama-bench") if r % 2 == 0 else ("llama-bench", "lmhead"):
+                if side == "lmhead":
+                    run, run_rss = _child(_CHILD, str(path), str(args.new_tokens), PROMPT, cache=cache)
+                    ours = ours or run  # the first measured run's tokens, prefill and first token
+                    lmhead_rate, rss = (None if run is None else run["rate"]), max(rss, run_rss)
+                else:
+                    llama_rate, run_rss = llama_bench(path, args.new_tokens)
+                    their_rss = max(their_rss, run_rss)
+            rounds.append((lmhead_rate, llama_rate))
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    theirs, their_rss = llama_bench(path, args.new_tokens)
     same = "-"
     # transformers' GGUF loader reads no gpt-oss file whole (its rope keys: gguf_meta.gpt_oss_config);
     # gpt-oss's exactness is tests/test_gpt_oss.py's, on tiny files
@@ -473,12 +489,17 @@ def _measure(shape: str, kind: str, path: Path, args: argparse.Namespace, table)
         hf, _ = _child(code, str(path), str(args.new_tokens), PROMPT, str(tokenizer_folder()))
         same = "-" if hf is None else "yes" if hf["ids"] == ours["ids"] else \
             f"no ({ours['ids'][:8]} vs {hf['ids'][:8]})"
-    rate = None if ours is None else ours["rate"]
-    ratio = None if rate is None or theirs is None else rate / theirs
+    both = [(a, b) for a, b in rounds if a is not None and b is not None]
+    ours_rates, their_rates = [a for a, _ in rounds if a is not None], [b for _, b in rounds if b is not None]
+    rate = statistics.median(ours_rates) if ours_rates else None
+    theirs = statistics.median(their_rates) if their_rates else None
+    ratios = sorted(a / b for a, b in both)
+    ratio = statistics.median(ratios) if ratios else None
+    spread = f"{ratios[0]:.2f}-{ratios[-1]:.2f}" if len(ratios) > 1 else "-"
     with_prompt = None if ours is None else ours["with_prompt"]
     layers = MOE_SHAPES.get(shape, SHAPES.get(shape, {})).get("num_hidden_layers")
     label = shape + (f" ({args.layers} of {layers} layers)" if args.layers else "")
-    cells = [label, kind, f"{path.stat().st_size / 2**30:.2f}", _fmt(rate), _fmt(theirs), _fmt(ratio),
+    cells = [label, kind, f"{path.stat().st_size / 2**30:.2f}", _fmt(rate), _fmt(theirs), _fmt(ratio), spread,
              _fmt(with_prompt), _fmt(None if ours is None else ours["prompt"]), f"{rss:.0f}", f"{cold_rss:.0f}",
              f"{their_rss:.0f}", _fmt(None if cold is None else cold["load"], ".1f"),
              _fmt(None if ours is None else ours["first"], ".1f"), same, f"{os.getloadavg()[0]:.2f}"]
@@ -489,7 +510,7 @@ def _measure(shape: str, kind: str, path: Path, args: argparse.Namespace, table)
     table.row(cells, figures)
 
 
-def _title(moe: bool, n: int) -> str:
+def _title(moe: bool, n: int, rounds: int = 1) -> str:
     """The title of the table of the MoE shapes' rows or the Llama shapes'."""
     what = ("Mixtures of experts at their real widths (Qwen3-30B-A3B: 128 experts of 768, 8 a token; gpt-oss-20b: "
             "32 of 2880, 4 a token), random quantised blocks (Q4_K_M: llama.cpp's mix; gpt-oss: MXFP4 experts, Q8_0 "
@@ -497,9 +518,11 @@ def _title(moe: bool, n: int) -> str:
             if moe else "Llama shapes, random weights, SmolLM2's tokenizer")
     return (f"{what}: greedy decode of {n} tokens, batch 1, lmhead (draft none; its tok/s the {n - 1} one-token "
             "steps after the prompt's prefill, as llama-bench's tg times one-token steps, and beside it the rate "
-            "with the prefill and its first token included; its tok/s and RSS from the second of two warm runs, "
+            "with the prefill and its first token included; its tok/s and RSS from the warm runs after a first one, "
             "its load and RSS also from the cold run before them over an empty cache, its first token from the "
-            "warm process's start) beside llama-bench -t 2 -p 0 on the same file; '-' where a side failed")
+            "warm process's start) beside llama-bench -t 2 -p 0 on the same file"
+            + (f", {rounds} alternating rounds of the two (medians; the range of the rounds' ratios)" if rounds > 1
+               else "") + "; '-' where a side failed")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -512,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="the MoE shapes cut to their first N layers "
                         "(2: transformers' float32 forward checks the greedy tokens)")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=1, help="measured lmhead runs alternating with llama-bench "
+                        "runs (medians; the ratio's range beside it)")
     parser.add_argument("--work", type=Path, default=None, help="folder for the files (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the GGUF files in --work")
     parser.add_argument("--prepare", action="store_true", help="only write the files into --work (kept)")
@@ -520,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--new-tokens must be >= 2 (the first token comes from the prompt's prefill, timed apart)")
     if args.layers is not None and args.layers < 1:
         parser.error("--layers must be >= 1")
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     shapes = args.shape or list(SHAPES)
     if args.layers is not None and any(s not in MOE_SHAPES for s in shapes):
         parser.error(f"--layers cuts the MoE shapes only ({', '.join(MOE_SHAPES)})")
@@ -533,11 +560,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rec = Recorder("scale")
     print(rec.header(), flush=True)
-    columns = ["shape", "type", "file GiB", "lmhead tok/s", "llama-bench tok/s", "ratio",
+    columns = ["shape", "type", "file GiB", "lmhead tok/s", "llama-bench tok/s", "ratio", "ratio range",
                "lmhead tok/s, prompt included", "lmhead prompt s", "lmhead RSS MiB",
                "lmhead cold RSS MiB", "llama-bench RSS MiB", "lmhead cold load s", "lmhead warm first token s",
                "greedy = transformers", "load"]
-    tables = {moe: rec.table("moe" if moe else "shapes", _title(moe, args.new_tokens), columns)
+    tables = {moe: rec.table("moe" if moe else "shapes", _title(moe, args.new_tokens, args.rounds), columns)
               for moe in sorted({s in MOE_SHAPES for s in shapes})}
     work = args.work or Path(tempfile.mkdtemp(prefix="lmhead-bench-scale-"))
     try:

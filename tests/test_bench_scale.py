@@ -64,3 +64,33 @@ def test_the_decode_rate_times_the_steps_after_the_prompts_prefill(tmp_path):
     assert out["steps"] == len(out["ids"]) - 1 >= 1
     assert out["prompt"] > 0 and out["rate"] > 0 and out["with_prompt"] > 0
     assert out["with_prompt"] * (out["prompt"] + out["steps"] / out["rate"]) == pytest.approx(len(out["ids"]), rel=0.05)
+
+
+def test_rounds_alternate_the_sides_and_the_ratio_is_the_median_of_the_rounds_ratios(tmp_path, monkeypatch):
+    # on a shared host a slow spell lands on both sides: each side goes first in turn, and the row holds the
+    # rounds' medians, the median of their ratios and the ratios' range
+    import argparse
+
+    order, ours, theirs = [], iter([1.0, 1.0, 10.0, 12.0, 11.0]), iter([10.0, 10.0, 20.0])
+
+    def child(code, *args, cache=None):
+        order.append("lmhead")
+        return {"rate": next(ours), "with_prompt": 1.0, "prompt": 0.1, "first": 0.2, "load": 0.3, "ids": [1]}, 100.0
+
+    def bench(path, n):
+        order.append("llama-bench")
+        return next(theirs), 50.0
+
+    class Table:
+        def row(self, cells, figures):
+            self.cells, self.figures = cells, figures
+
+    monkeypatch.setattr(bench_scale, "_child", child)
+    monkeypatch.setattr(bench_scale, "llama_bench", bench)
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"0" * 1024)
+    table = Table()
+    bench_scale._measure("llama-3.2-3b", "Q8_0", path, argparse.Namespace(new_tokens=4, rounds=3, layers=None), table)
+    assert order == ["lmhead", "lmhead", "lmhead", "llama-bench", "llama-bench", "lmhead", "lmhead", "llama-bench"]
+    assert table.cells[3:7] == ["11.00", "10.00", "1.00", "0.55-1.20"]  # ratios 1.0, 1.2, 0.55: not 11 / 10
+    assert table.figures[0].ratio == pytest.approx(1.0)
