@@ -1,9 +1,10 @@
-"""How a one-row product's weight rows are shared by the threads (kernels/thread_shares.h): each thread takes its
-share's rounds from the front and, once its share is done, the others' from their back. A row's product is the same
-bits over any number of threads — more threads than cores (some start late and their shares are taken by the
-others), more than the claims kept on the stack — and every weight row is computed once, for every kernel family:
-float32, float16 and bfloat16 weights, int8 and packed codes in blocks of four rows (the float32 and the integer
-path) and by groups of sixteen rows."""
+"""How a product's weight rows are shared by the threads (kernels/thread_shares.h): each thread takes its share's
+rounds from the front and, once its share is done, the others' from their back. A row's product is the same bits,
+alone or among a prefill chunk's rows, over any number of threads — more threads than cores (some start late and
+their shares are taken by the others), more than the claims kept on the stack — and every weight row is computed
+once, for every kernel family: float32, float16 and bfloat16 weights, int8 and packed codes in blocks of four rows
+(the float32 and the integer path) and by groups of sixteen rows (AMX's tiles for a chunk's sixteen rows where the
+CPU grants them)."""
 
 from __future__ import annotations
 
@@ -53,25 +54,26 @@ KINDS = ["F32", "F16", "BF16", "rows4 int8", "rows4 packed", "groups int8", "gro
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_rows_product_is_the_same_bits_over_any_number_of_threads(kind, monkeypatch):
+def test_a_rows_product_is_the_same_bits_alone_or_in_a_chunk_over_any_number_of_threads(kind, monkeypatch):
     if kind.startswith("groups"):
         if not groups16.built():
             pytest.skip("the integer path by groups needs AVX-512 VNNI")
         monkeypatch.setenv("LMHEAD_GROUPS16", "1")
     g = torch.Generator().manual_seed(len(kind))
     coded, w = _coded(kind, g)
-    x = torch.randn(1, K, generator=g) * torch.logspace(-2, 2, K)
+    x = torch.randn(17, K, generator=g) * torch.logspace(-2, 2, K)
     modes = (0, 3) if kind.startswith("rows4") and LIB.lmhead_sliced(-1) != 0 else (None,)  # float32, integer
     before = LIB.lmhead_sliced(-1)
     try:
         for mode in modes:
             if mode is not None:
                 LIB.lmhead_sliced(mode)
-            alone = _product(coded, x, 1)
+            alone = torch.cat([_product(coded, x[i:i + 1].clone(), 1) for i in range(x.shape[0])])
             assert bool(((alone.double() - x.double() @ w.T).abs() <= float32_dot_bound(x, w)).all()), mode
-            for threads in THREADS:
-                for _ in range(3):  # which thread takes which round differs from call to call
-                    assert torch.equal(_product(coded, x, threads).view(torch.int32), alone.view(torch.int32)), (
-                        mode, threads)
+            for rows in (1, 17):  # a decode step's row; a prefill chunk's (AMX's tiles where the CPU grants them)
+                for threads in THREADS:
+                    for _ in range(3):  # which thread takes which round differs from call to call
+                        assert torch.equal(_product(coded, x[:rows].contiguous(), threads).view(torch.int32),
+                                           alone[:rows].view(torch.int32)), (mode, rows, threads)
     finally:
         LIB.lmhead_sliced(before)

@@ -390,13 +390,20 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
     if (M >= 16 && g16_amx_granted()) tiled = M / 16 * 16;
 #endif
     int failed = 0;
-    shares blocks; /* the blocks of sixteen weight rows, four (a round) at a time */
+    shares blocks, tiles; /* the blocks of sixteen weight rows: four (a round) at a time, or one for the tiles */
     if (shares_open(&blocks, N / 16, G16_NB, threads)) {
+        if (buf != stack) free(buf);
+        return LMHEAD_NO_MEMORY;
+    }
+    if (shares_open(&tiles, tiled ? N / 16 : 0, 1, threads)) {
+        shares_close(&blocks);
         if (buf != stack) free(buf);
         return LMHEAD_NO_MEMORY;
     }
 #pragma omp parallel num_threads(threads)
     {
+        extern int omp_get_thread_num(void);
+        const int tid = omp_get_thread_num();
 #ifdef G16_AMX
         uint8_t* u8 = tiled ? malloc((size_t)G * 512) : NULL; /* a block's codes a byte each, for the tiles */
         if (tiled && !u8) {
@@ -404,10 +411,8 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
             failed = 1;
         }
         if (u8) g16_tiles_configure(halves ? 2 : 1);
-        if (tiled) {
-#pragma omp for schedule(static) nowait
-        for (int64_t b = 0; b < N / 16; b++) {
-            if (!u8) continue;
+        share_cursor cursor = {0, 0, 0};
+        for (int64_t b; u8 && (b = shares_unit(&tiles, tid, &cursor)) >= 0;) {
             const __m512i flip = _mm512_set1_epi8(unsigned_codes ? 0 : (char)0x80); /* c + 128 back to c */
             for (int64_t g = 0; g < G; g++)
                 for (int q = 0; q < 8; q++)
@@ -417,13 +422,10 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
             for (int64_t m0 = 0; m0 < tiled; m0 += 16)
                 g16_tile(a, plane, d2, t, vx, m0, K, u8, unsigned_codes, bias, s16, m16, skind, halves, b, y, N);
         }
-        }
 #endif
         /* the rest of the rows: each thread a share of the blocks (one stream, thread_shares.h), four blocks at a
          * time, every query row against them before the next four — a round's rows read the matrix from memory
          * once, not once a row (each block's sums are its own: the same bits whichever thread takes it) */
-        extern int omp_get_thread_num(void);
-        const int tid = omp_get_thread_num();
         int v = 0;
         int64_t nb;
         for (int64_t b0; tiled < M && (b0 = shares_next(&blocks, tid, &v, &nb)) >= 0;)
@@ -440,6 +442,7 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
             if (!ok[m]) g16_plain(x + m * K, K, codes, s16, m16, skind, halves, packed, table, bias, N, y + m * N);
     if (buf != stack) free(buf);
     shares_close(&blocks);
+    shares_close(&tiles);
     return failed ? LMHEAD_NO_MEMORY : 0;
 }
 
