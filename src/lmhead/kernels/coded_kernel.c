@@ -1284,10 +1284,8 @@ static int dense_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w,
     } else if (M == 1) {
 #pragma omp parallel num_threads(threads)
         {
-            extern int omp_get_thread_num(void);
-            const int tid = omp_get_thread_num();
-            share_cursor cursor = {0, 0, 0};
-            for (int64_t n; (n = shares_unit(&rows, tid, &cursor)) >= 0;) one(x, K, w + n * K, bf16, y + n);
+            share_cursor cursor = share_start();
+            for (int64_t n; (n = shares_unit(&rows, &cursor)) >= 0;) one(x, K, w + n * K, bf16, y + n);
         }
         shares_close(&rows);
     } else
@@ -1388,11 +1386,9 @@ static int dense32_matmul(const float* x, int64_t M, int64_t K, const float* w, 
         if (shares_open(&rows, N, DENSE_ROUND, threads)) return LMHEAD_NO_MEMORY;
 #pragma omp parallel num_threads(threads)
         {
-            extern int omp_get_thread_num(void);
-            const int tid = omp_get_thread_num();
-            int v = 0;
+            share_cursor cursor = share_start();
             int64_t count;
-            for (int64_t n0; (n0 = shares_next(&rows, tid, &v, &count)) >= 0;) {
+            for (int64_t n0; (n0 = shares_next(&rows, &cursor, &count)) >= 0;) {
                 int64_t n = n0;
                 for (; n + 4 <= n0 + count; n += 4) dot32_4x1(x, K, w + n * K, y + n, N);
                 for (; n < n0 + count; n++) dot32_1x1(x, K, w + n * K, y + n, N);
@@ -1436,16 +1432,15 @@ static float dot32(const float* x, const float* w, int64_t K) {
 
 static int dense32_matmul(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int threads) {
     if (threads < 1) threads = 1;
-    /* one query row: the rows in shares (thread_shares.h); several: chunks as threads come for them */
-    if (M == 1) { /* the weight rows in shares (thread_shares.h), rounds of DENSE_ROUND rows */
+    /* one query row: the rows in shares (thread_shares.h), rounds of DENSE_ROUND rows; several: chunks as threads
+     * come for them */
+    if (M == 1) {
         shares rows;
         if (shares_open(&rows, N, DENSE_ROUND, threads)) return LMHEAD_NO_MEMORY;
 #pragma omp parallel num_threads(threads)
         {
-            extern int omp_get_thread_num(void);
-            const int tid = omp_get_thread_num();
-            share_cursor cursor = {0, 0, 0};
-            for (int64_t n; (n = shares_unit(&rows, tid, &cursor)) >= 0;) y[n] = dot32(x, w + n * K, K);
+            share_cursor cursor = share_start();
+            for (int64_t n; (n = shares_unit(&rows, &cursor)) >= 0;) y[n] = dot32(x, w + n * K, K);
         }
         shares_close(&rows);
         return 0;
@@ -1615,10 +1610,8 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
         }
 #pragma omp parallel num_threads(threads)
         {
-            extern int omp_get_thread_num(void);
-            const int tid = omp_get_thread_num();
-            share_cursor cursor = {0, 0, 0};
-            for (int64_t b; (b = shares_unit(&shared, tid, &cursor)) >= 0;) {
+            share_cursor cursor = share_start();
+            for (int64_t b; (b = shares_unit(&shared, &cursor)) >= 0;) {
                 const int64_t n0 = b * 4, nr = 4;
                 float s32[4 * HALF_MAX_GROUPS], o32[4 * HALF_MAX_GROUPS];
                 /* the block PREFETCH_AHEAD blocks on, fetched while this one is computed: with the unpacking's

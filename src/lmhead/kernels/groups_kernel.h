@@ -402,8 +402,6 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
     }
 #pragma omp parallel num_threads(threads)
     {
-        extern int omp_get_thread_num(void);
-        const int tid = omp_get_thread_num();
 #ifdef G16_AMX
         uint8_t* u8 = tiled ? malloc((size_t)G * 512) : NULL; /* a block's codes a byte each, for the tiles */
         if (tiled && !u8) {
@@ -411,8 +409,8 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
             failed = 1;
         }
         if (u8) g16_tiles_configure(halves ? 2 : 1);
-        share_cursor cursor = {0, 0, 0};
-        for (int64_t b; u8 && (b = shares_unit(&tiles, tid, &cursor)) >= 0;) {
+        share_cursor tile_cursor = share_start();
+        for (int64_t b; u8 && (b = shares_unit(&tiles, &tile_cursor)) >= 0;) {
             const __m512i flip = _mm512_set1_epi8(unsigned_codes ? 0 : (char)0x80); /* c + 128 back to c */
             for (int64_t g = 0; g < G; g++)
                 for (int q = 0; q < 8; q++)
@@ -426,9 +424,9 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
         /* the rest of the rows: each thread a share of the blocks (one stream, thread_shares.h), four blocks at a
          * time, every query row against them before the next four — a round's rows read the matrix from memory
          * once, not once a row (each block's sums are its own: the same bits whichever thread takes it) */
-        int v = 0;
+        share_cursor cursor = share_start();
         int64_t nb;
-        for (int64_t b0; tiled < M && (b0 = shares_next(&blocks, tid, &v, &nb)) >= 0;)
+        for (int64_t b0; tiled < M && (b0 = shares_next(&blocks, &cursor, &nb)) >= 0;)
             for (int64_t m = tiled; m < M; m++)
                 rows_of[nb](a + m * K, plane, d2 + m * G, t + m * G * 9, vx + m * G * 3, K, codes, s16, m16, N, table,
                             bias, b0, y + m * N, m == tiled);

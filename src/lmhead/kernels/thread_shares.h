@@ -1,16 +1,19 @@
-/* How a one-pass product's weight rows are shared by the threads: each thread a contiguous share of the units (rows
+/* How a product's weight rows are shared by the threads: each thread a contiguous share of the units (rows
  * or blocks of rows), which it takes in rounds from the front; a thread whose share is done takes the others' rounds
  * from their back. Each stream stays contiguous (the hardware's prefetcher follows it), and a thread that started
  * late or streams slower (a busy core, a page's placement) leaves no wait at the end: the even split alone left the
  * faster thread idle for part of each product. Which thread computes a unit changes none of its sums.
  *
- * Included by coded_kernel.c. */
+ * Included by coded_kernel.c and groups_kernel.h (built with OpenMP: a cursor knows its thread by
+ * omp_get_thread_num). */
 #ifndef LMHEAD_THREAD_SHARES_H
 #define LMHEAD_THREAD_SHARES_H
 
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+extern int omp_get_thread_num(void);
 
 /* a share's rounds still to take: the next from the front in the low 32 bits, one past the last in the high — its
  * owner takes from the front, the others from the back, one compare-and-swap a round; a cache line each */
@@ -58,12 +61,21 @@ static inline int64_t share_claim_round(_Atomic uint64_t* word, int owner) {
     }
 }
 
-/* thread tid's next round: its first unit, *count its units; -1 when every share is taken. *v starts at 0 (the
- * thread's own share) and moves on to the others' as each runs out */
-static inline int64_t shares_next(shares* s, int tid, int* v, int64_t* count) {
-    for (; *v < s->threads; ++*v) {
-        const int victim = (tid + *v) % s->threads;
-        const int64_t r = share_claim_round(&s->claims[victim].word, *v == 0);
+/* where a thread is: its number, the share it takes from (0: its own, then the others' in turn) and the units left
+ * of its round */
+typedef struct {
+    int tid, v;
+    int64_t next, end;
+} share_cursor;
+
+/* the calling thread's cursor, at the front of its own share */
+static inline share_cursor share_start(void) { return (share_cursor){omp_get_thread_num(), 0, 0, 0}; }
+
+/* the cursor's thread's next round: its first unit, *count its units; -1 when every share is taken */
+static inline int64_t shares_next(shares* s, share_cursor* c, int64_t* count) {
+    for (; c->v < s->threads; c->v++) {
+        const int victim = (c->tid + c->v) % s->threads;
+        const int64_t r = share_claim_round(&s->claims[victim].word, c->v == 0);
         if (r < 0) continue;
         const int64_t u0 = share_first(s, victim) + r * s->round, end = share_first(s, victim + 1);
         *count = end - u0 < s->round ? end - u0 : s->round;
@@ -72,17 +84,11 @@ static inline int64_t shares_next(shares* s, int tid, int* v, int64_t* count) {
     return -1;
 }
 
-/* where a thread is: the share it takes from (0: its own) and the units left of its round */
-typedef struct {
-    int v;
-    int64_t next, end;
-} share_cursor;
-
-/* thread tid's next unit, a round claimed as the one before runs out; -1 when every share is taken */
-static inline int64_t shares_unit(shares* s, int tid, share_cursor* c) {
+/* the cursor's thread's next unit, a round claimed as the one before runs out; -1 when every share is taken */
+static inline int64_t shares_unit(shares* s, share_cursor* c) {
     if (c->next == c->end) {
         int64_t count;
-        const int64_t u0 = shares_next(s, tid, &c->v, &count);
+        const int64_t u0 = shares_next(s, c, &count);
         if (u0 < 0) return -1;
         c->next = u0, c->end = u0 + count;
     }
