@@ -98,6 +98,40 @@ def test_a_level_table_or_flag_other_than_the_headers_turns_the_kernels_off_with
     assert native._facts_mismatch(native.library()) is None  # the mirror as it is matches
 
 
+_FAILS_CHECK = """
+import shutil, sys
+from pathlib import Path
+from lmhead.kernels import builder, native, self_test
+def build(target):  # the working library copied in its place: a build of the same sources
+    Path(target).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(sys.argv[1], target)
+    builder.checksum_path(target).write_text(builder.checksum(Path(target)))
+    return True
+builder.build = build
+self_test.failed_check = lambda lib: "attend_test"  # as a miscompiled attention would
+print("loaded" if native.library() is not None else "none")
+print(native.refusal())
+from lmhead import machine
+print(machine._kernels()["why"])
+"""
+
+
+@pytest.mark.skipif(builder.compiler() is None or native.library() is None, reason="no C compiler")
+def test_kernels_failing_their_self_test_are_rebuilt_once_then_turned_off_with_one_line_naming_the_check(tmp_path):
+    # a refused library silently meant torch's float32 path at a fraction of the speed: the user is told which
+    # check failed, and `lmhead info` says the same
+    env = {**os.environ, "LMHEAD_CACHE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", _FAILS_CHECK, str(builder.library_path())], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    loaded, refusal, why = run.stdout.strip().splitlines()
+    assert loaded == "none" and refusal == "their self-test failed (attend_test)"
+    assert why == "their self-test failed (attend_test): every product takes torch's float32 path"
+    lines = [line for line in run.stderr.splitlines() if line.startswith("lmhead:")]
+    assert len(lines) == 1 and "failed their self-test (attend_test); running without them" in lines[0], lines
+    assert native.refusal() is None  # this process's library passed
+
+
 def test_activation_codes_other_than_the_headers_are_a_mismatch(monkeypatch):
     # a dense MLP's SiLU run as GELU (or gpt-oss's clamped SwiGLU as SiLU) would be other numbers: the codes are
     # checked value by value with the flags and level tables

@@ -83,7 +83,8 @@ def _kernels() -> dict[str, Any]:
     if not path.exists():
         print("lmhead: compiling the kernels for this CPU (once)...", file=sys.stderr, flush=True)
     if native.library() is None:
-        return out | {"why": "the build or its self-test failed: every product takes torch's float32 path"}
+        why = native.refusal() or "the build failed"
+        return out | {"why": f"{why}: every product takes torch's float32 path"}
     chosen = paths.chosen()
     return out | {"available": True, "avx2": native.avx2(), "products": paths.describe(),
                   "paths": {kind: dict(v) for kind, v in chosen.items() if isinstance(v, dict)},

@@ -1,5 +1,5 @@
 """The compiled kernels checked when they load: every entry point against plain torch math on small random inputs,
-built with an unknown compiler on an unknown machine — checked, not assumed (`native.library` calls `self_test`)."""
+built with an unknown compiler on an unknown machine — checked, not assumed (`native.library` calls `failed_check`)."""
 
 from __future__ import annotations
 
@@ -35,25 +35,29 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-5))
 
 
-def self_test(lib: ctypes.CDLL) -> bool:
+def failed_check(lib: ctypes.CDLL) -> str | None:
     """Every entry point against plain torch math on small random inputs (every path of the coded product:
     1 and several rows, groups 16 and 32, with and without offsets): built with an unknown compiler on an
-    unknown machine, it is checked, not assumed."""
+    unknown machine, it is checked, not assumed. The first check that fails, by name (its float32 path's where the
+    integer path passed), or None when every one passes."""
     g = torch.Generator().manual_seed(0)  # one stream of draws through every check, in this order
     checks = (grouped_products, four_row_blocks, packed_and_half, signed_and_levels, sub_scales, dense_weights,
               by_groups, by_groups_subscaled, norms_and_gates, row_entry_points, steps_test, attend_test)
-    if not all(check(lib, g) for check in checks):
-        return False
+    for check in checks:
+        if not check(lib, g):
+            return check.__name__
     # where the products of four-row blocks also have the integer path (sliced_kernel.h, on by default), their
     # float32 path
     every = lib.lmhead_sliced(-1)
     if every:
         lib.lmhead_sliced(0)
         try:
-            return all(check(lib, g) for check in (four_row_blocks, packed_and_half, signed_and_levels, sub_scales))
+            for check in (four_row_blocks, packed_and_half, signed_and_levels, sub_scales):
+                if not check(lib, g):
+                    return f"{check.__name__} on the float32 path"
         finally:
             lib.lmhead_sliced(every)
-    return True
+    return None
 
 
 def grouped_products(lib: ctypes.CDLL, g: torch.Generator) -> bool:
