@@ -105,6 +105,19 @@ def test_a_rows_product_is_within_the_bound_and_the_same_bits_alone_in_a_batch_a
                                alone[:m].view(torch.int32)), (m, threads)
 
 
+@pytest.mark.parametrize("kind", ["int8", "unsigned", "signed sub16 offsets"])
+def test_a_prefill_chunk_of_several_tile_chunks_gives_each_row_its_bits_alone(kind):
+    # AMX's tiles take a prefill's rows in chunks whose slices stay in L2 (K = 2048: 64 rows a chunk): 150 rows are
+    # three chunks, the last one short, and six rows for the one-row kernel; each row is its bits alone
+    n, k = 32, 2048
+    coded, w = _matrix(kind, n, k, seed=3)
+    x = torch.randn(150, k, generator=torch.Generator().manual_seed(4)) * torch.logspace(-2, 2, k)
+    alone = torch.cat([coded(x[i:i + 1]) for i in range(x.shape[0])])
+    assert bool(((alone.double() - x.double() @ w.T).abs() <= float32_dot_bound(x, w)).all())
+    for m in (150, 80, 64):
+        assert torch.equal(coded(x[:m]).view(torch.int32), alone[:m].view(torch.int32)), m
+
+
 def test_an_activation_half_a_step_between_two_slicings_rounds_up():
     """Weight row r reads one activation (code 1, scale 1: every sum exact), so its output is that activation as
     sliced; the activations sit at exact half steps of d₂ = 2⁻¹⁶ (each group's largest is 100, d₀ = 1), where

@@ -50,13 +50,15 @@ static inline __m512i g16_lut(int t) {
                             _mm512_set1_epi8((char)0x80));
 }
 
-/* a query row's slices: a [3][plane] (this row at offset m·K), d2 [G], t [G][3][3] (each slice's sum over the group,
- * its first and its second sixteen), vx [G][3] (x̂'s sums over the same, in units of d₂);
+/* a query row's slices: slice k's group g at a + k·plane + g·gstride (the rows' layout: plane M·K, gstride 32, this
+ * row at offset m·K; the tiles': g16_tile_slices), d2 [G], t [G][3][3] (each slice's sum over the group, its first
+ * and its second sixteen), vx [G][3] (x̂'s sums over the same, in units of d₂);
  * returns whether the row takes the integer path. Per group, d₀ the smallest power of two with max|x|/d₀ ≤ 127,
  * d₂ = d₀·2⁻¹⁶, R = ⌊x/d₂ + ½⌋ (x/d₂ is exact: a power of two's multiple, |x/d₂| < 2²³), and R + 32896 split into
  * bytes: a₀ its bits from 16 up (arithmetic shift), a₁ and a₂ its second and first byte less 128, so that
  * x̂ = d₂·(2¹⁶·a₀ + 2⁸·a₁ + a₂) = d₂·R and |x − x̂| ≤ d₂/2 (sliced_kernel.h's slicing, per group, in integers) */
-static int g16_slice(const float* x, int64_t K, int8_t* a, int64_t plane, float* d2, int32_t* t, float* vx) {
+static int g16_slice(const float* x, int64_t K, int8_t* a, int64_t plane, int64_t gstride, float* d2, int32_t* t,
+                     float* vx) {
     const int64_t G = K / 32;
     const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     const __m512i center = _mm512_set1_epi32(32896), byte = _mm512_set1_epi32(255), half = _mm512_set1_epi32(128);
@@ -90,7 +92,7 @@ static int g16_slice(const float* x, int64_t K, int8_t* a, int64_t plane, float*
                                   _mm512_sub_epi32(_mm512_and_si512(_mm512_srai_epi32(r, 8), byte), half),
                                   _mm512_sub_epi32(_mm512_and_si512(r, byte), half)};
             for (int k = 0; k < 3; k++) {
-                _mm_storeu_si128((__m128i*)(a + k * plane + g * 32 + 16 * s), _mm512_cvtepi32_epi8(q[k]));
+                _mm_storeu_si128((__m128i*)(a + k * plane + g * gstride + 16 * s), _mm512_cvtepi32_epi8(q[k]));
                 tg[3 + 3 * s + k] = _mm512_reduce_add_epi32(q[k]);
             }
         }
@@ -271,6 +273,14 @@ static void g16_row(const uint8_t* codes, const void* s16, const void* m16, int 
     }
 }
 
+/* the tiles' slices: per sixteen query rows and group, the three slices' [16][32] bytes one after another, so that a
+ * tile's load reads eight whole lines in a row (from the rows' layout a tile's sixteen rows are K bytes apart: half a
+ * line each, and for K a multiple of 1024 all in a few of L1's sets) */
+enum { G16_TILE_SLICE = 16 * 32, G16_TILE_GROUP = 3 * G16_TILE_SLICE };
+/* the tiles' query rows are taken in chunks whose slices stay in L2 while each block of the matrix passes them
+ * (a whole prefill chunk's slices of a wide matrix, 3·M·K bytes, do not) */
+enum { G16_TILE_CHUNK_BYTES = 384 << 10 };
+
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #define G16_AMX 1
 typedef struct {
@@ -298,10 +308,10 @@ static void g16_tiles_configure(int H) {
     _tile_loadconfig(&cfg);
 }
 
-/* query rows m0 .. m0+15 against weight rows 16b .. 16b+15, whose codes are bytes [G][8][64]: signed (int8 codes,
- * a level table's levels: tdpbssd, nothing to subtract) or unsigned (other packed codes: tdpbsud, the bias times the
- * slices' sums subtracted) */
-static void g16_tile(const int8_t* a, int64_t plane, const float* d2, const int32_t* t, const float* vx, int64_t m0,
+/* query rows m0 .. m0+15 (their slices `ta`: the layout above) against weight rows 16b .. 16b+15, whose codes are
+ * bytes [G][8][64]: signed (int8 codes, a level table's levels: tdpbssd, nothing to subtract) or unsigned (other
+ * packed codes: tdpbsud, the bias times the slices' sums subtracted) */
+static void g16_tile(const int8_t* ta, const float* d2, const int32_t* t, const float* vx, int64_t m0,
                      int64_t K, const uint8_t* u8, int unsigned_codes, int32_t bias, const void* s16, const void* m16,
                      int skind, int halves, int64_t b, float* y, int64_t N) {
     const int64_t G = K / 32, H = halves ? 2 : 1, GS = G * H;
@@ -310,14 +320,15 @@ static void g16_tile(const int8_t* a, int64_t plane, const float* d2, const int3
     __m512 acc[16];
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t gs = 0; gs < GS; gs++) {
-        const int64_t g = gs / H, h = gs % H, at = g * 32 + h * 16 * (H - 1);
+        const int64_t g = gs / H, h = gs % H;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
+        const int8_t* tg = ta + (m0 / 16 * G + g) * G16_TILE_GROUP + h * 16;
         _tile_loadd(6, u8 + g * 512 + h * 256, 64);
-        _tile_loadd(3, a + m0 * K + at, K);
-        _tile_loadd(4, a + plane + m0 * K + at, K);
-        _tile_loadd(5, a + 2 * plane + m0 * K + at, K);
+        _tile_loadd(3, tg, 32);
+        _tile_loadd(4, tg + G16_TILE_SLICE, 32);
+        _tile_loadd(5, tg + 2 * G16_TILE_SLICE, 32);
         if (!unsigned_codes) {
             _tile_dpbssd(0, 3, 6);
             _tile_dpbssd(1, 4, 6);
@@ -358,44 +369,55 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
         return -1;
     if (M == 0 || N == 0) return 0;
     if (threads < 1) threads = 1;
-    const int64_t G = K / 32, plane = M * K, unit = packed ? 256 : 512;
+    const int64_t G = K / 32, unit = packed ? 256 : 512;
     const int32_t bias = g16_bias(packed, signed4, table);
     const int unsigned_codes = packed && table < 0; /* the tiles' codes: signed (the bias taken off) or not */
     const __m512i lut = g16_lut(table);
     const int mode = halves ? G16_M_SUB16 : skind == G16_HALF ? G16_M_HALF : skind == G16_E8M0 ? G16_M_E8M0 : G16_M_SUB;
     const g16_rows_fn* rows_of = G16_ROWS_OF[!packed ? G16_INT8 : table >= 0 ? G16_LEVELS_KIND : G16_NIBBLES][mode];
-    /* the slices and their sums in one buffer: on the stack for a decode step's row (a call's bookkeeping is a
-     * visible share of a small model's step) */
-    const size_t need = (size_t)(3 * plane) + (size_t)(M * G) * (4 * sizeof(float) + 9 * sizeof(int32_t)) + (size_t)M;
-    _Alignas(64) unsigned char stack[16384];
-    unsigned char* buf = need <= sizeof stack ? stack : malloc(need);
-    if (!buf) return LMHEAD_NO_MEMORY;
-    float* d2 = (float*)buf;
-    float* vx = d2 + M * G;
-    int32_t* t = (int32_t*)(vx + M * G * 3);
-    int8_t* a = (int8_t*)(t + M * G * 9);
-    unsigned char* ok = (unsigned char*)(a + 3 * plane);
-    int all_ok = 1;
-    if (M == 1) {
-        all_ok = ok[0] = (unsigned char)g16_slice(x, K, a, plane, d2, t, vx);
-    } else {
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(& : all_ok)
-        for (int64_t m = 0; m < M; m++) {
-            ok[m] = (unsigned char)g16_slice(x + m * K, K, a + m * K, plane, d2 + m * G, t + m * G * 9, vx + m * G * 3);
-            all_ok &= ok[m];
-        }
-    }
-    int64_t tiled = 0;
+    int64_t tiled = 0; /* the rows AMX's tiles take, sixteen at a time */
 #ifdef G16_AMX
     if (M >= 16 && g16_amx_granted()) tiled = M / 16 * 16;
 #endif
+    const int64_t plane = (M - tiled) * K; /* the other rows' slices: the rows' layout, [3][M − tiled][K] */
+    /* the slices (the tiles' layout, then the rows') and their sums in one buffer: on the stack for a decode step's
+     * row (a call's bookkeeping is a visible share of a small model's step) */
+    const size_t need = (size_t)(3 * M * K) + (size_t)(M * G) * (4 * sizeof(float) + 9 * sizeof(int32_t)) + (size_t)M;
+    _Alignas(64) unsigned char stack[16384];
+    unsigned char* buf = need <= sizeof stack ? stack : aligned_alloc(64, (need + 63) / 64 * 64);
+    if (!buf) return LMHEAD_NO_MEMORY;
+    int8_t* ta = (int8_t*)buf;
+    int8_t* a = ta + 3 * tiled * K;
+    float* d2 = (float*)(a + 3 * plane);
+    float* vx = d2 + M * G;
+    int32_t* t = (int32_t*)(vx + M * G * 3);
+    unsigned char* ok = (unsigned char*)(t + M * G * 9);
+    int all_ok = 1;
+    if (M == 1) {
+        all_ok = ok[0] = (unsigned char)g16_slice(x, K, a, plane, 32, d2, t, vx);
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(& : all_ok)
+        for (int64_t m = 0; m < M; m++) {
+            int8_t* am = m < tiled ? ta + m / 16 * G * G16_TILE_GROUP + m % 16 * 32 : a + (m - tiled) * K;
+            const int tiles = m < tiled;
+            ok[m] = (unsigned char)g16_slice(x + m * K, K, am, tiles ? G16_TILE_SLICE : plane, tiles ? G16_TILE_GROUP : 32,
+                                             d2 + m * G, t + m * G * 9, vx + m * G * 3);
+            all_ok &= ok[m];
+        }
+    }
     int failed = 0;
-    shares blocks, tiles; /* the blocks of sixteen weight rows: four (a round) at a time, or one for the tiles */
-    if (shares_open(&blocks, N / 16, G16_NB, threads)) {
+    /* the blocks of sixteen weight rows: four (a round) at a time; for the tiles one block against one chunk of
+     * query rows a round, chunk by chunk */
+    int64_t chunk = G16_TILE_CHUNK_BYTES / (3 * K) / 16 * 16;
+    if (chunk < 16) chunk = 16;
+    if (chunk > tiled) chunk = tiled;
+    const int64_t chunks = tiled ? (tiled + chunk - 1) / chunk : 0, NB16 = N / 16;
+    shares blocks, tiles;
+    if (shares_open(&blocks, NB16, G16_NB, threads)) {
         if (buf != stack) free(buf);
         return LMHEAD_NO_MEMORY;
     }
-    if (shares_open(&tiles, tiled ? N / 16 : 0, 1, threads)) {
+    if (shares_open(&tiles, chunks * NB16, 1, threads)) {
         shares_close(&blocks);
         if (buf != stack) free(buf);
         return LMHEAD_NO_MEMORY;
@@ -410,15 +432,16 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
         }
         if (u8) g16_tiles_configure(halves ? 2 : 1);
         share_cursor tile_cursor = share_start();
-        for (int64_t b; u8 && (b = shares_unit(&tiles, &tile_cursor)) >= 0;) {
+        for (int64_t u; u8 && (u = shares_unit(&tiles, &tile_cursor)) >= 0;) {
+            const int64_t b = u % NB16, first = u / NB16 * chunk, end = first + chunk < tiled ? first + chunk : tiled;
             const __m512i flip = _mm512_set1_epi8(unsigned_codes ? 0 : (char)0x80); /* c + 128 back to c */
             for (int64_t g = 0; g < G; g++)
                 for (int q = 0; q < 8; q++)
                     _mm512_storeu_si512(u8 + g * 512 + q * 64,
                                         _mm512_xor_si512(g16_step(codes + (b * G + g) * unit, q, packed, table >= 0,
                                                                   lut), flip));
-            for (int64_t m0 = 0; m0 < tiled; m0 += 16)
-                g16_tile(a, plane, d2, t, vx, m0, K, u8, unsigned_codes, bias, s16, m16, skind, halves, b, y, N);
+            for (int64_t m0 = first; m0 < end; m0 += 16)
+                g16_tile(ta, d2, t, vx, m0, K, u8, unsigned_codes, bias, s16, m16, skind, halves, b, y, N);
         }
 #endif
         /* the rest of the rows: each thread a share of the blocks (one stream, thread_shares.h), four blocks at a
@@ -428,8 +451,8 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
         int64_t nb;
         for (int64_t b0; tiled < M && (b0 = shares_next(&blocks, &cursor, &nb)) >= 0;)
             for (int64_t m = tiled; m < M; m++)
-                rows_of[nb](a + m * K, plane, d2 + m * G, t + m * G * 9, vx + m * G * 3, K, codes, s16, m16, N, table,
-                            bias, b0, y + m * N, m == tiled);
+                rows_of[nb](a + (m - tiled) * K, plane, d2 + m * G, t + m * G * 9, vx + m * G * 3, K, codes, s16, m16,
+                            N, table, bias, b0, y + m * N, m == tiled);
 #ifdef G16_AMX
         if (u8) _tile_release();
         free(u8);

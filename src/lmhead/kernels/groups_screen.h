@@ -123,7 +123,7 @@ int lmhead_screen_rescore16(const float* x, int64_t M, int64_t K, const uint8_t*
         float* vx = d2 + G;
         int32_t* t = (int32_t*)(vx + G * 3);
         int8_t* a = (int8_t*)(t + G * 9);
-        const int ok = g16_slice(x + m * K, K, a, K, d2, t, vx);
+        const int ok = g16_slice(x + m * K, K, a, K, 32, d2, t, vx);
         float vals[16];
         int64_t last = -1;
         for (int64_t j = 0; j < counts[m]; j++) {
