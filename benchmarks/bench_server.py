@@ -441,7 +441,7 @@ def prefill(args: argparse.Namespace, rec: Recorder) -> None:
     # named for the file, not its path
     label = args.model if args.model in MODELS else Path(args.model).stem
     name = "prefill" if args.model == "gemma-3-270m" else f"prefill_{label.replace('-', '_')}"
-    table = rec.table(name, f"{args.model}: a prompt's prefill in process (its first token) beside "
+    table = rec.table(name, f"{label}: a prompt's prefill in process (its first token) beside "
                       f"llama-bench -p N -n 0 -t 2 ({described(LLAMA_BIN)}) on the same GGUF file",
                       ["prompt tokens", "lmhead TTFT (s)", "lmhead tok/s", "llama-bench tok/s", "ratio"])
     llama, failed = {}, "failed: not built"
