@@ -51,8 +51,8 @@ static inline __m512i g16_lut(int t) {
 }
 
 /* a query row's slices: slice k's group g at a + k·plane + g·gstride (the rows' layout: plane M·K, gstride 32, this
- * row at offset m·K; the tiles': g16_tile_slices), d2 [G], t [G][3][3] (each slice's sum over the group, its first
- * and its second sixteen), vx [G][3] (x̂'s sums over the same, in units of d₂);
+ * row at offset m·K; the tiles': plane G16_TILE_SLICE, gstride G16_TILE_GROUP), d2 [G], t [G][3][3] (each slice's
+ * sum over the group, its first and its second sixteen), vx [G][3] (x̂'s sums over the same, in units of d₂);
  * returns whether the row takes the integer path. Per group, d₀ the smallest power of two with max|x|/d₀ ≤ 127,
  * d₂ = d₀·2⁻¹⁶, R = ⌊x/d₂ + ½⌋ (x/d₂ is exact: a power of two's multiple, |x/d₂| < 2²³), and R + 32896 split into
  * bytes: a₀ its bits from 16 up (arithmetic shift), a₁ and a₂ its second and first byte less 128, so that
@@ -398,10 +398,10 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
     } else {
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(& : all_ok)
         for (int64_t m = 0; m < M; m++) {
-            int8_t* am = m < tiled ? ta + m / 16 * G * G16_TILE_GROUP + m % 16 * 32 : a + (m - tiled) * K;
-            const int tiles = m < tiled;
-            ok[m] = (unsigned char)g16_slice(x + m * K, K, am, tiles ? G16_TILE_SLICE : plane, tiles ? G16_TILE_GROUP : 32,
-                                             d2 + m * G, t + m * G * 9, vx + m * G * 3);
+            const int in_tile = m < tiled;
+            int8_t* am = in_tile ? ta + m / 16 * G * G16_TILE_GROUP + m % 16 * 32 : a + (m - tiled) * K;
+            ok[m] = (unsigned char)g16_slice(x + m * K, K, am, in_tile ? G16_TILE_SLICE : plane,
+                                             in_tile ? G16_TILE_GROUP : 32, d2 + m * G, t + m * G * 9, vx + m * G * 3);
             all_ok &= ok[m];
         }
     }
