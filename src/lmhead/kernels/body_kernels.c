@@ -176,6 +176,87 @@ static inline __m256 dot8(const float* q, const float* k, int64_t hd) {
 }
 #endif
 
+/* Σ_j (p_j·w)·v_j over keys a .. e−1 of key head kh (row b) into o [hd], carried in o from call to call: one
+ * chain of multiply-adds per column in key order (w: the query's 1/Σ) */
+static void attend_values(float* o, const float* pg, float w, const float* values, const lmhead_shared* sh, int64_t b,
+                          int64_t kh, int64_t a, int64_t e, int64_t Hkv, int64_t hd, int64_t cap, int64_t off) {
+    for (int64_t j = a, r; j < e;) {
+        const float* vr = kv_run(values, sh ? sh->values : NULL, sh, b, kh, j, Hkv, hd, cap, off, &r);
+        r = r < e ? r : e;
+        int64_t i0 = 0;
+#ifdef __AVX512F__
+        /* the same sums, sixteen lanes a register */
+        for (; i0 + 64 <= hd; i0 += 64) {
+            __m512 acc[4];
+            for (int k = 0; k < 4; k++) acc[k] = _mm512_loadu_ps(o + i0 + 16 * k);
+            const float* vj = vr + i0;
+            for (int64_t jj = j; jj < r; jj++, vj += hd) {
+                const __m512 pj = _mm512_set1_ps(pg[jj] * w);
+                for (int k = 0; k < 4; k++) acc[k] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 16 * k), acc[k]);
+            }
+            for (int k = 0; k < 4; k++) _mm512_storeu_ps(o + i0 + 16 * k, acc[k]);
+        }
+#endif
+#ifdef __AVX2__
+        /* Σ_j p_j·v_j for 64 columns at a time in eight registers (summed in memory, each column's
+         * chain went through a store and a load per key), carried in `o` from run to run */
+        for (; i0 + 64 <= hd; i0 += 64) {
+            __m256 acc[8];
+            for (int k = 0; k < 8; k++) acc[k] = _mm256_loadu_ps(o + i0 + 8 * k);
+            const float* vj = vr + i0;
+            for (int64_t jj = j; jj < r; jj++, vj += hd) {
+                const __m256 pj = _mm256_set1_ps(pg[jj] * w);
+                for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * k), acc[k]);
+            }
+            for (int k = 0; k < 8; k++) _mm256_storeu_ps(o + i0 + 8 * k, acc[k]);
+        }
+#endif
+        if (i0 < hd) {
+            const float* vj = vr;
+            for (int64_t jj = j; jj < r; jj++, vj += hd) {
+                const float pj = pg[jj] * w;
+#pragma omp simd
+                for (int64_t i = i0; i < hd; i++) o[i] += pj * vj[i];
+            }
+        }
+        j = r;
+    }
+}
+
+#ifdef __AVX512F__
+/* attend_values for two queries of row b over the same keys (hd a multiple of 64): each query's chains as alone,
+ * the value rows read once for both */
+static void attend_values2(float* o, const float* pg, float w, float* o2, const float* pg2, float w2,
+                           const float* values, const lmhead_shared* sh, int64_t b, int64_t kh, int64_t a, int64_t e,
+                           int64_t Hkv, int64_t hd, int64_t cap, int64_t off) {
+    for (int64_t j = a, r; j < e;) {
+        const float* vr = kv_run(values, sh ? sh->values : NULL, sh, b, kh, j, Hkv, hd, cap, off, &r);
+        r = r < e ? r : e;
+        for (int64_t i0 = 0; i0 + 64 <= hd; i0 += 64) {
+            __m512 acc[4], acc2[4];
+            for (int k = 0; k < 4; k++) {
+                acc[k] = _mm512_loadu_ps(o + i0 + 16 * k);
+                acc2[k] = _mm512_loadu_ps(o2 + i0 + 16 * k);
+            }
+            const float* vj = vr + i0;
+            for (int64_t jj = j; jj < r; jj++, vj += hd) {
+                const __m512 pj = _mm512_set1_ps(pg[jj] * w), pj2 = _mm512_set1_ps(pg2[jj] * w2);
+                for (int k = 0; k < 4; k++) {
+                    const __m512 vk = _mm512_loadu_ps(vj + 16 * k);
+                    acc[k] = _mm512_fmadd_ps(pj, vk, acc[k]);
+                    acc2[k] = _mm512_fmadd_ps(pj2, vk, acc2[k]);
+                }
+            }
+            for (int k = 0; k < 4; k++) {
+                _mm512_storeu_ps(o + i0 + 16 * k, acc[k]);
+                _mm512_storeu_ps(o2 + i0 + 16 * k, acc2[k]);
+            }
+        }
+        j = r;
+    }
+}
+#endif
+
 /* One layer's attention for T new tokens of B rows, from the q/k heads (normed, before rope) and v:
  *   rope (x·cos + rotate_half(x)·sin, rotate_half(x) = (−x₂, x₁), given as the swapped halves (x₂, x₁) times
  *   the signed sin (−sin₁, sin₂)) on q and k; k and v written at the cache's
@@ -421,47 +502,30 @@ int lmhead_attend(const lmhead_attend_args* args) {
                     const int64_t e = span[3 * bt + 1] < j1 ? span[3 * bt + 1] : j1;
                     const float* pg = p + g * L;
                     float* o = out + (bt * H + h) * hd;
-                    for (int64_t j = a, r; j < e;) {
-                        const float* vr = kv_run(values, sh ? sh->values : NULL, sh, b, kh, j, Hkv, hd, cap, sh_off, &r);
-                        r = r < e ? r : e;
-                        int64_t i0 = 0;
 #ifdef __AVX512F__
-                        /* the same sums, sixteen lanes a register */
-                        for (; i0 + 64 <= hd; i0 += 64) {
-                            __m512 acc[4];
-                            for (int k = 0; k < 4; k++) acc[k] = _mm512_loadu_ps(o + i0 + 16 * k);
-                            const float* vj = vr + i0;
-                            for (int64_t jj = j; jj < r; jj++, vj += hd) {
-                                const __m512 pj = _mm512_set1_ps(pg[jj] * inv[g]);
-                                for (int k = 0; k < 4; k++) acc[k] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 16 * k), acc[k]);
-                            }
-                            for (int k = 0; k < 4; k++) _mm512_storeu_ps(o + i0 + 16 * k, acc[k]);
+                    /* two queries of the same row at once over the keys both read: eight chains of multiply-adds
+                     * where one query's sixty-four columns are four, each a key's latency long (each query's own
+                     * chains, in its own key order: the same sums) */
+                    if (g + 1 < n && hd % 64 == 0 && (q0 + g + 1) / group / T == b) {
+                        const int64_t bt2 = (q0 + g + 1) / group, h2 = kh * group + (q0 + g + 1) % group;
+                        const int64_t a2 = span[3 * bt2] > j0 ? span[3 * bt2] : j0;
+                        const int64_t e2 = span[3 * bt2 + 1] < j1 ? span[3 * bt2 + 1] : j1;
+                        const int64_t from = a > a2 ? a : a2, to = e < e2 ? e : e2;
+                        if (from < to) {
+                            const float* pg2 = p + (g + 1) * L;
+                            float* o2 = out + (bt2 * H + h2) * hd;
+                            attend_values(o, pg, inv[g], values, sh, b, kh, a, from, Hkv, hd, cap, sh_off);
+                            attend_values(o2, pg2, inv[g + 1], values, sh, b, kh, a2, from, Hkv, hd, cap, sh_off);
+                            attend_values2(o, pg, inv[g], o2, pg2, inv[g + 1], values, sh, b, kh, from, to, Hkv, hd,
+                                           cap, sh_off);
+                            attend_values(o, pg, inv[g], values, sh, b, kh, to, e, Hkv, hd, cap, sh_off);
+                            attend_values(o2, pg2, inv[g + 1], values, sh, b, kh, to, e2, Hkv, hd, cap, sh_off);
+                            g++;
+                            continue;
                         }
-#endif
-#ifdef __AVX2__
-                        /* Σ_j p_j·v_j for 64 columns at a time in eight registers (summed in memory, each column's
-                         * chain went through a store and a load per key), carried in `o` from run to run */
-                        for (; i0 + 64 <= hd; i0 += 64) {
-                            __m256 acc[8];
-                            for (int k = 0; k < 8; k++) acc[k] = _mm256_loadu_ps(o + i0 + 8 * k);
-                            const float* vj = vr + i0;
-                            for (int64_t jj = j; jj < r; jj++, vj += hd) {
-                                const __m256 pj = _mm256_set1_ps(pg[jj] * inv[g]);
-                                for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * k), acc[k]);
-                            }
-                            for (int k = 0; k < 8; k++) _mm256_storeu_ps(o + i0 + 8 * k, acc[k]);
-                        }
-#endif
-                        if (i0 < hd) {
-                            const float* vj = vr;
-                            for (int64_t jj = j; jj < r; jj++, vj += hd) {
-                                const float pj = pg[jj] * inv[g];
-#pragma omp simd
-                                for (int64_t i = i0; i < hd; i++) o[i] += pj * vj[i];
-                            }
-                        }
-                        j = r;
                     }
+#endif
+                    attend_values(o, pg, inv[g], values, sh, b, kh, a, e, Hkv, hd, cap, sh_off);
                 }
             }
         }
