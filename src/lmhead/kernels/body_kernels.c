@@ -176,6 +176,34 @@ static inline __m256 dot8(const float* q, const float* k, int64_t hd) {
 }
 #endif
 
+#ifdef __AVX512F__
+/* the value sums of Q queries (1 or 2) over one run of keys j .. r−1 (their value rows from vr), into o[q] for the
+ * columns up to hd's last multiple of 64: four chains of multiply-adds a query, each in key order, the value rows
+ * read once for the Q queries; returns the columns done */
+static inline __attribute__((always_inline)) int64_t values512(const int Q, float* const* o, const float* const* pg,
+                                                               const float* w, const float* vr, int64_t j, int64_t r,
+                                                               int64_t hd) {
+    int64_t i0 = 0;
+    for (; i0 + 64 <= hd; i0 += 64) {
+        __m512 acc[2][4];
+        for (int q = 0; q < Q; q++)
+            for (int k = 0; k < 4; k++) acc[q][k] = _mm512_loadu_ps(o[q] + i0 + 16 * k);
+        const float* vj = vr + i0;
+        for (int64_t jj = j; jj < r; jj++, vj += hd) {
+            __m512 pj[2];
+            for (int q = 0; q < Q; q++) pj[q] = _mm512_set1_ps(pg[q][jj] * w[q]);
+            for (int k = 0; k < 4; k++) {
+                const __m512 vk = _mm512_loadu_ps(vj + 16 * k);
+                for (int q = 0; q < Q; q++) acc[q][k] = _mm512_fmadd_ps(pj[q], vk, acc[q][k]);
+            }
+        }
+        for (int q = 0; q < Q; q++)
+            for (int k = 0; k < 4; k++) _mm512_storeu_ps(o[q] + i0 + 16 * k, acc[q][k]);
+    }
+    return i0;
+}
+#endif
+
 /* Σ_j (p_j·w)·v_j over keys a .. e−1 of key head kh (row b) into o [hd], carried in o from call to call: one
  * chain of multiply-adds per column in key order (w: the query's 1/Σ) */
 static void attend_values(float* o, const float* pg, float w, const float* values, const lmhead_shared* sh, int64_t b,
@@ -185,17 +213,7 @@ static void attend_values(float* o, const float* pg, float w, const float* value
         r = r < e ? r : e;
         int64_t i0 = 0;
 #ifdef __AVX512F__
-        /* the same sums, sixteen lanes a register */
-        for (; i0 + 64 <= hd; i0 += 64) {
-            __m512 acc[4];
-            for (int k = 0; k < 4; k++) acc[k] = _mm512_loadu_ps(o + i0 + 16 * k);
-            const float* vj = vr + i0;
-            for (int64_t jj = j; jj < r; jj++, vj += hd) {
-                const __m512 pj = _mm512_set1_ps(pg[jj] * w);
-                for (int k = 0; k < 4; k++) acc[k] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 16 * k), acc[k]);
-            }
-            for (int k = 0; k < 4; k++) _mm512_storeu_ps(o + i0 + 16 * k, acc[k]);
-        }
+        i0 = values512(1, &o, &pg, &w, vr, j, r, hd); /* the same sums, sixteen lanes a register */
 #endif
 #ifdef __AVX2__
         /* Σ_j p_j·v_j for 64 columns at a time in eight registers (summed in memory, each column's
@@ -229,29 +247,13 @@ static void attend_values(float* o, const float* pg, float w, const float* value
 static void attend_values2(float* o, const float* pg, float w, float* o2, const float* pg2, float w2,
                            const float* values, const lmhead_shared* sh, int64_t b, int64_t kh, int64_t a, int64_t e,
                            int64_t Hkv, int64_t hd, int64_t cap, int64_t off) {
+    float* const os[2] = {o, o2};
+    const float* const pgs[2] = {pg, pg2};
+    const float ws[2] = {w, w2};
     for (int64_t j = a, r; j < e;) {
         const float* vr = kv_run(values, sh ? sh->values : NULL, sh, b, kh, j, Hkv, hd, cap, off, &r);
         r = r < e ? r : e;
-        for (int64_t i0 = 0; i0 + 64 <= hd; i0 += 64) {
-            __m512 acc[4], acc2[4];
-            for (int k = 0; k < 4; k++) {
-                acc[k] = _mm512_loadu_ps(o + i0 + 16 * k);
-                acc2[k] = _mm512_loadu_ps(o2 + i0 + 16 * k);
-            }
-            const float* vj = vr + i0;
-            for (int64_t jj = j; jj < r; jj++, vj += hd) {
-                const __m512 pj = _mm512_set1_ps(pg[jj] * w), pj2 = _mm512_set1_ps(pg2[jj] * w2);
-                for (int k = 0; k < 4; k++) {
-                    const __m512 vk = _mm512_loadu_ps(vj + 16 * k);
-                    acc[k] = _mm512_fmadd_ps(pj, vk, acc[k]);
-                    acc2[k] = _mm512_fmadd_ps(pj2, vk, acc2[k]);
-                }
-            }
-            for (int k = 0; k < 4; k++) {
-                _mm512_storeu_ps(o + i0 + 16 * k, acc[k]);
-                _mm512_storeu_ps(o2 + i0 + 16 * k, acc2[k]);
-            }
-        }
+        values512(2, os, pgs, ws, vr, j, r, hd);
         j = r;
     }
 }

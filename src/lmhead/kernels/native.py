@@ -211,19 +211,20 @@ def screen_min_rows() -> int:
     return int(lib.lmhead_screen_min_rows()) if lib is not None else 0
 
 
-_refusal: list[str] = []  # why `library()` refused the build it loaded (`refusal`)
+_refusal: str | None = None  # why `library()` refused the build it loaded (`refusal`)
 
 
 def refusal() -> str | None:
     """Why the library that was built is not used (an ABI or layout mismatch, a self-test check that failed), or
     None (it runs, was never built, or `library()` has not been called)."""
-    return _refusal[-1] if _refusal else None
+    return _refusal
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded library, or None (no compiler, LMHEAD_NATIVE=0, or a failed self-test: one line on stderr names
     the check, and `refusal()` holds it)."""
+    global _refusal
     if os.environ.get("LMHEAD_NATIVE", "1") == "0":
         return None
     try:
@@ -245,7 +246,7 @@ def library() -> ctypes.CDLL | None:
             if lib.lmhead_coded_abi() == _ABI:
                 mismatch = _layout_mismatch(lib) or _facts_mismatch(lib)
                 if mismatch is not None:  # the same sources build the same structs: rebuilding would not help
-                    _refusal.append(f"they do not match their loader ({mismatch})")
+                    _refusal = f"they do not match their loader ({mismatch})"
                     print(f"lmhead: the compiled kernels {path} do not match their loader ({mismatch}); running "
                           "without them", file=sys.stderr, flush=True)
                     return None
@@ -256,9 +257,9 @@ def library() -> ctypes.CDLL | None:
                     from lmhead.kernels.paths import choose
 
                     choose(lib, path)
-                    _refusal.clear()  # a damaged file's refusal, built again since
+                    _refusal = None  # a damaged file's refusal, built again since
                     return lib
-                _refusal.append(f"their self-test failed ({failed})")
+                _refusal = f"their self-test failed ({failed})"
                 if attempt == 1:  # built again from the sources, and refused again: not a damaged file
                     print(f"lmhead: the compiled kernels {path} failed their self-test ({failed}); running without "
                           "them (torch's float32 path)", file=sys.stderr, flush=True)
