@@ -34,10 +34,11 @@
 #include "thread_shares.h"
 
 enum { G16_NB = 4 }; /* blocks of sixteen weight rows a query row takes at once: independent chains, shared loads */
-/* int8 codes are prefetched this many groups ahead along each block's stream, into L2, by a round's first query row:
+/* the codes are prefetched this many groups ahead along each block's stream, into L2, by a round's first query row:
  * three dot products a code vector fill the out-of-order window before enough loads are in flight to stream the
- * codes from memory at the rate a plain read does (packed codes, half the bytes for the same arithmetic, keep up
- * without it) */
+ * codes from memory at the rate a plain read does. A block's stream is short (K/32 groups of 512 or 256 bytes), and
+ * four run at once: packed codes too — half the bytes for the same arithmetic — left some CPUs' prefetchers (AMD's
+ * Zen 4) behind the read, one line a group's two steps that read it */
 enum { G16_AHEAD = 8 };
 
 static inline int g16_bias(int packed, int signed4, int table) { return !packed || table >= 0 ? 128 : signed4 ? 8 : 0; }
@@ -161,7 +162,7 @@ enum { G16_INT8, G16_NIBBLES, G16_LEVELS_KIND }; /* the codes: int8, packed nibb
 enum { G16_M_HALF, G16_M_SUB, G16_M_E8M0, G16_M_SUB16, G16_MODES };
 
 /* one query row (its slices a, plane apart) against weight rows 16·b0 .. 16·(b0 + NB) − 1 — NB ≤ G16_NB, MODE
- * and KIND constants in each copy below, so that a group's steps unroll; `ahead`: int8 codes prefetch G16_AHEAD
+ * and KIND constants in each copy below, so that a group's steps unroll; `ahead`: the codes prefetched G16_AHEAD
  * groups ahead of each block (past a block's last group, the next round's block in its place) */
 KERNEL_INLINE void g16_rows(const int NB, const int MODE, const int KIND, const int8_t* a, int64_t plane,
                             const float* d2, const int32_t* t, const float* vx, int64_t K, const uint8_t* codes,
@@ -188,8 +189,9 @@ KERNEL_INLINE void g16_rows(const int NB, const int MODE, const int KIND, const 
                 __m512i sv[3];
                 for (int s = 0; s < 3; s++) sv[s] = _mm512_set1_epi32(ap[s][g * 8 + q]);
                 for (int j = 0; j < NB; j++) {
-                    if (KIND == G16_INT8 && ahead)
-                        _mm_prefetch((const char*)(codes + (next + j * G) * unit + q * 64), _MM_HINT_T1);
+                    if (ahead && (KIND == G16_INT8 || q % 2 == 0)) /* packed: vector q/2 holds steps q, q+1 */
+                        _mm_prefetch((const char*)(codes + (next + j * G) * unit + (packed ? q / 2 : q) * 64),
+                                     _MM_HINT_T1);
                     const __m512i c = g16_step(codes + ((b0 + j) * G + g) * unit, q, packed,
                                                KIND == G16_LEVELS_KIND, lut);
                     for (int s = 0; s < 3; s++) r[j][s] = _mm512_dpbusd_epi32(r[j][s], c, sv[s]);
