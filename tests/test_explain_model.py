@@ -58,8 +58,10 @@ def test_logit_lens_last_layer_is_the_models_logits(model):
 
 @pytest.mark.parametrize("body", ["transformers", "default"])
 def test_predict_on_the_real_model(model, body):
-    """With transformers' own modules as the body the probabilities are transformers' to 1e-6; the default
-    (lean) body sums in another order: 1e-5 (the explainer's promise against transformers)."""
+    """With transformers' own modules as the body the probabilities are those of the exact head over transformers'
+    final hidden state (its product in float64) to 1e-6 — transformers' float32 head is itself a few 1e-7 off them,
+    by its BLAS's summation order —; the default (lean) body sums in another order: 1e-5 of transformers' (the
+    explainer's promise against transformers)."""
     from lmhead import Model
     from lmhead.sampling import SamplingConfig, probabilities
 
@@ -69,7 +71,13 @@ def test_predict_on_the_real_model(model, body):
     pred = model.predict("The capital of France is", top=20, config=config, layers=True)
     ids = torch.tensor([model.tokenizer("The capital of France is")["input_ids"]])
     with torch.no_grad():
-        logits = model.hf_model(ids).logits[:, -1].float()
+        out = model.hf_model(ids, output_hidden_states=True)
+        logits = out.logits[:, -1].float()
+        if body == "transformers":  # the exact head: the final (normed) hidden state times the head in float64
+            weight = model.hf_model.get_output_embeddings().weight
+            exact = (out.hidden_states[-1][:, -1].double() @ weight.double().T).float()
+            torch.testing.assert_close(exact, logits, rtol=0, atol=1e-4)  # the same logits: the reference is right
+            logits = exact
     probs = probabilities(logits, config, prev_tokens=ids, prompt_len=ids.shape[1])[0]
     for c in pred.candidates:
         assert c.probability == pytest.approx(float(probs[c.token_id]), abs=1e-6 if body == "transformers" else 1e-5)
