@@ -36,9 +36,9 @@
 enum { G16_NB = 4 }; /* blocks of sixteen weight rows a query row takes at once: independent chains, shared loads */
 /* the codes are prefetched this many groups ahead along each block's stream, into L2, by a round's first query row:
  * three dot products a code vector fill the out-of-order window before enough loads are in flight to stream the
- * codes from memory at the rate a plain read does. A block's stream is short (K/32 groups of 512 or 256 bytes), and
- * four run at once: packed codes too — half the bytes for the same arithmetic — left some CPUs' prefetchers (AMD's
- * Zen 4) behind the read, one line a group's two steps that read it */
+ * codes from memory at the rate a plain read does. A block's stream is short (K/32 groups of 512 or 256 bytes) and
+ * four run at once, so packed codes too — half the bytes for the same arithmetic — fell behind the read where left
+ * to the CPU's prefetchers alone (AMD's Zen 4): each of their lines is fetched once, ahead of the two steps it holds */
 enum { G16_AHEAD = 8 };
 
 static inline int g16_bias(int packed, int signed4, int table) { return !packed || table >= 0 ? 128 : signed4 ? 8 : 0; }
@@ -189,7 +189,7 @@ KERNEL_INLINE void g16_rows(const int NB, const int MODE, const int KIND, const 
                 __m512i sv[3];
                 for (int s = 0; s < 3; s++) sv[s] = _mm512_set1_epi32(ap[s][g * 8 + q]);
                 for (int j = 0; j < NB; j++) {
-                    if (ahead && (KIND == G16_INT8 || q % 2 == 0)) /* packed: vector q/2 holds steps q, q+1 */
+                    if (ahead && (!packed || q % 2 == 0)) /* packed: vector q/2 holds steps q, q+1 */
                         _mm_prefetch((const char*)(codes + (next + j * G) * unit + (packed ? q / 2 : q) * 64),
                                      _MM_HINT_T1);
                     const __m512i c = g16_step(codes + ((b0 + j) * G + g) * unit, q, packed,
