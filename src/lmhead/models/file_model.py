@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmhead.models import cache, layout_cache
+from lmhead.models import cache, huge_pages, layout_cache
 from lmhead.models.arch import FILE_ARCHITECTURES, ArchSpec, arch_of, refusal
 from lmhead.models.coded_linear import CodedLinear, coded_available
 from lmhead.models.config import ModelConfig
@@ -285,7 +285,8 @@ class _Reader:
             return self.f.coded_rows(names, [self._perm(n, rows) for n, (rows, _) in zip(names, sizes, strict=True)],
                                      groups16=True)
         if len(kinds) == 1 and kinds <= DENSE_TYPES.keys():  # F16, BF16 or F32 rows, as they are
-            return CodedLinear.dense16(torch.cat([self.weights16(n) for n in names]))
+            parts, arena = [self.weights16(n) for n in names], huge_pages.current()
+            return CodedLinear.dense16(torch.cat(parts) if arena is None else arena.cat(parts))
         found = [self.codes(n) for n in names]
         if all(c is not None for c in found):
             fused = fuse_codes(found)
@@ -302,12 +303,14 @@ def file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None = None):
     """(LeanBody, head codes or float32 head weight, head bias, tied) for the GGUF file `f` with config `cfg`.
 
     The repacking is many small element-wise passes: each on one thread (on a busy machine torch's pool waking
-    for each of them is several times slower), the embedding and the layers two at a time (one per core).
+    for each of them is several times slower), the embedding and the layers two at a time (one per core). The
+    matrices are laid end to end in one arena on huge pages where the system has them (`models/huge_pages.py`).
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _file_body(f, cfg, onednn, workers=min(2, threads))
+        with huge_pages.arena_for_load():
+            return _file_body(f, cfg, onednn, workers=min(2, threads))
     except KeyError as exc:
         raise ModelError(f"{f.path}: the file has no tensor {exc} that a {f.architecture} model of "
                          f"{cfg.num_hidden_layers} layers needs (a damaged or incomplete file)") from None

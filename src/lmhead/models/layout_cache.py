@@ -44,9 +44,11 @@ import numpy as np
 import torch
 
 from lmhead.cache_folder import cache_root
+from lmhead.models import huge_pages
 from lmhead.models.cache import fast_checksum_file
 from lmhead.models.coded_linear import CodedLinear
 from lmhead.models.expert_layout import ExpertMatrices
+from lmhead.models.huge_pages import Arena
 
 __all__ = ["FORMAT", "MARGIN", "cached", "cached_linear", "folder_for"]
 
@@ -124,19 +126,21 @@ def prune(root: Path) -> list[Path]:
     return stale
 
 
-def cached(folder: Path | None, name: str, build: Callable[[], Any], say: bool = False) -> Any:
+def cached(folder: Path | None, name: str, build: Callable[[], Any], say: bool = False,
+           arena: Arena | None = None) -> Any:
     """The matrices `name` mapped from `folder`, else `build()` — written to `folder` and mapped back where it is
     an `ExpertMatrices` and the disk has room. `say`: tell stderr once per folder that they are laid out (a
-    mixture's experts, whose first load lays out gigabytes)."""
+    mixture's experts, whose first load lays out gigabytes). `arena`: an `ExpertMatrices` is read (or copied, where
+    it is not written) into it instead of mapped (`models/huge_pages.py`)."""
     if folder is None:
-        return build()
-    mapped = _read(folder, name)
+        return _placed(build(), arena)
+    mapped = _read(folder, name, arena)
     if mapped is not None:
         return mapped
     built = build()
     if not isinstance(built, ExpertMatrices):
         return built
-    return _write(folder, name, built, say) or built
+    return _write(folder, name, built, say, arena) or _placed(built, arena)
 
 
 def cached_linear(folder: Path | None, name: str, build: Callable[[], Any]) -> Any:
@@ -147,7 +151,7 @@ def cached_linear(folder: Path | None, name: str, build: Callable[[], Any]) -> A
         built = build()
         return _one(built) if isinstance(built, CodedLinear) and not built.dense else built
 
-    got = cached(folder, name, laid_out)
+    got = cached(folder, name, laid_out, arena=huge_pages.current())
     return got[0] if isinstance(got, ExpertMatrices) else got
 
 
@@ -164,9 +168,18 @@ def _parts(ex: ExpertMatrices) -> dict[str, torch.Tensor]:
     return {k: t for k, t in (("codes", ex.codes), ("scale", ex.scale), ("offset", ex.offset)) if t is not None}
 
 
-def _write(folder: Path, name: str, ex: ExpertMatrices, say: bool) -> ExpertMatrices | None:
-    """`ex` written as `name` into `folder` and mapped back; None where it could not be written (no room, a
-    read-only folder: the matrices then stay in memory). `say` as `cached`'s."""
+def _placed(built: Any, arena: Arena | None) -> Any:
+    """`built`'s buffers copied into `arena` where it is an `ExpertMatrices` and there is an arena, else `built`."""
+    if arena is None or not isinstance(built, ExpertMatrices):
+        return built
+    parts = {k: arena.copy(t) for k, t in _parts(built).items()}
+    return ExpertMatrices(parts["codes"], parts.get("scale"), parts.get("offset"), built.in_features, built.group,
+                          built.four_bit, built.rows4, built.sub, built.by_groups)
+
+
+def _write(folder: Path, name: str, ex: ExpertMatrices, say: bool, arena: Arena | None) -> ExpertMatrices | None:
+    """`ex` written as `name` into `folder` and mapped back (read into `arena` where given); None where it could not
+    be written (no room, a read-only folder: the matrices then stay in memory). `say` as `cached`'s."""
     import xxhash
 
     stale: list[Path] = []
@@ -210,7 +223,7 @@ def _write(folder: Path, name: str, ex: ExpertMatrices, say: bool) -> ExpertMatr
         for path in stale:  # a write that failed (a full disk) leaves no partial file behind
             with contextlib.suppress(OSError):
                 path.unlink(missing_ok=True)
-    return _map(folder / f"{name}.bin", meta)
+    return _map(folder / f"{name}.bin", meta, arena)
 
 
 def _no_room(folder: Path, free: int) -> None:
@@ -250,9 +263,10 @@ def _fingerprint(path: Path) -> dict[str, Any]:
     return {"stamp": [st.st_size, st.st_mtime_ns, st.st_ino], "sampled": _sampled(path, st.st_size)}
 
 
-def _read(folder: Path, name: str) -> ExpertMatrices | None:
-    """`name` mapped from `folder` where its .json is there and its .bin is as written: the recorded stamp and
-    sampled windows, or (a stamp of another file: copied, touched) the recorded whole checksum."""
+def _read(folder: Path, name: str, arena: Arena | None) -> ExpertMatrices | None:
+    """`name` mapped from `folder` (read into `arena` where given) where its .json is there and its .bin is as
+    written: the recorded stamp and sampled windows, or (a stamp of another file: copied, touched) the recorded
+    whole checksum."""
     stale: list[Path] = []
     try:
         meta = json.loads((folder / f"{name}.json").read_text())
@@ -261,12 +275,12 @@ def _read(folder: Path, name: str) -> ExpertMatrices | None:
         if st.st_size != meta["size"]:
             return None
         if meta.get("stamp") == [st.st_size, st.st_mtime_ns, st.st_ino]:
-            return _map(path, meta) if _sampled(path, st.st_size) == meta.get("sampled") else None
+            return _map(path, meta, arena) if _sampled(path, st.st_size) == meta.get("sampled") else None
         if fast_checksum_file(path) != meta["xxh3_64"]:
             return None
         with contextlib.suppress(OSError):  # intact: later loads check the new stamp instead of every byte
             _write_meta(folder, name, {**meta, **_fingerprint(path)}, stale)
-        return _map(path, meta)
+        return _map(path, meta, arena)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError):  # RuntimeError: parts the .bin cannot hold
         return None
     finally:
@@ -310,11 +324,14 @@ def _fill_page_tables(raw: np.memmap) -> None:
         libc.madvise(addr, pages * mmap.PAGESIZE, _MADV_POPULATE_READ)  # EINVAL before Linux 5.14: nothing done
 
 
-def _map(path: Path, meta: dict) -> ExpertMatrices:
+def _map(path: Path, meta: dict, arena: Arena | None = None) -> ExpertMatrices:
     """The buffers of `meta` over a private (copy-on-write) map of `path`: read pages are the file's (their page
-    tables filled at once where the page cache holds them)."""
-    raw = np.memmap(path, dtype=np.uint8, mode="c")
-    _fill_page_tables(raw)
+    tables filled at once where the page cache holds them); or over the file read into `arena`, where given."""
+    if arena is not None:
+        raw = arena.read(path, meta["size"])
+    else:
+        raw = np.memmap(path, dtype=np.uint8, mode="c")
+        _fill_page_tables(raw)
     parts = {}
     for key, p in meta["parts"].items():
         dtype = _TORCH[p["dtype"]]
@@ -323,5 +340,5 @@ def _map(path: Path, meta: dict) -> ExpertMatrices:
         parts[key] = torch.from_numpy(view).view(dtype).view(p["shape"])
     ex = ExpertMatrices(parts["codes"], parts.get("scale"), parts.get("offset"), meta["k"], meta["group"],
                         meta["four_bit"], meta["rows4"], meta["sub"], meta.get("by_groups", False))
-    ex.source = path
+    ex.source = None if arena is not None else path
     return ex

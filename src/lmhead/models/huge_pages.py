@@ -1,0 +1,166 @@
+"""A loaded file's dense matrices laid end to end in anonymous memory advised for 2 MiB pages (transparent huge
+pages, `madvise(MADV_HUGEPAGE)`): the layers' matrices of codes, read from the layout cache's files
+(`models/layout_cache.py`) instead of mapped, a float file's F16 / BF16 / F32 matrices, the embedding and the head.
+
+A decode step streams every matrix from memory. On 4 KiB pages the stream crosses a page every 64 lines — a TLB
+miss, and a stop for the CPU's prefetchers, which do not cross pages — and the many small matrices of a small model
+each start on pages of their own; on 2 MiB pages a stream crosses a page 512 times less often. One arena a load
+rather than a region a matrix, because most matrices of a small model are under 2 MiB (SmolLM2's gate and up are
+1.77 MB at F16) and a region under 2 MiB gets no huge page.
+
+Not placed here: a mixture's experts (mapped from the layout cache: a step reads a few of them, and the kernel may
+drop their pages under memory pressure), the norms and biases (a few KiB), the KV cache. Anonymous memory is not
+the page cache's: the layout cache's pages read into the arena stay in the page cache only as long as the system
+has no other use for them, and the arena is freed with the last matrix of the model holding it.
+
+Linux with transparent huge pages in `always` or `madvise` mode only; elsewhere and with `LMHEAD_HUGE_PAGES=0` the
+matrices are mapped or allocated as before. Where the kernel finds no free 2 MiB page it backs the arena with 4 KiB
+pages: the numbers are the same bits either way (tests/test_huge_pages.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import mmap
+import os
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["Arena", "arena_for_load", "available", "current", "resident_huge_bytes"]
+
+PAGE = 2 << 20         # a huge page
+CHUNK = 256 << 20      # an arena's regions: a matrix larger than this gets one of its own
+_ALIGN = 64            # each buffer starts on a cache line (the kernels' loads)
+_READ = 1 << 30        # the most one read() call is asked for (Linux caps a read near 2 GiB)
+_MADV_HUGEPAGE = 14
+_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+_lock = threading.Lock()
+_current: list[Arena] = []  # the arena of the load in progress (loads nested or in other threads share it)
+
+
+@functools.cache
+def _madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise
+
+
+def available() -> bool:
+    """Whether a load places its matrices on huge pages here: Linux, transparent huge pages not `never`, and
+    `LMHEAD_HUGE_PAGES` not "0"."""
+    if os.environ.get("LMHEAD_HUGE_PAGES", "1") == "0" or _madvise() is None:
+        return False
+    try:
+        return "[never]" not in _THP.read_text()
+    except OSError:
+        return False
+
+
+def _region(nbytes: int) -> np.ndarray:
+    """`nbytes` (a multiple of PAGE) of zeroed anonymous memory starting on a 2 MiB boundary, advised for huge pages
+    (uint8; the map lives as long as a view of it)."""
+    region = mmap.mmap(-1, nbytes + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = np.frombuffer(region, dtype=np.uint8)
+    start = -raw.ctypes.data % PAGE
+    _madvise()(raw.ctypes.data + start, nbytes, _MADV_HUGEPAGE)  # refused (EINVAL): 4 KiB pages, the same bits
+    return raw[start:start + nbytes]
+
+
+class Arena:
+    """Buffers handed out end to end (each on a 64-byte boundary) from regions of CHUNK bytes advised for huge
+    pages; a buffer larger than CHUNK gets a region of its own. Thread-safe: a load lays out two matrices at a time."""
+
+    def __init__(self) -> None:
+        self._region: np.ndarray | None = None
+        self._at = 0
+        self._lock = threading.Lock()
+        self.nbytes = 0  # the bytes handed out
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """`nbytes` of the arena (uint8, zeroed)."""
+        with self._lock:
+            self.nbytes += nbytes
+            if nbytes > CHUNK:
+                return _region(-(-nbytes // PAGE) * PAGE)[:nbytes]
+            at = -(-self._at // _ALIGN) * _ALIGN
+            if self._region is None or at + nbytes > self._region.nbytes:
+                self._region, at = _region(CHUNK), 0
+            self._at = at + nbytes
+            return self._region[at:at + nbytes]
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+        """A tensor of `shape` and `dtype` in the arena (zeroed: the region is fresh anonymous memory)."""
+        count = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+        return torch.from_numpy(self.take(count * dtype.itemsize)).view(dtype).view(tuple(shape))
+
+    def copy(self, t: Tensor) -> Tensor:
+        """A copy of the CPU tensor `t` in the arena (contiguous, its dtype and shape)."""
+        out = self.empty(t.shape, t.dtype)
+        out.copy_(t)
+        return out
+
+    def cat(self, parts: Sequence[Tensor]) -> Tensor:
+        """`torch.cat(parts)` (along the first dimension) written into the arena."""
+        rows = sum(p.shape[0] for p in parts)
+        out = self.empty((rows, *parts[0].shape[1:]), parts[0].dtype)
+        return torch.cat(list(parts), out=out)
+
+    def read(self, path: Path, nbytes: int) -> np.ndarray:
+        """The first `nbytes` of the file `path`, read into the arena (uint8). OSError where the file is shorter."""
+        out = self.take(nbytes)
+        view = memoryview(out)
+        done = 0
+        with open(path, "rb", buffering=0) as f:
+            while done < nbytes:
+                got = f.readinto(view[done:done + min(nbytes - done, _READ)])
+                if not got:
+                    raise OSError(f"{path}: {done} bytes where {nbytes} were expected")
+                done += got
+        return out
+
+
+def current() -> Arena | None:
+    """The arena of the load in progress, or None (no load, or not `available()`)."""
+    return _current[-1] if _current else None
+
+
+@contextlib.contextmanager
+def arena_for_load() -> Iterator[Arena | None]:
+    """Inside, `current()` is this load's arena (None where not `available()`); a load inside another's, or beside
+    it in another thread, shares the first one's. The arena's memory is freed with the last tensor over it."""
+    if not available():
+        yield None
+        return
+    with _lock:
+        arena = _current[0] if _current else Arena()
+        _current.append(arena)
+    try:
+        yield arena
+    finally:
+        with _lock:
+            _current.remove(arena)
+
+
+def resident_huge_bytes() -> int | None:
+    """Bytes of this process's anonymous memory on huge pages now (`AnonHugePages` of /proc/self/smaps_rollup), or
+    None where the system does not say."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
