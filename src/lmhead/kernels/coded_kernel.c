@@ -1334,9 +1334,9 @@ static int dense_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w,
 /* ---- float32 weights (F32 files, a float32 model's own matrices) -----------------------------------------------
  * The weights are the model's numbers as they are. Each (query row, weight row) pair is summed in one order
  * whatever M, N or the threads: with AVX-512 one sum of sixteen lanes over K in steps of 16, folded at the end,
- * the last K mod 16 products one by one (dot32_tile: RW weight rows by RX query rows share their loads — a tile
- * of four by six runs a prefill's products at the FMA units' rate, four by one a decode's four independent
- * sums); with AVX2 four sums of eight lanes added at the end (dot32). */
+ * the last K mod 16 products one by one (dot32_row for one query row, a weight row after another: one stream a
+ * thread; dot32_tile for several: RW weight rows by RX query rows share their loads — a tile of four by six runs a
+ * prefill's products at the FMA units' rate); with AVX2 four sums of eight lanes added at the end (dot32). */
 static inline float dot32_tail(float t, const float* x, const float* w, int64_t k, int64_t K) {
     for (; k < K; k++) t = fmaf(w[k], x[k], t);
     return t;
@@ -1352,11 +1352,6 @@ KERNEL_INLINE void dot32_tile(const int RW, const int RX, const float* x, int64_
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
         __m512 v[4];
-        /* one query row (a decode step): the next four weight rows' lines fetched at the same offsets, one tile
-         * ahead — four interleaved streams a tile, which the hardware's prefetcher alone left short of the rate a
-         * plain read streams at */
-        if (RX == 1 && RW == 4)
-            for (int r = 0; r < RW; r++) _mm_prefetch((const char*)(w + (RW + r) * K + k), _MM_HINT_T0);
         for (int r = 0; r < RW; r++) v[r] = _mm512_loadu_ps(w + r * K + k);
         for (int m = 0; m < RX; m++) {
             const __m512 u = _mm512_loadu_ps(x + m * K + k);
@@ -1373,12 +1368,22 @@ KERNEL_INLINE void dot32_tile(const int RW, const int RX, const float* x, int64_
     }
 DOT32_TILE(4, 1) DOT32_TILE(4, 2) DOT32_TILE(4, 3) DOT32_TILE(4, 4) DOT32_TILE(4, 5) DOT32_TILE(4, 6)
 DOT32_TILE(1, 1)
+
+/* one query row against one weight row, the sum dot32_tile makes of the pair: a decode step's weight rows read one
+ * after another, each thread's share one sequential stream (four rows a tile were four interleaved streams, which
+ * the prefetchers of some CPUs follow more slowly than one: docs/decode.md) */
+static void dot32_row(const float* x, int64_t K, const float* w, float* out) {
+    __m512 a = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a);
+    *out = dot32_tail(hsum8(fold512(a)), x, w, k, K);
+}
 typedef void (*dot32_fn)(const float*, int64_t, const float*, float*, int64_t);
 static const dot32_fn DOT32_4X[7] = {0, dot32_4x1, dot32_4x2, dot32_4x3, dot32_4x4, dot32_4x5, dot32_4x6};
 
 static int dense32_matmul(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int threads) {
     if (threads < 1) threads = 1;
-    /* one query row: the rows in shares (thread_shares.h), rounds of DENSE_ROUND rows, four at a time; several:
+    /* one query row: the rows in shares (thread_shares.h), rounds of DENSE_ROUND rows, one at a time; several:
      * chunks of about 64 weight rows (L2), as many as a multiple of the threads, over which each six query rows
      * (L1) pass before the next six. Which pairs share a tile changes none of their sums */
     if (M == 1) {
@@ -1388,11 +1393,8 @@ static int dense32_matmul(const float* x, int64_t M, int64_t K, const float* w, 
         {
             share_cursor cursor = share_start();
             int64_t count;
-            for (int64_t n0; (n0 = shares_next(&rows, &cursor, &count)) >= 0;) {
-                int64_t n = n0;
-                for (; n + 4 <= n0 + count; n += 4) dot32_4x1(x, K, w + n * K, y + n, N);
-                for (; n < n0 + count; n++) dot32_1x1(x, K, w + n * K, y + n, N);
-            }
+            for (int64_t n0; (n0 = shares_next(&rows, &cursor, &count)) >= 0;)
+                for (int64_t n = n0; n < n0 + count; n++) dot32_row(x, K, w + n * K, y + n);
         }
         shares_close(&rows);
         return 0;
