@@ -22,7 +22,7 @@ def test_info_json_names_the_cpu_the_kernels_path_each_kind_takes_the_cache_and_
     code, out, _ = _run(capsys, "info", "--json")
     facts = json.loads(out)
     assert code == 0 and out.count("\n") == 1
-    assert set(facts) == {"lmhead", "python", "torch", "threads", "cpu", "kernels", "cache", "models"}
+    assert set(facts) == {"lmhead", "python", "torch", "threads", "cpu", "kernels", "weights", "cache", "models"}
     assert facts["cpu"]["cores"] >= 1 and set(facts["cpu"]["features"]) >= {"AVX2", "AVX-512 VNNI", "AMX int8"}
     assert facts["cache"]["folder"] == str(tmp_path / "cache")
     assert set(facts["models"]) == {"gemma-3-270m", "smollm2-135m"}
@@ -50,6 +50,17 @@ def test_info_without_the_kernels_says_why_and_what_runs_instead(capsys, monkeyp
     assert code == 0
     kernels = next(line for line in out.splitlines() if line.startswith("kernels "))
     assert "not running" in kernels and "LMHEAD_NATIVE=0" in kernels and "float32" in kernels
+
+
+def test_info_says_which_pages_a_load_puts_its_matrices_on(capsys, monkeypatch):
+    from lmhead.models import huge_pages
+
+    code, out, _ = _run(capsys, "info")
+    (line,) = [line for line in out.splitlines() if line.startswith("weights ")]
+    assert code == 0 and ("2 MiB pages" in line) == huge_pages.available()
+    monkeypatch.setenv("LMHEAD_HUGE_PAGES", "0")
+    code, out, _ = _run(capsys, "info", "--json")
+    assert code == 0 and json.loads(out)["weights"] == "on 4 KiB pages (LMHEAD_HUGE_PAGES=0)"
 
 
 @pytest.mark.parametrize("argv", [["info", "--bogus"], ["info", "extra"]])

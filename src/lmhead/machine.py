@@ -2,7 +2,8 @@
 
     cpu()      the CPU: its name, vendor, family and model, the vector flags the kernels are built for, cores, L3
     info()     the CPU, the Python and torch it runs under, the kernels (built or not, and why; which path each
-               kind of coded product takes here, measured once per build: kernels/paths.py), the cache folder
+               kind of coded product takes here, measured once per build: kernels/paths.py), the pages a load
+               puts its matrices on (models/huge_pages.py), the cache folder
                and what it holds, and the packaged models (installed or how to install them)
 
 Nothing here changes a setting: `info` builds the kernels where they are not built yet (as the first load does),
@@ -118,7 +119,8 @@ def info() -> dict[str, Any]:
     import torch
 
     from lmhead import __version__
+    from lmhead.models import huge_pages
 
     return {"lmhead": __version__, "python": platform.python_version(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "cpu": cpu(), "kernels": _kernels(), "cache": _cache(),
-            "models": _models()}
+            "threads": torch.get_num_threads(), "cpu": cpu(), "kernels": _kernels(),
+            "weights": huge_pages.describe(), "cache": _cache(), "models": _models()}

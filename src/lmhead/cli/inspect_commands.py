@@ -121,6 +121,7 @@ def _run_info(args: argparse.Namespace) -> None:
              f"kernels   {k['library']}" + ("" if k["available"] else f": not running — {k['why']}")]
     if k["available"]:
         lines.append(f"products  {k['products']}")
+    lines.append(f"weights   {facts['weights']}")
     used = ", ".join(f"{name} {human_bytes(n)}" for name, n in cache["bytes"].items() if n)
     free = f"; {human_bytes(cache['free_bytes'])} free" if cache["free_bytes"] is not None else ""
     lines.append(f"cache     {cache['folder']}" + (f": {used}" if used else ": empty") + free)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["Arena", "arena_for_load", "available", "current", "resident_huge_bytes"]
+__all__ = ["Arena", "arena_for_load", "available", "current", "describe", "resident_huge_bytes"]
 
 PAGE = 2 << 20         # a huge page
 CHUNK = 256 << 20      # an arena's regions: a matrix larger than this gets one of its own
@@ -67,6 +67,21 @@ def available() -> bool:
         return "[never]" not in _THP.read_text()
     except OSError:
         return False
+
+
+def describe() -> str:
+    """Where a load puts its matrices here, in one line (`lmhead info`)."""
+    if os.environ.get("LMHEAD_HUGE_PAGES", "1") == "0":
+        return "on 4 KiB pages (LMHEAD_HUGE_PAGES=0)"
+    if _madvise() is None:
+        return "on the system's pages (no transparent huge pages off Linux)"
+    try:
+        mode = _THP.read_text().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "on 4 KiB pages (the kernel has no transparent huge pages)"
+    if mode == "never":
+        return "on 4 KiB pages (transparent huge pages: never)"
+    return f"in one arena on 2 MiB pages (transparent huge pages: {mode})"
 
 
 def _region(nbytes: int) -> np.ndarray:
