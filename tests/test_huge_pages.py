@@ -128,3 +128,71 @@ def test_a_loaded_files_matrices_lie_in_the_arena_with_the_same_logits_as_withou
     plain = model.logits(ids)
     for got in results:
         assert torch.equal(got, plain)
+
+
+def _smaps_flags_under(folder: Path) -> list[list[str]]:
+    """The VmFlags of each mapping of a file under `folder` (/proc/self/smaps)."""
+    flags, inside = [], False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and ":" not in head[0]:
+            inside = str(folder) in line
+        elif inside and line.startswith("VmFlags:"):
+            flags.append(line.split()[1:])
+    return flags
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps")
+@pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
+def test_a_large_layout_file_is_mapped_and_advised_for_huge_pages_rather_than_copied(tmp_path, monkeypatch):
+    from tiny_gguf import write_tiny_gguf
+
+    from lmhead import load_model
+
+    if not huge_pages.available():
+        pytest.skip("no transparent huge pages here (or LMHEAD_HUGE_PAGES=0)")
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(huge_pages, "MAP_MIN", 0)  # the tiny model's files as large ones
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", kind="Q8_0")
+    ids = torch.tensor([[3, 17, 5, 99, 42, 7]])
+    layouts = tmp_path / "cache" / "layouts"
+    got = []
+    for _ in range(2):  # laid out and written, then mapped from the layout cache
+        model = load_model(str(path), progress=False)
+        flags = _smaps_flags_under(layouts)
+        assert flags and all("hg" in f for f in flags), flags  # VM_HUGEPAGE on every map of the layouts
+        got.append(model.logits(ids))
+        del model
+    monkeypatch.setenv("LMHEAD_HUGE_PAGES", "0")
+    model = load_model(str(path), progress=False)
+    assert all("hg" not in f for f in _smaps_flags_under(layouts))
+    plain = model.logits(ids)
+    assert all(torch.equal(g, plain) for g in got)
+
+
+@pytest.mark.skipif(not coded_available(), reason="no C compiler for the coded kernel")
+@pytest.mark.parametrize("map_min", [0, 1 << 40], ids=["mapped", "read into the arena"])
+def test_a_layout_file_damaged_under_its_recorded_stamp_is_laid_out_again_on_huge_pages(tmp_path, monkeypatch,
+                                                                                         map_min):
+    import os
+
+    from tiny_gguf import write_tiny_gguf
+
+    from lmhead import load_model
+
+    monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(huge_pages, "available", lambda: True)
+    monkeypatch.setattr(huge_pages, "MAP_MIN", map_min)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", kind="Q8_0")
+    ids = torch.tensor([[3, 17, 5, 99, 42, 7]])
+    want = load_model(str(path), progress=False).logits(ids)
+    damaged = max((tmp_path / "cache" / "layouts").rglob("*.bin"), key=lambda p: p.stat().st_size)
+    st = damaged.stat()
+    with open(damaged, "r+b") as f:  # one bit of the first sampled window, in place: the same inode and size
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 1]))
+    os.utime(damaged, ns=(st.st_atime_ns, st.st_mtime_ns))  # the stamp as recorded: only the windows tell
+    again = load_model(str(path), progress=False)
+    assert torch.equal(again.logits(ids), want)
+    assert damaged.read_bytes()[:1] == first  # laid out again and rewritten

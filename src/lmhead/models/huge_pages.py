@@ -1,12 +1,15 @@
-"""A loaded file's dense matrices laid end to end in anonymous memory advised for 2 MiB pages (transparent huge
-pages, `madvise(MADV_HUGEPAGE)`): the layers' matrices of codes, read from the layout cache's files
-(`models/layout_cache.py`) instead of mapped, a float file's F16 / BF16 / F32 matrices, the embedding and the head.
+"""A loaded file's dense matrices on 2 MiB pages (transparent huge pages, `madvise(MADV_HUGEPAGE)`): the layout
+cache's files of at least MAP_MIN bytes (`models/layout_cache.py`) mapped and advised, so that the page cache's own
+2 MiB folios back them with no copy; the smaller ones, a float file's F16 / BF16 / F32 matrices, and the embedding
+and the head where they are small, laid end to end in one arena of anonymous memory advised for huge pages.
 
 A decode step streams every matrix from memory. On 4 KiB pages the stream crosses a page every 64 lines — a TLB
 miss, and a stop for the CPU's prefetchers, which do not cross pages — and the many small matrices of a small model
 each start on pages of their own; on 2 MiB pages a stream crosses a page 512 times less often. One arena a load
 rather than a region a matrix, because most matrices of a small model are under 2 MiB (SmolLM2's gate and up are
-1.77 MB at F16) and a region under 2 MiB gets no huge page.
+1.77 MB at F16) and a region under 2 MiB gets no huge page; a large file mapped rather than copied, because copying
+gigabytes out of the page cache into fresh memory costs the start (and, on a VM whose host backs memory as it is
+first touched, much of it).
 
 Not placed here: a mixture's experts (mapped from the layout cache: a step reads a few of them, and the kernel may
 drop their pages under memory pressure), the norms and biases (a few KiB), the KV cache. Anonymous memory is not
@@ -34,10 +37,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["Arena", "arena_for_load", "available", "current", "describe", "resident_huge_bytes"]
+__all__ = ["Arena", "advise", "arena_for_load", "available", "current", "describe", "resident_huge_bytes"]
 
 PAGE = 2 << 20         # a huge page
 CHUNK = 256 << 20      # an arena's regions: a matrix larger than this gets one of its own
+MAP_MIN = 8 << 20      # a layout cache's file this large is mapped on huge pages rather than read into the arena
 _ALIGN = 64            # each buffer starts on a cache line (the kernels' loads)
 _READ = 1 << 30        # the most one read() call is asked for (Linux caps a read near 2 GiB)
 _MADV_HUGEPAGE = 14
@@ -92,6 +96,16 @@ def _region(nbytes: int) -> np.ndarray:
     start = -raw.ctypes.data % PAGE
     _madvise()(raw.ctypes.data + start, nbytes, _MADV_HUGEPAGE)  # refused (EINVAL): 4 KiB pages, the same bits
     return raw[start:start + nbytes]
+
+
+def advise(raw: np.ndarray) -> None:
+    """Ask for the 2 MiB extents of `raw` (a whole map of a file: `np.memmap`) to be backed by huge pages: they are
+    where the page cache holds the file in 2 MiB folios (a file written in large pieces, or read ahead for a map so
+    advised), mapped as they are — no copy. Refused (no THP): nothing changes."""
+    start = -raw.ctypes.data % mmap.PAGESIZE  # from its first whole page (a map starts on one) to its last page
+    size = -(-(raw.nbytes - start) // mmap.PAGESIZE) * mmap.PAGESIZE
+    if raw.nbytes > start:
+        _madvise()(raw.ctypes.data + start, size, _MADV_HUGEPAGE)
 
 
 class Arena:

@@ -130,8 +130,8 @@ def cached(folder: Path | None, name: str, build: Callable[[], Any], say: bool =
            arena: Arena | None = None) -> Any:
     """The matrices `name` mapped from `folder`, else `build()` — written to `folder` and mapped back where it is
     an `ExpertMatrices` and the disk has room. `say`: tell stderr once per folder that they are laid out (a
-    mixture's experts, whose first load lays out gigabytes). `arena`: an `ExpertMatrices` is read (or copied, where
-    it is not written) into it instead of mapped (`models/huge_pages.py`)."""
+    mixture's experts, whose first load lays out gigabytes). `arena`: an `ExpertMatrices` goes on huge pages
+    (`_map`; copied into the arena where it is not written: `models/huge_pages.py`)."""
     if folder is None:
         return _placed(build(), arena)
     mapped = _read(folder, name, arena)
@@ -145,8 +145,9 @@ def cached(folder: Path | None, name: str, build: Callable[[], Any], say: bool =
 
 def cached_linear(folder: Path | None, name: str, build: Callable[[], Any]) -> Any:
     """`cached` for one matrix `name` (its tensor names joined by "+"): a `CodedLinear` of codes is kept as the
-    experts of one and handed back as that one; a file's own float16, bfloat16 or float32 weights
-    (`CodedLinear.dense16`) and a float32 matrix are returned as built."""
+    experts of one and handed back as that one, on huge pages where the load has an arena
+    (`huge_pages.current()`: a large file mapped and advised, a small one read into the arena); a file's own
+    float16, bfloat16 or float32 weights (`CodedLinear.dense16`) and a float32 matrix are returned as built."""
     def laid_out() -> Any:
         built = build()
         return _one(built) if isinstance(built, CodedLinear) and not built.dense else built
@@ -178,7 +179,7 @@ def _placed(built: Any, arena: Arena | None) -> Any:
 
 
 def _write(folder: Path, name: str, ex: ExpertMatrices, say: bool, arena: Arena | None) -> ExpertMatrices | None:
-    """`ex` written as `name` into `folder` and mapped back (read into `arena` where given); None where it could not
+    """`ex` written as `name` into `folder` and mapped back (`_map`, with `arena`); None where it could not
     be written (no room, a read-only folder: the matrices then stay in memory). `say` as `cached`'s."""
     import xxhash
 
@@ -245,15 +246,30 @@ def _write_meta(folder: Path, name: str, meta: dict, stale: list[Path]) -> None:
     tmp.replace(folder / f"{name}.json")
 
 
+def _window_starts(size: int) -> list[int]:
+    return [max(size - _WINDOW, 0) * i // (_WINDOWS - 1) for i in range(_WINDOWS)]
+
+
 def _sampled(path: Path, size: int) -> str:
     """xxh3_64 (hex) of _WINDOWS windows of _WINDOW bytes spread evenly over the file of `size` bytes."""
     import xxhash
 
     digest = xxhash.xxh3_64()
     with open(path, "rb", buffering=0) as f:
-        for i in range(_WINDOWS):
-            f.seek(max(size - _WINDOW, 0) * i // (_WINDOWS - 1))
+        for at in _window_starts(size):
+            f.seek(at)
             digest.update(f.read(_WINDOW))
+    return digest.hexdigest()
+
+
+def _sampled_in(raw: np.ndarray) -> str:
+    """`_sampled` of the bytes `raw` (uint8) holds: read through a map, its windows fault in as the map is advised
+    (on huge pages, 2 MiB folios read ahead) rather than as a read() would leave them in the page cache."""
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    for at in _window_starts(raw.nbytes):
+        digest.update(raw[at:at + _WINDOW])
     return digest.hexdigest()
 
 
@@ -264,7 +280,7 @@ def _fingerprint(path: Path) -> dict[str, Any]:
 
 
 def _read(folder: Path, name: str, arena: Arena | None) -> ExpertMatrices | None:
-    """`name` mapped from `folder` (read into `arena` where given) where its .json is there and its .bin is as
+    """`name` mapped from `folder` (`_map`, with `arena`) where its .json is there and its .bin is as
     written: the recorded stamp and sampled windows, or (a stamp of another file: copied, touched) the recorded
     whole checksum."""
     stale: list[Path] = []
@@ -275,7 +291,7 @@ def _read(folder: Path, name: str, arena: Arena | None) -> ExpertMatrices | None
         if st.st_size != meta["size"]:
             return None
         if meta.get("stamp") == [st.st_size, st.st_mtime_ns, st.st_ino]:
-            return _map(path, meta, arena) if _sampled(path, st.st_size) == meta.get("sampled") else None
+            return _map(path, meta, arena, sampled=meta.get("sampled"))
         if fast_checksum_file(path) != meta["xxh3_64"]:
             return None
         with contextlib.suppress(OSError):  # intact: later loads check the new stamp instead of every byte
@@ -324,13 +340,21 @@ def _fill_page_tables(raw: np.memmap) -> None:
         libc.madvise(addr, pages * mmap.PAGESIZE, _MADV_POPULATE_READ)  # EINVAL before Linux 5.14: nothing done
 
 
-def _map(path: Path, meta: dict, arena: Arena | None = None) -> ExpertMatrices:
+def _map(path: Path, meta: dict, arena: Arena | None = None, sampled: str | None = None) -> ExpertMatrices | None:
     """The buffers of `meta` over a private (copy-on-write) map of `path`: read pages are the file's (their page
-    tables filled at once where the page cache holds them); or over the file read into `arena`, where given."""
-    if arena is not None:
+    tables filled at once where the page cache holds them). Where `arena` is given, a file of `huge_pages.MAP_MIN`
+    bytes or more is mapped so and advised for huge pages, a smaller one read into the arena. `sampled`: the
+    recorded `_sampled` checksum its bytes must have (else None)."""
+    if arena is not None and meta["size"] < huge_pages.MAP_MIN:
         raw = arena.read(path, meta["size"])
     else:
         raw = np.memmap(path, dtype=np.uint8, mode="c")
+        if arena is not None:
+            huge_pages.advise(raw)  # before any page is read: the page cache then reads it in 2 MiB folios
+    # an advised map's windows read through it; an expert's by read(), its map left to fault in as the steps read it
+    if sampled is not None and (_sampled_in(raw) if arena is not None else _sampled(path, raw.nbytes)) != sampled:
+        return None
+    if isinstance(raw, np.memmap):
         _fill_page_tables(raw)
     parts = {}
     for key, p in meta["parts"].items():
@@ -340,5 +364,5 @@ def _map(path: Path, meta: dict, arena: Arena | None = None) -> ExpertMatrices:
         parts[key] = torch.from_numpy(view).view(dtype).view(p["shape"])
     ex = ExpertMatrices(parts["codes"], parts.get("scale"), parts.get("offset"), meta["k"], meta["group"],
                         meta["four_bit"], meta["rows4"], meta["sub"], meta.get("by_groups", False))
-    ex.source = None if arena is not None else path
+    ex.source = path if isinstance(raw, np.memmap) else None
     return ex
