@@ -196,3 +196,33 @@ def test_a_layout_file_damaged_under_its_recorded_stamp_is_laid_out_again_on_hug
     again = load_model(str(path), progress=False)
     assert torch.equal(again.logits(ids), want)
     assert damaged.read_bytes()[:1] == first  # laid out again and rewritten
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps")
+def test_a_map_resident_in_small_folios_is_read_again_once_with_its_bytes_unchanged(tmp_path, monkeypatch):
+    import numpy as np
+
+    from lmhead.models import layout_cache
+
+    if not huge_pages.available():
+        pytest.skip("no transparent huge pages here (or LMHEAD_HUGE_PAGES=0)")
+    data = np.random.default_rng(0).integers(0, 256, 8 << 20, dtype=np.uint8)
+    path = tmp_path / "layouts" / "m.bin"
+    path.parent.mkdir()
+    with open(path, "wb") as f:  # small writes: the page cache holds it in small folios
+        for at in range(0, data.nbytes, 64 << 10):
+            f.write(data[at:at + (64 << 10)])
+    with huge_pages.arena_for_load() as arena:
+        raw = np.memmap(path, dtype=np.uint8, mode="c")
+        huge_pages.advise(raw, path)
+        layout_cache._fill_page_tables(raw)  # resident: its page tables filled, on 4 KiB pages
+        view = torch.from_numpy(raw[: 1 << 20])  # a view made before, as a loaded matrix's
+        assert huge_pages.refold(arena) == raw.nbytes
+    assert np.array_equal(raw, data) and torch.equal(view, torch.from_numpy(data[: 1 << 20]))
+    rss, pmd = huge_pages._maps_pmd()[raw.ctypes.data]
+    assert pmd >= (4 << 20) or (path.parent / huge_pages.NO_FOLIOS).exists()  # huge pages, or said not to retry
+    with huge_pages.arena_for_load() as again:
+        again_raw = np.memmap(path, dtype=np.uint8, mode="c")
+        huge_pages.advise(again_raw, path)
+        layout_cache._fill_page_tables(again_raw)
+        assert huge_pages.refold(again) == 0  # once

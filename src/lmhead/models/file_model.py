@@ -309,8 +309,11 @@ def file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None = None):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with huge_pages.arena_for_load():
-            return _file_body(f, cfg, onednn, workers=min(2, threads))
+        with huge_pages.arena_for_load() as arena:
+            body = _file_body(f, cfg, onednn, workers=min(2, threads))
+            if arena is not None:
+                huge_pages.refold(arena)
+            return body
     except KeyError as exc:
         raise ModelError(f"{f.path}: the file has no tensor {exc} that a {f.architecture} model of "
                          f"{cfg.num_hidden_layers} layers needs (a damaged or incomplete file)") from None

@@ -37,14 +37,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["Arena", "advise", "arena_for_load", "available", "current", "describe", "resident_huge_bytes"]
+__all__ = ["Arena", "advise", "arena_for_load", "available", "current", "describe", "refold", "resident_huge_bytes"]
 
 PAGE = 2 << 20         # a huge page
 CHUNK = 256 << 20      # an arena's regions: a matrix larger than this gets one of its own
 MAP_MIN = 8 << 20      # a layout cache's file this large is mapped on huge pages rather than read into the arena
 _ALIGN = 64            # each buffer starts on a cache line (the kernels' loads)
 _READ = 1 << 30        # the most one read() call is asked for (Linux caps a read near 2 GiB)
+NO_FOLIOS = ".no-huge-folios"  # in a layouts folder: its files read again came back in small folios (not retried)
+_MADV_DONTNEED = 4
 _MADV_HUGEPAGE = 14
+_MADV_POPULATE_READ = 22  # Linux ≥ 5.14
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _lock = threading.Lock()
 _current: list[Arena] = []  # the arena of the load in progress (loads nested or in other threads share it)
@@ -98,14 +101,81 @@ def _region(nbytes: int) -> np.ndarray:
     return raw[start:start + nbytes]
 
 
-def advise(raw: np.ndarray) -> None:
+def advise(raw: np.ndarray, path: Path | None = None) -> None:
     """Ask for the 2 MiB extents of `raw` (a whole map of a file: `np.memmap`) to be backed by huge pages: they are
     where the page cache holds the file in 2 MiB folios (a file written in large pieces, or read ahead for a map so
-    advised), mapped as they are — no copy. Refused (no THP): nothing changes."""
+    advised), mapped as they are — no copy. Refused (no THP): nothing changes. With `path` (the file) and a load in
+    progress, the map is one `refold` checks at the load's end."""
     start = -raw.ctypes.data % mmap.PAGESIZE  # from its first whole page (a map starts on one) to its last page
     size = -(-(raw.nbytes - start) // mmap.PAGESIZE) * mmap.PAGESIZE
-    if raw.nbytes > start:
-        _madvise()(raw.ctypes.data + start, size, _MADV_HUGEPAGE)
+    if raw.nbytes <= start or _madvise()(raw.ctypes.data + start, size, _MADV_HUGEPAGE) != 0:
+        return
+    arena = current()
+    if path is not None and arena is not None:
+        with arena._lock:
+            arena.advised.append((raw.ctypes.data + start, size, path))
+
+
+def _maps_pmd() -> dict[int, tuple[int, int]]:
+    """Each map of this process by its start address: (bytes resident, bytes mapped by 2 MiB folios of a file)."""
+    out: dict[int, tuple[int, int]] = {}
+    start = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)
+        if not head:
+            continue
+        if not head[0].endswith(":"):
+            start = int(head[0].split("-")[0], 16)
+            out[start] = (0, 0)
+        elif start is not None and head[0] in ("Rss:", "FilePmdMapped:"):
+            rss, pmd = out[start]
+            kb = int(head[1].split()[0]) * 1024
+            out[start] = (rss + kb, pmd) if head[0] == "Rss:" else (rss, pmd + kb)
+    return out
+
+
+def refold(arena: Arena) -> int:
+    """The load's advised maps (`advise`) that came resident on 4 KiB pages — the page cache held their files in
+    small folios (read by read(), or by a map not so advised) — dropped and read again: their page tables cleared
+    (`MADV_DONTNEED`: the maps are private and never written, so nothing of theirs is lost), the files' pages dropped
+    from the page cache (`POSIX_FADV_DONTNEED`; pages another process maps stay), and the maps filled again
+    (`MADV_POPULATE_READ`), which reads them ahead in 2 MiB folios; later loads then map those at once. Returns the
+    bytes read again (said on stderr)."""
+    if not arena.advised or not Path("/proc/self/smaps").exists():
+        return 0
+    small = _on_small_pages(arena.advised, _maps_pmd())
+    small = [(addr, size, path) for addr, size, path in small if not (path.parent / NO_FOLIOS).exists()]
+    total = sum(size for _, size, _ in small)
+    if not small:
+        return 0
+    print(f"lmhead: reading {total / 2**20:.0f} MiB of laid-out matrices again in 2 MiB pages (the page cache held "
+          "them in small pieces; once)", file=sys.stderr, flush=True)
+    madvise = _madvise()
+    for addr, size, path in small:
+        madvise(addr, size, _MADV_DONTNEED)
+        with contextlib.suppress(OSError):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)  # a page still to be written back is not dropped
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        madvise(addr, size, _MADV_POPULATE_READ)
+    for folder in {path.parent for _, _, path in _on_small_pages(small, _maps_pmd())}:
+        with contextlib.suppress(OSError):  # read again and still small: this system's page cache gives none
+            (folder / NO_FOLIOS).touch()
+    return total
+
+
+def _on_small_pages(advised: list[tuple[int, int, Path]], maps: dict[int, tuple[int, int]]) -> list:
+    """The maps of `advised` resident (90%) with under half their 2 MiB extents on 2 MiB pages."""
+    out = []
+    for addr, size, path in advised:
+        rss, pmd = maps.get(addr, (0, 0))
+        extents = (addr + size) // PAGE * PAGE - -(-addr // PAGE) * PAGE
+        if extents >= PAGE and rss >= 0.9 * size and pmd < extents // 2:
+            out.append((addr, size, path))
+    return out
 
 
 class Arena:
@@ -114,6 +184,7 @@ class Arena:
 
     def __init__(self) -> None:
         self._region: np.ndarray | None = None
+        self.advised: list[tuple[int, int, Path]] = []  # the load's maps advised for huge pages: (start, bytes, file)
         self._at = 0
         self._lock = threading.Lock()
         self.nbytes = 0  # the bytes handed out

@@ -350,7 +350,7 @@ def _map(path: Path, meta: dict, arena: Arena | None = None, sampled: str | None
     else:
         raw = np.memmap(path, dtype=np.uint8, mode="c")
         if arena is not None:
-            huge_pages.advise(raw)  # before any page is read: the page cache then reads it in 2 MiB folios
+            huge_pages.advise(raw, path)  # before any page is read: the page cache then reads it in 2 MiB folios
     # an advised map's windows read through it; an expert's by read(), its map left to fault in as the steps read it
     if sampled is not None and (_sampled_in(raw) if arena is not None else _sampled(path, raw.nbytes)) != sampled:
         return None
