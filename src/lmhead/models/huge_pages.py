@@ -47,22 +47,29 @@ _READ = 1 << 30        # the most one read() call is asked for (Linux caps a rea
 NO_FOLIOS = ".no-huge-folios"  # in a layouts folder: its files read again came back in small folios (not retried)
 _MADV_DONTNEED = 4
 _MADV_HUGEPAGE = 14
-_MADV_POPULATE_READ = 22  # Linux ≥ 5.14
+MADV_POPULATE_READ = 22  # Linux ≥ 5.14 (EINVAL before: nothing done)
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _lock = threading.Lock()
 _current: list[Arena] = []  # the arena of the load in progress (loads nested or in other threads share it)
 
 
 @functools.cache
-def _madvise():
+def libc() -> ctypes.CDLL | None:
+    """This process's C library on Linux, its madvise and mincore typed (None elsewhere)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
+        lib = ctypes.CDLL(None, use_errno=True)
     except OSError:
         return None
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise
+    lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return lib
+
+
+def _madvise():
+    lib = libc()
+    return None if lib is None else lib.madvise
 
 
 def available() -> bool:
@@ -160,7 +167,7 @@ def refold(arena: Arena) -> int:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
-        madvise(addr, size, _MADV_POPULATE_READ)
+        madvise(addr, size, MADV_POPULATE_READ)
     for folder in {path.parent for _, _, path in _on_small_pages(small, _maps_pmd())}:
         with contextlib.suppress(OSError):  # read again and still small: this system's page cache gives none
             (folder / NO_FOLIOS).touch()

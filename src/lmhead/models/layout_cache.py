@@ -27,8 +27,6 @@ rewritten (it costs time, never a wrong number). Else the load lays it out (`exp
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import hashlib
 import json
 import mmap
@@ -306,20 +304,6 @@ def _read(folder: Path, name: str, arena: Arena | None) -> ExpertMatrices | None
 
 
 _RESIDENT = 0.9            # the share of a map's pages in the page cache above which its page tables are filled
-_MADV_POPULATE_READ = 22   # Linux ≥ 5.14
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
 
 
 def _fill_page_tables(raw: np.memmap) -> None:
@@ -327,7 +311,7 @@ def _fill_page_tables(raw: np.memmap) -> None:
     first touches an expert would otherwise take a page fault per 16 pages of it, in the timed tokens rather than
     in the load (one madvise: the kernel fills the tables from the cached pages, reading nothing; a map mostly on
     disk is left to fault in as it is read)."""
-    libc = _libc()
+    libc = huge_pages.libc()
     if libc is None or raw.nbytes == 0:
         return
     addr, pages = raw.ctypes.data, -(-raw.nbytes // mmap.PAGESIZE)
@@ -337,7 +321,7 @@ def _fill_page_tables(raw: np.memmap) -> None:
     if libc.mincore(addr, raw.nbytes, resident.ctypes.data) != 0:
         return
     if np.count_nonzero(resident & 1) >= _RESIDENT * pages:
-        libc.madvise(addr, pages * mmap.PAGESIZE, _MADV_POPULATE_READ)  # EINVAL before Linux 5.14: nothing done
+        libc.madvise(addr, pages * mmap.PAGESIZE, huge_pages.MADV_POPULATE_READ)
 
 
 def _map(path: Path, meta: dict, arena: Arena | None = None, sampled: str | None = None) -> ExpertMatrices | None:
