@@ -304,7 +304,8 @@ def file_body(f: GGUFFile, cfg: ModelConfig, onednn: bool | None = None):
 
     The repacking is many small element-wise passes: each on one thread (on a busy machine torch's pool waking
     for each of them is several times slower), the embedding and the layers two at a time (one per core). The
-    matrices are laid end to end in one arena on huge pages where the system has them (`models/huge_pages.py`).
+    matrices go on huge pages where the system has them (`models/huge_pages.py`): the large layout files mapped and
+    advised (read again once where the page cache held them in small folios), the rest in one arena.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -95,7 +95,7 @@ def describe() -> str:
         return "on 4 KiB pages (the kernel has no transparent huge pages)"
     if mode == "never":
         return "on 4 KiB pages (transparent huge pages: never)"
-    return f"in one arena on 2 MiB pages (transparent huge pages: {mode})"
+    return f"on 2 MiB pages: large layout files mapped, the rest in one arena (transparent huge pages: {mode})"
 
 
 def _region(nbytes: int) -> np.ndarray:
