@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["Arena", "advise", "arena_for_load", "available", "current", "describe", "refold", "resident_huge_bytes"]
+__all__ = ["Arena", "advise", "arena_for_load", "available", "current", "describe", "refold"]
 
 PAGE = 2 << 20         # a huge page
 CHUNK = 256 << 20      # an arena's regions: a matrix larger than this gets one of its own
@@ -259,15 +259,3 @@ def arena_for_load() -> Iterator[Arena | None]:
     finally:
         with _lock:
             _current.remove(arena)
-
-
-def resident_huge_bytes() -> int | None:
-    """Bytes of this process's anonymous memory on huge pages now (`AnonHugePages` of /proc/self/smaps_rollup), or
-    None where the system does not say."""
-    try:
-        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
