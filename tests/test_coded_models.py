@@ -41,9 +41,8 @@ def test_every_matrix_reads_its_codes_and_the_logits_equal_transformers(name):
     got = torch.cat(got).detach()
     # about as near the float64 logits as transformers' own float32 forward is (two float32 forwards that sum in
     # other orders differ from each other by about twice that). Torch's own error follows its BLAS's summation order,
-    # which differs by CPU (on AMD's family 25 model 17 SmolLM2's was 6.05e-5), and the integer path's slices add
-    # their representation error (at most 2^-23 of a group's largest activation a weight, docs/decode.md) to the
-    # float32 rounding: 7.59e-5 there, its float32 path's 4.86e-5
+    # which differs by CPU, and the integer path's slices add their representation error (at most 2^-23 of a group's
+    # largest activation a weight, docs/decode.md) to the float32 rounding
     ours, theirs = float((got.double() - exact).abs().max()), float((want.double() - exact).abs().max())
     assert ours <= 1.5 * theirs, (ours, theirs)
     torch.testing.assert_close(got, want, atol=2.5 * theirs, rtol=0)

@@ -104,7 +104,9 @@ def _region(nbytes: int) -> np.ndarray:
     region = mmap.mmap(-1, nbytes + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = np.frombuffer(region, dtype=np.uint8)
     start = -raw.ctypes.data % PAGE
-    _madvise()(raw.ctypes.data + start, nbytes, _MADV_HUGEPAGE)  # refused (EINVAL): 4 KiB pages, the same bits
+    madvise = _madvise()
+    if madvise is not None:
+        madvise(raw.ctypes.data + start, nbytes, _MADV_HUGEPAGE)  # refused (EINVAL): 4 KiB pages, the same bits
     return raw[start:start + nbytes]
 
 
@@ -115,12 +117,12 @@ def advise(raw: np.ndarray, path: Path | None = None) -> None:
     progress, the map is one `refold` checks at the load's end."""
     start = -raw.ctypes.data % mmap.PAGESIZE  # from its first whole page (a map starts on one) to its last page
     size = -(-(raw.nbytes - start) // mmap.PAGESIZE) * mmap.PAGESIZE
-    if raw.nbytes <= start or _madvise()(raw.ctypes.data + start, size, _MADV_HUGEPAGE) != 0:
+    madvise = _madvise()
+    if raw.nbytes <= start or madvise is None or madvise(raw.ctypes.data + start, size, _MADV_HUGEPAGE) != 0:
         return
     arena = current()
     if path is not None and arena is not None:
-        with arena._lock:
-            arena.advised.append((raw.ctypes.data + start, size, path))
+        arena.note_advised(raw.ctypes.data + start, size, path)
 
 
 def _maps_pmd() -> dict[int, tuple[int, int]]:
@@ -207,6 +209,11 @@ class Arena:
                 self._region, at = _region(CHUNK), 0
             self._at = at + nbytes
             return self._region[at:at + nbytes]
+
+    def note_advised(self, start: int, nbytes: int, path: Path) -> None:
+        """Record a map of the file `path` advised for huge pages during the load (`refold` checks them at its end)."""
+        with self._lock:
+            self.advised.append((start, nbytes, path))
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
         """A tensor of `shape` and `dtype` in the arena (zeroed: the region is fresh anonymous memory)."""
