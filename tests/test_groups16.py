@@ -19,14 +19,18 @@ from lmhead.models.quant_types import LEVELS
 pytestmark = pytest.mark.skipif(not groups16.built(), reason="the integer path by groups needs AVX-512 VNNI")
 
 # (four_bit, lowest code, highest + 1, offsets, the group of a K-quant's sub-scales or 0 for float16 scales a group
-# of 32): Q8_0/Q5_0, Q5_1, Q4_0, Q4_1; Q4_K, Q5_K; Q6_K, Q3_K, Q2_K; a level table's codes (lowest and highest
-# None): IQ4_NL, IQ4_XS, MXFP4
-KINDS = {"int8": (None, -127, 128, False, 0), "int8 offsets": (None, 0, 32, True, 0),
-         "signed": ("signed", -8, 8, False, 0), "unsigned": ("unsigned", 0, 16, True, 0),
-         "unsigned sub": ("unsigned", 0, 16, True, 32), "int8 sub": (None, 0, 32, True, 32),
-         "int8 sub16": (None, -32, 32, False, 16), "signed sub16": ("signed", -4, 4, False, 16),
-         "signed sub16 offsets": ("signed", 0, 4, True, 16), "iq4": ("iq4", None, None, False, 0),
-         "iq4 sub": ("iq4", None, None, False, 32), "mxfp4": ("mxfp4", None, None, False, 0)}
+# of 32, the plane of 5- and 6-bit codes): Q8_0/Q5_0, Q5_1 (and in its plane), Q4_0, Q4_1; Q4_K, Q5_K (and in its
+# plane); Q6_K (and in its plane), Q3_K, Q2_K; a level table's codes (lowest and highest None): IQ4_NL, IQ4_XS,
+# MXFP4; 5-bit signed and 6-bit unsigned codes in their planes
+KINDS = {"int8": (None, -127, 128, False, 0, None), "int8 offsets": (None, 0, 32, True, 0, None),
+         "signed": ("signed", -8, 8, False, 0, None), "unsigned": ("unsigned", 0, 16, True, 0, None),
+         "unsigned sub": ("unsigned", 0, 16, True, 32, None), "int8 sub": (None, 0, 32, True, 32, None),
+         "int8 sub16": (None, -32, 32, False, 16, None), "signed sub16": ("signed", -4, 4, False, 16, None),
+         "signed sub16 offsets": ("signed", 0, 4, True, 16, None), "iq4": ("iq4", None, None, False, 0, None),
+         "iq4 sub": ("iq4", None, None, False, 32, None), "mxfp4": ("mxfp4", None, None, False, 0, None),
+         "plane5 offsets": (None, 0, 32, True, 0, "unsigned5"), "plane5 sub": (None, 0, 32, True, 32, "unsigned5"),
+         "plane6 sub16": (None, -32, 32, False, 16, "signed6"), "plane5 signed": (None, -16, 16, False, 0, "signed5"),
+         "plane6 unsigned sub": (None, 0, 64, True, 32, "unsigned6")}
 
 
 @pytest.fixture(autouse=True)
@@ -44,8 +48,11 @@ def _subscales(n: int, k: int, group: int, g: torch.Generator, sign: float) -> S
     return s
 
 
-def _matrix(kind: str, n: int, k: int, seed: int = 0) -> tuple[CodedLinear, torch.Tensor]:
-    four_bit, lo, hi, offsets, sub = KINDS[kind]
+def _matrix(kind: str, n: int, k: int, seed: int = 0, plane: str | None | bool = True
+            ) -> tuple[CodedLinear, torch.Tensor]:
+    """`plane` False: the kind's codes in the int8 layout even where it has a plane."""
+    four_bit, lo, hi, offsets, sub, kind_plane = KINDS[kind]
+    plane = kind_plane if plane else None
     g = torch.Generator().manual_seed(seed)
     if lo is None:  # a level table's codes: its levels
         levels = torch.from_numpy(LEVELS[four_bit])
@@ -55,19 +62,21 @@ def _matrix(kind: str, n: int, k: int, seed: int = 0) -> tuple[CodedLinear, torc
     if sub:  # as a file's K-quant is read: its codes in chunks, its sub-scales as its blocks hold them
         scale, offset = _subscales(n, k, sub, g, 1.0), _subscales(n, k, sub, g, -1.0) if offsets else None
         coded = CodedLinear.from_chunks(n, k, scale, offset, [(0, codes[:64]), (64, codes[64:])], four_bit,
-                                        groups16=True)
+                                        groups16=True, plane=plane)
         scale, offset = (None if s is None else subscale_numbers(s.d, s.sub) for s in (scale, offset))
     else:
         scale = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-4).half().float()
         offset = (torch.rand(n, k // 32, generator=g) * -0.1).half().float() if offsets else None
-        coded = CodedLinear(codes, scale, offset, four_bit=four_bit, groups16=True)
-    assert coded.by_groups and coded.flags & native.GROUPS16
+        coded = CodedLinear(codes, scale, offset, four_bit=four_bit, groups16=True, plane=plane)
+    assert coded.by_groups and coded.flags & native.GROUPS16 and coded.plane == plane
     return coded, coded_weight(codes, scale, offset)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_the_layout_gives_the_codes_and_scales_back(kind):
     coded, w = _matrix(kind, 128, 512 if KINDS[kind][4] else 320)
+    assert coded.codes.shape == (128, layout16.row_bytes(512 if KINDS[kind][4] else 320, KINDS[kind][0],
+                                                         KINDS[kind][5]))
     assert torch.equal(coded.dequantize(), w.float())  # a K-quant's code·scale + offset rounded once, as its file's
     assert torch.equal(coded.rows(torch.tensor([0, 17, 127])), w[[0, 17, 127]].float())
 
@@ -105,7 +114,35 @@ def test_a_rows_product_is_within_the_bound_and_the_same_bits_alone_in_a_batch_a
                                alone[:m].view(torch.int32)), (m, threads)
 
 
-@pytest.mark.parametrize("kind", ["int8", "unsigned", "signed sub16 offsets"])
+PLANES = sorted(kind for kind in KINDS if KINDS[kind][5])
+
+
+@pytest.mark.parametrize("kind", PLANES)
+def test_5_and_6_bit_codes_in_a_plane_give_the_int8_layouts_bits_in_fewer_bytes(kind):
+    # the same exact integer sums from fewer bytes: every product, alone and in a batch (AMX's tiles where the CPU
+    # has them), and every row the same bits as the codes a byte each
+    n, k = 80, 1024
+    planed, w = _matrix(kind, n, k, seed=3)
+    bytewise, _ = _matrix(kind, n, k, seed=3, plane=False)
+    assert planed.codes.nbytes * 8 == bytewise.codes.nbytes * (4 + layout16.PLANES[KINDS[kind][5]][0])
+    assert torch.equal(planed.dequantize(), bytewise.dequantize())
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(19, k, generator=g) * torch.logspace(-2, 2, k)
+    for m in (1, 3, 19):
+        assert torch.equal(planed(x[:m].contiguous()).view(torch.int32), bytewise(x[:m].contiguous()).view(torch.int32))
+    assert torch.equal(planed.rows(torch.tensor([0, 33, 79])), w[[0, 33, 79]].float())
+
+
+@pytest.mark.parametrize("plane, codes", [("signed6", [-33, 0]), ("signed6", [0, 32]), ("unsigned5", [-1, 0]),
+                                          ("unsigned5", [0, 32]), ("signed5", [16, 0])])
+def test_a_plane_refuses_codes_outside_its_range(plane, codes):
+    c = torch.zeros(16, 256, dtype=torch.int8)
+    c[3, 7], c[9, 200] = codes
+    with pytest.raises(ValueError, match=plane):
+        layout16.lay_out(c, None, plane)
+
+
+@pytest.mark.parametrize("kind", ["int8", "unsigned", "signed sub16 offsets", "plane6 sub16"])
 def test_a_prefill_chunk_of_several_tile_chunks_gives_each_row_its_bits_alone(kind):
     # AMX's tiles take a prefill's rows in chunks whose slices stay in L2 (K = 2048: 64 rows a chunk): 150 rows are
     # three chunks, the last one short, and six rows for the one-row kernel; each row is its bits alone

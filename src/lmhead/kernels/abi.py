@@ -13,9 +13,10 @@ import torch
 # themselves (no codes, no scales); with PACKED, signed 4-bit codes (Q4_0, Q3_K, Q2_K) or indices of a level
 # table (IQ4: IQ4_NL, IQ4_XS; MXFP4); scales and offsets as K-quant blocks hold them (d per 256 weights times an
 # int8 per group: `models.coded_linear.SubScales`); scales as MXFP4's exponent bytes (E8M0: 2^(e − 128)); codes
-# sixteen rows a vector for the integer path by groups (GROUPS16: kernels/groups_kernel.h, `models.groups16`)
-FLAGS = (PACKED, HALF, ROWS4, F16, BF16, SIGNED4, IQ4, SUB, F32, MXFP4, E8M0, GROUPS16) = (
-    1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+# sixteen rows a vector for the integer path by groups (GROUPS16: kernels/groups_kernel.h, `models.groups16`),
+# there 5- or 6-bit codes as nibbles with their top bit or two in a plane beside them (HIGH1, HIGH2; SIGNED4: signed)
+FLAGS = (PACKED, HALF, ROWS4, F16, BF16, SIGNED4, IQ4, SUB, F32, MXFP4, E8M0, GROUPS16, HIGH1, HIGH2) = (
+    1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # each table's sixteen levels in index order (the kernels hold them in stored-nibble order, index ^ 8)
 LEVELS = {IQ4: (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113),
           MXFP4: (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)}  # e2m1's values doubled

@@ -1505,8 +1505,9 @@ int lmhead_groups_row(const void* codes, const void* scale, const void* offset, 
                       int flags, int64_t n, float* out) {
 #ifdef LMHEAD_SLICED_BUILT
     const int skind = (flags & LMHEAD_SUB) ? G16_SUB : (flags & LMHEAD_E8M0) ? G16_E8M0 : G16_HALF;
+    if (g16_high_bits(flags) < 0) return -1;
     g16_row((const uint8_t*)codes, scale, offset, skind, G == 16, (flags & LMHEAD_PACKED) != 0,
-            (flags & LMHEAD_SIGNED4) != 0, lmhead_table_of(flags), N, K, n, out);
+            (flags & LMHEAD_SIGNED4) != 0, lmhead_table_of(flags), g16_high_bits(flags), N, K, n, out);
     return 0;
 #else
     (void)codes, (void)scale, (void)offset, (void)N, (void)K, (void)G, (void)flags, (void)n, (void)out;
@@ -1522,12 +1523,12 @@ int lmhead_coded_matmul(const float* x, int64_t M, int64_t K, const int8_t* code
         const int sub = (flags & LMHEAD_SUB) != 0, half = (flags & LMHEAD_HALF) != 0, e8m0 = (flags & LMHEAD_E8M0) != 0;
         if ((G != 32 && !(G == 16 && sub)) || sub + half + e8m0 != 1 ||
             (flags & ~(LMHEAD_GROUPS16 | LMHEAD_HALF | LMHEAD_SUB | LMHEAD_E8M0 | LMHEAD_PACKED | LMHEAD_SIGNED4 |
-                       LMHEAD_TABLE_FLAGS)))
+                       LMHEAD_TABLE_FLAGS | LMHEAD_HIGH1 | LMHEAD_HIGH2)))
             return -1;
         return groups16_matmul(x, M, K, (const uint8_t*)codes, scale, offset,
                                sub ? G16_SUB : e8m0 ? G16_E8M0 : G16_HALF, G == 16, N,
-                               (flags & LMHEAD_PACKED) != 0, (flags & LMHEAD_SIGNED4) != 0, lmhead_table_of(flags), y,
-                               threads);
+                               (flags & LMHEAD_PACKED) != 0, (flags & LMHEAD_SIGNED4) != 0, lmhead_table_of(flags),
+                               g16_high_bits(flags), y, threads);
 #else
         return -1; /* not built here: the layout is made only where it is */
 #endif

@@ -41,7 +41,12 @@ enum { G16_NB = 4 }; /* blocks of sixteen weight rows a query row takes at once:
  * to the CPU's prefetchers alone (AMD's Zen 4): each of their lines is fetched once, ahead of the two steps it holds */
 enum { G16_AHEAD = 8 };
 
-static inline int g16_bias(int packed, int signed4, int table) { return !packed || table >= 0 ? 128 : signed4 ? 8 : 0; }
+/* what the layout adds to a code to make it an unsigned byte: `hb` the top bits in a plane (1: 5-bit codes, 2: 6-bit)
+ * — half their range where signed, as for signed nibbles */
+static inline int g16_bias(int packed, int signed4, int table, int hb) {
+    if (hb) return signed4 ? 8 << hb : 0;
+    return !packed || table >= 0 ? 128 : signed4 ? 8 : 0;
+}
 
 /* table t's sixteen levels in nibble order as the bytes level + 128 (level XOR 0x80), in each 128-bit lane: a
  * shuffle's table; zero where t < 0 */
@@ -146,15 +151,34 @@ static inline float g16_scale1(const void* s, int skind, int64_t N, int64_t GS, 
     return d[(b * (GS / per) + g / per) * 16 + lane] * (float)sb[(b * GS + g) * 16 + lane];
 }
 
-/* the codes of step q of a group's unit, as unsigned bytes (`levels`: the nibbles' levels + 128, by `lut`) */
-static inline __m512i g16_step(const uint8_t* unit, int q, int packed, int levels, __m512i lut) {
-    if (!packed) return _mm512_loadu_si512(unit + q * 64);
+/* the codes of step q of a group's unit, as unsigned bytes (`levels`: the nibbles' levels + 128, by `lut`; `hb`:
+ * the nibbles' top bits from the plane after them — step q's hb bits at bit hb·(q % (8/hb)) of vector
+ * q / (8/hb) — moved to bits 4 … 3 + hb and joined by one bitwise select) */
+static inline __m512i g16_step(const uint8_t* unit, int q, int packed, int levels, __m512i lut, int hb) {
+    if (!packed && !hb) return _mm512_loadu_si512(unit + q * 64);
     const __m512i b = _mm512_loadu_si512(unit + (q / 2) * 64);
     const __m512i nib = _mm512_and_si512(q % 2 ? _mm512_srli_epi16(b, 4) : b, _mm512_set1_epi8(15));
+    if (hb) {
+        const int per = 8 / hb, at = hb * (q % per); /* the step's bits in its plane byte */
+        const __m512i h = _mm512_loadu_si512(unit + 256 + (q / per) * 64);
+        /* 16-bit shifts: the bits that cross from a neighbouring byte fall outside the mask */
+        const __m512i up = at < 4 ? _mm512_slli_epi16(h, 4 - at) : at > 4 ? _mm512_srli_epi16(h, at - 4) : h;
+        return _mm512_ternarylogic_epi32(nib, up, _mm512_set1_epi8((char)(((1 << hb) - 1) << 4)), 0xF8); /* a | b & c */
+    }
     return levels ? _mm512_shuffle_epi8(lut, nib) : nib;
 }
 
-enum { G16_INT8, G16_NIBBLES, G16_LEVELS_KIND }; /* the codes: int8, packed nibbles, packed indices of a table */
+/* the codes: int8, packed nibbles, packed indices of a table, packed nibbles with one or two top bits in a plane */
+enum { G16_INT8, G16_NIBBLES, G16_LEVELS_KIND, G16_HIGH1, G16_HIGH2, G16_KINDS };
+
+/* the top bits a layout's flags put in a plane (HIGH1, HIGH2; −1 for both) */
+static inline int g16_high_bits(int flags) {
+    const int hb = ((flags & LMHEAD_HIGH1) ? 1 : 0) + ((flags & LMHEAD_HIGH2) ? 2 : 0);
+    return hb == 3 ? -1 : hb;
+}
+
+/* bytes of a group's unit (sixteen rows by 32 codes): int8 codes, nibbles, nibbles and a plane of hb bits */
+static inline int64_t g16_unit(int packed, int hb) { return !packed && !hb ? 512 : 256 + 64 * hb; }
 
 /* the copies of g16_rows by how the scales are held (MODE): float16, a K-quant's d and sub in groups of 32,
  * exponent bytes, d and sub in groups of 16 (two halves a group of 32) — a constant in each copy, so that no copy
@@ -170,8 +194,9 @@ KERNEL_INLINE void g16_rows(const int NB, const int MODE, const int KIND, const 
                             float* y, int ahead) {
     const int H = MODE == G16_M_SUB16 ? 2 : 1;
     const int skind = MODE == G16_M_HALF ? G16_HALF : MODE == G16_M_E8M0 ? G16_E8M0 : G16_SUB;
-    const int packed = KIND != G16_INT8, halves = H == 2;
-    const int64_t G = K / 32, unit = packed ? 256 : 512, GS = G * H;
+    const int hb = KIND == G16_HIGH1 ? 1 : KIND == G16_HIGH2 ? 2 : 0;
+    const int packed = KIND == G16_NIBBLES || KIND == G16_LEVELS_KIND, halves = H == 2;
+    const int64_t G = K / 32, unit = g16_unit(packed, hb), GS = G * H;
     const __m512i lut = g16_lut(KIND == G16_LEVELS_KIND ? table : -1);
     const int per = halves ? 16 : 8;
     const int32_t* ap[3] = {(const int32_t*)a, (const int32_t*)(a + plane), (const int32_t*)(a + 2 * plane)};
@@ -189,11 +214,12 @@ KERNEL_INLINE void g16_rows(const int NB, const int MODE, const int KIND, const 
                 __m512i sv[3];
                 for (int s = 0; s < 3; s++) sv[s] = _mm512_set1_epi32(ap[s][g * 8 + q]);
                 for (int j = 0; j < NB; j++) {
-                    if (ahead && (!packed || q % 2 == 0)) /* packed: vector q/2 holds steps q, q+1 */
+                    /* each line of the unit once: packed, vector q/2 holds steps q, q+1 */
+                    if (ahead && (packed ? q % 2 == 0 : q < unit / 64))
                         _mm_prefetch((const char*)(codes + (next + j * G) * unit + (packed ? q / 2 : q) * 64),
                                      _MM_HINT_T1);
                     const __m512i c = g16_step(codes + ((b0 + j) * G + g) * unit, q, packed,
-                                               KIND == G16_LEVELS_KIND, lut);
+                                               KIND == G16_LEVELS_KIND, lut, hb);
                     for (int s = 0; s < 3; s++) r[j][s] = _mm512_dpbusd_epi32(r[j][s], c, sv[s]);
                 }
             }
@@ -217,7 +243,7 @@ KERNEL_INLINE void g16_rows(const int NB, const int MODE, const int KIND, const 
 #define G16_ROWS_NB(MODE, KIND) \
     G16_ROWS(1, MODE, KIND) G16_ROWS(2, MODE, KIND) G16_ROWS(3, MODE, KIND) G16_ROWS(4, MODE, KIND)
 #define G16_ROWS_KIND(KIND) G16_ROWS_NB(0, KIND) G16_ROWS_NB(1, KIND) G16_ROWS_NB(2, KIND) G16_ROWS_NB(3, KIND)
-G16_ROWS_KIND(0) G16_ROWS_KIND(1) G16_ROWS_KIND(2)
+G16_ROWS_KIND(0) G16_ROWS_KIND(1) G16_ROWS_KIND(2) G16_ROWS_KIND(3) G16_ROWS_KIND(4)
 typedef void (*g16_rows_fn)(const int8_t*, int64_t, const float*, const int32_t*, const float*, int64_t,
                             const uint8_t*, const void*, const void*, int64_t, int, int32_t, int64_t, float*, int);
 #define G16_ROWS_ROW(MODE, KIND)                                                                 \
@@ -225,22 +251,28 @@ typedef void (*g16_rows_fn)(const int8_t*, int64_t, const float*, const int32_t*
      g16_rows_4_##MODE##_##KIND}
 #define G16_ROWS_MODES(KIND) {G16_ROWS_ROW(0, KIND), G16_ROWS_ROW(1, KIND), G16_ROWS_ROW(2, KIND), G16_ROWS_ROW(3, KIND)}
 /* [KIND][MODE][NB] */
-static const g16_rows_fn G16_ROWS_OF[3][G16_MODES][G16_NB + 1] = {G16_ROWS_MODES(0), G16_ROWS_MODES(1),
-                                                                  G16_ROWS_MODES(2)};
+static const g16_rows_fn G16_ROWS_OF[G16_KINDS][G16_MODES][G16_NB + 1] = {
+    G16_ROWS_MODES(0), G16_ROWS_MODES(1), G16_ROWS_MODES(2), G16_ROWS_MODES(3), G16_ROWS_MODES(4)};
 
-/* weight k of row n's code (K/32 = G groups a row): its stored byte less the bias, or a table's level */
-static inline int g16_code(const uint8_t* codes, int64_t G, int packed, int table, int32_t bias, int64_t n,
+/* weight k of row n's code (K/32 = G groups a row): its stored byte (or nibble and top bits) less the bias, or a
+ * table's level */
+static inline int g16_code(const uint8_t* codes, int64_t G, int packed, int table, int32_t bias, int hb, int64_t n,
                            int64_t k) {
-    const uint8_t* u = codes + ((n / 16) * G + k / 32) * (packed ? 256 : 512);
-    const int q = (int)(k % 32) / 4, j = (int)(k % 4);
-    const int byte = packed ? u[(q / 2) * 64 + (n % 16) * 4 + j] : u[q * 64 + (n % 16) * 4 + j];
+    const uint8_t* u = codes + ((n / 16) * G + k / 32) * g16_unit(packed, hb);
+    const int q = (int)(k % 32) / 4, at = (int)(n % 16) * 4 + (int)(k % 4);
+    if (!packed && !hb) return u[q * 64 + at] - bias;
+    const int byte = u[(q / 2) * 64 + at];
     const int nib = q % 2 ? byte >> 4 : byte & 15;
-    return !packed ? byte - bias : table >= 0 ? NIBBLE_LEVEL_BYTES[table][nib] : nib - bias;
+    if (hb) {
+        const int per = 8 / hb, top = (u[256 + (q / per) * 64 + at] >> (hb * (q % per))) & ((1 << hb) - 1);
+        return (nib | top << 4) - bias;
+    }
+    return table >= 0 ? NIBBLE_LEVEL_BYTES[table][nib] : nib - bias;
 }
 
 /* a row the integer path refuses: float32 sums over the same weights, group by group */
 static void g16_plain(const float* x, int64_t K, const uint8_t* codes, const void* s16, const void* m16, int skind,
-                      int halves, int packed, int table, int32_t bias, int64_t N, float* y) {
+                      int halves, int packed, int table, int32_t bias, int hb, int64_t N, float* y) {
     const int64_t G = K / 32, group = halves ? 16 : 32, GS = K / group;
     const int per = halves ? 16 : 8;
     for (int64_t n = 0; n < N; n++) {
@@ -248,7 +280,7 @@ static void g16_plain(const float* x, int64_t K, const uint8_t* codes, const voi
         for (int64_t gs = 0; gs < GS; gs++) {
             float cx = 0.f, sx = 0.f;
             for (int64_t k = gs * group; k < (gs + 1) * group; k++) {
-                const int c = g16_code(codes, G, packed, table, bias, n, k);
+                const int c = g16_code(codes, G, packed, table, bias, hb, n, k);
                 cx = fmaf((float)c, x[k], cx);
                 sx += x[k];
             }
@@ -263,13 +295,13 @@ static void g16_plain(const float* x, int64_t K, const uint8_t* codes, const voi
  * operations never fused, as layout16's dequantize — the model's weights bit for bit */
 __attribute__((optimize("fp-contract=off")))
 static void g16_row(const uint8_t* codes, const void* s16, const void* m16, int skind, int halves, int packed,
-                    int signed4, int table, int64_t N, int64_t K, int64_t n, float* out) {
+                    int signed4, int table, int hb, int64_t N, int64_t K, int64_t n, float* out) {
     const int64_t G = K / 32, group = halves ? 16 : 32, GS = K / group;
     const int per = halves ? 16 : 8;
-    const int32_t bias = g16_bias(packed, signed4, table);
+    const int32_t bias = g16_bias(packed, signed4, table, hb);
     for (int64_t k = 0; k < K; k++) {
         const int64_t gs = k / group;
-        float w = (float)g16_code(codes, G, packed, table, bias, n, k) * g16_scale1(s16, skind, N, GS, per, n, gs);
+        float w = (float)g16_code(codes, G, packed, table, bias, hb, n, k) * g16_scale1(s16, skind, N, GS, per, n, gs);
         if (m16) w = w + g16_scale1(m16, skind, N, GS, per, n, gs);
         out[k] = w;
     }
@@ -364,19 +396,20 @@ static void g16_tile(const int8_t* ta, const float* d2, const int32_t* t, const 
  * the weights in groups of 16, sub-scaled). Returns 0, -1 for shapes it does not take, LMHEAD_NO_MEMORY */
 static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s16,
                            const void* m16, int skind, int halves, int64_t N, int packed, int signed4, int table,
-                           float* y, int threads) {
-    if (N % 16 || K % 32 || K < 256 || M < 0 || (signed4 && !packed) || (skind == G16_SUB && K % 256) ||
+                           int hb, float* y, int threads) {
+    if (N % 16 || K % 32 || K < 256 || M < 0 || (signed4 && !packed && !hb) || (skind == G16_SUB && K % 256) ||
         (halves && skind != G16_SUB) || (skind == G16_E8M0 && m16) ||
-        (table >= 0 && (!packed || signed4 || m16)))
+        (table >= 0 && (!packed || signed4 || m16)) || hb < 0 || hb > 2 || (hb && (packed || table >= 0)))
         return -1;
     if (M == 0 || N == 0) return 0;
     if (threads < 1) threads = 1;
-    const int64_t G = K / 32, unit = packed ? 256 : 512;
-    const int32_t bias = g16_bias(packed, signed4, table);
-    const int unsigned_codes = packed && table < 0; /* the tiles' codes: signed (the bias taken off) or not */
+    const int64_t G = K / 32, unit = g16_unit(packed, hb);
+    const int32_t bias = g16_bias(packed, signed4, table, hb);
+    const int unsigned_codes = (packed && table < 0) || hb; /* the tiles' codes: signed (the bias taken off) or not */
     const __m512i lut = g16_lut(table);
     const int mode = halves ? G16_M_SUB16 : skind == G16_HALF ? G16_M_HALF : skind == G16_E8M0 ? G16_M_E8M0 : G16_M_SUB;
-    const g16_rows_fn* rows_of = G16_ROWS_OF[!packed ? G16_INT8 : table >= 0 ? G16_LEVELS_KIND : G16_NIBBLES][mode];
+    const int kind = hb ? G16_HIGH1 + hb - 1 : !packed ? G16_INT8 : table >= 0 ? G16_LEVELS_KIND : G16_NIBBLES;
+    const g16_rows_fn* rows_of = G16_ROWS_OF[kind][mode];
     int64_t tiled = 0; /* the rows AMX's tiles take, sixteen at a time */
 #ifdef G16_AMX
     if (M >= 16 && g16_amx_granted()) tiled = M / 16 * 16;
@@ -441,7 +474,7 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
                 for (int q = 0; q < 8; q++)
                     _mm512_storeu_si512(u8 + g * 512 + q * 64,
                                         _mm512_xor_si512(g16_step(codes + (b * G + g) * unit, q, packed, table >= 0,
-                                                                  lut), flip));
+                                                                  lut, hb), flip));
             for (int64_t m0 = first; m0 < end; m0 += 16)
                 g16_tile(ta, d2, t, vx, m0, K, u8, unsigned_codes, bias, s16, m16, skind, halves, b, y, N);
         }
@@ -462,7 +495,8 @@ static int groups16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* 
     }
     if (!all_ok)
         for (int64_t m = 0; m < M; m++)
-            if (!ok[m]) g16_plain(x + m * K, K, codes, s16, m16, skind, halves, packed, table, bias, N, y + m * N);
+            if (!ok[m])
+                g16_plain(x + m * K, K, codes, s16, m16, skind, halves, packed, table, bias, hb, N, y + m * N);
     if (buf != stack) free(buf);
     shares_close(&blocks);
     shares_close(&tiles);

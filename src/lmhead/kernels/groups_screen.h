@@ -134,7 +134,7 @@ int lmhead_screen_rescore16(const float* x, int64_t M, int64_t K, const uint8_t*
                 if (ok)
                     block(a, K, d2, t, vx, K, cb, sb, NULL, 16, -1, 128, 0, vals, 0);
                 else
-                    g16_plain(x + m * K, K, cb, sb, NULL, G16_HALF, 0, 0, -1, 128, 16, vals);
+                    g16_plain(x + m * K, K, cb, sb, NULL, G16_HALF, 0, 0, -1, 128, 0, 16, vals);
                 last = b;
             }
             y[m * N + n] = vals[n % 16];

@@ -52,6 +52,8 @@ from lmhead.kernels.abi import (
     GROUPS16,
     HALF,
     HALF_MAX_GROUPS,
+    HIGH1,
+    HIGH2,
     IQ4,
     IQ4_LEVELS,
     LEVELS,
@@ -75,9 +77,10 @@ from lmhead.kernels.abi import (
 from lmhead.kernels.builder import SOURCES, library_path
 from lmhead.kernels.layout4 import block4, pack4, unblock4, unpack4
 
-__all__ = ["BF16", "E8M0", "F16", "F32", "FLAGS", "GROUPS16", "HALF", "HALF_MAX_GROUPS", "IQ4", "IQ4_LEVELS", "LEVELS",
-           "MXFP4", "PACKED", "ROUTE_FN", "ROWS4", "SIGNED4", "SOURCES", "SUB", "AttendArgs", "DecodeArgs", "LayerDesc",
-           "MatDesc", "StepArgs", "block4", "keep_ge", "keep_ge_unsure", "library", "library_path", "pack4",
+__all__ = ["BF16", "E8M0", "F16", "F32", "FLAGS", "GROUPS16", "HALF", "HALF_MAX_GROUPS", "HIGH1", "HIGH2", "IQ4",
+           "IQ4_LEVELS", "LEVELS", "MXFP4", "PACKED", "ROUTE_FN", "ROWS4", "SIGNED4", "SOURCES", "SUB", "AttendArgs",
+           "DecodeArgs", "LayerDesc", "MatDesc", "StepArgs", "block4", "keep_ge", "keep_ge_unsure", "library",
+           "library_path", "pack4",
            "row_lse_bounded", "row_moments", "row_scores", "screen_min_rows", "select_ge", "sub_sixteen", "top_k_row",
            "topk", "topk_rows", "typical_row", "unblock4", "unpack4"]
 

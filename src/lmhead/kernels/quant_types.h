@@ -21,12 +21,15 @@
 #define LMHEAD_GROUPS16 2048 /* codes sixteen rows a vector, float16 scales (HALF) or a K-quant's (SUB): the
                               * integer path by groups (groups_kernel.h; int8 codes, or PACKED unsigned with
                               * offsets or SIGNED4) */
+#define LMHEAD_HIGH1 4096 /* with GROUPS16: 5-bit codes, their low four bits as PACKED's nibbles and the top bit in a
+                           * plane after them (Q5_1, Q5_K; SIGNED4: codes −16 … 15) */
+#define LMHEAD_HIGH2 8192 /* with GROUPS16: 6-bit codes so, the top two bits in the plane (Q6_K: SIGNED4, −32 … 31) */
 
 /* every flag, in native.py's order */
 #define LMHEAD_FLAG_VALUES                                                                                    \
     LMHEAD_PACKED, LMHEAD_HALF, LMHEAD_ROWS4, LMHEAD_F16, LMHEAD_BF16, LMHEAD_SIGNED4, LMHEAD_IQ4, LMHEAD_SUB, \
-        LMHEAD_F32, LMHEAD_MXFP4, LMHEAD_E8M0, LMHEAD_GROUPS16
-#define LMHEAD_N_FLAGS 12
+        LMHEAD_F32, LMHEAD_MXFP4, LMHEAD_E8M0, LMHEAD_GROUPS16, LMHEAD_HIGH1, LMHEAD_HIGH2
+#define LMHEAD_N_FLAGS 14
 
 /* the level tables (X(flag, sixteen integer levels in index order)): the code of a weight whose nibble holds
  * index i is the table's i-th integer, its number code·scale. Table t of the kernels is the t-th entry; packed

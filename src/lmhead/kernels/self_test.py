@@ -82,11 +82,13 @@ def grouped_products(lib: ctypes.CDLL, g: torch.Generator) -> bool:
 
 def by_groups(lib: ctypes.CDLL, g: torch.Generator) -> bool:
     """The integer path by groups (groups_kernel.h), where it is built: int8 codes, signed and unsigned 4-bit ones
-    with offsets, IQ4_NL's levels, one row and seventeen (AMX's tiles where the CPU grants them)."""
+    with offsets, IQ4_NL's levels, 6-bit signed and 5-bit unsigned ones with offsets (their top bits in a plane),
+    one row and seventeen (AMX's tiles where the CPU grants them)."""
     if lib.lmhead_groups16() == 0:
         return True
-    for four_bit, lo, hi, offset in ((None, -127, 128, False), ("signed", -8, 8, False), ("unsigned", 0, 16, True),
-                                     ("iq4", 0, 16, False)):
+    for four_bit, plane, lo, hi, offset in ((None, None, -127, 128, False), ("signed", None, -8, 8, False),
+                                            ("unsigned", None, 0, 16, True), ("iq4", None, 0, 16, False),
+                                            (None, "signed6", -32, 32, False), (None, "unsigned5", 0, 32, True)):
         codes = torch.randint(lo, hi, (64, 256), generator=g, dtype=torch.int8)
         if four_bit == "iq4":
             codes = torch.tensor(IQ4_LEVELS, dtype=torch.int8)[codes.long()]
@@ -94,10 +96,10 @@ def by_groups(lib: ctypes.CDLL, g: torch.Generator) -> bool:
         off = (torch.randn(64, 8, generator=g) * 0.01).half() if offset else None
         w = codes.double().view(64, 8, 32) * scale.double()[..., None]
         w = (w if off is None else w + off.double()[..., None]).view(64, 256)
-        laid, s16 = layout16.lay_out(codes, four_bit), layout16.scales_out(scale)
+        laid, s16 = layout16.lay_out(codes, four_bit, plane), layout16.scales_out(scale)
         m16 = None if off is None else layout16.scales_out(off)
         flags = (GROUPS16 | HALF | (PACKED if four_bit else 0) | (SIGNED4 if four_bit == "signed" else 0)
-                 | (IQ4 if four_bit == "iq4" else 0))
+                 | (IQ4 if four_bit == "iq4" else 0) | layout16.plane_flags(plane))
         for m in (1, 17):
             x = torch.randn(m, 256, generator=g)
             y = torch.empty(m, 64)
@@ -105,7 +107,7 @@ def by_groups(lib: ctypes.CDLL, g: torch.Generator) -> bool:
                                          None if m16 is None else m16.data_ptr(), 64, 32, flags, y.data_ptr(), 2)
             if rc != 0 or not close(y, x.double() @ w.T):
                 return False
-            if four_bit is None and not by_groups_screened(lib, x, laid, s16, y):
+            if four_bit is None and plane is None and not by_groups_screened(lib, x, laid, s16, y):
                 return False
         # the rows the C step reads from the layout (coded_kernel.c's lmhead_groups_row): code·scale + offset in float32
         w32 = codes.float().view(64, 8, 32) * scale.float()[..., None]

@@ -127,14 +127,16 @@ class CodedLinear:
     """
 
     def __init__(self, codes: Tensor, scale: Tensor, offset: Tensor | None = None, weight: Tensor | None = None,
-                 sources: tuple[Tensor, ...] | None = None, four_bit: str | None = "auto", groups16: bool = False):
+                 sources: tuple[Tensor, ...] | None = None, four_bit: str | None = "auto", groups16: bool = False,
+                 plane: str | None = None):
         """`four_bit`: how 4-bit codes are stored two per byte (half the bytes to read again) — "unsigned" (codes
         0..15: Q4_1, Q4_K), "signed" (−8..7: Q4_0; Q3_K's −4..3 and Q2_K's 0..3 in groups of 16, Q2_K's with
         offsets), the name of a level table (`quant_types.LEVELS`: "iq4", IQ4_NL's levels — IQ4_NL, IQ4_XS —,
         "mxfp4"; without offsets), None (one byte per code), or "auto": signed where the codes are in −8..7, else
         unsigned where they are in 0..15. Where the shape does not allow it (groups of 16 or 32, K a multiple of
         64) the codes stay one per byte. `groups16`: the integer path by groups' layout where the matrix is
-        eligible for it (`models/groups16.py`)."""
+        eligible for it (`models/groups16.py`); there `plane` (`layout16.PLANES`: "unsigned5", "signed6", ...)
+        holds 5- or 6-bit codes in fewer bytes (ValueError for codes outside its range)."""
         if codes.dtype != torch.int8 or codes.dim() != 2:
             raise TypeError(f"codes must be a 2-D int8 tensor, got {codes.dtype} {tuple(codes.shape)}")
         n, k = codes.shape
@@ -151,8 +153,9 @@ class CodedLinear:
             low, high = (int(codes.min()), int(codes.max())) if codes.numel() else (0, 255)
             four_bit = ("signed" if low >= -8 and high <= 7 else "unsigned" if low >= 0 and high <= 15 else None)
         four_bit = self._four_bit(k, offset, four_bit)
-        if groups16 and self._by_groups(lambda: layout16.lay_out(codes, four_bit), four_bit, n, k, scale, offset,
-                                        weight, sources):
+        plane = None if four_bit is not None else plane
+        if groups16 and self._by_groups(lambda: layout16.lay_out(codes, four_bit, plane), four_bit, n, k, scale,
+                                        offset, weight, sources, plane):
             return
         codes = _pack(codes, four_bit) if four_bit else codes.contiguous()
         rows4 = self._rows4(n, k, self.group, four_bit is not None)
@@ -168,7 +171,7 @@ class CodedLinear:
 
     def _by_groups(self, lay: Callable[[], Tensor], four_bit: str | None, n: int, k: int,
                    scale: Tensor | SubScales, offset: Tensor | SubScales | None, weight: Tensor | None,
-                   sources: tuple[Tensor, ...] | None) -> bool:
+                   sources: tuple[Tensor, ...] | None, plane: str | None = None) -> bool:
         """Take the codes in the integer path by groups' layout (`lay()`: `layout16.lay_out`'s bytes, asked for
         once the rest is known to fit) where the matrix is eligible and its scales (and offsets) are float16
         numbers (MXFP4's powers of two held as their exponent bytes) or a K-quant's sub-scales; whether it did."""
@@ -183,7 +186,7 @@ class CodedLinear:
             subs = [None if s is None else SubScales.over(layout16.subscales_out(s.d, s.sub), n, k, self.group)
                     for s in (scale, offset)]
             self._finish(lay(), four_bit, False, n, k, subs[0], subs[1], weight, sources, as_is=True,
-                         by_groups=True)
+                         by_groups=True, plane=plane)
             return True
         held = layout16.exponent_bytes(scale) if four_bit == "mxfp4" else None  # a byte a group, as its file's
         held = _as_half(scale.float()) if held is None else held
@@ -193,7 +196,7 @@ class CodedLinear:
         self._finish(lay(), four_bit, False, n, k,
                      layout16.scales_out(held),
                      None if offset is None else layout16.scales_out(half_offset), weight, sources, as_is=True,
-                     by_groups=True)
+                     by_groups=True, plane=plane)
         return True
 
     @classmethod
@@ -228,21 +231,23 @@ class CodedLinear:
 
     @classmethod
     def from_chunks(cls, n: int, k: int, scale: Tensor | SubScales, offset: Tensor | SubScales | None, chunks,
-                    four_bit: str | None, groups16: bool = False) -> CodedLinear:
+                    four_bit: str | None, groups16: bool = False, plane: str | None = None) -> CodedLinear:
         """The same object as `CodedLinear(codes, scale, offset, four_bit=four_bit)` for codes [N,K] given as
         `chunks` — (first row, int8 codes [r,K]) in order, r a multiple of 4 but for the last — laid out piece by
         piece into the kernel's layout, so that the whole int8 matrix never exists beside it (a large head read
         from its file). `four_bit` as the constructor's, but never "auto" (the codes come later): the type's
         (`gguf_codes.FOUR_BIT`). scale and offset may be `SubScales` (a K-quant's, held as the file holds them;
-        both or neither), filled by the time the chunks end."""
+        both or neither), filled by the time the chunks end. `plane` as the constructor's."""
         self = cls.__new__(cls)
         self.group = k // scale.shape[1]
         four_bit = self._four_bit(k, offset, four_bit)
+        plane = None if four_bit is not None else plane
         if groups16 and eligible_by_groups(n, k, self.group, four_bit, isinstance(scale, SubScales)):
-            laid = _lay_out_chunks(n, k, four_bit, chunks)
-            if self._by_groups(lambda: laid, four_bit, n, k, scale, offset, None, None):
+            laid = _lay_out_chunks(n, k, four_bit, chunks, plane)
+            if self._by_groups(lambda: laid, four_bit, n, k, scale, offset, None, None, plane):
                 return self
-            chunks = [(0, layout16.laid_back(laid, n, k, four_bit))]  # scales the layout cannot hold: the codes back
+            # scales the layout cannot hold: the codes back
+            chunks = [(0, layout16.laid_back(laid, n, k, four_bit, plane))]
         rows4 = cls._rows4(n, k, self.group, four_bit is not None)
         out = torch.empty((n, k // 2 if four_bit else k), dtype=torch.int8)
         for start, codes in chunks:
@@ -253,7 +258,8 @@ class CodedLinear:
 
     @classmethod
     def from_layout(cls, codes: Tensor, scale: Tensor | SubScales | None, offset: Tensor | SubScales | None,
-                    k: int, group: int, four_bit: str | None, rows4: bool, by_groups: bool = False) -> CodedLinear:
+                    k: int, group: int, four_bit: str | None, rows4: bool, by_groups: bool = False,
+                    plane: str | None = None) -> CodedLinear:
         """A matrix over tensors already in the kernel's layout, held as they are (no copy: a slice of a layer's
         experts, `expert_layout.ExpertMatrices`): `codes` [N, K] int8 — [N, K/2] where `four_bit` —, blocked by
         four rows where `rows4`; scale and offset [N, K/G] float16 or float32, or `SubScales`; or `codes` a
@@ -261,16 +267,17 @@ class CodedLinear:
         self = cls.__new__(cls)
         self.group = group
         self._finish(codes, four_bit, rows4, codes.shape[0], k, scale, offset, None, None, as_is=True,
-                     by_groups=by_groups)
+                     by_groups=by_groups, plane=plane)
         return self
 
     def _finish(self, codes: Tensor, four_bit: str | None, rows4: bool, n: int, k: int, scale: Tensor,
                 offset: Tensor | None, weight: Tensor | None, sources: tuple[Tensor, ...] | None,
-                as_is: bool = False, by_groups: bool = False) -> None:
+                as_is: bool = False, by_groups: bool = False, plane: str | None = None) -> None:
         """`as_is`: scale and offset kept as given (float16 ones read as float16), not converted. `by_groups`: the
-        codes, scales and offsets in the integer path by groups' layout (`models/groups16.py`)."""
+        codes, scales and offsets in the integer path by groups' layout (`models/groups16.py`), 5- or 6-bit codes
+        there in `plane`'s layout (`layout16.PLANES`)."""
         self.four_bit, self.packed, self.rows4, self.codes = four_bit, four_bit is not None, rows4, codes
-        self.by_groups = by_groups
+        self.by_groups, self.plane = by_groups, plane if by_groups else None
         self.dense = codes.dtype in (torch.float16, torch.bfloat16, torch.float32)  # `dense16`: no scales
         self.sub = isinstance(scale, SubScales)
         self._subs = (scale, offset) if self.sub else None
@@ -317,7 +324,7 @@ class CodedLinear:
         levels = LAYOUT_FLAGS[self.four_bit] if self.packed else 0
         return ((native.PACKED | levels if self.packed else 0) | (native.HALF if self.half else 0)
                 | (native.ROWS4 if self.rows4 else 0) | (native.SUB if self.sub else 0)
-                | (native.GROUPS16 if self.by_groups else 0)
+                | (native.GROUPS16 if self.by_groups else 0) | layout16.plane_flags(self.plane)
                 | (native.E8M0 if self.e8m0 else 0))
 
     @property
@@ -334,7 +341,7 @@ class CodedLinear:
             return self.codes.float()
         n, k = self.out_features, self.in_features
         if self.by_groups:
-            codes = layout16.laid_back(self.codes, n, k, self.four_bit)
+            codes = layout16.laid_back(self.codes, n, k, self.four_bit, self.plane)
 
             def numbers(s: Tensor) -> Tensor:  # a group's scale or offset [N, K/32] float32
                 if not self.sub:
@@ -403,7 +410,7 @@ class CodedLinear:
         or in the integer path by groups' layout (kernels/groups_screen.h)."""
         lib = native.library()
         return (lib is not None and native.avx2() and (self.rows4 or self.by_groups) and self.group == 32
-                and self.half and not self.packed and self.offset is None)
+                and self.half and not self.packed and self.plane is None and self.offset is None)
 
     def _screen_kernels(self) -> tuple:
         """The library's (norms, screen, rescore) entries for this matrix's layout."""
@@ -547,11 +554,11 @@ class CodedLinear:
 _RANGES = {"unsigned": (0, 15), "signed": (-8, 7)}  # the codes each 4-bit layout holds
 
 
-def _lay_out_chunks(n: int, k: int, four_bit: str | None, chunks) -> Tensor:
+def _lay_out_chunks(n: int, k: int, four_bit: str | None, chunks, plane: str | None = None) -> Tensor:
     """`layout16.lay_out` of codes [N,K] given as `CodedLinear.from_chunks`' chunks (consecutive rows), laid out
     sixteen rows at a time as they come — a block's bytes depend on its own rows only — so that the whole int8
     matrix never exists beside its layout (N a multiple of 16)."""
-    laid = torch.empty((n, k // 2 if four_bit else k), dtype=torch.uint8)
+    laid = torch.empty((n, layout16.row_bytes(k, four_bit, plane)), dtype=torch.uint8)
     pending, at = None, 0  # rows read but not laid out yet (fewer than sixteen), from row `at`
     for start, codes in chunks:
         if codes.shape[0] == 0:
@@ -561,7 +568,7 @@ def _lay_out_chunks(n: int, k: int, four_bit: str | None, chunks) -> Tensor:
         rows = codes if pending is None else torch.cat([pending, codes])
         whole = rows.shape[0] // 16 * 16
         if whole:
-            laid[at:at + whole] = layout16.lay_out(rows[:whole], four_bit)
+            laid[at:at + whole] = layout16.lay_out(rows[:whole], four_bit, plane)
         pending, at = (rows[whole:].clone() if whole < rows.shape[0] else None), at + whole
     if pending is not None or at != n:
         raise ValueError(f"from_chunks: chunks cover {at + (0 if pending is None else pending.shape[0])} of {n} rows")

@@ -116,13 +116,16 @@ class ExpertMatrices:
     """E matrices [N,K] of one layout: `codes` [E, N, R], `scale` and `offset` [E, ...] (one slice per expert:
     float16 or float32 [E, N, K/G], the SUB buffers [E, bytes], or None), `group`, `four_bit`, `rows4`, `sub`;
     for a file's float weights `codes` [E, N, K] of their dtype and no scale; `by_groups`: each slice in the integer
-    path by groups' layout (`models/groups16.py`)."""
+    path by groups' layout (`models/groups16.py`), 5- or 6-bit codes there in `plane`'s (a dense matrix's: the
+    experts keep int8 codes)."""
 
     def __init__(self, codes: Tensor, scale: Tensor | None, offset: Tensor | None, k: int, group: int,
-                 four_bit: str | None, rows4: bool, sub: bool, by_groups: bool = False) -> None:
+                 four_bit: str | None, rows4: bool, sub: bool, by_groups: bool = False, plane: str | None = None
+                 ) -> None:
         self.codes, self.scale, self.offset = codes, scale, offset
         self.in_features, self.out_features = k, codes.shape[1]
         self.group, self.four_bit, self.rows4, self.sub, self.by_groups = group, four_bit, rows4, sub, by_groups
+        self.plane = plane
         self.flags = self[0].flags if len(self) else 0
         self.source: Path | None = None  # the file its buffers are mapped from (models/layout_cache.py), if any
 
@@ -139,7 +142,7 @@ class ExpertMatrices:
             scale = None if self.scale is None else self.scale[e]
             offset = None if self.offset is None else self.offset[e]
         return CodedLinear.from_layout(self.codes[e], scale, offset, k, self.group, self.four_bit, self.rows4,
-                                       by_groups=self.by_groups)
+                                       by_groups=self.by_groups, plane=self.plane)
 
     @property
     def nbytes(self) -> int:

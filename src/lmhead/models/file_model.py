@@ -38,6 +38,7 @@ from lmhead.models.file_experts import moe_config, read_moe
 from lmhead.models.gguf_codes import FOUR_BIT, Codes, coded_nbytes, fuse_codes
 from lmhead.models.gguf_file import CODE_TYPES, DENSE_TYPES, GGUFFile, dense_sub
 from lmhead.models.heap import one_arena, trim_heap
+from lmhead.models.quant_types import TYPES
 from lmhead.models.row_blocks import RowBlocks
 from lmhead.models.start_tokenizer import CHECK_TEXTS, start_tokenizer, tables_from, tables_plan
 
@@ -291,8 +292,10 @@ class _Reader:
         if all(c is not None for c in found):
             fused = fuse_codes(found)
             kinds = {c.kind for c in found}  # one type: its layout (IQ4 levels are not told by a range)
+            kind = kinds.pop() if len(kinds) == 1 else None
             coded = CodedLinear(fused.codes, fused.scale, fused.offset,
-                                four_bit=FOUR_BIT.get(kinds.pop()) if len(kinds) == 1 else "auto", groups16=True)
+                                four_bit=FOUR_BIT.get(kind) if kind is not None else "auto", groups16=True,
+                                plane=TYPES[kind].plane if kind in TYPES else None)
             for n in names:
                 self.f.release(n)
             return coded

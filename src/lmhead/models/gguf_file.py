@@ -354,7 +354,8 @@ class GGUFFile:
                 self.release(nm)
                 row0 += rows
 
-        return CodedLinear.from_chunks(n, k, scale, offset, chunks(), TYPES[kind].four_bit, groups16=groups16)
+        return CodedLinear.from_chunks(n, k, scale, offset, chunks(), TYPES[kind].four_bit, groups16=groups16,
+                                       plane=TYPES[kind].plane)
 
     def weights16(self, name: str) -> torch.Tensor:
         """The F16, BF16 or F32 matrix `name` [N,K] as a float16, bfloat16 or float32 tensor (a copy of its bytes,

@@ -50,12 +50,13 @@ from lmhead.models.huge_pages import Arena
 
 __all__ = ["FORMAT", "MARGIN", "cached", "cached_linear", "folder_for"]
 
-FORMAT = 9        # bump when ExpertMatrices' or CodedLinear's layout changes: older folders are not read, and
+FORMAT = 10       # bump when ExpertMatrices' or CodedLinear's layout changes: older folders are not read, and
                   # `prune` removes them (3: a fused product of mixed types as row blocks, dense K-quants' scales
                   # as their blocks hold them; 4: MXFP4 experts' exponents as their blocks' bytes; 5: the integer
                   # path by groups' layout, whose choice is part of the key; 6: K-quants and int8 codes with offsets
                   # by groups; 7: level tables by groups, their nibbles the indices XOR 8; 8: a mixture's experts by
-                  # groups, MXFP4's scales by groups as exponent bytes; 9: the embedding and the head by groups)
+                  # groups, MXFP4's scales by groups as exponent bytes; 9: the embedding and the head by groups;
+                  # 10: 5- and 6-bit codes by groups with their top bits in a plane)
 MARGIN = 4 << 30  # free disk left after a matrix is written (else it stays in memory only)
 _ALIGN = 64
 _SOURCE = "source.json"  # a layouts folder's GGUF file: its path, size and modification time (for `prune`)
@@ -160,7 +161,7 @@ def _one(m: CodedLinear) -> ExpertMatrices:
         return None if t is None else t.unsqueeze(0)
 
     return ExpertMatrices(lead(m.codes), lead(m.scale), lead(m.offset), m.in_features, m.group, m.four_bit, m.rows4,
-                          m.sub, m.by_groups)
+                          m.sub, m.by_groups, m.plane)
 
 
 def _parts(ex: ExpertMatrices) -> dict[str, torch.Tensor]:
@@ -173,7 +174,7 @@ def _placed(built: Any, arena: Arena | None) -> Any:
         return built
     parts = {k: arena.copy(t) for k, t in _parts(built).items()}
     return ExpertMatrices(parts["codes"], parts.get("scale"), parts.get("offset"), built.in_features, built.group,
-                          built.four_bit, built.rows4, built.sub, built.by_groups)
+                          built.four_bit, built.rows4, built.sub, built.by_groups, built.plane)
 
 
 def _write(folder: Path, name: str, ex: ExpertMatrices, say: bool, arena: Arena | None) -> ExpertMatrices | None:
@@ -213,7 +214,7 @@ def _write(folder: Path, name: str, ex: ExpertMatrices, say: bool, arena: Arena 
         tmp.replace(folder / f"{name}.bin")
         meta = {"parts": parts, "size": at, "xxh3_64": digest.hexdigest(), "k": ex.in_features,
                 "group": ex.group, "four_bit": ex.four_bit, "rows4": ex.rows4, "sub": ex.sub,
-                "by_groups": ex.by_groups,
+                "by_groups": ex.by_groups, "plane": ex.plane,
                 **_fingerprint(folder / f"{name}.bin")}
         _write_meta(folder, name, meta, stale)
     except OSError:
@@ -347,6 +348,7 @@ def _map(path: Path, meta: dict, arena: Arena | None = None, sampled: str | None
         view = raw[p["at"]:p["at"] + count].view(_NUMPY[dtype])
         parts[key] = torch.from_numpy(view).view(dtype).view(p["shape"])
     ex = ExpertMatrices(parts["codes"], parts.get("scale"), parts.get("offset"), meta["k"], meta["group"],
-                        meta["four_bit"], meta["rows4"], meta["sub"], meta.get("by_groups", False))
+                        meta["four_bit"], meta["rows4"], meta["sub"], meta.get("by_groups", False),
+                        meta.get("plane"))
     ex.source = path if isinstance(raw, np.memmap) else None
     return ex

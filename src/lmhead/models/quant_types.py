@@ -7,7 +7,9 @@
         │  holds them so where `sub` says, a mixture's experts for every type that has them; `nibbles`: where the
         │  codes are the block's own 4-bit fields (the experts repack those bytes, models/expert_layout.py)
         ├─ the kernel's layout (models/coded_linear.py): `four_bit` — codes two to a byte as "unsigned" 0..15,
-        │  "signed" −8..7, or indices of a level table ("iq4", "mxfp4": `LEVELS`) — and its flag (`LAYOUT_FLAGS`)
+        │  "signed" −8..7, or indices of a level table ("iq4", "mxfp4": `LEVELS`) — and its flag (`LAYOUT_FLAGS`);
+        │  `plane` — 5- and 6-bit codes in the integer path by groups as nibbles with their top bits in a plane
+        │  (kernels/layout16.py's `PLANES`: "unsigned5", "signed6"), 5/8 or 6/8 of a byte a code
         └─ the tests' parametrisation: `TYPES`, and `f16_at` (where a block holds float16 numbers)
 
 The flags and the level tables are the kernels' (kernels/quant_types.h, mirrored in kernels/native.py and
@@ -61,13 +63,16 @@ class QuantType:
     # offset of those fields in a block, the run of weights they hold, low nibbles first then high) — the codes'
     # packed layout is then a permutation of the file's own nibbles (models/expert_layout.py)
     nibbles: tuple[int, int] | None = None
+    # the integer path by groups' layout of 5- and 6-bit codes (kernels/layout16.py's PLANES; None: a byte a code)
+    plane: str | None = None
 
     def coded_nbytes(self, count: int, sub: bool | None = None) -> int:
         """Bytes the kernel's layout of `count` weights of this type takes: codes, scales and offsets. `sub`: the
         scales held as the blocks hold them (SUB; a mixture's experts hold every K-quant so, `subscales`), default
         the type's `sub` (a dense layer's). MXFP4's exponents count as float32 numbers (a matrix holds them as
         float16 where every one is a float16 number, 2^-24 … 2^15; a mixture's experts as the blocks' bytes:
-        `expert_layout.expert_nbytes` counts those)."""
+        `expert_layout.expert_nbytes` counts those). A type with a `plane` counts a byte a code, the most it takes:
+        by groups its codes take 5/8 or 6/8 of that."""
         groups = count // self.group
         if self.sub if sub is None else sub:
             per_group, per_block = 1, 4
@@ -212,10 +217,11 @@ TYPES: dict[str, QuantType] = {t.name: t for t in (
     _T("Q4_1", 32, 20, 32, "unsigned", True, False, True, (0, 2),
        lambda b: _nibbles(b[:, 4:], 32).astype(np.int8), lambda b: (_f16(b[:, 0:2]), _f16(b[:, 2:4])),
        nibbles=(4, 32)),
+    # Q5_0's codes keep a byte each: a Q5_0 head's screen (kernels/groups_screen.h) reads int8 codes
     _T("Q5_0", 32, 22, 32, None, False, False, True, (0,),
        lambda b: _q5_codes(b, 2, 16), lambda b: (_f16(b[:, 0:2]), None)),
     _T("Q5_1", 32, 24, 32, None, True, False, True, (0, 2),
-       lambda b: _q5_codes(b, 4, 0), lambda b: (_f16(b[:, 0:2]), _f16(b[:, 2:4]))),
+       lambda b: _q5_codes(b, 4, 0), lambda b: (_f16(b[:, 0:2]), _f16(b[:, 2:4])), plane="unsigned5"),
     _T("Q8_0", 32, 34, 32, None, False, False, True, (0,),
        lambda b: b[:, 2:].copy().view(np.int8), lambda b: (_f16(b[:, 0:2]), None)),
     # Q2_K's codes 0..3 held signed (the code itself), so that a decode product sums its offsets against the
@@ -226,10 +232,11 @@ TYPES: dict[str, QuantType] = {t.name: t for t in (
        _q3k_codes, lambda b: (_f16(b[:, 108:110]) * _q3k_scales(b[:, 96:108]), None), _q3k_sub),
     _T("Q4_K", 256, 144, 32, "unsigned", True, True, False, (0, 2),
        lambda b: _nibbles(b[:, 16:], 64).astype(np.int8), _qk_scales, _qk_sub, nibbles=(16, 64)),
-    _T("Q5_K", 256, 176, 32, None, True, True, False, (0, 2), _q5k_codes, _qk_scales, _qk_sub),
+    _T("Q5_K", 256, 176, 32, None, True, True, False, (0, 2), _q5k_codes, _qk_scales, _qk_sub,
+       plane="unsigned5"),
     _T("Q6_K", 256, 210, 16, None, False, True, False, (208,),
        _q6k_codes, lambda b: (_f16(b[:, 208:210]) * b[:, 192:208].copy().view(np.int8).astype(np.float32), None),
-       _q6k_sub),
+       _q6k_sub, plane="signed6"),
     # the code is the table's integer value (kvalues[q]), the scale the block's d
     _T("IQ4_NL", 32, 18, 32, "iq4", False, False, True, (0,),
        lambda b: LEVELS["iq4"][_nibbles(b[:, 2:], 32)], lambda b: (_f16(b[:, 0:2]), None), nibbles=(2, 32)),
