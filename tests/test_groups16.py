@@ -133,6 +133,22 @@ def test_5_and_6_bit_codes_in_a_plane_give_the_int8_layouts_bits_in_fewer_bytes(
     assert torch.equal(planed.rows(torch.tensor([0, 33, 79])), w[[0, 33, 79]].float())
 
 
+def test_a_head_the_screen_reads_keeps_a_byte_a_code_where_body_matrices_of_its_type_take_the_plane():
+    from lmhead.models.file_model import _screened
+    from lmhead.models.quant_types import TYPES
+
+    assert {kind for kind, t in TYPES.items() if t.plane and _screened(kind)} == {"Q5_0"}
+    g = torch.Generator().manual_seed(4)
+    codes = torch.randint(-16, 16, (64, 512), generator=g, dtype=torch.int8)
+    scale = (torch.rand(64, 16, generator=g) * 0.01 + 1e-4).half().float()
+    body = CodedLinear(codes, scale, four_bit=None, groups16=True, plane=TYPES["Q5_0"].plane)
+    head = CodedLinear(codes, scale, four_bit=None, groups16=True)
+    assert body.plane == "signed5" and not body.screens
+    assert head.plane is None and head.screens
+    x = torch.randn(3, 512, generator=g)
+    assert torch.equal(body(x), head(x))
+
+
 @pytest.mark.parametrize("plane, codes", [("signed6", [-33, 0]), ("signed6", [0, 32]), ("unsigned5", [-1, 0]),
                                           ("unsigned5", [0, 32]), ("signed5", [16, 0])])
 def test_a_plane_refuses_codes_outside_its_range(plane, codes):
@@ -299,7 +315,7 @@ def test_the_packaged_smollm2s_body_embedding_and_head_take_it(tmp_path, monkeyp
 
 
 @pytest.mark.model
-def test_the_packaged_gemmas_k_quant_matrices_take_it_with_their_sub_scales(tmp_path, monkeypatch):
+def test_the_packaged_gemmas_matrices_take_it_with_their_sub_scales_and_planes(tmp_path, monkeypatch):
     from lmhead import load_model
 
     monkeypatch.setenv("LMHEAD_CACHE", str(tmp_path / "cache"))
@@ -309,6 +325,9 @@ def test_the_packaged_gemmas_k_quant_matrices_take_it_with_their_sub_scales(tmp_
         for c in layer.coded.values():
             for m in getattr(c, "blocks", [c]):  # q/k/v of mixed types: row blocks of their own layouts
                 assert m.by_groups
-                taken.add((m.group, m.sub))
-    # Q4_K's groups of 32 and Q6_K's of 16 with their sub-scales; Q5_0's and Q8_0's float16 scales
-    assert taken == {(32, True), (16, True), (32, False)}
+                taken.add((m.group, m.sub, m.plane))
+    # Q4_K's groups of 32 and Q6_K's of 16 with their sub-scales, Q6_K's codes in six bits; Q5_0's and Q8_0's
+    # float16 scales, Q5_0's codes in five bits and Q8_0's a byte each
+    assert taken == {(32, True, None), (16, True, "signed6"), (32, False, "signed5"), (32, False, None)}
+    head = model.exact_head.product
+    assert head.plane is None and head.screens  # its Q8_0 head, screened

@@ -21,7 +21,9 @@
  *
  * Layout: codes [N/16][K/32][8][16][4] bytes, the codes as unsigned bytes c + bias (int8: 128), or packed
  * [N/16][K/32][4][64] where byte 4r + j of vector p holds row r's codes of steps 2p (low nibble) and 2p + 1 (high),
- * each c + bias (Q4_0: 8; Q4_1, Q4_K: 0); scales and offsets [N/16][K/32][16] float16 (MXFP4's scales may be its
+ * each c + bias (Q4_0: 8; Q4_1, Q4_K: 0), or 5- and 6-bit codes (HIGH1, HIGH2) [N/16][K/32][4 + hb][64]: the packed
+ * nibbles of c + bias (unsigned: 0; signed: 16, 32), then hb vectors of their top bits, step q's at bit
+ * hb·(q mod 8/hb) of vector q / (8/hb); scales and offsets [N/16][K/32][16] float16 (MXFP4's scales may be its
  * exponent bytes, [N/16][K/32][16] uint8), or a K-quant's as its
  * blocks hold them (sub): d [N/16][K/256][16] float32 then sub [N/16][K/group][16] int8, a group's scale the float32
  * product d·sub (exact: the four-row layout's SUB numbers). N a multiple of 16. */

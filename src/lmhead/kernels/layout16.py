@@ -7,9 +7,9 @@ it: `models/groups16.py`.
                         convention of the other layouts: the kernels' tables are in that order)──▶
         [N/16][K/32][8 steps][16 rows][4 codes]   (packed: steps 2p and 2p + 1 in the low and high nibbles of
                                                    vector p: [N/16][K/32][4][16][4] bytes)
-    5- and 6-bit codes (`plane`, `PLANES`: Q5_1's and Q5_K's "unsigned5", Q6_K's "signed6") ──c + bias (signed:
-                        half the range), its low four bits as packed codes' nibbles and its top hb bits (1, 2) in a
-                        plane after them──▶ [N/16][K/32][4 + hb][16][4] bytes
+    5- and 6-bit codes (`plane`, `PLANES`: Q5_1's and Q5_K's "unsigned5", Q5_0's "signed5", Q6_K's "signed6")
+                        ──c + bias (signed: half the range), its low four bits as packed codes' nibbles and its top
+                        hb bits (1, 2) in a plane after them──▶ [N/16][K/32][4 + hb][16][4] bytes
     scales, offsets [N, K/32] ──▶ [N/16][K/32][16] float16
     a K-quant's (`SubScales`: d [N, K/256] float32, sub [N, K/G] int8, G 32 or 16) ──▶ d [N/16][K/256][16], then
         sub [N/16][K/G][16], in one uint8 buffer (a group's scale: the float32 product d·sub, as before)

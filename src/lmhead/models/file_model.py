@@ -238,16 +238,17 @@ class _Reader:
         """One matrix as the coded kernel's (converted piece by piece), or None for a type without codes: the
         embedding or the head (the integer path by groups' layout where it is eligible, as a block's matrices: its
         one-row product is the decode step's, its rows the C step reads and its screen serves Q8_0 and Q5_0
-        heads)."""
+        heads: a type whose codes the screen reads a byte each keeps them so, `_screened`)."""
         kind = self.f.type_of(name)
-        return self.linear([name])[0] if kind in DENSE_TYPES or kind in CODE_TYPES else None
+        return self.linear([name], head=True)[0] if kind in DENSE_TYPES or kind in CODE_TYPES else None
 
     def weights16(self, name: str) -> torch.Tensor:
         w = self.f.weights16(name)
         perm = self._perm(name, w.shape[0])
         return w[torch.from_numpy(perm)] if perm is not None else w
 
-    def linear(self, names: list[str]) -> tuple[CodedLinear | RowBlocks | None, torch.Tensor | None]:
+    def linear(self, names: list[str], head: bool = False
+               ) -> tuple[CodedLinear | RowBlocks | None, torch.Tensor | None]:
         """(codes, None) for matrices the coded kernel takes, else (None, the float32 rows concatenated). A matrix
         of codes laid out by an earlier load of the file is mapped from the layout cache (`layout_cache`). Matrices
         of different code types (Q4_K_M's q and k beside its Q6_K v) are row blocks, each run of one type in that
@@ -256,7 +257,7 @@ class _Reader:
         runs = self._runs(names)
         if len(runs) > 1:
             return RowBlocks([self.linear(run)[0] for run in runs]), None
-        got = layout_cache.cached_linear(self.layouts, "+".join(names), lambda: self._linear(names))
+        got = layout_cache.cached_linear(self.layouts, "+".join(names), lambda: self._linear(names, head))
         if isinstance(got, CodedLinear):
             for n in names:  # the file's pages of these tensors are not wanted (mapped: kept for GGUFFile.sweep)
                 self.f.release(n)
@@ -277,14 +278,16 @@ class _Reader:
                 runs.append([name])
         return runs
 
-    def _linear(self, names: list[str]) -> CodedLinear | torch.Tensor:
+    def _linear(self, names: list[str], head: bool = False) -> CodedLinear | torch.Tensor:
+        """`head`: the embedding or the head, whose codes stay a byte each where its screen reads them so."""
         kinds = {self.f.type_of(n) for n in names}
+        plane = len(kinds) == 1 and not (head and _screened(next(iter(kinds))))
         sizes = [self.f.shape(n) for n in names]
         if (len(kinds) == 1 and kinds <= CODE_TYPES and len({k for _, k in sizes}) == 1
                 and all(rows % 4 == 0 for rows, _ in sizes[:-1])):
             # one type: the parts' rows read into one layout piece by piece (q/k rows in transformers' order)
             return self.f.coded_rows(names, [self._perm(n, rows) for n, (rows, _) in zip(names, sizes, strict=True)],
-                                     groups16=True)
+                                     groups16=True, plane=plane)
         if len(kinds) == 1 and kinds <= DENSE_TYPES.keys():  # F16, BF16 or F32 rows, as they are
             parts, arena = [self.weights16(n) for n in names], huge_pages.current()
             return CodedLinear.dense16(torch.cat(parts) if arena is None else arena.cat(parts))
@@ -295,7 +298,7 @@ class _Reader:
             kind = kinds.pop() if len(kinds) == 1 else None
             coded = CodedLinear(fused.codes, fused.scale, fused.offset,
                                 four_bit=FOUR_BIT.get(kind) if kind is not None else "auto", groups16=True,
-                                plane=TYPES[kind].plane if kind in TYPES else None)
+                                plane=TYPES[kind].plane if kind in TYPES and plane else None)
             for n in names:
                 self.f.release(n)
             return coded
@@ -409,6 +412,13 @@ def _qkv_bias(r: _Reader, p: str, arch: ArchSpec) -> torch.Tensor | None:
     sizes = [cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_key_value_heads]
     hd = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
     return torch.cat([b if b is not None else torch.zeros(n * hd) for b, n in zip(biases, sizes, strict=True)])
+
+
+def _screened(kind: str) -> bool:
+    """Whether a head of type `kind` can take the screen, which reads int8 codes (`CodedLinear.screens`: float16
+    scales in groups of 32, no offsets — Q8_0's and Q5_0's)."""
+    t = TYPES.get(kind)
+    return t is not None and t.half and t.group == 32 and not t.offset and t.four_bit is None
 
 
 def memory_needed(f: GGUFFile) -> int:

@@ -1,6 +1,6 @@
 """Which matrices take the integer path by groups (`kernels/groups_kernel.h`, laid out by `kernels/layout16.py`):
-int8 codes (Q8_0, Q5_0; Q6_K's 6 bits and, with offsets, Q5_1's and Q5_K's 5 as nibbles with their top bits in a
-plane: `quant_types.QuantType.plane`), packed signed ones (Q4_0, Q3_K; with offsets Q2_K),
+int8 codes (Q8_0, a Q5_0 head; Q6_K's 6 bits, Q5_0's 5 and, with offsets, Q5_1's and Q5_K's 5 as nibbles with
+their top bits in a plane: `quant_types.QuantType.plane`), packed signed ones (Q4_0, Q3_K; with offsets Q2_K),
 packed unsigned ones (Q4_1, Q4_K) and packed indices of a level table (IQ4_NL, IQ4_XS, MXFP4), in groups of 32
 with float16 scales or a K-quant's sub-scales (`SubScales`), or in groups of 16 with sub-scales; N a multiple of
 16, K of 32 (256 with sub-scales) and at least 256 (the kernel's bound holds for any group there); where this

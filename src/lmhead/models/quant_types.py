@@ -217,9 +217,9 @@ TYPES: dict[str, QuantType] = {t.name: t for t in (
     _T("Q4_1", 32, 20, 32, "unsigned", True, False, True, (0, 2),
        lambda b: _nibbles(b[:, 4:], 32).astype(np.int8), lambda b: (_f16(b[:, 0:2]), _f16(b[:, 2:4])),
        nibbles=(4, 32)),
-    # Q5_0's codes keep a byte each: a Q5_0 head's screen (kernels/groups_screen.h) reads int8 codes
+    # a Q5_0 head keeps its codes a byte each: its screen (kernels/groups_screen.h) reads int8 codes
     _T("Q5_0", 32, 22, 32, None, False, False, True, (0,),
-       lambda b: _q5_codes(b, 2, 16), lambda b: (_f16(b[:, 0:2]), None)),
+       lambda b: _q5_codes(b, 2, 16), lambda b: (_f16(b[:, 0:2]), None), plane="signed5"),
     _T("Q5_1", 32, 24, 32, None, True, False, True, (0, 2),
        lambda b: _q5_codes(b, 4, 0), lambda b: (_f16(b[:, 0:2]), _f16(b[:, 2:4])), plane="unsigned5"),
     _T("Q8_0", 32, 34, 32, None, False, False, True, (0,),
