@@ -67,7 +67,7 @@ def _one_matrix_by_groups(kind: str, blocks: np.ndarray, n: int, k: int) -> Code
         s, o = block_scales(kind, b)
         return CodedLinear(codes, torch.from_numpy(s.reshape(n, -1)),
                            None if o is None else torch.from_numpy(o.reshape(n, -1)), four_bit=t.four_bit,
-                           groups16=True)
+                           groups16=True, plane=t.plane)
     d, sub, dmin, mn = block_subscales(kind, b)
     subs = []
     for dd, ss in ((d, sub), (dmin, mn)):
@@ -78,7 +78,7 @@ def _one_matrix_by_groups(kind: str, blocks: np.ndarray, n: int, k: int) -> Code
         s.sub.copy_(torch.from_numpy(ss.reshape(n, -1)))
         subs.append(s)
     return CodedLinear.from_chunks(n, k, subs[0], subs[1] if len(subs) > 1 else None, [(0, codes)], t.four_bit,
-                                   groups16=True)
+                                   groups16=True, plane=t.plane)
 
 
 @pytest.mark.skipif(not groups16.built(), reason="the integer path by groups needs AVX-512 VNNI")
@@ -95,7 +95,7 @@ def test_experts_of_whole_blocks_of_sixteen_rows_are_laid_out_by_groups_as_each_
         rows = np.concatenate([gate[e * f:(e + 1) * f], up[e * f:(e + 1) * f]])
         alone = _one_matrix_by_groups(kind, rows, 2 * f, k)
         got = held[e]
-        assert alone.by_groups and got.by_groups and got.flags == alone.flags
+        assert alone.by_groups and got.by_groups and got.flags == alone.flags and got.plane == TYPES[kind].plane
         assert torch.equal(got.dequantize(), alone.dequantize())
         assert torch.equal(got.dequantize(), _one_matrix(kind, rows, 2 * f, k).dequantize())  # the file's numbers
         for m in (1, 5, 17):  # a decode row, an expert's few rows, and AMX's tiles where granted

@@ -116,8 +116,7 @@ class ExpertMatrices:
     """E matrices [N,K] of one layout: `codes` [E, N, R], `scale` and `offset` [E, ...] (one slice per expert:
     float16 or float32 [E, N, K/G], the SUB buffers [E, bytes], or None), `group`, `four_bit`, `rows4`, `sub`;
     for a file's float weights `codes` [E, N, K] of their dtype and no scale; `by_groups`: each slice in the integer
-    path by groups' layout (`models/groups16.py`), 5- or 6-bit codes there in `plane`'s (a dense matrix's: the
-    experts keep int8 codes)."""
+    path by groups' layout (`models/groups16.py`), 5- or 6-bit codes there in `plane`'s layout."""
 
     def __init__(self, codes: Tensor, scale: Tensor | None, offset: Tensor | None, k: int, group: int,
                  four_bit: str | None, rows4: bool, sub: bool, by_groups: bool = False, plane: str | None = None
@@ -197,13 +196,14 @@ def expert_nbytes(kind: str, experts: int, n: int, k: int, rows: list[int] | Non
     four_bit, _ = CodedLinear.layout(n, k, t.group, t.four_bit, t.offset)
     sub = _sub(kind, k)
     groups = _shape_by_groups(kind, [n] if rows is None else rows, k, four_bit, sub)
+    plane = t.plane if groups and four_bit is None else None
     if sub:
         per = n * (k // 256 * 4 + ng)
     elif groups:
         per = n * ng * (1 if t.e8m0_at else 2)  # exponent bytes or float16, sixteen rows a vector
     else:
         per = n * ng * _scale_dtype(kind, ng).itemsize
-    return experts * (n * (k // 2 if four_bit else k) + per * (2 if t.offset else 1))
+    return experts * (n * layout16.row_bytes(k, four_bit, plane) + per * (2 if t.offset else 1))
 
 
 def _dense(parts: list[np.ndarray], rows: list[int], experts: int, k: int, dtype: torch.dtype) -> ExpertMatrices:
@@ -315,10 +315,11 @@ def _by_groups(kind: str, parts: list[np.ndarray], rows: list[int], experts: int
     """`build_experts` for the integer path by groups: each expert's matrix in `layout16`'s layout (blocks of
     sixteen rows, so that a part's rows — whole blocks — are a run of them), its scales (and offsets) sixteen rows a
     vector — float16, MXFP4's exponent bytes as the file's —, or a K-quant's d and sub laid out so
-    (`layout16.subscales_out`, expert by expert)."""
+    (`layout16.subscales_out`, expert by expert); 5- and 6-bit codes in their type's plane (`QuantType.plane`)."""
     t = TYPES[kind]
     n, ng, blocks16 = sum(rows), k // t.group, sum(rows) // layout16.ROWS
-    codes = torch.empty((experts, n, k // 2 if four_bit else k), dtype=torch.uint8)
+    plane = None if four_bit else t.plane
+    codes = torch.empty((experts, n, layout16.row_bytes(k, four_bit, plane)), dtype=torch.uint8)
     if sub:
         nsup = k // 256
         scale = torch.empty((experts, n * (nsup * 4 + ng)), dtype=torch.uint8)
@@ -342,7 +343,7 @@ def _by_groups(kind: str, parts: list[np.ndarray], rows: list[int], experts: int
             laid = _laid_nibbles(kind, blocks, (e1 - e0) * rp, k, four_bit)
         else:
             ints = torch.from_numpy(block_codes(kind, blocks).reshape((e1 - e0) * rp, k))
-            laid = layout16.lay_out(ints, four_bit)
+            laid = layout16.lay_out(ints, four_bit, plane)
         codes[e0:e1, a:a + rp] = laid.view(e1 - e0, rp, -1)
         if sub:
             d, sc, dmin, mn = block_subscales(kind, blocks)
@@ -358,7 +359,7 @@ def _by_groups(kind: str, parts: list[np.ndarray], rows: list[int], experts: int
     if not sub:
         scale = scale.view(experts, n, ng)
         offset = None if offset is None else offset.view(experts, n, ng)
-    return ExpertMatrices(codes, scale, offset, k, t.group, four_bit, False, sub, by_groups=True)
+    return ExpertMatrices(codes, scale, offset, k, t.group, four_bit, False, sub, by_groups=True, plane=plane)
 
 
 _LOW32, _HIGH32 = np.uint32(0x0F0F0F0F), np.uint32(0xF0F0F0F0)  # _LOW and _HIGH in a 32-bit word

@@ -50,13 +50,13 @@ from lmhead.models.huge_pages import Arena
 
 __all__ = ["FORMAT", "MARGIN", "cached", "cached_linear", "folder_for"]
 
-FORMAT = 10       # bump when ExpertMatrices' or CodedLinear's layout changes: older folders are not read, and
+FORMAT = 11       # bump when ExpertMatrices' or CodedLinear's layout changes: older folders are not read, and
                   # `prune` removes them (3: a fused product of mixed types as row blocks, dense K-quants' scales
                   # as their blocks hold them; 4: MXFP4 experts' exponents as their blocks' bytes; 5: the integer
                   # path by groups' layout, whose choice is part of the key; 6: K-quants and int8 codes with offsets
                   # by groups; 7: level tables by groups, their nibbles the indices XOR 8; 8: a mixture's experts by
                   # groups, MXFP4's scales by groups as exponent bytes; 9: the embedding and the head by groups;
-                  # 10: 5- and 6-bit codes by groups with their top bits in a plane)
+                  # 10: 5- and 6-bit codes by groups with their top bits in a plane; 11: a mixture's experts too)
 MARGIN = 4 << 30  # free disk left after a matrix is written (else it stays in memory only)
 _ALIGN = 64
 _SOURCE = "source.json"  # a layouts folder's GGUF file: its path, size and modification time (for `prune`)

@@ -71,8 +71,8 @@ class QuantType:
         scales held as the blocks hold them (SUB; a mixture's experts hold every K-quant so, `subscales`), default
         the type's `sub` (a dense layer's). MXFP4's exponents count as float32 numbers (a matrix holds them as
         float16 where every one is a float16 number, 2^-24 … 2^15; a mixture's experts as the blocks' bytes:
-        `expert_layout.expert_nbytes` counts those). A type with a `plane` counts a byte a code, the most it takes:
-        by groups its codes take 5/8 or 6/8 of that."""
+        `expert_layout.expert_nbytes` counts those, planes included). A type with a `plane` counts a byte a code,
+        the most it takes: by groups its codes take 5/8 or 6/8 of that."""
         groups = count // self.group
         if self.sub if sub is None else sub:
             per_group, per_block = 1, 4
