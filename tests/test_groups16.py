@@ -149,6 +149,12 @@ def test_a_head_the_screen_reads_keeps_a_byte_a_code_where_body_matrices_of_its_
     assert torch.equal(body(x), head(x))
 
 
+def test_a_plane_that_is_none_of_the_layouts_is_refused_by_name():
+    codes, scale = torch.zeros(16, 256, dtype=torch.int8), torch.ones(16, 8)
+    with pytest.raises(ValueError, match="plane must be None or one of"):
+        CodedLinear(codes, scale, four_bit=None, groups16=True, plane="signed7")
+
+
 @pytest.mark.parametrize("plane, codes", [("signed6", [-33, 0]), ("signed6", [0, 32]), ("unsigned5", [-1, 0]),
                                           ("unsigned5", [0, 32]), ("signed5", [16, 0])])
 def test_a_plane_refuses_codes_outside_its_range(plane, codes):

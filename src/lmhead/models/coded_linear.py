@@ -152,7 +152,7 @@ class CodedLinear:
         if four_bit == "auto":
             low, high = (int(codes.min()), int(codes.max())) if codes.numel() else (0, 255)
             four_bit = ("signed" if low >= -8 and high <= 7 else "unsigned" if low >= 0 and high <= 15 else None)
-        four_bit = self._four_bit(k, offset, four_bit)
+        four_bit = self._four_bit(k, offset, four_bit, plane)
         plane = None if four_bit is not None else plane
         if groups16 and self._by_groups(lambda: layout16.lay_out(codes, four_bit, plane), four_bit, n, k, scale,
                                         offset, weight, sources, plane):
@@ -162,11 +162,14 @@ class CodedLinear:
         self._finish(native.block4(codes) if rows4 else codes, four_bit, rows4, n, k, scale, offset, weight,
                      sources)
 
-    def _four_bit(self, k: int, offset: Tensor | None, four_bit: str | None) -> str | None:
+    def _four_bit(self, k: int, offset: Tensor | None, four_bit: str | None, plane: str | None = None) -> str | None:
         """`four_bit` where this matrix can be stored so (groups of 16 or 32, K a multiple of 64; a level table's
-        codes without offsets), else None; ValueError for a name that is none of them."""
+        codes without offsets), else None; ValueError for a name that is none of them, or a `plane` name that is
+        none of `layout16.PLANES`."""
         if four_bit is not None and four_bit not in LAYOUT_FLAGS:
             raise ValueError(f"four_bit must be None, 'auto' or one of {sorted(LAYOUT_FLAGS)}, got {four_bit!r}")
+        if plane is not None and plane not in layout16.PLANES:
+            raise ValueError(f"plane must be None or one of {sorted(layout16.PLANES)}, got {plane!r}")
         return self.layout(0, k, self.group, four_bit, offset is not None)[0]
 
     def _by_groups(self, lay: Callable[[], Tensor], four_bit: str | None, n: int, k: int,
@@ -240,7 +243,7 @@ class CodedLinear:
         both or neither), filled by the time the chunks end. `plane` as the constructor's."""
         self = cls.__new__(cls)
         self.group = k // scale.shape[1]
-        four_bit = self._four_bit(k, offset, four_bit)
+        four_bit = self._four_bit(k, offset, four_bit, plane)
         plane = None if four_bit is not None else plane
         if groups16 and eligible_by_groups(n, k, self.group, four_bit, isinstance(scale, SubScales)):
             laid = _lay_out_chunks(n, k, four_bit, chunks, plane)
@@ -409,8 +412,14 @@ class CodedLinear:
         and Q5_0 codes: both packaged models' heads are Q8_0), in blocks of four rows (the kernel built with AVX2)
         or in the integer path by groups' layout (kernels/groups_screen.h)."""
         lib = native.library()
-        return (lib is not None and native.avx2() and (self.rows4 or self.by_groups) and self.group == 32
-                and self.half and not self.packed and self.plane is None and self.offset is None)
+        return (lib is not None and native.avx2() and (self.rows4 or self.by_groups) and self.plane is None
+                and self.screened_codes(self.group, self.half, self.packed, self.offset is not None))
+
+    @staticmethod
+    def screened_codes(group: int, half: bool, packed: bool, offset: bool) -> bool:
+        """Whether codes of this kind are the screen's (`screens`): int8 codes a byte each in groups of 32 with
+        float16 scales and no offsets."""
+        return group == 32 and half and not packed and not offset
 
     def _screen_kernels(self) -> tuple:
         """The library's (norms, screen, rescore) entries for this matrix's layout."""

@@ -281,13 +281,13 @@ class _Reader:
     def _linear(self, names: list[str], head: bool = False) -> CodedLinear | torch.Tensor:
         """`head`: the embedding or the head, whose codes stay a byte each where its screen reads them so."""
         kinds = {self.f.type_of(n) for n in names}
-        plane = len(kinds) == 1 and not (head and _screened(next(iter(kinds))))
+        planes = len(kinds) == 1 and not (head and _screened(next(iter(kinds))))
         sizes = [self.f.shape(n) for n in names]
         if (len(kinds) == 1 and kinds <= CODE_TYPES and len({k for _, k in sizes}) == 1
                 and all(rows % 4 == 0 for rows, _ in sizes[:-1])):
             # one type: the parts' rows read into one layout piece by piece (q/k rows in transformers' order)
             return self.f.coded_rows(names, [self._perm(n, rows) for n, (rows, _) in zip(names, sizes, strict=True)],
-                                     groups16=True, plane=plane)
+                                     groups16=True, planes=planes)
         if len(kinds) == 1 and kinds <= DENSE_TYPES.keys():  # F16, BF16 or F32 rows, as they are
             parts, arena = [self.weights16(n) for n in names], huge_pages.current()
             return CodedLinear.dense16(torch.cat(parts) if arena is None else arena.cat(parts))
@@ -298,7 +298,7 @@ class _Reader:
             kind = kinds.pop() if len(kinds) == 1 else None
             coded = CodedLinear(fused.codes, fused.scale, fused.offset,
                                 four_bit=FOUR_BIT.get(kind) if kind is not None else "auto", groups16=True,
-                                plane=TYPES[kind].plane if kind in TYPES and plane else None)
+                                plane=TYPES[kind].plane if kind in TYPES and planes else None)
             for n in names:
                 self.f.release(n)
             return coded
@@ -415,10 +415,10 @@ def _qkv_bias(r: _Reader, p: str, arch: ArchSpec) -> torch.Tensor | None:
 
 
 def _screened(kind: str) -> bool:
-    """Whether a head of type `kind` can take the screen, which reads int8 codes (`CodedLinear.screens`: float16
-    scales in groups of 32, no offsets — Q8_0's and Q5_0's)."""
+    """Whether a head of type `kind` can take the screen, which reads int8 codes a byte each
+    (`CodedLinear.screened_codes`: Q8_0's and Q5_0's)."""
     t = TYPES.get(kind)
-    return t is not None and t.half and t.group == 32 and not t.offset and t.four_bit is None
+    return t is not None and CodedLinear.screened_codes(t.group, t.half, t.four_bit is not None, t.offset)
 
 
 def memory_needed(f: GGUFFile) -> int:

@@ -286,12 +286,12 @@ class GGUFFile:
         return self.coded_rows([name], None, chunk_rows)
 
     def coded_rows(self, names: list[str], perms: list[np.ndarray | None] | None = None, chunk_rows: int = 8192,
-                   groups16: bool = False, plane: bool = True):
+                   groups16: bool = False, planes: bool = True):
         """The row-wise concatenation of the matrices `names` (one type, one K; q, k and v → qkv) as one
         `CodedLinear`, made as `coded` makes one matrix; perms: each part's rows in the order it is wanted (None:
         as stored). The parts' row counts must be multiples of 4 but for the last (the chunks of
         `CodedLinear.from_chunks`). `groups16`: the integer path by groups' layout where the matrix is eligible
-        for it (`models/groups16.py`), 5- and 6-bit codes there in their type's plane layout (`plane` False: a byte
+        for it (`models/groups16.py`), 5- and 6-bit codes there in their type's plane layout (`planes` False: a byte
         each)."""
         from lmhead.models.coded_linear import CodedLinear, SubScales
 
@@ -356,7 +356,7 @@ class GGUFFile:
                 row0 += rows
 
         return CodedLinear.from_chunks(n, k, scale, offset, chunks(), TYPES[kind].four_bit, groups16=groups16,
-                                       plane=TYPES[kind].plane if plane else None)
+                                       plane=TYPES[kind].plane if planes else None)
 
     def weights16(self, name: str) -> torch.Tensor:
         """The F16, BF16 or F32 matrix `name` [N,K] as a float16, bfloat16 or float32 tensor (a copy of its bytes,
